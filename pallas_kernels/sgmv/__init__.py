@@ -1,0 +1,1 @@
+"""SGMV (segmented gather matrix-vector) kernels for multi-LoRA: TPU (Mosaic), GPU (Triton), reference."""

@@ -1,0 +1,263 @@
+"""SGMV shrink/expand kernels for CUDA GPUs (Pallas on Triton).
+
+Where it sits: `sgl_jax_lora.lora.backend.pallas` calls these on GPU (and in interpret mode in tests).
+
+Same work items as the TPU kernel (`work_list.make_work_list`: one per (row tile, segment) pair), but
+Triton has no scalar prefetch, so each program reads its item from small int arrays and gathers its rows
+through `sort_perm` itself: tokens are never permuted in HBM, and results are scattered straight back to
+token order. Only the adapters present in the batch are read.
+
+shrink: grid (work item, split of `in`). Splitting `in` keeps enough programs in flight when the batch has
+few items (decode); each split writes its own float32 partial [splits, T, R] (no atomics, so results are
+bit-reproducible), and the partials are summed by the caller or by the expand kernel when it loads s.
+expand: grid (work item, block of `out`); it sums the shrink partials, applies the per-slot scale, and can
+add the delta into the base layer output in place (`base_out`, aliased to the result), so the LoRA delta
+never makes its own round trip through HBM. Rows of base tokens are then not touched at all.
+
+Rank awareness: a slot's A rows / B columns at or above its true rank are masked off in the loads, so
+their bytes are never read; base segments (rank 0) read no weights. The matmul itself still runs at the
+padded rank (Triton blocks are static, minimum 16), which costs nothing measurable in the memory-bound
+decode regime.
+
+Triton blocks are powers of two >= 16: a pool whose max rank R is not such a power is padded to one per
+call (a copy of the A/B buffers; allocate pools with R in {16, 32, 64, 128} to avoid it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sgmv.work_list import WorkList, make_work_list
+
+_MIN_DOT = 16
+_TARGET_PROGRAMS = 264  # two waves on a 132-SM H100
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiles:
+    block_rows: int  # tm: sorted rows per work item
+    block_in: int  # tk: `in` columns per shrink loop step
+    block_out: int  # tn: `out` columns per expand program
+    in_splits: int  # programs sharing one item's `in` range in shrink
+    out_steps: int  # `out` blocks one expand program loops over (reuses its loaded s rows)
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def padded_rank(max_rank: int) -> int:
+    return max(_MIN_DOT, _next_pow2(max_rank))
+
+
+def choose_tiles(num_tokens: int, num_segments: int, in_dim: int | None, out_dim: int | None) -> GpuTiles:
+    """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
+
+    in_dim is only needed by shrink and out_dim only by expand; pass None for the other.
+    """
+    block_rows = 16 if num_tokens <= 128 else (32 if num_tokens <= 512 else 64)
+    num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
+    block_in, in_splits = 0, 1
+    if in_dim is not None:
+        block_in = next((c for c in (256, 128, 64, 32, 16) if in_dim % c == 0), 0)
+        if not block_in:
+            raise ValueError(f"GPU SGMV kernel: input dim {in_dim} is not a multiple of 16; use another backend")
+        k_steps = in_dim // block_in
+        for split in range(1, k_steps + 1):
+            if k_steps % split == 0:
+                in_splits = split
+                if num_items * split >= _TARGET_PROGRAMS:
+                    break
+    if out_dim is None:
+        return GpuTiles(block_rows, block_in, 0, in_splits, 1)
+    max_block_out = 128 if block_rows >= 64 else 256  # keeps the [tm, tn] f32 tile in registers
+    candidates = [c for c in (256, 128, 64, 32, 16) if c <= max_block_out and out_dim % c == 0]
+    if not candidates:
+        raise ValueError(f"GPU SGMV kernel: output dim {out_dim} is not a multiple of 16; use another backend")
+    enough = [c for c in candidates if num_items * (out_dim // c) >= _TARGET_PROGRAMS]
+    block_out = enough[0] if enough else min((c for c in candidates if c >= 64), default=candidates[-1])
+    out_blocks = out_dim // block_out
+    out_steps = 1
+    while out_blocks % (out_steps * 2) == 0 and num_items * out_blocks // (out_steps * 2) >= 2 * _TARGET_PROGRAMS:
+        out_steps *= 2
+    return GpuTiles(block_rows, block_in, block_out, in_splits, out_steps)
+
+
+def _dot_nt(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """lhs [M, K] @ rhs [N, K].T in float32; IEEE f32 (not tf32) when both are f32."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        lhs, rhs, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _at(rows: jax.Array, col_start: jax.Array | int, num_cols: int) -> tuple[jax.Array, jax.Array]:
+    """Index arrays for a [len(rows), num_cols] gather: whole-array indexers lower to Triton pointer
+    arithmetic and also run in interpret mode (which rejects mixing arrays with `pl.ds`)."""
+    cols = col_start + jnp.arange(num_cols, dtype=jnp.int32)
+    return rows[:, None], cols[None, :]
+
+
+def _item_rows(perm_ref, tile, lo, hi, block_rows):
+    """Original-order token index and in-segment mask of the item's rows."""
+    pos = tile * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    rows = perm_ref[pl.ds(tile * block_rows, block_rows)]
+    return rows, (pos >= lo) & (pos < hi)
+
+
+def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, x_ref, a_ref, o_ref, *, tiles, rank_pad, num_tokens):
+    # x_ref [T, in]; a_ref [A * rank_pad, in]; o_ref [splits * T, rank_pad] f32
+    item, split = pl.program_id(0), pl.program_id(1)
+    tm, tk = tiles.block_rows, tiles.block_in
+    rank = rank_ref[item]
+    rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
+    x_ok = jnp.broadcast_to((row_ok & (rank > 0))[:, None], (tm, tk))
+    a_rows = slot_ref[item] * rank_pad + jnp.arange(rank_pad, dtype=jnp.int32)
+    a_ok = jnp.broadcast_to((jnp.arange(rank_pad, dtype=jnp.int32) < rank)[:, None], (rank_pad, tk))
+    k_steps = x_ref.shape[1] // tk // tiles.in_splits
+
+    def step(j, acc):
+        col_start = (split * k_steps + j) * tk
+        x_blk = plgpu.load(x_ref.at[_at(rows, col_start, tk)], mask=x_ok, other=0)
+        a_blk = plgpu.load(a_ref.at[_at(a_rows, col_start, tk)], mask=a_ok, other=0)
+        return acc + _dot_nt(x_blk, a_blk)
+
+    acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((tm, rank_pad), jnp.float32))
+    out_ok = jnp.broadcast_to(row_ok[:, None], (tm, rank_pad))
+    plgpu.store(o_ref.at[_at(split * num_tokens + rows, 0, rank_pad)], acc, mask=out_ok)
+
+
+def _expand_kernel(
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, s_ref, b_ref, *rest,
+    tiles, rank_pad, num_tokens, num_splits, out_dim, has_base,
+):
+    # s_ref [splits * T, rank_pad] f32; b_ref [A * out, rank_pad]; optional base_ref [T, out]; o_ref [T, out]
+    o_ref = rest[-1]
+    item, n_grp = pl.program_id(0), pl.program_id(1)
+    tm, tn = tiles.block_rows, tiles.block_out
+    rank = rank_ref[item]
+    rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
+    is_active = rank > 0
+    r_ok = jnp.arange(rank_pad, dtype=jnp.int32) < rank
+    s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
+    s = jnp.zeros((tm, rank_pad), jnp.float32)
+    for split in range(num_splits):
+        s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, 0, rank_pad)], mask=s_ok, other=0)
+    s = (s * scale_ref[item]).astype(b_ref.dtype)
+    b_ok = jnp.broadcast_to(r_ok[None, :], (tn, rank_pad))
+    row_touch = jnp.broadcast_to((row_ok & is_active)[:, None], (tm, tn))
+    row_write = jnp.broadcast_to(row_ok[:, None], (tm, tn))
+
+    def step(j, carry):
+        n_start = (n_grp * tiles.out_steps + j) * tn
+        b_rows = slot_ref[item] * out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
+        b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_ok, other=0)
+        delta = _dot_nt(s, b_blk)  # [tm, tn]
+        out_at = _at(rows, n_start, tn)
+        if has_base:  # rows of base tokens are left as they are in the aliased base output
+            base = plgpu.load(rest[0].at[out_at], mask=row_touch, other=0)
+            plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=row_touch)
+        else:
+            plgpu.store(o_ref.at[out_at], delta.astype(o_ref.dtype), mask=row_write)
+        return carry
+
+    jax.lax.fori_loop(0, tiles.out_steps, step, 0)
+
+
+def _pad_rank(weights: jax.Array, axis: int, rank_pad: int) -> jax.Array:
+    extra = rank_pad - weights.shape[axis]
+    if extra == 0:
+        return weights
+    widths = [(0, 0)] * weights.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(weights, widths)
+
+
+def _padded_perm(sort_perm: jax.Array, block_rows: int) -> jax.Array:
+    """sort_perm padded to whole row tiles with the out-of-range row T. Those rows are always masked; an
+    index no real row shares keeps interpret mode's masked scatter (which writes the old value back) from
+    racing with a real row of the same tile."""
+    num_tokens = sort_perm.shape[0]
+    padded = -(-num_tokens // block_rows) * block_rows
+    return jnp.pad(sort_perm, (0, padded - num_tokens), constant_values=num_tokens)
+
+
+def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
+    return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def sgmv_shrink_gpu_partials(
+    x: jax.Array,  # [T, in]
+    lora_a: jax.Array,  # [A, R, in]
+    sort_perm: jax.Array,  # [T] i32
+    seg_start: jax.Array,  # [G+1] i32
+    seg_slot: jax.Array,  # [G] i32
+    slot_rank: jax.Array,  # [A] i32
+    *,
+    tiles: GpuTiles,
+    interpret: bool = False,
+) -> jax.Array:
+    """[in_splits, T, rank_pad] float32 partial sums of x_t @ A[slot_t].T (token order)."""
+    num_tokens, in_dim = x.shape
+    num_slots, max_rank, _ = lora_a.shape
+    rank_pad = padded_rank(max_rank)
+    a_flat = _pad_rank(lora_a, 1, rank_pad).reshape(num_slots * rank_pad, in_dim)
+    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    kernel = functools.partial(_shrink_kernel, tiles=tiles, rank_pad=rank_pad, num_tokens=num_tokens)
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((tiles.in_splits * num_tokens, rank_pad), jnp.float32),
+        grid=(work.num_items, tiles.in_splits),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+    )(*_work_args(work), _padded_perm(sort_perm, tiles.block_rows), x, a_flat)
+    return partials.reshape(tiles.in_splits, num_tokens, rank_pad)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
+def sgmv_expand_gpu(
+    s_partials: jax.Array,  # [splits, T, R'] f32 (R' >= R; extra columns ignored) or [T, R']
+    lora_b: jax.Array,  # [A, out, R]
+    sort_perm: jax.Array,  # [T] i32
+    seg_start: jax.Array,  # [G+1] i32
+    seg_slot: jax.Array,  # [G] i32
+    slot_rank: jax.Array,  # [A] i32
+    slot_scale: jax.Array | None = None,  # [A] f32, multiplies s per slot; None = 1
+    base_out: jax.Array | None = None,  # [T, out]; if given the result is base_out + delta
+    *,
+    out_dtype: jnp.dtype,
+    tiles: GpuTiles,
+    interpret: bool = False,
+) -> jax.Array:
+    """[T, out] out_dtype: (base_out +) scale[slot_t] * (sum of s partials)_t @ B[slot_t].T."""
+    if s_partials.ndim == 2:
+        s_partials = s_partials[None]
+    num_splits, num_tokens, _ = s_partials.shape
+    num_slots, out_dim, max_rank = lora_b.shape
+    rank_pad = padded_rank(max_rank)
+    s_flat = _pad_rank(s_partials[..., :max_rank].astype(jnp.float32), 2, rank_pad)
+    s_flat = s_flat.reshape(num_splits * num_tokens, rank_pad)
+    b_flat = _pad_rank(lora_b, 2, rank_pad).reshape(num_slots * out_dim, rank_pad)
+    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
+    has_base = base_out is not None
+    kernel = functools.partial(
+        _expand_kernel, tiles=tiles, rank_pad=rank_pad, num_tokens=num_tokens,
+        num_splits=num_splits, out_dim=out_dim, has_base=has_base,
+    )
+    operands = (*_work_args(work), scale[work.slot], _padded_perm(sort_perm, tiles.block_rows), s_flat, b_flat)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_tokens, out_dim), out_dtype),
+        grid=(work.num_items, out_dim // (tiles.block_out * tiles.out_steps)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        input_output_aliases={len(operands): 0} if has_base else {},
+        interpret=interpret,
+    )(*operands, *((base_out.astype(out_dtype),) if has_base else ()))

@@ -1,0 +1,207 @@
+"""SGMV shrink/expand kernels for TPU (Pallas Mosaic): a grouped matmul over the segments of a LoRA batch.
+
+Where it sits: `sgl_jax_lora.lora.backend.pallas` calls these on TPU (and in interpret mode in tests).
+
+Tokens are permuted into slot order (`x[sort_perm]`) and cut into row tiles. The grid runs over work items
+(row tile, segment), built by `work_list.make_work_list` and scalar-prefetched into SMEM, so the index maps
+pick the adapter block `A[slot]` / `B[slot]` of each item: only adapters present in the batch are read, and
+consecutive items of one segment keep the same weight block, which the pipeline does not fetch again. An
+output tile stays resident in VMEM while consecutive items accumulate their masked rows into it.
+
+Block shapes: rows a multiple of 16 (bf16 sublane packing), `in`/`out` blocks multiples of 128 (lanes);
+the rank dimension is taken whole (a block dim equal to the array dim is always legal).
+
+Rank awareness: items of base segments (rank 0) and empty tail items skip the matmul. The weight DMA of
+an item still moves all R rows: the block shape is static, so padding rows above a slot's rank are read.
+
+Speed on TPU is unmeasured (no TPU here); correctness is tested in interpret mode (`pltpu.InterpretParams`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.sgmv.work_list import WorkList, make_work_list
+
+_LANES = 128
+_ROW_ALIGN = 16
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _lane_block(dim: int, max_block: int, what: str) -> int:
+    """Largest multiple of 128 that divides `dim` and is <= max_block."""
+    if dim % _LANES:
+        raise ValueError(f"TPU SGMV kernel: {what} dim {dim} is not a multiple of 128; pad the layer or use another backend")
+    block = min(max_block, dim) // _LANES * _LANES
+    while dim % block:
+        block -= _LANES
+    return block
+
+
+def _row_block(num_rows: int, max_block: int) -> int:
+    return min(_round_up(max_block, _ROW_ALIGN), _round_up(max(num_rows, 1), _ROW_ALIGN))
+
+
+def _interpret_arg(interpret: bool) -> pltpu.InterpretParams | bool:
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _dot_nt(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """lhs [M, K] @ rhs[N, K].T in float32 (full f32 precision when both are f32)."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        lhs, rhs, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _row_mask(shape: tuple[int, int], tile: jax.Array, lo: jax.Array, hi: jax.Array, block_rows: int) -> jax.Array:
+    row = tile * block_rows + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (row >= lo) & (row < hi)
+
+
+def _rank_mask(shape: tuple[int, int], rank: jax.Array, rank_axis: int) -> jax.Array:
+    return jax.lax.broadcasted_iota(jnp.int32, shape, rank_axis) < rank
+
+
+def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_ref, a_ref, o_ref, *, block_rows):
+    # x_ref [tm, tk], a_ref [R, tk], o_ref [tm, R] f32 (resident across the items of one tile)
+    del slot_ref
+    item, k_step = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((first_ref[item] == 1) & (k_step == 0))
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(rank_ref[item] > 0)
+    def _accumulate():
+        partial = _dot_nt(x_ref[...], a_ref[...])  # [tm, R]
+        keep = _row_mask(partial.shape, tile_ref[item], lo_ref[item], hi_ref[item], block_rows)
+        keep = keep & _rank_mask(partial.shape, rank_ref[item], 1)
+        o_ref[...] += jnp.where(keep, partial, 0.0)
+
+
+def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, s_ref, b_ref, o_ref, acc_ref, *, block_rows):
+    # s_ref [tm, R] f32, b_ref [tn, R], o_ref [tm, tn], acc_ref [tm, tn] f32 scratch
+    del slot_ref
+    item = pl.program_id(1)
+
+    @pl.when(first_ref[item] == 1)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(rank_ref[item] > 0)
+    def _accumulate():
+        b = b_ref[...]
+        s = jnp.where(_rank_mask(s_ref.shape, rank_ref[item], 1), s_ref[...], 0.0)
+        partial = _dot_nt(s.astype(b.dtype), b)  # [tm, tn]
+        keep = _row_mask(partial.shape, tile_ref[item], lo_ref[item], hi_ref[item], block_rows)
+        acc_ref[...] += jnp.where(keep, partial, 0.0)
+
+    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _prefetch_args(work: WorkList) -> tuple[jax.Array, ...]:
+    return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank, work.is_first)
+
+
+def _sort_rows(values: jax.Array, sort_perm: jax.Array, num_rows_padded: int) -> jax.Array:
+    sorted_values = values[sort_perm]
+    return jnp.pad(sorted_values, ((0, num_rows_padded - values.shape[0]), (0, 0)))
+
+
+def _unsort_rows(sorted_values: jax.Array, sort_perm: jax.Array) -> jax.Array:
+    num_rows = sort_perm.shape[0]
+    out = jnp.zeros((num_rows,) + sorted_values.shape[1:], sorted_values.dtype)
+    return out.at[sort_perm].set(sorted_values[:num_rows], unique_indices=True)
+
+
+@functools.partial(jax.jit, static_argnames=("block_rows", "block_in", "interpret"))
+def sgmv_shrink_tpu(
+    x: jax.Array,  # [T, in]
+    lora_a: jax.Array,  # [A, R, in]
+    sort_perm: jax.Array,  # [T] i32
+    seg_start: jax.Array,  # [G+1] i32
+    seg_slot: jax.Array,  # [G] i32
+    slot_rank: jax.Array,  # [A] i32
+    *,
+    block_rows: int = 128,
+    block_in: int = 1024,
+    interpret: bool = False,
+) -> jax.Array:
+    """[T, R] float32: x_t @ A[slot_t].T for every token, reading only the adapters in the segments."""
+    num_tokens, in_dim = x.shape
+    _, max_rank, _ = lora_a.shape
+    tm = _row_block(num_tokens, block_rows)
+    tk = _lane_block(in_dim, block_in, "input")
+    rows_padded = _round_up(max(num_tokens, 1), tm)
+    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tm)
+    x_sorted = _sort_rows(x, sort_perm, rows_padded)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(work.num_items, in_dim // tk),
+        in_specs=[
+            pl.BlockSpec((tm, tk), lambda w, k, tile, slot, *_: (tile[w], k)),
+            pl.BlockSpec((None, max_rank, tk), lambda w, k, tile, slot, *_: (slot[w], 0, k)),
+        ],
+        out_specs=pl.BlockSpec((tm, max_rank), lambda w, k, tile, slot, *_: (tile[w], 0)),
+    )
+    out_sorted = pl.pallas_call(
+        functools.partial(_shrink_kernel, block_rows=tm),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((rows_padded, max_rank), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        interpret=_interpret_arg(interpret),
+    )(*_prefetch_args(work), x_sorted, lora_a)
+    return _unsort_rows(out_sorted, sort_perm)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_out", "interpret"))
+def sgmv_expand_tpu(
+    s: jax.Array,  # [T, R] f32
+    lora_b: jax.Array,  # [A, out, R]
+    sort_perm: jax.Array,  # [T] i32
+    seg_start: jax.Array,  # [G+1] i32
+    seg_slot: jax.Array,  # [G] i32
+    slot_rank: jax.Array,  # [A] i32
+    *,
+    out_dtype: jnp.dtype,
+    block_rows: int = 128,
+    block_out: int = 512,
+    interpret: bool = False,
+) -> jax.Array:
+    """[T, out] out_dtype: s_t @ B[slot_t].T for every token, reading only the adapters in the segments."""
+    num_tokens, max_rank = s.shape
+    _, out_dim, _ = lora_b.shape
+    tm = _row_block(num_tokens, block_rows)
+    tn = _lane_block(out_dim, block_out, "output")
+    rows_padded = _round_up(max(num_tokens, 1), tm)
+    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tm)
+    s_sorted = _sort_rows(s.astype(jnp.float32), sort_perm, rows_padded)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(out_dim // tn, work.num_items),
+        in_specs=[
+            pl.BlockSpec((tm, max_rank), lambda n, w, tile, slot, *_: (tile[w], 0)),
+            pl.BlockSpec((None, tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
+        ],
+        out_specs=pl.BlockSpec((tm, tn), lambda n, w, tile, slot, *_: (tile[w], n)),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+    )
+    out_sorted = pl.pallas_call(
+        functools.partial(_expand_kernel, block_rows=tm),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct((rows_padded, out_dim), out_dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=_interpret_arg(interpret),
+    )(*_prefetch_args(work), s_sorted, lora_b)
+    return _unsort_rows(out_sorted, sort_perm)

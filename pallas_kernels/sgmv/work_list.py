@@ -1,0 +1,88 @@
+"""Segment -> work-item metadata shared by the TPU and GPU SGMV kernels.
+
+Tokens are sorted by slot into G segments (`LoRABatch.seg_start` / `seg_slot`). The kernels tile the sorted
+rows in blocks of `block_rows`; a work item is one (row tile, segment) pair where the segment has rows in the
+tile. A grid over work items visits only the adapters present in the batch, and each item reads its
+adapter's weights once. The item count is static: a tile list of ceil(T / block_rows) tiles cut by at most
+G - 1 segment boundaries gives at most num_tiles + G - 1 items; the unused tail items are empty (lo == hi)
+and repeat the last tile, so a TPU output block stays resident across them.
+
+Contract: segments are contiguous, in order, and cover the sorted rows [0, T) (build_lora_batch does this;
+padded segments are empty with start == end == T).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    tile: jax.Array  # [W] i32   row tile of each work item (sorted order)
+    slot: jax.Array  # [W] i32   adapter slot of the item's segment (0 for empty tail items)
+    row_lo: jax.Array  # [W] i32 first sorted row of the segment (global index)
+    row_hi: jax.Array  # [W] i32 one past the last sorted row of the segment; lo == hi for empty items
+    rank: jax.Array  # [W] i32   true rank of the slot (0 for base and empty items)
+    is_first: jax.Array  # [W] i32 1 where the item is the first one visiting its tile
+
+    @property
+    def num_items(self) -> int:
+        return self.tile.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    WorkList,
+    data_fields=["tile", "slot", "row_lo", "row_hi", "rank", "is_first"],
+    meta_fields=[],
+)
+
+
+def num_work_items(num_rows: int, num_segments: int, block_rows: int) -> int:
+    """Static upper bound on work items: one per tile plus one per interior segment boundary."""
+    num_tiles = -(-num_rows // block_rows)
+    return num_tiles + max(num_segments, 1) - 1
+
+
+def make_work_list(
+    seg_start: jax.Array,  # [G+1] i32
+    seg_slot: jax.Array,  # [G] i32
+    slot_rank: jax.Array,  # [A] i32
+    num_rows: int,
+    block_rows: int,
+) -> WorkList:
+    """Builds the (tile, segment) work items inside jit; O(W log G) integer work."""
+    num_segments = seg_slot.shape[0]
+    num_tiles = -(-num_rows // block_rows)
+    num_items = num_work_items(num_rows, num_segments, block_rows)
+    seg_lo = seg_start[:-1]
+    seg_hi = seg_start[1:]
+    is_nonempty = seg_hi > seg_lo
+    first_tile = seg_lo // block_rows
+    last_tile = (seg_hi - 1) // block_rows
+    tiles_per_seg = jnp.where(is_nonempty, last_tile - first_tile + 1, 0)
+    seg_end_item = jnp.cumsum(tiles_per_seg)  # [G] exclusive end of each segment's items
+    seg_first_item = seg_end_item - tiles_per_seg
+    total_items = seg_end_item[-1]
+
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(seg_end_item, item, side="right"), num_segments - 1)
+    is_valid = item < total_items
+    tile = jnp.where(is_valid, first_tile[seg] + item - seg_first_item[seg], num_tiles - 1)
+    slot = jnp.where(is_valid, seg_slot[seg], 0)
+    row_lo = jnp.where(is_valid, seg_lo[seg], 0)
+    row_hi = jnp.where(is_valid, seg_hi[seg], 0)
+    rank = jnp.where(is_valid, slot_rank[slot], 0)
+    prev_tile = jnp.concatenate([jnp.full((1,), -1, tile.dtype), tile[:-1]])
+    is_first = is_valid & (tile != prev_tile)
+    as_i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    return WorkList(
+        tile=as_i32(tile),
+        slot=as_i32(slot),
+        row_lo=as_i32(row_lo),
+        row_hi=as_i32(row_hi),
+        rank=as_i32(rank),
+        is_first=as_i32(is_first),
+    )

@@ -1,0 +1,107 @@
+"""Engine: the offline API (no HTTP), shaped like SGLang's offline engine.
+
+Flow: Engine(**server_args) spawns the engine process through a TokenizerManager and runs its asyncio
+loop on a background thread; `generate(...)` validates every prompt first (so a bad one refuses the
+call before anything runs), submits them all at once and returns the finished result dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+from sgl_jax_lora.server_args import ServerArgs
+
+
+class Engine:
+    def __init__(self, **kwargs: object):
+        self.server_args = ServerArgs.from_kwargs(**kwargs)
+        model_path = self.server_args.model_path or demo_model_path()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-frontend", daemon=True)
+        self._thread.start()
+        self.tokenizer_manager = TokenizerManager(self.server_args, model_path)
+        self.tokenizer_manager.start(self._loop)
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        lora_path: str | list[str | None] | None = None,
+    ) -> dict | list[dict]:
+        """One prompt -> one result dict; a list of prompts -> a list of result dicts, in order."""
+        prompts, ids, is_single = _normalize_prompts(prompt, input_ids)
+        count = len(prompts)
+        params = _per_prompt("sampling_params", sampling_params, count, dict)
+        loras = _per_prompt("lora_path", lora_path, count, str)
+        requests = [
+            self.tokenizer_manager.build_request(
+                text=prompts[i],
+                input_ids=ids[i],
+                sampling_params=params[i],
+                return_logprob=return_logprob,
+                logprob_start_len=logprob_start_len,
+                top_logprobs_num=top_logprobs_num,
+                lora_id=self._run(self.tokenizer_manager.resolve_lora(loras[i])) if loras[i] else None,
+            )
+            for i in range(count)
+        ]
+        results = self._run(self._generate_all(requests))
+        return results[0] if is_single else results
+
+    async def _generate_all(self, requests) -> list[dict]:
+        async def one(request):
+            result = None
+            async for result in self.tokenizer_manager.generate_request(request):
+                pass
+            return result
+
+        return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    def get_server_info(self) -> dict:
+        info = self._run(self.tokenizer_manager.call("server_info"))
+        return {"server_args": self.server_args.to_dict(), **info}
+
+    def shutdown(self) -> None:
+        self.tokenizer_manager.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _normalize_prompts(prompt, input_ids) -> tuple[list, list, bool]:
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("pass exactly one of prompt= (str or list of str) or input_ids= (list of ints or list of lists)")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return [prompt], [None], True
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        return list(prompt), [None] * len(prompt), False
+    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return [None] * len(input_ids), list(input_ids), False
+    return [None], [input_ids], True
+
+
+def _per_prompt(name: str, value, count: int, item_type: type) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts; give one per prompt or a single value")
+        return value
+    if value is not None and not isinstance(value, item_type):
+        raise ValueError(f"{name} must be a {item_type.__name__} or a list of them, got {type(value).__name__}")
+    return [value] * count

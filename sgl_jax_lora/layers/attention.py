@@ -1,0 +1,75 @@
+"""Paged attention in pure JAX (CPU, GPU and TPU alike).
+
+Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatch.cache_loc, then calls
+`paged_attention`, which gathers each sequence's pages (page_table), lays the new query tokens out as
+[S, Q] (query_index) and applies a causal mask by absolute position. Decode steps (Q = 1) run batched;
+extend steps loop over sequences so the score matrix is [heads, Q, keys] for one sequence at a time.
+
+The KV cache per layer is [num_slots, kv_heads, head_dim] with slot = page * page_size + offset; page 0
+is a scratch page that padding tokens write into and no sequence reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+
+_MASKED = -1e30
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, cache_loc: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, N, K, D]."""
+    k_cache = k_cache.at[layer, cache_loc].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, cache_loc].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def paged_attention(
+    q: jax.Array,
+    k_cache_layer: jax.Array,
+    v_cache_layer: jax.Array,
+    batch: ForwardBatch,
+    page_size: int,
+    scale: float,
+) -> jax.Array:
+    """q [T, H, D], caches [N, K, D] (already holding this step's tokens) -> [T, H, D]."""
+    num_seqs, pages_per_seq = batch.page_table.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache_layer.shape[1]
+    group = num_heads // num_kv_heads
+    key_len = pages_per_seq * page_size
+
+    key_slots = (batch.page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(
+        num_seqs, key_len
+    )  # [S, L]
+    queries = q[batch.query_index]  # [S, Q, H, D]
+    num_queries = queries.shape[1]
+    queries = queries.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
+    query_pos = batch.positions[batch.query_index]  # [S, Q]
+    key_pos = jnp.arange(key_len)
+    mask = (
+        (key_pos[None, None, :] <= query_pos[:, :, None])
+        & (key_pos[None, None, :] < batch.seq_lens[:, None, None])
+        & batch.query_valid[:, :, None]
+    )  # [S, Q, L]
+
+    def attend(qs: jax.Array, slots: jax.Array, m: jax.Array) -> jax.Array:
+        # qs [..., Q, K, G, D], slots [..., L], m [..., Q, L] -> [..., Q, K, G, D]
+        keys = k_cache_layer[slots]  # [..., L, K, D]
+        values = v_cache_layer[slots]
+        scores = jnp.einsum("...qkgd,...lkd->...kgql", qs, keys, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(m[..., None, None, :, :], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = jnp.where(m[..., None, None, :, :], probs, 0.0).astype(values.dtype)
+        return jnp.einsum("...kgql,...lkd->...qkgd", probs, values, preferred_element_type=jnp.float32)
+
+    if batch.is_decode:
+        out = attend(queries, key_slots, mask)
+    else:
+        out = jax.lax.map(lambda args: attend(*args), (queries, key_slots, mask))
+    out = out.astype(q.dtype).reshape(num_seqs * num_queries, num_heads, head_dim)
+    return out[batch.token_row]

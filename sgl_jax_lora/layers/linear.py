@@ -1,0 +1,54 @@
+"""Linear layers with shard-major packed outputs.
+
+A packed linear (qkv_proj <- q, k, v; gate_up_proj <- gate, up) stores its output features shard-major:
+for tensor-parallel size tp, the output is [tp, part0_local | part1_local | ...], so that splitting the
+output on the "tensor" mesh axis hands every device whole local parts and `split_packed` needs no
+communication. models/weight_loader.py writes HF weights into this layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts."""
+
+    def __init__(self, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype: jnp.dtype):
+        self.in_features = in_features
+        self.part_sizes = tuple(part_sizes)
+        self.tp_size = tp_size
+        out_features = sum(part_sizes)
+        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def base(self, x: jax.Array) -> jax.Array:
+        """x [T, in] -> [T, out] (packed layout)."""
+        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+    def __call__(self, x: jax.Array, lora_batch: object = None) -> jax.Array:
+        return self.base(x)
+
+
+def split_packed(y: jax.Array, part_sizes: tuple[int, ...], tp_size: int) -> list[jax.Array]:
+    """[T, sum(part_sizes)] shard-major packed -> one [T, part_size] array per part."""
+    num_tokens = y.shape[0]
+    local_sizes = [p // tp_size for p in part_sizes]
+    y = y.reshape(num_tokens, tp_size, sum(local_sizes))
+    parts, start = [], 0
+    for local in local_sizes:
+        parts.append(y[:, :, start : start + local].reshape(num_tokens, local * tp_size))
+        start += local
+    return parts
+
+
+def pack_parts(parts: list[jax.Array], tp_size: int) -> jax.Array:
+    """Inverse of split_packed: per-part [T, part_size] -> [T, sum] shard-major packed."""
+    num_tokens = parts[0].shape[0]
+    local = [p.reshape(num_tokens, tp_size, p.shape[1] // tp_size) for p in parts]
+    return jnp.concatenate(local, axis=2).reshape(num_tokens, -1)

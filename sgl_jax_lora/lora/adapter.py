@@ -1,0 +1,227 @@
+"""LoRAAdapter: one PEFT adapter's weights on the host, validated against the base model.
+
+Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> HostAdapterCache (host tier, LRU) ->
+LoRAManager writes `weights` into a device slot of the LoRA memory pool -> LoRALinear layers.
+
+Per-module scaling is folded into B so that the engine needs one scaling per adapter:
+PEFT computes `delta_m(x) = B_m A_m x * s_m` with `s_m = alpha_m / r_m` (or `/ sqrt(r_m)` for rslora),
+where rank_pattern / alpha_pattern may give each module its own r_m and alpha_m. We store
+`B'_m = B_m * (s_m / s)` with `s` the adapter's own scaling, so `B'_m A_m x * s == delta_m(x)`.
+Modules the adapter does not target are absent from `weights` (they contribute exactly zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from sgl_jax_lora.lora.peft_config import (
+    EMBEDDING_MODULES,
+    WEIGHTS_FILE,
+    LoRAAdapterError,
+    PeftLoRAConfig,
+    adapter_error,
+    load_peft_config,
+    resolve_weights_file,
+)
+from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
+
+logger = logging.getLogger(__name__)
+
+# "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally "...lora_A.default.weight".
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$")
+# "model.layers.3.self_attn.q_proj" -> layer 3, module q_proj.
+_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<module>[^.]+)$")
+
+# Tensor name fragments that mark unsupported adapter forms: (fragment, problem, fix).
+_REFUSED_TENSORS: tuple[tuple[str, str, str], ...] = (
+    ("lora_embedding_", "has LoRA tensors on the embedding layer", "retrain without embed_tokens in target_modules"),
+    ("lora_magnitude_vector", "is a DoRA adapter (lora_magnitude_vector)", "retrain with use_dora=false"),
+    ("modules_to_save", "saves fully trained modules (modules_to_save)", "retrain without modules_to_save"),
+    ("trainable_tokens", "adds or retrains token embeddings", "serve a base model that contains those tokens"),
+    ("token_adapter", "adds or retrains token embeddings", "serve a base model that contains those tokens"),
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity equality: weights are arrays
+class LoRAAdapter:
+    name: str
+    path: str
+    # (layer_index, module) -> (A [r_m, in] f32, B [out, r_m] f32 with s_m / scaling folded in)
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    scaling: float  # one per adapter: lora_alpha / r (or / sqrt(r) with rslora)
+    rank: int  # max r_m over present modules; device rows above a module's r_m are zero
+    target_modules: frozenset[str]  # short names present in `weights`
+    num_layers: int  # L of the base model the adapter was validated against
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def module_rank(self, layer_index: int, module: str) -> int:
+        """True rank r_m of one module, 0 where the adapter does not target it."""
+        pair = self.weights.get((layer_index, module))
+        return 0 if pair is None else int(pair[0].shape[0])
+
+
+def load_peft_adapter(
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+) -> LoRAAdapter:
+    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable."""
+    config = load_peft_config(name, path)
+    _check_config_matches_model(name, config, target_shapes)
+    tensors = _read_tensors(name, resolve_weights_file(name, path))
+    pairs = _group_lora_pairs(name, tensors)
+    scaling = config.scaling if config.scaling > 0 else 1.0
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+    for module_path, (lora_a, lora_b) in sorted(pairs.items()):
+        layer_index, module = _locate(name, module_path, target_shapes)
+        if not config.targets(module_path):
+            logger.warning("adapter '%s': ignoring tensors of %s, which adapter_config.json does not target "
+                           "(PEFT ignores them too)", name, module_path)
+            continue
+        lora_a, lora_b = _checked_pair(name, module_path, lora_a, lora_b, config.rank_for(module_path),
+                                       target_shapes.module_shapes[module])
+        ratio = config.scaling_for(module_path) / scaling
+        weights[(layer_index, module)] = (lora_a, (lora_b.astype(np.float64) * ratio).astype(np.float32))
+    if not weights:
+        raise adapter_error(name, f"{WEIGHTS_FILE} holds no LoRA tensors for the modules it targets",
+                            "re-save the adapter with peft's save_pretrained")
+    _warn_missing_modules(name, config, target_shapes, weights)
+    rank = max(a.shape[0] for a, _ in weights.values())
+    if max_lora_rank is not None and rank > max_lora_rank:
+        raise adapter_error(name, f"rank {rank} > --max-lora-rank {max_lora_rank}",
+                            f"restart with --max-lora-rank {rank}")
+    return LoRAAdapter(
+        name=name,
+        path=path,
+        weights=weights,
+        scaling=float(scaling),
+        rank=int(rank),
+        target_modules=frozenset(module for _, module in weights),
+        num_layers=target_shapes.num_layers,
+    )
+
+
+def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes) -> None:
+    beyond = [i for i in config.layers_to_transform or () if i >= target_shapes.num_layers]
+    if beyond:
+        raise adapter_error(name, f"layers_to_transform names layer {beyond[0]}, but the base model has "
+                            f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
+    if not any(config.targets(p) for _, _, p in target_shapes.all_module_paths()):
+        raise adapter_error(
+            name, f"target_modules={_describe_targets(config)} matches none of the base model's projections",
+            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)} (paths like "
+            f"{target_shapes.module_path(0, 'q_proj')!r})")
+
+
+def _describe_targets(config: PeftLoRAConfig) -> str:
+    targets = config.target_modules
+    return repr(targets) if isinstance(targets, str) else repr(sorted(targets))
+
+
+def _read_tensors(name: str, weights_file: str) -> dict[str, np.ndarray]:
+    """All tensors of the file as float32 numpy arrays (bf16 goes through JAX on the CPU device)."""
+    try:
+        with safe_open(weights_file, framework="np") as f:
+            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
+            tensors = {k: f.get_tensor(k).astype(np.float32) for k, dt in dtypes.items() if dt != "BF16"}
+        bf16_keys = [k for k, dt in dtypes.items() if dt == "BF16"]
+        if bf16_keys:
+            tensors.update(_read_bf16_tensors(weights_file, bf16_keys))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
+    return tensors
+
+
+def _read_bf16_tensors(weights_file: str, keys: list[str]) -> dict[str, np.ndarray]:
+    # numpy has no bfloat16; safetensors' flax reader does, and the CPU device keeps it off accelerators.
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]), safe_open(weights_file, framework="flax") as f:
+        return {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in keys}
+
+
+def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """module path -> (lora_A, lora_B); refuses tensors of unsupported forms and half-present pairs."""
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    tags: set[str] = set()
+    for key, tensor in tensors.items():
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise _unexpected_tensor_error(name, key)
+        if match["tag"]:
+            tags.add(match["tag"])
+        halves.setdefault(match["path"], {})[match["kind"]] = tensor
+    if len(tags) > 1:
+        raise adapter_error(name, f"{WEIGHTS_FILE} holds several adapters ({sorted(tags)})",
+                            "save each adapter into its own directory")
+    pairs = {}
+    for module_path, half in halves.items():
+        if set(half) != {"lora_A", "lora_B"}:
+            present = next(iter(half))
+            missing = "lora_B" if present == "lora_A" else "lora_A"
+            raise adapter_error(name, f"{module_path} has {present} but no {missing}", "re-save the adapter")
+        pairs[module_path] = (half["lora_A"], half["lora_B"])
+    return pairs
+
+
+def _unexpected_tensor_error(name: str, key: str) -> LoRAAdapterError:
+    for fragment, problem, fix in _REFUSED_TENSORS:
+        if fragment in key:
+            return adapter_error(name, f"{problem}: tensor {key!r}", fix)
+    if any(key.endswith(f"{m}.weight") for m in EMBEDDING_MODULES):
+        return adapter_error(name, f"saves embedding/output weights ({key!r}): the adapter adds tokens "
+                             "or resized the vocabulary", "serve a base model that contains those tokens")
+    if key.endswith(".bias"):
+        return adapter_error(name, f"has a bias tensor {key!r} (bias/lora_bias training)",
+                             "retrain with bias='none' and lora_bias=false")
+    return adapter_error(name, f"unexpected tensor {key!r} in {WEIGHTS_FILE}",
+                         "serve a plain LoRA adapter saved by peft's save_pretrained")
+
+
+def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tuple[int, str]:
+    """(layer_index, module) of a tensor's module path, validated against the base model."""
+    match = _LAYER_MODULE.match(module_path)
+    short = module_path.rsplit(".", 1)[-1]
+    if short in EMBEDDING_MODULES:
+        raise adapter_error(name, f"targets the embedding/output layer ({module_path!r}), which is not supported",
+                            "retrain without embed_tokens/lm_head in target_modules")
+    if match is None or match["module"] not in LORA_TARGET_MODULES:
+        raise adapter_error(name, f"LoRA tensors for unsupported module {module_path!r}",
+                            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)}")
+    layer_index, module = int(match["layer"]), match["module"]
+    if layer_index >= target_shapes.num_layers:
+        raise adapter_error(name, f"{module_path} is in layer {layer_index}, but the base model has "
+                            f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
+    if module not in target_shapes.module_shapes:
+        raise adapter_error(name, f"the base model has no {module}",
+                            f"LoRA on this model can target only: {', '.join(target_shapes.module_shapes)}")
+    return layer_index, module
+
+
+def _checked_pair(
+    name: str, module_path: str, lora_a: np.ndarray, lora_b: np.ndarray, rank: int, shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A [r_m, in], B [out, r_m] as contiguous float32; shapes checked against the base model and config."""
+    in_features, out_features = shape
+    for kind, tensor, expected in (("lora_A", lora_a, (rank, in_features)), ("lora_B", lora_b, (out_features, rank))):
+        if tuple(tensor.shape) != expected:
+            raise adapter_error(
+                name, f"tensor {module_path}.{kind}.weight has shape {tuple(tensor.shape)}, expected {expected} "
+                f"(rank {rank} from adapter_config.json, base model {shape[0]}->{shape[1]})",
+                "use an adapter trained for this base model, with r/rank_pattern matching its tensors")
+    return np.ascontiguousarray(lora_a, dtype=np.float32), np.ascontiguousarray(lora_b, dtype=np.float32)
+
+
+def _warn_missing_modules(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes,
+                          weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]) -> None:
+    missing = [p for layer, module, p in target_shapes.all_module_paths()
+               if config.targets(p) and (layer, module) not in weights]
+    if missing:
+        logger.warning("adapter '%s': %d targeted modules have no tensors (treated as zero, as PEFT does), "
+                       "e.g. %s", name, len(missing), missing[0])

@@ -1,0 +1,117 @@
+"""The LoRA compute backend interface and its factory (`--lora-backend einsum|bgmv|sgmv|pallas|auto`).
+
+Where it sits: every `LoRALinear` holds one backend and calls it with its layer's A/B buffers and the
+step's `LoRABatch`: `y = base(x) + apply(x, A, B, lora)`. Packed modules call `shrink` once on the stacked
+A and `expand` once per part, scaling in between, so shrink and expand each work standalone.
+
+Shapes: x [T, in]; lora_a [A, R, in]; lora_b [A, out, R]; s [T, R] float32. Slot 0 is the base model
+(all-zero weights), so base tokens get an exactly-zero delta. Sharding (mesh axes ("data", "tensor")):
+column-parallel layers pass `output_sharded=True` (B split on `out`); row-parallel layers pass
+`input_sharded=True` (x and A split on `in`, the [T, R] shrink output all-reduced, B replicated).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+TENSOR_AXIS = "tensor"
+
+
+def dot_precision(*dtypes: jnp.dtype) -> jax.lax.Precision | None:
+    """Full float32 precision when every operand is f32 (GPUs would otherwise use tf32)."""
+    return jax.lax.Precision.HIGHEST if all(jnp.dtype(d) == jnp.float32 for d in dtypes) else None
+
+
+class LoRABackend(abc.ABC):
+    """One way to compute the LoRA delta of a batch that mixes adapters."""
+
+    name: str = "base"
+
+    def __init__(self, mesh: Mesh | None = None):
+        self.mesh = mesh
+
+    @abc.abstractmethod
+    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+        """x [T, in], lora_a [A, R, in] -> [T, R] float32, x_t @ A[slot_t].T.
+
+        input_sharded: x and A split on `in` over 'tensor' (row-parallel layer); the partial [T, R] sums
+        are all-reduced, the only collective.
+        """
+
+    @abc.abstractmethod
+    def expand(
+        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
+    ) -> jax.Array:
+        """s [T, R] float32, lora_b [A, out, R] -> [T, out] out_dtype, s_t @ B[slot_t].T.
+
+        output_sharded: B split on `out` over 'tensor' (column-parallel layer); the result is split likewise.
+        """
+
+    def apply(
+        self,
+        x: jax.Array,  # [T, in]
+        lora_a: jax.Array,  # [A, R, in]
+        lora_b: jax.Array,  # [A, out, R]
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+        base_out: jax.Array | None = None,  # [T, out]
+    ) -> jax.Array:
+        """[T, out]: expand(shrink(x) * slot_scale[token_slot], B), in x.dtype.
+
+        With base_out, returns base_out + delta in base_out.dtype; backends that can fuse the add do.
+        """
+        s = self.shrink(x, lora_a, lora, input_sharded=input_sharded)
+        s = s * lora.slot_scale[lora.token_slot][:, None]
+        delta = self.expand(s, lora_b, lora, output_sharded=output_sharded, out_dtype=x.dtype)
+        if base_out is None:
+            return delta
+        return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(base_out.dtype)
+
+    def constrain(self, value: jax.Array, spec: P) -> jax.Array:
+        """Pins a pure-JAX result's sharding (GSPMD) when the backend has a multi-device mesh with Auto axes
+        (explicit-sharding meshes carry the sharding in the types already)."""
+        if self.mesh is None or self.mesh.size == 1:
+            return value
+        if any(t != jax.sharding.AxisType.Auto for t in self.mesh.axis_types):
+            return value
+        return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
+
+
+def shrink_out_spec() -> P:
+    return P()  # the [T, R] shrink result is small and replicated (all-reduced when input_sharded)
+
+
+def expand_out_spec(output_sharded: bool) -> P:
+    return P(None, TENSOR_AXIS) if output_sharded else P()
+
+
+BACKEND_NAMES = ("einsum", "bgmv", "sgmv", "pallas", "auto")
+
+
+def make_lora_backend(name: str, mesh: Mesh | None = None) -> LoRABackend:
+    """Backend for `--lora-backend NAME` over `mesh` (None: single device)."""
+    from sgl_jax_lora.lora.backend.auto import AutoBackend
+    from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
+    from sgl_jax_lora.lora.backend.einsum import EinsumBackend
+    from sgl_jax_lora.lora.backend.pallas import PallasBackend
+    from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
+
+    classes = {
+        "einsum": EinsumBackend,
+        "bgmv": BgmvBackend,
+        "sgmv": SgmvBackend,
+        "pallas": PallasBackend,
+        "auto": AutoBackend,
+    }
+    if name not in classes:
+        raise ValueError(f"unknown --lora-backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    return classes[name](mesh=mesh)

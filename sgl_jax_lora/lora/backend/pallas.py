@@ -1,0 +1,143 @@
+"""Pallas LoRA backend: the SGMV kernels of `pallas_kernels/sgmv/` behind the backend interface.
+
+Kernel choice: the Mosaic kernel on TPU, the Triton kernel on CUDA GPUs, and elsewhere (CPU) the Triton
+kernel in interpret mode. Pallas calls do not take part in GSPMD propagation, so with a multi-device mesh
+every call runs under `jax.shard_map` over that mesh: column-parallel (`output_sharded`): x, s and A
+replicated, B and the result split on `out`; row-parallel (`input_sharded`): x and A split on `in`, the
+[T, R] shrink partials summed by `psum` over 'tensor' (the only collective), B replicated. The token
+dimension is never split.
+
+Rank awareness: GPU kernel masks A rows / B columns above each slot's rank out of its loads (those bytes
+are never read) and reads nothing for base segments; TPU kernel skips the matmul of base segments but its
+weight DMA always moves the full R (static block shape). See docs/lora_backends.md.
+
+GPU `apply` fuses the whole LoRA: the shrink partials go straight into the expand kernel, which sums them,
+applies the slot scale and adds into `base_out` in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
+from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
+from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+KERNELS = ("tpu", "gpu")
+
+_REPLICATED = P()
+_IN_SPLIT_X = P(None, TENSOR_AXIS)  # x [T, in]
+_IN_SPLIT_A = P(None, None, TENSOR_AXIS)  # A [A, R, in]
+_OUT_SPLIT_B = P(None, TENSOR_AXIS, None)  # B [A, out, R]
+_OUT_SPLIT_Y = P(None, TENSOR_AXIS)  # y [T, out]
+
+
+def _platform(mesh: Mesh | None) -> str:
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+class PallasBackend(LoRABackend):
+    name = "pallas"
+
+    def __init__(self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None):
+        super().__init__(mesh)
+        platform = _platform(mesh)
+        if kernel is None:
+            kernel = "tpu" if platform == "tpu" else "gpu"
+        if kernel not in KERNELS:
+            raise ValueError(f"pallas kernel {kernel!r}: choose one of {KERNELS}")
+        native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[kernel]
+        self.kernel = kernel
+        self.interpret = platform not in native if interpret is None else interpret
+
+    # -- sharding -------------------------------------------------------------------------------------------
+
+    def _sharded(self, fn, in_specs: tuple, out_specs: P):
+        if self.mesh is None or self.mesh.size == 1:
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _psum(self, value: jax.Array, input_sharded: bool) -> jax.Array:
+        if input_sharded and self.mesh is not None and self.mesh.size > 1:
+            return jax.lax.psum(value, TENSOR_AXIS)
+        return value
+
+    # -- local (per-shard) kernels ----------------------------------------------------------------------------
+
+    def _local_shrink_partials(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch) -> jax.Array:
+        """[splits, T, R'] f32 (R' >= R) on one shard; TPU returns a single split of exactly R."""
+        meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+        if self.kernel == "tpu":
+            return sgmv_shrink_tpu(x, lora_a, *meta, interpret=self.interpret)[None]
+        tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
+        return sgmv_shrink_gpu_partials(x, lora_a, *meta, tiles=tiles, interpret=self.interpret)
+
+    def _local_expand(
+        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, scale: jax.Array | None,
+        base_out: jax.Array | None, out_dtype: jnp.dtype,
+    ) -> jax.Array:
+        meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+        if self.kernel == "tpu":
+            s2 = s.sum(0) if s.ndim == 3 else s
+            if scale is not None:
+                s2 = s2 * scale[lora.token_slot][:, None]
+            delta = sgmv_expand_tpu(s2, lora_b, *meta, out_dtype=out_dtype, interpret=self.interpret)
+            if base_out is None:
+                return delta
+            return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(out_dtype)
+        num_tokens = s.shape[-2]
+        tiles = choose_tiles(num_tokens, lora.num_segments, None, lora_b.shape[1])
+        return sgmv_expand_gpu(
+            s, lora_b, *meta, scale, base_out, out_dtype=out_dtype, tiles=tiles, interpret=self.interpret
+        )
+
+    # -- interface -------------------------------------------------------------------------------------------
+
+    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+        max_rank = lora_a.shape[1]
+
+        def local(x, lora_a, lora):
+            s = self._local_shrink_partials(x, lora_a, lora).sum(0)[:, :max_rank]
+            return self._psum(s, input_sharded)
+
+        specs = (_IN_SPLIT_X, _IN_SPLIT_A, _REPLICATED) if input_sharded else (_REPLICATED,) * 3
+        return self._sharded(local, specs, _REPLICATED)(x, lora_a, lora)
+
+    def expand(
+        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
+    ) -> jax.Array:
+        def local(s, lora_b, lora):
+            return self._local_expand(s, lora_b, lora, None, None, out_dtype)
+
+        b_spec = _OUT_SPLIT_B if output_sharded else _REPLICATED
+        y_spec = _OUT_SPLIT_Y if output_sharded else _REPLICATED
+        return self._sharded(local, (_REPLICATED, b_spec, _REPLICATED), y_spec)(s, lora_b, lora)
+
+    def apply(
+        self,
+        x: jax.Array,  # [T, in]
+        lora_a: jax.Array,  # [A, R, in]
+        lora_b: jax.Array,  # [A, out, R]
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+        base_out: jax.Array | None = None,  # [T, out]
+    ) -> jax.Array:
+        out_dtype = x.dtype if base_out is None else base_out.dtype
+
+        def local(x, lora_a, lora_b, lora, *base):
+            s = self._local_shrink_partials(x, lora_a, lora)
+            if input_sharded:
+                s = self._psum(s.sum(0), True)
+            return self._local_expand(s, lora_b, lora, lora.slot_scale, base[0] if base else None, out_dtype)
+
+        x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
+        b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
+        specs = (x_spec, a_spec, b_spec, _REPLICATED) + ((y_spec,) if base_out is not None else ())
+        operands = (x, lora_a, lora_b, lora) + ((base_out,) if base_out is not None else ())
+        return self._sharded(local, specs, y_spec)(*operands)

@@ -1,0 +1,84 @@
+"""SGMV LoRA backend in pure JAX: tokens grouped into segments by slot, only active adapters read.
+
+Where it sits: `--lora-backend sgmv`; the Pallas backend is the kernel version of the same idea.
+
+Two formulations of the segmented product, picked by platform:
+- "ragged" (TPU, CPU): tokens permuted by `sort_perm` into segments and one `jax.lax.ragged_dot` over the
+  G segment weights `A[seg_slot]`. Not used on GPU, where XLA's lowering of ragged_dot pads every group to
+  the worst case (BENCHMARKS.md: up to 7.2x the base matmul).
+- "segment_onehot" (GPU): no permutation; a one-hot over the G segments (not the A slots), so the work and
+  the weight bytes scale with the adapters present in the batch instead of the slot pool.
+No rank awareness in either: each segment is computed at the pool's max rank R (zero padding rows).
+Sharding follows from GSPMD propagation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax_lora.lora.backend.base import LoRABackend, dot_precision, expand_out_spec, shrink_out_spec
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+METHODS = ("ragged", "segment_onehot")
+
+
+def token_segment(lora: LoRABatch) -> jax.Array:
+    """[T] i32 segment index of each token (original order)."""
+    num_tokens = lora.token_slot.shape[0]
+    sorted_pos = jnp.arange(num_tokens, dtype=jnp.int32)
+    seg_sorted = jnp.searchsorted(lora.seg_start[1:], sorted_pos, side="right").astype(jnp.int32)
+    seg_sorted = jnp.minimum(seg_sorted, lora.num_segments - 1)
+    return jnp.zeros((num_tokens,), jnp.int32).at[lora.sort_perm].set(seg_sorted, unique_indices=True)
+
+
+def _group_sizes(lora: LoRABatch) -> jax.Array:
+    return (lora.seg_start[1:] - lora.seg_start[:-1]).astype(jnp.int32)
+
+
+def _unsort(values_sorted: jax.Array, lora: LoRABatch) -> jax.Array:
+    return jnp.zeros_like(values_sorted).at[lora.sort_perm].set(values_sorted, unique_indices=True)
+
+
+class SgmvBackend(LoRABackend):
+    name = "sgmv"
+
+    def __init__(self, mesh=None, method: str | None = None):
+        super().__init__(mesh)
+        if method is None:
+            platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+            method = "segment_onehot" if platform in ("gpu", "cuda", "rocm") else "ragged"
+        if method not in METHODS:
+            raise ValueError(f"sgmv method {method!r}: choose one of {METHODS}")
+        self.method = method
+
+    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+        a_seg = lora_a[lora.seg_slot]  # [G, R, in]: only the adapters present in the batch
+        precision = dot_precision(x.dtype, lora_a.dtype)
+        if self.method == "ragged":
+            s_sorted = jax.lax.ragged_dot(
+                x[lora.sort_perm], jnp.swapaxes(a_seg, 1, 2), _group_sizes(lora),
+                precision=precision, preferred_element_type=jnp.float32,
+            )
+            s = _unsort(s_sorted, lora)
+        else:
+            one_hot = jax.nn.one_hot(token_segment(lora), lora.num_segments, dtype=x.dtype)  # [T, G]
+            s = jnp.einsum("ti,tg,gri->tr", x, one_hot, a_seg, precision=precision, preferred_element_type=jnp.float32)
+        return self.constrain(s, shrink_out_spec())
+
+    def expand(
+        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
+    ) -> jax.Array:
+        b_seg = lora_b[lora.seg_slot]  # [G, out, R]
+        s = s.astype(lora_b.dtype)
+        precision = dot_precision(lora_b.dtype)
+        if self.method == "ragged":
+            y_sorted = jax.lax.ragged_dot(
+                s[lora.sort_perm], jnp.swapaxes(b_seg, 1, 2), _group_sizes(lora),
+                precision=precision, preferred_element_type=jnp.float32,
+            )
+            y = _unsort(y_sorted, lora)
+        else:
+            one_hot = jax.nn.one_hot(token_segment(lora), lora.num_segments, dtype=lora_b.dtype)  # [T, G]
+            y = jnp.einsum("tr,tg,gor->to", s, one_hot, b_seg, precision=precision, preferred_element_type=jnp.float32)
+        return self.constrain(y.astype(out_dtype), expand_out_spec(output_sharded))

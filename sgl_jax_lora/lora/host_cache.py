@@ -1,0 +1,102 @@
+"""HostAdapterCache: the host tier of adapters (`--max-loaded-loras`), between disk and device slots.
+
+Flow: LoRAManager.prepare(batch) needs an adapter that is not on the device -> `get(ref)` returns the
+host copy, loading it from disk through `loader` on a miss and evicting the least recently used
+unpinned adapter when the cache is full -> the manager writes it into a device slot.
+`/unload_lora_adapter` ends with `drop(lora_id)`. Hits, misses and evictions feed the metrics.
+
+Pinned adapters are never evicted. If pinned adapters alone fill the cache, it holds more than
+`max_loaded_loras` rather than drop one of them; the unpinned adapter just loaded is kept for the
+batch that asked for it and is the first to go on the next miss. Loads happen under the cache lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter
+from sgl_jax_lora.lora.eviction import EvictionPolicy, make_eviction_policy
+from sgl_jax_lora.lora.lora_ref import LoRARef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HostCacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    hits_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    misses_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class HostAdapterCache:
+    def __init__(
+        self,
+        max_loaded_loras: int | None,
+        loader: Callable[[LoRARef], LoRAAdapter],
+        eviction_policy: str = "lru",
+    ) -> None:
+        if max_loaded_loras is not None and max_loaded_loras < 1:
+            raise ValueError(f"--max-loaded-loras must be >= 1 (got {max_loaded_loras})")
+        self.max_loaded_loras = max_loaded_loras  # None = unbounded
+        self._loader = loader
+        self._policy: EvictionPolicy = make_eviction_policy(eviction_policy)
+        self._entries: dict[str, tuple[LoRARef, LoRAAdapter]] = {}  # lora_id -> (ref, host weights)
+        self._lock = threading.Lock()  # a background prefetch thread may share the cache
+        self.stats = HostCacheStats()
+
+    def get(self, ref: LoRARef) -> LoRAAdapter:
+        """Host weights of `ref`, loaded from disk on a miss (loader errors propagate, nothing is cached)."""
+        with self._lock:
+            entry = self._entries.get(ref.lora_id)
+            if entry is not None:
+                self.stats.hits += 1
+                self.stats.hits_by_name[ref.lora_name] += 1
+                self._policy.mark_used(ref.lora_id)
+                return entry[1]
+            self.stats.misses += 1
+            self.stats.misses_by_name[ref.lora_name] += 1
+            adapter = self._loader(ref)
+            self._entries[ref.lora_id] = (ref, adapter)
+            self._policy.mark_used(ref.lora_id)
+            self._evict_over_capacity(keep=ref.lora_id)
+            return adapter
+
+    def drop(self, lora_id: str) -> None:
+        """Forget an adapter (unload); unknown ids are ignored."""
+        with self._lock:
+            self._entries.pop(lora_id, None)
+            self._policy.remove(lora_id)
+
+    def resident_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(adapter.nbytes for _, adapter in self._entries.values())
+
+    def __contains__(self, lora_id: str) -> bool:
+        return lora_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _evict_over_capacity(self, keep: str) -> None:
+        if self.max_loaded_loras is None:
+            return
+        while len(self._entries) > self.max_loaded_loras:
+            candidates = [i for i, (ref, _) in self._entries.items() if not ref.pinned and i != keep]
+            if not candidates:
+                return
+            victim = self._policy.select_victim(candidates)
+            ref, _ = self._entries.pop(victim)
+            self._policy.remove(victim)
+            self.stats.evictions += 1
+            logger.info("host cache: evicted adapter '%s' (%s)", ref.lora_name, victim)

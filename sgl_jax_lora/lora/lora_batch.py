@@ -1,0 +1,81 @@
+"""LoRABatch: the per-step LoRA metadata that crosses into jit inside ForwardBatch.
+
+Flow: LoRAManager.prepare(batch) decides each request's device slot -> `build_lora_batch` turns the
+per-token slots into this pytree on the host (numpy) -> ForwardBatch carries it to the model ->
+every LoRALinear hands it to the LoRA backend (einsum / bgmv / sgmv / pallas).
+
+Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exactly-zero delta.
+Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments
+is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRABatch:
+    token_slot: jax.Array  # [T] i32   device slot of each token's adapter; 0 = base (all-zero weights)
+    sort_perm: jax.Array  # [T] i32    token indices ordered by slot (stable); sorted[i] = x[sort_perm[i]]
+    seg_start: jax.Array  # [G+1] i32  segment boundaries in sorted order; seg g = [seg_start[g], seg_start[g+1])
+    seg_slot: jax.Array  # [G] i32     slot of each segment; padded (empty) segments use slot 0
+    slot_scale: jax.Array  # [A] f32   scaling of each slot's adapter (alpha/r, alpha/sqrt(r) with rslora); 0 for slot 0
+    slot_rank: jax.Array  # [A] i32    true rank of each slot (<= max rank); 0 for slot 0 and empty slots
+
+    @property
+    def num_segments(self) -> int:
+        return self.seg_slot.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    LoRABatch,
+    data_fields=["token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank"],
+    meta_fields=[],
+)
+
+
+def build_lora_batch(
+    token_slot: np.ndarray,
+    num_segments: int,
+    slot_scale: np.ndarray,
+    slot_rank: np.ndarray,
+) -> LoRABatch:
+    """Host-side construction of a LoRABatch (numpy leaves).
+
+    token_slot: [T] i32, already padded to the token bucket (padding tokens use slot 0).
+    num_segments: G, the static segment bucket; must be >= the number of distinct slots in token_slot.
+    slot_scale: [A] f32; slot_rank: [A] i32.
+    """
+    token_slot = np.asarray(token_slot, dtype=np.int32)
+    num_tokens = token_slot.shape[0]
+    sort_perm = np.argsort(token_slot, kind="stable").astype(np.int32)
+    sorted_slots = token_slot[sort_perm]
+    if num_tokens:
+        is_new = np.concatenate([[True], sorted_slots[1:] != sorted_slots[:-1]])
+        starts = np.flatnonzero(is_new).astype(np.int32)
+        slots = sorted_slots[starts]
+    else:
+        starts = np.zeros((0,), np.int32)
+        slots = np.zeros((0,), np.int32)
+    num_used = starts.shape[0]
+    if num_used > num_segments:
+        raise ValueError(
+            f"batch has {num_used} distinct LoRA slots but the segment bucket is {num_segments}; "
+            "raise the active-adapter bucket (this is an engine bug if the scheduler admitted the batch)"
+        )
+    seg_start = np.full((num_segments + 1,), num_tokens, np.int32)
+    seg_start[:num_used] = starts
+    seg_slot = np.zeros((num_segments,), np.int32)
+    seg_slot[:num_used] = slots
+    return LoRABatch(
+        token_slot=token_slot,
+        sort_perm=sort_perm,
+        seg_start=seg_start,
+        seg_slot=seg_slot,
+        slot_scale=np.asarray(slot_scale, np.float32),
+        slot_rank=np.asarray(slot_rank, np.int32),
+    )

@@ -1,0 +1,85 @@
+"""LoRALinear: a base Linear plus the device buffers of every adapter slot for that layer.
+
+Flow: the model builds LoRALinear in place of Linear for each LoRA target in its table
+(models/llama.py LORA_TARGETS) when LoRA is enabled. LoRAMemoryPool writes adapters into slot s of the
+buffers (a donated, shape-stable update). At run time:
+
+    y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
+
+Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):
+    lora_a            [A, P*R, in]   P packed parts stacked along the rank axis (q|k|v or gate|up)
+    lora_b[_<part>]   [A, out_p, R]  one per part, in the part's own output layout
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax_lora.layers.linear import Linear, pack_parts
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+if TYPE_CHECKING:  # the backend package imports jax kernels only; no cycle at run time
+    from sgl_jax_lora.lora.backend.base import LoRABackend
+
+
+class LoRAWeight(nnx.Variable):
+    """Adapter buffers: device state written by the memory pool, never trained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAModelSpec:
+    """What the model needs to allocate and run LoRA layers."""
+
+    num_slots: int  # A: device slots including slot 0 (base)
+    max_rank: int  # R
+    backend: LoRABackend
+    target_modules: frozenset[str]  # packed module names that get buffers, e.g. {"qkv_proj", "o_proj"}
+
+
+class LoRALinear(Linear):
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: tuple[int, ...],
+        part_names: tuple[str, ...],
+        tp_size: int,
+        use_bias: bool,
+        dtype: jnp.dtype,
+        spec: LoRAModelSpec,
+        row_parallel: bool,
+    ):
+        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype)
+        self.part_names = part_names
+        self.row_parallel = row_parallel
+        self.backend = spec.backend
+        self.max_rank = spec.max_rank
+        num_parts = len(part_sizes)
+        self.lora_a = LoRAWeight(jnp.zeros((spec.num_slots, num_parts * spec.max_rank, in_features), dtype))
+        for name, size in zip(part_names, part_sizes):
+            setattr(self, lora_b_name(name), LoRAWeight(jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)))
+
+    def __call__(self, x: jax.Array, lora_batch: LoRABatch | None = None) -> jax.Array:
+        """x [T, in] -> [T, out] packed; the LoRA delta is exactly zero for slot-0 tokens."""
+        y = self.base(x)
+        if lora_batch is None:
+            return y
+        shrunk = self.backend.shrink(x, self.lora_a[...], lora_batch, input_sharded=self.row_parallel)
+        shrunk = shrunk * lora_batch.slot_scale[lora_batch.token_slot][:, None]
+        deltas = []
+        for i, name in enumerate(self.part_names):
+            part_b = getattr(self, lora_b_name(name))[...]
+            part_s = shrunk[:, i * self.max_rank : (i + 1) * self.max_rank]
+            deltas.append(
+                self.backend.expand(part_s, part_b, lora_batch, output_sharded=not self.row_parallel, out_dtype=x.dtype)
+            )
+        delta = deltas[0] if len(deltas) == 1 else pack_parts(deltas, self.tp_size)
+        return y + delta
+
+
+def lora_b_name(part_name: str) -> str:
+    return f"lora_b_{part_name}" if part_name else "lora_b"

@@ -1,0 +1,276 @@
+"""PEFT adapter directory -> validated LoRA config (first step of loading an adapter from disk).
+
+Flow: `--lora-paths` / `/load_lora_adapter` / on-demand load -> `load_peft_config(name, dir)` (this file:
+reads `adapter_config.json`, refuses unsupported forms) -> `resolve_weights_file` -> `load_peft_adapter`
+(adapter.py: tensors, shapes, scaling) -> host cache -> device slot.
+
+Module targeting, rank_pattern and alpha_pattern mirror the `peft` library's own rules so that the
+same module gets the same rank, alpha and scaling here as in `PeftModel`:
+  - target_modules as a string: `re.fullmatch(pattern, module_path)`;
+  - as a list: exact full path, or path ending in `.{name}`; only then `layers_to_transform` applies,
+    the layer index being the first number after a `{layers_pattern}.` segment (any segment if unset);
+  - rank_pattern / alpha_pattern: the first key (in file order) with `re.match(rf"(.*\\.)?({key})$", path)`.
+Paths are relative to the HF `*ForCausalLM` model, e.g. `model.layers.3.self_attn.q_proj`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+
+from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_WEIGHTS_FILE = "adapter_model.bin"
+ALL_LINEAR = "all-linear"
+# Modules whose adaptation changes the vocabulary rows or the output head: never served.
+EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+_EMBEDDING_PATHS: tuple[str, ...] = ("model.embed_tokens", "lm_head")
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter that cannot be served; the message names the adapter, the problem and the fix."""
+
+
+def adapter_error(name: str, problem: str, fix: str) -> LoRAAdapterError:
+    return LoRAAdapterError(f"adapter '{name}': {problem}; {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftLoRAConfig:
+    adapter_name: str
+    r: int
+    lora_alpha: float
+    target_modules: str | frozenset[str]  # regex string, or short names / full paths
+    use_rslora: bool = False
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, float] = dataclasses.field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    exclude_modules: str | frozenset[str] | None = None
+
+    @property
+    def scaling(self) -> float:
+        """Adapter-level scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rslora."""
+        return _scaling(self.lora_alpha, self.r, self.use_rslora)
+
+    def targets(self, module_path: str) -> bool:
+        """Whether PEFT would put a LoRA layer on `module_path` (its check_target_module_exists rule)."""
+        if self._is_excluded(module_path):
+            return False
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module_path) is not None
+        if module_path in self.target_modules:
+            return True
+        if not any(module_path.endswith(f".{t}") for t in self.target_modules):
+            return False
+        if not self.layers_to_transform:
+            return True
+        layer_index = _layer_index_of(module_path, self.layers_pattern)
+        return layer_index is not None and layer_index in self.layers_to_transform
+
+    def rank_for(self, module_path: str) -> int:
+        return int(_pattern_value(self.rank_pattern, module_path, self.r))
+
+    def alpha_for(self, module_path: str) -> float:
+        return float(_pattern_value(self.alpha_pattern, module_path, self.lora_alpha))
+
+    def scaling_for(self, module_path: str) -> float:
+        """Per-module scaling exactly as PEFT's LoraLayer.update_layer computes it."""
+        return _scaling(self.alpha_for(module_path), self.rank_for(module_path), self.use_rslora)
+
+    def _is_excluded(self, module_path: str) -> bool:
+        if not self.exclude_modules:
+            return False
+        if isinstance(self.exclude_modules, str):
+            return re.fullmatch(self.exclude_modules, module_path) is not None
+        return module_path in self.exclude_modules or any(
+            module_path.endswith(f".{e}") for e in self.exclude_modules
+        )
+
+
+def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return patterns[key]
+    return default
+
+
+def _layer_index_of(module_path: str, layers_pattern: tuple[str, ...] | None) -> int | None:
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_path)
+    else:
+        match = None
+        for pattern in layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_path)
+            if match is not None:
+                break
+    return int(match.group("idx")) if match else None
+
+
+def load_peft_config(name: str, adapter_dir: str) -> PeftLoRAConfig:
+    """Read and validate `{adapter_dir}/adapter_config.json`; raise LoRAAdapterError if not servable."""
+    raw = _read_config_json(name, adapter_dir)
+    _refuse_unsupported(name, raw)
+    for key in ("r", "lora_alpha", "target_modules"):
+        if raw.get(key) is None:
+            raise adapter_error(name, f"{CONFIG_FILE} has no '{key}'",
+                                "save the adapter with peft's save_pretrained (LoraConfig)")
+    r, alpha = raw["r"], raw["lora_alpha"]
+    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise adapter_error(name, f"invalid r={r!r} / lora_alpha={alpha!r}",
+                            "r must be a positive integer and lora_alpha a number")
+    config = PeftLoRAConfig(
+        adapter_name=name,
+        r=r,
+        lora_alpha=float(alpha),
+        target_modules=_as_str_or_set(raw["target_modules"]),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        rank_pattern=dict(raw.get("rank_pattern") or {}),
+        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        layers_to_transform=_as_int_tuple(raw.get("layers_to_transform")),
+        layers_pattern=_as_str_tuple(raw.get("layers_pattern")),
+        exclude_modules=_as_str_or_set(raw.get("exclude_modules")),
+    )
+    _check_target_modules(name, config)
+    _check_patterns(name, config)
+    return config
+
+
+def resolve_weights_file(name: str, adapter_dir: str) -> str:
+    """Path of the adapter's safetensors file; refuses pickle-only (.bin) adapters without reading them."""
+    path = os.path.join(adapter_dir, WEIGHTS_FILE)
+    if os.path.isfile(path):
+        return path
+    if os.path.isfile(os.path.join(adapter_dir, PICKLE_WEIGHTS_FILE)):
+        raise adapter_error(
+            name, f"only {PICKLE_WEIGHTS_FILE} (pickle) found in {adapter_dir}; pickle files are never loaded",
+            f"re-save it as {WEIGHTS_FILE} (peft's save_pretrained(..., safe_serialization=True))")
+    raise adapter_error(name, f"{WEIGHTS_FILE} not found in {adapter_dir}",
+                        "point the adapter path at a directory written by peft's save_pretrained")
+
+
+def _read_config_json(name: str, adapter_dir: str) -> dict:
+    if not os.path.isdir(adapter_dir):
+        raise adapter_error(name, f"adapter directory {adapter_dir!r} does not exist",
+                            "check the adapter path (a directory written by peft's save_pretrained)")
+    path = os.path.join(adapter_dir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise adapter_error(name, f"{CONFIG_FILE} not found in {adapter_dir}",
+                            "point the adapter path at a directory written by peft's save_pretrained")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise adapter_error(name, f"{path} is not valid JSON ({e})", "fix or re-save the adapter") from e
+    if not isinstance(raw, dict):
+        raise adapter_error(name, f"{path} is not a JSON object", "fix or re-save the adapter")
+    return raw
+
+
+# (config key, predicate that makes it unsupported, problem, fix)
+_REFUSED_FIELDS: tuple[tuple[str, Callable[[object], bool], str, str], ...] = (
+    ("use_dora", bool, "use_dora=true (DoRA) is not supported",
+     "merge the DoRA adapter into the base weights or retrain with use_dora=false"),
+    ("modules_to_save", bool, "modules_to_save={value} (fully trained extra modules) is not supported",
+     "retrain without modules_to_save, or merge the adapter into a new base model"),
+    ("bias", lambda v: v not in (None, "none"), "bias={value!r} trains base-model biases, not supported",
+     "retrain with bias='none'"),
+    ("lora_bias", bool, "lora_bias=true (a bias on lora_B) is not supported", "retrain with lora_bias=false"),
+    ("trainable_token_indices", bool, "trainable_token_indices={value} adds/retrains token embeddings",
+     "serve a base model that already contains those tokens"),
+    ("target_parameters", bool, "target_parameters={value} (LoRA on raw parameters) is not supported",
+     "target the projection modules (q/k/v/o/gate/up/down_proj) instead"),
+    ("layer_replication", bool, "layer_replication is not supported", "retrain without layer_replication"),
+    ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported",
+     "retrain as a plain LoRA adapter"),
+    ("use_qalora", bool, "use_qalora=true is not supported", "retrain as a plain LoRA adapter"),
+    ("use_bdlora", bool, "use_bdlora is not supported", "retrain as a plain LoRA adapter"),
+)
+
+
+def _refuse_unsupported(name: str, raw: dict) -> None:
+    peft_type = raw.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise adapter_error(name, f"peft_type={peft_type!r} is not LoRA", "only LoRA adapters can be served")
+    for key, is_refused, problem, fix in _REFUSED_FIELDS:
+        value = raw.get(key)
+        if value is not None and is_refused(value):
+            raise adapter_error(name, problem.format(value=value), fix)
+
+
+def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
+    supported = ", ".join(LORA_TARGET_MODULES)
+    targets = config.target_modules
+    if isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise adapter_error(name, f"target_modules regex {targets!r} is invalid ({e})",
+                                "fix target_modules in adapter_config.json") from e
+        hit = [p for p in _EMBEDDING_PATHS if config.targets(p)]
+        if hit:
+            raise _embedding_error(name, hit[0])
+        return
+    for target in sorted(targets):
+        short = target.rsplit(".", 1)[-1]
+        if short in EMBEDDING_MODULES:
+            raise _embedding_error(name, target)
+        if short not in LORA_TARGET_MODULES:
+            raise adapter_error(name, f"target module {target!r} is not supported",
+                                f"LoRA can target only: {supported}")
+
+
+def _embedding_error(name: str, target: str) -> LoRAAdapterError:
+    return adapter_error(name, f"targets the embedding/output layer ({target!r}), which is not supported",
+                         "retrain without embed_tokens/lm_head in target_modules")
+
+
+def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
+    for field, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
+        for key, value in patterns.items():
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise adapter_error(name, f"{field} key {key!r} is not a valid regex ({e})",
+                                    f"fix {field} in adapter_config.json") from e
+            is_rank = field == "rank_pattern"
+            valid = (isinstance(value, int) and value > 0) if is_rank else (
+                isinstance(value, (int, float)) and value >= 0)
+            if not valid or isinstance(value, bool):
+                raise adapter_error(name, f"{field}[{key!r}]={value!r} is invalid",
+                                    f"{field} values must be positive integers (ranks) / non-negative numbers (alphas)")
+
+
+def _as_str_or_set(value: object) -> str | frozenset[str] | None:
+    if isinstance(value, str) and value.lower() == ALL_LINEAR:
+        # PEFT expands "all-linear" before saving; a hand-written one means every projection.
+        return frozenset(LORA_TARGET_MODULES)
+    if value is None or isinstance(value, str):
+        return value
+    return frozenset(str(v) for v in value)
+
+
+def _as_int_tuple(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _as_str_tuple(value: object) -> tuple[str, ...] | None:
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value)

@@ -1,0 +1,88 @@
+"""LoRARegistry: the frontend's table of servable adapters (name -> LoRARef) with in-flight counts.
+
+Flow: TokenizerManager resolves each request's adapter name with `await acquire(name)` (refcount +1),
+sends `lora_id` to the engine, and calls `release(lora_id)` when the request finishes or fails.
+`/unload_lora_adapter` calls `await unregister(name)`: the name disappears at once (new requests fail),
+then it waits until the adapter's in-flight requests are done before the engine frees host/device copies.
+
+Runs inside one asyncio event loop; no method awaits between reading and updating the tables, so the
+loop itself serializes them and no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+
+class UnknownLoRAError(LoRAAdapterError):
+    """A request or unload named an adapter that is not registered."""
+
+
+class LoRARegistry:
+    def __init__(self) -> None:
+        self._refs: dict[str, LoRARef] = {}  # lora_name -> ref
+        self._in_flight: dict[str, int] = {}  # lora_id -> requests holding it
+        self._drained: dict[str, asyncio.Event] = {}  # lora_id -> set when its unload may proceed
+
+    def register(self, ref: LoRARef) -> None:
+        """Make `ref.lora_name` servable; a name already registered is refused."""
+        if ref.lora_name in self._refs:
+            raise LoRAAdapterError(
+                f"adapter '{ref.lora_name}': a LoRA adapter with this name is already loaded; "
+                "unload it first (POST /unload_lora_adapter) or choose another lora_name")
+        self._refs[ref.lora_name] = ref
+        self._in_flight.setdefault(ref.lora_id, 0)
+
+    async def acquire(self, name: str) -> LoRARef:
+        """The ref registered as `name`, counted as in flight until `release(ref.lora_id)`."""
+        ref = self._lookup(name)
+        self._in_flight[ref.lora_id] += 1
+        return ref
+
+    def release(self, lora_id: str) -> None:
+        """End one request's use of the adapter; wakes a waiting unload when the count reaches zero."""
+        count = self._in_flight.get(lora_id, 0)
+        if count <= 0:
+            raise ValueError(f"release of LoRA id {lora_id} without a matching acquire")
+        self._in_flight[lora_id] = count - 1
+        if count == 1 and lora_id in self._drained:
+            self._drained.pop(lora_id).set()
+
+    async def unregister(self, name: str) -> LoRARef:
+        """Remove `name` now; return its ref once no request is using it any more."""
+        ref = self._lookup(name)
+        del self._refs[name]
+        if self._in_flight.get(ref.lora_id, 0) > 0:
+            drained = self._drained.setdefault(ref.lora_id, asyncio.Event())
+            await drained.wait()
+        self._in_flight.pop(ref.lora_id, None)
+        return ref
+
+    def get(self, name: str) -> LoRARef | None:
+        return self._refs.get(name)
+
+    def list_refs(self) -> list[LoRARef]:
+        """Registered refs in registration order."""
+        return list(self._refs.values())
+
+    def num_in_flight(self, lora_id: str) -> int:
+        return self._in_flight.get(lora_id, 0)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._refs
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def _lookup(self, name: str) -> LoRARef:
+        ref = self._refs.get(name)
+        if ref is None:
+            loaded = ", ".join(sorted(self._refs)) or "none"
+            raise UnknownLoRAError(
+                f"adapter '{name}': no LoRA adapter with this name is loaded (loaded: {loaded}); load it with "
+                f"POST /load_lora_adapter {{\"lora_name\": \"{name}\", \"lora_path\": PATH}} or start the "
+                f"server with --lora-paths {name}=PATH")
+        return ref

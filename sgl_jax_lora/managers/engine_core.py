@@ -1,0 +1,224 @@
+"""EngineCore: the device loop of one engine process: admit requests, schedule, run, postprocess.
+
+Flow of one step (`step()`):
+    batch = scheduler.schedule()
+    forward_batch = batch.to_forward_batch(...)          # padded to a compiled bucket
+    hidden, last_hidden = runner.forward(forward_batch)
+    prompt logprobs (if asked) + sample (if any request finishes its prefill or decodes)
+    outputs = self._postprocess(batch, ...)               # append tokens, stop checks, free pages
+Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental output dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
+from sgl_jax_lora.managers.scheduler import Scheduler
+from sgl_jax_lora.managers.stop_checker import StopChecker
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.compile_counter import CompileCounter
+from sgl_jax_lora.model_executor.model_runner import ModelRunner
+from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.compile_counter = CompileCounter()
+        self.args = args
+        self.cfg = ModelConfig.from_model_path(model_path)
+        self.cfg.check_tensor_parallel(args.tp_size)
+        self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.mesh = make_mesh(args.tp_size)
+        self.runner = ModelRunner(args, self.cfg, self.mesh, lora=None)
+        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
+        self.max_total_tokens = self.allocator.num_usable * args.page_size
+        self.buckets = Buckets.build(
+            args.max_running_requests,
+            args.chunked_prefill_size,
+            args.max_prefill_seqs,
+            self.context_length,
+            args.page_size,
+            args.decode_batch_buckets,
+            args.prefill_token_buckets,
+            args.decode_page_buckets,
+        )
+        self.scheduler = Scheduler(
+            self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs
+        )
+        self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
+        self.lora_builder = lambda token_slots: None
+        if not args.skip_precompile:
+            self.runner.warmup(self.buckets, lambda num_tokens: None, progress=tqdm)
+        self.num_compilations_after_warmup_start = self.compile_counter.count
+        self.num_requests_served = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        """Admit a tokenized request; raises ValueError (sent back as that request's error) if it can never fit."""
+        max_len = len(request.input_ids) + request.sampling.max_new_tokens
+        if len(request.input_ids) >= self.context_length:
+            raise ValueError(
+                f"prompt has {len(request.input_ids)} tokens but the context length is {self.context_length}; shorten the prompt"
+            )
+        if max_len > self.context_length:
+            raise ValueError(
+                f"prompt ({len(request.input_ids)} tokens) + max_new_tokens ({request.sampling.max_new_tokens}) = {max_len} "
+                f"exceeds the context length {self.context_length}; lower max_new_tokens"
+            )
+        if max_len > self.max_total_tokens:
+            raise ValueError(
+                f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
+                "lower max_new_tokens or restart with a larger --max-total-tokens"
+            )
+        seed = request.sampling.seed if request.sampling.seed is not None else self.args.random_seed * 1_000_003 + self.num_requests_served
+        self.num_requests_served += 1
+        self.scheduler.add(
+            Req(
+                rid=request.rid,
+                input_ids=list(request.input_ids),
+                sampling=request.sampling,
+                seed=seed,
+                return_logprob=request.return_logprob,
+                logprob_start_len=request.logprob_start_len,
+                top_logprobs_num=request.top_logprobs_num,
+                lora_slot_key=request.lora_id,
+            )
+        )
+
+    def abort(self, rid: str) -> dict | None:
+        req = self.scheduler.abort(rid)
+        if req is None:
+            return None
+        req.finish_reason = {"type": "abort", "message": "aborted by the client"}
+        return self._output_of(req)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[dict]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
+        hidden, last_hidden = self.runner.forward(forward_batch)
+        if not batch.is_decode:
+            self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
+        samplers = batch.sampling_reqs()
+        sampled = None
+        if samplers:
+            num_seqs = forward_batch.num_seqs
+            penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs]
+            sampled = self.runner.sample(last_hidden, batch.to_sampling_batch(num_seqs), penalty_rows)
+        return self._postprocess(batch, sampled)
+
+    def _collect_prompt_logprobs(self, batch: ScheduleBatch, hidden, num_tokens: int) -> None:
+        wanted = [(i, r) for i, r in enumerate(batch.reqs) if r.return_logprob and r.num_computed < len(r.input_ids)]
+        if not wanted:
+            return
+        targets = np.zeros(num_tokens, np.int32)
+        starts = np.cumsum([0] + batch.num_new_tokens)
+        for i, req in enumerate(batch.reqs):
+            for j in range(batch.num_new_tokens[i]):
+                nxt = req.num_computed + j + 1
+                if nxt < req.seq_len:
+                    targets[starts[i] + j] = req.all_ids[nxt]
+        num_top = max(r.top_logprobs_num for _, r in wanted)
+        result = self.runner.prompt_logprobs(hidden, targets, 20 if num_top else 0)
+        for i, req in wanted:
+            if req.next_prompt_logprob_pos < 0:  # first chunk: start at logprob_start_len
+                req.next_prompt_logprob_pos = req.prompt_logprob_start
+                if req.next_prompt_logprob_pos == 0:
+                    req.input_token_logprobs.append((None, req.input_ids[0], None))
+                    req.next_prompt_logprob_pos = 1
+            for j in range(batch.num_new_tokens[i]):
+                position = req.num_computed + j + 1  # the prompt token this row predicts
+                if position != req.next_prompt_logprob_pos or position >= len(req.input_ids):
+                    continue  # before logprob_start_len, or already collected before a preemption
+                row = starts[i] + j
+                top = _top_list(result["top_ids"][row], result["top_logprobs"][row], req.top_logprobs_num)
+                req.input_token_logprobs.append((float(result["logprobs"][row]), req.input_ids[position], top))
+                req.next_prompt_logprob_pos += 1
+
+    def _postprocess(self, batch: ScheduleBatch, sampled: dict | None) -> list[dict]:
+        outputs = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
+            req.num_computed += n
+            if batch.is_decode or req.num_computed == req.seq_len:
+                token = int(sampled["next_ids"][i])
+                req.output_ids.append(token)
+                if req.return_logprob:
+                    top = _top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
+                    req.output_token_logprobs.append((float(sampled["next_logprobs"][i]), token, top))
+                req.finish_reason = self.stop_checker.check(req, self.context_length)
+                if req.finish_reason is not None:
+                    self.scheduler.finish(req)
+            if req.output_ids[req.num_sent_outputs :] or req.finished or len(req.input_token_logprobs) > req.num_sent_input_logprobs:
+                outputs.append(self._output_of(req))
+        return outputs
+
+    def _output_of(self, req: Req) -> dict:
+        out = {
+            "rid": req.rid,
+            "new_ids": req.output_ids[req.num_sent_outputs :],
+            "new_output_logprobs": req.output_token_logprobs[req.num_sent_outputs :] if req.return_logprob else [],
+            "new_input_logprobs": req.input_token_logprobs[req.num_sent_input_logprobs :],
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finish_reason,
+        }
+        req.num_sent_outputs = len(req.output_ids)
+        req.num_sent_input_logprobs = len(req.input_token_logprobs)
+        return out
+
+    def fail_running(self, message: str) -> list[dict]:
+        """After a step raised: finish every running request with an error, keep the waiting ones."""
+        outputs = []
+        for req in list(self.scheduler.running):
+            self.scheduler.finish(req)
+            req.finish_reason = {"type": "abort", "message": message}
+            outputs.append(self._output_of(req))
+        return outputs
+
+    def rpc_server_info(self) -> dict:
+        return self.server_info()
+
+    def server_info(self) -> dict:
+        return {
+            "model_path": self.cfg.model_path,
+            "architecture": self.cfg.architecture,
+            "vocab_size": self.cfg.vocab_size,
+            "context_length": self.context_length,
+            "max_total_tokens": self.max_total_tokens,
+            "kv_pages_total": self.allocator.num_usable,
+            "kv_pages_used": self.allocator.num_used,
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compilations": self.compile_counter.count,
+            "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
+            "devices": [str(d) for d in self.mesh.devices.flat],
+            "buckets": {
+                "decode_seqs": list(self.buckets.decode_seqs),
+                "decode_pages": list(self.buckets.decode_pages),
+                "prefill_tokens": list(self.buckets.prefill_tokens),
+                "prefill_seqs": list(self.buckets.prefill_seqs),
+            },
+            "timestamp": time.time(),
+        }
+
+
+def _top_list(ids: np.ndarray, logprobs: np.ndarray, num: int) -> list | None:
+    if num <= 0:
+        return None
+    return [(float(lp), int(t)) for lp, t in zip(logprobs[:num], ids[:num])]
+

@@ -1,0 +1,89 @@
+"""The engine process: builds EngineCore, then loops: read messages, run a step, send outputs.
+
+Flow: TokenizerManager spawns `run_engine_process` with one end of a Pipe. Messages are msgpack dicts
+(io_struct.py). When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
+failing step fails only the requests of that step; the loop keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from multiprocessing.connection import Connection
+
+from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
+    logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
+    try:
+        from sgl_jax_lora.managers.engine_core import EngineCore
+
+        core = EngineCore(ServerArgs(**args_dict), model_path)
+    except Exception as e:  # startup errors go back to the frontend, which raises them
+        logger.exception("engine failed to start")
+        conn.send_bytes(encode({"type": "startup_error", "message": f"{type(e).__name__}: {e}"}))
+        return
+    conn.send_bytes(encode({"type": "ready", "info": core.server_info(), "pid": os.getpid()}))
+    EngineLoop(core, conn).run()
+
+
+class EngineLoop:
+    def __init__(self, core, conn: Connection):
+        self.core = core
+        self.conn = conn
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            try:
+                self._drain(block=self.core.scheduler.num_active == 0)
+            except (EOFError, OSError):
+                return  # the frontend is gone
+            if not self.running:
+                return
+            outputs = self._step()
+            if outputs:
+                self._send({"type": "outputs", "items": outputs})
+
+    def _step(self) -> list[dict]:
+        try:
+            return self.core.step()
+        except Exception as e:  # fail the step's requests, keep serving
+            logger.exception("step failed")
+            return self.core.fail_running(f"engine error: {type(e).__name__}: {e}")
+
+    def _drain(self, block: bool) -> None:
+        while self.conn.poll(None if block else 0):
+            self._handle(decode(self.conn.recv_bytes()))
+            block = False
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "generate":
+            try:
+                self.core.add_request(GenerateRequest.from_message(msg))
+            except ValueError as e:
+                self._send({"type": "error", "rid": msg["rid"], "message": str(e)})
+        elif kind == "abort":
+            out = self.core.abort(msg["rid"])
+            if out is not None:
+                self._send({"type": "outputs", "items": [out]})
+        elif kind == "call":
+            self._send({"type": "reply", "call_id": msg["call_id"], **self._call(msg)})
+        elif kind == "shutdown":
+            self.running = False
+
+    def _call(self, msg: dict) -> dict:
+        """Synchronous calls from the frontend: server info, LoRA load/unload."""
+        try:
+            method = getattr(self.core, "rpc_" + msg["method"])
+            return {"ok": True, "result": method(**msg.get("kwargs", {}))}
+        except Exception as e:
+            return {"ok": False, "message": str(e)}
+
+    def _send(self, msg: dict) -> None:
+        self.conn.send_bytes(encode(msg))

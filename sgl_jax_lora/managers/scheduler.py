@@ -1,0 +1,168 @@
+"""Scheduler: continuous batching over a waiting queue and a running list (host only).
+
+Each step is either an extend step (prefill chunks of new or partly prefilled requests, under a token
+budget) or a decode step (one token for every running request). Extend steps go first when any prompt
+is waiting and fits. KV pages are allocated as tokens arrive; when decode runs out of pages the newest
+running request is preempted (pages freed, recomputed later).
+
+LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
+step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking). A
+request passed over `MAX_TIMES_SKIPPED` times blocks admission of others until it gets in, so nothing
+waits forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from sgl_jax_lora.model_executor.buckets import Buckets
+
+MAX_TIMES_SKIPPED = 16
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler needs from the LoRA manager."""
+
+    def begin_step(self) -> None: ...
+    def try_admit(self, adapter_key: str | None) -> int | None:
+        """Device slot for this adapter in the step being built, or None if it cannot join it."""
+        ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        buckets: Buckets,
+        allocator: PageAllocator,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_prefill_seqs: int,
+        adapter_slots: AdapterSlots | None = None,
+    ):
+        self.buckets = buckets
+        self.allocator = allocator
+        self.max_running = min(max_running_requests, buckets.decode_seqs[-1])
+        self.chunk_budget = min(chunked_prefill_size, buckets.prefill_tokens[-1])
+        self.max_prefill_seqs = min(max_prefill_seqs, buckets.prefill_seqs[-1])
+        self.adapter_slots = adapter_slots
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_preemptions = 0
+
+    # ---- queue operations --------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for queue in (self.waiting, self.running):
+            for req in list(queue):
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._release(req)
+                    return req
+        return None
+
+    def finish(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Req) -> None:
+        self.allocator.free(req.pages)
+        req.pages = []
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- step selection ----------------------------------------------------------------------
+    def schedule(self) -> ScheduleBatch | None:
+        if self.adapter_slots is not None:
+            self.adapter_slots.begin_step()
+        return self._schedule_extend() or self._schedule_decode()
+
+    def _schedule_extend(self) -> ScheduleBatch | None:
+        batch = ScheduleBatch(is_decode=False, reqs=[], num_new_tokens=[], token_slots=[])
+        budget = self.chunk_budget
+        for req in [r for r in self.running if r.is_prefilling]:  # continue chunked prefills first
+            if len(batch.reqs) == self.max_prefill_seqs or budget == 0:
+                break
+            budget -= self._try_add_chunk(batch, req, budget)
+        blocked = False
+        for req in list(self.waiting):
+            if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
+                break
+            if len(self.running) >= self.max_running:
+                break
+            taken = self._try_add_chunk(batch, req, budget)
+            if taken == 0:
+                # Could not join (adapter slots or pages): skip ahead, but not past a starved request.
+                req.times_skipped += 1
+                blocked = req.times_skipped > MAX_TIMES_SKIPPED
+                continue
+            budget -= taken
+            self.waiting.remove(req)
+            self.running.append(req)
+        return batch if batch.reqs else None
+
+    def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int) -> int:
+        """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join)."""
+        num_new = min(req.remaining_prefill, budget)
+        pages_needed = self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
+        if num_new <= 0 or not self.allocator.can_allocate(pages_needed):
+            return 0
+        slot = 0
+        if self.adapter_slots is not None:
+            slot = self.adapter_slots.try_admit(req.lora_slot_key)
+            if slot is None:
+                return 0
+        req.pages += self.allocator.allocate(pages_needed)
+        batch.reqs.append(req)
+        batch.num_new_tokens.append(num_new)
+        batch.token_slots.append(slot)
+        return num_new
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        batch = ScheduleBatch(is_decode=True, reqs=[], num_new_tokens=[], token_slots=[])
+        for req in [r for r in self.running if not r.is_prefilling]:
+            if req not in self.running:  # preempted while making room for an earlier one
+                continue
+            if len(batch.reqs) == self.buckets.decode_seqs[-1]:
+                break
+            if not self._ensure_decode_page(req, batch):
+                continue
+            slot = 0
+            if self.adapter_slots is not None:
+                slot = self.adapter_slots.try_admit(req.lora_slot_key)
+                if slot is None:
+                    continue
+            batch.reqs.append(req)
+            batch.num_new_tokens.append(1)
+            batch.token_slots.append(slot)
+        return batch if batch.reqs else None
+
+    def _ensure_decode_page(self, req: Req, batch: ScheduleBatch) -> bool:
+        needed = self.allocator.pages_for(req.seq_len) - len(req.pages)
+        while needed > 0 and not self.allocator.can_allocate(needed):
+            victim = self._pick_preemption_victim(exclude=[req] + batch.reqs)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        if needed > 0:
+            req.pages += self.allocator.allocate(needed)
+        return True
+
+    def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:
+        candidates = [r for r in self.running if r not in exclude]
+        return max(candidates, key=lambda r: r.arrival_time) if candidates else None
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

@@ -1,0 +1,255 @@
+"""TokenizerManager: the asyncio frontend of one engine: validate, tokenize, send, detokenize, stream.
+
+Flow:
+  Engine.generate / HTTP handler -> `generate_request(...)` (async generator)
+    -> validate + tokenize here -> {"type": "generate"} over the pipe to the engine process
+    <- {"type": "outputs"} read by a reader thread, routed to the request's asyncio queue
+    -> cumulative result dicts ({"text", "output_ids", "meta_info"}) yielded per increment.
+The engine process is spawned here; this process never imports JAX, so HTTP and tokenization never
+stall the device loop. Cancelling the generator (client disconnect) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from transformers import AutoTokenizer
+
+from sgl_jax_lora.managers.engine_process import run_engine_process
+from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request was refused (bad input, or the engine could not serve it)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process exited."""
+
+
+@dataclasses.dataclass
+class _RequestState:
+    queue: asyncio.Queue
+    output_ids: list = dataclasses.field(default_factory=list)
+    input_logprobs: list = dataclasses.field(default_factory=list)
+    output_logprobs: list = dataclasses.field(default_factory=list)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args = args
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=run_engine_process, args=(args.to_dict(), model_path, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        ready = self._wait_ready()
+        self.server_info = ready["info"]
+        self.context_length = self.server_info["context_length"]
+        self.max_total_tokens = self.server_info["max_total_tokens"]
+        self._states: dict[str, _RequestState] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.is_dead = False
+        self._send_lock = threading.Lock()
+
+    def _wait_ready(self) -> dict:
+        try:
+            msg = decode(self._conn.recv_bytes())
+        except EOFError:
+            self.process.join(timeout=5)
+            raise EngineDeadError(f"engine process exited during startup (exit code {self.process.exitcode})") from None
+        if msg["type"] == "startup_error":
+            self.process.join(timeout=10)
+            raise RuntimeError(f"engine failed to start: {msg['message']}")
+        return msg
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin routing engine messages into `loop` (call once, from or for the serving loop)."""
+        self._loop = loop
+        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+
+    # ---- engine -> frontend ------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = decode(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._on_engine_death)
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "outputs":
+            for item in msg["items"]:
+                state = self._states.get(item["rid"])
+                if state is not None:
+                    state.queue.put_nowait(item)
+        elif kind == "error":
+            state = self._states.get(msg["rid"])
+            if state is not None:
+                state.queue.put_nowait(RequestError(msg["message"]))
+        elif kind == "reply":
+            future = self._calls.pop(msg["call_id"], None)
+            if future is not None and not future.done():
+                future.set_result(msg)
+
+    def _on_engine_death(self) -> None:
+        self.is_dead = True
+        for state in self._states.values():
+            state.queue.put_nowait(EngineDeadError("engine process exited"))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("engine process exited"))
+
+    def _send(self, msg: dict) -> None:
+        if self.is_dead:
+            raise EngineDeadError("engine process exited")
+        with self._send_lock:
+            self._conn.send_bytes(encode(msg))
+
+    async def call(self, method: str, **kwargs) -> object:
+        """A synchronous request to the engine process (server info, LoRA load/unload)."""
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._send({"type": "call", "call_id": call_id, "method": method, "kwargs": kwargs})
+        reply = await future
+        if not reply["ok"]:
+            raise RequestError(reply["message"])
+        return reply["result"]
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
+        if input_ids is None:
+            if not isinstance(text, str):
+                raise RequestError("give the prompt as 'text' (a string) or 'input_ids' (a list of token ids)")
+            input_ids = self.tokenizer.encode(text)
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise RequestError("input_ids must be a list of integers")
+        if not input_ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.server_info["vocab_size"]
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return input_ids
+
+    def build_request(
+        self,
+        text: str | None = None,
+        input_ids: list[int] | None = None,
+        sampling_params: dict | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        lora_id: str | None = None,
+    ) -> GenerateRequest:
+        """Validate and tokenize one request (raises RequestError naming the problem)."""
+        try:
+            sampling = SamplingParams.from_dict(sampling_params)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e)) from e
+        ids = self.tokenize(text, input_ids)
+        if len(ids) >= self.context_length:
+            raise RequestError(f"prompt has {len(ids)} tokens but the context length is {self.context_length}; shorten the prompt")
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.context_length:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} exceeds the "
+                f"context length {self.context_length}; lower max_new_tokens"
+            )
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
+            raise RequestError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
+        return GenerateRequest(
+            rid=uuid.uuid4().hex,
+            input_ids=ids,
+            sampling=sampling,
+            return_logprob=bool(return_logprob),
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            lora_id=lora_id,
+        )
+
+    async def resolve_lora(self, lora_path: str | None) -> str | None:
+        """Adapter name or path -> the engine's adapter id; None = base model."""
+        if lora_path is None:
+            return None
+        if not self.args.enable_lora:
+            raise RequestError(
+                f"request names adapter '{lora_path}' but LoRA is not enabled; restart with --enable-lora or --lora-paths"
+            )
+        raise RequestError(f"adapter '{lora_path}' is not loaded")
+
+    async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
+        """Send one request; yield its cumulative result after every increment, the last one finished."""
+        state = _RequestState(queue=asyncio.Queue())
+        self._states[request.rid] = state
+        finished = False
+        try:
+            self._send(request.to_message())
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item["finish_reason"] is not None
+                yield self._accumulate(request, state, item)
+        finally:
+            self._states.pop(request.rid, None)
+            if not finished and not self.is_dead:
+                self._send({"type": "abort", "rid": request.rid})
+
+    def _accumulate(self, request: GenerateRequest, state: _RequestState, item: dict) -> dict:
+        state.output_ids += item["new_ids"]
+        state.input_logprobs += item["new_input_logprobs"]
+        state.output_logprobs += item["new_output_logprobs"]
+        finish = item["finish_reason"]
+        text = self.tokenizer.decode(state.output_ids, skip_special_tokens=request.sampling.skip_special_tokens)
+        if finish and finish.get("type") == "stop" and isinstance(finish.get("matched"), str):
+            text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
+        meta = {
+            "id": request.rid,
+            "prompt_tokens": item["prompt_tokens"],
+            "completion_tokens": item["completion_tokens"],
+            "finish_reason": finish,
+        }
+        if request.return_logprob:
+            meta["input_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.input_logprobs]
+            meta["output_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.output_logprobs]
+            if request.top_logprobs_num:
+                meta["input_top_logprobs"] = [top for _, _, top in state.input_logprobs]
+                meta["output_top_logprobs"] = [top for _, _, top in state.output_logprobs]
+        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def abort(self, rid: str) -> None:
+        self._send({"type": "abort", "rid": rid})
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._send({"type": "shutdown"})
+            except (EngineDeadError, OSError):
+                pass
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        self._conn.close()

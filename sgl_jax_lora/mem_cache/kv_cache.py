@@ -1,0 +1,42 @@
+"""The paged KV cache as a pytree that goes into the jitted step and comes back out (donated).
+
+Layout per tensor: [L, N, K, D] with N = num_pages * page_size slots (slot = page * page_size + offset),
+K = kv heads held across the tensor axis (replicated copies when tp > num_kv_heads), sharded on K.
+Page 0 is scratch: padding tokens write there and the allocator never hands it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from sgl_jax_lora.layers.sharding import logical_to_sharding
+from sgl_jax_lora.models.model_config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, N, K, D]
+    v: jax.Array  # [L, N, K, D]
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
+
+KV_LOGICAL_AXES = ("layers", "kv_slots", "kv_heads", "head_dim")
+
+
+def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:
+    """Bytes one token's K and V take over all layers (summed over devices)."""
+    kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size
+    return 2 * cfg.num_layers * kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh) -> KVCache:
+    kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size
+    shape = (cfg.num_layers, num_pages * page_size, kv_heads, cfg.head_dim)
+    sharding = logical_to_sharding(mesh, KV_LOGICAL_AXES)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return KVCache(k=zeros(), v=zeros())

@@ -1,0 +1,82 @@
+"""Compiled buckets: the fixed set of shapes every step is padded to, so nothing compiles after warmup.
+
+Extend (prefill) steps: (sequences S, tokens T) with pages per sequence fixed at the context's maximum.
+Decode steps: (sequences S, pages per sequence P). `pick` returns the smallest bucket that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    values, v = [], lo
+    while v < hi:
+        values.append(v)
+        v *= 2
+    values.append(hi)
+    return tuple(sorted(set(values)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode_seqs: tuple[int, ...]
+    decode_pages: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    prefill_seqs: tuple[int, ...]
+    max_pages_per_seq: int
+
+    @classmethod
+    def build(
+        cls,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        max_prefill_seqs: int,
+        context_length: int,
+        page_size: int,
+        decode_batch_buckets: list[int] | None = None,
+        prefill_token_buckets: list[int] | None = None,
+        decode_page_buckets: list[int] | None = None,
+    ) -> "Buckets":
+        max_pages = -(-context_length // page_size)
+        decode_seqs = _checked("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(1, max_running_requests)
+        prefill_tokens = _checked("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
+            min(32, chunked_prefill_size), chunked_prefill_size
+        )
+        decode_pages = _checked("--decode-page-buckets", decode_page_buckets, max_pages) or powers_of_two(
+            min(4, max_pages), max_pages
+        )
+        return cls(
+            decode_seqs=decode_seqs,
+            decode_pages=decode_pages,
+            prefill_tokens=prefill_tokens,
+            prefill_seqs=powers_of_two(1, max_prefill_seqs),
+            max_pages_per_seq=max_pages,
+        )
+
+    def extend_shapes(self) -> list[tuple[int, int]]:
+        return [(s, t) for s in self.prefill_seqs for t in self.prefill_tokens if s <= t]
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        return [(s, p) for s in self.decode_seqs for p in self.decode_pages]
+
+    def sample_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.decode_seqs) | set(self.prefill_seqs)))
+
+
+def pick(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _checked(flag: str, values: list[int] | None, limit: int) -> tuple[int, ...] | None:
+    if not values:
+        return None
+    values = tuple(sorted(set(int(v) for v in values)))
+    if values[0] < 1:
+        raise ValueError(f"{flag} must be positive integers, got {values}")
+    if values[-1] < limit:
+        values = values + (limit,)
+    return tuple(v for v in values if v <= limit)

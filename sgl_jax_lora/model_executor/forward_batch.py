@@ -1,0 +1,63 @@
+"""ForwardBatch: everything one model step needs, as one explicit pytree that crosses into jit.
+
+Flow:
+  Scheduler builds a ScheduleBatch (host, python objects)
+    -> ScheduleBatch.to_forward_batch(bucket) pads everything to a compiled bucket (numpy)
+    -> ModelRunner.forward(params, kv_cache, forward_batch) (one host->device transfer of this pytree)
+    -> model layers read the fields they need; LoRALinear layers read `lora`.
+
+Static facts (the bucket) are meta fields, so each bucket is its own compiled program; arrays are data
+fields. Padding tokens write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences
+have seq_len 0, so padding never changes a real request's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    # Tokens of this step, flat over sequences (each sequence's tokens contiguous).
+    input_ids: jax.Array  # [T] i32
+    positions: jax.Array  # [T] i32   absolute position of each token in its sequence
+    cache_loc: jax.Array  # [T] i32   KV-cache slot (page * page_size + offset) each token writes; 0 = padding
+    # Sequences of this step.
+    seq_lens: jax.Array  # [S] i32      tokens in the KV cache after this step (prefix + new); 0 = padding
+    page_table: jax.Array  # [S, P] i32 pages of each sequence, in order; unused entries 0
+    query_index: jax.Array  # [S, Q] i32 flat token index of each sequence's q-th new token (Q = 1 in decode)
+    query_valid: jax.Array  # [S, Q] bool
+    token_row: jax.Array  # [T] i32     row s * Q + q of each token in the [S, Q] query layout
+    last_token_index: jax.Array  # [S] i32  flat index of each sequence's last token (its logits are sampled)
+    lora: LoRABatch | None  # per-token adapter slots and segments; None when LoRA is disabled
+    is_decode: bool  # meta: decode step (one new token per sequence) vs extend (prefill chunk)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+jax.tree_util.register_dataclass(
+    ForwardBatch,
+    data_fields=[
+        "input_ids",
+        "positions",
+        "cache_loc",
+        "seq_lens",
+        "page_table",
+        "query_index",
+        "query_valid",
+        "token_row",
+        "last_token_index",
+        "lora",
+    ],
+    meta_fields=["is_decode"],
+)

@@ -1,0 +1,156 @@
+"""ModelRunner: owns the model state, the KV cache and the jitted step functions on the mesh.
+
+Flow (per step, called by the engine loop):
+  forward(forward_batch)            -> hidden [T, E] on device (kv donated and replaced)
+  sample(hidden, rows, sampling)    -> next ids / logprobs on the host
+  prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
+Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.sampling.penalties import apply_penalties
+from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_KV_TOKENS = 32768
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None = None):
+        self.args, self.cfg, self.mesh = args, cfg, mesh
+        self.dtype = jnp.dtype(args.dtype)
+        self.page_size = args.page_size
+        self.graphdef, self.state = load_model_state(
+            cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed
+        )
+        self.num_pages = self._num_kv_pages()
+        self.kv = allocate_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
+        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",))
+        self._logits = jax.jit(self._logits_impl)
+        self._sample = jax.jit(sample)
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
+
+    # ---- jitted bodies -------------------------------------------------------------------------
+    def _forward_impl(self, state: nnx.State, kv, batch: ForwardBatch):
+        hidden, kv = nnx.merge(self.graphdef, state)(kv, batch)
+        return hidden, hidden[batch.last_token_index], kv
+
+    def _logits_impl(self, state: nnx.State, last_hidden: jax.Array) -> jax.Array:
+        return nnx.merge(self.graphdef, state).logits(last_hidden)
+
+    def _prompt_logprobs_impl(self, state: nnx.State, hidden: jax.Array, targets: jax.Array, num_top: int) -> SampleOutput:
+        return token_logprobs(nnx.merge(self.graphdef, state).logits(hidden), targets, num_top)
+
+    # ---- step API --------------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
+        """-> (hidden [T, E], hidden of each sequence's last token [S, E]), both on device."""
+        hidden, last_hidden, self.kv = self._forward(self.state, self.kv, batch)
+        return hidden, last_hidden
+
+    def sample(
+        self,
+        last_hidden: jax.Array,
+        sampling: SamplingBatch,
+        penalty_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
+    ) -> dict[str, np.ndarray]:
+        logits = self._logits(self.state, last_hidden)
+        if penalty_rows and any(r is not None and r[2].uses_penalties for r in penalty_rows):
+            logits = jax.device_put(apply_penalties(np.asarray(logits), penalty_rows), logits.sharding)
+        out = jax.device_get(self._sample(logits, sampling))
+        return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
+
+    def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
+        out = jax.device_get(self._prompt_logprobs(self.state, hidden, targets, num_top=num_top))
+        return {"logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
+
+    # ---- sizing and warmup ---------------------------------------------------------------------
+    def _num_kv_pages(self) -> int:
+        args, cfg = self.args, self.cfg
+        if args.max_total_tokens:
+            tokens = args.max_total_tokens
+        elif jax.devices()[0].platform == "cpu":
+            tokens = CPU_DEFAULT_KV_TOKENS
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+            per_device_token = kv_bytes_per_token(cfg, args.tp_size, self.dtype) / args.tp_size
+            tokens = int((limit * args.mem_fraction_static - used) / per_device_token) if limit else CPU_DEFAULT_KV_TOKENS
+            if tokens < args.page_size * 2:
+                raise MemoryError(
+                    f"no device memory left for the KV cache (limit {limit} B, in use {used} B); "
+                    "raise --mem-fraction-static, lower --tp-size's per-device load, or set --max-total-tokens"
+                )
+        return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
+
+    def warmup(self, buckets: Buckets, lora_for: Callable[[int], LoRABatch | None], progress: Callable) -> None:
+        """Compile every bucket by running it on padding (seq_lens 0, cache slot 0)."""
+        shapes = [("extend", s, t, buckets.max_pages_per_seq) for s, t in buckets.extend_shapes()]
+        shapes += [("decode", s, s, p) for s, p in buckets.decode_shapes()]
+        bar = progress(total=len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens), desc="compiling buckets")
+        for mode, num_seqs, num_tokens, num_pages in shapes:
+            batch = padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens))
+            hidden, _ = self.forward(batch)
+            if mode == "extend":
+                for num_top in (0, MAX_TOP_LOGPROBS):
+                    if num_seqs == buckets.prefill_seqs[0]:
+                        self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
+                        bar.update(1)
+            bar.update(1)
+        for num_seqs in buckets.sample_sizes():
+            _, last_hidden = self.forward(padding_forward_batch(True, num_seqs, num_seqs, buckets.decode_pages[0], lora_for(num_seqs)))
+            for greedy in (True, False):
+                for num_top in (0, MAX_TOP_LOGPROBS):
+                    self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
+                    bar.update(1)
+        bar.close()
+
+
+def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
+    num_queries = 1 if is_decode else num_tokens
+    zeros_i = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+    return ForwardBatch(
+        input_ids=zeros_i(num_tokens),
+        positions=zeros_i(num_tokens),
+        cache_loc=zeros_i(num_tokens),
+        seq_lens=zeros_i(num_seqs),
+        page_table=zeros_i(num_seqs, num_pages),
+        query_index=zeros_i(num_seqs, num_queries),
+        query_valid=np.zeros((num_seqs, num_queries), bool),
+        token_row=zeros_i(num_tokens),
+        last_token_index=zeros_i(num_seqs),
+        lora=lora,
+        is_decode=is_decode,
+    )
+
+
+def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=np.zeros((num_seqs,), np.float32),
+        top_p=np.ones((num_seqs,), np.float32),
+        top_k=np.zeros((num_seqs,), np.int32),
+        min_p=np.zeros((num_seqs,), np.float32),
+        seeds=np.zeros((num_seqs,), np.uint32),
+        steps=np.zeros((num_seqs,), np.int32),
+        is_greedy=is_greedy,
+        num_top_logprobs=num_top,
+    )

@@ -1,0 +1,162 @@
+"""ModelConfig: the architecture facts the engine needs, read from an HF `config.json`.
+
+Flow: ServerArgs.model_path -> ModelConfig.from_model_path -> model class (models/registry.py),
+weight loader, KV cache sizing and LoRA target shapes. All validation of the config happens here, at the
+boundary, with errors that name the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+# HF architecture name -> (qkv bias, per-head q/k RMSNorm). Llama covers Llama-2/3 and Mistral.
+ARCHITECTURE_FLAGS: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+_REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+class ModelConfigError(ValueError):
+    """A model directory or its config.json cannot be served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    model_path: str = ""
+
+    @classmethod
+    def from_model_path(cls, model_path: str) -> "ModelConfig":
+        if not os.path.isdir(model_path):
+            raise ModelConfigError(
+                f"model path '{model_path}' is not a directory; pass --model-path DIR with an HF model "
+                "(config.json + *.safetensors + tokenizer files), or omit it to serve the demo model"
+            )
+        config_file = os.path.join(model_path, "config.json")
+        if not os.path.isfile(config_file):
+            raise ModelConfigError(f"model path '{model_path}' has no config.json; it must be an HF model directory")
+        try:
+            with open(config_file) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{config_file} is not valid JSON: {e}") from e
+        return cls.from_dict(raw, model_path=model_path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, model_path: str = "") -> "ModelConfig":
+        architecture = _architecture_of(raw)
+        missing = [k for k in _REQUIRED_FIELDS if k not in raw]
+        if missing:
+            raise ModelConfigError(f"config.json of '{model_path}' lacks required field(s) {missing}")
+        qkv_bias, qk_norm = ARCHITECTURE_FLAGS[architecture]
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        if raw.get("sliding_window") and raw.get("use_sliding_window", True) and architecture == "MistralForCausalLM":
+            # Without a sliding-window kernel we serve only the span where full attention is exact.
+            max_pos = min(max_pos, int(raw["sliding_window"]))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_of(raw),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", qkv_bias)) or qkv_bias,
+            qk_norm=qk_norm,
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            model_path=model_path,
+        )
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        """Raise unless the heads and MLP split evenly over `tp_size` devices."""
+        problems = []
+        if self.num_heads % tp_size:
+            problems.append(f"num_attention_heads={self.num_heads}")
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            problems.append(f"num_key_value_heads={self.num_kv_heads} (nor does tp divide it)")
+        if self.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={self.intermediate_size}")
+        if problems:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ModelConfigError(
+                f"--tp-size {tp_size} does not divide {', '.join(problems)}; "
+                f"choose a tp size among {divisors} that also divides the others"
+            )
+
+    def kv_heads_per_shard(self, tp_size: int) -> int:
+        """KV heads each tensor shard holds; heads are replicated when tp > num_kv_heads."""
+        return max(1, self.num_kv_heads // tp_size)
+
+
+def _architecture_of(raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURE_FLAGS:
+            return arch
+    supported = ", ".join(sorted(ARCHITECTURE_FLAGS))
+    found = archs or raw.get("model_type", "none")
+    raise ModelConfigError(f"unsupported architecture {found}; supported: {supported}")
+
+
+def _rope_of(raw: dict) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelConfigError(f"unsupported rope type '{rope_type}'; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,147 @@
+"""Build the model's state on the mesh: real HF safetensors weights or dummy random weights.
+
+Flow: ModelRunner -> load_model_state(cfg, ...) -> (graphdef, state). The model is first built abstractly
+(nnx.eval_shape, no memory), then every parameter is produced directly in its sharded device layout
+(NamedSharding from layers/sharding.py): HF tensors are transposed to [in, out], packed shard-major
+(models/weight_layout.py), stacked over layers and placed with jax.device_put. LoRA buffers start as zeros.
+Only safetensors are read; pickle checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from safetensors import safe_open
+
+from sgl_jax_lora.layers.sharding import logical_to_sharding, param_logical_axes
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
+from sgl_jax_lora.models.registry import model_class_for
+from sgl_jax_lora.models.weight_layout import pack_shard_major, replicate_kv_heads
+
+
+class SafetensorsReader:
+    """Name -> tensor over the safetensors files of a model directory (with or without an index)."""
+
+    def __init__(self, model_path: str):
+        index_file = os.path.join(model_path, "model.safetensors.index.json")
+        if os.path.isfile(index_file):
+            with open(index_file) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.file_of = {name: os.path.join(model_path, fname) for name, fname in weight_map.items()}
+        else:
+            self.file_of = {}
+            for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+                with safe_open(path, framework="numpy") as f:
+                    for name in f.keys():
+                        self.file_of[name] = path
+        if not self.file_of:
+            pickled = glob.glob(os.path.join(model_path, "*.bin")) + glob.glob(os.path.join(model_path, "*.pt"))
+            hint = " (found pickle .bin/.pt files: convert them to safetensors; pickle is never loaded)" if pickled else ""
+            raise ModelConfigError(f"model path '{model_path}' has no *.safetensors weights{hint}")
+        self._handles: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.file_of:
+            raise ModelConfigError(f"weight '{name}' is missing from the model's safetensors files")
+        path = self.file_of[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="numpy")
+        return self._handles[path].get_tensor(name)
+
+
+def _layer_tensor(reader: SafetensorsReader, cfg: ModelConfig, tp_size: int, layer: int, param: tuple[str, ...]) -> np.ndarray:
+    """One layer's tensor for our parameter path suffix, in our layout."""
+    prefix = f"model.layers.{layer}."
+    get = lambda name: reader.get(prefix + name)  # noqa: E731
+    module, leaf = param
+    if module in ("input_layernorm", "post_attention_layernorm"):
+        return get(f"{module}.weight")
+    if module in ("q_norm", "k_norm"):
+        return get(f"self_attn.{module}.weight")
+    if module == "qkv_proj":
+        suffix = "weight" if leaf == "kernel" else "bias"
+        axis = 1 if leaf == "kernel" else 0
+        q, k, v = (get(f"self_attn.{p}_proj.{suffix}") for p in "qkv")
+        if leaf == "kernel":
+            q, k, v = q.T, k.T, v.T
+        k, v = replicate_kv_heads(k, axis, cfg, tp_size), replicate_kv_heads(v, axis, cfg, tp_size)
+        return pack_shard_major([q, k, v], axis, tp_size)
+    if module == "o_proj":
+        return get("self_attn.o_proj.weight").T
+    if module == "gate_up_proj":
+        return pack_shard_major([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], 1, tp_size)
+    if module == "down_proj":
+        return get("mlp.down_proj.weight").T
+    raise KeyError(f"no HF weight mapping for layer parameter {param}")
+
+
+def _top_tensor(reader: SafetensorsReader, param: tuple[str, ...]) -> np.ndarray:
+    if param == ("embed_tokens", "embedding"):
+        return reader.get("model.embed_tokens.weight")
+    if param == ("norm", "scale"):
+        return reader.get("model.norm.weight")
+    if param == ("lm_head", "kernel"):
+        return reader.get("lm_head.weight").T
+    raise KeyError(f"no HF weight mapping for parameter {param}")
+
+
+def _hf_value(reader: SafetensorsReader, cfg: ModelConfig, tp_size: int, path: tuple[str, ...]) -> np.ndarray:
+    if path[0] == "layers":
+        return np.stack([_layer_tensor(reader, cfg, tp_size, i, path[1:]) for i in range(cfg.num_layers)])
+    return _top_tensor(reader, path)
+
+
+def _dummy_value(path: tuple[str, ...], shape: tuple[int, ...], dtype, sharding, seed: int) -> jax.Array:
+    """Random weights of the right shape made on device (norm scales 1), for benchmarks at real sizes."""
+    if path[-1] == "scale":
+        return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
+    key = jax.random.fold_in(jax.random.key(seed), hash(path) % (2**31))
+    make = lambda: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    return jax.jit(make, out_shardings=sharding)()
+
+
+def load_model_state(
+    cfg: ModelConfig,
+    tp_size: int,
+    page_size: int,
+    dtype: jnp.dtype,
+    mesh: Mesh,
+    lora: LoRAModelSpec | None,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """-> (graphdef, state) with every array placed in its sharded layout."""
+    model_cls = model_class_for(cfg)
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora))
+    graphdef, abstract_state = nnx.split(abstract)
+    reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
+    leaves = []
+    for path, variable in nnx.to_flat_state(abstract_state):
+        path = tuple(str(p) for p in path)
+        spec = variable.get_value()
+        sharding = logical_to_sharding(mesh, param_logical_axes(path, len(spec.shape)))
+        if "lora_" in path[-1]:
+            value = jax.jit(lambda s=spec: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
+        elif reader is None:
+            value = _dummy_value(path, spec.shape, spec.dtype, sharding, seed)
+        else:
+            host = _hf_value(reader, cfg, tp_size, path)
+            if host.shape != spec.shape:
+                raise ModelConfigError(
+                    f"weight for {'.'.join(path)} has shape {host.shape}, config implies {spec.shape}; "
+                    "config.json and the safetensors files disagree"
+                )
+            value = jax.device_put(host.astype(spec.dtype), sharding)
+        leaves.append((path, variable.replace(value)))
+    return graphdef, nnx.from_flat_state(leaves)

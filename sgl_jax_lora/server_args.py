@@ -1,0 +1,133 @@
+"""ServerArgs: every engine and server setting, one dataclass; its fields are the CLI flags and the
+keyword arguments of the offline Engine (Engine(model_path=..., tp_size=...) == --model-path --tp-size).
+
+Flow: launch.py parses argv -> ServerArgs -> validated here (errors name the flag and the fix) -> handed
+to the engine process and the HTTP frontend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+DTYPES = ("bfloat16", "float32")
+LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
+
+
+def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own name
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = _f(None, "HF model directory (config.json, *.safetensors, tokenizer); default: the embedded demo model")
+    tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model path")
+    served_model_name: str | None = _f(None, "model name in the OpenAI API; default: the model path")
+    dtype: str = _f("bfloat16", "weight and activation dtype", choices=DTYPES)
+    load_format: str = _f("auto", "'auto' reads safetensors; 'dummy' makes random weights of the config's shapes", choices=("auto", "dummy"))
+    context_length: int | None = _f(None, "max tokens per request (prompt + output); default: the config's max_position_embeddings")
+    random_seed: int = _f(0, "seed for dummy weights and for requests that give no seed")
+    # Parallelism
+    tp_size: int = _f(1, "tensor-parallel size (devices in the 'tensor' mesh axis)")
+    # KV cache and batching
+    page_size: int = _f(16, "tokens per KV-cache page")
+    max_total_tokens: int | None = _f(None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU")
+    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache (GPU/TPU)")
+    max_running_requests: int = _f(64, "max sequences decoded in one step")
+    chunked_prefill_size: int = _f(2048, "max prompt tokens prefilled in one step (longer prompts are chunked)")
+    max_prefill_seqs: int = _f(8, "max sequences in one prefill step")
+    decode_batch_buckets: list[int] | None = _f(None, "compiled decode batch sizes; default: powers of two up to --max-running-requests", nargs="+", type=int)
+    prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
+    decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
+    skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
+    # LoRA
+    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths)")
+    lora_paths: list[str] | None = _f(None, "adapters to register at start: PATH, NAME=PATH, or JSON {\"lora_name\",\"lora_path\",\"pinned\"}", nargs="+")
+    max_loras_per_batch: int = _f(8, "distinct adapters one batch may hold (device slots, base not counted)")
+    max_lora_rank: int | None = _f(None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)")
+    max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
+    lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
+    lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
+    lora_target_modules: list[str] | None = _f(None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+")
+    lora_allowed_dirs: list[str] | None = _f(None, "directories from which requests may load unregistered adapters on demand", nargs="+")
+    # HTTP server
+    host: str = _f("127.0.0.1", "HTTP host to bind")
+    port: int = _f(30000, "HTTP port")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    chat_template: str | None = _f(None, "chat template (a Jinja file path or the template string) overriding the tokenizer's")
+    log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        if self.lora_paths:
+            self.enable_lora = True
+        self.validate()
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype '{self.dtype}' is not supported; choose one of {DTYPES}")
+        if self.lora_backend not in LORA_BACKENDS:
+            raise ValueError(f"--lora-backend '{self.lora_backend}' is not supported; choose one of {LORA_BACKENDS}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
+        positive = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_seqs", "max_loras_per_batch")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_prefill_seqs > self.chunked_prefill_size:
+            raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; see `python -m sgl_jax_lora.launch --help`")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for field in dataclasses.fields(ServerArgs):
+            flag = "--" + field.name.replace("_", "-")
+            meta = dict(field.metadata)
+            help_text = meta.pop("help")
+            if field.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
+                continue
+            arg_type = meta.pop("type", None) or _scalar_type(field.type)
+            parser.add_argument(flag, default=field.default, help=f"{help_text} (default: {field.default})", type=arg_type, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _scalar_type(type_name: object) -> type:
+    text = str(type_name)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def parse_lora_path_spec(spec: str) -> dict:
+    """'PATH' | 'NAME=PATH' | JSON {"lora_name", "lora_path", "pinned"} -> {"lora_name", "lora_path", "pinned"}."""
+    spec = spec.strip()
+    if spec.startswith("{"):
+        try:
+            raw = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-paths entry {spec!r} is not valid JSON: {e}") from e
+        if "lora_path" not in raw:
+            raise ValueError(f"--lora-paths entry {spec!r} needs a 'lora_path'")
+        return {"lora_name": raw.get("lora_name") or raw["lora_path"], "lora_path": raw["lora_path"], "pinned": bool(raw.get("pinned", False))}
+    if "=" in spec:
+        name, path = spec.split("=", 1)
+        return {"lora_name": name, "lora_path": path, "pinned": False}
+    return {"lora_name": spec, "lora_path": spec, "pinned": False}

@@ -1,0 +1,163 @@
+"""Every LoRA backend against the pure-JAX reference, unsharded and sharded over 8 fake CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref
+from sgl_jax_lora.lora.backend import BACKEND_NAMES, LoRABackend, make_lora_backend
+from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name
+from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
+from sgl_jax_lora.lora.backend.einsum import EinsumBackend
+from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
+from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+
+# Max |out - ref| relative to max |ref|, per dtype. bf16: bf16 inputs/outputs and s rounded to bf16 before
+# the expand matmul (every backend does this), ~2^-8 relative per element.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+BACKENDS = {
+    "einsum": lambda mesh: EinsumBackend(mesh),
+    "bgmv": lambda mesh: BgmvBackend(mesh),
+    "sgmv_ragged": lambda mesh: SgmvBackend(mesh, method="ragged"),
+    "sgmv_onehot": lambda mesh: SgmvBackend(mesh, method="segment_onehot"),
+    "pallas_gpu": lambda mesh: PallasBackend(mesh, kernel="gpu", interpret=True),
+    "pallas_tpu": lambda mesh: PallasBackend(mesh, kernel="tpu", interpret=True),
+    "auto": lambda mesh: AutoBackend(mesh),
+}
+
+
+def make_inputs(seed, *, num_tokens=32, in_dim=256, out_dim=256, max_rank=64, slot_ranks=(0, 4, 8, 16, 64),
+                num_segments=8, dtype=jnp.float32, all_base=False):
+    rng = np.random.default_rng(seed)
+    ranks = np.array(slot_ranks, np.int32)
+    num_slots = len(ranks)
+    token_slot = np.zeros(num_tokens, np.int32) if all_base else rng.integers(0, num_slots, num_tokens).astype(np.int32)
+    row = np.arange(max_rank)
+    lora_a = rng.standard_normal((num_slots, max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
+    lora_b = rng.standard_normal((num_slots, out_dim, max_rank)) * (row[None, None, :] < ranks[:, None, None])
+    scale = np.where(ranks > 0, 2.0 / np.maximum(ranks, 1), 0.0).astype(np.float32)
+    lora = jax.tree_util.tree_map(jnp.asarray, build_lora_batch(token_slot, num_segments, scale, ranks))
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), dtype)
+    return x, jnp.asarray(lora_a, dtype), jnp.asarray(lora_b, dtype), lora
+
+
+def reference(x, lora_a, lora_b, lora: LoRABatch):
+    meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+    s = sgmv_shrink_ref(x, lora_a, *meta)
+    y = sgmv_expand_ref(s * lora.slot_scale[lora.token_slot][:, None], lora_b, *meta, x.dtype)
+    return s, y
+
+
+def assert_close(out, ref, dtype):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.all(np.isfinite(out))
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * max(float(np.abs(ref).max()), 1.0))
+
+
+def check_backend(backend: LoRABackend, inputs, dtype):
+    x, lora_a, lora_b, lora = inputs
+    s_ref, y_ref = reference(*inputs)
+    s = backend.shrink(x, lora_a, lora)
+    assert s.dtype == jnp.float32
+    assert_close(s, s_ref, dtype)
+    y_expand = backend.expand(s_ref, lora_b, lora, out_dtype=x.dtype)
+    assert y_expand.dtype == x.dtype
+    assert_close(y_expand, sgmv_expand_ref(s_ref, lora_b, lora.sort_perm, lora.seg_start, lora.seg_slot,
+                                           lora.slot_rank, x.dtype), dtype)
+    y = backend.apply(x, lora_a, lora_b, lora)
+    assert y.dtype == x.dtype
+    assert_close(y, y_ref, dtype)
+    is_base = np.asarray(lora.token_slot) == 0
+    assert np.all(np.asarray(s)[is_base] == 0.0) and np.all(np.asarray(y, np.float32)[is_base] == 0.0)
+    base_out = jnp.full((x.shape[0], lora_b.shape[1]), 0.5, x.dtype)
+    y_fused = backend.apply(x, lora_a, lora_b, lora, base_out=base_out)
+    assert_close(y_fused, np.asarray(y_ref, np.float32) + 0.5, dtype)
+    assert np.all(np.asarray(y_fused, np.float32)[is_base] == 0.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_mixed_ranks_and_empty_segments(name, dtype):
+    # ranks {4, 8, 16, 64} in a rank-64 pool, base tokens, and G=8 segments of which at most 5 are used
+    check_backend(BACKENDS[name](None), make_inputs(0, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("max_rank", [4, 8])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_small_rank_pool(name, max_rank):
+    inputs = make_inputs(1, max_rank=max_rank, slot_ranks=(0, max_rank, max_rank // 2))
+    check_backend(BACKENDS[name](None), inputs, jnp.float32)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_one_token(name):
+    inputs = make_inputs(2, num_tokens=1, max_rank=16, slot_ranks=(0, 16), num_segments=4)
+    check_backend(BACKENDS[name](None), inputs, jnp.float32)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_all_base_batch(name):
+    x, lora_a, lora_b, lora = make_inputs(3, all_base=True)
+    y = BACKENDS[name](None).apply(x, lora_a, lora_b, lora)
+    assert np.all(np.asarray(y) == 0.0)
+
+
+SHARDED_BACKENDS = ["einsum", "bgmv", "sgmv_ragged", "sgmv_onehot", "pallas_gpu"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    # Auto axes: the engine's jitted model relies on GSPMD propagation
+    return jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+@pytest.mark.parametrize("layer", ["column", "row"])
+@pytest.mark.parametrize("name", SHARDED_BACKENDS)
+def test_sharded_matches_unsharded(mesh, name, layer):
+    x, lora_a, lora_b, lora = make_inputs(4, num_tokens=24, max_rank=16, slot_ranks=(0, 4, 16, 16))
+    _, y_ref = reference(x, lora_a, lora_b, lora)
+    backend = BACKENDS[name](mesh)
+    is_row = layer == "row"
+
+    def put(value, spec):
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    x_s = put(x, P(None, "tensor") if is_row else P())
+    a_s = put(lora_a, P(None, None, "tensor") if is_row else P())
+    b_s = put(lora_b, P() if is_row else P(None, "tensor", None))
+    lora_s = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
+
+    @jax.jit
+    def apply(x, lora_a, lora_b, lora):
+        s = backend.shrink(x, lora_a, lora, input_sharded=is_row)
+        s = s * lora.slot_scale[lora.token_slot][:, None]
+        y_two_step = backend.expand(s, lora_b, lora, output_sharded=not is_row, out_dtype=x.dtype)
+        y_fused = backend.apply(x, lora_a, lora_b, lora, input_sharded=is_row, output_sharded=not is_row)
+        return y_two_step, y_fused
+
+    for y in apply(x_s, a_s, b_s, lora_s):
+        assert_close(y, y_ref, jnp.float32)
+
+
+def test_factory_names_and_errors():
+    for name in BACKEND_NAMES:
+        assert make_lora_backend(name).name == name
+    with pytest.raises(ValueError, match="unknown --lora-backend"):
+        make_lora_backend("nope")
+
+
+def test_auto_choice_is_static_per_bucket():
+    assert choose_backend_name("cpu", 64, 32) == "einsum"  # no measurements off GPU
+    assert choose_backend_name("tpu", 8192, 4) == "einsum"
+    for tokens, segments in [(1, 1), (64, 32), (256, 128), (4096, 32)]:
+        assert choose_backend_name("gpu", tokens, segments) in BACKENDS

@@ -1,0 +1,174 @@
+"""LoRARegistry (refcounts, wait-for-unload), eviction policies and the host adapter cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter
+from sgl_jax_lora.lora.eviction import FIFOEvictionPolicy, LRUEvictionPolicy, make_eviction_policy
+from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.registry import LoRARegistry, UnknownLoRAError
+
+
+async def _yield_to_loop(times: int = 5) -> None:
+    """Let other tasks run until they block; a scheduling point, not a timed wait."""
+    for _ in range(times):
+        await asyncio.sleep(0)
+
+
+def test_lora_ref_ids_are_unique_and_frozen() -> None:
+    first, second = LoRARef("a", "/p"), LoRARef("a", "/p")
+    assert first.lora_id != second.lora_id and len(first.lora_id) == 32
+    with pytest.raises(AttributeError):
+        first.lora_name = "b"  # type: ignore[misc]
+
+
+def test_register_acquire_release() -> None:
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        ref = LoRARef("sql", "/adapters/sql", pinned=True)
+        registry.register(ref)
+        with pytest.raises(LoRAAdapterError, match="adapter 'sql': .*already loaded"):
+            registry.register(LoRARef("sql", "/elsewhere"))
+        assert await registry.acquire("sql") is ref
+        assert await registry.acquire("sql") is ref
+        assert registry.num_in_flight(ref.lora_id) == 2
+        registry.release(ref.lora_id)
+        assert registry.num_in_flight(ref.lora_id) == 1
+        registry.release(ref.lora_id)
+        with pytest.raises(ValueError, match="without a matching acquire"):
+            registry.release(ref.lora_id)
+        with pytest.raises(UnknownLoRAError) as err:
+            await registry.acquire("chat")
+        assert "adapter 'chat'" in str(err.value) and "/load_lora_adapter" in str(err.value)
+        assert "--lora-paths chat=PATH" in str(err.value) and "loaded: sql" in str(err.value)
+        assert registry.get("sql") is ref and registry.get("chat") is None
+        assert registry.list_refs() == [ref] and "sql" in registry and len(registry) == 1
+
+    asyncio.run(scenario())
+
+
+def test_unregister_waits_for_in_flight_requests() -> None:
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        old = LoRARef("x", "/adapters/x")
+        registry.register(old)
+        await registry.acquire("x")
+        await registry.acquire("x")
+        unload = asyncio.create_task(registry.unregister("x"))
+        await _yield_to_loop()
+        assert not unload.done()
+        with pytest.raises(UnknownLoRAError):
+            await registry.acquire("x")  # new requests fail at once
+        new = LoRARef("x", "/adapters/x-v2")  # the name is free again while old requests finish
+        registry.register(new)
+        assert (await registry.acquire("x")).lora_id == new.lora_id
+        registry.release(old.lora_id)
+        await _yield_to_loop()
+        assert not unload.done()
+        registry.release(old.lora_id)
+        assert await asyncio.wait_for(unload, timeout=5) is old
+        assert registry.num_in_flight(old.lora_id) == 0 and registry.num_in_flight(new.lora_id) == 1
+        with pytest.raises(UnknownLoRAError):
+            await registry.unregister("missing")
+
+    asyncio.run(scenario())
+
+
+def test_unregister_of_idle_adapter_returns_at_once() -> None:
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        ref = LoRARef("idle", "/adapters/idle")
+        registry.register(ref)
+        assert await asyncio.wait_for(registry.unregister("idle"), timeout=5) is ref
+        assert registry.list_refs() == []
+
+    asyncio.run(scenario())
+
+
+def test_lru_and_fifo_pick_different_victims() -> None:
+    lru, fifo = make_eviction_policy("lru"), make_eviction_policy("fifo")
+    assert isinstance(lru, LRUEvictionPolicy) and isinstance(fifo, FIFOEvictionPolicy)
+    for policy in (lru, fifo):
+        for key in ("a", "b", "c", "a"):
+            policy.mark_used(key)
+    assert lru.select_victim(["a", "b", "c"]) == "b"
+    assert fifo.select_victim(["a", "b", "c"]) == "a"
+    assert lru.select_victim(["a", "c"]) == "c"
+    assert lru.select_victim(["a", "never-seen"]) == "never-seen"
+    lru.remove("b")
+    lru.remove("not-there")
+    lru.mark_used("b")
+    assert lru.select_victim(["a", "b", "c"]) == "c"
+    with pytest.raises(ValueError, match="no evictable adapter"):
+        lru.select_victim([])
+    with pytest.raises(ValueError, match="--lora-eviction-policy 'mru'.*lru, fifo"):
+        make_eviction_policy("mru")
+
+
+def _tiny_adapter(ref: LoRARef) -> LoRAAdapter:
+    lora_a, lora_b = np.ones((2, 4), np.float32), np.ones((4, 2), np.float32)
+    return LoRAAdapter(name=ref.lora_name, path=ref.lora_path, weights={(0, "q_proj"): (lora_a, lora_b)},
+                       scaling=2.0, rank=2, target_modules=frozenset({"q_proj"}), num_layers=1)
+
+
+class CountingLoader:
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def __call__(self, ref: LoRARef) -> LoRAAdapter:
+        if ref.lora_path == "/broken":
+            raise LoRAAdapterError(f"adapter '{ref.lora_name}': broken")
+        self.loaded.append(ref.lora_name)
+        return _tiny_adapter(ref)
+
+
+def test_host_cache_lru_with_pinned() -> None:
+    loader = CountingLoader()
+    cache = HostAdapterCache(max_loaded_loras=2, loader=loader)
+    pinned, a, b = LoRARef("pinned", "/p", pinned=True), LoRARef("a", "/a"), LoRARef("b", "/b")
+    assert cache.get(pinned).name == "pinned"
+    assert cache.get(a) is cache.get(a)  # second get is a hit
+    cache.get(b)  # full: evicts a, never the pinned one (even though it is least recently used)
+    assert set(cache.resident_ids()) == {pinned.lora_id, b.lora_id}
+    cache.get(a)  # a reloads from disk; b goes
+    assert loader.loaded == ["pinned", "a", "b", "a"]
+    assert pinned.lora_id in cache and b.lora_id not in cache and len(cache) == 2
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 4, 2)
+    assert cache.stats.hits_by_name["a"] == 1 and cache.stats.misses_by_name["a"] == 2
+    assert cache.nbytes == 2 * _tiny_adapter(a).nbytes
+    cache.drop(a.lora_id)
+    cache.drop("unknown-id")
+    assert cache.resident_ids() == [pinned.lora_id]
+
+
+def test_host_cache_pinned_overflow_and_errors() -> None:
+    loader = CountingLoader()
+    cache = HostAdapterCache(max_loaded_loras=1, loader=loader)
+    p1, p2, a = LoRARef("p1", "/p1", pinned=True), LoRARef("p2", "/p2", pinned=True), LoRARef("a", "/a")
+    cache.get(p1)
+    cache.get(p2)  # pinned adapters are kept even beyond the limit
+    cache.get(a)
+    assert len(cache) == 3
+    cache.get(LoRARef("b", "/b"))  # the unpinned a goes; the pinned ones stay
+    assert a.lora_id not in cache and {p1.lora_id, p2.lora_id} <= set(cache.resident_ids())
+    with pytest.raises(LoRAAdapterError, match="broken"):
+        cache.get(LoRARef("bad", "/broken"))
+    assert len(cache) == 3
+    with pytest.raises(ValueError, match="--max-loaded-loras"):
+        HostAdapterCache(max_loaded_loras=0, loader=loader)
+
+
+def test_host_cache_fifo_policy() -> None:
+    cache = HostAdapterCache(max_loaded_loras=2, loader=CountingLoader(), eviction_policy="fifo")
+    a, b, c = LoRARef("a", "/a"), LoRARef("b", "/b"), LoRARef("c", "/c")
+    cache.get(a)
+    cache.get(b)
+    cache.get(a)  # a hit does not refresh a FIFO position
+    cache.get(c)
+    assert set(cache.resident_ids()) == {b.lora_id, c.lora_id}

@@ -1,0 +1,185 @@
+"""SGMV Pallas kernels (TPU Mosaic and GPU Triton) against their pure-JAX reference.
+
+On CPU both kernels run in interpret mode (TPU: `pltpu.InterpretParams`, GPU: `interpret=True`); tests
+marked `gpu` run the Triton kernel for real and are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
+from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
+from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
+from pallas_kernels.sgmv.work_list import make_work_list
+from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+
+# Max |out - ref| allowed, relative to max |ref|, per input dtype. bf16: inputs are bf16 and the expand
+# kernels round s to bf16 before the matmul (as every backend does), ~2^-8 relative per element.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+HAS_CUDA = any(d.platform == "gpu" for d in jax.devices()) if jax.default_backend() == "gpu" else False
+
+
+@dataclasses.dataclass
+class Case:
+    x: jax.Array  # [T, in]
+    lora_a: jax.Array  # [A, R, in]
+    lora_b: jax.Array  # [A, out, R]
+    lora: LoRABatch
+
+    @property
+    def meta(self) -> tuple[jax.Array, ...]:
+        return (self.lora.sort_perm, self.lora.seg_start, self.lora.seg_slot, self.lora.slot_rank)
+
+
+def make_case(
+    seed: int, *, num_tokens: int = 40, in_dim: int = 256, out_dim: int = 256, max_rank: int = 64,
+    slot_ranks: tuple[int, ...] = (0, 4, 8, 16, 64, 64), num_segments: int = 8, dtype=jnp.float32,
+    all_base: bool = False,
+) -> Case:
+    """Random batch: tokens on random slots (slot 0 = base), slot weights zero above each slot's rank."""
+    rng = np.random.default_rng(seed)
+    num_slots = len(slot_ranks)
+    ranks = np.array(slot_ranks, np.int32)
+    token_slot = np.zeros(num_tokens, np.int32) if all_base else rng.integers(0, num_slots, num_tokens).astype(np.int32)
+    row = np.arange(max_rank)
+    lora_a = rng.standard_normal((num_slots, max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
+    lora_b = rng.standard_normal((num_slots, out_dim, max_rank)) * (row[None, None, :] < ranks[:, None, None])
+    scale = np.where(ranks > 0, 2.0 / np.maximum(ranks, 1), 0.0).astype(np.float32)
+    lora = build_lora_batch(token_slot, num_segments, scale, ranks)
+    lora = jax.tree_util.tree_map(jnp.asarray, lora)
+    x = rng.standard_normal((num_tokens, in_dim))
+    return Case(jnp.asarray(x, dtype), jnp.asarray(lora_a, dtype), jnp.asarray(lora_b, dtype), lora)
+
+
+def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out))
+    tol = TOLERANCE[dtype]
+    scale = max(float(np.abs(ref).max()), 1.0)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+def run_kernels(kernel: str, case: Case, s: jax.Array, out_dtype, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """(shrink [T, R] f32, expand [T, out]) of one kernel family."""
+    if kernel == "tpu":
+        shrink = sgmv_shrink_tpu(case.x, case.lora_a, *case.meta, block_rows=16, block_in=128, interpret=interpret)
+        expand = sgmv_expand_tpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, block_rows=16, block_out=128,
+                                 interpret=interpret)
+        return shrink, expand
+    num_tokens, in_dim = case.x.shape
+    tiles = choose_tiles(num_tokens, case.lora.num_segments, in_dim, case.lora_b.shape[1])
+    partials = sgmv_shrink_gpu_partials(case.x, case.lora_a, *case.meta, tiles=tiles, interpret=interpret)
+    shrink = partials.sum(0)[:, : case.lora_a.shape[1]]
+    expand = sgmv_expand_gpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, tiles=tiles, interpret=interpret)
+    return shrink, expand
+
+
+def check_against_reference(kernel: str, case: Case, *, interpret: bool = True) -> None:
+    dtype = case.x.dtype.type
+    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta)
+    y_ref = sgmv_expand_ref(s_ref, case.lora_b, *case.meta, case.x.dtype)
+    shrink, expand = run_kernels(kernel, case, s_ref, case.x.dtype, interpret=interpret)
+    assert shrink.dtype == jnp.float32 and expand.dtype == case.x.dtype
+    assert_close(shrink, s_ref, dtype)
+    assert_close(expand, y_ref, dtype)
+    is_base = np.asarray(case.lora.token_slot) == 0
+    assert np.all(np.asarray(shrink)[is_base] == 0.0), "base rows must be exactly zero"
+    assert np.all(np.asarray(expand, np.float32)[is_base] == 0.0), "base rows must be exactly zero"
+
+
+KERNELS = ["tpu", "gpu"]
+
+
+def test_work_list_covers_every_row_once():
+    lora = make_case(0, num_tokens=37, num_segments=8).lora
+    work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, 37, 8)
+    assert work.num_items == 5 + 8 - 1
+    covered = np.zeros(40, np.int32)
+    for tile, lo, hi in zip(np.asarray(work.tile), np.asarray(work.row_lo), np.asarray(work.row_hi)):
+        rows = np.arange(tile * 8, tile * 8 + 8)
+        covered[rows[(rows >= lo) & (rows < hi)]] += 1
+    assert np.all(covered[:37] == 1) and np.all(covered[37:] == 0)
+    assert np.all(np.diff(np.asarray(work.tile)) >= 0), "items of one tile must be consecutive"
+
+
+def test_reference_recovers_token_slots():
+    case = make_case(1)
+    assert np.array_equal(np.asarray(token_slot_from_segments(*case.meta[:3])), np.asarray(case.lora.token_slot))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_mixed_ranks_and_empty_segments(kernel, dtype):
+    # pool rank 64, slot ranks {0, 4, 8, 16, 64}; G=8 segments with at most 6 used -> empty tail segments
+    check_against_reference(kernel, make_case(2, dtype=dtype))
+
+
+@pytest.mark.parametrize("max_rank", [4, 8])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_small_rank_pool(kernel, max_rank):
+    check_against_reference(kernel, make_case(3, max_rank=max_rank, slot_ranks=(0, max_rank, max_rank // 2)))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_one_token(kernel):
+    check_against_reference(kernel, make_case(4, num_tokens=1, slot_ranks=(0, 16), max_rank=16, num_segments=4))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_base_batch_is_exactly_zero(kernel):
+    case = make_case(5, all_base=True)
+    s = jnp.ones((case.x.shape[0], case.lora_a.shape[1]), jnp.float32)
+    shrink, expand = run_kernels(kernel, case, s, case.x.dtype, interpret=True)
+    assert np.all(np.asarray(shrink) == 0.0) and np.all(np.asarray(expand) == 0.0)
+
+
+def test_gpu_expand_fuses_scale_and_base_add():
+    case = make_case(6)
+    num_tokens = case.x.shape[0]
+    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta)
+    scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
+    base = jnp.asarray(np.random.default_rng(7).standard_normal((num_tokens, case.lora_b.shape[1])), jnp.float32)
+    y_ref = base + sgmv_expand_ref(s_ref * scale_tok, case.lora_b, *case.meta, jnp.float32)
+    tiles = choose_tiles(num_tokens, case.lora.num_segments, None, case.lora_b.shape[1])
+    # the shrink partials of several `in` splits are summed inside the expand kernel
+    partials = jnp.stack([s_ref * 0.25, s_ref * 0.75])
+    y = sgmv_expand_gpu(partials, case.lora_b, *case.meta, case.lora.slot_scale, base,
+                        out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    assert_close(y, y_ref, jnp.float32)
+    is_base = np.asarray(case.lora.token_slot) == 0
+    assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(num_tokens=40),
+        dict(num_tokens=1, max_rank=16, slot_ranks=(0, 16), num_segments=4),
+        dict(num_tokens=300, in_dim=512, out_dim=768, num_segments=16),
+        dict(num_tokens=2048, in_dim=1024, out_dim=512, max_rank=16, slot_ranks=(0, 8, 16, 16, 16), num_segments=8),
+        dict(num_tokens=64, max_rank=8, slot_ranks=(0, 8, 4)),
+    ],
+    ids=["t40", "t1", "t300", "t2048", "r8"],
+)
+def test_gpu_kernel_on_device(shape, dtype):
+    check_against_reference("gpu", make_case(8, dtype=dtype, **shape), interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_all_base_on_device():
+    case = make_case(9, all_base=True, dtype=jnp.bfloat16)
+    s = jnp.ones((case.x.shape[0], case.lora_a.shape[1]), jnp.float32)
+    shrink, expand = run_kernels("gpu", case, s, case.x.dtype, interpret=False)
+    assert np.all(np.asarray(shrink) == 0.0) and np.all(np.asarray(expand, np.float32) == 0.0)
