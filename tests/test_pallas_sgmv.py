@@ -67,24 +67,29 @@ def assert_close(out: jax.Array, ref: jax.Array, dtype) -> None:
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
 
 
-def run_kernels(kernel: str, case: Case, s: jax.Array, out_dtype, *, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """(shrink [T, R] f32, expand [T, out]) of one kernel family."""
+def run_kernels(
+    kernel: str, case: Case, s: jax.Array, out_dtype, *, interpret: bool, rank_block: int | None = -1
+) -> tuple[jax.Array, jax.Array]:
+    """(shrink [T, R] f32, expand [T, out]) of one kernel family; rank_block -1 means R."""
+    rank_block = case.lora_a.shape[1] if rank_block == -1 else rank_block
     if kernel == "tpu":
-        shrink = sgmv_shrink_tpu(case.x, case.lora_a, *case.meta, block_rows=16, block_in=128, interpret=interpret)
+        shrink = sgmv_shrink_tpu(case.x, case.lora_a, *case.meta, rank_block=rank_block, block_rows=16,
+                                 block_in=128, interpret=interpret)
         expand = sgmv_expand_tpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, block_rows=16, block_out=128,
                                  interpret=interpret)
         return shrink, expand
     num_tokens, in_dim = case.x.shape
     tiles = choose_tiles(num_tokens, case.lora.num_segments, in_dim, case.lora_b.shape[1])
-    partials = sgmv_shrink_gpu_partials(case.x, case.lora_a, *case.meta, tiles=tiles, interpret=interpret)
-    shrink = partials.sum(0)[:, : case.lora_a.shape[1]]
+    partials = sgmv_shrink_gpu_partials(case.x, case.lora_a, *case.meta, tiles=tiles, rank_block=rank_block,
+                                        interpret=interpret)
+    shrink = partials.sum(0)
     expand = sgmv_expand_gpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, tiles=tiles, interpret=interpret)
     return shrink, expand
 
 
 def check_against_reference(kernel: str, case: Case, *, interpret: bool = True) -> None:
     dtype = case.x.dtype.type
-    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta)
+    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta, rank_block=case.lora_a.shape[1])
     y_ref = sgmv_expand_ref(s_ref, case.lora_b, *case.meta, case.x.dtype)
     shrink, expand = run_kernels(kernel, case, s_ref, case.x.dtype, interpret=interpret)
     assert shrink.dtype == jnp.float32 and expand.dtype == case.x.dtype
@@ -139,6 +144,22 @@ def test_all_base_batch_is_exactly_zero(kernel):
     s = jnp.ones((case.x.shape[0], case.lora_a.shape[1]), jnp.float32)
     shrink, expand = run_kernels(kernel, case, s, case.x.dtype, interpret=True)
     assert np.all(np.asarray(shrink) == 0.0) and np.all(np.asarray(expand) == 0.0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_a_masks_rank_per_block(kernel):
+    # q|k|v packed: A stacks 3 blocks of R=16 rows; slot ranks 4/8/16 apply inside every block
+    case = make_case(10, max_rank=16, slot_ranks=(0, 4, 8, 16))
+    packed_a = jnp.concatenate([case.lora_a, case.lora_a * 2.0, case.lora_a * -1.0], axis=1)  # [A, 48, in]
+    # garbage above each rank inside every block must be ignored when rank_block is given
+    rank = np.asarray(case.lora.slot_rank)
+    above = (np.arange(48)[None, :] % 16 >= rank[:, None])[:, :, None]
+    noisy_a = jnp.where(above, 7.0, packed_a)
+    packed = dataclasses.replace(case, lora_a=noisy_a)
+    s_ref = sgmv_shrink_ref(case.x, packed_a, *case.meta)  # clean A: no masking needed
+    shrink, _ = run_kernels(kernel, packed, s_ref[:, :16], jnp.float32, interpret=True, rank_block=16)
+    assert_close(shrink, s_ref, jnp.float32)
+    assert np.abs(np.asarray(shrink)[:, 16:]).max() > 0, "blocks above the first must not be masked away"
 
 
 def test_gpu_expand_fuses_scale_and_base_add():

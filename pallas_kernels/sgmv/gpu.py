@@ -14,13 +14,12 @@ expand: grid (work item, block of `out`); it sums the shrink partials, applies t
 add the delta into the base layer output in place (`base_out`, aliased to the result), so the LoRA delta
 never makes its own round trip through HBM. Rows of base tokens are then not touched at all.
 
-Rank awareness: a slot's A rows / B columns at or above its true rank are masked off in the loads, so
-their bytes are never read; base segments (rank 0) read no weights. The matmul itself still runs at the
-padded rank (Triton blocks are static, minimum 16), which costs nothing measurable in the memory-bound
-decode regime.
-
-Triton blocks are powers of two >= 16: a pool whose max rank R is not such a power is padded to one per
-call (a copy of the A/B buffers; allocate pools with R in {16, 32, 64, 128} to avoid it).
+Rank awareness: a slot's B columns at or above its true rank are masked off in the expand loads, and in
+shrink its A rows too when the caller says how A's rows are blocked (`rank_block`: R for one module, the
+per-part R when q|k|v are stacked along R); masked bytes are never read. Base segments (rank 0) read no
+weights. The matmul itself runs at the rank rounded up to a power of two >= 16 (Triton's static block),
+which costs nothing measurable in the memory-bound decode regime; rows/columns past R are masked, so the
+buffers are used as they are, never padded or copied.
 """
 
 from __future__ import annotations
@@ -111,15 +110,20 @@ def _item_rows(perm_ref, tile, lo, hi, block_rows):
     return rows, (pos >= lo) & (pos < hi)
 
 
-def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, x_ref, a_ref, o_ref, *, tiles, rank_pad, num_tokens):
-    # x_ref [T, in]; a_ref [A * rank_pad, in]; o_ref [splits * T, rank_pad] f32
+def _shrink_kernel(
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, x_ref, a_ref, o_ref,
+    *, tiles, rank_pad, max_rank, rank_block, num_tokens,
+):
+    # x_ref [T, in]; a_ref [A * R, in]; o_ref [splits * T, R] f32; rank_pad = R rounded up to a power of 2
     item, split = pl.program_id(0), pl.program_id(1)
     tm, tk = tiles.block_rows, tiles.block_in
     rank = rank_ref[item]
     rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
     x_ok = jnp.broadcast_to((row_ok & (rank > 0))[:, None], (tm, tk))
-    a_rows = slot_ref[item] * rank_pad + jnp.arange(rank_pad, dtype=jnp.int32)
-    a_ok = jnp.broadcast_to((jnp.arange(rank_pad, dtype=jnp.int32) < rank)[:, None], (rank_pad, tk))
+    r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
+    r_ok = (r_idx < max_rank) & (((r_idx % rank_block) < rank) if rank_block else (rank > 0))
+    a_rows = slot_ref[item] * max_rank + r_idx
+    a_ok = jnp.broadcast_to(r_ok[:, None], (rank_pad, tk))
     k_steps = x_ref.shape[1] // tk // tiles.in_splits
 
     def step(j, acc):
@@ -129,22 +133,24 @@ def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, x_ref
         return acc + _dot_nt(x_blk, a_blk)
 
     acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((tm, rank_pad), jnp.float32))
-    out_ok = jnp.broadcast_to(row_ok[:, None], (tm, rank_pad))
+    out_ok = row_ok[:, None] & (r_idx < max_rank)[None, :]
     plgpu.store(o_ref.at[_at(split * num_tokens + rows, 0, rank_pad)], acc, mask=out_ok)
 
 
 def _expand_kernel(
     tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, s_ref, b_ref, *rest,
-    tiles, rank_pad, num_tokens, num_splits, out_dim, has_base,
+    tiles, rank_pad, max_rank, num_tokens, num_splits, out_dim, has_base,
 ):
-    # s_ref [splits * T, rank_pad] f32; b_ref [A * out, rank_pad]; optional base_ref [T, out]; o_ref [T, out]
+    # s_ref [splits * T, S >= R] f32 (only the first R columns read); b_ref [A * out, R];
+    # optional base_ref [T, out]; o_ref [T, out]
     o_ref = rest[-1]
     item, n_grp = pl.program_id(0), pl.program_id(1)
     tm, tn = tiles.block_rows, tiles.block_out
     rank = rank_ref[item]
     rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
     is_active = rank > 0
-    r_ok = jnp.arange(rank_pad, dtype=jnp.int32) < rank
+    r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
+    r_ok = (r_idx < rank) & (r_idx < max_rank)
     s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
     s = jnp.zeros((tm, rank_pad), jnp.float32)
     for split in range(num_splits):
@@ -170,15 +176,6 @@ def _expand_kernel(
     jax.lax.fori_loop(0, tiles.out_steps, step, 0)
 
 
-def _pad_rank(weights: jax.Array, axis: int, rank_pad: int) -> jax.Array:
-    extra = rank_pad - weights.shape[axis]
-    if extra == 0:
-        return weights
-    widths = [(0, 0)] * weights.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(weights, widths)
-
-
 def _padded_perm(sort_perm: jax.Array, block_rows: int) -> jax.Array:
     """sort_perm padded to whole row tiles with the out-of-range row T. Those rows are always masked; an
     index no real row shares keeps interpret mode's masked scatter (which writes the old value back) from
@@ -192,7 +189,7 @@ def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
     return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "rank_block", "interpret"))
 def sgmv_shrink_gpu_partials(
     x: jax.Array,  # [T, in]
     lora_a: jax.Array,  # [A, R, in]
@@ -202,28 +199,35 @@ def sgmv_shrink_gpu_partials(
     slot_rank: jax.Array,  # [A] i32
     *,
     tiles: GpuTiles,
+    rank_block: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """[in_splits, T, rank_pad] float32 partial sums of x_t @ A[slot_t].T (token order)."""
+    """[in_splits, T, R] float32 partial sums of x_t @ A[slot_t].T (token order); sum over axis 0.
+
+    rank_block: A's rows come in blocks of this size (R, or the per-part R of packed modules) and rows at or
+    above the slot's rank within a block are skipped; None skips only rank-0 (base) slots.
+    """
     num_tokens, in_dim = x.shape
     num_slots, max_rank, _ = lora_a.shape
-    rank_pad = padded_rank(max_rank)
-    a_flat = _pad_rank(lora_a, 1, rank_pad).reshape(num_slots * rank_pad, in_dim)
+    a_flat = lora_a.reshape(num_slots * max_rank, in_dim)
     work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
-    kernel = functools.partial(_shrink_kernel, tiles=tiles, rank_pad=rank_pad, num_tokens=num_tokens)
+    kernel = functools.partial(
+        _shrink_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank,
+        rank_block=rank_block, num_tokens=num_tokens,
+    )
     partials = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((tiles.in_splits * num_tokens, rank_pad), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((tiles.in_splits * num_tokens, max_rank), jnp.float32),
         grid=(work.num_items, tiles.in_splits),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
     )(*_work_args(work), _padded_perm(sort_perm, tiles.block_rows), x, a_flat)
-    return partials.reshape(tiles.in_splits, num_tokens, rank_pad)
+    return partials.reshape(tiles.in_splits, num_tokens, max_rank)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
 def sgmv_expand_gpu(
-    s_partials: jax.Array,  # [splits, T, R'] f32 (R' >= R; extra columns ignored) or [T, R']
+    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= R (only the first R columns are read)
     lora_b: jax.Array,  # [A, out, R]
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
@@ -239,17 +243,15 @@ def sgmv_expand_gpu(
     """[T, out] out_dtype: (base_out +) scale[slot_t] * (sum of s partials)_t @ B[slot_t].T."""
     if s_partials.ndim == 2:
         s_partials = s_partials[None]
-    num_splits, num_tokens, _ = s_partials.shape
+    num_splits, num_tokens, s_cols = s_partials.shape
     num_slots, out_dim, max_rank = lora_b.shape
-    rank_pad = padded_rank(max_rank)
-    s_flat = _pad_rank(s_partials[..., :max_rank].astype(jnp.float32), 2, rank_pad)
-    s_flat = s_flat.reshape(num_splits * num_tokens, rank_pad)
-    b_flat = _pad_rank(lora_b, 2, rank_pad).reshape(num_slots * out_dim, rank_pad)
+    s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
+    b_flat = lora_b.reshape(num_slots * out_dim, max_rank)
     work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
     scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
     has_base = base_out is not None
     kernel = functools.partial(
-        _expand_kernel, tiles=tiles, rank_pad=rank_pad, num_tokens=num_tokens,
+        _expand_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank, num_tokens=num_tokens,
         num_splits=num_splits, out_dim=out_dim, has_base=has_base,
     )
     operands = (*_work_args(work), scale[work.slot], _padded_perm(sort_perm, tiles.block_rows), s_flat, b_flat)

@@ -11,8 +11,10 @@ output tile stays resident in VMEM while consecutive items accumulate their mask
 Block shapes: rows a multiple of 16 (bf16 sublane packing), `in`/`out` blocks multiples of 128 (lanes);
 the rank dimension is taken whole (a block dim equal to the array dim is always legal).
 
-Rank awareness: items of base segments (rank 0) and empty tail items skip the matmul. The weight DMA of
-an item still moves all R rows: the block shape is static, so padding rows above a slot's rank are read.
+Rank awareness: items of base segments (rank 0) and empty tail items skip the matmul; results above a
+slot's rank are masked (in shrink only when the caller gives `rank_block`, the row blocking of A, since a
+packed q|k|v A stacks several rank blocks). The weight DMA of an item still moves all R rows: the block
+shape is static, so padding rows above a slot's rank are read.
 
 Speed on TPU is unmeasured (no TPU here); correctness is tested in interpret mode (`pltpu.InterpretParams`).
 """
@@ -71,7 +73,7 @@ def _rank_mask(shape: tuple[int, int], rank: jax.Array, rank_axis: int) -> jax.A
     return jax.lax.broadcasted_iota(jnp.int32, shape, rank_axis) < rank
 
 
-def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_ref, a_ref, o_ref, *, block_rows):
+def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_ref, a_ref, o_ref, *, block_rows, rank_block):
     # x_ref [tm, tk], a_ref [R, tk], o_ref [tm, R] f32 (resident across the items of one tile)
     del slot_ref
     item, k_step = pl.program_id(0), pl.program_id(1)
@@ -84,7 +86,9 @@ def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_re
     def _accumulate():
         partial = _dot_nt(x_ref[...], a_ref[...])  # [tm, R]
         keep = _row_mask(partial.shape, tile_ref[item], lo_ref[item], hi_ref[item], block_rows)
-        keep = keep & _rank_mask(partial.shape, rank_ref[item], 1)
+        if rank_block:
+            col = jax.lax.broadcasted_iota(jnp.int32, partial.shape, 1)
+            keep = keep & (col % rank_block < rank_ref[item])
         o_ref[...] += jnp.where(keep, partial, 0.0)
 
 
@@ -123,7 +127,7 @@ def _unsort_rows(sorted_values: jax.Array, sort_perm: jax.Array) -> jax.Array:
     return out.at[sort_perm].set(sorted_values[:num_rows], unique_indices=True)
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "block_in", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rank_block", "block_rows", "block_in", "interpret"))
 def sgmv_shrink_tpu(
     x: jax.Array,  # [T, in]
     lora_a: jax.Array,  # [A, R, in]
@@ -132,11 +136,16 @@ def sgmv_shrink_tpu(
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
     *,
+    rank_block: int | None = None,
     block_rows: int = 128,
     block_in: int = 1024,
     interpret: bool = False,
 ) -> jax.Array:
-    """[T, R] float32: x_t @ A[slot_t].T for every token, reading only the adapters in the segments."""
+    """[T, R] float32: x_t @ A[slot_t].T for every token, reading only the adapters in the segments.
+
+    rank_block: A's rows come in blocks of this size (R, or the per-part R of packed modules); columns at or
+    above the slot's rank within a block are zeroed. None: only rank-0 (base) slots are skipped.
+    """
     num_tokens, in_dim = x.shape
     _, max_rank, _ = lora_a.shape
     tm = _row_block(num_tokens, block_rows)
@@ -155,7 +164,7 @@ def sgmv_shrink_tpu(
         out_specs=pl.BlockSpec((tm, max_rank), lambda w, k, tile, slot, *_: (tile[w], 0)),
     )
     out_sorted = pl.pallas_call(
-        functools.partial(_shrink_kernel, block_rows=tm),
+        functools.partial(_shrink_kernel, block_rows=tm, rank_block=rank_block),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((rows_padded, max_rank), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),

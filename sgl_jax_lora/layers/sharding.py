@@ -73,8 +73,14 @@ def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(SHARDING_RULES.get(a) if a else None for a in axes))
 
 
-def logical_to_sharding(mesh: Mesh, axes: tuple[str | None, ...]) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes))
+def logical_to_sharding(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
+    """With `shape`, an axis that does not split evenly (e.g. a vocab of 32001 over 8) stays replicated."""
+    spec = logical_to_spec(axes)
+    if shape is not None:
+        spec = PartitionSpec(
+            *(m if m is None or dim % mesh.shape[m] == 0 else None for m, dim in zip(spec, shape))
+        )
+    return NamedSharding(mesh, spec)
 
 
 def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str, ...]:

@@ -130,7 +130,7 @@ def load_model_state(
     for path, variable in nnx.to_flat_state(abstract_state):
         path = tuple(str(p) for p in path)
         spec = variable.get_value()
-        sharding = logical_to_sharding(mesh, param_logical_axes(path, len(spec.shape)))
+        sharding = logical_to_sharding(mesh, param_logical_axes(path, len(spec.shape)), spec.shape)
         if "lora_" in path[-1]:
             value = jax.jit(lambda s=spec: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
         elif reader is None:

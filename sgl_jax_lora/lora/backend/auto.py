@@ -52,8 +52,11 @@ class AutoBackend(LoRABackend):
     def pick(self, num_tokens: int, lora: LoRABatch) -> LoRABackend:
         return self.backends[choose_backend_name(self.platform, num_tokens, lora.num_segments)]
 
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
-        return self.pick(x.shape[0], lora).shrink(x, lora_a, lora, input_sharded=input_sharded)
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
+        return self.pick(x.shape[0], lora).shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=rank_block)
 
     def expand(
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype

@@ -38,11 +38,18 @@ class LoRABackend(abc.ABC):
         self.mesh = mesh
 
     @abc.abstractmethod
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
         """x [T, in], lora_a [A, R, in] -> [T, R] float32, x_t @ A[slot_t].T.
 
         input_sharded: x and A split on `in` over 'tensor' (row-parallel layer); the partial [T, R] sums
         are all-reduced, the only collective.
+        rank_block: A's rows come in blocks of this many (R for one module; the per-part R when packed
+        q|k|v or gate|up stack their A along R). Given it, kernels may skip rows at or above a slot's rank
+        within each block; None lets them skip only base (rank-0) slots. Results are the same either way
+        when rows above each rank are zero, as the memory pool guarantees.
         """
 
     @abc.abstractmethod
@@ -69,7 +76,7 @@ class LoRABackend(abc.ABC):
 
         With base_out, returns base_out + delta in base_out.dtype; backends that can fuse the add do.
         """
-        s = self.shrink(x, lora_a, lora, input_sharded=input_sharded)
+        s = self.shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=lora_a.shape[1])
         s = s * lora.slot_scale[lora.token_slot][:, None]
         delta = self.expand(s, lora_b, lora, output_sharded=output_sharded, out_dtype=x.dtype)
         if base_out is None:

@@ -17,7 +17,10 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 class BgmvBackend(LoRABackend):
     name = "bgmv"
 
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
         a_tok = lora_a[lora.token_slot]  # [T, R, in]
         s = jnp.einsum(
             "ti,tri->tr", x, a_tok,

@@ -19,7 +19,10 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 class EinsumBackend(LoRABackend):
     name = "einsum"
 
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
         one_hot = jax.nn.one_hot(lora.token_slot, lora_a.shape[0], dtype=x.dtype)  # [T, A]
         s = jnp.einsum(
             "ti,ta,ari->tr", x, one_hot, lora_a,

@@ -68,13 +68,17 @@ class PallasBackend(LoRABackend):
 
     # -- local (per-shard) kernels ----------------------------------------------------------------------------
 
-    def _local_shrink_partials(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch) -> jax.Array:
-        """[splits, T, R'] f32 (R' >= R) on one shard; TPU returns a single split of exactly R."""
+    def _local_shrink_partials(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, rank_block: int | None
+    ) -> jax.Array:
+        """[splits, T, R] f32 partial sums on one shard (TPU: a single split)."""
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
         if self.kernel == "tpu":
-            return sgmv_shrink_tpu(x, lora_a, *meta, interpret=self.interpret)[None]
+            return sgmv_shrink_tpu(x, lora_a, *meta, rank_block=rank_block, interpret=self.interpret)[None]
         tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
-        return sgmv_shrink_gpu_partials(x, lora_a, *meta, tiles=tiles, interpret=self.interpret)
+        return sgmv_shrink_gpu_partials(
+            x, lora_a, *meta, tiles=tiles, rank_block=rank_block, interpret=self.interpret
+        )
 
     def _local_expand(
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, scale: jax.Array | None,
@@ -97,11 +101,12 @@ class PallasBackend(LoRABackend):
 
     # -- interface -------------------------------------------------------------------------------------------
 
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
-        max_rank = lora_a.shape[1]
-
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
         def local(x, lora_a, lora):
-            s = self._local_shrink_partials(x, lora_a, lora).sum(0)[:, :max_rank]
+            s = self._local_shrink_partials(x, lora_a, lora, rank_block).sum(0)
             return self._psum(s, input_sharded)
 
         specs = (_IN_SPLIT_X, _IN_SPLIT_A, _REPLICATED) if input_sharded else (_REPLICATED,) * 3
@@ -131,7 +136,7 @@ class PallasBackend(LoRABackend):
         out_dtype = x.dtype if base_out is None else base_out.dtype
 
         def local(x, lora_a, lora_b, lora, *base):
-            s = self._local_shrink_partials(x, lora_a, lora)
+            s = self._local_shrink_partials(x, lora_a, lora, lora_a.shape[1])
             if input_sharded:
                 s = self._psum(s.sum(0), True)
             return self._local_expand(s, lora_b, lora, lora.slot_scale, base[0] if base else None, out_dtype)

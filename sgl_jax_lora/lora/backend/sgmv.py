@@ -52,7 +52,10 @@ class SgmvBackend(LoRABackend):
             raise ValueError(f"sgmv method {method!r}: choose one of {METHODS}")
         self.method = method
 
-    def shrink(self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False) -> jax.Array:
+    def shrink(
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        rank_block: int | None = None,
+    ) -> jax.Array:
         a_seg = lora_a[lora.seg_slot]  # [G, R, in]: only the adapters present in the batch
         precision = dot_precision(x.dtype, lora_a.dtype)
         if self.method == "ragged":

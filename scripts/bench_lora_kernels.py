@@ -1,0 +1,207 @@
+"""Cost of a LoRA-wrapped linear vs the base GEMM, per LoRA backend (protocol: ../shared/BENCHMARKS.md).
+
+For each (layer shape, rank, tokens T, distinct adapters n) it jits 16 unrolled layers with distinct
+weights (so the base weights stream from HBM, as in a real model) twice: base only (y = x @ W) and
+LoRA-wrapped (y = x @ W + backend.apply(x, A, B, lora), the add fused where the backend can). The row's
+ratio is t_lora / t_base, measured side by side. Tokens are spread over the n adapters round-robin and then
+shuffled (so every adapter is present when T >= n); the slot pool holds max(8, n) adapters plus slot 0.
+
+Printed beside each row: the limit (decode: memory-bound, (W bytes + bytes of the adapters present) / W
+bytes; prefill T >= 2048: compute-bound, (base FLOPs + LoRA FLOPs) / base FLOPs) and the achieved HBM
+bandwidth of the whole LoRA-wrapped layer (W + adapters present + x + y bytes over t_lora).
+
+Usage: python scripts/bench_lora_kernels.py --grid full --json out.json
+Imports only jax and the kernels/backends (no flax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
+from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
+
+SHAPES = {"qo": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+DECODE = [(t, n) for t in (1, 64, 256) for n in (1, 8, 32, 128)]
+PREFILL = [(t, n) for t in (2048, 4096, 8192) for n in (4, 32)]
+GOAL_ROWS = [("qo", 16, 64, 32), ("qo", 16, 256, 128), ("qo", 16, 4096, 32), ("qo", 64, 4096, 32)]
+BACKENDS = ("einsum", "bgmv", "sgmv", "pallas")
+BYTES = 2  # bf16
+MAX_GATHER_BYTES = 4 << 30  # bgmv materializes T copies of the weights; skip rows beyond this
+
+
+def grid(name: str) -> list[tuple[str, int, int, int]]:
+    """(shape, rank, T, n) rows, goal rows first. 'full' trims gate_up/down to the goal-like scenarios."""
+    if name == "goal":
+        return list(GOAL_ROWS)
+    rows = list(GOAL_ROWS)
+    if name == "full":
+        rows += [("qo", r, t, n) for r in (16, 64) for t, n in DECODE + PREFILL]
+        for shape in ("gate_up", "down"):
+            rows += [(shape, 16, 64, 32), (shape, 16, 256, 128), (shape, 16, 4096, 32), (shape, 64, 4096, 32)]
+    seen, ordered = set(), []
+    for row in rows:
+        if row not in seen:
+            seen.add(row)
+            ordered.append(row)
+    return ordered
+
+
+def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, seed: int):
+    rng = np.random.default_rng(seed)
+    token_slot = (1 + np.arange(num_tokens) % num_adapters)[rng.permutation(num_tokens)].astype(np.int32)
+    ranks = np.full(num_slots, rank, np.int32)
+    ranks[0] = 0
+    scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
+    num_segments = 1 << max(num_adapters - 1, 0).bit_length()
+    lora = build_lora_batch(token_slot, num_segments, scale, ranks)
+    return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
+
+
+def make_weights(key, num_layers, in_dim, out_dim, num_slots, rank):
+    k_w, k_a, k_b = jax.random.split(key, 3)
+    w = jax.random.normal(k_w, (num_layers, in_dim, out_dim), jnp.bfloat16) * 0.02
+    slot_mask = (jnp.arange(num_slots) > 0)[None, :, None, None].astype(jnp.bfloat16)
+    a = jax.random.normal(k_a, (num_layers, num_slots, rank, in_dim), jnp.bfloat16) * 0.02 * slot_mask
+    b = jax.random.normal(k_b, (num_layers, num_slots, out_dim, rank), jnp.bfloat16) * 0.02 * slot_mask
+    return [w[i] for i in range(num_layers)], [a[i] for i in range(num_layers)], [b[i] for i in range(num_layers)]
+
+
+def time_fn(fn, args, min_seconds: float) -> float:
+    """Median seconds per call over 5 batches of back-to-back (async) calls, after warm-up."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    single = time.perf_counter() - start
+    calls = int(min(50, max(3, min_seconds / 5 / max(single, 1e-6))))
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls)
+    return float(np.median(samples))
+
+
+def limits(in_dim, out_dim, rank, num_tokens, num_present):
+    w_bytes = in_dim * out_dim * BYTES
+    lora_bytes = num_present * rank * (in_dim + out_dim) * BYTES
+    act_bytes = num_tokens * (in_dim + out_dim) * BYTES
+    memory = (w_bytes + lora_bytes) / w_bytes
+    compute = 1 + rank * (in_dim + out_dim) / (in_dim * out_dim)
+    return memory, compute, w_bytes + lora_bytes + act_bytes
+
+
+def run(args) -> list[dict]:
+    results, base_cache = [], {}
+    deadline = time.perf_counter() + args.time_budget
+    backends = {name: make_lora_backend(name) for name in args.backends.split(",")}
+    for shape, rank, num_tokens, num_adapters in grid(args.grid)[: args.max_rows]:
+        in_dim, out_dim = (d // args.dim_divisor for d in SHAPES[shape])
+        num_slots = max(8, num_adapters) + 1
+        lora, num_present = make_lora(num_tokens, num_adapters, num_slots, rank, seed=num_tokens + num_adapters)
+        memory_limit, compute_limit, bytes_moved = limits(in_dim, out_dim, rank, num_tokens, num_present)
+        is_prefill = num_tokens >= 2048
+        row = dict(shape=shape, in_dim=in_dim, out_dim=out_dim, rank=rank, tokens=num_tokens,
+                   slots=num_slots - 1, distinct=num_present,
+                   limit=compute_limit if is_prefill else memory_limit,
+                   limit_kind="compute" if is_prefill else "memory", ratio={}, gbps={}, skipped={})
+        if time.perf_counter() > deadline:
+            row["skipped"] = {name: "time budget" for name in backends}
+            results.append(row)
+            print_row(row, backends)
+            continue
+        ws, as_, bs = make_weights(jax.random.key(rank), args.layers, in_dim, out_dim, num_slots, rank)
+        x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
+
+        @jax.jit
+        def base_fn(x, ws):
+            return [x @ w for w in ws]
+
+        base_key = (shape, num_tokens)
+        if base_key not in base_cache:
+            base_cache[base_key] = time_fn(base_fn, (x, ws), args.min_seconds)
+        t_base = base_cache[base_key]
+        row["t_base_us"] = t_base / args.layers * 1e6
+        for name, backend in backends.items():
+            gather = num_tokens * rank * (in_dim + out_dim) * BYTES
+            if name == "bgmv" and gather > MAX_GATHER_BYTES:
+                row["skipped"][name] = f"gathers {gather / 2**30:.0f} GiB per layer"
+                continue
+            if time.perf_counter() > deadline:
+                row["skipped"][name] = "time budget"
+                continue
+
+            def lora_fn(x, ws, as_, bs, lora, backend=backend):
+                return [backend.apply(x, a, b, lora, base_out=x @ w) for w, a, b in zip(ws, as_, bs)]
+
+            try:
+                t_lora = time_fn(jax.jit(lora_fn), (x, ws, as_, bs, lora), args.min_seconds)
+            except Exception as err:  # noqa: BLE001 - a failed backend is reported, the sweep goes on
+                row["skipped"][name] = f"error: {type(err).__name__}: {str(err)[:120]}"
+                continue
+            row["ratio"][name] = t_lora / t_base
+            row["gbps"][name] = bytes_moved / (t_lora / args.layers) / 1e9
+        del ws, as_, bs
+        results.append(row)
+        print_row(row, backends)
+    return results
+
+
+def print_header(backends) -> None:
+    cols = " | ".join(f"{b} ratio (GB/s)" for b in backends)
+    print(f"| shape | rank | T | slots / distinct | base us/layer | limit | {cols} |", flush=True)
+    print("|" + "---|" * (6 + len(backends)), flush=True)
+
+
+def print_row(row: dict, backends) -> None:
+    cells = []
+    for name in backends:
+        if name in row["ratio"]:
+            cells.append(f"{row['ratio'][name]:.2f} ({row['gbps'][name]:.0f})")
+        else:
+            cells.append(f"not run: {row['skipped'].get(name, '?')}")
+    limit = f"{row['limit']:.2f}" + (" (compute)" if row["limit_kind"] == "compute" else "")
+    base = f"{row['t_base_us']:.1f}" if "t_base_us" in row else "-"
+    print(f"| {row['shape']} {row['in_dim']}->{row['out_dim']} | {row['rank']} | {row['tokens']} | "
+          f"{row['slots']} / {row['distinct']} | {base} | {limit} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", choices=("goal", "full"), default="full")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--min-seconds", type=float, default=0.25, help="timed work per function")
+    parser.add_argument("--time-budget", type=float, default=420.0, help="rows past this are 'not run'")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--dim-divisor", type=int, default=1, help="shrink layer dims (CPU smoke runs only)")
+    parser.add_argument("--max-rows", type=int, default=None)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}", flush=True)
+    backends = args.backends.split(",")
+    print_header(backends)
+    results = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
+                                             layers=args.layers, rows=results), indent=1))
+    print("\nsummary (same rows):", flush=True)
+    print_header(backends)
+    for row in results:
+        print_row(row, backends)
+
+
+if __name__ == "__main__":
+    main()

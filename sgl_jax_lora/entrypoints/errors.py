@@ -1,0 +1,109 @@
+"""HTTP errors: one OpenAI-style body for every failure, `{"error": {"message", "type", "code"}}`.
+
+Flow: a handler raises (APIError here, RequestError from the TokenizerManager, LoRAAdapterError from the
+adapter code, pydantic's RequestValidationError for malformed JSON or wrong types) -> the handlers
+installed by `install_error_handlers` turn it into a JSON response with the status below. Nothing a
+client sends can take the server down: the exception ends one request, the server keeps serving.
+
+    400 invalid_request_error   bad input, unknown model or adapter, prompt too long, too many tokens
+    401 authentication_error    missing or wrong `Authorization: Bearer KEY` (with --api-key)
+    404 not_found_error         no such route
+    503 service_unavailable     the engine is still starting, or its process has exited
+    500 internal_error          a bug; the message says what failed
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable",
+    500: "internal_error",
+}
+
+
+class APIError(Exception):
+    """An error to answer with `status_code` and an OpenAI-style body."""
+
+    def __init__(self, status_code: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+
+
+def error_body(status_code: int, message: str, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status_code, "invalid_request_error"), "code": code}}
+
+
+def error_response(status_code: int, message: str, code: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
+    return JSONResponse(error_body(status_code, message, code), status_code=status_code, headers=headers)
+
+
+def to_api_error(exc: Exception) -> APIError:
+    """Map any exception raised while serving a request to the APIError the client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
+    if isinstance(exc, (RequestError, LoRAAdapterError)):
+        return APIError(400, str(exc), "invalid_request")
+    logger.exception("internal error while serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    """(message, code) for pydantic's errors: names the field and what was wrong with it."""
+    problems = []
+    for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            detail = error.get("ctx", {}).get("error", "invalid JSON")
+            return f"malformed JSON body: {detail}", "invalid_json"
+        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        if error.get("type") == "model_attributes_type" and not location:
+            return "the request body must be a JSON object", "invalid_json"
+        problems.append(f"{location or 'body'}: {error.get('msg')}" + _input_suffix(error))
+    return "invalid request: " + "; ".join(problems), "invalid_request"
+
+
+def _input_suffix(error: dict) -> str:
+    if error.get("type") in ("missing", "extra_forbidden"):
+        return ""
+    value = repr(error.get("input"))
+    return f" (got {value[:80]})"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        error = to_api_error(exc)
+        return error_response(error.status_code, error.message, error.code)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, code = validation_message(exc)
+        return error_response(400, message, code)
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestError, on_api_error)
+    app.add_exception_handler(LoRAAdapterError, on_api_error)
+    app.add_exception_handler(EngineDeadError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_api_error)

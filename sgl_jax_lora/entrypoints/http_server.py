@@ -1,0 +1,214 @@
+"""The HTTP server: a FastAPI app over one TokenizerManager, served by uvicorn.
+
+Flow: `run_server(args)` builds the app and runs uvicorn. The app's lifespan binds the port at once and
+starts the engine process on a background thread, so `/health` answers 503 while the engine compiles and
+200 once it is up. A watchdog on the engine process's sentinel notices if it dies: `/health` turns 503,
+in-flight requests fail with 503, and the server exits with a non-zero code. SIGINT/SIGTERM (uvicorn's
+handlers) stop accepting, then the lifespan shutdown stops the engine process, leaving no orphan.
+
+Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload) and openai_api.py
+(/v1/...); errors.py shapes every error; metrics.py counts. Every route but /health requires the API key
+when --api-key is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from sgl_jax_lora.entrypoints import native_api, openai_api
+from sgl_jax_lora.entrypoints.errors import APIError, install_error_handlers
+from sgl_jax_lora.entrypoints.metrics import ServerMetrics
+from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# After the engine dies, keep answering 503 this long before exiting, so that in-flight requests get
+# their error and a health checker polling /health sees the 503 rather than only a refused connection.
+ENGINE_DEATH_GRACE_S = 1.0
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What every handler needs, held on `app.state.server`."""
+
+    args: ServerArgs
+    model_path: str
+    served_model_name: str
+    metrics: ServerMetrics
+    tokenizer_manager: TokenizerManager | None = None  # None until the engine is up
+    startup_error: str | None = None
+    is_shutting_down: bool = False
+    exit_code: int = 0
+    request_exit: Callable[[int], None] = lambda code: None  # set by run_server: stops uvicorn
+
+    @property
+    def is_ready(self) -> bool:
+        tm = self.tokenizer_manager
+        return tm is not None and not tm.is_dead and tm.process.is_alive()
+
+    def engine(self) -> TokenizerManager:
+        """The TokenizerManager, or a 503 APIError saying why the engine cannot serve."""
+        tm = self.tokenizer_manager
+        if tm is not None and not tm.is_dead and tm.process.is_alive():
+            return tm
+        if self.startup_error:
+            raise APIError(503, f"the engine failed to start: {self.startup_error}", "engine_dead")
+        if tm is None:
+            raise APIError(503, "the engine is starting (compiling); retry when GET /health answers 200", "engine_starting")
+        raise APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def require_api_key(request: Request) -> None:
+    """Dependency of every route but /health: `Authorization: Bearer KEY` when --api-key is set."""
+    api_key = get_state(request).args.api_key
+    if not api_key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        message = "missing API key: send 'Authorization: Bearer KEY'" if not header else "invalid API key"
+        raise APIError(401, message, "invalid_api_key")
+
+
+def create_app(args: ServerArgs, model_path: str) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine process in the background and stops it at exit."""
+    state = ServerState(
+        args=args,
+        model_path=model_path,
+        served_model_name=args.served_model_name or args.model_path or os.path.basename(model_path.rstrip("/")),
+        metrics=ServerMetrics(),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starter = asyncio.create_task(_start_engine(state))
+        yield
+        state.is_shutting_down = True
+        starter.cancel()
+        if state.tokenizer_manager is not None:
+            await asyncio.to_thread(state.tokenizer_manager.shutdown)
+        _stop_unfinished_children()
+
+    app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(native_api.public_router)
+    protected = [Depends(require_api_key)]
+    app.include_router(native_api.router, dependencies=protected)
+    app.include_router(openai_api.router, dependencies=protected)
+
+    @app.get("/metrics", dependencies=protected)
+    async def metrics(request: Request) -> Response:
+        tm = state.tokenizer_manager
+        if state.is_ready:
+            state.metrics.set_engine_stats(await tm.call("server_info"))
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _start_engine(state: ServerState) -> None:
+    """Spawn the engine (blocking until it is compiled) off the event loop, then watch its process."""
+    loop = asyncio.get_running_loop()
+    built: asyncio.Future = loop.create_future()
+
+    def build() -> None:
+        try:
+            tm = TokenizerManager(state.args, state.model_path)
+        except BaseException as e:  # noqa: BLE001 - reported to the loop, which logs it and exits
+            loop.call_soon_threadsafe(_resolve, built, None, e)
+            return
+        if state.is_shutting_down:
+            tm.shutdown()
+            return
+        loop.call_soon_threadsafe(_resolve, built, tm, None)
+
+    # A daemon thread, not the default executor: a shutdown during startup must not wait for compilation.
+    threading.Thread(target=build, name="engine-startup", daemon=True).start()
+    try:
+        tm = await built
+    except Exception as e:
+        state.startup_error = f"{type(e).__name__}: {e}"
+        logger.error("engine failed to start: %s", state.startup_error)
+        _exit_after_engine_failure(state, delay=0.0)
+        return
+    tm.start(loop)
+    state.tokenizer_manager = tm
+    loop.add_reader(tm.process.sentinel, _on_engine_exit, state, loop)
+    base = f"http://{state.args.host}:{state.args.port}"
+    print(f"sgl_jax_lora ready: serving '{state.served_model_name}' at {base} (OpenAI API: {base}/v1)", flush=True)
+
+
+def _resolve(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+    else:
+        future.set_result(result)
+
+
+def _on_engine_exit(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+    tm = state.tokenizer_manager
+    loop.remove_reader(tm.process.sentinel)
+    if state.is_shutting_down:
+        return
+    tm.process.join(timeout=1)
+    logger.error("the engine process exited unexpectedly (exit code %s); shutting the server down", tm.process.exitcode)
+    tm.is_dead = True
+    _exit_after_engine_failure(state, delay=ENGINE_DEATH_GRACE_S)
+
+
+def _exit_after_engine_failure(state: ServerState, delay: float) -> None:
+    state.exit_code = 1
+    asyncio.get_running_loop().call_later(delay, state.request_exit, 1)
+
+
+def _stop_unfinished_children() -> None:
+    """Stop an engine process whose startup was still running when the server shut down."""
+    for child in mp.active_children():
+        child.terminate()
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+
+
+def run_server(args: ServerArgs, model_path: str) -> int:
+    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
+    app = create_app(args, model_path)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    state: ServerState = app.state.server
+
+    def request_exit(code: int) -> None:
+        state.exit_code = code
+        server.should_exit = True
+
+    state.request_exit = request_exit
+    # uvicorn re-raises the signal that stopped it once it has shut down; these handlers swallow that
+    # re-raise so that a clean SIGINT/SIGTERM shutdown exits with code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    print(f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)", flush=True)
+    server.run()
+    if not server.started and state.exit_code == 0:
+        return 1  # could not bind the port (uvicorn logged why)
+    return state.exit_code

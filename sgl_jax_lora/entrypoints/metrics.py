@@ -1,0 +1,138 @@
+"""Prometheus metrics of one HTTP server, in a registry of its own (never prometheus-client's global one,
+so several apps in one process, as in tests, do not collide).
+
+Flow: every generation handler wraps `TokenizerManager.generate_request(...)` in `ServerMetrics.track`,
+which counts requests and tokens and times the first token and each later one; `GET /metrics` first
+fetches the engine's stats (`server_info`: queue depth, KV pages, LoRA tiers) into `set_engine_stats`,
+then renders the registry. Names are listed in docs/http_api.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "sgl_jax_lora"
+# Seconds; from sub-millisecond (accelerator decode) to a minute (a long prefill queued on CPU).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "generation requests received, by endpoint", ["endpoint"], registry=r)
+        self.finished = Counter(f"{PREFIX}_requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
+        self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status", ["status"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "request arrival to its first output token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds", "mean time between output tokens of a request", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "request arrival to its last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.lora_load = Histogram(
+            f"{PREFIX}_lora_load_seconds", "time of POST /load_lora_adapter (disk to host cache)", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.engine = EngineStatsCollector()
+        r.register(self.engine)
+
+    @contextlib.contextmanager
+    def time_lora_load(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.lora_load.observe(time.perf_counter() - start)
+
+    async def track(self, results: AsyncIterator[dict], endpoint: str) -> AsyncIterator[dict]:
+        """Yield `results` unchanged while recording the request's tokens and latencies.
+
+        Closing this generator early (client disconnect) closes `results`, which aborts the request.
+        """
+        self.requests.labels(endpoint).inc()
+        start = time.perf_counter()
+        first_token_at = None
+        result = None
+        num_generated = 0
+        try:
+            async with contextlib.aclosing(results):
+                async for result in results:
+                    completion_tokens = result["meta_info"]["completion_tokens"]
+                    if first_token_at is None and completion_tokens > 0:
+                        first_token_at = time.perf_counter()
+                        self.ttft.observe(first_token_at - start)
+                    self.generated_tokens.inc(completion_tokens - num_generated)
+                    num_generated = completion_tokens
+                    yield result
+        except (asyncio.CancelledError, GeneratorExit):
+            self.finished.labels("abort").inc()
+            raise
+        finish = result["meta_info"]["finish_reason"] if result else None
+        if finish is None:
+            return
+        end = time.perf_counter()
+        self.finished.labels(finish.get("type", "unknown")).inc()
+        self.prompt_tokens.inc(result["meta_info"]["prompt_tokens"])
+        self.e2e.observe(end - start)
+        if first_token_at is not None and num_generated > 1:
+            self.tpot.observe((end - first_token_at) / (num_generated - 1))
+
+    def set_engine_stats(self, info: dict) -> None:
+        self.engine.info = info
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from the engine's latest `server_info` at scrape time.
+
+    LoRA keys are optional (an engine without LoRA reports none): `info["lora"]` may hold
+    `num_slots`, `num_slots_used`, `num_device_adapters`, `num_host_adapters`, `num_evictions`, and
+    `hits` / `misses` as {adapter name: count} (a hit = the adapter was already on the device).
+    """
+
+    def __init__(self) -> None:
+        self.info: dict = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        info = self.info
+        gauges = {
+            "num_running_reqs": ("num_running", "requests in the running batch"),
+            "num_queue_reqs": ("num_waiting", "requests waiting for admission (queue depth)"),
+            "kv_pages_used": ("kv_pages_used", "KV-cache pages in use"),
+            "kv_pages_total": ("kv_pages_total", "KV-cache pages available"),
+            "num_compilations_after_warmup": ("num_compilations_after_warmup", "XLA compilations since warmup ended"),
+        }
+        for name, (key, help_text) in gauges.items():
+            if key in info:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
+        yield from _lora_metrics(info.get("lora") or {})
+
+
+def _lora_metrics(lora: dict) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    gauges = {
+        "num_slots": "LoRA device slots (adapters one batch may hold)",
+        "num_slots_used": "LoRA device slots holding an adapter",
+        "num_device_adapters": "LoRA adapters resident on the device",
+        "num_host_adapters": "LoRA adapters in the host cache",
+    }
+    for key, help_text in gauges.items():
+        if key in lora:
+            yield GaugeMetricFamily(f"{PREFIX}_lora_{key}", help_text, value=lora[key])
+    if "num_evictions" in lora:
+        yield CounterMetricFamily(f"{PREFIX}_lora_evictions", "adapters evicted from device slots", value=lora["num_evictions"])
+    for key, help_text in (("hits", "adapter already on the device when scheduled"), ("misses", "adapter loaded into a slot when scheduled")):
+        family = CounterMetricFamily(f"{PREFIX}_lora_slot_{key}", help_text, labels=["adapter"])
+        for adapter, count in (lora.get(key) or {}).items():
+            family.add_metric([adapter], count)
+        yield family

@@ -1,0 +1,335 @@
+"""The SGLang-style native API: POST /generate, GET /health, GET /get_server_info, GET /get_model_info,
+POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
+
+Flow: JSON body -> pydantic model (wrong types -> 400) -> one `GenerateRequest` per prompt, all validated
+before any is sent (`TokenizerManager.build_request`, adapters via `resolve_lora`) -> results collected,
+or streamed as server-sent events (`data: {...}` per increment, then `data: [DONE]`). The streaming and
+disconnect helpers here are shared with openai_api.py: a client that goes away cancels its generators,
+which aborts its requests in the engine and frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import platform
+from collections.abc import AsyncIterator, Awaitable
+from importlib import metadata
+from typing import TYPE_CHECKING, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.entrypoints.http_server import ServerState
+    from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+
+T = TypeVar("T")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+VERSIONED_PACKAGES = ("sgl_jax_lora", "jax", "jaxlib", "flax", "transformers", "fastapi", "uvicorn", "pydantic")
+
+public_router = APIRouter()  # no API key: liveness probes must work without secrets
+router = APIRouter()
+
+
+class GenerateReqInput(BaseModel):
+    """POST /generate. One prompt (`text` or `input_ids`) or a batch (lists), SGLang field names."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict | list[dict] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    lora_path: str | list[str | None] | None = None
+
+
+class LoadLoRAAdapterReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lora_name: str
+
+
+# ---- routes ------------------------------------------------------------------------------------
+@public_router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once the engine is up; 503 while it starts or after its process died."""
+    state: ServerState = request.app.state.server
+    state.engine()
+    return JSONResponse({"status": "ok"})
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateReqInput, request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    requests, is_batch = await build_generate_requests(tm, body)
+    streams = [state.metrics.track(tm.generate_request(r), "generate") for r in requests]
+    if body.stream:
+        return await streaming_response(request, _generate_events(streams, is_batch))
+    results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
+    return JSONResponse(results if is_batch else results[0])
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    engine_info = await tm.call("server_info")
+    server_args = state.args.to_dict()
+    if server_args.get("api_key"):
+        server_args["api_key"] = "<redacted>"
+    return JSONResponse(
+        {
+            **engine_info,
+            "server_args": server_args,
+            "served_model_name": state.served_model_name,
+            "model_path": state.model_path,
+            "engine_pid": tm.process.pid,
+            "versions": _versions(),
+        }
+    )
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    return JSONResponse(
+        {
+            "model_path": state.model_path,
+            "tokenizer_path": state.args.tokenizer_path or state.model_path,
+            "served_model_name": state.served_model_name,
+            "context_length": tm.context_length,
+            "is_generation": True,
+        }
+    )
+
+
+@router.post("/load_lora_adapter")
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    tm = _lora_engine(state, body.lora_name)
+    with state.metrics.time_lora_load():
+        result = await tm.load_lora_adapter(body.lora_name, body.lora_path, pinned=body.pinned)
+    return JSONResponse({"success": True, **result})
+
+
+@router.post("/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    tm = _lora_engine(state, body.lora_name)
+    result = await tm.unload_lora_adapter(body.lora_name)
+    return JSONResponse({"success": True, **result})
+
+
+def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
+    tm = state.engine()
+    if not state.args.enable_lora:
+        raise APIError(
+            400, f"adapter '{lora_name}': LoRA is not enabled on this server; restart with --enable-lora or --lora-paths",
+            "lora_disabled",
+        )
+    return tm
+
+
+# ---- building requests -------------------------------------------------------------------------
+async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[GenerateRequest], bool]:
+    """Validate every prompt of the body (raising a 400 naming the first bad one) before sending any."""
+    texts, ids_list, is_batch = _prompts(body)
+    count = len(texts)
+    params = _per_prompt("sampling_params", body.sampling_params, count)
+    loras = _per_prompt("lora_path", body.lora_path, count)
+    requests = []
+    for i in range(count):
+        where = f"prompt {i}: " if is_batch else ""
+        try:
+            lora_id = await tm.resolve_lora(loras[i]) if loras[i] is not None else None
+            requests.append(
+                tm.build_request(
+                    text=texts[i],
+                    input_ids=ids_list[i],
+                    sampling_params=params[i],
+                    return_logprob=body.return_logprob,
+                    logprob_start_len=body.logprob_start_len,
+                    top_logprobs_num=body.top_logprobs_num,
+                    lora_id=lora_id,
+                )
+            )
+        except Exception as e:
+            error = to_api_error(e)
+            raise APIError(error.status_code, where + error.message, error.code) from e
+    return requests, is_batch
+
+
+def _prompts(body: GenerateReqInput) -> tuple[list, list, bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of 'text' (a string or a list of strings) or 'input_ids' (a list of ints or a list of lists)", "invalid_request")
+    if body.text is not None:
+        if isinstance(body.text, str):
+            return [body.text], [None], False
+        if not body.text:
+            raise APIError(400, "'text' is an empty list; send at least one prompt", "invalid_request")
+        return list(body.text), [None] * len(body.text), True
+    ids = body.input_ids
+    if ids and isinstance(ids[0], list):
+        return [None] * len(ids), list(ids), True
+    return [None], [ids], False
+
+
+def _per_prompt(name: str, value: object, count: int) -> list:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise APIError(400, f"'{name}' has {len(value)} entries but there are {count} prompts; give one per prompt or a single value", "invalid_request")
+        return value
+    return [value] * count
+
+
+# ---- streaming and disconnects (shared with openai_api) ----------------------------------------
+async def last_result(results: AsyncIterator[dict]) -> dict:
+    result = None
+    async for result in results:
+        pass
+    return result
+
+
+async def gather_or_cancel(awaitables: list[Awaitable[T]]) -> list[T]:
+    """All results in order; the first failure cancels the others (their engine requests are aborted)."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_as_coroutine(a)) for a in awaitables]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [task.result() for task in tasks]
+
+
+async def _as_coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+async def run_unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if the client disconnects first, cancel it (aborting its engine requests)."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+    if work.cancelled():
+        raise APIError(400, "client disconnected; request aborted", "client_disconnected")
+    return work.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def streaming_response(request: Request, events: AsyncIterator[str]) -> Response:
+    """An SSE response of `events` then `data: [DONE]`.
+
+    The first event is awaited here, before the response starts, so that a request the engine refuses
+    gets a plain 4xx/5xx; a later error becomes an error event before [DONE]. A client that leaves at
+    any point closes `events`, which aborts its engine requests.
+    """
+    try:
+        first = await run_unless_disconnected(request, anext(events))
+    except StopAsyncIteration:
+        first = None
+    except Exception as e:
+        await events.aclose()
+        error = to_api_error(e)
+        return error_response(error.status_code, error.message, error.code)
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(events):
+                if first is not None:
+                    yield first
+                    async for event in events:
+                        yield event
+        except Exception as e:
+            error = to_api_error(e)
+            yield sse(error_body(error.status_code, error.message, error.code))
+        yield sse("[DONE]")
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index, item) from several async iterators as items arrive; closing this cancels them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for item in streams[0]:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, done))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _generate_events(streams: list[AsyncIterator[dict]], is_batch: bool) -> AsyncIterator[str]:
+    merged = merge_streams(streams)
+    async with contextlib.aclosing(merged):
+        async for index, result in merged:
+            yield sse({**result, "index": index} if is_batch else result)
+
+
+def _versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
