@@ -43,18 +43,25 @@ class Engine:
         count = len(prompts)
         params = _per_prompt("sampling_params", sampling_params, count, dict)
         loras = _per_prompt("lora_path", lora_path, count, str)
-        requests = [
-            self.tokenizer_manager.build_request(
-                text=prompts[i],
-                input_ids=ids[i],
-                sampling_params=params[i],
-                return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len,
-                top_logprobs_num=top_logprobs_num,
-                lora_id=self._run(self.tokenizer_manager.resolve_lora(loras[i])) if loras[i] else None,
-            )
-            for i in range(count)
-        ]
+        refs = [self._run(self.tokenizer_manager.resolve_lora(lora)) if lora else None for lora in loras]
+        try:
+            requests = [
+                self.tokenizer_manager.build_request(
+                    text=prompts[i],
+                    input_ids=ids[i],
+                    sampling_params=params[i],
+                    return_logprob=return_logprob,
+                    logprob_start_len=logprob_start_len,
+                    top_logprobs_num=top_logprobs_num,
+                    lora_id=refs[i].lora_id if refs[i] else None,
+                )
+                for i in range(count)
+            ]
+        except Exception:
+            for ref in refs:
+                if ref is not None:
+                    self.tokenizer_manager.lora_registry.release(ref.lora_id)
+            raise
         results = self._run(self._generate_all(requests))
         return results[0] if is_single else results
 
@@ -66,6 +73,14 @@ class Engine:
             return result
 
         return list(await asyncio.gather(*(one(r) for r in requests)))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Register an adapter while the engine runs (the offline caller is the operator: any path)."""
+        return self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path, pinned, trusted=True))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unregister; waits for the adapter's in-flight requests, then frees its host and device copies."""
+        return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
 
     def get_server_info(self) -> dict:
         info = self._run(self.tokenizer_manager.call("server_info"))

@@ -60,7 +60,10 @@ class ServerArgs:
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_paths, dict):  # Engine(lora_paths={name: path})
+            self.lora_paths = [f"{name}={path}" for name, path in self.lora_paths.items()]
         if self.lora_paths:
+            self.lora_paths = [json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths]
             self.enable_lora = True
         self.validate()
 

@@ -68,7 +68,9 @@ def make_work_list(
     total_items = seg_end_item[-1]
 
     item = jnp.arange(num_items, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(seg_end_item, item, side="right"), num_segments - 1)
+    # compare_all: one fused op; the default binary-search method becomes a device while loop (slow on GPU)
+    seg = jnp.searchsorted(seg_end_item, item, side="right", method="compare_all")
+    seg = jnp.minimum(seg, num_segments - 1)
     is_valid = item < total_items
     tile = jnp.where(is_valid, first_tile[seg] + item - seg_first_item[seg], num_tiles - 1)
     slot = jnp.where(is_valid, seg_slot[seg], 0)

@@ -15,6 +15,7 @@ client sends can take the server down: the exception ends one request, the serve
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -67,15 +68,20 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str]:
-    """(message, code) for pydantic's errors: names the field and what was wrong with it."""
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 for pydantic's errors: names each bad field and what was wrong with it."""
+    message, code = _validation_message(errors)
+    return APIError(400, message, code)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str]:
     problems = []
-    for error in exc.errors():
+    for error in errors:
         if error.get("type") == "json_invalid":
             detail = error.get("ctx", {}).get("error", "invalid JSON")
             return f"malformed JSON body: {detail}", "invalid_json"
         location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        if error.get("type") == "model_attributes_type" and not location:
+        if error.get("type") in ("model_type", "model_attributes_type") and not location:
             return "the request body must be a JSON object", "invalid_json"
         problems.append(f"{location or 'body'}: {error.get('msg')}" + _input_suffix(error))
     return "invalid request: " + "; ".join(problems), "invalid_request"
@@ -88,17 +94,21 @@ def _input_suffix(error: dict) -> str:
     return f" (got {value[:80]})"
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        error = to_api_error(exc)
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """Answer every exception with an OpenAI-style body; `on_error(status)` counts it."""
+
+    def respond(error: APIError) -> JSONResponse:
+        on_error(error.status_code)
         return error_response(error.status_code, error.message, error.code)
 
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        return respond(to_api_error(exc))
+
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, code = validation_message(exc)
-        return error_response(400, message, code)
+        return respond(validation_error(list(exc.errors())))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
+        return respond(APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

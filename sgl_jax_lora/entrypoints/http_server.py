@@ -49,6 +49,7 @@ class ServerState:
     model_path: str
     served_model_name: str
     metrics: ServerMetrics
+    chat_template: str | None = None  # --chat-template, read; None = the tokenizer's (or the default)
     tokenizer_manager: TokenizerManager | None = None  # None until the engine is up
     startup_error: str | None = None
     is_shutting_down: bool = False
@@ -95,6 +96,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
         model_path=model_path,
         served_model_name=args.served_model_name or args.model_path or os.path.basename(model_path.rstrip("/")),
         metrics=ServerMetrics(),
+        chat_template=openai_api.load_chat_template(args.chat_template),
     )
 
     @contextlib.asynccontextmanager
@@ -109,7 +111,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
 
     app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app)
+    install_error_handlers(app, on_error=lambda status: state.metrics.errors.labels(str(status)).inc())
     app.include_router(native_api.public_router)
     protected = [Depends(require_api_key)]
     app.include_router(native_api.router, dependencies=protected)

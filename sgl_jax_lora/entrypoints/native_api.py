@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
+from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error, validation_error
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 VERSIONED_PACKAGES = ("sgl_jax_lora", "jax", "jaxlib", "flax", "transformers", "fastapi", "uvicorn", "pydantic")
 
@@ -66,6 +67,14 @@ class UnloadLoRAAdapterReqInput(BaseModel):
     lora_name: str
 
 
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
 # ---- routes ------------------------------------------------------------------------------------
 @public_router.get("/health")
 async def health(request: Request) -> JSONResponse:
@@ -76,7 +85,8 @@ async def health(request: Request) -> JSONResponse:
 
 
 @router.post("/generate", response_model=None)
-async def generate(body: GenerateReqInput, request: Request) -> Response:
+async def generate(request: Request) -> Response:
+    body = await parse_body(request, GenerateReqInput)
     state: ServerState = request.app.state.server
     tm = state.engine()
     requests, is_batch = await build_generate_requests(tm, body)
@@ -124,7 +134,8 @@ async def get_model_info(request: Request) -> JSONResponse:
 
 @router.post("/load_lora_adapter")
 @router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+async def load_lora_adapter(request: Request) -> JSONResponse:
+    body = await parse_body(request, LoadLoRAAdapterReqInput)
     state: ServerState = request.app.state.server
     tm = _lora_engine(state, body.lora_name)
     with state.metrics.time_lora_load():
@@ -134,7 +145,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterReqInput, request: Request) -> 
 
 @router.post("/unload_lora_adapter")
 @router.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoRAAdapterReqInput, request: Request) -> JSONResponse:
+async def unload_lora_adapter(request: Request) -> JSONResponse:
+    body = await parse_body(request, UnloadLoRAAdapterReqInput)
     state: ServerState = request.app.state.server
     tm = _lora_engine(state, body.lora_name)
     result = await tm.unload_lora_adapter(body.lora_name)

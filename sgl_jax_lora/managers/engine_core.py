@@ -11,6 +11,7 @@ Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -18,6 +19,8 @@ import numpy as np
 from tqdm import tqdm
 
 from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
@@ -41,7 +44,9 @@ class EngineCore:
         self.cfg.check_tensor_parallel(args.tp_size)
         self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.mesh = make_mesh(args.tp_size)
-        self.runner = ModelRunner(args, self.cfg, self.mesh, lora=None)
+        self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
+        self.runner = ModelRunner(args, self.cfg, self.mesh, lora=self.lora_setup.spec if self.lora_setup else None)
+        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.buckets = Buckets.build(
@@ -55,12 +60,13 @@ class EngineCore:
             args.decode_page_buckets,
         )
         self.scheduler = Scheduler(
-            self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs
+            self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
+            adapter_slots=self.lora,
         )
         self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
-        self.lora_builder = lambda token_slots: None
+        self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         if not args.skip_precompile:
-            self.runner.warmup(self.buckets, lambda num_tokens: None, progress=tqdm)
+            self.runner.warmup(self.buckets, lambda n: self.lora_builder(np.zeros(n, np.int32)), progress=tqdm)
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
 
@@ -192,6 +198,18 @@ class EngineCore:
     def rpc_server_info(self) -> dict:
         return self.server_info()
 
+    def rpc_load_lora(self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        adapter = self.lora.register(LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id))
+        return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
+
+    def rpc_unload_lora(self, lora_id: str) -> dict:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled")
+        self.lora.unregister(lora_id)
+        return {}
+
     def server_info(self) -> dict:
         return {
             "model_path": self.cfg.model_path,
@@ -207,6 +225,9 @@ class EngineCore:
             "num_compilations": self.compile_counter.count,
             "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
             "devices": [str(d) for d in self.mesh.devices.flat],
+            "lora": self.lora.stats() if self.lora else None,
+            "loras": [dataclasses.asdict(r) for r in self.lora.refs.values()] if self.lora else [],
+            "max_lora_rank": self.lora.max_rank if self.lora else None,
             "buckets": {
                 "decode_seqs": list(self.buckets.decode_seqs),
                 "decode_pages": list(self.buckets.decode_pages),

@@ -16,12 +16,16 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator
 
 from transformers import AutoTokenizer
 
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.managers.engine_process import run_engine_process
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
 from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS
@@ -67,6 +71,10 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_dead = False
         self._send_lock = threading.Lock()
+        self.lora_registry = LoRARegistry()
+        for ref in self.server_info.get("loras", []):
+            self.lora_registry.register(LoRARef(**ref))
+        self._load_lock = asyncio.Lock()
 
     def _wait_ready(self) -> dict:
         try:
@@ -189,15 +197,68 @@ class TokenizerManager:
             lora_id=lora_id,
         )
 
-    async def resolve_lora(self, lora_path: str | None) -> str | None:
-        """Adapter name or path -> the engine's adapter id; None = base model."""
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def list_loras(self) -> list[LoRARef]:
+        return self.lora_registry.list_refs()
+
+    async def resolve_lora(self, lora_path: str | None) -> LoRARef | None:
+        """Adapter name (or registered path) -> its LoRARef, counted in flight until the request ends.
+
+        An unregistered path is loaded on demand only if it lies inside --lora-allowed-dirs.
+        """
         if lora_path is None:
             return None
         if not self.args.enable_lora:
             raise RequestError(
                 f"request names adapter '{lora_path}' but LoRA is not enabled; restart with --enable-lora or --lora-paths"
             )
-        raise RequestError(f"adapter '{lora_path}' is not loaded")
+        if not isinstance(lora_path, str):
+            raise RequestError(f"lora_path must be an adapter name or path (a string) or null, got {lora_path!r}")
+        if lora_path not in self.lora_registry and self._is_allowed_dir(lora_path):
+            async with self._load_lock:
+                if lora_path not in self.lora_registry:
+                    await self.load_lora_adapter(lora_path, lora_path, trusted=True)
+        try:
+            return await self.lora_registry.acquire(lora_path)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e)) from e
+
+    def _is_allowed_dir(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        for allowed in self.args.lora_allowed_dirs or []:
+            root = os.path.realpath(allowed)
+            if real.startswith(root + os.sep) and os.path.isdir(real):
+                return True
+        return False
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False, trusted: bool = False) -> dict:
+        """Register and load an adapter. Untrusted (HTTP) calls may only read inside --lora-allowed-dirs."""
+        if not self.args.enable_lora:
+            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
+            raise RequestError("load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings)")
+        if not trusted and not self._is_allowed_dir(lora_path):
+            raise RequestError(
+                f"adapter '{lora_name}': path '{lora_path}' is outside the directories the operator allowed; "
+                "restart with --lora-allowed-dirs DIR containing it, or register it with --lora-paths"
+            )
+        if lora_name in self.lora_registry:
+            raise RequestError(f"adapter '{lora_name}' is already loaded; unload it first or choose another lora_name")
+        ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=bool(pinned))
+        result = await self.call("load_lora", lora_id=ref.lora_id, lora_name=lora_name, lora_path=lora_path, pinned=ref.pinned)
+        self.lora_registry.register(ref)
+        return {"lora_name": lora_name, "lora_path": lora_path, "pinned": ref.pinned, "lora_id": ref.lora_id, **result}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""
+        if not self.args.enable_lora:
+            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        try:
+            ref = await self.lora_registry.unregister(lora_name)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e)) from e
+        await self.call("unload_lora", lora_id=ref.lora_id)
+        return {"lora_name": lora_name, "lora_id": ref.lora_id}
 
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished."""
@@ -214,6 +275,8 @@ class TokenizerManager:
                 yield self._accumulate(request, state, item)
         finally:
             self._states.pop(request.rid, None)
+            if request.lora_id is not None:
+                self.lora_registry.release(request.lora_id)
             if not finished and not self.is_dead:
                 self._send({"type": "abort", "rid": request.rid})
 

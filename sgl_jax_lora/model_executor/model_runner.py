@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
-from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
@@ -40,31 +40,39 @@ class ModelRunner:
         self.args, self.cfg, self.mesh = args, cfg, mesh
         self.dtype = jnp.dtype(args.dtype)
         self.page_size = args.page_size
-        self.graphdef, self.state = load_model_state(
+        graphdef, state = load_model_state(
             cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed
         )
+        # LoRA buffers are a state of their own so that writing a slot donates only them.
+        self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.num_pages = self._num_kv_pages()
         self.kv = allocate_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",))
+        self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
         self._logits = jax.jit(self._logits_impl)
         self._sample = jax.jit(sample)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
 
     # ---- jitted bodies -------------------------------------------------------------------------
-    def _forward_impl(self, state: nnx.State, kv, batch: ForwardBatch):
-        hidden, kv = nnx.merge(self.graphdef, state)(kv, batch)
+    def _model(self, state: nnx.State, lora_state: nnx.State):
+        return nnx.merge(self.graphdef, lora_state, state)
+
+    def _forward_impl(self, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch):
+        hidden, kv = self._model(state, lora_state)(kv, batch)
         return hidden, hidden[batch.last_token_index], kv
 
-    def _logits_impl(self, state: nnx.State, last_hidden: jax.Array) -> jax.Array:
-        return nnx.merge(self.graphdef, state).logits(last_hidden)
+    def _logits_impl(self, state: nnx.State, lora_state: nnx.State, last_hidden: jax.Array) -> jax.Array:
+        return self._model(state, lora_state).logits(last_hidden)
 
-    def _prompt_logprobs_impl(self, state: nnx.State, hidden: jax.Array, targets: jax.Array, num_top: int) -> SampleOutput:
-        return token_logprobs(nnx.merge(self.graphdef, state).logits(hidden), targets, num_top)
+    def _prompt_logprobs_impl(
+        self, state: nnx.State, lora_state: nnx.State, hidden: jax.Array, targets: jax.Array, num_top: int
+    ) -> SampleOutput:
+        return token_logprobs(self._model(state, lora_state).logits(hidden), targets, num_top)
 
     # ---- step API --------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         """-> (hidden [T, E], hidden of each sequence's last token [S, E]), both on device."""
-        hidden, last_hidden, self.kv = self._forward(self.state, self.kv, batch)
+        hidden, last_hidden, self.kv = self._forward(self.state, self.lora_state, self.kv, batch)
         return hidden, last_hidden
 
     def sample(
@@ -73,15 +81,26 @@ class ModelRunner:
         sampling: SamplingBatch,
         penalty_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
     ) -> dict[str, np.ndarray]:
-        logits = self._logits(self.state, last_hidden)
+        logits = self._logits(self.state, self.lora_state, last_hidden)
         if penalty_rows and any(r is not None and r[2].uses_penalties for r in penalty_rows):
             logits = jax.device_put(apply_penalties(np.asarray(logits), penalty_rows), logits.sharding)
         out = jax.device_get(self._sample(logits, sampling))
         return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
-        out = jax.device_get(self._prompt_logprobs(self.state, hidden, targets, num_top=num_top))
+        out = jax.device_get(self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top))
         return {"logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
+
+    # ---- LoRA slots --------------------------------------------------------------------------
+    def lora_buffer_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """State path -> shape [L, A, ...] of every LoRA buffer."""
+        return {tuple(str(p) for p in path): tuple(v.get_value().shape) for path, v in nnx.to_flat_state(self.lora_state)}
+
+    def write_lora_slot(self, slot: int, updates: dict[tuple[str, ...], np.ndarray]) -> None:
+        """Overwrite slot `slot` of every LoRA buffer (one compiled, donated program for any slot)."""
+        flat = nnx.to_flat_state(self.lora_state)
+        values = [updates[tuple(str(p) for p in path)].astype(self.dtype) for path, _ in flat]
+        self.lora_state = self._write_lora_slot(self.lora_state, np.int32(slot), values)
 
     # ---- sizing and warmup ---------------------------------------------------------------------
     def _num_kv_pages(self) -> int:
@@ -122,6 +141,9 @@ class ModelRunner:
                 for num_top in (0, MAX_TOP_LOGPROBS):
                     self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
                     bar.update(1)
+        shapes_of_lora = self.lora_buffer_shapes()
+        if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once
+            self.write_lora_slot(0, {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()})
         bar.close()
 
 
@@ -154,3 +176,10 @@ def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> Samp
         is_greedy=is_greedy,
         num_top_logprobs=num_top,
     )
+
+
+def _write_slot(lora_state: nnx.State, slot: jax.Array, values: list[jax.Array]) -> nnx.State:
+    """Set [:, slot] of every LoRA buffer (flat-state order) to values[i] [L, ...]."""
+    flat = nnx.to_flat_state(lora_state)
+    updated = [(path, var.replace(var.get_value().at[:, slot].set(value))) for (path, var), value in zip(flat, values)]
+    return nnx.from_flat_state(updated)

@@ -27,7 +27,9 @@ def token_segment(lora: LoRABatch) -> jax.Array:
     """[T] i32 segment index of each token (original order)."""
     num_tokens = lora.token_slot.shape[0]
     sorted_pos = jnp.arange(num_tokens, dtype=jnp.int32)
-    seg_sorted = jnp.searchsorted(lora.seg_start[1:], sorted_pos, side="right").astype(jnp.int32)
+    # compare_all is one fused op; the default binary search becomes a device while loop (slow on GPU)
+    seg_sorted = jnp.searchsorted(lora.seg_start[1:], sorted_pos, side="right", method="compare_all")
+    seg_sorted = seg_sorted.astype(jnp.int32)
     seg_sorted = jnp.minimum(seg_sorted, lora.num_segments - 1)
     return jnp.zeros((num_tokens,), jnp.int32).at[lora.sort_perm].set(seg_sorted, unique_indices=True)
 

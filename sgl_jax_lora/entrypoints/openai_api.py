@@ -1,0 +1,436 @@
+"""The OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Flow: JSON body -> pydantic model (wrong types, unknown fields -> 400) -> `model` resolved (the served
+model name = base; an adapter name or `BASE:ADAPTER` = that adapter; anything else -> 400 naming it) ->
+chat messages rendered with the chat template -> OpenAI sampling fields mapped onto SGLang's names ->
+`TokenizerManager.build_request` (range checks, prompt length) -> the engine -> an OpenAI response, or
+SSE chunks with text deltas then `data: [DONE]`.
+
+Chat template: `--chat-template` (a file path or the template string) if given, else the tokenizer's,
+else DEFAULT_CHAT_TEMPLATE, a plain "role: content" transcript ending in "assistant:".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Literal
+
+import jinja2
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from sgl_jax_lora.entrypoints.errors import APIError
+from sgl_jax_lora.entrypoints.native_api import (
+    gather_or_cancel,
+    last_result,
+    merge_streams,
+    parse_body,
+    run_unless_disconnected,
+    sse,
+    streaming_response,
+)
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.tokenizer_manager import RequestError
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.entrypoints.http_server import ServerState
+    from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+router = APIRouter()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions (OpenAI names, plus SGLang/vLLM extras)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# ---- routes ------------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    created = int(time.time())
+    base = state.served_model_name
+    models = [_model_card(base, state.model_path, None, created, tm.context_length)]
+    if state.args.enable_lora:
+        for ref in tm.list_loras():
+            models.append(_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length))
+    return JSONResponse({"object": "list", "data": models})
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    if body.echo:
+        raise APIError(400, "echo=true is not supported; send echo=false", "invalid_request")
+    lora_id = await resolve_model(state, tm, body.model)
+    prompts = _completion_prompts(body.prompt)
+    requests = [
+        _build(tm, body, text=text, input_ids=ids, lora_id=lora_id, top_logprobs=body.logprobs, default_max_tokens=16)
+        for text, ids in prompts
+    ]
+    streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        return await streaming_response(request, _completion_chunks(tm, body, requests, streams, response_id))
+    results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
+    choices = [
+        {
+            "index": i,
+            "text": result["text"],
+            "logprobs": _completion_logprobs(tm, result["meta_info"], 0) if body.logprobs is not None else None,
+            "finish_reason": _finish_reason(result),
+        }
+        for i, result in enumerate(results)
+    ]
+    return JSONResponse(
+        {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
+         "choices": choices, "usage": _usage(results)}
+    )
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    lora_id = await resolve_model(state, tm, body.model)
+    input_ids = render_chat(tm, state.chat_template, body.messages)
+    if body.max_completion_tokens is not None:
+        body.max_tokens = body.max_completion_tokens
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    chat_request = _build(tm, body, text=None, input_ids=input_ids, lora_id=lora_id, top_logprobs=top_logprobs, default_max_tokens=None)
+    stream = state.metrics.track(tm.generate_request(chat_request), "chat_completions")
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    if body.stream:
+        return await streaming_response(request, _chat_chunks(tm, body, chat_request, stream, response_id))
+    result = await run_unless_disconnected(request, last_result(stream))
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result["text"]},
+        "logprobs": _chat_logprobs(tm, result["meta_info"], 0) if body.logprobs else None,
+        "finish_reason": _finish_reason(result),
+    }
+    return JSONResponse(
+        {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+         "choices": [choice], "usage": _usage([result])}
+    )
+
+
+# ---- model names and chat templates ------------------------------------------------------------
+async def resolve_model(state: ServerState, tm: TokenizerManager, model: str) -> str | None:
+    """OpenAI `model` -> adapter id (None = the base model); a 400 naming the model otherwise."""
+    base = state.served_model_name
+    if model in (base, state.model_path):
+        return None
+    adapter = model[len(base) + 1 :] if model.startswith(base + ":") else model
+    if not state.args.enable_lora:
+        raise APIError(400, f"model '{model}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)", "model_not_found")
+    try:
+        return await tm.resolve_lora(adapter)
+    except (RequestError, LoRAAdapterError) as e:
+        raise APIError(400, f"model '{model}' does not exist: it is neither the served model '{base}' nor a loaded LoRA adapter ({e})", "model_not_found") from e
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path (read) or the template itself (kept); refused if neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%'); give a file path or the template text")
+
+
+def render_chat(tm: TokenizerManager, template_override: str | None, messages: list[ChatMessage]) -> list[int]:
+    """Messages -> prompt token ids through the chat template (with the assistant turn opened)."""
+    template = template_override or tm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+    try:
+        text = tm.tokenizer.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:
+        raise APIError(400, f"the chat template could not render these messages: {e}", "invalid_request") from e
+    # The template writes any special tokens itself (e.g. BOS); do not add them a second time.
+    return tm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def _model_card(model_id: str, root: str, parent: str | None, created: int, context_length: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "sgl_jax_lora", "root": root,
+            "parent": parent, "max_model_len": context_length}
+
+
+# ---- requests ----------------------------------------------------------------------------------
+def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise APIError(400, "prompt is an empty list; send a string, a list of strings or token ids", "invalid_request")
+    if isinstance(prompt[0], str):
+        return [(p, None) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [(None, prompt)]
+    return [(None, ids) for ids in prompt]
+
+
+def _build(
+    tm: TokenizerManager,
+    body: _SamplingFields,
+    text: str | None,
+    input_ids: list[int] | None,
+    lora_id: str | None,
+    top_logprobs: int | None,
+    default_max_tokens: int | None,
+) -> GenerateRequest:
+    """OpenAI fields -> a validated GenerateRequest (RequestError -> 400 with the engine's message)."""
+    if body.n != 1:
+        raise APIError(400, f"n={body.n} is not supported; send n=1 (or send the request several times)", "invalid_request")
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenize(text, None))
+        max_tokens = default_max_tokens or max(tm.context_length - prompt_len, 1)
+    sampling = {
+        "max_new_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "seed": body.seed,
+    }
+    try:
+        return tm.build_request(
+            text=text,
+            input_ids=input_ids,
+            sampling_params=sampling,
+            return_logprob=top_logprobs is not None,
+            top_logprobs_num=top_logprobs or 0,
+            lora_id=lora_id,
+        )
+    except RequestError as e:
+        raise APIError(400, _openai_names(str(e)), "invalid_request") from e
+
+
+def _openai_names(message: str) -> str:
+    return message.replace("max_new_tokens", "max_tokens").replace("top_logprobs_num", "logprobs")
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def _finish_reason(result: dict) -> str | None:
+    finish = result["meta_info"]["finish_reason"]
+    if finish is None:
+        return None
+    return FINISH_REASONS.get(finish["type"], finish["type"])
+
+
+def _usage(results: list[dict]) -> dict:
+    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_text(tm: TokenizerManager, token_id: int) -> str:
+    return tm.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:
+    """OpenAI legacy logprobs of output tokens [start:]."""
+    pairs = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:]
+    tokens = [_token_text(tm, tid) for _, tid in pairs]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in pairs],
+        "top_logprobs": [{_token_text(tm, tid): lp for lp, tid in (top or [])} for top in tops] or None,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:
+    pairs = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:] or [None] * len(pairs)
+
+    def entry(logprob: float, token_id: int) -> dict:
+        token = _token_text(tm, token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp, tid), "top_logprobs": [entry(t_lp, t_id) for t_lp, t_id in (top or [])]}
+            for (lp, tid), top in zip(pairs, tops)
+        ]
+    }
+
+
+class TextDeltas:
+    """Turns cumulative texts into deltas that are never taken back.
+
+    Until the request finishes, hold back a trailing U+FFFD (the rest of a multi-byte character has
+    not arrived) and any tail that could be the start of a stop string (the final text omits it).
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.num_sent = 0
+
+    def delta(self, text: str, is_finished: bool) -> str:
+        end = len(text) if is_finished else self._stable_len(text)
+        if end <= self.num_sent:
+            return ""
+        piece = text[self.num_sent : end]
+        self.num_sent = end
+        return piece
+
+    def _stable_len(self, text: str) -> int:
+        end = len(text)
+        while end > self.num_sent and text[end - 1] == "\ufffd":
+            end -= 1
+        held = 0
+        for stop in self.stop:
+            for k in range(len(stop) - 1, held, -1):
+                if text[:end].endswith(stop[:k]):
+                    held = k
+                    break
+        return max(end - held, self.num_sent)
+
+
+async def _completion_chunks(
+    tm: TokenizerManager, body: CompletionRequest, requests: list[GenerateRequest], streams: list, response_id: str
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    deltas = [TextDeltas(r.sampling.stop) for r in requests]
+    num_tokens_sent = [0] * len(requests)
+    finals: dict[int, dict] = {}
+    merged = merge_streams(streams)
+    async with contextlib.aclosing(merged):
+        async for index, result in merged:
+            finish = _finish_reason(result)
+            meta = result["meta_info"]
+            text = deltas[index].delta(result["text"], finish is not None)
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            if body.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(tm, meta, num_tokens_sent[index])
+                num_tokens_sent[index] = meta["completion_tokens"]
+            if finish is not None:
+                finals[index] = result
+            if text or finish is not None or body.logprobs is not None:
+                yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]})
+    if body.stream_options and body.stream_options.include_usage:
+        usage = _usage([finals[i] for i in sorted(finals)])
+        yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [], "usage": usage})
+
+
+async def _chat_chunks(
+    tm: TokenizerManager, body: ChatCompletionRequest, request: GenerateRequest, stream: AsyncIterator[dict], response_id: str
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict, finish: str | None, logprobs: dict | None = None, **extra: object) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    "choices": [choice], **extra})
+
+    deltas = TextDeltas(request.sampling.stop)
+    num_tokens_sent = 0
+    result = None
+    is_first = True
+    async with contextlib.aclosing(stream):
+        async for result in stream:
+            finish = _finish_reason(result)
+            text = deltas.delta(result["text"], finish is not None)
+            logprobs = None
+            if body.logprobs:
+                logprobs = _chat_logprobs(tm, result["meta_info"], num_tokens_sent)
+                num_tokens_sent = result["meta_info"]["completion_tokens"]
+            delta = {"role": "assistant", "content": text} if is_first else {"content": text}
+            if text or finish is not None or is_first or body.logprobs:
+                yield chunk(delta, finish, logprobs)
+                is_first = False
+    if body.stream_options and body.stream_options.include_usage and result is not None:
+        yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                   "choices": [], "usage": _usage([result])})
+

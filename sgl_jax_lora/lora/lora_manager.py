@@ -1,0 +1,137 @@
+"""LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
+
+Flow: Scheduler.schedule() -> `begin_step()` then `try_admit(lora_id)` for each request it considers:
+the adapter's device slot, loading it (host cache -> LoRAMemoryPool -> ModelRunner.write_lora_slot) into
+a free slot or one evicted by the policy, or None when the step already holds --max-loras-per-batch
+distinct adapters or no slot can be freed. `lora_batch(token_slots)` then builds the step's LoRABatch.
+Frontend calls (`register`, `unregister`) arrive as RPCs through the engine loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter, load_peft_adapter
+from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from sgl_jax_lora.model_executor.model_runner import ModelRunner
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, target_shapes: LoRATargetShapes, max_rank: int,
+                 target_modules: frozenset[str], host_cache: HostAdapterCache):
+        self.max_per_batch = args.max_loras_per_batch
+        self.max_rank = max_rank
+        self.target_modules = target_modules  # HF module names the device buffers cover
+        self.runner = runner
+        self.target_shapes = target_shapes
+        self.refs: dict[str, LoRARef] = {}
+        self.host_cache = host_cache
+        self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
+                                   runner.lora_buffer_shapes(), args.lora_eviction_policy)
+        self._step_ids: set[str] = set()
+        self.load_latencies_s: list[float] = []
+        self.device_hits = 0
+        self.device_misses = 0
+
+    # ---- registration (RPCs from the frontend) ----------------------------------------------
+    def register(self, ref: LoRARef) -> LoRAAdapter:
+        """Validate by loading into the host cache; pinned adapters also take a device slot now."""
+        if ref.pinned and len(self.pool.pinned) >= self.max_per_batch - 1:
+            raise LoRAAdapterError(
+                f"adapter '{ref.lora_name}': at most {self.max_per_batch - 1} adapters may be pinned "
+                f"(--max-loras-per-batch {self.max_per_batch} minus one); unpin one or raise --max-loras-per-batch"
+            )
+        adapter = self.host_cache.get(ref)
+        self._check_targets(ref, adapter)
+        self.refs[ref.lora_id] = ref
+        if ref.pinned:
+            slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=set())
+            self._write(slot, ref.lora_id)
+            self.pool.pinned.add(ref.lora_id)
+        return adapter
+
+    def unregister(self, lora_id: str) -> None:
+        self.refs.pop(lora_id, None)
+        self.pool.release(lora_id)
+        self.host_cache.drop(lora_id)
+
+    def _check_targets(self, ref: LoRARef, adapter: LoRAAdapter) -> None:
+        missing = sorted(adapter.target_modules - self.target_modules)
+        if missing:
+            self.host_cache.drop(ref.lora_id)
+            raise LoRAAdapterError(
+                f"adapter '{ref.lora_name}' targets {missing}, which the LoRA pool does not cover; "
+                f"restart with --lora-target-modules including them"
+            )
+
+    # ---- per step (AdapterSlots protocol of the scheduler) ------------------------------------
+    def begin_step(self) -> None:
+        self._step_ids = set()
+
+    def try_admit(self, lora_id: str | None) -> int | None:
+        if lora_id is None:
+            return 0
+        if lora_id not in self.refs:
+            raise LoRAAdapterError(f"adapter id {lora_id} is not registered (it was unloaded)")
+        if lora_id in self._step_ids:
+            return self.pool.slot_of[lora_id]
+        if len(self._step_ids) >= self.max_per_batch:
+            return None
+        slot = self.pool.slot_of.get(lora_id)
+        if slot is None:
+            slot = self.pool.free_slot()
+            if slot is None:
+                slot = self.pool.victim(busy=self._step_ids)
+            if slot is None:
+                return None
+            self._write(slot, lora_id)
+            self.device_misses += 1
+        else:
+            self.device_hits += 1
+        self.pool.policy.mark_used(lora_id)
+        self._step_ids.add(lora_id)
+        return slot
+
+    def _write(self, slot: int, lora_id: str) -> None:
+        start = time.perf_counter()
+        adapter = self.host_cache.get(self.refs[lora_id])
+        self.runner.write_lora_slot(slot, self.pool.slot_update(adapter))
+        self.pool.assign(slot, lora_id, adapter)
+        self.load_latencies_s.append(time.perf_counter() - start)
+
+    def lora_batch(self, token_slots: np.ndarray) -> LoRABatch:
+        return build_lora_batch(token_slots, self.pool.num_slots, self.pool.slot_scale, self.pool.slot_rank)
+
+    def stats(self) -> dict:
+        cache = self.host_cache.stats
+        return {
+            "registered": len(self.refs),
+            "resident_on_device": sum(o is not None for o in self.pool.slot_owner[1:]),
+            "device_slots": self.pool.num_slots - 1,
+            "pinned": len(self.pool.pinned),
+            "in_host_cache": len(self.host_cache),
+            "device_hits": self.device_hits,
+            "device_misses": self.device_misses,
+            "device_evictions": self.pool.num_evictions,
+            "host_hits": cache.hits,
+            "host_misses": cache.misses,
+            "host_evictions": cache.evictions,
+            "hits_by_name": dict(cache.hits_by_name),
+            "misses_by_name": dict(cache.misses_by_name),
+            "slot_load_seconds": list(self.load_latencies_s[-1000:]),
+        }
+
+
+def make_loader(target_shapes: LoRATargetShapes, max_rank: int | None):
+    return lambda ref: load_peft_adapter(ref.lora_name, ref.lora_path, target_shapes, max_rank)

@@ -1,0 +1,70 @@
+"""LoRASetup: what the engine decides about LoRA before the model is built.
+
+Flow: EngineCore (with --enable-lora) -> LoRASetup(args): parse --lora-paths, load those adapters into the
+host cache (validating them), fix the pool's max rank (--max-lora-rank, else the largest initial rank,
+else 16) and the covered modules (--lora-target-modules, else all seven projections), pick the backend
+-> `spec` goes to the model (LoRALinear buffers) -> `build_manager(runner)` registers the initial
+adapters (pinned ones take their device slot).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jax.sharding import Mesh
+
+from sgl_jax_lora.lora.backend import make_lora_backend
+from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.lora.lora_manager import LoRAManager, make_loader
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
+from sgl_jax_lora.models.llama import LORA_TARGETS
+from sgl_jax_lora.server_args import ServerArgs, parse_lora_path_spec
+
+DEFAULT_MAX_LORA_RANK = 16
+
+
+class LoRASetup:
+    def __init__(self, args: ServerArgs, model_path: str, mesh: Mesh):
+        self.args = args
+        with open(os.path.join(model_path, "config.json")) as f:
+            self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
+        self.target_modules = _target_modules(args.lora_target_modules)
+        self.initial_refs = [LoRARef(**parse_lora_path_spec(spec)) for spec in args.lora_paths or []]
+        names = [r.lora_name for r in self.initial_refs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"--lora-paths names {duplicates} more than once; give each adapter a distinct NAME=PATH")
+        self.loader_max_rank: int | None = args.max_lora_rank
+        self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
+        initial_ranks = [self.host_cache.get(ref).rank for ref in self.initial_refs]
+        self.max_rank = args.max_lora_rank or max(initial_ranks, default=DEFAULT_MAX_LORA_RANK)
+        self.loader_max_rank = self.max_rank
+        packed = frozenset(name for name, (parts, _) in LORA_TARGETS.items() if set(parts) & self.target_modules)
+        self.spec = LoRAModelSpec(
+            num_slots=args.max_loras_per_batch + 1,
+            max_rank=self.max_rank,
+            backend=make_lora_backend(args.lora_backend, mesh),
+            target_modules=packed,
+        )
+
+    def _load(self, ref: LoRARef):
+        return make_loader(self.target_shapes, self.loader_max_rank)(ref)
+
+    def build_manager(self, runner) -> LoRAManager:
+        covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
+        manager = LoRAManager(self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache)
+        for ref in self.initial_refs:
+            manager.register(ref)
+        return manager
+
+
+def _target_modules(requested: list[str] | None) -> frozenset[str]:
+    if not requested:
+        return frozenset(LORA_TARGET_MODULES)
+    unknown = sorted(set(requested) - set(LORA_TARGET_MODULES))
+    if unknown:
+        raise ValueError(f"--lora-target-modules {unknown} are not supported; choose among {list(LORA_TARGET_MODULES)}")
+    return frozenset(requested)

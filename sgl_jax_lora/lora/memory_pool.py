@@ -1,0 +1,99 @@
+"""LoRAMemoryPool: the device tier: which adapter sits in which slot, and writing one into a slot.
+
+Flow: LoRAManager picks a slot for an adapter -> `slot_update(adapter)` lays its host weights out as the
+model's LoRA buffers expect (one [L, ...] array per buffer: A parts stacked along rank, B per part, kv
+heads replicated like the base weights, rows above the adapter's rank zero) -> ModelRunner.write_lora_slot
+runs one jitted, donated `.at[:, slot].set(...)` per buffer. The shapes never change, so loading,
+evicting and unloading never compile. Slot 0 is the base model and stays all zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter
+from sgl_jax_lora.lora.eviction import make_eviction_policy
+from sgl_jax_lora.models.llama import LORA_TARGETS
+from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.weight_layout import replicate_kv_heads
+
+_KV_MODULES = ("k_proj", "v_proj")
+
+
+class LoRAMemoryPool:
+    def __init__(self, cfg: ModelConfig, tp_size: int, num_slots: int, max_rank: int, buffer_shapes: dict, eviction_policy: str):
+        self.cfg, self.tp_size = cfg, tp_size
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.buffer_shapes = buffer_shapes  # state path -> [L, A, ...] shape
+        self.slot_owner: list[str | None] = [None] * num_slots  # slot -> lora_id; slot 0 never owned
+        self.slot_of: dict[str, int] = {}
+        self.slot_scale = np.zeros(num_slots, np.float32)
+        self.slot_rank = np.zeros(num_slots, np.int32)
+        self.pinned: set[str] = set()
+        self.policy = make_eviction_policy(eviction_policy)
+        self.num_evictions = 0
+
+    def free_slot(self) -> int | None:
+        for slot in range(1, self.num_slots):
+            if self.slot_owner[slot] is None:
+                return slot
+        return None
+
+    def victim(self, busy: set[str]) -> int | None:
+        """An occupied slot whose adapter is neither pinned nor used by the step being built."""
+        candidates = [o for o in self.slot_owner[1:] if o is not None and o not in busy and o not in self.pinned]
+        if not candidates:
+            return None
+        return self.slot_of[self.policy.select_victim(candidates)]
+
+    def assign(self, slot: int, lora_id: str, adapter: LoRAAdapter) -> None:
+        previous = self.slot_owner[slot]
+        if previous is not None:
+            self.release(previous)
+            self.num_evictions += 1
+        self.slot_owner[slot] = lora_id
+        self.slot_of[lora_id] = slot
+        self.slot_scale[slot] = adapter.scaling
+        self.slot_rank[slot] = adapter.rank
+        self.policy.mark_used(lora_id)
+
+    def release(self, lora_id: str) -> None:
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            self.slot_owner[slot] = None
+            self.slot_scale[slot] = 0.0
+            self.slot_rank[slot] = 0
+        self.policy.remove(lora_id)
+        self.pinned.discard(lora_id)
+
+    def slot_update(self, adapter: LoRAAdapter) -> dict[tuple[str, ...], np.ndarray]:
+        """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] (float32)."""
+        updates = {}
+        for path, shape in self.buffer_shapes.items():
+            packed, leaf = path[-2], path[-1]
+            hf_modules = LORA_TARGETS[packed][0]
+            out = np.zeros((shape[0],) + tuple(shape[2:]), np.float32)
+            for layer in range(self.cfg.num_layers):
+                if leaf == "lora_a":
+                    for part, module in enumerate(hf_modules):
+                        pair = adapter.weights.get((layer, module))
+                        if pair is not None:
+                            rank = pair[0].shape[0]
+                            out[layer, part * self.max_rank : part * self.max_rank + rank] = pair[0]
+                else:
+                    module = _module_of_b(leaf, hf_modules)
+                    pair = adapter.weights.get((layer, module))
+                    if pair is not None:
+                        b = pair[1]
+                        if module in _KV_MODULES:
+                            b = replicate_kv_heads(b, 0, self.cfg, self.tp_size)
+                        out[layer, :, : b.shape[1]] = b
+            updates[path] = out
+        return updates
+
+
+def _module_of_b(leaf: str, hf_modules: tuple[str, ...]) -> str:
+    """'lora_b_q' -> 'q_proj', 'lora_b_gate' -> 'gate_proj', 'lora_b' -> the single module."""
+    if leaf == "lora_b":
+        return hf_modules[0]
+    return leaf[len("lora_b_") :] + "_proj"

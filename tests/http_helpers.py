@@ -1,0 +1,113 @@
+"""Test helpers: run `python -m sgl_jax_lora.launch` in a subprocess on 127.0.0.1 and wait for it.
+
+Readiness is polled on GET /health with a deadline (no sleeps as synchronization). Subprocess servers
+share a persistent JAX compilation cache (set through the environment, never through the command line),
+so that only the first run on a machine pays for compiling the buckets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+# Small buckets keep CPU compilation short; every request of the tests fits them.
+SMALL_ENGINE_FLAGS = [
+    "--dtype", "float32", "--context-length", "256", "--max-running-requests", "32",
+    "--decode-batch-buckets", "32", "--decode-page-buckets", "16",
+    "--chunked-prefill-size", "64", "--prefill-token-buckets", "64", "--max-prefill-seqs", "4",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    env = dict(os.environ)
+    cache_root = os.environ.get("SGL_JAX_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax_lora")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache_root, "jax-compilation-cache-tests"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class ServerProcess:
+    """A launched server: `url`, `process`, `log_text()`; `stop(sig)` returns its exit code."""
+
+    def __init__(self, args: list[str], port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="sgl_jax_lora_server_", suffix=".log", delete=False)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sgl_jax_lora.launch", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=server_env(),
+        )
+
+    def log_text(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def wait_healthy(self, timeout_s: float, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"server exited with {self.process.returncode} before it was healthy:\n{self.log_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)  # poll interval of a bounded wait, not synchronization
+        raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.log_text()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(args: list[str], timeout_s: float = 600) -> ServerProcess:
+    port = free_port()
+    server = ServerProcess([*args, "--port", str(port)], port)
+    try:
+        server.wait_healthy(timeout_s)
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+def sse_events(lines: Iterator[str]) -> list:
+    """Parse `data: ...` lines of a server-sent-event stream into JSON objects; '[DONE]' kept as a string."""
+    events = []
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited already
+    except FileNotFoundError:
+        return False
