@@ -41,14 +41,21 @@ MAX_GATHER_BYTES = 4 << 30  # bgmv materializes T copies of the weights; skip ro
 
 
 def grid(name: str) -> list[tuple[str, int, int, int]]:
-    """(shape, rank, T, n) rows, goal rows first. 'full' trims gate_up/down to the goal-like scenarios."""
+    """(shape, rank, T, n) rows in run order: the goal rows of issue 5 first.
+
+    'full' trims the protocol grid to fit one ~8 minute run: q/o gets every rank-16 scenario; gate_up and
+    down get the three rank-16 goal-like scenarios (decode 64/32 and 256/128, prefill 4096/32); q/o rank 64
+    gets decode T in {64, 256} x n in {8, 32, 128} and prefill 2048/32, 8192/32. Rows still pending when the
+    time budget runs out are printed as not run.
+    """
     if name == "goal":
         return list(GOAL_ROWS)
     rows = list(GOAL_ROWS)
-    if name == "full":
-        rows += [("qo", r, t, n) for r in (16, 64) for t, n in DECODE + PREFILL]
-        for shape in ("gate_up", "down"):
-            rows += [(shape, 16, 64, 32), (shape, 16, 256, 128), (shape, 16, 4096, 32), (shape, 64, 4096, 32)]
+    rows += [("qo", 16, t, n) for t, n in DECODE + PREFILL]
+    for shape in ("gate_up", "down"):
+        rows += [(shape, 16, 64, 32), (shape, 16, 256, 128), (shape, 16, 4096, 32)]
+    rows += [("qo", 64, t, n) for t in (64, 256) for n in (8, 32, 128)]
+    rows += [("qo", 64, 2048, 32), ("qo", 64, 8192, 32)]
     seen, ordered = set(), []
     for row in rows:
         if row not in seen:
@@ -115,7 +122,7 @@ def run(args) -> list[dict]:
         memory_limit, compute_limit, bytes_moved = limits(in_dim, out_dim, rank, num_tokens, num_present)
         is_prefill = num_tokens >= 2048
         row = dict(shape=shape, in_dim=in_dim, out_dim=out_dim, rank=rank, tokens=num_tokens,
-                   slots=num_slots - 1, distinct=num_present,
+                   slots=num_slots - 1, distinct=num_present, segments=lora.num_segments,
                    limit=compute_limit if is_prefill else memory_limit,
                    limit_kind="compute" if is_prefill else "memory", ratio={}, gbps={}, skipped={})
         if time.perf_counter() > deadline:
@@ -162,7 +169,7 @@ def run(args) -> list[dict]:
 
 def print_header(backends) -> None:
     cols = " | ".join(f"{b} ratio (GB/s)" for b in backends)
-    print(f"| shape | rank | T | slots / distinct | base us/layer | limit | {cols} |", flush=True)
+    print(f"| shape | rank | T | slots / distinct / G | base us/layer | limit | {cols} |", flush=True)
     print("|" + "---|" * (6 + len(backends)), flush=True)
 
 
@@ -176,7 +183,7 @@ def print_row(row: dict, backends) -> None:
     limit = f"{row['limit']:.2f}" + (" (compute)" if row["limit_kind"] == "compute" else "")
     base = f"{row['t_base_us']:.1f}" if "t_base_us" in row else "-"
     print(f"| {row['shape']} {row['in_dim']}->{row['out_dim']} | {row['rank']} | {row['tokens']} | "
-          f"{row['slots']} / {row['distinct']} | {base} | {limit} | " + " | ".join(cells) + " |", flush=True)
+          f"{row['slots']} / {row['distinct']} / {row['segments']} | {base} | {limit} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -184,8 +191,8 @@ def main() -> None:
     parser.add_argument("--grid", choices=("goal", "full"), default="full")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--min-seconds", type=float, default=0.25, help="timed work per function")
-    parser.add_argument("--time-budget", type=float, default=420.0, help="rows past this are 'not run'")
+    parser.add_argument("--min-seconds", type=float, default=0.15, help="timed work per function")
+    parser.add_argument("--time-budget", type=float, default=450.0, help="rows past this are 'not run'")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--dim-divisor", type=int, default=1, help="shrink layer dims (CPU smoke runs only)")
     parser.add_argument("--max-rows", type=int, default=None)

@@ -43,7 +43,7 @@ class ServerArgs:
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
     # LoRA
-    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths)")
+    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")
     lora_paths: list[str] | None = _f(None, "adapters to register at start: PATH, NAME=PATH, or JSON {\"lora_name\",\"lora_path\",\"pinned\"}", nargs="+")
     max_loras_per_batch: int = _f(8, "distinct adapters one batch may hold (device slots, base not counted)")
     max_lora_rank: int | None = _f(None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)")
@@ -64,6 +64,7 @@ class ServerArgs:
             self.lora_paths = [f"{name}={path}" for name, path in self.lora_paths.items()]
         if self.lora_paths:
             self.lora_paths = [json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths]
+        if self.lora_paths or self.lora_allowed_dirs:
             self.enable_lora = True
         self.validate()
 

@@ -170,26 +170,43 @@ async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) 
     count = len(texts)
     params = _per_prompt("sampling_params", body.sampling_params, count)
     loras = _per_prompt("lora_path", body.lora_path, count)
+    prompts = [
+        {"text": texts[i], "input_ids": ids_list[i], "sampling_params": params[i], "return_logprob": body.return_logprob,
+         "logprob_start_len": body.logprob_start_len, "top_logprobs_num": body.top_logprobs_num}
+        for i in range(count)
+    ]
+    return await build_requests(tm, prompts, loras, is_batch), is_batch
+
+
+async def build_requests(tm: TokenizerManager, prompts: list[dict], loras: list[str | None], is_batch: bool) -> list[GenerateRequest]:
+    """One GenerateRequest per prompt (`build_request` keyword arguments) with its adapter resolved.
+
+    `resolve_lora` counts the adapter as in flight and `generate_request` releases it; so if any prompt
+    is refused, the adapters already acquired for this call are released here. An adapter that cannot
+    be resolved raises a 400 with code "lora_not_found" (the OpenAI routes rephrase it by model name).
+    """
+    refs = []
     requests = []
-    for i in range(count):
-        where = f"prompt {i}: " if is_batch else ""
-        try:
-            lora_id = await tm.resolve_lora(loras[i]) if loras[i] is not None else None
-            requests.append(
-                tm.build_request(
-                    text=texts[i],
-                    input_ids=ids_list[i],
-                    sampling_params=params[i],
-                    return_logprob=body.return_logprob,
-                    logprob_start_len=body.logprob_start_len,
-                    top_logprobs_num=body.top_logprobs_num,
-                    lora_id=lora_id,
-                )
-            )
-        except Exception as e:
-            error = to_api_error(e)
-            raise APIError(error.status_code, where + error.message, error.code) from e
-    return requests, is_batch
+    try:
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            where = f"prompt {i}: " if is_batch else ""
+            try:
+                ref = await tm.resolve_lora(lora) if lora is not None else None
+            except Exception as e:
+                error = to_api_error(e)
+                raise APIError(error.status_code, where + error.message, "lora_not_found" if error.status_code == 400 else error.code) from e
+            if ref is not None:
+                refs.append(ref)
+            try:
+                requests.append(tm.build_request(**prompt, lora_id=ref.lora_id if ref is not None else None))
+            except Exception as e:
+                error = to_api_error(e)
+                raise APIError(error.status_code, where + error.message, error.code) from e
+    except BaseException:
+        for ref in refs:
+            tm.lora_registry.release(ref.lora_id)
+        raise
+    return requests
 
 
 def _prompts(body: GenerateReqInput) -> tuple[list, list, bool]:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sgl_jax_lora.entrypoints.errors import APIError
 from sgl_jax_lora.entrypoints.native_api import (
+    build_requests,
     gather_or_cancel,
     last_result,
     merge_streams,
@@ -34,9 +35,7 @@ from sgl_jax_lora.entrypoints.native_api import (
     sse,
     streaming_response,
 )
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.managers.tokenizer_manager import RequestError
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -128,12 +127,11 @@ async def completions(request: Request) -> Response:
     tm = state.engine()
     if body.echo:
         raise APIError(400, "echo=true is not supported; send echo=false", "invalid_request")
-    lora_id = await resolve_model(state, tm, body.model)
-    prompts = _completion_prompts(body.prompt)
-    requests = [
-        _build(tm, body, text=text, input_ids=ids, lora_id=lora_id, top_logprobs=body.logprobs, default_max_tokens=16)
-        for text, ids in prompts
+    prompts = [
+        _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16)
+        for text, ids in _completion_prompts(body.prompt)
     ]
+    requests = await _build_requests(state, tm, body.model, prompts)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -159,12 +157,12 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    lora_id = await resolve_model(state, tm, body.model)
     input_ids = render_chat(tm, state.chat_template, body.messages)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    chat_request = _build(tm, body, text=None, input_ids=input_ids, lora_id=lora_id, top_logprobs=top_logprobs, default_max_tokens=None)
+    prompt = _build_kwargs(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
+    (chat_request,) = await _build_requests(state, tm, body.model, [prompt])
     stream = state.metrics.track(tm.generate_request(chat_request), "chat_completions")
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -183,18 +181,26 @@ async def chat_completions(request: Request) -> Response:
 
 
 # ---- model names and chat templates ------------------------------------------------------------
-async def resolve_model(state: ServerState, tm: TokenizerManager, model: str) -> str | None:
-    """OpenAI `model` -> adapter id (None = the base model); a 400 naming the model otherwise."""
+def model_adapter(state: ServerState, model: str) -> str | None:
+    """OpenAI `model` -> the adapter it names (None = the base model): the served model name is the base,
+    `BASE:ADAPTER` or a bare name is an adapter (resolved, or refused naming the model, when the request
+    is built)."""
     base = state.served_model_name
     if model in (base, state.model_path):
         return None
-    adapter = model[len(base) + 1 :] if model.startswith(base + ":") else model
     if not state.args.enable_lora:
         raise APIError(400, f"model '{model}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)", "model_not_found")
+    return model[len(base) + 1 :] if model.startswith(base + ":") else model
+
+
+async def _build_requests(state: ServerState, tm: TokenizerManager, model: str, prompts: list[dict]) -> list[GenerateRequest]:
+    adapter = model_adapter(state, model)
     try:
-        return await tm.resolve_lora(adapter)
-    except (RequestError, LoRAAdapterError) as e:
-        raise APIError(400, f"model '{model}' does not exist: it is neither the served model '{base}' nor a loaded LoRA adapter ({e})", "model_not_found") from e
+        return await build_requests(tm, prompts, [adapter] * len(prompts), is_batch=len(prompts) > 1)
+    except APIError as e:
+        if e.code != "lora_not_found":
+            raise APIError(e.status_code, _openai_names(e.message), e.code) from e
+        raise APIError(400, f"model '{model}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})", "model_not_found") from e
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -247,21 +253,20 @@ def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] 
     return [(None, ids) for ids in prompt]
 
 
-def _build(
+def _build_kwargs(
     tm: TokenizerManager,
     body: _SamplingFields,
     text: str | None,
     input_ids: list[int] | None,
-    lora_id: str | None,
     top_logprobs: int | None,
     default_max_tokens: int | None,
-) -> GenerateRequest:
-    """OpenAI fields -> a validated GenerateRequest (RequestError -> 400 with the engine's message)."""
+) -> dict:
+    """OpenAI fields -> `TokenizerManager.build_request` keyword arguments (validated there)."""
     if body.n != 1:
         raise APIError(400, f"n={body.n} is not supported; send n=1 (or send the request several times)", "invalid_request")
     max_tokens = body.max_tokens
     if max_tokens is None:
-        prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenize(text, None))
+        prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenizer.encode(text))
         max_tokens = default_max_tokens or max(tm.context_length - prompt_len, 1)
     sampling = {
         "max_new_tokens": max_tokens,
@@ -278,20 +283,17 @@ def _build(
         "skip_special_tokens": body.skip_special_tokens,
         "seed": body.seed,
     }
-    try:
-        return tm.build_request(
-            text=text,
-            input_ids=input_ids,
-            sampling_params=sampling,
-            return_logprob=top_logprobs is not None,
-            top_logprobs_num=top_logprobs or 0,
-            lora_id=lora_id,
-        )
-    except RequestError as e:
-        raise APIError(400, _openai_names(str(e)), "invalid_request") from e
+    return {
+        "text": text,
+        "input_ids": input_ids,
+        "sampling_params": sampling,
+        "return_logprob": top_logprobs is not None,
+        "top_logprobs_num": top_logprobs or 0,
+    }
 
 
 def _openai_names(message: str) -> str:
+    """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
     return message.replace("max_new_tokens", "max_tokens").replace("top_logprobs_num", "logprobs")
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 from sgl_jax_lora.layers.linear import Linear, pack_parts
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
-if TYPE_CHECKING:  # the backend package imports jax kernels only; no cycle at run time
+if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
     from sgl_jax_lora.lora.backend.base import LoRABackend
 
 
@@ -68,7 +68,9 @@ class LoRALinear(Linear):
         y = self.base(x)
         if lora_batch is None:
             return y
-        shrunk = self.backend.shrink(x, self.lora_a[...], lora_batch, input_sharded=self.row_parallel)
+        shrunk = self.backend.shrink(
+            x, self.lora_a[...], lora_batch, input_sharded=self.row_parallel, rank_block=self.max_rank
+        )
         shrunk = shrunk * lora_batch.slot_scale[lora_batch.token_slot][:, None]
         deltas = []
         for i, name in enumerate(self.part_names):

@@ -19,10 +19,20 @@ from sgl_jax_lora.lora.backend.pallas import PallasBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
-# (max tokens, max segments, backend): first row that fits wins. Measured on an H100 (docs/benchmarks.md).
-GPU_RULES: tuple[tuple[int, int, str], ...] = ((1 << 30, 1 << 30, "pallas"),)
+# (max tokens, max segments, backend): first row that fits wins. From the H100 run in docs/benchmarks.md
+# ("LoRA kernels"); docs/lora_backends.md gives the per-row reasoning. Token buckets between 256 and 2048
+# were not measured and take the T = 256 choice.
+_ANY = 1 << 30
+GPU_RULES: tuple[tuple[int, int, str], ...] = (
+    (1, 1, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
+    (64, _ANY, "bgmv"),  # best or within noise in every other T <= 64 row
+    (1024, 1, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
+    (1024, _ANY, "pallas"),  # T=256: best or tied in 7 of 8 multi-segment rows
+    (4096, 4, "sgmv"),  # prefill <= 4 segments up to T=4096: sgmv 1.13 / 1.17 vs pallas 1.34 / 1.25
+    (_ANY, _ANY, "pallas"),  # every other prefill row
+)
 # No TPU measurements yet: keep the baseline until the TPU kernel has been timed on a TPU.
-DEFAULT_RULES: tuple[tuple[int, int, str], ...] = ((1 << 30, 1 << 30, "einsum"),)
+DEFAULT_RULES: tuple[tuple[int, int, str], ...] = ((_ANY, _ANY, "einsum"),)
 
 
 def rules_for_platform(platform: str) -> tuple[tuple[int, int, str], ...]:

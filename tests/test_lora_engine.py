@@ -1,0 +1,188 @@
+"""Multi-LoRA serving end to end vs HF transformers + PEFT (CPU, fp32 unless said).
+
+Adapters are written by the `peft` library (tests/peft_fixtures.py) for a tiny random HF Llama.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_fixtures import load_hf_model, make_hf_model_dir
+from peft_fixtures import load_peft_model, write_peft_adapter
+from sgl_jax_lora import Engine
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SMALL = dict(
+    context_length=128,
+    max_running_requests=8,
+    chunked_prefill_size=32,
+    max_prefill_seqs=4,
+    prefill_token_buckets=[16, 32],
+    decode_page_buckets=[8],
+)
+# Four adapters of different ranks, alphas and target forms.
+ADAPTER_FORMS = {
+    "all_linear_r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+    "qv_rslora_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True, layers_to_transform=[0]),
+    "pattern_r16": dict(r=16, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
+                        rank_pattern={"o_proj": 4}, alpha_pattern={"down_proj": 32}),
+    "regex_r2": dict(r=2, lora_alpha=4, target_modules=r".*\.1\.(mlp\.up_proj|self_attn\.q_proj)"),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_hf_model_dir(root / "base", "llama", seed=3)
+    adapters = {name: write_peft_adapter(base, root / name, seed=i + 1, **form) for i, (name, form) in enumerate(ADAPTER_FORMS.items())}
+    return base, adapters
+
+
+def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    model = load_peft_model(base, adapter_dir) if adapter_dir else load_hf_model(base)
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        logprobs = torch.log_softmax(model(tokens).logits[0], -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0].numpy()
+        generated = list(ids)
+        for _ in range(max_new_tokens):
+            generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
+    return generated[len(ids) :], logprobs
+
+
+def prompt(seed: int, length: int = 14) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 491, size=length).tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    base, adapters = setup
+    eng = Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
+                 max_loras_per_batch=2, lora_backend="sgmv", skip_precompile=True, **SMALL)
+    yield eng
+    eng.shutdown()
+
+
+def test_heterogeneous_batch_matches_peft_with_fewer_slots_than_adapters(engine, setup):
+    base, adapters = setup
+    names = list(adapters) + [None, None]
+    ids = [prompt(i) for i in range(len(names))]
+    outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY}, lora_path=names,
+                           return_logprob=True, logprob_start_len=0)
+    for name, p, out in zip(names, ids, outs):
+        ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, 8)
+        assert out["output_ids"] == ref_tokens, name
+        ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
+    # Each adapter changes the model: its prompt logprobs differ from the base model's.
+    same = engine.generate(input_ids=[ids[0]] * 5, sampling_params={"max_new_tokens": 1, **GREEDY}, lora_path=names[:5],
+                           return_logprob=True, logprob_start_len=1)
+    logprobs = [np.array([lp for lp, _ in o["meta_info"]["input_token_logprobs"]]) for o in same]
+    for adapted in logprobs[:4]:
+        assert np.abs(adapted - logprobs[4]).max() > 1e-3
+
+
+def test_each_request_alone_equals_it_in_the_mixed_batch(engine, setup):
+    _, adapters = setup
+    names = [None] + list(adapters) + [None]
+    ids = [prompt(20 + i, 9 + i) for i in range(len(names))]
+    together = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True)
+    for name, p, joint in zip(names, ids, together):
+        alone = engine.generate(input_ids=p, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=name, return_logprob=True)
+        assert alone["output_ids"] == joint["output_ids"]
+        a = [lp for lp, _ in alone["meta_info"]["output_token_logprobs"]]
+        b = [lp for lp, _ in joint["meta_info"]["output_token_logprobs"]]
+        assert np.abs(np.array(a) - np.array(b)).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_base_requests_equal_a_lora_disabled_engine(setup, dtype):
+    base, adapters = setup
+    ids = [prompt(40 + i) for i in range(3)]
+    params = {"max_new_tokens": 8, **GREEDY}
+    with Engine(model_path=str(base), dtype=dtype, skip_precompile=True, **SMALL) as plain:
+        expected = plain.generate(input_ids=ids, sampling_params=params)
+    with Engine(model_path=str(base), dtype=dtype, skip_precompile=True, lora_paths=[f"a={adapters['all_linear_r8']}"], **SMALL) as lora:
+        mixed = lora.generate(input_ids=ids + ids[:1], sampling_params=params, lora_path=[None, None, None, "a"])
+    assert [o["output_ids"] for o in mixed[:3]] == [o["output_ids"] for o in expected]
+
+
+def test_tp4_equals_tp1_with_adapters(setup):
+    base, adapters = setup
+    names = ["all_linear_r8", "pattern_r16", None]
+    ids = [prompt(60 + i) for i in range(3)]
+    results = []
+    for tp in (1, 4):
+        # 6 heads do not split over 4 devices, so this test uses a model of 8 heads.
+        model_dir = make_hf_model_dir(base.parent / f"base8_{tp}", "llama", seed=5, num_attention_heads=8, head_dim=6, intermediate_size=96)
+        adapter_dirs = {n: write_peft_adapter(model_dir, base.parent / f"{n}_8_{tp}", seed=i + 7, **ADAPTER_FORMS[n])
+                        for i, n in enumerate(names[:2])}
+        with Engine(model_path=str(model_dir), dtype="float32", tp_size=tp, skip_precompile=True,
+                    lora_paths={n: str(p) for n, p in adapter_dirs.items()}, **SMALL) as eng:
+            results.append(eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True))
+    for one, four in zip(*results):
+        assert one["output_ids"] == four["output_ids"]
+        a = [lp for lp, _ in one["meta_info"]["output_token_logprobs"]]
+        b = [lp for lp, _ in four["meta_info"]["output_token_logprobs"]]
+        assert np.abs(np.array(a) - np.array(b)).max() < 1e-4
+
+
+def test_churn_20_adapters_through_4_slots_matches_all_resident(setup, tmp_path_factory):
+    base, _ = setup
+    root = tmp_path_factory.mktemp("churn")
+    dirs = [write_peft_adapter(base, root / f"c{i}", seed=100 + i, r=4 + 4 * (i % 3), lora_alpha=8, target_modules="all-linear") for i in range(20)]
+    ids = [prompt(200 + i, 6) for i in range(20)]
+    names = [f"c{i}" for i in range(20)]
+    params = {"max_new_tokens": 4, **GREEDY}
+    with Engine(model_path=str(base), dtype="float32", skip_precompile=True, max_loras_per_batch=20, max_lora_rank=12,
+                lora_paths={n: str(d) for n, d in zip(names, dirs)}, **SMALL) as resident:
+        expected = resident.generate(input_ids=ids, sampling_params=params, lora_path=names)
+    with Engine(model_path=str(base), dtype="float32", max_loras_per_batch=4, max_loaded_loras=6, max_lora_rank=12,
+                lora_allowed_dirs=[str(root)], **SMALL) as churn:
+        first = churn.generate(input_ids=ids, sampling_params=params, lora_path=[str(d) for d in dirs])  # loaded on demand
+        again = churn.generate(input_ids=ids[::-1], sampling_params=params, lora_path=[str(d) for d in dirs[::-1]])
+        info = churn.get_server_info()
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in expected]
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in expected[::-1]]
+    assert info["num_compilations_after_warmup"] == 0
+    assert info["lora"]["device_evictions"] > 0 and info["lora"]["host_evictions"] > 0
+
+
+def test_load_use_and_unload_while_running(engine, setup):
+    base, adapters = setup
+    engine.load_lora_adapter("late", str(adapters["qv_rslora_r4"]))
+    ids = prompt(80)
+    expected = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, **GREEDY}, lora_path="qv_rslora_r4")
+    late = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, **GREEDY}, lora_path="late")
+    assert late["output_ids"] == expected["output_ids"]
+    engine.unload_lora_adapter("late")
+    with pytest.raises(ValueError, match="'late'"):
+        engine.generate(input_ids=ids, lora_path="late")
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora_adapter("all_linear_r8", str(adapters["all_linear_r8"]))
+
+
+@pytest.mark.parametrize(
+    "form, message",
+    [
+        (dict(use_dora=True), "DoRA"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(bias="lora_only"), "bias"),
+        (dict(target_modules=["embed_tokens"]), "embed"),
+        (dict(r=64, lora_alpha=64), "--max-lora-rank"),
+    ],
+)
+def test_refused_adapter_forms_keep_the_engine_serving(engine, setup, tmp_path, form, message):
+    base, _ = setup
+    kwargs = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **form}
+    bad = write_peft_adapter(base, tmp_path / "bad", seed=9, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        engine.load_lora_adapter("bad", str(bad))
+    ok = engine.generate(input_ids=prompt(90), sampling_params={"max_new_tokens": 2, **GREEDY}, lora_path="all_linear_r8")
+    assert len(ok["output_ids"]) == 2
+
+
+def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
+    with pytest.raises(ValueError, match="no LoRA adapter with this name is loaded"):
+        engine.generate(input_ids=prompt(91), lora_path=str(tmp_path))
