@@ -444,6 +444,9 @@ def test_lora_load_unload_and_model_names(lora_server):
     missing = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "a1"})
     assert missing.status_code == 400 and "a1" in missing.json()["error"]["message"]
     assert complete(base) == base_text
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert "sgl_jax_lora_lora_device_slots 2.0" in metrics
+    assert 'sgl_jax_lora_lora_host_misses_by_adapter_total{adapter="a1"}' in metrics
 
 
 # ---- engine death (must stay the last test of the module) --------------------------------------

@@ -55,6 +55,7 @@ class ServerState:
     is_shutting_down: bool = False
     exit_code: int = 0
     request_exit: Callable[[int], None] = lambda code: None  # set by run_server: stops uvicorn
+    is_exiting: Callable[[], bool] = lambda: False  # set by run_server: uvicorn got SIGINT/SIGTERM
 
     @property
     def is_ready(self) -> bool:
@@ -171,7 +172,8 @@ def _resolve(future: asyncio.Future, result: object, error: BaseException | None
 def _on_engine_exit(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
     tm = state.tokenizer_manager
     loop.remove_reader(tm.process.sentinel)
-    if state.is_shutting_down:
+    # Ctrl-C in a terminal signals the whole process group, the engine included: not a failure.
+    if state.is_shutting_down or state.is_exiting():
         return
     tm.process.join(timeout=1)
     logger.error("the engine process exited unexpectedly (exit code %s); shutting the server down", tm.process.exitcode)
@@ -205,6 +207,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
         server.should_exit = True
 
     state.request_exit = request_exit
+    state.is_exiting = lambda: server.should_exit
     # uvicorn re-raises the signal that stopped it once it has shut down; these handlers swallow that
     # re-raise so that a clean SIGINT/SIGTERM shutdown exits with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 PREFIX = "sgl_jax_lora"
@@ -96,15 +96,13 @@ class ServerMetrics:
 class EngineStatsCollector(Collector):
     """Gauges and counters read from the engine's latest `server_info` at scrape time.
 
-    LoRA keys are optional (an engine without LoRA reports none): `info["lora"]` may hold
-    `num_slots`, `num_slots_used`, `num_device_adapters`, `num_host_adapters`, `num_evictions`, and
-    `hits` / `misses` as {adapter name: count} (a hit = the adapter was already on the device).
+    The LoRA ones come from `info["lora"]` (LoRAManager.stats()) and appear only on LoRA engines.
     """
 
     def __init__(self) -> None:
         self.info: dict = {}
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         info = self.info
         gauges = {
             "num_running_reqs": ("num_running", "requests in the running batch"),
@@ -116,23 +114,46 @@ class EngineStatsCollector(Collector):
         for name, (key, help_text) in gauges.items():
             if key in info:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
-        yield from _lora_metrics(info.get("lora") or {})
+        if info.get("lora"):
+            yield from _lora_metrics(info["lora"])
 
 
-def _lora_metrics(lora: dict) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    gauges = {
-        "num_slots": "LoRA device slots (adapters one batch may hold)",
-        "num_slots_used": "LoRA device slots holding an adapter",
-        "num_device_adapters": "LoRA adapters resident on the device",
-        "num_host_adapters": "LoRA adapters in the host cache",
-    }
-    for key, help_text in gauges.items():
+LORA_GAUGES = {
+    "registered": "LoRA adapters registered (servable by name)",
+    "device_slots": "LoRA device slots (distinct adapters one batch may hold)",
+    "resident_on_device": "LoRA device slots holding an adapter",
+    "pinned": "LoRA adapters pinned on the device",
+    "in_host_cache": "LoRA adapters in the host cache",
+}
+LORA_COUNTERS = {
+    "device_hits": "scheduled adapter already in a device slot",
+    "device_misses": "scheduled adapter written into a device slot",
+    "device_evictions": "adapters evicted from device slots",
+    "host_hits": "adapter found in the host cache",
+    "host_misses": "adapter read from disk into the host cache",
+    "host_evictions": "adapters evicted from the host cache",
+}
+
+
+def _lora_metrics(lora: dict) -> Iterator[Metric]:
+    for key, help_text in LORA_GAUGES.items():
         if key in lora:
             yield GaugeMetricFamily(f"{PREFIX}_lora_{key}", help_text, value=lora[key])
-    if "num_evictions" in lora:
-        yield CounterMetricFamily(f"{PREFIX}_lora_evictions", "adapters evicted from device slots", value=lora["num_evictions"])
-    for key, help_text in (("hits", "adapter already on the device when scheduled"), ("misses", "adapter loaded into a slot when scheduled")):
-        family = CounterMetricFamily(f"{PREFIX}_lora_slot_{key}", help_text, labels=["adapter"])
+    for key, help_text in LORA_COUNTERS.items():
+        if key in lora:
+            yield CounterMetricFamily(f"{PREFIX}_lora_{key}", help_text, value=lora[key])
+    for key, help_text in (("hits_by_name", "host-cache hits per adapter"), ("misses_by_name", "host-cache misses per adapter")):
+        family = CounterMetricFamily(f"{PREFIX}_lora_host_{key.split('_')[0]}_by_adapter", help_text, labels=["adapter"])
         for adapter, count in (lora.get(key) or {}).items():
             family.add_metric([adapter], count)
         yield family
+    if "slot_load_seconds" in lora:
+        yield _window_histogram(
+            f"{PREFIX}_lora_slot_load_seconds", "adapter write into a device slot, over the engine's last 1000 loads", lora["slot_load_seconds"]
+        )
+
+
+def _window_histogram(name: str, help_text: str, samples: list[float]) -> HistogramMetricFamily:
+    buckets = [(str(bound), sum(1 for x in samples if x <= bound)) for bound in LATENCY_BUCKETS]
+    buckets.append(("+Inf", len(samples)))
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=sum(samples))
