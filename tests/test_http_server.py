@@ -105,7 +105,7 @@ def test_generate_single(http, tokenizer):
     assert len(result["output_ids"]) == 12
     assert result["meta_info"]["completion_tokens"] == 12
     assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
-    assert result["text"] == tokenizer.decode(result["output_ids"])
+    assert result["text"] == tokenizer.decode(result["output_ids"], skip_special_tokens=True)
     by_ids = generate(http, input_ids=tokenizer.encode("Hello, world!"), sampling_params=GREEDY)
     assert by_ids["output_ids"] == result["output_ids"]
 
