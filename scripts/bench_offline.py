@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--gpu", default="H100", choices=sorted(HBM_BYTES_PER_S))
+    parser.add_argument("--layers-per-scan-step", type=int, default=1, help="0 = fully unrolled layer loop")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     model_dir = make_model_dir(LLAMA3_8B)
@@ -102,7 +103,8 @@ def main() -> None:
                       max_total_tokens=160_000, max_running_requests=max(opts.batch_sizes), chunked_prefill_size=2048,
                       max_prefill_seqs=4, decode_batch_buckets=opts.batch_sizes, prefill_token_buckets=[2048],
                       decode_page_buckets=[64], skip_precompile=True, lora_paths=lora_paths,
-                      max_loras_per_batch=max(1, opts.lora_adapters), lora_backend=opts.lora_backend)
+                      max_loras_per_batch=max(1, opts.lora_adapters), lora_backend=opts.lora_backend,
+                      layers_per_scan_step=opts.layers_per_scan_step)
     t0 = time.perf_counter()
     core = EngineCore(args, model_dir)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)

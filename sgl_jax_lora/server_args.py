@@ -42,6 +42,8 @@ class ServerArgs:
     prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
+    layers_per_scan_step: int = _f(1, "decoder layers per lax.scan iteration (0 = all: one straight-line program, slower to compile)")
+    compilation_cache_dir: str = _f("~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)")
     # LoRA
     enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")
     lora_paths: list[str] | None = _f(None, "adapters to register at start: PATH, NAME=PATH, or JSON {\"lora_name\",\"lora_path\",\"pinned\"}", nargs="+")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
+    _enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     try:
         from sgl_jax_lora.managers.engine_core import EngineCore
@@ -29,6 +32,16 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
         return
     conn.send_bytes(encode({"type": "ready", "info": core.server_info(), "pid": os.getpid()}))
     EngineLoop(core, conn).run()
+
+
+def _enable_compilation_cache(cache_dir: str | None) -> None:
+    """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set)."""
+    if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 class EngineLoop:

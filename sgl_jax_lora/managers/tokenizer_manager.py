@@ -28,8 +28,7 @@ from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.managers.engine_process import run_engine_process
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
-from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS
-from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

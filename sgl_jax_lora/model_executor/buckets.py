@@ -39,6 +39,7 @@ class Buckets:
         decode_page_buckets: list[int] | None = None,
     ) -> "Buckets":
         max_pages = -(-context_length // page_size)
+        chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
         decode_seqs = _checked("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(1, max_running_requests)
         prefill_tokens = _checked("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
             min(32, chunked_prefill_size), chunked_prefill_size

@@ -41,7 +41,8 @@ class ModelRunner:
         self.dtype = jnp.dtype(args.dtype)
         self.page_size = args.page_size
         graphdef, state = load_model_state(
-            cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed
+            cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed,
+            layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers) if args.layers_per_scan_step > 0 else cfg.num_layers,
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)

@@ -85,8 +85,12 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None):
+    def __init__(
+        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None,
+        layers_per_scan_step: int = 1,
+    ):
         self.config = cfg
+        self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
         @nnx.vmap(in_axes=None, out_axes=0, axis_size=cfg.num_layers)
@@ -109,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_state, layer_ids))
+        (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_state, layer_ids), unroll=self.layers_per_scan_step)
         return self.norm(hidden), kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:

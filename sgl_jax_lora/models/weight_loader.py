@@ -120,10 +120,11 @@ def load_model_state(
     lora: LoRAModelSpec | None,
     load_format: str = "auto",
     seed: int = 0,
+    layers_per_scan_step: int = 1,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout."""
     model_cls = model_class_for(cfg)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora))
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step))
     graphdef, abstract_state = nnx.split(abstract)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     leaves = []

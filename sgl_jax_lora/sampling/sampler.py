@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-MAX_TOP_LOGPROBS = 20
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

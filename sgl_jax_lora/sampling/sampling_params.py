@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is unknown or out of range."""
 
