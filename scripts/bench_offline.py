@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--gpu", default="H100", choices=sorted(HBM_BYTES_PER_S))
-    parser.add_argument("--layers-per-scan-step", type=int, default=1, help="0 = fully unrolled layer loop")
+    parser.add_argument("--layers-per-scan-step", type=int, default=0, help="0 = fully unrolled layer loop")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     model_dir = make_model_dir(LLAMA3_8B)

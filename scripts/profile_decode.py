@@ -1,6 +1,6 @@
 """Profile decode steps of the offline engine: a jax.profiler trace summarized by op, and a time breakdown.
 
-    python scripts/profile_decode.py --batch 64 [--layers-per-scan-step 1] [--out-dir DIR]
+    python scripts/profile_decode.py --batch 64 [--layers-per-scan-step 0] [--out-dir DIR]
 Builds the same Llama-3-8B-sized dummy engine as bench_offline.py, brings `--batch` requests to decode, then
 (1) times the forward alone, the sampler alone and whole engine steps, and (2) records `--steps` decode steps
 with jax.profiler (perfetto trace) and prints the 25 ops with the most device time.
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--layers-per-scan-step", type=int, default=1)
+    parser.add_argument("--layers-per-scan-step", type=int, default=0)
     parser.add_argument("--out-dir", default="/tmp/profile")
     opts = parser.parse_args()
     model_dir = make_model_dir(LLAMA3_8B)

@@ -42,7 +42,7 @@ class ServerArgs:
     prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
-    layers_per_scan_step: int = _f(1, "decoder layers per lax.scan iteration (0 = all: one straight-line program, slower to compile)")
+    layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")
     compilation_cache_dir: str = _f("~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)")
     # LoRA
     enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")

@@ -5,7 +5,7 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
 [S, Q] (query_index) and applies a causal mask by absolute position. Decode steps (Q = 1) run batched;
 extend steps loop over sequences so the score matrix is [heads, Q, keys] for one sequence at a time.
 
-The KV cache per layer is [num_slots, kv_heads, head_dim] with slot = page * page_size + offset; page 0
+The KV cache per layer is [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0
 is a scratch page that padding tokens write into and no sequence reads.
 """
 
@@ -22,9 +22,9 @@ _MASKED = -1e30
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, cache_loc: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, N, K, D]."""
-    k_cache = k_cache.at[layer, cache_loc].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, cache_loc].set(v.astype(v_cache.dtype))
+    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, K, N, D]."""
+    k_cache = k_cache.at[layer, :, cache_loc].set(k.astype(k_cache.dtype))  # indexed dims first: value is [T, K, D]
+    v_cache = v_cache.at[layer, :, cache_loc].set(v.astype(v_cache.dtype))
     return k_cache, v_cache
 
 
@@ -36,10 +36,14 @@ def paged_attention(
     page_size: int,
     scale: float,
 ) -> jax.Array:
-    """q [T, H, D], caches [N, K, D] (already holding this step's tokens) -> [T, H, D]."""
+    """q [T, H, D], caches [K, N, D] (already holding this step's tokens) -> [T, H, D].
+
+    Heads lead the cache layout, so gathering a sequence's slots yields [K, S, L, D] with the batch dims of the
+    score and value products already in front: no transpose of the gathered K/V.
+    """
     num_seqs, pages_per_seq = batch.page_table.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache_layer.shape[1]
+    num_kv_heads = k_cache_layer.shape[0]
     group = num_heads // num_kv_heads
     key_len = pages_per_seq * page_size
 
@@ -57,19 +61,30 @@ def paged_attention(
         & batch.query_valid[:, :, None]
     )  # [S, Q, L]
 
-    def attend(qs: jax.Array, slots: jax.Array, m: jax.Array) -> jax.Array:
-        # qs [..., Q, K, G, D], slots [..., L], m [..., Q, L] -> [..., Q, K, G, D]
-        keys = k_cache_layer[slots]  # [..., L, K, D]
-        values = v_cache_layer[slots]
-        scores = jnp.einsum("...qkgd,...lkd->...kgql", qs, keys, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(m[..., None, None, :, :], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = jnp.where(m[..., None, None, :, :], probs, 0.0).astype(values.dtype)
-        return jnp.einsum("...kgql,...lkd->...qkgd", probs, values, preferred_element_type=jnp.float32)
-
     if batch.is_decode:
-        out = attend(queries, key_slots, mask)
+        qs = queries[:, 0].transpose(1, 0, 2, 3)  # [K, S, G, D]
+        keys, values = k_cache_layer[:, key_slots], v_cache_layer[:, key_slots]  # [K, S, L, D]
+        scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * scale
+        probs = _masked_softmax(scores, mask[None, :, 0, None, :]).astype(values.dtype)
+        out = jnp.einsum("ksgl,ksld->ksgd", probs, values, preferred_element_type=jnp.float32)
+        out = out.transpose(1, 0, 2, 3)[:, None]  # [S, 1, K, G, D]
     else:
-        out = jax.lax.map(lambda args: attend(*args), (queries, key_slots, mask))
+
+        def attend_one(args):
+            qs, slots, m = args  # [Q, K, G, D], [L], [Q, L]
+            keys, values = k_cache_layer[:, slots], v_cache_layer[:, slots]  # [K, L, D]
+            qs = qs.transpose(1, 2, 0, 3)  # [K, G, Q, D]
+            scores = jnp.einsum("kgqd,kld->kgql", qs, keys, preferred_element_type=jnp.float32) * scale
+            probs = _masked_softmax(scores, m[None, None]).astype(values.dtype)
+            out = jnp.einsum("kgql,kld->kgqd", probs, values, preferred_element_type=jnp.float32)
+            return out.transpose(2, 0, 1, 3)  # [Q, K, G, D]
+
+        out = jax.lax.map(attend_one, (queries, key_slots, mask))
     out = out.astype(q.dtype).reshape(num_seqs * num_queries, num_heads, head_dim)
     return out[batch.token_row]
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis where mask holds; fully masked rows (padding) give zeros, not NaN."""
+    scores = jnp.where(mask, scores, _MASKED)
+    return jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)

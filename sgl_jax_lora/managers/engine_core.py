@@ -123,7 +123,8 @@ class EngineCore:
         sampled = None
         if samplers:
             num_seqs = forward_batch.num_seqs
-            penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs]
+            uses_penalties = any(r.sampling.uses_penalties for r in batch.reqs)
+            penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if uses_penalties else None
             sampled = self.runner.sample(last_hidden, batch.to_sampling_batch(num_seqs), penalty_rows)
         return self._postprocess(batch, sampled)
 

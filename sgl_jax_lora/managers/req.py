@@ -17,7 +17,7 @@ import time
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: queues compare requests by object, never field by field
 class Req:
     rid: str
     input_ids: list[int]

@@ -38,6 +38,8 @@ class ScheduleBatch:
         return num_seqs, num_tokens, buckets.max_pages_per_seq
 
     def to_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
+        if self.is_decode:
+            return self._decode_forward_batch(buckets, page_size, lora_builder)
         num_seqs, num_tokens, num_pages = self.padded_sizes(buckets)
         num_queries = 1 if self.is_decode else num_tokens
         input_ids = np.zeros(num_tokens, np.int32)
@@ -79,6 +81,37 @@ class ScheduleBatch:
             last_token_index=last_token_index,
             lora=lora_builder(token_slot),
             is_decode=self.is_decode,
+        )
+
+    def _decode_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
+        """Decode layout (one token per sequence, token i = sequence i), built with little per-request Python."""
+        num_seqs, _, num_pages = self.padded_sizes(buckets)
+        count = len(self.reqs)
+        seq_lens = np.zeros(num_seqs, np.int32)
+        input_ids = np.zeros(num_seqs, np.int32)
+        page_table = np.zeros((num_seqs, num_pages), np.int32)
+        for i, req in enumerate(self.reqs):
+            seq_lens[i] = req.seq_len
+            input_ids[i] = req.output_ids[-1] if req.output_ids else req.input_ids[-1]
+            page_table[i, : len(req.pages)] = req.pages
+        positions = np.maximum(seq_lens - 1, 0)
+        rows = np.arange(num_seqs, dtype=np.int32)
+        cache_loc = page_table[rows, positions // page_size] * page_size + positions % page_size
+        cache_loc[count:] = 0
+        token_slot = np.zeros(num_seqs, np.int32)
+        token_slot[:count] = self.token_slots
+        return ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            cache_loc=cache_loc.astype(np.int32),
+            seq_lens=seq_lens,
+            page_table=page_table,
+            query_index=rows[:, None],
+            query_valid=(rows < count)[:, None],
+            token_row=rows,
+            last_token_index=rows,
+            lora=lora_builder(token_slot),
+            is_decode=True,
         )
 
     def sampling_reqs(self) -> list[Req]:

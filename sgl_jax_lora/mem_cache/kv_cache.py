@@ -1,6 +1,6 @@
 """The paged KV cache as a pytree that goes into the jitted step and comes back out (donated).
 
-Layout per tensor: [L, N, K, D] with N = num_pages * page_size slots (slot = page * page_size + offset),
+Layout per tensor: [L, K, N, D] (heads before slots: see layers/attention.py) with N = num_pages * page_size slots (slot = page * page_size + offset),
 K = kv heads held across the tensor axis (replicated copies when tp > num_kv_heads), sharded on K.
 Page 0 is scratch: padding tokens write there and the allocator never hands it out.
 """
@@ -19,13 +19,13 @@ from sgl_jax_lora.models.model_config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, N, K, D]
-    v: jax.Array  # [L, N, K, D]
+    k: jax.Array  # [L, K, N, D]
+    v: jax.Array  # [L, K, N, D]
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
 
-KV_LOGICAL_AXES = ("layers", "kv_slots", "kv_heads", "head_dim")
+KV_LOGICAL_AXES = ("layers", "kv_heads", "kv_slots", "head_dim")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:
@@ -36,7 +36,7 @@ def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:
 
 def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh) -> KVCache:
     kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size
-    shape = (cfg.num_layers, num_pages * page_size, kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, kv_heads, num_pages * page_size, cfg.head_dim)
     sharding = logical_to_sharding(mesh, KV_LOGICAL_AXES)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return KVCache(k=zeros(), v=zeros())
