@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+MIN_DECODE_BUCKET = 8
+
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     values, v = [], lo
@@ -40,7 +42,11 @@ class Buckets:
     ) -> "Buckets":
         max_pages = -(-context_length // page_size)
         chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
-        decode_seqs = _checked("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(1, max_running_requests)
+        # Decode starts at 8 sequences: on GPU a 1-row matmul compiles to a slower kernel than an 8-row one
+        # (measured, docs/benchmarks.md), and decode is memory-bound, so the padding costs nothing.
+        decode_seqs = _checked("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(
+            min(MIN_DECODE_BUCKET, max_running_requests), max_running_requests
+        )
         prefill_tokens = _checked("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
             min(32, chunked_prefill_size), chunked_prefill_size
         )
