@@ -40,6 +40,7 @@ class LoRAManager:
         self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
                                    runner.lora_buffer_shapes(), args.lora_eviction_policy)
         self._step_ids: set[str] = set()
+        self.segment_buckets = segment_buckets(self.pool.num_slots)
         self.load_latencies_s: list[float] = []
         self.device_hits = 0
         self.device_misses = 0
@@ -111,7 +112,15 @@ class LoRAManager:
         self.load_latencies_s.append(time.perf_counter() - start)
 
     def lora_batch(self, token_slots: np.ndarray) -> LoRABatch:
-        return build_lora_batch(token_slots, self.pool.num_slots, self.pool.slot_scale, self.pool.slot_rank)
+        """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits."""
+        num_distinct = len(np.unique(token_slots))
+        num_segments = next(g for g in self.segment_buckets if g >= num_distinct)
+        return build_lora_batch(token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank)
+
+    def padding_batches(self, num_tokens: int) -> list[LoRABatch]:
+        """One all-base LoRABatch per segment bucket, for compiling every bucket at warmup."""
+        zeros = np.zeros(num_tokens, np.int32)
+        return [build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank) for g in self.segment_buckets]
 
     def stats(self) -> dict:
         cache = self.host_cache.stats
@@ -131,6 +140,15 @@ class LoRAManager:
             "misses_by_name": dict(cache.misses_by_name),
             "slot_load_seconds": list(self.load_latencies_s[-1000:]),
         }
+
+
+def segment_buckets(num_slots: int) -> tuple[int, ...]:
+    """Compiled segment counts G (distinct slots in a step, base included): up to 4 adapters, or all slots.
+
+    Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items), so batches with few
+    adapters run the small bucket; two buckets keep startup compilation at twice the LoRA-less count.
+    """
+    return tuple(sorted({min(4, num_slots), num_slots}))
 
 
 def make_loader(target_shapes: LoRATargetShapes, max_rank: int | None):

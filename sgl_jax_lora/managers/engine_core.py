@@ -66,7 +66,8 @@ class EngineCore:
         self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         if not args.skip_precompile:
-            self.runner.warmup(self.buckets, lambda n: self.lora_builder(np.zeros(n, np.int32)), progress=tqdm)
+            lora_for = self.lora.padding_batches if self.lora else (lambda num_tokens: [None])
+            self.runner.warmup(self.buckets, lora_for, progress=tqdm)
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
 

@@ -122,22 +122,25 @@ class ModelRunner:
                 )
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
 
-    def warmup(self, buckets: Buckets, lora_for: Callable[[int], LoRABatch | None], progress: Callable) -> None:
-        """Compile every bucket by running it on padding (seq_lens 0, cache slot 0)."""
-        shapes = [("extend", s, t, buckets.max_pages_per_seq) for s, t in buckets.extend_shapes()]
-        shapes += [("decode", s, s, p) for s, p in buckets.decode_shapes()]
+    def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
+        """Compile every bucket by running it on padding (seq_lens 0, cache slot 0).
+
+        lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA).
+        """
+        shapes = [("extend", s, t, buckets.max_pages_per_seq, i) for s, t in buckets.extend_shapes() for i in range(len(lora_for(t)))]
+        shapes += [("decode", s, s, p, i) for s, p in buckets.decode_shapes() for i in range(len(lora_for(s)))]
         bar = progress(total=len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens), desc="compiling buckets")
-        for mode, num_seqs, num_tokens, num_pages in shapes:
-            batch = padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens))
+        for mode, num_seqs, num_tokens, num_pages, lora_index in shapes:
+            batch = padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens)[lora_index])
             hidden, _ = self.forward(batch)
-            if mode == "extend":
+            if mode == "extend" and lora_index == 0:
                 for num_top in (0, MAX_TOP_LOGPROBS):
                     if num_seqs == buckets.prefill_seqs[0]:
                         self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
                         bar.update(1)
             bar.update(1)
         for num_seqs in buckets.sample_sizes():
-            _, last_hidden = self.forward(padding_forward_batch(True, num_seqs, num_seqs, buckets.decode_pages[0], lora_for(num_seqs)))
+            _, last_hidden = self.forward(padding_forward_batch(True, num_seqs, num_seqs, buckets.decode_pages[0], lora_for(num_seqs)[0]))
             for greedy in (True, False):
                 for num_top in (0, MAX_TOP_LOGPROBS):
                     self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
