@@ -80,6 +80,9 @@ class LoRAManager:
     def begin_step(self) -> None:
         self._step_ids = set()
 
+    def is_resident(self, lora_id: str | None) -> bool:
+        return lora_id is None or lora_id in self.pool.slot_of
+
     def try_admit(self, lora_id: str | None) -> int | None:
         if lora_id is None:
             return 0

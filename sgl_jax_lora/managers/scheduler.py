@@ -6,9 +6,10 @@ is waiting and fits. KV pages are allocated as tokens arrive; when decode runs o
 running request is preempted (pages freed, recomputed later).
 
 LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
-step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking). A
-request passed over `MAX_TIMES_SKIPPED` times blocks admission of others until it gets in, so nothing
-waits forever.
+step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), trying
+requests whose adapter is already on the device first. A request is passed over each time a request that
+arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first and, if it
+still cannot join, blocks admission of others until it gets in, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
 
     def begin_step(self) -> None: ...
+    def is_resident(self, adapter_key: str | None) -> bool: ...
     def try_admit(self, adapter_key: str | None) -> int | None:
         """Device slot for this adapter in the step being built, or None if it cannot join it."""
         ...
@@ -92,8 +94,8 @@ class Scheduler:
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0:
                 break
             budget -= self._try_add_chunk(batch, req, budget)
-        blocked = False
-        for req in list(self.waiting):
+        blocked, admitted = False, []
+        for req in self._admission_order():
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
                 break
             if len(self.running) >= self.max_running:
@@ -101,13 +103,25 @@ class Scheduler:
             taken = self._try_add_chunk(batch, req, budget)
             if taken == 0:
                 # Could not join (adapter slots or pages): skip ahead, but not past a starved request.
-                req.times_skipped += 1
                 blocked = req.times_skipped > MAX_TIMES_SKIPPED
                 continue
             budget -= taken
             self.waiting.remove(req)
             self.running.append(req)
+            admitted.append(req)
+        if admitted:  # a request is passed over when one that arrived after it gets in
+            newest = max(r.arrival_time for r in admitted)
+            for req in self.waiting:
+                if req.arrival_time < newest:
+                    req.times_skipped += 1
         return batch if batch.reqs else None
+
+    def _admission_order(self) -> list[Req]:
+        """Starved requests first, then those whose adapter is on the device (or base), each group in arrival order."""
+        order = list(self.waiting)
+        if self.adapter_slots is not None:
+            order.sort(key=lambda r: (r.times_skipped <= MAX_TIMES_SKIPPED, not self.adapter_slots.is_resident(r.lora_slot_key)))
+        return order
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join)."""
