@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from sgl_jax_lora.lora.adapter import LoRAAdapter, load_peft_adapter
+from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from sgl_jax_lora.lora.lora_ref import LoRARef
@@ -152,7 +152,3 @@ def segment_buckets(num_slots: int) -> tuple[int, ...]:
     adapters run the small bucket; two buckets keep startup compilation at twice the LoRA-less count.
     """
     return tuple(sorted({min(4, num_slots), num_slots}))
-
-
-def make_loader(target_shapes: LoRATargetShapes, max_rank: int | None):
-    return lambda ref: load_peft_adapter(ref.lora_name, ref.lora_path, target_shapes, max_rank)

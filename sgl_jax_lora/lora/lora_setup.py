@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 from sgl_jax_lora.lora.backend import make_lora_backend
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.lora.lora_manager import LoRAManager, make_loader
+from sgl_jax_lora.lora.adapter import load_peft_adapter
+from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
 from sgl_jax_lora.models.llama import LORA_TARGETS
@@ -51,7 +52,7 @@ class LoRASetup:
         )
 
     def _load(self, ref: LoRARef):
-        return make_loader(self.target_shapes, self.loader_max_rank)(ref)
+        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
 
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])

@@ -31,6 +31,7 @@ from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class EngineCore:
                 if nxt < req.seq_len:
                     targets[starts[i] + j] = req.all_ids[nxt]
         num_top = max(r.top_logprobs_num for _, r in wanted)
-        result = self.runner.prompt_logprobs(hidden, targets, 20 if num_top else 0)
+        result = self.runner.prompt_logprobs(hidden, targets, MAX_TOP_LOGPROBS if num_top else 0)
         for i, req in wanted:
             if req.next_prompt_logprob_pos < 0:  # first chunk: start at logprob_start_len
                 req.next_prompt_logprob_pos = req.prompt_logprob_start

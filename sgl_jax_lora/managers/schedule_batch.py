@@ -15,7 +15,8 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.model_executor.buckets import Buckets, pick
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS, SamplingBatch
+from sgl_jax_lora.sampling.sampler import SamplingBatch
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
 LoRABatchBuilder = Callable[[np.ndarray], LoRABatch | None]  # token slots [T] -> LoRABatch
 

@@ -27,8 +27,8 @@ from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.penalties import apply_penalties
-from sgl_jax_lora.sampling.sampler import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch, sample, token_logprobs
-from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, sample, token_logprobs
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
