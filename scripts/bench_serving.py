@@ -6,10 +6,12 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
                    output ~ lognormal(mean ln 180, sigma 0.7) clipped to [8, 512] (or fixed --input-len/--output-len);
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
-Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99); with --baseline FILE (a result of
-the same command with --num-adapters 0) also the ratio to base-only throughput. Writes --out JSON.
+`--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
+Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99), what the engine did meanwhile
+(step time by kind and phase, LoRA slot/host traffic, compilations: from server_info), and the ratio to the
+base-only throughput (scenario 0 of the same run, or --baseline FILE). Writes --out JSON and prints a table.
 
-    python scripts/bench_serving.py --num-requests 256 --num-adapters 32 --popularity distinct --out r.json \\
+    python scripts/bench_serving.py --num-requests 256 --num-adapters 0,32 --popularity distinct --out r.json \\
         -- --model-path DIR --load-format dummy --lora-paths a0=/ad/a0 ... --max-loras-per-batch 32
 """
 
@@ -83,6 +85,9 @@ class EngineTarget:
     def run(self, coroutine):
         return self.engine._run(coroutine)
 
+    def server_info(self) -> dict:
+        return self.engine.get_server_info()
+
     async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
         ref = await self.manager.resolve_lora(adapter) if adapter else None
         request = self.manager.build_request(
@@ -109,10 +114,16 @@ class HttpTarget:
         self.client = httpx.AsyncClient(timeout=None, headers=headers)
         models = httpx.get(self.url + "/v1/models", headers=headers).json()["data"]
         self.adapter_names = [m["id"] for m in models if m.get("parent")]
+        self.headers = headers
         self.loop = asyncio.new_event_loop()
 
     def run(self, coroutine):
         return self.loop.run_until_complete(coroutine)
+
+    def server_info(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/get_server_info", headers=self.headers).json()
 
     async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
         body = {"input_ids": input_ids, "stream": True, "lora_path": adapter,
@@ -132,7 +143,7 @@ class HttpTarget:
 async def drive(target, opts: argparse.Namespace) -> dict:
     rng = np.random.default_rng(opts.seed)
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
-    adapter_ids = sample_adapters(rng, opts.num_requests, min(opts.num_adapters, len(target.adapter_names)), opts.popularity)
+    adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
     gaps = rng.exponential(1.0 / opts.request_rate, opts.num_requests) if math.isfinite(opts.request_rate) else np.zeros(opts.num_requests)
     records = [dict() for _ in range(opts.num_requests)]
     bar = tqdm(total=opts.num_requests, desc="requests")
@@ -166,8 +177,41 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     }
 
 
+LORA_COUNTERS = ("device_hits", "device_misses", "device_evictions", "host_hits", "host_misses", "host_evictions",
+                 "slot_load_seconds_total")
+
+
+def engine_delta(before: dict, after: dict) -> dict:
+    """What the engine did during the measured run: step time by kind and phase, LoRA tier traffic, compiles."""
+    steps = {}
+    for kind, totals in after.get("step_stats", {}).items():
+        steps[kind] = {k: v - before["step_stats"][kind][k] for k, v in totals.items()}
+    delta = {"step_stats": steps,
+             "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0)}
+    if after.get("lora"):
+        delta["lora"] = {k: after["lora"][k] - before["lora"][k] for k in LORA_COUNTERS}
+    return delta
+
+
 def rng_prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 400, size=length).tolist()
+
+
+def parse_counts(text: str) -> list[int]:
+    counts = [int(c) for c in text.split(",") if c.strip()]
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"--num-adapters takes counts >= 0 separated by commas, got {text!r}")
+    return counts
+
+
+def print_table(results: list[dict]) -> None:
+    print("| adapters | popularity | output tok/s | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | e2e mean (s) | vs base |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = r.get("ratio_to_base_throughput")
+        print(f"| {r['num_adapters']} | {r['popularity']} | {r['output_tok_per_s']:.0f} | {r['req_per_s']:.2f} | "
+              f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p99']:.2f} | {1e3 * r['tpot_s']['mean']:.1f} | "
+              f"{r['e2e_s']['mean']:.2f} | {f'{ratio:.3f}' if ratio else '-'} |")
 
 
 def main() -> None:
@@ -179,31 +223,53 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
-    parser.add_argument("--num-adapters", type=int, default=0, help="adapters to spread requests over (0 = base only)")
+    parser.add_argument("--num-adapters", type=parse_counts, default=[0],
+                        help="adapters to spread requests over (0 = base only); a comma list runs one scenario each "
+                             "on the same server, e.g. 0,1,8,32,128")
+    parser.add_argument("--adapter-dir", default=None,
+                        help="use the adapter directories under DIR by path (loaded on demand: the server needs "
+                             "--lora-allowed-dirs DIR) instead of the server's registered adapters")
     parser.add_argument("--popularity", default="distinct", choices=("identical", "distinct", "uniform", "skewed"))
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-requests", type=int, default=0, help="requests run (and discarded) before measuring")
-    parser.add_argument("--baseline", default=None, help="result JSON of the base-only run for the ratio")
+    parser.add_argument("--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario")
+    parser.add_argument("--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)
-    try:
-        if opts.warmup_requests:
-            warm = argparse.Namespace(**{**vars(opts), "num_requests": opts.warmup_requests, "request_rate": float("inf"),
-                                         "seed": opts.seed + 1})
-            target.run(drive(target, warm))
-        result = target.run(drive(target, opts))
-    finally:
-        target.close()
+    if opts.adapter_dir:
+        root = os.path.realpath(opts.adapter_dir)
+        target.adapter_names = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    base_tok_s = None
     if opts.baseline:
         with open(opts.baseline) as f:
-            result["ratio_to_base_throughput"] = result["output_tok_per_s"] / json.load(f)["output_tok_per_s"]
-    print(json.dumps(result, indent=2))
+            base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
+    results = []
+    try:
+        for count in opts.num_adapters:
+            if count > len(target.adapter_names):
+                raise SystemExit(f"--num-adapters {count}: the server has only {len(target.adapter_names)} adapters")
+            scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count})
+            if opts.warmup_requests:
+                warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
+                                             "request_rate": float("inf"), "seed": opts.seed + 1})
+                target.run(drive(target, warm))
+            before = target.server_info()
+            result = target.run(drive(target, scenario))
+            result["engine"] = engine_delta(before, target.server_info())
+            if count == 0 and base_tok_s is None:
+                base_tok_s = result["output_tok_per_s"]
+            if base_tok_s:
+                result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    finally:
+        target.close()
+    print_table(results)
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"argv": argv, "scenarios": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--b-std", type=float, default=0.02, help="std of the random lora_B entries")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--distinct-weights", type=int, default=0,
+                        help="write only this many distinct weight files and hard-link adapter i to file i mod N "
+                             "(each adapter keeps its own directory and config; saves disk for 1000-adapter runs)")
     return parser.parse_args(argv)
 
 
@@ -84,16 +87,23 @@ def random_lora_tensors(shapes: LoRATargetShapes, rank: int, targets: list[str],
         in_features, out_features = shapes.module_shapes[module]
         bound = 1.0 / np.sqrt(in_features)
         prefix = f"base_model.model.{path}"
-        tensors[f"{prefix}.lora_A.weight"] = rng.uniform(-bound, bound, (rank, in_features)).astype(dtype)
-        tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_features, rank)) * b_std).astype(dtype)
+        uniform = rng.random((rank, in_features), dtype=np.float32)
+        tensors[f"{prefix}.lora_A.weight"] = ((2 * uniform - 1) * bound).astype(dtype)
+        tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_features, rank), dtype=np.float32) * b_std).astype(dtype)
     return tensors
 
 
-def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
+def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray] | None,
+                  link_weights_from: Path | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "adapter_config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    weights = out_dir / "adapter_model.safetensors"
+    if link_weights_from is not None:
+        weights.unlink(missing_ok=True)
+        os.link(link_weights_from / "adapter_model.safetensors", weights)
+    else:
+        save_file(tensors, str(weights), metadata={"format": "pt"})
     (out_dir / "README.md").write_text(
         f"---\nbase_model: {config['base_model_name_or_path']}\nlibrary_name: peft\n---\n\n"
         f"Random LoRA adapter (r={config['r']}, lora_alpha={config['lora_alpha']}) written by "
@@ -110,12 +120,19 @@ def main(argv: list[str] | None = None) -> list[Path]:
     base_model = os.path.abspath(args.model if Path(args.model).is_dir() else os.path.dirname(args.model))
     rng = np.random.default_rng(args.seed)
     written = []
+    width = max(3, len(str(args.num_adapters - 1)))
     for i in range(args.num_adapters):
         rank = rank_mix[i % len(rank_mix)]
         alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * rank
-        out_dir = Path(args.out_dir) / f"adapter_{i:03d}"
+        out_dir = Path(args.out_dir) / f"adapter_{i:0{width}d}"
         config = adapter_config_dict(rank, alpha, targets, base_model, args.use_rslora)
-        write_adapter(out_dir, config, random_lora_tensors(shapes, rank, targets, rng, args.b_std, args.dtype))
+        if args.distinct_weights and i >= args.distinct_weights:
+            source = written[i % args.distinct_weights]
+            if rank_mix[i % len(rank_mix)] != rank_mix[(i % args.distinct_weights) % len(rank_mix)]:
+                raise SystemExit("--distinct-weights must be a multiple of the --rank-mix length")
+            write_adapter(out_dir, config, None, link_weights_from=source)
+        else:
+            write_adapter(out_dir, config, random_lora_tensors(shapes, rank, targets, rng, args.b_std, args.dtype))
         written.append(out_dir)
         print(f"{out_dir}  r={rank} lora_alpha={alpha:g} targets={','.join(targets)}")
     return written

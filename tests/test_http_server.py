@@ -349,6 +349,9 @@ def test_metrics(http):
     assert values['sgl_jax_lora_request_errors_total{status="400"}'] >= 1
     for gauge in ("num_running_reqs", "num_queue_reqs", "kv_pages_used", "kv_pages_total"):
         assert f"sgl_jax_lora_{gauge}" in values
+    assert values['sgl_jax_lora_engine_steps_total{kind="decode"}'] >= 11  # 12 tokens: 1 from prefill, 11 decodes
+    assert values['sgl_jax_lora_engine_step_tokens_total{kind="extend"}'] >= 1
+    assert values['sgl_jax_lora_engine_step_seconds_total{kind="decode",phase="run"}'] > 0
 
 
 # ---- chat templates (no server) ----------------------------------------------------------------

@@ -141,12 +141,15 @@ def test_churn_20_adapters_through_4_slots_matches_all_resident(setup, tmp_path_
     with Engine(model_path=str(base), dtype="float32", max_loras_per_batch=4, max_loaded_loras=6, max_lora_rank=12,
                 lora_allowed_dirs=[str(root)], **SMALL) as churn:
         first = churn.generate(input_ids=ids, sampling_params=params, lora_path=[str(d) for d in dirs])  # loaded on demand
+        after_first = churn.get_server_info()["lora"]
         again = churn.generate(input_ids=ids[::-1], sampling_params=params, lora_path=[str(d) for d in dirs[::-1]])
         info = churn.get_server_info()
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in expected]
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in expected[::-1]]
     assert info["num_compilations_after_warmup"] == 0
     assert info["lora"]["device_evictions"] > 0 and info["lora"]["host_evictions"] > 0
+    # A running request's adapter is never evicted, so each adapter is written into a slot once per pass.
+    assert after_first["device_misses"] == 20
 
 
 def test_load_use_and_unload_while_running(engine, setup):
@@ -186,3 +189,36 @@ def test_refused_adapter_forms_keep_the_engine_serving(engine, setup, tmp_path, 
 def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapter with this name is loaded"):
         engine.generate(input_ids=prompt(91), lora_path=str(tmp_path))
+
+
+def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup):
+    """The engine prefetches a request's adapter on a background thread; the step that admits it only writes
+    the slot (no disk read on the engine loop)."""
+    import time
+
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
+    from sgl_jax_lora.sampling.sampling_params import SamplingParams
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    names = list(adapters)[:2]
+    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={n: str(adapters[n]) for n in names},
+                      max_loras_per_batch=1, max_loaded_loras=1, skip_precompile=True, **SMALL)
+    core = EngineCore(args, str(base))
+    first = next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == names[0])
+    assert first not in core.lora.host_cache  # registering the second adapter evicted it (host cache of 1)
+    ids = prompt(77)
+    core.add_request(GenerateRequest(rid="r", input_ids=ids, lora_id=first,
+                                     sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    deadline = time.monotonic() + 60
+    while first not in core.lora.host_cache:  # no engine step has run yet
+        assert time.monotonic() < deadline, "the adapter was not prefetched"
+        time.sleep(0.01)
+    misses = core.lora.host_cache.stats.misses
+    outputs = []
+    while core.scheduler.num_active:
+        outputs += core.step()
+    assert core.lora.host_cache.stats.misses == misses  # the steps did not read the disk again
+    tokens = [t for out in outputs for t in out["new_ids"]]
+    assert tokens == reference(base, adapters[names[0]], ids, 3)[0]

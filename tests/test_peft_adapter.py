@@ -21,7 +21,7 @@ from peft_fixtures import (
 )
 from safetensors.numpy import load_file, save_file
 
-from sgl_jax_lora.lora.adapter import LoRAAdapter, load_peft_adapter
+from sgl_jax_lora.lora.adapter import LoRAAdapter, inspect_peft_adapter, load_peft_adapter
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 
@@ -132,12 +132,17 @@ REFUSED_PEFT_FORMS = {
 }
 
 
+# Registration validates from headers only (inspect); the first use reads the weights (load): both refuse alike.
+READERS = pytest.mark.parametrize("read", [load_peft_adapter, inspect_peft_adapter], ids=["load", "inspect"])
+
+
+@READERS
 @pytest.mark.parametrize("form", list(REFUSED_PEFT_FORMS))
-def test_refused_peft_forms(form: str, base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path) -> None:
+def test_refused_peft_forms(form: str, read, base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path) -> None:
     kwargs, words = REFUSED_PEFT_FORMS[form]
     adapter_dir = write_peft_adapter(base_dir, tmp_path / form, seed=0, **kwargs)
     with pytest.raises(LoRAAdapterError) as err:
-        load_peft_adapter(f"bad-{form}", str(adapter_dir), shapes)
+        read(f"bad-{form}", str(adapter_dir), shapes)
     message = str(err.value)
     assert f"adapter 'bad-{form}'" in message
     for word in words:
@@ -149,17 +154,18 @@ def _edit_config(adapter_dir: Path, **updates: object) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **updates}))
 
 
-def test_refused_files_and_shapes(base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path) -> None:
+@READERS
+def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path) -> None:
     def refused(name: str, path: Path, *words: str, max_lora_rank: int | None = None) -> None:
         with pytest.raises(LoRAAdapterError) as err:
-            load_peft_adapter(name, str(path), shapes, max_lora_rank=max_lora_rank)
+            read(name, str(path), shapes, max_lora_rank=max_lora_rank)
         for word in (f"adapter '{name}'", *words):
             assert word in str(err.value), str(err.value)
 
     refused("nodir", tmp_path / "nope", "does not exist")
     good = write_peft_adapter(base_dir, tmp_path / "good", seed=1, r=16, lora_alpha=16)
     refused("big", good, "rank 16 > --max-lora-rank 8", "restart with --max-lora-rank 16", max_lora_rank=8)
-    assert load_peft_adapter("fits", str(good), shapes, max_lora_rank=16).rank == 16
+    assert read("fits", str(good), shapes, max_lora_rank=16).rank == 16
 
     no_weights = write_peft_adapter(base_dir, tmp_path / "no_weights", seed=1)
     (no_weights / "adapter_model.safetensors").unlink()
@@ -178,21 +184,22 @@ def test_refused_files_and_shapes(base_dir: Path, shapes: LoRATargetShapes, tmp_
     refused("rank_lies", rank_lies, "self_attn.v_proj.lora_A.weight", "(8, 32)", "expected (4, 32)")
 
 
-def test_adapter_for_another_model_is_refused(shapes: LoRATargetShapes, tmp_path: Path) -> None:
+@READERS
+def test_adapter_for_another_model_is_refused(read, shapes: LoRATargetShapes, tmp_path: Path) -> None:
     wider = make_tiny_llama_dir(tmp_path / "wider", hidden_size=48, intermediate_size=64)
     adapter_dir = write_peft_adapter(wider, tmp_path / "wide_adapter", seed=1, r=4, target_modules=["o_proj"])
     with pytest.raises(LoRAAdapterError) as err:
-        load_peft_adapter("wide", str(adapter_dir), shapes)
+        read("wide", str(adapter_dir), shapes)
     # o_proj maps the 4 x 8 query heads (32) back to hidden: 48 there, 32 here.
     for word in ("o_proj.lora_B.weight", "shape (48, 4)", "expected (32, 4)"):
         assert word in str(err.value), str(err.value)
     deeper = make_tiny_llama_dir(tmp_path / "deeper", num_hidden_layers=3)
     adapter_dir = write_peft_adapter(deeper, tmp_path / "deep_adapter", seed=1, layers_to_transform=[2])
     with pytest.raises(LoRAAdapterError, match="layer 2, but the base model has 2 layers"):
-        load_peft_adapter("deep", str(adapter_dir), shapes)
+        read("deep", str(adapter_dir), shapes)
     adapter_dir = write_peft_adapter(deeper, tmp_path / "deep_all", seed=1, target_modules=["q_proj"])
     with pytest.raises(LoRAAdapterError, match="layers.2.self_attn.q_proj is in layer 2, but the base model has 2"):
-        load_peft_adapter("deep", str(adapter_dir), shapes)
+        read("deep", str(adapter_dir), shapes)
 
 
 def _make_adapters_main() -> object:

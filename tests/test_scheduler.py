@@ -17,7 +17,7 @@ class OneSlotPerStep:
     def __init__(self):
         self.step_adapter = None
 
-    def begin_step(self) -> None:
+    def begin_step(self, running: set[str | None]) -> None:
         self.step_adapter = None
 
     def is_resident(self, key: str | None) -> bool:

@@ -114,8 +114,24 @@ class EngineStatsCollector(Collector):
         for name, (key, help_text) in gauges.items():
             if key in info:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
+        if info.get("step_stats"):
+            yield from _step_metrics(info["step_stats"])
         if info.get("lora"):
             yield from _lora_metrics(info["lora"])
+
+
+def _step_metrics(step_stats: dict) -> Iterator[Metric]:
+    """Engine-loop totals by step kind (managers/step_stats.py says what each phase holds)."""
+    steps = CounterMetricFamily(f"{PREFIX}_engine_steps", "engine steps run", labels=["kind"])
+    tokens = CounterMetricFamily(f"{PREFIX}_engine_step_tokens", "tokens run by engine steps", labels=["kind"])
+    seconds = CounterMetricFamily(f"{PREFIX}_engine_step_seconds", "engine-loop time by step kind and phase",
+                                  labels=["kind", "phase"])
+    for kind, totals in step_stats.items():
+        steps.add_metric([kind], totals["steps"])
+        tokens.add_metric([kind], totals["tokens"])
+        for phase in ("schedule_s", "prepare_s", "run_s"):
+            seconds.add_metric([kind, phase.removesuffix("_s")], totals[phase])
+    yield from (steps, tokens, seconds)
 
 
 LORA_GAUGES = {

@@ -68,43 +68,82 @@ class LoRAAdapter:
         return 0 if pair is None else int(pair[0].shape[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterSummary:
+    """What registration needs to know about an adapter, read from its config and tensor headers only."""
+
+    name: str
+    path: str
+    rank: int
+    target_modules: frozenset[str]
+
+
+class _Header:
+    """A tensor known only by its safetensors header (shape): validation without reading the data."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape
+
+
+def inspect_peft_adapter(
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+) -> AdapterSummary:
+    """Every check of `load_peft_adapter` (config, tensor names and shapes, rank) without reading the weights:
+    registration stays cheap (milliseconds) however large the adapter; the data is read on first use."""
+    _, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_headers)
+    return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
+
+
 def load_peft_adapter(
     name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
 ) -> LoRAAdapter:
     """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable."""
+    scaling, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_tensors)
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+    for key, (lora_a, lora_b, ratio) in plan.items():
+        lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
+        weights[key] = (lora_a, (np.asarray(lora_b, np.float64) * ratio).astype(np.float32))
+    return LoRAAdapter(
+        name=name,
+        path=path,
+        weights=weights,
+        scaling=scaling,
+        rank=_plan_rank(plan),
+        target_modules=frozenset(module for _, module in weights),
+        num_layers=target_shapes.num_layers,
+    )
+
+
+def _validated_plan(name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None, read) -> tuple:
+    """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `read` gives the tensors
+    (arrays, or headers that carry only a shape)."""
     config = load_peft_config(name, path)
     _check_config_matches_model(name, config, target_shapes)
-    tensors = _read_tensors(name, resolve_weights_file(name, path))
-    pairs = _group_lora_pairs(name, tensors)
+    pairs = _group_lora_pairs(name, read(name, resolve_weights_file(name, path)))
     scaling = config.scaling if config.scaling > 0 else 1.0
-    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+    plan = {}
     for module_path, (lora_a, lora_b) in sorted(pairs.items()):
         layer_index, module = _locate(name, module_path, target_shapes)
         if not config.targets(module_path):
             logger.warning("adapter '%s': ignoring tensors of %s, which adapter_config.json does not target "
                            "(PEFT ignores them too)", name, module_path)
             continue
-        lora_a, lora_b = _checked_pair(name, module_path, lora_a, lora_b, config.rank_for(module_path),
-                                       target_shapes.module_shapes[module])
-        ratio = config.scaling_for(module_path) / scaling
-        weights[(layer_index, module)] = (lora_a, (lora_b.astype(np.float64) * ratio).astype(np.float32))
-    if not weights:
+        _check_pair_shapes(name, module_path, lora_a, lora_b, config.rank_for(module_path),
+                           target_shapes.module_shapes[module])
+        plan[(layer_index, module)] = (lora_a, lora_b, config.scaling_for(module_path) / scaling)
+    if not plan:
         raise adapter_error(name, f"{WEIGHTS_FILE} holds no LoRA tensors for the modules it targets",
                             "re-save the adapter with peft's save_pretrained")
-    _warn_missing_modules(name, config, target_shapes, weights)
-    rank = max(a.shape[0] for a, _ in weights.values())
+    _warn_missing_modules(name, config, target_shapes, plan)
+    rank = _plan_rank(plan)
     if max_lora_rank is not None and rank > max_lora_rank:
         raise adapter_error(name, f"rank {rank} > --max-lora-rank {max_lora_rank}",
                             f"restart with --max-lora-rank {rank}")
-    return LoRAAdapter(
-        name=name,
-        path=path,
-        weights=weights,
-        scaling=float(scaling),
-        rank=int(rank),
-        target_modules=frozenset(module for _, module in weights),
-        num_layers=target_shapes.num_layers,
-    )
+    return float(scaling), plan
+
+
+def _plan_rank(plan: dict) -> int:
+    return int(max(lora_a.shape[0] for lora_a, _, _ in plan.values()))
 
 
 def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes) -> None:
@@ -122,6 +161,15 @@ def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes
 def _describe_targets(config: PeftLoRAConfig) -> str:
     targets = config.target_modules
     return repr(targets) if isinstance(targets, str) else repr(sorted(targets))
+
+
+def _read_headers(name: str, weights_file: str) -> dict[str, _Header]:
+    """Tensor name -> shape from the safetensors header (no tensor data is read)."""
+    try:
+        with safe_open(weights_file, framework="np") as f:
+            return {key: _Header(tuple(f.get_slice(key).get_shape())) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
 
 
 def _read_tensors(name: str, weights_file: str) -> dict[str, np.ndarray]:
@@ -204,10 +252,8 @@ def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tup
     return layer_index, module
 
 
-def _checked_pair(
-    name: str, module_path: str, lora_a: np.ndarray, lora_b: np.ndarray, rank: int, shape: tuple[int, int]
-) -> tuple[np.ndarray, np.ndarray]:
-    """A [r_m, in], B [out, r_m] as contiguous float32; shapes checked against the base model and config."""
+def _check_pair_shapes(name: str, module_path: str, lora_a, lora_b, rank: int, shape: tuple[int, int]) -> None:
+    """A [r_m, in], B [out, r_m] checked against the base model and the config's rank."""
     in_features, out_features = shape
     for kind, tensor, expected in (("lora_A", lora_a, (rank, in_features)), ("lora_B", lora_b, (out_features, rank))):
         if tuple(tensor.shape) != expected:
@@ -215,13 +261,11 @@ def _checked_pair(
                 name, f"tensor {module_path}.{kind}.weight has shape {tuple(tensor.shape)}, expected {expected} "
                 f"(rank {rank} from adapter_config.json, base model {shape[0]}->{shape[1]})",
                 "use an adapter trained for this base model, with r/rank_pattern matching its tensors")
-    return np.ascontiguousarray(lora_a, dtype=np.float32), np.ascontiguousarray(lora_b, dtype=np.float32)
 
 
-def _warn_missing_modules(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes,
-                          weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]) -> None:
+def _warn_missing_modules(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes, present: dict) -> None:
     missing = [p for layer, module, p in target_shapes.all_module_paths()
-               if config.targets(p) and (layer, module) not in weights]
+               if config.targets(p) and (layer, module) not in present]
     if missing:
         logger.warning("adapter '%s': %d targeted modules have no tensors (treated as zero, as PEFT does), "
                        "e.g. %s", name, len(missing), missing[0])

@@ -1,13 +1,15 @@
 """HostAdapterCache: the host tier of adapters (`--max-loaded-loras`), between disk and device slots.
 
-Flow: LoRAManager.prepare(batch) needs an adapter that is not on the device -> `get(ref)` returns the
-host copy, loading it from disk through `loader` on a miss and evicting the least recently used
-unpinned adapter when the cache is full -> the manager writes it into a device slot.
+Flow: LoRAManager needs an adapter that is not on the device (a prefetch on request arrival, on a
+background thread, or try_admit) -> `get(ref)` returns the host copy, loading it from disk through `loader`
+on a miss and evicting the least recently used unpinned adapter when the cache is full -> the manager
+writes it into a device slot.
 `/unload_lora_adapter` ends with `drop(lora_id)`. Hits, misses and evictions feed the metrics.
 
 Pinned adapters are never evicted. If pinned adapters alone fill the cache, it holds more than
 `max_loaded_loras` rather than drop one of them; the unpinned adapter just loaded is kept for the
-batch that asked for it and is the first to go on the next miss. Loads happen under the cache lock.
+batch that asked for it and is the first to go on the next miss. Disk reads happen outside the cache lock
+(LoRAManager prefetches on a background thread).
 """
 
 from __future__ import annotations
@@ -51,21 +53,34 @@ class HostAdapterCache:
         self.stats = HostCacheStats()
 
     def get(self, ref: LoRARef) -> LoRAAdapter:
-        """Host weights of `ref`, loaded from disk on a miss (loader errors propagate, nothing is cached)."""
+        """Host weights of `ref`, loaded from disk on a miss (loader errors propagate, nothing is cached).
+
+        The disk read runs outside the lock, so a background prefetch never stalls the engine thread's hits.
+        """
         with self._lock:
-            entry = self._entries.get(ref.lora_id)
-            if entry is not None:
-                self.stats.hits += 1
-                self.stats.hits_by_name[ref.lora_name] += 1
-                self._policy.mark_used(ref.lora_id)
-                return entry[1]
+            adapter = self._hit(ref)
+            if adapter is not None:
+                return adapter
             self.stats.misses += 1
             self.stats.misses_by_name[ref.lora_name] += 1
-            adapter = self._loader(ref)
-            self._entries[ref.lora_id] = (ref, adapter)
+        loaded = self._loader(ref)
+        with self._lock:
+            entry = self._entries.get(ref.lora_id)
+            if entry is not None:  # another thread loaded it meanwhile: keep one copy
+                return entry[1]
+            self._entries[ref.lora_id] = (ref, loaded)
             self._policy.mark_used(ref.lora_id)
             self._evict_over_capacity(keep=ref.lora_id)
-            return adapter
+            return loaded
+
+    def _hit(self, ref: LoRARef) -> LoRAAdapter | None:
+        entry = self._entries.get(ref.lora_id)
+        if entry is None:
+            return None
+        self.stats.hits += 1
+        self.stats.hits_by_name[ref.lora_name] += 1
+        self._policy.mark_used(ref.lora_id)
+        return entry[1]
 
     def drop(self, lora_id: str) -> None:
         """Forget an adapter (unload); unknown ids are ignored."""

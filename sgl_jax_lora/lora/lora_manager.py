@@ -1,20 +1,29 @@
 """LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
 
-Flow: Scheduler.schedule() -> `begin_step()` then `try_admit(lora_id)` for each request it considers:
-the adapter's device slot, loading it (host cache -> LoRAMemoryPool -> ModelRunner.write_lora_slot) into
-a free slot or one evicted by the policy, or None when the step already holds --max-loras-per-batch
-distinct adapters or no slot can be freed. `lora_batch(token_slots)` then builds the step's LoRABatch.
-Frontend calls (`register`, `unregister`) arrive as RPCs through the engine loop.
+Flow: EngineCore.add_request -> `prefetch(lora_id)`: an adapter that is not on the device is read from disk
+into the host cache and laid out as slot arrays (model dtype) on a background thread, so the engine loop
+never waits on disk for it. Scheduler.schedule() -> `begin_step(running adapters)` then `try_admit(lora_id)`
+for each request it considers: the adapter's device slot, writing its slot arrays
+(ModelRunner.write_lora_slot) into a free slot or one evicted by the policy, or None when the step already
+holds --max-loras-per-batch distinct adapters, no slot can be freed, or its prefetch is still running.
+Adapters of running requests are never evicted (no reload thrash between a prefill and the next decode).
+`lora_batch(token_slots)` then builds the step's LoRABatch. Frontend calls (`register`, `unregister`)
+arrive as RPCs through the engine loop.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from sgl_jax_lora.lora.adapter import LoRAAdapter
+from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from sgl_jax_lora.lora.lora_ref import LoRARef
@@ -29,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, args: ServerArgs, runner: ModelRunner, target_shapes: LoRATargetShapes, max_rank: int,
-                 target_modules: frozenset[str], host_cache: HostAdapterCache):
+                 target_modules: frozenset[str], host_cache: HostAdapterCache,
+                 inspect: Callable[[LoRARef], AdapterSummary]):
         self.max_per_batch = args.max_loras_per_batch
         self.max_rank = max_rank
         self.target_modules = target_modules  # HF module names the device buffers cover
@@ -37,48 +47,79 @@ class LoRAManager:
         self.target_shapes = target_shapes
         self.refs: dict[str, LoRARef] = {}
         self.host_cache = host_cache
+        self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
         self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
                                    runner.lora_buffer_shapes(), args.lora_eviction_policy)
         self._step_ids: set[str] = set()
+        self._running_ids: set[str] = set()
+        self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-prefetch")
+        self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
+        self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
+        self._slot_arrays_lock = threading.Lock()
         self.segment_buckets = segment_buckets(self.pool.num_slots)
-        self.load_latencies_s: list[float] = []
+        self.load_latencies_s: collections.deque[float] = collections.deque(maxlen=1000)  # the latest loads
+        self.load_seconds_total = 0.0
         self.device_hits = 0
         self.device_misses = 0
 
     # ---- registration (RPCs from the frontend) ----------------------------------------------
-    def register(self, ref: LoRARef) -> LoRAAdapter:
-        """Validate by loading into the host cache; pinned adapters also take a device slot now."""
+    def register(self, ref: LoRARef) -> AdapterSummary:
+        """Validate from the adapter's config and tensor headers (no weights read); pinned adapters are loaded
+        and take a device slot now, the others are read on first use (prefetch)."""
         if ref.pinned and len(self.pool.pinned) >= self.max_per_batch - 1:
             raise LoRAAdapterError(
                 f"adapter '{ref.lora_name}': at most {self.max_per_batch - 1} adapters may be pinned "
                 f"(--max-loras-per-batch {self.max_per_batch} minus one); unpin one or raise --max-loras-per-batch"
             )
-        adapter = self.host_cache.get(ref)
+        adapter = self.inspect(ref)
         self._check_targets(ref, adapter)
         self.refs[ref.lora_id] = ref
         if ref.pinned:
-            slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=set())
+            slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=self._running_ids)
             self._write(slot, ref.lora_id)
             self.pool.pinned.add(ref.lora_id)
         return adapter
 
     def unregister(self, lora_id: str) -> None:
         self.refs.pop(lora_id, None)
+        self._prefetches.pop(lora_id, None)
         self.pool.release(lora_id)
         self.host_cache.drop(lora_id)
 
-    def _check_targets(self, ref: LoRARef, adapter: LoRAAdapter) -> None:
+    def _check_targets(self, ref: LoRARef, adapter: AdapterSummary) -> None:
         missing = sorted(adapter.target_modules - self.target_modules)
         if missing:
-            self.host_cache.drop(ref.lora_id)
             raise LoRAAdapterError(
                 f"adapter '{ref.lora_name}' targets {missing}, which the LoRA pool does not cover; "
                 f"restart with --lora-target-modules including them"
             )
 
     # ---- per step (AdapterSlots protocol of the scheduler) ------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, running: set[str | None] = frozenset()) -> None:
+        """running: adapters of the requests already running; their slots are not evicted by this step."""
         self._step_ids = set()
+        self._running_ids = {lora_id for lora_id in running if lora_id is not None}
+
+    def prefetch(self, lora_id: str | None) -> None:
+        """Start reading `lora_id` from disk and laying it out for a slot off the engine thread (no-op if it is
+        on the device or already on its way)."""
+        if lora_id is None or lora_id in self.pool.slot_of or lora_id in self._prefetches or lora_id not in self.refs:
+            return
+        if len(self._prefetches) >= 4 * self.pool.num_slots:  # forget finished ones no request came back for
+            for done in [i for i, f in self._prefetches.items() if f.done()]:
+                del self._prefetches[done]
+        self._prefetches[lora_id] = self._prefetcher.submit(self._host_slot_arrays, self.refs[lora_id])
+
+    def _host_slot_arrays(self, ref: LoRARef) -> tuple[LoRAAdapter, list[np.ndarray]]:
+        """(host adapter, its slot arrays in the model dtype); thread-safe, cached while the adapter is cached."""
+        adapter = self.host_cache.get(ref)
+        with self._slot_arrays_lock:
+            values = self._slot_arrays.get(adapter)
+        if values is None:
+            values = self.runner.lora_slot_values(self.pool.slot_update(adapter))
+            with self._slot_arrays_lock:
+                self._slot_arrays[adapter] = values
+        return adapter, values
 
     def is_resident(self, lora_id: str | None) -> bool:
         return lora_id is None or lora_id in self.pool.slot_of
@@ -94,9 +135,12 @@ class LoRAManager:
             return None
         slot = self.pool.slot_of.get(lora_id)
         if slot is None:
+            pending = self._prefetches.get(lora_id)
+            if pending is not None and not pending.done():
+                return None  # still on its way from disk; a later step admits it
             slot = self.pool.free_slot()
             if slot is None:
-                slot = self.pool.victim(busy=self._step_ids)
+                slot = self.pool.victim(busy=self._step_ids | self._running_ids)
             if slot is None:
                 return None
             self._write(slot, lora_id)
@@ -108,11 +152,15 @@ class LoRAManager:
         return slot
 
     def _write(self, slot: int, lora_id: str) -> None:
+        """Host -> device slot; a finished prefetch supplies the arrays, else they are made here (errors raise)."""
         start = time.perf_counter()
-        adapter = self.host_cache.get(self.refs[lora_id])
-        self.runner.write_lora_slot(slot, self.pool.slot_update(adapter))
+        prefetched = self._prefetches.pop(lora_id, None)
+        adapter, values = prefetched.result() if prefetched is not None else self._host_slot_arrays(self.refs[lora_id])
+        self.runner.write_lora_slot(slot, values)
         self.pool.assign(slot, lora_id, adapter)
-        self.load_latencies_s.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.load_latencies_s.append(elapsed)
+        self.load_seconds_total += elapsed
 
     def lora_batch(self, token_slots: np.ndarray) -> LoRABatch:
         """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits."""
@@ -141,7 +189,8 @@ class LoRAManager:
             "host_evictions": cache.evictions,
             "hits_by_name": dict(cache.hits_by_name),
             "misses_by_name": dict(cache.misses_by_name),
-            "slot_load_seconds": list(self.load_latencies_s[-1000:]),
+            "slot_load_seconds": list(self.load_latencies_s),
+            "slot_load_seconds_total": self.load_seconds_total,
         }
 
 

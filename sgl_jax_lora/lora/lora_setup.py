@@ -1,7 +1,7 @@
 """LoRASetup: what the engine decides about LoRA before the model is built.
 
-Flow: EngineCore (with --enable-lora) -> LoRASetup(args): parse --lora-paths, load those adapters into the
-host cache (validating them), fix the pool's max rank (--max-lora-rank, else the largest initial rank,
+Flow: EngineCore (with --enable-lora) -> LoRASetup(args): parse --lora-paths, validate those adapters from
+their configs and tensor headers, fix the pool's max rank (--max-lora-rank, else the largest initial rank,
 else 16) and the covered modules (--lora-target-modules, else all seven projections), pick the backend
 -> `spec` goes to the model (LoRALinear buffers) -> `build_manager(runner)` registers the initial
 adapters (pinned ones take their device slot).
@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from sgl_jax_lora.lora.backend import make_lora_backend
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.lora.adapter import load_peft_adapter
+from sgl_jax_lora.lora.adapter import AdapterSummary, inspect_peft_adapter, load_peft_adapter
 from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
@@ -40,7 +40,7 @@ class LoRASetup:
             raise ValueError(f"--lora-paths names {duplicates} more than once; give each adapter a distinct NAME=PATH")
         self.loader_max_rank: int | None = args.max_lora_rank
         self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
-        initial_ranks = [self.host_cache.get(ref).rank for ref in self.initial_refs]
+        initial_ranks = [self._inspect(ref).rank for ref in self.initial_refs]
         self.max_rank = args.max_lora_rank or max(initial_ranks, default=DEFAULT_MAX_LORA_RANK)
         self.loader_max_rank = self.max_rank
         packed = frozenset(name for name, (parts, _) in LORA_TARGETS.items() if set(parts) & self.target_modules)
@@ -54,9 +54,13 @@ class LoRASetup:
     def _load(self, ref: LoRARef):
         return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
 
+    def _inspect(self, ref: LoRARef) -> AdapterSummary:
+        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
-        manager = LoRAManager(self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache)
+        manager = LoRAManager(self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache,
+                              self._inspect)
         for ref in self.initial_refs:
             manager.register(ref)
         return manager

@@ -25,6 +25,7 @@ from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
+from sgl_jax_lora.managers.step_stats import StepStats
 from sgl_jax_lora.managers.stop_checker import StopChecker
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -71,6 +72,8 @@ class EngineCore:
             self.runner.warmup(self.buckets, lora_for, progress=tqdm)
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
+        self.step_stats = StepStats()
+        self.last_step_idle = False
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -104,6 +107,8 @@ class EngineCore:
                 lora_slot_key=request.lora_id,
             )
         )
+        if self.lora is not None:
+            self.lora.prefetch(request.lora_id)
 
     def abort(self, rid: str) -> dict | None:
         req = self.scheduler.abort(rid)
@@ -114,10 +119,20 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[dict]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.last_step_idle = batch is None  # requests may be waiting on an adapter prefetch or on pages
         if batch is None:
             return []
+        scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
+        prepared = time.perf_counter()
+        outputs = self._run(batch, forward_batch)
+        self.step_stats.record(batch.is_decode, sum(batch.num_new_tokens), scheduled - start, prepared - scheduled,
+                               time.perf_counter() - prepared)
+        return outputs
+
+    def _run(self, batch: ScheduleBatch, forward_batch) -> list[dict]:
         hidden, last_hidden = self.runner.forward(forward_batch)
         if not batch.is_decode:
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
@@ -228,6 +243,7 @@ class EngineCore:
             "num_compilations": self.compile_counter.count,
             "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
             "devices": [str(d) for d in self.mesh.devices.flat],
+            "step_stats": self.step_stats.as_dict(),
             "lora": self.lora.stats() if self.lora else None,
             "loras": [dataclasses.asdict(r) for r in self.lora.refs.values()] if self.lora else [],
             "max_lora_rank": self.lora.max_rank if self.lora else None,

@@ -44,6 +44,9 @@ def _enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+IDLE_STEP_WAIT_S = 0.002
+
+
 class EngineLoop:
     def __init__(self, core, conn: Connection):
         self.core = core
@@ -53,7 +56,8 @@ class EngineLoop:
     def run(self) -> None:
         while self.running:
             try:
-                self._drain(block=self.core.scheduler.num_active == 0)
+                # idle: block for a message; a step that found nothing to run waits briefly (prefetch, pages)
+                self._drain(block=self.core.scheduler.num_active == 0, timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle else 0)
             except (EOFError, OSError):
                 return  # the frontend is gone
             if not self.running:
@@ -69,10 +73,10 @@ class EngineLoop:
             logger.exception("step failed")
             return self.core.fail_running(f"engine error: {type(e).__name__}: {e}")
 
-    def _drain(self, block: bool) -> None:
-        while self.conn.poll(None if block else 0):
+    def _drain(self, block: bool, timeout: float = 0) -> None:
+        while self.conn.poll(None if block else timeout):
             self._handle(decode(self.conn.recv_bytes()))
-            block = False
+            block, timeout = False, 0
 
     def _handle(self, msg: dict) -> None:
         kind = msg.get("type")

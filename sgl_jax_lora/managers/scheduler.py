@@ -28,7 +28,10 @@ MAX_TIMES_SKIPPED = 16
 class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
 
-    def begin_step(self) -> None: ...
+    def begin_step(self, running: set[str | None]) -> None:
+        """A new step; `running` holds the adapter keys of running requests (their slots stay put)."""
+        ...
+
     def is_resident(self, adapter_key: str | None) -> bool: ...
     def try_admit(self, adapter_key: str | None) -> int | None:
         """Device slot for this adapter in the step being built, or None if it cannot join it."""
@@ -84,7 +87,7 @@ class Scheduler:
     # ---- step selection ----------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
         if self.adapter_slots is not None:
-            self.adapter_slots.begin_step()
+            self.adapter_slots.begin_step({r.lora_slot_key for r in self.running})
         return self._schedule_extend() or self._schedule_decode()
 
     def _schedule_extend(self) -> ScheduleBatch | None:

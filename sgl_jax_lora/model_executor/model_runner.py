@@ -46,6 +46,7 @@ class ModelRunner:
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
+        self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         self.num_pages = self._num_kv_pages()
         self.kv = allocate_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",))
@@ -97,10 +98,16 @@ class ModelRunner:
         """State path -> shape [L, A, ...] of every LoRA buffer."""
         return {tuple(str(p) for p in path): tuple(v.get_value().shape) for path, v in nnx.to_flat_state(self.lora_state)}
 
-    def write_lora_slot(self, slot: int, updates: dict[tuple[str, ...], np.ndarray]) -> None:
-        """Overwrite slot `slot` of every LoRA buffer (one compiled, donated program for any slot)."""
-        flat = nnx.to_flat_state(self.lora_state)
-        values = [updates[tuple(str(p) for p in path)].astype(self.dtype) for path, _ in flat]
+    def lora_slot_values(self, updates: dict[tuple[str, ...], np.ndarray]) -> list[np.ndarray]:
+        """A slot's host arrays (state path -> [L, ...]) in buffer order and the model dtype, ready to write.
+
+        Pure host work (thread-safe): LoRAManager runs it on its prefetch thread and caches the result.
+        """
+        return [np.asarray(updates[path], dtype=self.dtype) for path in self.lora_paths]
+
+    def write_lora_slot(self, slot: int, values: list[np.ndarray]) -> None:
+        """Overwrite slot `slot` of every LoRA buffer with `lora_slot_values(...)` (one compiled, donated program
+        for any slot)."""
         self.lora_state = self._write_lora_slot(self.lora_state, np.int32(slot), values)
 
     # ---- sizing and warmup ---------------------------------------------------------------------
@@ -147,7 +154,8 @@ class ModelRunner:
                     bar.update(1)
         shapes_of_lora = self.lora_buffer_shapes()
         if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once
-            self.write_lora_slot(0, {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()})
+            zeros = {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()}
+            self.write_lora_slot(0, self.lora_slot_values(zeros))
         bar.close()
 
 

@@ -1,0 +1,111 @@
+"""The naive baseline of the serving benchmark: HF transformers + PEFT serving the same requests one adapter at a time.
+
+Requests are the ones scripts/bench_serving.py sends for the same flags (same prompts from --seed, same lengths,
+same adapter per request from --popularity over --num-adapters). They are grouped by adapter (first-come order)
+and each group is served with `model.set_adapter(name)` and batched `generate` calls of up to --max-batch
+requests (greedy, exactly --output-len new tokens). HF has no continuous batching and no cross-adapter batching:
+this is how one serves many adapters with PEFT alone. Groups are served until --time-budget seconds have passed;
+throughput is the generated tokens of the groups served over their wall time.
+
+    python scripts/bench_peft_baseline.py --model DIR --adapter-dir ADAPTERS --num-requests 128 \\
+        --num-adapters 32 --popularity distinct --input-len 128 --output-len 256 --out peft.json
+The model is built from DIR/config.json with random weights (the dummy model of the engine runs) in bf16 on the
+GPU; the adapters are PEFT directories (scripts/make_adapters.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_serving import rng_prompt, sample_adapters, sample_lengths  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="directory with config.json (random weights are used)")
+    parser.add_argument("--adapter-dir", required=True, help="PEFT adapter directories, used in sorted order")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--num-adapters", type=int, default=32)
+    parser.add_argument("--popularity", default="distinct", choices=("identical", "distinct", "uniform", "skewed"))
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=64, help="requests per generate call")
+    parser.add_argument("--time-budget", type=float, default=120.0, help="stop starting new groups after this")
+    parser.add_argument("--device", default="cuda", help="torch device (cpu only for a smoke run)")
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    if not opts.input_len or not opts.output_len:
+        raise SystemExit("the PEFT baseline needs fixed --input-len and --output-len (no padding in its batches)")
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rng = np.random.default_rng(opts.seed)  # same draws, in the same order, as bench_serving.drive
+    inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
+    adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
+    root = os.path.realpath(opts.adapter_dir)
+    adapter_dirs = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    groups: dict[int, list[int]] = {}
+    for i, adapter in enumerate(adapter_ids):
+        groups.setdefault(adapter, []).append(i)
+
+    config = AutoConfig.from_pretrained(opts.model)
+    torch.manual_seed(0)
+    with torch.device(opts.device):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.eval()
+    start = time.perf_counter()
+    first = next(iter(groups))
+    model = PeftModel.from_pretrained(model, adapter_dirs[first], adapter_name=f"a{first}")
+    for adapter in groups:
+        if adapter != first:
+            model.load_adapter(adapter_dirs[adapter], adapter_name=f"a{adapter}")
+    load_s = time.perf_counter() - start
+    print(f"model + {len(groups)} adapters ready (adapters loaded in {load_s:.1f}s)", flush=True)
+
+    def serve(rows: list[int]) -> int:
+        ids = torch.tensor([rng_prompt(opts.seed + i, int(inputs[i])) for i in rows], device=opts.device)
+        new = int(outputs[rows[0]])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
+        return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
+
+    model.set_adapter(f"a{first}")
+    serve(groups[first][:1])  # warm-up (CUDA kernels, caches); not timed
+    synchronize = torch.cuda.synchronize if opts.device.startswith("cuda") else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    tokens, served = 0, 0
+    for adapter, rows in groups.items():
+        if time.perf_counter() - start > opts.time_budget:
+            break
+        model.set_adapter(f"a{adapter}")
+        for k in range(0, len(rows), opts.max_batch):
+            tokens += serve(rows[k : k + opts.max_batch])
+            served += len(rows[k : k + opts.max_batch])
+    synchronize()
+    elapsed = time.perf_counter() - start
+    result = {"num_requests": opts.num_requests, "requests_served": served, "num_adapters": opts.num_adapters,
+              "popularity": opts.popularity, "adapter_groups": len(groups), "duration_s": elapsed,
+              "output_tokens": tokens, "output_tok_per_s": tokens / elapsed, "max_batch": opts.max_batch,
+              "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else opts.device}
+    print(json.dumps(result, indent=2))
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

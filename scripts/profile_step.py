@@ -1,0 +1,139 @@
+"""Profile one engine step (decode or prefill/extend, base or with LoRA): time breakdown + a trace summary.
+
+    python scripts/profile_step.py --mode decode --batch 64
+    python scripts/profile_step.py --mode extend --batch 8 --prompt-len 256 --lora-adapters 8 --lora-backend pallas
+Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapters` random rank-16 adapters on
+all 7 projections, one per request round-robin), brings `--batch` requests to the step being profiled, then
+(1) times the forward alone, logits + sampling alone and building the batch on the host, and (2) records
+`--steps` forwards with jax.profiler (perfetto trace) and prints the ops with the most device time.
+Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it is timed without the step's
+scheduling; decode mode also times whole engine steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_offline import LLAMA3_8B, make_model_dir, submit  # noqa: E402
+from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
+from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
+
+
+def timed(fn, repeats: int = 10) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e3 * (time.perf_counter() - start) / repeats
+
+
+def summarize_trace(trace_dir: str, top: int = 25) -> list[tuple[str, float, int]]:
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return []
+    with gzip.open(max(files, key=os.path.getmtime)) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    total: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for e in events:
+        process = names.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "dur" in e and ("gpu" in process.lower() or "/device:" in process):
+            total[e["name"]] += e["dur"]
+            count[e["name"]] += 1
+    return [(n, total[n] / 1e3, count[n]) for n, _ in total.most_common(top)]
+
+
+def build_engine(opts) -> tuple[EngineCore, list[str]]:
+    model_dir = make_model_dir(LLAMA3_8B)
+    lora_paths = None
+    if opts.lora_adapters:
+        from scripts.make_adapters import main as make_adapters
+
+        dirs = make_adapters(["--model", model_dir, "--out-dir", os.path.join(model_dir, "adapters"),
+                              "--num-adapters", str(opts.lora_adapters), "--rank", "16", "--dtype", "float16"])
+        lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
+    is_decode = opts.mode == "decode"
+    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=2048,
+                      max_total_tokens=160_000, max_running_requests=max(opts.batch, 8), chunked_prefill_size=2048,
+                      max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
+                      decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[2048],
+                      decode_page_buckets=[64], skip_precompile=True, layers_per_scan_step=opts.layers_per_scan_step,
+                      lora_paths=lora_paths, max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
+                      lora_backend=opts.lora_backend)
+    core = EngineCore(args, model_dir)
+    return core, list(core.lora.refs) if core.lora else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("decode", "extend"), default="decode")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lora-adapters", type=int, default=0)
+    parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
+    parser.add_argument("--lora-backend", default="auto")
+    parser.add_argument("--layers-per-scan-step", type=int, default=0)
+    parser.add_argument("--out-dir", default="/tmp/profile")
+    parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
+    opts = parser.parse_args()
+    core, lora_ids = build_engine(opts)
+    args = core.args
+    submit(core, opts.batch, opts.prompt_len, 200, lora_ids, seed=0)
+    if opts.mode == "decode":
+        while core.scheduler.waiting or any(r.is_prefilling for r in core.scheduler.running):
+            core.step()
+        for _ in range(3):
+            core.step()
+    batch = core.scheduler.schedule()
+    assert batch is not None and batch.is_decode == (opts.mode == "decode"), "could not build the profiled step"
+    forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)
+    device_batch = jax.device_put(forward_batch)
+    runner = core.runner
+
+    def forward_only():
+        _, last = runner.forward(device_batch)
+        last.block_until_ready()
+
+    _, last = runner.forward(device_batch)
+    sampling = batch.to_sampling_batch(forward_batch.num_seqs)
+    breakdown = {
+        "mode": opts.mode, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
+        "lora_backend": opts.lora_backend if lora_ids else None,
+        "distinct_adapters": len({s for s in batch.token_slots if s}),
+        "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
+        "forward_ms": timed(forward_only),
+        "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling)),
+        "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)),
+    }
+    if opts.mode == "decode":
+        breakdown["engine_step_ms"] = timed(core.step)
+    print(json.dumps(breakdown), flush=True)
+    jax.profiler.start_trace(opts.out_dir, create_perfetto_trace=True)
+    for _ in range(opts.steps):
+        forward_only()
+    jax.profiler.stop_trace()
+    top = summarize_trace(opts.out_dir)
+    for name, ms, n in top:
+        print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
+    if opts.json:
+        breakdown["top_ops"] = [{"name": n, "ms_per_forward": ms / opts.steps, "count": c // opts.steps} for n, ms, c in top]
+        with open(opts.json, "w") as f:
+            json.dump(breakdown, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""StepStats: where the engine loop's time goes, per step kind (prefill/extend vs decode).
+
+Flow: EngineCore.step() times its three phases and calls `record`; `server_info()["step_stats"]` reports the
+totals (and /metrics exports them as counters). Phases:
+    schedule_s  Scheduler.schedule(), which includes writing adapters into device slots (LoRA loads)
+    prepare_s   ScheduleBatch -> ForwardBatch (padding, page tables, LoRABatch) on the host
+    run_s       forward + sampling + postprocess; ends when the sampled ids reach the host, so it holds the
+                device time of the step
+The totals are plain sums since the engine started; a benchmark takes the difference of two readings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+PHASES = ("schedule_s", "prepare_s", "run_s")
+
+
+@dataclasses.dataclass
+class StepKindTotals:
+    steps: int = 0
+    tokens: int = 0  # real (unpadded) tokens run
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    run_s: float = 0.0
+
+
+class StepStats:
+    def __init__(self) -> None:
+        self.by_kind = {"extend": StepKindTotals(), "decode": StepKindTotals()}
+
+    def record(self, is_decode: bool, num_tokens: int, schedule_s: float, prepare_s: float, run_s: float) -> None:
+        totals = self.by_kind["decode" if is_decode else "extend"]
+        totals.steps += 1
+        totals.tokens += num_tokens
+        totals.schedule_s += schedule_s
+        totals.prepare_s += prepare_s
+        totals.run_s += run_s
+
+    def as_dict(self) -> dict:
+        return {kind: dataclasses.asdict(totals) for kind, totals in self.by_kind.items()}
