@@ -27,7 +27,7 @@ from sgl_jax_lora.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False, "eos_token_id": 1,
 }
