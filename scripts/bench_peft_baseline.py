@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_serving import rng_prompt, sample_adapters, sample_lengths  # noqa: E402
+from scripts.bench_serving import adapter_dirs_under, rng_prompt, sample_adapters, sample_lengths  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +53,7 @@ def main() -> None:
     rng = np.random.default_rng(opts.seed)  # same draws, in the same order, as bench_serving.drive
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
     adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
-    root = os.path.realpath(opts.adapter_dir)
-    adapter_dirs = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    adapter_dirs = adapter_dirs_under(opts.adapter_dir)
     groups: dict[int, list[int]] = {}
     for i, adapter in enumerate(adapter_ids):
         groups.setdefault(adapter, []).append(i)

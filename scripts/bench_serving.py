@@ -43,6 +43,9 @@ def sample_lengths(rng: np.random.Generator, count: int, opts: argparse.Namespac
     return inputs, outputs
 
 
+POPULARITIES = ("identical", "distinct", "uniform", "skewed")
+
+
 def sample_adapters(rng: np.random.Generator, count: int, num_adapters: int, popularity: str) -> list[int | None]:
     """Adapter index per request (None = base)."""
     if num_adapters == 0:
@@ -197,11 +200,26 @@ def rng_prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 400, size=length).tolist()
 
 
-def parse_counts(text: str) -> list[int]:
-    counts = [int(c) for c in text.split(",") if c.strip()]
-    if not counts or min(counts) < 0:
-        raise argparse.ArgumentTypeError(f"--num-adapters takes counts >= 0 separated by commas, got {text!r}")
-    return counts
+def parse_scenarios(text: str) -> list[tuple[int, str | None]]:
+    """'0,8,32' or '32:distinct,1000:skewed' -> [(count, popularity or None = --popularity)]."""
+    scenarios = []
+    for item in (c.strip() for c in text.split(",") if c.strip()):
+        count, _, popularity = item.partition(":")
+        if not count.isdigit() or popularity not in ("", *POPULARITIES):
+            raise argparse.ArgumentTypeError(
+                f"--num-adapters item {item!r}: use COUNT or COUNT:POPULARITY ({'|'.join(POPULARITIES)})")
+        scenarios.append((int(count), popularity or None))
+    if not scenarios:
+        raise argparse.ArgumentTypeError("--num-adapters needs at least one count")
+    return scenarios
+
+
+def adapter_dirs_under(root: str) -> list[str]:
+    """Every PEFT adapter directory (one holding adapter_config.json) under root, sorted by path."""
+    found = [dirpath for dirpath, _, files in os.walk(os.path.realpath(root)) if "adapter_config.json" in files]
+    if not found:
+        raise SystemExit(f"--adapter-dir {root}: no adapter directories (with adapter_config.json) under it")
+    return sorted(found)
 
 
 def print_table(results: list[dict]) -> None:
@@ -223,13 +241,13 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
-    parser.add_argument("--num-adapters", type=parse_counts, default=[0],
+    parser.add_argument("--num-adapters", type=parse_scenarios, default=[(0, None)],
                         help="adapters to spread requests over (0 = base only); a comma list runs one scenario each "
-                             "on the same server, e.g. 0,1,8,32,128")
+                             "on the same server, e.g. 0,1,8,32,128 or 32:distinct,1000:skewed")
     parser.add_argument("--adapter-dir", default=None,
                         help="use the adapter directories under DIR by path (loaded on demand: the server needs "
                              "--lora-allowed-dirs DIR) instead of the server's registered adapters")
-    parser.add_argument("--popularity", default="distinct", choices=("identical", "distinct", "uniform", "skewed"))
+    parser.add_argument("--popularity", default="distinct", choices=POPULARITIES)
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
@@ -239,18 +257,18 @@ def main() -> None:
     opts = parser.parse_args(own_argv)
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)
     if opts.adapter_dir:
-        root = os.path.realpath(opts.adapter_dir)
-        target.adapter_names = sorted(os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        target.adapter_names = adapter_dirs_under(opts.adapter_dir)
     base_tok_s = None
     if opts.baseline:
         with open(opts.baseline) as f:
             base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
     results = []
     try:
-        for count in opts.num_adapters:
+        for count, popularity in opts.num_adapters:
             if count > len(target.adapter_names):
                 raise SystemExit(f"--num-adapters {count}: the server has only {len(target.adapter_names)} adapters")
-            scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count})
+            scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count,
+                                             "popularity": popularity or opts.popularity})
             if opts.warmup_requests:
                 warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
                                              "request_rate": float("inf"), "seed": opts.seed + 1})
