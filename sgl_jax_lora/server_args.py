@@ -40,6 +40,7 @@ class ServerArgs:
     max_prefill_seqs: int = _f(8, "max sequences in one prefill step")
     decode_batch_buckets: list[int] | None = _f(None, "compiled decode batch sizes; default: powers of two up to --max-running-requests", nargs="+", type=int)
     prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
+    prefill_seq_buckets: list[int] | None = _f(None, "compiled prefill sequence counts; default: powers of two up to --max-prefill-seqs", nargs="+", type=int)
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
     layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")

@@ -106,3 +106,17 @@ def test_decode_out_of_pages_preempts_the_newest_request():
     assert batch.is_decode and batch.reqs == [old]
     assert list(sched.waiting) == [new] and new.num_computed == 0 and new.pages == []
     assert sched.num_preemptions == 1
+
+
+def test_bucket_flags_add_the_limit_and_refuse_nonpositive_sizes():
+    buckets = Buckets.build(64, 2048, 8, 1024, 16, decode_batch_buckets=[64], prefill_token_buckets=[2048],
+                            decode_page_buckets=[32], prefill_seq_buckets=[2])
+    assert buckets.decode_seqs == (64,)
+    assert buckets.prefill_tokens == (1024,)  # 2048 is capped at the context length, not dropped
+    assert buckets.prefill_seqs == (2, 8)  # the largest (--max-prefill-seqs) is always compiled
+    assert buckets.decode_pages == (32, 64)
+    assert Buckets.build(64, 2048, 8, 1024, 16).prefill_seqs == (1, 2, 4, 8)
+    import pytest
+
+    with pytest.raises(ValueError, match="--prefill-seq-buckets must be positive"):
+        Buckets.build(64, 2048, 8, 1024, 16, prefill_seq_buckets=[0, 8])

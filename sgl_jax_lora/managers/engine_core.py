@@ -60,6 +60,7 @@ class EngineCore:
             args.decode_batch_buckets,
             args.prefill_token_buckets,
             args.decode_page_buckets,
+            args.prefill_seq_buckets,
         )
         self.scheduler = Scheduler(
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,

@@ -39,6 +39,7 @@ class Buckets:
         decode_batch_buckets: list[int] | None = None,
         prefill_token_buckets: list[int] | None = None,
         decode_page_buckets: list[int] | None = None,
+        prefill_seq_buckets: list[int] | None = None,
     ) -> "Buckets":
         max_pages = -(-context_length // page_size)
         chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
@@ -57,7 +58,8 @@ class Buckets:
             decode_seqs=decode_seqs,
             decode_pages=decode_pages,
             prefill_tokens=prefill_tokens,
-            prefill_seqs=powers_of_two(1, max_prefill_seqs),
+            prefill_seqs=_checked("--prefill-seq-buckets", prefill_seq_buckets, max_prefill_seqs)
+            or powers_of_two(1, max_prefill_seqs),
             max_pages_per_seq=max_pages,
         )
 
@@ -84,6 +86,5 @@ def _checked(flag: str, values: list[int] | None, limit: int) -> tuple[int, ...]
     values = tuple(sorted(set(int(v) for v in values)))
     if values[0] < 1:
         raise ValueError(f"{flag} must be positive integers, got {values}")
-    if values[-1] < limit:
-        values = values + (limit,)
-    return tuple(v for v in values if v <= limit)
+    # sizes above the limit become the limit (e.g. --prefill-token-buckets 2048 with a 1024-token context)
+    return tuple(sorted({min(v, limit) for v in values} | {limit}))
