@@ -222,3 +222,34 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     assert core.lora.host_cache.stats.misses == misses  # the steps did not read the disk again
     tokens = [t for out in outputs for t in out["new_ids"]]
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
+
+
+def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(setup, tmp_path):
+    """Registration reads only headers; if the weights are gone by the first use, that request gets an error
+    naming the adapter while the others run to completion."""
+    import shutil
+
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
+    from sgl_jax_lora.sampling.sampling_params import SamplingParams
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    doomed = shutil.copytree(adapters["all_linear_r8"], tmp_path / "doomed")
+    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"doomed": str(doomed)},
+                      max_loras_per_batch=1, skip_precompile=True, **SMALL)
+    core = EngineCore(args, str(base))
+    (doomed / "adapter_model.safetensors").unlink()
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    core.add_request(GenerateRequest(rid="base", input_ids=prompt(5), sampling=params))
+    core.add_request(GenerateRequest(rid="lora", input_ids=prompt(6), sampling=params, lora_id=next(iter(core.lora.refs))))
+    outputs, errors = [], []
+    for _ in range(50):
+        outputs += core.step()
+        errors += core.pop_request_errors()
+        if not core.scheduler.num_active:
+            break
+    assert [rid for rid, _ in errors] == ["lora"]
+    assert "adapter 'doomed'" in errors[0][1] and "adapter_model.safetensors" in errors[0][1]
+    base_tokens = [t for out in outputs if out["rid"] == "base" for t in out["new_ids"]]
+    assert base_tokens == reference(base, None, prompt(5), 3)[0]

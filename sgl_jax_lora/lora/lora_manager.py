@@ -75,10 +75,21 @@ class LoRAManager:
         self._check_targets(ref, adapter)
         self.refs[ref.lora_id] = ref
         if ref.pinned:
-            slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=self._running_ids)
-            self._write(slot, ref.lora_id)
-            self.pool.pinned.add(ref.lora_id)
+            try:
+                self._pin(ref)
+            except Exception:
+                self.refs.pop(ref.lora_id, None)
+                raise
         return adapter
+
+    def _pin(self, ref: LoRARef) -> None:
+        slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=self._running_ids)
+        if slot is None:
+            raise LoRAAdapterError(
+                f"adapter '{ref.lora_name}': every device slot holds an adapter that running requests use; "
+                "retry the pinned load when they finish, or raise --max-loras-per-batch")
+        self._write(slot, ref.lora_id)
+        self.pool.pinned.add(ref.lora_id)
 
     def unregister(self, lora_id: str) -> None:
         self.refs.pop(lora_id, None)

@@ -111,6 +111,10 @@ class EngineCore:
         if self.lora is not None:
             self.lora.prefetch(request.lora_id)
 
+    def pop_request_errors(self) -> list[tuple[str, str]]:
+        """(rid, message) of requests the scheduler rejected since the last call (their adapter cannot be read)."""
+        return [(req.rid, message) for req, message in self.scheduler.pop_rejected()]
+
     def abort(self, rid: str) -> dict | None:
         req = self.scheduler.abort(rid)
         if req is None:

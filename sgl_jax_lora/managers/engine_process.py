@@ -65,6 +65,8 @@ class EngineLoop:
             outputs = self._step()
             if outputs:
                 self._send({"type": "outputs", "items": outputs})
+            for rid, message in self.core.pop_request_errors():
+                self._send({"type": "error", "rid": rid, "message": message})
 
     def _step(self) -> list[dict]:
         try:

@@ -34,7 +34,8 @@ class AdapterSlots(Protocol):
 
     def is_resident(self, adapter_key: str | None) -> bool: ...
     def try_admit(self, adapter_key: str | None) -> int | None:
-        """Device slot for this adapter in the step being built, or None if it cannot join it."""
+        """Device slot for this adapter in the step being built, or None if it cannot join it; raises
+        ValueError (naming the adapter and the fix) if the adapter cannot be served at all."""
         ...
 
 
@@ -57,6 +58,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.rejected: list[tuple[Req, str]] = []  # requests whose adapter cannot be served, with the reason
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -132,11 +134,9 @@ class Scheduler:
         pages_needed = self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
         if num_new <= 0 or not self.allocator.can_allocate(pages_needed):
             return 0
-        slot = 0
-        if self.adapter_slots is not None:
-            slot = self.adapter_slots.try_admit(req.lora_slot_key)
-            if slot is None:
-                return 0
+        slot = self._adapter_slot(req)
+        if slot is None:
+            return 0
         req.pages += self.allocator.allocate(pages_needed)
         batch.reqs.append(req)
         batch.num_new_tokens.append(num_new)
@@ -152,15 +152,32 @@ class Scheduler:
                 break
             if not self._ensure_decode_page(req, batch):
                 continue
-            slot = 0
-            if self.adapter_slots is not None:
-                slot = self.adapter_slots.try_admit(req.lora_slot_key)
-                if slot is None:
-                    continue
+            slot = self._adapter_slot(req)
+            if slot is None:
+                continue
             batch.reqs.append(req)
             batch.num_new_tokens.append(1)
             batch.token_slots.append(slot)
         return batch if batch.reqs else None
+
+    def _adapter_slot(self, req: Req) -> int | None:
+        """The request's adapter slot for this step (0 = base), None if it cannot join now. An adapter that can
+        never be served (its files became unreadable after registration) rejects that request alone."""
+        if self.adapter_slots is None:
+            return 0
+        try:
+            return self.adapter_slots.try_admit(req.lora_slot_key)
+        except ValueError as e:
+            for queue in (self.waiting, self.running):
+                if req in queue:
+                    queue.remove(req)
+            self._release(req)
+            self.rejected.append((req, str(e)))
+            return None
+
+    def pop_rejected(self) -> list[tuple[Req, str]]:
+        rejected, self.rejected = self.rejected, []
+        return rejected
 
     def _ensure_decode_page(self, req: Req, batch: ScheduleBatch) -> bool:
         needed = self.allocator.pages_for(req.seq_len) - len(req.pages)
