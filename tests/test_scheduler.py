@@ -6,6 +6,8 @@ resident on the device. It stands in for LoRAManager only to make the admission 
 
 from __future__ import annotations
 
+import pytest
+
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import MAX_TIMES_SKIPPED, Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -116,7 +118,5 @@ def test_bucket_flags_add_the_limit_and_refuse_nonpositive_sizes():
     assert buckets.prefill_seqs == (2, 8)  # the largest (--max-prefill-seqs) is always compiled
     assert buckets.decode_pages == (32, 64)
     assert Buckets.build(64, 2048, 8, 1024, 16).prefill_seqs == (1, 2, 4, 8)
-    import pytest
-
     with pytest.raises(ValueError, match="--prefill-seq-buckets must be positive"):
         Buckets.build(64, 2048, 8, 1024, 16, prefill_seq_buckets=[0, 8])

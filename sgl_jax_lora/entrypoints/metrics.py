@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sgl_jax_lora.managers.step_stats import PHASES
+
 PREFIX = "sgl_jax_lora"
 # Seconds; from sub-millisecond (accelerator decode) to a minute (a long prefill queued on CPU).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -129,7 +131,7 @@ def _step_metrics(step_stats: dict) -> Iterator[Metric]:
     for kind, totals in step_stats.items():
         steps.add_metric([kind], totals["steps"])
         tokens.add_metric([kind], totals["tokens"])
-        for phase in ("schedule_s", "prepare_s", "run_s"):
+        for phase in PHASES:
             seconds.add_metric([kind, phase.removesuffix("_s")], totals[phase])
     yield from (steps, tokens, seconds)
 

@@ -65,13 +65,17 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Req | None:
+        req = next((r for queue in (self.waiting, self.running) for r in queue if r.rid == rid), None)
+        if req is not None:
+            self._remove(req)
+        return req
+
+    def _remove(self, req: Req) -> None:
+        """Take req out of whichever queue holds it and free its pages (abort, rejection)."""
         for queue in (self.waiting, self.running):
-            for req in list(queue):
-                if req.rid == rid:
-                    queue.remove(req)
-                    self._release(req)
-                    return req
-        return None
+            if req in queue:
+                queue.remove(req)
+        self._release(req)
 
     def finish(self, req: Req) -> None:
         if req in self.running:
@@ -168,10 +172,7 @@ class Scheduler:
         try:
             return self.adapter_slots.try_admit(req.lora_slot_key)
         except ValueError as e:
-            for queue in (self.waiting, self.running):
-                if req in queue:
-                    queue.remove(req)
-            self._release(req)
+            self._remove(req)
             self.rejected.append((req, str(e)))
             return None
 
