@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
+from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 
 SHAPES = {"qo": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -50,6 +51,8 @@ def grid(name: str) -> list[tuple[str, int, int, int]]:
     """
     if name == "goal":
         return list(GOAL_ROWS)
+    if name == "decode":  # the 'full' rows with T <= 256
+        return [row for row in grid("full") if row[2] <= 256]
     rows = list(GOAL_ROWS)
     rows += [("qo", 16, t, n) for t, n in DECODE + PREFILL]
     for shape in ("gate_up", "down"):
@@ -71,7 +74,7 @@ def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, see
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
     num_segments = 1 << max(num_adapters - 1, 0).bit_length()
-    lora = build_lora_batch(token_slot, num_segments, scale, ranks)
+    lora = build_lora_batch(token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens))  # as the engine does
     return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
 
 
@@ -188,7 +191,7 @@ def print_row(row: dict, backends) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", choices=("goal", "full"), default="full")
+    parser.add_argument("--grid", choices=("goal", "decode", "full"), default="full")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--min-seconds", type=float, default=0.15, help="timed work per function")

@@ -57,7 +57,7 @@ def summarize_trace(trace_dir: str, top: int = 25) -> list[tuple[str, float, int
 
 
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
-    model_dir = make_model_dir(LLAMA3_8B)
+    model_dir = make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers})
     lora_paths = None
     if opts.lora_adapters:
         from scripts.make_adapters import main as make_adapters
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--layers-per-scan-step", type=int, default=0)
+    parser.add_argument("--num-layers", type=int, default=LLAMA3_8B["num_hidden_layers"],
+                        help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)")
     parser.add_argument("--out-dir", default="/tmp/profile")
     parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
     opts = parser.parse_args()

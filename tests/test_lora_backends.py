@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref
+from pallas_kernels.sgmv.work_list import gpu_block_rows
 from sgl_jax_lora.lora.backend import BACKEND_NAMES, LoRABackend, make_lora_backend
 from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
@@ -113,6 +114,56 @@ def test_all_base_batch(name):
     x, lora_a, lora_b, lora = make_inputs(3, all_base=True)
     y = BACKENDS[name](None).apply(x, lora_a, lora_b, lora)
     assert np.all(np.asarray(y) == 0.0)
+
+
+def packed_inputs(seed, *, num_tokens, dtype, block_rows=0):
+    """q|k|v-like packed module: A of 3 parts stacked along R, parts of different widths."""
+    rng = np.random.default_rng(seed)
+    ranks = np.array((0, 4, 8, 16), np.int32)
+    max_rank, in_dim, widths = 16, 128, (256, 128, 128)
+    row = np.arange(3 * max_rank) % max_rank
+    lora_a = rng.standard_normal((4, 3 * max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
+    lora_bs = tuple(
+        jnp.asarray(rng.standard_normal((4, w, max_rank)) * (np.arange(max_rank)[None, None, :] < ranks[:, None, None]),
+                    dtype)
+        for w in widths
+    )
+    token_slot = rng.integers(0, 4, num_tokens).astype(np.int32)
+    scale = np.where(ranks > 0, 2.0 / np.maximum(ranks, 1), 0.0).astype(np.float32)
+    lora = jax.tree_util.tree_map(jnp.asarray, build_lora_batch(token_slot, 4, scale, ranks, block_rows))
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), dtype)
+    base_out = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), dtype)
+    return x, jnp.asarray(lora_a, dtype), lora_bs, lora, base_out
+
+
+@pytest.mark.parametrize("block_rows", [0, 16], ids=["jit_work_list", "host_work_list"])
+@pytest.mark.parametrize("name", PURE_JAX + ["pallas_gpu", "pallas_tpu"])
+def test_apply_packed_adds_every_part_in_place(name, block_rows):
+    if block_rows and not name.startswith("pallas"):
+        pytest.skip("only the Pallas GPU kernels read the host work list")
+    dtype = jnp.float32
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(5, num_tokens=24, dtype=dtype, block_rows=block_rows)
+    meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+    s = sgmv_shrink_ref(x, lora_a, *meta, rank_block=16) * lora.slot_scale[lora.token_slot][:, None]
+    deltas = [sgmv_expand_ref(s[:, 16 * i : 16 * (i + 1)], b, *meta, dtype) for i, b in enumerate(lora_bs)]
+    y = BACKENDS[name](None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    assert y.dtype == base_out.dtype
+    assert_close(y, base_out + jnp.concatenate(deltas, axis=1), dtype)
+    is_base = np.asarray(lora.token_slot) == 0
+    assert np.array_equal(np.asarray(y)[is_base], np.asarray(base_out)[is_base]), "base rows must be untouched"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_pallas_apply_packed_on_device(num_tokens):
+    dtype = jnp.bfloat16
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(
+        6, num_tokens=num_tokens, dtype=dtype, block_rows=gpu_block_rows(num_tokens)
+    )
+    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    y = jax.jit(lambda *a: PallasBackend(None).apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)
+    assert_close(y, expected, dtype)
 
 
 SHARDED_BACKENDS = ["einsum", "bgmv", "sgmv_ragged", "sgmv_onehot", "pallas_gpu"]

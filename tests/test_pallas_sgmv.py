@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
-from pallas_kernels.sgmv.work_list import make_work_list
+from pallas_kernels.sgmv.work_list import make_work_list, make_work_list_host, padded_perm
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 
 # Max |out - ref| allowed, relative to max |ref|, per input dtype. bf16: inputs are bf16 and the expand
@@ -115,6 +115,23 @@ def test_work_list_covers_every_row_once():
     assert np.all(np.diff(np.asarray(work.tile)) >= 0), "items of one tile must be consecutive"
 
 
+@pytest.mark.parametrize(
+    "num_tokens,num_segments,block_rows,num_slots",
+    [(37, 8, 8, 6), (64, 32, 16, 6), (1, 4, 16, 6), (300, 16, 32, 6), (16, 1, 16, 1)],
+)
+def test_host_work_list_matches_jit(num_tokens, num_segments, block_rows, num_slots):
+    lora = build_lora_batch(
+        np.random.default_rng(num_tokens).integers(0, num_slots, num_tokens), num_segments,
+        np.ones(6, np.float32), np.array([0, 4, 8, 16, 64, 64], np.int32), block_rows,
+    )
+    jitted = make_work_list(*(jnp.asarray(a) for a in (lora.seg_start, lora.seg_slot, lora.slot_rank)),
+                            num_tokens, block_rows)
+    for field in ("tile", "slot", "row_lo", "row_hi", "rank", "is_first"):
+        assert np.array_equal(getattr(lora.work, field), np.asarray(getattr(jitted, field))), field
+    assert np.array_equal(lora.work_perm, np.asarray(padded_perm(jnp.asarray(lora.sort_perm), block_rows, jnp)))
+    assert lora.work_perm.shape[0] % block_rows == 0 and lora.work_block_rows == block_rows
+
+
 def test_reference_recovers_token_slots():
     case = make_case(1)
     assert np.array_equal(np.asarray(token_slot_from_segments(*case.meta[:3])), np.asarray(case.lora.token_slot))
@@ -177,6 +194,35 @@ def test_gpu_expand_fuses_scale_and_base_add():
     assert_close(y, y_ref, jnp.float32)
     is_base = np.asarray(case.lora.token_slot) == 0
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
+
+
+def test_gpu_expand_into_packed_columns_with_host_work_list():
+    # q|k|v style: one stacked shrink result [T, 3R], each part's expand reads its R columns of s and adds into
+    # its own columns of one packed output; the step's host-built work list replaces the in-jit one
+    case = make_case(11, max_rank=16, slot_ranks=(0, 4, 8, 16))
+    num_tokens = case.x.shape[0]
+    rng = np.random.default_rng(12)
+    parts_b = [case.lora_b, case.lora_b[:, :128] * 0.5, case.lora_b[:, :128] * -2.0]
+    s_parts = [sgmv_shrink_ref(case.x, case.lora_a * k, *case.meta) for k in (1.0, 3.0, -1.0)]
+    s_packed = jnp.concatenate(s_parts, axis=1)  # [T, 48]
+    widths = [b.shape[1] for b in parts_b]
+    base = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), jnp.float32)
+    tiles = choose_tiles(num_tokens, case.lora.num_segments, None, 128)
+    host = build_lora_batch(np.asarray(case.lora.token_slot), case.lora.num_segments,
+                            np.asarray(case.lora.slot_scale), np.asarray(case.lora.slot_rank), tiles.block_rows)
+    y, col = base, 0
+    for i, part_b in enumerate(parts_b):
+        y = sgmv_expand_gpu(s_packed, part_b, *case.meta, case.lora.slot_scale, y, host.work, host.work_perm,
+                            out_dtype=jnp.float32, tiles=tiles, s_col=16 * i, out_col=col, interpret=True)
+        col += part_b.shape[1]
+    scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
+    deltas = [sgmv_expand_ref(s_i * scale_tok, b, *case.meta, jnp.float32) for s_i, b in zip(s_parts, parts_b)]
+    assert_close(y, base + jnp.concatenate(deltas, axis=1), jnp.float32)
+    is_base = np.asarray(case.lora.token_slot) == 0
+    assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
+    with pytest.raises(ValueError, match="do not fit"):
+        sgmv_expand_gpu(s_packed, parts_b[0], *case.meta, None, base, out_dtype=jnp.float32, tiles=tiles,
+                        out_col=sum(widths) - 64, interpret=True)
 
 
 @pytest.mark.gpu

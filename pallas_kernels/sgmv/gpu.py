@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sgmv.work_list import WorkList, make_work_list
+from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, padded_perm
 
 _MIN_DOT = 16
 _TARGET_PROGRAMS = 264  # two waves on a 132-SM H100
@@ -60,7 +60,7 @@ def choose_tiles(num_tokens: int, num_segments: int, in_dim: int | None, out_dim
 
     in_dim is only needed by shrink and out_dim only by expand; pass None for the other.
     """
-    block_rows = 16 if num_tokens <= 128 else (32 if num_tokens <= 512 else 64)
+    block_rows = gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
     block_in, in_splits = 0, 1
     if in_dim is not None:
@@ -139,14 +139,15 @@ def _shrink_kernel(
 
 def _expand_kernel(
     tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, s_ref, b_ref, *rest,
-    tiles, rank_pad, max_rank, num_tokens, num_splits, out_dim, has_base,
+    tiles, rank_pad, max_rank, num_tokens, num_splits, out_dim, has_base, s_col, out_col,
 ):
-    # s_ref [splits * T, S >= R] f32 (only the first R columns read); b_ref [A * out, R];
-    # optional base_ref [T, out]; o_ref [T, out]
+    # s_ref [splits * T, S] f32 (columns s_col .. s_col + R read); b_ref [A * out, R]; scale_ref [A] f32;
+    # optional base_ref [T, N >= out_col + out]; o_ref [T, N] (columns out_col .. out_col + out written)
     o_ref = rest[-1]
     item, n_grp = pl.program_id(0), pl.program_id(1)
     tm, tn = tiles.block_rows, tiles.block_out
     rank = rank_ref[item]
+    slot = slot_ref[item]
     rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
     is_active = rank > 0
     r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
@@ -154,18 +155,18 @@ def _expand_kernel(
     s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
     s = jnp.zeros((tm, rank_pad), jnp.float32)
     for split in range(num_splits):
-        s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, 0, rank_pad)], mask=s_ok, other=0)
-    s = (s * scale_ref[item]).astype(b_ref.dtype)
+        s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, s_col, rank_pad)], mask=s_ok, other=0)
+    s = (s * scale_ref[slot]).astype(b_ref.dtype)
     b_ok = jnp.broadcast_to(r_ok[None, :], (tn, rank_pad))
     row_touch = jnp.broadcast_to((row_ok & is_active)[:, None], (tm, tn))
     row_write = jnp.broadcast_to(row_ok[:, None], (tm, tn))
 
     def step(j, carry):
         n_start = (n_grp * tiles.out_steps + j) * tn
-        b_rows = slot_ref[item] * out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
+        b_rows = slot * out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
         b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_ok, other=0)
         delta = _dot_nt(s, b_blk)  # [tm, tn]
-        out_at = _at(rows, n_start, tn)
+        out_at = _at(rows, out_col + n_start, tn)
         if has_base:  # rows of base tokens are left as they are in the aliased base output
             base = plgpu.load(rest[0].at[out_at], mask=row_touch, other=0)
             plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=row_touch)
@@ -176,13 +177,14 @@ def _expand_kernel(
     jax.lax.fori_loop(0, tiles.out_steps, step, 0)
 
 
-def _padded_perm(sort_perm: jax.Array, block_rows: int) -> jax.Array:
-    """sort_perm padded to whole row tiles with the out-of-range row T. Those rows are always masked; an
-    index no real row shares keeps interpret mode's masked scatter (which writes the old value back) from
-    racing with a real row of the same tile."""
-    num_tokens = sort_perm.shape[0]
-    padded = -(-num_tokens // block_rows) * block_rows
-    return jnp.pad(sort_perm, (0, padded - num_tokens), constant_values=num_tokens)
+def _work_and_perm(
+    work: WorkList | None, work_perm: jax.Array | None, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, block_rows
+) -> tuple[WorkList, jax.Array]:
+    """The precomputed work list and padded perm if given (built on the host with the step's LoRABatch for
+    these row tiles), else built here in jit."""
+    if work is not None:
+        return work, work_perm
+    return make_work_list(seg_start, seg_slot, slot_rank, num_tokens, block_rows), padded_perm(sort_perm, block_rows, jnp)
 
 
 def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
@@ -197,6 +199,8 @@ def sgmv_shrink_gpu_partials(
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
+    work: WorkList | None = None,
+    work_perm: jax.Array | None = None,
     *,
     tiles: GpuTiles,
     rank_block: int | None = None,
@@ -206,11 +210,12 @@ def sgmv_shrink_gpu_partials(
 
     rank_block: A's rows come in blocks of this size (R, or the per-part R of packed modules) and rows at or
     above the slot's rank within a block are skipped; None skips only rank-0 (base) slots.
+    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
     """
     num_tokens, in_dim = x.shape
     num_slots, max_rank, _ = lora_a.shape
     a_flat = lora_a.reshape(num_slots * max_rank, in_dim)
-    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
     kernel = functools.partial(
         _shrink_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank,
         rank_block=rank_block, num_tokens=num_tokens,
@@ -221,43 +226,61 @@ def sgmv_shrink_gpu_partials(
         grid=(work.num_items, tiles.in_splits),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
-    )(*_work_args(work), _padded_perm(sort_perm, tiles.block_rows), x, a_flat)
+    )(*_work_args(work), perm, x, a_flat)
     return partials.reshape(tiles.in_splits, num_tokens, max_rank)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "s_col", "out_col", "interpret"))
 def sgmv_expand_gpu(
-    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= R (only the first R columns are read)
+    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= s_col + R
     lora_b: jax.Array,  # [A, out, R]
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
     slot_scale: jax.Array | None = None,  # [A] f32, multiplies s per slot; None = 1
-    base_out: jax.Array | None = None,  # [T, out]; if given the result is base_out + delta
+    base_out: jax.Array | None = None,  # [T, N], N >= out_col + out; if given the result is base_out + delta
+    work: WorkList | None = None,
+    work_perm: jax.Array | None = None,
     *,
     out_dtype: jnp.dtype,
     tiles: GpuTiles,
+    s_col: int = 0,
+    out_col: int = 0,
     interpret: bool = False,
 ) -> jax.Array:
-    """[T, out] out_dtype: (base_out +) scale[slot_t] * (sum of s partials)_t @ B[slot_t].T."""
+    """(base_out +) scale[slot_t] * (sum of s partials)_t[s_col : s_col + R] @ B[slot_t].T, out_dtype.
+
+    Without base_out: [T, out]. With base_out: base_out's shape, the delta added into columns
+    out_col .. out_col + out in place (the other columns, and base tokens' rows, are not touched): packed
+    modules (q|k|v, gate|up) run one shrink on their stacked A and one expand per part into the packed output,
+    each part reading its own R columns of s.
+    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
+    """
     if s_partials.ndim == 2:
         s_partials = s_partials[None]
     num_splits, num_tokens, s_cols = s_partials.shape
     num_slots, out_dim, max_rank = lora_b.shape
+    has_base = base_out is not None
+    if not has_base and out_col:
+        raise ValueError("out_col needs base_out (the packed output the delta is added into)")
+    if s_col + max_rank > s_cols:
+        raise ValueError(f"s has {s_cols} columns; part columns {s_col}..{s_col + max_rank} do not fit")
     s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
     b_flat = lora_b.reshape(num_slots * out_dim, max_rank)
-    work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
     scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
-    has_base = base_out is not None
+    out_shape = base_out.shape if has_base else (num_tokens, out_dim)
+    if out_col + out_dim > out_shape[1]:
+        raise ValueError(f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + out_dim} do not fit")
     kernel = functools.partial(
         _expand_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank, num_tokens=num_tokens,
-        num_splits=num_splits, out_dim=out_dim, has_base=has_base,
+        num_splits=num_splits, out_dim=out_dim, has_base=has_base, s_col=s_col, out_col=out_col,
     )
-    operands = (*_work_args(work), scale[work.slot], _padded_perm(sort_perm, tiles.block_rows), s_flat, b_flat)
+    operands = (*_work_args(work), scale, perm, s_flat, b_flat)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, out_dim), out_dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid=(work.num_items, out_dim // (tiles.block_out * tiles.out_steps)),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         input_output_aliases={len(operands): 0} if has_base else {},

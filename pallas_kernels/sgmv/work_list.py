@@ -7,6 +7,10 @@ adapter's weights once. The item count is static: a tile list of ceil(T / block_
 G - 1 segment boundaries gives at most num_tiles + G - 1 items; the unused tail items are empty (lo == hi)
 and repeat the last tile, so a TPU output block stays resident across them.
 
+The list can be built inside jit (`make_work_list`, a handful of small XLA ops per kernel call) or once per
+step on the host (`make_work_list_host`, numpy, identical values): the engine builds it with the step's
+LoRABatch, so the kernels of every layer share it and no per-call index ops run on the device.
+
 Contract: segments are contiguous, in order, and cover the sorted rows [0, T) (build_lora_batch does this;
 padded segments are empty with start == end == T).
 """
@@ -17,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +93,51 @@ def make_work_list(
         rank=as_i32(rank),
         is_first=as_i32(is_first),
     )
+
+
+def gpu_block_rows(num_rows: int) -> int:
+    """Row tile of the GPU kernels for a token bucket: small tiles for decode, larger for prefill."""
+    return 16 if num_rows <= 128 else (32 if num_rows <= 512 else 64)
+
+
+def make_work_list_host(
+    seg_start: np.ndarray,  # [G+1] i32
+    seg_slot: np.ndarray,  # [G] i32
+    slot_rank: np.ndarray,  # [A] i32
+    num_rows: int,
+    block_rows: int,
+) -> WorkList:
+    """`make_work_list` in numpy, on the host (same values, numpy leaves)."""
+    seg_start = np.asarray(seg_start, np.int64)
+    num_segments = seg_slot.shape[0]
+    num_tiles = -(-num_rows // block_rows)
+    num_items = num_work_items(num_rows, num_segments, block_rows)
+    seg_lo, seg_hi = seg_start[:-1], seg_start[1:]
+    first_tile = seg_lo // block_rows
+    tiles_per_seg = np.where(seg_hi > seg_lo, (seg_hi - 1) // block_rows - first_tile + 1, 0)
+    seg = np.repeat(np.arange(num_segments), tiles_per_seg)  # segment of each used item
+    used = seg.shape[0]
+    offset = np.arange(used) - np.repeat(np.cumsum(tiles_per_seg) - tiles_per_seg, tiles_per_seg)
+    pad = num_items - used
+
+    def column(values: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([values, np.full(pad, fill)]).astype(np.int32)
+
+    tile = column(first_tile[seg] + offset, num_tiles - 1)
+    slot = column(np.asarray(seg_slot)[seg], 0)
+    rank = column(np.asarray(slot_rank)[slot[:used]], 0)
+    is_first = (np.arange(num_items) < used) & (tile != np.concatenate([[-1], tile[:-1]]))
+    return WorkList(
+        tile=tile, slot=slot, row_lo=column(seg_lo[seg], 0), row_hi=column(seg_hi[seg], 0), rank=rank,
+        is_first=is_first.astype(np.int32),
+    )
+
+
+def padded_perm(sort_perm, block_rows: int, xnp=np):
+    """sort_perm padded to whole row tiles with the out-of-range row T (xnp: numpy on the host, jnp in jit).
+
+    Those rows are always masked; an index no real row shares keeps interpret mode's masked scatter (which
+    writes the old value back) from racing with a real row of the same tile."""
+    num_tokens = sort_perm.shape[0]
+    padded = -(-num_tokens // block_rows) * block_rows
+    return xnp.pad(sort_perm, (0, padded - num_tokens), constant_values=num_tokens).astype(xnp.int32)

@@ -7,6 +7,9 @@ every LoRALinear hands it to the LoRA backend (einsum / bgmv / sgmv / pallas).
 Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exactly-zero delta.
 Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments
 is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
+
+The batch may also carry the GPU SGMV kernels' work list (pallas_kernels/sgmv/work_list.py), built here once
+per step in numpy so that no layer's kernel call rebuilds it on the device.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import dataclasses
 
 import jax
 import numpy as np
+
+from pallas_kernels.sgmv.work_list import WorkList, make_work_list_host, padded_perm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +30,9 @@ class LoRABatch:
     seg_slot: jax.Array  # [G] i32     slot of each segment; padded (empty) segments use slot 0
     slot_scale: jax.Array  # [A] f32   scaling of each slot's adapter (alpha/r, alpha/sqrt(r) with rslora); 0 for slot 0
     slot_rank: jax.Array  # [A] i32    true rank of each slot (<= max rank); 0 for slot 0 and empty slots
+    work: WorkList | None = None  # (row tile, segment) items for row tiles of `work_block_rows`
+    work_perm: jax.Array | None = None  # [T rounded up to work_block_rows] i32 sort_perm padded with T
+    work_block_rows: int = 0  # static; 0 = no precomputed work list
 
     @property
     def num_segments(self) -> int:
@@ -33,8 +41,8 @@ class LoRABatch:
 
 jax.tree_util.register_dataclass(
     LoRABatch,
-    data_fields=["token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank"],
-    meta_fields=[],
+    data_fields=["token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank", "work", "work_perm"],
+    meta_fields=["work_block_rows"],
 )
 
 
@@ -43,12 +51,14 @@ def build_lora_batch(
     num_segments: int,
     slot_scale: np.ndarray,
     slot_rank: np.ndarray,
+    work_block_rows: int = 0,
 ) -> LoRABatch:
     """Host-side construction of a LoRABatch (numpy leaves).
 
     token_slot: [T] i32, already padded to the token bucket (padding tokens use slot 0).
     num_segments: G, the static segment bucket; must be >= the number of distinct slots in token_slot.
     slot_scale: [A] f32; slot_rank: [A] i32.
+    work_block_rows: > 0 also builds the kernels' work list for row tiles of this size.
     """
     token_slot = np.asarray(token_slot, dtype=np.int32)
     num_tokens = token_slot.shape[0]
@@ -71,11 +81,19 @@ def build_lora_batch(
     seg_start[:num_used] = starts
     seg_slot = np.zeros((num_segments,), np.int32)
     seg_slot[:num_used] = slots
+    slot_rank = np.asarray(slot_rank, np.int32)
+    work, work_perm = None, None
+    if work_block_rows:
+        work = make_work_list_host(seg_start, seg_slot, slot_rank, num_tokens, work_block_rows)
+        work_perm = padded_perm(sort_perm, work_block_rows)
     return LoRABatch(
         token_slot=token_slot,
         sort_perm=sort_perm,
         seg_start=seg_start,
         seg_slot=seg_slot,
         slot_scale=np.asarray(slot_scale, np.float32),
-        slot_rank=np.asarray(slot_rank, np.int32),
+        slot_rank=slot_rank,
+        work=work,
+        work_perm=work_perm,
+        work_block_rows=work_block_rows,
     )

@@ -5,6 +5,7 @@ Flow: the model builds LoRALinear in place of Linear for each LoRA target in its
 buffers (a donated, shape-stable update). At run time:
 
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
+      (backend.apply_packed: one shrink on the stacked A, one expand per part into the packed output)
 
 Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):
     lora_a            [A, P*R, in]   P packed parts stacked along the rank axis (q|k|v or gate|up)
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.linear import Linear, pack_parts
+from sgl_jax_lora.layers.linear import Linear
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
@@ -68,19 +69,11 @@ class LoRALinear(Linear):
         y = self.base(x)
         if lora_batch is None:
             return y
-        shrunk = self.backend.shrink(
-            x, self.lora_a[...], lora_batch, input_sharded=self.row_parallel, rank_block=self.max_rank
+        lora_bs = tuple(getattr(self, lora_b_name(name))[...] for name in self.part_names)
+        return self.backend.apply_packed(
+            x, self.lora_a[...], lora_bs, lora_batch, y, tp_size=self.tp_size,
+            input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
         )
-        shrunk = shrunk * lora_batch.slot_scale[lora_batch.token_slot][:, None]
-        deltas = []
-        for i, name in enumerate(self.part_names):
-            part_b = getattr(self, lora_b_name(name))[...]
-            part_s = shrunk[:, i * self.max_rank : (i + 1) * self.max_rank]
-            deltas.append(
-                self.backend.expand(part_s, part_b, lora_batch, output_sharded=not self.row_parallel, out_dtype=x.dtype)
-            )
-        delta = deltas[0] if len(deltas) == 1 else pack_parts(deltas, self.tp_size)
-        return y + delta
 
 
 def lora_b_name(part_name: str) -> str:

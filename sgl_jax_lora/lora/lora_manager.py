@@ -30,6 +30,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from sgl_jax_lora.model_executor.buckets import checked_buckets
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     def __init__(self, args: ServerArgs, runner: ModelRunner, target_shapes: LoRATargetShapes, max_rank: int,
                  target_modules: frozenset[str], host_cache: HostAdapterCache,
-                 inspect: Callable[[LoRARef], AdapterSummary]):
+                 inspect: Callable[[LoRARef], AdapterSummary],
+                 work_block_rows: Callable[[int, int], int] = lambda num_tokens, num_segments: 0):
         self.max_per_batch = args.max_loras_per_batch
         self.max_rank = max_rank
         self.target_modules = target_modules  # HF module names the device buffers cover
@@ -48,6 +50,7 @@ class LoRAManager:
         self.refs: dict[str, LoRARef] = {}
         self.host_cache = host_cache
         self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
+        self.work_block_rows = work_block_rows  # the backend's LoRABackend.work_block_rows
         self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
                                    runner.lora_buffer_shapes(), args.lora_eviction_policy)
         self._step_ids: set[str] = set()
@@ -56,7 +59,7 @@ class LoRAManager:
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
-        self.segment_buckets = segment_buckets(self.pool.num_slots)
+        self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         self.load_latencies_s: collections.deque[float] = collections.deque(maxlen=1000)  # the latest loads
         self.load_seconds_total = 0.0
         self.device_hits = 0
@@ -177,12 +180,18 @@ class LoRAManager:
         """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits."""
         num_distinct = len(np.unique(token_slots))
         num_segments = next(g for g in self.segment_buckets if g >= num_distinct)
-        return build_lora_batch(token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank)
+        return build_lora_batch(
+            token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank,
+            self.work_block_rows(len(token_slots), num_segments),
+        )
 
     def padding_batches(self, num_tokens: int) -> list[LoRABatch]:
         """One all-base LoRABatch per segment bucket, for compiling every bucket at warmup."""
         zeros = np.zeros(num_tokens, np.int32)
-        return [build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank) for g in self.segment_buckets]
+        return [
+            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank, self.work_block_rows(num_tokens, g))
+            for g in self.segment_buckets
+        ]
 
     def stats(self) -> dict:
         cache = self.host_cache.stats
@@ -205,10 +214,12 @@ class LoRAManager:
         }
 
 
-def segment_buckets(num_slots: int) -> tuple[int, ...]:
-    """Compiled segment counts G (distinct slots in a step, base included): up to 4 adapters, or all slots.
+def segment_buckets(num_slots: int, requested: list[int] | None = None) -> tuple[int, ...]:
+    """Compiled segment counts G (distinct slots in a step, base included): `--lora-segment-buckets`, else up to
+    4 slots or all slots; all slots (num_slots) is always one of them.
 
-    Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items), so batches with few
-    adapters run the small bucket; two buckets keep startup compilation at twice the LoRA-less count.
+    Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items; sgmv gathers G
+    adapters; einsum ignores G), so batches with few adapters run a small bucket. Each bucket adds one compiled
+    program per token bucket: the default two keep startup compilation at twice the LoRA-less count.
     """
-    return tuple(sorted({min(4, num_slots), num_slots}))
+    return checked_buckets("--lora-segment-buckets", requested, num_slots) or tuple(sorted({min(4, num_slots), num_slots}))

@@ -45,20 +45,20 @@ class Buckets:
         chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
         # Decode starts at 8 sequences: on GPU a 1-row matmul compiles to a slower kernel than an 8-row one
         # (measured, docs/benchmarks.md), and decode is memory-bound, so the padding costs nothing.
-        decode_seqs = _checked("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(
+        decode_seqs = checked_buckets("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(
             min(MIN_DECODE_BUCKET, max_running_requests), max_running_requests
         )
-        prefill_tokens = _checked("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
+        prefill_tokens = checked_buckets("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
             min(32, chunked_prefill_size), chunked_prefill_size
         )
-        decode_pages = _checked("--decode-page-buckets", decode_page_buckets, max_pages) or powers_of_two(
+        decode_pages = checked_buckets("--decode-page-buckets", decode_page_buckets, max_pages) or powers_of_two(
             min(4, max_pages), max_pages
         )
         return cls(
             decode_seqs=decode_seqs,
             decode_pages=decode_pages,
             prefill_tokens=prefill_tokens,
-            prefill_seqs=_checked("--prefill-seq-buckets", prefill_seq_buckets, max_prefill_seqs)
+            prefill_seqs=checked_buckets("--prefill-seq-buckets", prefill_seq_buckets, max_prefill_seqs)
             or powers_of_two(1, max_prefill_seqs),
             max_pages_per_seq=max_pages,
         )
@@ -80,7 +80,8 @@ def pick(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _checked(flag: str, values: list[int] | None, limit: int) -> tuple[int, ...] | None:
+def checked_buckets(flag: str, values: list[int] | None, limit: int) -> tuple[int, ...] | None:
+    """A bucket flag's sizes, sorted, capped at `limit` and always including it; None when the flag is unset."""
     if not values:
         return None
     values = tuple(sorted(set(int(v) for v in values)))

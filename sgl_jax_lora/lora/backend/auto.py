@@ -62,6 +62,11 @@ class AutoBackend(LoRABackend):
     def pick(self, num_tokens: int, lora: LoRABatch) -> LoRABackend:
         return self.backends[choose_backend_name(self.platform, num_tokens, lora.num_segments)]
 
+    def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
+        return self.backends[choose_backend_name(self.platform, num_tokens, num_segments)].work_block_rows(
+            num_tokens, num_segments
+        )
+
     def shrink(
         self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
         rank_block: int | None = None,
@@ -86,4 +91,21 @@ class AutoBackend(LoRABackend):
     ) -> jax.Array:
         return self.pick(x.shape[0], lora).apply(
             x, lora_a, lora_b, lora, input_sharded=input_sharded, output_sharded=output_sharded, base_out=base_out
+        )
+
+    def apply_packed(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora_bs: tuple[jax.Array, ...],
+        lora: LoRABatch,
+        base_out: jax.Array,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array:
+        return self.pick(x.shape[0], lora).apply_packed(
+            x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
+            output_sharded=output_sharded,
         )

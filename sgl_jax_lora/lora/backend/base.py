@@ -1,8 +1,9 @@
 """The LoRA compute backend interface and its factory (`--lora-backend einsum|bgmv|sgmv|pallas|auto`).
 
-Where it sits: every `LoRALinear` holds one backend and calls it with its layer's A/B buffers and the
-step's `LoRABatch`: `y = base(x) + apply(x, A, B, lora)`. Packed modules call `shrink` once on the stacked
-A and `expand` once per part, scaling in between, so shrink and expand each work standalone.
+Where it sits: every `LoRALinear` holds one backend and calls `apply_packed` with its layer's base output,
+A/B buffers and the step's `LoRABatch`. Packed modules (q|k|v, gate|up) shrink once on the stacked A and
+expand once per part; the default `apply_packed` composes `shrink` and `expand` in XLA, and a backend with
+kernels may fuse more (the Pallas GPU backend adds each part's delta into the packed output in place).
 
 Shapes: x [T, in]; lora_a [A, R, in]; lora_b [A, out, R]; s [T, R] float32. Slot 0 is the base model
 (all-zero weights), so base tokens get an exactly-zero delta. Sharding (mesh axes ("data", "tensor")):
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sgl_jax_lora.layers.linear import pack_parts
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 TENSOR_AXIS = "tensor"
@@ -82,6 +84,35 @@ class LoRABackend(abc.ABC):
         if base_out is None:
             return delta
         return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(base_out.dtype)
+
+    def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
+        """Row tile of the kernel work list this backend reads from `LoRABatch.work` for a (token bucket,
+        segment bucket); 0 = it reads none, so the engine does not build one (it costs host time every step)."""
+        return 0
+
+    def apply_packed(
+        self,
+        x: jax.Array,  # [T, in]
+        lora_a: jax.Array,  # [A, P * R, in]: the P parts' A stacked along the rank axis
+        lora_bs: tuple[jax.Array, ...],  # P x [A, out_p, R]
+        lora: LoRABatch,
+        base_out: jax.Array,  # [T, sum out_p], parts packed shard-major over tp_size shards (layers/linear.py)
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array:
+        """base_out + the LoRA delta of every part, in base_out's packed layout and dtype."""
+        max_rank = lora_bs[0].shape[2]
+        shrunk = self.shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=max_rank)
+        shrunk = shrunk * lora.slot_scale[lora.token_slot][:, None]
+        deltas = [
+            self.expand(shrunk[:, i * max_rank : (i + 1) * max_rank], part_b, lora,
+                        output_sharded=output_sharded, out_dtype=x.dtype)
+            for i, part_b in enumerate(lora_bs)
+        ]
+        delta = deltas[0] if len(deltas) == 1 else pack_parts(deltas, tp_size)
+        return base_out + delta
 
     def constrain(self, value: jax.Array, spec: P) -> jax.Array:
         """Pins a pure-JAX result's sharding (GSPMD) when the backend has a multi-device mesh with Auto axes

@@ -11,8 +11,10 @@ Rank awareness: GPU kernel masks A rows / B columns above each slot's rank out o
 are never read) and reads nothing for base segments; TPU kernel skips the matmul of base segments but its
 weight DMA always moves the full R (static block shape). See docs/lora_backends.md.
 
-GPU `apply` fuses the whole LoRA: the shrink partials go straight into the expand kernel, which sums them,
-applies the slot scale and adds into `base_out` in place.
+GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
+which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
+(q|k|v, gate|up) is one shrink launch plus one expand launch per part, with no XLA op between them. The work
+list comes with the step's LoRABatch (built once on the host) when its row tiles match the kernel's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
+from pallas_kernels.sgmv.work_list import gpu_block_rows
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
@@ -68,6 +71,16 @@ class PallasBackend(LoRABackend):
 
     # -- local (per-shard) kernels ----------------------------------------------------------------------------
 
+    def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
+        return gpu_block_rows(num_tokens) if self.kernel == "gpu" else 0
+
+    @staticmethod
+    def _gpu_work(lora: LoRABatch, block_rows: int) -> tuple:
+        """The batch's precomputed (work list, padded perm) when built for these row tiles, else (None, None)."""
+        if lora.work is not None and lora.work_block_rows == block_rows:
+            return lora.work, lora.work_perm
+        return None, None
+
     def _local_shrink_partials(
         self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, rank_block: int | None
     ) -> jax.Array:
@@ -77,12 +90,13 @@ class PallasBackend(LoRABackend):
             return sgmv_shrink_tpu(x, lora_a, *meta, rank_block=rank_block, interpret=self.interpret)[None]
         tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
         return sgmv_shrink_gpu_partials(
-            x, lora_a, *meta, tiles=tiles, rank_block=rank_block, interpret=self.interpret
+            x, lora_a, *meta, *self._gpu_work(lora, tiles.block_rows), tiles=tiles, rank_block=rank_block,
+            interpret=self.interpret,
         )
 
     def _local_expand(
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, scale: jax.Array | None,
-        base_out: jax.Array | None, out_dtype: jnp.dtype,
+        base_out: jax.Array | None, out_dtype: jnp.dtype, s_col: int = 0, out_col: int = 0,
     ) -> jax.Array:
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
         if self.kernel == "tpu":
@@ -96,7 +110,8 @@ class PallasBackend(LoRABackend):
         num_tokens = s.shape[-2]
         tiles = choose_tiles(num_tokens, lora.num_segments, None, lora_b.shape[1])
         return sgmv_expand_gpu(
-            s, lora_b, *meta, scale, base_out, out_dtype=out_dtype, tiles=tiles, interpret=self.interpret
+            s, lora_b, *meta, scale, base_out, *self._gpu_work(lora, tiles.block_rows), out_dtype=out_dtype,
+            tiles=tiles, s_col=s_col, out_col=out_col, interpret=self.interpret,
         )
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -146,3 +161,40 @@ class PallasBackend(LoRABackend):
         specs = (x_spec, a_spec, b_spec, _REPLICATED) + ((y_spec,) if base_out is not None else ())
         operands = (x, lora_a, lora_b, lora) + ((base_out,) if base_out is not None else ())
         return self._sharded(local, specs, y_spec)(*operands)
+
+    def apply_packed(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora_bs: tuple[jax.Array, ...],
+        lora: LoRABatch,
+        base_out: jax.Array,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array:
+        if self.kernel != "gpu":
+            return super().apply_packed(
+                x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
+                output_sharded=output_sharded,
+            )
+        max_rank = lora_bs[0].shape[2]
+
+        def local(x, lora_a, lora, y, *lora_bs):
+            # per shard, the packed output is [part 0 | part 1 | ...] of each part's local columns
+            s = self._local_shrink_partials(x, lora_a, lora, max_rank)
+            if input_sharded:
+                s = self._psum(s.sum(0), True)
+            out_col = 0
+            for i, part_b in enumerate(lora_bs):
+                y = self._local_expand(
+                    s, part_b, lora, lora.slot_scale, y, y.dtype, s_col=i * max_rank, out_col=out_col
+                )
+                out_col += part_b.shape[1]
+            return y
+
+        x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
+        b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
+        specs = (x_spec, a_spec, _REPLICATED, y_spec) + (b_spec,) * len(lora_bs)
+        return self._sharded(local, specs, y_spec)(x, lora_a, lora, base_out, *lora_bs)
