@@ -39,9 +39,11 @@ def timed(fn, repeats: int = 10) -> float:
 
 
 def summarize_trace(trace_dir: str, top: int = 25) -> list[tuple[str, float, int]]:
+    """(op name, total device ms, count) of the ops with the most device time in the latest trace, then one
+    ("TOTAL", all device ms, all op count) row."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-        return []
+        return [("TOTAL", 0.0, 0)]
     with gzip.open(max(files, key=os.path.getmtime)) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -53,7 +55,8 @@ def summarize_trace(trace_dir: str, top: int = 25) -> list[tuple[str, float, int
         if e.get("ph") == "X" and "dur" in e and ("gpu" in process.lower() or "/device:" in process):
             total[e["name"]] += e["dur"]
             count[e["name"]] += 1
-    return [(n, total[n] / 1e3, count[n]) for n, _ in total.most_common(top)]
+    rows = [(n, total[n] / 1e3, count[n]) for n, _ in total.most_common(top)]
+    return rows + [("TOTAL", sum(total.values()) / 1e3, sum(count.values()))]
 
 
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
@@ -128,7 +131,10 @@ def main() -> None:
     for _ in range(opts.steps):
         forward_only()
     jax.profiler.stop_trace()
-    top = summarize_trace(opts.out_dir)
+    *top, (_, total_ms, total_ops) = summarize_trace(opts.out_dir)
+    breakdown["device_ms_per_forward"] = total_ms / opts.steps
+    breakdown["device_ops_per_forward"] = total_ops // opts.steps
+    print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops", flush=True)
     for name, ms, n in top:
         print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
     if opts.json:

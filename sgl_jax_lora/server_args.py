@@ -53,6 +53,7 @@ class ServerArgs:
     max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
     lora_segment_buckets: list[int] | None = _f(None, "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: 4 and that", nargs="+", type=int)
+    disable_lora_base_program: bool = _f(False, "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation")
     lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
     lora_target_modules: list[str] | None = _f(None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+")
     lora_allowed_dirs: list[str] | None = _f(None, "directories from which requests may load unregistered adapters on demand", nargs="+")

@@ -105,7 +105,36 @@ def test_base_requests_equal_a_lora_disabled_engine(setup, dtype):
         expected = plain.generate(input_ids=ids, sampling_params=params)
     with Engine(model_path=str(base), dtype=dtype, skip_precompile=True, lora_paths=[f"a={adapters['all_linear_r8']}"], **SMALL) as lora:
         mixed = lora.generate(input_ids=ids + ids[:1], sampling_params=params, lora_path=[None, None, None, "a"])
+        alone = lora.generate(input_ids=ids, sampling_params=params)  # no adapter in any step: LoRA-free program
     assert [o["output_ids"] for o in mixed[:3]] == [o["output_ids"] for o in expected]
+    assert [o["output_ids"] for o in alone] == [o["output_ids"] for o in expected]
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_steps_without_adapter_tokens_run_the_lora_free_program(setup, disabled):
+    """A step whose tokens are all base gets no LoRABatch (the compiled LoRA-free program) unless
+    --disable-lora-base-program, which runs it through the LoRA kernels on slot 0's zero weights instead;
+    both give the base model's tokens."""
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
+    from sgl_jax_lora.sampling.sampling_params import SamplingParams
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"a": str(adapters["all_linear_r8"])},
+                      disable_lora_base_program=disabled, skip_precompile=True, **SMALL)
+    core = EngineCore(args, str(base))
+    assert (core.lora_builder(np.zeros(8, np.int32)) is None) != disabled
+    assert core.lora_builder(np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int32)) is not None
+    warmup = core.lora.padding_batches(8)
+    assert len(warmup) == len(core.lora.segment_buckets) + (not disabled)
+    ids = prompt(91)
+    core.add_request(GenerateRequest(rid="base", input_ids=ids,
+                                     sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    outputs = []
+    while core.scheduler.num_active:
+        outputs += core.step()
+    assert [t for out in outputs for t in out["new_ids"]] == reference(base, None, ids, 3)[0]
 
 
 def test_tp4_equals_tp1_with_adapters(setup):

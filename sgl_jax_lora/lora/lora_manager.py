@@ -60,6 +60,8 @@ class LoRAManager:
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
+        # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
+        self.base_program = not args.disable_lora_base_program
         self.load_latencies_s: collections.deque[float] = collections.deque(maxlen=1000)  # the latest loads
         self.load_seconds_total = 0.0
         self.device_hits = 0
@@ -176,8 +178,11 @@ class LoRAManager:
         self.load_latencies_s.append(elapsed)
         self.load_seconds_total += elapsed
 
-    def lora_batch(self, token_slots: np.ndarray) -> LoRABatch:
-        """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits."""
+    def lora_batch(self, token_slots: np.ndarray) -> LoRABatch | None:
+        """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits; None (the
+        LoRA-free program, as fast as an engine without LoRA) when no token uses an adapter."""
+        if self.base_program and not np.any(token_slots):
+            return None
         num_distinct = len(np.unique(token_slots))
         num_segments = next(g for g in self.segment_buckets if g >= num_distinct)
         return build_lora_batch(
@@ -185,10 +190,11 @@ class LoRAManager:
             self.work_block_rows(len(token_slots), num_segments),
         )
 
-    def padding_batches(self, num_tokens: int) -> list[LoRABatch]:
-        """One all-base LoRABatch per segment bucket, for compiling every bucket at warmup."""
+    def padding_batches(self, num_tokens: int) -> list[LoRABatch | None]:
+        """One all-base LoRABatch per segment bucket (and None for the LoRA-free program), for compiling every
+        bucket at warmup."""
         zeros = np.zeros(num_tokens, np.int32)
-        return [
+        return [None] * self.base_program + [
             build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank, self.work_block_rows(num_tokens, g))
             for g in self.segment_buckets
         ]
