@@ -7,9 +7,10 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
-Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99), what the engine did meanwhile
-(step time by kind and phase, LoRA slot/host traffic, compilations: from server_info), and the ratio to the
-base-only throughput (scenario 0 of the same run, or --baseline FILE). Writes --out JSON and prints a table.
+Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
+(every run's tok/s beside it), what the engine did meanwhile (step time by kind and phase, LoRA slot/host traffic,
+compilations: from server_info), and the ratio to the base-only throughput (scenario 0 of the same run, or
+--baseline FILE). Writes --out JSON and prints a table.
 
     python scripts/bench_serving.py --num-requests 256 --num-adapters 0,32 --popularity distinct --out r.json \\
         -- --model-path DIR --load-format dummy --lora-paths a0=/ad/a0 ... --max-loras-per-batch 32
@@ -196,6 +197,13 @@ def engine_delta(before: dict, after: dict) -> dict:
     return delta
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output throughput (the lower middle one for an even count), with every run's
+    throughput beside it: repeated runs of one configuration vary by several percent on a GPU."""
+    ordered = sorted(runs, key=lambda r: r["output_tok_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "repeats_output_tok_per_s": [r["output_tok_per_s"] for r in runs]}
+
+
 def rng_prompt(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 400, size=length).tolist()
 
@@ -252,9 +260,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each scenario this many times (same requests) and report the median run")
     parser.add_argument("--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
+    if opts.repeats < 1:
+        parser.error(f"--repeats {opts.repeats}: must be at least 1")
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)
     if opts.adapter_dir:
         target.adapter_names = adapter_dirs_under(opts.adapter_dir)
@@ -273,9 +285,13 @@ def main() -> None:
                 warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
                                              "request_rate": float("inf"), "seed": opts.seed + 1})
                 target.run(drive(target, warm))
-            before = target.server_info()
-            result = target.run(drive(target, scenario))
-            result["engine"] = engine_delta(before, target.server_info())
+            runs = []
+            for _ in range(opts.repeats):  # the same requests each time
+                before = target.server_info()
+                run = target.run(drive(target, scenario))
+                run["engine"] = engine_delta(before, target.server_info())
+                runs.append(run)
+            result = median_run(runs)
             if count == 0 and base_tok_s is None:
                 base_tok_s = result["output_tok_per_s"]
             if base_tok_s:
