@@ -282,3 +282,20 @@ def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(se
     assert "adapter 'doomed'" in errors[0][1] and "adapter_model.safetensors" in errors[0][1]
     base_tokens = [t for out in outputs if out["rid"] == "base" for t in out["new_ids"]]
     assert base_tokens == reference(base, None, prompt(5), 3)[0]
+
+
+def test_pallas_backend_in_the_engine_matches_peft(setup):
+    """The engine with --lora-backend pallas: on CPU the GPU kernels run in interpret mode, through the same path
+    as on a GPU (host-built work list, one shrink and an in-place expand per packed part)."""
+    base, adapters = setup
+    names = list(adapters) + [None]
+    ids = [prompt(300 + i) for i in range(len(names))]
+    with Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
+                max_loras_per_batch=4, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
+        outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
+                            return_logprob=True, logprob_start_len=0)
+    for name, p, out in zip(names, ids, outs):
+        ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, 4)
+        assert out["output_ids"] == ref_tokens, name
+        ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
