@@ -51,6 +51,15 @@ def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[l
     return generated[len(ids) :], logprobs
 
 
+def assert_matches_peft(base, adapters: dict, names: list, ids: list, outs: list, max_new_tokens: int) -> None:
+    """Each output (generated with return_logprob, logprob_start_len=0) has HF + PEFT's tokens and prompt logprobs."""
+    for name, p, out in zip(names, ids, outs):
+        ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, max_new_tokens)
+        assert out["output_ids"] == ref_tokens, name
+        ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
+
+
 def prompt(seed: int, length: int = 14) -> list[int]:
     return np.random.default_rng(seed).integers(2, 491, size=length).tolist()
 
@@ -70,11 +79,7 @@ def test_heterogeneous_batch_matches_peft_with_fewer_slots_than_adapters(engine,
     ids = [prompt(i) for i in range(len(names))]
     outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY}, lora_path=names,
                            return_logprob=True, logprob_start_len=0)
-    for name, p, out in zip(names, ids, outs):
-        ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, 8)
-        assert out["output_ids"] == ref_tokens, name
-        ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
-        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
+    assert_matches_peft(base, adapters, names, ids, outs, 8)
     # Each adapter changes the model: its prompt logprobs differ from the base model's.
     same = engine.generate(input_ids=[ids[0]] * 5, sampling_params={"max_new_tokens": 1, **GREEDY}, lora_path=names[:5],
                            return_logprob=True, logprob_start_len=1)
@@ -294,8 +299,4 @@ def test_pallas_backend_in_the_engine_matches_peft(setup):
                 max_loras_per_batch=4, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
         outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
                             return_logprob=True, logprob_start_len=0)
-    for name, p, out in zip(names, ids, outs):
-        ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, 4)
-        assert out["output_ids"] == ref_tokens, name
-        ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
-        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
+    assert_matches_peft(base, adapters, names, ids, outs, 4)
