@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
+from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 
 SHAPES = {"qo": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}

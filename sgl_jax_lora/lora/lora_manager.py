@@ -194,7 +194,7 @@ class LoRAManager:
         """One all-base LoRABatch per segment bucket (and None for the LoRA-free program), for compiling every
         bucket at warmup."""
         zeros = np.zeros(num_tokens, np.int32)
-        return [None] * self.base_program + [
+        return ([None] if self.base_program else []) + [
             build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank, self.work_block_rows(num_tokens, g))
             for g in self.segment_buckets
         ]

@@ -59,13 +59,14 @@ class AutoBackend(LoRABackend):
             "pallas": PallasBackend(mesh),
         }
 
+    def chosen(self, num_tokens: int, num_segments: int) -> LoRABackend:
+        return self.backends[choose_backend_name(self.platform, num_tokens, num_segments)]
+
     def pick(self, num_tokens: int, lora: LoRABatch) -> LoRABackend:
-        return self.backends[choose_backend_name(self.platform, num_tokens, lora.num_segments)]
+        return self.chosen(num_tokens, lora.num_segments)
 
     def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
-        return self.backends[choose_backend_name(self.platform, num_tokens, num_segments)].work_block_rows(
-            num_tokens, num_segments
-        )
+        return self.chosen(num_tokens, num_segments).work_block_rows(num_tokens, num_segments)
 
     def shrink(
         self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
