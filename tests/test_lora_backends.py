@@ -11,12 +11,14 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref
 from pallas_kernels.sgmv.work_list import gpu_block_rows
+from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend import BACKEND_NAMES, LoRABackend, make_lora_backend
 from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import PallasBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
+from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 
 # Max |out - ref| relative to max |ref|, per dtype. bf16: bf16 inputs/outputs and s rounded to bf16 before
@@ -153,6 +155,33 @@ def test_apply_packed_adds_every_part_in_place(name, block_rows):
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base_out)[is_base]), "base rows must be untouched"
 
 
+def stack_layers(weights: jax.Array, num_layers: int, layer: int) -> jax.Array:
+    """[L, ...] stack whose layer `layer` is `weights` and whose other layers are different (scaled) copies."""
+    return jnp.stack([weights if i == layer else weights * (i + 2.0) for i in range(num_layers)])
+
+
+@pytest.mark.parametrize("name", ["pallas_gpu", "pallas_tpu", "bgmv", "auto"])
+def test_apply_packed_reads_one_layer_of_stacked_buffers(name):
+    # the model's layer loop hands LoRALinear LayerStack views; backends that read stacks in place (Pallas
+    # GPU) must pick exactly layer `layer`, the others get the layer's slice: both equal the unstacked call
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(7, num_tokens=24, dtype=jnp.float32, block_rows=16)
+    backend = BACKENDS[name](None)
+    expected = backend.apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    layer = jnp.int32(2)
+    a_view = LayerStack(stack_layers(lora_a, 4, 2), layer)
+    b_views = tuple(LayerStack(stack_layers(b, 4, 2), layer) for b in lora_bs)
+    assert backend.reads_stacked(24, lora.num_segments, 512) == (name == "pallas_gpu")
+
+    @jax.jit
+    def run(x, a_view, b_views, lora, base_out):
+        if not backend.reads_stacked(24, lora.num_segments, 512):
+            return backend.apply_packed(x, a_view.sliced(), tuple(b.sliced() for b in b_views), lora, base_out,
+                                        tp_size=1)
+        return backend.apply_packed(x, a_view, b_views, lora, base_out, tp_size=1)
+
+    assert_close(run(x, a_view, b_views, lora, base_out), expected, jnp.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA device")
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
@@ -205,6 +234,44 @@ def test_sharded_matches_unsharded(mesh, name, layer):
         assert_close(y, y_ref, jnp.float32)
 
 
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_pallas_reads_sharded_stacked_buffers(mesh, layer):
+    # tp 4: the [L, A, ...] stacks are split like the per-layer buffers, with the layer axis whole
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(8, num_tokens=24, dtype=jnp.float32, block_rows=16)
+    lora_bs = lora_bs[:1] if layer == "row" else lora_bs  # a row-parallel module has one part
+    base_out = base_out[:, : sum(b.shape[1] for b in lora_bs)]
+    is_row = layer == "row"
+    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    backend = PallasBackend(mesh, kernel="gpu", interpret=True)
+
+    def put(value, spec):
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    a_stack = put(stack_layers(lora_a, 3, 1), P(None, None, None, "tensor") if is_row else P())
+    b_stacks = tuple(put(stack_layers(b, 3, 1), P() if is_row else P(None, None, "tensor", None)) for b in lora_bs)
+    x_s = put(x, P(None, "tensor") if is_row else P())
+    y_spec = P() if is_row else P(None, "tensor")
+    # a column-parallel packed output is shard-major over tp (layers/linear.py)
+    base_s = put(base_out if is_row else pack_parts(split_columns(base_out, lora_bs), 4), y_spec)
+    lora_s = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
+
+    @jax.jit
+    def run(x, a_stack, b_stacks, lora, base_out):
+        layer_index = jnp.int32(1)
+        return backend.apply_packed(x, LayerStack(a_stack, layer_index), tuple(LayerStack(b, layer_index) for b in b_stacks),
+                                    lora, base_out, tp_size=4, input_sharded=is_row, output_sharded=not is_row)
+
+    y = run(x_s, a_stack, b_stacks, lora_s, base_s)
+    if not is_row:
+        y = jnp.concatenate(split_packed(y, tuple(b.shape[1] for b in lora_bs), 4), axis=1)
+    assert_close(y, expected, jnp.float32)
+
+
+def split_columns(y: jax.Array, lora_bs) -> list[jax.Array]:
+    widths = np.cumsum([b.shape[1] for b in lora_bs])[:-1]
+    return jnp.split(y, widths, axis=1)
+
+
 def test_factory_names_and_errors():
     for name in BACKEND_NAMES:
         assert make_lora_backend(name).name == name
@@ -219,3 +286,13 @@ def test_auto_choice_is_static_per_bucket():
                 (2048, 4): "sgmv", (4096, 32): "pallas", (8192, 4): "pallas"}
     for (tokens, segments), name in measured.items():
         assert choose_backend_name("gpu", tokens, segments) == name
+    # decode buckets of 32-64 tokens: wide modules (gate|up, 28672 columns) take the Pallas kernels, the
+    # others bgmv; the smallest buckets stay on bgmv whatever the width
+    assert choose_backend_name("gpu", 64, 32, 28672) == "pallas"
+    assert choose_backend_name("gpu", 64, 32, 6144) == "bgmv"
+    assert choose_backend_name("gpu", 16, 8, 28672) == "bgmv"
+    auto = AutoBackend(None)
+    auto.platform = "gpu"  # the table, not the machine: which tile the engine builds and what LoRALinear passes
+    assert auto.work_block_rows(64, 32) == gpu_block_rows(64)  # some module (gate|up) reads the work list
+    assert auto.work_block_rows(16, 8) == 0
+    assert auto.reads_stacked(64, 32, 28672) and not auto.reads_stacked(64, 32, 4096)

@@ -225,6 +225,38 @@ def test_gpu_expand_into_packed_columns_with_host_work_list():
                         out_col=sum(widths) - 64, interpret=True)
 
 
+def test_gpu_kernels_read_one_layer_of_stacks_and_expand_all_parts_in_one_launch():
+    # the engine passes [L, A, ...] stacks and the layer index (no per-layer copy of the pool), and a packed
+    # module's parts go through one expand launch; B columns at or above the rank rounded up to the 8-column
+    # granule are never read (NaN there would leak into the sum), the zeros below it are the pool's guarantee
+    case = make_case(13, max_rank=16, slot_ranks=(0, 4, 8, 16))
+    num_tokens = case.x.shape[0]
+    rank = np.asarray(case.lora.slot_rank)
+    granule_end = -(-rank // 8) * 8
+    parts_b = [case.lora_b, case.lora_b[:, :128] * 0.5]
+    noisy_b = [jnp.where(np.arange(16)[None, None, :] >= granule_end[:, None, None], jnp.nan, b) for b in parts_b]
+    packed_a = jnp.concatenate([case.lora_a, case.lora_a * -2.0], axis=1)  # [A, 32, in]
+    layer, num_layers = 1, 3
+
+    def stack(w):
+        return jnp.stack([w if i == layer else w * 3.0 + 1.0 for i in range(num_layers)])
+
+    tiles = choose_tiles(num_tokens, case.lora.num_segments, case.x.shape[1], tuple(b.shape[1] for b in parts_b))
+    partials = sgmv_shrink_gpu_partials(case.x, stack(packed_a), *case.meta, layer=jnp.int32(layer), tiles=tiles,
+                                        rank_block=16, interpret=True)
+    s_ref = sgmv_shrink_ref(case.x, packed_a, *case.meta, rank_block=16)
+    assert_close(partials.sum(0), s_ref, jnp.float32)
+    base = jnp.asarray(np.random.default_rng(14).standard_normal((num_tokens, 384)), jnp.float32)
+    y = sgmv_expand_gpu(partials, tuple(stack(b) for b in noisy_b), *case.meta, case.lora.slot_scale, base,
+                        layer=jnp.int32(layer), out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
+    deltas = [sgmv_expand_ref(s_ref[:, 16 * i : 16 * (i + 1)] * scale_tok, b, *case.meta, jnp.float32)
+              for i, b in enumerate(parts_b)]
+    assert_close(y, base + jnp.concatenate(deltas, axis=1), jnp.float32)
+    with pytest.raises(ValueError, match="needs `layer`"):
+        sgmv_shrink_gpu_partials(case.x, stack(packed_a), *case.meta, tiles=tiles, rank_block=16, interpret=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

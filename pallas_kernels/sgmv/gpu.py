@@ -10,14 +10,23 @@ token order. Only the adapters present in the batch are read.
 shrink: grid (work item, split of `in`). Splitting `in` keeps enough programs in flight when the batch has
 few items (decode); each split writes its own float32 partial [splits, T, R] (no atomics, so results are
 bit-reproducible), and the partials are summed by the caller or by the expand kernel when it loads s.
-expand: grid (work item, block of `out`); it sums the shrink partials, applies the per-slot scale, and can
-add the delta into the base layer output in place (`base_out`, aliased to the result), so the LoRA delta
-never makes its own round trip through HBM. Rows of base tokens are then not touched at all.
+expand: grid (work item, block of `out`), over every part of a packed module in one launch (q|k|v: three
+B buffers, each written into its own columns of the packed output); it sums the shrink partials, applies
+the per-slot scale, and can add the delta into the base layer output in place (`base_out`, aliased to the
+result), so the LoRA delta never makes its own round trip through HBM. Rows of base tokens are then not
+touched at all.
 
-Rank awareness: a slot's B columns at or above its true rank are masked off in the expand loads, and in
-shrink its A rows too when the caller says how A's rows are blocked (`rank_block`: R for one module, the
-per-part R when q|k|v are stacked along R); masked bytes are never read. Base segments (rank 0) read no
-weights. The matmul itself runs at the rank rounded up to a power of two >= 16 (Triton's static block),
+Layer-stacked buffers: the model keeps each LoRA buffer as one [L, A, ...] array. Given `layer` (an int32
+scalar), the kernels take that whole stack and offset into layer `layer` themselves, so no per-layer copy of
+the slot pool is made (a Pallas call gets its operands as whole buffers: slicing the stack outside the
+kernel would copy the layer's pool before every call).
+
+Rank awareness: in shrink, a slot's A rows at or above its true rank are masked out of the loads when the
+caller says how A's rows are blocked (`rank_block`: R for one module, the per-part R when q|k|v are stacked
+along R). In expand, s columns at or above the rank are zeroed and B columns are skipped in units of
+`rank_granule` (8: 16 bytes of bf16; a finer, per-column mask would stop Triton from vectorizing the row
+loads), relying on the pool's zeros between the rank and the granule boundary. Base segments (rank 0) read
+no weights. The matmul itself runs at the rank rounded up to a power of two >= 16 (Triton's static block),
 which costs nothing measurable in the memory-bound decode regime; rows/columns past R are masked, so the
 buffers are used as they are, never padded or copied.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +48,18 @@ _MIN_DOT = 16
 _TARGET_PROGRAMS = 264  # two waves on a 132-SM H100
 
 
+_INT32_MAX = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuTiles:
     block_rows: int  # tm: sorted rows per work item
     block_in: int  # tk: `in` columns per shrink loop step
-    block_out: int  # tn: `out` columns per expand program
+    block_out: int  # tn: `out` columns per expand program (divides every part's width)
     in_splits: int  # programs sharing one item's `in` range in shrink
     out_steps: int  # `out` blocks one expand program loops over (reuses its loaded s rows)
+    num_warps: int = 4
+    rank_granule: int = 8  # B columns above a slot's rank are skipped in units of this many; 0: never
 
 
 def _next_pow2(value: int) -> int:
@@ -55,10 +70,19 @@ def padded_rank(max_rank: int) -> int:
     return max(_MIN_DOT, _next_pow2(max_rank))
 
 
-def choose_tiles(num_tokens: int, num_segments: int, in_dim: int | None, out_dim: int | None) -> GpuTiles:
+def _as_parts(out_dims: int | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    if out_dims is None or isinstance(out_dims, tuple):
+        return out_dims
+    return (out_dims,)
+
+
+def choose_tiles(
+    num_tokens: int, num_segments: int, in_dim: int | None, out_dims: int | tuple[int, ...] | None
+) -> GpuTiles:
     """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
 
-    in_dim is only needed by shrink and out_dim only by expand; pass None for the other.
+    in_dim is only needed by shrink and out_dims (one width, or every part's width of a packed module) only
+    by expand; pass None for the other.
     """
     block_rows = gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
@@ -73,17 +97,20 @@ def choose_tiles(num_tokens: int, num_segments: int, in_dim: int | None, out_dim
                 in_splits = split
                 if num_items * split >= _TARGET_PROGRAMS:
                     break
-    if out_dim is None:
+    parts = _as_parts(out_dims)
+    if parts is None:
         return GpuTiles(block_rows, block_in, 0, in_splits, 1)
     max_block_out = 128 if block_rows >= 64 else 256  # keeps the [tm, tn] f32 tile in registers
-    candidates = [c for c in (256, 128, 64, 32, 16) if c <= max_block_out and out_dim % c == 0]
+    candidates = [c for c in (256, 128, 64, 32, 16) if c <= max_block_out and all(p % c == 0 for p in parts)]
     if not candidates:
-        raise ValueError(f"GPU SGMV kernel: output dim {out_dim} is not a multiple of 16; use another backend")
-    enough = [c for c in candidates if num_items * (out_dim // c) >= _TARGET_PROGRAMS]
+        raise ValueError(f"GPU SGMV kernel: output dims {parts} are not multiples of 16; use another backend")
+    total_out = sum(parts)
+    enough = [c for c in candidates if num_items * (total_out // c) >= _TARGET_PROGRAMS]
     block_out = enough[0] if enough else min((c for c in candidates if c >= 64), default=candidates[-1])
-    out_blocks = out_dim // block_out
     out_steps = 1
-    while out_blocks % (out_steps * 2) == 0 and num_items * out_blocks // (out_steps * 2) >= 2 * _TARGET_PROGRAMS:
+    while all((p // block_out) % (out_steps * 2) == 0 for p in parts) and (
+        num_items * (total_out // block_out) // (out_steps * 2) >= 2 * _TARGET_PROGRAMS
+    ):
         out_steps *= 2
     return GpuTiles(block_rows, block_in, block_out, in_splits, out_steps)
 
@@ -111,18 +138,20 @@ def _item_rows(perm_ref, tile, lo, hi, block_rows):
 
 
 def _shrink_kernel(
-    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, x_ref, a_ref, o_ref,
-    *, tiles, rank_pad, max_rank, rank_block, num_tokens,
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, layer_ref, x_ref, a_ref, o_ref,
+    *, tiles, rank_pad, max_rank, rank_block, num_tokens, num_slots,
 ):
-    # x_ref [T, in]; a_ref [A * R, in]; o_ref [splits * T, R] f32; rank_pad = R rounded up to a power of 2
+    # x_ref [T, in]; a_ref [L * A * R, in]; o_ref [splits * T, R] f32; rank_pad = R rounded up to a power of 2
     item, split = pl.program_id(0), pl.program_id(1)
     tm, tk = tiles.block_rows, tiles.block_in
     rank = rank_ref[item]
     rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
     x_ok = jnp.broadcast_to((row_ok & (rank > 0))[:, None], (tm, tk))
     r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
-    r_ok = (r_idx < max_rank) & (((r_idx % rank_block) < rank) if rank_block else (rank > 0))
-    a_rows = slot_ref[item] * max_rank + r_idx
+    r_ok = ((r_idx % rank_block) < rank) if rank_block else jnp.broadcast_to(rank > 0, (rank_pad,))
+    if rank_pad > max_rank:
+        r_ok = r_ok & (r_idx < max_rank)
+    a_rows = (layer_ref[0] * num_slots + slot_ref[item]) * max_rank + r_idx
     a_ok = jnp.broadcast_to(r_ok[:, None], (rank_pad, tk))
     k_steps = x_ref.shape[1] // tk // tiles.in_splits
 
@@ -137,44 +166,71 @@ def _shrink_kernel(
     plgpu.store(o_ref.at[_at(split * num_tokens + rows, 0, rank_pad)], acc, mask=out_ok)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpandPart:
+    """One part of a packed expand: its width, where its R columns of s and its output columns start, and
+    its range of the launch's `out` program blocks."""
+
+    out_dim: int
+    s_col: int
+    out_col: int
+    first_group: int
+    num_groups: int
+
+
 def _expand_kernel(
-    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, s_ref, b_ref, *rest,
-    tiles, rank_pad, max_rank, num_tokens, num_splits, out_dim, has_base, s_col, out_col,
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, layer_ref, s_ref, *rest,
+    tiles, parts, rank_pad, max_rank, num_tokens, num_splits, num_slots, has_base,
 ):
-    # s_ref [splits * T, S] f32 (columns s_col .. s_col + R read); b_ref [A * out, R]; scale_ref [A] f32;
-    # optional base_ref [T, N >= out_col + out]; o_ref [T, N] (columns out_col .. out_col + out written)
+    # s_ref [splits * T, S] f32; rest = one b_ref [L * A * out_p, R] per part, optional base_ref [T, N], o_ref [T, N]
+    b_refs = rest[: len(parts)]
+    base_ref = rest[len(parts)] if has_base else None
     o_ref = rest[-1]
-    item, n_grp = pl.program_id(0), pl.program_id(1)
+    item, group = pl.program_id(0), pl.program_id(1)
     tm, tn = tiles.block_rows, tiles.block_out
     rank = rank_ref[item]
-    slot = slot_ref[item]
+    slot_index = layer_ref[0] * num_slots + slot_ref[item]
     rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
     is_active = rank > 0
     r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
-    r_ok = (r_idx < rank) & (r_idx < max_rank)
+    r_ok = r_idx < rank
+    b_col_ok = (jax.lax.div(r_idx, tiles.rank_granule) * tiles.rank_granule < rank) if tiles.rank_granule else None
+    if rank_pad > max_rank:
+        r_ok = r_ok & (r_idx < max_rank)
+        b_col_ok = (r_idx < max_rank) if b_col_ok is None else b_col_ok & (r_idx < max_rank)
     s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
-    s = jnp.zeros((tm, rank_pad), jnp.float32)
-    for split in range(num_splits):
-        s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, s_col, rank_pad)], mask=s_ok, other=0)
-    s = (s * scale_ref[slot]).astype(b_ref.dtype)
-    b_ok = jnp.broadcast_to(r_ok[None, :], (tn, rank_pad))
+    b_ok = jnp.broadcast_to(is_active, (tn, rank_pad)) if b_col_ok is None else jnp.broadcast_to(b_col_ok[None, :], (tn, rank_pad))
     row_touch = jnp.broadcast_to((row_ok & is_active)[:, None], (tm, tn))
     row_write = jnp.broadcast_to(row_ok[:, None], (tm, tn))
 
-    def step(j, carry):
-        n_start = (n_grp * tiles.out_steps + j) * tn
-        b_rows = slot * out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
-        b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_ok, other=0)
-        delta = _dot_nt(s, b_blk)  # [tm, tn]
-        out_at = _at(rows, out_col + n_start, tn)
-        if has_base:  # rows of base tokens are left as they are in the aliased base output
-            base = plgpu.load(rest[0].at[out_at], mask=row_touch, other=0)
-            plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=row_touch)
-        else:
-            plgpu.store(o_ref.at[out_at], delta.astype(o_ref.dtype), mask=row_write)
-        return carry
+    def run_part(part: ExpandPart, b_ref) -> None:
+        s = jnp.zeros((tm, rank_pad), jnp.float32)
+        for split in range(num_splits):
+            s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, part.s_col, rank_pad)], mask=s_ok, other=0)
+        s = (s * scale_ref[slot_ref[item]]).astype(b_ref.dtype)
+        first_block = (group - part.first_group) * tiles.out_steps
 
-    jax.lax.fori_loop(0, tiles.out_steps, step, 0)
+        def step(j, carry):
+            n_start = (first_block + j) * tn
+            b_rows = slot_index * part.out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
+            b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_ok, other=0)
+            delta = _dot_nt(s, b_blk)  # [tm, tn]
+            out_at = _at(rows, part.out_col + n_start, tn)
+            if has_base:  # rows of base tokens are left as they are in the aliased base output
+                base = plgpu.load(base_ref.at[out_at], mask=row_touch, other=0)
+                plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=row_touch)
+            else:
+                plgpu.store(o_ref.at[out_at], delta.astype(o_ref.dtype), mask=row_write)
+            return carry
+
+        jax.lax.fori_loop(0, tiles.out_steps, step, 0)
+
+    if len(parts) == 1:
+        run_part(parts[0], b_refs[0])
+        return
+    for part, b_ref in zip(parts, b_refs):
+        is_mine = (group >= part.first_group) & (group < part.first_group + part.num_groups)
+        pl.when(is_mine)(functools.partial(run_part, part, b_ref))
 
 
 def _work_and_perm(
@@ -191,16 +247,33 @@ def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
     return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank)
 
 
+def _layer_operand(weights: jax.Array, layer: jax.Array | int | None, unstacked_ndim: int) -> jax.Array:
+    """[1] i32 layer index into a layer-stacked buffer ([L, ...]); 0 for an unstacked one."""
+    if weights.ndim == unstacked_ndim + 1:
+        if layer is None:
+            raise ValueError(f"a layer-stacked buffer {weights.shape} needs `layer`")
+        return jnp.asarray(layer, jnp.int32).reshape(1)
+    if weights.ndim != unstacked_ndim:
+        raise ValueError(f"LoRA buffer of shape {weights.shape}: expected {unstacked_ndim} dims, or one more when stacked")
+    return jnp.zeros((1,), jnp.int32)
+
+
+def fits_stacked_offsets(shape: tuple[int, ...]) -> bool:
+    """Whether a kernel can index every element of a (stacked) buffer of this shape with int32 offsets."""
+    return math.prod(shape) <= _INT32_MAX
+
+
 @functools.partial(jax.jit, static_argnames=("tiles", "rank_block", "interpret"))
 def sgmv_shrink_gpu_partials(
     x: jax.Array,  # [T, in]
-    lora_a: jax.Array,  # [A, R, in]
+    lora_a: jax.Array,  # [A, R, in], or [L, A, R, in] with `layer`
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
     work: WorkList | None = None,
     work_perm: jax.Array | None = None,
+    layer: jax.Array | None = None,  # i32 scalar: which layer of a stacked lora_a
     *,
     tiles: GpuTiles,
     rank_block: int | None = None,
@@ -213,35 +286,39 @@ def sgmv_shrink_gpu_partials(
     work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
     """
     num_tokens, in_dim = x.shape
-    num_slots, max_rank, _ = lora_a.shape
-    a_flat = lora_a.reshape(num_slots * max_rank, in_dim)
+    layer_arg = _layer_operand(lora_a, layer, 3)
+    num_slots, max_rank, _ = lora_a.shape[-3:]
+    if not fits_stacked_offsets(lora_a.shape):
+        raise ValueError(f"LoRA A buffer {lora_a.shape} is too large for int32 offsets; pass one layer's slice")
+    a_flat = lora_a.reshape(-1, in_dim)
     work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
     kernel = functools.partial(
         _shrink_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank,
-        rank_block=rank_block, num_tokens=num_tokens,
+        rank_block=rank_block, num_tokens=num_tokens, num_slots=num_slots,
     )
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((tiles.in_splits * num_tokens, max_rank), jnp.float32),
         grid=(work.num_items, tiles.in_splits),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=3),
         interpret=interpret,
-    )(*_work_args(work), perm, x, a_flat)
+    )(*_work_args(work), perm, layer_arg, x, a_flat)
     return partials.reshape(tiles.in_splits, num_tokens, max_rank)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "s_col", "out_col", "interpret"))
 def sgmv_expand_gpu(
-    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= s_col + R
-    lora_b: jax.Array,  # [A, out, R]
+    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= s_col + P * R
+    lora_b: jax.Array | tuple[jax.Array, ...],  # [A, out_p, R] per part, or [L, A, out_p, R] with `layer`
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
     slot_scale: jax.Array | None = None,  # [A] f32, multiplies s per slot; None = 1
-    base_out: jax.Array | None = None,  # [T, N], N >= out_col + out; if given the result is base_out + delta
+    base_out: jax.Array | None = None,  # [T, N], N >= out_col + sum out_p; if given the result is base_out + delta
     work: WorkList | None = None,
     work_perm: jax.Array | None = None,
+    layer: jax.Array | None = None,  # i32 scalar: which layer of stacked B buffers
     *,
     out_dtype: jnp.dtype,
     tiles: GpuTiles,
@@ -249,40 +326,55 @@ def sgmv_expand_gpu(
     out_col: int = 0,
     interpret: bool = False,
 ) -> jax.Array:
-    """(base_out +) scale[slot_t] * (sum of s partials)_t[s_col : s_col + R] @ B[slot_t].T, out_dtype.
+    """(base_out +) scale[slot_t] * (sum of s partials)_t @ B[slot_t].T for every part, out_dtype, one launch.
 
-    Without base_out: [T, out]. With base_out: base_out's shape, the delta added into columns
-    out_col .. out_col + out in place (the other columns, and base tokens' rows, are not touched): packed
-    modules (q|k|v, gate|up) run one shrink on their stacked A and one expand per part into the packed output,
-    each part reading its own R columns of s.
+    Part p reads columns s_col + p*R .. s_col + (p+1)*R of s and writes columns out_col + sum(out_<p) .. of
+    the output: packed modules (q|k|v, gate|up) run one shrink on their stacked A and this one expand.
+    Without base_out: [T, sum out_p]. With base_out: base_out's shape, each part's delta added into its
+    columns in place (the other columns, and base tokens' rows, are not touched).
     work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
     """
     if s_partials.ndim == 2:
         s_partials = s_partials[None]
+    lora_bs = lora_b if isinstance(lora_b, tuple) else (lora_b,)
     num_splits, num_tokens, s_cols = s_partials.shape
-    num_slots, out_dim, max_rank = lora_b.shape
+    layer_arg = _layer_operand(lora_bs[0], layer, 3)
+    num_slots, _, max_rank = lora_bs[0].shape[-3:]
+    if any(b.shape[-3] != num_slots or b.shape[-1] != max_rank or b.ndim != lora_bs[0].ndim for b in lora_bs):
+        raise ValueError(f"packed parts must share slots and rank: {[b.shape for b in lora_bs]}")
+    if not all(fits_stacked_offsets(b.shape) for b in lora_bs):
+        raise ValueError(f"LoRA B buffers {[b.shape for b in lora_bs]} are too large for int32 offsets; pass one layer's slice")
+    widths = tuple(b.shape[-2] for b in lora_bs)
     has_base = base_out is not None
     if not has_base and out_col:
         raise ValueError("out_col needs base_out (the packed output the delta is added into)")
-    if s_col + max_rank > s_cols:
-        raise ValueError(f"s has {s_cols} columns; part columns {s_col}..{s_col + max_rank} do not fit")
+    if s_col + len(lora_bs) * max_rank > s_cols:
+        raise ValueError(f"s has {s_cols} columns; part columns {s_col}..{s_col + len(lora_bs) * max_rank} do not fit")
+    out_shape = base_out.shape if has_base else (num_tokens, sum(widths))
+    if out_col + sum(widths) > out_shape[1]:
+        raise ValueError(f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + sum(widths)} do not fit")
+    group_cols = tiles.block_out * tiles.out_steps
+    if any(w % group_cols for w in widths):
+        raise ValueError(f"part widths {widths} are not multiples of the tile's {group_cols} columns")
+    parts, first_group, col = [], 0, out_col
+    for i, width in enumerate(widths):
+        parts.append(ExpandPart(width, s_col + i * max_rank, col, first_group, width // group_cols))
+        first_group += width // group_cols
+        col += width
     s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
-    b_flat = lora_b.reshape(num_slots * out_dim, max_rank)
+    b_flats = [b.reshape(-1, max_rank) for b in lora_bs]
     work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
     scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
-    out_shape = base_out.shape if has_base else (num_tokens, out_dim)
-    if out_col + out_dim > out_shape[1]:
-        raise ValueError(f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + out_dim} do not fit")
     kernel = functools.partial(
-        _expand_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank, num_tokens=num_tokens,
-        num_splits=num_splits, out_dim=out_dim, has_base=has_base, s_col=s_col, out_col=out_col,
+        _expand_kernel, tiles=tiles, parts=tuple(parts), rank_pad=padded_rank(max_rank), max_rank=max_rank,
+        num_tokens=num_tokens, num_splits=num_splits, num_slots=num_slots, has_base=has_base,
     )
-    operands = (*_work_args(work), scale, perm, s_flat, b_flat)
+    operands = (*_work_args(work), scale, perm, layer_arg, s_flat, *b_flats)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(work.num_items, out_dim // (tiles.block_out * tiles.out_steps)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        grid=(work.num_items, first_group),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=2),
         input_output_aliases={len(operands): 0} if has_base else {},
         interpret=interpret,
     )(*operands, *((base_out.astype(out_dtype),) if has_base else ()))

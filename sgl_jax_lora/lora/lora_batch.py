@@ -8,8 +8,10 @@ Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exac
 Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments
 is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
 
-The batch may also carry the GPU SGMV kernels' work list (pallas_kernels/sgmv/work_list.py), built here once
-per step in numpy so that no layer's kernel call rebuilds it on the device.
+The batch may also carry the GPU SGMV kernels' work list (pallas_kernels/sgmv/work_list.py), so that no
+layer's kernel call rebuilds it: the model builds it once per forward inside jit (`with_work_list`, a few
+tiny device ops; no host time and no extra host->device transfers per step), or a caller may build it here
+on the host (`build_lora_batch(work_block_rows=...)`, numpy, same values).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.sgmv.work_list import WorkList, make_work_list_host, padded_perm
+from pallas_kernels.sgmv.work_list import WorkList, make_work_list, make_work_list_host, padded_perm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +100,14 @@ def build_lora_batch(
         work_perm=work_perm,
         work_block_rows=work_block_rows,
     )
+
+
+def with_work_list(lora: LoRABatch, block_rows: int) -> LoRABatch:
+    """The batch with the kernels' work list for row tiles of `block_rows`, built inside jit unless the batch
+    already carries one for those tiles (block_rows 0: the batch as it is)."""
+    if not block_rows or lora.work_block_rows == block_rows:
+        return lora
+    num_tokens = lora.token_slot.shape[0]
+    work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
+    return dataclasses.replace(lora, work=work, work_perm=padded_perm(lora.sort_perm, block_rows, jnp),
+                               work_block_rows=block_rows)

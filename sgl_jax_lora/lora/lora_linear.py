@@ -7,6 +7,9 @@ buffers (a donated, shape-stable update). At run time:
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
       (backend.apply_packed: one shrink on the stacked A, one expand per part into the packed output)
 
+Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
+(lora/layer_stack.py); backends that read stacks in place get them as they are, the others one layer's slice.
+
 Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):
     lora_a            [A, P*R, in]   P packed parts stacked along the rank axis (q|k|v or gate|up)
     lora_b[_<part>]   [A, out_p, R]  one per part, in the part's own output layout
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.linear import Linear
+from sgl_jax_lora.lora.layer_stack import as_layer_array
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
@@ -69,9 +73,12 @@ class LoRALinear(Linear):
         y = self.base(x)
         if lora_batch is None:
             return y
-        lora_bs = tuple(getattr(self, lora_b_name(name))[...] for name in self.part_names)
+        lora_a = self.lora_a.get_value()
+        lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
+        if not self.backend.reads_stacked(x.shape[0], lora_batch.num_segments, sum(self.part_sizes)):
+            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         return self.backend.apply_packed(
-            x, self.lora_a[...], lora_bs, lora_batch, y, tp_size=self.tp_size,
+            x, lora_a, lora_bs, lora_batch, y, tp_size=self.tp_size,
             input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
         )
 

@@ -40,8 +40,7 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     def __init__(self, args: ServerArgs, runner: ModelRunner, target_shapes: LoRATargetShapes, max_rank: int,
                  target_modules: frozenset[str], host_cache: HostAdapterCache,
-                 inspect: Callable[[LoRARef], AdapterSummary],
-                 work_block_rows: Callable[[int, int], int] = lambda num_tokens, num_segments: 0):
+                 inspect: Callable[[LoRARef], AdapterSummary]):
         self.max_per_batch = args.max_loras_per_batch
         self.max_rank = max_rank
         self.target_modules = target_modules  # HF module names the device buffers cover
@@ -50,7 +49,6 @@ class LoRAManager:
         self.refs: dict[str, LoRARef] = {}
         self.host_cache = host_cache
         self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
-        self.work_block_rows = work_block_rows  # the backend's LoRABackend.work_block_rows
         self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
                                    runner.lora_buffer_shapes(), args.lora_eviction_policy)
         self._step_ids: set[str] = set()
@@ -185,17 +183,14 @@ class LoRAManager:
             return None
         num_distinct = len(np.unique(token_slots))
         num_segments = next(g for g in self.segment_buckets if g >= num_distinct)
-        return build_lora_batch(
-            token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank,
-            self.work_block_rows(len(token_slots), num_segments),
-        )
+        return build_lora_batch(token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank)
 
     def padding_batches(self, num_tokens: int) -> list[LoRABatch | None]:
         """One all-base LoRABatch per segment bucket (and None for the LoRA-free program), for compiling every
         bucket at warmup."""
         zeros = np.zeros(num_tokens, np.int32)
         return ([None] if self.base_program else []) + [
-            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank, self.work_block_rows(num_tokens, g))
+            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank)
             for g in self.segment_buckets
         ]
 

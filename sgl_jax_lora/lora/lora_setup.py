@@ -60,7 +60,7 @@ class LoRASetup:
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
         manager = LoRAManager(self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache,
-                              self._inspect, self.spec.backend.work_block_rows)
+                              self._inspect)
         for ref in self.initial_refs:
             manager.register(ref)
         return manager

@@ -10,6 +10,8 @@ Linears are packed (qkv_proj <- q, k, v; gate_up_proj <- gate, up) in shard-majo
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -18,7 +20,9 @@ from sgl_jax_lora.layers.attention import paged_attention, write_kv
 from sgl_jax_lora.layers.linear import Linear, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
-from sgl_jax_lora.lora.lora_linear import LoRALinear, LoRAModelSpec
+from sgl_jax_lora.lora.layer_stack import LayerStack
+from sgl_jax_lora.lora.lora_batch import with_work_list
+from sgl_jax_lora.lora.lora_linear import LoRALinear, LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
@@ -90,6 +94,7 @@ class LlamaForCausalLM(nnx.Module):
         layers_per_scan_step: int = 1,
     ):
         self.config = cfg
+        self.lora_backend = lora.backend if lora is not None else None  # builds the kernels' work list per forward
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
@@ -104,12 +109,18 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
         """-> (final-normed hidden [T, E], updated kv)."""
         hidden = self.embed_tokens(batch.input_ids)
-        layer_def, layer_state = nnx.split(self.layers)
+        if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
+            block_rows = self.lora_backend.work_block_rows(batch.lora.token_slot.shape[0], batch.lora.num_segments)
+            batch = dataclasses.replace(batch, lora=with_work_list(batch.lora, block_rows))
+        # LoRA buffers stay whole [L, A, ...] arrays outside the scan: each layer gets LayerStack views
+        # (lora/layer_stack.py), so kernels that read the stack in place never copy a layer's slot pool
+        layer_def, lora_state, layer_state = nnx.split(self.layers, LoRAWeight, ...)
 
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
-            h, cache = nnx.merge(layer_def, state)(h, cache, layer, batch)
+            lora_views = jax.tree.map(lambda stack: LayerStack(stack, layer), lora_state)
+            h, cache = nnx.merge(layer_def, lora_views, state)(h, cache, layer, batch)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

@@ -1,8 +1,10 @@
-"""Auto LoRA backend: picks a backend per platform and per (token bucket, segment bucket) at trace time.
+"""Auto LoRA backend: picks a backend per platform, per (token bucket, segment bucket) and per module width,
+at trace time.
 
-Both buckets are static shapes (T = x.shape[0], G = lora.num_segments), so the choice is made once per
-compiled bucket and costs nothing at run time. The table comes from scripts/bench_lora_kernels.py; the
-measurements behind it are in docs/benchmarks.md ("LoRA kernels") and the reasoning in
+Both buckets are static shapes (T = x.shape[0], G = lora.num_segments), and so is a module's output width
+(the sum of its parts' widths: q|k|v, gate|up), so the choice is made once per compiled bucket and layer
+module and costs nothing at run time. The table comes from scripts/bench_lora_kernels.py and
+scripts/tune_gpu_sgmv.py; the measurements behind it are in docs/benchmarks.md and the reasoning in
 docs/lora_backends.md. Platforms without measurements use the one-hot einsum baseline.
 """
 
@@ -17,33 +19,42 @@ from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import PallasBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
+from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
-# (max tokens, max segments, backend): first row that fits wins. From the H100 run in docs/benchmarks.md
-# ("LoRA kernels"); docs/lora_backends.md gives the per-row reasoning. Token buckets between 256 and 2048
-# were not measured and take the T = 256 choice.
+# (max tokens, max segments, min output width, backend): the first row that fits wins. From the H100 runs
+# in docs/benchmarks.md ("LoRA kernels", "Decode: backend per module"); docs/lora_backends.md gives the
+# per-row reasoning. Token buckets between 256 and 2048 were not measured and take the T = 256 choice.
 _ANY = 1 << 30
-GPU_RULES: tuple[tuple[int, int, str], ...] = (
-    (1, 1, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
-    (64, _ANY, "bgmv"),  # best or within noise in every other T <= 64 row
-    (1024, 1, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
-    (1024, _ANY, "pallas"),  # T=256: best or tied in 7 of 8 multi-segment rows
-    (4096, 4, "sgmv"),  # prefill <= 4 segments up to T=4096: sgmv 1.13 / 1.17 vs pallas 1.34 / 1.25
-    (_ANY, _ANY, "pallas"),  # every other prefill row
+WIDE_OUT = 16384  # gate|up of Llama-3-8B (28672) is wide; q|k|v (6144), o and down (4096) are not
+GPU_RULES: tuple[tuple[int, int, int, str], ...] = (
+    (1, 1, 0, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
+    (16, _ANY, 0, "bgmv"),  # small decode buckets: gate|up T=8: bgmv 1.05-1.09 vs pallas 1.15-1.16
+    (64, _ANY, WIDE_OUT, "pallas"),  # gate|up T=32/64: pallas 1.14-1.29 vs bgmv 1.19-1.51
+    (64, _ANY, 0, "bgmv"),  # best or within noise in every other T <= 64 row (o: 1.32 vs pallas 1.72)
+    (1024, 1, 0, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
+    (1024, _ANY, 0, "pallas"),  # T=256: best or tied in 7 of 8 multi-segment rows
+    (4096, 4, 0, "sgmv"),  # prefill <= 4 segments up to T=4096: sgmv 1.13 / 1.17 vs pallas 1.34 / 1.25
+    (_ANY, _ANY, 0, "pallas"),  # every other prefill row
 )
 # No TPU measurements yet: keep the baseline until the TPU kernel has been timed on a TPU.
-DEFAULT_RULES: tuple[tuple[int, int, str], ...] = ((_ANY, _ANY, "einsum"),)
+DEFAULT_RULES: tuple[tuple[int, int, int, str], ...] = ((_ANY, _ANY, 0, "einsum"),)
 
 
-def rules_for_platform(platform: str) -> tuple[tuple[int, int, str], ...]:
+def rules_for_platform(platform: str) -> tuple[tuple[int, int, int, str], ...]:
     return GPU_RULES if platform in ("gpu", "cuda") else DEFAULT_RULES
 
 
-def choose_backend_name(platform: str, num_tokens: int, num_segments: int) -> str:
-    for max_tokens, max_segments, name in rules_for_platform(platform):
-        if num_tokens <= max_tokens and num_segments <= max_segments:
+def choose_backend_name(platform: str, num_tokens: int, num_segments: int, out_features: int = 0) -> str:
+    """The backend for a (token bucket, segment bucket) and a module of `out_features` output columns."""
+    for max_tokens, max_segments, min_out, name in rules_for_platform(platform):
+        if num_tokens <= max_tokens and num_segments <= max_segments and out_features >= min_out:
             return name
     return "einsum"
+
+
+def _width(weight: jax.Array | LayerStack) -> int:
+    return (weight.layer_shape if isinstance(weight, LayerStack) else weight.shape)[-2]
 
 
 class AutoBackend(LoRABackend):
@@ -59,14 +70,19 @@ class AutoBackend(LoRABackend):
             "pallas": PallasBackend(mesh),
         }
 
-    def chosen(self, num_tokens: int, num_segments: int) -> LoRABackend:
-        return self.backends[choose_backend_name(self.platform, num_tokens, num_segments)]
+    def chosen(self, num_tokens: int, num_segments: int, out_features: int = 0) -> LoRABackend:
+        return self.backends[choose_backend_name(self.platform, num_tokens, num_segments, out_features)]
 
-    def pick(self, num_tokens: int, lora: LoRABatch) -> LoRABackend:
-        return self.chosen(num_tokens, lora.num_segments)
+    def pick(self, num_tokens: int, lora: LoRABatch, out_features: int = 0) -> LoRABackend:
+        return self.chosen(num_tokens, lora.num_segments, out_features)
 
     def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
-        return self.chosen(num_tokens, num_segments).work_block_rows(num_tokens, num_segments)
+        """The work list's row tile if the module of any width picks a backend that reads one."""
+        return max(self.chosen(num_tokens, num_segments, width).work_block_rows(num_tokens, num_segments)
+                   for width in (0, _ANY))
+
+    def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
+        return self.chosen(num_tokens, num_segments, out_features).reads_stacked(num_tokens, num_segments, out_features)
 
     def shrink(
         self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
@@ -77,7 +93,7 @@ class AutoBackend(LoRABackend):
     def expand(
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
     ) -> jax.Array:
-        return self.pick(s.shape[0], lora).expand(s, lora_b, lora, output_sharded=output_sharded, out_dtype=out_dtype)
+        return self.pick(s.shape[0], lora, _width(lora_b)).expand(s, lora_b, lora, output_sharded=output_sharded, out_dtype=out_dtype)
 
     def apply(
         self,
@@ -90,7 +106,7 @@ class AutoBackend(LoRABackend):
         output_sharded: bool = False,
         base_out: jax.Array | None = None,
     ) -> jax.Array:
-        return self.pick(x.shape[0], lora).apply(
+        return self.pick(x.shape[0], lora, _width(lora_b)).apply(
             x, lora_a, lora_b, lora, input_sharded=input_sharded, output_sharded=output_sharded, base_out=base_out
         )
 
@@ -106,7 +122,8 @@ class AutoBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
-        return self.pick(x.shape[0], lora).apply_packed(
+        out_features = sum(_width(b) for b in lora_bs)
+        return self.pick(x.shape[0], lora, out_features).apply_packed(
             x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
             output_sharded=output_sharded,
         )

@@ -85,6 +85,12 @@ class LoRABackend(abc.ABC):
             return delta
         return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(base_out.dtype)
 
+    def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
+        """Whether `apply_packed` takes layer-stacked buffers (LayerStack views, lora/layer_stack.py) for a
+        (token bucket, segment bucket) and a module of `out_features` output columns (all parts), and reads
+        its layer in place; False: it gets one layer's [A, ...] slice."""
+        return False
+
     def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
         """Row tile of the kernel work list this backend reads from `LoRABatch.work` for a (token bucket,
         segment bucket); 0 = it reads none, so the engine does not build one (it costs host time every step)."""

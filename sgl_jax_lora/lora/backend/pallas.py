@@ -13,8 +13,10 @@ weight DMA always moves the full R (static block shape). See docs/lora_backends.
 
 GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
-(q|k|v, gate|up) is one shrink launch plus one expand launch per part, with no XLA op between them. The work
-list comes with the step's LoRABatch (built once on the host) when its row tiles match the kernel's.
+(q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
+them. The work list comes with the step's LoRABatch (built once on the host) when its row tiles match the
+kernel's. On GPU `apply_packed` also takes the model's layer-stacked buffers (LayerStack views) and the
+kernels read the layer in place (`reads_stacked`); the TPU kernel gets one layer's slice.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
+from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import gpu_block_rows
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend
+from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 KERNELS = ("tpu", "gpu")
@@ -37,6 +40,11 @@ _IN_SPLIT_X = P(None, TENSOR_AXIS)  # x [T, in]
 _IN_SPLIT_A = P(None, None, TENSOR_AXIS)  # A [A, R, in]
 _OUT_SPLIT_B = P(None, TENSOR_AXIS, None)  # B [A, out, R]
 _OUT_SPLIT_Y = P(None, TENSOR_AXIS)  # y [T, out]
+
+
+def _stacked_spec(spec: P, is_stacked: bool) -> P:
+    """The spec of a layer-stacked buffer ([L, ...]): the layer axis is never split."""
+    return P(None, *spec) if is_stacked else spec
 
 
 def _platform(mesh: Mesh | None) -> str:
@@ -74,6 +82,9 @@ class PallasBackend(LoRABackend):
     def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
         return gpu_block_rows(num_tokens) if self.kernel == "gpu" else 0
 
+    def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
+        return self.kernel == "gpu"
+
     @staticmethod
     def _gpu_work(lora: LoRABatch, block_rows: int) -> tuple:
         """The batch's precomputed (work list, padded perm) when built for these row tiles, else (None, None)."""
@@ -82,24 +93,28 @@ class PallasBackend(LoRABackend):
         return None, None
 
     def _local_shrink_partials(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, rank_block: int | None
+        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, rank_block: int | None, layer: jax.Array | None = None
     ) -> jax.Array:
-        """[splits, T, R] f32 partial sums on one shard (TPU: a single split)."""
+        """[splits, T, R] f32 partial sums on one shard (TPU: a single split). lora_a is [A, R, in], or the
+        [L, A, R, in] stack with `layer` (GPU only)."""
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
         if self.kernel == "tpu":
             return sgmv_shrink_tpu(x, lora_a, *meta, rank_block=rank_block, interpret=self.interpret)[None]
         tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
         return sgmv_shrink_gpu_partials(
-            x, lora_a, *meta, *self._gpu_work(lora, tiles.block_rows), tiles=tiles, rank_block=rank_block,
+            x, lora_a, *meta, *self._gpu_work(lora, tiles.block_rows), layer, tiles=tiles, rank_block=rank_block,
             interpret=self.interpret,
         )
 
     def _local_expand(
-        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, scale: jax.Array | None,
-        base_out: jax.Array | None, out_dtype: jnp.dtype, s_col: int = 0, out_col: int = 0,
+        self, s: jax.Array, lora_bs: tuple[jax.Array, ...], lora: LoRABatch, scale: jax.Array | None,
+        base_out: jax.Array | None, out_dtype: jnp.dtype, layer: jax.Array | None = None,
     ) -> jax.Array:
+        """Every part's delta (GPU: one launch) into its columns of the (packed) output; lora_bs are
+        [A, out_p, R], or [L, A, out_p, R] stacks with `layer` (GPU only)."""
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
         if self.kernel == "tpu":
+            (lora_b,) = lora_bs  # apply_packed composes parts through the base class on TPU
             s2 = s.sum(0) if s.ndim == 3 else s
             if scale is not None:
                 s2 = s2 * scale[lora.token_slot][:, None]
@@ -108,10 +123,10 @@ class PallasBackend(LoRABackend):
                 return delta
             return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(out_dtype)
         num_tokens = s.shape[-2]
-        tiles = choose_tiles(num_tokens, lora.num_segments, None, lora_b.shape[1])
+        tiles = choose_tiles(num_tokens, lora.num_segments, None, tuple(b.shape[-2] for b in lora_bs))
         return sgmv_expand_gpu(
-            s, lora_b, *meta, scale, base_out, *self._gpu_work(lora, tiles.block_rows), out_dtype=out_dtype,
-            tiles=tiles, s_col=s_col, out_col=out_col, interpret=self.interpret,
+            s, lora_bs, *meta, scale, base_out, *self._gpu_work(lora, tiles.block_rows), layer,
+            out_dtype=out_dtype, tiles=tiles, interpret=self.interpret,
         )
 
     # -- interface -------------------------------------------------------------------------------------------
@@ -131,7 +146,7 @@ class PallasBackend(LoRABackend):
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
     ) -> jax.Array:
         def local(s, lora_b, lora):
-            return self._local_expand(s, lora_b, lora, None, None, out_dtype)
+            return self._local_expand(s, (lora_b,), lora, None, None, out_dtype)
 
         b_spec = _OUT_SPLIT_B if output_sharded else _REPLICATED
         y_spec = _OUT_SPLIT_Y if output_sharded else _REPLICATED
@@ -154,7 +169,7 @@ class PallasBackend(LoRABackend):
             s = self._local_shrink_partials(x, lora_a, lora, lora_a.shape[1])
             if input_sharded:
                 s = self._psum(s.sum(0), True)
-            return self._local_expand(s, lora_b, lora, lora.slot_scale, base[0] if base else None, out_dtype)
+            return self._local_expand(s, (lora_b,), lora, lora.slot_scale, base[0] if base else None, out_dtype)
 
         x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
         b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
@@ -165,8 +180,8 @@ class PallasBackend(LoRABackend):
     def apply_packed(
         self,
         x: jax.Array,
-        lora_a: jax.Array,
-        lora_bs: tuple[jax.Array, ...],
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
         lora: LoRABatch,
         base_out: jax.Array,
         *,
@@ -174,27 +189,31 @@ class PallasBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
+        buffers = (lora_a, *lora_bs)
+        is_stacked = self.kernel == "gpu" and all(isinstance(w, LayerStack) for w in buffers)
+        if is_stacked and not all(fits_stacked_offsets(w.stack.shape) for w in buffers):
+            is_stacked = False  # too large for the kernels' int32 offsets: read one layer's slice
+        if not is_stacked:
+            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         if self.kernel != "gpu":
             return super().apply_packed(
                 x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
                 output_sharded=output_sharded,
             )
-        max_rank = lora_bs[0].shape[2]
+        layer = lora_a.layer if is_stacked else jnp.zeros((), jnp.int32)
+        if is_stacked:
+            lora_a, lora_bs = lora_a.stack, tuple(b.stack for b in lora_bs)
+        max_rank = lora_bs[0].shape[-1]
 
-        def local(x, lora_a, lora, y, *lora_bs):
+        def local(x, lora_a, lora, y, layer, *lora_bs):
             # per shard, the packed output is [part 0 | part 1 | ...] of each part's local columns
-            s = self._local_shrink_partials(x, lora_a, lora, max_rank)
+            s = self._local_shrink_partials(x, lora_a, lora, max_rank, layer)
             if input_sharded:
                 s = self._psum(s.sum(0), True)
-            out_col = 0
-            for i, part_b in enumerate(lora_bs):
-                y = self._local_expand(
-                    s, part_b, lora, lora.slot_scale, y, y.dtype, s_col=i * max_rank, out_col=out_col
-                )
-                out_col += part_b.shape[1]
-            return y
+            return self._local_expand(s, lora_bs, lora, lora.slot_scale, y, y.dtype, layer)
 
         x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
         b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
-        specs = (x_spec, a_spec, _REPLICATED, y_spec) + (b_spec,) * len(lora_bs)
-        return self._sharded(local, specs, y_spec)(x, lora_a, lora, base_out, *lora_bs)
+        a_spec, b_spec = _stacked_spec(a_spec, is_stacked), _stacked_spec(b_spec, is_stacked)
+        specs = (x_spec, a_spec, _REPLICATED, y_spec, _REPLICATED) + (b_spec,) * len(lora_bs)
+        return self._sharded(local, specs, y_spec)(x, lora_a, lora, base_out, layer, *lora_bs)

@@ -1,0 +1,38 @@
+"""LayerStack: one decoder layer's view of a layer-stacked LoRA buffer, without slicing it.
+
+Where it sits: the model keeps every LoRA buffer as one [L, A, ...] array (the decoder layers are vmapped).
+Its layer loop (models/llama.py) hands each layer a LayerStack(stack, layer) for the LoRA buffers instead of
+the [A, ...] slice that `lax.scan` would cut. LoRALinear then asks its backend whether it reads stacked
+buffers in place (`LoRABackend.reads_stacked`): the Pallas GPU kernels do, offsetting into the stack by the
+layer index, so no per-layer copy of the slot pool is made (a kernel call gets its operands as whole
+buffers, so a slice made outside it is a copy); every other backend gets `sliced()`, a dynamic slice that
+XLA fuses into its consumers as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    stack: jax.Array  # [L, A, ...] the whole buffer
+    layer: jax.Array  # i32 scalar: the layer this view stands for
+
+    def sliced(self) -> jax.Array:
+        """[A, ...]: layer `layer` of the stack (XLA fuses this slice into its consumers)."""
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, axis=0, keepdims=False)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+
+jax.tree_util.register_dataclass(LayerStack, data_fields=["stack", "layer"], meta_fields=[])
+
+
+def as_layer_array(weight: jax.Array | LayerStack) -> jax.Array:
+    """The [A, ...] buffer of one layer, slicing a LayerStack."""
+    return weight.sliced() if isinstance(weight, LayerStack) else weight
