@@ -94,6 +94,7 @@ def main() -> None:
                         help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)")
     parser.add_argument("--out-dir", default="/tmp/profile")
     parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
+    parser.add_argument("--top", type=int, default=25, help="ops (by device time) printed and written to --json")
     opts = parser.parse_args()
     core, lora_ids = build_engine(opts)
     args = core.args
@@ -131,11 +132,11 @@ def main() -> None:
     for _ in range(opts.steps):
         forward_only()
     jax.profiler.stop_trace()
-    top, total_ms, total_ops = summarize_trace(opts.out_dir)
+    top, total_ms, total_ops = summarize_trace(opts.out_dir, opts.top)
     breakdown["device_ms_per_forward"] = total_ms / opts.steps
     breakdown["device_ops_per_forward"] = total_ops // opts.steps
     print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops", flush=True)
-    for name, ms, n in top:
+    for name, ms, n in top[:25]:
         print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
     if opts.json:
         breakdown["top_ops"] = [{"name": n, "ms_per_forward": ms / opts.steps, "count": c // opts.steps} for n, ms, c in top]

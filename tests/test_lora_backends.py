@@ -235,14 +235,16 @@ def test_sharded_matches_unsharded(mesh, name, layer):
 
 
 @pytest.mark.parametrize("layer", ["column", "row"])
-def test_pallas_reads_sharded_stacked_buffers(mesh, layer):
-    # tp 4: the [L, A, ...] stacks are split like the per-layer buffers, with the layer axis whole
+@pytest.mark.parametrize("name", ["pallas_gpu", "bgmv"])
+def test_apply_packed_sharded_matches_unsharded(mesh, name, layer):
+    # tp 4: the Pallas GPU kernels read the [L, A, ...] stacks (split like the per-layer buffers, with the
+    # layer axis whole); bgmv gets the layer's slices
     x, lora_a, lora_bs, lora, base_out = packed_inputs(8, num_tokens=24, dtype=jnp.float32, block_rows=16)
     lora_bs = lora_bs[:1] if layer == "row" else lora_bs  # a row-parallel module has one part
     base_out = base_out[:, : sum(b.shape[1] for b in lora_bs)]
     is_row = layer == "row"
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
-    backend = PallasBackend(mesh, kernel="gpu", interpret=True)
+    backend = BACKENDS[name](mesh)
 
     def put(value, spec):
         return jax.device_put(value, NamedSharding(mesh, spec))
@@ -258,8 +260,11 @@ def test_pallas_reads_sharded_stacked_buffers(mesh, layer):
     @jax.jit
     def run(x, a_stack, b_stacks, lora, base_out):
         layer_index = jnp.int32(1)
-        return backend.apply_packed(x, LayerStack(a_stack, layer_index), tuple(LayerStack(b, layer_index) for b in b_stacks),
-                                    lora, base_out, tp_size=4, input_sharded=is_row, output_sharded=not is_row)
+        a, bs = LayerStack(a_stack, layer_index), tuple(LayerStack(b, layer_index) for b in b_stacks)
+        if not backend.reads_stacked(24, lora.num_segments, base_out.shape[1]):
+            a, bs = a.sliced(), tuple(b.sliced() for b in bs)
+        return backend.apply_packed(x, a, bs, lora, base_out, tp_size=4, input_sharded=is_row,
+                                    output_sharded=not is_row)
 
     y = run(x_s, a_stack, b_stacks, lora_s, base_s)
     if not is_row:
