@@ -11,6 +11,11 @@ output tile stays resident in VMEM while consecutive items accumulate their mask
 Block shapes: rows a multiple of 16 (bf16 sublane packing), `in`/`out` blocks multiples of 128 (lanes);
 the rank dimension is taken whole (a block dim equal to the array dim is always legal).
 
+Layer-stacked buffers: given `layer` (an int32 scalar), A / B may be the model's whole [L, A, ...] stacks;
+the layer index is scalar-prefetched with the work list and the weight index maps pick block
+(layer, slot, ...), so no per-layer copy of the slot pool is made (a kernel's operands are whole buffers:
+a slice taken outside the kernel would be a copy).
+
 Rank awareness: items of base segments (rank 0) and empty tail items skip the matmul; results above a
 slot's rank are masked (in shrink only when the caller gives `rank_block`, the row blocking of A, since a
 packed q|k|v A stacks several rank blocks). The weight DMA of an item still moves all R rows: the block
@@ -73,9 +78,11 @@ def _rank_mask(shape: tuple[int, int], rank: jax.Array, rank_axis: int) -> jax.A
     return jax.lax.broadcasted_iota(jnp.int32, shape, rank_axis) < rank
 
 
-def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_ref, a_ref, o_ref, *, block_rows, rank_block):
+def _shrink_kernel(
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, layer_ref, x_ref, a_ref, o_ref, *, block_rows, rank_block
+):
     # x_ref [tm, tk], a_ref [R, tk], o_ref [tm, R] f32 (resident across the items of one tile)
-    del slot_ref
+    del slot_ref, layer_ref
     item, k_step = pl.program_id(0), pl.program_id(1)
 
     @pl.when((first_ref[item] == 1) & (k_step == 0))
@@ -92,9 +99,11 @@ def _shrink_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, x_re
         o_ref[...] += jnp.where(keep, partial, 0.0)
 
 
-def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, s_ref, b_ref, o_ref, acc_ref, *, block_rows):
+def _expand_kernel(
+    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, layer_ref, s_ref, b_ref, o_ref, acc_ref, *, block_rows
+):
     # s_ref [tm, R] f32, b_ref [tn, R], o_ref [tm, tn], acc_ref [tm, tn] f32 scratch
-    del slot_ref
+    del slot_ref, layer_ref
     item = pl.program_id(1)
 
     @pl.when(first_ref[item] == 1)
@@ -112,8 +121,30 @@ def _expand_kernel(tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, s_re
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _prefetch_args(work: WorkList) -> tuple[jax.Array, ...]:
-    return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank, work.is_first)
+def _prefetch_args(work: WorkList, layer: jax.Array) -> tuple[jax.Array, ...]:
+    return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank, work.is_first, layer)
+
+
+_NUM_PREFETCH = 7  # the work list's six arrays and the layer index
+
+
+def _layer_arg(weights: jax.Array, layer: jax.Array | int | None) -> tuple[bool, jax.Array]:
+    """(is the buffer layer-stacked, [1] i32 layer index) for a weight buffer of 3 dims or 4 ([L, ...])."""
+    if weights.ndim == 4:
+        if layer is None:
+            raise ValueError(f"a layer-stacked buffer {weights.shape} needs `layer`")
+        return True, jnp.asarray(layer, jnp.int32).reshape(1)
+    if weights.ndim != 3:
+        raise ValueError(f"LoRA buffer of shape {weights.shape}: expected 3 dims, or 4 when layer-stacked")
+    return False, jnp.zeros((1,), jnp.int32)
+
+
+def _weight_spec(is_stacked: bool, block: tuple[int, int], block_index) -> pl.BlockSpec:
+    """BlockSpec of one slot's [rows, cols] weight block; block_index(grid ids, prefetch refs) -> (slot, i, j).
+    A stacked buffer adds the prefetched layer index in front."""
+    if not is_stacked:
+        return pl.BlockSpec((None, *block), lambda *ids: block_index(*ids))
+    return pl.BlockSpec((None, None, *block), lambda *ids: (ids[-1][0], *block_index(*ids)))
 
 
 def _sort_rows(values: jax.Array, sort_perm: jax.Array, num_rows_padded: int) -> jax.Array:
@@ -130,11 +161,12 @@ def _unsort_rows(sorted_values: jax.Array, sort_perm: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("rank_block", "block_rows", "block_in", "interpret"))
 def sgmv_shrink_tpu(
     x: jax.Array,  # [T, in]
-    lora_a: jax.Array,  # [A, R, in]
+    lora_a: jax.Array,  # [A, R, in], or [L, A, R, in] with `layer`
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
+    layer: jax.Array | None = None,  # i32 scalar: which layer of a stacked lora_a
     *,
     rank_block: int | None = None,
     block_rows: int = 128,
@@ -147,7 +179,8 @@ def sgmv_shrink_tpu(
     above the slot's rank within a block are zeroed. None: only rank-0 (base) slots are skipped.
     """
     num_tokens, in_dim = x.shape
-    _, max_rank, _ = lora_a.shape
+    is_stacked, layer_arg = _layer_arg(lora_a, layer)
+    max_rank = lora_a.shape[-2]
     tm = _row_block(num_tokens, block_rows)
     tk = _lane_block(in_dim, block_in, "input")
     rows_padded = _round_up(max(num_tokens, 1), tm)
@@ -155,11 +188,11 @@ def sgmv_shrink_tpu(
     x_sorted = _sort_rows(x, sort_perm, rows_padded)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=_NUM_PREFETCH,
         grid=(work.num_items, in_dim // tk),
         in_specs=[
             pl.BlockSpec((tm, tk), lambda w, k, tile, slot, *_: (tile[w], k)),
-            pl.BlockSpec((None, max_rank, tk), lambda w, k, tile, slot, *_: (slot[w], 0, k)),
+            _weight_spec(is_stacked, (max_rank, tk), lambda w, k, tile, slot, *_: (slot[w], 0, k)),
         ],
         out_specs=pl.BlockSpec((tm, max_rank), lambda w, k, tile, slot, *_: (tile[w], 0)),
     )
@@ -169,18 +202,19 @@ def sgmv_shrink_tpu(
         out_shape=jax.ShapeDtypeStruct((rows_padded, max_rank), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=_interpret_arg(interpret),
-    )(*_prefetch_args(work), x_sorted, lora_a)
+    )(*_prefetch_args(work, layer_arg), x_sorted, lora_a)
     return _unsort_rows(out_sorted, sort_perm)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_out", "interpret"))
 def sgmv_expand_tpu(
     s: jax.Array,  # [T, R] f32
-    lora_b: jax.Array,  # [A, out, R]
+    lora_b: jax.Array,  # [A, out, R], or [L, A, out, R] with `layer`
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
     slot_rank: jax.Array,  # [A] i32
+    layer: jax.Array | None = None,  # i32 scalar: which layer of a stacked lora_b
     *,
     out_dtype: jnp.dtype,
     block_rows: int = 128,
@@ -189,7 +223,8 @@ def sgmv_expand_tpu(
 ) -> jax.Array:
     """[T, out] out_dtype: s_t @ B[slot_t].T for every token, reading only the adapters in the segments."""
     num_tokens, max_rank = s.shape
-    _, out_dim, _ = lora_b.shape
+    is_stacked, layer_arg = _layer_arg(lora_b, layer)
+    out_dim = lora_b.shape[-2]
     tm = _row_block(num_tokens, block_rows)
     tn = _lane_block(out_dim, block_out, "output")
     rows_padded = _round_up(max(num_tokens, 1), tm)
@@ -197,11 +232,11 @@ def sgmv_expand_tpu(
     s_sorted = _sort_rows(s.astype(jnp.float32), sort_perm, rows_padded)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=_NUM_PREFETCH,
         grid=(out_dim // tn, work.num_items),
         in_specs=[
             pl.BlockSpec((tm, max_rank), lambda n, w, tile, slot, *_: (tile[w], 0)),
-            pl.BlockSpec((None, tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
+            _weight_spec(is_stacked, (tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda n, w, tile, slot, *_: (tile[w], n)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
@@ -212,5 +247,5 @@ def sgmv_expand_tpu(
         out_shape=jax.ShapeDtypeStruct((rows_padded, out_dim), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret),
-    )(*_prefetch_args(work), s_sorted, lora_b)
+    )(*_prefetch_args(work, layer_arg), s_sorted, lora_b)
     return _unsort_rows(out_sorted, sort_perm)

@@ -15,8 +15,10 @@ GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straigh
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
 (q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
 them. The work list comes with the step's LoRABatch (built once on the host) when its row tiles match the
-kernel's. On GPU `apply_packed` also takes the model's layer-stacked buffers (LayerStack views) and the
-kernels read the layer in place (`reads_stacked`); the TPU kernel gets one layer's slice.
+kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed side by side and
+added to the base output. Both take the model's layer-stacked buffers (LayerStack views) and their kernels
+read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the Mosaic kernels
+scalar-prefetch the layer index into their weight index maps.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class PallasBackend(LoRABackend):
         return gpu_block_rows(num_tokens) if self.kernel == "gpu" else 0
 
     def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
-        return self.kernel == "gpu"
+        return True  # both kernels offset into the [L, A, ...] stacks by the layer index
 
     @staticmethod
     def _gpu_work(lora: LoRABatch, block_rows: int) -> tuple:
@@ -96,10 +98,10 @@ class PallasBackend(LoRABackend):
         self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, rank_block: int | None, layer: jax.Array | None = None
     ) -> jax.Array:
         """[splits, T, R] f32 partial sums on one shard (TPU: a single split). lora_a is [A, R, in], or the
-        [L, A, R, in] stack with `layer` (GPU only)."""
+        [L, A, R, in] stack with `layer`."""
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
         if self.kernel == "tpu":
-            return sgmv_shrink_tpu(x, lora_a, *meta, rank_block=rank_block, interpret=self.interpret)[None]
+            return sgmv_shrink_tpu(x, lora_a, *meta, layer, rank_block=rank_block, interpret=self.interpret)[None]
         tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
         return sgmv_shrink_gpu_partials(
             x, lora_a, *meta, *self._gpu_work(lora, tiles.block_rows), layer, tiles=tiles, rank_block=rank_block,
@@ -110,15 +112,20 @@ class PallasBackend(LoRABackend):
         self, s: jax.Array, lora_bs: tuple[jax.Array, ...], lora: LoRABatch, scale: jax.Array | None,
         base_out: jax.Array | None, out_dtype: jnp.dtype, layer: jax.Array | None = None,
     ) -> jax.Array:
-        """Every part's delta (GPU: one launch) into its columns of the (packed) output; lora_bs are
-        [A, out_p, R], or [L, A, out_p, R] stacks with `layer` (GPU only)."""
+        """Every part's delta (GPU: one launch) into its columns of the (packed) output: part p reads columns
+        p*R .. (p+1)*R of s. lora_bs are [A, out_p, R], or [L, A, out_p, R] stacks with `layer`."""
         meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
-        if self.kernel == "tpu":
-            (lora_b,) = lora_bs  # apply_packed composes parts through the base class on TPU
+        if self.kernel == "tpu":  # one launch per part, each part's columns side by side (the shard's packed layout)
             s2 = s.sum(0) if s.ndim == 3 else s
             if scale is not None:
                 s2 = s2 * scale[lora.token_slot][:, None]
-            delta = sgmv_expand_tpu(s2, lora_b, *meta, out_dtype=out_dtype, interpret=self.interpret)
+            max_rank = lora_bs[0].shape[-1]
+            deltas = [
+                sgmv_expand_tpu(s2[:, i * max_rank : (i + 1) * max_rank], b, *meta, layer, out_dtype=out_dtype,
+                                interpret=self.interpret)
+                for i, b in enumerate(lora_bs)
+            ]
+            delta = deltas[0] if len(deltas) == 1 else jnp.concatenate(deltas, axis=1)
             if base_out is None:
                 return delta
             return (base_out.astype(jnp.float32) + delta.astype(jnp.float32)).astype(out_dtype)
@@ -190,16 +197,11 @@ class PallasBackend(LoRABackend):
         output_sharded: bool = False,
     ) -> jax.Array:
         buffers = (lora_a, *lora_bs)
-        is_stacked = self.kernel == "gpu" and all(isinstance(w, LayerStack) for w in buffers)
-        if is_stacked and not all(fits_stacked_offsets(w.stack.shape) for w in buffers):
-            is_stacked = False  # too large for the kernels' int32 offsets: read one layer's slice
+        is_stacked = all(isinstance(w, LayerStack) for w in buffers)
+        if is_stacked and self.kernel == "gpu" and not all(fits_stacked_offsets(w.stack.shape) for w in buffers):
+            is_stacked = False  # too large for the Triton kernels' int32 offsets: read one layer's slice
         if not is_stacked:
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
-        if self.kernel != "gpu":
-            return super().apply_packed(
-                x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
-                output_sharded=output_sharded,
-            )
         layer = lora_a.layer if is_stacked else jnp.zeros((), jnp.int32)
         if is_stacked:
             lora_a, lora_bs = lora_a.stack, tuple(b.stack for b in lora_bs)
