@@ -291,12 +291,30 @@ def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(se
 
 def test_pallas_backend_in_the_engine_matches_peft(setup):
     """The engine with --lora-backend pallas: on CPU the GPU kernels run in interpret mode, through the same path
-    as on a GPU (host-built work list, one shrink and an in-place expand per packed part)."""
+    as on a GPU (work list built once per forward in jit, layer-stacked buffers read in place, one shrink and one
+    in-place expand launch per packed module)."""
     base, adapters = setup
     names = list(adapters) + [None]
     ids = [prompt(300 + i) for i in range(len(names))]
     with Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
                 max_loras_per_batch=4, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
+        outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
+                            return_logprob=True, logprob_start_len=0)
+    assert_matches_peft(base, adapters, names, ids, outs, 4)
+
+
+def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
+    """tp 2 with --lora-backend pallas: the kernels run under shard_map on the layer-stacked buffers as the model
+    shards them (column-parallel B split on `out`, row-parallel A on `in`, the layer axis whole). The model's
+    per-shard widths are multiples of 16, as the GPU kernels need (interpret mode on CPU)."""
+    base = make_hf_model_dir(tmp_path / "base", "llama", seed=11, hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    adapters = {n: write_peft_adapter(base, tmp_path / n, seed=i + 21, **ADAPTER_FORMS[n])
+                for i, n in enumerate(["all_linear_r8", "pattern_r16"])}
+    names = list(adapters) + [None]
+    ids = [prompt(400 + i) for i in range(len(names))]
+    with Engine(model_path=str(base), dtype="float32", tp_size=2, lora_paths={n: str(p) for n, p in adapters.items()},
+                max_loras_per_batch=2, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
         outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
                             return_logprob=True, logprob_start_len=0)
     assert_matches_peft(base, adapters, names, ids, outs, 4)
