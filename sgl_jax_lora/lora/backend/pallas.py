@@ -7,15 +7,15 @@ replicated, B and the result split on `out`; row-parallel (`input_sharded`): x a
 [T, R] shrink partials summed by `psum` over 'tensor' (the only collective), B replicated. The token
 dimension is never split.
 
-Rank awareness: GPU kernel masks A rows / B columns above each slot's rank out of its loads (those bytes
-are never read) and reads nothing for base segments; TPU kernel skips the matmul of base segments but its
+Rank awareness: GPU kernel masks A rows above each slot's rank, and B columns from the rank rounded up to 8,
+out of its loads (those bytes are never read) and reads nothing for base segments; TPU kernel skips the matmul of base segments but its
 weight DMA always moves the full R (static block shape). See docs/lora_backends.md.
 
 GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
 (q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
-them. The work list comes with the step's LoRABatch (built once on the host) when its row tiles match the
-kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed side by side and
+them. The work list comes with the step's LoRABatch (the model builds it once per forward) when its row
+tiles match the kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed side by side and
 added to the base output. Both take the model's layer-stacked buffers (LayerStack views) and their kernels
 read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the Mosaic kernels
 scalar-prefetch the layer index into their weight index maps.
