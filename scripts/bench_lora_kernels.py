@@ -74,7 +74,7 @@ def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, see
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
     num_segments = 1 << max(num_adapters - 1, 0).bit_length()
-    lora = build_lora_batch(token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens))  # as the engine does
+    lora = build_lora_batch(token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens))  # work list precomputed, shared by the layers (the engine builds it in jit)
     return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
 
 

@@ -42,12 +42,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, padded_perm
+from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, layer_operand, make_work_list, padded_perm
 
 _MIN_DOT = 16
 _TARGET_PROGRAMS = 264  # two waves on a 132-SM H100
-
-
 _INT32_MAX = 2**31 - 1
 
 
@@ -247,17 +245,6 @@ def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
     return (work.tile, work.slot, work.row_lo, work.row_hi, work.rank)
 
 
-def _layer_operand(weights: jax.Array, layer: jax.Array | int | None, unstacked_ndim: int) -> jax.Array:
-    """[1] i32 layer index into a layer-stacked buffer ([L, ...]); 0 for an unstacked one."""
-    if weights.ndim == unstacked_ndim + 1:
-        if layer is None:
-            raise ValueError(f"a layer-stacked buffer {weights.shape} needs `layer`")
-        return jnp.asarray(layer, jnp.int32).reshape(1)
-    if weights.ndim != unstacked_ndim:
-        raise ValueError(f"LoRA buffer of shape {weights.shape}: expected {unstacked_ndim} dims, or one more when stacked")
-    return jnp.zeros((1,), jnp.int32)
-
-
 def fits_stacked_offsets(shape: tuple[int, ...]) -> bool:
     """Whether a kernel can index every element of a (stacked) buffer of this shape with int32 offsets."""
     return math.prod(shape) <= _INT32_MAX
@@ -286,7 +273,7 @@ def sgmv_shrink_gpu_partials(
     work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
     """
     num_tokens, in_dim = x.shape
-    layer_arg = _layer_operand(lora_a, layer, 3)
+    _, layer_arg = layer_operand(lora_a, layer)
     num_slots, max_rank, _ = lora_a.shape[-3:]
     if not fits_stacked_offsets(lora_a.shape):
         raise ValueError(f"LoRA A buffer {lora_a.shape} is too large for int32 offsets; pass one layer's slice")
@@ -338,7 +325,7 @@ def sgmv_expand_gpu(
         s_partials = s_partials[None]
     lora_bs = lora_b if isinstance(lora_b, tuple) else (lora_b,)
     num_splits, num_tokens, s_cols = s_partials.shape
-    layer_arg = _layer_operand(lora_bs[0], layer, 3)
+    _, layer_arg = layer_operand(lora_bs[0], layer)
     num_slots, _, max_rank = lora_bs[0].shape[-3:]
     if any(b.shape[-3] != num_slots or b.shape[-1] != max_rank or b.ndim != lora_bs[0].ndim for b in lora_bs):
         raise ValueError(f"packed parts must share slots and rank: {[b.shape for b in lora_bs]}")

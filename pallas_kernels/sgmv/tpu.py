@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.sgmv.work_list import WorkList, make_work_list
+from pallas_kernels.sgmv.work_list import WorkList, layer_operand, make_work_list
 
 _LANES = 128
 _ROW_ALIGN = 16
@@ -128,17 +128,6 @@ def _prefetch_args(work: WorkList, layer: jax.Array) -> tuple[jax.Array, ...]:
 _NUM_PREFETCH = 7  # the work list's six arrays and the layer index
 
 
-def _layer_arg(weights: jax.Array, layer: jax.Array | int | None) -> tuple[bool, jax.Array]:
-    """(is the buffer layer-stacked, [1] i32 layer index) for a weight buffer of 3 dims or 4 ([L, ...])."""
-    if weights.ndim == 4:
-        if layer is None:
-            raise ValueError(f"a layer-stacked buffer {weights.shape} needs `layer`")
-        return True, jnp.asarray(layer, jnp.int32).reshape(1)
-    if weights.ndim != 3:
-        raise ValueError(f"LoRA buffer of shape {weights.shape}: expected 3 dims, or 4 when layer-stacked")
-    return False, jnp.zeros((1,), jnp.int32)
-
-
 def _weight_spec(is_stacked: bool, block: tuple[int, int], block_index) -> pl.BlockSpec:
     """BlockSpec of one slot's [rows, cols] weight block; block_index(grid ids, prefetch refs) -> (slot, i, j).
     A stacked buffer adds the prefetched layer index in front."""
@@ -179,7 +168,7 @@ def sgmv_shrink_tpu(
     above the slot's rank within a block are zeroed. None: only rank-0 (base) slots are skipped.
     """
     num_tokens, in_dim = x.shape
-    is_stacked, layer_arg = _layer_arg(lora_a, layer)
+    is_stacked, layer_arg = layer_operand(lora_a, layer)
     max_rank = lora_a.shape[-2]
     tm = _row_block(num_tokens, block_rows)
     tk = _lane_block(in_dim, block_in, "input")
@@ -223,7 +212,7 @@ def sgmv_expand_tpu(
 ) -> jax.Array:
     """[T, out] out_dtype: s_t @ B[slot_t].T for every token, reading only the adapters in the segments."""
     num_tokens, max_rank = s.shape
-    is_stacked, layer_arg = _layer_arg(lora_b, layer)
+    is_stacked, layer_arg = layer_operand(lora_b, layer)
     out_dim = lora_b.shape[-2]
     tm = _row_block(num_tokens, block_rows)
     tn = _lane_block(out_dim, block_out, "output")

@@ -11,6 +11,9 @@ The list can be built inside jit (`make_work_list`, a handful of small XLA ops p
 step on the host (`make_work_list_host`, numpy, identical values): the engine builds it with the step's
 LoRABatch, so the kernels of every layer share it and no per-call index ops run on the device.
 
+`layer_operand` is the other piece of metadata both kernels share: the layer index into the model's
+layer-stacked [L, A, ...] weight buffers, passed to the kernels as a [1] int32 array.
+
 Contract: segments are contiguous, in order, and cover the sorted rows [0, T) (build_lora_batch does this;
 padded segments are empty with start == end == T).
 """
@@ -141,3 +144,15 @@ def padded_perm(sort_perm, block_rows: int, xnp=np):
     num_tokens = sort_perm.shape[0]
     padded = -(-num_tokens // block_rows) * block_rows
     return xnp.pad(sort_perm, (0, padded - num_tokens), constant_values=num_tokens).astype(xnp.int32)
+
+
+def layer_operand(weights: jax.Array, layer: jax.Array | int | None) -> tuple[bool, jax.Array]:
+    """(is the buffer layer-stacked, [1] i32 layer index) for a LoRA weight buffer of 3 dims ([A, ...]) or 4
+    ([L, A, ...], which needs `layer`); an unstacked buffer gets index 0."""
+    if weights.ndim == 4:
+        if layer is None:
+            raise ValueError(f"a layer-stacked buffer {weights.shape} needs `layer`")
+        return True, jnp.asarray(layer, jnp.int32).reshape(1)
+    if weights.ndim != 3:
+        raise ValueError(f"LoRA buffer of shape {weights.shape}: expected 3 dims, or 4 when layer-stacked")
+    return False, jnp.zeros((1,), jnp.int32)
