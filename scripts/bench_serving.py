@@ -298,12 +298,12 @@ def main() -> None:
                 result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s
             results.append(result)
             print(json.dumps(result), flush=True)
+            if opts.out:  # after every scenario, so a run cut short keeps what it measured
+                with open(opts.out, "w") as f:
+                    json.dump({"argv": argv, "scenarios": results}, f, indent=2)
     finally:
         target.close()
     print_table(results)
-    if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"argv": argv, "scenarios": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -298,6 +298,10 @@ def test_auto_choice_is_static_per_bucket():
     assert choose_backend_name("gpu", 64, 32, 28672) == "pallas"
     assert choose_backend_name("gpu", 64, 32, 6144) == "bgmv"
     assert choose_backend_name("gpu", 16, 8, 28672) == "bgmv"
+    # 32-64 tokens over at most 3 adapters (segment bucket 4): every module on the Pallas kernels
+    assert choose_backend_name("gpu", 64, 4, 4096) == "pallas"
+    assert choose_backend_name("gpu", 64, 8, 4096) == "bgmv"
+    assert choose_backend_name("gpu", 16, 4, 4096) == "bgmv"
     auto = AutoBackend(None)
     auto.platform = "gpu"  # the table, not the machine: which tile the engine builds and what LoRALinear passes
     assert auto.work_block_rows(64, 32) == gpu_block_rows(64)  # some module (gate|up) reads the work list

@@ -30,6 +30,7 @@ WIDE_OUT = 16384  # gate|up of Llama-3-8B (28672) is wide; q|k|v (6144), o and d
 GPU_RULES: tuple[tuple[int, int, int, str], ...] = (
     (1, 1, 0, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
     (16, _ANY, 0, "bgmv"),  # small decode buckets: gate|up T=8: bgmv 1.05-1.09 vs pallas 1.15-1.16
+    (64, 4, 0, "pallas"),  # T=32/64, 1-3 adapters: 32-layer serving at 1 adapter +0.5 ms/step vs +2.3-2.6 (bgmv, auto)
     (64, _ANY, WIDE_OUT, "pallas"),  # gate|up T=32/64: pallas 1.14-1.29 vs bgmv 1.19-1.51
     (64, _ANY, 0, "bgmv"),  # best or within noise in every other T <= 64 row (o: 1.32 vs pallas 1.72)
     (1024, 1, 0, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
