@@ -3,10 +3,10 @@
 Where it sits: the model keeps every LoRA buffer as one [L, A, ...] array (the decoder layers are vmapped).
 Its layer loop (models/llama.py) hands each layer a LayerStack(stack, layer) for the LoRA buffers instead of
 the [A, ...] slice that `lax.scan` would cut. LoRALinear then asks its backend whether it reads stacked
-buffers in place (`LoRABackend.reads_stacked`): the Pallas GPU kernels do, offsetting into the stack by the
-layer index, so no per-layer copy of the slot pool is made (a kernel call gets its operands as whole
-buffers, so a slice made outside it is a copy); every other backend gets `sliced()`, a dynamic slice that
-XLA fuses into its consumers as before.
+buffers in place (`LoRABackend.reads_stacked`). The Pallas kernels do: the GPU ones offset their pointers by
+the layer index, the TPU ones scalar-prefetch it into their weight index maps, so no per-layer copy of the
+slot pool is made (a kernel call gets its operands as whole buffers, so a slice made outside it is a copy).
+Every other backend gets `sliced()`, a dynamic slice that XLA fuses into its consumers as before.
 """
 
 from __future__ import annotations

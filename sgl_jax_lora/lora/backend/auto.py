@@ -94,7 +94,9 @@ class AutoBackend(LoRABackend):
     def expand(
         self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
     ) -> jax.Array:
-        return self.pick(s.shape[0], lora, _width(lora_b)).expand(s, lora_b, lora, output_sharded=output_sharded, out_dtype=out_dtype)
+        return self.pick(s.shape[0], lora, _width(lora_b)).expand(
+            s, lora_b, lora, output_sharded=output_sharded, out_dtype=out_dtype
+        )
 
     def apply(
         self,

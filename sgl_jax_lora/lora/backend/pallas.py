@@ -8,17 +8,18 @@ replicated, B and the result split on `out`; row-parallel (`input_sharded`): x a
 dimension is never split.
 
 Rank awareness: GPU kernel masks A rows above each slot's rank, and B columns from the rank rounded up to 8,
-out of its loads (those bytes are never read) and reads nothing for base segments; TPU kernel skips the matmul of base segments but its
-weight DMA always moves the full R (static block shape). See docs/lora_backends.md.
+out of its loads (those bytes are never read) and reads nothing for base segments; TPU kernel skips the
+matmul of base segments but its weight DMA always moves the full R (static block shape). See
+docs/lora_backends.md.
 
 GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
 (q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
 them. The work list comes with the step's LoRABatch (the model builds it once per forward) when its row
-tiles match the kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed side by side and
-added to the base output. Both take the model's layer-stacked buffers (LayerStack views) and their kernels
-read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the Mosaic kernels
-scalar-prefetch the layer index into their weight index maps.
+tiles match the kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed
+side by side and added to the base output. Both take the model's layer-stacked buffers (LayerStack views)
+and their kernels read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the
+Mosaic kernels scalar-prefetch the layer index into their weight index maps.
 """
 
 from __future__ import annotations
@@ -200,11 +201,11 @@ class PallasBackend(LoRABackend):
         is_stacked = all(isinstance(w, LayerStack) for w in buffers)
         if is_stacked and self.kernel == "gpu" and not all(fits_stacked_offsets(w.stack.shape) for w in buffers):
             is_stacked = False  # too large for the Triton kernels' int32 offsets: read one layer's slice
-        if not is_stacked:
-            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
-        layer = lora_a.layer if is_stacked else jnp.zeros((), jnp.int32)
         if is_stacked:
-            lora_a, lora_bs = lora_a.stack, tuple(b.stack for b in lora_bs)
+            layer, lora_a, lora_bs = lora_a.layer, lora_a.stack, tuple(b.stack for b in lora_bs)
+        else:
+            layer = jnp.zeros((), jnp.int32)
+            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
 
         def local(x, lora_a, lora, y, layer, *lora_bs):
