@@ -10,6 +10,11 @@ Printed beside each row: the limit (decode: memory-bound, (W bytes + bytes of th
 bytes; prefill T >= 2048: compute-bound, (base FLOPs + LoRA FLOPs) / base FLOPs) and the achieved HBM
 bandwidth of the whole LoRA-wrapped layer (W + adapters present + x + y bytes over t_lora).
 
+`--chain` feeds each layer's output to the next (square shapes only: q/o), so the program has a model's
+dependencies; `--concurrent` compiles both functions with XLA's concurrent GPU kernel scheduling, as the
+engine's forward is compiled on GPU, which then overlaps a LoRA shrink with its layer's base GEMM. Compare
+the two only with `--chain`: with unchained layers concurrency would overlap whole layers, base GEMMs included.
+
 Usage: python scripts/bench_lora_kernels.py --grid full --json out.json
 Imports only jax and the kernels/backends (no flax).
 """
@@ -17,6 +22,7 @@ Imports only jax and the kernels/backends (no flax).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -38,6 +44,7 @@ PREFILL = [(t, n) for t in (2048, 4096, 8192) for n in (4, 32)]
 GOAL_ROWS = [("qo", 16, 64, 32), ("qo", 16, 256, 128), ("qo", 16, 4096, 32), ("qo", 64, 4096, 32)]
 BACKENDS = ("einsum", "bgmv", "sgmv", "pallas")
 BYTES = 2  # bf16
+CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}  # what ModelRunner passes on GPU
 MAX_GATHER_BYTES = 4 << 30  # bgmv materializes T copies of the weights; skip rows beyond this
 
 
@@ -136,10 +143,18 @@ def run(args) -> list[dict]:
         ws, as_, bs = make_weights(jax.random.key(rank), args.layers, in_dim, out_dim, num_slots, rank)
         x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
 
-        @jax.jit
+        chain = args.chain and in_dim == out_dim
+        jit = functools.partial(jax.jit, compiler_options=CONCURRENT if args.concurrent else None)
+
+        @jit
         def base_fn(x, ws):
+            if chain:
+                for w in ws:
+                    x = x @ w
+                return x
             return [x @ w for w in ws]
 
+        row["chained"] = chain
         base_key = (shape, num_tokens)
         if base_key not in base_cache:
             base_cache[base_key] = time_fn(base_fn, (x, ws), args.min_seconds)
@@ -155,10 +170,14 @@ def run(args) -> list[dict]:
                 continue
 
             def lora_fn(x, ws, as_, bs, lora, backend=backend):
+                if chain:
+                    for w, a, b in zip(ws, as_, bs):
+                        x = backend.apply(x, a, b, lora, base_out=x @ w)
+                    return x
                 return [backend.apply(x, a, b, lora, base_out=x @ w) for w, a, b in zip(ws, as_, bs)]
 
             try:
-                t_lora = time_fn(jax.jit(lora_fn), (x, ws, as_, bs, lora), args.min_seconds)
+                t_lora = time_fn(jit(lora_fn), (x, ws, as_, bs, lora), args.min_seconds)
             except Exception as err:  # noqa: BLE001 - a failed backend is reported, the sweep goes on
                 row["skipped"][name] = f"error: {type(err).__name__}: {str(err)[:120]}"
                 continue
@@ -199,14 +218,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--dim-divisor", type=int, default=1, help="shrink layer dims (CPU smoke runs only)")
     parser.add_argument("--max-rows", type=int, default=None)
+    parser.add_argument("--chain", action="store_true",
+                        help="square shapes (q/o): each layer's output is the next layer's input, as in a model")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="compile with XLA's concurrent GPU kernel scheduling, as the engine does on GPU")
     args = parser.parse_args()
-    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}", flush=True)
+    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
+          f"chain {args.chain}, concurrent {args.concurrent}", flush=True)
     backends = args.backends.split(",")
     print_header(backends)
     results = run(args)
     if args.json:
         args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                                             layers=args.layers, rows=results), indent=1))
+                                             layers=args.layers, chain=args.chain, concurrent=args.concurrent,
+                                             rows=results), indent=1))
     print("\nsummary (same rows):", flush=True)
     print_header(backends)
     for row in results:

@@ -44,6 +44,7 @@ class ServerArgs:
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
     layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")
+    disable_gpu_concurrent_kernels: bool = _f(False, "on GPU, run a step's kernels one after another instead of letting independent ones (a LoRA shrink beside its base GEMM) overlap in the step's CUDA graph")
     compilation_cache_dir: str = _f("~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)")
     # LoRA
     enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")

@@ -5,6 +5,9 @@ Adapters are written by the `peft` library (tests/peft_fixtures.py) for a tiny r
 
 from __future__ import annotations
 
+import argparse
+
+import jax
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,8 @@ import torch
 from model_fixtures import load_hf_model, make_hf_model_dir
 from peft_fixtures import load_peft_model, write_peft_adapter
 from sgl_jax_lora import Engine
+from sgl_jax_lora.model_executor.model_runner import forward_compiler_options
+from sgl_jax_lora.server_args import ServerArgs
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SMALL = dict(
@@ -318,3 +323,37 @@ def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
         outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
                             return_logprob=True, logprob_start_len=0)
     assert_matches_peft(base, adapters, names, ids, outs, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
+def test_concurrent_gpu_kernels_equal_serialized(setup, backend):
+    """On a GPU the forward is compiled with XLA's concurrent kernel scheduling (a LoRA shrink may run beside
+    its base GEMM, the in-place expand after both); the outputs equal the serialized program's."""
+    base, adapters = setup
+    names = list(adapters) + [None]
+    ids = [prompt(500 + i) for i in range(len(names))]
+    outs = {}
+    for disabled in (False, True):
+        with Engine(model_path=str(base), dtype="bfloat16", lora_paths={n: str(p) for n, p in adapters.items()},
+                    max_loras_per_batch=4, lora_backend=backend, skip_precompile=True, max_total_tokens=4096,
+                    disable_gpu_concurrent_kernels=disabled, **SMALL) as eng:
+            outs[disabled] = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY},
+                                          lora_path=names, return_logprob=True)
+    for concurrent, serialized in zip(outs[False], outs[True]):
+        assert concurrent["output_ids"] == serialized["output_ids"]
+        a = np.array([lp for lp, _ in concurrent["meta_info"]["output_token_logprobs"]])
+        b = np.array([lp for lp, _ in serialized["meta_info"]["output_token_logprobs"]])
+        assert np.abs(a - b).max() < 1e-2
+
+
+def test_forward_compiler_options_turn_concurrent_kernels_on_only_on_gpu():
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert forward_compiler_options("gpu", False) == forward_compiler_options("cuda", False) == concurrent
+    assert forward_compiler_options("gpu", True) is None
+    assert forward_compiler_options("cpu", False) is None and forward_compiler_options("tpu", False) is None
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert not ServerArgs.from_cli_args(parser.parse_args([])).disable_gpu_concurrent_kernels
+    assert ServerArgs.from_cli_args(parser.parse_args(["--disable-gpu-concurrent-kernels"])).disable_gpu_concurrent_kernels

@@ -35,6 +35,15 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
 
 
+def forward_compiler_options(platform: str, disable_gpu_concurrent_kernels: bool) -> dict[str, str] | None:
+    """XLA options of the forward program. On GPU, XLA runs a step as CUDA graphs whose kernels it serializes
+    by default; CONCURRENT scheduling lets kernels with no data dependency overlap, so a LoRA shrink runs
+    beside its base GEMM on the SMs the GEMM leaves idle at decode sizes (docs/benchmarks.md, session 6)."""
+    if platform not in ("gpu", "cuda") or disable_gpu_concurrent_kernels:
+        return None
+    return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None = None):
         self.args, self.cfg, self.mesh = args, cfg, mesh
@@ -49,7 +58,8 @@ class ModelRunner:
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         self.num_pages = self._num_kv_pages()
         self.kv = allocate_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
-        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",))
+        forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
+        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
         self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
         self._logits = jax.jit(self._logits_impl)
         self._sample = jax.jit(sample)
