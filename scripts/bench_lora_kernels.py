@@ -16,7 +16,7 @@ engine's forward is compiled on GPU, which then overlaps a LoRA shrink with its 
 the two only with `--chain`: with unchained layers concurrency would overlap whole layers, base GEMMs included.
 
 Usage: python scripts/bench_lora_kernels.py --grid full --json out.json
-Imports only jax and the kernels/backends (no flax).
+Uses the kernels and backends directly; builds no model.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
+from sgl_jax_lora.model_executor.compiler_options import CONCURRENT_GPU_KERNELS  # noqa: E402
 
 SHAPES = {"qo": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 DECODE = [(t, n) for t in (1, 64, 256) for n in (1, 8, 32, 128)]
@@ -44,7 +45,6 @@ PREFILL = [(t, n) for t in (2048, 4096, 8192) for n in (4, 32)]
 GOAL_ROWS = [("qo", 16, 64, 32), ("qo", 16, 256, 128), ("qo", 16, 4096, 32), ("qo", 64, 4096, 32)]
 BACKENDS = ("einsum", "bgmv", "sgmv", "pallas")
 BYTES = 2  # bf16
-CONCURRENT = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}  # what ModelRunner passes on GPU
 MAX_GATHER_BYTES = 4 << 30  # bgmv materializes T copies of the weights; skip rows beyond this
 
 
@@ -144,7 +144,7 @@ def run(args) -> list[dict]:
         x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
 
         chain = args.chain and in_dim == out_dim
-        jit = functools.partial(jax.jit, compiler_options=CONCURRENT if args.concurrent else None)
+        jit = functools.partial(jax.jit, compiler_options=CONCURRENT_GPU_KERNELS if args.concurrent else None)
 
         @jit
         def base_fn(x, ws):

@@ -23,6 +23,7 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
@@ -33,15 +34,6 @@ from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
-
-
-def forward_compiler_options(platform: str, disable_gpu_concurrent_kernels: bool) -> dict[str, str] | None:
-    """XLA options of the forward program. On GPU, XLA runs a step as CUDA graphs whose kernels it serializes
-    by default; CONCURRENT scheduling lets kernels with no data dependency overlap, so a LoRA shrink runs
-    beside its base GEMM on the SMs the GEMM leaves idle at decode sizes (docs/benchmarks.md, session 6)."""
-    if platform not in ("gpu", "cuda") or disable_gpu_concurrent_kernels:
-        return None
-    return {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
 class ModelRunner:
