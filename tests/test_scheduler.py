@@ -1,11 +1,16 @@
 """Scheduler rules on the host alone: chunked prefill, preemption, LoRA admission order and the starvation bound.
 
-`OneSlotPerStep` is a minimal AdapterSlots: a step may hold one adapter (plus base), and only adapter "hot" is
-resident on the device. It stands in for LoRAManager only to make the admission decisions easy to read.
+`OneSlotPerStep` and `DeviceSlots` are minimal AdapterSlots standing in for LoRAManager, to make the admission
+decisions easy to read: the first lets a step hold one adapter (plus base); the second has a fixed number of
+device slots with LoRAManager's rules (adapters of running requests and those in `keep` are never evicted,
+otherwise the least recently used goes).
 """
 
 from __future__ import annotations
 
+import collections
+
+import numpy as np
 import pytest
 
 from sgl_jax_lora.managers.req import Req
@@ -22,16 +27,39 @@ class OneSlotPerStep:
     def begin_step(self, running: set[str | None]) -> None:
         self.step_adapter = None
 
-    def is_resident(self, key: str | None) -> bool:
-        return key in (None, "hot")
-
-    def try_admit(self, key: str | None) -> int | None:
+    def try_admit(self, key: str | None, keep: frozenset = frozenset()) -> int | None:
         if key is None:
             return 0
         if self.step_adapter in (None, key):
             self.step_adapter = key
             return 1
         return None
+
+
+class DeviceSlots:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.resident: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently used first
+        self.busy: set[str] = set()
+        self.loads = 0
+
+    def begin_step(self, running: set[str | None]) -> None:
+        self.busy = {key for key in running if key is not None}
+
+    def try_admit(self, key: str | None, keep: frozenset = frozenset()) -> int | None:
+        if key is None:
+            return 0
+        if key not in self.resident:
+            if len(self.resident) == self.num_slots:
+                victims = [k for k in self.resident if k not in self.busy and k not in keep]
+                if not victims:
+                    return None
+                del self.resident[victims[0]]
+            self.loads += 1
+        self.resident[key] = None
+        self.resident.move_to_end(key)
+        self.busy.add(key)
+        return 1 + list(self.resident).index(key)
 
 
 def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -> Scheduler:
@@ -70,20 +98,74 @@ def test_adapter_that_cannot_join_does_not_block_the_queue():
     for i, adapter in enumerate(["a", "b", None, "a"]):
         sched.add(req(f"r{i}", adapter=adapter, t=i))
     batch = sched.schedule()
-    assert [r.rid for r in batch.reqs] == ["r2", "r0", "r3"]  # base first (resident), then "a"; "b" skipped
+    assert [r.rid for r in batch.reqs] == ["r0", "r2", "r3"]  # arrival order; "b" skipped
     assert [r.rid for r in sched.waiting] == ["r1"]
     finish_prefill(batch)
 
 
-def test_resident_adapters_are_tried_first():
-    sched = make_scheduler(slots=OneSlotPerStep(), max_prefill_seqs=1)
+def test_admission_keeps_arrival_order_when_slots_are_free():
+    slots = DeviceSlots(num_slots=2)
+    slots.resident["hot"] = None  # left on the device by an earlier request
+    sched = make_scheduler(slots=slots, max_prefill_seqs=1)
     sched.add(req("cold", adapter="cold", t=0))
     sched.add(req("hot", adapter="hot", t=1))
+    assert [r.rid for r in sched.schedule().reqs] == ["cold"]
+
+
+def test_adapter_wanted_by_a_waiting_request_is_not_evicted():
+    slots = DeviceSlots(num_slots=1)
+    slots.resident["hot"] = None
+    sched = make_scheduler(slots=slots, max_prefill_seqs=1)
+    sched.add(req("cold", adapter="cold", t=0))
+    sched.add(req("hot", adapter="hot", t=1))
+    # "cold" would have to evict "hot", which the waiting request "hot" wants: it is skipped, not thrashed
     assert [r.rid for r in sched.schedule().reqs] == ["hot"]
+    assert list(slots.resident) == ["hot"] and slots.loads == 0
+
+
+def run_to_completion(sched: Scheduler, output_len: int) -> int:
+    """Drives the scheduler as the engine loop does, every request decoding `output_len` tokens; -> decode steps."""
+    decode_steps = 0
+    while sched.waiting or sched.running:
+        batch = sched.schedule()
+        assert batch is not None, "nothing runnable while requests remain"
+        if not batch.is_decode:
+            finish_prefill(batch)
+            continue
+        decode_steps += 1
+        for r in batch.reqs:
+            r.output_ids.append(7)
+            r.num_computed += 1
+            if len(r.output_ids) == output_len:
+                sched.finish(r)
+    return decode_steps
+
+
+def test_skewed_backlog_keeps_the_running_batch_full():
+    # A backlog over many adapters, a few popular (Zipf 1.5, as bench_serving's "skewed"), more distinct adapters
+    # than device slots, all outputs equally long. Admission in arrival order mixes rare adapters into every step
+    # (567 decode steps here); serving resident adapters first left the rare ones to the end, where 8 slots cap a
+    # step at 8 requests while 16 may run (630 steps).
+    rng = np.random.default_rng(0)
+    popularity = 1.0 / np.arange(1, 201) ** 1.5
+    adapters = rng.choice(200, size=128, p=popularity / popularity.sum())
+    num_slots, max_running, output_len = 8, 16, 64
+    assert len(set(adapters.tolist())) > 4 * num_slots
+    slots = DeviceSlots(num_slots)
+    buckets = Buckets.build(max_running, 32, 4, 256, 4)
+    sched = Scheduler(buckets, PageAllocator(4096, 4), max_running, 32, 4, adapter_slots=slots)
+    for i, adapter in enumerate(adapters):
+        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i))
+    decode_steps = run_to_completion(sched, output_len)
+    fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
+    assert decode_steps <= 1.15 * fewest, (decode_steps, fewest)
+    assert slots.loads == len(set(adapters.tolist()))  # and no adapter was loaded twice
 
 
 def test_a_request_passed_over_too_often_goes_first():
-    sched = make_scheduler(slots=OneSlotPerStep(), max_prefill_seqs=1)
+    slots = DeviceSlots(num_slots=1)
+    slots.resident["hot"] = None  # and a stream of requests keeps wanting it
+    sched = make_scheduler(slots=slots, max_prefill_seqs=1)
     starving = req("cold", adapter="cold", t=0)
     sched.add(starving)
     for i in range(MAX_TIMES_SKIPPED + 3):

@@ -2,11 +2,12 @@
 
 Flow: EngineCore.add_request -> `prefetch(lora_id)`: an adapter that is not on the device is read from disk
 into the host cache and laid out as slot arrays (model dtype) on a background thread, so the engine loop
-never waits on disk for it. Scheduler.schedule() -> `begin_step(running adapters)` then `try_admit(lora_id)`
-for each request it considers: the adapter's device slot, writing its slot arrays
+never waits on disk for it. Scheduler.schedule() -> `begin_step(running adapters)` then
+`try_admit(lora_id, keep)` for each request it considers: the adapter's device slot, writing its slot arrays
 (ModelRunner.write_lora_slot) into a free slot or one evicted by the policy, or None when the step already
 holds --max-loras-per-batch distinct adapters, no slot can be freed, or its prefetch is still running.
-Adapters of running requests are never evicted (no reload thrash between a prefill and the next decode).
+Adapters of running requests are never evicted (no reload thrash between a prefill and the next decode), nor
+are those in `keep` (the scheduler passes the adapters other waiting requests want).
 `lora_batch(token_slots)` then builds the step's LoRABatch. Frontend calls (`register`, `unregister`)
 arrive as RPCs through the engine loop.
 """
@@ -135,10 +136,7 @@ class LoRAManager:
                 self._slot_arrays[adapter] = values
         return adapter, values
 
-    def is_resident(self, lora_id: str | None) -> bool:
-        return lora_id is None or lora_id in self.pool.slot_of
-
-    def try_admit(self, lora_id: str | None) -> int | None:
+    def try_admit(self, lora_id: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
         if lora_id is None:
             return 0
         if lora_id not in self.refs:
@@ -154,7 +152,7 @@ class LoRAManager:
                 return None  # still on its way from disk; a later step admits it
             slot = self.pool.free_slot()
             if slot is None:
-                slot = self.pool.victim(busy=self._step_ids | self._running_ids)
+                slot = self.pool.victim(busy=self._step_ids | self._running_ids | keep)
             if slot is None:
                 return None
             self._write(slot, lora_id)

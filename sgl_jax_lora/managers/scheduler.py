@@ -6,10 +6,14 @@ is waiting and fits. KV pages are allocated as tokens arrive; when decode runs o
 running request is preempted (pages freed, recomputed later).
 
 LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
-step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), trying
-requests whose adapter is already on the device first. A request is passed over each time a request that
-arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first and, if it
-still cannot join, blocks admission of others until it gets in, so nothing waits forever.
+step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking). Admission
+keeps arrival order, and a request whose adapter is not on the device may not evict one that other waiting
+requests want (no thrash). Arrival order keeps rarely used adapters mixed into every step: trying resident
+adapters first would leave them all to the end of a backlog, where the slot limit, not the running-request
+limit, caps the batch (docs/lora.md "Scheduling and fairness"). A request is passed over each time a request
+that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first, may evict
+any adapter that no running request uses and, if it still cannot join, blocks admission of others until it
+gets in, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ class AdapterSlots(Protocol):
         """A new step; `running` holds the adapter keys of running requests (their slots stay put)."""
         ...
 
-    def is_resident(self, adapter_key: str | None) -> bool: ...
-    def try_admit(self, adapter_key: str | None) -> int | None:
-        """Device slot for this adapter in the step being built, or None if it cannot join it; raises
-        ValueError (naming the adapter and the fix) if the adapter cannot be served at all."""
+    def try_admit(self, adapter_key: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
+        """Device slot for this adapter in the step being built, or None if it cannot join it; adapters in
+        `keep` are not evicted for it. Raises ValueError (naming the adapter and the fix) if the adapter cannot
+        be served at all."""
         ...
 
 
@@ -104,15 +108,17 @@ class Scheduler:
                 break
             budget -= self._try_add_chunk(batch, req, budget)
         blocked, admitted = False, []
+        wanted = frozenset(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else frozenset()
         for req in self._admission_order():
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
                 break
             if len(self.running) >= self.max_running:
                 break
-            taken = self._try_add_chunk(batch, req, budget)
+            starved = req.times_skipped > MAX_TIMES_SKIPPED
+            taken = self._try_add_chunk(batch, req, budget, keep=frozenset() if starved else wanted)
             if taken == 0:
                 # Could not join (adapter slots or pages): skip ahead, but not past a starved request.
-                blocked = req.times_skipped > MAX_TIMES_SKIPPED
+                blocked = starved
                 continue
             budget -= taken
             self.waiting.remove(req)
@@ -126,19 +132,20 @@ class Scheduler:
         return batch if batch.reqs else None
 
     def _admission_order(self) -> list[Req]:
-        """Starved requests first, then those whose adapter is on the device (or base), each group in arrival order."""
+        """Starved requests first, then the others, each group in arrival order."""
         order = list(self.waiting)
         if self.adapter_slots is not None:
-            order.sort(key=lambda r: (r.times_skipped <= MAX_TIMES_SKIPPED, not self.adapter_slots.is_resident(r.lora_slot_key)))
+            order.sort(key=lambda r: r.times_skipped <= MAX_TIMES_SKIPPED)
         return order
 
-    def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int) -> int:
-        """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join)."""
+    def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
+        """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
+        `keep` are not evicted to make room for req's."""
         num_new = min(req.remaining_prefill, budget)
         pages_needed = self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
         if num_new <= 0 or not self.allocator.can_allocate(pages_needed):
             return 0
-        slot = self._adapter_slot(req)
+        slot = self._adapter_slot(req, keep)
         if slot is None:
             return 0
         req.pages += self.allocator.allocate(pages_needed)
@@ -164,13 +171,13 @@ class Scheduler:
             batch.token_slots.append(slot)
         return batch if batch.reqs else None
 
-    def _adapter_slot(self, req: Req) -> int | None:
+    def _adapter_slot(self, req: Req, keep: frozenset = frozenset()) -> int | None:
         """The request's adapter slot for this step (0 = base), None if it cannot join now. An adapter that can
         never be served (its files became unreadable after registration) rejects that request alone."""
         if self.adapter_slots is None:
             return 0
         try:
-            return self.adapter_slots.try_admit(req.lora_slot_key)
+            return self.adapter_slots.try_admit(req.lora_slot_key, keep)
         except ValueError as e:
             self._remove(req)
             self.rejected.append((req, str(e)))
