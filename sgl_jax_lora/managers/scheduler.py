@@ -108,7 +108,7 @@ class Scheduler:
                 break
             budget -= self._try_add_chunk(batch, req, budget)
         blocked, admitted = False, []
-        wanted = frozenset(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else frozenset()
+        wanted = self._wanted_adapters()
         for req in self._admission_order():
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
                 break
@@ -130,6 +130,12 @@ class Scheduler:
                 if req.arrival_time < newest:
                     req.times_skipped += 1
         return batch if batch.reqs else None
+
+    def _wanted_adapters(self) -> frozenset[str | None]:
+        """Adapters that waiting requests want: not evicted to make room for another (non-starved) request."""
+        if self.adapter_slots is None:
+            return frozenset()
+        return frozenset(r.lora_slot_key for r in self.waiting)
 
     def _admission_order(self) -> list[Req]:
         """Starved requests first, then the others, each group in arrival order."""
