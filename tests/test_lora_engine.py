@@ -263,6 +263,27 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
 
 
+def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
+    """LoRAManager.try_admit: an adapter in `keep` (one that waiting requests want) is not evicted for another;
+    without it, the slot is taken."""
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    names = list(adapters)[:2]
+    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={n: str(adapters[n]) for n in names},
+                      max_loras_per_batch=1, skip_precompile=True, **SMALL)
+    core = EngineCore(args, str(base))
+    held, other = (next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == n) for n in names)
+    core.lora.begin_step(set())
+    slot = core.lora.try_admit(held)
+    core.lora.begin_step(set())  # a new step: nothing running, so `held` is evictable unless kept
+    assert core.lora.try_admit(other, keep=frozenset({held})) is None
+    assert core.lora.pool.slot_of == {held: slot}
+    assert core.lora.try_admit(other) == slot
+    assert core.lora.pool.slot_of == {other: slot}
+
+
 def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(setup, tmp_path):
     """Registration reads only headers; if the weights are gone by the first use, that request gets an error
     naming the adapter while the others run to completion."""
