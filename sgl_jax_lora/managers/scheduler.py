@@ -107,6 +107,8 @@ class Scheduler:
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0:
                 break
             budget -= self._try_add_chunk(batch, req, budget)
+        if not self.waiting or len(self.running) >= self.max_running:  # no admission: skip the O(waiting) work below
+            return batch if batch.reqs else None
         blocked, admitted = False, []
         wanted = self._wanted_adapters()
         for req in self._admission_order():
