@@ -1,9 +1,10 @@
 """Paged attention in pure JAX (CPU, GPU and TPU alike).
 
 Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatch.cache_loc, then calls
-`paged_attention`, which gathers each sequence's pages (page_table), lays the new query tokens out as
-[S, Q] (query_index) and applies a causal mask by absolute position. Decode steps (Q = 1) run batched;
-extend steps loop over sequences so the score matrix is [heads, Q, keys] for one sequence at a time.
+`paged_attention`, which gathers each sequence's pages (page_table), lays the new query tokens out in rows
+[R, Q] (query_index; each row holds tokens of one sequence, query_seq) and applies a causal mask by absolute
+position. Decode steps (R = S, Q = 1) run batched; extend steps loop over rows (buckets.extend_query_layout),
+so the score matrix is [heads, Q, keys] for one row at a time and its size follows the step's tokens, not S x T.
 
 The KV cache per layer is [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0
 is a scratch page that padding tokens write into and no sequence reads.
@@ -42,6 +43,7 @@ def paged_attention(
     score and value products already in front: no transpose of the gathered K/V.
     """
     num_seqs, pages_per_seq = batch.page_table.shape
+    num_rows, num_queries = batch.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache_layer.shape[0]
     group = num_heads // num_kv_heads
@@ -50,27 +52,27 @@ def paged_attention(
     key_slots = (batch.page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(
         num_seqs, key_len
     )  # [S, L]
-    queries = q[batch.query_index]  # [S, Q, H, D]
-    num_queries = queries.shape[1]
-    queries = queries.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
-    query_pos = batch.positions[batch.query_index]  # [S, Q]
+    queries = q[batch.query_index].reshape(num_rows, num_queries, num_kv_heads, group, head_dim)  # [R, Q, K, G, D]
+    query_pos = batch.positions[batch.query_index]  # [R, Q]
     key_pos = jnp.arange(key_len)
-    mask = (
-        (key_pos[None, None, :] <= query_pos[:, :, None])
-        & (key_pos[None, None, :] < batch.seq_lens[:, None, None])
-        & batch.query_valid[:, :, None]
-    )  # [S, Q, L]
 
-    if batch.is_decode:
+    if batch.is_decode:  # row i is sequence i
+        mask = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < batch.seq_lens[:, None]) & batch.query_valid  # [S, L]
         qs = queries[:, 0].transpose(1, 0, 2, 3)  # [K, S, G, D]
         keys, values = k_cache_layer[:, key_slots], v_cache_layer[:, key_slots]  # [K, S, L, D]
         scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * scale
-        probs = _masked_softmax(scores, mask[None, :, 0, None, :]).astype(values.dtype)
+        probs = _masked_softmax(scores, mask[None, :, None, :]).astype(values.dtype)
         out = jnp.einsum("ksgl,ksld->ksgd", probs, values, preferred_element_type=jnp.float32)
         out = out.transpose(1, 0, 2, 3)[:, None]  # [S, 1, K, G, D]
     else:
+        row_lens = batch.seq_lens[batch.query_seq]  # [R]
+        mask = (
+            (key_pos[None, None, :] <= query_pos[:, :, None])
+            & (key_pos[None, None, :] < row_lens[:, None, None])
+            & batch.query_valid[:, :, None]
+        )  # [R, Q, L]
 
-        def attend_one(args):
+        def attend_row(args):
             qs, slots, m = args  # [Q, K, G, D], [L], [Q, L]
             keys, values = k_cache_layer[:, slots], v_cache_layer[:, slots]  # [K, L, D]
             qs = qs.transpose(1, 2, 0, 3)  # [K, G, Q, D]
@@ -79,8 +81,8 @@ def paged_attention(
             out = jnp.einsum("kgql,kld->kgqd", probs, values, preferred_element_type=jnp.float32)
             return out.transpose(2, 0, 1, 3)  # [Q, K, G, D]
 
-        out = jax.lax.map(attend_one, (queries, key_slots, mask))
-    out = out.astype(q.dtype).reshape(num_seqs * num_queries, num_heads, head_dim)
+        out = jax.lax.map(attend_row, (queries, key_slots[batch.query_seq], mask))
+    out = out.astype(q.dtype).reshape(num_rows * num_queries, num_heads, head_dim)
     return out[batch.token_row]
 
 

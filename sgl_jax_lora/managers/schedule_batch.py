@@ -13,7 +13,7 @@ import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.managers.req import Req
-from sgl_jax_lora.model_executor.buckets import Buckets, pick
+from sgl_jax_lora.model_executor.buckets import Buckets, extend_query_layout, pick
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
@@ -42,7 +42,7 @@ class ScheduleBatch:
         if self.is_decode:
             return self._decode_forward_batch(buckets, page_size, lora_builder)
         num_seqs, num_tokens, num_pages = self.padded_sizes(buckets)
-        num_queries = 1 if self.is_decode else num_tokens
+        num_rows, tile = extend_query_layout(num_seqs, num_tokens)
         input_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         cache_loc = np.zeros(num_tokens, np.int32)
@@ -50,10 +50,11 @@ class ScheduleBatch:
         token_slot = np.zeros(num_tokens, np.int32)
         seq_lens = np.zeros(num_seqs, np.int32)
         page_table = np.zeros((num_seqs, num_pages), np.int32)
-        query_index = np.zeros((num_seqs, num_queries), np.int32)
-        query_valid = np.zeros((num_seqs, num_queries), bool)
+        query_seq = np.zeros(num_rows, np.int32)
+        query_index = np.zeros((num_rows, tile), np.int32)
+        query_valid = np.zeros((num_rows, tile), bool)
         last_token_index = np.zeros(num_seqs, np.int32)
-        start = 0
+        start, row = 0, 0
         for i, (req, n) in enumerate(zip(self.reqs, self.num_new_tokens)):
             first = req.num_computed
             pos = np.arange(first, first + n, dtype=np.int32)
@@ -62,20 +63,24 @@ class ScheduleBatch:
             input_ids[span] = req.all_ids[first : first + n]
             positions[span] = pos
             cache_loc[span] = pages[pos // page_size] * page_size + pos % page_size
-            token_row[span] = i * num_queries + np.arange(n)
             token_slot[span] = self.token_slots[i]
             seq_lens[i] = first + n
             page_table[i, : len(pages)] = pages
-            query_index[i, :n] = np.arange(start, start + n)
-            query_valid[i, :n] = True
+            k = np.arange(n)  # the sequence's k-th new token sits in row row + k // tile, column k % tile
+            token_row[span] = row * tile + k
+            query_index[row + k // tile, k % tile] = start + k
+            query_valid[row + k // tile, k % tile] = True
+            rows = -(-n // tile)
+            query_seq[row : row + rows] = i
             last_token_index[i] = start + n - 1
-            start += n
+            start, row = start + n, row + rows
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,
             cache_loc=cache_loc,
             seq_lens=seq_lens,
             page_table=page_table,
+            query_seq=query_seq,
             query_index=query_index,
             query_valid=query_valid,
             token_row=token_row,
@@ -107,6 +112,7 @@ class ScheduleBatch:
             cache_loc=cache_loc.astype(np.int32),
             seq_lens=seq_lens,
             page_table=page_table,
+            query_seq=rows,
             query_index=rows[:, None],
             query_valid=(rows < count)[:, None],
             token_row=rows,

@@ -1,7 +1,8 @@
 """Compiled buckets: the fixed set of shapes every step is padded to, so nothing compiles after warmup.
 
 Extend (prefill) steps: (sequences S, tokens T) with pages per sequence fixed at the context's maximum.
-Decode steps: (sequences S, pages per sequence P). `pick` returns the smallest bucket that fits.
+Decode steps: (sequences S, pages per sequence P). `pick` returns the smallest bucket that fits. An extend step's
+queries are laid out in rows of tokens of one sequence (`extend_query_layout`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 MIN_DECODE_BUCKET = 8
+EXTEND_QUERY_TILE = 128  # fewest query tokens per attention row in extend steps (a TPU lane width)
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -71,6 +73,16 @@ class Buckets:
 
     def sample_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.decode_seqs) | set(self.prefill_seqs)))
+
+
+def extend_query_layout(num_seqs: int, num_tokens: int) -> tuple[int, int]:
+    """-> (rows R, tile Q) of an extend step's query layout. Each sequence's n new tokens fill ceil(n / Q) rows, so
+    R rows hold any split of num_tokens over at most num_seqs sequences, and attention scores cost R * Q (about
+    T + S * Q) query rows per key instead of S * T with one row of T per sequence. Q is at least T / S: one
+    sequence keeps a single row of T (each row is one iteration of attention's loop, and a row gathers its
+    sequence's keys again; measured in docs/benchmarks.md, "Session 8")."""
+    tile = min(num_tokens, max(EXTEND_QUERY_TILE, num_tokens // num_seqs))
+    return (num_tokens + num_seqs * (tile - 1)) // tile, tile
 
 
 def pick(buckets: tuple[int, ...], n: int) -> int:

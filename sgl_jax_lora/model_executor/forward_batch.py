@@ -29,9 +29,12 @@ class ForwardBatch:
     # Sequences of this step.
     seq_lens: jax.Array  # [S] i32      tokens in the KV cache after this step (prefix + new); 0 = padding
     page_table: jax.Array  # [S, P] i32 pages of each sequence, in order; unused entries 0
-    query_index: jax.Array  # [S, Q] i32 flat token index of each sequence's q-th new token (Q = 1 in decode)
-    query_valid: jax.Array  # [S, Q] bool
-    token_row: jax.Array  # [T] i32     row s * Q + q of each token in the [S, Q] query layout
+    # Query rows: the new tokens laid out [R, Q], each row holding up to Q consecutive tokens of one sequence.
+    # Decode: R = S, Q = 1 (row i = sequence i). Extend: Q = the query tile, a sequence takes ceil(n / Q) rows.
+    query_seq: jax.Array  # [R] i32     sequence of each query row
+    query_index: jax.Array  # [R, Q] i32 flat token index of each row's q-th token
+    query_valid: jax.Array  # [R, Q] bool
+    token_row: jax.Array  # [T] i32     position r * Q + q of each token in the [R, Q] layout
     last_token_index: jax.Array  # [S] i32  flat index of each sequence's last token (its logits are sampled)
     lora: LoRABatch | None  # per-token adapter slots and segments; None when LoRA is disabled
     is_decode: bool  # meta: decode step (one new token per sequence) vs extend (prefill chunk)
@@ -53,6 +56,7 @@ jax.tree_util.register_dataclass(
         "cache_loc",
         "seq_lens",
         "page_table",
+        "query_seq",
         "query_index",
         "query_valid",
         "token_row",

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.buckets import Buckets, extend_query_layout
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
@@ -162,7 +162,7 @@ class ModelRunner:
 
 
 def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
-    num_queries = 1 if is_decode else num_tokens
+    num_rows, tile = (num_seqs, 1) if is_decode else extend_query_layout(num_seqs, num_tokens)
     zeros_i = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return ForwardBatch(
         input_ids=zeros_i(num_tokens),
@@ -170,8 +170,9 @@ def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_p
         cache_loc=zeros_i(num_tokens),
         seq_lens=zeros_i(num_seqs),
         page_table=zeros_i(num_seqs, num_pages),
-        query_index=zeros_i(num_seqs, num_queries),
-        query_valid=np.zeros((num_seqs, num_queries), bool),
+        query_seq=zeros_i(num_rows),
+        query_index=zeros_i(num_rows, tile),
+        query_valid=np.zeros((num_rows, tile), bool),
         token_row=zeros_i(num_tokens),
         last_token_index=zeros_i(num_seqs),
         lora=lora,
