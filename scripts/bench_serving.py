@@ -8,7 +8,8 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
-(every run's tok/s beside it), what the engine did meanwhile (step time by kind and phase, LoRA slot/host traffic,
+(every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed over
+the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA slot/host traffic,
 compilations: from server_info), and the ratio to the base-only throughput (scenario 0 of the same run, or
 --baseline FILE). Writes --out JSON and prints a table.
 
@@ -261,7 +262,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="measure each scenario this many times (same requests) and report the median run")
+                        help="measure each scenario this many times (same requests), in rounds over the scenarios "
+                             "(A B A B), and report the median run")
     parser.add_argument("--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
@@ -274,33 +276,35 @@ def main() -> None:
     if opts.baseline:
         with open(opts.baseline) as f:
             base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
-    results = []
+    results, runs = [], [[] for _ in opts.num_adapters]
     try:
-        for count, popularity in opts.num_adapters:
+        for count, _ in opts.num_adapters:
             if count > len(target.adapter_names):
                 raise SystemExit(f"--num-adapters {count}: the server has only {len(target.adapter_names)} adapters")
-            scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count,
-                                             "popularity": popularity or opts.popularity})
-            if opts.warmup_requests:
-                warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
-                                             "request_rate": float("inf"), "seed": opts.seed + 1})
-                target.run(drive(target, warm))
-            runs = []
-            for _ in range(opts.repeats):  # the same requests each time
+        for round_index in range(opts.repeats):  # rounds: each scenario once per round, the same requests each time
+            for (count, popularity), scenario_runs in zip(opts.num_adapters, runs):
+                scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count,
+                                                 "popularity": popularity or opts.popularity})
+                if opts.warmup_requests:
+                    warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
+                                                 "request_rate": float("inf"), "seed": opts.seed + 1})
+                    target.run(drive(target, warm))
                 before = target.server_info()
                 run = target.run(drive(target, scenario))
                 run["engine"] = engine_delta(before, target.server_info())
-                runs.append(run)
-            result = median_run(runs)
-            if count == 0 and base_tok_s is None:
-                base_tok_s = result["output_tok_per_s"]
-            if base_tok_s:
-                result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s
-            results.append(result)
-            print(json.dumps(result), flush=True)
-            if opts.out:  # after every scenario, so a run cut short keeps what it measured
-                with open(opts.out, "w") as f:
-                    json.dump({"argv": argv, "scenarios": results}, f, indent=2)
+                scenario_runs.append(run)
+                if round_index < opts.repeats - 1:
+                    continue
+                result = median_run(scenario_runs)
+                if count == 0 and base_tok_s is None:
+                    base_tok_s = result["output_tok_per_s"]
+                if base_tok_s:
+                    result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                if opts.out:  # after every scenario, so a run cut short keeps what it measured
+                    with open(opts.out, "w") as f:
+                        json.dump({"argv": argv, "scenarios": results}, f, indent=2)
     finally:
         target.close()
     print_table(results)
