@@ -8,9 +8,9 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
-(every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed over
-the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA slot/host traffic,
-compilations: from server_info), and the ratio to the base-only throughput (scenario 0 of the same run, or
+(every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed
+over the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA
+slot/host traffic, compilations: from server_info), and the ratio to the base-only throughput (scenario 0 of the same run, or
 --baseline FILE). Writes --out JSON and prints a table.
 
     python scripts/bench_serving.py --num-requests 256 --num-adapters 0,32 --popularity distinct --out r.json \\

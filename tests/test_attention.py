@@ -34,11 +34,21 @@ def make_reqs(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[Re
     free = list(rng.permutation(np.arange(1, NUM_PAGES)))
     reqs = []
     for i, (prefix, new) in enumerate(spans):
-        req = Req(rid=f"r{i}", input_ids=list(range(2, 2 + prefix + new)), sampling=SamplingParams(max_new_tokens=1), seed=0)
+        ids = list(range(2, 2 + prefix + new))
+        req = Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams(max_new_tokens=1), seed=0)
         req.num_computed = prefix
         req.pages = [int(free.pop()) for _ in range(-(-(prefix + new) // PAGE))]
         reqs.append(req)
     return reqs
+
+
+def run_attention(fb, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Random q and caches for this batch -> (q, k_cache, v_cache, paged_attention's output)."""
+    k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
+    v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
+    q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
+    got = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), fb, PAGE, DIM**-0.5)
+    return q, k_cache, v_cache, np.asarray(got)
 
 
 def reference(q, k_cache, v_cache, reqs, new_tokens) -> np.ndarray:
@@ -73,11 +83,7 @@ def test_extend_rows_match_reference(spans):
     buckets = Buckets.build(8, 512, 4, 1024, PAGE)
     batch = ScheduleBatch(is_decode=False, reqs=reqs, num_new_tokens=new_tokens, token_slots=[0] * len(reqs))
     fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
-    k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
-    v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
-    q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
-
-    got = np.asarray(paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), fb, PAGE, DIM**-0.5))
+    q, k_cache, v_cache, got = run_attention(fb, rng)
 
     real = sum(new_tokens)
     np.testing.assert_allclose(got[:real], reference(q, k_cache, v_cache, reqs, new_tokens), rtol=1e-5, atol=1e-5)
@@ -92,10 +98,6 @@ def test_decode_matches_reference():
     buckets = Buckets.build(8, 512, 4, 1024, PAGE)
     batch = ScheduleBatch(is_decode=True, reqs=reqs, num_new_tokens=[1] * 3, token_slots=[0] * 3)
     fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
-    k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
-    v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
-    q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
-
-    got = np.asarray(paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), fb, PAGE, DIM**-0.5))
+    q, k_cache, v_cache, got = run_attention(fb, rng)
 
     np.testing.assert_allclose(got[:3], reference(q, k_cache, v_cache, reqs, [1] * 3), rtol=1e-5, atol=1e-5)

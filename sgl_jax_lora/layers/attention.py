@@ -57,7 +57,8 @@ def paged_attention(
     key_pos = jnp.arange(key_len)
 
     if batch.is_decode:  # row i is sequence i
-        mask = (key_pos[None, :] <= query_pos) & (key_pos[None, :] < batch.seq_lens[:, None]) & batch.query_valid  # [S, L]
+        key_valid = key_pos[None, :] < batch.seq_lens[:, None]
+        mask = (key_pos[None, :] <= query_pos) & key_valid & batch.query_valid  # [S, L]
         qs = queries[:, 0].transpose(1, 0, 2, 3)  # [K, S, G, D]
         keys, values = k_cache_layer[:, key_slots], v_cache_layer[:, key_slots]  # [K, S, L, D]
         scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * scale
