@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -30,12 +31,15 @@ from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
 
-def timed(fn, repeats: int = 10) -> float:
+def timed(fn, repeats: int) -> float:
+    """Median ms of `repeats` calls of fn (each call waits for its result), after one warm-up call."""
     fn()
-    start = time.perf_counter()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    return 1e3 * (time.perf_counter() - start) / repeats
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def summarize_trace(trace_dir: str, top: int = 25) -> tuple[list[tuple[str, float, int]], float, int]:
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10, help="calls averaged by each timing (after one warm-up call)")
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
@@ -121,12 +126,13 @@ def main() -> None:
         "lora_backend": opts.lora_backend if lora_ids else None,
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
-        "forward_ms": timed(forward_only),
-        "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling)),
-        "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)),
+        "forward_ms": timed(forward_only, opts.repeats),
+        "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling), opts.repeats),
+        "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder),
+                                     opts.repeats),
     }
     if opts.mode == "decode":
-        breakdown["engine_step_ms"] = timed(core.step)
+        breakdown["engine_step_ms"] = timed(core.step, opts.repeats)
     print(json.dumps(breakdown), flush=True)
     jax.profiler.start_trace(opts.out_dir, create_perfetto_trace=True)
     for _ in range(opts.steps):

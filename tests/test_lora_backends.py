@@ -289,21 +289,19 @@ def test_factory_names_and_errors():
 def test_auto_choice_is_static_per_bucket():
     assert choose_backend_name("cpu", 64, 32) == "einsum"  # no measurements off GPU
     assert choose_backend_name("tpu", 8192, 4) == "einsum"
-    measured = {(1, 1): "sgmv", (1, 8): "bgmv", (64, 32): "bgmv", (256, 1): "sgmv", (256, 128): "pallas",
+    measured = {(1, 1): "sgmv", (1, 8): "bgmv", (64, 32): "pallas", (256, 1): "sgmv", (256, 128): "pallas",
                 (2048, 4): "sgmv", (4096, 32): "pallas", (8192, 4): "pallas"}
     for (tokens, segments), name in measured.items():
         assert choose_backend_name("gpu", tokens, segments) == name
-    # decode buckets of 32-64 tokens: wide modules (gate|up, 28672 columns) take the Pallas kernels, the
-    # others bgmv; the smallest buckets stay on bgmv whatever the width
-    assert choose_backend_name("gpu", 64, 32, 28672) == "pallas"
-    assert choose_backend_name("gpu", 64, 32, 6144) == "bgmv"
+    # decode buckets of 17-64 tokens: every module on the Pallas kernels, whatever the adapter count or width;
+    # the smallest buckets stay on bgmv
+    for segments, width in [(4, 4096), (8, 4096), (33, 6144), (33, 28672)]:
+        assert choose_backend_name("gpu", 64, segments, width) == "pallas"
     assert choose_backend_name("gpu", 16, 8, 28672) == "bgmv"
-    # 32-64 tokens over at most 3 adapters (segment bucket 4): every module on the Pallas kernels
-    assert choose_backend_name("gpu", 64, 4, 4096) == "pallas"
-    assert choose_backend_name("gpu", 64, 8, 4096) == "bgmv"
     assert choose_backend_name("gpu", 16, 4, 4096) == "bgmv"
     auto = AutoBackend(None)
     auto.platform = "gpu"  # the table, not the machine: which tile the engine builds and what LoRALinear passes
-    assert auto.work_block_rows(64, 32) == gpu_block_rows(64)  # some module (gate|up) reads the work list
+    assert auto.work_block_rows(64, 32) == gpu_block_rows(64)
     assert auto.work_block_rows(16, 8) == 0
-    assert auto.reads_stacked(64, 32, 28672) and not auto.reads_stacked(64, 32, 4096)
+    assert auto.reads_stacked(64, 32, 28672) and auto.reads_stacked(64, 32, 4096)
+    assert not auto.reads_stacked(16, 8, 4096)

@@ -31,8 +31,10 @@ class Linear(nnx.Module):
             y = y + self.bias[...]
         return y
 
-    def __call__(self, x: jax.Array, lora_batch: object = None) -> jax.Array:
-        return self.base(x)
+    def __call__(self, x: jax.Array, lora_batch: object = None, residual: jax.Array | None = None) -> jax.Array:
+        """x [T, in] -> [T, out] (+ residual [T, out] when given)."""
+        y = self.base(x)
+        return y if residual is None else residual + y
 
 
 def split_packed(y: jax.Array, part_sizes: tuple[int, ...], tp_size: int) -> list[jax.Array]:

@@ -68,19 +68,28 @@ class LoRALinear(Linear):
         for name, size in zip(part_names, part_sizes):
             setattr(self, lora_b_name(name), LoRAWeight(jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)))
 
-    def __call__(self, x: jax.Array, lora_batch: LoRABatch | None = None) -> jax.Array:
-        """x [T, in] -> [T, out] packed; the LoRA delta is exactly zero for slot-0 tokens."""
+    def __call__(
+        self, x: jax.Array, lora_batch: LoRABatch | None = None, residual: jax.Array | None = None
+    ) -> jax.Array:
+        """x [T, in] -> [T, out] packed (+ residual [T, out]); the LoRA delta is exactly zero for slot-0 tokens.
+
+        With `residual`, the delta is added into the residual rather than into the base output, and the
+        base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
+        result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
+        """
         y = self.base(x)
         if lora_batch is None:
-            return y
+            return y if residual is None else residual + y
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
         if not self.backend.reads_stacked(x.shape[0], lora_batch.num_segments, sum(self.part_sizes)):
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
-        return self.backend.apply_packed(
-            x, lora_a, lora_bs, lora_batch, y, tp_size=self.tp_size,
+        target = y if residual is None else residual
+        out = self.backend.apply_packed(
+            x, lora_a, lora_bs, lora_batch, target, tp_size=self.tp_size,
             input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
         )
+        return out if residual is None else out + y
 
 
 def lora_b_name(part_name: str) -> str:

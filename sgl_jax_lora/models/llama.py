@@ -81,10 +81,10 @@ class DecoderLayer(nnx.Module):
         k = apply_rotary(k, batch.positions, self.inv_freq)
         k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
         attn = paged_attention(q, k_cache[layer], v_cache[layer], batch, self.page_size, self.head_dim**-0.5)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1), batch.lora)
+        hidden = self.o_proj(attn.reshape(num_tokens, -1), batch.lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)
         gate, up = split_packed(self.gate_up_proj(x, batch.lora), self.gate_up_proj.part_sizes, self.tp_size)
-        hidden = hidden + self.down_proj(jax.nn.silu(gate) * up, batch.lora)
+        hidden = self.down_proj(jax.nn.silu(gate) * up, batch.lora, residual=hidden)
         return hidden, KVCache(k=k_cache, v=v_cache)
 
 

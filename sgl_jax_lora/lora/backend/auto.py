@@ -26,13 +26,10 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 # in docs/benchmarks.md ("LoRA kernels", "Decode: backend per module"); docs/lora_backends.md gives the
 # per-row reasoning. Token buckets between 256 and 2048 were not measured and take the T = 256 choice.
 _ANY = 1 << 30
-WIDE_OUT = 16384  # gate|up of Llama-3-8B (28672) is wide; q|k|v (6144), o and down (4096) are not
 GPU_RULES: tuple[tuple[int, int, int, str], ...] = (
     (1, 1, 0, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
     (16, _ANY, 0, "bgmv"),  # small decode buckets: gate|up T=8: bgmv 1.05-1.09 vs pallas 1.15-1.16
-    (64, 4, 0, "pallas"),  # T=32/64, 1-3 adapters; 32-layer serving, 1 adapter: +1.66 vs +2.62 ms/step before
-    (64, _ANY, WIDE_OUT, "pallas"),  # gate|up T=32/64: pallas 1.14-1.29 vs bgmv 1.19-1.51
-    (64, _ANY, 0, "bgmv"),  # best or within noise in every other T <= 64 row (o: 1.32 vs pallas 1.72)
+    (64, _ANY, 0, "pallas"),  # T=32/64: 8-layer decode forward, 32 adapters: +0.24 ms vs +0.48 (bgmv q|k|v, o, down)
     (1024, 1, 0, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
     (1024, _ANY, 0, "pallas"),  # T=256: best or tied in 7 of 8 multi-segment rows
     (4096, 4, 0, "sgmv"),  # prefill <= 4 segments up to T=4096: sgmv 1.13 / 1.17 vs pallas 1.34 / 1.25

@@ -75,10 +75,12 @@ class PallasBackend(LoRABackend):
             return fn
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
+    def _is_split(self, input_sharded: bool) -> bool:
+        """Whether `in` is split over several devices, so that the shrink's partial sums need an all-reduce."""
+        return input_sharded and self.mesh is not None and self.mesh.size > 1
+
     def _psum(self, value: jax.Array, input_sharded: bool) -> jax.Array:
-        if input_sharded and self.mesh is not None and self.mesh.size > 1:
-            return jax.lax.psum(value, TENSOR_AXIS)
-        return value
+        return jax.lax.psum(value, TENSOR_AXIS) if self._is_split(input_sharded) else value
 
     # -- local (per-shard) kernels ----------------------------------------------------------------------------
 
@@ -175,7 +177,7 @@ class PallasBackend(LoRABackend):
 
         def local(x, lora_a, lora_b, lora, *base):
             s = self._local_shrink_partials(x, lora_a, lora, lora_a.shape[1])
-            if input_sharded:
+            if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
                 s = self._psum(s.sum(0), True)
             return self._local_expand(s, (lora_b,), lora, lora.slot_scale, base[0] if base else None, out_dtype)
 
@@ -211,7 +213,7 @@ class PallasBackend(LoRABackend):
         def local(x, lora_a, lora, y, layer, *lora_bs):
             # per shard, the packed output is [part 0 | part 1 | ...] of each part's local columns
             s = self._local_shrink_partials(x, lora_a, lora, max_rank, layer)
-            if input_sharded:
+            if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
                 s = self._psum(s.sum(0), True)
             return self._local_expand(s, lora_bs, lora, lora.slot_scale, y, y.dtype, layer)
 
