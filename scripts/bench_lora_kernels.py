@@ -14,6 +14,8 @@ bandwidth of the whole LoRA-wrapped layer (W + adapters present + x + y bytes ov
 dependencies; `--concurrent` compiles both functions with XLA's concurrent GPU kernel scheduling, as the
 engine's forward is compiled on GPU, which then overlaps a LoRA shrink with its layer's base GEMM. Compare
 the two only with `--chain`: with unchained layers concurrency would overlap whole layers, base GEMMs included.
+`--residual` (with `--chain`) gives each layer the engine's row-parallel form (o, down): h = (h + delta) + h @ W,
+the LoRA delta added into the residual, so its kernels need not wait for the GEMM; the base chain is h + h @ W.
 
 Usage: python scripts/bench_lora_kernels.py --grid full --json out.json
 Uses the kernels and backends directly; builds no model.
@@ -144,17 +146,18 @@ def run(args) -> list[dict]:
         x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
 
         chain = args.chain and in_dim == out_dim
+        residual = chain and args.residual
         jit = functools.partial(jax.jit, compiler_options=CONCURRENT_GPU_KERNELS if args.concurrent else None)
 
         @jit
         def base_fn(x, ws):
             if chain:
                 for w in ws:
-                    x = x @ w
+                    x = x + x @ w if residual else x @ w
                 return x
             return [x @ w for w in ws]
 
-        row["chained"] = chain
+        row["chained"], row["residual"] = chain, residual
         base_key = (shape, num_tokens)
         if base_key not in base_cache:
             base_cache[base_key] = time_fn(base_fn, (x, ws), args.min_seconds)
@@ -172,7 +175,10 @@ def run(args) -> list[dict]:
             def lora_fn(x, ws, as_, bs, lora, backend=backend):
                 if chain:
                     for w, a, b in zip(ws, as_, bs):
-                        x = backend.apply(x, a, b, lora, base_out=x @ w)
+                        if residual:
+                            x = backend.apply(x, a, b, lora, base_out=x) + x @ w
+                        else:
+                            x = backend.apply(x, a, b, lora, base_out=x @ w)
                     return x
                 return [backend.apply(x, a, b, lora, base_out=x @ w) for w, a, b in zip(ws, as_, bs)]
 
@@ -220,17 +226,20 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=None)
     parser.add_argument("--chain", action="store_true",
                         help="square shapes (q/o): each layer's output is the next layer's input, as in a model")
+    parser.add_argument("--residual", action="store_true",
+                        help="with --chain: h = (h + LoRA delta) + h @ W, the engine's form for o and down")
     parser.add_argument("--concurrent", action="store_true",
                         help="compile with XLA's concurrent GPU kernel scheduling, as the engine does on GPU")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
-          f"chain {args.chain}, concurrent {args.concurrent}", flush=True)
+          f"chain {args.chain}, residual {args.residual}, concurrent {args.concurrent}", flush=True)
     backends = args.backends.split(",")
     print_header(backends)
     results = run(args)
     if args.json:
         args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                                             layers=args.layers, chain=args.chain, concurrent=args.concurrent,
+                                             layers=args.layers, chain=args.chain, residual=args.residual,
+                                             concurrent=args.concurrent,
                                              rows=results), indent=1))
     print("\nsummary (same rows):", flush=True)
     print_header(backends)

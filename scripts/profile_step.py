@@ -5,7 +5,9 @@
 Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapters` random rank-16 adapters on
 all 7 projections, one per request round-robin), brings `--batch` requests to the step being profiled, then
 (1) times the forward alone, logits + sampling alone and building the batch on the host, and (2) records
-`--steps` forwards with jax.profiler (perfetto trace) and prints the ops with the most device time.
+`--steps` forwards with jax.profiler (perfetto trace) and prints the ops with the most device time and the
+device span of a forward (first op start to last op end: under concurrent kernel scheduling ops overlap, and
+the span, not the summed op time, is what a forward costs); `--json` also gets the last forward's timeline.
 Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it is timed without the step's
 scheduling; decode mode also times whole engine steps.
 """
@@ -42,25 +44,61 @@ def timed(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def summarize_trace(trace_dir: str, top: int = 25) -> tuple[list[tuple[str, float, int]], float, int]:
-    """The latest trace's (op name, device ms, count) rows of the ops with the most device time, and the
-    device ms and op count of all its ops."""
+def device_ops(trace_dir: str) -> list[dict]:
+    """The device ops of the latest trace under trace_dir, by start time: {name, ts, dur (us), stream}."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-        return [], 0.0, 0
+        return []
     with gzip.open(max(files, key=os.path.getmtime)) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    meta = [e for e in events if e.get("ph") == "M"]
+    processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e.get("name") == "thread_name"}
+    ops = []
+    for e in events:
+        process = processes.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "dur" in e and ("gpu" in process.lower() or "/device:" in process):
+            stream = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            ops.append({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"]), "stream": stream})
+    return sorted(ops, key=lambda op: op["ts"])
+
+
+def summarize_trace(ops: list[dict], top: int = 25) -> tuple[list[tuple[str, float, int]], float, int]:
+    """(op name, device ms, count) rows of the ops with the most device time, and the device ms and op count
+    of all of them. Under concurrent kernel scheduling ops overlap, so device ms exceeds the device's span."""
     total: dict[str, float] = collections.Counter()
     count: dict[str, int] = collections.Counter()
-    for e in events:
-        process = names.get(e.get("pid"), "")
-        if e.get("ph") == "X" and "dur" in e and ("gpu" in process.lower() or "/device:" in process):
-            total[e["name"]] += e["dur"]
-            count[e["name"]] += 1
+    for op in ops:
+        total[op["name"]] += op["dur"]
+        count[op["name"]] += 1
     rows = [(n, total[n] / 1e3, count[n]) for n, _ in total.most_common(top)]
     return rows, sum(total.values()) / 1e3, sum(count.values())
+
+
+def split_forwards(ops: list[dict], gap_us: float = 300.0) -> list[list[dict]]:
+    """Device ops (by start time) grouped into forwards: a forward ends where no op runs for gap_us (the host's
+    turn between two forwards; inside one compiled forward the device does not idle that long)."""
+    forwards: list[list[dict]] = []
+    busy_until = float("-inf")
+    for op in ops:
+        if op["ts"] - busy_until > gap_us:
+            forwards.append([])
+        forwards[-1].append(op)
+        busy_until = max(busy_until, op["ts"] + op["dur"])
+    return forwards
+
+
+def span_us(forward: list[dict]) -> float:
+    """Device time from a forward's first op start to its last op end: its critical path on the device."""
+    return max(op["ts"] + op["dur"] for op in forward) - forward[0]["ts"]
+
+
+def timeline(forward: list[dict]) -> list[dict]:
+    """A forward's ops with start times relative to its first op (us), for reading what overlaps what."""
+    start = forward[0]["ts"]
+    return [{"start_us": op["ts"] - start, "dur_us": op["dur"], "stream": op["stream"], "name": op["name"]}
+            for op in forward]
 
 
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
@@ -138,14 +176,20 @@ def main() -> None:
     for _ in range(opts.steps):
         forward_only()
     jax.profiler.stop_trace()
-    top, total_ms, total_ops = summarize_trace(opts.out_dir, opts.top)
+    ops = device_ops(opts.out_dir)
+    top, total_ms, total_ops = summarize_trace(ops, opts.top)
     breakdown["device_ms_per_forward"] = total_ms / opts.steps
     breakdown["device_ops_per_forward"] = total_ops // opts.steps
-    print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops", flush=True)
+    forwards = split_forwards(ops)
+    if forwards:
+        breakdown["device_span_ms_per_forward"] = statistics.median(span_us(f) for f in forwards) / 1e3
+    print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops; device span "
+          f"{breakdown.get('device_span_ms_per_forward', 0):.3f} ms/forward over {len(forwards)} forwards", flush=True)
     for name, ms, n in top[:25]:
         print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
     if opts.json:
         breakdown["top_ops"] = [{"name": n, "ms_per_forward": ms / opts.steps, "count": c // opts.steps} for n, ms, c in top]
+        breakdown["timeline"] = timeline(forwards[-1]) if forwards else []  # the last traced forward, op by op
         with open(opts.json, "w") as f:
             json.dump(breakdown, f, indent=2)
 

@@ -27,10 +27,18 @@ def test_chained_rows_time_every_backend(tmp_path):
     assert result["chain"] is True and result["concurrent"] is False
     (row,) = result["rows"]
     assert (row["shape"], row["in_dim"], row["out_dim"], row["tokens"]) == ("qo", 128, 128, 64)
-    assert row["chained"] is True
+    assert row["chained"] is True and row["residual"] is False
+    assert set(row["ratio"]) == {"einsum", "bgmv"} and all(r > 0 for r in row["ratio"].values())
+
+
+def test_residual_chain_times_every_backend(tmp_path):
+    result = run_bench(tmp_path, "--chain", "--residual")
+    assert result["chain"] is True and result["residual"] is True
+    (row,) = result["rows"]
+    assert row["chained"] is True and row["residual"] is True
     assert set(row["ratio"]) == {"einsum", "bgmv"} and all(r > 0 for r in row["ratio"].values())
 
 
 def test_rows_are_unchained_by_default(tmp_path):
     (row,) = run_bench(tmp_path)["rows"]
-    assert row["chained"] is False and set(row["ratio"]) == {"einsum", "bgmv"}
+    assert row["chained"] is False and row["residual"] is False and set(row["ratio"]) == {"einsum", "bgmv"}

@@ -7,6 +7,10 @@ buffers (a donated, shape-stable update). At run time:
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
       (backend.apply_packed: one shrink on the stacked A, one expand per part into the packed output)
 
+The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
+`(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
+base GEMM (docs/architecture.md "GPU kernel scheduling").
+
 Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
 (lora/layer_stack.py); backends that read stacks in place get them as they are, the others one layer's slice.
 

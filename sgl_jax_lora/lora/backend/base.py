@@ -108,7 +108,10 @@ class LoRABackend(abc.ABC):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
-        """base_out + the LoRA delta of every part, in base_out's packed layout and dtype."""
+        """base_out + the LoRA delta of every part, in base_out's packed layout and dtype.
+
+        base_out is what the delta is added into: the layer's base output, or (row-parallel layers) the
+        residual stream, which LoRALinear adds the base output to afterwards."""
         max_rank = lora_bs[0].shape[2]
         shrunk = self.shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=max_rank)
         shrunk = shrunk * lora.slot_scale[lora.token_slot][:, None]

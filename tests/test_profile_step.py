@@ -1,0 +1,47 @@
+"""scripts/profile_step.py's trace reading on a hand-made perfetto trace: device ops only, forwards split at the
+host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from scripts.profile_step import device_ops, split_forwards, span_us, summarize_trace, timeline
+
+
+def write_trace(directory, ops: list[tuple[str, float, float, int]]) -> None:
+    """ops: (name, start us, duration us, stream tid) on the GPU process, plus one host op that must be ignored."""
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "Stream #9(Compute)"}},
+        {"ph": "X", "name": "host_dispatch", "pid": 2, "tid": 1, "ts": 500.0, "dur": 400.0},
+    ]
+    events += [{"ph": "X", "name": n, "pid": 1, "tid": tid, "ts": ts, "dur": dur} for n, ts, dur, tid in ops]
+    (directory / "plugins").mkdir()
+    with gzip.open(directory / "plugins" / "step.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_forwards_split_at_host_gaps_and_span_counts_overlap_once(tmp_path):
+    write_trace(tmp_path, [
+        ("gemm", 0.0, 10.0, 7), ("shrink", 2.0, 25.0, 9), ("expand", 12.0, 5.0, 7),  # shrink overlaps both
+        ("gemm", 1000.0, 10.0, 7), ("expand", 1011.0, 5.0, 7),
+    ])
+    ops = device_ops(str(tmp_path))
+    assert [op["name"] for op in ops] == ["gemm", "shrink", "expand", "gemm", "expand"]
+    forwards = split_forwards(ops)
+    assert [len(f) for f in forwards] == [3, 2]
+    assert [span_us(f) for f in forwards] == [27.0, 16.0]
+    rows, total_ms, total_ops = summarize_trace(ops, top=2)
+    assert rows[0] == ("shrink", 0.025, 1) and total_ops == 5
+    assert total_ms == pytest.approx(0.055)  # summed op time: more than the spans' 0.043 ms
+    first = timeline(forwards[0])
+    assert first[1] == {"start_us": 2.0, "dur_us": 25.0, "stream": "Stream #9(Compute)", "name": "shrink"}
+
+
+def test_no_trace_gives_no_ops(tmp_path):
+    assert device_ops(str(tmp_path)) == [] and split_forwards([]) == []
