@@ -128,7 +128,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=10, help="calls averaged by each timing (after one warm-up call)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="calls per timing, which reports their median (after one warm-up call)")
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")

@@ -3,9 +3,10 @@ at trace time.
 
 Both buckets are static shapes (T = x.shape[0], G = lora.num_segments), and so is a module's output width
 (the sum of its parts' widths: q|k|v, gate|up), so the choice is made once per compiled bucket and layer
-module and costs nothing at run time. The table comes from scripts/bench_lora_kernels.py and
-scripts/tune_gpu_sgmv.py; the measurements behind it are in docs/benchmarks.md and the reasoning in
-docs/lora_backends.md. Platforms without measurements use the one-hot einsum baseline.
+module and costs nothing at run time. The table comes from scripts/bench_lora_kernels.py,
+scripts/tune_gpu_sgmv.py and, for decode buckets, whole-model forwards (scripts/profile_step.py); the
+measurements behind it are in docs/benchmarks.md and the reasoning in docs/lora_backends.md. Platforms
+without measurements use the one-hot einsum baseline.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 # (max tokens, max segments, min output width, backend): the first row that fits wins. From the H100 runs
-# in docs/benchmarks.md ("LoRA kernels", "Decode: backend per module"); docs/lora_backends.md gives the
+# in docs/benchmarks.md ("LoRA kernels", "Decode: backend per module", "Session 9"); docs/lora_backends.md gives the
 # per-row reasoning. Token buckets between 256 and 2048 were not measured and take the T = 256 choice.
 _ANY = 1 << 30
 GPU_RULES: tuple[tuple[int, int, int, str], ...] = (
