@@ -81,9 +81,9 @@ class LoRALinear(Linear):
         base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
         result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
         """
-        y = self.base(x)
         if lora_batch is None:
-            return y if residual is None else residual + y
+            return super().__call__(x, residual=residual)
+        y = self.base(x)
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
         if not self.backend.reads_stacked(x.shape[0], lora_batch.num_segments, sum(self.part_sizes)):

@@ -178,7 +178,7 @@ class PallasBackend(LoRABackend):
         def local(x, lora_a, lora_b, lora, *base):
             s = self._local_shrink_partials(x, lora_a, lora, lora_a.shape[1])
             if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
-                s = self._psum(s.sum(0), True)
+                s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
             return self._local_expand(s, (lora_b,), lora, lora.slot_scale, base[0] if base else None, out_dtype)
 
         x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
@@ -214,7 +214,7 @@ class PallasBackend(LoRABackend):
             # per shard, the packed output is [part 0 | part 1 | ...] of each part's local columns
             s = self._local_shrink_partials(x, lora_a, lora, max_rank, layer)
             if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
-                s = self._psum(s.sum(0), True)
+                s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
             return self._local_expand(s, lora_bs, lora, lora.slot_scale, y, y.dtype, layer)
 
         x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
