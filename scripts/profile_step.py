@@ -4,9 +4,9 @@
     python scripts/profile_step.py --mode extend --batch 8 --prompt-len 256 --lora-adapters 8 --lora-backend pallas
 Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapters` random rank-16 adapters on
 all 7 projections, one per request round-robin), brings `--batch` requests to the step being profiled, then
-(1) times the forward alone, logits + sampling alone and building the batch on the host, and (2) records
-`--steps` forwards with jax.profiler (perfetto trace) and prints the ops with the most device time and the
-device span of a forward (first op start to last op end: under concurrent kernel scheduling ops overlap, and
+(1) times the forward alone (and how long its call takes to return, before the device finishes), logits +
+sampling alone and building the batch on the host, and (2) records `--steps` forwards with jax.profiler
+(perfetto trace) and prints the ops with the most device time and the device span of a forward (first op start to last op end: under concurrent kernel scheduling ops overlap, and
 the span, not the summed op time, is what a forward costs); `--json` also gets the last forward's timeline.
 Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it is timed without the step's
 scheduling; decode mode also times whole engine steps.
@@ -41,6 +41,19 @@ def timed(fn, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def dispatch_time(fn, repeats: int) -> float:
+    """Median ms until fn returns, not waiting for its result (the host's share of a call: argument handling
+    and launching the program), after one warm-up call; each call's result is awaited outside the timing."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
     return 1e3 * statistics.median(times)
 
 
@@ -166,6 +179,7 @@ def main() -> None:
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),
+        "forward_dispatch_ms": dispatch_time(lambda: runner.forward(device_batch)[1], opts.repeats),
         "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling), opts.repeats),
         "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder),
                                      opts.repeats),

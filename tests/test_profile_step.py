@@ -1,14 +1,16 @@
 """scripts/profile_step.py's trace reading on a hand-made perfetto trace: device ops only, forwards split at the
-host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams."""
+host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams; the dispatch
+timing leaves out the wait for a call's result."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pytest
 
-from scripts.profile_step import device_ops, split_forwards, span_us, summarize_trace, timeline
+from scripts.profile_step import device_ops, dispatch_time, split_forwards, span_us, summarize_trace, timed, timeline
 
 
 def write_trace(directory, ops: list[tuple[str, float, float, int]]) -> None:
@@ -45,3 +47,19 @@ def test_forwards_split_at_host_gaps_and_span_counts_overlap_once(tmp_path):
 
 def test_no_trace_gives_no_ops(tmp_path):
     assert device_ops(str(tmp_path)) == [] and split_forwards([]) == []
+
+
+class SlowResult:
+    """A call's result that takes 30 ms to become ready, as a device computation would."""
+
+    def block_until_ready(self):
+        time.sleep(0.03)
+        return self
+
+
+def test_dispatch_time_leaves_out_the_wait_for_the_result():
+    calls = []
+    launch = lambda: calls.append(1) or SlowResult()  # noqa: E731
+    assert dispatch_time(launch, repeats=3) < 10.0  # ms: the 30 ms wait is outside the timing
+    assert len(calls) == 4  # one warm-up call, then one per repeat
+    assert timed(lambda: launch().block_until_ready(), repeats=1) >= 30.0
