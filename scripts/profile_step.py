@@ -6,10 +6,11 @@ Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapt
 all 7 projections, one per request round-robin), brings `--batch` requests to the step being profiled, then
 (1) times the forward alone (and how long its call takes to return, before the device finishes), logits +
 sampling alone and building the batch on the host, and (2) records `--steps` forwards with jax.profiler
-(perfetto trace) and prints the ops with the most device time and the device span of a forward (first op start to last op end: under concurrent kernel scheduling ops overlap, and
-the span, not the summed op time, is what a forward costs); `--json` also gets the last forward's timeline.
-Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it is timed without the step's
-scheduling; decode mode also times whole engine steps.
+(perfetto trace) and prints the ops with the most device time, the device span of a forward (first op start to
+last op end: under concurrent kernel scheduling ops overlap, and the span, not the summed op time, is what a
+forward costs) and its layer period (the median time from one layer's start to the next); `--json` also gets
+the last forward's timeline. Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it
+is timed without the step's scheduling; decode mode also times whole engine steps.
 """
 
 from __future__ import annotations
@@ -107,6 +108,22 @@ def span_us(forward: list[dict]) -> float:
     return max(op["ts"] + op["dur"] for op in forward) - forward[0]["ts"]
 
 
+def layer_period_us(forward: list[dict], num_layers: int) -> float | None:
+    """Median time between successive layers' starts in a forward: the starts of the op that runs once per layer
+    (its name occurs num_layers times) with the most device time. Steadier than span / layers: it leaves out the
+    work before the first layer and after the last, and a host gap inside the forward moves only one interval."""
+    count: dict[str, int] = collections.Counter(op["name"] for op in forward)
+    busy: dict[str, float] = collections.Counter()
+    for op in forward:
+        busy[op["name"]] += op["dur"]
+    per_layer = [name for name, n in count.items() if n == num_layers]
+    if num_layers < 2 or not per_layer:
+        return None
+    marker = max(per_layer, key=busy.__getitem__)
+    starts = [op["ts"] for op in forward if op["name"] == marker]
+    return statistics.median(b - a for a, b in zip(starts, starts[1:]))
+
+
 def timeline(forward: list[dict]) -> list[dict]:
     """A forward's ops with start times relative to its first op (us), for reading what overlaps what."""
     start = forward[0]["ts"]
@@ -198,8 +215,10 @@ def main() -> None:
     forwards = split_forwards(ops)
     if forwards:
         breakdown["device_span_ms_per_forward"] = statistics.median(span_us(f) for f in forwards) / 1e3
+        breakdown["layer_period_us"] = layer_period_us(forwards[-1], opts.num_layers)
     print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops; device span "
-          f"{breakdown.get('device_span_ms_per_forward', 0):.3f} ms/forward over {len(forwards)} forwards", flush=True)
+          f"{breakdown.get('device_span_ms_per_forward', 0):.3f} ms/forward over {len(forwards)} forwards; layer period "
+          f"{breakdown.get('layer_period_us') or 0:.1f} us", flush=True)
     for name, ms, n in top[:25]:
         print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
     if opts.json:

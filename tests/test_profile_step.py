@@ -1,6 +1,6 @@
 """scripts/profile_step.py's trace reading on a hand-made perfetto trace: device ops only, forwards split at the
 host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams; the dispatch
-timing leaves out the wait for a call's result."""
+timing leaves out the wait for a call's result; the layer period is read off the op that runs once per layer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from scripts.profile_step import device_ops, dispatch_time, split_forwards, span_us, summarize_trace, timed, timeline
+from scripts.profile_step import (
+    device_ops, dispatch_time, layer_period_us, split_forwards, span_us, summarize_trace, timed, timeline,
+)
 
 
 def write_trace(directory, ops: list[tuple[str, float, float, int]]) -> None:
@@ -63,3 +65,17 @@ def test_dispatch_time_leaves_out_the_wait_for_the_result():
     assert dispatch_time(launch, repeats=3) < 10.0  # ms: the 30 ms wait is outside the timing
     assert len(calls) == 4  # one warm-up call, then one per repeat
     assert timed(lambda: launch().block_until_ready(), repeats=1) >= 30.0
+
+
+def test_layer_period_follows_the_per_layer_op_with_the_most_time():
+    def op(name, ts, dur):
+        return {"name": name, "ts": ts, "dur": dur, "stream": "s"}
+
+    forward = [op("embed", 0.0, 5.0)]
+    for start in (10.0, 110.0, 230.0):  # layer intervals of 100 and 120 us (a host gap in the second)
+        forward += [op("attention", start, 50.0), op("norm", start + 90.0, 2.0)]
+    forward += [op("lm_norm", 330.0, 3.0)]
+    assert layer_period_us(forward, num_layers=3) == 110.0  # median of 100 and 120, read off "attention"
+    forward[3]["name"] = "attention_2"  # XLA named one layer's op apart: only "norm" still runs once per layer
+    assert layer_period_us(forward, num_layers=3) == 110.0
+    assert layer_period_us(forward, num_layers=4) is None
