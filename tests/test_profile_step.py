@@ -72,10 +72,10 @@ def test_layer_period_follows_the_per_layer_op_with_the_most_time():
         return {"name": name, "ts": ts, "dur": dur, "stream": "s"}
 
     forward = [op("embed", 0.0, 5.0)]
-    for start in (10.0, 110.0, 230.0):  # layer intervals of 100 and 120 us (a host gap in the second)
-        forward += [op("attention", start, 50.0), op("norm", start + 90.0, 2.0)]
+    for start, norm_at in ((10.0, 90.0), (110.0, 90.0), (230.0, 60.0)):  # layers 100 and 120 us apart
+        forward += [op("attention", start, 50.0), op("norm", start + norm_at, 2.0)]
     forward += [op("lm_norm", 330.0, 3.0)]
     assert layer_period_us(forward, num_layers=3) == 110.0  # median of 100 and 120, read off "attention"
     forward[3]["name"] = "attention_2"  # XLA named one layer's op apart: only "norm" still runs once per layer
-    assert layer_period_us(forward, num_layers=3) == 110.0
+    assert layer_period_us(forward, num_layers=3) == 95.0  # norms 100 and 90 us apart
     assert layer_period_us(forward, num_layers=4) is None
