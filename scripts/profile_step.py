@@ -10,7 +10,8 @@ sampling alone and building the batch on the host, and (2) records `--steps` for
 last op end: under concurrent kernel scheduling ops overlap, and the span, not the summed op time, is what a
 forward costs) and its layer period (the median time from one layer's start to the next); `--json` also gets
 the last forward's timeline. Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it
-is timed without the step's scheduling; decode mode also times whole engine steps.
+is timed without the step's scheduling; decode mode also times whole engine steps. `--pallas-variant` runs the
+engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir, submit  # noqa: E402
+from scripts.tune_gpu_sgmv import VARIANTS as TILE_VARIANTS  # noqa: E402
+from scripts.tune_gpu_sgmv import patched_choose_tiles  # noqa: E402
+from sgl_jax_lora.lora.backend import pallas as pallas_backend  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
@@ -164,12 +168,17 @@ def main() -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--layers-per-scan-step", type=int, default=0)
+    parser.add_argument("--pallas-variant", default="default", choices=tuple(TILE_VARIANTS),
+                        help="GPU kernel tile variant (scripts/tune_gpu_sgmv.py) for every Pallas LoRA call of the "
+                             "engine: tunes the kernels inside the model, beside the GEMMs they share the GPU with")
     parser.add_argument("--num-layers", type=int, default=LLAMA3_8B["num_hidden_layers"],
                         help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)")
     parser.add_argument("--out-dir", default="/tmp/profile")
     parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
     parser.add_argument("--top", type=int, default=25, help="ops (by device time) printed and written to --json")
     opts = parser.parse_args()
+    if opts.pallas_variant != "default":  # before the engine traces its forward
+        pallas_backend.choose_tiles = patched_choose_tiles(TILE_VARIANTS[opts.pallas_variant])
     core, lora_ids = build_engine(opts)
     args = core.args
     submit(core, opts.batch, opts.prompt_len, 200, lora_ids, seed=0)
@@ -192,7 +201,7 @@ def main() -> None:
     sampling = batch.to_sampling_batch(forward_batch.num_seqs)
     breakdown = {
         "mode": opts.mode, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
-        "lora_backend": opts.lora_backend if lora_ids else None,
+        "lora_backend": opts.lora_backend if lora_ids else None, "pallas_variant": opts.pallas_variant,
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),

@@ -55,6 +55,7 @@ VARIANTS = {
     "out_64": {"block_out": 64},
     "splits_x2": {"in_splits": "x2"},
     "splits_half": {"in_splits": "half"},
+    "in_128": {"block_in": 128},
 }
 
 
