@@ -38,25 +38,17 @@ from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
 
-def timed(fn, repeats: int) -> float:
-    """Median ms of `repeats` calls of fn (each call waits for its result), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def dispatch_time(fn, repeats: int) -> float:
-    """Median ms until fn returns, not waiting for its result (the host's share of a call: argument handling
-    and launching the program), after one warm-up call; each call's result is awaited outside the timing."""
+def timed(fn, repeats: int, wait: bool = True) -> float:
+    """Median ms of `repeats` calls of fn, after one warm-up call. wait=True times each call to its result;
+    wait=False times only until fn returns (the host's share of a call: argument handling and launching the
+    program), and awaits each result outside the timing."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
+        if wait:
+            jax.block_until_ready(out)
         times.append(time.perf_counter() - start)
         jax.block_until_ready(out)
     return 1e3 * statistics.median(times)
@@ -205,7 +197,7 @@ def main() -> None:
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),
-        "forward_dispatch_ms": dispatch_time(lambda: runner.forward(device_batch)[1], opts.repeats),
+        "forward_dispatch_ms": timed(lambda: runner.forward(device_batch)[1], opts.repeats, wait=False),
         "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling), opts.repeats),
         "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder),
                                      opts.repeats),

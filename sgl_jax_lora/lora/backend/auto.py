@@ -30,7 +30,7 @@ _ANY = 1 << 30
 GPU_RULES: tuple[tuple[int, int, int, str], ...] = (
     (1, 1, 0, "sgmv"),  # T=1, one segment: sgmv 1.22 vs bgmv 1.60
     (16, _ANY, 0, "bgmv"),  # small decode buckets: gate|up T=8: bgmv 1.05-1.09 vs pallas 1.15-1.16
-    (64, _ANY, 0, "pallas"),  # T=32/64: 8-layer decode forward, 32 adapters: +0.24 ms vs +0.48 (bgmv q|k|v, o, down)
+    (64, _ANY, 0, "pallas"),  # T=32/64: 8-layer decode forward, 32 adapters: 3.96 ms vs 4.17 (bgmv q|k|v, o, down)
     (1024, 1, 0, "sgmv"),  # T=256, one segment: sgmv 1.24 vs pallas 1.36
     (1024, _ANY, 0, "pallas"),  # T=256: best or tied in 7 of 8 multi-segment rows
     (4096, 4, 0, "sgmv"),  # prefill <= 4 segments up to T=4096: sgmv 1.13 / 1.17 vs pallas 1.34 / 1.25
