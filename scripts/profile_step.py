@@ -10,7 +10,8 @@ sampling alone and building the batch on the host, and (2) records `--steps` for
 last op end: under concurrent kernel scheduling ops overlap, and the span, not the summed op time, is what a
 forward costs) and its layer period (the median time from one layer's start to the next); `--json` also gets
 the last forward's timeline. Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it
-is timed without the step's scheduling; decode mode also times whole engine steps. `--pallas-variant` runs the
+is timed without the step's scheduling; decode mode also times whole engine steps, with the overlap schedule and
+without it (each step finished before the next is scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 """
 
@@ -203,7 +204,9 @@ def main() -> None:
                                      opts.repeats),
     }
     if opts.mode == "decode":
-        breakdown["engine_step_ms"] = timed(core.step, opts.repeats)
+        breakdown["engine_step_ms"] = timed(core.step, opts.repeats)  # overlap schedule (the default)
+        args.disable_overlap_schedule = True  # read by every step: the same engine, each step finished before the next
+        breakdown["engine_step_no_overlap_ms"] = timed(core.step, opts.repeats)
     print(json.dumps(breakdown), flush=True)
     jax.profiler.start_trace(opts.out_dir, create_perfetto_trace=True)
     for _ in range(opts.steps):

@@ -13,7 +13,7 @@ import collections
 import numpy as np
 import pytest
 
-from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.managers.scheduler import MAX_TIMES_SKIPPED, Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -67,9 +67,9 @@ def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -
     return Scheduler(buckets, PageAllocator(num_pages, 4), 8, 32, max_prefill_seqs, adapter_slots=slots)
 
 
-def req(rid: str, length: int = 5, adapter: str | None = None, t: float = 0.0) -> Req:
-    return Req(rid=rid, input_ids=list(range(2, 2 + length)), sampling=SamplingParams(max_new_tokens=4), seed=0,
-               lora_slot_key=adapter, arrival_time=t)
+def req(rid: str, length: int = 5, adapter: str | None = None, t: float = 0.0, max_new_tokens: int = 4) -> Req:
+    return Req(rid=rid, input_ids=list(range(2, 2 + length)), sampling=SamplingParams(max_new_tokens=max_new_tokens),
+               seed=0, lora_slot_key=adapter, arrival_time=t)
 
 
 def finish_prefill(batch) -> None:
@@ -155,7 +155,7 @@ def test_skewed_backlog_keeps_the_running_batch_full():
     buckets = Buckets.build(max_running, 32, 4, 256, 4)
     sched = Scheduler(buckets, PageAllocator(4096, 4), max_running, 32, 4, adapter_slots=slots)
     for i, adapter in enumerate(adapters):
-        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i))
+        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
     decode_steps = run_to_completion(sched, output_len)
     fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
     assert decode_steps <= 1.15 * fewest, (decode_steps, fewest)
@@ -178,6 +178,22 @@ def test_a_request_passed_over_too_often_goes_first():
             sched.finish(r)
     assert starving in batch.reqs
     assert starving.times_skipped == MAX_TIMES_SKIPPED + 1
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
+    # Overlap schedule: the step that samples a request's last allowed token is advanced before the token lands.
+    sched = make_scheduler()
+    last, more = req("last", max_new_tokens=2), req("more", max_new_tokens=3)
+    for r in (last, more):
+        sched.add(r)
+    finish_prefill(sched.schedule())
+    assert [r.rid for r in sched.schedule().reqs] == ["last", "more"]
+    for r in (last, more):
+        r.num_computed += 1
+        r.output_ids.append(PENDING_TOKEN)
+    assert [r.rid for r in sched.schedule().reqs] == ["more"]
+    sched.finish(last)  # its token lands: length stop
+    assert sched.running == [more]
 
 
 def test_decode_out_of_pages_preempts_the_newest_request():

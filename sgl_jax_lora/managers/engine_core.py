@@ -1,11 +1,15 @@
 """EngineCore: the device loop of one engine process: admit requests, schedule, run, postprocess.
 
-Flow of one step (`step()`):
-    batch = scheduler.schedule()
-    forward_batch = batch.to_forward_batch(...)          # padded to a compiled bucket
-    hidden, last_hidden = runner.forward(forward_batch)
-    prompt logprobs (if asked) + sample (if any request finishes its prefill or decodes)
-    outputs = self._postprocess(batch, ...)               # append tokens, stop checks, free pages
+Flow of one step (`step()`), overlap schedule (the default):
+    batch = scheduler.schedule()                          # while the previous step still runs on the device
+    forward_batch = batch.to_forward_batch(...)           # padded to a compiled bucket
+    launched = _launch(...)                               # forward + sampling dispatched, not waited for; tokens
+                                                          # of the previous step are read on the device
+    outputs = _finish(previous step)                      # its tokens reach the host: stop checks, free pages
+    _advance(launched)                                    # the new step's tokens become pending (req.py)
+so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
+finishes itself before `step()` returns. Penalties (computed on the host from the output ids) wait for the
+previous step first.
 Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental output dicts.
 """
 
@@ -22,7 +26,7 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.managers.step_stats import StepStats
@@ -30,12 +34,20 @@ from sgl_jax_lora.managers.stop_checker import StopChecker
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
-from sgl_jax_lora.model_executor.model_runner import ModelRunner
+from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedStep:
+    """A step on the device whose sampled tokens have not been read yet."""
+
+    batch: ScheduleBatch
+    sampled: LaunchedSample | None  # None: no request samples (prefill chunks only)
 
 
 class EngineCore:
@@ -75,6 +87,7 @@ class EngineCore:
         self.num_requests_served = 0
         self.step_stats = StepStats()
         self.last_step_idle = False
+        self.in_flight: LaunchedStep | None = None  # the step launched by the last `step()`, tokens not yet read
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -124,31 +137,55 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[dict]:
+        """Schedule and launch a step, then finish the step launched before it (overlap schedule: the device runs
+        the new step while the host takes the previous one's tokens); without overlap, finish the new step."""
         start = time.perf_counter()
+        prev, self.in_flight = self.in_flight, None
         batch = self.scheduler.schedule()
-        self.last_step_idle = batch is None  # requests may be waiting on an adapter prefetch or on pages
+        self.last_step_idle = batch is None and prev is None  # requests may be waiting on an adapter prefetch or pages
+        outputs: list[dict] = []
         if batch is None:
-            return []
+            return self._finish(prev) if prev is not None else outputs
+        if prev is not None and any(r.sampling.uses_penalties for r in batch.reqs):
+            outputs += self._finish(prev)  # penalties read the output ids on the host: they must all be there
+            prev = None
         scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
         prepared = time.perf_counter()
-        outputs = self._run(batch, forward_batch)
+        launched = self._launch(batch, forward_batch, prev)
+        if prev is not None:
+            outputs += self._finish(prev)
+        self._advance(launched)
+        if self.args.disable_overlap_schedule:
+            outputs += self._finish(launched)
+        else:
+            self.in_flight = launched
         self.step_stats.record(batch.is_decode, sum(batch.num_new_tokens), scheduled - start, prepared - scheduled,
                                time.perf_counter() - prepared)
         return outputs
 
-    def _run(self, batch: ScheduleBatch, forward_batch) -> list[dict]:
-        hidden, last_hidden = self.runner.forward(forward_batch)
+    def _launch(self, batch: ScheduleBatch, forward_batch, prev: LaunchedStep | None) -> LaunchedStep:
+        """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
+        prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
+        hidden, last_hidden = self.runner.forward(forward_batch, prev_ids)
         if not batch.is_decode:
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
-        samplers = batch.sampling_reqs()
         sampled = None
-        if samplers:
-            num_seqs = forward_batch.num_seqs
+        if batch.sampling_reqs():
             uses_penalties = any(r.sampling.uses_penalties for r in batch.reqs)
             penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if uses_penalties else None
-            sampled = self.runner.sample(last_hidden, batch.to_sampling_batch(num_seqs), penalty_rows)
-        return self._postprocess(batch, sampled)
+            sampled = self.runner.launch_sample(last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), penalty_rows)
+        return LaunchedStep(batch, sampled)
+
+    def _advance(self, step: LaunchedStep) -> None:
+        """Move the step's requests past its tokens before they reach the host: each sampled token is pending."""
+        for i, (req, n) in enumerate(zip(step.batch.reqs, step.batch.num_new_tokens)):
+            if req.finished:  # stopped by the previous step's token, or aborted: this step's token is dropped
+                continue
+            req.num_computed += n
+            if step.batch.is_decode or req.num_computed == req.seq_len:
+                req.output_ids.append(PENDING_TOKEN)
+                req.pending_row = i
 
     def _collect_prompt_logprobs(self, batch: ScheduleBatch, hidden, num_tokens: int) -> None:
         wanted = [(i, r) for i, r in enumerate(batch.reqs) if r.return_logprob and r.num_computed < len(r.input_ids)]
@@ -178,13 +215,16 @@ class EngineCore:
                 req.input_token_logprobs.append((float(result["logprobs"][row]), req.input_ids[position], top))
                 req.next_prompt_logprob_pos += 1
 
-    def _postprocess(self, batch: ScheduleBatch, sampled: dict | None) -> list[dict]:
+    def _finish(self, step: LaunchedStep) -> list[dict]:
+        """The step's sampled tokens reach the host: replace each pending token, check stops, emit outputs."""
+        sampled = self.runner.fetch(step.sampled) if step.sampled is not None else None
         outputs = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
-            req.num_computed += n
-            if batch.is_decode or req.num_computed == req.seq_len:
+        for i, req in enumerate(step.batch.reqs):
+            if req.finished:  # finished before this step's token landed: it was sent then
+                continue
+            if req.output_ids and req.output_ids[-1] == PENDING_TOKEN:  # this step's token (the next is not advanced yet)
                 token = int(sampled["next_ids"][i])
-                req.output_ids.append(token)
+                req.output_ids[-1] = token
                 if req.return_logprob:
                     top = _top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
                     req.output_token_logprobs.append((float(sampled["next_logprobs"][i]), token, top))
@@ -196,21 +236,23 @@ class EngineCore:
         return outputs
 
     def _output_of(self, req: Req) -> dict:
+        output_ids = req.resolved_output_ids  # an abort can come while a token is in flight
         out = {
             "rid": req.rid,
-            "new_ids": req.output_ids[req.num_sent_outputs :],
+            "new_ids": output_ids[req.num_sent_outputs :],
             "new_output_logprobs": req.output_token_logprobs[req.num_sent_outputs :] if req.return_logprob else [],
             "new_input_logprobs": req.input_token_logprobs[req.num_sent_input_logprobs :],
             "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
+            "completion_tokens": len(output_ids),
             "finish_reason": req.finish_reason,
         }
-        req.num_sent_outputs = len(req.output_ids)
+        req.num_sent_outputs = len(output_ids)
         req.num_sent_input_logprobs = len(req.input_token_logprobs)
         return out
 
     def fail_running(self, message: str) -> list[dict]:
         """After a step raised: finish every running request with an error, keep the waiting ones."""
+        self.in_flight = None
         outputs = []
         for req in list(self.scheduler.running):
             self.scheduler.finish(req)

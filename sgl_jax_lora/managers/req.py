@@ -7,6 +7,11 @@ Token bookkeeping: `all_ids` = prompt + outputs; `num_computed` tokens of all_id
 A running (decoding) Req always has num_computed == len(all_ids) - 1: its last sampled token is fed next.
 A preempted Req drops its pages, resets num_computed to 0 and is prefilled again over all_ids but the
 last token, which the next decode step feeds as usual.
+
+Overlap schedule (engine_core.py): a launched step advances its requests at once, before its tokens reach
+the host; each sampled token is then `PENDING_TOKEN` at the end of output_ids, and `pending_row` is its row in
+that step's sampled ids, from which the next step reads it on the device. It is always the last entry of
+all_ids, which prefill never feeds, and the step's postprocess overwrites it with the real id.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import dataclasses
 import time
 
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
+
+PENDING_TOKEN = -1  # an output token sampled by a step whose results have not reached the host yet
 
 
 @dataclasses.dataclass(eq=False)  # identity: queues compare requests by object, never field by field
@@ -31,6 +38,7 @@ class Req:
     # progress
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
+    pending_row: int = -1  # row of the PENDING_TOKEN at the end of output_ids in its step's sampled ids
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: dict | None = None
     times_skipped: int = 0  # how often admission passed this request over (bounded; see scheduler)
@@ -58,6 +66,18 @@ class Req:
     @property
     def is_prefilling(self) -> bool:
         return self.remaining_prefill > 0
+
+    @property
+    def out_of_new_tokens(self) -> bool:
+        """Its last allowed token is sampled (maybe still in flight): it finishes by length, no step feeds it."""
+        return len(self.output_ids) >= self.sampling.max_new_tokens
+
+    @property
+    def resolved_output_ids(self) -> list[int]:
+        """output_ids without a PENDING_TOKEN at the end."""
+        if self.output_ids and self.output_ids[-1] == PENDING_TOKEN:
+            return self.output_ids[:-1]
+        return self.output_ids
 
     @property
     def max_seq_len(self) -> int:

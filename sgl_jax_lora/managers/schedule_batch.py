@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
-from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.model_executor.buckets import Buckets, extend_query_layout, pick
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
@@ -87,6 +87,7 @@ class ScheduleBatch:
             last_token_index=last_token_index,
             lora=lora_builder(token_slot),
             is_decode=self.is_decode,
+            input_from_prev=np.full(num_tokens, -1, np.int32),  # prefill never feeds a pending token (req.py)
         )
 
     def _decode_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
@@ -96,9 +97,14 @@ class ScheduleBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         input_ids = np.zeros(num_seqs, np.int32)
         page_table = np.zeros((num_seqs, num_pages), np.int32)
+        input_from_prev = np.full(num_seqs, -1, np.int32)
         for i, req in enumerate(self.reqs):
             seq_lens[i] = req.seq_len
-            input_ids[i] = req.output_ids[-1] if req.output_ids else req.input_ids[-1]
+            token = req.output_ids[-1] if req.output_ids else req.input_ids[-1]
+            if token == PENDING_TOKEN:  # sampled by the step in flight: read on the device
+                input_from_prev[i] = req.pending_row
+            else:
+                input_ids[i] = token
             page_table[i, : len(req.pages)] = req.pages
         positions = np.maximum(seq_lens - 1, 0)
         rows = np.arange(num_seqs, dtype=np.int32)
@@ -119,6 +125,7 @@ class ScheduleBatch:
             last_token_index=rows,
             lora=lora_builder(token_slot),
             is_decode=True,
+            input_from_prev=input_from_prev,
         )
 
     def sampling_reqs(self) -> list[Req]:
@@ -140,7 +147,7 @@ class ScheduleBatch:
             params = req.sampling
             temperature[i] = 0.0 if params.is_greedy else params.temperature
             top_p[i], top_k[i], min_p[i] = params.top_p, max(params.top_k, 0), params.min_p
-            seeds[i], steps[i] = req.seed % (2**32), len(req.output_ids)
+            seeds[i], steps[i] = req.seed % (2**32), len(req.output_ids)  # a pending token counts: same as without overlap
         needs_top = any(r.return_logprob and r.top_logprobs_num > 0 for r in rows)
         return SamplingBatch(
             temperature=temperature,

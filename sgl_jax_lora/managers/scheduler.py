@@ -14,6 +14,10 @@ limit, caps the batch (docs/lora.md "Scheduling and fairness"). A request is pas
 that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first, may evict
 any adapter that no running request uses and, if it still cannot join, blocks admission of others until it
 gets in, so nothing waits forever.
+
+Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
+requests are already advanced, their sampled tokens pending. A request may then turn out finished (a stop
+token) after the next step took it; that step's token for it is dropped.
 """
 
 from __future__ import annotations
@@ -82,9 +86,7 @@ class Scheduler:
         self._release(req)
 
     def finish(self, req: Req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        self._release(req)
+        self._remove(req)  # running, or waiting when preempted while its last token was in flight
 
     def _release(self, req: Req) -> None:
         self.allocator.free(req.pages)
@@ -164,7 +166,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         batch = ScheduleBatch(is_decode=True, reqs=[], num_new_tokens=[], token_slots=[])
-        for req in [r for r in self.running if not r.is_prefilling]:
+        # A request whose last allowed token is still in flight (overlap schedule) finishes when it lands.
+        for req in [r for r in self.running if not r.is_prefilling and not r.out_of_new_tokens]:
             if req not in self.running:  # preempted while making room for an earlier one
                 continue
             if len(batch.reqs) == self.buckets.decode_seqs[-1]:

@@ -4,8 +4,9 @@ Flow: EngineCore.step() times its three phases and calls `record`; `server_info(
 totals (and /metrics exports them as counters). Phases:
     schedule_s  Scheduler.schedule(), which includes writing adapters into device slots (LoRA loads)
     prepare_s   ScheduleBatch -> ForwardBatch (padding, page tables, LoRABatch) on the host
-    run_s       forward + sampling + postprocess; ends when the sampled ids reach the host, so it holds the
-                device time of the step
+    run_s       launching forward + sampling, then finishing a step (its sampled ids reach the host: stop checks,
+                outputs): the previous one under the overlap schedule, this one without; either way it holds the
+                wait for the device
 The totals are plain sums since the engine started; a benchmark takes the difference of two readings.
 """
 

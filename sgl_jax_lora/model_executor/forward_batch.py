@@ -3,7 +3,8 @@
 Flow:
   Scheduler builds a ScheduleBatch (host, python objects)
     -> ScheduleBatch.to_forward_batch(bucket) pads everything to a compiled bucket (numpy)
-    -> ModelRunner.forward(params, kv_cache, forward_batch) (one host->device transfer of this pytree)
+    -> ModelRunner.forward(params, kv_cache, forward_batch, prev_ids) (one host->device transfer of this pytree;
+       tokens sampled by the step still in flight come from `prev_ids` on the device, see `input_from_prev`)
     -> model layers read the fields they need; LoRALinear layers read `lora`.
 
 Static facts (the bucket) are meta fields, so each bucket is its own compiled program; arrays are data
@@ -38,6 +39,10 @@ class ForwardBatch:
     last_token_index: jax.Array  # [S] i32  flat index of each sequence's last token (its logits are sampled)
     lora: LoRABatch | None  # per-token adapter slots and segments; None when LoRA is disabled
     is_decode: bool  # meta: decode step (one new token per sequence) vs extend (prefill chunk)
+    # [T] i32: row of the previous step's sampled ids that holds this token's id, for a token sampled by the
+    # step still in flight (overlap schedule; its id is not on the host yet); -1: input_ids holds the id.
+    # None: every id is in input_ids (callers outside the engine loop).
+    input_from_prev: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +67,7 @@ jax.tree_util.register_dataclass(
         "token_row",
         "last_token_index",
         "lora",
+        "input_from_prev",
     ],
     meta_fields=["is_decode"],
 )

@@ -1,14 +1,19 @@
 """ModelRunner: owns the model state, the KV cache and the jitted step functions on the mesh.
 
 Flow (per step, called by the engine loop):
-  forward(forward_batch)            -> hidden [T, E] on device (kv donated and replaced)
-  sample(hidden, rows, sampling)    -> next ids / logprobs on the host
+  forward(forward_batch, prev_ids)  -> hidden [T, E] on device (kv donated and replaced); token ids still in
+                                       flight come from prev_ids, the previous step's `carried_ids`
+  launch_sample(last_hidden, sampling) -> LaunchedSample: sampled ids / logprobs on the device, copying to the
+                                       host, and carried_ids [M] for the next forward
+  fetch(launched)                   -> next ids / logprobs on the host (waits for the device)
   prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
 Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -17,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
@@ -54,14 +59,22 @@ class ModelRunner:
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
         self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
         self._logits = jax.jit(self._logits_impl)
-        self._sample = jax.jit(sample)
+        # Sampled ids cross to the next forward as one replicated [M] array, M = the most rows a step samples,
+        # so that every forward sees the same argument shape and sharding whichever step came before.
+        self.max_sample_rows = max(args.max_running_requests, args.max_prefill_seqs)  # bucket sizes are capped at these
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._sample = jax.jit(functools.partial(_sample_and_carry, self.max_sample_rows, self._replicated))
+        self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
 
     # ---- jitted bodies -------------------------------------------------------------------------
     def _model(self, state: nnx.State, lora_state: nnx.State):
         return nnx.merge(self.graphdef, lora_state, state)
 
-    def _forward_impl(self, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch):
+    def _forward_impl(self, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch, prev_ids: jax.Array):
+        if batch.input_from_prev is not None:
+            from_prev = prev_ids[jnp.maximum(batch.input_from_prev, 0)]
+            batch = dataclasses.replace(batch, input_ids=jnp.where(batch.input_from_prev >= 0, from_prev, batch.input_ids))
         hidden, kv = self._model(state, lora_state)(kv, batch)
         return hidden, hidden[batch.last_token_index], kv
 
@@ -74,22 +87,39 @@ class ModelRunner:
         return token_logprobs(self._model(state, lora_state).logits(hidden), targets, num_top)
 
     # ---- step API --------------------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
-        """-> (hidden [T, E], hidden of each sequence's last token [S, E]), both on device."""
-        hidden, last_hidden, self.kv = self._forward(self.state, self.lora_state, self.kv, batch)
+    def forward(self, batch: ForwardBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """-> (hidden [T, E], hidden of each sequence's last token [S, E]), both on device.
+
+        prev_ids: the `carried_ids` of the step whose sampled ids `batch.input_from_prev` points into (None: no
+        token of this batch is in flight)."""
+        prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
+        hidden, last_hidden, self.kv = self._forward(self.state, self.lora_state, self.kv, batch, prev_ids)
         return hidden, last_hidden
 
-    def sample(
+    def launch_sample(
         self,
         last_hidden: jax.Array,
         sampling: SamplingBatch,
         penalty_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
-    ) -> dict[str, np.ndarray]:
+    ) -> LaunchedSample:
+        """Dispatch logits + sampling without waiting for them (penalties do wait: they run on the host)."""
         logits = self._logits(self.state, self.lora_state, last_hidden)
         if penalty_rows and any(r is not None and r[2].uses_penalties for r in penalty_rows):
             logits = jax.device_put(apply_penalties(np.asarray(logits), penalty_rows), logits.sharding)
-        out = jax.device_get(self._sample(logits, sampling))
+        out, carried_ids = self._sample(logits, sampling)
+        for leaf in jax.tree_util.tree_leaves(out):
+            leaf.copy_to_host_async()
+        return LaunchedSample(out, carried_ids)
+
+    @staticmethod
+    def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
+        """The sampled ids and logprobs on the host (waits for the device)."""
+        out = jax.device_get(launched.output)
         return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
+
+    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, penalty_rows=None) -> dict[str, np.ndarray]:
+        """launch_sample + fetch."""
+        return self.fetch(self.launch_sample(last_hidden, sampling, penalty_rows))
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
         out = jax.device_get(self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top))
@@ -177,7 +207,20 @@ def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_p
         last_token_index=zeros_i(num_seqs),
         lora=lora,
         is_decode=is_decode,
+        input_from_prev=np.full((num_tokens,), -1, np.int32),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedSample:
+    output: SampleOutput  # [S] rows, on the device (copies to the host started)
+    carried_ids: jax.Array  # [M] i32 replicated: output.next_ids padded with zeros, the next forward's prev_ids
+
+
+def _sample_and_carry(max_rows: int, replicated: NamedSharding, logits: jax.Array, batch: SamplingBatch):
+    out = sample(logits, batch)
+    carried = jnp.zeros((max_rows,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
+    return out, jax.lax.with_sharding_constraint(carried, replicated)
 
 
 def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> SamplingBatch:
