@@ -140,3 +140,27 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     run.until_idle()
     assert run.tokens["kept"] == alone.tokens["kept"]
     assert core.allocator.num_used == 0
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir):
+    core = make_core(model_dir, True)
+    for req in (request("a", 50, 12, max_new_tokens=8, temperature=0.0), request("b", 51, 9, max_new_tokens=8, temperature=0.0)):
+        core.add_request(req)
+    run = Run(core)
+    while not (core.in_flight is not None and core.in_flight.batch.is_decode):
+        run.step()
+
+    def device_fault(launched):
+        raise RuntimeError("device fault")
+
+    core.runner.fetch = device_fault  # reading the in-flight step's tokens fails (the engine loop then fails the step)
+    with pytest.raises(RuntimeError, match="device fault"):
+        core.step()
+    del core.runner.fetch
+    run.take(core.fail_running("engine error: RuntimeError: device fault"))
+    assert run.finish["a"]["type"] == run.finish["b"]["type"] == "abort"
+    assert core.in_flight is None and core.scheduler.num_active == 0 and core.allocator.num_used == 0
+    later = request("later", 52, 10, max_new_tokens=6, temperature=0.0)
+    core.add_request(later)
+    run.until_idle()
+    assert run.tokens["later"] == serve(model_dir, False, [later]).tokens["later"]

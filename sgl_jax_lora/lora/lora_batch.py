@@ -84,7 +84,7 @@ def build_lora_batch(
     seg_start[:num_used] = starts
     seg_slot = np.zeros((num_segments,), np.int32)
     seg_slot[:num_used] = slots
-    slot_rank = np.asarray(slot_rank, np.int32)
+    slot_rank = np.array(slot_rank, np.int32)  # copies: a snapshot of the pool, which the next step may change
     work, work_perm = None, None
     if work_block_rows:
         work = make_work_list_host(seg_start, seg_slot, slot_rank, num_tokens, work_block_rows)
@@ -94,7 +94,7 @@ def build_lora_batch(
         sort_perm=sort_perm,
         seg_start=seg_start,
         seg_slot=seg_slot,
-        slot_scale=np.asarray(slot_scale, np.float32),
+        slot_scale=np.array(slot_scale, np.float32),
         slot_rank=slot_rank,
         work=work,
         work_perm=work_perm,

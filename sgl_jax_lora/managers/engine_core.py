@@ -251,10 +251,12 @@ class EngineCore:
         return out
 
     def fail_running(self, message: str) -> list[dict]:
-        """After a step raised: finish every running request with an error, keep the waiting ones."""
+        """After a step raised: finish every running request with an error, keep the waiting ones (but those
+        preempted while a token of theirs was in flight: that token is lost with the step)."""
         self.in_flight = None
         outputs = []
-        for req in list(self.scheduler.running):
+        lost_token = [r for r in self.scheduler.waiting if r.output_ids[-1:] == [PENDING_TOKEN]]
+        for req in list(self.scheduler.running) + lost_token:
             self.scheduler.finish(req)
             req.finish_reason = {"type": "abort", "message": message}
             outputs.append(self._output_of(req))
