@@ -164,3 +164,15 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir
     core.add_request(later)
     run.until_idle()
     assert run.tokens["later"] == serve(model_dir, False, [later]).tokens["later"]
+
+
+def test_overlap_compiles_nothing_after_warmup_with_tensor_parallelism(tmp_path):
+    # The carried ids reach every forward as one replicated [M] array, whichever step sampled them.
+    model_dir = make_hf_model_dir(tmp_path / "llama8", "llama", seed=22, num_attention_heads=8, head_dim=6)
+    core = make_core(model_dir, True, tp_size=4, skip_precompile=False)
+    for i in range(6):
+        core.add_request(request(f"r{i}", 60 + i, 5 + 7 * i, max_new_tokens=4 + i, temperature=0.5 * (i % 2), seed=i,
+                                 return_logprob=i == 3, top_logprobs_num=2 * (i == 3)))
+    run = Run(core).until_idle()
+    assert run.steps_with_pending > 0 and len(run.finish) == 6
+    assert core.compile_counter.count == core.num_compilations_after_warmup_start

@@ -11,7 +11,7 @@ last token, which the next decode step feeds as usual.
 Overlap schedule (engine_core.py): a launched step advances its requests at once, before its tokens reach
 the host; each sampled token is then `PENDING_TOKEN` at the end of output_ids, and `pending_row` is its row in
 that step's sampled ids, from which the next step reads it on the device. It is always the last entry of
-all_ids, which prefill never feeds, and the step's postprocess overwrites it with the real id.
+all_ids, which prefill never feeds, and finishing the step (EngineCore._finish) overwrites it with the real id.
 """
 
 from __future__ import annotations

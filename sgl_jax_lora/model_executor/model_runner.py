@@ -117,7 +117,7 @@ class ModelRunner:
         out = jax.device_get(launched.output)
         return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
 
-    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, penalty_rows=None) -> dict[str, np.ndarray]:
+    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, penalty_rows: list | None = None) -> dict[str, np.ndarray]:
         """launch_sample + fetch."""
         return self.fetch(self.launch_sample(last_hidden, sampling, penalty_rows))
 
