@@ -66,7 +66,7 @@ class Run:
 
     def step(self) -> None:
         self.take(self.core.step())
-        self.steps_with_pending += any(r.output_ids[-1:] == [PENDING_TOKEN] for r in self.core.scheduler.running)
+        self.steps_with_pending += any(r.has_pending_token for r in self.core.scheduler.running)
 
     def until_idle(self) -> "Run":
         while self.core.scheduler.num_active:
@@ -132,7 +132,7 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     while not (core.in_flight is not None and core.in_flight.batch.is_decode):
         run.step()
     aborted = next(r for r in core.scheduler.running if r.rid == "aborted")
-    assert aborted.output_ids[-1] == PENDING_TOKEN
+    assert aborted.has_pending_token
     out = core.abort("aborted")
     run.take([out])
     assert out["finish_reason"]["type"] == "abort"

@@ -34,6 +34,7 @@ from sgl_jax_lora.managers.stop_checker import StopChecker
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
@@ -146,13 +147,14 @@ class EngineCore:
         outputs: list[dict] = []
         if batch is None:
             return self._finish(prev) if prev is not None else outputs
-        if prev is not None and any(r.sampling.uses_penalties for r in batch.reqs):
+        uses_penalties = any(r.sampling.uses_penalties for r in batch.reqs)
+        if prev is not None and uses_penalties:
             outputs += self._finish(prev)  # penalties read the output ids on the host: they must all be there
             prev = None
         scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
         prepared = time.perf_counter()
-        launched = self._launch(batch, forward_batch, prev)
+        launched = self._launch(batch, forward_batch, prev, uses_penalties)
         if prev is not None:
             outputs += self._finish(prev)
         self._advance(launched)
@@ -164,7 +166,9 @@ class EngineCore:
                                time.perf_counter() - prepared)
         return outputs
 
-    def _launch(self, batch: ScheduleBatch, forward_batch, prev: LaunchedStep | None) -> LaunchedStep:
+    def _launch(
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None, uses_penalties: bool
+    ) -> LaunchedStep:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
         hidden, last_hidden = self.runner.forward(forward_batch, prev_ids)
@@ -172,7 +176,6 @@ class EngineCore:
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
         sampled = None
         if batch.sampling_reqs():
-            uses_penalties = any(r.sampling.uses_penalties for r in batch.reqs)
             penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if uses_penalties else None
             sampled = self.runner.launch_sample(last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), penalty_rows)
         return LaunchedStep(batch, sampled)
@@ -222,7 +225,7 @@ class EngineCore:
         for i, req in enumerate(step.batch.reqs):
             if req.finished:  # finished before this step's token landed: it was sent then
                 continue
-            if req.output_ids and req.output_ids[-1] == PENDING_TOKEN:  # this step's token (the next is not advanced yet)
+            if req.has_pending_token:  # this step's token (the next step's requests are not advanced yet)
                 token = int(sampled["next_ids"][i])
                 req.output_ids[-1] = token
                 if req.return_logprob:
@@ -255,7 +258,7 @@ class EngineCore:
         preempted while a token of theirs was in flight: that token is lost with the step)."""
         self.in_flight = None
         outputs = []
-        lost_token = [r for r in self.scheduler.waiting if r.output_ids[-1:] == [PENDING_TOKEN]]
+        lost_token = [r for r in self.scheduler.waiting if r.has_pending_token]
         for req in list(self.scheduler.running) + lost_token:
             self.scheduler.finish(req)
             req.finish_reason = {"type": "abort", "message": message}

@@ -73,11 +73,14 @@ class Req:
         return len(self.output_ids) >= self.sampling.max_new_tokens
 
     @property
+    def has_pending_token(self) -> bool:
+        """Its last output token was sampled by a step whose results have not reached the host yet."""
+        return bool(self.output_ids) and self.output_ids[-1] == PENDING_TOKEN
+
+    @property
     def resolved_output_ids(self) -> list[int]:
         """output_ids without a PENDING_TOKEN at the end."""
-        if self.output_ids and self.output_ids[-1] == PENDING_TOKEN:
-            return self.output_ids[:-1]
-        return self.output_ids
+        return self.output_ids[:-1] if self.has_pending_token else self.output_ids
 
     @property
     def max_seq_len(self) -> int:
