@@ -225,6 +225,32 @@ def test_openai_streaming(oai, model_name):
     assert chat_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_openai_n_choices(oai, model_name):
+    # choice j of a seeded request is the n=1 request with seed + j; prompts are numbered prompt-major
+    sampling = dict(model=model_name, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    prompts = ["Hello", "Once upon a time"]
+    completion = oai.completions.create(prompt=prompts, n=3, seed=11, **sampling)
+    assert [c.index for c in completion.choices] == list(range(6))
+    alone = [oai.completions.create(prompt=p, seed=11 + j, **sampling) for p in prompts for j in range(3)]
+    assert [c.text for c in completion.choices] == [a.choices[0].text for a in alone]
+    assert completion.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[3].usage.prompt_tokens
+    assert completion.usage.completion_tokens == 6 * 8
+
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = oai.chat.completions.create(messages=messages, n=2, seed=5, **sampling)
+    chat_alone = [oai.chat.completions.create(messages=messages, seed=5 + j, **sampling) for j in range(2)]
+    assert [c.message.content for c in chat.choices] == [a.choices[0].message.content for a in chat_alone]
+    assert chat.usage.prompt_tokens == chat_alone[0].usage.prompt_tokens
+    chunks = list(oai.chat.completions.create(messages=messages, n=2, seed=5, stream=True,
+                                              stream_options={"include_usage": True}, **sampling))
+    for j in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == j]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == chat.choices[j].message.content
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 2 * 8 and chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+
 # ---- concurrency and disconnects ---------------------------------------------------------------
 def test_32_concurrent_clients_match_alone(server, http):
     bodies = [{"text": f"Request {i}: tell me about number {i * 7}", "sampling_params": {"temperature": 0, "max_new_tokens": 10 + i % 5}} for i in range(32)]
@@ -291,7 +317,9 @@ BAD_REQUESTS = [
     ("unknown-chat-model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 400, "model 'nope' does not exist"),
     ("completion-too-many-tokens", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("completion-temperature-type", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("completion-n", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 2}, 400, "n=2 is not supported"),
+    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 0}, 400, "n must be between 1 and 128, got 0"),
+    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be between 1 and 128, got 129"),
+    ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v1", "messages": []}, 400, "messages"),
     ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),

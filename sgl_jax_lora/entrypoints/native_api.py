@@ -178,8 +178,13 @@ async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) 
     return await build_requests(tm, prompts, loras, is_batch), is_batch
 
 
-async def build_requests(tm: TokenizerManager, prompts: list[dict], loras: list[str | None], is_batch: bool) -> list[GenerateRequest]:
+async def build_requests(
+    tm: TokenizerManager, prompts: list[dict], loras: list[str | None], is_batch: bool, copies_per_prompt: int = 1
+) -> list[GenerateRequest]:
     """One GenerateRequest per prompt (`build_request` keyword arguments) with its adapter resolved.
+
+    Errors name the prompt (in a batch) as the client numbered it: with `copies_per_prompt` = n (the OpenAI
+    routes' n choices, prompt-major), request i belongs to prompt i // n.
 
     `resolve_lora` counts the adapter as in flight and `generate_request` releases it; so if any prompt
     is refused, the adapters already acquired for this call are released here. An adapter that cannot
@@ -189,7 +194,7 @@ async def build_requests(tm: TokenizerManager, prompts: list[dict], loras: list[
     requests = []
     try:
         for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-            where = f"prompt {i}: " if is_batch else ""
+            where = f"prompt {i // copies_per_prompt}: " if is_batch else ""
             try:
                 ref = await tm.resolve_lora(lora) if lora is not None else None
             except Exception as e:

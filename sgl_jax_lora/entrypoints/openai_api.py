@@ -6,6 +6,10 @@ chat messages rendered with the chat template -> OpenAI sampling fields mapped o
 `TokenizerManager.build_request` (range checks, prompt length) -> the engine -> an OpenAI response, or
 SSE chunks with text deltas then `data: [DONE]`.
 
+`n` choices per prompt are n engine requests for the same prompt; with a `seed`, choice j samples with
+seed + j, so each choice is reproducible and equals an n=1 request with that seed. Choices are numbered
+prompt-major (prompt i, choice j -> index i * n + j), and usage counts each prompt's tokens once.
+
 Chat template: `--chat-template` (a file path or the template string) if given, else the tokenizer's,
 else DEFAULT_CHAT_TEMPLATE, a plain "role: content" transcript ending in "assistant:".
 """
@@ -46,6 +50,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+MAX_CHOICES = 128  # n per request: each choice is an engine request of its own
 
 router = APIRouter()
 
@@ -131,7 +136,7 @@ async def completions(request: Request) -> Response:
         _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16)
         for text, ids in _completion_prompts(body.prompt)
     ]
-    requests = await _build_requests(state, tm, body.model, prompts)
+    requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -148,7 +153,7 @@ async def completions(request: Request) -> Response:
     ]
     return JSONResponse(
         {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-         "choices": choices, "usage": _usage(results)}
+         "choices": choices, "usage": _usage(results, body.n)}
     )
 
 
@@ -162,21 +167,24 @@ async def chat_completions(request: Request) -> Response:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt = _build_kwargs(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
-    (chat_request,) = await _build_requests(state, tm, body.model, [prompt])
-    stream = state.metrics.track(tm.generate_request(chat_request), "chat_completions")
+    requests = await _build_requests(state, tm, body.model, [prompt], body.n)
+    streams = [state.metrics.track(tm.generate_request(r), "chat_completions") for r in requests]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return await streaming_response(request, _chat_chunks(tm, body, chat_request, stream, response_id))
-    result = await run_unless_disconnected(request, last_result(stream))
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": result["text"]},
-        "logprobs": _chat_logprobs(tm, result["meta_info"], 0) if body.logprobs else None,
-        "finish_reason": _finish_reason(result),
-    }
+        return await streaming_response(request, _chat_chunks(tm, body, requests, streams, response_id))
+    results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": result["text"]},
+            "logprobs": _chat_logprobs(tm, result["meta_info"], 0) if body.logprobs else None,
+            "finish_reason": _finish_reason(result),
+        }
+        for i, result in enumerate(results)
+    ]
     return JSONResponse(
         {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
-         "choices": [choice], "usage": _usage([result])}
+         "choices": choices, "usage": _usage(results, body.n)}
     )
 
 
@@ -193,10 +201,14 @@ def model_adapter(state: ServerState, model: str) -> str | None:
     return model[len(base) + 1 :] if model.startswith(base + ":") else model
 
 
-async def _build_requests(state: ServerState, tm: TokenizerManager, model: str, prompts: list[dict]) -> list[GenerateRequest]:
+async def _build_requests(
+    state: ServerState, tm: TokenizerManager, model: str, prompts: list[dict], n: int
+) -> list[GenerateRequest]:
+    """The engine requests of `prompts` with n choices each (prompt-major)."""
     adapter = model_adapter(state, model)
+    choices = _choices(prompts, n)
     try:
-        return await build_requests(tm, prompts, [adapter] * len(prompts), is_batch=len(prompts) > 1)
+        return await build_requests(tm, choices, [adapter] * len(choices), is_batch=len(prompts) > 1, copies_per_prompt=n)
     except APIError as e:
         if e.code != "lora_not_found":
             raise APIError(e.status_code, _openai_names(e.message), e.code) from e
@@ -262,8 +274,6 @@ def _build_kwargs(
     default_max_tokens: int | None,
 ) -> dict:
     """OpenAI fields -> `TokenizerManager.build_request` keyword arguments (validated there)."""
-    if body.n != 1:
-        raise APIError(400, f"n={body.n} is not supported; send n=1 (or send the request several times)", "invalid_request")
     max_tokens = body.max_tokens
     if max_tokens is None:
         prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenizer.encode(text))
@@ -292,6 +302,19 @@ def _build_kwargs(
     }
 
 
+def _choices(prompts: list[dict], n: int) -> list[dict]:
+    """n requests per prompt, prompt-major; with a seed, choice j samples with seed + j."""
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", "invalid_request")
+    out = []
+    for prompt in prompts:
+        seed = prompt["sampling_params"]["seed"]
+        for j in range(n):
+            sampling = {**prompt["sampling_params"], "seed": None if seed is None else seed + j}
+            out.append({**prompt, "sampling_params": sampling})
+    return out
+
+
 def _openai_names(message: str) -> str:
     """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
     return message.replace("max_new_tokens", "max_tokens").replace("top_logprobs_num", "logprobs")
@@ -305,8 +328,9 @@ def _finish_reason(result: dict) -> str | None:
     return FINISH_REASONS.get(finish["type"], finish["type"])
 
 
-def _usage(results: list[dict]) -> dict:
-    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results)
+def _usage(results: list[dict], n: int) -> dict:
+    """Token counts of the choices (prompt-major, n per prompt): each prompt counted once."""
+    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -402,37 +426,39 @@ async def _completion_chunks(
             if text or finish is not None or body.logprobs is not None:
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]})
     if body.stream_options and body.stream_options.include_usage:
-        usage = _usage([finals[i] for i in sorted(finals)])
+        usage = _usage([finals[i] for i in sorted(finals)], body.n)
         yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [], "usage": usage})
 
 
 async def _chat_chunks(
-    tm: TokenizerManager, body: ChatCompletionRequest, request: GenerateRequest, stream: AsyncIterator[dict], response_id: str
+    tm: TokenizerManager, body: ChatCompletionRequest, requests: list[GenerateRequest], streams: list, response_id: str
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish: str | None, logprobs: dict | None = None, **extra: object) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [choice], **extra})
+                    "choices": [choice]})
 
-    deltas = TextDeltas(request.sampling.stop)
-    num_tokens_sent = 0
-    result = None
-    is_first = True
-    async with contextlib.aclosing(stream):
-        async for result in stream:
+    deltas = [TextDeltas(r.sampling.stop) for r in requests]
+    num_tokens_sent = [0] * len(requests)
+    is_first = [True] * len(requests)
+    finals: dict[int, dict] = {}
+    merged = merge_streams(streams)
+    async with contextlib.aclosing(merged):
+        async for index, result in merged:
             finish = _finish_reason(result)
-            text = deltas.delta(result["text"], finish is not None)
+            text = deltas[index].delta(result["text"], finish is not None)
             logprobs = None
             if body.logprobs:
-                logprobs = _chat_logprobs(tm, result["meta_info"], num_tokens_sent)
-                num_tokens_sent = result["meta_info"]["completion_tokens"]
-            delta = {"role": "assistant", "content": text} if is_first else {"content": text}
-            if text or finish is not None or is_first or body.logprobs:
-                yield chunk(delta, finish, logprobs)
-                is_first = False
-    if body.stream_options and body.stream_options.include_usage and result is not None:
+                logprobs = _chat_logprobs(tm, result["meta_info"], num_tokens_sent[index])
+                num_tokens_sent[index] = result["meta_info"]["completion_tokens"]
+            delta = {"role": "assistant", "content": text} if is_first[index] else {"content": text}
+            if finish is not None:
+                finals[index] = result
+            if text or finish is not None or is_first[index] or body.logprobs:
+                yield chunk(index, delta, finish, logprobs)
+                is_first[index] = False
+    if body.stream_options and body.stream_options.include_usage and finals:
         yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                   "choices": [], "usage": _usage([result])})
-
+                   "choices": [], "usage": _usage([finals[i] for i in sorted(finals)], body.n)})
