@@ -12,6 +12,7 @@ import threading
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+from sgl_jax_lora.sampling.parallel_sampling import expand_samples, samples_per_prompt
 from sgl_jax_lora.server_args import ServerArgs
 
 
@@ -38,11 +39,19 @@ class Engine:
         top_logprobs_num: int = 0,
         lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
-        """One prompt -> one result dict; a list of prompts -> a list of result dicts, in order."""
+        """One prompt -> one result dict; a list of prompts -> a list of result dicts, in order.
+
+        `n` in the sampling params (the same for every prompt) samples each prompt n times: a list of
+        results, prompt-major (sampling/parallel_sampling.py)."""
         prompts, ids, is_single = _normalize_prompts(prompt, input_ids)
+        params = _per_prompt("sampling_params", sampling_params, len(prompts), dict)
+        loras = _per_prompt("lora_path", lora_path, len(prompts), str)
+        n = samples_per_prompt(params)
+        if n > 1:
+            is_single = False
+            prompts, ids, loras = ([item for item in items for _ in range(n)] for items in (prompts, ids, loras))
+            params = [sample_params for p in params for sample_params in expand_samples(p, n)]
         count = len(prompts)
-        params = _per_prompt("sampling_params", sampling_params, count, dict)
-        loras = _per_prompt("lora_path", lora_path, count, str)
         refs = [self._run(self.tokenizer_manager.resolve_lora(lora)) if lora else None for lora in loras]
         try:
             requests = [

@@ -140,9 +140,22 @@ def test_stop_token_ids_and_stop_strings(engine):
     assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
 
 
+def test_n_samples_are_the_seeded_single_requests(engine):
+    # n samples of each prompt, prompt-major; sample j of a seeded prompt is the n=1 request with seed + j
+    batch = prompts(2, 6, seed=3)
+    params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 40, "ignore_eos": True}
+    samples = engine.generate(input_ids=batch, sampling_params={**params, "n": 3})
+    alone = [engine.generate(input_ids=ids, sampling_params={**params, "seed": 40 + j}) for ids in batch for j in range(3)]
+    assert [r["output_ids"] for r in samples] == [r["output_ids"] for r in alone]
+    one_prompt = engine.generate(input_ids=batch[0], sampling_params={**params, "n": 2})
+    assert [r["output_ids"] for r in one_prompt] == [r["output_ids"] for r in alone[:2]]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        (dict(input_ids=[5], sampling_params={"n": 0}), "n must be an integer between 1 and 128, got 0"),
+        (dict(input_ids=[[5], [6]], sampling_params=[{"n": 2}, {}]), r"n must be the same for every prompt of a batch, got \[2, 1\]"),
         (dict(prompt=""), "prompt is empty"),
         (dict(input_ids=[]), "prompt is empty"),
         (dict(input_ids=[5] * 300), "context length is 256"),

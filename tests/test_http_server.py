@@ -120,6 +120,21 @@ def test_generate_batch_matches_single(http):
     assert [len(r["output_ids"]) for r in per_prompt] == [12, 3]
 
 
+def test_generate_n_samples(http):
+    # a list, prompt-major; sample j of a seeded prompt is the n=1 request with seed + j; streamed by index
+    params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 21, "ignore_eos": True}
+    prompts = ["The quick brown fox", "Tell me a story"]
+    samples = generate(http, text=prompts, sampling_params={**params, "n": 2})
+    alone = [generate(http, text=p, sampling_params={**params, "seed": 21 + j}) for p in prompts for j in range(2)]
+    assert [r["output_ids"] for r in samples] == [r["output_ids"] for r in alone]
+    one_prompt = generate(http, text=prompts[0], sampling_params={**params, "n": 2})
+    assert isinstance(one_prompt, list) and [r["text"] for r in one_prompt] == [r["text"] for r in alone[:2]]
+    events = stream_generate(http, text=prompts[0], sampling_params={**params, "n": 2})
+    assert events[-1] == "[DONE]"
+    finals = {e["index"]: e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None}
+    assert [finals[j]["text"] for j in range(2)] == [r["text"] for r in alone[:2]]
+
+
 def test_generate_streaming(http):
     expected = generate(http, text="Once upon a time", sampling_params=GREEDY)
     events = stream_generate(http, text="Once upon a time", sampling_params=GREEDY)
@@ -317,8 +332,10 @@ BAD_REQUESTS = [
     ("unknown-chat-model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 400, "model 'nope' does not exist"),
     ("completion-too-many-tokens", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
     ("completion-temperature-type", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 0}, 400, "n must be between 1 and 128, got 0"),
-    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be between 1 and 128, got 129"),
+    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 0}, 400, "n must be an integer between 1 and 128, got 0"),
+    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
+    ("generate-n-float", "/generate", {"text": "hi", "sampling_params": {"n": 2.5}}, 400, "n must be an integer between 1 and 128, got 2.5"),
+    ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
     ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v1", "messages": []}, 400, "messages"),
     ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),

@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error, validation_error
 from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.sampling.parallel_sampling import expand_samples, samples_per_prompt
+from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -165,17 +167,27 @@ def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
 
 # ---- building requests -------------------------------------------------------------------------
 async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[GenerateRequest], bool]:
-    """Validate every prompt of the body (raising a 400 naming the first bad one) before sending any."""
+    """Validate every prompt of the body (raising a 400 naming the first bad one) before sending any.
+
+    -> (requests, whether the answer is a list): a batch, or one prompt with `n` > 1 samples, answers with a
+    list, prompt-major (sampling/parallel_sampling.py)."""
     texts, ids_list, is_batch = _prompts(body)
     count = len(texts)
     params = _per_prompt("sampling_params", body.sampling_params, count)
     loras = _per_prompt("lora_path", body.lora_path, count)
+    try:
+        n = samples_per_prompt(params)
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), "invalid_request") from e
     prompts = [
-        {"text": texts[i], "input_ids": ids_list[i], "sampling_params": params[i], "return_logprob": body.return_logprob,
+        {"text": texts[i], "input_ids": ids_list[i], "sampling_params": sample_params, "return_logprob": body.return_logprob,
          "logprob_start_len": body.logprob_start_len, "top_logprobs_num": body.top_logprobs_num}
         for i in range(count)
+        for sample_params in expand_samples(params[i], n)
     ]
-    return await build_requests(tm, prompts, loras, is_batch), is_batch
+    loras = [lora for lora in loras for _ in range(n)]
+    requests = await build_requests(tm, prompts, loras, is_batch, copies_per_prompt=n)
+    return requests, is_batch or n > 1
 
 
 async def build_requests(

@@ -6,9 +6,8 @@ chat messages rendered with the chat template -> OpenAI sampling fields mapped o
 `TokenizerManager.build_request` (range checks, prompt length) -> the engine -> an OpenAI response, or
 SSE chunks with text deltas then `data: [DONE]`.
 
-`n` choices per prompt are n engine requests for the same prompt; with a `seed`, choice j samples with
-seed + j, so each choice is reproducible and equals an n=1 request with that seed. Choices are numbered
-prompt-major (prompt i, choice j -> index i * n + j), and usage counts each prompt's tokens once.
+`n` choices per prompt are n engine requests (sampling/parallel_sampling.py: with a `seed`, choice j samples
+with seed + j), numbered prompt-major (prompt i, choice j -> index i * n + j); usage counts each prompt once.
 
 Chat template: `--chat-template` (a file path or the template string) if given, else the tokenizer's,
 else DEFAULT_CHAT_TEMPLATE, a plain "role: content" transcript ending in "assistant:".
@@ -40,6 +39,8 @@ from sgl_jax_lora.entrypoints.native_api import (
     streaming_response,
 )
 from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.sampling.parallel_sampling import check_num_samples, expand_samples
+from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -50,7 +51,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 FINISH_REASONS = {"stop": "stop", "length": "length"}
-MAX_CHOICES = 128  # n per request: each choice is an engine request of its own
 
 router = APIRouter()
 
@@ -303,16 +303,12 @@ def _build_kwargs(
 
 
 def _choices(prompts: list[dict], n: int) -> list[dict]:
-    """n requests per prompt, prompt-major; with a seed, choice j samples with seed + j."""
-    if not 1 <= n <= MAX_CHOICES:
-        raise APIError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", "invalid_request")
-    out = []
-    for prompt in prompts:
-        seed = prompt["sampling_params"]["seed"]
-        for j in range(n):
-            sampling = {**prompt["sampling_params"], "seed": None if seed is None else seed + j}
-            out.append({**prompt, "sampling_params": sampling})
-    return out
+    """n requests per prompt, prompt-major (sampling/parallel_sampling.py)."""
+    try:
+        check_num_samples(n)
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), "invalid_request") from e
+    return [{**prompt, "sampling_params": params} for prompt in prompts for params in expand_samples(prompt["sampling_params"], n)]
 
 
 def _openai_names(message: str) -> str:
