@@ -240,6 +240,32 @@ def test_openai_streaming(oai, model_name):
     assert chat_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
+    # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
+    ids = tokenizer.encode("The capital of France is Paris")
+    reference = generate(http, input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
+                         logprob_start_len=0, top_logprobs_num=1)["meta_info"]
+    scored = oai.completions.create(model=model_name, prompt=[ids], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs == [lp for lp, _ in reference["input_token_logprobs"]]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
+
+    # echo with a completion: prompt text + generated text, streamed or not
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0, echo=True, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    expected = generate(http, text="Once upon a time", sampling_params={**GREEDY, "max_new_tokens": 6})
+    full = oai.completions.create(**kwargs).choices[0]
+    assert full.text == "Once upon a time" + expected["text"]
+    assert len(full.logprobs.tokens) == expected["meta_info"]["prompt_tokens"] + 6
+    chunks = list(oai.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].text.startswith("Once upon a time")
+    assert "".join(c.choices[0].text for c in chunks) == full.text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == len(full.logprobs.tokens)
+
+
 def test_openai_n_choices(oai, model_name):
     # choice j of a seeded request is the n=1 request with seed + j; prompts are numbered prompt-major
     sampling = dict(model=model_name, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})

@@ -8,6 +8,8 @@ SSE chunks with text deltas then `data: [DONE]`.
 
 `n` choices per prompt are n engine requests (sampling/parallel_sampling.py: with a `seed`, choice j samples
 with seed + j), numbered prompt-major (prompt i, choice j -> index i * n + j); usage counts each prompt once.
+Completions' `echo` prefixes the prompt (and, with logprobs, its token logprobs); with max_tokens 0 it scores
+the prompt alone (lm-evaluation-harness log-likelihoods).
 
 Chat template: `--chat-template` (a file path or the template string) if given, else the tokenizer's,
 else DEFAULT_CHAT_TEMPLATE, a plain "role: content" transcript ending in "assistant:".
@@ -16,6 +18,7 @@ else DEFAULT_CHAT_TEMPLATE, a plain "role: content" transcript ending in "assist
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 import uuid
@@ -130,30 +133,33 @@ async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    if body.echo:
-        raise APIError(400, "echo=true is not supported; send echo=false", "invalid_request")
+    prompt_parts = _completion_prompts(body.prompt)
+    scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
     prompts = [
-        _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16)
-        for text, ids in _completion_prompts(body.prompt)
+        _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16,
+                      prompt_logprobs=body.echo and body.logprobs is not None, max_tokens=1 if scoring else None)
+        for text, ids in prompt_parts
     ]
+    echoes = [_Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else _NO_ECHO
+              for text, ids in prompt_parts for _ in range(body.n)]
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
-        return await streaming_response(request, _completion_chunks(tm, body, requests, streams, response_id))
+        return await streaming_response(request, _completion_chunks(tm, body, requests, echoes, streams, response_id))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
     choices = [
         {
             "index": i,
-            "text": result["text"],
-            "logprobs": _completion_logprobs(tm, result["meta_info"], 0) if body.logprobs is not None else None,
-            "finish_reason": _finish_reason(result),
+            "text": echo.text + ("" if echo.scoring else result["text"]),
+            "logprobs": _completion_logprobs(tm, result["meta_info"], echo) if body.logprobs is not None else None,
+            "finish_reason": "length" if echo.scoring else _finish_reason(result),
         }
-        for i, result in enumerate(results)
+        for i, (result, echo) in enumerate(zip(results, echoes))
     ]
     return JSONResponse(
         {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-         "choices": choices, "usage": _usage(results, body.n)}
+         "choices": choices, "usage": _usage(results, body.n, scoring)}
     )
 
 
@@ -272,9 +278,13 @@ def _build_kwargs(
     input_ids: list[int] | None,
     top_logprobs: int | None,
     default_max_tokens: int | None,
+    prompt_logprobs: bool = False,
+    max_tokens: int | None = None,
 ) -> dict:
-    """OpenAI fields -> `TokenizerManager.build_request` keyword arguments (validated there)."""
-    max_tokens = body.max_tokens
+    """OpenAI fields -> `TokenizerManager.build_request` keyword arguments (validated there).
+
+    prompt_logprobs: also the prompt's logprobs (echo); max_tokens: in place of the body's."""
+    max_tokens = body.max_tokens if max_tokens is None else max_tokens
     if max_tokens is None:
         prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenizer.encode(text))
         max_tokens = default_max_tokens or max(tm.context_length - prompt_len, 1)
@@ -298,6 +308,7 @@ def _build_kwargs(
         "input_ids": input_ids,
         "sampling_params": sampling,
         "return_logprob": top_logprobs is not None,
+        "logprob_start_len": 0 if prompt_logprobs else -1,
         "top_logprobs_num": top_logprobs or 0,
     }
 
@@ -324,10 +335,11 @@ def _finish_reason(result: dict) -> str | None:
     return FINISH_REASONS.get(finish["type"], finish["type"])
 
 
-def _usage(results: list[dict], n: int) -> dict:
-    """Token counts of the choices (prompt-major, n per prompt): each prompt counted once."""
+def _usage(results: list[dict], n: int, scoring: bool = False) -> dict:
+    """Token counts of the choices (prompt-major, n per prompt): each prompt counted once; a scoring
+    request (echo, max_tokens 0) completes none."""
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
-    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    completion = 0 if scoring else sum(r["meta_info"]["completion_tokens"] for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -335,19 +347,41 @@ def _token_text(tm: TokenizerManager, token_id: int) -> str:
     return tm.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:
-    """OpenAI legacy logprobs of output tokens [start:]."""
-    pairs = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:]
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens), and whether the
+    choice is the prompt alone (echo with max_tokens 0: the generated token is not sent)."""
+
+    text: str
+    scoring: bool = False
+
+
+_NO_ECHO = _Echo("")
+
+
+def _completion_logprobs(
+    tm: TokenizerManager, meta: dict, echo: _Echo, input_start: int = 0, output_start: int = 0, text_offset: int = 0
+) -> dict:
+    """OpenAI legacy logprobs: the prompt's tokens [input_start:] when echoed (the first has no logprob),
+    then the output tokens [output_start:] unless the choice is scoring only; offsets from `text_offset`."""
+    pairs, tops = [], []
+    if echo.text:
+        new_inputs = meta.get("input_token_logprobs", [])[input_start:]
+        pairs += new_inputs
+        tops += meta.get("input_top_logprobs", [])[input_start:] or [[]] * len(new_inputs)
+    if not echo.scoring:
+        new_outputs = meta.get("output_token_logprobs", [])[output_start:]
+        pairs += new_outputs
+        tops += meta.get("output_top_logprobs", [])[output_start:] or [[]] * len(new_outputs)
     tokens = [_token_text(tm, tid) for _, tid in pairs]
-    offsets, offset = [], 0
+    offsets, offset = [], text_offset
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return {
         "tokens": tokens,
         "token_logprobs": [lp for lp, _ in pairs],
-        "top_logprobs": [{_token_text(tm, tid): lp for lp, tid in (top or [])} for top in tops] or None,
+        "top_logprobs": [None if top is None else {_token_text(tm, tid): lp for lp, tid in top} for top in tops] or None,
         "text_offset": offsets,
     }
 
@@ -401,28 +435,39 @@ class TextDeltas:
 
 
 async def _completion_chunks(
-    tm: TokenizerManager, body: CompletionRequest, requests: list[GenerateRequest], streams: list, response_id: str
+    tm: TokenizerManager, body: CompletionRequest, requests: list[GenerateRequest], echoes: list[_Echo], streams: list,
+    response_id: str,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     deltas = [TextDeltas(r.sampling.stop) for r in requests]
+    num_inputs_sent = [0] * len(requests)
     num_tokens_sent = [0] * len(requests)
+    num_chars_sent = [0] * len(requests)
     finals: dict[int, dict] = {}
     merged = merge_streams(streams)
     async with contextlib.aclosing(merged):
         async for index, result in merged:
+            echo = echoes[index]
             finish = _finish_reason(result)
             meta = result["meta_info"]
-            text = deltas[index].delta(result["text"], finish is not None)
+            text = "" if echo.scoring else deltas[index].delta(result["text"], finish is not None)
+            if num_chars_sent[index] == 0:  # the choice's first chunk starts with the echoed prompt
+                text = echo.text + text
+            if echo.scoring and finish is not None:
+                finish = "length"
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(tm, meta, num_tokens_sent[index])
+                choice["logprobs"] = _completion_logprobs(tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index],
+                                                          num_chars_sent[index])
+                num_inputs_sent[index] = len(meta.get("input_token_logprobs", []))
                 num_tokens_sent[index] = meta["completion_tokens"]
+            num_chars_sent[index] += len(text)
             if finish is not None:
                 finals[index] = result
             if text or finish is not None or body.logprobs is not None:
                 yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]})
     if body.stream_options and body.stream_options.include_usage:
-        usage = _usage([finals[i] for i in sorted(finals)], body.n)
+        usage = _usage([finals[i] for i in sorted(finals)], body.n, any(echo.scoring for echo in echoes))
         yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [], "usage": usage})
 
 
