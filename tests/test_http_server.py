@@ -361,6 +361,8 @@ BAD_REQUESTS = [
     ("completion-n-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 0}, 400, "n must be an integer between 1 and 128, got 0"),
     ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
     ("generate-n-float", "/generate", {"text": "hi", "sampling_params": {"n": 2.5}}, 400, "n must be an integer between 1 and 128, got 2.5"),
+    ("generate-n-bool", "/generate", {"text": "hi", "sampling_params": {"n": True}}, 400, "n must be an integer between 1 and 128, got True"),
+    ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
     ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
     ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v1", "messages": []}, 400, "messages"),

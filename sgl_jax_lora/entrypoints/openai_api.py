@@ -133,6 +133,8 @@ async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     state: ServerState = request.app.state.server
     tm = state.engine()
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be >= 1, got 0 (max_tokens 0 is for echo=true, which scores the prompt)", "invalid_request")
     prompt_parts = _completion_prompts(body.prompt)
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
     prompts = [
