@@ -356,9 +356,10 @@ class _Echo:
 
     text: str
     scoring: bool = False
+    enabled: bool = True
 
 
-_NO_ECHO = _Echo("")
+_NO_ECHO = _Echo("", enabled=False)
 
 
 def _completion_logprobs(
@@ -367,7 +368,7 @@ def _completion_logprobs(
     """OpenAI legacy logprobs: the prompt's tokens [input_start:] when echoed (the first has no logprob),
     then the output tokens [output_start:] unless the choice is scoring only; offsets from `text_offset`."""
     pairs, tops = [], []
-    if echo.text:
+    if echo.enabled:
         new_inputs = meta.get("input_token_logprobs", [])[input_start:]
         pairs += new_inputs
         tops += meta.get("input_top_logprobs", [])[input_start:] or [[]] * len(new_inputs)
