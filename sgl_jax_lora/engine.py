@@ -12,7 +12,7 @@ import threading
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
-from sgl_jax_lora.sampling.parallel_sampling import expand_samples, samples_per_prompt
+from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.server_args import ServerArgs
 
 
@@ -49,7 +49,7 @@ class Engine:
         n = samples_per_prompt(params)
         if n > 1:
             is_single = False
-            prompts, ids, loras = ([item for item in items for _ in range(n)] for items in (prompts, ids, loras))
+            prompts, ids, loras = (repeat_each(items, n) for items in (prompts, ids, loras))
             params = [sample_params for p in params for sample_params in expand_samples(p, n)]
         count = len(prompts)
         refs = [self._run(self.tokenizer_manager.resolve_lora(lora)) if lora else None for lora in loras]

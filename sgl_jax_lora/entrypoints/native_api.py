@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error, validation_error
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.sampling.parallel_sampling import expand_samples, samples_per_prompt
+from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
@@ -185,8 +185,7 @@ async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) 
         for i in range(count)
         for sample_params in expand_samples(params[i], n)
     ]
-    loras = [lora for lora in loras for _ in range(n)]
-    requests = await build_requests(tm, prompts, loras, is_batch, copies_per_prompt=n)
+    requests = await build_requests(tm, prompts, repeat_each(loras, n), is_batch, copies_per_prompt=n)
     return requests, is_batch or n > 1
 
 

@@ -42,7 +42,7 @@ from sgl_jax_lora.entrypoints.native_api import (
     streaming_response,
 )
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.sampling.parallel_sampling import check_num_samples, expand_samples
+from sgl_jax_lora.sampling.parallel_sampling import check_num_samples, expand_samples, repeat_each
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
 if TYPE_CHECKING:
@@ -142,8 +142,8 @@ async def completions(request: Request) -> Response:
                       prompt_logprobs=body.echo and body.logprobs is not None, max_tokens=1 if scoring else None)
         for text, ids in prompt_parts
     ]
-    echoes = [_Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else _NO_ECHO
-              for text, ids in prompt_parts for _ in range(body.n)]
+    echoes = repeat_each([_Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else _NO_ECHO
+                          for text, ids in prompt_parts], body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
     response_id = f"cmpl-{uuid.uuid4().hex}"

@@ -28,6 +28,11 @@ def samples_per_prompt(params: list[dict | None]) -> int:
     return check_num_samples(values[0])
 
 
+def repeat_each(items: list, n: int) -> list:
+    """Each item n times in a row: per-prompt values laid out prompt-major, one per sample."""
+    return [item for item in items for _ in range(n)]
+
+
 def expand_samples(params: dict | None, n: int) -> list[dict | None]:
     """n copies of one prompt's sampling params, without `n`; with a seed, copy j gets seed + j."""
     if not params:
