@@ -15,7 +15,8 @@ docs/lora_backends.md.
 GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
 (q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
-them. The work list comes with the step's LoRABatch (the model builds it once per forward) when its row
+them, except that in GPU decode buckets q|k|v's expand writes its delta for XLA to add (`returns_delta`).
+The work list comes with the step's LoRABatch (the model builds it once per forward) when its row
 tiles match the kernel's. TPU `apply_packed` runs one shrink and one expand per part, its deltas packed
 side by side and added to the base output. Both take the model's layer-stacked buffers (LayerStack views)
 and their kernels read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the
@@ -56,6 +57,9 @@ def _platform(mesh: Mesh | None) -> str:
 
 class PallasBackend(LoRABackend):
     name = "pallas"
+    # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
+    DELTA_MAX_TOKENS = 128
+    DELTA_MAX_WIDTH = 16384
 
     def __init__(self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None):
         super().__init__(mesh)
@@ -81,6 +85,19 @@ class PallasBackend(LoRABackend):
 
     def _psum(self, value: jax.Array, input_sharded: bool) -> jax.Array:
         return jax.lax.psum(value, TENSOR_AXIS) if self._is_split(input_sharded) else value
+
+    def returns_delta(self, num_tokens: int, out_width: int, input_sharded: bool) -> bool:
+        """Whether `apply_packed` has its expand write the delta alone, for XLA to add to the base output,
+        rather than add it into the base output in place.
+
+        GPU decode buckets (up to DELTA_MAX_TOKENS tokens) of column-parallel modules up to DELTA_MAX_WIDTH
+        output columns (q|k|v): XLA splits these GEMMs along K, and an in-place expand, which needs the
+        GEMM's result, makes XLA finish the split-K sum in a kernel of its own; a delta lets that sum fuse
+        with the add into the consumers (docs/lora_backends.md "Delta or in place")."""
+        return (
+            self.kernel == "gpu" and not input_sharded and num_tokens <= self.DELTA_MAX_TOKENS
+            and out_width <= self.DELTA_MAX_WIDTH
+        )
 
     # -- local (per-shard) kernels ----------------------------------------------------------------------------
 
@@ -209,16 +226,23 @@ class PallasBackend(LoRABackend):
             layer = jnp.zeros((), jnp.int32)
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
+        out_width = sum((b.shape[-2] for b in lora_bs))  # all parts, every shard
+        adds_in_place = not self.returns_delta(x.shape[0], out_width, input_sharded)
 
-        def local(x, lora_a, lora, y, layer, *lora_bs):
-            # per shard, the packed output is [part 0 | part 1 | ...] of each part's local columns
+        def local(x, lora_a, lora, layer, *operands):
+            # operands: one B per part, then the base output when the delta is added in place; per shard, the
+            # packed output is [part 0 | part 1 | ...] of each part's local columns
+            lora_bs, y = (operands[:-1], operands[-1]) if adds_in_place else (operands, None)
             s = self._local_shrink_partials(x, lora_a, lora, max_rank, layer)
             if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
                 s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
-            return self._local_expand(s, lora_bs, lora, lora.slot_scale, y, y.dtype, layer)
+            return self._local_expand(s, lora_bs, lora, lora.slot_scale, y, base_out.dtype, layer)
 
         x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
         b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
         a_spec, b_spec = _stacked_spec(a_spec, is_stacked), _stacked_spec(b_spec, is_stacked)
-        specs = (x_spec, a_spec, _REPLICATED, y_spec, _REPLICATED) + (b_spec,) * len(lora_bs)
-        return self._sharded(local, specs, y_spec)(x, lora_a, lora, base_out, layer, *lora_bs)
+        specs = (x_spec, a_spec, _REPLICATED, _REPLICATED) + (b_spec,) * len(lora_bs)
+        operands = (x, lora_a, lora, layer, *lora_bs)
+        if adds_in_place:
+            return self._sharded(local, specs + (y_spec,), y_spec)(*operands, base_out)
+        return base_out + self._sharded(local, specs, y_spec)(*operands)
