@@ -175,6 +175,8 @@ def main() -> None:
     core, lora_ids = build_engine(opts)
     args = core.args
     submit(core, opts.batch, opts.prompt_len, 200, lora_ids, seed=0)
+    if core.lora is not None:  # every request's adapter in hand, so that the profiled step admits them all
+        core.lora.wait_for_prefetches()
     if opts.mode == "decode":
         while core.scheduler.waiting or any(r.is_prefilling for r in core.scheduler.running):
             core.step()

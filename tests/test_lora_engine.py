@@ -233,8 +233,6 @@ def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
 def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup):
     """The engine prefetches a request's adapter on a background thread; the step that admits it only writes
     the slot (no disk read on the engine loop)."""
-    import time
-
     from sgl_jax_lora.managers.engine_core import EngineCore
     from sgl_jax_lora.managers.io_struct import GenerateRequest
     from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -250,10 +248,8 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     ids = prompt(77)
     core.add_request(GenerateRequest(rid="r", input_ids=ids, lora_id=first,
                                      sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
-    deadline = time.monotonic() + 60
-    while first not in core.lora.host_cache:  # no engine step has run yet
-        assert time.monotonic() < deadline, "the adapter was not prefetched"
-        time.sleep(0.01)
+    core.lora.wait_for_prefetches()  # no engine step has run yet
+    assert first in core.lora.host_cache, "the adapter was not prefetched"
     misses = core.lora.host_cache.stats.misses
     outputs = []
     while core.scheduler.num_active:

@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -124,6 +124,11 @@ class LoRAManager:
             for done in [i for i, f in self._prefetches.items() if f.done()]:
                 del self._prefetches[done]
         self._prefetches[lora_id] = self._prefetcher.submit(self._host_slot_arrays, self.refs[lora_id])
+
+    def wait_for_prefetches(self) -> None:
+        """Block until every adapter on its way from disk is ready for a slot (scripts that profile one step with
+        all its requests admitted; the engine never waits, it admits a request once its adapter has arrived)."""
+        wait(list(self._prefetches.values()))
 
     def _host_slot_arrays(self, ref: LoRARef) -> tuple[LoRAAdapter, list[np.ndarray]]:
         """(host adapter, its slot arrays in the model dtype); thread-safe, cached while the adapter is cached."""
