@@ -123,6 +123,27 @@ def test_top_logprobs_and_penalties(engine):
     assert presence["output_ids"] != plain["output_ids"]
 
 
+def test_logit_bias(engine):
+    # +100 on a token makes greedy decoding pick it at every step, with a logprob of about 0 (logprobs are of the
+    # biased distribution); -100 on the greedy first token moves it; a request without bias in the same batch is
+    # unchanged
+    ids = prompts(1, 10, seed=13)[0]
+    plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY})
+    forced_id = next(t for t in range(3, 100) if t not in plain["output_ids"])
+    forced, neighbour = engine.generate(
+        input_ids=[ids, ids],
+        sampling_params=[{"max_new_tokens": 6, "logit_bias": {str(forced_id): 100}, **GREEDY},
+                         {"max_new_tokens": 6, **GREEDY}],
+        return_logprob=True,
+    )
+    assert forced["output_ids"] == [forced_id] * 6
+    assert all(lp > -1e-3 for lp, _ in forced["meta_info"]["output_token_logprobs"])
+    assert neighbour["output_ids"] == plain["output_ids"]
+    banned = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, "logit_bias": {plain["output_ids"][0]: -100},
+                                                             **GREEDY})
+    assert banned["output_ids"][0] != plain["output_ids"][0]
+
+
 def test_stop_token_ids_and_stop_strings(engine):
     ids = prompts(1, 10, seed=12)[0]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY})
@@ -166,6 +187,10 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], sampling_params={"top_p": 0.0}), "top_p must be in"),
         (dict(input_ids=[99999]), "outside the vocabulary"),
         (dict(input_ids=[5], top_logprobs_num=50), "top_logprobs_num"),
+        (dict(input_ids=[5], sampling_params={"logit_bias": {"7": 101}}), r"logit_bias\[7\] must be in \[-100, 100\]"),
+        (dict(input_ids=[5], sampling_params={"logit_bias": {"seven": 1}}), "logit_bias keys must be token ids"),
+        (dict(input_ids=[5], sampling_params={"logit_bias": {"99999": 1}}), "logit_bias names token ids outside the vocabulary"),
+        (dict(input_ids=[5], sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
     ],
 )

@@ -266,6 +266,20 @@ def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokeniz
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == len(full.logprobs.tokens)
 
 
+def test_openai_logit_bias(oai, model_name, tokenizer):
+    # OpenAI's logit_bias: token ids as strings; +100 forces a token under greedy decoding, streamed or not
+    forced_id = tokenizer.encode(" banana")[-1]
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
+                  logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    completion = oai.completions.create(**kwargs)
+    assert completion.choices[0].text == tokenizer.decode([forced_id] * 4)
+    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 3)
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kwargs))
+    assert streamed == completion.choices[0].text
+
+
 def test_openai_n_choices(oai, model_name):
     # choice j of a seeded request is the n=1 request with seed + j; prompts are numbered prompt-major
     sampling = dict(model=model_name, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
@@ -362,6 +376,8 @@ BAD_REQUESTS = [
     ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
     ("generate-n-float", "/generate", {"text": "hi", "sampling_params": {"n": 2.5}}, 400, "n must be an integer between 1 and 128, got 2.5"),
     ("generate-n-bool", "/generate", {"text": "hi", "sampling_params": {"n": True}}, 400, "n must be an integer between 1 and 128, got True"),
+    ("completion-logit-bias-range", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "logit_bias": {"5": -200}}, 400, "logit_bias[5] must be in [-100, 100]"),
+    ("generate-logit-bias-vocab", "/generate", {"text": "hi", "sampling_params": {"logit_bias": {"1000000": 5}}}, 400, "outside the vocabulary"),
     ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
     ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
     ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),

@@ -81,6 +81,7 @@ class _SamplingFields(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, in [-100, 100]
     # extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -304,6 +305,7 @@ def _build_kwargs(
         "ignore_eos": body.ignore_eos,
         "skip_special_tokens": body.skip_special_tokens,
         "seed": body.seed,
+        "logit_bias": body.logit_bias,
     }
     return {
         "text": text,

@@ -147,14 +147,14 @@ class EngineCore:
         outputs: list[dict] = []
         if batch is None:
             return self._finish(prev) if prev is not None else outputs
-        uses_penalties = any(r.sampling.uses_penalties for r in batch.reqs)
-        if prev is not None and uses_penalties:
+        if prev is not None and any(r.sampling.uses_penalties for r in batch.reqs):
             outputs += self._finish(prev)  # penalties read the output ids on the host: they must all be there
             prev = None
+        adjusts_logits = any(r.sampling.adjusts_logits for r in batch.reqs)
         scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
         prepared = time.perf_counter()
-        launched = self._launch(batch, forward_batch, prev, uses_penalties)
+        launched = self._launch(batch, forward_batch, prev, adjusts_logits)
         if prev is not None:
             outputs += self._finish(prev)
         self._advance(launched)
@@ -167,7 +167,7 @@ class EngineCore:
         return outputs
 
     def _launch(
-        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None, uses_penalties: bool
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None, adjusts_logits: bool
     ) -> LaunchedStep:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
@@ -176,8 +176,8 @@ class EngineCore:
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
         sampled = None
         if batch.sampling_reqs():
-            penalty_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if uses_penalties else None
-            sampled = self.runner.launch_sample(last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), penalty_rows)
+            logit_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if adjusts_logits else None
+            sampled = self.runner.launch_sample(last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), logit_rows)
         return LaunchedStep(batch, sampled)
 
     def _advance(self, step: LaunchedStep) -> None:

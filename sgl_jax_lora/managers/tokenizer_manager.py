@@ -174,6 +174,10 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
         ids = self.tokenize(text, input_ids)
+        vocab = self.server_info["vocab_size"]
+        outside = [t for t in sampling.logit_bias if t >= vocab]
+        if outside:
+            raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         if len(ids) >= self.context_length:
             raise RequestError(f"prompt has {len(ids)} tokens but the context length is {self.context_length}; shorten the prompt")
         total = len(ids) + sampling.max_new_tokens

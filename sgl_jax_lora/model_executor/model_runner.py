@@ -32,7 +32,7 @@ from sgl_jax_lora.model_executor.compiler_options import forward_compiler_option
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
-from sgl_jax_lora.sampling.penalties import apply_penalties
+from sgl_jax_lora.sampling.logit_adjustments import adjust_logits
 from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, sample, token_logprobs
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
@@ -100,12 +100,14 @@ class ModelRunner:
         self,
         last_hidden: jax.Array,
         sampling: SamplingBatch,
-        penalty_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
+        logit_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
     ) -> LaunchedSample:
-        """Dispatch logits + sampling without waiting for them (penalties do wait: they run on the host)."""
+        """Dispatch logits + sampling without waiting for them (logit adjustments do wait: they run on the host).
+
+        logit_rows: (prompt ids, output ids, params) per row when some request penalizes or biases its logits."""
         logits = self._logits(self.state, self.lora_state, last_hidden)
-        if penalty_rows and any(r is not None and r[2].uses_penalties for r in penalty_rows):
-            logits = jax.device_put(apply_penalties(np.asarray(logits), penalty_rows), logits.sharding)
+        if logit_rows and any(r is not None and r[2].adjusts_logits for r in logit_rows):
+            logits = jax.device_put(adjust_logits(np.asarray(logits), logit_rows), logits.sharding)
         out, carried_ids = self._sample(logits, sampling)
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
@@ -117,9 +119,9 @@ class ModelRunner:
         out = jax.device_get(launched.output)
         return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
 
-    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, penalty_rows: list | None = None) -> dict[str, np.ndarray]:
+    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, logit_rows: list | None = None) -> dict[str, np.ndarray]:
         """launch_sample + fetch."""
-        return self.fetch(self.launch_sample(last_hidden, sampling, penalty_rows))
+        return self.fetch(self.launch_sample(last_hidden, sampling, logit_rows))
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
         out = jax.device_get(self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top))

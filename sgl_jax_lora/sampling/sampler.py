@@ -1,12 +1,12 @@
 """Sampler: logits of the rows to sample -> next token ids and their logprobs, on device.
 
-Flow: ModelRunner computes logits [S, V] for each sequence's last token -> (host-side penalties, only
-for batches that ask for them; see penalties.py) -> `sample` (jitted per S bucket and per
+Flow: ModelRunner computes logits [S, V] for each sequence's last token -> (host-side penalties and
+logit_bias, only for batches that ask for them; see logit_adjustments.py) -> `sample` (jitted per S bucket and per
 (is_greedy, num_top_logprobs)) -> Scheduler.process_results.
 
 Randomness is per request: the key of a request's n-th output token is fold_in(key(seed), n), so a
 request's samples do not depend on what else is in its batch. Returned logprobs are those of the
-(penalized) model distribution before temperature, top-p, top-k and min-p.
+(penalized, biased) model distribution before temperature, top-p, top-k and min-p.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import dataclasses
 
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 
 
 class SamplingParamsError(ValueError):
@@ -31,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> added to its logit
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "SamplingParams":
@@ -41,9 +43,11 @@ class SamplingParams:
             raise SamplingParamsError(f"unknown sampling parameter(s) {unknown}; valid: {sorted(known)}")
         if isinstance(raw.get("stop"), str):
             raw["stop"] = [raw["stop"]]
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "logit_bias"):
             if raw.get(key) is None:
                 raw.pop(key, None)
+        if "logit_bias" in raw:
+            raw["logit_bias"] = _token_id_keys(raw["logit_bias"])
         params = cls(**raw)
         params.validate()
         return params
@@ -74,6 +78,16 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids must be a list of integers")
         if self.seed is not None:
             _check_type("seed", self.seed, int)
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias must map token ids to numbers, e.g. {\"50256\": -100}")
+        for token_id, bias in self.logit_bias.items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            _check_type(f"logit_bias[{token_id}]", bias, (int, float))
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(
+                    f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -81,7 +95,13 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
+        """Whether this request's logits depend on its tokens so far (the host needs its output ids)."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the host changes this request's logits before sampling (logit_adjustments.py)."""
+        return self.uses_penalties or bool(self.logit_bias)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -90,3 +110,18 @@ class SamplingParams:
 def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) or not isinstance(value, types):
         raise SamplingParamsError(f"{name} must be a number of type {types}, got {value!r}")
+
+
+def _token_id_keys(logit_bias: object) -> object:
+    """JSON object keys are strings: {"50256": -100} -> {50256: -100}; anything else is left for validate()."""
+    if not isinstance(logit_bias, dict):
+        return logit_bias
+    converted = {}
+    for key, value in logit_bias.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+        converted[key] = value
+    return converted
