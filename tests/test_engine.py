@@ -144,6 +144,25 @@ def test_logit_bias(engine):
     assert banned["output_ids"][0] != plain["output_ids"][0]
 
 
+def test_min_new_tokens_holds_back_stop_and_eos(engine, model_dir):
+    # a +100 bias on EOS ends a request at its first token; with min_new_tokens 3 the first 3 tokens may not be EOS
+    # (the ban comes after the bias), so the 4th is; the same for a stop token id
+    import json
+
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    ids = prompts(1, 10, seed=14)[0]
+    forced_eos = {"max_new_tokens": 8, "temperature": 0.0, "logit_bias": {eos: 100}}
+    at_once = engine.generate(input_ids=ids, sampling_params=forced_eos)
+    assert at_once["output_ids"] == [eos] and at_once["meta_info"]["finish_reason"]["type"] == "stop"
+    held = engine.generate(input_ids=ids, sampling_params={**forced_eos, "min_new_tokens": 3})
+    assert len(held["output_ids"]) == 4 and held["output_ids"][-1] == eos and eos not in held["output_ids"][:3]
+    plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY})
+    stop_id = plain["output_ids"][0]
+    stopped = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "stop_token_ids": [stop_id],
+                                                              "min_new_tokens": 5, **GREEDY})
+    assert stop_id not in stopped["output_ids"][:5] and len(stopped["output_ids"]) >= 5
+
+
 def test_stop_token_ids_and_stop_strings(engine):
     ids = prompts(1, 10, seed=12)[0]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY})
@@ -191,6 +210,7 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], sampling_params={"logit_bias": {"seven": 1}}), "logit_bias keys must be token ids"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"99999": 1}}), "logit_bias names token ids outside the vocabulary"),
         (dict(input_ids=[5], sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
+        (dict(input_ids=[5], sampling_params={"max_new_tokens": 4, "min_new_tokens": 5}), r"min_new_tokens must be in \[0, max_new_tokens = 4\]"),
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
     ],
 )

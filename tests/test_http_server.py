@@ -266,7 +266,7 @@ def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokeniz
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == len(full.logprobs.tokens)
 
 
-def test_openai_logit_bias(oai, model_name, tokenizer):
+def test_openai_logit_bias_and_min_tokens(oai, model_name, tokenizer):
     # OpenAI's logit_bias: token ids as strings; +100 forces a token under greedy decoding, streamed or not
     forced_id = tokenizer.encode(" banana")[-1]
     kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
@@ -278,6 +278,12 @@ def test_openai_logit_bias(oai, model_name, tokenizer):
     assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 3)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kwargs))
     assert streamed == completion.choices[0].text
+    # min_tokens (vLLM's extension): EOS, forced by its bias, comes only after 2 tokens
+    eos_kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0,
+                      logit_bias={str(tokenizer.eos_token_id): 100})
+    assert oai.completions.create(**eos_kwargs).usage.completion_tokens == 1
+    held = oai.completions.create(**eos_kwargs, extra_body={"min_tokens": 2})
+    assert held.usage.completion_tokens == 3 and held.choices[0].finish_reason == "stop"
 
 
 def test_openai_n_choices(oai, model_name):
@@ -378,6 +384,7 @@ BAD_REQUESTS = [
     ("generate-n-bool", "/generate", {"text": "hi", "sampling_params": {"n": True}}, 400, "n must be an integer between 1 and 128, got True"),
     ("completion-logit-bias-range", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "logit_bias": {"5": -200}}, 400, "logit_bias[5] must be in [-100, 100]"),
     ("generate-logit-bias-vocab", "/generate", {"text": "hi", "sampling_params": {"logit_bias": {"1000000": 5}}}, 400, "outside the vocabulary"),
+    ("completion-min-tokens-above-max", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens must be in [0, max_tokens = 2]"),
     ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
     ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
     ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),

@@ -83,6 +83,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, in [-100, 100]
     # extensions
+    min_tokens: int = 0  # vLLM's name for min_new_tokens
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -293,6 +294,7 @@ def _build_kwargs(
         max_tokens = default_max_tokens or max(tm.context_length - prompt_len, 1)
     sampling = {
         "max_new_tokens": max_tokens,
+        "min_new_tokens": body.min_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
@@ -328,7 +330,10 @@ def _choices(prompts: list[dict], n: int) -> list[dict]:
 
 def _openai_names(message: str) -> str:
     """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
-    return message.replace("max_new_tokens", "max_tokens").replace("top_logprobs_num", "logprobs")
+    return (
+        message.replace("min_new_tokens", "min_tokens").replace("max_new_tokens", "max_tokens")
+        .replace("top_logprobs_num", "logprobs")
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------------

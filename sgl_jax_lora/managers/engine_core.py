@@ -37,6 +37,7 @@ from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.sampling.logit_adjustments import LogitRow
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -150,11 +151,10 @@ class EngineCore:
         if prev is not None and any(r.sampling.uses_penalties for r in batch.reqs):
             outputs += self._finish(prev)  # penalties read the output ids on the host: they must all be there
             prev = None
-        adjusts_logits = any(r.sampling.adjusts_logits for r in batch.reqs)
         scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
         prepared = time.perf_counter()
-        launched = self._launch(batch, forward_batch, prev, adjusts_logits)
+        launched = self._launch(batch, forward_batch, prev)
         if prev is not None:
             outputs += self._finish(prev)
         self._advance(launched)
@@ -167,7 +167,7 @@ class EngineCore:
         return outputs
 
     def _launch(
-        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None, adjusts_logits: bool
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None
     ) -> LaunchedStep:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
@@ -176,9 +176,24 @@ class EngineCore:
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
         sampled = None
         if batch.sampling_reqs():
-            logit_rows = [(r.input_ids, r.output_ids, r.sampling) for r in batch.reqs] if adjusts_logits else None
-            sampled = self.runner.launch_sample(last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), logit_rows)
+            sampled = self.runner.launch_sample(
+                last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), self._logit_rows(batch)
+            )
         return LaunchedStep(batch, sampled)
+
+    def _logit_rows(self, batch: ScheduleBatch) -> list[LogitRow] | None:
+        """The step's host-side logit adjustments, one row per request; None when no request adjusts its logits.
+        A request short of min_new_tokens may not sample its stop or EOS ids (the token of this step is its
+        len(output_ids)-th: tokens still in flight are counted)."""
+        rows = []
+        for req in batch.reqs:
+            params = req.sampling
+            banned: tuple[int, ...] = ()
+            if len(req.output_ids) < params.min_new_tokens:
+                eos = () if params.ignore_eos else tuple(self.stop_checker.eos_token_ids)
+                banned = tuple(sorted(set(params.stop_token_ids) | set(eos)))
+            rows.append(LogitRow(req.input_ids, req.output_ids, params, banned))
+        return rows if any(row.adjusts for row in rows) else None
 
     def _advance(self, step: LaunchedStep) -> None:
         """Move the step's requests past its tokens before they reach the host: each sampled token is pending."""

@@ -32,9 +32,9 @@ from sgl_jax_lora.model_executor.compiler_options import forward_compiler_option
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
-from sgl_jax_lora.sampling.logit_adjustments import adjust_logits
+from sgl_jax_lora.sampling.logit_adjustments import LogitRow, adjust_logits
 from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, sample, token_logprobs
-from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -100,13 +100,13 @@ class ModelRunner:
         self,
         last_hidden: jax.Array,
         sampling: SamplingBatch,
-        logit_rows: list[tuple[list[int], list[int], SamplingParams] | None] | None = None,
+        logit_rows: list[LogitRow | None] | None = None,
     ) -> LaunchedSample:
         """Dispatch logits + sampling without waiting for them (logit adjustments do wait: they run on the host).
 
-        logit_rows: (prompt ids, output ids, params) per row when some request penalizes or biases its logits."""
+        logit_rows: one per logits row when some request adjusts its logits (sampling/logit_adjustments.py)."""
         logits = self._logits(self.state, self.lora_state, last_hidden)
-        if logit_rows and any(r is not None and r[2].adjusts_logits for r in logit_rows):
+        if logit_rows and any(r is not None and r.adjusts for r in logit_rows):
             logits = jax.device_put(adjust_logits(np.asarray(logits), logit_rows), logits.sharding)
         out, carried_ids = self._sample(logits, sampling)
         for leaf in jax.tree_util.tree_leaves(out):

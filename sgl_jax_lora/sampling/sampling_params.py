@@ -20,6 +20,7 @@ class SamplingParamsError(ValueError):
 @dataclasses.dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # stop_token_ids and EOS cannot be sampled before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
@@ -56,6 +57,11 @@ class SamplingParams:
         _check_type("max_new_tokens", self.max_new_tokens, int)
         if self.max_new_tokens <= 0:
             raise SamplingParamsError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check_type("min_new_tokens", self.min_new_tokens, int)
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise SamplingParamsError(
+                f"min_new_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_new_tokens}"
+            )
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             _check_type(name, getattr(self, name), (int, float))
         _check_type("top_k", self.top_k, int)
