@@ -50,7 +50,7 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    rng = np.random.default_rng(opts.seed)  # same draws, in the same order, as bench_serving.drive
+    rng = np.random.default_rng(opts.seed)  # same lengths and adapters, in the same order, as bench_serving.drive
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
     adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
     adapter_dirs = adapter_dirs_under(opts.adapter_dir)
@@ -73,7 +73,7 @@ def main() -> None:
     print(f"model + {len(groups)} adapters ready (adapters loaded in {load_s:.1f}s)", flush=True)
 
     def serve(rows: list[int]) -> int:
-        ids = torch.tensor([rng_prompt(opts.seed + i, int(inputs[i])) for i in rows], device=opts.device)
+        ids = torch.tensor([rng_prompt([opts.seed, 0, i], int(inputs[i])) for i in rows], device=opts.device)
         new = int(outputs[rows[0]])
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,

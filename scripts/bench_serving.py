@@ -7,6 +7,8 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
+Every run (warm-up, scenario, round) draws prompt tokens of its own, so the server's prefix cache never serves a
+measured request and the protocol measures compute; lengths and adapters are the same in every run.
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
 (every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed
 over the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -154,7 +157,7 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     bar = tqdm(total=opts.num_requests, desc="requests")
 
     async def one(i: int) -> None:
-        ids = rng_prompt(opts.seed + i, int(inputs[i]))
+        ids = rng_prompt([opts.seed, getattr(opts, "prompt_round", 0), i], int(inputs[i]))
         adapter = target.adapter_names[adapter_ids[i]] if adapter_ids[i] is not None else None
         records[i]["start"] = time.perf_counter()
         await target.send(ids, int(outputs[i]), adapter, records[i])
@@ -192,7 +195,8 @@ def engine_delta(before: dict, after: dict) -> dict:
     for kind, totals in after.get("step_stats", {}).items():
         steps[kind] = {k: v - before["step_stats"][kind][k] for k, v in totals.items()}
     delta = {"step_stats": steps,
-             "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0)}
+             "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0),
+             "prefix_cache_hit_tokens": after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)}
     if after.get("lora"):
         delta["lora"] = {k: after["lora"][k] - before["lora"][k] for k in LORA_COUNTERS}
     return delta
@@ -205,7 +209,7 @@ def median_run(runs: list[dict]) -> dict:
     return {**ordered[(len(ordered) - 1) // 2], "repeats_output_tok_per_s": [r["output_tok_per_s"] for r in runs]}
 
 
-def rng_prompt(seed: int, length: int) -> list[int]:
+def rng_prompt(seed: int | list[int], length: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 400, size=length).tolist()
 
 
@@ -281,15 +285,18 @@ def main() -> None:
         for count, _ in opts.num_adapters:
             if count > len(target.adapter_names):
                 raise SystemExit(f"--num-adapters {count}: the server has only {len(target.adapter_names)} adapters")
+        prompt_rounds = itertools.count(1)
         for round_index in range(opts.repeats):  # rounds: each scenario once per round, the same requests each time
             for (count, popularity), scenario_runs in zip(opts.num_adapters, runs):
                 scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count,
                                                  "popularity": popularity or opts.popularity})
                 if opts.warmup_requests:
                     warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
-                                                 "request_rate": float("inf"), "seed": opts.seed + 1})
+                                                 "request_rate": float("inf"), "seed": opts.seed + 1,
+                                                 "prompt_round": next(prompt_rounds)})
                     target.run(drive(target, warm))
                 before = target.server_info()
+                scenario.prompt_round = next(prompt_rounds)
                 run = target.run(drive(target, scenario))
                 run["engine"] = engine_delta(before, target.server_info())
                 scenario_runs.append(run)

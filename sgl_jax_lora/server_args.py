@@ -42,6 +42,7 @@ class ServerArgs:
     prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
     prefill_seq_buckets: list[int] | None = _f(None, "compiled prefill sequence counts; default: powers of two up to --max-prefill-seqs", nargs="+", type=int)
     decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
+    disable_prefix_cache: bool = _f(False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)")
     disable_overlap_schedule: bool = _f(False, "finish each step before scheduling the next, instead of scheduling step N+1 on the host while the device runs step N")
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
     layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")

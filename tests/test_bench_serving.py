@@ -35,7 +35,9 @@ def adapter_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(adapter_root):
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2"])
+    # pages of 4 tokens: the 8-token prompts fill a page the prefix cache could serve, were a prompt sent twice
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2",
+                        "--page-size", "4"])
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -67,6 +69,7 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
         assert 0 < scenario["ttft_s"]["mean"] <= scenario["e2e_s"]["mean"]
         assert scenario["ttft_s"]["p50"] <= scenario["ttft_s"]["p99"]
         assert scenario["output_tok_per_s"] > 0 and scenario["engine"]["compilations"] == 0
+        assert scenario["engine"]["prefix_cache_hit_tokens"] == 0  # fresh prompts in every run: compute is measured
         assert scenario["ratio_to_base_throughput"] == pytest.approx(
             scenario["output_tok_per_s"] / base["output_tok_per_s"])
         decode = scenario["engine"]["step_stats"]["decode"]

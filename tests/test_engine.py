@@ -163,6 +163,25 @@ def test_min_new_tokens_holds_back_stop_and_eos(engine, model_dir):
     assert stop_id not in stopped["output_ids"][:5] and len(stopped["output_ids"]) >= 5
 
 
+def test_prefix_cache_reuses_pages_of_finished_requests(engine, model_dir):
+    # page size 16: a request leaves its whole pages (prompt and output) in the cache; a later request with the
+    # same first tokens prefills only the rest, and its tokens are still HF's
+    ids = prompts(1, 40, seed=21)[0]
+    first = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 30, **GREEDY})
+    again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 30, **GREEDY})
+    assert first["meta_info"]["cached_tokens"] == 0 and again["meta_info"]["cached_tokens"] == 32  # 39 tokens: 2 pages
+    assert again["output_ids"] == first["output_ids"]
+    # the next turn of a conversation: prompt + reply + new tokens; the reply's pages are cached too
+    # (the first request computed 40 + 29 tokens: 4 whole pages)
+    follow_up = ids + first["output_ids"] + prompts(1, 6, seed=22)[0]
+    turn = engine.generate(input_ids=follow_up, sampling_params={"max_new_tokens": 6, **GREEDY})
+    assert turn["meta_info"]["cached_tokens"] == 64
+    assert turn["output_ids"] == hf_greedy(model_dir, follow_up, 6)[0]
+    scored = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY}, return_logprob=True,
+                             logprob_start_len=0)
+    assert scored["meta_info"]["cached_tokens"] == 0  # prompt logprobs need every position computed
+
+
 def test_stop_token_ids_and_stop_strings(engine):
     ids = prompts(1, 10, seed=12)[0]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY})

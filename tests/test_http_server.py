@@ -431,6 +431,9 @@ def test_api_key_required(server, headers):
 
 def test_metrics(http):
     generate(http, text="Hello", sampling_params=GREEDY)
+    long_prompt = {"input_ids": list(range(3, 40)), "sampling_params": {"max_new_tokens": 2}}
+    generate(http, **long_prompt)
+    assert generate(http, **long_prompt)["meta_info"]["cached_tokens"] == 32  # the same 37 tokens: 2 cached pages
     text = http.get("/metrics").text
     values = {}
     for line in text.splitlines():
@@ -443,6 +446,7 @@ def test_metrics(http):
     assert values["sgl_jax_lora_time_to_first_token_seconds_count"] >= 1
     assert values["sgl_jax_lora_time_per_output_token_seconds_count"] >= 1
     assert values['sgl_jax_lora_request_errors_total{status="400"}'] >= 1
+    assert values["sgl_jax_lora_prefix_cache_hit_tokens_total"] >= 32 and values["sgl_jax_lora_kv_pages_cached"] >= 2
     for gauge in ("num_running_reqs", "num_queue_reqs", "kv_pages_used", "kv_pages_total"):
         assert f"sgl_jax_lora_{gauge}" in values
     assert values['sgl_jax_lora_engine_steps_total{kind="decode"}'] >= 11  # 12 tokens: 1 from prefill, 11 decodes

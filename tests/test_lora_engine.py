@@ -106,6 +106,21 @@ def test_each_request_alone_equals_it_in_the_mixed_batch(engine, setup):
         assert np.abs(np.array(a) - np.array(b)).max() < 1e-5
 
 
+def test_prefix_cache_is_kept_apart_per_adapter(engine, setup):
+    # the same prompt under another adapter (or the base model) has other K/V: no cached page is shared; under the
+    # same adapter it is, and the tokens are still HF + PEFT's
+    base, adapters = setup
+    name = list(adapters)[0]
+    ids = prompt(40, 36)
+    params = {"max_new_tokens": 4, **GREEDY}
+    first = engine.generate(input_ids=ids, sampling_params=params, lora_path=name)
+    others = engine.generate(input_ids=[ids, ids], sampling_params=params, lora_path=[list(adapters)[1], None])
+    again = engine.generate(input_ids=ids, sampling_params=params, lora_path=name)
+    assert first["meta_info"]["cached_tokens"] == 0 and [o["meta_info"]["cached_tokens"] for o in others] == [0, 0]
+    assert again["meta_info"]["cached_tokens"] == 32
+    assert again["output_ids"] == first["output_ids"] == reference(base, adapters[name], ids, 4)[0]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_base_requests_equal_a_lora_disabled_engine(setup, dtype):
     base, adapters = setup

@@ -108,7 +108,7 @@ def test_overlap_gives_the_outputs_of_finishing_each_step(model_dir):
     assert with_overlap.finish["stops"] == {"type": "stop", "matched": stop_token}
     assert with_overlap.tokens["stops"] == probe.tokens["probe"][: probe.tokens["probe"].index(stop_token) + 1]
     assert len(with_overlap.tokens["one-token"]) == 1
-    assert with_overlap.core.allocator.num_used == 0
+    assert with_overlap.core.scheduler.num_pages_held == 0
 
 
 def test_overlap_survives_preemption(model_dir):
@@ -118,7 +118,7 @@ def test_overlap_survives_preemption(model_dir):
     with_overlap = serve(model_dir, True, requests, max_total_tokens=64)
     assert with_overlap.core.scheduler.num_preemptions > 0
     assert_same(with_overlap, without)
-    assert with_overlap.core.allocator.num_used == 0
+    assert with_overlap.core.scheduler.num_pages_held == 0
 
 
 def test_abort_while_a_token_is_in_flight(model_dir):
@@ -139,7 +139,7 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     assert run.tokens["aborted"] == aborted.output_ids[:-1]  # what had landed, nothing in flight
     run.until_idle()
     assert run.tokens["kept"] == alone.tokens["kept"]
-    assert core.allocator.num_used == 0
+    assert core.scheduler.num_pages_held == 0
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir):
@@ -159,7 +159,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir
     del core.runner.fetch
     run.take(core.fail_running("engine error: RuntimeError: device fault"))
     assert run.finish["a"]["type"] == run.finish["b"]["type"] == "abort"
-    assert core.in_flight is None and core.scheduler.num_active == 0 and core.allocator.num_used == 0
+    assert core.in_flight is None and core.scheduler.num_active == 0 and core.scheduler.num_pages_held == 0
+    assert core.prefix_cache.num_cached == 0  # the failed step's pages are not reused
     later = request("later", 52, 10, max_new_tokens=6, temperature=0.0)
     core.add_request(later)
     run.until_idle()

@@ -109,13 +109,17 @@ class EngineStatsCollector(Collector):
         gauges = {
             "num_running_reqs": ("num_running", "requests in the running batch"),
             "num_queue_reqs": ("num_waiting", "requests waiting for admission (queue depth)"),
-            "kv_pages_used": ("kv_pages_used", "KV-cache pages in use"),
+            "kv_pages_used": ("kv_pages_used", "KV-cache pages requests hold"),
             "kv_pages_total": ("kv_pages_total", "KV-cache pages available"),
+            "kv_pages_cached": ("kv_pages_cached", "KV-cache pages the prefix cache keeps (held by requests or not)"),
             "num_compilations_after_warmup": ("num_compilations_after_warmup", "XLA compilations since warmup ended"),
         }
         for name, (key, help_text) in gauges.items():
             if key in info:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
+        if "prefix_cache_hit_tokens" in info:
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "prompt tokens whose prefill the prefix cache saved",
+                                      value=info["prefix_cache_hit_tokens"])
         if info.get("step_stats"):
             yield from _step_metrics(info["step_stats"])
         if info.get("lora"):

@@ -32,6 +32,7 @@ from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.managers.step_stats import StepStats
 from sgl_jax_lora.managers.stop_checker import StopChecker
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
@@ -76,9 +77,10 @@ class EngineCore:
             args.decode_page_buckets,
             args.prefill_seq_buckets,
         )
+        self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
-            adapter_slots=self.lora,
+            adapter_slots=self.lora, prefix_cache=self.prefix_cache,
         )
         self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
@@ -264,6 +266,7 @@ class EngineCore:
             "new_input_logprobs": req.input_token_logprobs[req.num_sent_input_logprobs :],
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(output_ids),
+            "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason,
         }
         req.num_sent_outputs = len(output_ids)
@@ -280,6 +283,8 @@ class EngineCore:
             self.scheduler.finish(req)
             req.finish_reason = {"type": "abort", "message": message}
             outputs.append(self._output_of(req))
+        if self.prefix_cache is not None:  # the failed step may not have written the K/V its requests' pages claim
+            self.prefix_cache.evict(self.prefix_cache.num_cached)
         return outputs
 
     def rpc_server_info(self) -> dict:
@@ -305,7 +310,9 @@ class EngineCore:
             "context_length": self.context_length,
             "max_total_tokens": self.max_total_tokens,
             "kv_pages_total": self.allocator.num_usable,
-            "kv_pages_used": self.allocator.num_used,
+            "kv_pages_used": self.scheduler.num_pages_held,
+            "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
+            "prefix_cache_hit_tokens": self.scheduler.num_cached_tokens,
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,

@@ -42,6 +42,7 @@ class Req:
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: dict | None = None
     times_skipped: int = 0  # how often admission passed this request over (bounded; see scheduler)
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     # logprobs gathered so far, sent incrementally
     input_token_logprobs: list = dataclasses.field(default_factory=list)
     output_token_logprobs: list = dataclasses.field(default_factory=list)

@@ -15,6 +15,10 @@ that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED`
 any adapter that no running request uses and, if it still cannot join, blocks admission of others until it
 gets in, so nothing waits forever.
 
+Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request that enters holding no pages
+first takes the cached pages of its longest cached prefix under its adapter and prefills only the rest; released
+requests leave their full pages in the cache, and cached pages no request holds are evicted when pages run short.
+
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
 requests are already advanced, their sampled tokens pending. A request may then turn out finished (a stop
 token) after the next step took it; that step's token for it is dropped.
@@ -28,6 +32,7 @@ from typing import Protocol
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
 
 MAX_TIMES_SKIPPED = 16
@@ -56,6 +61,7 @@ class Scheduler:
         chunked_prefill_size: int,
         max_prefill_seqs: int,
         adapter_slots: AdapterSlots | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.buckets = buckets
         self.allocator = allocator
@@ -63,6 +69,8 @@ class Scheduler:
         self.chunk_budget = min(chunked_prefill_size, buckets.prefill_tokens[-1])
         self.max_prefill_seqs = min(max_prefill_seqs, buckets.prefill_seqs[-1])
         self.adapter_slots = adapter_slots
+        self.prefix_cache = prefix_cache
+        self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
@@ -89,8 +97,50 @@ class Scheduler:
         self._remove(req)  # running, or waiting when preempted while its last token was in flight
 
     def _release(self, req: Req) -> None:
-        self.allocator.free(req.pages)
+        """req gives back its KV pages: to the prefix cache, which keeps the full ones, or to the allocator."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req.lora_slot_key, req.all_ids, req.num_computed, req.pages)
+        else:
+            self.allocator.free(req.pages)
         req.pages = []
+
+    # ---- KV pages ----------------------------------------------------------------------------
+    def _can_allocate(self, num_pages: int) -> bool:
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        return num_pages <= self.allocator.num_free + evictable
+
+    def _allocate(self, num_pages: int) -> list[int]:
+        """num_pages fresh pages, evicting cached pages no request holds when the free list is short."""
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.allocate(num_pages)
+
+    @property
+    def num_pages_held(self) -> int:
+        """Pages that requests hold (cached pages no request holds are not counted: they are free to evict)."""
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        return self.allocator.num_used - evictable
+
+    def _reuse_cached_prefix(self, req: Req, budget: int, num_new: int, pages_needed: int) -> tuple[int, int]:
+        """Start a request that holds no pages after the longest cached prefix of its tokens (whole pages, at
+        least one token left to prefill) -> its (tokens to prefill, pages to allocate) in this step. Called once it
+        may join, so a request that waits hashes nothing. Not for requests that want prompt logprobs: those
+        need every position's logits."""
+        if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
+            return num_new, pages_needed
+        req.pages = self.prefix_cache.match(req.lora_slot_key, req.all_ids, req.remaining_prefill - 1)
+        req.num_computed = len(req.pages) * self.allocator.page_size
+        cached_num_new = min(req.remaining_prefill, budget)
+        cached_pages_needed = self.allocator.pages_for(req.num_computed + cached_num_new) - len(req.pages)
+        if not self._can_allocate(cached_pages_needed):  # the pages it would have evicted were its own prefix
+            self._release(req)
+            req.num_computed = 0
+            return num_new, pages_needed
+        if not req.output_ids:  # its first admission (a preempted request's recompute is not counted)
+            req.cached_tokens = req.num_computed
+            self.num_cached_tokens += req.num_computed
+        return cached_num_new, cached_pages_needed
 
     @property
     def num_active(self) -> int:
@@ -153,12 +203,14 @@ class Scheduler:
         `keep` are not evicted to make room for req's."""
         num_new = min(req.remaining_prefill, budget)
         pages_needed = self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
-        if num_new <= 0 or not self.allocator.can_allocate(pages_needed):
+        if num_new <= 0 or not self._can_allocate(pages_needed):
             return 0
         slot = self._adapter_slot(req, keep)
         if slot is None:
             return 0
-        req.pages += self.allocator.allocate(pages_needed)
+        if not req.pages and req.num_computed == 0:  # entering (new, or preempted): start after a cached prefix
+            num_new, pages_needed = self._reuse_cached_prefix(req, budget, num_new, pages_needed)
+        req.pages += self._allocate(pages_needed)
         batch.reqs.append(req)
         batch.num_new_tokens.append(num_new)
         batch.token_slots.append(slot)
@@ -200,13 +252,13 @@ class Scheduler:
 
     def _ensure_decode_page(self, req: Req, batch: ScheduleBatch) -> bool:
         needed = self.allocator.pages_for(req.seq_len) - len(req.pages)
-        while needed > 0 and not self.allocator.can_allocate(needed):
+        while needed > 0 and not self._can_allocate(needed):
             victim = self._pick_preemption_victim(exclude=[req] + batch.reqs)
             if victim is None:
                 return False
             self._preempt(victim)
         if needed > 0:
-            req.pages += self.allocator.allocate(needed)
+            req.pages += self._allocate(needed)
         return True
 
     def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:

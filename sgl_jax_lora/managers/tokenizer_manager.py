@@ -295,6 +295,7 @@ class TokenizerManager:
             "id": request.rid,
             "prompt_tokens": item["prompt_tokens"],
             "completion_tokens": item["completion_tokens"],
+            "cached_tokens": item["cached_tokens"],
             "finish_reason": finish,
         }
         if request.return_logprob:

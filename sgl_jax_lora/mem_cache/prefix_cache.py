@@ -1,0 +1,95 @@
+"""PrefixCache: the KV pages of released requests, kept for later requests that start with the same tokens.
+
+Flow: the Scheduler admits a request -> `match` hands it the cached pages of its longest cached prefix, in whole
+pages, and its prefill starts after them -> when the request gives its pages back (finish, abort, preemption)
+`release` keeps its full pages for reuse (or drops its hold on the cached ones it was given) and frees the rest ->
+cached pages that no request holds are evicted, least recently used first, when the allocator runs short (`evict`).
+
+Keys: a page's key is a SHA-256 chain over the adapter (`LoRARef.lora_id`, a new UUID at every load, None for the
+base model) and every token up to the page's end, so a page is only reused for the same prefix under the same
+adapter load: a reloaded or different adapter, whose K/V differ, never matches.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+
+import numpy as np
+
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+
+
+class PrefixCache:
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._page_of: dict[bytes, int] = {}  # key -> cached page
+        self._key_of: dict[int, bytes] = {}  # cached page -> key
+        self._holders: dict[int, int] = {}  # cached page -> requests holding it
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # held by none, LRU first
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def page_keys(self, adapter: str | None, tokens: list[int], num_pages: int) -> list[bytes]:
+        """Keys of the first num_pages whole pages of tokens under this adapter."""
+        chain = hashlib.sha256(b"adapter:" + (adapter or "").encode())
+        keys = []
+        for i in range(num_pages):
+            page = np.asarray(tokens[i * self.page_size : (i + 1) * self.page_size], dtype=np.int64)
+            chain.update(page.tobytes())
+            keys.append(chain.copy().digest())
+        return keys
+
+    def match(self, adapter: str | None, tokens: list[int], max_tokens: int) -> list[int]:
+        """Pages holding the K/V of the longest cached prefix of tokens[:max_tokens] (whole pages); the caller
+        holds them until it releases them."""
+        pages = []
+        for key in self.page_keys(adapter, tokens, max_tokens // self.page_size):
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._holders[page] += 1
+            self._evictable.pop(page, None)
+        return pages
+
+    def release(self, adapter: str | None, tokens: list[int], num_computed: int, pages: list[int]) -> None:
+        """A request gives back its pages (pages[i] holds tokens i*P .. (i+1)*P - 1; tokens[:num_computed] have
+        their K/V written). Its full pages stay cached, unless the same prefix is cached already; the others
+        are freed."""
+        num_full = min(num_computed // self.page_size, len(pages))
+        keys = self.page_keys(adapter, tokens, num_full)
+        to_free, kept = [], []
+        for i, page in enumerate(pages):
+            if page in self._key_of:  # a cached page it was given by `match`
+                self._holders[page] -= 1
+                kept.append(page)
+            elif i < num_full and keys[i] not in self._page_of:
+                self._page_of[keys[i]], self._key_of[page], self._holders[page] = page, keys[i], 0
+                kept.append(page)
+            else:
+                to_free.append(page)
+        # deepest page first, so that a prefix's first page is the last of it to be evicted
+        for page in reversed(kept):
+            if self._holders[page] == 0:
+                self._evictable[page] = None
+                self._evictable.move_to_end(page)
+        self.allocator.free(to_free)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to num_pages cached pages that no request holds, least recently used first; -> pages freed."""
+        freed = []
+        while len(freed) < num_pages and self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)], self._holders[page]
+            freed.append(page)
+        self.allocator.free(freed)
+        return len(freed)
