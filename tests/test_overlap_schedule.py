@@ -177,3 +177,24 @@ def test_overlap_compiles_nothing_after_warmup_with_tensor_parallelism(tmp_path)
     run = Run(core).until_idle()
     assert run.steps_with_pending > 0 and len(run.finish) == 6
     assert core.compile_counter.count == core.num_compilations_after_warmup_start
+
+
+def test_prefix_cache_gives_the_outputs_of_an_engine_without_it(model_dir):
+    # the same prompts twice on one core under the overlap schedule, the second time from cached pages (pages of
+    # 4 tokens), and on a core with --disable-prefix-cache, which frees every page at once
+    def twice(**kwargs) -> tuple[EngineCore, Run]:
+        core = make_core(model_dir, True, **kwargs)
+        run = Run(core)
+        for round_name in ("first", "second"):
+            for i in range(3):
+                core.add_request(request(f"{round_name}-{i}", 60 + i, 10 + 3 * i, max_new_tokens=8, temperature=0.0))
+            run.until_idle()
+        return core, run
+
+    cached_core, cached = twice()
+    plain_core, plain = twice(disable_prefix_cache=True)
+    assert cached.tokens == plain.tokens
+    assert all(cached.tokens[f"first-{i}"] == cached.tokens[f"second-{i}"] for i in range(3))
+    assert cached_core.scheduler.num_cached_tokens > 0 and plain_core.scheduler.num_cached_tokens == 0
+    assert cached_core.prefix_cache.num_cached > 0 and cached_core.scheduler.num_pages_held == 0
+    assert plain_core.prefix_cache is None and plain_core.allocator.num_used == 0
