@@ -286,6 +286,15 @@ def test_openai_logit_bias_and_min_tokens(oai, model_name, tokenizer):
     assert held.usage.completion_tokens == 3 and held.choices[0].finish_reason == "stop"
 
 
+def test_openai_usage_reports_cached_prompt_tokens(oai, model_name):
+    # a prompt's second request prefills only what the prefix cache does not hold (pages of 16 tokens)
+    long_prompt = list(range(5, 45))  # 40 tokens: 2 whole pages can be cached
+    first = oai.completions.create(model=model_name, prompt=[long_prompt], max_tokens=2, temperature=0)
+    again = oai.completions.create(model=model_name, prompt=[long_prompt], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_openai_n_choices(oai, model_name):
     # choice j of a seeded request is the n=1 request with seed + j; prompts are numbered prompt-major
     sampling = dict(model=model_name, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})

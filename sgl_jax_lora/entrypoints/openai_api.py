@@ -345,11 +345,13 @@ def _finish_reason(result: dict) -> str | None:
 
 
 def _usage(results: list[dict], n: int, scoring: bool = False) -> dict:
-    """Token counts of the choices (prompt-major, n per prompt): each prompt counted once; a scoring
-    request (echo, max_tokens 0) completes none."""
+    """Token counts of the choices (prompt-major, n per prompt): each prompt counted once (with the prompt tokens
+    its first choice took from the prefix cache); a scoring request (echo, max_tokens 0) completes none."""
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
+    cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
     completion = 0 if scoring else sum(r["meta_info"]["completion_tokens"] for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token_text(tm: TokenizerManager, token_id: int) -> str:
