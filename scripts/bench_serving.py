@@ -157,7 +157,7 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     bar = tqdm(total=opts.num_requests, desc="requests")
 
     async def one(i: int) -> None:
-        ids = rng_prompt([opts.seed, getattr(opts, "prompt_round", 0), i], int(inputs[i]))
+        ids = rng_prompt([opts.seed, opts.prompt_round, i], int(inputs[i]))
         adapter = target.adapter_names[adapter_ids[i]] if adapter_ids[i] is not None else None
         records[i]["start"] = time.perf_counter()
         await target.send(ids, int(outputs[i]), adapter, records[i])

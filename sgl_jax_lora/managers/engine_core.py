@@ -184,7 +184,8 @@ class EngineCore:
         return LaunchedStep(batch, sampled)
 
     def _logit_rows(self, batch: ScheduleBatch) -> list[LogitRow] | None:
-        """The step's host-side logit adjustments, one row per request; None when no request adjusts its logits.
+        """The step's host-side logit adjustments, one row per request; None when no request adjusts its logits
+        (the sampler then keeps the logits on the device).
         A request short of min_new_tokens may not sample its stop or EOS ids (the token of this step is its
         len(output_ids)-th: tokens still in flight are counted)."""
         if not any(r.sampling.adjusts_logits or len(r.output_ids) < r.sampling.min_new_tokens for r in batch.reqs):
@@ -197,7 +198,7 @@ class EngineCore:
                 eos = () if params.ignore_eos else tuple(self.stop_checker.eos_token_ids)
                 banned = tuple(sorted(set(params.stop_token_ids) | set(eos)))
             rows.append(LogitRow(req.input_ids, req.output_ids, params, banned))
-        return rows
+        return rows if any(row.adjusts for row in rows) else None  # min_new_tokens with nothing to ban: none
 
     def _advance(self, step: LaunchedStep) -> None:
         """Move the step's requests past its tokens before they reach the host: each sampled token is pending."""

@@ -105,9 +105,12 @@ class Scheduler:
         req.pages = []
 
     # ---- KV pages ----------------------------------------------------------------------------
+    @property
+    def _num_evictable(self) -> int:
+        return self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+
     def _can_allocate(self, num_pages: int) -> bool:
-        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
-        return num_pages <= self.allocator.num_free + evictable
+        return num_pages <= self.allocator.num_free + self._num_evictable
 
     def _allocate(self, num_pages: int) -> list[int]:
         """num_pages fresh pages, evicting cached pages no request holds when the free list is short."""
@@ -119,28 +122,27 @@ class Scheduler:
     @property
     def num_pages_held(self) -> int:
         """Pages that requests hold (cached pages no request holds are not counted: they are free to evict)."""
-        evictable = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
-        return self.allocator.num_used - evictable
+        return self.allocator.num_used - self._num_evictable
 
-    def _reuse_cached_prefix(self, req: Req, budget: int, num_new: int, pages_needed: int) -> tuple[int, int]:
+    def _chunk(self, req: Req, budget: int) -> tuple[int, int]:
+        """(prefill tokens req may take under `budget`, pages it needs for them)."""
+        num_new = min(req.remaining_prefill, budget)
+        return num_new, self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
+
+    def _reuse_cached_prefix(self, req: Req, budget: int) -> None:
         """Start a request that holds no pages after the longest cached prefix of its tokens (whole pages, at
-        least one token left to prefill) -> its (tokens to prefill, pages to allocate) in this step. Called once it
-        may join, so a request that waits hashes nothing. Not for requests that want prompt logprobs: those
-        need every position's logits."""
+        least one token left to prefill). Called once it may join, so a request that waits hashes nothing. Not
+        for requests that want prompt logprobs: those need every position's logits."""
         if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
-            return num_new, pages_needed
+            return
         req.pages = self.prefix_cache.match(req.lora_slot_key, req.all_ids, req.remaining_prefill - 1)
         req.num_computed = len(req.pages) * self.allocator.page_size
-        cached_num_new = min(req.remaining_prefill, budget)
-        cached_pages_needed = self.allocator.pages_for(req.num_computed + cached_num_new) - len(req.pages)
-        if not self._can_allocate(cached_pages_needed):  # the pages it would have evicted were its own prefix
+        if not self._can_allocate(self._chunk(req, budget)[1]):  # the pages it would have evicted were its prefix
             self._release(req)
             req.num_computed = 0
-            return num_new, pages_needed
-        if not req.output_ids:  # its first admission (a preempted request's recompute is not counted)
+        elif not req.output_ids:  # its first admission (a preempted request's recompute is not counted)
             req.cached_tokens = req.num_computed
             self.num_cached_tokens += req.num_computed
-        return cached_num_new, cached_pages_needed
 
     @property
     def num_active(self) -> int:
@@ -201,15 +203,15 @@ class Scheduler:
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
         `keep` are not evicted to make room for req's."""
-        num_new = min(req.remaining_prefill, budget)
-        pages_needed = self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
+        num_new, pages_needed = self._chunk(req, budget)
         if num_new <= 0 or not self._can_allocate(pages_needed):
             return 0
         slot = self._adapter_slot(req, keep)
         if slot is None:
             return 0
         if not req.pages and req.num_computed == 0:  # entering (new, or preempted): start after a cached prefix
-            num_new, pages_needed = self._reuse_cached_prefix(req, budget, num_new, pages_needed)
+            self._reuse_cached_prefix(req, budget)
+            num_new, pages_needed = self._chunk(req, budget)
         req.pages += self._allocate(pages_needed)
         batch.reqs.append(req)
         batch.num_new_tokens.append(num_new)

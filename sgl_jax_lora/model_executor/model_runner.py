@@ -104,9 +104,9 @@ class ModelRunner:
     ) -> LaunchedSample:
         """Dispatch logits + sampling without waiting for them (logit adjustments do wait: they run on the host).
 
-        logit_rows: one per logits row when some request adjusts its logits (sampling/logit_adjustments.py)."""
+        logit_rows: one per logits row, given only when some request adjusts its logits (sampling/logit_adjustments.py)."""
         logits = self._logits(self.state, self.lora_state, last_hidden)
-        if logit_rows and any(r is not None and r.adjusts for r in logit_rows):
+        if logit_rows:
             logits = jax.device_put(adjust_logits(np.asarray(logits), logit_rows), logits.sharding)
         out, carried_ids = self._sample(logits, sampling)
         for leaf in jax.tree_util.tree_leaves(out):

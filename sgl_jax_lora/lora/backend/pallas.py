@@ -226,7 +226,7 @@ class PallasBackend(LoRABackend):
             layer = jnp.zeros((), jnp.int32)
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
-        out_width = sum((b.shape[-2] for b in lora_bs))  # all parts, every shard
+        out_width = sum(b.shape[-2] for b in lora_bs)  # all parts, every shard
         adds_in_place = not self.returns_delta(x.shape[0], out_width, input_sharded)
 
         def local(x, lora_a, lora, layer, *operands):
