@@ -141,6 +141,9 @@ class LoRAManager:
                 self._slot_arrays[adapter] = values
         return adapter, values
 
+    def can_evict(self, lora_id: str) -> bool:
+        return lora_id not in self.pool.pinned
+
     def try_admit(self, lora_id: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
         if lora_id is None:
             return 0

@@ -11,9 +11,11 @@ keeps arrival order, and a request whose adapter is not on the device may not ev
 requests want (no thrash). Arrival order keeps rarely used adapters mixed into every step: trying resident
 adapters first would leave them all to the end of a backlog, where the slot limit, not the running-request
 limit, caps the batch (docs/lora.md "Scheduling and fairness"). A request is passed over each time a request
-that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first, may evict
-any adapter that no running request uses and, if it still cannot join, blocks admission of others until it
-gets in, so nothing waits forever.
+that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first and may evict
+any adapter that no running request uses. If every slot is held by running requests, it drains one: admission
+stops feeding that adapter (the one the fewest waiting requests want, then the soonest to finish; never a pinned
+one) and goes on admitting the others, so the batch stays full while that slot runs dry for the starved request.
+A starved request short of KV pages blocks admission of others until it gets in. So nothing waits forever.
 
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request that enters holding no pages
 first takes the cached pages of its longest cached prefix under its adapter and prefills only the rest; released
@@ -26,6 +28,7 @@ token) after the next step took it; that step's token for it is dropped.
 
 from __future__ import annotations
 
+import collections
 from collections import deque
 from typing import Protocol
 
@@ -49,6 +52,10 @@ class AdapterSlots(Protocol):
         """Device slot for this adapter in the step being built, or None if it cannot join it; adapters in
         `keep` are not evicted for it. Raises ValueError (naming the adapter and the fix) if the adapter cannot
         be served at all."""
+        ...
+
+    def can_evict(self, adapter_key: str) -> bool:
+        """Whether this adapter's slot can ever go to another adapter (False for pinned adapters)."""
         ...
 
 
@@ -75,6 +82,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_preemptions = 0
         self.rejected: list[tuple[Req, str]] = []  # requests whose adapter cannot be served, with the reason
+        self.draining: set[str] = set()  # adapters admission does not feed, so their slots free up for a starved request
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -165,16 +173,23 @@ class Scheduler:
             return batch if batch.reqs else None
         blocked, admitted = False, []
         wanted = self._wanted_adapters()
+        self._end_finished_drains()
         for req in self._admission_order():
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
                 break
             if len(self.running) >= self.max_running:
                 break
+            if req.lora_slot_key in self.draining:
+                continue
             starved = req.times_skipped > MAX_TIMES_SKIPPED
             taken = self._try_add_chunk(batch, req, budget, keep=frozenset() if starved else wanted)
             if taken == 0:
-                # Could not join (adapter slots or pages): skip ahead, but not past a starved request.
-                blocked = starved
+                # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
+                # pages blocks the requests behind it.
+                if starved and self._fits_pages(req, budget):
+                    self._drain_a_slot()
+                else:
+                    blocked = starved
                 continue
             budget -= taken
             self.waiting.remove(req)
@@ -192,6 +207,35 @@ class Scheduler:
         if self.adapter_slots is None:
             return frozenset()
         return frozenset(r.lora_slot_key for r in self.waiting)
+
+    def _end_finished_drains(self) -> None:
+        """A drained adapter that no running request uses any more has freed its slot; with no starved request
+        left waiting, no adapter needs draining."""
+        if not any(r.times_skipped > MAX_TIMES_SKIPPED for r in self.waiting):
+            self.draining.clear()
+        self.draining &= {r.lora_slot_key for r in self.running}
+
+    def _drain_a_slot(self) -> None:
+        """Stop feeding one running adapter, so that its slot runs dry for a starved request: the adapter that the
+        fewest waiting requests want, then the one whose running requests can finish soonest. One at a time, so
+        the batch stays full; none when an adapter no waiting request wants is running (it runs dry by itself)."""
+        if self.draining:
+            return
+        num_wanting = collections.Counter(r.lora_slot_key for r in self.waiting)
+        steps_left: dict[str, int] = {}
+        for r in self.running:
+            key = r.lora_slot_key
+            if key is not None and self.adapter_slots.can_evict(key):
+                steps_left[key] = max(steps_left.get(key, 0), r.sampling.max_new_tokens - len(r.output_ids))
+        if not steps_left:
+            return
+        victim = min(steps_left, key=lambda key: (num_wanting[key], steps_left[key]))
+        if num_wanting[victim]:
+            self.draining.add(victim)
+
+    def _fits_pages(self, req: Req, budget: int) -> bool:
+        num_new, pages_needed = self._chunk(req, budget)
+        return num_new > 0 and self._can_allocate(pages_needed)
 
     def _admission_order(self) -> list[Req]:
         """Starved requests first, then the others, each group in arrival order."""
