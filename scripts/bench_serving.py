@@ -97,11 +97,13 @@ class EngineTarget:
         return self.engine.get_server_info()
 
     async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
+        received = time.monotonic()
         ref = await self.manager.resolve_lora(adapter) if adapter else None
         request = self.manager.build_request(
             input_ids=input_ids,
             sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
             lora_id=ref.lora_id if ref else None,
+            arrival_time=received,
         )
         async for result in self.manager.generate_request(request):
             record.setdefault("first", time.perf_counter())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
@@ -52,6 +53,7 @@ class Engine:
             prompts, ids, loras = (repeat_each(items, n) for items in (prompts, ids, loras))
             params = [sample_params for p in params for sample_params in expand_samples(p, n)]
         count = len(prompts)
+        received = time.monotonic()
         refs = [self._run(self.tokenizer_manager.resolve_lora(lora)) if lora else None for lora in loras]
         try:
             requests = [
@@ -63,6 +65,7 @@ class Engine:
                     logprob_start_len=logprob_start_len,
                     top_logprobs_num=top_logprobs_num,
                     lora_id=refs[i].lora_id if refs[i] else None,
+                    arrival_time=received,
                 )
                 for i in range(count)
             ]

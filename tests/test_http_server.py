@@ -513,6 +513,36 @@ def lora_server(tmp_path_factory):
 
 
 @lora_ready
+def test_a_burst_for_new_adapter_paths_loads_each_once(lora_server):
+    # Requests naming unregistered adapter paths inside --lora-allowed-dirs, all at once: the requests for one path
+    # share one load (a second load of it would be refused as already loaded), loads of different paths run
+    # together, and each request is served by its own adapter.
+    from peft_fixtures import write_peft_adapter
+
+    from sgl_jax_lora.demo_model import demo_model_path
+
+    srv, adapters = lora_server
+    root = os.path.dirname(adapters["a0"])
+    paths = [str(write_peft_adapter(demo_model_path(), os.path.join(root, f"burst{i}"), seed=20 + i, r=4, lora_alpha=8,
+                                    target_modules=["q_proj", "v_proj", "down_proj"], b_std=0.5)) for i in range(3)]
+
+    def generate(path: str) -> httpx.Response:
+        body = {"text": "Hello", "lora_path": path, "sampling_params": GREEDY | {"max_new_tokens": 8}}
+        return httpx.post(srv.url + "/generate", json=body, timeout=120)
+
+    with ThreadPoolExecutor(9) as pool:
+        responses = list(pool.map(generate, paths * 3))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    texts = [r.json()["text"] for r in responses]
+    assert texts[:3] == texts[3:6] == texts[6:] and len(set(texts[:3])) == 3
+    names = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+    assert all(names.count(path) == 1 for path in paths), names
+    for path in paths:  # adapters loaded by path unload by that name
+        unloaded = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": path})
+        assert unloaded.status_code == 200, unloaded.text
+
+
+@lora_ready
 def test_lora_load_unload_and_model_names(lora_server):
     srv, adapters = lora_server
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)

@@ -214,6 +214,16 @@ def test_a_starved_request_drains_one_slot_while_others_keep_joining():
     assert not sched.draining and "b" not in slots.resident
 
 
+def test_a_request_that_reached_the_engine_late_keeps_its_place():
+    # The frontend stamps when a request came in; one whose adapter had to be registered first reaches the engine
+    # after requests that came in later, and is queued ahead of them.
+    sched = make_scheduler()
+    first, late, last = req("first", t=0.0), req("late", t=1.0), req("last", t=2.0)
+    for r in (first, last, late):
+        sched.add(r)
+    assert list(sched.waiting) == [first, late, last]
+
+
 def test_a_pinned_adapter_is_never_drained():
     class PinnedSlots(DeviceSlots):
         def can_evict(self, key: str) -> bool:

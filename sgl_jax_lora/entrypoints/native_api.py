@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import platform
+import time
 from collections.abc import AsyncIterator, Awaitable
 from importlib import metadata
 from typing import TYPE_CHECKING, TypeVar
@@ -201,6 +202,7 @@ async def build_requests(
     is refused, the adapters already acquired for this call are released here. An adapter that cannot
     be resolved raises a 400 with code "lora_not_found" (the OpenAI routes rephrase it by model name).
     """
+    received = time.monotonic()  # before any adapter load: the requests keep their place in the engine's queue
     refs = []
     requests = []
     try:
@@ -214,7 +216,8 @@ async def build_requests(
             if ref is not None:
                 refs.append(ref)
             try:
-                requests.append(tm.build_request(**prompt, lora_id=ref.lora_id if ref is not None else None))
+                requests.append(tm.build_request(**prompt, lora_id=ref.lora_id if ref is not None else None,
+                                                 arrival_time=received))
             except Exception as e:
                 error = to_api_error(e)
                 raise APIError(error.status_code, where + error.message, error.code) from e

@@ -123,6 +123,7 @@ class EngineCore:
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 lora_slot_key=request.lora_id,
+                arrival_time=request.arrival_time,
             )
         )
         if self.lora is not None:

@@ -9,6 +9,7 @@ Encoded with msgpack (plain data only: no pickle crosses the process boundary).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 
@@ -26,6 +27,9 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     lora_id: str | None = None  # LoRARef.lora_id, or None for the base model
+    # time.monotonic() when the frontend received it (one clock for every process of the host): the scheduler
+    # queues by it, so a request that waited for its adapter to be registered keeps its place in line
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
     def to_message(self) -> dict:
         msg = dataclasses.asdict(self)

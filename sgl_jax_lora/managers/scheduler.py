@@ -86,7 +86,13 @@ class Scheduler:
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queue req by arrival time: one that reached the engine late (its adapter was being registered) goes
+        ahead of requests that arrived after it."""
+        if not self.waiting or self.waiting[-1].arrival_time <= req.arrival_time:
+            self.waiting.append(req)
+            return
+        later = next(i for i, r in enumerate(self.waiting) if r.arrival_time > req.arrival_time)
+        self.waiting.insert(later, req)
 
     def abort(self, rid: str) -> Req | None:
         req = next((r for queue in (self.waiting, self.running) for r in queue if r.rid == rid), None)

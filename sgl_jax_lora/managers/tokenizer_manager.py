@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -73,7 +74,7 @@ class TokenizerManager:
         self.lora_registry = LoRARegistry()
         for ref in self.server_info.get("loras", []):
             self.lora_registry.register(LoRARef(**ref))
-        self._load_lock = asyncio.Lock()
+        self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by path
 
     def _wait_ready(self) -> dict:
         try:
@@ -167,8 +168,10 @@ class TokenizerManager:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         lora_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> GenerateRequest:
-        """Validate and tokenize one request (raises RequestError naming the problem)."""
+        """Validate and tokenize one request (raises RequestError naming the problem). `arrival_time`: when the
+        client's request came in (time.monotonic(), taken before its adapter was resolved); default now."""
         try:
             sampling = SamplingParams.from_dict(sampling_params)
         except (ValueError, TypeError) as e:
@@ -198,6 +201,7 @@ class TokenizerManager:
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
             lora_id=lora_id,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
 
     # ---- LoRA adapters -----------------------------------------------------------------------
@@ -218,13 +222,22 @@ class TokenizerManager:
         if not isinstance(lora_path, str):
             raise RequestError(f"lora_path must be an adapter name or path (a string) or null, got {lora_path!r}")
         if lora_path not in self.lora_registry and self._is_allowed_dir(lora_path):
-            async with self._load_lock:
-                if lora_path not in self.lora_registry:
-                    await self.load_lora_adapter(lora_path, lora_path, trusted=True)
+            await self._load_on_demand(lora_path)
         try:
             return await self.lora_registry.acquire(lora_path)
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
+
+    async def _load_on_demand(self, lora_path: str) -> None:
+        """Register the adapter at an allowed path under its path as name. Requests for one path share one load;
+        loads of different paths run at once (each is a round trip to the engine, answered between its steps), so a
+        burst of requests for new adapters does not wait for them one by one."""
+        loading = self._loads_in_flight.get(lora_path)
+        if loading is None:
+            loading = asyncio.ensure_future(self.load_lora_adapter(lora_path, lora_path, trusted=True))
+            self._loads_in_flight[lora_path] = loading
+            loading.add_done_callback(lambda _: self._loads_in_flight.pop(lora_path, None))
+        await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
 
     def _is_allowed_dir(self, path: str) -> bool:
         real = os.path.realpath(path)
