@@ -28,8 +28,7 @@ token) after the next step took it; that step's token for it is dropped.
 
 from __future__ import annotations
 
-import collections
-from collections import deque
+from collections import Counter, deque
 from typing import Protocol
 
 from sgl_jax_lora.managers.req import Req
@@ -227,7 +226,7 @@ class Scheduler:
         the batch stays full; none when an adapter no waiting request wants is running (it runs dry by itself)."""
         if self.draining:
             return
-        num_wanting = collections.Counter(r.lora_slot_key for r in self.waiting)
+        num_wanting = Counter(r.lora_slot_key for r in self.waiting)
         steps_left: dict[str, int] = {}
         for r in self.running:
             key = r.lora_slot_key
