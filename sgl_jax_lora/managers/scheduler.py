@@ -177,7 +177,9 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_running:  # no admission: skip the O(waiting) work below
             return batch if batch.reqs else None
         blocked, admitted = False, []
-        wanted = self._wanted_adapters()
+        # adapters waiting requests want: not evicted for another (non-starved) request, drained last
+        num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
+        wanted = frozenset(num_wanting)
         self._end_finished_drains()
         for req in self._admission_order():
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
@@ -192,7 +194,7 @@ class Scheduler:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
                 # pages blocks the requests behind it.
                 if starved and self._fits_pages(req, budget):
-                    self._drain_a_slot()
+                    self._drain_a_slot(num_wanting)
                 else:
                     blocked = starved
                 continue
@@ -207,12 +209,6 @@ class Scheduler:
                     req.times_skipped += 1
         return batch if batch.reqs else None
 
-    def _wanted_adapters(self) -> frozenset[str | None]:
-        """Adapters that waiting requests want: not evicted to make room for another (non-starved) request."""
-        if self.adapter_slots is None:
-            return frozenset()
-        return frozenset(r.lora_slot_key for r in self.waiting)
-
     def _end_finished_drains(self) -> None:
         """A drained adapter that no running request uses any more has freed its slot; with no starved request
         left waiting, no adapter needs draining."""
@@ -220,13 +216,13 @@ class Scheduler:
             self.draining.clear()
         self.draining &= {r.lora_slot_key for r in self.running}
 
-    def _drain_a_slot(self) -> None:
+    def _drain_a_slot(self, num_wanting: Counter) -> None:
         """Stop feeding one running adapter, so that its slot runs dry for a starved request: the adapter that the
         fewest waiting requests want, then the one whose running requests can finish soonest. One at a time, so
-        the batch stays full; none when an adapter no waiting request wants is running (it runs dry by itself)."""
+        the batch stays full; none when an adapter no waiting request wants is running (it runs dry by itself).
+        `num_wanting`: waiting requests per adapter at the start of this admission pass."""
         if self.draining:
             return
-        num_wanting = Counter(r.lora_slot_key for r in self.waiting)
         steps_left: dict[str, int] = {}
         for r in self.running:
             key = r.lora_slot_key
