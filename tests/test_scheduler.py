@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
-from sgl_jax_lora.managers.scheduler import MAX_TIMES_SKIPPED, Scheduler
+from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -37,6 +37,8 @@ class OneSlotPerStep:
 
     def can_evict(self, key: str) -> bool:
         return True
+
+    max_per_batch = 1
 
 
 class DeviceSlots:
@@ -66,6 +68,10 @@ class DeviceSlots:
 
     def can_evict(self, key: str) -> bool:
         return True
+
+    @property
+    def max_per_batch(self) -> int:
+        return self.num_slots
 
 
 def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -> Scheduler:
@@ -149,14 +155,16 @@ def run_to_completion(sched: Scheduler, output_len: int) -> int:
 
 def test_skewed_backlog_keeps_the_running_batch_full():
     # A backlog over many adapters, a few popular (Zipf 1.5, as bench_serving's "skewed"), more distinct adapters
-    # than device slots, all outputs equally long. Admission in arrival order mixes rare adapters into every step
-    # (567 decode steps here); serving resident adapters first left the rare ones to the end, where 8 slots cap a
-    # step at 8 requests while 16 may run (630 steps).
+    # than device slots, all outputs equally long. Packing admission (the popular adapters fill the batch, the spare
+    # slots take turns among the rare ones) needs the fewest decode steps the running-request limit allows, 504.
+    # Admission in plain arrival order took 567, and resident adapters first 630: both left rare adapters to the end,
+    # where 8 slots cap a step at 8 requests while 16 may run.
     rng = np.random.default_rng(0)
     popularity = 1.0 / np.arange(1, 201) ** 1.5
     adapters = rng.choice(200, size=128, p=popularity / popularity.sum())
     num_slots, max_running, output_len = 8, 16, 64
-    assert len(set(adapters.tolist())) > 4 * num_slots
+    num_distinct = len(set(adapters.tolist()))
+    assert num_distinct > 4 * num_slots
     slots = DeviceSlots(num_slots)
     buckets = Buckets.build(max_running, 32, 4, 256, 4)
     sched = Scheduler(buckets, PageAllocator(4096, 4), max_running, 32, 4, adapter_slots=slots)
@@ -164,17 +172,18 @@ def test_skewed_backlog_keeps_the_running_batch_full():
         sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
     decode_steps = run_to_completion(sched, output_len)
     fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
-    assert decode_steps <= 1.15 * fewest, (decode_steps, fewest)
-    assert slots.loads == len(set(adapters.tolist()))  # and no adapter was loaded twice
+    assert decode_steps <= 1.05 * fewest, (decode_steps, fewest)
+    # a popular adapter may leave the device between turns, but reloads stay few (43 loads for 37 adapters here)
+    assert slots.loads <= 1.25 * num_distinct, (slots.loads, num_distinct)
 
 
-def test_a_request_passed_over_too_often_goes_first():
+def test_a_request_overtaken_by_more_than_a_batch_goes_first():
     slots = DeviceSlots(num_slots=1)
     slots.resident["hot"] = None  # and a stream of requests keeps wanting it
     sched = make_scheduler(slots=slots, max_prefill_seqs=1)
     starving = req("cold", adapter="cold", t=0)
     sched.add(starving)
-    for i in range(MAX_TIMES_SKIPPED + 3):
+    for i in range(sched.max_running + 3):
         sched.add(req(f"hot{i}", adapter="hot", t=1 + i))
         batch = sched.schedule()
         if starving in batch.reqs:
@@ -183,7 +192,7 @@ def test_a_request_passed_over_too_often_goes_first():
         for r in list(sched.running):
             sched.finish(r)
     assert starving in batch.reqs
-    assert starving.times_skipped == MAX_TIMES_SKIPPED + 1
+    assert starving.times_overtaken == sched.max_running + 1
 
 
 def test_a_starved_request_drains_one_slot_while_others_keep_joining():
@@ -198,7 +207,7 @@ def test_a_starved_request_drains_one_slot_while_others_keep_joining():
         sched.add(r)
     finish_prefill(sched.schedule())
     starved = req("starved-c", adapter="c", t=1)
-    starved.times_skipped = MAX_TIMES_SKIPPED + 1
+    starved.times_overtaken = sched.max_running + 1
     more_a, more_b = req("more-a", adapter="a", t=2), req("more-b", adapter="b", t=3)
     for r in (starved, more_a, more_b):
         sched.add(r)
@@ -234,7 +243,7 @@ def test_a_pinned_adapter_is_never_drained():
     sched.add(req("run-pinned", adapter="pinned"))
     finish_prefill(sched.schedule())
     starved = req("starved", adapter="other", t=1)
-    starved.times_skipped = MAX_TIMES_SKIPPED + 1
+    starved.times_overtaken = sched.max_running + 1
     sched.add(starved)
     sched.add(req("more-pinned", adapter="pinned", t=2))
     batch = sched.schedule()

@@ -41,7 +41,7 @@ class Req:
     pending_row: int = -1  # row of the PENDING_TOKEN at the end of output_ids in its step's sampled ids
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: dict | None = None
-    times_skipped: int = 0  # how often admission passed this request over (bounded; see scheduler)
+    times_overtaken: int = 0  # requests that arrived after it and were admitted first (bounded; see scheduler)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     # logprobs gathered so far, sent incrementally
     input_token_logprobs: list = dataclasses.field(default_factory=list)

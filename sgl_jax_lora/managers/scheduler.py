@@ -6,16 +6,18 @@ is waiting and fits. KV pages are allocated as tokens arrive; when decode runs o
 running request is preempted (pages freed, recomputed later).
 
 LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
-step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking). Admission
-keeps arrival order, and a request whose adapter is not on the device may not evict one that other waiting
-requests want (no thrash). Arrival order keeps rarely used adapters mixed into every step: trying resident
-adapters first would leave them all to the end of a backlog, where the slot limit, not the running-request
-limit, caps the batch (docs/lora.md "Scheduling and fairness"). A request is passed over each time a request
-that arrived after it is admitted; one passed over more than `MAX_TIMES_SKIPPED` times goes first and may evict
-any adapter that no running request uses. If every slot is held by running requests, it drains one: admission
-stops feeding that adapter (the one the fewest waiting requests want, then the soonest to finish; never a pinned
-one) and goes on admitting the others, so the batch stays full while that slot runs dry for the starved request.
-A starved request short of KV pages blocks admission of others until it gets in. So nothing waits forever.
+step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
+whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
+outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
+requests fill the batch, and each slot left over goes to the adapter with the fewest, so rarely used adapters take
+turns on the spare slots all along instead of queueing up at the end of a backlog, where the slot limit, not the
+running-request limit, would cap the batch (docs/lora.md "Scheduling and fairness"). Otherwise admission keeps
+arrival order. The bound: a request overtaken by more than a full batch (`max_running`) of requests that arrived
+after it is starved; it goes first and may evict any adapter that no running request uses. If every slot is held
+by running requests, it drains one: admission stops feeding that adapter (the one the fewest waiting requests want,
+then the soonest to finish; never a pinned one) and goes on admitting the others, so the batch stays full while
+that slot runs dry for the starved request. A starved request short of KV pages blocks admission of others until
+it gets in. So nothing waits forever.
 
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request that enters holding no pages
 first takes the cached pages of its longest cached prefix under its adapter and prefills only the rest; released
@@ -28,6 +30,7 @@ token) after the next step took it; that step's token for it is dropped.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from typing import Protocol
 
@@ -36,9 +39,6 @@ from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
-
-MAX_TIMES_SKIPPED = 16
-
 
 class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
@@ -55,6 +55,11 @@ class AdapterSlots(Protocol):
 
     def can_evict(self, adapter_key: str) -> bool:
         """Whether this adapter's slot can ever go to another adapter (False for pinned adapters)."""
+        ...
+
+    @property
+    def max_per_batch(self) -> int:
+        """How many adapters the device holds at once (slots besides the base's)."""
         ...
 
 
@@ -188,7 +193,7 @@ class Scheduler:
                 break
             if req.lora_slot_key in self.draining:
                 continue
-            starved = req.times_skipped > MAX_TIMES_SKIPPED
+            starved = self._starved(req)
             taken = self._try_add_chunk(batch, req, budget, keep=frozenset() if starved else wanted)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
@@ -202,17 +207,20 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
-        if admitted:  # a request is passed over when one that arrived after it gets in
-            newest = max(r.arrival_time for r in admitted)
+        if admitted:  # a waiting request is overtaken by each admitted one that arrived after it
+            admitted_times = sorted(r.arrival_time for r in admitted)
             for req in self.waiting:
-                if req.arrival_time < newest:
-                    req.times_skipped += 1
+                req.times_overtaken += len(admitted_times) - bisect.bisect_right(admitted_times, req.arrival_time)
         return batch if batch.reqs else None
+
+    def _starved(self, req: Req) -> bool:
+        """Overtaken by more than a full batch of requests that arrived after it: it goes first."""
+        return req.times_overtaken > self.max_running
 
     def _end_finished_drains(self) -> None:
         """A drained adapter that no running request uses any more has freed its slot; with no starved request
         left waiting, no adapter needs draining."""
-        if not any(r.times_skipped > MAX_TIMES_SKIPPED for r in self.waiting):
+        if not any(self._starved(r) for r in self.waiting):
             self.draining.clear()
         self.draining &= {r.lora_slot_key for r in self.running}
 
@@ -239,11 +247,35 @@ class Scheduler:
         return num_new > 0 and self._can_allocate(pages_needed)
 
     def _admission_order(self) -> list[Req]:
-        """Starved requests first, then the others, each group in arrival order."""
-        order = list(self.waiting)
-        if self.adapter_slots is not None:
-            order.sort(key=lambda r: r.times_skipped <= MAX_TIMES_SKIPPED)
-        return order
+        """Starved requests first, in arrival order. Then the batch is packed when adapters outnumber the free slots:
+        the adapters with the most waiting requests get slots until their requests, with those that need no new slot
+        (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with the
+        fewest waiting requests, whose requests go ahead. So rarely used adapters take turns on the spare slots while
+        popular ones keep the batch full, instead of all waiting for the end of a backlog, where the slot limit, not
+        the running-request limit, caps the batch. Everything else follows, each group in arrival order."""
+        queue = [r for r in self.waiting if not self._starved(r)]
+        starved = [r for r in self.waiting if self._starved(r)]
+        if self.adapter_slots is None:
+            return starved + queue
+        running = {r.lora_slot_key for r in self.running}
+        needs_slot: dict[str, list[Req]] = {}  # adapter -> its waiting requests, adapters by first arrival
+        for r in queue:
+            if r.lora_slot_key is not None and r.lora_slot_key not in running:
+                needs_slot.setdefault(r.lora_slot_key, []).append(r)
+        free_slots = self.adapter_slots.max_per_batch - len(running - {None})
+        room = self.max_running - len(self.running) - (len(queue) - sum(map(len, needs_slot.values())))
+        largest_first = sorted(needs_slot, key=lambda key: -len(needs_slot[key]))  # stable: ties by first arrival
+        num_fill = 0
+        while room > 0 and num_fill < min(free_slots, len(largest_first)):
+            room -= len(needs_slot[largest_first[num_fill]])
+            num_fill += 1
+        fill = set(largest_first[:num_fill])
+        rarest = sorted(largest_first[num_fill:], key=lambda key: len(needs_slot[key]))[: free_slots - num_fill]
+        rare_first = [r for key in rarest for r in needs_slot[key]]
+        in_batch = [r for r in queue if r.lora_slot_key not in needs_slot or r.lora_slot_key in fill]
+        rest = [r for r in queue if r.lora_slot_key in needs_slot and r.lora_slot_key not in fill]
+        rare = set(map(id, rare_first))
+        return starved + rare_first + in_batch + [r for r in rest if id(r) not in rare]
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
