@@ -144,6 +144,9 @@ class LoRAManager:
     def can_evict(self, lora_id: str) -> bool:
         return lora_id not in self.pool.pinned
 
+    def is_resident(self, lora_id: str) -> bool:
+        return lora_id in self.pool.slot_of
+
     def try_admit(self, lora_id: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
         if lora_id is None:
             return 0

@@ -62,6 +62,10 @@ class AdapterSlots(Protocol):
         """How many adapters the device holds at once (slots besides the base's)."""
         ...
 
+    def is_resident(self, adapter_key: str) -> bool:
+        """Whether this adapter is on the device now (taking it needs no load)."""
+        ...
+
 
 class Scheduler:
     def __init__(
@@ -186,7 +190,8 @@ class Scheduler:
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
         wanted = frozenset(num_wanting)
         self._end_finished_drains()
-        for req in self._admission_order():
+        order, planned = self._admission_order()
+        for req in order:
             if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
                 break
             if len(self.running) >= self.max_running:
@@ -194,7 +199,13 @@ class Scheduler:
             if req.lora_slot_key in self.draining:
                 continue
             starved = self._starved(req)
-            taken = self._try_add_chunk(batch, req, budget, keep=frozenset() if starved else wanted)
+            if starved:
+                keep = frozenset()
+            elif req.lora_slot_key in planned:  # its slot was planned: it may evict an unplanned idle adapter
+                keep = planned
+            else:
+                keep = wanted | planned
+            taken = self._try_add_chunk(batch, req, budget, keep=keep)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
                 # pages blocks the requests behind it.
@@ -246,7 +257,7 @@ class Scheduler:
         num_new, pages_needed = self._chunk(req, budget)
         return num_new > 0 and self._can_allocate(pages_needed)
 
-    def _admission_order(self) -> list[Req]:
+    def _admission_order(self) -> tuple[list[Req], frozenset]:
         """Starved requests first, in arrival order. Then the batch is packed when adapters outnumber the free slots:
         the adapters with the most waiting requests get slots until their requests, with those that need no new slot
         (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with the
@@ -256,7 +267,7 @@ class Scheduler:
         queue = [r for r in self.waiting if not self._starved(r)]
         starved = [r for r in self.waiting if self._starved(r)]
         if self.adapter_slots is None:
-            return starved + queue
+            return starved + queue, frozenset()
         running = {r.lora_slot_key for r in self.running}
         needs_slot: dict[str, list[Req]] = {}  # adapter -> its waiting requests, adapters by first arrival
         for r in queue:
@@ -264,18 +275,21 @@ class Scheduler:
                 needs_slot.setdefault(r.lora_slot_key, []).append(r)
         free_slots = self.adapter_slots.max_per_batch - len(running - {None})
         room = self.max_running - len(self.running) - (len(queue) - sum(map(len, needs_slot.values())))
-        largest_first = sorted(needs_slot, key=lambda key: -len(needs_slot[key]))  # stable: ties by first arrival
+        # ties: an adapter on the device first (no load), then by first arrival (the sort is stable)
+        loaded = {key: self.adapter_slots.is_resident(key) for key in needs_slot}
+        largest_first = sorted(needs_slot, key=lambda key: (-len(needs_slot[key]), not loaded[key]))
         num_fill = 0
         while room > 0 and num_fill < min(free_slots, len(largest_first)):
             room -= len(needs_slot[largest_first[num_fill]])
             num_fill += 1
         fill = set(largest_first[:num_fill])
-        rarest = sorted(largest_first[num_fill:], key=lambda key: len(needs_slot[key]))[: free_slots - num_fill]
+        rarest = sorted(largest_first[num_fill:], key=lambda key: (len(needs_slot[key]), not loaded[key]))
+        rarest = rarest[: free_slots - num_fill]
         rare_first = [r for key in rarest for r in needs_slot[key]]
         in_batch = [r for r in queue if r.lora_slot_key not in needs_slot or r.lora_slot_key in fill]
         rest = [r for r in queue if r.lora_slot_key in needs_slot and r.lora_slot_key not in fill]
         rare = set(map(id, rare_first))
-        return starved + rare_first + in_batch + [r for r in rest if id(r) not in rare]
+        return starved + rare_first + in_batch + [r for r in rest if id(r) not in rare], frozenset(fill) | frozenset(rarest)
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
