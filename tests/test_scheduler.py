@@ -159,25 +159,36 @@ def run_to_completion(sched: Scheduler, output_len: int) -> int:
     return decode_steps
 
 
+def run_backlog(adapters, slots, max_running: int, output_len: int, chunk: int = 32, max_prefill_seqs: int = 4,
+                num_pages: int = 4096) -> tuple[int, int]:
+    """A backlog of 3-token prompts, one per entry of `adapters`, all at once with equal outputs, run to the end
+    -> (decode steps, the fewest the running limit allows)."""
+    sched = Scheduler(Buckets.build(max_running, chunk, max_prefill_seqs, 256, 4), PageAllocator(num_pages, 4),
+                      max_running, chunk, max_prefill_seqs, adapter_slots=slots)
+    for i, adapter in enumerate(adapters):
+        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
+    fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
+    return run_to_completion(sched, output_len), fewest
+
+
+def skewed_adapters() -> np.ndarray:
+    """128 requests' adapters over 200, Zipf 1.5 (bench_serving's "skewed"): 37 distinct, a few popular."""
+    popularity = 1.0 / np.arange(1, 201) ** 1.5
+    return np.random.default_rng(0).choice(200, size=128, p=popularity / popularity.sum())
+
+
 def test_skewed_backlog_keeps_the_running_batch_full():
     # A backlog over many adapters, a few popular (Zipf 1.5, as bench_serving's "skewed"), more distinct adapters
     # than device slots, all outputs equally long. Packing admission (the popular adapters fill the batch, the spare
     # slots take turns among the rare ones) needs the fewest decode steps the running-request limit allows, 504.
     # Admission in plain arrival order took 567, and resident adapters first 630: both left rare adapters to the end,
     # where 8 slots cap a step at 8 requests while 16 may run.
-    rng = np.random.default_rng(0)
-    popularity = 1.0 / np.arange(1, 201) ** 1.5
-    adapters = rng.choice(200, size=128, p=popularity / popularity.sum())
+    adapters = skewed_adapters()
     num_slots, max_running, output_len = 8, 16, 64
     num_distinct = len(set(adapters.tolist()))
     assert num_distinct > 4 * num_slots
     slots = DeviceSlots(num_slots)
-    buckets = Buckets.build(max_running, 32, 4, 256, 4)
-    sched = Scheduler(buckets, PageAllocator(4096, 4), max_running, 32, 4, adapter_slots=slots)
-    for i, adapter in enumerate(adapters):
-        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
-    decode_steps = run_to_completion(sched, output_len)
-    fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
+    decode_steps, fewest = run_backlog(adapters, slots, max_running, output_len)
     assert decode_steps <= 1.05 * fewest, (decode_steps, fewest)
     # a popular adapter may leave the device between turns, but reloads stay few (43 loads for 37 adapters here)
     assert slots.loads <= 1.25 * num_distinct, (slots.loads, num_distinct)
@@ -188,19 +199,12 @@ def test_adapters_left_on_the_device_do_not_decide_the_packing():
     # bench_serving's 32-distinct scenario precedes the skewed one). All 8 are wanted by waiting requests; if that
     # kept them from being evicted for the adapters the plan chose, the first turn of every slot would go to them
     # and the rare adapters would pile up at the end again (567 decode steps here instead of 504).
-    rng = np.random.default_rng(0)
-    popularity = 1.0 / np.arange(1, 201) ** 1.5
-    adapters = rng.choice(200, size=128, p=popularity / popularity.sum())
+    adapters = skewed_adapters()
     num_slots, max_running, output_len = 8, 16, 64
     slots = DeviceSlots(num_slots)
     for key in range(num_slots):
         slots.resident[f"a{key}"] = None
-    sched = Scheduler(Buckets.build(max_running, 32, 4, 256, 4), PageAllocator(4096, 4), max_running, 32, 4,
-                      adapter_slots=slots)
-    for i, adapter in enumerate(adapters):
-        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
-    decode_steps = run_to_completion(sched, output_len)
-    fewest = len(adapters) * (output_len - 1) // max_running
+    decode_steps, fewest = run_backlog(adapters, slots, max_running, output_len)
     assert decode_steps <= 1.05 * fewest, (decode_steps, fewest)
 
 
@@ -284,13 +288,8 @@ def test_more_adapters_than_slots_keep_the_batch_full():
     rng = np.random.default_rng(0)
     adapters = rng.integers(0, 12, 256)
     num_slots, max_running, output_len = 8, 64, 32
-    slots = DeviceSlots(num_slots)
-    sched = Scheduler(Buckets.build(max_running, 64, 8, 256, 4), PageAllocator(8192, 4), max_running, 64, 8,
-                      adapter_slots=slots)
-    for i, adapter in enumerate(adapters):
-        sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
-    decode_steps = run_to_completion(sched, output_len)
-    fewest = len(adapters) * (output_len - 1) // max_running
+    decode_steps, fewest = run_backlog(adapters, DeviceSlots(num_slots), max_running, output_len, chunk=64,
+                                       max_prefill_seqs=8, num_pages=8192)
     assert decode_steps <= 1.3 * fewest, (decode_steps, fewest)
 
 
