@@ -258,38 +258,51 @@ class Scheduler:
         return num_new > 0 and self._can_allocate(pages_needed)
 
     def _admission_order(self) -> tuple[list[Req], frozenset]:
-        """Starved requests first, in arrival order. Then the batch is packed when adapters outnumber the free slots:
-        the adapters with the most waiting requests get slots until their requests, with those that need no new slot
-        (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with the
-        fewest waiting requests, whose requests go ahead. So rarely used adapters take turns on the spare slots while
-        popular ones keep the batch full, instead of all waiting for the end of a backlog, where the slot limit, not
-        the running-request limit, caps the batch. Everything else follows, each group in arrival order."""
-        queue = [r for r in self.waiting if not self._starved(r)]
-        starved = [r for r in self.waiting if self._starved(r)]
+        """Starved requests first. Then, when waiting requests want adapters that are not running, the batch is
+        packed: the adapters with the most waiting requests get slots until their requests, with those that need no
+        new slot (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with
+        the fewest waiting requests, whose requests go ahead. So rarely used adapters take turns on the spare slots
+        while popular ones keep the batch full, instead of all waiting for the end of a backlog, where the slot limit,
+        not the running-request limit, caps the batch. Everything else follows; within each group, arrival order.
+        -> (the order, the adapters given slots by the plan: an adapter left on the device by earlier requests that
+        the plan did not choose is evicted for them even when requests further back want it, or slots held from a
+        previous backlog would decide the plan)."""
+        starved_first = sorted(self.waiting, key=lambda r: not self._starved(r))  # stable: arrival order in each
         if self.adapter_slots is None:
-            return starved + queue, frozenset()
+            return starved_first, frozenset()
         running = {r.lora_slot_key for r in self.running}
-        needs_slot: dict[str, list[Req]] = {}  # adapter -> its waiting requests, adapters by first arrival
-        for r in queue:
-            if r.lora_slot_key is not None and r.lora_slot_key not in running:
-                needs_slot.setdefault(r.lora_slot_key, []).append(r)
+        needs_slot: dict[str, int] = {}  # adapter -> its waiting requests, adapters by first arrival
+        num_ready = 0  # waiting requests that need no new slot
+        for r in self.waiting:
+            if self._starved(r):
+                continue
+            if r.lora_slot_key is None or r.lora_slot_key in running:
+                num_ready += 1
+            else:
+                needs_slot[r.lora_slot_key] = needs_slot.get(r.lora_slot_key, 0) + 1
+        if not needs_slot:
+            return starved_first, frozenset()
         free_slots = self.adapter_slots.max_per_batch - len(running - {None})
-        room = self.max_running - len(self.running) - (len(queue) - sum(map(len, needs_slot.values())))
+        room = self.max_running - len(self.running) - num_ready
         # ties: an adapter on the device first (no load), then by first arrival (the sort is stable)
         loaded = {key: self.adapter_slots.is_resident(key) for key in needs_slot}
-        largest_first = sorted(needs_slot, key=lambda key: (-len(needs_slot[key]), not loaded[key]))
+        largest_first = sorted(needs_slot, key=lambda key: (-needs_slot[key], not loaded[key]))
         num_fill = 0
         while room > 0 and num_fill < min(free_slots, len(largest_first)):
-            room -= len(needs_slot[largest_first[num_fill]])
+            room -= needs_slot[largest_first[num_fill]]
             num_fill += 1
-        fill = set(largest_first[:num_fill])
-        rarest = sorted(largest_first[num_fill:], key=lambda key: (len(needs_slot[key]), not loaded[key]))
-        rarest = rarest[: free_slots - num_fill]
-        rare_first = [r for key in rarest for r in needs_slot[key]]
-        in_batch = [r for r in queue if r.lora_slot_key not in needs_slot or r.lora_slot_key in fill]
-        rest = [r for r in queue if r.lora_slot_key in needs_slot and r.lora_slot_key not in fill]
-        rare = set(map(id, rare_first))
-        return starved + rare_first + in_batch + [r for r in rest if id(r) not in rare], frozenset(fill) | frozenset(rarest)
+        rarest = sorted(largest_first[num_fill:], key=lambda key: (needs_slot[key], not loaded[key]))
+        rank = {key: (0, i) for i, key in enumerate(rarest[: free_slots - num_fill])}  # each rare adapter's turn
+        rank.update((key, (1, 0)) for key in largest_first[:num_fill])  # the fill, with the requests that need no slot
+
+        def place(r: Req) -> tuple[int, int]:
+            if self._starved(r):
+                return (-1, 0)
+            if r.lora_slot_key not in needs_slot:
+                return (1, 0)
+            return rank.get(r.lora_slot_key, (2, 0))
+
+        return sorted(self.waiting, key=place), frozenset(rank)
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
