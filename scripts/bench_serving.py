@@ -283,6 +283,7 @@ def main() -> None:
         with open(opts.baseline) as f:
             base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
     results, runs = [], [[] for _ in opts.num_adapters]
+    warmup_s = target.server_info().get("warmup_s")
     try:
         for count, _ in opts.num_adapters:
             if count > len(target.adapter_names):
@@ -313,7 +314,7 @@ def main() -> None:
                 print(json.dumps(result), flush=True)
                 if opts.out:  # after every scenario, so a run cut short keeps what it measured
                     with open(opts.out, "w") as f:
-                        json.dump({"argv": argv, "scenarios": results}, f, indent=2)
+                        json.dump({"argv": argv, "engine_warmup_s": warmup_s, "scenarios": results}, f, indent=2)
     finally:
         target.close()
     print_table(results)

@@ -45,6 +45,7 @@ class ServerArgs:
     disable_prefix_cache: bool = _f(False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)")
     disable_overlap_schedule: bool = _f(False, "finish each step before scheduling the next, instead of scheduling step N+1 on the host while the device runs step N")
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
+    warmup_compile_threads: int = _f(0, "forward programs compiled at once at startup; 0 = one per CPU core, at most 8; 1 = one after another")
     layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")
     disable_gpu_concurrent_kernels: bool = _f(False, "on GPU, run a step's kernels one after another instead of letting independent ones (a LoRA shrink beside its base GEMM) overlap in the step's CUDA graph")
     compilation_cache_dir: str = _f("~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)")
@@ -88,6 +89,9 @@ class ServerArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        threads = self.warmup_compile_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+            raise ValueError(f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}")
         if self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tqdm import tqdm
 
 from model_fixtures import load_hf_model, make_hf_model_dir
 from sgl_jax_lora import Engine
+from sgl_jax_lora.managers.engine_core import EngineCore
+from sgl_jax_lora.server_args import ServerArgs
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 ENGINE_ARGS = dict(
@@ -248,3 +251,18 @@ def test_no_compilation_after_warmup(engine):
     info = engine.get_server_info()
     assert info["num_compilations_after_warmup"] == 0
     assert info["kv_pages_used"] == 0
+
+
+def test_parallel_warmup_compiles_each_program_once(model_dir):
+    # Forward programs compile on a thread pool through lower().compile(); the warmup's own forwards must then
+    # find them in jit's cache. Were they lowered again, the threaded warmup would count one more per program.
+    def lowerings_in_warmup(threads: int) -> tuple[int, int]:
+        args = ServerArgs(model_path=str(model_dir), skip_precompile=True, warmup_compile_threads=threads, **ENGINE_ARGS)
+        core = EngineCore(args, str(model_dir))
+        before = core.compile_counter.count
+        core.runner.warmup(core.buckets, lambda num_tokens: [None], progress=tqdm)
+        return core.compile_counter.count - before, len(core.buckets.extend_shapes()) + len(core.buckets.decode_shapes())
+
+    threaded, num_forwards = lowerings_in_warmup(2)
+    serial, _ = lowerings_in_warmup(1)
+    assert threaded == serial >= num_forwards > 1

@@ -113,6 +113,7 @@ class EngineStatsCollector(Collector):
             "kv_pages_total": ("kv_pages_total", "KV-cache pages available"),
             "kv_pages_cached": ("kv_pages_cached", "KV-cache pages the prefix cache keeps (held by requests or not)"),
             "num_compilations_after_warmup": ("num_compilations_after_warmup", "XLA compilations since warmup ended"),
+            "warmup_seconds": ("warmup_s", "seconds the startup warmup took to compile and run every bucket"),
         }
         for name, (key, help_text) in gauges.items():
             if key in info:

@@ -84,9 +84,11 @@ class EngineCore:
         )
         self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
+        warmup_start = time.monotonic()
         if not args.skip_precompile:
             lora_for = self.lora.padding_batches if self.lora else (lambda num_tokens: [None])
             self.runner.warmup(self.buckets, lora_for, progress=tqdm)
+        self.warmup_s = time.monotonic() - warmup_start
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
         self.step_stats = StepStats()
@@ -320,6 +322,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_compilations": self.compile_counter.count,
             "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
+            "warmup_s": self.warmup_s,
             "devices": [str(d) for d in self.mesh.devices.flat],
             "step_stats": self.step_stats.as_dict(),
             "lora": self.lora.stats() if self.lora else None,

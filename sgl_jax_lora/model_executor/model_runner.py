@@ -16,7 +16,9 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -163,21 +165,46 @@ class ModelRunner:
                 )
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
 
-    def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
-        """Compile every bucket by running it on padding (seq_lens 0, cache slot 0).
+    def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
+        """Compile the forward program of each batch's shape, several at once; later forwards reuse them.
 
-        lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA).
+        Tracing and lowering hold the GIL and run here, one after another; XLA's compile releases it and runs
+        on a pool of `threads` threads (a lowered program waits there for a free thread, so at most that many
+        compile at once). Compiling through `lower().compile()` fills the same cache that the
+        call path reads, so the warmup's forwards then only run.
+        """
+        with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+            futures = []
+            for batch in batches:
+                lowered = self._forward.lower(self.state, self.lora_state, self.kv, batch, self.no_prev_ids)
+                futures.append(pool.submit(lowered.compile))
+                futures[-1].add_done_callback(lambda _: on_done())
+            for future in futures:
+                future.result()
+
+    def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
+        """Compile every bucket, then run each once on padding (seq_lens 0, cache slot 0).
+
+        lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA). The forward
+        programs, which are nearly all of the compile time, compile on `--warmup-compile-threads` threads first.
         """
         shapes = [("extend", s, t, buckets.max_pages_per_seq, i) for s, t in buckets.extend_shapes() for i in range(len(lora_for(t)))]
         shapes += [("decode", s, s, p, i) for s, p in buckets.decode_shapes() for i in range(len(lora_for(s)))]
-        bar = progress(total=len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens), desc="compiling buckets")
-        for mode, num_seqs, num_tokens, num_pages, lora_index in shapes:
-            batch = padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens)[lora_index])
+        batches = [
+            (mode, num_seqs, padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens)[lora_index]), lora_index)
+            for mode, num_seqs, num_tokens, num_pages, lora_index in shapes
+        ]
+        threads = warmup_compile_threads(self.args.warmup_compile_threads)
+        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens)
+        bar = progress(total=total, desc="compiling buckets")
+        if threads > 1:
+            self.precompile_forwards([batch for _, _, batch, _ in batches], threads, on_done=lambda: bar.update(1))
+        for mode, num_seqs, batch, lora_index in batches:
             hidden, _ = self.forward(batch)
             if mode == "extend" and lora_index == 0:
                 for num_top in (0, MAX_TOP_LOGPROBS):
                     if num_seqs == buckets.prefill_seqs[0]:
-                        self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
+                        self.prompt_logprobs(hidden, np.zeros((len(batch.input_ids),), np.int32), num_top)
                         bar.update(1)
             bar.update(1)
         for num_seqs in buckets.sample_sizes():
@@ -211,6 +238,12 @@ def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_p
         is_decode=is_decode,
         input_from_prev=np.full((num_tokens,), -1, np.int32),
     )
+
+
+def warmup_compile_threads(requested: int) -> int:
+    """--warmup-compile-threads: 0 picks one thread per CPU core, at most 8 (each compile holds its program's
+    HLO and XLA's working memory on the host)."""
+    return requested if requested > 0 else max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclasses.dataclass(frozen=True)
