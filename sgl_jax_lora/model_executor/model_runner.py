@@ -190,21 +190,18 @@ class ModelRunner:
         """
         shapes = [("extend", s, t, buckets.max_pages_per_seq, i) for s, t in buckets.extend_shapes() for i in range(len(lora_for(t)))]
         shapes += [("decode", s, s, p, i) for s, p in buckets.decode_shapes() for i in range(len(lora_for(s)))]
-        batches = [
-            (mode, num_seqs, padding_forward_batch(mode == "decode", num_seqs, num_tokens, num_pages, lora_for(num_tokens)[lora_index]), lora_index)
-            for mode, num_seqs, num_tokens, num_pages, lora_index in shapes
-        ]
+        batches = [padding_forward_batch(mode == "decode", s, t, p, lora_for(t)[i]) for mode, s, t, p, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
         total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens)
         bar = progress(total=total, desc="compiling buckets")
         if threads > 1:
-            self.precompile_forwards([batch for _, _, batch, _ in batches], threads, on_done=lambda: bar.update(1))
-        for mode, num_seqs, batch, lora_index in batches:
+            self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
+        for (mode, num_seqs, num_tokens, _, lora_index), batch in zip(shapes, batches):
             hidden, _ = self.forward(batch)
             if mode == "extend" and lora_index == 0:
                 for num_top in (0, MAX_TOP_LOGPROBS):
                     if num_seqs == buckets.prefill_seqs[0]:
-                        self.prompt_logprobs(hidden, np.zeros((len(batch.input_ids),), np.int32), num_top)
+                        self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
                         bar.update(1)
             bar.update(1)
         for num_seqs in buckets.sample_sizes():
