@@ -1,0 +1,282 @@
+"""Base GEMM with the LoRA expand inside it, for prefill on Hopper GPUs (Pallas on Mosaic GPU).
+
+Where it sits: `sgl_jax_lora.lora.backend.pallas` calls `gemm_lora_gpu` for prefill-sized batches on an
+H100-class GPU, in place of XLA's `x @ W` followed by the SGMV expand. The shrink (s = x @ A[slot].T, which
+reads x once) stays the SGMV shrink kernel of `gpu.py`; this kernel computes
+
+    y = x @ W + (scale[slot_t] * s_t) @ B[slot_t].T      for every token t
+
+in one pass over y. At prefill sizes the GEMM is compute-bound, so the expand's extra MMA steps cost a few
+percent of its time, while an expand outside the GEMM must read and write y again (2 x T x out bytes).
+
+How the LoRA enters the GEMM: the tokens of one output row tile (`tile_m` rows) belong to a few runs of
+consecutive tokens with the same adapter slot (a prefill batch holds each sequence's tokens together).
+`build_entry_table` cuts the tokens into entries, one per (row tile, run) pair (once per batch), and `entry_s` lays the scaled s out per
+entry as an [E, tile_m, R] array whose rows outside the entry's run are zero. After the tile's K loop over
+x and W, the kernel adds, for each entry of its row tile, s_entry [tile_m, R] @ B[slot].T [R, tile_n] into
+the same float32 accumulator: R more K steps per run, with both operands fetched by TMA while the main
+loop runs. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
+masking is needed inside the kernel, and any number of runs per tile is handled (bounded by E, static).
+
+The GEMM: persistent over the SMs, two consumer warpgroups side by side along N (each [tile_m, tile_n]),
+one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipeline
+(`emit_pipeline_warp_specialized`), and a 64 x 64 TMA epilogue. Needs: T a multiple of tile_m, in a
+multiple of tile_k, out a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K), bf16 operands.
+TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_SMEM_BYTES = 227 * 1024  # H100 shared memory per block
+_SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmLoraTiles:
+    tile_m: int = 128  # rows of a CTA tile (and of an entry)
+    tile_n: int = 128  # columns per consumer warpgroup; a CTA tile is 2 * tile_n wide
+    tile_k: int = 64
+    stages: int = 4  # TMA pipeline depth of x and W tiles
+    epilogue_n: int = 64  # columns of an epilogue store (its rows: 64)
+    snake_minor_n: bool = True  # tile order: snake along N (else along M) ...
+    snake_width: int = 8  # ... in bands this many tiles wide
+
+    def smem_bytes(self, rank: int) -> int:
+        pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * 2
+        epilogue = 2 * 2 * 64 * self.epilogue_n * 2  # two warpgroups, two slots
+        lora = 2 * (self.tile_m + self.tile_n) * rank * 2  # s and B tiles per warpgroup
+        return pipeline + epilogue + lora
+
+
+def choose_gemm_lora_tiles(rank: int) -> GemmLoraTiles:
+    """The deepest pipeline that fits shared memory with this rank's LoRA tiles (narrower epilogue stores
+    before fewer stages: a stage less costs more than twice the stores)."""
+    for stages in (4, 3, 2):
+        for epilogue_n in (64, 32):
+            tiles = GemmLoraTiles(stages=stages, epilogue_n=epilogue_n)
+            if tiles.smem_bytes(rank) + _SMEM_SPARE <= _SMEM_BYTES:
+                return tiles
+    raise ValueError(f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryTable:
+    """Where each row tile's LoRA runs are: built once per batch, shared by every layer."""
+
+    entry_start: jax.Array  # [T / tile_m + 1] i32: row tile i owns entries entry_start[i] .. entry_start[i+1]
+    entry_slot: jax.Array  # [E] i32: the slot (row of B's first axis) of each entry
+    row_token: jax.Array  # [E * tile_m] i32: the token at each row of the flattened s entries; T = none (zero row)
+    token_scale: jax.Array  # [T] f32: scale of the token's slot
+    tile_m: int  # static
+    max_entries: int  # static: E
+
+
+jax.tree_util.register_dataclass(
+    EntryTable, data_fields=["entry_start", "entry_slot", "row_token", "token_scale"], meta_fields=["tile_m", "max_entries"]
+)
+
+
+def build_entry_table(token_slot: jax.Array, slot_scale: jax.Array, *, tile_m: int, max_entries: int) -> EntryTable:
+    """Cut the tokens into entries, one per maximal run of one slot inside one row tile, base runs (scale 0)
+    left out. Entries past max_entries are dropped, so max_entries must be at least (row tiles + runs of
+    adapter tokens - 1); `entries_needed` counts them on the host."""
+    num_tokens = token_slot.shape[0]
+    if num_tokens % tile_m:
+        raise ValueError(f"{num_tokens} tokens are not a multiple of the {tile_m}-row tile")
+    position = jnp.arange(num_tokens, dtype=jnp.int32)
+    scale = slot_scale[token_slot].astype(jnp.float32)
+    is_lora = scale != 0
+    previous = jnp.concatenate([jnp.full((1,), -1, token_slot.dtype), token_slot[:-1]])
+    starts = is_lora & ((token_slot != previous) | (position % tile_m == 0))
+    started = jnp.cumsum(starts.astype(jnp.int32))
+    entry = started - 1  # entry of each LoRA token
+    tile_first = started[::tile_m] - starts[::tile_m].astype(jnp.int32)
+    entry_start = jnp.minimum(jnp.concatenate([tile_first, started[-1:]]), max_entries).astype(jnp.int32)
+    entry_slot = jnp.zeros((max_entries,), jnp.int32).at[jnp.where(starts, entry, max_entries)].set(
+        token_slot.astype(jnp.int32), mode="drop"
+    )
+    token_row = jnp.where(is_lora, entry * tile_m + position % tile_m, max_entries * tile_m)
+    row_token = jnp.full((max_entries * tile_m,), num_tokens, jnp.int32).at[token_row].set(position, mode="drop")
+    return EntryTable(entry_start, entry_slot, row_token, scale, tile_m, max_entries)
+
+
+def entry_s(s: jax.Array, table: EntryTable) -> jax.Array:
+    """[E, tile_m, R] bf16: scale * s of each entry's tokens at their rows in the tile, zeros elsewhere (a
+    gather per layer: the scatter that places the tokens runs once per batch, in `build_entry_table`)."""
+    scaled = jnp.concatenate([s * table.token_scale[:, None], jnp.zeros((1, s.shape[1]), s.dtype)])
+    return scaled[table.row_token].astype(jnp.bfloat16).reshape(table.max_entries, table.tile_m, s.shape[1])
+
+
+def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
+    """Host-side count of the entries of a batch (numpy arrays)."""
+    import numpy as np
+
+    token_slot = np.asarray(token_slot)
+    is_lora = np.asarray(slot_scale)[token_slot] != 0
+    position = np.arange(len(token_slot))
+    previous = np.concatenate([[-1], token_slot[:-1]])
+    return int(np.sum(is_lora & ((token_slot != previous) | (position % tile_m == 0))))
+
+
+def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref, *, tiles: GemmLoraTiles):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_tokens, in_dim = x_ref.shape
+    out_dim = w_ref.shape[1]
+    rank = s_ref.shape[-1]
+    tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
+    cta_n = 2 * tn
+    m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
+    bits = jnp.dtype(x_ref.dtype).itemsize * 8
+    em_rows, en_cols = 64, tiles.epilogue_n
+
+    def transforms(minor: int):
+        swizzle = plgpu.find_swizzle(minor * bits)
+        return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=transforms(tk), memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=tiles.stages,
+            compute_context=compute_context,
+        )
+
+    unused = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref),
+        out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols)),
+        s_smem=plgpu.SMEM((2, tm, rank), s_ref.dtype, transforms=transforms(rank)),
+        b_smem=plgpu.SMEM((2, tn, rank), b_ref.dtype, transforms=transforms(rank)),
+        lora_barriers=plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def scope(pipeline_allocs, out_smem, s_smem, b_smem, lora_barriers):
+        wg = jax.lax.axis_index("wg")
+        s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def tile_loop(loop_info):
+            (linear,) = loop_info.index
+            mi, ni = plgpu.planar_snake(linear, (m_tiles, n_tiles), 1 if tiles.snake_minor_n else 0, tiles.snake_width)
+            cta_rows = pl.ds(mi * tm, tm)
+            cta_cols = pl.ds(ni * cta_n, cta_n)
+            wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
+            first = entry_start_ref[mi]
+            end = entry_start_ref[mi + 1]
+
+            def fetch(entry):
+                plgpu.copy_gmem_to_smem(s_ref.at[entry], s_smem.at[wg], s_barrier)
+                plgpu.copy_gmem_to_smem(b_ref.at[entry_slot_ref[entry], wg_cols, :], b_smem.at[wg], b_barrier)
+
+            def compute_context(eval_pipeline):
+                @pl.when(first < end)
+                def _prefetch():  # the first entry's operands arrive while the K loop runs
+                    fetch(first)
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                def acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+
+                    @pl.loop(first, end)
+                    def _lora(entry):
+                        plgpu.barrier_wait(s_barrier)
+                        plgpu.barrier_wait(b_barrier)
+                        plgpu.wgmma(acc_ref, s_smem.at[wg], b_smem.at[wg].transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+
+                        @pl.when(entry + 1 < end)
+                        def _next():
+                            fetch(entry + 1)
+
+                    acc = acc_ref[...].astype(out_ref.dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for em in range(tm // em_rows):
+                        for en in range(tn // en_cols):
+                            slot = (em * (tn // en_cols) + en) % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = acc[em * em_rows:(em + 1) * em_rows, en * en_cols:(en + 1) * en_cols]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                out_ref.at[cta_rows, wg_cols].at[pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)],
+                            )
+
+            def mma(_, x_smem, w_smem, acc_ref):
+                plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            pipeline(mma, compute_context)(x_ref.at[cta_rows, :], w_ref.at[:, cta_cols], allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def gemm_lora_gpu_entries(
+    x: jax.Array,  # [T, in] bf16
+    w: jax.Array,  # [in, out] bf16
+    entry_start: jax.Array,  # [T / tile_m + 1] i32
+    entry_slot: jax.Array,  # [E] i32, rows of b_rows' first axis
+    s_entries: jax.Array,  # [E, tile_m, R] bf16
+    b_rows: jax.Array,  # [slots, out, R] bf16 (a layer stack flattened to [L * A, out, R])
+    *,
+    tiles: GemmLoraTiles,
+) -> jax.Array:
+    """x @ W plus, for every entry, its s rows @ B[entry_slot].T, in one kernel ([T, out], x's dtype)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_tokens, in_dim = x.shape
+    out_dim = w.shape[1]
+    rank = s_entries.shape[-1]
+    if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or out_dim % (2 * tiles.tile_n) or rank % 16:
+        raise ValueError(
+            f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, out={out_dim}, R={rank} do not fit tiles {tiles}"
+        )
+    num_sms = jax.devices()[0].core_count
+    return plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles),
+        out_type=jax.ShapeDtypeStruct((num_tokens, out_dim), x.dtype),
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(entry_start, entry_slot, x, w, s_entries, b_rows)
+
+
+def gemm_lora_gpu(
+    x: jax.Array,  # [T, in]
+    w: jax.Array,  # [in, out]
+    s: jax.Array,  # [T, R] f32, the shrink's output in token order
+    table: EntryTable,
+    lora_b: jax.Array,  # [A, out, R], or the [L, A, out, R] stack with `layer`
+    layer: jax.Array | None = None,
+    *,
+    tiles: GemmLoraTiles | None = None,
+) -> jax.Array:
+    """y = x @ W + scale[slot_t] * s_t @ B[slot_t].T in one GEMM kernel; the table from `build_entry_table`
+    with tile_m = tiles.tile_m."""
+    rank = lora_b.shape[-1]
+    tiles = tiles or choose_gemm_lora_tiles(rank)
+    if table.tile_m != tiles.tile_m:
+        raise ValueError(f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel")
+    entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_b.shape[-3]
+    b_rows = lora_b.reshape(-1, *lora_b.shape[-2:])
+    return gemm_lora_gpu_entries(x, w, table.entry_start, entry_slot, entry_s(s, table), b_rows, tiles=tiles)

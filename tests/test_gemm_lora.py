@@ -1,0 +1,134 @@
+"""The base GEMM with the LoRA expand inside it (pallas_kernels/sgmv/gemm_lora_gpu.py).
+
+On CPU: the entry table and the per-entry s layout against a construction from first principles, and the
+tile choice against the shared-memory budget. Tests marked `gpu` run the Mosaic GPU kernel itself against
+a float32 reference and are skipped without a Hopper-class CUDA device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    GemmLoraTiles, build_entry_table, choose_gemm_lora_tiles, entries_needed, entry_s, gemm_lora_gpu,
+)
+
+_GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None
+HAS_HOPPER = _GPU is not None and float(getattr(_GPU, "compute_capability", "0")) >= 9.0
+
+
+def random_runs(rng, num_tokens: int, runs: int, num_slots: int) -> np.ndarray:
+    lengths = rng.multinomial(num_tokens - runs, np.ones(runs) / runs) + 1
+    return np.repeat(rng.integers(0, num_slots, runs), lengths).astype(np.int32)
+
+
+def expected_entries(token_slot: np.ndarray, slot_scale: np.ndarray, tile_m: int):
+    """Per row tile, the list of (slot, rows) of its runs of adapter tokens, in token order."""
+    tiles = []
+    for start in range(0, len(token_slot), tile_m):
+        runs = []
+        for row, slot in enumerate(token_slot[start : start + tile_m]):
+            if slot_scale[slot] == 0:
+                continue
+            if runs and runs[-1][0] == slot and runs[-1][1][-1] == row - 1:
+                runs[-1][1].append(row)
+            else:
+                runs.append((int(slot), [row]))
+        tiles.append(runs)
+    return tiles
+
+
+@pytest.mark.parametrize("seed,num_tokens,tile_m,runs", [(0, 64, 16, 1), (1, 64, 16, 9), (2, 96, 32, 30), (3, 128, 8, 50)])
+def test_entry_table_matches_runs_per_tile(seed, num_tokens, tile_m, runs):
+    rng = np.random.default_rng(seed)
+    slot_scale = np.array([0.0, 0.5, 2.0, 1.0, 0.25], np.float32)  # slot 0 = base
+    token_slot = random_runs(rng, num_tokens, runs, len(slot_scale))
+    s = rng.standard_normal((num_tokens, 16)).astype(np.float32)
+    needed = entries_needed(token_slot, slot_scale, tile_m)
+    table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=tile_m, max_entries=needed + 3)
+    laid_out = np.asarray(entry_s(jnp.asarray(s), table).astype(jnp.float32))
+    entry_start, entry_slot = np.asarray(table.entry_start), np.asarray(table.entry_slot)
+
+    expected = expected_entries(token_slot, slot_scale, tile_m)
+    assert sum(len(runs) for runs in expected) == needed == entry_start[-1]
+    for tile, runs in enumerate(expected):
+        first, end = entry_start[tile], entry_start[tile + 1]
+        assert end - first == len(runs)
+        for entry, (slot, rows) in zip(range(first, end), runs):
+            assert entry_slot[entry] == slot
+            want = np.zeros((tile_m, 16), np.float32)
+            want[rows] = s[tile * tile_m + np.array(rows)] * slot_scale[slot]
+            np.testing.assert_allclose(laid_out[entry], want, rtol=1e-2, atol=1e-2)  # bf16 rounding
+    assert not laid_out[needed:].any()  # spare entries stay zero
+
+
+def test_entry_table_all_base_has_no_entries():
+    table = build_entry_table(jnp.zeros(32, jnp.int32), jnp.array([0.0, 1.0]), tile_m=16, max_entries=1)
+    assert np.asarray(table.entry_start).tolist() == [0, 0, 0]
+    assert not np.asarray(entry_s(jnp.ones((32, 16)), table)).any()
+
+
+def test_entry_table_drops_entries_past_the_bound():
+    """Entries past max_entries are left out and row tiles' ranges clamp to the bound (never past it)."""
+    token_slot = np.repeat(np.arange(1, 9), 4).astype(np.int32)  # 8 runs of 4 tokens, 2 row tiles of 16
+    table = build_entry_table(jnp.asarray(token_slot), jnp.ones(9), tile_m=16, max_entries=3)
+    assert np.asarray(table.entry_start).tolist() == [0, 3, 3]
+    assert np.asarray(table.entry_slot).tolist() == [1, 2, 3]
+
+
+def test_tokens_must_fill_row_tiles():
+    with pytest.raises(ValueError, match="multiple of the 128-row tile"):
+        build_entry_table(jnp.zeros(100, jnp.int32), jnp.ones(2), tile_m=128, max_entries=4)
+
+
+@pytest.mark.parametrize("rank", [16, 32, 64])
+def test_chosen_tiles_fit_shared_memory(rank):
+    tiles = choose_gemm_lora_tiles(rank)
+    assert tiles.smem_bytes(rank) <= 227 * 1024 - 1024
+    deeper = GemmLoraTiles(stages=tiles.stages + 1, epilogue_n=tiles.epilogue_n)
+    assert tiles.stages == 4 or deeper.smem_bytes(rank) + 1024 > 227 * 1024
+
+
+def test_rank_too_large_for_shared_memory_is_refused():
+    with pytest.raises(ValueError, match="no tiles fit shared memory at rank 256"):
+        choose_gemm_lora_tiles(256)
+
+
+def reference(x, w, s, token_slot, slot_scale, lora_b):
+    scaled = (s * slot_scale[token_slot][:, None]).astype(jnp.bfloat16).astype(jnp.float32)
+    delta = jnp.einsum("tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32))
+    return x.astype(jnp.float32) @ w.astype(jnp.float32) + delta
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize(
+    "seed,num_tokens,in_dim,out_dim,rank,runs",
+    [(0, 256, 256, 256, 16, 1), (1, 512, 1024, 512, 16, 7), (2, 512, 512, 1024, 64, 13), (3, 1024, 512, 512, 16, 40),
+     (4, 384, 256, 512, 32, 3)],
+)
+def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, out_dim, rank, runs):
+    rng = np.random.default_rng(seed)
+    num_slots = 9
+    token_slot = random_runs(rng, num_tokens, runs, num_slots)
+    slot_scale = np.where(np.arange(num_slots) > 0, 0.5, 0.0).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((in_dim, out_dim)) * 0.05, jnp.bfloat16)
+    lora_b = jnp.asarray(rng.standard_normal((num_slots, out_dim, rank)), jnp.bfloat16)
+    s = jnp.asarray(rng.standard_normal((num_tokens, rank)), jnp.float32)
+    tiles = choose_gemm_lora_tiles(rank)
+    table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=tiles.tile_m,
+                              max_entries=entries_needed(token_slot, slot_scale, tiles.tile_m))
+    ref = reference(x, w, s, jnp.asarray(token_slot), jnp.asarray(slot_scale), lora_b)
+    delta = ref - x.astype(jnp.float32) @ w.astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(delta))) > 0.5 * float(jnp.max(jnp.abs(ref)))  # the LoRA part is not negligible
+
+    y = gemm_lora_gpu(x, w, s, table, lora_b, tiles=tiles).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 1e-2  # bf16 output
+
+    stack = jnp.stack([jnp.zeros_like(lora_b), lora_b])  # [L=2, A, out, R]: the kernel offsets to layer 1
+    y_stacked = gemm_lora_gpu(x, w, s, table, stack, jnp.int32(1), tiles=tiles).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y_stacked), np.asarray(y))
