@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.sgmv.reference import gemm_lora_ref
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles, build_entry_table, choose_gemm_lora_tiles, entries_needed, entry_s, gemm_lora_gpu,
 )
@@ -97,12 +98,6 @@ def test_rank_too_large_for_shared_memory_is_refused():
         choose_gemm_lora_tiles(256)
 
 
-def reference(x, w, s, token_slot, slot_scale, lora_b):
-    scaled = (s * slot_scale[token_slot][:, None]).astype(jnp.bfloat16).astype(jnp.float32)
-    delta = jnp.einsum("tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32))
-    return x.astype(jnp.float32) @ w.astype(jnp.float32) + delta
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
 @pytest.mark.parametrize(
@@ -122,8 +117,8 @@ def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, out_dim, rank
     tiles = choose_gemm_lora_tiles(rank)
     table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=tiles.tile_m,
                               max_entries=entries_needed(token_slot, slot_scale, tiles.tile_m))
-    ref = reference(x, w, s, jnp.asarray(token_slot), jnp.asarray(slot_scale), lora_b)
-    delta = ref - x.astype(jnp.float32) @ w.astype(jnp.float32)
+    ref = gemm_lora_ref(x, w, s, jnp.asarray(token_slot), jnp.asarray(slot_scale), lora_b)
+    delta = ref - gemm_lora_ref(x, w, s, jnp.asarray(token_slot), jnp.zeros(num_slots), lora_b)
     assert float(jnp.max(jnp.abs(delta))) > 0.5 * float(jnp.max(jnp.abs(ref)))  # the LoRA part is not negligible
 
     y = gemm_lora_gpu(x, w, s, table, lora_b, tiles=tiles).astype(jnp.float32)

@@ -65,3 +65,18 @@ def sgmv_expand_ref(
     b_tok = lora_b[token_slot].astype(jnp.float32)  # [T, out, R]
     out = jnp.einsum("tr,tor->to", s, b_tok, precision=jax.lax.Precision.HIGHEST)
     return out.astype(out_dtype)
+
+
+def gemm_lora_ref(
+    x: jax.Array,  # [T, in]
+    w: jax.Array,  # [in, out]
+    s: jax.Array,  # [T, R] f32 shrink output
+    token_slot: jax.Array,  # [T] i32
+    slot_scale: jax.Array,  # [A] f32
+    lora_b: jax.Array,  # [A, out, R]
+) -> jax.Array:
+    """[T, out] float32: what `gemm_lora_gpu` computes, x @ W + (scale * s, rounded to bf16 as the kernel
+    takes it) @ B[slot].T, in float32."""
+    scaled = (s * slot_scale[token_slot][:, None]).astype(jnp.bfloat16).astype(jnp.float32)
+    delta = jnp.einsum("tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) + delta
