@@ -1,8 +1,9 @@
 """Base GEMM with the LoRA expand inside it, for prefill on Hopper GPUs (Pallas on Mosaic GPU).
 
-Where it sits: `sgl_jax_lora.lora.backend.pallas` calls `gemm_lora_gpu` for prefill-sized batches on an
-H100-class GPU, in place of XLA's `x @ W` followed by the SGMV expand. The shrink (s = x @ A[slot].T, which
-reads x once) stays the SGMV shrink kernel of `gpu.py`; this kernel computes
+Where it sits: beside the SGMV kernels, as the prefill path for an H100-class GPU that would replace XLA's
+`x @ W` followed by the SGMV expand. The engine does not call it yet (scripts/bench_gemm_lora.py and the
+tests do; docs/lora_backends.md "The LoRA inside the base GEMM" says what the engine needs first). The shrink
+(s = x @ A[slot].T, which reads x once) stays the SGMV shrink kernel of `gpu.py`; this kernel computes
 
     y = x @ W + (scale[slot_t] * s_t) @ B[slot_t].T      for every token t
 
@@ -11,8 +12,9 @@ percent of its time, while an expand outside the GEMM must read and write y agai
 
 How the LoRA enters the GEMM: the tokens of one output row tile (`tile_m` rows) belong to a few runs of
 consecutive tokens with the same adapter slot (a prefill batch holds each sequence's tokens together).
-`build_entry_table` cuts the tokens into entries, one per (row tile, run) pair (once per batch), and `entry_s` lays the scaled s out per
-entry as an [E, tile_m, R] array whose rows outside the entry's run are zero. After the tile's K loop over
+`build_entry_table` cuts the tokens into entries, one per (row tile, run) pair (once per batch), and
+`entry_s` lays the scaled s out per entry as an [E, tile_m, R] array whose rows outside the entry's run are
+zero (once per layer). After the tile's K loop over
 x and W, the kernel adds, for each entry of its row tile, s_entry [tile_m, R] @ B[slot].T [R, tile_n] into
 the same float32 accumulator: R more K steps per run, with both operands fetched by TMA while the main
 loop runs. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
@@ -20,7 +22,7 @@ masking is needed inside the kernel, and any number of runs per tile is handled 
 
 The GEMM: persistent over the SMs, two consumer warpgroups side by side along N (each [tile_m, tile_n]),
 one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipeline
-(`emit_pipeline_warp_specialized`), and a 64 x 64 TMA epilogue. Needs: T a multiple of tile_m, in a
+(`emit_pipeline_warp_specialized`), and a TMA epilogue of 64 x `epilogue_n` stores. Needs: T a multiple of tile_m, in a
 multiple of tile_k, out a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K), bf16 operands.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there).
 """
@@ -32,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _SMEM_BYTES = 227 * 1024  # H100 shared memory per block
 _SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
@@ -62,7 +65,9 @@ def choose_gemm_lora_tiles(rank: int) -> GemmLoraTiles:
             tiles = GemmLoraTiles(stages=stages, epilogue_n=epilogue_n)
             if tiles.smem_bytes(rank) + _SMEM_SPARE <= _SMEM_BYTES:
                 return tiles
-    raise ValueError(f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}")
+    raise ValueError(
+        f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}; use the SGMV kernels (ranks above 64) instead"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +93,11 @@ def build_entry_table(token_slot: jax.Array, slot_scale: jax.Array, *, tile_m: i
     adapter tokens - 1); `entries_needed` counts them on the host."""
     num_tokens = token_slot.shape[0]
     if num_tokens % tile_m:
-        raise ValueError(f"{num_tokens} tokens are not a multiple of the {tile_m}-row tile")
+        raise ValueError(f"{num_tokens} tokens are not a multiple of the {tile_m}-row tile; pad the batch to one")
     position = jnp.arange(num_tokens, dtype=jnp.int32)
     scale = slot_scale[token_slot].astype(jnp.float32)
     is_lora = scale != 0
-    previous = jnp.concatenate([jnp.full((1,), -1, token_slot.dtype), token_slot[:-1]])
-    starts = is_lora & ((token_slot != previous) | (position % tile_m == 0))
+    starts = _entry_starts(token_slot, is_lora, tile_m, jnp)
     started = jnp.cumsum(starts.astype(jnp.int32))
     entry = started - 1  # entry of each LoRA token
     tile_first = started[::tile_m] - starts[::tile_m].astype(jnp.int32)
@@ -113,15 +117,18 @@ def entry_s(s: jax.Array, table: EntryTable) -> jax.Array:
     return scaled[table.row_token].astype(jnp.bfloat16).reshape(table.max_entries, table.tile_m, s.shape[1])
 
 
-def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
-    """Host-side count of the entries of a batch (numpy arrays)."""
-    import numpy as np
+def _entry_starts(token_slot, is_lora, tile_m: int, xp):
+    """[T] bool: where an entry starts (an adapter token whose slot differs from the previous token's, or the
+    first of a row tile); xp is numpy (host) or jax.numpy (in jit)."""
+    position = xp.arange(token_slot.shape[0])
+    previous = xp.concatenate([xp.full((1,), -1, token_slot.dtype), token_slot[:-1]])
+    return is_lora & ((token_slot != previous) | (position % tile_m == 0))
 
+
+def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
+    """Host-side count of the entries of a batch (numpy arrays): the least max_entries for it."""
     token_slot = np.asarray(token_slot)
-    is_lora = np.asarray(slot_scale)[token_slot] != 0
-    position = np.arange(len(token_slot))
-    previous = np.concatenate([[-1], token_slot[:-1]])
-    return int(np.sum(is_lora & ((token_slot != previous) | (position % tile_m == 0))))
+    return int(np.sum(_entry_starts(token_slot, np.asarray(slot_scale)[token_slot] != 0, tile_m, np)))
 
 
 def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref, *, tiles: GemmLoraTiles):
@@ -247,7 +254,9 @@ def gemm_lora_gpu_entries(
     rank = s_entries.shape[-1]
     if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or out_dim % (2 * tiles.tile_n) or rank % 16:
         raise ValueError(
-            f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, out={out_dim}, R={rank} do not fit tiles {tiles}"
+            f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, out={out_dim}, R={rank} do not fit tiles {tiles}: T must be a "
+            f"multiple of {tiles.tile_m}, in of {tiles.tile_k}, out of {2 * tiles.tile_n} and R of 16; pad the batch, "
+            "or use the SGMV kernels for this module"
         )
     num_sms = jax.devices()[0].core_count
     return plgpu.kernel(
@@ -276,7 +285,9 @@ def gemm_lora_gpu(
     rank = lora_b.shape[-1]
     tiles = tiles or choose_gemm_lora_tiles(rank)
     if table.tile_m != tiles.tile_m:
-        raise ValueError(f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel")
+        raise ValueError(
+            f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel; build it with tile_m={tiles.tile_m}"
+        )
     entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_b.shape[-3]
     b_rows = lora_b.reshape(-1, *lora_b.shape[-2:])
     return gemm_lora_gpu_entries(x, w, table.entry_start, entry_slot, entry_s(s, table), b_rows, tiles=tiles)
