@@ -101,29 +101,43 @@ def test_rank_too_large_for_shared_memory_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
 @pytest.mark.parametrize(
-    "seed,num_tokens,in_dim,out_dim,rank,runs",
-    [(0, 256, 256, 256, 16, 1), (1, 512, 1024, 512, 16, 7), (2, 512, 512, 1024, 64, 13), (3, 1024, 512, 512, 16, 40),
-     (4, 384, 256, 512, 32, 3)],
+    "seed,num_tokens,in_dim,widths,rank,runs",
+    [(0, 256, 256, (256,), 16, 1), (1, 512, 1024, (512,), 16, 7), (2, 512, 512, (1024,), 64, 13),
+     (3, 1024, 512, (512,), 16, 40), (4, 384, 256, (512,), 32, 3), (5, 512, 256, (512, 256, 256), 16, 9),
+     (6, 256, 512, (768, 768), 64, 4)],
 )
-def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, out_dim, rank, runs):
+def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank, runs):
+    """One module (one part) or a packed one (q|k|v- and gate|up-like parts side by side, each with its own B
+    and its own R columns of s), against the float32 reference part by part; then the same W and B as layer 1
+    of [L, ...] stacks, which the kernel must read in place."""
     rng = np.random.default_rng(seed)
     num_slots = 9
     token_slot = random_runs(rng, num_tokens, runs, num_slots)
     slot_scale = np.where(np.arange(num_slots) > 0, 0.5, 0.0).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((in_dim, out_dim)) * 0.05, jnp.bfloat16)
-    lora_b = jnp.asarray(rng.standard_normal((num_slots, out_dim, rank)), jnp.bfloat16)
-    s = jnp.asarray(rng.standard_normal((num_tokens, rank)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((in_dim, sum(widths))) * 0.05, jnp.bfloat16)
+    lora_bs = tuple(jnp.asarray(rng.standard_normal((num_slots, width, rank)), jnp.bfloat16) for width in widths)
+    s = jnp.asarray(rng.standard_normal((num_tokens, len(widths) * rank)), jnp.float32)
     tiles = choose_gemm_lora_tiles(rank)
     table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=tiles.tile_m,
                               max_entries=entries_needed(token_slot, slot_scale, tiles.tile_m))
-    ref = gemm_lora_ref(x, w, s, jnp.asarray(token_slot), jnp.asarray(slot_scale), lora_b)
-    delta = ref - gemm_lora_ref(x, w, s, jnp.asarray(token_slot), jnp.zeros(num_slots), lora_b)
+    columns = np.cumsum((0,) + widths)
+
+    def reference(scale):
+        return jnp.concatenate([
+            gemm_lora_ref(x, w[:, columns[p] : columns[p + 1]], s[:, p * rank : (p + 1) * rank], jnp.asarray(token_slot),
+                          scale, b)
+            for p, b in enumerate(lora_bs)
+        ], axis=1)
+
+    ref = reference(jnp.asarray(slot_scale))
+    delta = ref - reference(jnp.zeros(num_slots))
     assert float(jnp.max(jnp.abs(delta))) > 0.5 * float(jnp.max(jnp.abs(ref)))  # the LoRA part is not negligible
 
-    y = gemm_lora_gpu(x, w, s, table, lora_b, tiles=tiles).astype(jnp.float32)
+    y = gemm_lora_gpu(x, w, s, table, lora_bs, tiles=tiles).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 1e-2  # bf16 output
 
-    stack = jnp.stack([jnp.zeros_like(lora_b), lora_b])  # [L=2, A, out, R]: the kernel offsets to layer 1
-    y_stacked = gemm_lora_gpu(x, w, s, table, stack, jnp.int32(1), tiles=tiles).astype(jnp.float32)
+    w_stack = jnp.stack([w * 2, w])  # [L=2, in, out]: the kernel offsets to layer 1's rows
+    b_stacks = tuple(jnp.stack([jnp.zeros_like(b), b]) for b in lora_bs)  # [L=2, A, out_p, R]
+    y_stacked = gemm_lora_gpu(x, w_stack, s, table, b_stacks, jnp.int32(1), tiles=tiles).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(y_stacked), np.asarray(y))

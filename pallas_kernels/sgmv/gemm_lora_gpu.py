@@ -1,11 +1,12 @@
 """Base GEMM with the LoRA expand inside it, for prefill on Hopper GPUs (Pallas on Mosaic GPU).
 
-Where it sits: beside the SGMV kernels, as the prefill path for an H100-class GPU that would replace XLA's
-`x @ W` followed by the SGMV expand. The engine does not call it yet (scripts/bench_gemm_lora.py and the
-tests do; docs/lora_backends.md "The LoRA inside the base GEMM" says what the engine needs first). The shrink
-(s = x @ A[slot].T, which reads x once) stays the SGMV shrink kernel of `gpu.py`; this kernel computes
+Where it sits: the Pallas LoRA backend's prefill path on Hopper GPUs (lora/backend/pallas.py `apply_with_base`,
+called by LoRALinear for prefill buckets from `--lora-fused-gemm-min-tokens` tokens), in place of XLA's
+`x @ W` followed by the SGMV expand. The shrink (s = x @ A[slot].T, which reads x once) stays the SGMV shrink
+kernel of `gpu.py`; this kernel computes, for each packed part p of the module (q|k|v, gate|up; one part
+otherwise) in its columns of y,
 
-    y = x @ W + (scale[slot_t] * s_t) @ B[slot_t].T      for every token t
+    y_p = x @ W_p + (scale[slot_t] * s_p,t) @ B_p[slot_t].T      for every token t
 
 in one pass over y. At prefill sizes the GEMM is compute-bound, so the expand's extra MMA steps cost a few
 percent of its time, while an expand outside the GEMM must read and write y again (2 x T x out bytes).
@@ -20,10 +21,15 @@ the same float32 accumulator: R more K steps per run, with both operands fetched
 loop runs. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
 masking is needed inside the kernel, and any number of runs per tile is handled (bounded by E, static).
 
+Packed parts and layers: each part's width is a multiple of a CTA's 2 * tile_n columns, so a CTA's columns
+lie in one part (`part_tile_tables`) and it fetches that part's B and s columns; W and every B may be layer
+stacks ([L, ...], as the model holds them), read in place at the layer's offset, so no layer's weight is copied.
+
 The GEMM: persistent over the SMs, two consumer warpgroups side by side along N (each [tile_m, tile_n]),
 one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipeline
 (`emit_pipeline_warp_specialized`), and a TMA epilogue of 64 x `epilogue_n` stores. Needs: T a multiple of tile_m, in a
-multiple of tile_k, out a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K), bf16 operands.
+multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64,
+bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there).
 """
 
@@ -117,6 +123,16 @@ def entry_s(s: jax.Array, table: EntryTable) -> jax.Array:
     return scaled[table.row_token].astype(jnp.bfloat16).reshape(table.max_entries, table.tile_m, s.shape[1])
 
 
+def entry_s_parts(s: jax.Array, table: EntryTable, num_parts: int) -> jax.Array:
+    """[P * E, tile_m, R]: `entry_s` of each packed part's R columns of s ([T, P * R]), part p's entries at p * E."""
+    laid_out = entry_s(s, table)  # [E, tile_m, P * R]
+    if num_parts == 1:
+        return laid_out
+    rank = s.shape[1] // num_parts
+    parts = laid_out.reshape(table.max_entries, table.tile_m, num_parts, rank)
+    return parts.transpose(2, 0, 1, 3).reshape(num_parts * table.max_entries, table.tile_m, rank)
+
+
 def _entry_starts(token_slot, is_lora, tile_m: int, xp):
     """[T] bool: where an entry starts (an adapter token whose slot differs from the previous token's, or the
     first of a row tile); xp is numpy (host) or jax.numpy (in jit)."""
@@ -131,13 +147,18 @@ def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
     return int(np.sum(_entry_starts(token_slot, np.asarray(slot_scale)[token_slot] != 0, tile_m, np)))
 
 
-def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref, *, tiles: GemmLoraTiles):
+def _kernel(
+    w_row_ref, tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, *refs,
+    tiles: GemmLoraTiles,
+):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    *b_refs, out_ref = refs
     num_tokens, in_dim = x_ref.shape
     out_dim = w_ref.shape[1]
     rank = s_ref.shape[-1]
+    num_entries = s_ref.shape[0] // len(b_refs)
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
     m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
@@ -167,10 +188,10 @@ def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref),
+        pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref.at[pl.ds(0, in_dim), :]),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols)),
         s_smem=plgpu.SMEM((2, tm, rank), s_ref.dtype, transforms=transforms(rank)),
-        b_smem=plgpu.SMEM((2, tn, rank), b_ref.dtype, transforms=transforms(rank)),
+        b_smem=plgpu.SMEM((2, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
         lora_barriers=plgpu.Barrier(num_barriers=4),
         collective_axes="wg",
     )
@@ -187,10 +208,19 @@ def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref
             wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
             first = entry_start_ref[mi]
             end = entry_start_ref[mi + 1]
+            part = tile_part_ref[ni]  # the packed part this CTA's columns lie in, and where they start in it
+            part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # for the TMA tiling
 
             def fetch(entry):
-                plgpu.copy_gmem_to_smem(s_ref.at[entry], s_smem.at[wg], s_barrier)
-                plgpu.copy_gmem_to_smem(b_ref.at[entry_slot_ref[entry], wg_cols, :], b_smem.at[wg], b_barrier)
+                plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_smem.at[wg], s_barrier)
+                slot = entry_slot_ref[entry]
+                if len(b_refs) == 1:
+                    plgpu.copy_gmem_to_smem(b_refs[0].at[slot, part_cols, :], b_smem.at[wg], b_barrier)
+                    return
+                for index, b_ref in enumerate(b_refs):
+                    @pl.when(part == index)
+                    def _fetch_part(b_ref=b_ref):
+                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg], b_barrier)
 
             def compute_context(eval_pipeline):
                 @pl.when(first < end)
@@ -230,64 +260,107 @@ def _kernel(entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, b_ref, out_ref
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            pipeline(mma, compute_context)(x_ref.at[cta_rows, :], w_ref.at[:, cta_cols], allocations=pipeline_allocs)
+            w_rows = pl.ds(pl.multiple_of(w_row_ref[0], tk), in_dim)  # the layer's rows of a flattened [L * in, out] stack
+            pipeline(mma, compute_context)(x_ref.at[cta_rows, :], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def part_tile_tables(part_widths: tuple[int, ...], cta_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each CTA column tile of a packed output [part 0 | part 1 | ...]: the part it lies in, and the column
+    in that part where it starts (each part's width must be a multiple of cta_n)."""
+    if any(width % cta_n for width in part_widths):
+        raise ValueError(
+            f"gemm_lora_gpu: part widths {part_widths} must each be a multiple of {cta_n} columns (a CTA tile never "
+            "spans two parts); use the SGMV kernels for this module"
+        )
+    tile_part = np.concatenate([np.full(width // cta_n, i, np.int32) for i, width in enumerate(part_widths)])
+    tile_part_col = np.concatenate([np.arange(0, width, cta_n, dtype=np.int32) for width in part_widths])
+    return tile_part, tile_part_col
+
+
+def check_gemm_lora_shapes(num_tokens: int, in_dim: int, part_widths: tuple[int, ...], rank: int, tiles: GemmLoraTiles) -> None:
+    """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles."""
+    cta_n = 2 * tiles.tile_n
+    if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or rank % 16 or any(w % cta_n for w in part_widths):
+        raise ValueError(
+            f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, part widths {part_widths}, R={rank} do not fit tiles {tiles}: "
+            f"T must be a multiple of {tiles.tile_m}, in of {tiles.tile_k}, each part's width of {cta_n} and R of 16; "
+            "pad the batch, or use the SGMV kernels for this module"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("tiles",))
 def gemm_lora_gpu_entries(
     x: jax.Array,  # [T, in] bf16
-    w: jax.Array,  # [in, out] bf16
+    w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
+    w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
+    tile_part: jax.Array,  # [out / (2 * tile_n)] i32: the part of each CTA column tile (part_tile_tables)
+    tile_part_col: jax.Array,  # [out / (2 * tile_n)] i32: its first column within the part
     entry_start: jax.Array,  # [T / tile_m + 1] i32
-    entry_slot: jax.Array,  # [E] i32, rows of b_rows' first axis
-    s_entries: jax.Array,  # [E, tile_m, R] bf16
-    b_rows: jax.Array,  # [slots, out, R] bf16 (a layer stack flattened to [L * A, out, R])
+    entry_slot: jax.Array,  # [E] i32, rows of the b_rows' first axis
+    s_entries: jax.Array,  # [P * E, tile_m, R] bf16: part p's entries at p * E ..
+    b_rows: tuple[jax.Array, ...],  # P x [slots, out_p, R] bf16 (a layer stack flattened to [L * A, out_p, R])
     *,
     tiles: GemmLoraTiles,
 ) -> jax.Array:
-    """x @ W plus, for every entry, its s rows @ B[entry_slot].T, in one kernel ([T, out], x's dtype)."""
+    """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, in_dim = x.shape
-    out_dim = w.shape[1]
-    rank = s_entries.shape[-1]
-    if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or out_dim % (2 * tiles.tile_n) or rank % 16:
-        raise ValueError(
-            f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, out={out_dim}, R={rank} do not fit tiles {tiles}: T must be a "
-            f"multiple of {tiles.tile_m}, in of {tiles.tile_k}, out of {2 * tiles.tile_n} and R of 16; pad the batch, "
-            "or use the SGMV kernels for this module"
-        )
+    check_gemm_lora_shapes(num_tokens, in_dim, tuple(b.shape[1] for b in b_rows), s_entries.shape[-1], tiles)
     num_sms = jax.devices()[0].core_count
     return plgpu.kernel(
         functools.partial(_kernel, tiles=tiles),
-        out_type=jax.ShapeDtypeStruct((num_tokens, out_dim), x.dtype),
+        out_type=jax.ShapeDtypeStruct((num_tokens, w_rows.shape[1]), x.dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(entry_start, entry_slot, x, w, s_entries, b_rows)
+    )(w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
 
 
 def gemm_lora_gpu(
     x: jax.Array,  # [T, in]
-    w: jax.Array,  # [in, out]
-    s: jax.Array,  # [T, R] f32, the shrink's output in token order
+    w: jax.Array,  # [in, out], or the [L, in, out] stack with `layer`
+    s: jax.Array,  # [T, P * R] f32, the shrink's output in token order (part p's columns p*R .. (p+1)*R)
     table: EntryTable,
-    lora_b: jax.Array,  # [A, out, R], or the [L, A, out, R] stack with `layer`
+    lora_bs: jax.Array | tuple[jax.Array, ...],  # P x [A, out_p, R], or [L, A, out_p, R] stacks with `layer`
     layer: jax.Array | None = None,
     *,
     tiles: GemmLoraTiles | None = None,
+    reference: bool = False,
 ) -> jax.Array:
-    """y = x @ W + scale[slot_t] * s_t @ B[slot_t].T in one GEMM kernel; the table from `build_entry_table`
-    with tile_m = tiles.tile_m."""
-    rank = lora_b.shape[-1]
+    """y = x @ W + scale[slot_t] * s_t @ B_p[slot_t].T for every packed part p (its columns of y, which holds the
+    parts side by side), in one GEMM kernel; the table from `build_entry_table` with tile_m = tiles.tile_m.
+
+    reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of the
+    kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel)."""
+    lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
+    rank = lora_bs[0].shape[-1]
     tiles = tiles or choose_gemm_lora_tiles(rank)
     if table.tile_m != tiles.tile_m:
         raise ValueError(
             f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel; build it with tile_m={tiles.tile_m}"
         )
-    entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_b.shape[-3]
-    b_rows = lora_b.reshape(-1, *lora_b.shape[-2:])
-    return gemm_lora_gpu_entries(x, w, table.entry_start, entry_slot, entry_s(s, table), b_rows, tiles=tiles)
+    part_widths = tuple(b.shape[-2] for b in lora_bs)
+    if sum(part_widths) != w.shape[-1] or s.shape[-1] != len(lora_bs) * rank:
+        raise ValueError(
+            f"gemm_lora_gpu: parts of widths {part_widths} and rank {rank} do not match W's {w.shape[-1]} columns and "
+            f"s's {s.shape[-1]} columns (P * R)"
+        )
+    in_dim = w.shape[-2]
+    w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
+    entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_bs[0].shape[-3]
+    b_rows = tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs)
+    tile_part, tile_part_col = part_tile_tables(part_widths, 2 * tiles.tile_n)
+    s_entries = entry_s_parts(s, table, len(lora_bs))
+    operands = (x, w.reshape(-1, w.shape[-1]), w_row, jnp.asarray(tile_part), jnp.asarray(tile_part_col),
+                table.entry_start, entry_slot, s_entries, b_rows)
+    if reference:
+        from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
+
+        check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles)
+        return gemm_lora_entries_ref(*operands, tile_m=tiles.tile_m)
+    return gemm_lora_gpu_entries(*operands, tiles=tiles)

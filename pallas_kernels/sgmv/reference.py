@@ -80,3 +80,36 @@ def gemm_lora_ref(
     scaled = (s * slot_scale[token_slot][:, None]).astype(jnp.bfloat16).astype(jnp.float32)
     delta = jnp.einsum("tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) + delta
+
+
+def gemm_lora_entries_ref(
+    x: jax.Array,  # [T, in]
+    w_rows: jax.Array,  # [L * in, out]
+    w_row: jax.Array,  # [1] i32
+    tile_part: jax.Array,  # [out / cta_n] i32
+    tile_part_col: jax.Array,  # [out / cta_n] i32
+    entry_start: jax.Array,  # [T / tile_m + 1] i32
+    entry_slot: jax.Array,  # [E] i32
+    s_entries: jax.Array,  # [P * E, tile_m, R]
+    b_rows: tuple[jax.Array, ...],  # P x [slots, out_p, R]
+    *,
+    tile_m: int,
+) -> jax.Array:
+    """[T, out] in x's dtype: what `gemm_lora_gpu_entries` computes from the same operands, in float32 (the
+    kernel's accumulator) and from the entry layout itself, so entry bounds and empty tiles act as in the
+    kernel. Parts lie side by side in the order of b_rows (tile_part and tile_part_col are implied by them)."""
+    num_tokens, in_dim = x.shape
+    num_entries = entry_slot.shape[0]
+    w = jax.lax.dynamic_slice_in_dim(w_rows, w_row[0], in_dim, axis=0)
+    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    entry = jnp.arange(num_entries)
+    entry_tile = jnp.searchsorted(entry_start, entry, side="right") - 1  # the row tile whose range holds the entry
+    is_used = entry < entry_start[-1]
+    deltas = []
+    for part, b in enumerate(b_rows):
+        s_part = s_entries[part * num_entries : (part + 1) * num_entries].astype(jnp.float32)
+        rows = jnp.einsum("etr,eor->eto", s_part, b[entry_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        rows = jnp.where(is_used[:, None, None], rows, 0.0)
+        per_tile = jax.ops.segment_sum(rows, jnp.clip(entry_tile, 0), num_segments=num_tokens // tile_m)
+        deltas.append(per_tile.reshape(num_tokens, b.shape[1]))
+    return (y + jnp.concatenate(deltas, axis=1)).astype(x.dtype)
