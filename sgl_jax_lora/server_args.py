@@ -56,6 +56,7 @@ class ServerArgs:
     max_lora_rank: int | None = _f(None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)")
     max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
+    lora_fused_gemm_min_tokens: int | None = _f(None, "prefill buckets of at least this many tokens compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: 512 on Hopper GPUs, off elsewhere (a positive value there computes that path with the kernel's pure-JAX reference)")
     lora_segment_buckets: list[int] | None = _f(None, "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: 4 and that", nargs="+", type=int)
     disable_lora_base_program: bool = _f(False, "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation")
     lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
@@ -92,6 +93,9 @@ class ServerArgs:
         threads = self.warmup_compile_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}")
+        fused = self.lora_fused_gemm_min_tokens
+        if fused is not None and (not isinstance(fused, int) or isinstance(fused, bool) or fused < 0):
+            raise ValueError(f"--lora-fused-gemm-min-tokens must be 0 (off) or a positive token count, got {fused!r}")
         if self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
 

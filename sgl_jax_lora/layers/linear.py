@@ -26,15 +26,18 @@ class Linear(nnx.Module):
 
     def base(self, x: jax.Array) -> jax.Array:
         """x [T, in] -> [T, out] (packed layout)."""
-        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...]
-        return y
+        return base_product(x, self.kernel[...], self.bias)
 
     def __call__(self, x: jax.Array, lora_batch: object = None, residual: jax.Array | None = None) -> jax.Array:
         """x [T, in] -> [T, out] (+ residual [T, out] when given)."""
         y = self.base(x)
         return y if residual is None else residual + y
+
+
+def base_product(x: jax.Array, kernel: jax.Array, bias: nnx.Param | None) -> jax.Array:
+    """x [T, in] @ kernel [in, out] (+ bias), accumulated in float32, in x's dtype."""
+    y = jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if bias is None else y + bias[...]
 
 
 def split_packed(y: jax.Array, part_sizes: tuple[int, ...], tp_size: int) -> list[jax.Array]:

@@ -11,7 +11,8 @@ is padded to a static bucket G with empty segments (start == end == T) whose slo
 The batch may also carry the GPU SGMV kernels' work list (pallas_kernels/sgmv/work_list.py), so that no
 layer's kernel call rebuilds it: the model builds it once per forward inside jit (`with_work_list`, a few
 tiny device ops; no host time and no extra host->device transfers per step), or a caller may build it here
-on the host (`build_lora_batch(work_block_rows=...)`, numpy, same values).
+on the host (`build_lora_batch(work_block_rows=...)`, numpy, same values). In prefill buckets that run the base
+GEMM with the LoRA inside it, the model adds that kernel's entry table the same way (`with_entry_table`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sgmv.gemm_lora_gpu import EntryTable, build_entry_table
 from pallas_kernels.sgmv.work_list import WorkList, make_work_list, make_work_list_host, padded_perm
 
 
@@ -36,6 +38,7 @@ class LoRABatch:
     work: WorkList | None = None  # (row tile, segment) items for row tiles of `work_block_rows`
     work_perm: jax.Array | None = None  # [T rounded up to work_block_rows] i32 sort_perm padded with T
     work_block_rows: int = 0  # static; 0 = no precomputed work list
+    entries: EntryTable | None = None  # runs of one adapter per row tile, for the GEMM with the LoRA inside it
 
     @property
     def num_segments(self) -> int:
@@ -44,7 +47,9 @@ class LoRABatch:
 
 jax.tree_util.register_dataclass(
     LoRABatch,
-    data_fields=["token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank", "work", "work_perm"],
+    data_fields=[
+        "token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank", "work", "work_perm", "entries"
+    ],
     meta_fields=["work_block_rows"],
 )
 
@@ -111,3 +116,19 @@ def with_work_list(lora: LoRABatch, block_rows: int) -> LoRABatch:
     work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
     return dataclasses.replace(lora, work=work, work_perm=padded_perm(lora.sort_perm, block_rows, jnp),
                                work_block_rows=block_rows)
+
+
+def with_entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int) -> LoRABatch:
+    """The batch with the entry table of the GEMM that has the LoRA inside it (pallas_kernels/sgmv/gemm_lora_gpu.py),
+    built inside jit for row tiles of `tile_rows` (0: the batch as it is).
+
+    Its static size is a bound that holds for every extend batch of the bucket. An entry is a (row tile, run of
+    one adapter) pair. Each sequence's tokens are contiguous (managers/schedule_batch.py), so there are at most
+    `num_seqs` runs; a run meets one tile more than the tile boundaries it crosses, and each of the
+    T / tile_rows - 1 boundaries is crossed by one run at most: at most T / tile_rows + num_seqs - 1 entries."""
+    if not tile_rows:
+        return lora
+    num_tokens = lora.token_slot.shape[0]
+    max_entries = num_tokens // tile_rows + num_seqs - 1
+    table = build_entry_table(lora.token_slot, lora.slot_scale, tile_m=tile_rows, max_entries=max_entries)
+    return dataclasses.replace(lora, entries=table)

@@ -7,6 +7,9 @@ buffers (a donated, shape-stable update). At run time:
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
       (backend.apply_packed: one shrink on the stacked A, one expand per part into the packed output)
 
+In prefill buckets where the backend runs the base GEMM with the LoRA inside it (`apply_with_base`, the
+Pallas backend on Hopper GPUs), y = that one kernel's output instead, for every module that fits it.
+
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
 base GEMM (docs/architecture.md "GPU kernel scheduling").
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.linear import Linear
+from sgl_jax_lora.layers.linear import Linear, base_product
 from sgl_jax_lora.lora.layer_stack import as_layer_array
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
@@ -38,6 +41,12 @@ if TYPE_CHECKING:  # type only: the model receives a backend object built by lor
 
 class LoRAWeight(nnx.Variable):
     """Adapter buffers: device state written by the memory pool, never trained."""
+
+
+class LoRABaseKernel(nnx.Param):
+    """The base weight of a LoRALinear. In prefill buckets that run the GEMM with the LoRA inside it, the model
+    hands it over as a LayerStack view of the [L, in, out] stack, as it does the LoRA buffers, so that the
+    kernel reads the layer in place (a kernel's operand sliced outside it would be a copy of the layer's W)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +72,7 @@ class LoRALinear(Linear):
         row_parallel: bool,
     ):
         super().__init__(in_features, part_sizes, tp_size, use_bias, dtype)
+        self.kernel = LoRABaseKernel(self.kernel.get_value())
         self.part_names = part_names
         self.row_parallel = row_parallel
         self.backend = spec.backend
@@ -83,9 +93,17 @@ class LoRALinear(Linear):
         """
         if lora_batch is None:
             return super().__call__(x, residual=residual)
-        y = self.base(x)
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
+        if lora_batch.entries is not None:  # prefill: base GEMM and LoRA in one kernel, where the module fits it
+            y = self.backend.apply_with_base(
+                x, self.kernel.get_value(), lora_a, lora_bs, lora_batch, tp_size=self.tp_size,
+                input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
+            )
+            if y is not None:
+                y = y if self.bias is None else y + self.bias[...]
+                return y if residual is None else residual + y
+        y = self.base(x)
         if not self.backend.reads_stacked(x.shape[0], lora_batch.num_segments, sum(self.part_sizes)):
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         target = y if residual is None else residual
@@ -94,6 +112,9 @@ class LoRALinear(Linear):
             input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
         )
         return out if residual is None else out + y
+
+    def base(self, x: jax.Array) -> jax.Array:
+        return base_product(x, as_layer_array(self.kernel.get_value()), self.bias)
 
 
 def lora_b_name(part_name: str) -> str:

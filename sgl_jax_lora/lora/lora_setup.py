@@ -47,7 +47,7 @@ class LoRASetup:
         self.spec = LoRAModelSpec(
             num_slots=args.max_loras_per_batch + 1,
             max_rank=self.max_rank,
-            backend=make_lora_backend(args.lora_backend, mesh),
+            backend=make_lora_backend(args.lora_backend, mesh, args.lora_fused_gemm_min_tokens),
             target_modules=packed,
         )
 

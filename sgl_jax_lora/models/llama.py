@@ -21,8 +21,8 @@ from sgl_jax_lora.layers.linear import Linear, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
 from sgl_jax_lora.lora.layer_stack import LayerStack
-from sgl_jax_lora.lora.lora_batch import with_work_list
-from sgl_jax_lora.lora.lora_linear import LoRALinear, LoRAModelSpec, LoRAWeight
+from sgl_jax_lora.lora.lora_batch import with_entry_table, with_work_list
+from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
@@ -80,7 +80,7 @@ class DecoderLayer(nnx.Module):
         q = apply_rotary(q, batch.positions, self.inv_freq)
         k = apply_rotary(k, batch.positions, self.inv_freq)
         k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
-        attn = paged_attention(q, k_cache[layer], v_cache[layer], batch, self.page_size, self.head_dim**-0.5)
+        attn = paged_attention(q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5)
         hidden = self.o_proj(attn.reshape(num_tokens, -1), batch.lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)
         gate, up = split_packed(self.gate_up_proj(x, batch.lora), self.gate_up_proj.part_sizes, self.tp_size)
@@ -109,18 +109,24 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
         """-> (final-normed hidden [T, E], updated kv)."""
         hidden = self.embed_tokens(batch.input_ids)
+        fused_rows = 0
         if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
-            block_rows = self.lora_backend.work_block_rows(batch.lora.token_slot.shape[0], batch.lora.num_segments)
-            batch = dataclasses.replace(batch, lora=with_work_list(batch.lora, block_rows))
-        # LoRA buffers stay whole [L, A, ...] arrays outside the scan: each layer gets LayerStack views
-        # (lora/layer_stack.py), so kernels that read the stack in place never copy a layer's slot pool
-        layer_def, lora_state, layer_state = nnx.split(self.layers, LoRAWeight, ...)
+            num_tokens, num_segments = batch.lora.token_slot.shape[0], batch.lora.num_segments
+            block_rows = self.lora_backend.work_block_rows(num_tokens, num_segments)
+            fused_rows = 0 if batch.is_decode else self.lora_backend.fused_gemm_tile_rows(num_tokens, num_segments)
+            lora = with_entry_table(with_work_list(batch.lora, block_rows), fused_rows, batch.seq_lens.shape[0])
+            batch = dataclasses.replace(batch, lora=lora)
+        # LoRA buffers (and, for the GEMM with the LoRA inside it, the LoRA modules' base weights) stay whole
+        # [L, ...] arrays outside the scan: each layer gets LayerStack views (lora/layer_stack.py), so kernels
+        # that read the stack in place never copy a layer's slot pool or weight
+        stacked = (LoRAWeight, LoRABaseKernel) if fused_rows else LoRAWeight
+        layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
 
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
-            lora_views = jax.tree.map(lambda stack: LayerStack(stack, layer), lora_state)
-            h, cache = nnx.merge(layer_def, lora_views, state)(h, cache, layer, batch)
+            views = jax.tree.map(lambda stack: LayerStack(stack, layer), stacked_state)
+            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

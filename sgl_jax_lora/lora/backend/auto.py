@@ -59,18 +59,25 @@ def _width(weight: jax.Array | LayerStack) -> int:
 class AutoBackend(LoRABackend):
     name = "auto"
 
-    def __init__(self, mesh: Mesh | None = None):
+    def __init__(self, mesh: Mesh | None = None, fused_gemm_min_tokens: int | None = None):
         super().__init__(mesh)
         self.platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.backends: dict[str, LoRABackend] = {
             "einsum": EinsumBackend(mesh),
             "bgmv": BgmvBackend(mesh),
             "sgmv": SgmvBackend(mesh),
-            "pallas": PallasBackend(mesh),
+            "pallas": PallasBackend(mesh, fused_gemm_min_tokens=fused_gemm_min_tokens),
         }
 
     def chosen(self, num_tokens: int, num_segments: int, out_features: int = 0) -> LoRABackend:
+        """Prefill buckets where the Pallas backend runs the GEMM with the LoRA inside it take it at any
+        segment count (measured below SGMV's cost everywhere: docs/lora_backends.md); the table otherwise."""
+        if self.backends["pallas"].fused_gemm_tile_rows(num_tokens, num_segments):
+            return self.backends["pallas"]
         return self.backends[choose_backend_name(self.platform, num_tokens, num_segments, out_features)]
+
+    def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
+        return self.backends["pallas"].fused_gemm_tile_rows(num_tokens, num_segments)
 
     def pick(self, num_tokens: int, lora: LoRABatch, out_features: int = 0) -> LoRABackend:
         return self.chosen(num_tokens, lora.num_segments, out_features)
@@ -109,6 +116,11 @@ class AutoBackend(LoRABackend):
     ) -> jax.Array:
         return self.pick(x.shape[0], lora, _width(lora_b)).apply(
             x, lora_a, lora_b, lora, input_sharded=input_sharded, output_sharded=output_sharded, base_out=base_out
+        )
+
+    def apply_with_base(self, x, kernel, lora_a, lora_bs, lora, *, tp_size, input_sharded=False, output_sharded=False):
+        return self.pick(x.shape[0], lora).apply_with_base(
+            x, kernel, lora_a, lora_bs, lora, tp_size=tp_size, input_sharded=input_sharded, output_sharded=output_sharded
         )
 
     def apply_packed(

@@ -3,7 +3,9 @@
 Where it sits: every `LoRALinear` holds one backend and calls `apply_packed` with its layer's base output,
 A/B buffers and the step's `LoRABatch`. Packed modules (q|k|v, gate|up) shrink once on the stacked A and
 expand once per part; the default `apply_packed` composes `shrink` and `expand` in XLA, and a backend with
-kernels may fuse more (the Pallas GPU backend adds each part's delta into the packed output in place).
+kernels may fuse more (the Pallas GPU backend adds each part's delta into the packed output in place). In
+prefill a backend may also take the base weight and compute the base GEMM and the delta in one kernel
+(`fused_gemm_tile_rows`, `apply_with_base`: the Pallas backend on Hopper GPUs).
 
 Shapes: x [T, in]; lora_a [A, R, in]; lora_b [A, out, R]; s [T, R] float32. Slot 0 is the base model
 (all-zero weights), so base tokens get an exactly-zero delta. Sharding (mesh axes ("data", "tensor")):
@@ -21,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sgl_jax_lora.layers.linear import pack_parts
+from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 TENSOR_AXIS = "tensor"
@@ -96,6 +99,29 @@ class LoRABackend(abc.ABC):
         segment bucket); 0 = it reads none, so the engine does not build one (it costs host time every step)."""
         return 0
 
+    def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
+        """Row tile of the GEMM with the LoRA inside it (`apply_with_base`) when this backend runs it for a
+        (token bucket, segment bucket) of prefill; 0 = never. Given one, the model builds the batch's entry
+        table once per forward (`LoRABatch.entries`) and hands every LoRALinear its base weight as a LayerStack
+        view, so that the kernel reads the layer's W in place."""
+        return 0
+
+    def apply_with_base(
+        self,
+        x: jax.Array,  # [T, in]
+        kernel: jax.Array | LayerStack,  # [in, sum out_p] base weight, packed shard-major (layers/linear.py)
+        lora_a: jax.Array | LayerStack,  # [A, P * R, in]
+        lora_bs: tuple[jax.Array | LayerStack, ...],  # P x [A, out_p, R]
+        lora: LoRABatch,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array | None:
+        """x @ kernel plus every part's LoRA delta, from one GEMM kernel (no bias), in the packed layout; None
+        when this module does not fit that kernel, and LoRALinear then runs the base GEMM and `apply_packed`."""
+        return None
+
     def apply_packed(
         self,
         x: jax.Array,  # [T, in]
@@ -144,8 +170,9 @@ def expand_out_spec(output_sharded: bool) -> P:
 BACKEND_NAMES = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 
 
-def make_lora_backend(name: str, mesh: Mesh | None = None) -> LoRABackend:
-    """Backend for `--lora-backend NAME` over `mesh` (None: single device)."""
+def make_lora_backend(name: str, mesh: Mesh | None = None, fused_gemm_min_tokens: int | None = None) -> LoRABackend:
+    """Backend for `--lora-backend NAME` over `mesh` (None: single device). fused_gemm_min_tokens is
+    `--lora-fused-gemm-min-tokens`, for the backends that run the Pallas kernels (pallas, auto)."""
     from sgl_jax_lora.lora.backend.auto import AutoBackend
     from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
     from sgl_jax_lora.lora.backend.einsum import EinsumBackend
@@ -161,4 +188,6 @@ def make_lora_backend(name: str, mesh: Mesh | None = None) -> LoRABackend:
     }
     if name not in classes:
         raise ValueError(f"unknown --lora-backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name in ("pallas", "auto"):
+        return classes[name](mesh=mesh, fused_gemm_min_tokens=fused_gemm_min_tokens)
     return classes[name](mesh=mesh)

@@ -21,15 +21,24 @@ tiles match the kernel's. TPU `apply_packed` runs one shrink and one expand per 
 side by side and added to the base output. Both take the model's layer-stacked buffers (LayerStack views)
 and their kernels read the layer in place (`reads_stacked`): the Triton kernels offset their pointers, the
 Mosaic kernels scalar-prefetch the layer index into their weight index maps.
+
+Prefill on Hopper GPUs (`fused_gemm_tile_rows`, `apply_with_base`): from `--lora-fused-gemm-min-tokens` tokens
+(default FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its base GEMM and every part's expand in
+one Mosaic GPU kernel (pallas_kernels/sgmv/gemm_lora_gpu.py) after the SGMV shrink; the model hands over the
+module's base weight as a layer-stack view and the batch's entry table. Elsewhere a positive flag value runs
+that path with the kernel's pure-JAX reference (CPU tests).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, check_gemm_lora_shapes, choose_gemm_lora_tiles, gemm_lora_gpu
 from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import gpu_block_rows
@@ -44,6 +53,8 @@ _IN_SPLIT_X = P(None, TENSOR_AXIS)  # x [T, in]
 _IN_SPLIT_A = P(None, None, TENSOR_AXIS)  # A [A, R, in]
 _OUT_SPLIT_B = P(None, TENSOR_AXIS, None)  # B [A, out, R]
 _OUT_SPLIT_Y = P(None, TENSOR_AXIS)  # y [T, out]
+_IN_SPLIT_W = P(TENSOR_AXIS, None)  # base weight [in, out] of a row-parallel layer
+_OUT_SPLIT_W = P(None, TENSOR_AXIS)  # ... of a column-parallel layer
 
 
 def _stacked_spec(spec: P, is_stacked: bool) -> P:
@@ -55,13 +66,27 @@ def _platform(mesh: Mesh | None) -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
+def _is_hopper(mesh: Mesh | None) -> bool:
+    """Whether the devices are CUDA GPUs of compute capability 9.x (WGMMA and TMA: the Mosaic GPU GEMM)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
+
+
 class PallasBackend(LoRABackend):
     name = "pallas"
     # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
     DELTA_MAX_TOKENS = 128
     DELTA_MAX_WIDTH = 16384
+    # prefill buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs
+    FUSED_GEMM_MIN_TOKENS = 512  # measured from 512 (docs/benchmarks.md "Session 19"); SGMV below
 
-    def __init__(self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None):
+    def __init__(
+        self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None,
+        fused_gemm_min_tokens: int | None = None,
+    ):
+        """fused_gemm_min_tokens: the least prefill bucket that runs the base GEMM with the LoRA inside it (0:
+        none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
+        path computes with the kernel's pure-JAX reference."""
         super().__init__(mesh)
         platform = _platform(mesh)
         if kernel is None:
@@ -71,6 +96,11 @@ class PallasBackend(LoRABackend):
         native = {"tpu": ("tpu",), "gpu": ("gpu", "cuda")}[kernel]
         self.kernel = kernel
         self.interpret = platform not in native if interpret is None else interpret
+        has_gemm_kernel = kernel == "gpu" and not self.interpret and _is_hopper(mesh)
+        if fused_gemm_min_tokens is None:
+            fused_gemm_min_tokens = self.FUSED_GEMM_MIN_TOKENS if has_gemm_kernel else 0
+        self.fused_gemm_min_tokens = fused_gemm_min_tokens
+        self.fused_gemm_reference = not has_gemm_kernel
 
     # -- sharding -------------------------------------------------------------------------------------------
 
@@ -246,3 +276,77 @@ class PallasBackend(LoRABackend):
         if adds_in_place:
             return self._sharded(local, specs + (y_spec,), y_spec)(*operands, base_out)
         return base_out + self._sharded(local, specs, y_spec)(*operands)
+
+    # -- the base GEMM with the LoRA inside it (prefill) ---------------------------------------------------------
+
+    def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
+        tile_m = GemmLoraTiles.tile_m
+        if self.fused_gemm_min_tokens and num_tokens >= self.fused_gemm_min_tokens and num_tokens % tile_m == 0:
+            return tile_m
+        return 0
+
+    def _fused_gemm_tiles(self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, lora: LoRABatch):
+        """The kernel's tiles when this module fits the fused GEMM, else None."""
+        if lora.entries is None or x.dtype != jnp.bfloat16:
+            return None
+        try:
+            tiles = choose_gemm_lora_tiles(rank)
+            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles)
+        except ValueError:
+            return None
+        return tiles if lora.entries.tile_m == tiles.tile_m else None
+
+    def apply_with_base(
+        self,
+        x: jax.Array,
+        kernel: jax.Array | LayerStack,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        lora: LoRABatch,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array | None:
+        """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
+        into the GEMM's accumulator. Row-parallel layers (`input_sharded` over several devices) add the delta on
+        the first shard only, before the all-reduce of the partial outputs."""
+        rank = _layer_shape(lora_bs[0])[-1]
+        in_local = _layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
+        widths_local = tuple(_layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
+        tiles = self._fused_gemm_tiles(x, in_local, widths_local, rank, lora)
+        if tiles is None:
+            return None
+        weights = (kernel, *lora_bs)  # read by the GEMM kernel, at any size
+        if all(isinstance(w, LayerStack) for w in weights):
+            layer, stacks = kernel.layer, tuple(w.stack for w in weights)
+        else:  # unstacked callers: stacks of one layer
+            layer, stacks = jnp.zeros((), jnp.int32), tuple(as_layer_array(w)[None] for w in weights)
+        if isinstance(lora_a, LayerStack) and fits_stacked_offsets(lora_a.stack.shape):
+            a_layer, a_stack = lora_a.layer, lora_a.stack
+        else:  # the Triton shrink's int32 offsets cannot reach every layer of this stack: its layer's slice
+            a_layer, a_stack = jnp.zeros((), jnp.int32), as_layer_array(lora_a)[None]
+        is_split = self._is_split(input_sharded)
+
+        def local(x, w, lora_a, lora, layers, *lora_bs):
+            layer, a_layer = layers[0], layers[1]
+            s = self._local_shrink_partials(x, lora_a, lora, rank, a_layer).sum(0)
+            table = lora.entries
+            if is_split:
+                s = jax.lax.psum(s, TENSOR_AXIS)
+                is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
+                table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
+            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, tiles=tiles, reference=self.fused_gemm_reference)
+            return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
+
+        x_spec, a_spec = (_IN_SPLIT_X, _IN_SPLIT_A) if input_sharded else (_REPLICATED, _REPLICATED)
+        w_spec = _IN_SPLIT_W if input_sharded else _OUT_SPLIT_W if output_sharded else _REPLICATED
+        b_spec, y_spec = (_OUT_SPLIT_B, _OUT_SPLIT_Y) if output_sharded else (_REPLICATED, _REPLICATED)
+        specs = (x_spec, _stacked_spec(w_spec, True), _stacked_spec(a_spec, True), _REPLICATED, _REPLICATED)
+        specs += (_stacked_spec(b_spec, True),) * len(lora_bs)
+        layers = jnp.stack([layer, a_layer]).astype(jnp.int32)
+        return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, lora, layers, *stacks[1:])
+
+
+def _layer_shape(weight: jax.Array | LayerStack) -> tuple[int, ...]:
+    return weight.layer_shape if isinstance(weight, LayerStack) else weight.shape
