@@ -47,7 +47,9 @@ def run_attention(fb, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray,
     k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
     v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
     q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
-    got = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), fb, PAGE, DIM**-0.5)
+    # the caches of every layer go in whole; layer 1 is read, layer 0 holds other values
+    k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))
+    got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5)
     return q, k_cache, v_cache, np.asarray(got)
 
 

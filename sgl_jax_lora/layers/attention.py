@@ -31,21 +31,25 @@ def write_kv(
 
 def paged_attention(
     q: jax.Array,
-    k_cache_layer: jax.Array,
-    v_cache_layer: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
     batch: ForwardBatch,
     page_size: int,
     scale: float,
 ) -> jax.Array:
-    """q [T, H, D], caches [K, N, D] (already holding this step's tokens) -> [T, H, D].
+    """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D].
 
     Heads lead the cache layout, so gathering a sequence's slots yields [K, S, L, D] with the batch dims of the
-    score and value products already in front: no transpose of the gathered K/V.
+    score and value products already in front: no transpose of the gathered K/V. The caches come whole and
+    each gather picks the layer itself: extend steps gather inside a loop over rows, and a layer slice made
+    outside that loop would be a copy of the layer's cache (2 x 328 MB per layer for Llama-3-8B with 160k
+    cached tokens; docs/benchmarks.md "Session 19").
     """
     num_seqs, pages_per_seq = batch.page_table.shape
     num_rows, num_queries = batch.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache_layer.shape[0]
+    num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     key_len = pages_per_seq * page_size
 
@@ -60,7 +64,7 @@ def paged_attention(
         key_valid = key_pos[None, :] < batch.seq_lens[:, None]
         mask = (key_pos[None, :] <= query_pos) & key_valid & batch.query_valid  # [S, L]
         qs = queries[:, 0].transpose(1, 0, 2, 3)  # [K, S, G, D]
-        keys, values = k_cache_layer[:, key_slots], v_cache_layer[:, key_slots]  # [K, S, L, D]
+        keys, values = _gather_layer(k_cache, layer, key_slots), _gather_layer(v_cache, layer, key_slots)  # [K, S, L, D]
         scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * scale
         probs = _masked_softmax(scores, mask[None, :, None, :]).astype(values.dtype)
         out = jnp.einsum("ksgl,ksld->ksgd", probs, values, preferred_element_type=jnp.float32)
@@ -75,7 +79,7 @@ def paged_attention(
 
         def attend_row(args):
             qs, slots, m = args  # [Q, K, G, D], [L], [Q, L]
-            keys, values = k_cache_layer[:, slots], v_cache_layer[:, slots]  # [K, L, D]
+            keys, values = _gather_layer(k_cache, layer, slots), _gather_layer(v_cache, layer, slots)  # [K, L, D]
             qs = qs.transpose(1, 2, 0, 3)  # [K, G, Q, D]
             scores = jnp.einsum("kgqd,kld->kgql", qs, keys, preferred_element_type=jnp.float32) * scale
             probs = _masked_softmax(scores, m[None, None]).astype(values.dtype)
@@ -85,6 +89,11 @@ def paged_attention(
         out = jax.lax.map(attend_row, (queries, key_slots[batch.query_seq], mask))
     out = out.astype(q.dtype).reshape(num_rows * num_queries, num_heads, head_dim)
     return out[batch.token_row]
+
+
+def _gather_layer(cache: jax.Array, layer: jax.Array, slots: jax.Array) -> jax.Array:
+    """cache [L, K, N, D] -> [K, *slots.shape, D]: layer `layer`'s rows at `slots` (slice and gather fuse)."""
+    return jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)[:, slots]
 
 
 def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
