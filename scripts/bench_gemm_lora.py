@@ -1,21 +1,24 @@
-"""Prefill LoRA inside the base GEMM (pallas_kernels/sgmv/gemm_lora_gpu.py) against XLA's GEMM and the SGMV path.
+"""Prefill LoRA inside the base GEMM, as the engine runs it, against XLA's GEMM and the SGMV path.
 
-For each (shape, rank, T) it jits 16 unrolled layers with distinct weights (the protocol of
-bench_lora_kernels.py) and times, side by side in one process:
+For each row (module, rank, T, sequences) it builds one layer-stacked weight per buffer, as the model holds them
+(W [L, in, out], A [L, slots, P*R, in], one B [L, slots, out_p, R] per packed part), jits `layers` layers each
+reading its layer from the stacks (LayerStack views with the layer index constant, as in the engine's unrolled
+layer loop), and times, side by side in one process:
 
-- `xla`: the base GEMM alone, y = x @ W (what the engine runs without LoRA);
-- `sgmv`: y = x @ W, then the Pallas backend's SGMV shrink and expand adding into y (the engine's prefill today);
-- `mosaic_base`: the Mosaic GPU GEMM of gemm_lora_gpu with no LoRA entries (the kernel's own base speed);
-- `fused`: the SGMV shrink, then gemm_lora_gpu (entry layout of s in XLA, the GEMM with the expand inside),
-  the entry table built once for all layers, as a model would build it once per forward;
-- and the parts of `fused` alone: `shrink` and `entry_s`.
+- `xla`: the base GEMM alone, x @ W[layer] (what the engine runs without LoRA);
+- `sgmv`: x @ W[layer], then the Pallas backend's SGMV shrink and expand adding every part's delta into it (the
+  engine's prefill with `--lora-fused-gemm-min-tokens 0`);
+- `fused`: the Pallas backend's `apply_with_base`: the SGMV shrink, the per-layer entry layout of s, and
+  pallas_kernels/sgmv/gemm_lora_gpu.py (the GEMM with every part's expand inside), with the batch's entry table
+  built once for all layers, as the model builds it once per forward (the engine's prefill on Hopper GPUs);
+- `mosaic_base`: that GEMM kernel with no LoRA entries (its own base speed).
 
-Tokens are a prefill batch: `segments` sequences of T / segments tokens each, one adapter per sequence, held
+Tokens are a prefill batch: `sequences` sequences of T / sequences tokens each, one adapter per sequence, held
 together in token order as the engine lays out a prefill batch. Ratios are to `xla`. Needs a Hopper GPU.
 
-Correctness: `pytest -m gpu tests/test_gemm_lora.py` (the kernel against pallas_kernels/sgmv/reference.py).
+Correctness: `pytest tests/test_gemm_lora.py tests/test_lora_in_gemm.py` on the GPU.
 
-Usage: python scripts/bench_gemm_lora.py --json out.json
+Usage: python scripts/bench_gemm_lora.py --json out.json [--rows 0,1]
 """
 
 from __future__ import annotations
@@ -31,72 +34,90 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.sgmv.gemm_lora_gpu import (  # noqa: E402
-    build_entry_table, choose_gemm_lora_tiles, entries_needed, entry_s, gemm_lora_gpu,
-)
-from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_shrink_gpu_partials  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import build_entry_table, choose_gemm_lora_tiles, gemm_lora_gpu  # noqa: E402
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
-from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
-from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
+from sgl_jax_lora.lora.backend.pallas import PallasBackend  # noqa: E402
+from sgl_jax_lora.lora.layer_stack import LayerStack  # noqa: E402
+from sgl_jax_lora.lora.lora_batch import build_lora_batch, with_entry_table  # noqa: E402
 
-SHAPES = {"qo": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-ROWS = [("qo", 16, 4096), ("qo", 64, 4096), ("qo", 16, 8192), ("qo", 16, 2048), ("gate_up", 16, 4096), ("down", 16, 4096)]
+# Llama-3-8B modules: in, part widths
+MODULES = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+# module, rank, T, sequences: the issue's rows (T = 4096, 32 adapters), then the engine's other prefill buckets
+# (--max-prefill-seqs 8 by default)
+ROWS = [
+    ("o", 16, 4096, 32), ("o", 64, 4096, 32), ("qkv", 16, 4096, 32), ("gate_up", 16, 4096, 32), ("down", 16, 4096, 32),
+    ("o", 16, 2048, 8), ("qkv", 16, 2048, 8), ("gate_up", 16, 2048, 8), ("down", 16, 2048, 8),
+    ("o", 16, 1024, 8), ("qkv", 16, 1024, 8), ("o", 16, 512, 8), ("qkv", 16, 512, 8),
+]
 
 
-def run_row(shape: str, rank: int, num_tokens: int, segments: int, layers: int, min_seconds: float) -> dict:
-    in_dim, out_dim = SHAPES[shape]
-    num_slots = max(8, segments) + 1
-    token_slot = np.repeat(1 + np.arange(segments), num_tokens // segments).astype(np.int32)
+def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int, min_seconds: float) -> dict:
+    in_dim, widths = MODULES[module]
+    num_parts = len(widths)
+    num_slots = max(8, sequences) + 1
+    token_slot = np.repeat(1 + np.arange(sequences), num_tokens // sequences).astype(np.int32)
     ranks = np.full(num_slots, rank, np.int32)
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
-    lora = build_lora_batch(token_slot, 1 << (segments - 1).bit_length(), scale, ranks, gpu_block_rows(num_tokens))
+    lora = build_lora_batch(token_slot, 1 << (sequences - 1).bit_length(), scale, ranks, gpu_block_rows(num_tokens))
     lora = jax.tree_util.tree_map(jnp.asarray, lora)
-    keys = jax.random.split(jax.random.key(rank), 3)
-    ws = [jax.random.normal(jax.random.fold_in(keys[0], i), (in_dim, out_dim), jnp.bfloat16) * 0.02 for i in range(layers)]
-    as_ = [jax.random.normal(jax.random.fold_in(keys[1], i), (num_slots, rank, in_dim), jnp.bfloat16) * 0.02 for i in range(layers)]
-    bs = [jax.random.normal(jax.random.fold_in(keys[2], i), (num_slots, out_dim, rank), jnp.bfloat16) * 0.02 for i in range(layers)]
-    x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
-    pallas = make_lora_backend("pallas")
     tiles = choose_gemm_lora_tiles(rank)
-    max_entries = entries_needed(token_slot, scale, tiles.tile_m)
-    shrink_tiles = choose_tiles(num_tokens, lora.num_segments, in_dim, None)
-    work = (lora.work, lora.work_perm) if lora.work_block_rows == shrink_tiles.block_rows else (None, None)
+    lora_fused = with_entry_table(lora, tiles.tile_m, sequences)
+    keys = jax.random.split(jax.random.key(rank), 3 + num_parts)
 
-    def shrink(x, a, lora):
-        meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
-        return sgmv_shrink_gpu_partials(x, a, *meta, *work, tiles=shrink_tiles, rank_block=rank).sum(0)
+    def normal(key, shape):
+        return jax.jit(lambda: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16))()
 
-    def table_of(lora):
-        return build_entry_table(lora.token_slot, lora.slot_scale, tile_m=tiles.tile_m, max_entries=max_entries)
+    w = normal(keys[0], (layers, in_dim, sum(widths)))
+    lora_a = normal(keys[1], (layers, num_slots, num_parts * rank, in_dim))
+    lora_bs = tuple(normal(keys[3 + p], (layers, num_slots, width, rank)) for p, width in enumerate(widths))
+    x = normal(keys[2], (num_tokens, in_dim))
+    sgmv_backend = PallasBackend(fused_gemm_min_tokens=0)
+    fused_backend = PallasBackend(fused_gemm_min_tokens=1)
 
-    def fused(x, ws, as_, bs, lora):
-        table = table_of(lora)
-        return [gemm_lora_gpu(x, w, shrink(x, a, lora), table, b, tiles=tiles) for w, a, b in zip(ws, as_, bs)]
+    def views(layer, *stacks):
+        return [LayerStack(s, jnp.int32(layer)) for s in stacks]
 
-    def mosaic_base(x, ws, bs, lora):
+    def xla(x, w):
+        return [x @ w[i] for i in range(layers)]
+
+    def sgmv(x, w, lora_a, lora_bs, lora):
+        return [sgmv_backend.apply_packed(x, *views(i, lora_a), tuple(views(i, *lora_bs)), lora, x @ w[i], tp_size=1)
+                for i in range(layers)]
+
+    def fused(x, w, lora_a, lora_bs, lora):
+        outs = []
+        for i in range(layers):
+            w_view, a_view, *b_views = views(i, w, lora_a, *lora_bs)
+            y = fused_backend.apply_with_base(x, w_view, a_view, tuple(b_views), lora, tp_size=1)
+            assert y is not None, "the module does not fit the fused GEMM"
+            outs.append(y)
+        return outs
+
+    def mosaic_base(x, w, lora_bs, lora):
         table = build_entry_table(lora.token_slot, jnp.zeros_like(lora.slot_scale), tile_m=tiles.tile_m, max_entries=1)
-        s = jnp.zeros((num_tokens, rank), jnp.float32)
-        return [gemm_lora_gpu(x, w, s, table, b, tiles=tiles) for w, b in zip(ws, bs)]
+        s = jnp.zeros((num_tokens, num_parts * rank), jnp.float32)
+        return [gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(i), tiles=tiles) for i in range(layers)]
 
     programs = {
-        "xla": (lambda x, ws: [x @ w for w in ws], (x, ws)),
-        "sgmv": (lambda x, ws, as_, bs, lora: [pallas.apply(x, a, b, lora, base_out=x @ w) for w, a, b in zip(ws, as_, bs)],
-                 (x, ws, as_, bs, lora)),
-        "mosaic_base": (mosaic_base, (x, ws, bs, lora)),
-        "fused": (fused, (x, ws, as_, bs, lora)),
-        "shrink": (lambda x, as_, lora: [shrink(x, a, lora) for a in as_], (x, as_, lora)),
-        "entry_s": (lambda ss, lora: [entry_s(s, table_of(lora)) for s in ss],
-                    ([jnp.ones((num_tokens, rank), jnp.float32) * i for i in range(layers)], lora)),
+        "xla": (xla, (x, w)),
+        "sgmv": (sgmv, (x, w, lora_a, lora_bs, lora)),
+        "fused": (fused, (x, w, lora_a, lora_bs, lora_fused)),
+        "mosaic_base": (mosaic_base, (x, w, lora_bs, lora)),
     }
-    row = dict(shape=shape, in_dim=in_dim, out_dim=out_dim, rank=rank, tokens=num_tokens, segments=segments,
-               entries=max_entries, tiles=str(tiles), us={})
+    row = dict(module=module, in_dim=in_dim, widths=widths, rank=rank, tokens=num_tokens, sequences=sequences,
+               layers=layers, max_entries=lora_fused.entries.max_entries, tiles=str(tiles), us={})
     for name, (fn, args) in programs.items():
         row["us"][name] = time_fn(jax.jit(fn), args, min_seconds) / layers * 1e6
     row["ratio"] = {name: t / row["us"]["xla"] for name, t in row["us"].items()}
-    y_fused = jax.jit(fused)(x, ws[:1], as_[:1], bs[:1], lora)[0].astype(jnp.float32)
-    y_sgmv = jax.jit(programs["sgmv"][0])(x, ws[:1], as_[:1], bs[:1], lora)[0].astype(jnp.float32)
+    y_fused = jax.jit(fused)(x, w, lora_a, lora_bs, lora_fused)[-1].astype(jnp.float32)
+    y_sgmv = jax.jit(sgmv)(x, w, lora_a, lora_bs, lora)[-1].astype(jnp.float32)
     row["fused_vs_sgmv_rel_err"] = float(jnp.max(jnp.abs(y_fused - y_sgmv)) / jnp.max(jnp.abs(y_sgmv)))
     return row
 
@@ -105,19 +126,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time per program (bench_lora_kernels.time_fn)")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--segments", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", default="all", help="comma-separated indices into ROWS, or all")
     args = parser.parse_args()
     out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": []}
     picked = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
-    print("| shape | rank | T | xla us | sgmv | mosaic base | fused | shrink us | entry_s us |", flush=True)
-    for shape, rank, num_tokens in picked:
-        row = run_row(shape, rank, num_tokens, args.segments, args.layers, args.min_seconds)
+    print("| module | rank | T | seqs | xla us | sgmv | fused | mosaic base | fused vs sgmv err |", flush=True)
+    for module, rank, num_tokens, sequences in picked:
+        row = run_row(module, rank, num_tokens, sequences, args.layers, args.min_seconds)
         out["rows"].append(row)
         r, us = row["ratio"], row["us"]
-        print(f"| {shape} | {rank} | {num_tokens} | {us['xla']:.1f} | {r['sgmv']:.3f} | {r['mosaic_base']:.3f} | "
-              f"{r['fused']:.3f} | {us['shrink']:.1f} | {us['entry_s']:.1f} |", flush=True)
+        print(f"| {module} | {rank} | {num_tokens} | {sequences} | {us['xla']:.1f} | {r['sgmv']:.3f} | {r['fused']:.3f} | "
+              f"{r['mosaic_base']:.3f} | {row['fused_vs_sgmv_rel_err']:.4f} |", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -17,6 +17,9 @@ the two only with `--chain`: with unchained layers concurrency would overlap who
 `--residual` (with `--chain`) gives each layer the engine's row-parallel form (o, down): h = (h + delta) + h @ W,
 the LoRA delta added into the residual, so its kernels need not wait for the GEMM; the base chain is h + h @ W.
 
+Prefill rows here time the backends' `apply` on shuffled tokens; the engine's prefill on Hopper GPUs runs the
+LoRA inside the base GEMM on sequences held together, which scripts/bench_gemm_lora.py times.
+
 Usage: python scripts/bench_lora_kernels.py --grid full --json out.json
 Uses the kernels and backends directly; builds no model.
 """

@@ -138,13 +138,14 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
                               "--num-adapters", str(opts.lora_adapters), "--rank", "16", "--dtype", "float16"])
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
     is_decode = opts.mode == "decode"
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=2048,
-                      max_total_tokens=160_000, max_running_requests=max(opts.batch, 8), chunked_prefill_size=2048,
-                      max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
-                      decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[2048],
+    prefill_tokens = 2048 if is_decode else max(2048, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
+    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=prefill_tokens,
+                      max_total_tokens=160_000, max_running_requests=max(opts.batch, 8),
+                      chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
+                      decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[prefill_tokens],
                       decode_page_buckets=[64], skip_precompile=True, layers_per_scan_step=opts.layers_per_scan_step,
                       lora_paths=lora_paths, max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
-                      lora_backend=opts.lora_backend)
+                      lora_backend=opts.lora_backend, lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens)
     core = EngineCore(args, model_dir)
     return core, list(core.lora.refs) if core.lora else []
 
@@ -160,6 +161,9 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
+    parser.add_argument("--lora-fused-gemm-min-tokens", type=int, default=None,
+                        help="the engine flag: prefill buckets from this many tokens run the GEMM with the LoRA "
+                             "inside it (0: off; default: the engine's)")
     parser.add_argument("--layers-per-scan-step", type=int, default=0)
     parser.add_argument("--pallas-variant", default="default", choices=tuple(TILE_VARIANTS),
                         help="GPU kernel tile variant (scripts/tune_gpu_sgmv.py) for every Pallas LoRA call of the "
@@ -197,6 +201,7 @@ def main() -> None:
     breakdown = {
         "mode": opts.mode, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
         "lora_backend": opts.lora_backend if lora_ids else None, "pallas_variant": opts.pallas_variant,
+        "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),
