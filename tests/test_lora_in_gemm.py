@@ -10,6 +10,8 @@ Hopper GPU the same tests run the Mosaic GPU kernel itself.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,7 +150,7 @@ def test_float32_and_batches_without_entries_fall_back():
     x, w, lora_a, lora_bs, lora = module_inputs(3)
     backend = fused_backend()
     assert backend.apply_with_base(x.astype(jnp.float32), w, lora_a, lora_bs, lora, tp_size=1) is None
-    no_entries = lora.__class__(**{**lora.__dict__, "entries": None})
+    no_entries = dataclasses.replace(lora, entries=None)
     assert backend.apply_with_base(x, w, lora_a, lora_bs, no_entries, tp_size=1) is None
 
 

@@ -304,11 +304,11 @@ def gemm_lora_gpu_entries(
     *,
     tiles: GemmLoraTiles,
 ) -> jax.Array:
-    """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype)."""
+    """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype); the
+    shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    num_tokens, in_dim = x.shape
-    check_gemm_lora_shapes(num_tokens, in_dim, tuple(b.shape[1] for b in b_rows), s_entries.shape[-1], tiles)
+    num_tokens = x.shape[0]
     num_sms = jax.devices()[0].core_count
     return plgpu.kernel(
         functools.partial(_kernel, tiles=tiles),
@@ -351,6 +351,7 @@ def gemm_lora_gpu(
             f"s's {s.shape[-1]} columns (P * R)"
         )
     in_dim = w.shape[-2]
+    check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles)
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_bs[0].shape[-3]
     b_rows = tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs)
@@ -361,6 +362,5 @@ def gemm_lora_gpu(
     if reference:
         from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
 
-        check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles)
         return gemm_lora_entries_ref(*operands, tile_m=tiles.tile_m)
     return gemm_lora_gpu_entries(*operands, tiles=tiles)

@@ -33,6 +33,11 @@ class LayerStack:
 jax.tree_util.register_dataclass(LayerStack, data_fields=["stack", "layer"], meta_fields=[])
 
 
+def layer_shape(weight: jax.Array | LayerStack) -> tuple[int, ...]:
+    """The shape of one layer's buffer, for a LayerStack or an [A, ...] array alike."""
+    return weight.layer_shape if isinstance(weight, LayerStack) else weight.shape
+
+
 def as_layer_array(weight: jax.Array | LayerStack) -> jax.Array:
     """The [A, ...] buffer of one layer, slicing a LayerStack."""
     return weight.sliced() if isinstance(weight, LayerStack) else weight

@@ -20,7 +20,7 @@ from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import PallasBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
-from sgl_jax_lora.lora.layer_stack import LayerStack
+from sgl_jax_lora.lora.layer_stack import LayerStack, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 # (max tokens, max segments, min output width, backend): the first row that fits wins. From the H100 runs
@@ -53,7 +53,7 @@ def choose_backend_name(platform: str, num_tokens: int, num_segments: int, out_f
 
 
 def _width(weight: jax.Array | LayerStack) -> int:
-    return (weight.layer_shape if isinstance(weight, LayerStack) else weight.shape)[-2]
+    return layer_shape(weight)[-2]
 
 
 class AutoBackend(LoRABackend):
@@ -71,7 +71,7 @@ class AutoBackend(LoRABackend):
 
     def chosen(self, num_tokens: int, num_segments: int, out_features: int = 0) -> LoRABackend:
         """Prefill buckets where the Pallas backend runs the GEMM with the LoRA inside it take it at any
-        segment count (measured below SGMV's cost everywhere: docs/lora_backends.md); the table otherwise."""
+        segment count (below the SGMV path in every measured bucket: docs/lora_backends.md); the table otherwise."""
         if self.backends["pallas"].fused_gemm_tile_rows(num_tokens, num_segments):
             return self.backends["pallas"]
         return self.backends[choose_backend_name(self.platform, num_tokens, num_segments, out_features)]

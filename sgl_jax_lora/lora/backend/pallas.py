@@ -43,7 +43,7 @@ from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_exp
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import gpu_block_rows
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend
-from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array
+from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 KERNELS = ("tpu", "gpu")
@@ -311,9 +311,9 @@ class PallasBackend(LoRABackend):
         """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
         into the GEMM's accumulator. Row-parallel layers (`input_sharded` over several devices) add the delta on
         the first shard only, before the all-reduce of the partial outputs."""
-        rank = _layer_shape(lora_bs[0])[-1]
-        in_local = _layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
-        widths_local = tuple(_layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
+        rank = layer_shape(lora_bs[0])[-1]
+        in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
+        widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
         tiles = self._fused_gemm_tiles(x, in_local, widths_local, rank, lora)
         if tiles is None:
             return None
@@ -346,7 +346,3 @@ class PallasBackend(LoRABackend):
         specs += (_stacked_spec(b_spec, True),) * len(lora_bs)
         layers = jnp.stack([layer, a_layer]).astype(jnp.int32)
         return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, lora, layers, *stacks[1:])
-
-
-def _layer_shape(weight: jax.Array | LayerStack) -> tuple[int, ...]:
-    return weight.layer_shape if isinstance(weight, LayerStack) else weight.shape
