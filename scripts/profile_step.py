@@ -138,8 +138,9 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
                               "--num-adapters", str(opts.lora_adapters), "--rank", "16", "--dtype", "float16"])
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
     is_decode = opts.mode == "decode"
-    prefill_tokens = 2048 if is_decode else max(2048, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=prefill_tokens,
+    # extend: one bucket, the batch's tokens rounded up to a power of two (at least 128), as the engine pads them
+    prefill_tokens = 2048 if is_decode else max(128, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
+    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=max(2048, prefill_tokens),
                       max_total_tokens=160_000, max_running_requests=max(opts.batch, 8),
                       chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
                       decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[prefill_tokens],

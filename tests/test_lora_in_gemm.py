@@ -101,7 +101,13 @@ def as_array(w):
     return w.sliced() if isinstance(w, LayerStack) else w
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+NEEDS_TWO_DEVICES = pytest.mark.skipif(
+    jax.device_count() < 2 or jax.device_count() % 2,
+    reason="needs an even number of devices >= 2 (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+)
+
+
+@NEEDS_TWO_DEVICES
 @pytest.mark.parametrize("layer", ["column", "row"])
 def test_apply_with_base_under_tensor_parallelism(layer):
     """tp 2: a column-parallel module splits W, B and y on `out` (each shard's parts side by side); a row-parallel
@@ -111,7 +117,7 @@ def test_apply_with_base_under_tensor_parallelism(layer):
     widths = (256,) if is_row else (1024, 512, 512)  # per shard, every part a multiple of 256 columns
     x, w, lora_a, lora_bs, lora = module_inputs(1, in_dim=256, widths=widths)
     expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
-    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
     def put(value, spec):
         return jax.device_put(value, NamedSharding(mesh, spec))
@@ -195,9 +201,9 @@ def kernel_sized_model(tmp_path_factory):
 PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in range(3)]  # a0, a1, base
 
 
-def serve_prefill(model_dir, adapters, fused_min_tokens: int) -> list[np.ndarray]:
+def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
-    args = ServerArgs(model_path=str(model_dir), dtype="bfloat16", context_length=512, max_running_requests=4,
+    args = ServerArgs(model_path=str(model_dir), dtype="bfloat16", tp_size=tp_size, context_length=512, max_running_requests=4,
                       chunked_prefill_size=256, max_prefill_seqs=4, prefill_token_buckets=[128, 256],
                       decode_page_buckets=[32], lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
                       max_loras_per_batch=2, lora_backend="pallas", lora_fused_gemm_min_tokens=fused_min_tokens,
@@ -251,3 +257,16 @@ def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, m
         assert np.abs(ours_sgmv - expected).max() < 0.2
         if adapter is not None:
             assert np.abs(peft_logprobs(base, None, ids) - expected).max() > 1.0
+
+
+@NEEDS_TWO_DEVICES
+def test_engine_prefill_with_lora_in_the_gemm_under_tensor_parallelism(kernel_sized_model, monkeypatch):
+    """The same step at tp 2: o, gate|up and down take the fused GEMM under shard_map (down and o add their delta
+    on the first shard, then all-reduce); q|k|v, 128 columns per part per shard, falls back to the SGMV path.
+    Within bf16 rounding of HF transformers + PEFT in float32."""
+    base, adapters = kernel_sized_model
+    calls = count_calls(monkeypatch)
+    fused = serve_prefill(base, adapters, fused_min_tokens=256, tp_size=2)
+    assert len(calls) == 3
+    for ids, adapter, ours in zip(PROMPTS, adapters + [None], fused):
+        assert np.abs(ours - peft_logprobs(base, adapter, ids)).max() < 0.2
