@@ -14,8 +14,16 @@ bandwidth of the whole LoRA-wrapped layer (W + adapters present + x + y bytes ov
 dependencies; `--concurrent` compiles both functions with XLA's concurrent GPU kernel scheduling, as the
 engine's forward is compiled on GPU, which then overlaps a LoRA shrink with its layer's base GEMM. Compare
 the two only with `--chain`: with unchained layers concurrency would overlap whole layers, base GEMMs included.
-`--residual` (with `--chain`) gives each layer the engine's row-parallel form (o, down): h = (h + delta) + h @ W,
-the LoRA delta added into the residual, so its kernels need not wait for the GEMM; the base chain is h + h @ W.
+`--residual` (with `--chain`) gives each layer the engine's row-parallel form (o, down): out = (res + delta(inp)) +
+inp @ W, the LoRA delta added in place into the residual, so its kernels need not wait for the GEMM; the base
+chain is res + inp @ W. Input and residual are two streams that alternate (layer i's residual is layer i-1's
+input), so they are different arrays as in the model; `--residual same` makes them one array (sessions 10-20),
+where the in-place add makes XLA copy x before each layer.
+
+Timing: the median of back-to-back calls (host launch time included where the device does not hide it);
+`--device-span` adds the ratio of device spans from a profiler trace (the program's cost on the device alone),
+and `--compiles N` compiles every program N times separately and takes the median, since separate compiles of
+one program differ by up to about 0.4 in decode ratios (docs/benchmarks.md, session 20).
 
 Prefill rows here time the backends' `apply` on shuffled tokens; the engine's prefill on Hopper GPUs runs the
 LoRA inside the base GEMM on sequences held together, which scripts/bench_gemm_lora.py times.
@@ -29,7 +37,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,8 +136,86 @@ def limits(in_dim, out_dim, rank, num_tokens, num_present):
     return memory, compute, w_bytes + lora_bytes + act_bytes
 
 
+def layer_chain(chain: bool, residual: str):
+    """The layers of a row's program: returns run_layers(layer, x, r, ws, as_, bs), which applies
+    `layer(inp, res, w, a, b)` (-> the layer's output; res None: no residual; a, b None in the base program)
+    once per weight in the row's form:
+
+    - unchained (the protocol): every layer reads x; the outputs are returned side by side;
+    - chain: each layer's output is the next layer's input;
+    - residual "split" (the model's o and down): two streams alternate, layer i adds its output into the
+      stream that was layer i-1's input, so input and residual are different arrays, as attention's output
+      and the residual stream are in the model, and the next layer's input holds the LoRA delta;
+    - residual "same": x is both input and residual (sessions 10-20): an in-place add then makes XLA copy x
+      first, which the model does not do.
+    """
+
+    def run_layers(layer, x, r, ws, as_, bs):
+        as_ = as_ if as_ is not None else [None] * len(ws)
+        bs = bs if bs is not None else [None] * len(ws)
+        if not chain:
+            return [layer(x, None, w, a, b) for w, a, b in zip(ws, as_, bs)]
+        inp, res = x, r
+        for w, a, b in zip(ws, as_, bs):
+            if residual == "split":
+                inp, res = layer(inp, res, w, a, b), inp
+            else:
+                inp = layer(inp, inp if residual == "same" else None, w, a, b)
+        return inp
+
+    return run_layers
+
+
+def base_layer(inp, res, w, a, b):
+    return inp @ w if res is None else res + inp @ w
+
+
+def lora_layer(backend, lora):
+    def layer(inp, res, w, a, b):
+        if res is None:
+            return backend.apply(inp, a, b, lora, base_out=inp @ w)
+        return backend.apply(inp, a, b, lora, base_out=res) + inp @ w  # the delta into the residual
+
+    return layer
+
+
+def device_span_s(fn, args, calls: int = 3) -> float:
+    """Median device span of one call (first kernel start to last kernel end, from a jax.profiler trace): the
+    program's cost on the device, without the host's time to launch it. Programs compiled with --concurrent
+    with LoRA traced at 1.27-1.50x their timed calls (session 21), so spans are compared only without it."""
+    from scripts.profile_step import device_ops, span_us, split_forwards  # the same trace reading as the engine's
+
+    jax.block_until_ready(fn(*args))
+    trace_dir = tempfile.mkdtemp(prefix="bench_lora_trace_")
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+        time.sleep(0.01)  # > the split gap below: each call is one group of device ops
+    jax.profiler.stop_trace()
+    calls_ops = split_forwards(device_ops(trace_dir), gap_us=5000.0)
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    if not calls_ops:
+        raise RuntimeError("the profiler trace holds no device ops (--device-span needs a GPU)")
+    return float(np.median([span_us(ops) for ops in calls_ops])) * 1e-6
+
+
+def measure(make_fn, args, opts) -> dict:
+    """Seconds per call of `opts.compiles` separate compiles of make_fn(): median of the timed calls, their
+    spread, and (with --device-span) the median device span."""
+    timed, spans = [], []
+    for _ in range(opts.compiles):
+        fn = make_fn()  # a new function object: traced and compiled anew
+        timed.append(time_fn(fn, args, opts.min_seconds))
+        if opts.device_span:
+            spans.append(device_span_s(fn, args))
+    out = dict(timed=float(np.median(timed)), timed_all=timed)
+    if spans:
+        out.update(span=float(np.median(spans)), span_all=spans)
+    return out
+
+
 def run(args) -> list[dict]:
-    results, base_cache = [], {}
+    results = []
     deadline = time.perf_counter() + args.time_budget
     backends = {name: make_lora_backend(name) for name in args.backends.split(",")}
     for shape, rank, num_tokens, num_adapters in grid(args.grid)[: args.max_rows]:
@@ -139,7 +227,8 @@ def run(args) -> list[dict]:
         row = dict(shape=shape, in_dim=in_dim, out_dim=out_dim, rank=rank, tokens=num_tokens,
                    slots=num_slots - 1, distinct=num_present, segments=lora.num_segments,
                    limit=compute_limit if is_prefill else memory_limit,
-                   limit_kind="compute" if is_prefill else "memory", ratio={}, gbps={}, skipped={})
+                   limit_kind="compute" if is_prefill else "memory", ratio={}, gbps={}, skipped={},
+                   span_ratio={}, times={})
         if time.perf_counter() > deadline:
             row["skipped"] = {name: "time budget" for name in backends}
             results.append(row)
@@ -147,25 +236,20 @@ def run(args) -> list[dict]:
             continue
         ws, as_, bs = make_weights(jax.random.key(rank), args.layers, in_dim, out_dim, num_slots, rank)
         x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.bfloat16)
+        r = jax.random.normal(jax.random.key(2), (num_tokens, out_dim), jnp.bfloat16)  # the residual stream
 
         chain = args.chain and in_dim == out_dim
-        residual = chain and args.residual
+        residual = args.residual if chain else "none"
         jit = functools.partial(jax.jit, compiler_options=CONCURRENT_GPU_KERNELS if args.concurrent else None)
-
-        @jit
-        def base_fn(x, ws):
-            if chain:
-                for w in ws:
-                    x = x + x @ w if residual else x @ w
-                return x
-            return [x @ w for w in ws]
-
+        run_layers = layer_chain(chain, residual)
         row["chained"], row["residual"] = chain, residual
-        base_key = (shape, num_tokens)
-        if base_key not in base_cache:
-            base_cache[base_key] = time_fn(base_fn, (x, ws), args.min_seconds)
-        t_base = base_cache[base_key]
-        row["t_base_us"] = t_base / args.layers * 1e6
+
+        def make_base():
+            return jit(lambda x, r, ws: run_layers(base_layer, x, r, ws, None, None))
+
+        base = measure(make_base, (x, r, ws), args)
+        row["times"]["base"] = base
+        row["t_base_us"] = base["timed"] / args.layers * 1e6
         for name, backend in backends.items():
             gather = num_tokens * rank * (in_dim + out_dim) * BYTES
             if name == "bgmv" and gather > MAX_GATHER_BYTES:
@@ -175,23 +259,22 @@ def run(args) -> list[dict]:
                 row["skipped"][name] = "time budget"
                 continue
 
-            def lora_fn(x, ws, as_, bs, lora, backend=backend):
-                if chain:
-                    for w, a, b in zip(ws, as_, bs):
-                        if residual:
-                            x = backend.apply(x, a, b, lora, base_out=x) + x @ w
-                        else:
-                            x = backend.apply(x, a, b, lora, base_out=x @ w)
-                    return x
-                return [backend.apply(x, a, b, lora, base_out=x @ w) for w, a, b in zip(ws, as_, bs)]
+            def make_lora_fn(backend=backend):
+                def fn(x, r, ws, as_, bs, lora):
+                    return run_layers(lora_layer(backend, lora), x, r, ws, as_, bs)
+
+                return jit(fn)
 
             try:
-                t_lora = time_fn(jit(lora_fn), (x, ws, as_, bs, lora), args.min_seconds)
+                timing = measure(make_lora_fn, (x, r, ws, as_, bs, lora), args)
             except Exception as err:  # noqa: BLE001 - a failed backend is reported, the sweep goes on
                 row["skipped"][name] = f"error: {type(err).__name__}: {str(err)[:120]}"
                 continue
-            row["ratio"][name] = t_lora / t_base
-            row["gbps"][name] = bytes_moved / (t_lora / args.layers) / 1e9
+            row["times"][name] = timing
+            row["ratio"][name] = timing["timed"] / base["timed"]
+            row["gbps"][name] = bytes_moved / (timing["timed"] / args.layers) / 1e9
+            if "span" in timing:
+                row["span_ratio"][name] = timing["span"] / base["span"]
         del ws, as_, bs
         results.append(row)
         print_row(row, backends)
@@ -199,7 +282,7 @@ def run(args) -> list[dict]:
 
 
 def print_header(backends) -> None:
-    cols = " | ".join(f"{b} ratio (GB/s)" for b in backends)
+    cols = " | ".join(f"{b} ratio [device span ratio] (GB/s)" for b in backends)
     print(f"| shape | rank | T | slots / distinct / G | base us/layer | limit | {cols} |", flush=True)
     print("|" + "---|" * (6 + len(backends)), flush=True)
 
@@ -208,7 +291,8 @@ def print_row(row: dict, backends) -> None:
     cells = []
     for name in backends:
         if name in row["ratio"]:
-            cells.append(f"{row['ratio'][name]:.2f} ({row['gbps'][name]:.0f})")
+            span = f" [{row['span_ratio'][name]:.2f}]" if name in row.get("span_ratio", {}) else ""
+            cells.append(f"{row['ratio'][name]:.2f}{span} ({row['gbps'][name]:.0f})")
         else:
             cells.append(f"not run: {row['skipped'].get(name, '?')}")
     limit = f"{row['limit']:.2f}" + (" (compute)" if row["limit_kind"] == "compute" else "")
@@ -229,11 +313,26 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=None)
     parser.add_argument("--chain", action="store_true",
                         help="square shapes (q/o): each layer's output is the next layer's input, as in a model")
-    parser.add_argument("--residual", action="store_true",
-                        help="with --chain: h = (h + LoRA delta) + h @ W, the engine's form for o and down")
+    parser.add_argument("--residual", nargs="?", const="split", default="none", choices=("none", "split", "same"),
+                        help="with --chain: each layer adds its output (and its LoRA delta, in place) into a residual "
+                             "stream, the engine's form for o and down; 'split' (the default of the flag): input and "
+                             "residual are different arrays, as in the model; 'same': x is both (sessions 10-20)")
+    parser.add_argument("--compiles", type=int, default=1,
+                        help="compile each program this many times, separately, and report the median time: separate "
+                             "compiles of one program differ (GEMM configurations, placement) by up to ~0.4 in "
+                             "decode ratios")
+    parser.add_argument("--device-span", action="store_true",
+                        help="also trace 3 calls per compile (jax.profiler) and report the ratio of device spans, "
+                             "which leaves out the host's time to launch the program (GPU; not with --concurrent, "
+                             "whose traced spans exceed the timed calls)")
     parser.add_argument("--concurrent", action="store_true",
                         help="compile with XLA's concurrent GPU kernel scheduling, as the engine does on GPU")
     args = parser.parse_args()
+    if args.device_span and jax.default_backend() != "gpu":
+        parser.error(f"--device-span reads GPU kernels from a profiler trace; this platform is {jax.default_backend()}")
+    if args.device_span and args.concurrent:
+        parser.error("--device-span with --concurrent: traced spans of concurrently scheduled kernels exceed the timed "
+                     "calls (session 21); time those programs without --device-span")
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
           f"chain {args.chain}, residual {args.residual}, concurrent {args.concurrent}", flush=True)
     backends = args.backends.split(",")
@@ -242,7 +341,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
                                              layers=args.layers, chain=args.chain, residual=args.residual,
-                                             concurrent=args.concurrent,
+                                             concurrent=args.concurrent, compiles=args.compiles,
+                                             device_span=args.device_span,
                                              rows=results), indent=1))
     print("\nsummary (same rows):", flush=True)
     print_header(backends)

@@ -13,6 +13,7 @@ the last forward's timeline. Extend mode repeats the same prefill forward (it re
 is timed without the step's scheduling; decode mode also times whole engine steps, with the overlap schedule and
 without it (each step finished before the next is scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
+`--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
     is_decode = opts.mode == "decode"
     # extend: one bucket, the batch's tokens rounded up to a power of two (at least 128), as the engine pads them
     prefill_tokens = 2048 if is_decode else max(128, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=max(2048, prefill_tokens),
+    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", tp_size=opts.tp_size,
+                      context_length=max(2048, prefill_tokens),
                       max_total_tokens=160_000, max_running_requests=max(opts.batch, 8),
                       chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
                       decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[prefill_tokens],
@@ -159,6 +161,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10,
                         help="calls per timing, which reports their median (after one warm-up call)")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor parallelism over this many devices")
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
@@ -200,7 +203,7 @@ def main() -> None:
     _, last = runner.forward(device_batch)
     sampling = batch.to_sampling_batch(forward_batch.num_seqs)
     breakdown = {
-        "mode": opts.mode, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
+        "mode": opts.mode, "tp_size": opts.tp_size, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
         "lora_backend": opts.lora_backend if lora_ids else None, "pallas_variant": opts.pallas_variant,
         "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
         "distinct_adapters": len({s for s in batch.token_slots if s}),

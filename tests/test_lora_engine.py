@@ -56,13 +56,18 @@ def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[l
     return generated[len(ids) :], logprobs
 
 
+# float32 prompt logprobs against HF + PEFT on CPU: 1e-4. XLA runs float32 GEMMs in TF32 on NVIDIA GPUs by default
+# (10-bit mantissa), which moved them by up to 1.8e-3 in the tp-2 test on two H200s (session 21).
+LOGPROB_ATOL = 1e-4 if jax.default_backend() == "cpu" else 5e-3
+
+
 def assert_matches_peft(base, adapters: dict, names: list, ids: list, outs: list, max_new_tokens: int) -> None:
     """Each output (generated with return_logprob, logprob_start_len=0) has HF + PEFT's tokens and prompt logprobs."""
     for name, p, out in zip(names, ids, outs):
         ref_tokens, ref_logprobs = reference(base, adapters.get(name), p, max_new_tokens)
         assert out["output_ids"] == ref_tokens, name
         ours = np.array([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
-        assert np.abs(ours - ref_logprobs).max() < 1e-4, name
+        assert np.abs(ours - ref_logprobs).max() < LOGPROB_ATOL, name
 
 
 def prompt(seed: int, length: int = 14) -> list[int]:

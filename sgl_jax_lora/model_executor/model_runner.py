@@ -41,6 +41,18 @@ from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
+KV_ALLOCATION_ATTEMPTS = 8  # a cache sized from memory shrinks this many times at most before startup fails
+KV_SHRINK_FACTOR = 0.9
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(bytes the allocator may use, bytes in use) on the first device; None where the platform does not say
+    (CPU)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if stats.get("bytes_limit") else None
 
 
 class ModelRunner:
@@ -55,8 +67,7 @@ class ModelRunner:
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
-        self.num_pages = self._num_kv_pages()
-        self.kv = allocate_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
+        self.num_pages, self.kv = self._allocate_kv()
         forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
         self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
@@ -151,19 +162,52 @@ class ModelRunner:
         args, cfg = self.args, self.cfg
         if args.max_total_tokens:
             tokens = args.max_total_tokens
-        elif jax.devices()[0].platform == "cpu":
-            tokens = CPU_DEFAULT_KV_TOKENS
         else:
-            stats = jax.devices()[0].memory_stats() or {}
-            limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
-            per_device_token = kv_bytes_per_token(cfg, args.tp_size, self.dtype) / args.tp_size
-            tokens = int((limit * args.mem_fraction_static - used) / per_device_token) if limit else CPU_DEFAULT_KV_TOKENS
-            if tokens < args.page_size * 2:
-                raise MemoryError(
-                    f"no device memory left for the KV cache (limit {limit} B, in use {used} B); "
-                    "raise --mem-fraction-static, lower --tp-size's per-device load, or set --max-total-tokens"
-                )
+            memory = device_memory()
+            if memory is None:
+                tokens = CPU_DEFAULT_KV_TOKENS
+            else:
+                limit, used = memory
+                per_device_token = kv_bytes_per_token(cfg, args.tp_size, self.dtype) / args.tp_size
+                tokens = int((limit * args.mem_fraction_static - used) / per_device_token)
+                if tokens < args.page_size * 2:
+                    raise MemoryError(
+                        f"no device memory left for the KV cache (limit {limit} B, in use {used} B); "
+                        "raise --mem-fraction-static, lower --tp-size's per-device load, or set --max-total-tokens"
+                    )
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
+
+    def _allocate_kv(self):
+        """(pages, KV cache) on the devices, allocated and checked now (an allocation fails on the device
+        asynchronously, and would otherwise surface at the first forward).
+
+        A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false the
+        GPU allocator grows in regions rounded up to powers of two, so K and V (each ~40% of the limit) need not
+        both fit under the limit (seen on an H200: 2 x 47.8 GB under a 112.6 GB limit). Such a cache is shrunk by
+        KV_SHRINK_FACTOR until it fits; a size the user set (--max-total-tokens) is not changed: it fails with the
+        fix named."""
+        args = self.args
+        num_pages = self._num_kv_pages()
+        for attempt in range(KV_ALLOCATION_ATTEMPTS):
+            try:
+                return num_pages, jax.block_until_ready(
+                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh))
+            except jax.errors.JaxRuntimeError as err:  # the part of the cache that was placed is freed with it
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                tokens = (num_pages - 1) * args.page_size
+                gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.dtype) / 1e9
+                if args.max_total_tokens or attempt == KV_ALLOCATION_ATTEMPTS - 1:
+                    raise MemoryError(
+                        f"the KV cache of {tokens} tokens ({gigabytes:.1f} GB over {args.tp_size} device(s)) does not "
+                        f"fit in device memory ({str(err).splitlines()[0][:200]}); lower --max-total-tokens or "
+                        "--mem-fraction-static"
+                    ) from None
+                smaller = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
+                logger.warning("KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d "
+                               "tokens", tokens, gigabytes, (smaller - 1) * args.page_size)
+                num_pages = smaller
+        raise AssertionError("unreachable")
 
     def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
         """Compile the forward program of each batch's shape, several at once; later forwards reuse them.
