@@ -1,7 +1,7 @@
 """The KV cache's size at startup (ModelRunner._allocate_kv): sized from device memory unless --max-total-tokens
 says, allocated and checked before the engine serves, and shrunk when the device cannot place a cache sized from
 memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
-112.6 GB limit: the allocator's regions are rounded up to powers of two).
+112.6 GB limit).
 
 CPU devices report no memory, so these tests give the runner a device memory (`device_memory`) and an
 allocator that refuses caches above a size, raising the error XLA raises on the GPU.

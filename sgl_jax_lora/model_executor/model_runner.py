@@ -181,9 +181,9 @@ class ModelRunner:
         """(pages, KV cache) on the devices, allocated and checked now (an allocation fails on the device
         asynchronously, and would otherwise surface at the first forward).
 
-        A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false the
-        GPU allocator grows in regions rounded up to powers of two, so K and V (each ~40% of the limit) need not
-        both fit under the limit (seen on an H200: 2 x 47.8 GB under a 112.6 GB limit). Such a cache is shrunk by
+        A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and
+        V of 47.8 GB each did not both fit under an H200's 112.6 GB limit (the GPU allocator seems to grow in regions
+        rounded up to powers of two; docs/benchmarks.md, session 21). Such a cache is shrunk by
         KV_SHRINK_FACTOR until it fits; a size the user set (--max-total-tokens) is not changed: it fails with the
         fix named."""
         args = self.args
