@@ -183,7 +183,9 @@ def device_span_s(fn, args, calls: int = 3) -> float:
     """Median device span of one call (first kernel start to last kernel end, from a jax.profiler trace): the
     program's cost on the device, without the host's time to launch it. Programs compiled with --concurrent
     with LoRA traced at 1.27-1.50x their timed calls (session 21), so spans are compared only without it."""
-    from scripts.profile_step import device_ops, span_us, split_forwards  # the same trace reading as the engine's
+    # the trace reading of profile_step.py, imported here: it pulls in the engine, which the scripts that import
+    # this module for time_fn (bench_gemm_lora.py, tune_gpu_sgmv.py) do not need
+    from scripts.profile_step import device_ops, span_us, split_forwards
 
     jax.block_until_ready(fn(*args))
     trace_dir = tempfile.mkdtemp(prefix="bench_lora_trace_")

@@ -188,7 +188,8 @@ class ModelRunner:
         fix named."""
         args = self.args
         num_pages = self._num_kv_pages()
-        for attempt in range(KV_ALLOCATION_ATTEMPTS):
+        shrinks_left = 0 if args.max_total_tokens else KV_ALLOCATION_ATTEMPTS - 1
+        while True:
             try:
                 return num_pages, jax.block_until_ready(
                     allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh))
@@ -197,17 +198,16 @@ class ModelRunner:
                     raise
                 tokens = (num_pages - 1) * args.page_size
                 gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.dtype) / 1e9
-                if args.max_total_tokens or attempt == KV_ALLOCATION_ATTEMPTS - 1:
+                if not shrinks_left:
                     raise MemoryError(
                         f"the KV cache of {tokens} tokens ({gigabytes:.1f} GB over {args.tp_size} device(s)) does not "
                         f"fit in device memory ({str(err).splitlines()[0][:200]}); lower --max-total-tokens or "
                         "--mem-fraction-static"
                     ) from None
-                smaller = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
-                logger.warning("KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d "
-                               "tokens", tokens, gigabytes, (smaller - 1) * args.page_size)
-                num_pages = smaller
-        raise AssertionError("unreachable")
+            shrinks_left -= 1
+            num_pages = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
+            logger.warning("KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d "
+                           "tokens", tokens, gigabytes, (num_pages - 1) * args.page_size)
 
     def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
         """Compile the forward program of each batch's shape, several at once; later forwards reuse them.
