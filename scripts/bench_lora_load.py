@@ -31,8 +31,8 @@ def main() -> None:
     model_dir = make_model_dir(LLAMA3_8B)
     dirs = make_adapters(["--model", model_dir, "--out-dir", os.path.join(model_dir, "adapters"), "--num-adapters", "3", "--rank", "16"])
     args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=512, max_total_tokens=8192,
-                      max_running_requests=1, chunked_prefill_size=64, max_prefill_seqs=1, decode_batch_buckets=[1],
-                      prefill_token_buckets=[64], decode_page_buckets=[32], max_loras_per_batch=1, max_lora_rank=16,
+                      max_running_requests=1, chunked_prefill_size=64, max_prefill_seqs=1, token_buckets=[8, 64],
+                      max_loras_per_batch=1, max_lora_rank=16,
                       lora_paths=[f"a{i}={d}" for i, d in enumerate(dirs[:2])])
     core = EngineCore(args, model_dir)  # warmup compiles the slot write once
     manager = core.lora

@@ -101,8 +101,7 @@ def main() -> None:
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
     args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=2048,
                       max_total_tokens=160_000, max_running_requests=max(opts.batch_sizes), chunked_prefill_size=2048,
-                      max_prefill_seqs=4, prefill_token_buckets=[2048],
-                      decode_page_buckets=[64], skip_precompile=True, lora_paths=lora_paths,
+                      max_prefill_seqs=4, token_buckets=sorted({*opts.batch_sizes, 2048}), skip_precompile=True, lora_paths=lora_paths,
                       max_loras_per_batch=max(1, opts.lora_adapters), lora_backend=opts.lora_backend,
                       layers_per_scan_step=opts.layers_per_scan_step)
     t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """Startup warmup time, serial against threaded compile, each in a fresh process: the A/B behind
-`--warmup-compile-threads` (docs/benchmarks.md, session 17).
+`--warmup-compile-threads`.
 
 Each run builds an EngineCore (model, KV cache, every compiled bucket) in a new Python process, so no run finds
 another's programs or autotuning results, and prints how long the warmup took and how many programs it lowered.
 EngineCore is built directly, so the persistent compilation cache (switched on only in the engine process) is off.
 
     python scripts/bench_startup.py --num-layers 8 --threads 1,8,8,1 --out startup.json -- \\
-        --decode-batch-buckets 64 256 --decode-page-buckets 32 ...
+        --token-buckets 64 256 2048 ...
 
 The model is Llama-3-8B's config with --num-layers layers and dummy weights (--model-path after `--` overrides
 it); the engine flags after `--` are the launcher's.

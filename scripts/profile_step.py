@@ -141,16 +141,36 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
     is_decode = opts.mode == "decode"
     # extend: one bucket, the batch's tokens rounded up to a power of two (at least 128), as the engine pads them
     prefill_tokens = 2048 if is_decode else max(128, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
+    step_tokens = max(opts.batch, 8) if is_decode else prefill_tokens
     args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", tp_size=opts.tp_size,
-                      context_length=max(2048, prefill_tokens),
-                      max_total_tokens=160_000, max_running_requests=max(opts.batch, 8),
-                      chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 4,
-                      decode_batch_buckets=[max(opts.batch, 8)], prefill_token_buckets=[prefill_tokens],
-                      decode_page_buckets=[64], skip_precompile=True, layers_per_scan_step=opts.layers_per_scan_step,
+                      context_length=max(2048, prefill_tokens, opts.prompt_len + 256),
+                      max_total_tokens=max(160_000, opts.batch * (opts.prompt_len + 256)),
+                      max_running_requests=max(opts.batch, 8),
+                      chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 8,
+                      token_buckets=[step_tokens], attention_backend=opts.attention_backend,
+                      skip_precompile=True, layers_per_scan_step=opts.layers_per_scan_step,
                       lora_paths=lora_paths, max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
                       lora_backend=opts.lora_backend, lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens)
     core = EngineCore(args, model_dir)
     return core, list(core.lora.refs) if core.lora else []
+
+
+def roofline(runner, batch, opts) -> dict:
+    """The step's HBM floor: every weight read once (the embedding table but the step's rows is not read) plus the K/V
+    of every token the step attends to, at --hbm-tb-s; and its FLOPs (2 per weight per token for the linears,
+    4 * head_dim per query-key pair and head for attention)."""
+    cfg = runner.cfg
+    embed = cfg.vocab_size * cfg.hidden_size * runner.dtype.itemsize
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.state)) - embed
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize
+    kv_lens = [r.num_computed + n for r, n in zip(batch.reqs, batch.num_new_tokens)]
+    pairs = sum(sum(range(k - n + 1, k + 1)) for k, n in zip(kv_lens, batch.num_new_tokens))
+    tokens = sum(batch.num_new_tokens)
+    linear_flops = 2 * tokens * weight_bytes / runner.dtype.itemsize
+    attention_flops = 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return {"weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes_per_token * sum(kv_lens),
+            "hbm_roofline_ms": (weight_bytes + kv_bytes_per_token * sum(kv_lens)) / (opts.hbm_tb_s * 1e9),
+            "linear_flops": linear_flops, "attention_flops": attention_flops}
 
 
 def main() -> None:
@@ -165,6 +185,9 @@ def main() -> None:
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
+    parser.add_argument("--hbm-tb-s", type=float, default=3.35,
+                        help="HBM bandwidth for the decode roofline, TB/s (3.35 on H100 SXM, 4.8 on H200)")
     parser.add_argument("--lora-fused-gemm-min-tokens", type=int, default=None,
                         help="the engine flag: prefill buckets from this many tokens run the GEMM with the LoRA "
                              "inside it (0: off; default: the engine's)")
@@ -191,7 +214,7 @@ def main() -> None:
         for _ in range(3):
             core.step()
     batch = core.scheduler.schedule()
-    assert batch is not None and batch.is_decode == (opts.mode == "decode"), "could not build the profiled step"
+    assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), "could not build the profiled step"
     forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)
     device_batch = jax.device_put(forward_batch)
     runner = core.runner
@@ -205,7 +228,8 @@ def main() -> None:
     breakdown = {
         "mode": opts.mode, "tp_size": opts.tp_size, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
         "lora_backend": opts.lora_backend if lora_ids else None, "pallas_variant": opts.pallas_variant,
-        "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
+        "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens, "attention_backend": runner.attention_backend,
+        **roofline(runner, batch, opts),
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),

@@ -13,6 +13,7 @@ import json
 
 DTYPES = ("bfloat16", "float32")
 LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
+ATTENTION_FLAGS = ("auto", "native", "pallas")
 
 
 def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own name
@@ -35,13 +36,11 @@ class ServerArgs:
     page_size: int = _f(16, "tokens per KV-cache page")
     max_total_tokens: int | None = _f(None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU")
     mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache (GPU/TPU)")
-    max_running_requests: int = _f(64, "max sequences decoded in one step")
-    chunked_prefill_size: int = _f(2048, "max prompt tokens prefilled in one step (longer prompts are chunked)")
-    max_prefill_seqs: int = _f(8, "max sequences in one prefill step")
-    decode_batch_buckets: list[int] | None = _f(None, "compiled decode batch sizes; default: powers of two up to --max-running-requests", nargs="+", type=int)
-    prefill_token_buckets: list[int] | None = _f(None, "compiled prefill token counts; default: powers of two from 32 to --chunked-prefill-size", nargs="+", type=int)
-    prefill_seq_buckets: list[int] | None = _f(None, "compiled prefill sequence counts; default: powers of two up to --max-prefill-seqs", nargs="+", type=int)
-    decode_page_buckets: list[int] | None = _f(None, "compiled pages-per-sequence sizes for decode; default: powers of two up to the context", nargs="+", type=int)
+    max_running_requests: int = _f(64, "max sequences in one step (each running request decodes one token per step)")
+    chunked_prefill_size: int = _f(2048, "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all (longer prompts are chunked; at least 32 prefill tokens per step); lower it to keep time per output token steady under a burst of prompts")
+    max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")
+    token_buckets: list[int] | None = _f(None, "compiled step sizes in tokens (decode rows + prefill chunks); default: powers of two from 8 to the largest step", nargs="+", type=int)
+    attention_backend: str = _f("auto", "attention over the paged KV cache: 'pallas' (the Mosaic kernel on TPU, the Pallas GPU kernels on GPU, interpret mode on CPU), 'native' (pure JAX), 'auto' (pallas on TPU and GPU, native on CPU)", choices=ATTENTION_FLAGS)
     disable_prefix_cache: bool = _f(False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)")
     disable_overlap_schedule: bool = _f(False, "finish each step before scheduling the next, instead of scheduling step N+1 on the host while the device runs step N")
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
@@ -83,6 +82,8 @@ class ServerArgs:
             raise ValueError(f"--dtype '{self.dtype}' is not supported; choose one of {DTYPES}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"--lora-backend '{self.lora_backend}' is not supported; choose one of {LORA_BACKENDS}")
+        if self.attention_backend not in ATTENTION_FLAGS:
+            raise ValueError(f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
         positive = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_seqs", "max_loras_per_batch")

@@ -22,8 +22,7 @@ import httpx
 # Small buckets keep CPU compilation short; every request of the tests fits them.
 SMALL_ENGINE_FLAGS = [
     "--dtype", "float32", "--context-length", "256", "--max-running-requests", "32",
-    "--decode-batch-buckets", "32", "--decode-page-buckets", "16",
-    "--chunked-prefill-size", "64", "--prefill-token-buckets", "64", "--max-prefill-seqs", "4",
+    "--chunked-prefill-size", "64", "--token-buckets", "32", "64", "--max-prefill-seqs", "4",
 ]
 
 

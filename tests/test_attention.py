@@ -1,8 +1,9 @@
-"""Paged attention against a direct per-token reference, on the batches the scheduler really builds.
+"""Paged attention against a direct per-token reference, on the ragged batches the scheduler really builds.
 
-The extend step lays its queries out in rows of tokens of one sequence (buckets.extend_query_layout);
-these cases put sequences across row boundaries, after a cached prefix, and beside one-token chunks, so a token
-that lands in the wrong row or reads another sequence's keys changes the output.
+Each backend that runs on CPU (native; the pure-JAX reference of pallas_kernels/attention) is checked. The native
+path lays the queries out in rows of tokens of one sequence (layers/attention.py, native_query_layout); these cases
+put sequences across row boundaries, after a cached prefix, beside one-token chunks and decode rows, so a token that
+lands in the wrong row or reads another sequence's keys changes the output.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax_lora.layers.attention import paged_attention
+from pallas_kernels.attention.reference import ragged_paged_attention_ref
+from sgl_jax_lora.layers.attention import QUERY_TILE, native_query_layout, paged_attention
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
-from sgl_jax_lora.model_executor.buckets import EXTEND_QUERY_TILE, Buckets
+from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
@@ -42,14 +44,18 @@ def make_reqs(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[Re
     return reqs
 
 
-def run_attention(fb, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Random q and caches for this batch -> (q, k_cache, v_cache, paged_attention's output)."""
+def run_attention(fb, rng: np.random.Generator, backend: str = "native") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Random q and caches for this batch -> (q, k_cache, v_cache, the backend's output)."""
     k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
     v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
     q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
     # the caches of every layer go in whole; layer 1 is read, layer 0 holds other values
     k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))
-    got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5)
+    if backend == "reference":
+        got = ragged_paged_attention_ref(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb.seq_lens, fb.page_table,
+                                         fb.cu_q_lens, page_size=PAGE, scale=DIM**-0.5)
+    else:
+        got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, backend)
     return q, k_cache, v_cache, np.asarray(got)
 
 
@@ -69,37 +75,44 @@ def reference(q, k_cache, v_cache, reqs, new_tokens) -> np.ndarray:
     return out[:row]
 
 
-@pytest.mark.parametrize(
-    "spans",
-    [
-        [(0, 5), (3, 130), (0, EXTEND_QUERY_TILE), (200, 1)],  # crosses a row boundary, fills one row exactly
-        [(0, 300)],  # one sequence: a single row
-        [(0, 300), (10, 100)],  # two sequences: rows of 256, the first over two
-        [(17, 1), (0, 1), (5, 2)],  # tokens fewer than a tile
-    ],
-)
-def test_extend_rows_match_reference(spans):
-    rng = np.random.default_rng(0)
+def schedule_batch(spans: list[tuple[int, int]], rng: np.random.Generator, num_decode_rows: int = 0):
+    """A ScheduleBatch of one request per (cached prefix, new tokens); the first num_decode_rows requests are decode
+    rows (their last token is a sampled one)."""
     reqs = make_reqs(spans, rng)
-    new_tokens = [n for _, n in spans]
-    buckets = Buckets.build(8, 512, 4, 1024, PAGE)
-    batch = ScheduleBatch(is_decode=False, reqs=reqs, num_new_tokens=new_tokens, token_slots=[0] * len(reqs))
+    for req in reqs[:num_decode_rows]:
+        req.output_ids = [req.input_ids.pop()]
+    return ScheduleBatch(reqs=reqs, num_new_tokens=[n for _, n in spans], token_slots=[0] * len(reqs),
+                         num_decode_rows=num_decode_rows)
+
+
+SPANS = [
+    ([(0, 5), (3, 130), (0, QUERY_TILE), (200, 1)], 0),  # crosses a row boundary, fills one row exactly
+    ([(0, 300)], 0),  # one sequence: a single row
+    ([(0, 300), (10, 100)], 0),  # two sequences: rows of 256, the first over two
+    ([(17, 1), (0, 1), (5, 2)], 0),  # tokens fewer than a tile
+    ([(9, 1), (1, 1), (130, 1)], 3),  # decode rows only
+    ([(9, 1), (63, 1), (130, 1), (0, 37), (4, 200)], 3),  # decode rows and prefill chunks in one step
+]
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("spans,num_decode_rows", SPANS)
+def test_ragged_step_matches_reference(spans, num_decode_rows, backend):
+    rng = np.random.default_rng(len(spans))
+    batch = schedule_batch([(p - (i < num_decode_rows), n) for i, (p, n) in enumerate(spans)], rng, num_decode_rows)
+    buckets = Buckets.build(8, 512, 1024, PAGE)
     fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
-    q, k_cache, v_cache, got = run_attention(fb, rng)
+    q, k_cache, v_cache, got = run_attention(fb, rng, backend)
 
-    real = sum(new_tokens)
-    np.testing.assert_allclose(got[:real], reference(q, k_cache, v_cache, reqs, new_tokens), rtol=1e-5, atol=1e-5)
-    assert fb.query_index.shape[1] == min(fb.num_tokens, max(EXTEND_QUERY_TILE, fb.num_tokens // fb.num_seqs))
+    real = batch.num_tokens
+    np.testing.assert_allclose(got[:real], reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[real:], 0)  # padding tokens
 
 
-def test_decode_matches_reference():
-    rng = np.random.default_rng(1)
-    reqs = make_reqs([(9, 1), (1, 1), (130, 1)], rng)
-    for req in reqs:  # decode: the last input token is this step's token
-        req.num_computed = req.seq_len - 1
-    buckets = Buckets.build(8, 512, 4, 1024, PAGE)
-    batch = ScheduleBatch(is_decode=True, reqs=reqs, num_new_tokens=[1] * 3, token_slots=[0] * 3)
-    fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
-    q, k_cache, v_cache, got = run_attention(fb, rng)
-
-    np.testing.assert_allclose(got[:3], reference(q, k_cache, v_cache, reqs, [1] * 3), rtol=1e-5, atol=1e-5)
+def test_native_layout_rows_hold_any_split():
+    """R rows of Q hold every split of T tokens over S sequences: the worst case is S - 1 one-token sequences and one
+    long one, each starting a row."""
+    for num_seqs, num_tokens in [(8, 8), (8, 64), (64, 128), (8, 2048), (64, 2048), (1, 300)]:
+        rows, tile = native_query_layout(num_seqs, num_tokens)
+        worst = (num_seqs - 1) + -(-(num_tokens - num_seqs + 1) // tile)
+        assert rows >= worst and rows * tile >= num_tokens

@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_serial_and_threaded_warmups_lower_the_same_programs(tmp_path):
     out = tmp_path / "startup.json"
     engine_flags = ["--model-path", demo_model_path(), "--dtype", "float32", "--context-length", "256",
-                    "--max-running-requests", "8", "--decode-page-buckets", "4", "16", "--chunked-prefill-size", "32",
-                    "--prefill-token-buckets", "16", "32"]
+                    "--max-running-requests", "8", "--chunked-prefill-size", "32",
+                    "--token-buckets", "16", "32"]
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_startup.py"), "--threads", "1,2",
                     "--out", str(out), "--", *engine_flags], check=True, cwd=ROOT, timeout=600)
     runs = json.loads(out.read_text())["runs"]

@@ -24,8 +24,7 @@ ENGINE_ARGS = dict(
     max_running_requests=8,
     chunked_prefill_size=32,
     max_prefill_seqs=4,
-    prefill_token_buckets=[16, 32],
-    decode_page_buckets=[4, 16],
+    token_buckets=[16],
 )
 
 
@@ -261,7 +260,7 @@ def test_parallel_warmup_compiles_each_program_once(model_dir):
         core = EngineCore(args, str(model_dir))
         before = core.compile_counter.count
         core.runner.warmup(core.buckets, lambda num_tokens: [None], progress=tqdm)
-        return core.compile_counter.count - before, len(core.buckets.extend_shapes()) + len(core.buckets.decode_shapes())
+        return core.compile_counter.count - before, len(core.buckets.shapes())
 
     threaded, num_forwards = lowerings_in_warmup(2)
     serial, _ = lowerings_in_warmup(1)

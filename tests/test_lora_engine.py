@@ -24,8 +24,7 @@ SMALL = dict(
     max_running_requests=8,
     chunked_prefill_size=32,
     max_prefill_seqs=4,
-    prefill_token_buckets=[16, 32],
-    decode_page_buckets=[8],
+    token_buckets=[16],
 )
 # Four adapters of different ranks, alphas and target forms.
 ADAPTER_FORMS = {

@@ -204,8 +204,8 @@ PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in r
 def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
     args = ServerArgs(model_path=str(model_dir), dtype="bfloat16", tp_size=tp_size, context_length=512, max_running_requests=4,
-                      chunked_prefill_size=256, max_prefill_seqs=4, prefill_token_buckets=[128, 256],
-                      decode_page_buckets=[32], lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
+                      chunked_prefill_size=256, max_prefill_seqs=4, token_buckets=[128, 256],
+                      lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
                       max_loras_per_batch=2, lora_backend="pallas", lora_fused_gemm_min_tokens=fused_min_tokens,
                       skip_precompile=True, max_total_tokens=4096)
     core = EngineCore(args, str(model_dir))

@@ -15,7 +15,6 @@ from flax import nnx
 from model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.buckets import extend_query_layout
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
@@ -26,21 +25,15 @@ PAGE = 4
 def extend_batch(ids: np.ndarray, num_pages: int) -> ForwardBatch:
     """One sequence, all tokens new, pages 1..num_pages."""
     n = len(ids)
-    num_rows, tile = extend_query_layout(1, n)
-    flat = np.arange(num_rows * tile, dtype=np.int32)
     return ForwardBatch(
         input_ids=ids.astype(np.int32),
         positions=np.arange(n, dtype=np.int32),
         cache_loc=np.arange(PAGE, PAGE + n, dtype=np.int32),
         seq_lens=np.array([n], np.int32),
         page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
-        query_seq=np.zeros(num_rows, np.int32),
-        query_index=np.minimum(flat, n - 1).reshape(num_rows, tile),
-        query_valid=(flat < n).reshape(num_rows, tile),
-        token_row=np.arange(n, dtype=np.int32),
+        cu_q_lens=np.array([0, n], np.int32),
         last_token_index=np.array([n - 1], np.int32),
         lora=None,
-        is_decode=False,
     )
 
 

@@ -23,8 +23,7 @@ CORE_ARGS = dict(
     max_running_requests=4,
     chunked_prefill_size=32,
     max_prefill_seqs=4,
-    prefill_token_buckets=[16, 32],
-    decode_page_buckets=[8, 32],
+    token_buckets=[16],
     skip_precompile=True,
 )
 
@@ -129,7 +128,7 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     for req in requests:
         core.add_request(req)
     run = Run(core)
-    while not (core.in_flight is not None and core.in_flight.batch.is_decode):
+    while not (core.in_flight is not None and core.in_flight.batch.kind == "decode"):
         run.step()
     aborted = next(r for r in core.scheduler.running if r.rid == "aborted")
     assert aborted.has_pending_token
@@ -147,7 +146,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir
     for req in (request("a", 50, 12, max_new_tokens=8, temperature=0.0), request("b", 51, 9, max_new_tokens=8, temperature=0.0)):
         core.add_request(req)
     run = Run(core)
-    while not (core.in_flight is not None and core.in_flight.batch.is_decode):
+    while not (core.in_flight is not None and core.in_flight.batch.kind == "decode"):
         run.step()
 
     def device_fault(launched):

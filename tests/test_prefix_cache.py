@@ -58,7 +58,7 @@ def test_a_prefix_cached_twice_keeps_one_copy():
 
 def make_scheduler(num_pages: int) -> Scheduler:
     allocator = PageAllocator(num_pages, 4)
-    buckets = Buckets.build(8, 32, 4, 256, 4)
+    buckets = Buckets.build(8, 32, 256, 4)
     return Scheduler(buckets, allocator, 8, 32, 4, prefix_cache=PrefixCache(allocator))
 
 
@@ -69,7 +69,7 @@ def make_req(rid: str, tokens: list[int], adapter: str | None = None, **req_args
 
 def prefill(sched: Scheduler) -> None:
     batch = sched.schedule()
-    assert not batch.is_decode
+    assert batch.kind == "extend"
     for r, n in zip(batch.reqs, batch.num_new_tokens):
         r.num_computed += n
 
@@ -94,8 +94,9 @@ def test_scheduler_starts_a_request_after_its_cached_prefix():
     for r in (other_adapter, wants_logprobs, exact_pages):
         sched.add(r)
     batch = sched.schedule()
-    assert [r.cached_tokens for r in batch.reqs] == [0, 0, 4]
-    assert batch.num_new_tokens == [11, 11, 4]
+    assert batch.reqs[: batch.num_decode_rows] == [again]  # it decodes in the same step
+    assert [r.cached_tokens for r in batch.reqs[batch.num_decode_rows :]] == [0, 0, 4]
+    assert batch.num_new_tokens[batch.num_decode_rows :] == [11, 11, 4]
 
 
 def test_cached_pages_make_room_when_pages_run_short():

@@ -16,7 +16,7 @@ import pytest
 from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ class DeviceSlots:
 
 
 def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -> Scheduler:
-    buckets = Buckets.build(8, 32, max_prefill_seqs, 256, 4)
+    buckets = Buckets.build(8, 32, 256, 4)
     return Scheduler(buckets, PageAllocator(num_pages, 4), 8, 32, max_prefill_seqs, adapter_slots=slots)
 
 
@@ -91,10 +91,16 @@ def req(rid: str, length: int = 5, adapter: str | None = None, t: float = 0.0, m
 
 
 def finish_prefill(batch) -> None:
+    """The step's tokens are computed: decode rows and chunks that end their prefill sample a token."""
     for r, n in zip(batch.reqs, batch.num_new_tokens):
         r.num_computed += n
         if r.num_computed == r.seq_len:
             r.output_ids.append(7)
+
+
+def chunks(batch) -> list[Req]:
+    """The requests of a step's prefill chunks (decode rows come first)."""
+    return batch.reqs[batch.num_decode_rows :]
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
@@ -104,11 +110,42 @@ def test_long_prompt_is_chunked_under_the_token_budget():
     sizes = []
     while long.is_prefilling:
         batch = sched.schedule()
-        assert not batch.is_decode
+        assert batch.kind == "extend"
         sizes.append(sum(batch.num_new_tokens))
         finish_prefill(batch)
     assert sizes == [32, 32, 6]
-    assert sched.schedule().is_decode
+    assert sched.schedule().kind == "decode"
+
+
+def test_an_admission_joins_the_running_decodes_in_one_step():
+    # a prompt that arrives while others decode is prefilled in the same step as their decode rows, under the
+    # step's token budget (64) less those rows
+    sched = Scheduler(Buckets.build(8, 64, 256, 4), PageAllocator(64, 4), 8, 64, 4)
+    running = [req(f"r{i}", length=3, t=i, max_new_tokens=8) for i in range(3)]
+    for r in running:
+        sched.add(r)
+    finish_prefill(sched.schedule())
+    late = req("late", length=100, t=9)
+    sched.add(late)
+    batch = sched.schedule()
+    assert batch.kind == "mixed" and batch.reqs[:3] == running and chunks(batch) == [late]
+    assert batch.num_new_tokens == [1, 1, 1, 61]  # 64 tokens: 3 decode rows, then the chunk
+    finish_prefill(batch)
+    assert [len(r.output_ids) for r in running] == [2, 2, 2]
+
+
+def test_decode_rows_leave_the_floor_of_prefill_tokens():
+    # with the step's budget taken by decode rows, a chunk still gets MIN_PREFILL_TOKENS
+    sched = make_scheduler()  # budget 32, 8 running
+    running = [req(f"r{i}", length=3, t=i, max_new_tokens=8) for i in range(7)]
+    for r in running:
+        sched.add(r)
+    while any(r.is_prefilling or not r.output_ids for r in running):
+        finish_prefill(sched.schedule())
+    sched.add(req("late", length=100, t=9))
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1] * 7 + [MIN_PREFILL_TOKENS]
+    assert batch.num_tokens <= sched.buckets.tokens[-1]
 
 
 def test_adapter_that_cannot_join_does_not_block_the_queue():
@@ -142,18 +179,15 @@ def test_adapter_wanted_by_a_waiting_request_is_not_evicted():
 
 
 def run_to_completion(sched: Scheduler, output_len: int) -> int:
-    """Drives the scheduler as the engine loop does, every request decoding `output_len` tokens; -> decode steps."""
+    """Drives the scheduler as the engine loop does, every request decoding `output_len` tokens; -> steps with decode
+    rows."""
     decode_steps = 0
     while sched.waiting or sched.running:
         batch = sched.schedule()
         assert batch is not None, "nothing runnable while requests remain"
-        if not batch.is_decode:
-            finish_prefill(batch)
-            continue
-        decode_steps += 1
+        decode_steps += batch.num_decode_rows > 0
+        finish_prefill(batch)
         for r in batch.reqs:
-            r.output_ids.append(7)
-            r.num_computed += 1
             if len(r.output_ids) == output_len:
                 sched.finish(r)
     return decode_steps
@@ -163,7 +197,7 @@ def run_backlog(adapters, slots, max_running: int, output_len: int, chunk: int =
                 num_pages: int = 4096) -> tuple[int, int]:
     """A backlog of 3-token prompts, one per entry of `adapters`, all at once with equal outputs, run to the end
     -> (decode steps, the fewest the running limit allows)."""
-    sched = Scheduler(Buckets.build(max_running, chunk, max_prefill_seqs, 256, 4), PageAllocator(num_pages, 4),
+    sched = Scheduler(Buckets.build(max_running, chunk, 256, 4), PageAllocator(num_pages, 4),
                       max_running, chunk, max_prefill_seqs, adapter_slots=slots)
     for i, adapter in enumerate(adapters):
         sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
@@ -244,13 +278,13 @@ def test_a_starved_request_drains_one_slot_while_others_keep_joining():
         sched.add(r)
 
     batch = sched.schedule()
-    assert batch.reqs == [more_a]
+    assert chunks(batch) == [more_a]
     assert sched.draining == {"b"} and list(sched.waiting) == [starved, more_b]
     finish_prefill(batch)
 
     sched.finish(running_b)  # b's last running request ends: its slot is free for the starved request
     batch = sched.schedule()
-    assert batch.reqs == [starved]
+    assert chunks(batch) == [starved]
     assert not sched.draining and "b" not in slots.resident
 
 
@@ -278,19 +312,19 @@ def test_a_pinned_adapter_is_never_drained():
     sched.add(starved)
     sched.add(req("more-pinned", adapter="pinned", t=2))
     batch = sched.schedule()
-    assert [r.rid for r in batch.reqs] == ["more-pinned"] and not sched.draining
+    assert [r.rid for r in chunks(batch)] == ["more-pinned"] and not sched.draining
 
 
 def test_more_adapters_than_slots_keep_the_batch_full():
     # 12 adapters over 8 slots, 64 running requests, equal outputs. When every slot is held by running requests,
-    # a starved request drains one adapter and the others keep joining: 155 decode steps. Blocking all admission
-    # for the starved request, the rule before, took 186 (the batch emptied while it waited).
+    # a starved request drains one adapter and the others keep joining, so the batch stays full: the fewest steps
+    # the running limit allows (124 here; blocking all admission for the starved request would empty the batch).
     rng = np.random.default_rng(0)
     adapters = rng.integers(0, 12, 256)
     num_slots, max_running, output_len = 8, 64, 32
-    decode_steps, fewest = run_backlog(adapters, DeviceSlots(num_slots), max_running, output_len, chunk=64,
-                                       max_prefill_seqs=8, num_pages=8192)
-    assert decode_steps <= 1.3 * fewest, (decode_steps, fewest)
+    decode_steps, fewest = run_backlog(adapters, DeviceSlots(num_slots), max_running, output_len, chunk=256,
+                                       max_prefill_seqs=64, num_pages=8192)
+    assert decode_steps <= 1.05 * fewest, (decode_steps, fewest)
 
 
 def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
@@ -316,18 +350,20 @@ def test_decode_out_of_pages_preempts_the_newest_request():
     sched.add(new)
     finish_prefill(sched.schedule())  # both prefilled: 2 pages each, every page used
     batch = sched.schedule()  # "old" needs a third page for its 9th token
-    assert batch.is_decode and batch.reqs == [old]
+    assert batch.kind == "decode" and batch.reqs == [old]
     assert list(sched.waiting) == [new] and new.num_computed == 0 and new.pages == []
     assert sched.num_preemptions == 1
 
 
-def test_bucket_flags_add_the_limit_and_refuse_nonpositive_sizes():
-    buckets = Buckets.build(64, 2048, 8, 1024, 16, decode_batch_buckets=[64], prefill_token_buckets=[2048],
-                            decode_page_buckets=[32], prefill_seq_buckets=[2])
-    assert buckets.decode_seqs == (64,)
-    assert buckets.prefill_tokens == (1024,)  # 2048 is capped at the context length, not dropped
-    assert buckets.prefill_seqs == (2, 8)  # the largest (--max-prefill-seqs) is always compiled
-    assert buckets.decode_pages == (32, 64)
-    assert Buckets.build(64, 2048, 8, 1024, 16).prefill_seqs == (1, 2, 4, 8)
-    with pytest.raises(ValueError, match="--prefill-seq-buckets must be positive"):
-        Buckets.build(64, 2048, 8, 1024, 16, prefill_seq_buckets=[0, 8])
+def test_token_buckets_cover_every_step_and_refuse_nonpositive_sizes():
+    buckets = Buckets.build(64, 2048, 1024, 16, token_buckets=[64, 4096])
+    assert buckets.tokens == (64, 1024)  # 4096 is capped at the largest step (chunk capped at the context), not dropped
+    assert buckets.max_pages_per_seq == 64
+    assert [s for s, _ in buckets.shapes()] == [64, 64]
+    default = Buckets.build(64, 2048, 1024, 16)
+    assert default.tokens == (8, 16, 32, 64, 128, 256, 512, 1024)
+    assert default.sample_sizes() == (8, 16, 32, 64)  # a step's sequences: at most its tokens and the running limit
+    # every running request's decode row plus MIN_PREFILL_TOKENS fit the largest step
+    assert Buckets.build(256, 128, 1024, 16).tokens[-1] == 256 + 32
+    with pytest.raises(ValueError, match="--token-buckets must be positive"):
+        Buckets.build(64, 2048, 1024, 16, token_buckets=[0, 8])

@@ -1,13 +1,17 @@
-"""Paged attention in pure JAX (CPU, GPU and TPU alike).
+"""Attention over the paged KV cache for a ragged step: decode rows and prefill chunks in one call.
 
-Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatch.cache_loc, then calls
-`paged_attention`, which gathers each sequence's pages (page_table), lays the new query tokens out in rows
-[R, Q] (query_index; each row holds tokens of one sequence, query_seq) and applies a causal mask by absolute
-position. Decode steps (R = S, Q = 1) run batched; extend steps loop over rows (buckets.extend_query_layout),
-so the score matrix is [heads, Q, keys] for one row at a time and its size follows the step's tokens, not S x T.
+Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatch.cache_loc (`write_kv`), then calls
+`paged_attention`, which runs the step's attention backend on the whole caches and the layer index:
+    native      pure JAX (the CPU path): each sequence's pages are gathered and the queries attend in rows
+                (`_native_attention`); its row layout is derived inside jit from cu_q_lens
+    pallas_tpu  the Mosaic kernel (pallas_kernels/attention/tpu.py), K/V pages read in place
+    pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py)
+    pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
+`resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these.
 
-The KV cache per layer is [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0
-is a scratch page that padding tokens write into and no sequence reads.
+What every backend computes is pallas_kernels/attention/reference.py. The KV cache per layer is
+[kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0 is a scratch page that padding tokens
+write into and no sequence reads.
 """
 
 from __future__ import annotations
@@ -17,13 +21,26 @@ import jax.numpy as jnp
 
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 
+ATTENTION_BACKENDS = ("native", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+QUERY_TILE = 128  # fewest query tokens per native row when a step has many more tokens than sequences
+NATIVE_GATHER_BYTES = 1 << 28  # the native path's gathered keys per lax.map iteration (bounds its host memory)
 _MASKED = -1e30
+
+
+def resolve_attention_backend(flag: str, platform: str) -> str:
+    """--attention-backend {auto, native, pallas} on `platform` (cpu, gpu, tpu) -> one of ATTENTION_BACKENDS."""
+    if flag == "native" or (flag == "auto" and platform == "cpu"):
+        return "native"
+    if flag not in ("auto", "pallas"):
+        raise ValueError(f"--attention-backend '{flag}' is not supported; choose auto, native or pallas")
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "pallas_interpret")
 
 
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, cache_loc: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, K, N, D]."""
+    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, K, N, D] (in place: the caches are
+    donated to the step)."""
     k_cache = k_cache.at[layer, :, cache_loc].set(k.astype(k_cache.dtype))  # indexed dims first: value is [T, K, D]
     v_cache = v_cache.at[layer, :, cache_loc].set(v.astype(v_cache.dtype))
     return k_cache, v_cache
@@ -37,63 +54,91 @@ def paged_attention(
     batch: ForwardBatch,
     page_size: int,
     scale: float,
+    backend: str = "native",
 ) -> jax.Array:
-    """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D].
+    """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]."""
+    args = (q, k_cache, v_cache, layer, batch.seq_lens, batch.page_table, batch.cu_q_lens)
+    if backend == "native":
+        return _native_attention(*args, page_size=page_size, scale=scale)
+    if backend in ("pallas_tpu", "pallas_interpret"):
+        from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
-    Heads lead the cache layout, so gathering a sequence's slots yields [K, S, L, D] with the batch dims of the
-    score and value products already in front: no transpose of the gathered K/V. The caches come whole and
-    each gather picks the layer itself: extend steps gather inside a loop over rows, and a layer slice made
-    outside that loop would be a copy of the layer's cache (2 x 328 MB per layer for Llama-3-8B with 160k
-    cached tokens; docs/benchmarks.md "Session 19").
-    """
-    num_seqs, pages_per_seq = batch.page_table.shape
-    num_rows, num_queries = batch.query_index.shape
-    num_heads, head_dim = q.shape[1], q.shape[2]
+        return ragged_paged_attention_tpu(*args, page_size=page_size, scale=scale, interpret=backend == "pallas_interpret")
+    if backend == "pallas_gpu":
+        from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
+
+        return ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale)
+    raise ValueError(f"unknown attention backend '{backend}'; one of {ATTENTION_BACKENDS}")
+
+
+def native_query_layout(num_seqs: int, num_tokens: int) -> tuple[int, int]:
+    """-> (rows R, tile Q) of the native path's query layout for a step of at most S sequences and T tokens. Each
+    sequence's n tokens fill ceil(n / Q) rows, so R rows hold any split of T tokens over S sequences; a row gathers
+    its sequence's keys once and scores Q queries against them. Steps with about as many sequences as tokens
+    (decode-heavy) use Q = 1; others Q >= QUERY_TILE and >= T / S (one sequence keeps a single row of T)."""
+    if num_tokens <= 4 * num_seqs:
+        return num_tokens, 1
+    tile = min(num_tokens, max(QUERY_TILE, num_tokens // num_seqs))
+    return (num_tokens + num_seqs * (tile - 1)) // tile, tile
+
+
+def _row_layout(cu_q_lens: jax.Array, num_rows: int, tile: int, num_tokens: int):
+    """Rows of the native layout from the cumulative query lengths (inside jit):
+    -> (row_seq [R], row_index [R, Q] flat token of each row slot, row_valid [R, Q], token_slot [T] r * Q + q)."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    rows_per_seq = (q_lens + tile - 1) // tile
+    first_row = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(rows_per_seq).astype(jnp.int32)])  # [S+1]
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    row_seq = jnp.clip(jnp.searchsorted(first_row, row, side="right") - 1, 0, num_seqs - 1)
+    row_start = cu_q_lens[row_seq] + (row - first_row[row_seq]) * tile
+    row_index = row_start[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]
+    row_valid = (row < first_row[-1])[:, None] & (row_index < cu_q_lens[row_seq + 1][:, None])
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs - 1)
+    offset = token - cu_q_lens[seq]
+    token_slot = (first_row[seq] + offset // tile) * tile + offset % tile
+    return row_seq, jnp.minimum(row_index, num_tokens - 1), row_valid, jnp.minimum(token_slot, num_rows * tile - 1)
+
+
+def _native_attention(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size: int, scale: float):
+    """Pure-JAX ragged paged attention: rows of Q query tokens of one sequence, each row's keys gathered from its
+    pages, a causal mask by absolute position; rows run C at a time (lax.map) so gathers stay under
+    NATIVE_GATHER_BYTES."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, pages_per_seq = page_table.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     key_len = pages_per_seq * page_size
+    num_rows, tile = native_query_layout(num_seqs, num_tokens)
+    row_seq, row_index, row_valid, token_slot = _row_layout(cu_q_lens, num_rows, tile, num_tokens)
 
-    key_slots = (batch.page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(
-        num_seqs, key_len
-    )  # [S, L]
-    queries = q[batch.query_index].reshape(num_rows, num_queries, num_kv_heads, group, head_dim)  # [R, Q, K, G, D]
-    query_pos = batch.positions[batch.query_index]  # [R, Q]
-    key_pos = jnp.arange(key_len)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    query_pos = (kv_lens - q_lens)[row_seq][:, None] + (row_index - cu_q_lens[row_seq][:, None])  # [R, Q]
+    key_pos = jnp.arange(key_len, dtype=jnp.int32)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & row_valid[:, :, None]  # [R, Q, Lk]
+    key_slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(num_seqs, key_len)
+    queries = q[row_index].reshape(num_rows, tile, num_kv_heads, group, head_dim)
+    k_layer = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)  # fuses with the gathers below
+    v_layer = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
 
-    if batch.is_decode:  # row i is sequence i
-        key_valid = key_pos[None, :] < batch.seq_lens[:, None]
-        mask = (key_pos[None, :] <= query_pos) & key_valid & batch.query_valid  # [S, L]
-        qs = queries[:, 0].transpose(1, 0, 2, 3)  # [K, S, G, D]
-        keys, values = _gather_layer(k_cache, layer, key_slots), _gather_layer(v_cache, layer, key_slots)  # [K, S, L, D]
-        scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * scale
-        probs = _masked_softmax(scores, mask[None, :, None, :]).astype(values.dtype)
-        out = jnp.einsum("ksgl,ksld->ksgd", probs, values, preferred_element_type=jnp.float32)
-        out = out.transpose(1, 0, 2, 3)[:, None]  # [S, 1, K, G, D]
-    else:
-        row_lens = batch.seq_lens[batch.query_seq]  # [R]
-        mask = (
-            (key_pos[None, None, :] <= query_pos[:, :, None])
-            & (key_pos[None, None, :] < row_lens[:, None, None])
-            & batch.query_valid[:, :, None]
-        )  # [R, Q, L]
+    def attend(args):
+        qs, slots, m = args  # [C, Q, K, G, D], [C, Lk], [C, Q, Lk]
+        keys, values = k_layer[:, slots], v_layer[:, slots]  # [K, C, Lk, D]
+        scores = jnp.einsum("cqkgd,kcld->kcgql", qs, keys, preferred_element_type=jnp.float32) * scale
+        probs = _masked_softmax(scores, m[None, :, None]).astype(values.dtype)
+        out = jnp.einsum("kcgql,kcld->cqkgd", probs, values, preferred_element_type=jnp.float32)
+        return out.astype(q.dtype)
 
-        def attend_row(args):
-            qs, slots, m = args  # [Q, K, G, D], [L], [Q, L]
-            keys, values = _gather_layer(k_cache, layer, slots), _gather_layer(v_cache, layer, slots)  # [K, L, D]
-            qs = qs.transpose(1, 2, 0, 3)  # [K, G, Q, D]
-            scores = jnp.einsum("kgqd,kld->kgql", qs, keys, preferred_element_type=jnp.float32) * scale
-            probs = _masked_softmax(scores, m[None, None]).astype(values.dtype)
-            out = jnp.einsum("kgql,kld->kgqd", probs, values, preferred_element_type=jnp.float32)
-            return out.transpose(2, 0, 1, 3)  # [Q, K, G, D]
-
-        out = jax.lax.map(attend_row, (queries, key_slots[batch.query_seq], mask))
-    out = out.astype(q.dtype).reshape(num_rows * num_queries, num_heads, head_dim)
-    return out[batch.token_row]
-
-
-def _gather_layer(cache: jax.Array, layer: jax.Array, slots: jax.Array) -> jax.Array:
-    """cache [L, K, N, D] -> [K, *slots.shape, D]: layer `layer`'s rows at `slots` (slice and gather fuse)."""
-    return jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)[:, slots]
+    row_bytes = key_len * num_kv_heads * head_dim * k_cache.dtype.itemsize
+    chunk = max(1, min(num_rows, NATIVE_GATHER_BYTES // max(row_bytes, 1)))
+    padded_rows = -(-num_rows // chunk) * chunk
+    pad = lambda x: jnp.pad(x, [(0, padded_rows - num_rows)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+    chunked = lambda x: pad(x).reshape(padded_rows // chunk, chunk, *x.shape[1:])  # noqa: E731
+    out = jax.lax.map(attend, (chunked(queries), chunked(key_slots[row_seq]), chunked(mask)))
+    out = out.reshape(padded_rows * tile, num_heads, head_dim)[token_slot]
+    is_real = jnp.arange(num_tokens) < cu_q_lens[-1]
+    return jnp.where(is_real[:, None, None], out, 0).astype(q.dtype)
 
 
 def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:

@@ -1,7 +1,8 @@
 """EngineCore: the device loop of one engine process: admit requests, schedule, run, postprocess.
 
 Flow of one step (`step()`), overlap schedule (the default):
-    batch = scheduler.schedule()                          # while the previous step still runs on the device
+    batch = scheduler.schedule()                          # decode rows + prefill chunks, one ragged step, planned
+                                                          # while the previous step still runs on the device
     forward_batch = batch.to_forward_batch(...)           # padded to a compiled bucket
     launched = _launch(...)                               # forward + sampling dispatched, not waited for; tokens
                                                           # of the previous step are read on the device
@@ -67,15 +68,7 @@ class EngineCore:
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.buckets = Buckets.build(
-            args.max_running_requests,
-            args.chunked_prefill_size,
-            args.max_prefill_seqs,
-            self.context_length,
-            args.page_size,
-            args.decode_batch_buckets,
-            args.prefill_token_buckets,
-            args.decode_page_buckets,
-            args.prefill_seq_buckets,
+            args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets
         )
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
@@ -167,7 +160,7 @@ class EngineCore:
             outputs += self._finish(launched)
         else:
             self.in_flight = launched
-        self.step_stats.record(batch.is_decode, sum(batch.num_new_tokens), scheduled - start, prepared - scheduled,
+        self.step_stats.record(batch.kind, batch.num_tokens, scheduled - start, prepared - scheduled,
                                time.perf_counter() - prepared)
         return outputs
 
@@ -177,7 +170,7 @@ class EngineCore:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
         hidden, last_hidden = self.runner.forward(forward_batch, prev_ids)
-        if not batch.is_decode:
+        if batch.num_decode_rows < len(batch.reqs):  # prefill chunks: prompt logprobs, if asked
             self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
         sampled = None
         if batch.sampling_reqs():
@@ -209,7 +202,7 @@ class EngineCore:
             if req.finished:  # stopped by the previous step's token, or aborted: this step's token is dropped
                 continue
             req.num_computed += n
-            if step.batch.is_decode or req.num_computed == req.seq_len:
+            if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
                 req.output_ids.append(PENDING_TOKEN)
                 req.pending_row = i
 
@@ -328,12 +321,8 @@ class EngineCore:
             "lora": self.lora.stats() if self.lora else None,
             "loras": [dataclasses.asdict(r) for r in self.lora.refs.values()] if self.lora else [],
             "max_lora_rank": self.lora.max_rank if self.lora else None,
-            "buckets": {
-                "decode_seqs": list(self.buckets.decode_seqs),
-                "decode_pages": list(self.buckets.decode_pages),
-                "prefill_tokens": list(self.buckets.prefill_tokens),
-                "prefill_seqs": list(self.buckets.prefill_seqs),
-            },
+            "buckets": {"tokens": list(self.buckets.tokens), "seqs": [s for s, _ in self.buckets.shapes()]},
+            "attention_backend": self.runner.attention_backend,
             "timestamp": time.time(),
         }
 

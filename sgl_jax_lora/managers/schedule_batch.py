@@ -1,7 +1,8 @@
-"""ScheduleBatch: the requests the scheduler picked for one step, and their padding into a bucket.
+"""ScheduleBatch: the requests the scheduler picked for one ragged step, and their padding into a bucket.
 
-Flow: Scheduler.schedule() -> ScheduleBatch(reqs, num_new_tokens) -> `to_forward_batch` (numpy, padded
-to a compiled bucket) and `to_sampling_batch` -> ModelRunner. Pure host code; no device arrays here.
+Flow: Scheduler.schedule() -> ScheduleBatch(reqs, num_new_tokens): decode rows (one token each) then prefill
+chunks -> `to_forward_batch` (numpy, padded to a compiled token bucket) and `to_sampling_batch` -> ModelRunner.
+Pure host code; no device arrays here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
-from sgl_jax_lora.model_executor.buckets import Buckets, extend_query_layout, pick
+from sgl_jax_lora.model_executor.buckets import Buckets, pick
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
@@ -23,115 +24,76 @@ LoRABatchBuilder = Callable[[np.ndarray], LoRABatch | None]  # token slots [T] -
 
 @dataclasses.dataclass
 class ScheduleBatch:
-    is_decode: bool
-    reqs: list[Req]
-    num_new_tokens: list[int]  # tokens each request feeds this step
+    reqs: list[Req]  # decode rows first, then prefill chunks
+    num_new_tokens: list[int]  # tokens each request feeds this step (1 for a decode row)
     token_slots: list[int]  # LoRA device slot of each request (0 = base)
+    num_decode_rows: int = 0  # the first num_decode_rows requests feed their last sampled token
 
-    def padded_sizes(self, buckets: Buckets) -> tuple[int, int, int]:
-        """-> (sequences S, tokens T, pages per sequence P) of the bucket this batch runs in."""
-        if self.is_decode:
-            num_seqs = pick(buckets.decode_seqs, len(self.reqs))
-            max_pages = max(len(r.pages) for r in self.reqs)
-            return num_seqs, num_seqs, pick(buckets.decode_pages, max_pages)
-        num_seqs = pick(buckets.prefill_seqs, len(self.reqs))
-        num_tokens = pick(buckets.prefill_tokens, sum(self.num_new_tokens))
-        return num_seqs, num_tokens, buckets.max_pages_per_seq
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def kind(self) -> str:
+        """'decode' (decode rows only), 'extend' (prefill chunks only) or 'mixed'."""
+        if self.num_decode_rows == len(self.reqs):
+            return "decode"
+        return "mixed" if self.num_decode_rows else "extend"
+
+    def padded_sizes(self, buckets: Buckets) -> tuple[int, int]:
+        """-> (sequences S, tokens T) of the bucket this step runs in."""
+        num_tokens = pick(buckets.tokens, self.num_tokens)
+        return buckets.seqs_for(num_tokens), num_tokens
 
     def to_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
-        if self.is_decode:
-            return self._decode_forward_batch(buckets, page_size, lora_builder)
-        num_seqs, num_tokens, num_pages = self.padded_sizes(buckets)
-        num_rows, tile = extend_query_layout(num_seqs, num_tokens)
-        input_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
-        cache_loc = np.zeros(num_tokens, np.int32)
-        token_row = np.zeros(num_tokens, np.int32)
-        token_slot = np.zeros(num_tokens, np.int32)
+        """The step padded to its bucket: the ragged layout (cu_q_lens), token ids (or, for a decode row whose token
+        the step in flight samples, its row in that step's ids), positions, cache slots, page tables."""
+        num_seqs, num_tokens = self.padded_sizes(buckets)
+        count, total = len(self.reqs), self.num_tokens
+        q_lens = np.asarray(self.num_new_tokens, np.int32)
+        cu_q_lens = np.full(num_seqs + 1, total, np.int32)
+        cu_q_lens[0] = 0
+        cu_q_lens[1 : count + 1] = np.cumsum(q_lens)
+        first = np.fromiter((r.num_computed for r in self.reqs), np.int32, count)
         seq_lens = np.zeros(num_seqs, np.int32)
-        page_table = np.zeros((num_seqs, num_pages), np.int32)
-        query_seq = np.zeros(num_rows, np.int32)
-        query_index = np.zeros((num_rows, tile), np.int32)
-        query_valid = np.zeros((num_rows, tile), bool)
+        seq_lens[:count] = first + q_lens
+        page_table = np.zeros((num_seqs, buckets.max_pages_per_seq), np.int32)
+        input_ids = np.zeros(num_tokens, np.int32)
+        input_from_prev = np.full(num_tokens, -1, np.int32)
+        for i, req in enumerate(self.reqs):
+            page_table[i, : len(req.pages)] = req.pages
+            start, n = cu_q_lens[i], q_lens[i]
+            if req.output_ids and first[i] == req.seq_len - 1:  # feeds its last sampled token
+                token = req.output_ids[-1]
+                if token == PENDING_TOKEN:  # sampled by the step in flight: read on the device
+                    input_from_prev[start] = req.pending_row
+                else:
+                    input_ids[start] = token
+            else:  # a prefill chunk never reaches a pending token (req.py)
+                input_ids[start : start + n] = req.all_ids[first[i] : first[i] + n]
+        seq_of_token = np.repeat(np.arange(count, dtype=np.int32), q_lens)
+        positions = np.zeros(num_tokens, np.int32)
+        positions[:total] = first[seq_of_token] + np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token]
+        cache_loc = np.zeros(num_tokens, np.int32)
+        cache_loc[:total] = page_table[seq_of_token, positions[:total] // page_size] * page_size + positions[:total] % page_size
+        token_slot = np.zeros(num_tokens, np.int32)
+        token_slot[:total] = np.repeat(np.asarray(self.token_slots, np.int32), q_lens)
         last_token_index = np.zeros(num_seqs, np.int32)
-        start, row = 0, 0
-        for i, (req, n) in enumerate(zip(self.reqs, self.num_new_tokens)):
-            first = req.num_computed
-            pos = np.arange(first, first + n, dtype=np.int32)
-            pages = np.asarray(req.pages, np.int32)
-            span = slice(start, start + n)
-            input_ids[span] = req.all_ids[first : first + n]
-            positions[span] = pos
-            cache_loc[span] = pages[pos // page_size] * page_size + pos % page_size
-            token_slot[span] = self.token_slots[i]
-            seq_lens[i] = first + n
-            page_table[i, : len(pages)] = pages
-            k = np.arange(n)  # the sequence's k-th new token sits in row row + k // tile, column k % tile
-            token_row[span] = row * tile + k
-            query_index[row + k // tile, k % tile] = start + k
-            query_valid[row + k // tile, k % tile] = True
-            rows = -(-n // tile)
-            query_seq[row : row + rows] = i
-            last_token_index[i] = start + n - 1
-            start, row = start + n, row + rows
+        last_token_index[:count] = cu_q_lens[1 : count + 1] - 1
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,
             cache_loc=cache_loc,
             seq_lens=seq_lens,
             page_table=page_table,
-            query_seq=query_seq,
-            query_index=query_index,
-            query_valid=query_valid,
-            token_row=token_row,
+            cu_q_lens=cu_q_lens,
             last_token_index=last_token_index,
             lora=lora_builder(token_slot),
-            is_decode=self.is_decode,
-            input_from_prev=np.full(num_tokens, -1, np.int32),  # prefill never feeds a pending token (req.py)
-        )
-
-    def _decode_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
-        """Decode layout (one token per sequence, token i = sequence i), built with little per-request Python."""
-        num_seqs, _, num_pages = self.padded_sizes(buckets)
-        count = len(self.reqs)
-        seq_lens = np.zeros(num_seqs, np.int32)
-        input_ids = np.zeros(num_seqs, np.int32)
-        page_table = np.zeros((num_seqs, num_pages), np.int32)
-        input_from_prev = np.full(num_seqs, -1, np.int32)
-        for i, req in enumerate(self.reqs):
-            seq_lens[i] = req.seq_len
-            token = req.output_ids[-1] if req.output_ids else req.input_ids[-1]
-            if token == PENDING_TOKEN:  # sampled by the step in flight: read on the device
-                input_from_prev[i] = req.pending_row
-            else:
-                input_ids[i] = token
-            page_table[i, : len(req.pages)] = req.pages
-        positions = np.maximum(seq_lens - 1, 0)
-        rows = np.arange(num_seqs, dtype=np.int32)
-        cache_loc = page_table[rows, positions // page_size] * page_size + positions % page_size
-        cache_loc[count:] = 0
-        token_slot = np.zeros(num_seqs, np.int32)
-        token_slot[:count] = self.token_slots
-        return ForwardBatch(
-            input_ids=input_ids,
-            positions=positions,
-            cache_loc=cache_loc.astype(np.int32),
-            seq_lens=seq_lens,
-            page_table=page_table,
-            query_seq=rows,
-            query_index=rows[:, None],
-            query_valid=(rows < count)[:, None],
-            token_row=rows,
-            last_token_index=rows,
-            lora=lora_builder(token_slot),
-            is_decode=True,
             input_from_prev=input_from_prev,
         )
 
     def sampling_reqs(self) -> list[Req]:
-        """Requests that sample a token this step: all in decode, those finishing their prefill in extend."""
-        if self.is_decode:
-            return list(self.reqs)
+        """Requests that sample a token this step: decode rows, and chunks that finish their prefill."""
         return [r for r, n in zip(self.reqs, self.num_new_tokens) if r.num_computed + n == r.seq_len]
 
     def to_sampling_batch(self, num_seqs: int) -> SamplingBatch:

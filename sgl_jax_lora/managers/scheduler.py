@@ -1,9 +1,11 @@
 """Scheduler: continuous batching over a waiting queue and a running list (host only).
 
-Each step is either an extend step (prefill chunks of new or partly prefilled requests, under a token
-budget) or a decode step (one token for every running request). Extend steps go first when any prompt
-is waiting and fits. KV pages are allocated as tokens arrive; when decode runs out of pages the newest
-running request is preempted (pages freed, recomputed later).
+Each step is one ragged batch: first a decode row (one token) for every running request that has finished its
+prefill, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
+--chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
+batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
+tokens arrive; when a decode row runs out of pages the newest running request is preempted (pages freed,
+recomputed later).
 
 LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
 step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
@@ -38,7 +40,7 @@ from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
-from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 
 class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
@@ -80,9 +82,9 @@ class Scheduler:
     ):
         self.buckets = buckets
         self.allocator = allocator
-        self.max_running = min(max_running_requests, buckets.decode_seqs[-1])
-        self.chunk_budget = min(chunked_prefill_size, buckets.prefill_tokens[-1])
-        self.max_prefill_seqs = min(max_prefill_seqs, buckets.prefill_seqs[-1])
+        self.max_running = min(max_running_requests, buckets.max_seqs)
+        self.chunk_budget = min(chunked_prefill_size, buckets.tokens[-1])
+        self.max_prefill_seqs = max_prefill_seqs
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
@@ -172,19 +174,29 @@ class Scheduler:
 
     # ---- step selection ----------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
+        """The next step: decode rows, then prefill chunks; None when nothing can run."""
         if self.adapter_slots is not None:
             self.adapter_slots.begin_step({r.lora_slot_key for r in self.running})
-        return self._schedule_extend() or self._schedule_decode()
+        batch = ScheduleBatch(reqs=[], num_new_tokens=[], token_slots=[])
+        self._add_decode_rows(batch)
+        batch.num_decode_rows = len(batch.reqs)
+        budget = min(max(self.chunk_budget - batch.num_decode_rows, MIN_PREFILL_TOKENS), self.chunk_budget)
+        budget = min(budget, self.buckets.tokens[-1] - batch.num_decode_rows)
+        self._add_prefill_chunks(batch, budget)
+        return batch if batch.reqs else None
 
-    def _schedule_extend(self) -> ScheduleBatch | None:
-        batch = ScheduleBatch(is_decode=False, reqs=[], num_new_tokens=[], token_slots=[])
-        budget = self.chunk_budget
+    def _add_prefill_chunks(self, batch: ScheduleBatch, budget: int) -> None:
+        """Continue chunked prefills, then admit waiting requests, up to `budget` tokens and max_prefill_seqs
+        chunks."""
+        num_chunks = 0
         for req in [r for r in self.running if r.is_prefilling]:  # continue chunked prefills first
-            if len(batch.reqs) == self.max_prefill_seqs or budget == 0:
+            if num_chunks == self.max_prefill_seqs or budget <= 0:
                 break
-            budget -= self._try_add_chunk(batch, req, budget)
+            taken = self._try_add_chunk(batch, req, budget)
+            budget -= taken
+            num_chunks += taken > 0
         if not self.waiting or len(self.running) >= self.max_running:  # no admission: skip the O(waiting) work below
-            return batch if batch.reqs else None
+            return
         blocked, admitted = False, []
         # adapters waiting requests want: not evicted for another (non-starved) request, drained last
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
@@ -192,7 +204,7 @@ class Scheduler:
         self._end_finished_drains()
         order, planned = self._admission_order()
         for req in order:
-            if len(batch.reqs) == self.max_prefill_seqs or budget == 0 or blocked:
+            if num_chunks == self.max_prefill_seqs or budget <= 0 or blocked:
                 break
             if len(self.running) >= self.max_running:
                 break
@@ -215,6 +227,7 @@ class Scheduler:
                     blocked = starved
                 continue
             budget -= taken
+            num_chunks += 1
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
@@ -222,7 +235,6 @@ class Scheduler:
             admitted_times = sorted(r.arrival_time for r in admitted)
             for req in self.waiting:
                 req.times_overtaken += len(admitted_times) - bisect.bisect_right(admitted_times, req.arrival_time)
-        return batch if batch.reqs else None
 
     def _starved(self, req: Req) -> bool:
         """Overtaken by more than a full batch of requests that arrived after it: it goes first."""
@@ -322,14 +334,12 @@ class Scheduler:
         batch.token_slots.append(slot)
         return num_new
 
-    def _schedule_decode(self) -> ScheduleBatch | None:
-        batch = ScheduleBatch(is_decode=True, reqs=[], num_new_tokens=[], token_slots=[])
-        # A request whose last allowed token is still in flight (overlap schedule) finishes when it lands.
+    def _add_decode_rows(self, batch: ScheduleBatch) -> None:
+        """A decode row for every running request past its prefill that may still sample (one whose last allowed
+        token is in flight under the overlap schedule finishes when it lands)."""
         for req in [r for r in self.running if not r.is_prefilling and not r.out_of_new_tokens]:
             if req not in self.running:  # preempted while making room for an earlier one
                 continue
-            if len(batch.reqs) == self.buckets.decode_seqs[-1]:
-                break
             if not self._ensure_decode_page(req, batch):
                 continue
             slot = self._adapter_slot(req)
@@ -338,7 +348,6 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(1)
             batch.token_slots.append(slot)
-        return batch if batch.reqs else None
 
     def _adapter_slot(self, req: Req, keep: frozenset = frozenset()) -> int | None:
         """The request's adapter slot for this step (0 = base), None if it cannot join now. An adapter that can

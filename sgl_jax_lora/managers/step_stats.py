@@ -1,4 +1,4 @@
-"""StepStats: where the engine loop's time goes, per step kind (prefill/extend vs decode).
+"""StepStats: where the engine loop's time goes, per step kind (decode rows only, prefill chunks only, or mixed).
 
 Flow: EngineCore.step() times its three phases and calls `record`; `server_info()["step_stats"]` reports the
 totals (and /metrics exports them as counters). Phases:
@@ -28,10 +28,11 @@ class StepKindTotals:
 
 class StepStats:
     def __init__(self) -> None:
-        self.by_kind = {"extend": StepKindTotals(), "decode": StepKindTotals()}
+        self.by_kind = {"extend": StepKindTotals(), "decode": StepKindTotals(), "mixed": StepKindTotals()}
 
-    def record(self, is_decode: bool, num_tokens: int, schedule_s: float, prepare_s: float, run_s: float) -> None:
-        totals = self.by_kind["decode" if is_decode else "extend"]
+    def record(self, kind: str, num_tokens: int, schedule_s: float, prepare_s: float, run_s: float) -> None:
+        """kind: ScheduleBatch.kind ('decode', 'extend' or 'mixed')."""
+        totals = self.by_kind[kind]
         totals.steps += 1
         totals.tokens += num_tokens
         totals.schedule_s += schedule_s

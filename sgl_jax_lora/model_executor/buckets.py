@@ -1,16 +1,17 @@
 """Compiled buckets: the fixed set of shapes every step is padded to, so nothing compiles after warmup.
 
-Extend (prefill) steps: (sequences S, tokens T) with pages per sequence fixed at the context's maximum.
-Decode steps: (sequences S, pages per sequence P). `pick` returns the smallest bucket that fits. An extend step's
-queries are laid out in rows of tokens of one sequence (`extend_query_layout`).
+A step is ragged: decode rows (one token each) and prefill chunks share one forward. Its shape is a token bucket T
+(the step's tokens, padded); the sequence count S and the page-table width P follow from T and the engine's limits
+(`seqs_for`, `max_pages_per_seq`), so the number of compiled forwards is the number of token buckets, whatever the
+mix. `pick` returns the smallest bucket that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-MIN_DECODE_BUCKET = 8
-EXTEND_QUERY_TILE = 128  # fewest query tokens per attention row in extend steps (a TPU lane width)
+MIN_TOKEN_BUCKET = 8  # on GPU a 1-row matmul compiles to a slower kernel than an 8-row one; decode is memory-bound
+MIN_PREFILL_TOKENS = 32  # prefill tokens a step may take however many decode rows it holds (managers/scheduler.py)
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -24,65 +25,39 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    decode_seqs: tuple[int, ...]
-    decode_pages: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
-    prefill_seqs: tuple[int, ...]
-    max_pages_per_seq: int
+    tokens: tuple[int, ...]  # compiled step token counts T
+    max_seqs: int  # most sequences in one step (--max-running-requests)
+    max_pages_per_seq: int  # page-table width P of every step (the context's pages)
 
     @classmethod
     def build(
         cls,
         max_running_requests: int,
         chunked_prefill_size: int,
-        max_prefill_seqs: int,
         context_length: int,
         page_size: int,
-        decode_batch_buckets: list[int] | None = None,
-        prefill_token_buckets: list[int] | None = None,
-        decode_page_buckets: list[int] | None = None,
-        prefill_seq_buckets: list[int] | None = None,
+        token_buckets: list[int] | None = None,
     ) -> "Buckets":
+        """Token buckets from MIN_TOKEN_BUCKET up to the most tokens a step holds: the chunk budget, or every running
+        request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise."""
         max_pages = -(-context_length // page_size)
         chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
-        # Decode starts at 8 sequences: on GPU a 1-row matmul compiles to a slower kernel than an 8-row one
-        # (measured, docs/benchmarks.md), and decode is memory-bound, so the padding costs nothing.
-        decode_seqs = checked_buckets("--decode-batch-buckets", decode_batch_buckets, max_running_requests) or powers_of_two(
-            min(MIN_DECODE_BUCKET, max_running_requests), max_running_requests
+        max_tokens = max(chunked_prefill_size, max_running_requests + min(chunked_prefill_size, MIN_PREFILL_TOKENS))
+        tokens = checked_buckets("--token-buckets", token_buckets, max_tokens) or powers_of_two(
+            min(MIN_TOKEN_BUCKET, max_tokens), max_tokens
         )
-        prefill_tokens = checked_buckets("--prefill-token-buckets", prefill_token_buckets, chunked_prefill_size) or powers_of_two(
-            min(32, chunked_prefill_size), chunked_prefill_size
-        )
-        decode_pages = checked_buckets("--decode-page-buckets", decode_page_buckets, max_pages) or powers_of_two(
-            min(4, max_pages), max_pages
-        )
-        return cls(
-            decode_seqs=decode_seqs,
-            decode_pages=decode_pages,
-            prefill_tokens=prefill_tokens,
-            prefill_seqs=checked_buckets("--prefill-seq-buckets", prefill_seq_buckets, max_prefill_seqs)
-            or powers_of_two(1, max_prefill_seqs),
-            max_pages_per_seq=max_pages,
-        )
+        return cls(tokens=tokens, max_seqs=max_running_requests, max_pages_per_seq=max_pages)
 
-    def extend_shapes(self) -> list[tuple[int, int]]:
-        return [(s, t) for s in self.prefill_seqs for t in self.prefill_tokens if s <= t]
+    def seqs_for(self, num_tokens: int) -> int:
+        """Sequences S of the bucket with num_tokens tokens: every sequence of a step has at least one token."""
+        return min(num_tokens, self.max_seqs)
 
-    def decode_shapes(self) -> list[tuple[int, int]]:
-        return [(s, p) for s in self.decode_seqs for p in self.decode_pages]
+    def shapes(self) -> list[tuple[int, int]]:
+        """(S, T) of every compiled step."""
+        return [(self.seqs_for(t), t) for t in self.tokens]
 
     def sample_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.decode_seqs) | set(self.prefill_seqs)))
-
-
-def extend_query_layout(num_seqs: int, num_tokens: int) -> tuple[int, int]:
-    """-> (rows R, tile Q) of an extend step's query layout. Each sequence's n new tokens fill ceil(n / Q) rows, so
-    R rows hold any split of num_tokens over at most num_seqs sequences, and attention scores cost R * Q (about
-    T + S * Q) query rows per key instead of S * T with one row of T per sequence. Q is at least T / S: one
-    sequence keeps a single row of T (each row is one iteration of attention's loop, and a row gathers its
-    sequence's keys again; measured in docs/benchmarks.md, "Session 8")."""
-    tile = min(num_tokens, max(EXTEND_QUERY_TILE, num_tokens // num_seqs))
-    return (num_tokens + num_seqs * (tile - 1)) // tile, tile
+        return tuple(sorted({self.seqs_for(t) for t in self.tokens}))
 
 
 def pick(buckets: tuple[int, ...], n: int) -> int:
@@ -99,5 +74,5 @@ def checked_buckets(flag: str, values: list[int] | None, limit: int) -> tuple[in
     values = tuple(sorted(set(int(v) for v in values)))
     if values[0] < 1:
         raise ValueError(f"{flag} must be positive integers, got {values}")
-    # sizes above the limit become the limit (e.g. --prefill-token-buckets 2048 with a 1024-token context)
+    # sizes above the limit become the limit (e.g. --token-buckets 4096 with a 2048-token budget)
     return tuple(sorted({min(v, limit) for v in values} | {limit}))

@@ -1,15 +1,16 @@
 """ForwardBatch: everything one model step needs, as one explicit pytree that crosses into jit.
 
 Flow:
-  Scheduler builds a ScheduleBatch (host, python objects)
-    -> ScheduleBatch.to_forward_batch(bucket) pads everything to a compiled bucket (numpy)
-    -> ModelRunner.forward(params, kv_cache, forward_batch, prev_ids) (one host->device transfer of this pytree;
-       tokens sampled by the step still in flight come from `prev_ids` on the device, see `input_from_prev`)
-    -> model layers read the fields they need; LoRALinear layers read `lora`.
+  Scheduler builds a ScheduleBatch (host, python objects): decode rows and prefill chunks of one ragged step
+    -> ScheduleBatch.to_forward_batch(buckets) pads everything to a compiled token bucket (numpy)
+    -> ModelRunner.forward(forward_batch, prev_ids) (one host->device transfer of this pytree; tokens sampled by
+       the step still in flight come from `prev_ids` on the device, see `input_from_prev`)
+    -> model layers read the fields they need; attention reads the ragged layout (cu_q_lens, seq_lens,
+       page_table), LoRALinear layers read `lora`.
 
-Static facts (the bucket) are meta fields, so each bucket is its own compiled program; arrays are data
-fields. Padding tokens write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences
-have seq_len 0, so padding never changes a real request's result.
+Every field is an array; the bucket is the arrays' shapes, so each bucket is its own compiled program. Padding tokens
+write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences have no tokens and seq_len 0,
+so padding never changes a real request's result.
 """
 
 from __future__ import annotations
@@ -23,22 +24,16 @@ from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 @dataclasses.dataclass(frozen=True)
 class ForwardBatch:
-    # Tokens of this step, flat over sequences (each sequence's tokens contiguous).
+    # Tokens of this step, flat over sequences (each sequence's tokens contiguous, sequences in order).
     input_ids: jax.Array  # [T] i32
     positions: jax.Array  # [T] i32   absolute position of each token in its sequence
     cache_loc: jax.Array  # [T] i32   KV-cache slot (page * page_size + offset) each token writes; 0 = padding
-    # Sequences of this step.
+    # Sequences of this step: a decode row has one token, a prefill chunk many.
     seq_lens: jax.Array  # [S] i32      tokens in the KV cache after this step (prefix + new); 0 = padding
     page_table: jax.Array  # [S, P] i32 pages of each sequence, in order; unused entries 0
-    # Query rows: the new tokens laid out [R, Q], each row holding up to Q consecutive tokens of one sequence.
-    # Decode: R = S, Q = 1 (row i = sequence i). Extend: Q = the query tile, a sequence takes ceil(n / Q) rows.
-    query_seq: jax.Array  # [R] i32     sequence of each query row
-    query_index: jax.Array  # [R, Q] i32 flat token index of each row's q-th token
-    query_valid: jax.Array  # [R, Q] bool
-    token_row: jax.Array  # [T] i32     position r * Q + q of each token in the [R, Q] layout
+    cu_q_lens: jax.Array  # [S+1] i32   sequence s's tokens are [cu_q_lens[s], cu_q_lens[s+1]); padding after
     last_token_index: jax.Array  # [S] i32  flat index of each sequence's last token (its logits are sampled)
-    lora: LoRABatch | None  # per-token adapter slots and segments; None when LoRA is disabled
-    is_decode: bool  # meta: decode step (one new token per sequence) vs extend (prefill chunk)
+    lora: LoRABatch | None  # per-token adapter slots and segments; None when no token uses an adapter
     # [T] i32: row of the previous step's sampled ids that holds this token's id, for a token sampled by the
     # step still in flight (overlap schedule; its id is not on the host yet); -1: input_ids holds the id.
     # None: every id is in input_ids (callers outside the engine loop).
@@ -61,13 +56,10 @@ jax.tree_util.register_dataclass(
         "cache_loc",
         "seq_lens",
         "page_table",
-        "query_seq",
-        "query_index",
-        "query_valid",
-        "token_row",
+        "cu_q_lens",
         "last_token_index",
         "lora",
         "input_from_prev",
     ],
-    meta_fields=["is_decode"],
+    meta_fields=[],
 )

@@ -29,7 +29,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from sgl_jax_lora.model_executor.buckets import Buckets, extend_query_layout
+from sgl_jax_lora.layers.attention import resolve_attention_backend
+from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
@@ -60,9 +61,11 @@ class ModelRunner:
         self.args, self.cfg, self.mesh = args, cfg, mesh
         self.dtype = jnp.dtype(args.dtype)
         self.page_size = args.page_size
+        self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
         graphdef, state = load_model_state(
             cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed,
             layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers) if args.layers_per_scan_step > 0 else cfg.num_layers,
+            attention_backend=self.attention_backend,
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
@@ -74,7 +77,7 @@ class ModelRunner:
         self._logits = jax.jit(self._logits_impl)
         # Sampled ids cross to the next forward as one replicated [M] array, M = the most rows a step samples,
         # so that every forward sees the same argument shape and sharding whichever step came before.
-        self.max_sample_rows = max(args.max_running_requests, args.max_prefill_seqs)  # bucket sizes are capped at these
+        self.max_sample_rows = args.max_running_requests  # a step's sequences (bucket S) are capped at this
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sample = jax.jit(functools.partial(_sample_and_carry, self.max_sample_rows, self._replicated))
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
@@ -227,33 +230,32 @@ class ModelRunner:
                 future.result()
 
     def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
-        """Compile every bucket, then run each once on padding (seq_lens 0, cache slot 0).
+        """Compile every bucket, then run each once on padding (no tokens, cache slot 0).
 
         lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA). The forward
         programs, which are nearly all of the compile time, compile on `--warmup-compile-threads` threads first.
         """
-        shapes = [("extend", s, t, buckets.max_pages_per_seq, i) for s, t in buckets.extend_shapes() for i in range(len(lora_for(t)))]
-        shapes += [("decode", s, s, p, i) for s, p in buckets.decode_shapes() for i in range(len(lora_for(s)))]
-        batches = [padding_forward_batch(mode == "decode", s, t, p, lora_for(t)[i]) for mode, s, t, p, i in shapes]
+        shapes = [(s, t, i) for s, t in buckets.shapes() for i in range(len(lora_for(t)))]
+        batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
-        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.prefill_tokens)
+        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens)
         bar = progress(total=total, desc="compiling buckets")
         if threads > 1:
             self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
-        for (mode, num_seqs, num_tokens, _, lora_index), batch in zip(shapes, batches):
-            hidden, _ = self.forward(batch)
-            if mode == "extend" and lora_index == 0:
+        sampled_sizes = set()
+        for (num_seqs, num_tokens, lora_index), batch in zip(shapes, batches):
+            hidden, last_hidden = self.forward(batch)
+            if lora_index == 0:
                 for num_top in (0, MAX_TOP_LOGPROBS):
-                    if num_seqs == buckets.prefill_seqs[0]:
-                        self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
-                        bar.update(1)
-            bar.update(1)
-        for num_seqs in buckets.sample_sizes():
-            _, last_hidden = self.forward(padding_forward_batch(True, num_seqs, num_seqs, buckets.decode_pages[0], lora_for(num_seqs)[0]))
-            for greedy in (True, False):
-                for num_top in (0, MAX_TOP_LOGPROBS):
-                    self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
+                    self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
                     bar.update(1)
+                if num_seqs not in sampled_sizes:
+                    sampled_sizes.add(num_seqs)
+                    for greedy in (True, False):
+                        for num_top in (0, MAX_TOP_LOGPROBS):
+                            self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
+                            bar.update(1)
+            bar.update(1)
         shapes_of_lora = self.lora_buffer_shapes()
         if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once
             zeros = {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()}
@@ -261,8 +263,8 @@ class ModelRunner:
         bar.close()
 
 
-def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
-    num_rows, tile = (num_seqs, 1) if is_decode else extend_query_layout(num_seqs, num_tokens)
+def padding_forward_batch(num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
+    """A step of the (S, T) bucket with no real token: every token writes scratch slot 0, no sequence has keys."""
     zeros_i = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return ForwardBatch(
         input_ids=zeros_i(num_tokens),
@@ -270,13 +272,9 @@ def padding_forward_batch(is_decode: bool, num_seqs: int, num_tokens: int, num_p
         cache_loc=zeros_i(num_tokens),
         seq_lens=zeros_i(num_seqs),
         page_table=zeros_i(num_seqs, num_pages),
-        query_seq=zeros_i(num_rows),
-        query_index=zeros_i(num_rows, tile),
-        query_valid=np.zeros((num_rows, tile), bool),
-        token_row=zeros_i(num_tokens),
+        cu_q_lens=zeros_i(num_seqs + 1),
         last_token_index=zeros_i(num_seqs),
         lora=lora,
-        is_decode=is_decode,
         input_from_prev=np.full((num_tokens,), -1, np.int32),
     )
 

@@ -47,11 +47,13 @@ def _make_linear(
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None):
+    def __init__(
+        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None, attention_backend: str
+    ):
         kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size  # replicated when tp > num_kv_heads
         head_dim, hidden = cfg.head_dim, cfg.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, kv_heads, head_dim
-        self.tp_size, self.page_size = tp_size, page_size
+        self.tp_size, self.page_size, self.attention_backend = tp_size, page_size, attention_backend
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, head_dim))
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
         qkv_sizes = (cfg.num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
@@ -80,7 +82,7 @@ class DecoderLayer(nnx.Module):
         q = apply_rotary(q, batch.positions, self.inv_freq)
         k = apply_rotary(k, batch.positions, self.inv_freq)
         k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
-        attn = paged_attention(q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5)
+        attn = paged_attention(q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5, self.attention_backend)
         hidden = self.o_proj(attn.reshape(num_tokens, -1), batch.lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)
         gate, up = split_packed(self.gate_up_proj(x, batch.lora), self.gate_up_proj.part_sizes, self.tp_size)
@@ -91,7 +93,7 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     def __init__(
         self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None,
-        layers_per_scan_step: int = 1,
+        layers_per_scan_step: int = 1, attention_backend: str = "native",
     ):
         self.config = cfg
         self.lora_backend = lora.backend if lora is not None else None  # builds the kernels' work list per forward
@@ -100,7 +102,7 @@ class LlamaForCausalLM(nnx.Module):
 
         @nnx.vmap(in_axes=None, out_axes=0, axis_size=cfg.num_layers)
         def make_layers(_: int):
-            return DecoderLayer(cfg, tp_size, page_size, dtype, lora)
+            return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend)
 
         self.layers = make_layers(0)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -113,7 +115,7 @@ class LlamaForCausalLM(nnx.Module):
         if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
             num_tokens, num_segments = batch.lora.token_slot.shape[0], batch.lora.num_segments
             block_rows = self.lora_backend.work_block_rows(num_tokens, num_segments)
-            fused_rows = 0 if batch.is_decode else self.lora_backend.fused_gemm_tile_rows(num_tokens, num_segments)
+            fused_rows = self.lora_backend.fused_gemm_tile_rows(num_tokens, num_segments)
             lora = with_entry_table(with_work_list(batch.lora, block_rows), fused_rows, batch.seq_lens.shape[0])
             batch = dataclasses.replace(batch, lora=lora)
         # LoRA buffers (and, for the GEMM with the LoRA inside it, the LoRA modules' base weights) stay whole

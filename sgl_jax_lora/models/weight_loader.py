@@ -121,10 +121,11 @@ def load_model_state(
     load_format: str = "auto",
     seed: int = 0,
     layers_per_scan_step: int = 1,
+    attention_backend: str = "native",
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout."""
     model_cls = model_class_for(cfg)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step))
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention_backend))
     graphdef, abstract_state = nnx.split(abstract)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     leaves = []
