@@ -95,7 +95,7 @@ SPANS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("backend", ["native", "reference", "pallas_interpret"])
 @pytest.mark.parametrize("spans,num_decode_rows", SPANS)
 def test_ragged_step_matches_reference(spans, num_decode_rows, backend):
     rng = np.random.default_rng(len(spans))

@@ -131,14 +131,17 @@ def _step_metrics(step_stats: dict) -> Iterator[Metric]:
     """Engine-loop totals by step kind (managers/step_stats.py says what each phase holds)."""
     steps = CounterMetricFamily(f"{PREFIX}_engine_steps", "engine steps run", labels=["kind"])
     tokens = CounterMetricFamily(f"{PREFIX}_engine_step_tokens", "tokens run by engine steps", labels=["kind"])
+    decode_tokens = CounterMetricFamily(f"{PREFIX}_engine_step_decode_tokens", "decode rows run by engine steps",
+                                        labels=["kind"])
     seconds = CounterMetricFamily(f"{PREFIX}_engine_step_seconds", "engine-loop time by step kind and phase",
                                   labels=["kind", "phase"])
     for kind, totals in step_stats.items():
         steps.add_metric([kind], totals["steps"])
         tokens.add_metric([kind], totals["tokens"])
+        decode_tokens.add_metric([kind], totals["decode_tokens"])
         for phase in PHASES:
             seconds.add_metric([kind, phase.removesuffix("_s")], totals[phase])
-    yield from (steps, tokens, seconds)
+    yield from (steps, tokens, decode_tokens, seconds)
 
 
 LORA_GAUGES = {

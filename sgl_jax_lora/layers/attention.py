@@ -7,7 +7,10 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
     pallas_tpu  the Mosaic kernel (pallas_kernels/attention/tpu.py), K/V pages read in place
     pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py)
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
-`resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these.
+`resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
+`AttentionBackend` holds it with the mesh. Pallas kernels do not take part in GSPMD partitioning, so with tensor
+parallelism they run under shard_map, each device on its own query heads and KV heads (the caches are sharded on
+kv heads, replicated copies when tp > kv heads, so every shard keeps the model's GQA ratio).
 
 What every backend computes is pallas_kernels/attention/reference.py. The KV cache per layer is
 [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0 is a scratch page that padding tokens
@@ -16,8 +19,12 @@ write into and no sequence reads.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 
@@ -25,6 +32,12 @@ ATTENTION_BACKENDS = ("native", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 QUERY_TILE = 128  # fewest query tokens per native row when a step has many more tokens than sequences
 NATIVE_GATHER_BYTES = 1 << 28  # the native path's gathered keys per lax.map iteration (bounds its host memory)
 _MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str = "native"  # one of ATTENTION_BACKENDS
+    mesh: Mesh | None = None  # the ("data", "tensor") mesh; Pallas kernels run per "tensor" shard when it has several
 
 
 def resolve_attention_backend(flag: str, platform: str) -> str:
@@ -54,21 +67,33 @@ def paged_attention(
     batch: ForwardBatch,
     page_size: int,
     scale: float,
-    backend: str = "native",
+    backend: AttentionBackend = AttentionBackend(),
 ) -> jax.Array:
     """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]."""
     args = (q, k_cache, v_cache, layer, batch.seq_lens, batch.page_table, batch.cu_q_lens)
-    if backend == "native":
+    if backend.name == "native":  # plain JAX: GSPMD partitions it
         return _native_attention(*args, page_size=page_size, scale=scale)
-    if backend in ("pallas_tpu", "pallas_interpret"):
+    kernel = _pallas_kernel(backend.name, page_size, scale)
+    mesh = backend.mesh
+    if mesh is None or mesh.shape["tensor"] == 1:
+        return kernel(*args)
+    heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
+    in_specs = (heads, caches, caches, P(), P(), P(), P())
+    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
+
+
+def _pallas_kernel(name: str, page_size: int, scale: float):
+    """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)."""
+    if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
-        return ragged_paged_attention_tpu(*args, page_size=page_size, scale=scale, interpret=backend == "pallas_interpret")
-    if backend == "pallas_gpu":
+        interpret = name == "pallas_interpret"
+        return lambda *args: ragged_paged_attention_tpu(*args, page_size=page_size, scale=scale, interpret=interpret)
+    if name == "pallas_gpu":
         from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
 
-        return ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale)
-    raise ValueError(f"unknown attention backend '{backend}'; one of {ATTENTION_BACKENDS}")
+        return lambda *args: ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale)
+    raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 
 def native_query_layout(num_seqs: int, num_tokens: int) -> tuple[int, int]:

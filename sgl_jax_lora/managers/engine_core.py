@@ -160,7 +160,7 @@ class EngineCore:
             outputs += self._finish(launched)
         else:
             self.in_flight = launched
-        self.step_stats.record(batch.kind, batch.num_tokens, scheduled - start, prepared - scheduled,
+        self.step_stats.record(batch.kind, batch.num_tokens, batch.num_decode_rows, scheduled - start, prepared - scheduled,
                                time.perf_counter() - prepared)
         return outputs
 

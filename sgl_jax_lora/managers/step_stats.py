@@ -21,6 +21,7 @@ PHASES = ("schedule_s", "prepare_s", "run_s")
 class StepKindTotals:
     steps: int = 0
     tokens: int = 0  # real (unpadded) tokens run
+    decode_tokens: int = 0  # of which decode rows
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     run_s: float = 0.0
@@ -30,11 +31,13 @@ class StepStats:
     def __init__(self) -> None:
         self.by_kind = {"extend": StepKindTotals(), "decode": StepKindTotals(), "mixed": StepKindTotals()}
 
-    def record(self, kind: str, num_tokens: int, schedule_s: float, prepare_s: float, run_s: float) -> None:
+    def record(self, kind: str, num_tokens: int, num_decode_rows: int, schedule_s: float, prepare_s: float,
+               run_s: float) -> None:
         """kind: ScheduleBatch.kind ('decode', 'extend' or 'mixed')."""
         totals = self.by_kind[kind]
         totals.steps += 1
         totals.tokens += num_tokens
+        totals.decode_tokens += num_decode_rows
         totals.schedule_s += schedule_s
         totals.prepare_s += prepare_s
         totals.run_s += run_s

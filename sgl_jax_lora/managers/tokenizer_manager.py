@@ -28,6 +28,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.managers.engine_process import run_engine_process
+from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
@@ -46,6 +47,7 @@ class EngineDeadError(RuntimeError):
 @dataclasses.dataclass
 class _RequestState:
     queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
     output_ids: list = dataclasses.field(default_factory=list)
     input_logprobs: list = dataclasses.field(default_factory=list)
     output_logprobs: list = dataclasses.field(default_factory=list)
@@ -278,7 +280,7 @@ class TokenizerManager:
 
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished."""
-        state = _RequestState(queue=asyncio.Queue())
+        state = _RequestState(asyncio.Queue(), IncrementalDetokenizer(self.tokenizer, request.sampling.skip_special_tokens))
         self._states[request.rid] = state
         finished = False
         try:
@@ -301,7 +303,7 @@ class TokenizerManager:
         state.input_logprobs += item["new_input_logprobs"]
         state.output_logprobs += item["new_output_logprobs"]
         finish = item["finish_reason"]
-        text = self.tokenizer.decode(state.output_ids, skip_special_tokens=request.sampling.skip_special_tokens)
+        text = state.detokenizer.append(item["new_ids"], is_last=finish is not None)
         if finish and finish.get("type") == "stop" and isinstance(finish.get("matched"), str):
             text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
         meta = {

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.attention import paged_attention, write_kv
+from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
 from sgl_jax_lora.layers.linear import Linear, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
@@ -48,7 +48,8 @@ def _make_linear(
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None, attention_backend: str
+        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None,
+        attention_backend: AttentionBackend,
     ):
         kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size  # replicated when tp > num_kv_heads
         head_dim, hidden = cfg.head_dim, cfg.hidden_size
@@ -93,7 +94,7 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     def __init__(
         self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None,
-        layers_per_scan_step: int = 1, attention_backend: str = "native",
+        layers_per_scan_step: int = 1, attention_backend: AttentionBackend = AttentionBackend(),
     ):
         self.config = cfg
         self.lora_backend = lora.backend if lora is not None else None  # builds the kernels' work list per forward

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 
+from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.sharding import logical_to_sharding, param_logical_axes
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
@@ -125,7 +126,8 @@ def load_model_state(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout."""
     model_cls = model_class_for(cfg)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention_backend))
+    attention = AttentionBackend(attention_backend, mesh)
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention))
     graphdef, abstract_state = nnx.split(abstract)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     leaves = []

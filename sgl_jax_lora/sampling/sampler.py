@@ -69,22 +69,50 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SampleOutput:
 
 
 def _sample_filtered(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """Temperature, then top-k, top-p and min-p filtering over the sorted distribution, then a draw."""
-    vocab = logits.shape[-1]
+    """Temperature, then top-k, top-p and min-p filtering, then a draw; no sort of the vocabulary. Each filter keeps
+    the tokens at or above a per-row probability threshold, found by bisection (`_filter_thresholds`); batches where
+    no row filters skip that search (lax.cond)."""
     scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    top_k = jnp.where(batch.top_k > 0, batch.top_k, vocab)[:, None]
-    cumulative = jnp.cumsum(sorted_probs, axis=-1)
-    keep = (rank < top_k) & ((cumulative - sorted_probs) < batch.top_p[:, None])
-    keep &= sorted_probs >= batch.min_p[:, None] * sorted_probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    filtered = jnp.where(filter_mask(scaled, batch), scaled, -jnp.inf)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(batch.seeds, batch.steps)
-    choice = jax.vmap(jax.random.categorical)(keys, filtered)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+def filter_mask(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """scaled logits [S, V] (after temperature) -> [S, V] bool: the tokens top-k, top-p and min-p keep."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    vocab = scaled.shape[-1]
+    filters = jnp.any((batch.top_k > 0) & (batch.top_k < vocab)) | jnp.any(batch.top_p < 1) | jnp.any(batch.min_p > 0)
+    threshold = jax.lax.cond(filters, _filter_thresholds, lambda p, b: jnp.zeros(p.shape[:1], p.dtype), probs, batch)
+    return probs >= threshold[:, None]
+
+
+def _filter_thresholds(probs: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """probs [S, V] -> [S] the smallest probability a token may have and be kept. A token is kept when fewer than
+    top_k tokens are more likely (top-k), the tokens more likely than it hold less than top_p of the mass (top-p,
+    the nucleus), and its probability is at least min_p times the largest (min-p), as a descending sort would decide
+    (ties aside). Probabilities are non-negative floats, whose bit patterns order as integers, so bisecting the
+    threshold's bits finds the exact value in 31 steps of two reductions over the vocabulary each."""
+    vocab = probs.shape[-1]
+    top_k = jnp.where(batch.top_k > 0, batch.top_k, vocab)
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # [S, V], ordered as the probabilities
+
+    def step(_, bounds):
+        lo, hi = bounds  # the threshold lies in (lo, hi]: a token of value hi would be kept, one of value lo not
+        mid = lo + (hi - lo) // 2
+        above = bits > mid[:, None]
+        count = jnp.sum(above, axis=-1)
+        mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
+        kept = (count < top_k) & ((mass < batch.top_p) | (batch.top_p >= 1))  # would a token of value mid be kept
+        # (top_p 1 keeps all: the float sum of all tokens but the least likely may round to 1)
+        return jnp.where(kept, lo, mid), jnp.where(kept, mid, hi)
+
+    num_rows = probs.shape[0]
+    lo = jnp.full((num_rows,), -1, jnp.int32)
+    hi = jnp.max(bits, axis=-1)
+    _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    threshold = jax.lax.bitcast_convert_type(hi, jnp.float32)
+    return jnp.maximum(threshold, batch.min_p * jnp.max(probs, axis=-1))
 
 
 def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_top: int) -> SampleOutput:

@@ -1,0 +1,360 @@
+"""Ragged paged attention for TPU (Pallas Mosaic): decode rows and prefill chunks of many sequences in one call.
+
+Where it sits: `sgl_jax_lora.layers.attention.paged_attention` calls it once per layer per step (backend
+`pallas_tpu`; `pallas_interpret` on CPU) with the whole K/V caches [L, K, N, D] and the layer index, after the
+step's K/V were written; it computes what `reference.ragged_paged_attention_ref` computes. On CPU it runs in
+interpret mode (`pltpu.InterpretParams`), which is how the tests check it.
+
+Layout. The query heads of one GQA group are folded into rows: q [T, H, D] becomes [K, T * G, D] with row
+t * G + g, so one K/V page block read for kv head k serves all G query heads of that head. The grid is
+(q block, kv head); a q block is a fixed run of `num_queries_per_block` tokens, i.e. a [BQ * G, D] tile.
+
+Ragged queries. A q block may hold tokens of several sequences (many decode rows, or the tail of one chunk and
+the head of the next). The first and last sequence of each block are computed in jit from cu_q_lens and
+scalar-prefetched into SMEM with the layer index, kv_lens, the flattened page table and cu_q_lens. The kernel
+loops over those sequences; for each it runs a flash (online softmax, float32) pass over the sequence's keys up to
+the causal limit of its last row in this block, with the rows of other sequences masked, then writes its rows of
+the output tile. Tokens past cu_q_lens[S] belong to no sequence and stay zero.
+
+K/V reads. The caches stay in HBM (`pl.ANY`). For each block of `num_kv_pages_per_block` pages the kernel DMAs
+one [page_size, D] slab per page of this layer and kv head into a VMEM buffer [pages * page_size, D]; two buffers
+alternate, so the DMA of the next page block overlaps the math on the current one. Pages past the causal limit
+are not read, so VMEM rows past it hold stale data: scores and values there are masked before use.
+
+TPU tiling: a page slab is [page_size, D], so page_size must be a multiple of the cache dtype's sublane tile
+(8 for 32-bit, 16 for bf16) and D a multiple of 128; q tiles need BQ * G to be a multiple of q's sublane tile.
+These are checked when not interpreting. D cannot be padded here: padding the cache would copy it every call.
+
+Not done: the first page block of the next sequence is not prefetched while the current one finishes, and a
+decode-heavy q block computes BQ * G score rows per sequence where only G are used (memory, not compute, bounds
+decode). The whole page table sits in SMEM (S * P int32), which bounds S * P by the chip's SMEM. Only the
+lowering for TPU is tested (jax.export on CPU); Mosaic compilation and speed on a TPU are unmeasured (no TPU here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_LANES = 128
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(mask - mask) stays 1, never NaN
+_DEFAULT_ROWS_PER_Q_BLOCK = 128
+_DEFAULT_KEYS_PER_KV_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Static block sizes of one call."""
+
+    page_size: int
+    pages_per_seq: int  # P: columns of the page table
+    pages_per_kv_block: int
+    tokens_per_q_block: int  # BQ
+    group: int  # G: query heads per kv head
+
+    @property
+    def keys_per_kv_block(self) -> int:
+        return self.pages_per_kv_block * self.page_size
+
+    @property
+    def rows(self) -> int:
+        return self.tokens_per_q_block * self.group
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelRefs:
+    """The kernel's refs, bundled so helpers take one argument instead of fifteen."""
+
+    layer: jax.Array  # SMEM [1]
+    kv_lens: jax.Array  # SMEM [S]
+    page_table: jax.Array  # SMEM [S * P]
+    cu_q_lens: jax.Array  # SMEM [S + 1]
+    q: jax.Array  # VMEM [BQ * G, D]
+    k_hbm: jax.Array  # HBM [L, K, N, D]
+    v_hbm: jax.Array  # HBM [L, K, N, D]
+    out: jax.Array  # VMEM [BQ * G, D]
+    k_buf: jax.Array  # VMEM [2, pages_per_kv_block * page_size, D]
+    v_buf: jax.Array  # VMEM [2, pages_per_kv_block * page_size, D]
+    sems: jax.Array  # DMA semaphores [2 (k, v), 2 (buffer)]
+    row_max: jax.Array  # VMEM [BQ * G, 128] f32, running max (same value in every lane)
+    row_sum: jax.Array  # VMEM [BQ * G, 128] f32, running softmax denominator
+    acc: jax.Array  # VMEM [BQ * G, D] f32, running numerator
+
+
+def _sublane_tile(dtype: jnp.dtype) -> int:
+    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _dot(lhs: jax.Array, rhs: jax.Array, contract_rhs: int) -> jax.Array:
+    """lhs [M, C] with rhs [N, C] (contract_rhs=1) or [C, N] (contract_rhs=0), float32 result."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        lhs, rhs, (((1,), (contract_rhs,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _page_copies(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, page_in_block):
+    """DMA descriptors (k, v) of one page of the sequence's kv block into buffer `slot`."""
+    page_index = kv_block * t.pages_per_kv_block + page_in_block
+    page = refs.page_table[seq * t.pages_per_seq + page_index]
+    layer, kv_head = refs.layer[0], pl.program_id(1)
+    src = pl.ds(page * t.page_size, t.page_size)
+    dst = pl.ds(page_in_block * t.page_size, t.page_size)
+    k = pltpu.make_async_copy(refs.k_hbm.at[layer, kv_head, src], refs.k_buf.at[slot, dst], refs.sems.at[0, slot])
+    v = pltpu.make_async_copy(refs.v_hbm.at[layer, kv_head, src], refs.v_buf.at[slot, dst], refs.sems.at[1, slot])
+    return k, v
+
+
+def _for_pages_in_block(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, num_keys, action: str) -> None:
+    """Start (or wait for) the DMAs of the pages of a kv block that hold keys below num_keys."""
+
+    def body(page_in_block, carry):
+        first_key = (kv_block * t.pages_per_kv_block + page_in_block) * t.page_size
+
+        @pl.when(first_key < num_keys)
+        def _():
+            for copy in _page_copies(refs, t, seq, kv_block, slot, page_in_block):
+                getattr(copy, action)()
+
+        return carry
+
+    jax.lax.fori_loop(0, t.pages_per_kv_block, body, 0)
+
+
+def _flash_update(refs: _KernelRefs, slot, mask: jax.Array, key_is_loaded: jax.Array, scale: float) -> None:
+    """One online-softmax step of all rows over the kv block in buffer `slot`; masked scores count for nothing."""
+    k = refs.k_buf[slot]  # [KB, D]
+    v = jnp.where(key_is_loaded, refs.v_buf[slot], 0)  # stale VMEM rows may hold NaN; 0 * NaN would leak
+    scores = jnp.where(mask, _dot(refs.q[...], k, 1) * scale, _MASK_VALUE)  # [R, KB]
+    max_prev = refs.row_max[...]  # [R, 128]
+    max_new = jnp.maximum(max_prev, jnp.max(scores, axis=1, keepdims=True))
+    probs = jnp.where(mask, jnp.exp(scores - max_new[:, :1]), 0.0)
+    rescale = jnp.exp(max_prev - max_new)
+    refs.row_max[...] = max_new
+    refs.row_sum[...] = rescale * refs.row_sum[...] + jnp.sum(probs, axis=1, keepdims=True)
+    refs.acc[...] = refs.acc[...] * rescale[:, :1] + _dot(probs.astype(v.dtype), v, 0)
+
+
+def _rows_in_range(shape: tuple[int, int], row_lo, row_hi) -> jax.Array:
+    row = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (row >= row_lo) & (row < row_hi)
+
+
+def _attend_sequence(refs: _KernelRefs, t: _Tiling, seq, scale: float) -> None:
+    """Flash attention of this q block's rows of sequence `seq` over its keys; writes those rows of the output.
+
+    Row r of the tile is token block_start + r // G. Masks compare rows with scalar bounds instead of dividing
+    vectors: key_pos <= first_pos + r // G  <=>  (key_pos - first_pos) * G <= r.
+    """
+    block_start = pl.program_id(0) * t.tokens_per_q_block
+    q_start, q_end = refs.cu_q_lens[seq], refs.cu_q_lens[seq + 1]
+    token_lo = jnp.maximum(q_start, block_start)
+    token_hi = jnp.minimum(q_end, block_start + t.tokens_per_q_block)
+
+    @pl.when(token_hi > token_lo)
+    def _():
+        position_offset = refs.kv_lens[seq] - q_end  # token i of the sequence sits at position offset + i
+        num_keys = position_offset + token_hi  # causal limit of the block's last row of this sequence
+        num_kv_blocks = jax.lax.div(num_keys + t.keys_per_kv_block - 1, t.keys_per_kv_block)
+        row_lo, row_hi = (token_lo - block_start) * t.group, (token_hi - block_start) * t.group
+        refs.row_max[...] = jnp.full_like(refs.row_max, _MASK_VALUE)
+        refs.row_sum[...] = jnp.zeros_like(refs.row_sum)
+        refs.acc[...] = jnp.zeros_like(refs.acc)
+        _for_pages_in_block(refs, t, seq, 0, 0, num_keys, "start")
+
+        def kv_step(kv_block, carry):
+            slot = jax.lax.rem(kv_block, 2)
+            _for_pages_in_block(refs, t, seq, kv_block, slot, num_keys, "wait")
+
+            @pl.when(kv_block + 1 < num_kv_blocks)
+            def _():
+                _for_pages_in_block(refs, t, seq, kv_block + 1, 1 - slot, num_keys, "start")
+
+            first_key = kv_block * t.keys_per_kv_block
+            score_shape = (t.rows, t.keys_per_kv_block)
+            key_from_row0 = first_key - position_offset - block_start  # key position minus row 0's position
+            key_pos_rel = key_from_row0 + jax.lax.broadcasted_iota(jnp.int32, score_shape, 1)
+            row = jax.lax.broadcasted_iota(jnp.int32, score_shape, 0)
+            mask = _rows_in_range(score_shape, row_lo, row_hi) & (key_pos_rel * t.group <= row)
+            value_shape = refs.v_buf.shape[1:]
+            key_is_loaded = first_key + jax.lax.broadcasted_iota(jnp.int32, value_shape, 0) < num_keys
+            _flash_update(refs, slot, mask, key_is_loaded, scale)
+            return carry
+
+        jax.lax.fori_loop(0, num_kv_blocks, kv_step, 0)
+        result = (refs.acc[...] / refs.row_sum[...][:, :1]).astype(refs.out.dtype)  # other rows: 0/0, dropped
+        refs.out[...] = jnp.where(_rows_in_range(refs.out.shape, row_lo, row_hi), result, refs.out[...])
+
+
+def _kernel(*refs, tiling: _Tiling, scale: float):
+    # scalar prefetch: layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq
+    layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq = refs[:6]
+    kernel_refs = _KernelRefs(layer, kv_lens, page_table, cu_q_lens, *refs[6:])
+    kernel_refs.out[...] = jnp.zeros_like(kernel_refs.out)  # padding tokens and empty blocks give zeros
+    block = pl.program_id(0)
+
+    def per_seq(seq, carry):
+        _attend_sequence(kernel_refs, tiling, seq, scale)
+        return carry
+
+    jax.lax.fori_loop(block_first_seq[block], block_last_seq[block] + 1, per_seq, 0)
+
+
+def _block_sequences(cu_q_lens: jax.Array, num_blocks: int, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
+    """[NB] i32 first and last sequence with tokens in each q block; last < first for blocks of padding only."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    first_token = jnp.arange(num_blocks, dtype=jnp.int32) * tokens_per_block
+    num_real = cu_q_lens[-1]
+    last_token = jnp.minimum(first_token + tokens_per_block, num_real) - 1
+    seq_of = lambda token: jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs - 1)
+    first_seq = seq_of(first_token).astype(jnp.int32)
+    last_seq = jnp.where(first_token < num_real, seq_of(last_token), first_seq - 1).astype(jnp.int32)
+    return first_seq, last_seq
+
+
+def _choose_tiling(
+    q: jax.Array, k_cache: jax.Array, page_table: jax.Array, page_size: int,
+    num_kv_pages_per_block: int | None, num_queries_per_block: int | None,
+) -> _Tiling:
+    num_tokens, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[1]
+    pages_per_seq = page_table.shape[1]
+    sublane = _sublane_tile(q.dtype)
+    token_align = sublane // math.gcd(group, sublane)  # smallest BQ with BQ * G on the sublane tile
+    if num_queries_per_block is None:
+        wanted = _round_up(max(1, _DEFAULT_ROWS_PER_Q_BLOCK // group), token_align)
+        num_queries_per_block = min(wanted, _round_up(max(num_tokens, 1), token_align))
+    if num_kv_pages_per_block is None:  # short page tables need no 512-key block, but keep it whole lanes
+        lane_pages = max(1, _LANES // page_size)
+        wanted = max(1, _DEFAULT_KEYS_PER_KV_BLOCK // page_size)
+        num_kv_pages_per_block = min(wanted, _round_up(pages_per_seq, lane_pages))
+    if num_queries_per_block < 1 or num_kv_pages_per_block < 1:
+        raise ValueError("ragged_paged_attention_tpu: num_queries_per_block and num_kv_pages_per_block must be >= 1")
+    return _Tiling(page_size, pages_per_seq, num_kv_pages_per_block, num_queries_per_block, group)
+
+
+def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
+                  kv_lens: jax.Array, cu_q_lens: jax.Array, page_size: int) -> None:
+    num_heads, head_dim = q.shape[1:]
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"ragged_paged_attention_tpu: caches must both be [L, K, N, D={head_dim}], got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if num_heads % k_cache.shape[1]:
+        raise ValueError(f"ragged_paged_attention_tpu: {num_heads} query heads are not a multiple of "
+                         f"{k_cache.shape[1]} kv heads")
+    if k_cache.shape[2] % page_size:
+        raise ValueError(f"ragged_paged_attention_tpu: cache slots {k_cache.shape[2]} are not whole pages of "
+                         f"{page_size}")
+    if kv_lens.shape != page_table.shape[:1] or cu_q_lens.shape != (page_table.shape[0] + 1,):
+        raise ValueError(f"ragged_paged_attention_tpu: kv_lens {kv_lens.shape}, page_table {page_table.shape} "
+                         f"and cu_q_lens {cu_q_lens.shape} disagree on the number of sequences")
+
+
+def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: _Tiling) -> None:
+    """Shapes Mosaic cannot tile raise here, before lowering, with the fix."""
+    head_dim = q.shape[2]
+    fix = "serve with --attention-backend native, or a model whose head_dim is a multiple of 128"
+    if head_dim % _LANES:
+        raise ValueError(f"TPU ragged paged attention: head_dim {head_dim} is not a multiple of 128 "
+                         f"(a K/V page slab is [page_size, head_dim] in lanes); {fix}")
+    cache_tile = _sublane_tile(k_cache.dtype)
+    if t.page_size % cache_tile:
+        raise ValueError(f"TPU ragged paged attention: page_size {t.page_size} is not a multiple of "
+                         f"{cache_tile} ({k_cache.dtype} sublane tile); restart with --page-size "
+                         f"{_round_up(t.page_size, cache_tile)}, or {fix}")
+    q_tile = _sublane_tile(q.dtype)
+    if t.rows % q_tile:
+        raise ValueError(f"TPU ragged paged attention: num_queries_per_block {t.tokens_per_q_block} x "
+                         f"{t.group} query heads per kv head = {t.rows} rows, not a multiple of {q_tile}; "
+                         f"pick num_queries_per_block so the product is, or leave it None")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("page_size", "scale", "num_kv_pages_per_block", "num_queries_per_block", "interpret"),
+)
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, D]
+    v_cache: jax.Array,  # [L, K, N, D]
+    layer: jax.Array,  # [] i32
+    kv_lens: jax.Array,  # [S] i32   tokens of each sequence in the cache, this step's included
+    page_table: jax.Array,  # [S, P] i32
+    cu_q_lens: jax.Array,  # [S+1] i32 cumulative query lengths; cu_q_lens[0] = 0
+    *,
+    page_size: int,
+    scale: float,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; K/V pages read in place from the caches.
+
+    num_kv_pages_per_block: pages per K/V DMA block (default: 512 keys, fewer for short page tables). Only
+        pages below a row's causal limit are read, so a block may reach past P.
+    num_queries_per_block: tokens per q tile, BQ (default: BQ * G about 128 rows, at most T rounded up).
+    interpret: run on CPU with the TPU interpreter (tests).
+    """
+    _check_inputs(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, page_size)
+    tiling = _choose_tiling(q, k_cache, page_table, page_size, num_kv_pages_per_block, num_queries_per_block)
+    if not interpret:
+        _check_tpu_tiling(q, k_cache, tiling)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    bq, rows = tiling.tokens_per_q_block, tiling.rows
+    num_blocks = max(1, pl.cdiv(num_tokens, bq))
+    padded_tokens = num_blocks * bq
+
+    q_rows = q.reshape(num_tokens, num_kv_heads, tiling.group, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
+    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * tiling.group, head_dim)
+    first_seq, last_seq = _block_sequences(cu_q_lens.astype(jnp.int32), num_blocks, bq)
+    kv_buffer = pltpu.VMEM((2, tiling.keys_per_kv_block, head_dim), k_cache.dtype)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=6,
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, rows, head_dim), lambda b, h, *_: (h, b, 0)),
+            pl.BlockSpec(memory_space=pl.ANY),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((None, rows, head_dim), lambda b, h, *_: (h, b, 0)),
+        scratch_shapes=[
+            kv_buffer,
+            kv_buffer,
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((rows, _LANES), jnp.float32),
+            pltpu.VMEM((rows, _LANES), jnp.float32),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+        ],
+    )
+    out_rows = pl.pallas_call(
+        functools.partial(_kernel, tiling=tiling, scale=scale),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32).reshape(-1),
+        cu_q_lens.astype(jnp.int32),
+        first_seq,
+        last_seq,
+        q_rows,
+        k_cache,
+        v_cache,
+    )
+    out = out_rows.reshape(num_kv_heads, padded_tokens, tiling.group, head_dim).transpose(1, 0, 2, 3)
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)

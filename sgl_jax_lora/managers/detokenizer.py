@@ -1,0 +1,42 @@
+"""IncrementalDetokenizer: a request's output text, grown token by token without decoding the whole output again.
+
+Flow: TokenizerManager keeps one per request; each increment from the engine process appends its new token ids and
+reads the cumulative text. Each call decodes only a short window: the tokens since the last complete piece of text
+(`prefix_offset`) with the new ones, minus the same window without them, so a streamed piece costs O(window), not
+O(output). A piece that ends inside a multi-byte character (decoded as U+FFFD) waits for the next token. The window
+starts a few tokens back so that tokenizers whose decoding of a token depends on what precedes it (SentencePiece's
+leading space) decode it as they would in the whole text.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+WINDOW_CONTEXT_TOKENS = 5  # tokens decoded before the unread ones, for context-dependent decoders
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0  # first token of the decoded window
+        self.read_offset = 0  # tokens whose text is in self.text
+
+    def append(self, new_ids: list[int], is_last: bool = False) -> str:
+        """Add the new token ids -> the cumulative text. is_last: the output ends here, so a trailing incomplete
+        character is emitted as U+FFFD, as decoding the whole output would."""
+        self.ids.extend(new_ids)
+        if self.read_offset == len(self.ids):
+            return self.text
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window_text = self._decode(self.ids[self.prefix_offset :])
+        if len(window_text) > len(prefix_text) and (is_last or not window_text.endswith("\ufffd")):
+            self.text += window_text[len(prefix_text) :]
+            self.prefix_offset = max(self.read_offset, len(self.ids) - WINDOW_CONTEXT_TOKENS)
+            self.read_offset = len(self.ids)
+        return self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

@@ -1,0 +1,61 @@
+"""IncrementalDetokenizer: the text grown piece by piece equals decoding the whole output, for byte-level BPE (the
+demo tokenizer) and SentencePiece-style (Llama) tokenizers, whatever the split into pieces and with characters
+whose bytes span several tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["Hello, world! The quick brown fox.", "  leading spaces and  double  spaces", "naïve café — 東京 🚀 done",
+         "def add(a, b): return a + b\n\n# end"]
+
+
+def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
+    """A Metaspace BPE (as Llama-2's and Mistral's): a word's leading space is part of its first token, and decoding
+    drops the space at the start of a text, so a token's text depends on what comes before it."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    tokenizer.train_from_iterator(TEXTS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
+
+
+def tokenizers_under_test():
+    yield AutoTokenizer.from_pretrained(demo_model_path(), local_files_only=True)  # byte-level BPE
+    yield sentencepiece_style_tokenizer()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_pieces_add_up_to_the_whole_decode(text, skip_special_tokens):
+    rng = np.random.default_rng(len(text))
+    for tokenizer in tokenizers_under_test():
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id or 0]
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        texts, i = [], 0
+        while i < len(ids):
+            n = int(rng.integers(1, 4))
+            texts.append(detokenizer.append(ids[i : i + n], is_last=i + n >= len(ids)))
+            i += n
+        assert texts[-1] == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # text only grows: streamed deltas are exact
+        assert not any(t.endswith("\ufffd") for t in texts[:-1])  # no broken character is streamed
+
+
+def test_random_token_ids_decode_like_the_whole(tmp_path):
+    """Arbitrary ids (a random model's output): partial UTF-8 sequences appear mid-stream."""
+    tokenizer = next(tokenizers_under_test())
+    ids = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 200).tolist()
+    detokenizer = IncrementalDetokenizer(tokenizer, True)
+    for i, token in enumerate(ids):
+        text = detokenizer.append([token], is_last=i == len(ids) - 1)
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
