@@ -15,6 +15,7 @@ import logging
 import sys
 
 from sgl_jax_lora.server_args import ServerArgs, load_config_file
+from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,13 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    quiet_platform_probes(args.log_level)  # before transformers and JAX are imported
     # Imported here so that `--help` and flag errors answer at once, without loading transformers.
     from sgl_jax_lora.demo_model import demo_model_path
     from sgl_jax_lora.entrypoints.http_server import run_server
 
     model_path = args.model_path or demo_model_path()
-    if args.model_path is None:
-        print(f"no --model-path given: serving the embedded demo model ({model_path})", flush=True)
     try:
         return run_server(args, model_path)
     except ValueError as e:  # a setting only checked when the app is built (e.g. --chat-template)
