@@ -14,6 +14,7 @@ and a last line with the total time.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -65,7 +66,7 @@ class StartupProgress:
         self.done = 0
         self.lock = threading.Lock()
         self.closed = threading.Event()
-        self.bar = tqdm(total=total, desc=desc, file=self.stream, dynamic_ncols=True) if self.is_tty else None
+        self.bar = tqdm(total=total, desc=desc, file=self.stream, **_bar_width(self.stream)) if self.is_tty else None
         if not self.is_tty:
             logger.info("%s: %d programs to compile (a line every %s)", desc, total, format_duration(self.interval_s))
         self.thread = threading.Thread(target=self._run, name="startup-progress", daemon=True) if background else None
@@ -112,6 +113,16 @@ class StartupProgress:
     def _run(self) -> None:
         while not self.closed.wait(self.interval_s):
             self.tick()
+
+
+def _bar_width(stream: TextIO) -> dict:
+    """Follow the terminal's width, or 100 columns where it reports none: a pseudo-terminal opened without a
+    size (`docker run -t`, `script`, CI runners) reports 0 columns, and tqdm would draw an empty bar."""
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return {"dynamic_ncols": True} if columns > 0 else {"ncols": 100}
 
 
 def startup_progress(total: int, desc: str = "compiling") -> StartupProgress:
