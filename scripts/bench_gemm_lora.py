@@ -48,7 +48,7 @@ MODULES = {
     "gate_up": (4096, (14336, 14336)),
     "down": (14336, (4096,)),
 }
-# module, rank, T, sequences: the rows (T = 4096, 32 adapters), then the engine's other prefill buckets
+# module, rank, T, sequences: the prefill goal rows (T = 4096, 32 adapters), then the engine's other prefill buckets
 # (--max-prefill-seqs 8 by default)
 ROWS = [
     ("o", 16, 4096, 32), ("o", 64, 4096, 32), ("qkv", 16, 4096, 32), ("gate_up", 16, 4096, 32), ("down", 16, 4096, 32),

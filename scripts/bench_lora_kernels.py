@@ -1,4 +1,4 @@
-"""Cost of a LoRA-wrapped linear vs the base GEMM, per LoRA backend (protocol: ../shared/BENCHMARKS.md).
+"""Cost of a LoRA-wrapped linear vs the base GEMM, per LoRA backend (docs/benchmarks.md, "LoRA kernels").
 
 For each (layer shape, rank, tokens T, distinct adapters n) it jits 16 unrolled layers with distinct
 weights (so the base weights stream from HBM, as in a real model) twice: base only (y = x @ W) and
@@ -17,13 +17,13 @@ the two only with `--chain`: with unchained layers concurrency would overlap who
 `--residual` (with `--chain`) gives each layer the engine's row-parallel form (o, down): out = (res + delta(inp)) +
 inp @ W, the LoRA delta added in place into the residual, so its kernels need not wait for the GEMM; the base
 chain is res + inp @ W. Input and residual are two streams that alternate (layer i's residual is layer i-1's
-input), so they are different arrays as in the model; `--residual same` makes them one array (sessions 10-20),
+input), so they are different arrays as in the model; `--residual same` makes them one array,
 where the in-place add makes XLA copy x before each layer.
 
 Timing: the median of back-to-back calls (host launch time included where the device does not hide it);
 `--device-span` adds the ratio of device spans from a profiler trace (the program's cost on the device alone),
 and `--compiles N` compiles every program N times separately and takes the median, since separate compiles of
-one program differ by up to about 0.4 in decode ratios (docs/benchmarks.md, session 20).
+one program differ by up to about 0.4 in decode ratios (docs/benchmarks.md, "Limits and what was not run").
 
 Prefill rows here time the backends' `apply` on shuffled tokens; the engine's prefill on Hopper GPUs runs the
 LoRA inside the base GEMM on sequences held together, which scripts/bench_gemm_lora.py times.
@@ -64,7 +64,7 @@ MAX_GATHER_BYTES = 4 << 30  # bgmv materializes T copies of the weights; skip ro
 
 
 def grid(name: str) -> list[tuple[str, int, int, int]]:
-    """(shape, rank, T, n) rows in run order: the goal rows of issue 5 first.
+    """(shape, rank, T, n) rows in run order: the decode and prefill goal rows first.
 
     'full' trims the protocol grid to fit one ~8 minute run: q/o gets every rank-16 scenario; gate_up and
     down get the three rank-16 goal-like scenarios (decode 64/32 and 256/128, prefill 4096/32); q/o rank 64
@@ -146,7 +146,7 @@ def layer_chain(chain: bool, residual: str):
     - residual "split" (the model's o and down): two streams alternate, layer i adds its output into the
       stream that was layer i-1's input, so input and residual are different arrays, as attention's output
       and the residual stream are in the model, and the next layer's input holds the LoRA delta;
-    - residual "same": x is both input and residual (sessions 10-20): an in-place add then makes XLA copy x
+    - residual "same": x is both input and residual (the bench's older form): an in-place add then makes XLA copy x
       first, which the model does not do.
     """
 
@@ -182,7 +182,7 @@ def lora_layer(backend, lora):
 def device_span_s(fn, args, calls: int = 3) -> float:
     """Median device span of one call (first kernel start to last kernel end, from a jax.profiler trace): the
     program's cost on the device, without the host's time to launch it. Programs compiled with --concurrent
-    with LoRA traced at 1.27-1.50x their timed calls (session 21), so spans are compared only without it."""
+    with LoRA traced at 1.27-1.50x their timed calls on an H100, so spans are compared only without it."""
     # the trace reading of profile_step.py, imported here: it pulls in the engine, which the scripts that import
     # this module for time_fn (bench_gemm_lora.py, tune_gpu_sgmv.py) do not need
     from scripts.profile_step import device_ops, span_us, split_forwards
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--residual", nargs="?", const="split", default="none", choices=("none", "split", "same"),
                         help="with --chain: each layer adds its output (and its LoRA delta, in place) into a residual "
                              "stream, the engine's form for o and down; 'split' (the default of the flag): input and "
-                             "residual are different arrays, as in the model; 'same': x is both (sessions 10-20)")
+                             "residual are different arrays, as in the model; 'same': x is both (the older form)")
     parser.add_argument("--compiles", type=int, default=1,
                         help="compile each program this many times, separately, and report the median time: separate "
                              "compiles of one program differ (GEMM configurations, placement) by up to ~0.4 in "
@@ -334,7 +334,7 @@ def main() -> None:
         parser.error(f"--device-span reads GPU kernels from a profiler trace; this platform is {jax.default_backend()}")
     if args.device_span and args.concurrent:
         parser.error("--device-span with --concurrent: traced spans of concurrently scheduled kernels exceed the timed "
-                     "calls (session 21); time those programs without --device-span")
+                     "calls; time those programs without --device-span")
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
           f"chain {args.chain}, residual {args.residual}, concurrent {args.concurrent}", flush=True)
     backends = args.backends.split(",")

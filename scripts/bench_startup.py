@@ -1,5 +1,5 @@
 """Startup warmup time, serial against threaded compile, each in a fresh process: the A/B behind
-`--warmup-compile-threads`.
+`--warmup-compile-threads` (docs/benchmarks.md, "Startup").
 
 Each run builds an EngineCore (model, KV cache, every compiled bucket) in a new Python process, so no run finds
 another's programs or autotuning results, and prints how long the warmup took and how many programs it lowered.

@@ -9,6 +9,9 @@ __all__ = ["Engine", "ServerArgs"]
 
 def __getattr__(name: str):
     if name == "Engine":
+        from sgl_jax_lora.utils.quiet import quiet_platform_probes
+
+        quiet_platform_probes()  # before the engine module imports transformers
         from sgl_jax_lora.engine import Engine
 
         return Engine

@@ -18,8 +18,10 @@ from sgl_jax_lora.server_args import ServerArgs
 
 
 class Engine:
-    def __init__(self, **kwargs: object):
-        self.server_args = ServerArgs.from_kwargs(**kwargs)
+    def __init__(self, config: str | None = None, **kwargs: object):
+        """Engine(model_path=..., tp_size=..., ...): the ServerArgs fields as keywords. `config` names a JSON or
+        YAML file of the same fields (as `launch --config`); keywords given here override it."""
+        self.server_args = ServerArgs.from_kwargs(config=config, **kwargs)
         model_path = self.server_args.model_path or demo_model_path()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-frontend", daemon=True)

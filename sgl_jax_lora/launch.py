@@ -1,6 +1,8 @@
-"""`python -m sgl_jax_lora.launch [--model-path DIR] [--port P] ...`: start the HTTP server.
+"""`python -m sgl_jax_lora.launch [--config FILE] [--model-path DIR] [--port P] ...`: start the HTTP server.
 
-Flow: argv -> argparse built from the ServerArgs fields (every flag in --help) -> ServerArgs (validated;
+Flow: argv -> --config FILE (JSON or YAML of ServerArgs fields, e.g. tpu_configs/v6e-8.json) read as the
+defaults -> argparse built from the ServerArgs fields (every flag in --help; a flag on the command line
+overrides the file) -> ServerArgs (validated;
 a bad flag exits with code 2 and names the fix) -> http_server.run_server, which spawns the engine
 process and serves until SIGINT/SIGTERM (exit 0) or until the engine process dies (exit 1). With no
 --model-path it serves the embedded demo model, so it works on a fresh machine with no download.
@@ -12,7 +14,8 @@ import argparse
 import logging
 import sys
 
-from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.server_args import ServerArgs, load_config_file
+from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,26 +23,43 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m sgl_jax_lora.launch",
         description="Serve one base model and many LoRA adapters over HTTP (SGLang /generate and the OpenAI API).",
     )
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help="JSON or YAML file of settings, keys named like the flags (tp_size or tp-size); flags given here override it",
+    )
     ServerArgs.add_cli_args(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """argv (with an optional --config FILE) -> validated ServerArgs; exits 2 naming the problem."""
     parser = build_parser()
+    config_only = argparse.ArgumentParser(add_help=False)
+    config_only.add_argument("--config")
+    known, _ = config_only.parse_known_args(argv)
+    if known.config:
+        try:
+            parser.set_defaults(**load_config_file(known.config))
+        except ValueError as e:
+            parser.error(str(e))
     namespace = parser.parse_args(argv)
     try:
-        args = ServerArgs.from_cli_args(namespace)
+        return ServerArgs.from_cli_args(namespace)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parser = build_parser()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    quiet_platform_probes(args.log_level)  # before transformers and JAX are imported
     # Imported here so that `--help` and flag errors answer at once, without loading transformers.
     from sgl_jax_lora.demo_model import demo_model_path
     from sgl_jax_lora.entrypoints.http_server import run_server
 
     model_path = args.model_path or demo_model_path()
-    if args.model_path is None:
-        print(f"no --model-path given: serving the embedded demo model ({model_path})", flush=True)
     try:
         return run_server(args, model_path)
     except ValueError as e:  # a setting only checked when the app is built (e.g. --chat-template)

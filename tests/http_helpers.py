@@ -45,13 +45,13 @@ def server_env() -> dict:
 class ServerProcess:
     """A launched server: `url`, `process`, `log_text()`; `stop(sig)` returns its exit code."""
 
-    def __init__(self, args: list[str], port: int):
+    def __init__(self, args: list[str], port: int, python_args: list[str] | None = None, env: dict | None = None):
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="sgl_jax_lora_server_", suffix=".log", delete=False)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sgl_jax_lora.launch", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=server_env(),
+            [sys.executable, *(python_args or []), "-m", "sgl_jax_lora.launch", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env or server_env(),
         )
 
     def log_text(self) -> str:
@@ -82,9 +82,10 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(args: list[str], timeout_s: float = 600) -> ServerProcess:
+def start_server(args: list[str], timeout_s: float = 600, python_args: list[str] | None = None, env: dict | None = None) -> ServerProcess:
+    """`python [python_args] -m sgl_jax_lora.launch ARGS --port P`, healthy; `env` defaults to server_env()."""
     port = free_port()
-    server = ServerProcess([*args, "--port", str(port)], port)
+    server = ServerProcess([*args, "--port", str(port)], port, python_args, env)
     try:
         server.wait_healthy(timeout_s)
     except BaseException:

@@ -1,7 +1,7 @@
 """Offline Engine end to end (engine process, scheduler, sampler) on CPU, fp32.
 
 One engine serves the module; its model is a tiny random HF Llama so every answer can be checked
-against HF transformers. The invariants of ARCHITECTURE.md: HF parity, prefill+decode == full forward,
+against HF transformers. The engine's invariants (docs/architecture.md): HF parity, prefill+decode == full forward,
 chunked == unchunked, batch invariance, no compilation after warmup.
 """
 

@@ -56,7 +56,7 @@ def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[l
 
 
 # float32 prompt logprobs against HF + PEFT on CPU: 1e-4. XLA runs float32 GEMMs in TF32 on NVIDIA GPUs by default
-# (10-bit mantissa), which moved them by up to 1.8e-3 in the tp-2 test on two H200s (session 21).
+# (10-bit mantissa), which moved them by up to 1.8e-3 in the tp-2 test on two H200s.
 LOGPROB_ATOL = 1e-4 if jax.default_backend() == "cpu" else 5e-3
 
 

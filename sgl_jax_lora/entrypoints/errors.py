@@ -94,21 +94,21 @@ def _input_suffix(error: dict) -> str:
     return f" (got {value[:80]})"
 
 
-def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
-    """Answer every exception with an OpenAI-style body; `on_error(status)` counts it."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None]) -> None:
+    """Answer every exception with an OpenAI-style body; `on_error(request, error)` counts it."""
 
-    def respond(error: APIError) -> JSONResponse:
-        on_error(error.status_code)
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        on_error(request, error)
         return error_response(error.status_code, error.message, error.code)
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        return respond(to_api_error(exc))
+        return respond(request, to_api_error(exc))
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(validation_error(list(exc.errors())))
+        return respond(request, validation_error(list(exc.errors())))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
+        return respond(request, APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

@@ -112,7 +112,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
 
     app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app, on_error=lambda status: state.metrics.errors.labels(str(status)).inc())
+    install_error_handlers(app, on_error=state.metrics.count_error)
     app.include_router(native_api.public_router)
     protected = [Depends(require_api_key)]
     app.include_router(native_api.router, dependencies=protected)
@@ -195,6 +195,23 @@ def _stop_unfinished_children() -> None:
             child.kill()
 
 
+class StartupProbeFilter(logging.Filter):
+    """Drops uvicorn's access-log line of each `GET /health` 503 while the engine starts: a health checker
+    polls every second or so, and a screen of "503 Service Unavailable" reads as a failure. The progress
+    of the startup is on the console instead (utils/progress.py); every other line is kept."""
+
+    def __init__(self, state: ServerState):
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 5:
+            return True
+        is_probe = args[2] == "/health" and args[4] == 503
+        return not (is_probe and self.state.tokenizer_manager is None and self.state.startup_error is None)
+
+
 def run_server(args: ServerArgs, model_path: str) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
     app = create_app(args, model_path)
@@ -208,11 +225,15 @@ def run_server(args: ServerArgs, model_path: str) -> int:
 
     state.request_exit = request_exit
     state.is_exiting = lambda: server.should_exit
+    logging.getLogger("uvicorn.access").addFilter(StartupProbeFilter(state))
     # uvicorn re-raises the signal that stopped it once it has shut down; these handlers swallow that
     # re-raise so that a clean SIGINT/SIGTERM shutdown exits with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     print(f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)", flush=True)
+    if args.model_path is None:
+        print(f"no --model-path given: serving the embedded demo model ({model_path}); its weights are random, "
+              "so its text is noise: pass --model-path DIR to serve a real model", flush=True)
     server.run()
     if not server.started and state.exit_code == 0:
         return 1  # could not bind the port (uvicorn logged why)

@@ -2,7 +2,9 @@
 so several apps in one process, as in tests, do not collide).
 
 Flow: every generation handler wraps `TokenizerManager.generate_request(...)` in `ServerMetrics.track`,
-which counts requests and tokens and times the first token and each later one; `GET /metrics` first
+which counts requests and tokens and times the first token and each later one; every error answer goes
+through `ServerMetrics.count_error` (a 503 of GET /health, the answer a health probe expects while the
+engine compiles, is counted as `health_not_ready`, not as a request error); `GET /metrics` first
 fetches the engine's stats (`server_info`: queue depth, KV pages, LoRA tiers) into `set_engine_stats`,
 then renders the registry. Names are listed in docs/http_api.md.
 """
@@ -14,10 +16,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 
+from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sgl_jax_lora.entrypoints.errors import APIError
 from sgl_jax_lora.managers.step_stats import PHASES
 
 PREFIX = "sgl_jax_lora"
@@ -32,6 +36,9 @@ class ServerMetrics:
         self.requests = Counter(f"{PREFIX}_requests", "generation requests received, by endpoint", ["endpoint"], registry=r)
         self.finished = Counter(f"{PREFIX}_requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
         self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status", ["status"], registry=r)
+        self.health_not_ready = Counter(
+            f"{PREFIX}_health_not_ready", "GET /health answered 503, by reason (engine_starting, engine_dead)", ["reason"], registry=r
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram(
@@ -48,6 +55,13 @@ class ServerMetrics:
         )
         self.engine = EngineStatsCollector()
         r.register(self.engine)
+
+    def count_error(self, request: Request, error: APIError) -> None:
+        """A health probe's 503 is the engine's state, not a failed request: counted apart."""
+        if request.url.path == "/health" and error.status_code == 503:
+            self.health_not_ready.labels(error.code or "unknown").inc()
+        else:
+            self.errors.labels(str(error.status_code)).inc()
 
     @contextlib.contextmanager
     def time_lora_load(self) -> Iterator[None]:

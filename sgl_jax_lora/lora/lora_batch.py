@@ -1,8 +1,8 @@
 """LoRABatch: the per-step LoRA metadata that crosses into jit inside ForwardBatch.
 
-Flow: LoRAManager.prepare(batch) decides each request's device slot -> `build_lora_batch` turns the
-per-token slots into this pytree on the host (numpy) -> ForwardBatch carries it to the model ->
-every LoRALinear hands it to the LoRA backend (einsum / bgmv / sgmv / pallas).
+Flow: the Scheduler admits requests, LoRAManager.try_admit giving each adapter its device slot ->
+LoRAManager.lora_batch (`build_lora_batch`) turns the per-token slots into this pytree on the host (numpy) ->
+ForwardBatch carries it to the model -> every LoRALinear hands it to the LoRA backend (einsum / bgmv / sgmv / pallas).
 
 Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exactly-zero delta.
 Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments

@@ -14,12 +14,14 @@ from multiprocessing.connection import Connection
 
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 logger = logging.getLogger(__name__)
 
 
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
+    quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
     _enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     try:

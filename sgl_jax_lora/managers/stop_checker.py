@@ -1,6 +1,6 @@
 """StopChecker: decides after each sampled token whether a request is finished, and why.
 
-Flow: EngineCore._postprocess appends the sampled token, then calls `check`. Finish reasons follow
+Flow: EngineCore._finish puts each sampled token in its request's output, then calls `check`. Finish reasons follow
 SGLang: {"type": "stop", "matched": token id or stop string}, {"type": "length", "length": n}.
 Stop strings are searched in the decoded tail of the output; the frontend trims the text at the match.
 """

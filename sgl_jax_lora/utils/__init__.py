@@ -1,0 +1,1 @@
+"""Small helpers of the start-up path: quiet platform probing (quiet.py) and compile progress (progress.py)."""
