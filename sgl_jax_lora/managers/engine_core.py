@@ -21,7 +21,6 @@ import logging
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
@@ -42,6 +41,7 @@ from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.logit_adjustments import LogitRow
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.progress import startup_progress
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EngineCore:
         warmup_start = time.monotonic()
         if not args.skip_precompile:
             lora_for = self.lora.padding_batches if self.lora else (lambda num_tokens: [None])
-            self.runner.warmup(self.buckets, lora_for, progress=tqdm)
+            self.runner.warmup(self.buckets, lora_for, progress=startup_progress)
         self.warmup_s = time.monotonic() - warmup_start
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0

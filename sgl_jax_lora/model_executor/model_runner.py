@@ -186,7 +186,7 @@ class ModelRunner:
 
         A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and
         V of 47.8 GB each did not both fit under an H200's 112.6 GB limit (the GPU allocator seems to grow in regions
-        rounded up to powers of two; docs/benchmarks.md, session 21). Such a cache is shrunk by
+        rounded up to powers of two). Such a cache is shrunk by
         KV_SHRINK_FACTOR until it fits; a size the user set (--max-total-tokens) is not changed: it fails with the
         fix named."""
         args = self.args

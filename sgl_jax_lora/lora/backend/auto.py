@@ -24,7 +24,7 @@ from sgl_jax_lora.lora.layer_stack import LayerStack, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 # (max tokens, max segments, min output width, backend): the first row that fits wins. From the H100 runs
-# in docs/benchmarks.md ("LoRA kernels", "Decode: backend per module", "Session 9"); docs/lora_backends.md gives the
+# in docs/benchmarks.md ("LoRA kernels"); docs/lora_backends.md ("What auto chooses, and why") gives the
 # per-row reasoning. Token buckets between 256 and 2048 were not measured and take the T = 256 choice.
 _ANY = 1 << 30
 GPU_RULES: tuple[tuple[int, int, int, str], ...] = (

@@ -78,7 +78,7 @@ class PallasBackend(LoRABackend):
     DELTA_MAX_TOKENS = 128
     DELTA_MAX_WIDTH = 16384
     # prefill buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs
-    FUSED_GEMM_MIN_TOKENS = 512  # measured from 512 (docs/benchmarks.md "Session 19"); SGMV below
+    FUSED_GEMM_MIN_TOKENS = 512  # measured from 512 (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
 
     def __init__(
         self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None,

@@ -5,7 +5,7 @@ Where it sits: `--lora-backend sgmv`; the Pallas backend is the kernel version o
 Two formulations of the segmented product, picked by platform:
 - "ragged" (TPU, CPU): tokens permuted by `sort_perm` into segments and one `jax.lax.ragged_dot` over the
   G segment weights `A[seg_slot]`. Not used on GPU, where XLA's lowering of ragged_dot pads every group to
-  the worst case (BENCHMARKS.md: up to 7.2x the base matmul).
+  the worst case (measured: up to 7.2x the base matmul).
 - "segment_onehot" (GPU): no permutation; a one-hot over the G segments (not the A slots), so the work and
   the weight bytes scale with the adapters present in the batch instead of the slot pool.
 No rank awareness in either: each segment is computed at the pool's max rank R (zero padding rows).
