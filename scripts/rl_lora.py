@@ -3,7 +3,7 @@
 Flow of one step:
     completions = engine.generate(prompts x samples, lora_path="policy", temperature 1)   # the serving engine
     rewards     = fraction of each completion's tokens in the target set                  # a programmatic reward
-    trainer.step(prompt + completion, advantages = standardized rewards)                   # sgl_jax_lora.train
+    trainer.step(prompt + completion, per-token advantages from the rewards)               # sgl_jax_lora.train
     engine.update_lora_adapter("policy", peft_tensors(trainer.lora))                       # new version, no compile
 The engine was warmed up once; the loop checks that it compiled nothing after warmup (updates and new versions
 reuse the same slot path). Writes OUT/reward.csv (+ OUT/reward.png) and OUT/adapter (the final PEFT adapter).
@@ -36,10 +36,20 @@ ENGINE_FLAGS = dict(dtype="float32", context_length=128, chunked_prefill_size=64
 
 
 def reinforce_loss(logprobs: jnp.ndarray, batch: dict) -> jnp.ndarray:
-    """REINFORCE with a baseline: -mean over completion tokens of advantage x log pi(token).
-    batch["loss_mask"] [B, S] marks completion tokens; batch["advantage"] [B] is the standardized reward."""
+    """REINFORCE: -mean over completion tokens of advantage x log pi(token).
+    batch["loss_mask"] [B, S] marks completion tokens; batch["advantage"] [B, S] the advantage of each token."""
     mask = batch["loss_mask"][:, 1:]
-    return -(batch["advantage"][:, None] * logprobs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return -(batch["advantage"][:, 1:] * logprobs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def token_advantages(completions: list[list[int]], targets: set[int]) -> np.ndarray:
+    """[B, M] advantages. The reward (fraction of target tokens) is a sum of per-token rewards, so each token's
+    action is credited with the reward from it onwards (reward-to-go: the same policy gradient, less variance),
+    minus the batch mean at that position (baseline), standardized."""
+    hits = np.array([[t in targets for t in c] for c in completions], np.float32) / len(completions[0])
+    to_go = np.cumsum(hits[:, ::-1], axis=1)[:, ::-1]
+    centered = to_go - to_go.mean(axis=0, keepdims=True)
+    return centered / (centered.std() + 1e-6)
 
 
 def target_token_ids(tokenizer, target: str) -> set[int]:
@@ -60,13 +70,17 @@ def reward(completion: list[int], targets: set[int]) -> float:
 
 def training_batch(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, seq_len: int,
                    pad_id: int) -> dict:
-    """Prompt + completion rows padded to [B, seq_len] (one shape every step: one compile), completion mask."""
+    """Prompt + completion rows padded to [B, seq_len] (one shape every step: one compile), completion mask, and
+    each completion token's advantage ([B, M] placed at the completion's positions)."""
     ids = np.full((len(prompts), seq_len), pad_id, np.int32)
     mask = np.zeros((len(prompts), seq_len), np.float32)
+    advantage = np.zeros((len(prompts), seq_len), np.float32)
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        ids[row, : len(prompt) + len(completion)] = prompt + completion
-        mask[row, len(prompt) : len(prompt) + len(completion)] = 1.0
-    return {"input_ids": ids, "loss_mask": mask, "advantage": advantages.astype(np.float32)}
+        span = slice(len(prompt), len(prompt) + len(completion))
+        ids[row, : span.stop] = prompt + completion
+        mask[row, span] = 1.0
+        advantage[row, span] = advantages[row]
+    return {"input_ids": ids, "loss_mask": mask, "advantage": advantage}
 
 
 def sample(engine: Engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[dict]:
@@ -79,9 +93,9 @@ def rl_step(engine: Engine, trainer: LoRATrainer, prompts: list[list[int]], args
             seq_len: int, pad_id: int) -> tuple[float, int]:
     """Sample, score, one REINFORCE update, push the new weights; -> (mean reward, adapter version that sampled)."""
     outs = sample(engine, prompts, args.max_new_tokens, args.seed * 100_003 + step * len(prompts))
-    rewards = np.array([reward(o["output_ids"], targets) for o in outs])
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-    trainer.step(training_batch(prompts, [o["output_ids"] for o in outs], advantages, seq_len, pad_id))
+    completions = [o["output_ids"] for o in outs]
+    rewards = np.array([reward(c, targets) for c in completions])
+    trainer.step(training_batch(prompts, completions, token_advantages(completions, targets), seq_len, pad_id))
     engine.update_lora_adapter("policy", peft_tensors(trainer.lora))
     return float(rewards.mean()), outs[0]["meta_info"]["lora_version"]
 
@@ -120,12 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", default=None, help="HF model directory (default: the demo model)")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--samples-per-prompt", type=int, default=4, help=f"x {len(PROMPTS)} prompts per step")
+    parser.add_argument("--samples-per-prompt", type=int, default=8, help=f"x {len(PROMPTS)} prompts per step")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--target-chars", default="0123456789",
                         help="reward: fraction of completion tokens made only of these characters")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-2)
+    parser.add_argument("--lr", type=float, default=5e-2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.model_path = args.model_path or demo_model_path()
