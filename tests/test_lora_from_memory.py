@@ -167,3 +167,20 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
     assert new["meta_info"]["lora_version"] == 2
     assert new["output_ids"] == run(engine, ids, "second_disk", 4)["output_ids"]
     assert engine.get_server_info()["num_compilations_after_warmup"] == 0
+
+
+def test_safetensors_bytes_of_every_float_dtype_read_as_float32():
+    import torch
+    from safetensors.torch import save
+
+    from sgl_jax_lora.lora.adapter import read_safetensors_bytes
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    values = torch.tensor([[1.5, -2.25], [0.0, 3.0]])
+    data = save({f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
+    tensors = read_safetensors_bytes("x", data)
+    assert len(tensors) == 4
+    for array in tensors.values():
+        assert array.dtype == np.float32 and np.array_equal(array, values.numpy())
+    with pytest.raises(LoRAAdapterError, match="dtype I32"):
+        read_safetensors_bytes("x", save({"ids": torch.zeros(2, dtype=torch.int32)}))
