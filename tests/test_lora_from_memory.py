@@ -163,6 +163,8 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
     assert first_chunk["meta_info"]["finish_reason"] is None and update["version"] == 2
     assert final["meta_info"]["lora_version"] == 1
     assert final["output_ids"] == expected_v1["output_ids"]
+    engine._run(tm.wait_for_retired_versions())  # version 1's request is done: it is unloaded
+    assert [r["version"] for r in engine.get_server_info()["loras"] if r["lora_name"] == "racing"] == [2]
     new = run(engine, ids, "racing", 4)
     assert new["meta_info"]["lora_version"] == 2
     assert new["output_ids"] == run(engine, ids, "second_disk", 4)["output_ids"]

@@ -3,6 +3,7 @@ adapter for HF PEFT (torch, fp32), for our engine and for the training forward."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -11,7 +12,7 @@ import optax
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from sgl_jax_lora import Engine
 from sgl_jax_lora.demo_model import demo_model_path
@@ -80,6 +81,26 @@ def test_training_forward_matches_peft_and_leaves_the_base_weights_alone(data_fi
     _, expected = peft_reference(adapter_dir, ids, 0)
     ours = trainer.token_logprobs(np.array([ids]))[0]
     assert np.abs(ours - expected).max() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope"])
+def test_training_forward_matches_peft_for_each_architecture(arch, tmp_path):
+    from model_fixtures import make_hf_model_dir
+
+    base = make_hf_model_dir(tmp_path / "base", arch, seed=7)
+    trainer = LoRATrainer(str(base), rank=4, lora_alpha=8, seed=1)
+    key = jax.random.key(2)  # random B (training starts at B = 0, which would hide a wrong B layout)
+    weights = {m: {"A": p["A"], "B": 0.1 * jax.random.normal(jax.random.fold_in(key, i), p["B"].shape)}
+               for i, (m, p) in enumerate(trainer.lora.weights.items())}
+    trainer.lora = dataclasses.replace(trainer.lora, weights=weights)
+    adapter_dir = save_peft_adapter(trainer.lora, str(tmp_path / "adapter"), str(base))
+    ids = np.random.default_rng(0).integers(2, 491, size=12).tolist()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                      adapter_dir).eval()
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        expected = torch.log_softmax(model(tokens).logits[0], -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0].numpy()
+    assert np.abs(trainer.token_logprobs(np.array([ids]))[0] - expected).max() < 1e-4
 
 
 def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_path):

@@ -309,6 +309,10 @@ class TokenizerManager:
         task.add_done_callback(self._retiring.discard)
         return {**self._lora_summary(ref), "replaced_lora_id": old.lora_id, **result}
 
+    async def wait_for_retired_versions(self) -> None:
+        """Return once every replaced adapter version has finished its requests and been unloaded."""
+        await asyncio.gather(*self._retiring)
+
     async def _unload_when_drained(self, old: LoRARef) -> None:
         await self.lora_registry.wait_drained(old.lora_id)
         if not self.is_dead:
