@@ -137,6 +137,20 @@ def test_update_keeps_the_config_and_refuses_tensors_it_does_not_fit(setup):
     assert logprobs(out) != logprobs(run(engine, ids, "first_disk"))
 
 
+def test_an_adapter_loaded_from_disk_is_updated_under_its_own_config(setup):
+    engine, first, _ = setup
+    engine.load_lora_adapter("from_disk", str(first))
+    tensors, config = read_adapter(first)
+    rescaled = {k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}
+    assert engine.update_lora_adapter("from_disk", rescaled)["version"] == 2  # config re-read from its directory
+    engine.load_lora_adapter_from_tensors("rescaled", rescaled, config)
+    ids = prompt(6, 10)
+    updated = run(engine, ids, "from_disk")
+    assert logprobs(updated) == logprobs(run(engine, ids, "rescaled"))
+    assert logprobs(updated) != logprobs(run(engine, ids, "first_disk"))
+    assert {r["lora_name"]: r["lora_path"] for r in engine.get_server_info()["loras"]}["from_disk"] == ""
+
+
 def test_a_running_request_finishes_on_the_version_it_started_with(setup):
     engine, first, second = setup
     first_tensors, first_config = read_adapter(first)
