@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from sgl_jax_lora.entrypoints import native_api, openai_api
+from sgl_jax_lora.entrypoints import lora_tensors_api, native_api, openai_api
 from sgl_jax_lora.entrypoints.errors import APIError, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
@@ -117,6 +117,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     protected = [Depends(require_api_key)]
     app.include_router(native_api.router, dependencies=protected)
     app.include_router(openai_api.router, dependencies=protected)
+    app.include_router(lora_tensors_api.router, dependencies=protected)
 
     @app.get("/metrics", dependencies=protected)
     async def metrics(request: Request) -> Response:

@@ -126,7 +126,8 @@ async def list_models(request: Request) -> JSONResponse:
     models = [_model_card(base, state.model_path, None, created, tm.context_length)]
     if state.args.enable_lora:
         for ref in tm.list_loras():
-            models.append(_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length))
+            models.append({**_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length),
+                           "version": ref.version})
     return JSONResponse({"object": "list", "data": models})
 
 

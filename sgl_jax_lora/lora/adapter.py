@@ -2,6 +2,8 @@
 
 Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> HostAdapterCache (host tier, LRU) ->
 LoRAManager writes `weights` into a device slot of the LoRA memory pool -> LoRALinear layers.
+From memory (tensors + config dict, or safetensors bytes over HTTP), `adapter_from_tensors` runs the same checks
+(`build_adapter` is shared by both).
 
 Per-module scaling is folded into B so that the engine needs one scaling per adapter:
 PEFT computes `delta_m(x) = B_m A_m x * s_m` with `s_m = alpha_m / r_m` (or `/ sqrt(r_m)` for rslora),
@@ -17,7 +19,8 @@ import logging
 import re
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError, deserialize, safe_open
+from safetensors.numpy import save as save_safetensors
 
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
@@ -26,6 +29,7 @@ from sgl_jax_lora.lora.peft_config import (
     PeftLoRAConfig,
     adapter_error,
     load_peft_config,
+    parse_peft_config,
     resolve_weights_file,
 )
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
@@ -90,7 +94,9 @@ def inspect_peft_adapter(
 ) -> AdapterSummary:
     """Every check of `load_peft_adapter` (config, tensor names and shapes, rank) without reading the weights:
     registration stays cheap (milliseconds) however large the adapter; the data is read on first use."""
-    _, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_headers)
+    config = load_peft_config(name, path)
+    headers = _read_headers(name, resolve_weights_file(name, path))
+    _, plan = _validated_plan(name, config, headers, target_shapes, max_lora_rank)
     return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
 
 
@@ -98,7 +104,27 @@ def load_peft_adapter(
     name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
 ) -> LoRAAdapter:
     """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable."""
-    scaling, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_tensors)
+    config = load_peft_config(name, path)
+    tensors = _read_tensors(name, resolve_weights_file(name, path))
+    return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
+
+
+def adapter_from_tensors(
+    name: str, tensors: dict[str, np.ndarray], raw_config: dict, target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None = None, path: str = "",
+) -> LoRAAdapter:
+    """An adapter from memory: PEFT tensor names -> arrays, and adapter_config.json's fields as a dict; the same
+    checks as from disk."""
+    config = parse_peft_config(name, raw_config)
+    return build_adapter(name, path, config, _float32_tensors(name, tensors), target_shapes, max_lora_rank)
+
+
+def build_adapter(
+    name: str, path: str, config: PeftLoRAConfig, tensors: dict[str, np.ndarray], target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None = None,
+) -> LoRAAdapter:
+    """Validated config + PEFT-named float32 tensors -> host adapter (disk and memory share this)."""
+    scaling, plan = _validated_plan(name, config, tensors, target_shapes, max_lora_rank)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for key, (lora_a, lora_b, ratio) in plan.items():
         lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
@@ -114,12 +140,54 @@ def load_peft_adapter(
     )
 
 
-def _validated_plan(name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None, read) -> tuple:
-    """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `read` gives the tensors
-    (arrays, or headers that carry only a shape)."""
-    config = load_peft_config(name, path)
+def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
+    """A safetensors file's bytes (e.g. an HTTP body) -> name -> float32 array (F32, F16, BF16, F64)."""
+    try:
+        entries = deserialize(data)
+    except (SafetensorError, ValueError, TypeError) as e:
+        raise adapter_error(name, f"the tensors are not a valid safetensors file ({e})",
+                            "send the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)") from e
+    tensors = {}
+    for key, entry in entries:
+        dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
+        if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
+            tensors[key] = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        elif dtype in _FLOAT_DTYPES:
+            tensors[key] = np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
+        else:
+            raise adapter_error(name, f"tensor {key!r} has dtype {dtype}", "LoRA tensors must be floating point")
+    return tensors
+
+
+def to_safetensors_bytes(name: str, tensors: dict) -> bytes:
+    """name -> array (numpy, JAX, bf16 included) -> a float32 safetensors file's bytes, the wire form of an adapter
+    from memory (float arrays only)."""
+    return save_safetensors({k: np.ascontiguousarray(v) for k, v in _float32_tensors(name, tensors).items()})
+
+
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
+    """Caller's arrays (numpy, JAX, anything numpy can read) -> float32 numpy, refusing non-float data."""
+    if not isinstance(tensors, dict) or not tensors:
+        raise adapter_error(name, "no tensors given", "pass a non-empty dict of PEFT tensor names to arrays")
+    converted = {}
+    for key, value in tensors.items():
+        array = np.asarray(value)
+        if not isinstance(key, str) or not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+            raise adapter_error(name, f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
+                                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')")
+        converted[key] = np.asarray(array, dtype=np.float32)
+    return converted
+
+
+def _validated_plan(name: str, config: PeftLoRAConfig, tensors: dict, target_shapes: LoRATargetShapes,
+                    max_lora_rank: int | None) -> tuple:
+    """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `tensors` are arrays,
+    or headers that carry only a shape."""
     _check_config_matches_model(name, config, target_shapes)
-    pairs = _group_lora_pairs(name, read(name, resolve_weights_file(name, path)))
+    pairs = _group_lora_pairs(name, tensors)
     scaling = config.scaling if config.scaling > 0 else 1.0
     plan = {}
     for module_path, (lora_a, lora_b) in sorted(pairs.items()):

@@ -5,6 +5,8 @@ their configs and tensor headers, fix the pool's max rank (--max-lora-rank, else
 else 16) and the covered modules (--lora-target-modules, else all seven projections), pick the backend
 -> `spec` goes to the model (LoRALinear buffers) -> `build_manager(runner)` registers the initial
 adapters (pinned ones take their device slot).
+Adapters given as tensors (load from memory, or an update's new version) have no directory to re-read: `from_memory`
+validates them and keeps the host copy here, and the host cache's loader takes it from here.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from jax.sharding import Mesh
 from sgl_jax_lora.lora.backend import make_lora_backend
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.lora.adapter import AdapterSummary, inspect_peft_adapter, load_peft_adapter
+from sgl_jax_lora.lora.adapter import (
+    AdapterSummary,
+    LoRAAdapter,
+    adapter_from_tensors,
+    inspect_peft_adapter,
+    load_peft_adapter,
+    read_safetensors_bytes,
+)
+from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
 from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
@@ -39,6 +49,7 @@ class LoRASetup:
         if duplicates:
             raise ValueError(f"--lora-paths names {duplicates} more than once; give each adapter a distinct NAME=PATH")
         self.loader_max_rank: int | None = args.max_lora_rank
+        self.in_memory: dict[str, tuple[LoRAAdapter, dict]] = {}  # lora_id -> (host adapter, its config dict)
         self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
         initial_ranks = [self._inspect(ref).rank for ref in self.initial_refs]
         self.max_rank = args.max_lora_rank or max(initial_ranks, default=DEFAULT_MAX_LORA_RANK)
@@ -51,11 +62,37 @@ class LoRASetup:
             target_modules=packed,
         )
 
-    def _load(self, ref: LoRARef):
+    def _load(self, ref: LoRARef) -> LoRAAdapter:
+        if ref.lora_id in self.in_memory:
+            return self.in_memory[ref.lora_id][0]
         return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
 
     def _inspect(self, ref: LoRARef) -> AdapterSummary:
+        if ref.lora_id in self.in_memory:
+            adapter = self.in_memory[ref.lora_id][0]
+            return AdapterSummary(ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules)
         return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+
+    def from_memory(self, ref: LoRARef, tensors: bytes, config: dict) -> LoRAAdapter:
+        """Validate safetensors bytes + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
+        adapter = adapter_from_tensors(ref.lora_name, read_safetensors_bytes(ref.lora_name, tensors), config,
+                                       self.target_shapes, self.max_rank, path=ref.lora_path)
+        self.in_memory[ref.lora_id] = (adapter, config)
+        return adapter
+
+    def config_of(self, ref: LoRARef) -> dict:
+        """The adapter_config.json fields of a registered adapter (an update keeps them unless it gives new ones)."""
+        if ref.lora_id in self.in_memory:
+            return self.in_memory[ref.lora_id][1]
+        try:
+            with open(os.path.join(ref.lora_path, CONFIG_FILE), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise adapter_error(ref.lora_name, f"cannot re-read its {CONFIG_FILE} ({e})",
+                                "pass the config with the update") from e
+
+    def forget(self, lora_id: str) -> None:
+        self.in_memory.pop(lora_id, None)
 
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])

@@ -2,7 +2,8 @@
 
 Flow: `--lora-paths` / `/load_lora_adapter` / on-demand load -> `load_peft_config(name, dir)` (this file:
 reads `adapter_config.json`, refuses unsupported forms) -> `resolve_weights_file` -> `load_peft_adapter`
-(adapter.py: tensors, shapes, scaling) -> host cache -> device slot.
+(adapter.py: tensors, shapes, scaling) -> host cache -> device slot. Adapters from memory
+(`/load_lora_adapter_from_tensors`, `/update_lora_adapter`) enter at `parse_peft_config(name, dict)`.
 
 Module targeting, rank_pattern and alpha_pattern mirror the `peft` library's own rules so that the
 same module gets the same rank, alpha and scaling here as in `PeftModel`:
@@ -119,7 +120,14 @@ def _layer_index_of(module_path: str, layers_pattern: tuple[str, ...] | None) ->
 
 def load_peft_config(name: str, adapter_dir: str) -> PeftLoRAConfig:
     """Read and validate `{adapter_dir}/adapter_config.json`; raise LoRAAdapterError if not servable."""
-    raw = _read_config_json(name, adapter_dir)
+    return parse_peft_config(name, _read_config_json(name, adapter_dir))
+
+
+def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
+    """Validate adapter_config.json's fields (a dict, from disk or from a caller's memory)."""
+    if not isinstance(raw, dict):
+        raise adapter_error(name, f"the adapter config is a {type(raw).__name__}, not a dict of adapter_config.json "
+                            "fields", "pass PEFT's LoraConfig fields as a dict (e.g. LoraConfig.to_dict())")
     _refuse_unsupported(name, raw)
     for key in ("r", "lora_alpha", "target_modules"):
         if raw.get(key) is None:

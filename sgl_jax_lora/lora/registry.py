@@ -26,6 +26,7 @@ class LoRARegistry:
         self._refs: dict[str, LoRARef] = {}  # lora_name -> ref
         self._in_flight: dict[str, int] = {}  # lora_id -> requests holding it
         self._drained: dict[str, asyncio.Event] = {}  # lora_id -> set when its unload may proceed
+        self._by_id: dict[str, LoRARef] = {}  # lora_id -> ref, while registered or still in flight
 
     def register(self, ref: LoRARef) -> None:
         """Make `ref.lora_name` servable; a name already registered is refused."""
@@ -34,7 +35,29 @@ class LoRARegistry:
                 f"adapter '{ref.lora_name}': a LoRA adapter with this name is already loaded; "
                 "unload it first (POST /unload_lora_adapter) or choose another lora_name")
         self._refs[ref.lora_name] = ref
+        self._by_id[ref.lora_id] = ref
         self._in_flight.setdefault(ref.lora_id, 0)
+
+    def replace(self, ref: LoRARef) -> LoRARef:
+        """Serve `ref` (a new version) under its name from now on; return the version it replaces, which its
+        in-flight requests keep using (`wait_drained`, then unload it in the engine)."""
+        old = self._lookup(ref.lora_name)
+        self._refs[ref.lora_name] = ref
+        self._by_id[ref.lora_id] = ref
+        self._in_flight.setdefault(ref.lora_id, 0)
+        return old
+
+    async def wait_drained(self, lora_id: str) -> None:
+        """Return once no request holds `lora_id` (call after its name stopped resolving to it); forgets the id."""
+        if self._in_flight.get(lora_id, 0) > 0:
+            drained = self._drained.setdefault(lora_id, asyncio.Event())
+            await drained.wait()
+        self._in_flight.pop(lora_id, None)
+        self._by_id.pop(lora_id, None)
+
+    def ref_of(self, lora_id: str) -> LoRARef | None:
+        """The ref of a registered or still in-flight adapter id (its name and version)."""
+        return self._by_id.get(lora_id)
 
     async def acquire(self, name: str) -> LoRARef:
         """The ref registered as `name`, counted as in flight until `release(ref.lora_id)`."""
@@ -55,10 +78,7 @@ class LoRARegistry:
         """Remove `name` now; return its ref once no request is using it any more."""
         ref = self._lookup(name)
         del self._refs[name]
-        if self._in_flight.get(ref.lora_id, 0) > 0:
-            drained = self._drained.setdefault(ref.lora_id, asyncio.Event())
-            await drained.wait()
-        self._in_flight.pop(ref.lora_id, None)
+        await self.wait_drained(ref.lora_id)
         return ref
 
     def get(self, name: str) -> LoRARef | None:

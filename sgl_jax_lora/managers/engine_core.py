@@ -293,10 +293,33 @@ class EngineCore:
         adapter = self.lora.register(LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id))
         return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
 
+    def rpc_load_lora_tensors(self, ref: dict, tensors: bytes, config: dict | None, replaces: str | None = None) -> dict:
+        """An adapter from memory (safetensors bytes + config dict), or an update: the next version of adapter
+        `replaces`, with its config unless one is given. The old version keeps serving its running requests until
+        the frontend unloads it; it gives up its pin so that the new version can take one."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        ref = LoRARef(**ref)
+        old = self.lora.refs.get(replaces) if replaces is not None else None
+        if replaces is not None and old is None:
+            raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
+        adapter = self.lora_setup.from_memory(ref, tensors, config if config is not None else self.lora_setup.config_of(old))
+        if old is not None:
+            self.lora.pool.pinned.discard(old.lora_id)
+        try:
+            self.lora.register(ref)
+        except Exception:
+            self.lora_setup.forget(ref.lora_id)
+            if old is not None and old.pinned:
+                self.lora.pool.pinned.add(old.lora_id)
+            raise
+        return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
+
     def rpc_unload_lora(self, lora_id: str) -> dict:
         if self.lora is None:
             raise ValueError("LoRA is not enabled")
         self.lora.unregister(lora_id)
+        self.lora_setup.forget(lora_id)
         return {}
 
     def server_info(self) -> dict:

@@ -77,6 +77,8 @@ class TokenizerManager:
         for ref in self.server_info.get("loras", []):
             self.lora_registry.register(LoRARef(**ref))
         self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by path
+        self._update_locks: dict[str, asyncio.Lock] = {}  # one update of an adapter at a time
+        self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
 
     def _wait_ready(self) -> dict:
         try:
@@ -278,6 +280,57 @@ class TokenizerManager:
         await self.call("unload_lora", lora_id=ref.lora_id)
         return {"lora_name": lora_name, "lora_id": ref.lora_id}
 
+    async def load_lora_adapter_from_tensors(self, lora_name: str, tensors: bytes, config: dict, pinned: bool = False) -> dict:
+        """Register an adapter from memory: `tensors` is a safetensors file's bytes (PEFT names), `config` the
+        fields of its adapter_config.json. The engine runs the checks of a load from disk."""
+        self._check_lora_call(lora_name)
+        if lora_name in self.lora_registry:
+            raise RequestError(f"adapter '{lora_name}' is already loaded; unload it first, update it "
+                               "(update_lora_adapter) or choose another lora_name")
+        ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
+        result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors=tensors, config=config)
+        self.lora_registry.register(ref)
+        return {**self._lora_summary(ref), **result}
+
+    async def update_lora_adapter(self, lora_name: str, tensors: bytes, config: dict | None = None) -> dict:
+        """Serve new weights under `lora_name` as its next version (a new lora_id: the prefix cache keeps them
+        apart). Requests already running finish on the version they started with, which their meta_info names;
+        that version is unloaded once they are done. Returns as soon as new requests get the new version."""
+        self._check_lora_call(lora_name)
+        async with self._update_locks.setdefault(lora_name, asyncio.Lock()):
+            old = self.lora_registry.get(lora_name)
+            if old is None:
+                raise RequestError(f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
+                                   "load_lora_adapter_from_tensors)")
+            ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
+            result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors=tensors, config=config,
+                                     replaces=old.lora_id)
+            self.lora_registry.replace(ref)
+        task = asyncio.ensure_future(self._unload_when_drained(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return {**self._lora_summary(ref), "replaced_lora_id": old.lora_id, **result}
+
+    async def wait_for_retired_versions(self) -> None:
+        """Return once every replaced adapter version has finished its requests and been unloaded."""
+        await asyncio.gather(*self._retiring)
+
+    async def _unload_when_drained(self, old: LoRARef) -> None:
+        await self.lora_registry.wait_drained(old.lora_id)
+        if not self.is_dead:
+            await self.call("unload_lora", lora_id=old.lora_id)
+
+    def _check_lora_call(self, lora_name: str) -> None:
+        if not self.args.enable_lora:
+            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        if not isinstance(lora_name, str) or not lora_name:
+            raise RequestError("give the adapter a 'lora_name' (a non-empty string)")
+
+    @staticmethod
+    def _lora_summary(ref: LoRARef) -> dict:
+        return {"lora_name": ref.lora_name, "lora_path": ref.lora_path, "pinned": ref.pinned, "lora_id": ref.lora_id,
+                "version": ref.version}
+
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished."""
         state = _RequestState(asyncio.Queue(), IncrementalDetokenizer(self.tokenizer, request.sampling.skip_special_tokens))
@@ -313,6 +366,9 @@ class TokenizerManager:
             "cached_tokens": item["cached_tokens"],
             "finish_reason": finish,
         }
+        ref = self.lora_registry.ref_of(request.lora_id) if request.lora_id is not None else None
+        if ref is not None:  # the adapter version that served the whole request
+            meta["lora_name"], meta["lora_version"] = ref.lora_name, ref.version
         if request.return_logprob:
             meta["input_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.input_logprobs]
             meta["output_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.output_logprobs]

@@ -1,0 +1,96 @@
+"""The training forward: the serving model's own weights, no paged KV cache, LoRA A/B as a separate pytree.
+
+Flow: LoRATrainer (trainer.py) holds (graphdef, base_state) of the same Flax NNX Llama-family model the engine
+builds (models/weight_loader.py, without LoRA buffers) and the trainable `LoRAParams` (lora_params.py). Each step
+calls `token_logprobs(graphdef, base_state, lora, input_ids)` inside jit and differentiates w.r.t. `lora` only:
+the base weights are arguments, never copied into the trainable state, and get no gradients.
+
+Per layer (a lax.scan over the stacked layers, as the serving model runs them), every projection is the module's
+own base GEMM plus the LoRA delta of each HF module it packs, exactly as PEFT computes it:
+    y_m = base_m(x) + (x @ A_m^T) @ B_m^T * scaling          A_m [R, in], B_m [out, R]
+Attention is causal over the whole padded sequence [B, S] (right padding: a pad key is never before a real query).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax_lora.layers.linear import split_packed
+from sgl_jax_lora.layers.rotary import apply_rotary
+from sgl_jax_lora.train.lora_params import LoRAParams
+
+
+def _lora_delta(x: jax.Array, lora: dict, module: str, scaling: float) -> jax.Array | None:
+    """x [N, in] -> [N, out] delta of one HF module in this layer, or None when the adapter does not target it."""
+    if module not in lora:
+        return None
+    a, b = lora[module]["A"], lora[module]["B"]  # [R, in], [out, R]
+    delta = jnp.dot(jnp.dot(x.astype(a.dtype), a.T), b.T) * scaling
+    return delta.astype(x.dtype)
+
+
+def _plus(y: jax.Array, delta: jax.Array | None) -> jax.Array:
+    return y if delta is None else y + delta
+
+
+def _packed(linear, x: jax.Array, modules: tuple[str, ...], lora: dict, scaling: float) -> list[jax.Array]:
+    """A packed linear (qkv_proj, gate_up_proj): base GEMM split into its parts, each with its module's delta."""
+    parts = split_packed(linear.base(x), linear.part_sizes, linear.tp_size)
+    return [_plus(part, _lora_delta(x, lora, m, scaling)) for part, m in zip(parts, modules)]
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Causal attention. q [B, S, H, D], k/v [B, S, K, D] (K kv heads, each serving H/K query heads) -> [B, S, H*D]."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    groups = num_heads // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhst,bthd->bshd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(batch, seq_len, num_heads * head_dim)
+
+
+def _layer(layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: float, batch: int) -> jax.Array:
+    """One decoder layer. hidden [N, E] with N = B * S (row-major), positions [N] -> [N, E]."""
+    num_tokens = hidden.shape[0]
+    x = layer.input_layernorm(hidden)
+    q, k, v = _packed(layer.qkv_proj, x, ("q_proj", "k_proj", "v_proj"), lora, scaling)
+    q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
+    k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
+    v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
+    if layer.q_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    q, k = apply_rotary(q, positions, layer.inv_freq), apply_rotary(k, positions, layer.inv_freq)
+    split = lambda t: t.reshape(batch, num_tokens // batch, *t.shape[1:])  # noqa: E731
+    attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5).reshape(num_tokens, -1)
+    hidden = hidden + _plus(layer.o_proj.base(attn), _lora_delta(attn, lora, "o_proj", scaling))
+    x = layer.post_attention_layernorm(hidden)
+    gate, up = _packed(layer.gate_up_proj, x, ("gate_proj", "up_proj"), lora, scaling)
+    act = jax.nn.silu(gate) * up
+    return hidden + _plus(layer.down_proj.base(act), _lora_delta(act, lora, "down_proj", scaling))
+
+
+def forward_logits(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:
+    """input_ids [B, S] i32 -> logits [B, S, V] f32 of the base model with the adapter `lora` applied."""
+    model = nnx.merge(graphdef, base_state)
+    batch, seq_len = input_ids.shape
+    hidden = model.embed_tokens(input_ids.reshape(-1))
+    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    layer_def, layer_state = nnx.split(model.layers)
+
+    def body(h, xs):
+        state, layer_lora = xs
+        return _layer(nnx.merge(layer_def, state), h, positions, layer_lora, lora.scaling, batch), None
+
+    hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights))
+    return model.logits(model.norm(hidden)).reshape(batch, seq_len, -1)
+
+
+def token_logprobs(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:
+    """input_ids [B, S] -> [B, S-1] f32: log p(input_ids[:, t+1] | input_ids[:, :t+1])."""
+    logits = forward_logits(graphdef, base_state, lora, input_ids)[:, :-1]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logprobs, input_ids[:, 1:, None], axis=-1)[..., 0]

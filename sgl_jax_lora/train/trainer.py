@@ -1,0 +1,80 @@
+"""LoRATrainer: optax updates of a LoRA adapter over the frozen base weights of the serving model.
+
+Flow: LoRATrainer(model_path, ...) loads the base model as the engine does (models/weight_loader.py, no LoRA
+buffers, one device) and initial LoRAParams -> `step(batch)` runs one jitted optax update: the loss is a function
+of the per-token log-probabilities of the training forward (forward.py), gradients flow to the LoRA A/B only ->
+`lora` holds the current adapter (save it with lora_params.save_peft_adapter, or push it to a running engine with
+Engine.update_lora_adapter(name, peft_tensors(trainer.lora))).
+
+Losses take (token_logprobs [B, S-1], batch) -> scalar: `sft_loss` (mean negative log-likelihood of completion
+tokens) for fine-tuning; scripts/rl_lora.py passes a policy-gradient loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.train.forward import token_logprobs
+from sgl_jax_lora.train.lora_params import LoRAParams, init_lora_params
+
+Loss = Callable[[jax.Array, dict], jax.Array]
+
+
+def sft_loss(logprobs: jax.Array, batch: dict) -> jax.Array:
+    """Mean negative log-likelihood over completion tokens. batch["loss_mask"] [B, S]: 1 on completion tokens."""
+    mask = batch["loss_mask"][:, 1:]
+    return -(logprobs * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+class LoRATrainer:
+    def __init__(
+        self,
+        model_path: str,
+        rank: int = 8,
+        lora_alpha: float = 16.0,
+        target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        optimizer: optax.GradientTransformation | None = None,
+        loss: Loss = sft_loss,
+        dtype: str = "float32",
+        seed: int = 0,
+    ):
+        self.model_path = model_path
+        cfg = ModelConfig.from_model_path(model_path)
+        with open(os.path.join(model_path, "config.json")) as f:
+            self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
+        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), make_mesh(1), lora=None)
+        self.lora: LoRAParams = init_lora_params(self.target_shapes, target_modules, rank, lora_alpha, seed)
+        self.optimizer = optimizer if optimizer is not None else optax.adamw(1e-3, weight_decay=0.0)
+        self.opt_state = self.optimizer.init(self.lora)
+        self.loss = loss
+        self._step = jax.jit(self._update, donate_argnames=("lora", "opt_state"))
+        # the base weights are an argument (not constants folded into the program) and get no gradient
+        self._logprobs = jax.jit(lambda base_state, lora, ids: token_logprobs(self.graphdef, base_state, lora, ids))
+
+    def _update(self, base_state, lora: LoRAParams, opt_state, batch: dict) -> tuple[LoRAParams, object, jax.Array]:
+        def loss_of(params: LoRAParams) -> jax.Array:
+            return self.loss(token_logprobs(self.graphdef, base_state, params, batch["input_ids"]), batch)
+
+        value, grads = jax.value_and_grad(loss_of)(lora)
+        updates, opt_state = self.optimizer.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, value
+
+    def step(self, batch: dict[str, np.ndarray]) -> float:
+        """One optax update on batch (input_ids [B, S] i32 plus what the loss reads); -> the loss before it."""
+        self.lora, self.opt_state, value = self._step(self.base_state, self.lora, self.opt_state, batch)
+        return float(value)
+
+    def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
+        """input_ids [B, S] -> [B, S-1] log-probabilities of each next token under the current adapter."""
+        return np.asarray(self._logprobs(self.base_state, self.lora, jnp.asarray(input_ids, jnp.int32)))
