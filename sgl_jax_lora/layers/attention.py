@@ -5,7 +5,8 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
     native      pure JAX (the CPU path): each sequence's pages are gathered and the queries attend in rows
                 (`_native_attention`); its row layout is derived inside jit from cu_q_lens
     pallas_tpu  the Mosaic kernel (pallas_kernels/attention/tpu.py), K/V pages read in place
-    pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py)
+    pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py): flash-decoding for steps of decode rows
+                alone, flash attention over q blocks otherwise (chosen on the device, per step)
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
 `AttentionBackend` holds it with the mesh. Pallas kernels do not take part in GSPMD partitioning, so with tensor
@@ -92,7 +93,19 @@ def _pallas_kernel(name: str, page_size: int, scale: float):
     if name == "pallas_gpu":
         from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
 
-        return lambda *args: ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale)
+        def gpu_kernel(*args):
+            # steps of decode rows alone take the flash-decoding kernel (keys split over programs); any prefill chunk
+            # takes the q-block kernel. Both are compiled into the step; lax.cond runs one.
+            cu_q_lens = args[-1]
+            is_decode = jnp.all(cu_q_lens[1:] - cu_q_lens[:-1] <= 1)
+            return jax.lax.cond(
+                is_decode,
+                lambda *a: ragged_paged_attention_gpu(*a, page_size=page_size, scale=scale, decode_only=True),
+                lambda *a: ragged_paged_attention_gpu(*a, page_size=page_size, scale=scale),
+                *args,
+            )
+
+        return gpu_kernel
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 

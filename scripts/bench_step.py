@@ -1,0 +1,166 @@
+"""One model step against its physical floor: decode and prefill forwards of a Llama-3-8B-shaped model (dummy bf16
+weights) timed per attention backend, and with 32 LoRA adapters, side by side in one process.
+
+    python scripts/bench_step.py --variants native pallas pallas+lora --cases decode:64x512 decode:256x512 \\
+        prefill:8x256 --num-layers 32 --out step.json
+
+Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: 32 adapters of rank 16 on all 7
+projections in 33 device slots, the auto LoRA backend, tokens round-robin over the adapters), then runs each case:
+  decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
+  prefill:SxN  S prompts of N new tokens each, no cached prefix (one step of S * N tokens)
+Reported per case: the forward's median time over --repeats calls (the engine's step adds logits and sampling),
+the HBM floor (weights but the embedding table, plus the K/V read, at --hbm-tb-s) and the ratio to it, and the
+FLOP rate (2 per weight per token for the linears; 4 * head_dim per causal query-key pair and head for attention)
+as a share of --peak-tflops. The forward is the engine's program (ModelRunner's layout: layers unrolled, KV donated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
+from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
+from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
+from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch  # noqa: E402
+from sgl_jax_lora.models.llama import LORA_TARGETS  # noqa: E402
+from sgl_jax_lora.models.model_config import ModelConfig  # noqa: E402
+from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
+from sgl_jax_lora.lora.lora_manager import segment_buckets  # noqa: E402
+
+PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
+
+
+def parse_case(text: str) -> tuple[str, int, int]:
+    kind, shape = text.split(":")
+    seqs, length = shape.split("x")
+    return kind, int(seqs), int(length)
+
+
+def case_batch(kind: str, num_seqs: int, length: int, max_pages: int, lora) -> tuple[ForwardBatch, list[int], list[int]]:
+    """The step's ForwardBatch (sequence s on pages 1 + s * pages_per_seq ...) -> (batch, q_lens, kv_lens)."""
+    q_len = 1 if kind == "decode" else length
+    kv_len = length if kind == "decode" else length
+    pages_per_seq = -(-kv_len // PAGE_SIZE)
+    num_tokens = num_seqs * q_len
+    page_table = np.zeros((num_seqs, max_pages), np.int32)
+    page_table[:, :pages_per_seq] = 1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+    seq = np.repeat(np.arange(num_seqs), q_len)
+    positions = (kv_len - q_len + np.tile(np.arange(q_len), num_seqs)).astype(np.int32)
+    cache_loc = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+    cu_q_lens = np.arange(num_seqs + 1, dtype=np.int32) * q_len
+    batch = ForwardBatch(
+        input_ids=np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32), positions=positions,
+        cache_loc=cache_loc.astype(np.int32), seq_lens=np.full(num_seqs, kv_len, np.int32), page_table=page_table,
+        cu_q_lens=cu_q_lens, last_token_index=cu_q_lens[1:] - 1, lora=lora(num_tokens) if lora else None,
+        input_from_prev=None)
+    return batch, [q_len] * num_seqs, [kv_len] * num_seqs
+
+
+def build(cfg: ModelConfig, variant: str, num_pages: int):
+    mesh = make_mesh(1)
+    backend, _, with_lora = variant.partition("+")
+    spec = None
+    if with_lora:
+        spec = LoRAModelSpec(num_slots=NUM_ADAPTERS + 1, max_rank=RANK, backend=make_lora_backend("auto", mesh),
+                             target_modules=frozenset(LORA_TARGETS))
+    attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[backend]
+    graphdef, state = load_model_state(cfg, 1, PAGE_SIZE, jnp.bfloat16, mesh, spec, load_format="dummy",
+                                       layers_per_scan_step=cfg.num_layers, attention_backend=attention)
+    if spec is not None:  # random adapters in slots 1..32, slot 0 (base) stays zero
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+        state = jax.tree_util.tree_map_with_path(
+            lambda path, x: (jax.random.normal(next(keys), x.shape, x.dtype) * 0.01).at[:, 0].set(0)
+            if "lora_" in jax.tree_util.keystr(path) else x, state)
+    kv = allocate_kv_cache(cfg, num_pages, PAGE_SIZE, 1, jnp.bfloat16, mesh)
+
+    def forward(state, kv, batch):
+        hidden, kv = nnx.merge(graphdef, state)(kv, batch)
+        return hidden[batch.last_token_index], kv
+
+    return state, kv, jax.jit(forward, donate_argnums=1)
+
+
+def lora_batches(num_slots: int):
+    scale, rank = np.ones(num_slots, np.float32), np.full(num_slots, RANK, np.int32)
+    scale[0] = rank[0] = 0
+    buckets = segment_buckets(num_slots)
+
+    def make(num_tokens: int):
+        token_slot = 1 + np.arange(num_tokens, dtype=np.int32) % NUM_ADAPTERS
+        distinct = len(np.unique(token_slot))
+        return build_lora_batch(token_slot, next(g for g in buckets if g >= distinct), scale, rank)
+
+    return make
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["native", "pallas", "pallas+lora"])
+    parser.add_argument("--cases", nargs="+", default=["decode:64x512", "decode:256x512", "prefill:8x256"])
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="3.35 for H100 SXM, 4.8 for H200")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 GEMM peak of the GPU")
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
+    cases = [parse_case(c) for c in opts.cases]
+    max_pages = max(-(-length // PAGE_SIZE) for _, _, length in cases)
+    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length in cases)
+    rows = []
+    for variant in opts.variants:
+        state, kv, forward = build(cfg, variant, num_pages)
+        lora = lora_batches(NUM_ADAPTERS + 1) if variant.endswith("+lora") else None
+        for kind, seqs, length in cases:
+            batch, q_lens, kv_lens = case_batch(kind, seqs, length, max_pages, lora)
+            batch = jax.device_put(batch)
+            start = time.perf_counter()
+            out, kv = forward(state, kv, batch)
+            out.block_until_ready()
+            compile_s = time.perf_counter() - start
+            times = []
+            for _ in range(opts.repeats):
+                start = time.perf_counter()
+                out, kv = forward(state, kv, batch)
+                out.block_until_ready()
+                times.append(time.perf_counter() - start)
+            rows.append(report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, statistics.median(times), compile_s, opts))
+            print(json.dumps(rows[-1]), flush=True)
+        del state, kv
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump({"rows": rows, "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+                       "num_layers": opts.num_layers}, f, indent=2)
+
+
+def report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
+    embed = cfg.vocab_size * cfg.hidden_size * 2
+    weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if x.dtype == jnp.bfloat16) - embed
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_read = kv_token * sum(kv_lens)
+    floor_s = (weights + kv_read) / (opts.hbm_tb_s * 1e12)
+    tokens = sum(q_lens)
+    pairs = sum(sum(range(k - q + 1, k + 1)) for q, k in zip(q_lens, kv_lens))
+    flops = 2 * tokens * weights / 2 + 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return {"variant": variant, "case": f"{kind}:{seqs}x{length}", "tokens": tokens, "forward_ms": seconds * 1e3,
+            "hbm_floor_ms": floor_s * 1e3, "ratio_to_floor": seconds / floor_s, "tflops": flops / seconds / 1e12,
+            "share_of_peak": flops / seconds / 1e12 / opts.peak_tflops, "compile_s": compile_s}
+
+
+if __name__ == "__main__":
+    main()
