@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
-from sgl_jax_lora.layers.attention import QUERY_TILE, native_query_layout, paged_attention
+from sgl_jax_lora.layers.attention import QUERY_TILE, AttentionBackend, native_query_layout, paged_attention
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -55,7 +55,7 @@ def run_attention(fb, rng: np.random.Generator, backend: str = "native") -> tupl
         got = ragged_paged_attention_ref(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb.seq_lens, fb.page_table,
                                          fb.cu_q_lens, page_size=PAGE, scale=DIM**-0.5)
     else:
-        got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, backend)
+        got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend))
     return q, k_cache, v_cache, np.asarray(got)
 
 
@@ -116,3 +116,31 @@ def test_native_layout_rows_hold_any_split():
         rows, tile = native_query_layout(num_seqs, num_tokens)
         worst = (num_seqs - 1) + -(-(num_tokens - num_seqs + 1) // tile)
         assert rows >= worst and rows * tile >= num_tokens
+
+
+@pytest.mark.parametrize("backend", ["native", "reference", "pallas_interpret"])
+def test_stale_non_finite_kv_is_never_read(backend):
+    """Pages freed by a request whose adapter produced NaN keep their K/V; a sequence whose page holds such slots
+    past its length (or a padding row reading page 0) still gets finite, unchanged outputs."""
+    rng = np.random.default_rng(7)
+    batch = schedule_batch([(9, 1), (0, 6)], rng, num_decode_rows=1)
+    fb = batch.to_forward_batch(Buckets.build(8, 512, 1024, PAGE), PAGE, lambda slots: None)
+    q = jnp.asarray(rng.standard_normal((fb.num_tokens, HEADS, DIM)), jnp.float32)
+    caches = [rng.standard_normal((2, KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32) for _ in range(2)]
+    poisoned = [c.copy() for c in caches]
+    for c in poisoned:  # every slot no sequence of the step may read: the rest of each last page, and page 0
+        c[:, :, :PAGE] = np.nan
+        for req in batch.reqs:
+            last = req.pages[-1] * PAGE
+            c[:, :, last + (req.seq_len - 1) % PAGE + 1 : last + PAGE] = np.nan
+
+    def run(k, v):
+        k, v = jnp.asarray(k), jnp.asarray(v)
+        if backend == "reference":
+            return np.asarray(ragged_paged_attention_ref(q, k, v, jnp.int32(1), fb.seq_lens, fb.page_table, fb.cu_q_lens,
+                                                         page_size=PAGE, scale=DIM**-0.5))
+        return np.asarray(paged_attention(q, k, v, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend)))
+
+    clean, got = run(*caches), run(*poisoned)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, clean, rtol=1e-6, atol=1e-6)

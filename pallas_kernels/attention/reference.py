@@ -53,5 +53,6 @@ def ragged_paged_attention_ref(
     mask = (key_pos[None, :] <= query_pos[:, None]) & is_real[:, None]  # [T, Lk]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jnp.where(mask[:, None, None, :], jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, -1e30), -1), 0.0)
+    values = jnp.where(mask[None, :, :, None], values, 0.0)  # unread slots may hold stale, non-finite values
     out = jnp.einsum("tkgl,ktld->tkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -163,6 +163,8 @@ def _native_attention(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens
     def attend(args):
         qs, slots, m = args  # [C, Q, K, G, D], [C, Lk], [C, Q, Lk]
         keys, values = k_layer[:, slots], v_layer[:, slots]  # [K, C, Lk, D]
+        # slots no query of the row may read hold another request's stale K/V, maybe non-finite: 0 * NaN is NaN
+        values = jnp.where(jnp.any(m, axis=1)[None, :, :, None], values, 0)
         scores = jnp.einsum("cqkgd,kcld->kcgql", qs, keys, preferred_element_type=jnp.float32) * scale
         probs = _masked_softmax(scores, m[None, :, None]).astype(values.dtype)
         out = jnp.einsum("kcgql,kcld->cqkgd", probs, values, preferred_element_type=jnp.float32)
