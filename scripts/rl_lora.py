@@ -29,9 +29,8 @@ from sgl_jax_lora.train.lora_params import peft_config, peft_tensors, save_peft_
 from sgl_jax_lora.train.trainer import LoRATrainer
 
 PROMPTS = ["Numbers:", "Tell me a story", "What is the capital", "Hello, world!"]
-# Engine shapes for this loop: every prompt x sample fits one decode bucket, prompts fit one prefill bucket.
-ENGINE_FLAGS = dict(dtype="float32", context_length=128, chunked_prefill_size=64, prefill_token_buckets=[64],
-                    max_prefill_seqs=8, prefill_seq_buckets=[8], decode_page_buckets=[8], enable_lora=True,
+# Engine shapes for this loop: every prompt x sample decodes in one token bucket, prompts prefill in the largest.
+ENGINE_FLAGS = dict(dtype="float32", context_length=128, chunked_prefill_size=64, max_prefill_seqs=8, enable_lora=True,
                     max_loras_per_batch=2)
 
 
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> list[float]:
     trainer = LoRATrainer(args.model_path, rank=args.rank, lora_alpha=2.0 * args.rank, optimizer=optax.adam(args.lr),
                           loss=reinforce_loss, seed=args.seed)
     rewards = []
-    with Engine(model_path=args.model_path, max_running_requests=len(prompts), decode_batch_buckets=[len(prompts)],
+    with Engine(model_path=args.model_path, max_running_requests=len(prompts), token_buckets=[len(prompts)],
                 max_lora_rank=args.rank, **ENGINE_FLAGS) as engine:
         engine.load_lora_adapter_from_tensors("policy", peft_tensors(trainer.lora), peft_config(trainer.lora, args.model_path))
         for step in range(args.steps):

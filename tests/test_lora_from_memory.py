@@ -20,7 +20,7 @@ from sgl_jax_lora.lora.adapter import to_safetensors_bytes
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SMALL = dict(context_length=256, max_running_requests=4, chunked_prefill_size=32, max_prefill_seqs=2,
-             prefill_token_buckets=[16, 32], decode_page_buckets=[16], decode_batch_buckets=[1, 4])
+             token_buckets=[8, 16])
 
 
 def read_adapter(adapter_dir) -> tuple[dict, dict]:

@@ -117,7 +117,7 @@ def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_pa
     ids = tokenizer.encode(PAIRS[0][0])
     expected_tokens, expected_logprobs = peft_reference(out, ids, 8)
     with Engine(model_path=demo_model_path(), dtype="float32", skip_precompile=True, lora_paths={"trained": str(out)},
-                context_length=128, chunked_prefill_size=32, prefill_token_buckets=[32], decode_page_buckets=[8]) as engine:
+                context_length=128, chunked_prefill_size=32, token_buckets=[32]) as engine:
         served = engine.generate(input_ids=ids, lora_path="trained", return_logprob=True, logprob_start_len=0,
                                  sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
     assert served["output_ids"] == expected_tokens
