@@ -19,6 +19,7 @@ import re
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
     WEIGHTS_FILE,
@@ -86,19 +87,23 @@ class _Header:
 
 
 def inspect_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    allowed_dirs: list[str] | None = None,
 ) -> AdapterSummary:
     """Every check of `load_peft_adapter` (config, tensor names and shapes, rank) without reading the weights:
-    registration stays cheap (milliseconds) however large the adapter; the data is read on first use."""
-    _, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_headers)
+    registration stays cheap (milliseconds) however large the adapter; the data is read on first use.
+    allowed_dirs: every file opened must lie inside one of them once symlinks are resolved (None: anywhere)."""
+    _, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_headers, allowed_dirs)
     return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
 
 
 def load_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable."""
-    scaling, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_tensors)
+    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
+    Inf in any tensor included)."""
+    scaling, plan = _validated_plan(name, path, target_shapes, max_lora_rank, _read_tensors, allowed_dirs)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for key, (lora_a, lora_b, ratio) in plan.items():
         lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
@@ -114,12 +119,13 @@ def load_peft_adapter(
     )
 
 
-def _validated_plan(name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None, read) -> tuple:
+def _validated_plan(name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None, read,
+                    allowed_dirs: list[str] | None) -> tuple:
     """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `read` gives the tensors
     (arrays, or headers that carry only a shape)."""
-    config = load_peft_config(name, path)
+    config = load_peft_config(name, path, allowed_dirs)
     _check_config_matches_model(name, config, target_shapes)
-    pairs = _group_lora_pairs(name, read(name, resolve_weights_file(name, path)))
+    pairs = _group_lora_pairs(name, read(name, resolve_weights_file(name, path, allowed_dirs)))
     scaling = config.scaling if config.scaling > 0 else 1.0
     plan = {}
     for module_path, (lora_a, lora_b) in sorted(pairs.items()):
@@ -183,6 +189,8 @@ def _read_tensors(name: str, weights_file: str) -> dict[str, np.ndarray]:
             tensors.update(_read_bf16_tensors(weights_file, bf16_keys))
     except (SafetensorError, OSError, ValueError) as e:
         raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
+    for key, tensor in tensors.items():
+        adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
     return tensors
 
 

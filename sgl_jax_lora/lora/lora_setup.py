@@ -52,10 +52,16 @@ class LoRASetup:
         )
 
     def _load(self, ref: LoRARef):
-        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
+                                 self._allowed_dirs(ref))
 
     def _inspect(self, ref: LoRARef) -> AdapterSummary:
-        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
+                                    self._allowed_dirs(ref))
+
+    def _allowed_dirs(self, ref: LoRARef) -> list[str] | None:
+        """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
+        return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
