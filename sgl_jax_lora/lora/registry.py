@@ -5,6 +5,9 @@ sends `lora_id` to the engine, and calls `release(lora_id)` when the request fin
 `/unload_lora_adapter` calls `await unregister(name)`: the name disappears at once (new requests fail),
 then it waits until the adapter's in-flight requests are done before the engine frees host/device copies.
 
+An adapter's identity is its resolved directory (os.path.realpath): one directory is registered once, however
+its path is spelled; `find_by_path` finds it by any spelling.
+
 Runs inside one asyncio event loop; no method awaits between reading and updating the tables, so the
 loop itself serializes them and no lock is needed.
 """
@@ -12,9 +15,12 @@ loop itself serializes them and no lock is needed.
 from __future__ import annotations
 
 import asyncio
+import os
 
+from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+MAX_LISTED_NAMES = 10  # an "unknown adapter" error lists at most this many loaded names
 
 
 class UnknownLoRAError(LoRAAdapterError):
@@ -24,16 +30,23 @@ class UnknownLoRAError(LoRAAdapterError):
 class LoRARegistry:
     def __init__(self) -> None:
         self._refs: dict[str, LoRARef] = {}  # lora_name -> ref
+        self._names_by_path: dict[str, str] = {}  # resolved adapter directory -> lora_name
         self._in_flight: dict[str, int] = {}  # lora_id -> requests holding it
         self._drained: dict[str, asyncio.Event] = {}  # lora_id -> set when its unload may proceed
 
     def register(self, ref: LoRARef) -> None:
-        """Make `ref.lora_name` servable; a name already registered is refused."""
+        """Make `ref.lora_name` servable; a name, or a directory, already registered is refused."""
         if ref.lora_name in self._refs:
             raise LoRAAdapterError(
-                f"adapter '{ref.lora_name}': a LoRA adapter with this name is already loaded; "
+                f"adapter '{shown(ref.lora_name)}': a LoRA adapter with this name is already loaded; "
                 "unload it first (POST /unload_lora_adapter) or choose another lora_name")
+        real = os.path.realpath(ref.lora_path)
+        if real in self._names_by_path:
+            raise LoRAAdapterError(
+                f"adapter '{shown(ref.lora_name)}': its directory is already loaded as "
+                f"'{shown(self._names_by_path[real])}'; use that name, or unload it first")
         self._refs[ref.lora_name] = ref
+        self._names_by_path[real] = ref.lora_name
         self._in_flight.setdefault(ref.lora_id, 0)
 
     async def acquire(self, name: str) -> LoRARef:
@@ -55,11 +68,17 @@ class LoRARegistry:
         """Remove `name` now; return its ref once no request is using it any more."""
         ref = self._lookup(name)
         del self._refs[name]
+        self._names_by_path.pop(os.path.realpath(ref.lora_path), None)
         if self._in_flight.get(ref.lora_id, 0) > 0:
             drained = self._drained.setdefault(ref.lora_id, asyncio.Event())
             await drained.wait()
         self._in_flight.pop(ref.lora_id, None)
         return ref
+
+    def find_by_path(self, path: str) -> LoRARef | None:
+        """The adapter registered for `path`'s resolved directory, whatever its name."""
+        name = self._names_by_path.get(os.path.realpath(path))
+        return None if name is None else self._refs[name]
 
     def get(self, name: str) -> LoRARef | None:
         return self._refs.get(name)
@@ -80,7 +99,11 @@ class LoRARegistry:
     def _lookup(self, name: str) -> LoRARef:
         ref = self._refs.get(name)
         if ref is None:
-            loaded = ", ".join(sorted(self._refs)) or "none"
+            names = sorted(self._refs)
+            loaded = ", ".join(shown(n) for n in names[:MAX_LISTED_NAMES]) or "none"
+            if len(names) > MAX_LISTED_NAMES:
+                loaded += f" and {len(names) - MAX_LISTED_NAMES} more (GET /v1/models lists them)"
+            name = shown(name)
             raise UnknownLoRAError(
                 f"adapter '{name}': no LoRA adapter with this name is loaded (loaded: {loaded}); load it with "
                 f"POST /load_lora_adapter {{\"lora_name\": \"{name}\", \"lora_path\": PATH}} or start the "
