@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -107,6 +108,8 @@ async def get_server_info(request: Request) -> JSONResponse:
             "served_model_name": state.served_model_name,
             "model_path": state.model_path,
             "engine_pid": tm.process.pid,
+            "frontend_rss_bytes": rss_bytes(os.getpid()),
+            "engine_rss_bytes": rss_bytes(tm.process.pid),
             "versions": _versions(),
         }
     )
@@ -146,6 +149,15 @@ async def unload_lora_adapter(request: Request) -> JSONResponse:
     tm = _lora_engine(state, body.lora_name)
     result = await tm.unload_lora_adapter(body.lora_name)
     return JSONResponse({"success": True, **result})
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of process `pid` (Linux /proc; None elsewhere): soak runs watch both processes for leaks."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
