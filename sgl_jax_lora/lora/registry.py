@@ -34,19 +34,21 @@ class LoRARegistry:
         self._in_flight: dict[str, int] = {}  # lora_id -> requests holding it
         self._drained: dict[str, asyncio.Event] = {}  # lora_id -> set when its unload may proceed
 
-    def register(self, ref: LoRARef) -> None:
-        """Make `ref.lora_name` servable; a name, or a directory, already registered is refused."""
+    def register(self, ref: LoRARef, alias_ok: bool = False) -> None:
+        """Make `ref.lora_name` servable; a name already registered is refused, and so is a directory unless
+        `alias_ok` (the operator's own registrations may give one directory several names; the first one keeps
+        answering for its path)."""
         if ref.lora_name in self._refs:
             raise LoRAAdapterError(
                 f"adapter '{shown(ref.lora_name)}': a LoRA adapter with this name is already loaded; "
                 "unload it first (POST /unload_lora_adapter) or choose another lora_name")
         real = os.path.realpath(ref.lora_path)
-        if real in self._names_by_path:
+        if real in self._names_by_path and not alias_ok:
             raise LoRAAdapterError(
                 f"adapter '{shown(ref.lora_name)}': its directory is already loaded as "
                 f"'{shown(self._names_by_path[real])}'; use that name, or unload it first")
         self._refs[ref.lora_name] = ref
-        self._names_by_path[real] = ref.lora_name
+        self._names_by_path.setdefault(real, ref.lora_name)
         self._in_flight.setdefault(ref.lora_id, 0)
 
     async def acquire(self, name: str) -> LoRARef:
@@ -68,7 +70,12 @@ class LoRARegistry:
         """Remove `name` now; return its ref once no request is using it any more."""
         ref = self._lookup(name)
         del self._refs[name]
-        self._names_by_path.pop(os.path.realpath(ref.lora_path), None)
+        real = os.path.realpath(ref.lora_path)
+        if self._names_by_path.get(real) == name:
+            del self._names_by_path[real]
+            alias = next((r.lora_name for r in self._refs.values() if os.path.realpath(r.lora_path) == real), None)
+            if alias is not None:
+                self._names_by_path[real] = alias
         if self._in_flight.get(ref.lora_id, 0) > 0:
             drained = self._drained.setdefault(ref.lora_id, asyncio.Event())
             await drained.wait()

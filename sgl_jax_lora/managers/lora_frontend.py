@@ -4,7 +4,8 @@ Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter ->
   a request's `lora_path` -> a registered name, or the same directory under any spelling (`find_by_path`), or
   a directory inside --lora-allowed-dirs loaded on demand under its resolved path -> `LoRARegistry.acquire`;
   a load -> name checked (length, printable, not the base model's name), --max-loras-registered, the directory
-  resolved (inside --lora-allowed-dirs unless the caller is the operator) -> adapter_files.check_adapter_files
+  resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
+  operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
   on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
   "load_lora" call -> registered.
 Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen characters) and the fix.
@@ -81,7 +82,7 @@ class LoRAFrontend:
         allowed = None if trusted else list(self.args.lora_allowed_dirs or [])
         real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
-        if existing is not None:
+        if existing is not None and not trusted:
             raise LoRAAdapterError(f"adapter '{shown(lora_name)}': its directory is already loaded as "
                                    f"'{shown(existing.lora_name)}'; use that name, or unload it first")
         await asyncio.get_running_loop().run_in_executor(self._executor, check_adapter_files, lora_name, real, allowed)
@@ -89,7 +90,7 @@ class LoRAFrontend:
         result = await self._call("load_lora", lora_id=ref.lora_id, lora_name=lora_name, lora_path=real,
                                   pinned=ref.pinned, confined=ref.confined)
         try:
-            self.registry.register(ref)
+            self.registry.register(ref, alias_ok=trusted)
         except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
             await self._call("unload_lora", lora_id=ref.lora_id)
             raise

@@ -79,7 +79,7 @@ class TokenizerManager:
         self.cpu_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend-cpu")
         self.lora_frontend = LoRAFrontend(args, model_path, self.call, self.cpu_pool)
         for ref in self.server_info.get("loras", []):
-            self.lora_registry.register(LoRARef(**ref))
+            self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
 
     def _wait_ready(self) -> dict:
         try:
