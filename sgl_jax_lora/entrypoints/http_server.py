@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 ENGINE_DEATH_GRACE_S = 1.0
 
 
+def draining_error() -> APIError:
+    return APIError(503, "the server is shutting down (SIGTERM): it finishes running requests and takes no new ones; "
+                    "retry on another replica or after it restarts", "shutting_down")
+
+
 @dataclasses.dataclass
 class ServerState:
     """What every handler needs, held on `app.state.server`."""
@@ -71,8 +76,7 @@ class ServerState:
     def engine(self) -> TokenizerManager:
         """The TokenizerManager, or a 503 APIError saying why the engine cannot serve."""
         if self.is_draining:
-            raise APIError(503, "the server is shutting down (SIGTERM): it finishes running requests and takes no "
-                           "new ones; retry on another replica or after it restarts", "shutting_down")
+            raise draining_error()
         tm = self.tokenizer_manager
         if tm is not None and not tm.is_dead and tm.process.is_alive():
             return tm
@@ -220,7 +224,7 @@ class InFlightRequests:
             await self.app(scope, receive, send)
             return
         if self.state.is_draining:
-            error = self.state_error()
+            error = draining_error()
             await error_response(error.status_code, error.message, error.code)(scope, receive, send)
             return
         self.state.num_in_flight += 1
@@ -228,13 +232,6 @@ class InFlightRequests:
             await self.app(scope, receive, send)
         finally:
             self.state.num_in_flight -= 1
-
-    def state_error(self) -> APIError:
-        try:
-            self.state.engine()
-        except APIError as e:
-            return e
-        return APIError(503, "the server is shutting down", "shutting_down")
 
 
 class DrainingServer(uvicorn.Server):
@@ -261,7 +258,8 @@ class DrainingServer(uvicorn.Server):
         while self.state.num_in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         if self.state.num_in_flight:
-            logger.warning("--shutdown-timeout passed with %d requests still running; stopping them", self.state.num_in_flight)
+            logger.warning("--shutdown-timeout passed with %d requests still running; stopping them",
+                           self.state.num_in_flight)
         self.should_exit = True
 
 

@@ -40,7 +40,8 @@ class LoRAFrontend:
         if lora_path is None:
             return None
         if not isinstance(lora_path, str):
-            raise LoRAAdapterError(f"lora_path must be an adapter name or path (a string) or null, got {shown(repr(lora_path))}")
+            raise LoRAAdapterError("lora_path must be an adapter name or path (a string) or null, got "
+                                   f"{shown(repr(lora_path))}")
         if not self.args.enable_lora:
             raise LoRAAdapterError(f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
                                    "--enable-lora or --lora-paths")
@@ -107,7 +108,8 @@ class LoRAFrontend:
         if name in self.reserved_names:
             raise LoRAAdapterError(f"lora_name '{shown(name)}' is the base model's name; choose another name")
         if name in self.registry:
-            raise LoRAAdapterError(f"adapter '{shown(name)}' is already loaded; unload it first or choose another lora_name")
+            raise LoRAAdapterError(f"adapter '{shown(name)}' is already loaded; unload it first or choose another "
+                                   "lora_name")
         limit = self.args.max_loras_registered
         if len(self.registry) >= limit:
             raise LoRAAdapterError(f"adapter '{shown(name)}': {limit} adapters are registered, the most "

@@ -1,12 +1,12 @@
 """One-hot einsum LoRA backend: the formulation of sgl-jax and tpu-inference, kept as the baseline.
 
-Every token is multiplied against every slot's weights (x @ all A, then each token's own slot selected), so
-the cost grows
-with the number of slots A, not with the adapters actually in the batch. No rank awareness: every slot is
-computed at the pool's max rank R (padding rows are zeros, so results are exact, only the work is wasted).
+Every token is multiplied against every slot's weights (x @ all A, then each token's own slot selected), so the
+cost grows with the number of slots A, not with the adapters actually in the batch. No rank awareness: every slot
+is computed at the pool's max rank R (padding rows are zeros, so results are exact, only the work is wasted).
 Tenants stay apart: the shrink selects (jnp.where) instead of multiplying by a one-hot, and the expand zeroes
-non-finite weights, so an adapter holding NaN or Inf changes no other slot's tokens. Pure JAX; under jit, sharding follows from GSPMD propagation (the `in` contraction of a row-parallel shrink
-becomes an all-reduce of the [T, R] result).
+non-finite weights, so an adapter holding NaN or Inf changes no other slot's tokens. Pure JAX; under jit,
+sharding follows from GSPMD propagation (the `in` contraction of a row-parallel shrink becomes an all-reduce
+of the [T, R] result).
 """
 
 from __future__ import annotations
