@@ -124,8 +124,11 @@ def test_adapter_names_are_checked_and_never_echoed_whole(http, root):
     assert "--max-lora-name-length 512" in message and len(message) < 500
     assert "control or non-printable" in error_of(load(http, "evil\nname", str(root / "spare1")))
     assert "the base model's name" in error_of(load(http, model_ids(http)[0], str(root / "spare1")))
-    unknown = error_of(generate(http, "u" * 100_000))
-    assert "no LoRA adapter with this name" in unknown and len(unknown) < 1000
+    unknown = error_of(generate(http, "u" * 300))
+    assert "no LoRA adapter with this name" in unknown and "u" * 65 not in unknown  # the name is cut
+    deep = error_of(generate(http, "a/" * 500_000))  # refused before any path work on a million characters
+    assert "--max-lora-name-length 512" in deep and len(deep) < 500
+    assert "longer than any path" in error_of(load(http, "deep", "a/" * 500_000))
 
 
 def test_registered_adapters_are_bounded(http, root):

@@ -45,6 +45,9 @@ class LoRAFrontend:
         if not self.args.enable_lora:
             raise LoRAAdapterError(f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
                                    "--enable-lora or --lora-paths")
+        if len(lora_path) > self.args.max_lora_name_length:  # before any path work on it (realpath walks each part)
+            raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
+                                   f"{self.args.max_lora_name_length}; no adapter has such a name")
         name = lora_path
         if name not in self.registry:
             ref = self.registry.find_by_path(lora_path)
@@ -80,6 +83,8 @@ class LoRAFrontend:
         if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
             raise LoRAAdapterError("load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings)")
         self._check_name(lora_name)
+        if len(lora_path) > os.pathconf("/", "PC_PATH_MAX"):
+            raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, longer than any path; check the path")
         allowed = None if trusted else list(self.args.lora_allowed_dirs or [])
         real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
