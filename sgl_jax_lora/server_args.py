@@ -64,13 +64,20 @@ class ServerArgs:
     disable_lora_base_program: bool = _f(False, "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation")
     lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
     lora_target_modules: list[str] | None = _f(None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+")
-    lora_allowed_dirs: list[str] | None = _f(None, "directories from which requests may load unregistered adapters on demand", nargs="+")
+    lora_allowed_dirs: list[str] | None = _f(None, "directories from which clients may load adapters (POST /load_lora_adapter, or a request naming a path); every file an adapter opens must lie inside one once symlinks are resolved", nargs="+")
+    max_loras_registered: int = _f(1000, "adapters registered at once (--lora-paths, loads, on-demand loads); a load beyond it is refused until one is unloaded")
+    max_lora_name_length: int = _f(512, "characters in an adapter name (a path, for adapters loaded on demand)")
     # HTTP server
     host: str = _f("127.0.0.1", "HTTP host to bind")
     port: int = _f(30000, "HTTP port")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     chat_template: str | None = _f(None, "chat template (a Jinja file path or the template string) overriding the tokenizer's")
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+    max_request_body_bytes: int = _f(16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read")
+    max_requests_per_call: int = _f(512, "engine requests one HTTP call may make (prompts x n)")
+    max_stop_strings: int = _f(16, "entries in a request's stop (strings) and, separately, in stop_token_ids")
+    max_stop_string_chars: int = _f(256, "characters in one stop string")
+    shutdown_timeout: float = _f(30.0, "seconds SIGTERM waits for running requests to finish (new ones get 503) before the server exits")
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_paths, dict):  # Engine(lora_paths={name: path})
@@ -90,7 +97,9 @@ class ServerArgs:
             raise ValueError(f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
-        positive = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_seqs", "max_loras_per_batch")
+        positive = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_seqs", "max_loras_per_batch",
+                    "max_loras_registered", "max_lora_name_length", "max_request_body_bytes", "max_requests_per_call",
+                    "max_stop_strings", "max_stop_string_chars")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -101,6 +110,8 @@ class ServerArgs:
         fused = self.lora_fused_gemm_min_tokens
         if fused is not None and (not isinstance(fused, int) or isinstance(fused, bool) or fused < 0):
             raise ValueError(f"--lora-fused-gemm-min-tokens must be 0 (off) or a positive token count, got {fused!r}")
+        if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         if self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
 
@@ -209,6 +220,11 @@ def _check_config_value(path: str, name: str, type_text: str, value: object) -> 
             return value
         expected = "a string"
     raise ValueError(f"--config {path}: '{name}' must be {expected}, got {value!r}")
+
+
+def served_model_name(args: ServerArgs, model_path: str) -> str:
+    """The base model's name in the OpenAI API (no adapter may take it)."""
+    return args.served_model_name or args.model_path or os.path.basename(model_path.rstrip("/"))
 
 
 def _scalar_type(type_name: object) -> type:

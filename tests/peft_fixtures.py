@@ -113,3 +113,19 @@ def peft_module_deltas(peft_model: PeftModel, seed: int = 0, num_tokens: int = 5
             delta = lora_b(lora_a(x)) * module.scaling[adapter_name]
             deltas[(int(match[1]), match[2])] = (x.double().numpy(), delta.double().numpy())
     return deltas
+
+
+def poison_adapter(adapter_dir: str | Path, value: float = float("nan"), dtype: torch.dtype | None = None,
+                   kind: str = "lora_B") -> str:
+    """Write `value` (NaN, Inf) into one element of the adapter's first `kind` (lora_A or lora_B) tensor, as a
+    broken training run would leave it; optionally re-save every tensor as `dtype`. Returns the tensor's name."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    key = sorted(k for k in tensors if kind in k)[0]
+    tensors[key][0, 0] = value
+    if dtype is not None:
+        tensors = {k: t.to(dtype) for k, t in tensors.items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return key

@@ -26,11 +26,15 @@ from http_helpers import SMALL_ENGINE_FLAGS, process_exists, sse_events, start_s
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+# small limits, so that the bad-input matrix can cross each one with a small request
+LIMIT_FLAGS = ["--max-request-body-bytes", "300000", "--max-requests-per-call", "64", "--max-stop-strings", "4",
+               "--max-stop-string-chars", "32"]
+CHAT = {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--api-key", API_KEY])
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--api-key", API_KEY, *LIMIT_FLAGS])
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -401,11 +405,51 @@ BAD_REQUESTS = [
     ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ("unknown-route", "/v2/nothing", {}, 404, "Not Found"),
+    # numbers: finite, and within the types they travel as (no 500 from msgpack, no engine step failing)
+    ("temperature-nan", "/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', 400, "temperature must be a finite number"),
+    ("repetition-penalty-infinity", "/generate", b'{"text": "hi", "sampling_params": {"repetition_penalty": Infinity}}', 400, "repetition_penalty must be a finite number"),
+    ("top-p-nan", "/generate", b'{"text": "hi", "sampling_params": {"top_p": NaN}}', 400, "top_p must be a finite number"),
+    ("logit-bias-nan", "/generate", b'{"text": "hi", "sampling_params": {"logit_bias": {"5": NaN}}}', 400, "logit_bias[5] must be a finite number"),
+    ("completion-temperature-nan", "/v1/completions", b'{"model": "demo-model-v1", "prompt": "hi", "temperature": NaN}', 400, "temperature must be a finite number"),
+    ("chat-frequency-penalty-minus-infinity", "/v1/chat/completions", b'{"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}', 400, "frequency_penalty must be a finite number"),
+    ("seed-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"seed": 2**70}}, 400, "seed must be a 64-bit integer"),
+    ("top-k-beyond-int32", "/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k must be -1 (off) or in [0, 2147483647]"),
+    ("stop-token-id-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2**70]}}, 400, "stop_token_ids must be a list of token ids"),
+    ("logprob-start-len-beyond-64-bits", "/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 2**70}, 400, "logprob_start_len must be an integer in [-1, 256)"),
+    ("max-new-tokens-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2**70}}, 400, "max_new_tokens must be <= 2147483647"),
+    ("completion-seed-beyond-64-bits", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "seed": 2**70}, 400, "seed must be a 64-bit integer"),
+    ("completion-max-tokens-beyond-64-bits", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens must be <= 2147483647"),
+    ("chat-top-k-beyond-int32", "/v1/chat/completions", {**CHAT, "top_k": 2**35}, 400, "top_k must be -1 (off)"),
+    # limits (LIMIT_FLAGS)
+    ("too-many-stop-strings", "/generate", {"text": "hi", "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}}, 400, "stop has 5 entries, more than --max-stop-strings 4"),
+    ("stop-string-too-long", "/generate", {"text": "hi", "sampling_params": {"stop": "x" * 33}}, 400, "more than --max-stop-string-chars 32"),
+    ("too-many-stop-token-ids", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1, 2, 3, 4, 5]}}, 400, "stop_token_ids has 5 entries"),
+    ("stop-token-id-outside-vocab", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**6]}}, 400, "stop_token_ids names token ids outside the vocabulary"),
+    ("chat-too-many-stop-strings", "/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "--max-stop-strings 4"),
+    ("prompts-times-n-over-limit", "/generate", {"text": ["a"] * 10, "sampling_params": {"n": 7}}, 400, "10 prompts x n=7 = 70 generations, more than --max-requests-per-call 64"),
+    ("too-many-prompts", "/generate", {"input_ids": [[1, 2]] * 65}, 400, "65 prompts x n=1"),
+    ("completion-prompts-times-n-over-limit", "/v1/completions", {"model": "demo-model-v1", "prompt": ["a"] * 10, "n": 7}, 400, "--max-requests-per-call 64"),
+    ("chat-n-over-limit", "/v1/chat/completions", {**CHAT, "n": 65}, 400, "1 prompts x n=65"),
+    ("body-too-large", "/generate", b'{"text": "' + b"x" * 400_000 + b'"}', 413, "--max-request-body-bytes 300000"),
+    ("lora-path-wrong-type", "/generate", {"text": "hi", "lora_path": 5}, 400, "lora_path"),
 ]
+ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error"}
+
+
+def server_errors(http: httpx.Client) -> dict[str, float]:
+    """status -> errors answered so far (from /metrics)."""
+    prefix = 'sgl_jax_lora_request_errors_total{status="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def errors_before_bad_input(http) -> dict[str, float]:
+    return server_errors(http)  # the 503s of /health while the engine compiled are already in here
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS])
-def test_bad_input(http, path, body, status, fragment):
+def test_bad_input(http, errors_before_bad_input, path, body, status, fragment):
     if isinstance(body, bytes):
         response = http.post(path, content=body, headers={"Content-Type": "application/json"})
     else:
@@ -414,9 +458,29 @@ def test_bad_input(http, path, body, status, fragment):
     error = response.json()["error"]
     assert fragment in error["message"], error
     assert set(error) == {"message", "type", "code"}
-    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    assert error["type"] == ERROR_TYPE[status]
     # the server keeps serving
     assert len(generate(http, text="hi", sampling_params={"max_new_tokens": 2})["output_ids"]) <= 2
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off_with_413(http):
+    # no Content-Length: the server counts the bytes as they arrive and stops at the limit
+    def chunks():
+        yield b'{"text": "'
+        for _ in range(40):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    response = http.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "--max-request-body-bytes 300000" in response.json()["error"]["message"]
+
+
+def test_no_bad_input_was_answered_with_a_5xx(http, errors_before_bad_input):
+    after = server_errors(http)
+    assert after.get("400", 0) - errors_before_bad_input.get("400", 0) >= len(BAD_REQUESTS) - 3
+    assert after.get("413", 0) - errors_before_bad_input.get("413", 0) == 2  # the matrix's and the chunked one
+    grown = {status: after[status] - errors_before_bad_input.get(status, 0) for status in after if status.startswith("5")}
+    assert not any(grown.values()), grown
 
 
 def test_bad_input_through_openai_client(oai):

@@ -93,6 +93,23 @@ def test_mixed_ranks_and_empty_segments(name, dtype):
     check_backend(BACKENDS[name](None), make_inputs(0, dtype=dtype), dtype)
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf, 3e38], ids=["nan", "inf", "huge"])
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_a_poisoned_slot_changes_no_other_slots_tokens(name, poison):
+    # slot 2's A and B hold NaN / Inf / values that overflow to Inf (as an adapter that skipped the loader's
+    # finiteness check would): every token of the other slots, base included, still gets exactly its clean result
+    x, lora_a, lora_b, lora = make_inputs(3, num_tokens=24, max_rank=16, slot_ranks=(0, 4, 8, 16), num_segments=4)
+    _, y_clean = reference(x, lora_a, lora_b, lora)
+    poisoned_a = lora_a.at[2, 0, :7].set(poison)
+    poisoned_b = lora_b.at[2, :5, 0].set(poison)
+    base_out = jnp.full((x.shape[0], lora_b.shape[1]), 0.5, x.dtype)
+    y = np.asarray(BACKENDS[name](None).apply(x, poisoned_a, poisoned_b, lora, base_out=base_out))
+    others = np.asarray(lora.token_slot) != 2
+    assert others.sum() > 0 and (~others).sum() > 0
+    assert np.all(np.isfinite(y[others]))
+    assert_close(y[others], np.asarray(y_clean)[others] + 0.5, jnp.float32)
+
+
 # The Pallas backends run their kernels in interpret mode here (slow); tests/test_pallas_sgmv.py already
 # checks those kernels on small pools, one token and all-base batches, so they skip the repeats below.
 PURE_JAX = ["einsum", "bgmv", "sgmv_ragged", "sgmv_onehot", "auto"]

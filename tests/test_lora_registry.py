@@ -183,3 +183,39 @@ def test_segment_buckets_default_and_flag() -> None:
     assert segment_buckets(9, [64]) == (9,)
     with pytest.raises(ValueError, match="--lora-segment-buckets"):
         segment_buckets(9, [0])
+
+
+def test_a_directory_is_one_adapter_however_spelled(tmp_path) -> None:
+    adapter = tmp_path / "adapters" / "sql"
+    adapter.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "adapters")
+
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        ref = LoRARef("sql", str(adapter))
+        registry.register(ref)
+        for spelling in (f"{tmp_path}/adapters/./sql", f"{tmp_path}//adapters/sql/", f"{tmp_path}/link/sql"):
+            assert registry.find_by_path(spelling) is ref
+        with pytest.raises(LoRAAdapterError, match="already loaded as 'sql'"):
+            registry.register(LoRARef("other", f"{tmp_path}/link/sql"))
+        alias = LoRARef("alias", f"{tmp_path}/link/sql")
+        registry.register(alias, alias_ok=True)  # the operator's own second name for it
+        await registry.unregister("sql")
+        assert registry.find_by_path(str(adapter)) is alias  # the alias now answers for the directory
+        await registry.unregister("alias")
+        assert registry.find_by_path(str(adapter)) is None
+
+    asyncio.run(scenario())
+
+
+def test_unknown_adapter_errors_cut_the_name_and_the_list() -> None:
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        for i in range(30):
+            registry.register(LoRARef(f"adapter-{i:02d}", f"/adapters/{i}"))
+        with pytest.raises(UnknownLoRAError) as err:
+            await registry.acquire("x" * 1_000_000)
+        message = str(err.value)
+        assert len(message) < 1000 and "(1000000 chars)" in message and "and 20 more" in message
+
+    asyncio.run(scenario())

@@ -4,7 +4,9 @@ Flow: `run_server(args)` builds the app and runs uvicorn. The app's lifespan bin
 starts the engine process on a background thread, so `/health` answers 503 while the engine compiles and
 200 once it is up. A watchdog on the engine process's sentinel notices if it dies: `/health` turns 503,
 in-flight requests fail with 503, and the server exits with a non-zero code. SIGINT/SIGTERM (uvicorn's
-handlers) stop accepting, then the lifespan shutdown stops the engine process, leaving no orphan.
+handlers) stop accepting, then the lifespan shutdown stops the engine process, leaving no orphan; SIGTERM
+first drains (DrainingServer: new requests 503, running ones finish up to --shutdown-timeout). Bodies over
+--max-request-body-bytes are refused before they are read (request_limits.py).
 
 Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload) and openai_api.py
 (/v1/...); errors.py shapes every error; metrics.py counts. Every route but /health requires the API key
@@ -18,10 +20,10 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import secrets
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import uvicorn
@@ -29,16 +31,22 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from sgl_jax_lora.entrypoints import lora_tensors_api, native_api, openai_api
-from sgl_jax_lora.entrypoints.errors import APIError, install_error_handlers
+from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
+from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
-from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.server_args import ServerArgs, served_model_name
 
 logger = logging.getLogger(__name__)
 
 # After the engine dies, keep answering 503 this long before exiting, so that in-flight requests get
 # their error and a health checker polling /health sees the 503 rather than only a refused connection.
 ENGINE_DEATH_GRACE_S = 1.0
+
+
+def draining_error() -> APIError:
+    return APIError(503, "the server is shutting down (SIGTERM): it finishes running requests and takes no new ones; "
+                    "retry on another replica or after it restarts", "shutting_down")
 
 
 @dataclasses.dataclass
@@ -53,6 +61,9 @@ class ServerState:
     tokenizer_manager: TokenizerManager | None = None  # None until the engine is up
     startup_error: str | None = None
     is_shutting_down: bool = False
+    is_draining: bool = False  # SIGTERM: new requests get 503 while the running ones finish
+    num_in_flight: int = 0  # HTTP requests being served (/health excluded)
+    loop: asyncio.AbstractEventLoop | None = None
     exit_code: int = 0
     request_exit: Callable[[int], None] = lambda code: None  # set by run_server: stops uvicorn
     is_exiting: Callable[[], bool] = lambda: False  # set by run_server: uvicorn got SIGINT/SIGTERM
@@ -64,6 +75,8 @@ class ServerState:
 
     def engine(self) -> TokenizerManager:
         """The TokenizerManager, or a 503 APIError saying why the engine cannot serve."""
+        if self.is_draining:
+            raise draining_error()
         tm = self.tokenizer_manager
         if tm is not None and not tm.is_dead and tm.process.is_alive():
             return tm
@@ -95,13 +108,14 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     state = ServerState(
         args=args,
         model_path=model_path,
-        served_model_name=args.served_model_name or args.model_path or os.path.basename(model_path.rstrip("/")),
+        served_model_name=served_model_name(args, model_path),
         metrics=ServerMetrics(),
         chat_template=openai_api.load_chat_template(args.chat_template),
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         starter = asyncio.create_task(_start_engine(state))
         yield
         state.is_shutting_down = True
@@ -112,6 +126,8 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
 
     app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(InFlightRequests, state=state)
+    app.add_middleware(BodySizeLimit, limit=args.max_request_body_bytes, on_refused=lambda: state.metrics.errors.labels("413").inc())
     install_error_handlers(app, on_error=state.metrics.count_error)
     app.include_router(native_api.public_router)
     protected = [Depends(require_api_key)]
@@ -213,12 +229,66 @@ class StartupProbeFilter(logging.Filter):
         return not (is_probe and self.state.tokenizer_manager is None and self.state.startup_error is None)
 
 
+class InFlightRequests:
+    """ASGI middleware: counts the HTTP requests being served (streams until their last byte) and, once the
+    server drains, answers every new one but /health (which says 503 itself) with 503."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            await self.app(scope, receive, send)
+            return
+        if self.state.is_draining:
+            error = draining_error()
+            await error_response(error.status_code, error.message, error.code)(scope, receive, send)
+            return
+        self.state.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_in_flight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM drains first: new requests get 503, running ones may finish for up to
+    --shutdown-timeout seconds, then the server stops (exit code 0). SIGINT, or a second SIGTERM, stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        state = self.state
+        if sig != signal.SIGTERM or state.is_draining or state.loop is None or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # re-raised after shutdown and swallowed by run_server's handler
+        state.is_draining = True
+        logger.info("SIGTERM: draining %d requests (up to --shutdown-timeout %gs)", state.num_in_flight,
+                    state.args.shutdown_timeout)
+        state.loop.call_soon_threadsafe(lambda: state.loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.state.args.shutdown_timeout
+        while self.state.num_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.state.num_in_flight:
+            logger.warning("--shutdown-timeout passed with %d requests still running; stopping them",
+                           self.state.num_in_flight)
+        self.should_exit = True
+
+
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the running requests are done
+
+
 def run_server(args: ServerArgs, model_path: str) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0) or until the engine dies (exit code 1)."""
+    """Serve until SIGINT/SIGTERM (exit code 0, SIGTERM after draining) or until the engine dies (exit code 1)."""
     app = create_app(args, model_path)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
     state: ServerState = app.state.server
+    server = DrainingServer(config, state)
 
     def request_exit(code: int) -> None:
         state.exit_code = code

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import platform
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error, validation_error
+from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
+from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 
 T = TypeVar("T")
-M = TypeVar("M", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 VERSIONED_PACKAGES = ("sgl_jax_lora", "jax", "jaxlib", "flax", "transformers", "fastapi", "uvicorn", "pydantic")
 
@@ -70,14 +71,6 @@ class UnloadLoRAAdapterReqInput(BaseModel):
     lora_name: str
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type)."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
-
-
 # ---- routes ------------------------------------------------------------------------------------
 @public_router.get("/health")
 async def health(request: Request) -> JSONResponse:
@@ -92,7 +85,7 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateReqInput)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    requests, is_batch = await build_generate_requests(tm, body)
+    requests, is_batch = await build_generate_requests(state, tm, body)
     streams = [state.metrics.track(tm.generate_request(r), "generate") for r in requests]
     if body.stream:
         return await streaming_response(request, _generate_events(streams, is_batch))
@@ -115,6 +108,8 @@ async def get_server_info(request: Request) -> JSONResponse:
             "served_model_name": state.served_model_name,
             "model_path": state.model_path,
             "engine_pid": tm.process.pid,
+            "frontend_rss_bytes": rss_bytes(os.getpid()),
+            "engine_rss_bytes": rss_bytes(tm.process.pid),
             "versions": _versions(),
         }
     )
@@ -156,6 +151,15 @@ async def unload_lora_adapter(request: Request) -> JSONResponse:
     return JSONResponse({"success": True, **result})
 
 
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of process `pid` (Linux /proc; None elsewhere): soak runs watch both processes for leaks."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
     tm = state.engine()
     if not state.args.enable_lora:
@@ -167,7 +171,9 @@ def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
 
 
 # ---- building requests -------------------------------------------------------------------------
-async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[GenerateRequest], bool]:
+async def build_generate_requests(
+    state: ServerState, tm: TokenizerManager, body: GenerateReqInput
+) -> tuple[list[GenerateRequest], bool]:
     """Validate every prompt of the body (raising a 400 naming the first bad one) before sending any.
 
     -> (requests, whether the answer is a list): a batch, or one prompt with `n` > 1 samples, answers with a
@@ -180,6 +186,7 @@ async def build_generate_requests(tm: TokenizerManager, body: GenerateReqInput) 
         n = samples_per_prompt(params)
     except SamplingParamsError as e:
         raise APIError(400, str(e), "invalid_request") from e
+    check_requests_per_call(state, count, n)
     prompts = [
         {"text": texts[i], "input_ids": ids_list[i], "sampling_params": sample_params, "return_logprob": body.return_logprob,
          "logprob_start_len": body.logprob_start_len, "top_logprobs_num": body.top_logprobs_num}
@@ -216,8 +223,8 @@ async def build_requests(
             if ref is not None:
                 refs.append(ref)
             try:
-                requests.append(tm.build_request(**prompt, lora_id=ref.lora_id if ref is not None else None,
-                                                 arrival_time=received))
+                requests.append(await tm.run_cpu(tm.build_request, **prompt, arrival_time=received,
+                                                 lora_id=ref.lora_id if ref is not None else None))
             except Exception as e:
                 error = to_api_error(e)
                 raise APIError(error.status_code, where + error.message, error.code) from e

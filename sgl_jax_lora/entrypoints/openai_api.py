@@ -31,12 +31,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from sgl_jax_lora.entrypoints.errors import APIError
+from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.entrypoints.native_api import (
     build_requests,
     gather_or_cancel,
     last_result,
     merge_streams,
-    parse_body,
     run_unless_disconnected,
     sse,
     streaming_response,
@@ -140,13 +140,20 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "max_tokens must be >= 1, got 0 (max_tokens 0 is for echo=true, which scores the prompt)", "invalid_request")
     prompt_parts = _completion_prompts(body.prompt)
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
-    prompts = [
-        _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16,
-                      prompt_logprobs=body.echo and body.logprobs is not None, max_tokens=1 if scoring else None)
-        for text, ids in prompt_parts
-    ]
-    echoes = repeat_each([_Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else _NO_ECHO
-                          for text, ids in prompt_parts], body.n)
+    check_requests_per_call(state, len(prompt_parts), body.n if isinstance(body.n, int) and body.n > 0 else 1)
+
+    def prepare() -> tuple[list[dict], list[_Echo]]:  # tokenizer work: on the CPU pool, off the event loop
+        kwargs = [
+            _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16,
+                          prompt_logprobs=body.echo and body.logprobs is not None, max_tokens=1 if scoring else None)
+            for text, ids in prompt_parts
+        ]
+        echoes = [_Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else _NO_ECHO
+                  for text, ids in prompt_parts]
+        return kwargs, echoes
+
+    prompts, prompt_echoes = await tm.run_cpu(prepare)
+    echoes = repeat_each(prompt_echoes, body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -173,7 +180,7 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    input_ids = render_chat(tm, state.chat_template, body.messages)
+    input_ids = await tm.run_cpu(render_chat, tm, state.chat_template, body.messages)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -218,6 +225,7 @@ async def _build_requests(
     """The engine requests of `prompts` with n choices each (prompt-major)."""
     adapter = model_adapter(state, model)
     choices = _choices(prompts, n)
+    check_requests_per_call(state, len(prompts), n)
     try:
         return await build_requests(tm, choices, [adapter] * len(choices), is_batch=len(prompts) > 1, copies_per_prompt=n)
     except APIError as e:

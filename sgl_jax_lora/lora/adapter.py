@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import SafetensorError, deserialize, safe_open
 from safetensors.numpy import save as save_safetensors
 
+from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
     WEIGHTS_FILE,
@@ -90,22 +91,26 @@ class _Header:
 
 
 def inspect_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    allowed_dirs: list[str] | None = None,
 ) -> AdapterSummary:
     """Every check of `load_peft_adapter` (config, tensor names and shapes, rank) without reading the weights:
-    registration stays cheap (milliseconds) however large the adapter; the data is read on first use."""
-    config = load_peft_config(name, path)
-    headers = _read_headers(name, resolve_weights_file(name, path))
+    registration stays cheap (milliseconds) however large the adapter; the data is read on first use.
+    allowed_dirs: every file opened must lie inside one of them once symlinks are resolved (None: anywhere)."""
+    config = load_peft_config(name, path, allowed_dirs)
+    headers = _read_headers(name, resolve_weights_file(name, path, allowed_dirs))
     _, plan = _validated_plan(name, config, headers, target_shapes, max_lora_rank)
     return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
 
 
 def load_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None
+    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable."""
-    config = load_peft_config(name, path)
-    tensors = _read_tensors(name, resolve_weights_file(name, path))
+    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
+    Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
+    config = load_peft_config(name, path, allowed_dirs)
+    tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs))
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 
@@ -114,9 +119,12 @@ def adapter_from_tensors(
     max_lora_rank: int | None = None, path: str = "",
 ) -> LoRAAdapter:
     """An adapter from memory: PEFT tensor names -> arrays, and adapter_config.json's fields as a dict; the same
-    checks as from disk."""
+    checks as from disk (non-finite values refused)."""
     config = parse_peft_config(name, raw_config)
-    return build_adapter(name, path, config, _float32_tensors(name, tensors), target_shapes, max_lora_rank)
+    tensors = _float32_tensors(name, tensors)
+    for key, tensor in tensors.items():
+        adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
+    return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 
 def build_adapter(
@@ -251,6 +259,8 @@ def _read_tensors(name: str, weights_file: str) -> dict[str, np.ndarray]:
             tensors.update(_read_bf16_tensors(weights_file, bf16_keys))
     except (SafetensorError, OSError, ValueError) as e:
         raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
+    for key, tensor in tensors.items():
+        adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
     return tensors
 
 

@@ -58,6 +58,7 @@ class LoRAManager:
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
+        self._zero_values: list[np.ndarray] | None = None  # a slot's zeros in the model dtype, made on first release
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
         self.base_program = not args.disable_lora_base_program
@@ -96,10 +97,20 @@ class LoRAManager:
         self.pool.pinned.add(ref.lora_id)
 
     def unregister(self, lora_id: str) -> None:
+        """Forget an adapter; its device slot, if it held one, is zeroed so that nothing of it stays on the device."""
         self.refs.pop(lora_id, None)
         self._prefetches.pop(lora_id, None)
+        slot = self.pool.slot_of.get(lora_id)
         self.pool.release(lora_id)
+        if slot is not None:
+            self._zero(slot)
         self.host_cache.drop(lora_id)
+
+    def _zero(self, slot: int) -> None:
+        """Write zeros over every buffer of `slot` (a freed slot holds no adapter's values)."""
+        if self._zero_values is None:
+            self._zero_values = self.runner.lora_slot_values(self.pool.zero_update())
+        self.runner.write_lora_slot(slot, self._zero_values)
 
     def _check_targets(self, ref: LoRARef, adapter: AdapterSummary) -> None:
         missing = sorted(adapter.target_modules - self.target_modules)
@@ -175,7 +186,9 @@ class LoRAManager:
         return slot
 
     def _write(self, slot: int, lora_id: str) -> None:
-        """Host -> device slot; a finished prefetch supplies the arrays, else they are made here (errors raise)."""
+        """Host -> device slot; a finished prefetch supplies the arrays, else they are made here (errors raise).
+        Every element of the slot is written (rows above the adapter's rank as zeros): nothing of the adapter
+        it evicts remains."""
         start = time.perf_counter()
         prefetched = self._prefetches.pop(lora_id, None)
         adapter, values = prefetched.result() if prefetched is not None else self._host_slot_arrays(self.refs[lora_id])

@@ -18,5 +18,6 @@ class LoRARef:
     lora_name: str  # user-facing name (a bare path when the adapter was given as PATH)
     lora_path: str  # PEFT adapter directory; "" for weights that came from memory (tensors, an update)
     pinned: bool = False  # never evicted from the device (and host) tiers
+    confined: bool = False  # loaded by a client: every file it opens must lie inside --lora-allowed-dirs
     lora_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     version: int = 1  # 1 at load; each update_lora_adapter registers the next version under a new lora_id

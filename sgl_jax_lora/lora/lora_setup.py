@@ -65,13 +65,19 @@ class LoRASetup:
     def _load(self, ref: LoRARef) -> LoRAAdapter:
         if ref.lora_id in self.in_memory:
             return self.in_memory[ref.lora_id][0]
-        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
+                                 self._allowed_dirs(ref))
 
     def _inspect(self, ref: LoRARef) -> AdapterSummary:
         if ref.lora_id in self.in_memory:
             adapter = self.in_memory[ref.lora_id][0]
             return AdapterSummary(ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules)
-        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank)
+        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
+                                    self._allowed_dirs(ref))
+
+    def _allowed_dirs(self, ref: LoRARef) -> list[str] | None:
+        """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
+        return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
     def from_memory(self, ref: LoRARef, tensors: bytes, config: dict) -> LoRAAdapter:
         """Validate safetensors bytes + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""

@@ -4,7 +4,8 @@ Flow: LoRAManager picks a slot for an adapter -> `slot_update(adapter)` lays its
 model's LoRA buffers expect (one [L, ...] array per buffer: A parts stacked along rank, B per part, kv
 heads replicated like the base weights, rows above the adapter's rank zero) -> ModelRunner.write_lora_slot
 runs one jitted, donated `.at[:, slot].set(...)` per buffer. The shapes never change, so loading,
-evicting and unloading never compile. Slot 0 is the base model and stays all zeros.
+evicting and unloading never compile. Slot 0 is the base model and stays all zeros; a slot whose adapter is
+unloaded is written with `zero_update()`, an evicted one is overwritten whole by its successor.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class LoRAMemoryPool:
             self.slot_rank[slot] = 0
         self.policy.remove(lora_id)
         self.pinned.discard(lora_id)
+
+    def zero_update(self) -> dict[tuple[str, ...], np.ndarray]:
+        """Host arrays that clear one slot: state path -> zeros [L, *buffer.shape[2:]] (float32)."""
+        return {path: np.zeros((shape[0],) + tuple(shape[2:]), np.float32) for path, shape in self.buffer_shapes.items()}
 
     def slot_update(self, adapter: LoRAAdapter) -> dict[tuple[str, ...], np.ndarray]:
         """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] (float32)."""

@@ -23,23 +23,23 @@ import os
 import re
 from collections.abc import Callable
 
+from sgl_jax_lora.lora.adapter_files import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoRAAdapterError,
+    adapter_error,
+    confined_file,
+    shown,
+)
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoRAAdapterError", "PeftLoRAConfig", "adapter_error", "load_peft_config",
+           "resolve_weights_file"]
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 ALL_LINEAR = "all-linear"
 # Modules whose adaptation changes the vocabulary rows or the output head: never served.
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 _EMBEDDING_PATHS: tuple[str, ...] = ("model.embed_tokens", "lm_head")
-
-
-class LoRAAdapterError(ValueError):
-    """An adapter that cannot be served; the message names the adapter, the problem and the fix."""
-
-
-def adapter_error(name: str, problem: str, fix: str) -> LoRAAdapterError:
-    return LoRAAdapterError(f"adapter '{name}': {problem}; {fix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +118,11 @@ def _layer_index_of(module_path: str, layers_pattern: tuple[str, ...] | None) ->
     return int(match.group("idx")) if match else None
 
 
-def load_peft_config(name: str, adapter_dir: str) -> PeftLoRAConfig:
-    """Read and validate `{adapter_dir}/adapter_config.json`; raise LoRAAdapterError if not servable."""
-    return parse_peft_config(name, _read_config_json(name, adapter_dir))
+def load_peft_config(name: str, adapter_dir: str, allowed_dirs: list[str] | None = None) -> PeftLoRAConfig:
+    """Read and validate `{adapter_dir}/adapter_config.json`; raise LoRAAdapterError if not servable.
+
+    allowed_dirs: the config, symlinks resolved, must lie inside one of them (adapters loaded over HTTP)."""
+    return parse_peft_config(name, _read_config_json(name, adapter_dir, allowed_dirs))
 
 
 def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
@@ -135,7 +137,7 @@ def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
                                 "save the adapter with peft's save_pretrained (LoraConfig)")
     r, alpha = raw["r"], raw["lora_alpha"]
     if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)) or alpha < 0:
-        raise adapter_error(name, f"invalid r={r!r} / lora_alpha={alpha!r}",
+        raise adapter_error(name, f"invalid r={shown(repr(r))} / lora_alpha={shown(repr(alpha))}",
                             "r must be a positive integer and lora_alpha a number")
     config = PeftLoRAConfig(
         adapter_name=name,
@@ -154,11 +156,12 @@ def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
     return config
 
 
-def resolve_weights_file(name: str, adapter_dir: str) -> str:
-    """Path of the adapter's safetensors file; refuses pickle-only (.bin) adapters without reading them."""
+def resolve_weights_file(name: str, adapter_dir: str, allowed_dirs: list[str] | None = None) -> str:
+    """Resolved path of the adapter's safetensors file (inside `allowed_dirs` when given); refuses pickle-only
+    (.bin) adapters without reading them."""
     path = os.path.join(adapter_dir, WEIGHTS_FILE)
     if os.path.isfile(path):
-        return path
+        return confined_file(name, path, allowed_dirs)
     if os.path.isfile(os.path.join(adapter_dir, PICKLE_WEIGHTS_FILE)):
         raise adapter_error(
             name, f"only {PICKLE_WEIGHTS_FILE} (pickle) found in {adapter_dir}; pickle files are never loaded",
@@ -167,21 +170,25 @@ def resolve_weights_file(name: str, adapter_dir: str) -> str:
                         "point the adapter path at a directory written by peft's save_pretrained")
 
 
-def _read_config_json(name: str, adapter_dir: str) -> dict:
+def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | None) -> dict:
     if not os.path.isdir(adapter_dir):
-        raise adapter_error(name, f"adapter directory {adapter_dir!r} does not exist",
+        raise adapter_error(name, f"adapter directory {shown(adapter_dir)!r} does not exist",
                             "check the adapter path (a directory written by peft's save_pretrained)")
     path = os.path.join(adapter_dir, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise adapter_error(name, f"{CONFIG_FILE} not found in {adapter_dir}",
+        raise adapter_error(name, f"{CONFIG_FILE} not found in {shown(adapter_dir)}",
                             "point the adapter path at a directory written by peft's save_pretrained")
+    real = confined_file(name, path, allowed_dirs)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(real, encoding="utf-8") as f:
             raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise adapter_error(name, f"{path} is not valid JSON ({e})", "fix or re-save the adapter") from e
+    except json.JSONDecodeError as e:  # position only: the message never quotes the file
+        raise adapter_error(name, f"{CONFIG_FILE} is not valid JSON (line {e.lineno}, column {e.colno})",
+                            "fix or re-save the adapter") from None
+    except UnicodeDecodeError:
+        raise adapter_error(name, f"{CONFIG_FILE} is not UTF-8 text", "fix or re-save the adapter") from None
     if not isinstance(raw, dict):
-        raise adapter_error(name, f"{path} is not a JSON object", "fix or re-save the adapter")
+        raise adapter_error(name, f"{CONFIG_FILE} is not a JSON object", "fix or re-save the adapter")
     return raw
 
 
@@ -209,11 +216,11 @@ _REFUSED_FIELDS: tuple[tuple[str, Callable[[object], bool], str, str], ...] = (
 def _refuse_unsupported(name: str, raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise adapter_error(name, f"peft_type={peft_type!r} is not LoRA", "only LoRA adapters can be served")
+        raise adapter_error(name, f"peft_type={shown(repr(peft_type))} is not LoRA", "only LoRA adapters can be served")
     for key, is_refused, problem, fix in _REFUSED_FIELDS:
         value = raw.get(key)
         if value is not None and is_refused(value):
-            raise adapter_error(name, problem.format(value=value), fix)
+            raise adapter_error(name, shown(problem.format(value=value)), fix)
 
 
 def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
@@ -223,7 +230,7 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
         try:
             re.compile(targets)
         except re.error as e:
-            raise adapter_error(name, f"target_modules regex {targets!r} is invalid ({e})",
+            raise adapter_error(name, f"target_modules regex {shown(repr(targets))} is invalid ({shown(str(e))})",
                                 "fix target_modules in adapter_config.json") from e
         hit = [p for p in _EMBEDDING_PATHS if config.targets(p)]
         if hit:
@@ -234,12 +241,12 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
         if short in EMBEDDING_MODULES:
             raise _embedding_error(name, target)
         if short not in LORA_TARGET_MODULES:
-            raise adapter_error(name, f"target module {target!r} is not supported",
+            raise adapter_error(name, f"target module {shown(repr(target))} is not supported",
                                 f"LoRA can target only: {supported}")
 
 
 def _embedding_error(name: str, target: str) -> LoRAAdapterError:
-    return adapter_error(name, f"targets the embedding/output layer ({target!r}), which is not supported",
+    return adapter_error(name, f"targets the embedding/output layer ({shown(repr(target))}), which is not supported",
                          "retrain without embed_tokens/lm_head in target_modules")
 
 
@@ -249,13 +256,13 @@ def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
             try:
                 re.compile(key)
             except re.error as e:
-                raise adapter_error(name, f"{field} key {key!r} is not a valid regex ({e})",
+                raise adapter_error(name, f"{field} key {shown(repr(key))} is not a valid regex ({shown(str(e))})",
                                     f"fix {field} in adapter_config.json") from e
             is_rank = field == "rank_pattern"
             valid = (isinstance(value, int) and value > 0) if is_rank else (
                 isinstance(value, (int, float)) and value >= 0)
             if not valid or isinstance(value, bool):
-                raise adapter_error(name, f"{field}[{key!r}]={value!r} is invalid",
+                raise adapter_error(name, f"{field}[{shown(repr(key))}]={shown(repr(value))} is invalid",
                                     f"{field} values must be positive integers (ranks) / non-negative numbers (alphas)")
 
 

@@ -5,6 +5,9 @@ sends `lora_id` to the engine, and calls `release(lora_id)` when the request fin
 `/unload_lora_adapter` calls `await unregister(name)`: the name disappears at once (new requests fail),
 then it waits until the adapter's in-flight requests are done before the engine frees host/device copies.
 
+An adapter's identity is its resolved directory (os.path.realpath): one directory is registered once, however
+its path is spelled; `find_by_path` finds it by any spelling. Adapters from memory have no directory.
+
 Runs inside one asyncio event loop; no method awaits between reading and updating the tables, so the
 loop itself serializes them and no lock is needed.
 """
@@ -12,9 +15,12 @@ loop itself serializes them and no lock is needed.
 from __future__ import annotations
 
 import asyncio
+import os
 
+from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+MAX_LISTED_NAMES = 10  # an "unknown adapter" error lists at most this many loaded names
 
 
 class UnknownLoRAError(LoRAAdapterError):
@@ -24,18 +30,28 @@ class UnknownLoRAError(LoRAAdapterError):
 class LoRARegistry:
     def __init__(self) -> None:
         self._refs: dict[str, LoRARef] = {}  # lora_name -> ref
+        self._names_by_path: dict[str, str] = {}  # resolved adapter directory -> lora_name
         self._in_flight: dict[str, int] = {}  # lora_id -> requests holding it
         self._drained: dict[str, asyncio.Event] = {}  # lora_id -> set when its unload may proceed
         self._by_id: dict[str, LoRARef] = {}  # lora_id -> ref, while registered or still in flight
 
-    def register(self, ref: LoRARef) -> None:
-        """Make `ref.lora_name` servable; a name already registered is refused."""
+    def register(self, ref: LoRARef, alias_ok: bool = False) -> None:
+        """Make `ref.lora_name` servable; a name already registered is refused, and so is a directory unless
+        `alias_ok` (the operator's own registrations may give one directory several names; the first one keeps
+        answering for its path)."""
         if ref.lora_name in self._refs:
             raise LoRAAdapterError(
-                f"adapter '{ref.lora_name}': a LoRA adapter with this name is already loaded; "
+                f"adapter '{shown(ref.lora_name)}': a LoRA adapter with this name is already loaded; "
                 "unload it first (POST /unload_lora_adapter) or choose another lora_name")
+        real = _identity(ref)
+        if real is not None and real in self._names_by_path and not alias_ok:
+            raise LoRAAdapterError(
+                f"adapter '{shown(ref.lora_name)}': its directory is already loaded as "
+                f"'{shown(self._names_by_path[real])}'; use that name, or unload it first")
         self._refs[ref.lora_name] = ref
         self._by_id[ref.lora_id] = ref
+        if real is not None:
+            self._names_by_path.setdefault(real, ref.lora_name)
         self._in_flight.setdefault(ref.lora_id, 0)
 
     def replace(self, ref: LoRARef) -> LoRARef:
@@ -78,8 +94,19 @@ class LoRARegistry:
         """Remove `name` now; return its ref once no request is using it any more."""
         ref = self._lookup(name)
         del self._refs[name]
+        real = _identity(ref)
+        if real is not None and self._names_by_path.get(real) == name:
+            del self._names_by_path[real]
+            alias = next((r.lora_name for r in self._refs.values() if _identity(r) == real), None)
+            if alias is not None:
+                self._names_by_path[real] = alias
         await self.wait_drained(ref.lora_id)
         return ref
+
+    def find_by_path(self, path: str) -> LoRARef | None:
+        """The adapter registered for `path`'s resolved directory, whatever its name."""
+        name = self._names_by_path.get(os.path.realpath(path))
+        return None if name is None else self._refs[name]
 
     def get(self, name: str) -> LoRARef | None:
         return self._refs.get(name)
@@ -100,9 +127,18 @@ class LoRARegistry:
     def _lookup(self, name: str) -> LoRARef:
         ref = self._refs.get(name)
         if ref is None:
-            loaded = ", ".join(sorted(self._refs)) or "none"
+            names = sorted(self._refs)
+            loaded = ", ".join(shown(n) for n in names[:MAX_LISTED_NAMES]) or "none"
+            if len(names) > MAX_LISTED_NAMES:
+                loaded += f" and {len(names) - MAX_LISTED_NAMES} more (GET /v1/models lists them)"
+            name = shown(name)
             raise UnknownLoRAError(
                 f"adapter '{name}': no LoRA adapter with this name is loaded (loaded: {loaded}); load it with "
                 f"POST /load_lora_adapter {{\"lora_name\": \"{name}\", \"lora_path\": PATH}} or start the "
                 f"server with --lora-paths {name}=PATH")
         return ref
+
+
+def _identity(ref: LoRARef) -> str | None:
+    """An adapter's identity: its resolved directory; None for an adapter from memory (no directory)."""
+    return os.path.realpath(ref.lora_path) if ref.lora_path else None

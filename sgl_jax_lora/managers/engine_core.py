@@ -287,10 +287,12 @@ class EngineCore:
     def rpc_server_info(self) -> dict:
         return self.server_info()
 
-    def rpc_load_lora(self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+    def rpc_load_lora(self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False,
+                      confined: bool = False) -> dict:
         if self.lora is None:
             raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        adapter = self.lora.register(LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id))
+        adapter = self.lora.register(LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id,
+                                             confined=confined))
         return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
 
     def rpc_load_lora_tensors(self, ref: dict, tensors: bytes, config: dict | None, replaces: str | None = None) -> dict:

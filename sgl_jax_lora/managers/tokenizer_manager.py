@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from transformers import AutoTokenizer
 
@@ -29,11 +31,13 @@ from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.managers.engine_process import run_engine_process
 from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
+from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestError(ValueError):
@@ -73,9 +77,11 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_dead = False
         self._send_lock = threading.Lock()
-        self.lora_registry = LoRARegistry()
+        # per-request CPU work (JSON, tokenization, chat templates, adapter file checks) runs here, off the loop
+        self.cpu_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend-cpu")
+        self.lora_frontend = LoRAFrontend(args, model_path, self.call, self.cpu_pool)
         for ref in self.server_info.get("loras", []):
-            self.lora_registry.register(LoRARef(**ref))
+            self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
         self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by path
         self._update_locks: dict[str, asyncio.Lock] = {}  # one update of an adapter at a time
         self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
@@ -163,6 +169,24 @@ class TokenizerManager:
             raise RequestError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return input_ids
 
+    async def run_cpu(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """`fn(*args, **kwargs)` on the frontend's CPU pool: the event loop keeps answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.cpu_pool, functools.partial(fn, *args, **kwargs))
+
+    def _check_stops(self, sampling: SamplingParams) -> None:
+        """--max-stop-strings and --max-stop-string-chars (a stop string is searched in every new token's text)."""
+        limit, chars = self.args.max_stop_strings, self.args.max_stop_string_chars
+        for field, values in (("stop", sampling.stop), ("stop_token_ids", sampling.stop_token_ids)):
+            if len(values) > limit:
+                raise RequestError(f"{field} has {len(values)} entries, more than --max-stop-strings {limit}; send fewer")
+        longest = max((len(s) for s in sampling.stop), default=0)
+        if longest > chars:
+            raise RequestError(f"stop holds a string of {longest} characters, more than --max-stop-string-chars {chars}")
+        vocab = self.server_info["vocab_size"]
+        outside = [t for t in sampling.stop_token_ids if t >= vocab]
+        if outside:
+            raise RequestError(f"stop_token_ids names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+
     def build_request(
         self,
         text: str | None = None,
@@ -180,6 +204,7 @@ class TokenizerManager:
             sampling = SamplingParams.from_dict(sampling_params)
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
+        self._check_stops(sampling)
         ids = self.tokenize(text, input_ids)
         vocab = self.server_info["vocab_size"]
         outside = [t for t in sampling.logit_bias if t >= vocab]
@@ -195,8 +220,9 @@ class TokenizerManager:
             )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
-        if not isinstance(logprob_start_len, int) or logprob_start_len < -1:
-            raise RequestError(f"logprob_start_len must be an integer >= -1, got {logprob_start_len!r}")
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < self.context_length:
+            raise RequestError(f"logprob_start_len must be an integer in [-1, {self.context_length}), got "
+                               f"{repr(logprob_start_len)[:40]}")
         return GenerateRequest(
             rid=uuid.uuid4().hex,
             input_ids=ids,
@@ -208,77 +234,35 @@ class TokenizerManager:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
 
-    # ---- LoRA adapters -----------------------------------------------------------------------
+    # ---- LoRA adapters (managers/lora_frontend.py) ---------------------------------------------
+    @property
+    def lora_registry(self) -> LoRARegistry:
+        return self.lora_frontend.registry
+
     def list_loras(self) -> list[LoRARef]:
         return self.lora_registry.list_refs()
 
     async def resolve_lora(self, lora_path: str | None) -> LoRARef | None:
-        """Adapter name (or registered path) -> its LoRARef, counted in flight until the request ends.
-
-        An unregistered path is loaded on demand only if it lies inside --lora-allowed-dirs.
-        """
-        if lora_path is None:
-            return None
-        if not self.args.enable_lora:
-            raise RequestError(
-                f"request names adapter '{lora_path}' but LoRA is not enabled; restart with --enable-lora or --lora-paths"
-            )
-        if not isinstance(lora_path, str):
-            raise RequestError(f"lora_path must be an adapter name or path (a string) or null, got {lora_path!r}")
-        if lora_path not in self.lora_registry and self._is_allowed_dir(lora_path):
-            await self._load_on_demand(lora_path)
+        """Adapter name (or path, however spelled) -> its LoRARef, counted in flight until the request ends.
+        An unregistered path is loaded on demand only if it lies inside --lora-allowed-dirs."""
         try:
-            return await self.lora_registry.acquire(lora_path)
+            return await self.lora_frontend.resolve(lora_path)
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
-
-    async def _load_on_demand(self, lora_path: str) -> None:
-        """Register the adapter at an allowed path under its path as name. Requests for one path share one load;
-        loads of different paths run at once (each is a round trip to the engine, answered between its steps), so a
-        burst of requests for new adapters does not wait for them one by one."""
-        loading = self._loads_in_flight.get(lora_path)
-        if loading is None:
-            loading = asyncio.ensure_future(self.load_lora_adapter(lora_path, lora_path, trusted=True))
-            self._loads_in_flight[lora_path] = loading
-            loading.add_done_callback(lambda _: self._loads_in_flight.pop(lora_path, None))
-        await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
-
-    def _is_allowed_dir(self, path: str) -> bool:
-        real = os.path.realpath(path)
-        for allowed in self.args.lora_allowed_dirs or []:
-            root = os.path.realpath(allowed)
-            if real.startswith(root + os.sep) and os.path.isdir(real):
-                return True
-        return False
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False, trusted: bool = False) -> dict:
         """Register and load an adapter. Untrusted (HTTP) calls may only read inside --lora-allowed-dirs."""
-        if not self.args.enable_lora:
-            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
-            raise RequestError("load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings)")
-        if not trusted and not self._is_allowed_dir(lora_path):
-            raise RequestError(
-                f"adapter '{lora_name}': path '{lora_path}' is outside the directories the operator allowed; "
-                "restart with --lora-allowed-dirs DIR containing it, or register it with --lora-paths"
-            )
-        if lora_name in self.lora_registry:
-            raise RequestError(f"adapter '{lora_name}' is already loaded; unload it first or choose another lora_name")
-        ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=bool(pinned))
-        result = await self.call("load_lora", lora_id=ref.lora_id, lora_name=lora_name, lora_path=lora_path, pinned=ref.pinned)
-        self.lora_registry.register(ref)
-        return {"lora_name": lora_name, "lora_path": lora_path, "pinned": ref.pinned, "lora_id": ref.lora_id, **result}
+        try:
+            return await self.lora_frontend.load(lora_name, lora_path, pinned=pinned, trusted=trusted)
+        except LoRAAdapterError as e:
+            raise RequestError(str(e)) from e
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""
-        if not self.args.enable_lora:
-            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         try:
-            ref = await self.lora_registry.unregister(lora_name)
+            return await self.lora_frontend.unload(lora_name)
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
-        await self.call("unload_lora", lora_id=ref.lora_id)
-        return {"lora_name": lora_name, "lora_id": ref.lora_id}
 
     async def load_lora_adapter_from_tensors(self, lora_name: str, tensors: bytes, config: dict, pinned: bool = False) -> dict:
         """Register an adapter from memory: `tensors` is a safetensors file's bytes (PEFT names), `config` the
@@ -391,3 +375,4 @@ class TokenizerManager:
                 self.process.terminate()
                 self.process.join(timeout=5)
         self._conn.close()
+        self.cpu_pool.shutdown(wait=False, cancel_futures=True)

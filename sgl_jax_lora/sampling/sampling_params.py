@@ -11,6 +11,9 @@ import dataclasses
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
+MAX_INT32 = 2**31 - 1  # token ids, top_k and token counts travel as int32 arrays
+MAX_FLOAT32 = 3.4028234663852886e38  # float fields travel as float32: anything larger would become Inf
+INT64_RANGE = (-(2**63), 2**63 - 1)  # seed travels as a 64-bit integer over IPC
 
 
 class SamplingParamsError(ValueError):
@@ -57,6 +60,8 @@ class SamplingParams:
         _check_type("max_new_tokens", self.max_new_tokens, int)
         if self.max_new_tokens <= 0:
             raise SamplingParamsError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens > MAX_INT32:
+            raise SamplingParamsError(f"max_new_tokens must be <= {MAX_INT32}, got {_short(self.max_new_tokens)}")
         _check_type("min_new_tokens", self.min_new_tokens, int)
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise SamplingParamsError(
@@ -71,8 +76,8 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.top_k < -1:
-            raise SamplingParamsError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise SamplingParamsError(f"top_k must be -1 (off) or in [0, {MAX_INT32}], got {_short(self.top_k)}")
         if self.repetition_penalty <= 0:
             raise SamplingParamsError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -80,10 +85,14 @@ class SamplingParams:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise SamplingParamsError("stop_token_ids must be a list of integers")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids
+        ):
+            raise SamplingParamsError(f"stop_token_ids must be a list of token ids (integers in [0, {MAX_INT32}])")
         if self.seed is not None:
             _check_type("seed", self.seed, int)
+            if not INT64_RANGE[0] <= self.seed <= INT64_RANGE[1]:
+                raise SamplingParamsError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}")
         if not isinstance(self.logit_bias, dict):
             raise SamplingParamsError("logit_bias must map token ids to numbers, e.g. {\"50256\": -100}")
         for token_id, bias in self.logit_bias.items():
@@ -115,7 +124,15 @@ class SamplingParams:
 
 def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) or not isinstance(value, types):
-        raise SamplingParamsError(f"{name} must be a number of type {types}, got {value!r}")
+        raise SamplingParamsError(f"{name} must be a number of type {types}, got {_short(value)}")
+    if isinstance(value, float) and not abs(value) <= MAX_FLOAT32:  # NaN fails every comparison
+        raise SamplingParamsError(f"{name} must be a finite number (no NaN or Infinity, |x| <= 3.4e38), got {value!r}")
+
+
+def _short(value: object) -> str:
+    """repr of a client's value, cut (an integer of a thousand digits stays out of the error)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _token_id_keys(logit_bias: object) -> object:

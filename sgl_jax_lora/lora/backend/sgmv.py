@@ -6,8 +6,9 @@ Two formulations of the segmented product, picked by platform:
 - "ragged" (TPU, CPU): tokens permuted by `sort_perm` into segments and one `jax.lax.ragged_dot` over the
   G segment weights `A[seg_slot]`. Not used on GPU, where XLA's lowering of ragged_dot pads every group to
   the worst case (measured: up to 7.2x the base matmul).
-- "segment_onehot" (GPU): no permutation; a one-hot over the G segments (not the A slots), so the work and
-  the weight bytes scale with the adapters present in the batch instead of the slot pool.
+- "segment_onehot" (GPU): no permutation; x against the G segments' weights (not the A slots), each token
+  keeping its own segment's row (selected, not multiplied by a one-hot, so a NaN in one adapter reaches no
+  other's tokens), so the work and the weight bytes scale with the adapters present in the batch.
 No rank awareness in either: each segment is computed at the pool's max rank R (zero padding rows).
 Sharding follows from GSPMD propagation.
 """
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax_lora.lora.backend.base import LoRABackend, dot_precision, expand_out_spec, shrink_out_spec
+from sgl_jax_lora.lora.backend.einsum import finite_or_zero
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 METHODS = ("ragged", "segment_onehot")
@@ -32,6 +34,11 @@ def token_segment(lora: LoRABatch) -> jax.Array:
     seg_sorted = seg_sorted.astype(jnp.int32)
     seg_sorted = jnp.minimum(seg_sorted, lora.num_segments - 1)
     return jnp.zeros((num_tokens,), jnp.int32).at[lora.sort_perm].set(seg_sorted, unique_indices=True)
+
+
+def _own_segment(lora: LoRABatch) -> jax.Array:
+    """[T, G] bool: token t lies in segment g."""
+    return token_segment(lora)[:, None] == jnp.arange(lora.num_segments, dtype=jnp.int32)[None, :]
 
 
 def _group_sizes(lora: LoRABatch) -> jax.Array:
@@ -61,14 +68,15 @@ class SgmvBackend(LoRABackend):
         a_seg = lora_a[lora.seg_slot]  # [G, R, in]: only the adapters present in the batch
         precision = dot_precision(x.dtype, lora_a.dtype)
         if self.method == "ragged":
+            # XLA may lower ragged_dot densely with masks: non-finite weights are zeroed so they reach no other group
             s_sorted = jax.lax.ragged_dot(
-                x[lora.sort_perm], jnp.swapaxes(a_seg, 1, 2), _group_sizes(lora),
+                x[lora.sort_perm], jnp.swapaxes(finite_or_zero(a_seg), 1, 2), _group_sizes(lora),
                 precision=precision, preferred_element_type=jnp.float32,
             )
             s = _unsort(s_sorted, lora)
         else:
-            one_hot = jax.nn.one_hot(token_segment(lora), lora.num_segments, dtype=x.dtype)  # [T, G]
-            s = jnp.einsum("ti,tg,gri->tr", x, one_hot, a_seg, precision=precision, preferred_element_type=jnp.float32)
+            s_all = jnp.einsum("ti,gri->tgr", x, a_seg, precision=precision, preferred_element_type=jnp.float32)
+            s = jnp.where(_own_segment(lora)[:, :, None], s_all, 0.0).sum(axis=1)  # select: 0 x NaN would be NaN
         return self.constrain(s, shrink_out_spec())
 
     def expand(
@@ -79,11 +87,12 @@ class SgmvBackend(LoRABackend):
         precision = dot_precision(lora_b.dtype)
         if self.method == "ragged":
             y_sorted = jax.lax.ragged_dot(
-                s[lora.sort_perm], jnp.swapaxes(b_seg, 1, 2), _group_sizes(lora),
+                s[lora.sort_perm], jnp.swapaxes(finite_or_zero(b_seg), 1, 2), _group_sizes(lora),
                 precision=precision, preferred_element_type=jnp.float32,
             )
             y = _unsort(y_sorted, lora)
         else:
-            one_hot = jax.nn.one_hot(token_segment(lora), lora.num_segments, dtype=lora_b.dtype)  # [T, G]
-            y = jnp.einsum("tr,tg,gor->to", s, one_hot, b_seg, precision=precision, preferred_element_type=jnp.float32)
+            s_segs = jnp.where(_own_segment(lora)[:, :, None], s[:, None, :], 0)  # [T, G, R]
+            y = jnp.einsum("tgr,gor->to", s_segs, finite_or_zero(b_seg), precision=precision,
+                           preferred_element_type=jnp.float32)
         return self.constrain(y.astype(out_dtype), expand_out_spec(output_sharded))

@@ -1,0 +1,375 @@
+"""Ragged paged attention for CUDA GPUs (Pallas on Triton); also runs in interpret mode on CPU.
+
+Where it sits: a decoder layer writes this step's K/V into the paged cache, then its attention calls
+`ragged_paged_attention_gpu` with the whole caches [L, K, N, D] and the layer index; the result is exactly
+`reference.ragged_paged_attention_ref` (same signature, same masking, zeros for padding tokens).
+
+Two kernels, both reading K/V in place through the page table (row j of a key block lives in slot
+page_table[s, j // page_size] * page_size + j % page_size, so a block needs no whole pages and any page size
+works) with an online softmax in float32:
+
+decode (static `decode_only`: every q_len <= 1): flash-decoding. Grid (token, kv head, kv split). A program
+holds the G query heads of one kv head as the rows of a tile padded to 16 (the smallest `dot`), walks its
+split of the sequence's key blocks and, with one split, writes the normalized result straight into the
+output; with several it writes float32 partials (o, running max, denominator) that a few jnp ops combine.
+The split count comes from the static shapes so that small batches still fill the GPU. Padding tokens
+(mapped to no sequence) have no keys and come out as zeros.
+
+general (prefill chunks and decode rows in any mix): flash attention over q blocks. A q block holds up to BQ
+tokens of ONE sequence; the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G +
+head-in-group), so each K/V block loaded serves all G heads. The block -> (sequence, first token, count)
+table is built in jit from cu_q_lens (static bound T // BQ + S + 1 blocks); padding tokens get blocks of
+their own that write zeros. Keys are walked up to the causal limit of the block's last token: blocks wholly
+below the block's first query position without a mask, the diagonal blocks with the causal mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_MASK_INIT = -1e30  # finite running-max start: fully masked rows give exp2(-inf) = 0, never inf - inf
+_MIN_DOT = 16  # smallest rows/cols/inner dim of a Triton dot
+_TARGET_DECODE_PROGRAMS = 264  # two programs for each of 132 SMs (H100/H200); more splits only add partials
+_FIX_HINT = "restart with --attention-backend native"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    block_kv: int = 32  # keys per loop step
+    num_splits: int = 0  # key splits per (token, kv head); 0: chosen from the static shapes
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiles:
+    block_rows: int = 0  # q tile rows: tokens * G (a power of two); 0: chosen from the static shapes
+    block_kv: int = 64  # keys per loop step
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def check_shapes(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], page_size: int) -> None:
+    """Raise a ValueError naming the flag to change when these kernels cannot serve the model's shapes."""
+    _, num_heads, head_dim = q_shape
+    num_kv_heads, cache_dim = cache_shape[1], cache_shape[3]
+    if cache_dim != head_dim:
+        raise ValueError(f"GPU attention: q head_dim {head_dim} != cache head_dim {cache_dim}")
+    if head_dim < _MIN_DOT or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(
+            f"GPU attention kernels need a power-of-two head_dim in [16, 256], got {head_dim}; {_FIX_HINT}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"GPU attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads; {_FIX_HINT}"
+        )
+    group = num_heads // num_kv_heads
+    if group > 64 or group & (group - 1):
+        raise ValueError(f"GPU attention kernels need a power-of-two GQA group <= 64, got {group}; {_FIX_HINT}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}; restart with --page-size 16")
+
+
+def choose_decode_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:
+    """Key splits per (token, kv head) so that at least _TARGET_DECODE_PROGRAMS programs run, each walking at least
+    two key blocks. Splits cost a float32 round trip of partials and a combine step: on an H100, batch 64 x 517 ran
+    faster unsplit (512 programs) than in 2 or 4 splits, so split only when the programs are too few."""
+    max_blocks = -(-max_kv_len // block_kv)
+    splits = 1
+    while num_tokens * num_kv_heads * splits < _TARGET_DECODE_PROGRAMS and max_blocks // (splits * 2) >= 2:
+        splits *= 2
+    return splits
+
+
+def choose_block_rows(num_tokens: int, num_seqs: int) -> int:
+    """q tile rows for the general kernel: 256 when the step averages 16 or more tokens a sequence (prefill: on an
+    H100, 8 x 2048 tokens ran 18% faster than with 128 rows), else 128, since a decode row in a 256-row tile would
+    spend more time on padded products than on reading its keys."""
+    return 256 if num_tokens >= 16 * num_seqs else 128
+
+
+def _dot_nt(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """lhs [M, D] @ rhs [N, D].T in float32; IEEE f32 (not tf32) when both are f32."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    dims = (((1,), (1,)), ((), ()))
+    return jax.lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _dot_nn(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """lhs [M, N] @ rhs [N, D] in float32."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    dims = (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _load_kv_block(k_ref, v_ref, page_table_ref, layer, kv_head, seq, block, kv_len, *, block_kv, page_size):
+    """K and V rows [block_kv, D] of key block `block` of sequence `seq`, gathered through the page table; rows at
+    or past kv_len are not read (zeros). Returns (k, v, key positions, key row is valid)."""
+    cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
+    pos = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    is_key = pos < kv_len
+    page = plgpu.load(page_table_ref.at[seq, jax.lax.div(pos, page_size)], mask=is_key, other=0)
+    slot = page * page_size + jax.lax.rem(pos, page_size)
+    at = (layer, kv_head, slot[:, None], cols[None, :])
+    row_mask = jnp.broadcast_to(is_key[:, None], (block_kv, cols.shape[0]))
+    k = plgpu.load(k_ref.at[at], mask=row_mask, other=0)
+    v = plgpu.load(v_ref.at[at], mask=row_mask, other=0)
+    return k, v, pos, is_key
+
+
+def _softmax_step(carry, q, k, v, mask, scale_log2):
+    """One online-softmax step over a key block; mask [rows, block_kv] or None (every key counts)."""
+    o, m, l = carry
+    scores = _dot_nt(q, k) * scale_log2  # log2 domain: exp2 below
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    probs = jnp.exp2(scores - m_new[:, None])
+    l = l * alpha + jnp.sum(probs, axis=1)
+    o = o * alpha[:, None] + _dot_nn(probs.astype(v.dtype), v)
+    return o, m_new, l
+
+
+def _normalize(o: jax.Array, l: jax.Array) -> jax.Array:
+    return o / jnp.where(l > 0, l, 1.0)[:, None]  # rows with no keys (padding) stay 0
+
+
+def _decode_kernel(
+    token_seq_ref, token_kv_len_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs,
+    group, group_pad, num_splits, block_kv, page_size, scale_log2,
+):
+    # token_seq_ref, token_kv_len_ref [T] i32 (-1 and 0: padding); q_ref/out [T, H, D];
+    # partials: o [splits, T, H, D], m and l [splits, T, H]
+    token, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = q_ref.shape[-1]
+    safe_seq = jnp.maximum(token_seq_ref[token], 0)
+    kv_len = token_kv_len_ref[token]  # read beside the sequence, not through it: one dependent load less
+    layer = layer_ref[0]
+    rows = jnp.arange(group_pad, dtype=jnp.int32)
+    heads = kv_head * group + rows
+    is_head = rows < group
+    cols = jnp.arange(head_dim, dtype=jnp.int32)
+    row_mask = jnp.broadcast_to(is_head[:, None], (group_pad, head_dim))
+    q_at = (token, heads[:, None], cols[None, :])
+    q = plgpu.load(q_ref.at[q_at], mask=row_mask, other=0).astype(k_ref.dtype)
+
+    num_blocks = pl.cdiv(kv_len, block_kv)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.minimum(num_blocks, first + per_split)
+
+    def body(block, carry):
+        k, v, _, is_key = _load_kv_block(
+            k_ref, v_ref, page_table_ref, layer, kv_head, safe_seq, block, kv_len, block_kv=block_kv, page_size=page_size
+        )
+        mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
+        return _softmax_step(carry, q, k, v, mask, scale_log2)
+
+    init = (
+        jnp.zeros((group_pad, head_dim), jnp.float32),
+        jnp.full((group_pad,), _MASK_INIT, jnp.float32),
+        jnp.zeros((group_pad,), jnp.float32),
+    )
+    o, m, l = jax.lax.fori_loop(first, last, body, init)
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=row_mask)
+        return
+    o_ref, m_ref, l_ref = out_refs
+    plgpu.store(o_ref.at[(split,) + q_at], o, mask=row_mask)
+    plgpu.store(m_ref.at[split, token, heads], m, mask=is_head)
+    plgpu.store(l_ref.at[split, token, heads], l, mask=is_head)
+
+
+def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """([T] i32 sequence of each token, [T] i32 its kv_len); -1 and 0 for padding tokens past cu_q_lens[S]."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    # compare_all: one fused elementwise pass; the default scan method is a while loop, which on GPU costs a
+    # device-to-host round trip per step
+    seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all") - 1
+    seq = jnp.clip(seq, 0, num_seqs - 1).astype(jnp.int32)
+    is_real = token < cu_q_lens[-1]
+    return jnp.where(is_real, seq, -1), jnp.where(is_real, kv_lens[seq], 0)
+
+
+def _decode_attention(
+    q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size, scale, tiles, interpret
+) -> jax.Array:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    group_pad = max(_MIN_DOT, _next_pow2(group))
+    max_kv_len = page_table.shape[1] * page_size
+    splits = tiles.num_splits or choose_decode_splits(num_tokens, num_kv_heads, max_kv_len, tiles.block_kv)
+    kernel = functools.partial(
+        _decode_kernel, group=group, group_pad=group_pad, num_splits=splits, block_kv=tiles.block_kv,
+        page_size=page_size, scale_log2=scale * _LOG2E,
+    )
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_tokens, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_tokens, num_heads), jnp.float32),
+        )
+    result = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_tokens, num_kv_heads, splits),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_decode",
+    )(*_token_seq(cu_q_lens, kv_lens, num_tokens), layer, page_table, q, k_cache, v_cache)
+    if splits == 1:
+        return result
+    o, m, l = result
+    weight = jnp.exp2(m - jnp.max(m, axis=0))  # [splits, T, H]
+    denom = jnp.sum(weight * l, axis=0)
+    out = jnp.sum(weight[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(q.dtype)
+
+
+def _prefill_kernel(
+    block_seq_ref, block_start_ref, block_count_ref, layer_ref, kv_lens_ref, cu_q_lens_ref, page_table_ref,
+    q_ref, k_ref, v_ref, o_ref,
+    *, group, block_rows, block_kv, page_size, scale_log2,
+):
+    # block_* [num_blocks] i32 (seq -1: padding tokens, count 0: unused); q_ref/o_ref [T, H, D]
+    block, kv_head = pl.program_id(0), pl.program_id(1)
+    head_dim = q_ref.shape[-1]
+    seq, start, count = block_seq_ref[block], block_start_ref[block], block_count_ref[block]
+    safe_seq = jnp.maximum(seq, 0)
+    rows = jnp.arange(block_rows, dtype=jnp.int32)
+    token_in_block = jax.lax.div(rows, group)
+    is_row = token_in_block < count
+    cols = jnp.arange(head_dim, dtype=jnp.int32)
+    row_mask = jnp.broadcast_to(is_row[:, None], (block_rows, head_dim))
+    q_at = (start + token_in_block[:, None], kv_head * group + jax.lax.rem(rows, group)[:, None], cols[None, :])
+
+    kv_len = jnp.where(seq >= 0, kv_lens_ref[safe_seq], 0)
+    seq_start = cu_q_lens_ref[safe_seq]
+    q_len = cu_q_lens_ref[safe_seq + 1] - seq_start
+    first_pos = kv_len - q_len + (start - seq_start)  # absolute position of the block's first query
+    query_pos = first_pos + token_in_block
+    num_blocks = jnp.where(seq >= 0, pl.cdiv(first_pos + count, block_kv), 0)  # up to the last query's position
+    num_full = jnp.clip(jax.lax.div(jnp.maximum(first_pos + 1, 0), block_kv), 0, num_blocks)
+    q = plgpu.load(q_ref.at[q_at], mask=row_mask, other=0).astype(k_ref.dtype)
+    load = functools.partial(
+        _load_kv_block, k_ref, v_ref, page_table_ref, layer_ref[0], kv_head, safe_seq,
+        kv_len=kv_len, block_kv=block_kv, page_size=page_size,
+    )
+
+    def full_block(kv_block, carry):  # every key at or below every query of the block
+        k, v, _, _ = load(kv_block)
+        return _softmax_step(carry, q, k, v, None, scale_log2)
+
+    def diagonal_block(kv_block, carry):
+        k, v, key_pos, _ = load(kv_block)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        return _softmax_step(carry, q, k, v, mask, scale_log2)
+
+    init = (
+        jnp.zeros((block_rows, head_dim), jnp.float32),
+        jnp.full((block_rows,), _MASK_INIT, jnp.float32),
+        jnp.zeros((block_rows,), jnp.float32),
+    )
+    carry = jax.lax.fori_loop(0, num_full, full_block, init)
+    o, _, l = jax.lax.fori_loop(num_full, num_blocks, diagonal_block, carry)
+    plgpu.store(o_ref.at[q_at], _normalize(o, l).astype(o_ref.dtype), mask=row_mask)
+
+
+def _q_block_table(cu_q_lens: jax.Array, num_tokens: int, block_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(seq, first token, token count) of every q block, [T // BQ + S + 1] i32 each: each sequence's tokens in
+    blocks of up to BQ, then the padding tokens past cu_q_lens[S] (seq -1, written as zeros), then unused blocks
+    (count 0). A sequence's blocks come last token first: the blocks with the most keys start first, so the
+    launch does not end on a tail of long programs."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    max_blocks = num_tokens // block_tokens + num_seqs + 1
+    q_lens = jnp.diff(cu_q_lens)
+    pad_len = num_tokens - cu_q_lens[-1]
+    lens = jnp.concatenate([q_lens, pad_len[None]])  # padding as sequence S
+    starts = cu_q_lens  # sequence S starts at cu_q_lens[S]
+    blocks_per = (lens + block_tokens - 1) // block_tokens
+    block_end = jnp.cumsum(blocks_per)
+    block = jnp.arange(max_blocks, dtype=jnp.int32)
+    owner = jnp.searchsorted(block_end, block, side="right", method="compare_all")
+    owner = jnp.minimum(owner, num_seqs).astype(jnp.int32)
+    index_in_owner = block_end[owner] - 1 - block  # last block of the owner first
+    first = starts[owner] + index_in_owner * block_tokens
+    count = jnp.clip(lens[owner] - index_in_owner * block_tokens, 0, block_tokens)
+    is_used = block < block_end[-1]
+    count = jnp.where(is_used, count, 0)
+    first = jnp.where(is_used, first, 0)
+    seq = jnp.where(owner < num_seqs, owner, -1)
+    return seq.astype(jnp.int32), first.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def _prefill_attention(
+    q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size, scale, tiles, interpret
+) -> jax.Array:
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_rows = max(tiles.block_rows or choose_block_rows(num_tokens, page_table.shape[0]), _MIN_DOT, group)
+    block_tokens = block_rows // group
+    block_seq, block_start, block_count = _q_block_table(cu_q_lens, num_tokens, block_tokens)
+    kernel = functools.partial(
+        _prefill_kernel, group=group, block_rows=block_rows, block_kv=tiles.block_kv, page_size=page_size,
+        scale_log2=scale * _LOG2E,
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(block_seq.shape[0], num_kv_heads),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_prefill",
+    )(block_seq, block_start, block_count, layer, kv_lens, cu_q_lens, page_table, q, k_cache, v_cache)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("page_size", "scale", "decode_only", "interpret", "decode_tiles", "prefill_tiles")
+)
+def ragged_paged_attention_gpu(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, K, N, D]
+    v_cache: jax.Array,  # [L, K, N, D]
+    layer: jax.Array,  # [] i32
+    kv_lens: jax.Array,  # [S] i32   tokens of each sequence in the cache, this step's included
+    page_table: jax.Array,  # [S, P] i32
+    cu_q_lens: jax.Array,  # [S+1] i32 cumulative query lengths; cu_q_lens[0] = 0
+    *,
+    page_size: int,
+    scale: float,
+    decode_only: bool = False,
+    interpret: bool = False,
+    decode_tiles: DecodeTiles = DecodeTiles(),
+    prefill_tiles: PrefillTiles = PrefillTiles(),
+) -> jax.Array:
+    """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; products in float32.
+
+    decode_only: the caller promises every q_len <= 1 (a decode step); selects the flash-decoding kernel (a longer
+    row would attend as its last token for each of its tokens).
+    The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
+    """
+    check_shapes(q.shape, k_cache.shape, page_size)
+    args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32),
+            page_table.astype(jnp.int32), cu_q_lens.astype(jnp.int32))
+    if decode_only:
+        return _decode_attention(*args, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret)
+    return _prefill_attention(*args, page_size=page_size, scale=scale, tiles=prefill_tiles, interpret=interpret)

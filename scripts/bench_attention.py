@@ -1,0 +1,295 @@
+"""One layer of ragged paged attention on the GPU: our Pallas kernels vs the engine's gather and JAX's paged_attention.
+
+Shapes: Llama-3-8B attention (H=32 query heads, K=8 kv heads, D=128), page 16, bf16. Decode: batch 64 and 256 at
+contexts 517 and 2053, and batch 8 at 2053 (one query token a sequence). Prefill: 8 sequences of 256 and of 2048
+new tokens, and one of 2048, no prefix.
+Pages are shuffled over a cache of several layers sized past 4 GiB per K or V buffer, as the engine's is (the
+kernels then index with 64-bit offsets); layer 1 is read.
+
+Columns:
+- ms: median over 15 repeats of one jitted program that runs the op 8 times back to back, each on its own q and
+  cache layer (so no call reads what the one before left in L2), divided by 8; two warm-up runs first.
+- TB/s (decode): K/V bytes read over time, bytes = sum over sequences of kv_len * K * D * 2 (bf16) * 2 (K and V);
+  the H100's HBM peak is 3.35 TB/s.
+- TFLOP/s (prefill): 4 * H * D * (number of causal (query, key) pairs: sum over sequences of q_len * (q_len + 1) / 2
+  with no prefix) over time: two matrix products of 2 FLOPs per multiply-add.
+- max err: max |ours - gather| on the same inputs (the gather computes in bf16 with float32 accumulation).
+
+Baselines: "gather" is the engine's pure-JAX paged attention math written inline (sgl_jax_lora/layers/attention.py
+needs a ForwardBatch): gather every page of each sequence, einsum, masked softmax, einsum; prefill maps it over
+sequences. "jax_paged" is jax.experimental.pallas.ops.gpu.paged_attention (decode only, when importable), given
+one layer already in its own [K, pages, page, D] layout (a copy made outside the timing) and its default tiles.
+
+`--sweep` also times tile variants of our kernels and prints the best of each row.
+Usage: python scripts/bench_attention.py --json out.json [--sweep] [--rows decode|prefill|all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.attention.gpu import DecodeTiles, PrefillTiles, ragged_paged_attention_gpu  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+DECODE_ROWS = [(64, 517), (256, 517), (64, 2053), (256, 2053), (8, 2053)]  # 8 x 2053: few programs, key splits
+PREFILL_ROWS = [(8, 256), (8, 2048), (1, 2048)]  # 1 x 2048: the prefill step of the engine's goal
+CALLS = 8  # back-to-back calls per timed program
+MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as the engine's cache is
+DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
+    DecodeTiles(bk, splits, 4, 3) for bk in (32, 64) for splits in (1, 2, 4)
+]
+PREFILL_SWEEP = [PrefillTiles(128, bk, w, st) for bk in (64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
+    PrefillTiles(64, bk, 4, st) for bk in (32, 64, 128) for st in (2, 3)
+] + [PrefillTiles(256, bk, 8, st) for bk in (32, 64) for st in (2, 3)]
+
+
+def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
+    """Median device-bound time of one call: fn on each of the arg sets, unrolled in one jit (one dispatch for
+    len(arg_sets) back-to-back kernels, each on its own q and cache layer so none is a cached repeat)."""
+    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(many(arg_sets))
+    jax.block_until_ready(many(arg_sets))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(many(arg_sets))
+        samples.append((time.perf_counter() - start) / len(arg_sets) * 1e3)
+    return statistics.median(samples)
+
+
+def make_batch(q_lens: list[int], kv_lens: list[int], seed: int, min_cache_bytes: int) -> dict:
+    """Random bf16 q and multi-layer caches with each sequence's pages shuffled over the whole layer."""
+    num_seqs = len(q_lens)
+    pages_per_seq = max(-(-n // PAGE) for n in kv_lens)
+    used_pages = num_seqs * pages_per_seq + 1
+    layer_bytes = used_pages * PAGE * KV_HEADS * HEAD_DIM * 2
+    num_layers = max(2, math.ceil(min_cache_bytes / layer_bytes))
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(np.arange(1, used_pages))[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    cache_shape = (num_layers, KV_HEADS, used_pages * PAGE, HEAD_DIM)
+    return dict(
+        qs=[jax.random.normal(k, (sum(q_lens), HEADS, HEAD_DIM), jnp.bfloat16) for k in jax.random.split(kq, CALLS)],
+        k_cache=jax.random.normal(kk, cache_shape, jnp.bfloat16),
+        v_cache=jax.random.normal(kv, cache_shape, jnp.bfloat16),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        page_table=jnp.asarray(table, jnp.int32),
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    )
+
+
+def _slots(page_table: jax.Array) -> jax.Array:
+    num_seqs, pages = page_table.shape
+    return (page_table[:, :, None] * PAGE + jnp.arange(PAGE)[None, None, :]).reshape(num_seqs, pages * PAGE)
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    scores = jnp.where(mask, scores, -1e30)
+    return jnp.where(mask, jax.nn.softmax(scores, axis=-1), 0.0)
+
+
+@jax.jit
+def gather_decode(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
+    """The engine's decode math: gather all pages [K, S, Lk, D], einsum, masked softmax, einsum."""
+    del cu_q_lens  # one token a sequence
+    slots = _slots(page_table)
+    group = HEADS // KV_HEADS
+    keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)[:, slots]
+    values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)[:, slots]
+    qs = q.reshape(-1, KV_HEADS, group, HEAD_DIM).transpose(1, 0, 2, 3)  # [K, S, G, D]
+    scores = jnp.einsum("ksgd,ksld->ksgl", qs, keys, preferred_element_type=jnp.float32) * HEAD_DIM**-0.5
+    mask = jnp.arange(slots.shape[1])[None, :] < kv_lens[:, None]
+    probs = _masked_softmax(scores, mask[None, :, None, :]).astype(values.dtype)
+    out = jnp.einsum("ksgl,ksld->ksgd", probs, values, preferred_element_type=jnp.float32)
+    return out.transpose(1, 0, 2, 3).reshape(q.shape).astype(q.dtype)
+
+
+@jax.jit
+def gather_prefill(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
+    """The engine's extend math for equal-length sequences with no prefix: per sequence, gather its pages, causal
+    mask by position, einsum, masked softmax, einsum (lax.map over sequences)."""
+    num_seqs = page_table.shape[0]
+    q_len = q.shape[0] // num_seqs
+    group = HEADS // KV_HEADS
+    slots = _slots(page_table)
+    key_pos = jnp.arange(slots.shape[1])
+
+    def one(args):
+        qs, seq_slots, kv_len = args  # [Q, H, D], [Lk], []
+        keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)[:, seq_slots]  # [K, Lk, D]
+        values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)[:, seq_slots]
+        qs = qs.reshape(q_len, KV_HEADS, group, HEAD_DIM).transpose(1, 2, 0, 3)  # [K, G, Q, D]
+        scores = jnp.einsum("kgqd,kld->kgql", qs, keys, preferred_element_type=jnp.float32) * HEAD_DIM**-0.5
+        query_pos = kv_len - q_len + jnp.arange(q_len)
+        mask = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < kv_len)
+        probs = _masked_softmax(scores, mask[None, None]).astype(values.dtype)
+        out = jnp.einsum("kgql,kld->kgqd", probs, values, preferred_element_type=jnp.float32)
+        return out.transpose(2, 0, 1, 3).reshape(q_len, HEADS, HEAD_DIM)
+
+    out = jax.lax.map(one, (q.reshape(num_seqs, q_len, HEADS, HEAD_DIM), slots, kv_lens))
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def jax_paged_decode():
+    """JAX's Pallas GPU paged_attention on one layer in its own layout, or None when it is not importable."""
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except ImportError:
+        return None
+
+    def prepare(batch) -> list[tuple]:
+        pages_per_seq = batch["page_table"].shape[1]
+        padded = -(-pages_per_seq // 128) * 128  # its default tiles need pages divisible by 16 splits x 8 pages
+        table = jnp.pad(batch["page_table"], ((0, 0), (0, padded - pages_per_seq)))
+        num_layers = batch["k_cache"].shape[0]
+        layers = [
+            tuple(c[i % num_layers].reshape(KV_HEADS, -1, PAGE, HEAD_DIM) for c in (batch["k_cache"], batch["v_cache"]))
+            for i in range(min(CALLS, num_layers))
+        ]
+        # it applies no softmax scale: give it scaled queries
+        return [
+            (q * HEAD_DIM**-0.5, *layers[i % len(layers)], table, batch["kv_lens"]) for i, q in enumerate(batch["qs"])
+        ]
+
+    return prepare, jax.jit(paged_attention)
+
+
+def ours(decode_only: bool, tiles):
+    key = "decode_tiles" if decode_only else "prefill_tiles"
+
+    @jax.jit
+    def run(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
+        return ragged_paged_attention_gpu(
+            q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens,
+            page_size=PAGE, scale=HEAD_DIM**-0.5, decode_only=decode_only, **{key: tiles},
+        )
+
+    return run
+
+
+def _arg_sets(batch: dict) -> list[tuple]:
+    """The reference's positional arguments for each timed call: its own q and layer."""
+    num_layers = batch["k_cache"].shape[0]
+    rest = tuple(batch[k] for k in ("kv_lens", "page_table", "cu_q_lens"))
+    caches = (batch["k_cache"], batch["v_cache"])
+    return [(q, *caches, jnp.int32(i % num_layers), *rest) for i, q in enumerate(batch["qs"])]
+
+
+def best_variant(decode_only: bool, batch: dict, sweep: list) -> tuple[object, float, list[dict]]:
+    results = []
+    for tiles in sweep:
+        try:
+            ms = time_ms(ours(decode_only, tiles), _arg_sets(batch))
+        except Exception as exc:  # a variant that does not compile (shared memory) is reported, not fatal
+            results.append({"tiles": str(tiles), "error": str(exc).splitlines()[0][:200]})
+            continue
+        results.append({"tiles": str(tiles), "ms": ms})
+    timed = [(r["ms"], t) for r, t in zip(results, sweep) if "ms" in r]
+    ms, tiles = min(timed, key=lambda x: x[0])
+    return tiles, ms, results
+
+
+def _max_err(out: jax.Array, reference: jax.Array) -> float:
+    return float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))
+
+
+def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) -> dict:
+    """Time the gather baseline and our kernel (the default tiles, or the best of the sweep) on this batch."""
+    arg_sets = _arg_sets(batch)
+    reference = baseline(*arg_sets[0])
+    row["gather_ms"] = time_ms(baseline, arg_sets)
+    tiles = DecodeTiles() if decode_only else PrefillTiles()
+    if sweep:
+        tiles, _, row["sweep"] = best_variant(decode_only, batch, DECODE_SWEEP if decode_only else PREFILL_SWEEP)
+    row["tiles"] = str(tiles)
+    run = ours(decode_only, tiles)
+    row["ours_ms"] = time_ms(run, arg_sets)
+    row["max_err"] = _max_err(run(*arg_sets[0]), reference)
+    return reference
+
+
+def decode_row(batch_size: int, context: int, sweep: bool, jax_op, min_cache_bytes: int) -> dict:
+    batch = make_batch([1] * batch_size, [context] * batch_size, batch_size + context, min_cache_bytes)
+    kv_bytes = batch_size * context * KV_HEADS * HEAD_DIM * 2 * 2
+    row = {"kind": "decode", "batch": batch_size, "context": context, "kv_bytes": kv_bytes}
+    reference = measure(row, batch, True, gather_decode, sweep)
+    if jax_op is not None:
+        prepare, op = jax_op
+        jax_sets = prepare(batch)
+        row["jax_paged_ms"] = time_ms(op, jax_sets)
+        row["jax_paged_max_err"] = _max_err(op(*jax_sets[0]), reference)
+    row["ours_tbps"] = kv_bytes / row["ours_ms"] / 1e9
+    return row
+
+
+def prefill_row(num_seqs: int, q_len: int, sweep: bool, min_cache_bytes: int) -> dict:
+    batch = make_batch([q_len] * num_seqs, [q_len] * num_seqs, num_seqs * q_len, min_cache_bytes)
+    flops = 4 * HEADS * HEAD_DIM * num_seqs * q_len * (q_len + 1) // 2
+    row = {"kind": "prefill", "batch": num_seqs, "context": q_len, "flops": flops}
+    measure(row, batch, False, gather_prefill, sweep)
+    row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'row':<22}{'gather ms':>10}{'jax ms':>9}{'ours ms':>9}{'ours rate':>14}{'x gather':>9}{'max err':>9}"
+    print(f"\n{header}  tiles")
+    for r in rows:
+        name = f"{r['kind']} {r['batch']}x{r['context']}"
+        jax_ms = f"{r['jax_paged_ms']:.3f}" if "jax_paged_ms" in r else "-"
+        rate = f"{r['ours_tbps']:.2f} TB/s" if r["kind"] == "decode" else f"{r['ours_tflops']:.0f} TFLOP/s"
+        print(
+            f"{name:<22}{r['gather_ms']:>10.3f}{jax_ms:>9}{r['ours_ms']:>9.3f}{rate:>14}"
+            f"{r['gather_ms'] / r['ours_ms']:>9.1f}{r['max_err']:>9.4f}  {r['tiles']}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write every row (sweeps included) here")
+    parser.add_argument("--sweep", action="store_true", help="also time tile variants and use the best per row")
+    parser.add_argument("--rows", choices=("decode", "prefill", "all"), default="all")
+    parser.add_argument(
+        "--min-cache-gib", type=float, default=MIN_BUFFER_BYTES / 2**30,
+        help="size each K or V cache to at least this many GiB (layers are added); under 4, 32-bit offsets",
+    )
+    args = parser.parse_args()
+    min_cache_bytes = int(args.min_cache_gib * 2**30)
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind}, jax {jax.__version__}")
+    jax_op = jax_paged_decode()
+    rows = []
+    if args.rows in ("decode", "all"):
+        for batch_size, context in DECODE_ROWS:
+            rows.append(decode_row(batch_size, context, args.sweep, jax_op, min_cache_bytes))
+            report(rows, args.json, device)
+    if args.rows in ("prefill", "all"):
+        for num_seqs, q_len in PREFILL_ROWS:
+            rows.append(prefill_row(num_seqs, q_len, args.sweep, min_cache_bytes))
+            report(rows, args.json, device)
+    print_table(rows)
+
+
+def report(rows: list[dict], json_path: Path | None, device) -> None:
+    """Print the newest row and rewrite the JSON with every row so far (a run cut short keeps its rows)."""
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "sweep"}), flush=True)
+    if json_path:
+        meta = {"device": device.device_kind, "jax": jax.__version__, "command": " ".join(sys.argv)}
+        json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""LoRAFrontend: the frontend's adapter admission: names, identities, limits and the files' checks.
+
+Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter -> here:
+  a request's `lora_path` -> a registered name, or the same directory under any spelling (`find_by_path`), or
+  a directory inside --lora-allowed-dirs loaded on demand under its resolved path -> `LoRARegistry.acquire`;
+  a load -> name checked (length, printable, not the base model's name), --max-loras-registered, the directory
+  resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
+  operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
+  on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
+  "load_lora" call -> registered.
+Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen characters) and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+
+from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, check_adapter_files, confined_dir, is_within, shown
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.registry import LoRARegistry
+from sgl_jax_lora.server_args import ServerArgs, served_model_name
+
+EngineCall = Callable[..., Awaitable[object]]  # TokenizerManager.call(method, **kwargs)
+
+
+class LoRAFrontend:
+    def __init__(self, args: ServerArgs, model_path: str, call: EngineCall, executor: Executor):
+        self.args = args
+        self.registry = LoRARegistry()
+        self.reserved_names = {served_model_name(args, model_path), model_path} | ({args.model_path} - {None})
+        self._call = call
+        self._executor = executor  # file checks run here, off the event loop
+        self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by resolved directory
+
+    async def resolve(self, lora_path: object) -> LoRARef | None:
+        """A request's adapter (a name, or a path) -> its LoRARef, counted in flight until released."""
+        if lora_path is None:
+            return None
+        if not isinstance(lora_path, str):
+            raise LoRAAdapterError("lora_path must be an adapter name or path (a string) or null, got "
+                                   f"{shown(repr(lora_path))}")
+        if not self.args.enable_lora:
+            raise LoRAAdapterError(f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
+                                   "--enable-lora or --lora-paths")
+        if len(lora_path) > self.args.max_lora_name_length:  # before any path work on it (realpath walks each part)
+            raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
+                                   f"{self.args.max_lora_name_length}; no adapter has such a name")
+        name = lora_path
+        if name not in self.registry:
+            ref = self.registry.find_by_path(lora_path)
+            if ref is None and self._is_allowed_dir(lora_path):
+                ref = await self._load_on_demand(os.path.realpath(lora_path))
+            name = ref.lora_name if ref is not None else name
+        return await self.registry.acquire(name)
+
+    def _is_allowed_dir(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        return bool(self.args.lora_allowed_dirs) and is_within(real, self.args.lora_allowed_dirs) and os.path.isdir(real)
+
+    async def _load_on_demand(self, real: str) -> LoRARef:
+        """Register the allowed directory `real` under its resolved path as name. Requests for one directory share
+        one load; loads of different directories run at once, so a burst for new adapters does not queue."""
+        loading = self._loads_in_flight.get(real)
+        if loading is None:
+            loading = asyncio.ensure_future(self.load(real, real))
+            self._loads_in_flight[real] = loading
+            loading.add_done_callback(lambda _: self._loads_in_flight.pop(real, None))
+        try:
+            await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
+        except LoRAAdapterError:
+            ref = self.registry.find_by_path(real)  # a load under another name got there first
+            if ref is None:
+                raise
+        return self.registry.find_by_path(real)
+
+    async def load(self, lora_name: object, lora_path: object, pinned: bool = False, trusted: bool = False) -> dict:
+        """Register and load an adapter. Untrusted (client) loads read only inside --lora-allowed-dirs."""
+        if not self.args.enable_lora:
+            raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
+            raise LoRAAdapterError("load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings)")
+        self._check_name(lora_name)
+        if len(lora_path) > os.pathconf("/", "PC_PATH_MAX"):
+            raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, longer than any path; check the path")
+        allowed = None if trusted else list(self.args.lora_allowed_dirs or [])
+        real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
+        existing = self.registry.find_by_path(real)
+        if existing is not None and not trusted:
+            raise LoRAAdapterError(f"adapter '{shown(lora_name)}': its directory is already loaded as "
+                                   f"'{shown(existing.lora_name)}'; use that name, or unload it first")
+        await asyncio.get_running_loop().run_in_executor(self._executor, check_adapter_files, lora_name, real, allowed)
+        ref = LoRARef(lora_name=lora_name, lora_path=real, pinned=bool(pinned), confined=not trusted)
+        result = await self._call("load_lora", lora_id=ref.lora_id, lora_name=lora_name, lora_path=real,
+                                  pinned=ref.pinned, confined=ref.confined)
+        try:
+            self.registry.register(ref, alias_ok=trusted)
+        except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
+            await self._call("unload_lora", lora_id=ref.lora_id)
+            raise
+        return {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id, **result}
+
+    def _check_name(self, name: str) -> None:
+        limit = self.args.max_lora_name_length
+        if len(name) > limit:
+            raise LoRAAdapterError(f"lora_name has {len(name)} characters, more than --max-lora-name-length {limit}; "
+                                   "choose a shorter name")
+        if not name.isprintable():
+            raise LoRAAdapterError(f"lora_name {shown(repr(name))} holds control or non-printable characters; "
+                                   "choose a name of printable characters")
+        if name in self.reserved_names:
+            raise LoRAAdapterError(f"lora_name '{shown(name)}' is the base model's name; choose another name")
+        if name in self.registry:
+            raise LoRAAdapterError(f"adapter '{shown(name)}' is already loaded; unload it first or choose another "
+                                   "lora_name")
+        limit = self.args.max_loras_registered
+        if len(self.registry) >= limit:
+            raise LoRAAdapterError(f"adapter '{shown(name)}': {limit} adapters are registered, the most "
+                                   f"--max-loras-registered allows; unload one first or restart with a larger "
+                                   "--max-loras-registered")
+
+    async def unload(self, lora_name: object) -> dict:
+        """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""
+        if not self.args.enable_lora:
+            raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        if not isinstance(lora_name, str):
+            raise LoRAAdapterError("unload_lora_adapter needs 'lora_name' (a string)")
+        ref = await self.registry.unregister(lora_name)
+        await self._call("unload_lora", lora_id=ref.lora_id)
+        return {"lora_name": lora_name, "lora_id": ref.lora_id}
