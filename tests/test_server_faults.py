@@ -80,7 +80,7 @@ def test_sigterm_drains_then_exits_zero(server):
 @pytest.fixture(scope="module")
 def doomed_server():
     # a longer context, so that its requests are still decoding when the engine is killed
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--context-length", "1024", "--decode-page-buckets", "64"])
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--context-length", "1024"])
     yield srv
     srv.stop(signal.SIGKILL)
 
