@@ -60,7 +60,7 @@ class ServerArgs:
     max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
     lora_fused_gemm_min_tokens: int | None = _f(None, "prefill buckets of at least this many tokens compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: 512 on Hopper GPUs, off elsewhere (a positive value there computes that path with the kernel's pure-JAX reference)")
-    lora_segment_buckets: list[int] | None = _f(None, "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: 4 and that", nargs="+", type=int)
+    lora_segment_buckets: list[int] | None = _f(None, "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: that alone, and 4 besides when it is over 16", nargs="+", type=int)
     disable_lora_base_program: bool = _f(False, "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation")
     lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
     lora_target_modules: list[str] | None = _f(None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+")

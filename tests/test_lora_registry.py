@@ -178,6 +178,8 @@ def test_host_cache_fifo_policy() -> None:
 def test_segment_buckets_default_and_flag() -> None:
     assert segment_buckets(33) == (4, 33)
     assert segment_buckets(3) == (3,)
+    assert segment_buckets(9) == (9,)  # a small pool: one bucket (each bucket is a compiled program per token bucket)
+    assert segment_buckets(17) == (4, 17)
     # --lora-segment-buckets: sorted, capped at the slot count, which is always compiled
     assert segment_buckets(129, [33, 4, 33]) == (4, 33, 129)
     assert segment_buckets(9, [64]) == (9,)

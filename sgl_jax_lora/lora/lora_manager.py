@@ -238,11 +238,17 @@ class LoRAManager:
 
 
 def segment_buckets(num_slots: int, requested: list[int] | None = None) -> tuple[int, ...]:
-    """Compiled segment counts G (distinct slots in a step, base included): `--lora-segment-buckets`, else up to
-    4 slots or all slots; all slots (num_slots) is always one of them.
+    """Compiled segment counts G (distinct slots in a step, base included): `--lora-segment-buckets`, else all
+    slots, plus a bucket of 4 when the pool has more than SMALL_SEGMENT_BUCKET_MIN_SLOTS slots; all slots
+    (num_slots) is always one of them.
 
     Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items; sgmv gathers G
-    adapters; einsum ignores G), so batches with few adapters run a small bucket. Each bucket adds one compiled
-    program per token bucket: the default two keep startup compilation at twice the LoRA-less count.
+    adapters; einsum ignores G), so with a large pool, batches with few adapters run a small bucket. Each bucket adds
+    one compiled program per token bucket; with a small pool the small bucket saves little and costs those programs
+    at startup.
     """
-    return checked_buckets("--lora-segment-buckets", requested, num_slots) or tuple(sorted({min(4, num_slots), num_slots}))
+    default = {min(4, num_slots), num_slots} if num_slots > SMALL_SEGMENT_BUCKET_MIN_SLOTS else {num_slots}
+    return checked_buckets("--lora-segment-buckets", requested, num_slots) or tuple(sorted(default))
+
+
+SMALL_SEGMENT_BUCKET_MIN_SLOTS = 16

@@ -48,12 +48,15 @@ class LoRATrainer:
         loss: Loss = sft_loss,
         dtype: str = "float32",
         seed: int = 0,
+        load_format: str = "auto",
     ):
+        """load_format "dummy": random base weights of the config's shapes (benchmarks), as the engine's flag."""
         self.model_path = model_path
         cfg = ModelConfig.from_model_path(model_path)
         with open(os.path.join(model_path, "config.json")) as f:
             self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
-        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), make_mesh(1), lora=None)
+        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), make_mesh(1), lora=None,
+                                                            load_format=load_format)
         self.lora: LoRAParams = init_lora_params(self.target_shapes, target_modules, rank, lora_alpha, seed)
         self.optimizer = optimizer if optimizer is not None else optax.adamw(1e-3, weight_decay=0.0)
         self.opt_state = self.optimizer.init(self.lora)
