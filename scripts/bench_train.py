@@ -43,9 +43,7 @@ def fixed_batch(opts: argparse.Namespace, vocab_size: int) -> np.ndarray:
 
 def run_jax(opts: argparse.Namespace) -> dict:
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from sgl_jax_lora.layers.sharding import make_mesh
     from sgl_jax_lora.train.trainer import LoRATrainer
 
     cfg = model_config(opts)
@@ -54,10 +52,6 @@ def run_jax(opts: argparse.Namespace) -> dict:
                           dtype="bfloat16", load_format="dummy")
     ids = fixed_batch(opts, cfg["vocab_size"])
     batch = {"input_ids": ids, "loss_mask": np.ones(ids.shape, np.float32)}
-    # The step's outputs come back placed on the trainer's mesh; placing the initial adapter and optimizer state the
-    # same way up front keeps the second step from compiling the update again.
-    replicated = NamedSharding(make_mesh(1), PartitionSpec())
-    trainer.lora, trainer.opt_state = jax.device_put((trainer.lora, trainer.opt_state), replicated)
     device = jax.devices()[0]
     resident = (device.memory_stats() or {}).get("bytes_in_use")
     for _ in range(opts.warmup):

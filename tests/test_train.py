@@ -124,3 +124,18 @@ def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_pa
     ours = np.array([lp for lp, _ in served["meta_info"]["input_token_logprobs"][1:]])
     assert np.abs(ours - expected_logprobs).max() < 1e-3
     assert tokenizer.decode(expected_tokens).startswith(" Paris")  # it learned its completion
+
+
+def test_the_update_compiles_once():
+    """The adapter and optimizer state start placed as the update returns them, so later steps reuse the first
+    step's program."""
+    from sgl_jax_lora.model_executor.compile_counter import CompileCounter
+
+    trainer = LoRATrainer(demo_model_path(), rank=4)
+    ids = np.random.default_rng(0).integers(2, 400, (2, 16)).astype(np.int32)
+    batch = {"input_ids": ids, "loss_mask": np.ones(ids.shape, np.float32)}
+    trainer.step(batch)
+    counter = CompileCounter()
+    for _ in range(3):
+        trainer.step(batch)
+    assert counter.count == 0

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
@@ -55,11 +56,15 @@ class LoRATrainer:
         cfg = ModelConfig.from_model_path(model_path)
         with open(os.path.join(model_path, "config.json")) as f:
             self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
-        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), make_mesh(1), lora=None,
+        mesh = make_mesh(1)
+        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), mesh, lora=None,
                                                             load_format=load_format)
-        self.lora: LoRAParams = init_lora_params(self.target_shapes, target_modules, rank, lora_alpha, seed)
         self.optimizer = optimizer if optimizer is not None else optax.adamw(1e-3, weight_decay=0.0)
-        self.opt_state = self.optimizer.init(self.lora)
+        lora = init_lora_params(self.target_shapes, target_modules, rank, lora_alpha, seed)
+        # placed as the update returns them, so that the second step finds the first step's program
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.lora: LoRAParams
+        self.lora, self.opt_state = jax.device_put((lora, self.optimizer.init(lora)), replicated)
         self.loss = loss
         self._step = jax.jit(self._update, donate_argnames=("lora", "opt_state"))
         # the base weights are an argument (not constants folded into the program) and get no gradient
