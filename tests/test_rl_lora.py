@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_reinforce_raises_the_reward_with_updates_in_place(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rl_lora.py"), "--steps", "10", "--seed", "0",
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rl_lora.py"), "--steps", "10", "--seed", "0", "--samples-per-prompt", "16",
                              "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "engine compilations after warmup: 0" in result.stdout
