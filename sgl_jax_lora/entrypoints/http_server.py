@@ -280,13 +280,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+KEEP_ALIVE_S = 65  # idle HTTP keep-alive, seconds (uvicorn's default, 5, equals common clients' pool expiry)
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the running requests are done
 
 
 def run_server(args: ServerArgs, model_path: str) -> int:
     """Serve until SIGINT/SIGTERM (exit code 0, SIGTERM after draining) or until the engine dies (exit code 1)."""
     app = create_app(args, model_path)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # Idle keep-alive connections stay open longer than clients keep them (httpx: 5 s), so a client never sends a
+    # request on a connection the server is closing at that moment (the request would fail with a dropped read).
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     state: ServerState = app.state.server
     server = DrainingServer(config, state)
 
