@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError
-from sgl_jax_lora.entrypoints.native_api import _lora_engine, parse_body
+from sgl_jax_lora.entrypoints.native_api import lora_engine, parse_body
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -55,7 +55,7 @@ def _decode_tensors(lora_name: str, tensors: str) -> bytes:
 async def load_lora_adapter_from_tensors(request: Request) -> JSONResponse:
     body = await parse_body(request, LoadLoRAFromTensorsReqInput)
     state: ServerState = request.app.state.server
-    tm = _lora_engine(state, body.lora_name)
+    tm = lora_engine(state, body.lora_name)
     data = _decode_tensors(body.lora_name, body.tensors)
     with state.metrics.time_lora_load():
         result = await tm.load_lora_adapter_from_tensors(body.lora_name, data, body.config, pinned=body.pinned)
@@ -67,6 +67,6 @@ async def load_lora_adapter_from_tensors(request: Request) -> JSONResponse:
 async def update_lora_adapter(request: Request) -> JSONResponse:
     body = await parse_body(request, UpdateLoRAReqInput)
     state: ServerState = request.app.state.server
-    tm = _lora_engine(state, body.lora_name)
+    tm = lora_engine(state, body.lora_name)
     result = await tm.update_lora_adapter(body.lora_name, _decode_tensors(body.lora_name, body.tensors), body.config)
     return JSONResponse({"success": True, **result})

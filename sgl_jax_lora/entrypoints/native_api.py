@@ -135,7 +135,7 @@ async def get_model_info(request: Request) -> JSONResponse:
 async def load_lora_adapter(request: Request) -> JSONResponse:
     body = await parse_body(request, LoadLoRAAdapterReqInput)
     state: ServerState = request.app.state.server
-    tm = _lora_engine(state, body.lora_name)
+    tm = lora_engine(state, body.lora_name)
     with state.metrics.time_lora_load():
         result = await tm.load_lora_adapter(body.lora_name, body.lora_path, pinned=body.pinned)
     return JSONResponse({"success": True, **result})
@@ -146,7 +146,7 @@ async def load_lora_adapter(request: Request) -> JSONResponse:
 async def unload_lora_adapter(request: Request) -> JSONResponse:
     body = await parse_body(request, UnloadLoRAAdapterReqInput)
     state: ServerState = request.app.state.server
-    tm = _lora_engine(state, body.lora_name)
+    tm = lora_engine(state, body.lora_name)
     result = await tm.unload_lora_adapter(body.lora_name)
     return JSONResponse({"success": True, **result})
 
@@ -160,7 +160,7 @@ def rss_bytes(pid: int) -> int | None:
         return None
 
 
-def _lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
+def lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
     tm = state.engine()
     if not state.args.enable_lora:
         raise APIError(
