@@ -12,7 +12,7 @@ import threading
 import time
 
 from sgl_jax_lora.demo_model import demo_model_path
-from sgl_jax_lora.lora.adapter import to_safetensors_bytes
+from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.server_args import ServerArgs
@@ -97,15 +97,16 @@ class Engine:
         """Register an adapter held in memory: `tensors` maps PEFT tensor names ("...q_proj.lora_A.weight") to numpy
         or JAX arrays, `config` holds adapter_config.json's fields (r, lora_alpha, target_modules, ...). Same checks
         and device path as a load from disk; nothing is compiled."""
-        data = to_safetensors_bytes(lora_name, tensors)
-        return self._run(self.tokenizer_manager.load_lora_adapter_from_tensors(lora_name, data, _plain_config(config), pinned))
+        with TensorFile.from_arrays(lora_name, tensors) as tensor_file:
+            return self._run(self.tokenizer_manager.load_lora_adapter_from_tensors(
+                lora_name, tensor_file, _plain_config(config), pinned))
 
     def update_lora_adapter(self, lora_name: str, tensors: dict, config: dict | None = None) -> dict:
         """New weights for a loaded adapter (its config kept unless `config` is given): requests sent from now on
         use them; running ones finish on the version they started with. Returns the new version number."""
-        data = to_safetensors_bytes(lora_name, tensors)
         plain = _plain_config(config) if config is not None else None
-        return self._run(self.tokenizer_manager.update_lora_adapter(lora_name, data, plain))
+        with TensorFile.from_arrays(lora_name, tensors) as tensor_file:
+            return self._run(self.tokenizer_manager.update_lora_adapter(lora_name, tensor_file, plain))
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unregister; waits for the adapter's in-flight requests, then frees its host and device copies."""

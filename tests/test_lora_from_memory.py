@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from model_fixtures import make_hf_model_dir
 from peft_fixtures import write_peft_adapter
 from sgl_jax_lora import Engine
-from sgl_jax_lora.lora.adapter import to_safetensors_bytes
+from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_file
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SMALL = dict(context_length=256, max_running_requests=4, chunked_prefill_size=32, max_prefill_seqs=2,
@@ -158,7 +158,7 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
     ids, num_new = prompt(5, 12), 200
     expected_v1 = run(engine, ids, "first_disk", num_new)
     second_tensors, second_config = read_adapter(second)
-    update_bytes = to_safetensors_bytes("racing", second_tensors)
+    update_file = TensorFile.from_arrays("racing", second_tensors)
     tm = engine.tokenizer_manager
 
     async def update_while_running() -> tuple[dict, dict, dict]:
@@ -167,13 +167,14 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
                                    lora_id=ref.lora_id, return_logprob=True, logprob_start_len=0)
         stream = tm.generate_request(request)
         first_chunk = await stream.__anext__()
-        update = await tm.update_lora_adapter("racing", update_bytes, second_config)
+        update = await tm.update_lora_adapter("racing", update_file, second_config)
         final = first_chunk
         async for final in stream:
             pass
         return first_chunk, update, final
 
-    first_chunk, update, final = engine._run(update_while_running())
+    with update_file:
+        first_chunk, update, final = engine._run(update_while_running())
     assert first_chunk["meta_info"]["finish_reason"] is None and update["version"] == 2
     assert final["meta_info"]["lora_version"] == 1
     assert final["output_ids"] == expected_v1["output_ids"]
@@ -185,18 +186,56 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
     assert engine.get_server_info()["num_compilations_after_warmup"] == 0
 
 
-def test_safetensors_bytes_of_every_float_dtype_read_as_float32():
+def test_a_tensor_file_of_every_float_dtype_maps_as_float32(tmp_path):
     import torch
     from safetensors.torch import save
 
-    from sgl_jax_lora.lora.adapter import read_safetensors_bytes
     from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 
     values = torch.tensor([[1.5, -2.25], [0.0, 3.0]])
     data = save({f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
-    tensors = read_safetensors_bytes("x", data)
-    assert len(tensors) == 4
+    with TensorFile.from_bytes(data) as tensor_file:
+        tensors = map_tensor_file("x", tensor_file.path)
+    assert len(tensors) == 4  # the mapping outlives the file's name
     for array in tensors.values():
         assert array.dtype == np.float32 and np.array_equal(array, values.numpy())
-    with pytest.raises(LoRAAdapterError, match="dtype I32"):
-        read_safetensors_bytes("x", save({"ids": torch.zeros(2, dtype=torch.int32)}))
+    with TensorFile.from_bytes(save({"ids": torch.zeros(2, dtype=torch.int32)})) as tensor_file:
+        with pytest.raises(LoRAAdapterError, match="dtype I32"):
+            map_tensor_file("x", tensor_file.path)
+
+
+def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 5), dtype=np.float32), "b": rng.standard_normal(7).astype(np.float16),
+              "c": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16), "d": np.zeros((0, 4), np.float32)}
+    with TensorFile.from_arrays("x", arrays) as tensor_file:
+        tensors = map_tensor_file("x", tensor_file.path)
+    for key, array in arrays.items():
+        assert tensors[key].dtype == np.float32 and np.array_equal(tensors[key], array.astype(np.float32))
+        assert tensors[key].shape == array.shape
+    assert not tensors["a"].flags.writeable  # a view of the shared mapping, not a copy
+
+
+def _layout(header: bytes, data: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize("layout, problem", [
+    (b"\x03", "not a valid safetensors file"),
+    ((10**6).to_bytes(8, "little") + b"{}", "header longer than the data"),
+    (_layout(b"[1]"), "not a JSON object"),
+    (_layout(b"{x"), "header"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', bytes(8)), "do not match"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}', bytes(16)), "do not match"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}}'), "invalid shape"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[2]}}', bytes(8)), "invalid shape or data_offsets"),
+    (_layout(b'{"t":[1]}'), "no valid header entry"),
+])
+def test_a_malformed_tensor_file_is_refused_with_the_problem_named(layout, problem):
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    with TensorFile.from_bytes(layout) as tensor_file:
+        with pytest.raises(LoRAAdapterError, match=problem):
+            map_tensor_file("x", tensor_file.path)

@@ -2,7 +2,7 @@
 
 Flow: a trainer (or an RL loop) sends a safetensors file's bytes, base64 in a JSON body, plus the adapter's
 adapter_config.json fields -> TokenizerManager.load_lora_adapter_from_tensors / update_lora_adapter -> the engine
-process validates them as it validates a PEFT directory (lora/adapter.py) and writes them into the same slots.
+process (through a file in shared memory: lora/tensor_file.py) validates them as it validates a PEFT directory (lora/adapter.py) and writes them into the same slots.
 Admin routes: behind --api-key like /load_lora_adapter (registered with the protected router in http_server.py).
 """
 
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError
 from sgl_jax_lora.entrypoints.native_api import lora_engine, parse_body
+from sgl_jax_lora.lora.tensor_file import TensorFile
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -57,8 +58,8 @@ async def load_lora_adapter_from_tensors(request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     tm = lora_engine(state, body.lora_name)
     data = _decode_tensors(body.lora_name, body.tensors)
-    with state.metrics.time_lora_load():
-        result = await tm.load_lora_adapter_from_tensors(body.lora_name, data, body.config, pinned=body.pinned)
+    with state.metrics.time_lora_load(), TensorFile.from_bytes(data) as tensor_file:
+        result = await tm.load_lora_adapter_from_tensors(body.lora_name, tensor_file, body.config, pinned=body.pinned)
     return JSONResponse({"success": True, **result})
 
 
@@ -68,5 +69,6 @@ async def update_lora_adapter(request: Request) -> JSONResponse:
     body = await parse_body(request, UpdateLoRAReqInput)
     state: ServerState = request.app.state.server
     tm = lora_engine(state, body.lora_name)
-    result = await tm.update_lora_adapter(body.lora_name, _decode_tensors(body.lora_name, body.tensors), body.config)
+    with TensorFile.from_bytes(_decode_tensors(body.lora_name, body.tensors)) as tensor_file:
+        result = await tm.update_lora_adapter(body.lora_name, tensor_file, body.config)
     return JSONResponse({"success": True, **result})

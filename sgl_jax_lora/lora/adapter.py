@@ -2,7 +2,7 @@
 
 Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> HostAdapterCache (host tier, LRU) ->
 LoRAManager writes `weights` into a device slot of the LoRA memory pool -> LoRALinear layers.
-From memory (tensors + config dict, or safetensors bytes over HTTP), `adapter_from_tensors` runs the same checks
+From memory (tensors mapped from a TensorFile, lora/tensor_file.py, + config dict), `adapter_from_tensors` runs the same checks
 (`build_adapter` is shared by both).
 
 Per-module scaling is folded into B so that the engine needs one scaling per adapter:
@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from safetensors import SafetensorError, deserialize, safe_open
-from safetensors.numpy import save as save_safetensors
+from safetensors import SafetensorError, safe_open
 
 from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.peft_config import (
@@ -36,6 +36,7 @@ from sgl_jax_lora.lora.peft_config import (
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
 
 logger = logging.getLogger(__name__)
+_CHECK_THREADS = 8  # finiteness checks of an adapter from memory run side by side
 
 # "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally "...lora_A.default.weight".
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$")
@@ -122,8 +123,9 @@ def adapter_from_tensors(
     checks as from disk (non-finite values refused)."""
     config = parse_peft_config(name, raw_config)
     tensors = _float32_tensors(name, tensors)
-    for key, tensor in tensors.items():
-        adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
+    with ThreadPoolExecutor(_CHECK_THREADS) as pool:  # numpy's reductions release the GIL: the checks overlap
+        # refuse_non_finite is looked up at call time: tests may bypass it
+        list(pool.map(lambda item: adapter_files.refuse_non_finite(name, *item), tensors.items()))
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 
@@ -136,7 +138,8 @@ def build_adapter(
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for key, (lora_a, lora_b, ratio) in plan.items():
         lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
-        weights[key] = (lora_a, (np.asarray(lora_b, np.float64) * ratio).astype(np.float32))
+        scaled_b = lora_b if ratio == 1.0 else (np.asarray(lora_b, np.float64) * ratio)
+        weights[key] = (lora_a, np.asarray(scaled_b, dtype=np.float32))
     return LoRAAdapter(
         name=name,
         path=path,
@@ -146,34 +149,6 @@ def build_adapter(
         target_modules=frozenset(module for _, module in weights),
         num_layers=target_shapes.num_layers,
     )
-
-
-def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """A safetensors file's bytes (e.g. an HTTP body) -> name -> float32 array (F32, F16, BF16, F64)."""
-    try:
-        entries = deserialize(data)
-    except (SafetensorError, ValueError, TypeError) as e:
-        raise adapter_error(name, f"the tensors are not a valid safetensors file ({e})",
-                            "send the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)") from e
-    tensors = {}
-    for key, entry in entries:
-        dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
-        if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
-            tensors[key] = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        elif dtype in _FLOAT_DTYPES:
-            tensors[key] = np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
-        else:
-            raise adapter_error(name, f"tensor {key!r} has dtype {dtype}", "LoRA tensors must be floating point")
-    return tensors
-
-
-def to_safetensors_bytes(name: str, tensors: dict) -> bytes:
-    """name -> array (numpy, JAX, bf16 included) -> a float32 safetensors file's bytes, the wire form of an adapter
-    from memory (float arrays only)."""
-    return save_safetensors({k: np.ascontiguousarray(v) for k, v in _float32_tensors(name, tensors).items()})
-
-
-_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
 def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:

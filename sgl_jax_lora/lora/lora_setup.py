@@ -25,12 +25,12 @@ from sgl_jax_lora.lora.adapter import (
     adapter_from_tensors,
     inspect_peft_adapter,
     load_peft_adapter,
-    read_safetensors_bytes,
 )
 from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
 from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
+from sgl_jax_lora.lora.tensor_file import map_tensor_file
 from sgl_jax_lora.models.llama import LORA_TARGETS
 from sgl_jax_lora.server_args import ServerArgs, parse_lora_path_spec
 
@@ -79,9 +79,9 @@ class LoRASetup:
         """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
         return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
-    def from_memory(self, ref: LoRARef, tensors: bytes, config: dict) -> LoRAAdapter:
-        """Validate safetensors bytes + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
-        adapter = adapter_from_tensors(ref.lora_name, read_safetensors_bytes(ref.lora_name, tensors), config,
+    def from_memory(self, ref: LoRARef, tensors_path: str, config: dict) -> LoRAAdapter:
+        """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
+        adapter = adapter_from_tensors(ref.lora_name, map_tensor_file(ref.lora_name, tensors_path), config,
                                        self.target_shapes, self.max_rank, path=ref.lora_path)
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter

@@ -295,8 +295,9 @@ class EngineCore:
                                              confined=confined))
         return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
 
-    def rpc_load_lora_tensors(self, ref: dict, tensors: bytes, config: dict | None, replaces: str | None = None) -> dict:
-        """An adapter from memory (safetensors bytes + config dict), or an update: the next version of adapter
+    def rpc_load_lora_tensors(self, ref: dict, tensors_path: str, config: dict | None,
+                              replaces: str | None = None) -> dict:
+        """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
         `replaces`, with its config unless one is given. The old version keeps serving its running requests until
         the frontend unloads it; it gives up its pin so that the new version can take one."""
         if self.lora is None:
@@ -305,7 +306,7 @@ class EngineCore:
         old = self.lora.refs.get(replaces) if replaces is not None else None
         if replaces is not None and old is None:
             raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
-        adapter = self.lora_setup.from_memory(ref, tensors, config if config is not None else self.lora_setup.config_of(old))
+        adapter = self.lora_setup.from_memory(ref, tensors_path, config if config is not None else self.lora_setup.config_of(old))
         if old is not None:
             self.lora.pool.pinned.discard(old.lora_id)
         try:

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
+from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_process import run_engine_process
 from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
@@ -264,19 +265,22 @@ class TokenizerManager:
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
 
-    async def load_lora_adapter_from_tensors(self, lora_name: str, tensors: bytes, config: dict, pinned: bool = False) -> dict:
-        """Register an adapter from memory: `tensors` is a safetensors file's bytes (PEFT names), `config` the
-        fields of its adapter_config.json. The engine runs the checks of a load from disk."""
+    async def load_lora_adapter_from_tensors(self, lora_name: str, tensors: TensorFile, config: dict,
+                                             pinned: bool = False) -> dict:
+        """Register an adapter from memory: `tensors` a safetensors-layout file in shared memory (PEFT names, the
+        caller removes it once this returns), `config` the fields of its adapter_config.json. The engine runs the
+        checks of a load from disk."""
         self._check_lora_call(lora_name)
         if lora_name in self.lora_registry:
             raise RequestError(f"adapter '{lora_name}' is already loaded; unload it first, update it "
                                "(update_lora_adapter) or choose another lora_name")
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors=tensors, config=config)
+        result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path,
+                                 config=config)
         self.lora_registry.register(ref)
         return {**self._lora_summary(ref), **result}
 
-    async def update_lora_adapter(self, lora_name: str, tensors: bytes, config: dict | None = None) -> dict:
+    async def update_lora_adapter(self, lora_name: str, tensors: TensorFile, config: dict | None = None) -> dict:
         """Serve new weights under `lora_name` as its next version (a new lora_id: the prefix cache keeps them
         apart). Requests already running finish on the version they started with, which their meta_info names;
         that version is unloaded once they are done. Returns as soon as new requests get the new version."""
@@ -287,7 +291,8 @@ class TokenizerManager:
                 raise RequestError(f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
                                    "load_lora_adapter_from_tensors)")
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
-            result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors=tensors, config=config,
+            result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path,
+                                     config=config,
                                      replaces=old.lora_id)
             self.lora_registry.replace(ref)
         task = asyncio.ensure_future(self._unload_when_drained(old))

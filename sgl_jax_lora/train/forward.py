@@ -8,10 +8,13 @@ the base weights are arguments, never copied into the trainable state, and get n
 Per layer (a lax.scan over the stacked layers, as the serving model runs them), every projection is the module's
 own base GEMM plus the LoRA delta of each HF module it packs, exactly as PEFT computes it:
     y_m = base_m(x) + (x @ A_m^T) @ B_m^T * scaling          A_m [R, in], B_m [out, R]
-Attention is causal over the whole padded sequence [B, S] (right padding: a pad key is never before a real query).
+Attention is causal over the whole padded sequence [B, S] (right padding: a pad key is never before a real query);
+on GPU in bf16/fp16 it is cuDNN's flash attention.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,39 @@ from flax import nnx
 from sgl_jax_lora.layers.linear import split_packed
 from sgl_jax_lora.layers.rotary import apply_rotary
 from sgl_jax_lora.train.lora_params import LoRAParams
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def frozen_dot(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """x [N, in] @ kernel [in, out] accumulated in float32 -> [N, out] out_dtype, with a frozen kernel: the backward
+    pass gives x its gradient only, multiplying in the kernel's dtype (bf16 on tensor cores). JAX's own transpose
+    would multiply the float32 cotangent by the kernel in float32, converting each layer's weights every step."""
+    return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _frozen_dot_fwd(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> tuple[jax.Array, tuple]:
+    return frozen_dot(x, kernel, out_dtype), (kernel, jnp.zeros((), x.dtype))  # residuals are arrays: x's dtype
+
+
+def _frozen_dot_bwd(out_dtype: jnp.dtype, residuals: tuple, cotangent: jax.Array) -> tuple:
+    kernel, x_like = residuals
+    dx = jnp.dot(cotangent.astype(kernel.dtype), kernel.T, preferred_element_type=jnp.float32)
+    return dx.astype(x_like.dtype), None  # None: the base weights get no gradient
+
+
+frozen_dot.defvjp(_frozen_dot_fwd, _frozen_dot_bwd)
+
+
+def _base(linear, x: jax.Array) -> jax.Array:
+    """The serving Linear's base product (layers/linear.py), through frozen_dot."""
+    y = frozen_dot(x, linear.kernel[...], x.dtype)
+    return y if linear.bias is None else y + linear.bias[...]
+
+
+def _logits(model, hidden: jax.Array) -> jax.Array:
+    """hidden [N, E] -> logits [N, V] float32, as the serving model's `logits`, through frozen_dot."""
+    kernel = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.kernel[...]
+    return frozen_dot(hidden, kernel, jnp.float32)
 
 
 def _lora_delta(x: jax.Array, lora: dict, module: str, scaling: float) -> jax.Array | None:
@@ -37,13 +73,17 @@ def _plus(y: jax.Array, delta: jax.Array | None) -> jax.Array:
 
 def _packed(linear, x: jax.Array, modules: tuple[str, ...], lora: dict, scaling: float) -> list[jax.Array]:
     """A packed linear (qkv_proj, gate_up_proj): base GEMM split into its parts, each with its module's delta."""
-    parts = split_packed(linear.base(x), linear.part_sizes, linear.tp_size)
+    parts = split_packed(_base(linear, x), linear.part_sizes, linear.tp_size)
     return [_plus(part, _lora_delta(x, lora, m, scaling)) for part, m in zip(parts, modules)]
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
-    """Causal attention. q [B, S, H, D], k/v [B, S, K, D] (K kv heads, each serving H/K query heads) -> [B, S, H*D]."""
+    """Causal attention. q [B, S, H, D], k/v [B, S, K, D] (K kv heads, each serving H/K query heads) -> [B, S, H*D].
+    On GPU in 16-bit, cuDNN's fused flash attention (forward and backward, no [S, S] scores in memory); else XLA."""
     batch, seq_len, num_heads, head_dim = q.shape
+    if _use_cudnn_attention(q):
+        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+        return out.reshape(batch, seq_len, num_heads * head_dim)
     groups = num_heads // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale
@@ -51,6 +91,10 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Ar
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhst,bthd->bshd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(batch, seq_len, num_heads * head_dim)
+
+
+def _use_cudnn_attention(q: jax.Array) -> bool:
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
 
 
 def _layer(layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: float, batch: int) -> jax.Array:
@@ -66,11 +110,11 @@ def _layer(layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: 
     q, k = apply_rotary(q, positions, layer.inv_freq), apply_rotary(k, positions, layer.inv_freq)
     split = lambda t: t.reshape(batch, num_tokens // batch, *t.shape[1:])  # noqa: E731
     attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5).reshape(num_tokens, -1)
-    hidden = hidden + _plus(layer.o_proj.base(attn), _lora_delta(attn, lora, "o_proj", scaling))
+    hidden = hidden + _plus(_base(layer.o_proj, attn), _lora_delta(attn, lora, "o_proj", scaling))
     x = layer.post_attention_layernorm(hidden)
     gate, up = _packed(layer.gate_up_proj, x, ("gate_proj", "up_proj"), lora, scaling)
     act = jax.nn.silu(gate) * up
-    return hidden + _plus(layer.down_proj.base(act), _lora_delta(act, lora, "down_proj", scaling))
+    return hidden + _plus(_base(layer.down_proj, act), _lora_delta(act, lora, "down_proj", scaling))
 
 
 def forward_logits(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:
@@ -86,7 +130,7 @@ def forward_logits(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAPara
         return _layer(nnx.merge(layer_def, state), h, positions, layer_lora, lora.scaling, batch), None
 
     hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights))
-    return model.logits(model.norm(hidden)).reshape(batch, seq_len, -1)
+    return _logits(model, model.norm(hidden)).reshape(batch, seq_len, -1)
 
 
 def token_logprobs(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:

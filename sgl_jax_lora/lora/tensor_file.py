@@ -1,0 +1,160 @@
+"""TensorFile: adapter tensors on their way from the frontend to the engine process, through shared memory.
+
+Flow: Engine.load_lora_adapter_from_tensors / update_lora_adapter (arrays) or the HTTP routes (a safetensors
+file's bytes) write one file in safetensors layout under /dev/shm (`TensorFile.from_arrays` / `.from_bytes`, one
+copy, mode 0600, a name the server picks) -> the RPC carries only its path -> the engine maps it
+(`map_tensor_file`): float32 tensors become read-only views of the mapping, with no copy and no pipe transfer of
+the payload, and live as long as the host adapter built from them. The frontend removes the file when the call
+returns; the mapping outlives the name. A client never names this file: it is the server's own.
+
+The layout is safetensors' (8-byte little-endian header length, a JSON header of dtype / shape / data offsets,
+the raw data), parsed here with every offset and size checked, since HTTP bodies arrive in it unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from sgl_jax_lora.lora.peft_config import adapter_error
+
+_SHM_DIR = "/dev/shm"
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
+_WRITE_THREADS = 8
+_FIX = "send the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)"
+
+
+class TensorFile:
+    """A safetensors-layout file in shared memory, owned by the frontend until `remove()` (or the `with` exit)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TensorFile:
+        """An HTTP body (a safetensors file's bytes) as a TensorFile; the engine validates it."""
+        fd, path = _new_file()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            os.unlink(path)
+            raise
+        return cls(path)
+
+    @classmethod
+    def from_arrays(cls, name: str, tensors: dict) -> TensorFile:
+        """PEFT tensor names -> float arrays (numpy or JAX; float32, float16, bfloat16, float64), written as they
+        are (no conversion): the engine reads each dtype."""
+        entries, header, offset = [], {}, 0
+        for key, value in _float_arrays(name, tensors).items():
+            dtype = "BF16" if value.dtype.name == "bfloat16" else {4: "F32", 2: "F16", 8: "F64"}[value.dtype.itemsize]
+            header[key] = {"dtype": dtype, "shape": list(value.shape), "data_offsets": [offset, offset + value.nbytes]}
+            entries.append(value)
+            offset += value.nbytes
+        header_bytes = json.dumps(header, separators=(",", ":")).encode()
+        header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        data_start = 8 + len(header_bytes)
+        fd, path = _new_file()
+        try:
+            os.ftruncate(fd, data_start + offset)
+            os.pwrite(fd, len(header_bytes).to_bytes(8, "little") + header_bytes, 0)
+            starts = [data_start + header[key]["data_offsets"][0] for key in header]
+            with ThreadPoolExecutor(_WRITE_THREADS) as pool:  # os.pwrite releases the GIL: the copies overlap
+                list(pool.map(lambda item: _write_at(fd, *item), zip(entries, starts)))
+        except BaseException:
+            os.unlink(path)  # e.g. /dev/shm full: leave nothing behind
+            raise
+        finally:
+            os.close(fd)
+        return cls(path)
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def map_tensor_file(name: str, path: str) -> dict[str, np.ndarray]:
+    """The engine's side: tensor name -> float32 array (F32 entries are read-only views of the mapping; F16, BF16
+    and F64 are converted). Raises LoRAAdapterError naming the problem if the layout is not valid safetensors."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise adapter_error(name, f"the tensors are not a valid safetensors file ({size} bytes)", _FIX)
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    buffer = memoryview(mapping)
+    header_len = int.from_bytes(buffer[:8], "little")
+    if header_len > size - 8:
+        raise adapter_error(name, "the tensors are not a valid safetensors file (header longer than the data)", _FIX)
+    try:
+        header = json.loads(bytes(buffer[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise adapter_error(name, f"the tensors are not a valid safetensors file (header: {e})", _FIX) from e
+    if not isinstance(header, dict):
+        raise adapter_error(name, "the tensors are not a valid safetensors file (header is not a JSON object)", _FIX)
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    return {key: _tensor(name, key, entry, buffer, data_start, size) for key, entry in header.items()}
+
+
+def _tensor(name: str, key: str, entry: object, buffer: memoryview, data_start: int, size: int) -> np.ndarray:
+    shown = key if len(key) <= 64 else key[:64] + "..."
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        raise adapter_error(name, f"tensor {shown!r} has no valid header entry", _FIX)
+    dtype_name = entry["dtype"]
+    if dtype_name not in _DTYPES:
+        raise adapter_error(name, f"tensor {shown!r} has dtype {dtype_name[:16]}", "LoRA tensors must be floating point")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise adapter_error(name, f"tensor {shown!r} has an invalid shape or data_offsets", _FIX)
+    begin, end = offsets
+    dtype = _DTYPES[dtype_name]
+    count = int(np.prod(shape, dtype=np.int64))
+    if not 0 <= begin <= end <= size - data_start or end - begin != count * dtype.itemsize:
+        raise adapter_error(name, f"tensor {shown!r}: its data_offsets do not match its shape and dtype", _FIX)
+    raw = np.frombuffer(buffer, dtype, count, data_start + begin).reshape(shape)
+    if dtype_name == "F32":
+        return raw  # a read-only view: the mapping stays alive as long as the array does
+    if dtype_name == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+def _write_at(fd: int, value: np.ndarray, start: int) -> None:
+    data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+    written = 0
+    while written < data.size:  # pwrite may write less than asked
+        written += os.pwrite(fd, data[written:], start + written)
+
+
+def _float_arrays(name: str, tensors: dict) -> dict[str, np.ndarray]:
+    if not isinstance(tensors, dict) or not tensors:
+        raise adapter_error(name, "no tensors given", "pass a non-empty dict of PEFT tensor names to arrays")
+    arrays = {}
+    for key, value in tensors.items():
+        array = np.asarray(value)
+        is_float = array.dtype.name == "bfloat16" or (array.dtype.kind == "f" and array.dtype.itemsize in (2, 4, 8))
+        if not isinstance(key, str) or not is_float:
+            raise adapter_error(name, f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
+                                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')")
+        arrays[key] = array
+    return arrays
+
+
+def _new_file() -> tuple[int, str]:
+    directory = _SHM_DIR if os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK) else None
+    return tempfile.mkstemp(prefix="sgl-jax-lora-tensors-", suffix=".safetensors", dir=directory)
