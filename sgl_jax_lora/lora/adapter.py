@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -36,7 +35,6 @@ from sgl_jax_lora.lora.peft_config import (
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
 
 logger = logging.getLogger(__name__)
-_CHECK_THREADS = 8  # finiteness checks of an adapter from memory run side by side
 
 # "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally "...lora_A.default.weight".
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$")
@@ -123,9 +121,8 @@ def adapter_from_tensors(
     checks as from disk (non-finite values refused)."""
     config = parse_peft_config(name, raw_config)
     tensors = _float32_tensors(name, tensors)
-    with ThreadPoolExecutor(_CHECK_THREADS) as pool:  # numpy's reductions release the GIL: the checks overlap
-        # refuse_non_finite is looked up at call time: tests may bypass it
-        list(pool.map(lambda item: adapter_files.refuse_non_finite(name, *item), tensors.items()))
+    for key, tensor in tensors.items():
+        adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 

@@ -17,7 +17,6 @@ import json
 import mmap
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -25,7 +24,6 @@ from sgl_jax_lora.lora.peft_config import adapter_error
 
 _SHM_DIR = "/dev/shm"
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
-_WRITE_THREADS = 8
 _FIX = "send the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)"
 
 
@@ -64,9 +62,8 @@ class TensorFile:
         try:
             os.ftruncate(fd, data_start + offset)
             os.pwrite(fd, len(header_bytes).to_bytes(8, "little") + header_bytes, 0)
-            starts = [data_start + header[key]["data_offsets"][0] for key in header]
-            with ThreadPoolExecutor(_WRITE_THREADS) as pool:  # os.pwrite releases the GIL: the copies overlap
-                list(pool.map(lambda item: _write_at(fd, *item), zip(entries, starts)))
+            for value, key in zip(entries, header):
+                _write_at(fd, value, data_start + header[key]["data_offsets"][0])
         except BaseException:
             os.unlink(path)  # e.g. /dev/shm full: leave nothing behind
             raise
