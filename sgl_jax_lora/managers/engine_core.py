@@ -6,7 +6,8 @@ Flow of one step (`step()`), overlap schedule (the default):
     forward_batch = batch.to_forward_batch(...)           # padded to a compiled bucket
     launched = _launch(...)                               # forward + sampling dispatched, not waited for; tokens
                                                           # of the previous step are read on the device
-    outputs = _finish(previous step)                      # its tokens reach the host: stop checks, free pages
+    outputs = _finish(previous step)                      # its tokens reach the host: token-level stop checks
+                                                          # (stop strings are the frontend's), free pages
     _advance(launched)                                    # the new step's tokens become pending (req.py)
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
 finishes itself before `step()` returns. Penalties (computed on the host from the output ids) wait for the
@@ -30,7 +31,7 @@ from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.managers.step_stats import StepStats
-from sgl_jax_lora.managers.stop_checker import StopChecker
+from sgl_jax_lora.managers.stop_checker import StopChecker, eos_token_ids
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -75,7 +76,7 @@ class EngineCore:
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
             adapter_slots=self.lora, prefix_cache=self.prefix_cache,
         )
-        self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
+        self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         warmup_start = time.monotonic()
         if not args.skip_precompile:
