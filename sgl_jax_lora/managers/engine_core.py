@@ -64,13 +64,14 @@ class EngineCore:
         self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
-        self.runner = ModelRunner(args, self.cfg, self.mesh, lora=self.lora_setup.spec if self.lora_setup else None)
-        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
-        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
-        self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.buckets = Buckets.build(
             args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets
         )
+        self.runner = ModelRunner(args, self.cfg, self.mesh, self.buckets,
+                                  lora=self.lora_setup.spec if self.lora_setup else None)
+        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
+        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
+        self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
@@ -332,6 +333,7 @@ class EngineCore:
             "vocab_size": self.cfg.vocab_size,
             "context_length": self.context_length,
             "max_total_tokens": self.max_total_tokens,
+            "step_memory_reserve_bytes": self.runner.step_memory.reserve_bytes if self.runner.step_memory else 0,
             "kv_pages_total": self.allocator.num_usable,
             "kv_pages_used": self.scheduler.num_pages_held,
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
