@@ -123,7 +123,17 @@ def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatc
     assert large.buckets.tokens[-1] > small.buckets.tokens[-1]
     assert large.runner.step_memory.reserve_bytes > small.runner.step_memory.reserve_bytes
     assert large.runner.num_pages < small.runner.num_pages
-    assert make_core(model_dir, max_total_tokens=64).runner.step_memory is None  # a size the user set: no reserve
+
+
+def test_a_user_sized_cache_must_leave_the_largest_steps_memory_free(model_dir, monkeypatch):
+    runner = make_core(model_dir, max_total_tokens=64).runner
+    assert runner.step_memory is None  # CPU: no device memory to check against
+    reserve, per_token = runner._measure_step_memory().reserve_bytes, kv_bytes_per_token(runner.cfg, 1, np.float32)
+    limit = reserve + 1000 * per_token  # room for 1000 tokens beside the step
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (limit, 0))
+    assert make_core(model_dir, max_total_tokens=992).runner.num_pages == 992 // PAGE + 1
+    with pytest.raises(MemoryError, match=r"--max-total-tokens 1024 needs .* lower --max-total-tokens to 992 or less"):
+        make_core(model_dir, max_total_tokens=1024)
 
 
 def test_memory_the_largest_step_takes_whole_fails_with_the_fix_named(model_dir, monkeypatch):

@@ -166,28 +166,50 @@ class ModelRunner:
 
     # ---- sizing and warmup ---------------------------------------------------------------------
     def _num_kv_pages(self) -> int:
-        args, cfg = self.args, self.cfg
+        """Pages of the KV cache: --max-total-tokens, or what --mem-fraction-static of the device memory holds beside
+        the weights and the largest step's programs (CPU: CPU_DEFAULT_KV_TOKENS)."""
+        args = self.args
+        memory = device_memory()
+        if memory is not None:
+            self.step_memory = self._measure_step_memory()
         if args.max_total_tokens:
             tokens = args.max_total_tokens
+            if memory is not None:
+                self._check_kv_fits(tokens, *memory)
+        elif memory is None:
+            tokens = CPU_DEFAULT_KV_TOKENS
         else:
-            memory = device_memory()
-            if memory is None:
-                tokens = CPU_DEFAULT_KV_TOKENS
-            else:
-                limit, used = memory
-                self.step_memory = self._measure_step_memory()
-                reserve = self.step_memory.reserve_bytes
-                per_device_token = kv_bytes_per_token(cfg, args.tp_size, self.dtype) / args.tp_size
-                tokens = int((limit * args.mem_fraction_static - used - reserve) / per_device_token)
-                logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens,
-                            reserve / 1e9)
-                if tokens < args.page_size * 2:
-                    raise MemoryError(
-                        f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
-                        f"needs {reserve} B); raise --mem-fraction-static, lower --chunked-prefill-size or "
-                        "--max-running-requests (smaller steps), use more devices (--tp-size), or set --max-total-tokens"
-                    )
+            tokens = self._kv_tokens_from_memory(*memory)
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
+
+    @property
+    def _kv_bytes_per_device_token(self) -> float:
+        return kv_bytes_per_token(self.cfg, self.args.tp_size, self.dtype) / self.args.tp_size
+
+    def _kv_tokens_from_memory(self, limit: int, used: int) -> int:
+        args, reserve = self.args, self.step_memory.reserve_bytes
+        tokens = int((limit * args.mem_fraction_static - used - reserve) / self._kv_bytes_per_device_token)
+        logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9)
+        if tokens < args.page_size * 2:
+            raise MemoryError(
+                f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
+                f"needs {reserve} B); raise --mem-fraction-static, lower --chunked-prefill-size or "
+                "--max-running-requests (smaller steps), use more devices (--tp-size), or set --max-total-tokens"
+            )
+        return tokens
+
+    def _check_kv_fits(self, tokens: int, limit: int, used: int) -> None:
+        """A --max-total-tokens cache and the largest step's programs must fit in the free device memory: refused
+        at startup, not when the warmup first runs the largest program."""
+        reserve, per_token = self.step_memory.reserve_bytes, self._kv_bytes_per_device_token
+        free = limit - used
+        if tokens * per_token + reserve > free:
+            fits = max(0, int((free - reserve) / per_token)) // self.args.page_size * self.args.page_size
+            raise MemoryError(
+                f"--max-total-tokens {tokens} needs {tokens * per_token / 1e9:.2f} GB of KV cache per device plus "
+                f"{reserve / 1e9:.2f} GB for the largest step's programs, but {free / 1e9:.2f} GB are free; lower "
+                f"--max-total-tokens to {fits} or less, or --chunked-prefill-size / --max-running-requests"
+            )
 
     def _measure_step_memory(self) -> StepMemory:
         """Per-device bytes of the largest step's programs, from XLA's memory analysis of those that take no KV
