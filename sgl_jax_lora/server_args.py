@@ -39,7 +39,7 @@ class ServerArgs:
     # KV cache and batching
     page_size: int = _f(16, "tokens per KV-cache page")
     max_total_tokens: int | None = _f(None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU")
-    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache (GPU/TPU)")
+    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache + the largest step's programs (GPU/TPU; docs/tuning.md)")
     max_running_requests: int = _f(64, "max sequences in one step (each running request decodes one token per step)")
     chunked_prefill_size: int = _f(2048, "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all (longer prompts are chunked; at least 32 prefill tokens per step); lower it to keep time per output token steady under a burst of prompts")
     max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")

@@ -201,6 +201,28 @@ def test_stop_token_ids_and_stop_strings(engine):
     assert plain["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
 
 
+def test_a_stop_string_ends_each_sample_and_frees_its_pages(engine):
+    # the frontend matches the stop string, cuts every sample's text, ids and logprobs at the token that completed it
+    # and aborts the request in the engine, which would otherwise decode 150 more tokens
+    ids = prompts(1, 10, seed=12)[0]
+    plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 160, **GREEDY})
+    text, tokenizer = plain["text"], engine.tokenizer_manager.tokenizer
+    start = next(i for i in range(len(text) // 8, len(text)) if "\ufffd" not in text[i : i + 3] and text[i : i + 3].strip())
+    stop = text[start : start + 3]
+    k = next(k for k in range(160) if stop in tokenizer.decode(plain["output_ids"][: k + 1]))
+    assert k < 150, "the stop string comes early"
+    samples = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 160, "stop": ["never", stop], "n": 3, **GREEDY},
+                              return_logprob=True)
+    for sample in samples:
+        meta = sample["meta_info"]
+        assert sample["text"] == text[: text.find(stop)] and meta["finish_reason"] == {"type": "stop", "matched": stop}
+        assert sample["output_ids"] == plain["output_ids"][: k + 1] and meta["completion_tokens"] == k + 1
+        assert [tid for _, tid in meta["output_token_logprobs"]] == sample["output_ids"]
+    info = engine.get_server_info()  # answered after the aborts, which went first down the same pipe
+    assert info["kv_pages_used"] == 0 and info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["num_compilations_after_warmup"] == 0
+
+
 def test_n_samples_are_the_seeded_single_requests(engine):
     # n samples of each prompt, prompt-major; sample j of a seeded prompt is the n=1 request with seed + j
     batch = prompts(2, 6, seed=3)

@@ -214,6 +214,32 @@ def test_openai_completions_stop_and_seed(oai, model_name):
     assert sampled[0] == sampled[1]
 
 
+def test_openai_stop_streamed_and_with_n(oai, model_name):
+    # the frontend finishes a request at its stop string: streamed deltas add up to the cut text, every choice of n
+    # stops there, and the token counts and logprobs end at the token that completed the stop string
+    kwargs = dict(model=model_name, prompt="Hello", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = oai.completions.create(**kwargs).choices[0].text
+    stop = full[4:6]
+    single = oai.completions.create(**kwargs, stop=[stop], logprobs=1)
+    assert single.choices[0].text == full[: full.find(stop)] and single.choices[0].finish_reason == "stop"
+    assert len(single.choices[0].logprobs.tokens) == single.usage.completion_tokens < 16
+    several = oai.completions.create(**kwargs, stop=[stop], n=2)
+    assert [c.text for c in several.choices] == [single.choices[0].text] * 2
+    assert several.usage.completion_tokens == 2 * single.usage.completion_tokens
+    chunks = list(oai.completions.create(**kwargs, stop=[stop], logprobs=1, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == single.choices[0].text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == single.usage.completion_tokens
+    assert chunks[-1].usage.completion_tokens == single.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_kwargs = dict(model=model_name, messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    chat_full = oai.chat.completions.create(**chat_kwargs).choices[0].message.content
+    chat_stop = chat_full[5:8]
+    streamed = list(oai.chat.completions.create(**chat_kwargs, stop=chat_stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_full[: chat_full.find(chat_stop)]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
 def test_openai_chat(oai, http, model_name, tokenizer):
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -1,6 +1,6 @@
 """The KV cache's size at startup (ModelRunner._allocate_kv): sized from device memory unless --max-total-tokens
-says, allocated and checked before the engine serves, and shrunk when the device cannot place a cache sized from
-memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
+says, less the memory of the largest step's programs (model_executor/step_memory.py), allocated and checked before
+the engine serves, and shrunk when the device cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
 112.6 GB limit).
 
 CPU devices report no memory, so these tests give the runner a device memory (`device_memory`) and an
@@ -32,15 +32,18 @@ def model_dir(tmp_path_factory):
 
 
 def make_core(model_dir, **kwargs) -> EngineCore:
-    args = ServerArgs(model_path=str(model_dir), dtype="float32", context_length=128, max_running_requests=4,
-                      chunked_prefill_size=32, max_prefill_seqs=2, page_size=PAGE, skip_precompile=True, **kwargs)
+    settings = dict(dtype="float32", context_length=128, max_running_requests=4, chunked_prefill_size=32,
+                    max_prefill_seqs=2, page_size=PAGE, skip_precompile=True)
+    args = ServerArgs(model_path=str(model_dir), **{**settings, **kwargs})
     return EngineCore(args, str(model_dir))
 
 
 def device_memory_for(model_dir, tokens: int):
-    """A device memory whose --mem-fraction-static share (0.85 by default) holds `tokens` tokens of KV."""
-    cfg = make_core(model_dir, max_total_tokens=64).runner.cfg
-    limit = int(tokens * kv_bytes_per_token(cfg, 1, np.float32) / 0.85) + 1
+    """A device memory whose --mem-fraction-static share (0.85 by default) holds `tokens` tokens of KV beside the
+    largest step's programs."""
+    runner = make_core(model_dir, max_total_tokens=64).runner
+    reserve = runner._measure_step_memory().reserve_bytes
+    limit = int((tokens * kv_bytes_per_token(runner.cfg, 1, np.float32) + reserve) / 0.85) + 1
     return lambda: (limit, 0)
 
 
@@ -103,3 +106,38 @@ def test_other_device_errors_are_not_taken_for_a_full_memory(model_dir, monkeypa
     monkeypatch.setattr(model_runner, "allocate_kv_cache", broken)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         make_core(model_dir, max_total_tokens=4096)
+
+
+def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatch):
+    limit, used = 64_000_000, 1_000_000
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (limit, used))
+    small, large = make_core(model_dir), make_core(model_dir, chunked_prefill_size=128)
+    for core in (small, large):
+        runner, largest_bucket = core.runner, core.buckets.tokens[-1]
+        reserve = runner.step_memory.reserve_bytes
+        # prompt logprobs over the largest bucket hold its [T, V] float32 logits at least
+        assert runner.step_memory.prompt_logprobs_bytes >= largest_bucket * runner.cfg.vocab_size * 4
+        per_token = kv_bytes_per_token(runner.cfg, 1, np.float32)
+        assert runner.num_pages == -(-int((limit * 0.85 - used - reserve) / per_token) // PAGE) + 1
+        assert core.server_info()["step_memory_reserve_bytes"] == reserve
+    assert large.buckets.tokens[-1] > small.buckets.tokens[-1]
+    assert large.runner.step_memory.reserve_bytes > small.runner.step_memory.reserve_bytes
+    assert large.runner.num_pages < small.runner.num_pages
+
+
+def test_a_user_sized_cache_must_leave_the_largest_steps_memory_free(model_dir, monkeypatch):
+    runner = make_core(model_dir, max_total_tokens=64).runner
+    assert runner.step_memory is None  # CPU: no device memory to check against
+    reserve, per_token = runner._measure_step_memory().reserve_bytes, kv_bytes_per_token(runner.cfg, 1, np.float32)
+    limit = reserve + 1000 * per_token  # room for 1000 tokens beside the step
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (limit, 0))
+    assert make_core(model_dir, max_total_tokens=992).runner.num_pages == 992 // PAGE + 1
+    with pytest.raises(MemoryError, match=r"--max-total-tokens 1024 needs .* lower --max-total-tokens to 992 or less"):
+        make_core(model_dir, max_total_tokens=1024)
+
+
+def test_memory_the_largest_step_takes_whole_fails_with_the_fix_named(model_dir, monkeypatch):
+    reserve = make_core(model_dir, max_total_tokens=64).runner._measure_step_memory().reserve_bytes
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (int(reserve / 0.85), 0))
+    with pytest.raises(MemoryError, match="the largest step needs .* lower --chunked-prefill-size"):
+        make_core(model_dir)

@@ -6,7 +6,8 @@ Flow of one step (`step()`), overlap schedule (the default):
     forward_batch = batch.to_forward_batch(...)           # padded to a compiled bucket
     launched = _launch(...)                               # forward + sampling dispatched, not waited for; tokens
                                                           # of the previous step are read on the device
-    outputs = _finish(previous step)                      # its tokens reach the host: stop checks, free pages
+    outputs = _finish(previous step)                      # its tokens reach the host: token-level stop checks
+                                                          # (stop strings are the frontend's), free pages
     _advance(launched)                                    # the new step's tokens become pending (req.py)
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
 finishes itself before `step()` returns. Penalties (computed on the host from the output ids) wait for the
@@ -30,7 +31,7 @@ from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.managers.step_stats import StepStats
-from sgl_jax_lora.managers.stop_checker import StopChecker
+from sgl_jax_lora.managers.stop_checker import StopChecker, eos_token_ids
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -63,19 +64,20 @@ class EngineCore:
         self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
-        self.runner = ModelRunner(args, self.cfg, self.mesh, lora=self.lora_setup.spec if self.lora_setup else None)
-        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
-        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
-        self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.buckets = Buckets.build(
             args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets
         )
+        self.runner = ModelRunner(args, self.cfg, self.mesh, self.buckets,
+                                  lora=self.lora_setup.spec if self.lora_setup else None)
+        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
+        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
+        self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
             adapter_slots=self.lora, prefix_cache=self.prefix_cache,
         )
-        self.stop_checker = StopChecker(args.tokenizer_path or model_path, self.cfg.eos_token_ids)
+        self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         warmup_start = time.monotonic()
         if not args.skip_precompile:
@@ -332,6 +334,7 @@ class EngineCore:
             "vocab_size": self.cfg.vocab_size,
             "context_length": self.context_length,
             "max_total_tokens": self.max_total_tokens,
+            "step_memory_reserve_bytes": self.runner.step_memory.reserve_bytes if self.runner.step_memory else 0,
             "kv_pages_total": self.allocator.num_usable,
             "kv_pages_used": self.scheduler.num_pages_held,
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,

@@ -4,7 +4,8 @@ Flow:
   Engine.generate / HTTP handler -> `generate_request(...)` (async generator)
     -> validate + tokenize here -> {"type": "generate"} over the pipe to the engine process
     <- {"type": "outputs"} read by a reader thread, routed to the request's asyncio queue
-    -> cumulative result dicts ({"text", "output_ids", "meta_info"}) yielded per increment.
+    -> cumulative result dicts ({"text", "output_ids", "meta_info"}) yielded per increment (request_output.py:
+       detokenization and stop strings, which finish the request here and abort it in the engine).
 The engine process is spawned here; this process never imports JAX, so HTTP and tokenization never
 stall the device loop. Cancelling the generator (client disconnect) aborts the request in the engine.
 """
@@ -31,9 +32,9 @@ from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_process import run_engine_process
-from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -47,15 +48,6 @@ class RequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine process exited."""
-
-
-@dataclasses.dataclass
-class _RequestState:
-    queue: asyncio.Queue
-    detokenizer: IncrementalDetokenizer
-    output_ids: list = dataclasses.field(default_factory=list)
-    input_logprobs: list = dataclasses.field(default_factory=list)
-    output_logprobs: list = dataclasses.field(default_factory=list)
 
 
 class TokenizerManager:
@@ -72,7 +64,7 @@ class TokenizerManager:
         self.server_info = ready["info"]
         self.context_length = self.server_info["context_length"]
         self.max_total_tokens = self.server_info["max_total_tokens"]
-        self._states: dict[str, _RequestState] = {}
+        self._queues: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -117,13 +109,13 @@ class TokenizerManager:
         kind = msg["type"]
         if kind == "outputs":
             for item in msg["items"]:
-                state = self._states.get(item["rid"])
-                if state is not None:
-                    state.queue.put_nowait(item)
+                queue = self._queues.get(item["rid"])
+                if queue is not None:
+                    queue.put_nowait(item)
         elif kind == "error":
-            state = self._states.get(msg["rid"])
-            if state is not None:
-                state.queue.put_nowait(RequestError(msg["message"]))
+            queue = self._queues.get(msg["rid"])
+            if queue is not None:
+                queue.put_nowait(RequestError(msg["message"]))
         elif kind == "reply":
             future = self._calls.pop(msg["call_id"], None)
             if future is not None and not future.done():
@@ -131,8 +123,8 @@ class TokenizerManager:
 
     def _on_engine_death(self) -> None:
         self.is_dead = True
-        for state in self._states.values():
-            state.queue.put_nowait(EngineDeadError("engine process exited"))
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("engine process exited"))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError("engine process exited"))
@@ -321,50 +313,32 @@ class TokenizerManager:
                 "version": ref.version}
 
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        """Send one request; yield its cumulative result after every increment, the last one finished."""
-        state = _RequestState(asyncio.Queue(), IncrementalDetokenizer(self.tokenizer, request.sampling.skip_special_tokens))
-        self._states[request.rid] = state
-        finished = False
+        """Send one request; yield its cumulative result after every increment, the last one finished. A stop string
+        finishes it here (managers/request_output.py); the engine, which may have decoded past it, is told to abort."""
+        queue: asyncio.Queue = asyncio.Queue()
+        output = RequestOutput(self.tokenizer, request.sampling.skip_special_tokens, request.sampling.stop)
+        self._queues[request.rid] = queue
         try:
             self._send(request.to_message())
-            while not finished:
-                item = await state.queue.get()
+            while not output.finished:
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item["finish_reason"] is not None
-                yield self._accumulate(request, state, item)
+                output.add(item)
+                yield self._result(request, output, item)
         finally:
-            self._states.pop(request.rid, None)
+            self._queues.pop(request.rid, None)
+            if not output.engine_finished and not self.is_dead:  # stopped here, or the client went away
+                self._send({"type": "abort", "rid": request.rid})
             if request.lora_id is not None:
                 self.lora_registry.release(request.lora_id)
-            if not finished and not self.is_dead:
-                self._send({"type": "abort", "rid": request.rid})
 
-    def _accumulate(self, request: GenerateRequest, state: _RequestState, item: dict) -> dict:
-        state.output_ids += item["new_ids"]
-        state.input_logprobs += item["new_input_logprobs"]
-        state.output_logprobs += item["new_output_logprobs"]
-        finish = item["finish_reason"]
-        text = state.detokenizer.append(item["new_ids"], is_last=finish is not None)
-        if finish and finish.get("type") == "stop" and isinstance(finish.get("matched"), str):
-            text = text[: text.find(finish["matched"])] if finish["matched"] in text else text
-        meta = {
-            "id": request.rid,
-            "prompt_tokens": item["prompt_tokens"],
-            "completion_tokens": item["completion_tokens"],
-            "cached_tokens": item["cached_tokens"],
-            "finish_reason": finish,
-        }
+    def _result(self, request: GenerateRequest, output: RequestOutput, item: dict) -> dict:
+        result = output.result(request, item)
         ref = self.lora_registry.ref_of(request.lora_id) if request.lora_id is not None else None
         if ref is not None:  # the adapter version that served the whole request
-            meta["lora_name"], meta["lora_version"] = ref.lora_name, ref.version
-        if request.return_logprob:
-            meta["input_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.input_logprobs]
-            meta["output_token_logprobs"] = [[lp, tid] for lp, tid, _ in state.output_logprobs]
-            if request.top_logprobs_num:
-                meta["input_top_logprobs"] = [top for _, _, top in state.input_logprobs]
-                meta["output_top_logprobs"] = [top for _, _, top in state.output_logprobs]
-        return {"text": text, "output_ids": list(state.output_ids), "meta_info": meta}
+            result["meta_info"]["lora_name"], result["meta_info"]["lora_version"] = ref.lora_name, ref.version
+        return result
 
     def abort(self, rid: str) -> None:
         self._send({"type": "abort", "rid": rid})

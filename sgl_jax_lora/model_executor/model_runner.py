@@ -33,6 +33,7 @@ from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.model_executor.step_memory import StepMemory, measure_step_memory
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.logit_adjustments import LogitRow, adjust_logits
@@ -57,8 +58,10 @@ def device_memory() -> tuple[int, int] | None:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None = None):
-        self.args, self.cfg, self.mesh = args, cfg, mesh
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, buckets: Buckets, lora: LoRAModelSpec | None = None):
+        """buckets: the engine's compiled step shapes; a KV cache sized from device memory leaves room for the
+        largest one's programs (model_executor/step_memory.py)."""
+        self.args, self.cfg, self.mesh, self.buckets = args, cfg, mesh, buckets
         self.dtype = jnp.dtype(args.dtype)
         self.page_size = args.page_size
         self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
@@ -70,7 +73,6 @@ class ModelRunner:
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
-        self.num_pages, self.kv = self._allocate_kv()
         forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
         self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
@@ -82,6 +84,8 @@ class ModelRunner:
         self._sample = jax.jit(functools.partial(_sample_and_carry, self.max_sample_rows, self._replicated))
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
+        self.step_memory: StepMemory | None = None  # measured when the KV cache is sized from device memory
+        self.num_pages, self.kv = self._allocate_kv()
 
     # ---- jitted bodies -------------------------------------------------------------------------
     def _model(self, state: nnx.State, lora_state: nnx.State):
@@ -162,23 +166,70 @@ class ModelRunner:
 
     # ---- sizing and warmup ---------------------------------------------------------------------
     def _num_kv_pages(self) -> int:
-        args, cfg = self.args, self.cfg
+        """Pages of the KV cache: --max-total-tokens, or what --mem-fraction-static of the device memory holds beside
+        the weights and the largest step's programs (CPU: CPU_DEFAULT_KV_TOKENS)."""
+        args = self.args
+        memory = device_memory()
+        if memory is not None:
+            self.step_memory = self._measure_step_memory()
         if args.max_total_tokens:
             tokens = args.max_total_tokens
+            if memory is not None:
+                self._check_kv_fits(tokens, *memory)
+        elif memory is None:
+            tokens = CPU_DEFAULT_KV_TOKENS
         else:
-            memory = device_memory()
-            if memory is None:
-                tokens = CPU_DEFAULT_KV_TOKENS
-            else:
-                limit, used = memory
-                per_device_token = kv_bytes_per_token(cfg, args.tp_size, self.dtype) / args.tp_size
-                tokens = int((limit * args.mem_fraction_static - used) / per_device_token)
-                if tokens < args.page_size * 2:
-                    raise MemoryError(
-                        f"no device memory left for the KV cache (limit {limit} B, in use {used} B); "
-                        "raise --mem-fraction-static, lower --tp-size's per-device load, or set --max-total-tokens"
-                    )
+            tokens = self._kv_tokens_from_memory(*memory)
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
+
+    @property
+    def _kv_bytes_per_device_token(self) -> float:
+        return kv_bytes_per_token(self.cfg, self.args.tp_size, self.dtype) / self.args.tp_size
+
+    def _kv_tokens_from_memory(self, limit: int, used: int) -> int:
+        args, reserve = self.args, self.step_memory.reserve_bytes
+        tokens = int((limit * args.mem_fraction_static - used - reserve) / self._kv_bytes_per_device_token)
+        logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9)
+        if tokens < args.page_size * 2:
+            raise MemoryError(
+                f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
+                f"needs {reserve} B); raise --mem-fraction-static, lower --chunked-prefill-size or "
+                "--max-running-requests (smaller steps), use more devices (--tp-size), or set --max-total-tokens"
+            )
+        return tokens
+
+    def _check_kv_fits(self, tokens: int, limit: int, used: int) -> None:
+        """A --max-total-tokens cache and the largest step's programs must fit in the free device memory: refused
+        at startup, not when the warmup first runs the largest program."""
+        reserve, per_token = self.step_memory.reserve_bytes, self._kv_bytes_per_device_token
+        free = limit - used
+        if tokens * per_token + reserve > free:
+            fits = max(0, int((free - reserve) / per_token)) // self.args.page_size * self.args.page_size
+            raise MemoryError(
+                f"--max-total-tokens {tokens} needs {tokens * per_token / 1e9:.2f} GB of KV cache per device plus "
+                f"{reserve / 1e9:.2f} GB for the largest step's programs, but {free / 1e9:.2f} GB are free; lower "
+                f"--max-total-tokens to {fits} or less, or --chunked-prefill-size / --max-running-requests"
+            )
+
+    def _measure_step_memory(self) -> StepMemory:
+        """Per-device bytes of the largest step's programs, from XLA's memory analysis of those that take no KV
+        cache, compiled here on replicated abstract inputs (model_executor/step_memory.py)."""
+        hidden_size, dtype = self.cfg.hidden_size, self.dtype
+
+        def abstract(shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+
+        def lower_prompt_logprobs(num_tokens: int) -> jax.stages.Lowered:
+            return self._prompt_logprobs.lower(self.state, self.lora_state, abstract((num_tokens, hidden_size), dtype),
+                                               abstract((num_tokens,), jnp.int32), num_top=MAX_TOP_LOGPROBS)
+
+        def lower_logits_and_sample(num_rows: int) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+            logits = self._logits.lower(self.state, self.lora_state, abstract((num_rows, hidden_size), dtype))
+            sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS)
+            return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
+
+        return measure_step_memory(self.cfg, self.args.tp_size, dtype, self.buckets.tokens[-1],
+                                   self.buckets.sample_sizes()[-1], lower_prompt_logprobs, lower_logits_and_sample)
 
     def _allocate_kv(self):
         """(pages, KV cache) on the devices, allocated and checked now (an allocation fails on the device
