@@ -1,4 +1,5 @@
-"""Build the model's state on the mesh: real HF safetensors weights or dummy random weights.
+"""Build the model's state on the mesh: real HF safetensors weights, a converted orbax checkpoint
+(models/orbax_checkpoint.py) or dummy random weights.
 
 Flow: ModelRunner -> load_model_state(cfg, ...) -> (graphdef, state). The model is first built abstractly
 (nnx.eval_shape, no memory), then every parameter is produced directly in its sharded device layout
@@ -24,6 +25,7 @@ from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.sharding import logical_to_sharding, param_logical_axes
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
+from sgl_jax_lora.models.orbax_checkpoint import is_converted_checkpoint, restore_model_state
 from sgl_jax_lora.models.registry import model_class_for
 from sgl_jax_lora.models.weight_layout import pack_shard_major, replicate_kv_heads
 
@@ -129,6 +131,8 @@ def load_model_state(
     attention = AttentionBackend(attention_backend, mesh)
     abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention))
     graphdef, abstract_state = nnx.split(abstract)
+    if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
+        return graphdef, restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     leaves = []
     for path, variable in nnx.to_flat_state(abstract_state):
