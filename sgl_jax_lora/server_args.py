@@ -27,7 +27,7 @@ def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own nam
 @dataclasses.dataclass
 class ServerArgs:
     # Model
-    model_path: str | None = _f(None, "HF model directory (config.json, *.safetensors, tokenizer); default: the embedded demo model")
+    model_path: str | None = _f(None, "HF model directory (config.json, *.safetensors, tokenizer) or a converted checkpoint (python -m sgl_jax_lora.convert); default: the embedded demo model")
     tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model path")
     served_model_name: str | None = _f(None, "model name in the OpenAI API; default: the model path")
     dtype: str = _f("bfloat16", "weight and activation dtype", choices=DTYPES)

@@ -30,6 +30,7 @@ METADATA_FILE = "sgl_jax_lora_checkpoint.json"
 WEIGHTS_DIR = "weights"
 FORMAT_NAME = "sgl_jax_lora/orbax"
 FORMAT_VERSION = 1
+ORBAX_COMMIT_FILE = "_CHECKPOINT_METADATA"  # orbax writes it in a checkpoint directory it has finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,11 @@ def convert_command(source: str = "", tp_size: int | str = "N", dtype: str = "DT
 
 
 def is_converted_checkpoint(model_path: str) -> bool:
-    """A converted directory (its metadata file, or the orbax weights of an interrupted conversion)."""
-    return os.path.isfile(os.path.join(model_path, METADATA_FILE)) or os.path.isdir(os.path.join(model_path, WEIGHTS_DIR))
+    """A converted directory: its metadata file, or the finished orbax weights of a conversion cut short before it."""
+    if not model_path:
+        return False
+    finished_weights = os.path.join(model_path, WEIGHTS_DIR, ORBAX_COMMIT_FILE)
+    return os.path.isfile(os.path.join(model_path, METADATA_FILE)) or os.path.isfile(finished_weights)
 
 
 def read_metadata(model_path: str) -> CheckpointMetadata:
