@@ -186,7 +186,7 @@ def timed_load(path: str, tp: int, dtype: str) -> dict:
     """One fresh process: start -> weights on the devices."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     proc = subprocess.run([sys.executable, "-c", _CHILD, path, str(tp), dtype, repr(time.time())],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, check=False)
     result = next((line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
         raise SystemExit(f"loading {path} failed:\n{proc.stderr[-3000:]}")
@@ -223,6 +223,7 @@ def summarize(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's decoder layers (a shorter run)")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--caches", default="cold,warm", help="page-cache states to run, in order: cold, warm")
@@ -231,10 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--keep", action="store_true", help="keep the written directories")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(argv)
-    cfg = PRESETS[opts.preset]
+    cfg = {**PRESETS[opts.preset], **({"num_hidden_layers": opts.num_layers} if opts.num_layers else {})}
     root = tempfile.mkdtemp(prefix="bench-startup-orbax-", dir=opts.work_dir)
     paths = {"hf": os.path.join(root, "hf"), "orbax": os.path.join(root, "orbax")}
-    result = {"argv": sys.argv[1:] if argv is None else argv, "preset": opts.preset, "tp_size": opts.tp_size}
+    result = {"argv": sys.argv[1:] if argv is None else argv, "preset": opts.preset, "num_layers": cfg["num_hidden_layers"],
+              "tp_size": opts.tp_size}
 
     def write_out(runs: list[dict]) -> None:  # after every run, so a run cut short still leaves its results
         result["runs"] = runs

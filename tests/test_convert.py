@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,7 +95,7 @@ def test_the_converted_directory_has_the_tokenizer_and_config_but_no_safetensors
     names = set(os.listdir(dirs[4]))
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", METADATA_FILE, WEIGHTS_DIR} <= names
     assert not [n for n in names if n.endswith(".safetensors")]
-    meta = json.loads(open(os.path.join(dirs[4], METADATA_FILE)).read())
+    meta = json.loads((Path(dirs[4]) / METADATA_FILE).read_text())
     assert (meta["tp_size"], meta["dtype"]) == (4, "float32")
 
 
@@ -125,7 +126,7 @@ def copy_of(path: str, tmp_path) -> str:
 def test_damaged_metadata_is_reported_with_the_fix(converted, tmp_path, damage, message):
     path = copy_of(converted[0][1], tmp_path)
     meta_file = os.path.join(path, METADATA_FILE)
-    meta = json.loads(open(meta_file).read())
+    meta = json.loads(Path(meta_file).read_text())
     if damage == "missing":
         os.remove(meta_file)
     else:
