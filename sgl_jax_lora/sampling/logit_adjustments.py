@@ -67,43 +67,56 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _row_entries(row: LogitRow) -> tuple[np.ndarray, ...]:
-    """One row's entries: (token ids, output counts, seen, bias, banned), ids unique and sorted."""
-    params = row.params
-    outputs = np.asarray(row.output_ids, np.int64)
-    if params.repetition_penalty != 1:
-        seen_ids = np.concatenate([np.asarray(row.prompt_ids, np.int64), outputs])
-    else:
-        seen_ids = outputs if params.uses_penalties else np.zeros(0, np.int64)
-    bias_ids = np.fromiter(params.logit_bias.keys(), np.int64, len(params.logit_bias))
-    banned_ids = np.asarray(row.banned_ids, np.int64)
-    ids = np.unique(np.concatenate([seen_ids, bias_ids, banned_ids]))
-    counts = np.zeros(ids.size, np.float32)
-    if params.uses_penalties and outputs.size:
-        output_ids, output_counts = np.unique(outputs, return_counts=True)
-        counts[np.searchsorted(ids, output_ids)] = output_counts
-    bias = np.zeros(ids.size, np.float32)
-    bias[np.searchsorted(ids, bias_ids)] = np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias))
-    return ids, counts, np.isin(ids, seen_ids), bias, np.isin(ids, banned_ids)
+ROW_SHIFT = 32  # an entry's key on the host: row << ROW_SHIFT | token id (token ids are int32)
+
+
+def _keys(row_index: int, ids: list[int] | tuple[int, ...]) -> np.ndarray:
+    return np.fromiter(ids, np.int64, len(ids)) | (row_index << ROW_SHIFT)
 
 
 def pack_logit_rows(rows: list[LogitRow | None], num_seqs: int, entry_sizes: tuple[int, ...]) -> LogitAdjustments | None:
     """rows[s] for logits row s (None: no adjustment) -> numpy LogitAdjustments padded to the smallest of
-    `entry_sizes` that holds every entry; None when no row adjusts (the logits program then skips the work)."""
+    `entry_sizes` that holds every entry; None when no row adjusts (the logits program then skips the work).
+
+    All rows are packed at once: every (row, token id) occurrence becomes one int64 key with its contribution (prompt
+    occurrence, output occurrence, bias, ban); one sort groups equal keys and sums their contributions, so the host's
+    cost grows with the step's tokens, not with its rows times a per-row overhead."""
     adjusting = [(s, row) for s, row in enumerate(rows) if row is not None and row.adjusts]
     if not adjusting:
         return None
-    per_row = [(s, _row_entries(row)) for s, row in adjusting]
-    size = pick(entry_sizes, sum(entries[0].size for _, entries in per_row))
-    packed = padding_logit_adjustments(num_seqs, size)
-    start = 0
-    for (s, row), (_, (ids, counts, seen, bias, banned)) in zip(adjusting, per_row):
-        end = start + ids.size
-        packed.rows[start:end] = s
-        packed.token_ids[start:end] = ids
-        packed.output_counts[start:end], packed.seen[start:end] = counts, seen
-        packed.bias[start:end], packed.banned[start:end] = bias, banned
-        start = end
+    parts: dict[str, list[np.ndarray]] = {"prompt": [], "output": [], "bias": [], "banned": []}
+    bias_values = []
+    for s, row in adjusting:
+        params = row.params
+        if params.uses_penalties:
+            parts["output"].append(_keys(s, row.output_ids))
+            if params.repetition_penalty != 1:
+                parts["prompt"].append(_keys(s, row.prompt_ids))
+        parts["bias"].append(_keys(s, tuple(params.logit_bias)))
+        bias_values.append(np.fromiter(params.logit_bias.values(), np.float32, len(params.logit_bias)))
+        parts["banned"].append(_keys(s, row.banned_ids))
+    keys = [np.concatenate(arrays) if arrays else np.zeros(0, np.int64) for arrays in parts.values()]
+    occurrences = np.concatenate(keys)
+    order = np.argsort(occurrences)
+    sorted_keys = occurrences[order]
+    starts = np.flatnonzero(np.diff(sorted_keys, prepend=-1))  # the first occurrence of each key (keys are >= 0)
+    offsets = np.cumsum([0] + [k.size for k in keys])
+
+    def summed(part: int, values: np.ndarray | float = 1.0) -> np.ndarray:
+        """Per entry, the sum of `values` over its occurrences in part `part` (0 prompt, 1 output, 2 bias, 3 banned)."""
+        contribution = np.zeros(occurrences.size, np.float32)
+        contribution[offsets[part] : offsets[part + 1]] = values
+        return np.add.reduceat(contribution[order], starts) if starts.size else contribution[:0]
+
+    n = starts.size
+    packed = padding_logit_adjustments(num_seqs, pick(entry_sizes, n))
+    entry_keys = sorted_keys[starts]
+    packed.rows[:n], packed.token_ids[:n] = entry_keys >> ROW_SHIFT, entry_keys & (2**ROW_SHIFT - 1)
+    packed.output_counts[:n] = summed(1)
+    packed.seen[:n] = (summed(0) > 0) | (packed.output_counts[:n] > 0)
+    packed.bias[:n] = summed(2, np.concatenate(bias_values))
+    packed.banned[:n] = summed(3) > 0
+    for s, row in adjusting:
         packed.repetition_penalty[s] = row.params.repetition_penalty
         packed.frequency_penalty[s] = row.params.frequency_penalty
         packed.presence_penalty[s] = row.params.presence_penalty
