@@ -119,3 +119,15 @@ def test_entries_pick_the_smallest_bucket_that_holds_them():
     rows = [LogitRow(list(range(20)), [], params), LogitRow(list(range(30, 45)), [], params)]
     assert pack_logit_rows(rows, 2, (32, 64)).rows.shape == (64,)  # 35 entries
     assert pack_logit_rows(rows[:1], 2, (32, 64)).rows.shape == (32,)
+
+
+def test_a_first_output_token_in_flight_is_the_only_entry():
+    # no output token on the host yet, presence penalty only: the host sends no entry, the device makes one
+    rows = [LogitRow([4, 5], [], SamplingParams(presence_penalty=1.5), in_flight_row=2)]
+    packed = pack_logit_rows(rows, 1, (16,))
+    assert (np.asarray(packed.rows) == 1).all()  # padding only
+    logits = np.zeros((1, 10), np.float32)
+    got = np.asarray(apply_logit_adjustments(jnp.asarray(logits), packed, jnp.asarray([0, 0, 8], jnp.int32)))
+    want = logits.copy()
+    want[0, 8] = -1.5
+    np.testing.assert_array_equal(got, want)
