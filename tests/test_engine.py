@@ -125,6 +125,23 @@ def test_top_logprobs_and_penalties(engine):
     assert presence["output_ids"] != plain["output_ids"]
 
 
+def test_repetition_penalty_matches_hf(engine, model_dir):
+    # HF's RepetitionPenaltyLogitsProcessor over prompt and output ids, greedy; the engine runs the overlap schedule,
+    # so each step's penalty also counts the token still in flight (on the device)
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ids = prompts(1, 12, seed=15)[0]
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 16, "repetition_penalty": 2.0, **GREEDY})
+    model, penalty = load_hf_model(model_dir), RepetitionPenaltyLogitsProcessor(2.0)
+    generated = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(16):
+            scores = penalty(generated, model(generated).logits[:, -1])
+            generated = torch.cat([generated, scores.argmax(-1, keepdim=True)], dim=1)
+    assert out["output_ids"] == generated[0, len(ids) :].tolist()
+    assert out["output_ids"] != hf_greedy(model_dir, ids, 16)[0]  # the penalty changed the tokens
+
+
 def test_logit_bias(engine):
     # +100 on a token makes greedy decoding pick it at every step, with a logprob of about 0 (logprobs are of the
     # biased distribution); -100 on the greedy first token moves it; a request without bias in the same batch is
@@ -253,6 +270,8 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], sampling_params={"logit_bias": {"seven": 1}}), "logit_bias keys must be token ids"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"99999": 1}}), "logit_bias names token ids outside the vocabulary"),
         (dict(input_ids=[5], sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
+        (dict(input_ids=[5], sampling_params={"logit_bias": {t: 1 for t in range(1025)}}), "logit_bias may name at most 1024 token ids, got 1025"),
+        (dict(input_ids=[5], sampling_params={"stop_token_ids": list(range(65))}), "stop_token_ids may name at most 64 token ids, got 65"),
         (dict(input_ids=[5], sampling_params={"max_new_tokens": 4, "min_new_tokens": 5}), r"min_new_tokens must be in \[0, max_new_tokens = 4\]"),
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
     ],

@@ -197,3 +197,63 @@ def test_prefix_cache_gives_the_outputs_of_an_engine_without_it(model_dir):
     assert cached_core.scheduler.num_cached_tokens > 0 and plain_core.scheduler.num_cached_tokens == 0
     assert cached_core.prefix_cache.num_cached > 0 and cached_core.scheduler.num_pages_held == 0
     assert plain_core.prefix_cache is None and plain_core.allocator.num_used == 0
+
+
+def penalty_requests(prefix: str, seed: int) -> list[GenerateRequest]:
+    """Requests that adjust their logits in every way, with prompts of varied lengths."""
+    return [
+        request(f"{prefix}-repetition", seed, 9, max_new_tokens=10, temperature=0.0, repetition_penalty=1.8),
+        request(f"{prefix}-frequency", seed + 1, 30, max_new_tokens=9, temperature=0.0, frequency_penalty=1.5),
+        request(f"{prefix}-presence", seed + 2, 5, max_new_tokens=8, temperature=0.7, presence_penalty=2.0,
+                seed=3, return_logprob=True),
+        request(f"{prefix}-all", seed + 3, 44, max_new_tokens=11, temperature=0.0, repetition_penalty=0.8,
+                frequency_penalty=-0.5, presence_penalty=0.5, logit_bias={7: 3.0, 11: -100.0}),
+        request(f"{prefix}-min-tokens", seed + 4, 12, max_new_tokens=6, temperature=0.0, min_new_tokens=4,
+                stop_token_ids=[5, 6], repetition_penalty=1.3),
+    ]
+
+
+def spy_on_adjustments(core: EngineCore) -> list:
+    """Records the logit adjustments of every launched sampling step."""
+    seen = []
+    launch = core.runner.launch_sample
+
+    def recording(last_hidden, sampling, adjustments=None, prev_ids=None):
+        seen.append(adjustments)
+        return launch(last_hidden, sampling, adjustments, prev_ids)
+
+    core.runner.launch_sample = recording
+    return seen
+
+
+def test_penalties_keep_the_overlap_and_its_outputs(model_dir):
+    # every request adjusts its logits; under the overlap schedule the token in flight is counted on the device
+    requests = penalty_requests("p", 70) + [request("plain", 80, 7, max_new_tokens=8, temperature=0.0)]
+    without = serve(model_dir, False, requests)
+    core = make_core(model_dir, True)
+    adjustments = spy_on_adjustments(core)
+    for req in requests:
+        core.add_request(req)
+    with_overlap = Run(core).until_idle()
+    assert_same(with_overlap, without)
+    assert any(a is not None and (np.asarray(a.in_flight_row) >= 0).any() for a in adjustments)
+    assert without.tokens["p-repetition"] != serve(model_dir, False, [request("p-repetition", 70, 9, max_new_tokens=10,
+                                                                              temperature=0.0)]).tokens["p-repetition"]
+
+
+def test_penalty_requests_arriving_mid_run_compile_nothing_after_warmup(tmp_path):
+    # penalty requests of varied prompt lengths join a running batch; their entries fill different entry buckets,
+    # all compiled at warmup (tensor parallelism: the adjusted logits keep the sampler's input sharding)
+    model_dir = make_hf_model_dir(tmp_path / "llama8", "llama", seed=23, num_attention_heads=8, head_dim=6)
+    core = make_core(model_dir, True, tp_size=4, skip_precompile=False)
+    adjustments = spy_on_adjustments(core)
+    run = Run(core)
+    core.add_request(request("first", 90, 6, max_new_tokens=12, temperature=0.0))
+    long_prompt = request("mid-long", 97, 70, max_new_tokens=6, temperature=0.0, repetition_penalty=1.2)
+    for req in penalty_requests("mid", 91) + [long_prompt]:  # 70 distinct-ish ids: more than 4 rows * 16 entries
+        run.step()
+        core.add_request(req)
+    run.until_idle()
+    assert len(run.finish) == 7
+    assert len({a.rows.shape[0] for a in adjustments if a is not None}) > 1
+    assert core.compile_counter.count == core.num_compilations_after_warmup_start

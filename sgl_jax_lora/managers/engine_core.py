@@ -10,8 +10,8 @@ Flow of one step (`step()`), overlap schedule (the default):
                                                           # (stop strings are the frontend's), free pages
     _advance(launched)                                    # the new step's tokens become pending (req.py)
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
-finishes itself before `step()` returns. Penalties (computed on the host from the output ids) wait for the
-previous step first.
+finishes itself before `step()` returns. Penalties keep the overlap: a request's token still in flight is counted
+on the device (sampling/logit_adjustments.py).
 Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental output dicts.
 """
 
@@ -39,8 +39,8 @@ from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
-from sgl_jax_lora.sampling.logit_adjustments import LogitRow
-from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
+from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, LogitRow, pack_logit_rows
+from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.progress import startup_progress
 
@@ -64,8 +64,13 @@ class EngineCore:
         self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
+        self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
+        # a request's logit-adjustment entries: distinct prompt and output ids, logit_bias ids, banned ids
+        max_logit_entries = (min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS) + MAX_STOP_TOKEN_IDS
+                             + len(self.stop_checker.eos_token_ids))
         self.buckets = Buckets.build(
-            args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets
+            args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets,
+            max_logit_entries_per_row=max_logit_entries,
         )
         self.runner = ModelRunner(args, self.cfg, self.mesh, self.buckets,
                                   lora=self.lora_setup.spec if self.lora_setup else None)
@@ -77,7 +82,6 @@ class EngineCore:
             self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
             adapter_slots=self.lora, prefix_cache=self.prefix_cache,
         )
-        self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         warmup_start = time.monotonic()
         if not args.skip_precompile:
@@ -148,9 +152,6 @@ class EngineCore:
         outputs: list[dict] = []
         if batch is None:
             return self._finish(prev) if prev is not None else outputs
-        if prev is not None and any(r.sampling.uses_penalties for r in batch.reqs):
-            outputs += self._finish(prev)  # penalties read the output ids on the host: they must all be there
-            prev = None
         scheduled = time.perf_counter()
         forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
         prepared = time.perf_counter()
@@ -177,26 +178,31 @@ class EngineCore:
         sampled = None
         if batch.sampling_reqs():
             sampled = self.runner.launch_sample(
-                last_hidden, batch.to_sampling_batch(forward_batch.num_seqs), self._logit_rows(batch)
+                last_hidden, batch.to_sampling_batch(forward_batch.num_seqs),
+                self._logit_adjustments(batch, forward_batch.num_seqs), prev_ids,
             )
         return LaunchedStep(batch, sampled)
 
-    def _logit_rows(self, batch: ScheduleBatch) -> list[LogitRow] | None:
-        """The step's host-side logit adjustments, one row per request; None when no request adjusts its logits
-        (the sampler then keeps the logits on the device).
+    def _logit_adjustments(self, batch: ScheduleBatch, num_seqs: int) -> LogitAdjustments | None:
+        """The step's logit adjustments (applied on the device); None when no sampling request adjusts its logits.
         A request short of min_new_tokens may not sample its stop or EOS ids (the token of this step is its
-        len(output_ids)-th: tokens still in flight are counted)."""
+        len(output_ids)-th: tokens still in flight are counted). A token of a request in flight is counted by its
+        penalties on the device, from its row in the previous step's sampled ids."""
         if not any(r.sampling.adjusts_logits or len(r.output_ids) < r.sampling.min_new_tokens for r in batch.reqs):
             return None  # the common case: nothing to build
-        rows = []
-        for req in batch.reqs:
+        rows: list[LogitRow | None] = []
+        for req, n in zip(batch.reqs, batch.num_new_tokens):
+            if req.num_computed + n < req.seq_len:  # a prefill chunk that samples nothing
+                rows.append(None)
+                continue
             params = req.sampling
             banned: tuple[int, ...] = ()
             if len(req.output_ids) < params.min_new_tokens:
                 eos = () if params.ignore_eos else tuple(self.stop_checker.eos_token_ids)
                 banned = tuple(sorted(set(params.stop_token_ids) | set(eos)))
-            rows.append(LogitRow(req.input_ids, req.output_ids, params, banned))
-        return rows if any(row.adjusts for row in rows) else None  # min_new_tokens with nothing to ban: none
+            in_flight_row = req.pending_row if req.has_pending_token and params.uses_penalties else -1
+            rows.append(LogitRow(req.input_ids, req.resolved_output_ids, params, banned, in_flight_row))
+        return pack_logit_rows(rows, num_seqs, self.buckets.logit_entry_sizes(num_seqs))
 
     def _advance(self, step: LaunchedStep) -> None:
         """Move the step's requests past its tokens before they reach the host: each sampled token is pending."""

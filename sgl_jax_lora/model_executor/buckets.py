@@ -3,7 +3,9 @@
 A step is ragged: decode rows (one token each) and prefill chunks share one forward. Its shape is a token bucket T
 (the step's tokens, padded); the sequence count S and the page-table width P follow from T and the engine's limits
 (`seqs_for`, `max_pages_per_seq`), so the number of compiled forwards is the number of token buckets, whatever the
-mix. `pick` returns the smallest bucket that fits.
+mix. `pick` returns the smallest bucket that fits. A step whose requests adjust their logits (penalties, logit_bias,
+min_new_tokens) sends one entry per (row, token id) a rule touches, padded to an entry bucket: S times a per-row
+budget from `logit_entries_per_row` (sampling/logit_adjustments.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import dataclasses
 
 MIN_TOKEN_BUCKET = 8  # on GPU a 1-row matmul compiles to a slower kernel than an 8-row one; decode is memory-bound
 MIN_PREFILL_TOKENS = 32  # prefill tokens a step may take however many decode rows it holds (managers/scheduler.py)
+MIN_LOGIT_ENTRIES_PER_ROW = 16  # the smallest entry bucket of logit adjustments is S times this
+LOGIT_ENTRY_GROWTH = 16  # each entry bucket is this many times the one before (few buckets: few programs)
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -28,6 +32,7 @@ class Buckets:
     tokens: tuple[int, ...]  # compiled step token counts T
     max_seqs: int  # most sequences in one step (--max-running-requests)
     max_pages_per_seq: int  # page-table width P of every step (the context's pages)
+    logit_entries_per_row: tuple[int, ...] = (MIN_LOGIT_ENTRIES_PER_ROW,)  # entry buckets of logit adjustments / S
 
     @classmethod
     def build(
@@ -37,16 +42,19 @@ class Buckets:
         context_length: int,
         page_size: int,
         token_buckets: list[int] | None = None,
+        max_logit_entries_per_row: int = MIN_LOGIT_ENTRIES_PER_ROW,
     ) -> "Buckets":
         """Token buckets from MIN_TOKEN_BUCKET up to the most tokens a step holds: the chunk budget, or every running
-        request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise."""
+        request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise.
+        max_logit_entries_per_row: the most logit-adjustment entries one request can have (the top entry budget)."""
         max_pages = -(-context_length // page_size)
         chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
         max_tokens = max(chunked_prefill_size, max_running_requests + min(chunked_prefill_size, MIN_PREFILL_TOKENS))
         tokens = checked_buckets("--token-buckets", token_buckets, max_tokens) or powers_of_two(
             min(MIN_TOKEN_BUCKET, max_tokens), max_tokens
         )
-        return cls(tokens=tokens, max_seqs=max_running_requests, max_pages_per_seq=max_pages)
+        return cls(tokens=tokens, max_seqs=max_running_requests, max_pages_per_seq=max_pages,
+                   logit_entries_per_row=logit_entry_budgets(max_logit_entries_per_row))
 
     def seqs_for(self, num_tokens: int) -> int:
         """Sequences S of the bucket with num_tokens tokens: every sequence of a step has at least one token."""
@@ -58,6 +66,20 @@ class Buckets:
 
     def sample_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({self.seqs_for(t) for t in self.tokens}))
+
+    def logit_entry_sizes(self, num_seqs: int) -> tuple[int, ...]:
+        """Entry buckets N of the logit adjustments of a step of num_seqs sequences (bucket S)."""
+        return tuple(num_seqs * budget for budget in self.logit_entries_per_row)
+
+
+def logit_entry_budgets(max_per_row: int) -> tuple[int, ...]:
+    """Per-row entry budgets: MIN_LOGIT_ENTRIES_PER_ROW growing by LOGIT_ENTRY_GROWTH, then max_per_row; a budget
+    within a factor 4 of max_per_row gives way to it."""
+    budgets, budget = [], MIN_LOGIT_ENTRIES_PER_ROW
+    while budget * 4 <= max_per_row:
+        budgets.append(budget)
+        budget *= LOGIT_ENTRY_GROWTH
+    return tuple(budgets) + (max(max_per_row, 1),)
 
 
 def pick(buckets: tuple[int, ...], n: int) -> int:

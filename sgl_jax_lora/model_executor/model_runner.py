@@ -3,8 +3,10 @@
 Flow (per step, called by the engine loop):
   forward(forward_batch, prev_ids)  -> hidden [T, E] on device (kv donated and replaced); token ids still in
                                        flight come from prev_ids, the previous step's `carried_ids`
-  launch_sample(last_hidden, sampling) -> LaunchedSample: sampled ids / logprobs on the device, copying to the
-                                       host, and carried_ids [M] for the next forward
+  launch_sample(last_hidden, sampling, adjustments, prev_ids)
+                                    -> LaunchedSample: logits (adjusted on the device when some request asks),
+                                       sampled ids / logprobs on the device, copying to the host, and
+                                       carried_ids [M] for the next forward
   fetch(launched)                   -> next ids / logprobs on the host (waits for the device)
   prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
 Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup.
@@ -36,7 +38,7 @@ from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.step_memory import StepMemory, measure_step_memory
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
-from sgl_jax_lora.sampling.logit_adjustments import LogitRow, adjust_logits
+from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
 from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, sample, token_logprobs
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
@@ -98,8 +100,12 @@ class ModelRunner:
         hidden, kv = self._model(state, lora_state)(kv, batch)
         return hidden, hidden[batch.last_token_index], kv
 
-    def _logits_impl(self, state: nnx.State, lora_state: nnx.State, last_hidden: jax.Array) -> jax.Array:
-        return self._model(state, lora_state).logits(last_hidden)
+    def _logits_impl(self, state: nnx.State, lora_state: nnx.State, last_hidden: jax.Array,
+                     adjustments: LogitAdjustments | None, prev_ids: jax.Array) -> jax.Array:
+        logits = self._model(state, lora_state).logits(last_hidden)
+        if adjustments is None:  # a trace-time choice: most steps compile and run without the adjustments
+            return logits
+        return apply_logit_adjustments(logits, adjustments, prev_ids)
 
     def _prompt_logprobs_impl(
         self, state: nnx.State, lora_state: nnx.State, hidden: jax.Array, targets: jax.Array, num_top: int
@@ -120,14 +126,15 @@ class ModelRunner:
         self,
         last_hidden: jax.Array,
         sampling: SamplingBatch,
-        logit_rows: list[LogitRow | None] | None = None,
+        adjustments: LogitAdjustments | None = None,
+        prev_ids: jax.Array | None = None,
     ) -> LaunchedSample:
-        """Dispatch logits + sampling without waiting for them (logit adjustments do wait: they run on the host).
+        """Dispatch logits + sampling without waiting for them.
 
-        logit_rows: one per logits row, given only when some request adjusts its logits (sampling/logit_adjustments.py)."""
-        logits = self._logits(self.state, self.lora_state, last_hidden)
-        if logit_rows:
-            logits = jax.device_put(adjust_logits(np.asarray(logits), logit_rows), logits.sharding)
+        adjustments: the step's logit adjustments (sampling/logit_adjustments.py), None when no request adjusts its
+        logits; prev_ids: the `carried_ids` of the step still in flight, whose tokens the penalties count."""
+        prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
+        logits = self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
         out, carried_ids = self._sample(logits, sampling)
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
@@ -139,9 +146,10 @@ class ModelRunner:
         out = jax.device_get(launched.output)
         return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
 
-    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, logit_rows: list | None = None) -> dict[str, np.ndarray]:
+    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, adjustments: LogitAdjustments | None = None,
+               prev_ids: jax.Array | None = None) -> dict[str, np.ndarray]:
         """launch_sample + fetch."""
-        return self.fetch(self.launch_sample(last_hidden, sampling, logit_rows))
+        return self.fetch(self.launch_sample(last_hidden, sampling, adjustments, prev_ids))
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
         out = jax.device_get(self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top))
@@ -224,7 +232,11 @@ class ModelRunner:
                                                abstract((num_tokens,), jnp.int32), num_top=MAX_TOP_LOGPROBS)
 
         def lower_logits_and_sample(num_rows: int) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
-            logits = self._logits.lower(self.state, self.lora_state, abstract((num_rows, hidden_size), dtype))
+            # the logits program with the largest logit-adjustment entry bucket needs the most memory of its variants
+            adjustments = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_logit_adjustments(
+                num_rows, self.buckets.logit_entry_sizes(num_rows)[-1]))
+            logits = self._logits.lower(self.state, self.lora_state, abstract((num_rows, hidden_size), dtype),
+                                        adjustments, self.no_prev_ids)
             sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS)
             return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
 
@@ -289,7 +301,8 @@ class ModelRunner:
         shapes = [(s, t, i) for s, t in buckets.shapes() for i in range(len(lora_for(t)))]
         batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
-        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens)
+        adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
+        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens) + adjusted
         bar = progress(total=total, desc="compiling buckets")
         if threads > 1:
             self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
@@ -306,6 +319,10 @@ class ModelRunner:
                         for num_top in (0, MAX_TOP_LOGPROBS):
                             self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
                             bar.update(1)
+                    for num_entries in buckets.logit_entry_sizes(num_seqs):  # the logits with adjustments
+                        adjustments = padding_logit_adjustments(num_seqs, num_entries)
+                        self._logits(self.state, self.lora_state, last_hidden, adjustments, self.no_prev_ids).block_until_ready()
+                        bar.update(1)
             bar.update(1)
         shapes_of_lora = self.lora_buffer_shapes()
         if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once

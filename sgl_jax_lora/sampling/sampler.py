@@ -1,8 +1,8 @@
 """Sampler: logits of the rows to sample -> next token ids and their logprobs, on device.
 
-Flow: ModelRunner computes logits [S, V] for each sequence's last token -> (host-side penalties and
-logit_bias, only for batches that ask for them; see logit_adjustments.py) -> `sample` (jitted per S bucket and per
-(is_greedy, num_top_logprobs)) -> EngineCore._finish reads the tokens on the host.
+Flow: ModelRunner computes logits [S, V] for each sequence's last token (with penalties, logit_bias and
+min_new_tokens bans applied on the device, only in steps that ask for them; see logit_adjustments.py) -> `sample`
+(jitted per S bucket and per (is_greedy, num_top_logprobs)) -> EngineCore._finish reads the tokens on the host.
 
 Randomness is per request: the key of a request's n-th output token is fold_in(key(seed), n), so a
 request's samples do not depend on what else is in its batch. Returned logprobs are those of the

@@ -11,6 +11,10 @@ import dataclasses
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
+# logit_bias and stop_token_ids name at most this many token ids: a request's logit adjustments then fit the
+# largest compiled entry bucket (model_executor/buckets.py)
+MAX_LOGIT_BIAS_IDS = 1024
+MAX_STOP_TOKEN_IDS = 64
 MAX_INT32 = 2**31 - 1  # token ids, top_k and token counts travel as int32 arrays
 MAX_FLOAT32 = 3.4028234663852886e38  # float fields travel as float32: anything larger would become Inf
 INT64_RANGE = (-(2**63), 2**63 - 1)  # seed travels as a 64-bit integer over IPC
@@ -89,12 +93,22 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids
         ):
             raise SamplingParamsError(f"stop_token_ids must be a list of token ids (integers in [0, {MAX_INT32}])")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                f"stop_token_ids may name at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}; "
+                "use stop strings for the rest"
+            )
         if self.seed is not None:
             _check_type("seed", self.seed, int)
             if not INT64_RANGE[0] <= self.seed <= INT64_RANGE[1]:
                 raise SamplingParamsError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}")
         if not isinstance(self.logit_bias, dict):
             raise SamplingParamsError("logit_bias must map token ids to numbers, e.g. {\"50256\": -100}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_IDS:
+            raise SamplingParamsError(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(self.logit_bias)}; "
+                "keep the largest biases"
+            )
         for token_id, bias in self.logit_bias.items():
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
@@ -110,12 +124,12 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """Whether this request's logits depend on its tokens so far (the host needs its output ids)."""
+        """Whether this request's logits depend on its tokens so far (repetition, frequency or presence penalty)."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the host changes this request's logits before sampling (logit_adjustments.py)."""
+        """Whether this request's logits are changed before sampling (penalties or logit_bias; logit_adjustments.py)."""
         return self.uses_penalties or bool(self.logit_bias)
 
     def to_dict(self) -> dict:
