@@ -12,7 +12,7 @@ a dropped connection, a 4xx to a good request, an error event inside a stream, a
 Reports requests, errors by class, latency p50/p99, /health p50/p99/max, KV pages at start and end, compilations
 after warmup, and RSS: sampled through the soak, its baseline is the first sample after --warmup-s (allocator
 arenas, tokenizer and prefix caches fill during the first minute; growth before that is warm-up, not a leak), and
-the report gives the growth from that baseline to the end and the slope (MB/min, least squares over the samples
+the report gives the growth from that baseline to the end and the slope (MiB/min, least squares over the samples
 after warm-up). Exits 1 on any unexpected error, KV pages still held once idle, a compilation during the soak,
 /health p99 over --max-health-p99-s, or RSS growth after warm-up over --max-rss-growth-pct.
 
@@ -207,7 +207,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def rss_growth(samples: list[tuple[float, int | None, int | None]], end_s: float, end: dict, warmup_s: float) -> dict:
     """Per process: the baseline (first sample at or after `warmup_s`, else the last one), the end (idle), the
-    growth from baseline to end in %, and the slope after warm-up in MB/min (least squares, baseline to end)."""
+    growth from baseline to end in %, and the slope after warm-up in MiB/min (least squares, baseline to end)."""
     growth = {}
     for column, proc in ((1, "frontend"), (2, "engine")):
         points = [(row[0], row[column]) for row in samples if row[column]]
@@ -215,13 +215,13 @@ def rss_growth(samples: list[tuple[float, int | None, int | None]], end_s: float
         if end[f"{proc}_rss_bytes"]:
             after.append((end_s, end[f"{proc}_rss_bytes"]))
         if len(after) < 2:
-            growth[proc] = {"baseline_at_s": None, "baseline_mb": None, "end_mb": None, "growth_pct": None,
-                            "slope_mb_per_min": None}
+            growth[proc] = {"baseline_at_s": None, "baseline_mib": None, "end_mib": None, "growth_pct": None,
+                            "slope_mib_per_min": None}
             continue
         times, values = np.array([t for t, _ in after]), np.array([v for _, v in after], dtype=np.float64) / 2**20
         slope = float(np.polyfit(times / 60, values, 1)[0]) if len(set(times)) > 1 else 0.0
-        growth[proc] = {"baseline_at_s": float(times[0]), "baseline_mb": float(values[0]), "end_mb": float(values[-1]),
-                        "growth_pct": float(100 * (values[-1] - values[0]) / values[0]), "slope_mb_per_min": slope}
+        growth[proc] = {"baseline_at_s": float(times[0]), "baseline_mib": float(values[0]), "end_mib": float(values[-1]),
+                        "growth_pct": float(100 * (values[-1] - values[0]) / values[0]), "slope_mib_per_min": slope}
     return growth
 
 
@@ -296,8 +296,8 @@ def print_report(report: dict) -> None:
         rows.append((f"{key} start -> end", f"{report['start'][key]} -> {report['end'][key]}"))
     for proc, g in report["rss_growth"].items():
         if g["growth_pct"] is not None:
-            rows.append((f"{proc} RSS after warm-up", f"{g['baseline_mb']:.1f} MB at {g['baseline_at_s']:.0f} s -> "
-                         f"{g['end_mb']:.1f} MB ({g['growth_pct']:+.2f}%), slope {g['slope_mb_per_min']:+.3f} MB/min"))
+            rows.append((f"{proc} RSS after warm-up", f"{g['baseline_mib']:.1f} MiB at {g['baseline_at_s']:.0f} s -> "
+                         f"{g['end_mib']:.1f} MiB ({g['growth_pct']:+.2f}%), slope {g['slope_mib_per_min']:+.3f} MiB/min"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
