@@ -678,7 +678,8 @@ def test_lora_load_unload_and_model_names(lora_server):
     assert complete(base) == base_text
     metrics = httpx.get(srv.url + "/metrics").text
     assert "sgl_jax_lora_lora_device_slots 2.0" in metrics
-    assert 'sgl_jax_lora_lora_host_misses_by_adapter_total{adapter="a1"}' in metrics
+    assert 'sgl_jax_lora_lora_host_misses_by_adapter_total{adapter="a0"}' in metrics
+    assert 'adapter="a1"' not in metrics  # unloaded: its per-adapter series are gone (churn must not grow them)
 
 
 # ---- engine death (must stay the last test of the module) --------------------------------------

@@ -217,7 +217,9 @@ def test_load_use_and_unload_while_running(engine, setup):
     expected = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, **GREEDY}, lora_path="qv_rslora_r4")
     late = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, **GREEDY}, lora_path="late")
     assert late["output_ids"] == expected["output_ids"]
+    assert "late" in engine.get_server_info()["lora"]["misses_by_name"]
     engine.unload_lora_adapter("late")
+    assert "late" not in engine.get_server_info()["lora"]["misses_by_name"]  # no per-name series of a gone name
     with pytest.raises(ValueError, match="'late'"):
         engine.generate(input_ids=ids, lora_path="late")
     with pytest.raises(ValueError, match="already loaded"):

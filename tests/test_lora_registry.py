@@ -146,6 +146,9 @@ def test_host_cache_lru_with_pinned() -> None:
     cache.drop(a.lora_id)
     cache.drop("unknown-id")
     assert cache.resident_ids() == [pinned.lora_id]
+    cache.forget_name("a")  # unregistered: its per-name counters go, the others stay
+    assert "a" not in cache.stats.hits_by_name and "a" not in cache.stats.misses_by_name
+    assert cache.stats.misses_by_name["b"] == 1
 
 
 def test_host_cache_pinned_overflow_and_errors() -> None:

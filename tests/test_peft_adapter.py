@@ -120,8 +120,8 @@ def test_default_adapter_name_keys_and_bf16(base_dir: Path, shapes: LoRATargetSh
 REFUSED_PEFT_FORMS = {
     "dora": (dict(use_dora=True), ["DoRA"]),
     "modules_to_save": (dict(modules_to_save=["lm_head"]), ["modules_to_save"]),
-    "bias_all": (dict(bias="all"), ["bias='all'"]),
-    "bias_lora_only": (dict(bias="lora_only"), ["bias='lora_only'"]),
+    "bias_all": (dict(bias="all"), ["bias other than 'none'"]),
+    "bias_lora_only": (dict(bias="lora_only"), ["bias other than 'none'"]),
     "lora_bias": (dict(lora_bias=True), ["lora_bias"]),
     "embed_target": (dict(target_modules=["q_proj", "embed_tokens"]), ["embedding", "embed_tokens"]),
     "lm_head_target": (dict(target_modules=["v_proj", "lm_head"]), ["embedding", "lm_head"]),
@@ -178,7 +178,7 @@ def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes
     refused("bad_json", bad_json, "not valid JSON")
     unknown = write_peft_adapter(base_dir, tmp_path / "unknown", seed=1)
     _edit_config(unknown, target_modules=["q_proj", "c_attn"])
-    refused("unknown", unknown, "'c_attn' is not supported", "q_proj, k_proj, v_proj, o_proj, gate_proj")
+    refused("unknown", unknown, "target_modules names a module LoRA cannot target", "q_proj, k_proj, v_proj, o_proj, gate_proj")
     rank_lies = write_peft_adapter(base_dir, tmp_path / "rank_lies", seed=1, r=8)
     _edit_config(rank_lies, rank_pattern={"v_proj": 4})
     refused("rank_lies", rank_lies, "self_attn.v_proj.lora_A.weight", "(8, 32)", "expected (4, 32)")
@@ -198,7 +198,7 @@ def test_adapter_for_another_model_is_refused(read, shapes: LoRATargetShapes, tm
     with pytest.raises(LoRAAdapterError, match="layer 2, but the base model has 2 layers"):
         read("deep", str(adapter_dir), shapes)
     adapter_dir = write_peft_adapter(deeper, tmp_path / "deep_all", seed=1, target_modules=["q_proj"])
-    with pytest.raises(LoRAAdapterError, match="layers.2.self_attn.q_proj is in layer 2, but the base model has 2"):
+    with pytest.raises(LoRAAdapterError, match="layers.2.self_attn.q_proj' is in layer 2, but the base model has 2"):
         read("deep", str(adapter_dir), shapes)
 
 

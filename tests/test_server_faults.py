@@ -1,6 +1,6 @@
-"""Overload and faults against a real server on 127.0.0.1 (demo model): a large request is parsed and tokenized
-off the event loop (/health answers meanwhile); SIGTERM drains (new requests 503, the running one finishes, exit
-code 0); an engine killed with SIGKILL fails every request at once, /health turns 503, the server exits non-zero.
+"""Overload and faults against a real server on 127.0.0.1 (demo model): a large request is parsed and checked
+off the event loop (/health answers meanwhile); a text too long for any tokenization is refused before the
+tokenizer runs; SIGTERM drains (new requests 503, the running one finishes, exit code 0); an engine killed with SIGKILL fails every request at once, /health turns 503, the server exits non-zero.
 
 Each server here ends its life in a test, so the tests that stop one come last in their group.
 """
@@ -31,10 +31,10 @@ def engine_pid(url: str) -> int:
     return httpx.get(url + "/get_server_info", timeout=30).json()["engine_pid"]
 
 
-def test_health_answers_while_a_large_prompt_is_tokenized(server):
-    # ~2 MB of text: seconds of tokenization (then a 400, it is longer than the context); the upload's end is
-    # marked, and /health must answer after it and before the large request's answer
-    body = b'{"text": "' + b"hello world, this is a sentence. " * 60_000 + b'"}'
+def test_health_answers_while_a_large_prompt_is_handled(server):
+    # ~2 MB of token ids: parsed and checked off the event loop (then a 400, it is longer than the context); the
+    # upload's end is marked, and /health must answer after it and before the large request's answer
+    body = b'{"input_ids": [' + b"5, " * 700_000 + b'5]}'
     uploaded, finished = threading.Event(), []
 
     def chunks():
@@ -58,6 +58,18 @@ def test_health_answers_while_a_large_prompt_is_tokenized(server):
     done_at, response = finished[0]
     assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
     assert [status for at, status in answered if at < done_at] and all(s == 200 for _, s in answered)
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server):
+    # 2 MB of text: more characters than context_length x the longest vocabulary entry (x 4), so it is refused
+    # without running the tokenizer (which took minutes on 50 MB)
+    text = "hello world, this is a sentence. " * 60_000
+    response = httpx.post(server.url + "/generate", json={"text": text}, timeout=120)
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and f"text has {len(text)} characters" in message and "context length" in message
+    short = httpx.post(server.url + "/generate", json={"text": "hi " * 2000, "sampling_params": {"max_new_tokens": 1}},
+                       timeout=120)  # under the bound: tokenized, then refused by its exact token count
+    assert short.status_code == 400 and "prompt has" in short.json()["error"]["message"]
 
 
 def test_sigterm_drains_then_exits_zero(server):

@@ -1,6 +1,7 @@
 """scripts/soak.py against a real server on 127.0.0.1 (demo model, LoRA on): a short bounded soak with mixed
 base/adapter traffic, streams, cancellations, bad requests and load/unload churn ends with no unexpected error,
-no KV page held, no compilation, and exit code 0; its report carries every number it promises."""
+no KV page held, no compilation, and exit code 0; its report carries every number it promises (/health timed by
+scripts/health_probe.py, RSS samples with a baseline after the warm-up)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def test_short_soak_passes(lora_server, tmp_path):
     out = tmp_path / "soak.json"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--url", srv.url, "--duration-s", "20", "--clients", "4", "--churn-period-s", "3",
-         "--adapter-dirs", *dirs[1:], "--out", str(out)],
+         "--adapter-dirs", *dirs[1:], "--out", str(out), "--warmup-s", "5", "--rss-period-s", "4",
+         # the time and memory goals are for long soaks on a quiet machine: a test asserts no timing
+         "--max-health-p99-s", "1000", "--max-rss-growth-pct", "1000"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -45,7 +48,9 @@ def test_short_soak_passes(lora_server, tmp_path):
     assert report["expected_errors"].get("cancelled", 0) > 0
     assert sum(v for k, v in report["expected_errors"].items() if k.startswith("bad_")) == report["requests"]["bad"]
     assert report["churn"]["loads"] >= 3 and report["churn"]["unloads"] == report["churn"]["loads"]
-    assert report["latency_p99_s"] is not None and report["health_p99_s"] is not None
+    assert report["latency_p99_s"] is not None and report["health_p99_s"] is not None and report["health_checks"] > 10
+    assert len(report["rss_samples"]) >= 3 and report["rss_growth"]["frontend"]["baseline_at_s"] >= 5
+    assert report["rss_growth"]["engine"]["slope_mib_per_min"] is not None
     assert report["end"]["kv_pages_used"] == 0 and report["end"]["engine_rss_bytes"] > 0
     assert report["end"]["num_compilations_after_warmup"] == report["start"]["num_compilations_after_warmup"]
     assert "PASSED" in result.stdout

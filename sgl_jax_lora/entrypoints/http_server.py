@@ -58,6 +58,7 @@ class ServerState:
     served_model_name: str
     metrics: ServerMetrics
     chat_template: str | None = None  # --chat-template, read; None = the tokenizer's (or the default)
+    versions: dict = dataclasses.field(default_factory=dict)  # Python and package versions, for /get_server_info
     tokenizer_manager: TokenizerManager | None = None  # None until the engine is up
     startup_error: str | None = None
     is_shutting_down: bool = False
@@ -111,6 +112,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
         served_model_name=served_model_name(args, model_path),
         metrics=ServerMetrics(),
         chat_template=openai_api.load_chat_template(args.chat_template),
+        versions=native_api.package_versions(),
     )
 
     @contextlib.asynccontextmanager
@@ -140,7 +142,8 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
         tm = state.tokenizer_manager
         if state.is_ready:
             state.metrics.set_engine_stats(await tm.call("server_info"))
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await asyncio.to_thread(state.metrics.render)  # every series, formatted: kept off the event loop
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
 

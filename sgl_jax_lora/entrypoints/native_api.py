@@ -110,7 +110,7 @@ async def get_server_info(request: Request) -> JSONResponse:
             "engine_pid": tm.process.pid,
             "frontend_rss_bytes": rss_bytes(os.getpid()),
             "engine_rss_bytes": rss_bytes(tm.process.pid),
-            "versions": _versions(),
+            "versions": state.versions,
         }
     )
 
@@ -380,7 +380,9 @@ async def _generate_events(streams: list[AsyncIterator[dict]], is_batch: bool) -
             yield sse({**result, "index": index} if is_batch else result)
 
 
-def _versions() -> dict:
+def package_versions() -> dict:
+    """Versions of Python and the main packages; read once when the app is built (importlib.metadata scans every
+    installed distribution: tens of milliseconds, too long for the event loop on every /get_server_info)."""
     versions = {"python": platform.python_version()}
     for package in VERSIONED_PACKAGES:
         try:

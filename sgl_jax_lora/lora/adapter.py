@@ -19,9 +19,9 @@ import logging
 import re
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from sgl_jax_lora.lora import adapter_files
+from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_bytes, read_safetensors_shapes, tensor_label
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
     WEIGHTS_FILE,
@@ -97,7 +97,7 @@ def inspect_peft_adapter(
     registration stays cheap (milliseconds) however large the adapter; the data is read on first use.
     allowed_dirs: every file opened must lie inside one of them once symlinks are resolved (None: anywhere)."""
     config = load_peft_config(name, path, allowed_dirs)
-    headers = _read_headers(name, resolve_weights_file(name, path, allowed_dirs))
+    headers = _read_headers(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs)
     _, plan = _validated_plan(name, config, headers, target_shapes, max_lora_rank)
     return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
 
@@ -109,7 +109,7 @@ def load_peft_adapter(
     """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
     Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
     config = load_peft_config(name, path, allowed_dirs)
-    tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs))
+    tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs)
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 
@@ -201,47 +201,25 @@ def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes
                             f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
     if not any(config.targets(p) for _, _, p in target_shapes.all_module_paths()):
         raise adapter_error(
-            name, f"target_modules={_describe_targets(config)} matches none of the base model's projections",
+            name, "target_modules in adapter_config.json matches none of the base model's projections",
             f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)} (paths like "
             f"{target_shapes.module_path(0, 'q_proj')!r})")
 
 
-def _describe_targets(config: PeftLoRAConfig) -> str:
-    targets = config.target_modules
-    return repr(targets) if isinstance(targets, str) else repr(sorted(targets))
-
-
-def _read_headers(name: str, weights_file: str) -> dict[str, _Header]:
+def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, _Header]:
     """Tensor name -> shape from the safetensors header (no tensor data is read)."""
-    try:
-        with safe_open(weights_file, framework="np") as f:
-            return {key: _Header(tuple(f.get_slice(key).get_shape())) for key in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
+    with open_confined(name, weights_file, allowed_dirs) as f:
+        return {key: _Header(shape) for key, shape in read_safetensors_shapes(name, f).items()}
 
 
-def _read_tensors(name: str, weights_file: str) -> dict[str, np.ndarray]:
-    """All tensors of the file as float32 numpy arrays (bf16 goes through JAX on the CPU device)."""
-    try:
-        with safe_open(weights_file, framework="np") as f:
-            dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}
-            tensors = {k: f.get_tensor(k).astype(np.float32) for k, dt in dtypes.items() if dt != "BF16"}
-        bf16_keys = [k for k, dt in dtypes.items() if dt == "BF16"]
-        if bf16_keys:
-            tensors.update(_read_bf16_tensors(weights_file, bf16_keys))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise adapter_error(name, f"cannot read {weights_file} ({e})", "re-save the adapter") from e
+def _read_tensors(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, np.ndarray]:
+    """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked."""
+    with open_confined(name, weights_file, allowed_dirs) as f:
+        data = f.read()
+    tensors = read_safetensors_bytes(name, data)
     for key, tensor in tensors.items():
         adapter_files.refuse_non_finite(name, key, tensor)  # looked up at call time: tests may bypass it
     return tensors
-
-
-def _read_bf16_tensors(weights_file: str, keys: list[str]) -> dict[str, np.ndarray]:
-    # numpy has no bfloat16; safetensors' flax reader does, and the CPU device keeps it off accelerators.
-    import jax
-
-    with jax.default_device(jax.devices("cpu")[0]), safe_open(weights_file, framework="flax") as f:
-        return {k: np.asarray(f.get_tensor(k), dtype=np.float32) for k in keys}
 
 
 def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -256,14 +234,14 @@ def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tu
             tags.add(match["tag"])
         halves.setdefault(match["path"], {})[match["kind"]] = tensor
     if len(tags) > 1:
-        raise adapter_error(name, f"{WEIGHTS_FILE} holds several adapters ({sorted(tags)})",
+        raise adapter_error(name, f"{WEIGHTS_FILE} holds {len(tags)} adapters (tensor names carry {len(tags)} different adapter tags)",
                             "save each adapter into its own directory")
     pairs = {}
     for module_path, half in halves.items():
         if set(half) != {"lora_A", "lora_B"}:
             present = next(iter(half))
             missing = "lora_B" if present == "lora_A" else "lora_A"
-            raise adapter_error(name, f"{module_path} has {present} but no {missing}", "re-save the adapter")
+            raise adapter_error(name, f"{tensor_label(module_path, 'module')} has {present} but no {missing}", "re-save the adapter")
         pairs[module_path] = (half["lora_A"], half["lora_B"])
     return pairs
 
@@ -271,14 +249,14 @@ def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tu
 def _unexpected_tensor_error(name: str, key: str) -> LoRAAdapterError:
     for fragment, problem, fix in _REFUSED_TENSORS:
         if fragment in key:
-            return adapter_error(name, f"{problem}: tensor {key!r}", fix)
+            return adapter_error(name, problem, fix)
     if any(key.endswith(f"{m}.weight") for m in EMBEDDING_MODULES):
-        return adapter_error(name, f"saves embedding/output weights ({key!r}): the adapter adds tokens "
+        return adapter_error(name, f"saves embedding/output weights: the adapter adds tokens "
                              "or resized the vocabulary", "serve a base model that contains those tokens")
     if key.endswith(".bias"):
-        return adapter_error(name, f"has a bias tensor {key!r} (bias/lora_bias training)",
+        return adapter_error(name, f"has a bias tensor, {tensor_label(key)} (bias/lora_bias training)",
                              "retrain with bias='none' and lora_bias=false")
-    return adapter_error(name, f"unexpected tensor {key!r} in {WEIGHTS_FILE}",
+    return adapter_error(name, f"unexpected tensor in {WEIGHTS_FILE}: {tensor_label(key)}",
                          "serve a plain LoRA adapter saved by peft's save_pretrained")
 
 
@@ -287,14 +265,14 @@ def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tup
     match = _LAYER_MODULE.match(module_path)
     short = module_path.rsplit(".", 1)[-1]
     if short in EMBEDDING_MODULES:
-        raise adapter_error(name, f"targets the embedding/output layer ({module_path!r}), which is not supported",
+        raise adapter_error(name, f"targets the embedding/output layer ({tensor_label(module_path, 'module')}), which is not supported",
                             "retrain without embed_tokens/lm_head in target_modules")
     if match is None or match["module"] not in LORA_TARGET_MODULES:
-        raise adapter_error(name, f"LoRA tensors for unsupported module {module_path!r}",
+        raise adapter_error(name, f"LoRA tensors for an unsupported {tensor_label(module_path, 'module')}",
                             f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)}")
     layer_index, module = int(match["layer"]), match["module"]
     if layer_index >= target_shapes.num_layers:
-        raise adapter_error(name, f"{module_path} is in layer {layer_index}, but the base model has "
+        raise adapter_error(name, f"{tensor_label(module_path, 'module')} is in layer {layer_index}, but the base model has "
                             f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
     if module not in target_shapes.module_shapes:
         raise adapter_error(name, f"the base model has no {module}",
@@ -308,7 +286,7 @@ def _check_pair_shapes(name: str, module_path: str, lora_a, lora_b, rank: int, s
     for kind, tensor, expected in (("lora_A", lora_a, (rank, in_features)), ("lora_B", lora_b, (out_features, rank))):
         if tuple(tensor.shape) != expected:
             raise adapter_error(
-                name, f"tensor {module_path}.{kind}.weight has shape {tuple(tensor.shape)}, expected {expected} "
+                name, f"{tensor_label(f'{module_path}.{kind}.weight')} has shape {tuple(tensor.shape)}, expected {expected} "
                 f"(rank {rank} from adapter_config.json, base model {shape[0]}->{shape[1]})",
                 "use an adapter trained for this base model, with r/rank_pattern matching its tensors")
 

@@ -1,20 +1,39 @@
-"""Adapter files as untrusted input: where they may lie, what their tensors may hold, what an error may show.
+"""Adapter files as untrusted input: where they may lie, how they are opened, what their tensors may hold, what an
+error may show.
 
 Flow: `/load_lora_adapter` and on-demand loads (TokenizerManager) -> `confined_dir` (the directory, resolved)
 -> `check_adapter_files` on a worker thread (config and weights resolved with os.path.realpath and required
-inside --lora-allowed-dirs; every tensor finite) -> the engine process, whose loader (peft_config.py,
-adapter.py) resolves each file again through `confined_file` before opening it and checks each tensor with
+inside --lora-allowed-dirs; every tensor finite) -> the engine process, whose loader (peft_config.py reads the
+config, adapter.py the weights) opens each file again through `open_confined` and checks each tensor with
 `refuse_non_finite` when it reads the weights (the files may have changed since the frontend looked).
 
-A symlink is followed, and what it points to must itself lie inside an allowed directory. Errors name the
-adapter, the file (as the client spelled it) and the fix; they never quote what a file contains.
+A symlink is followed when the path is resolved, and what it points to must itself lie inside an allowed
+directory. Between that check and the open, a client with write access to an allowed directory could swap the
+file, or a directory above it, for a symlink out; so `open_confined` walks the resolved path from the allowed
+directory down, one component at a time relative to the directory already opened, with O_NOFOLLOW on each: a
+symlink that appeared since the check fails the open instead of being followed. The opened file must be a
+regular file with the st_dev/st_ino the checked path had (a file renamed over it is refused too); O_NONBLOCK
+keeps a FIFO swapped in from blocking the open. Callers read the bytes through that one file object (safetensors
+and JSON from bytes) and never reopen the path. Without allowed directories (the operator's own adapters) the
+resolved path is opened with O_NOFOLLOW and checked the same way.
+
+Errors name the adapter, the file (as the client spelled it), the field or tensor and the fix; they never quote
+what a file contains.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
+import re
+import stat
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
+from safetensors import SafetensorError, deserialize
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -63,30 +82,138 @@ def confined_file(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...
     return real
 
 
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@contextlib.contextmanager
+def open_confined(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> Iterator[BinaryIO]:
+    """`path` opened for reading (binary): resolved and checked inside `allowed_dirs` (None: anywhere), then opened
+    without following any symlink and verified to be the very file that was checked. Raises LoRAAdapterError."""
+    real = confined_file(name, path, allowed_dirs)
+    shown_name = os.path.basename(path)
+    try:
+        checked = os.stat(real)
+        fd = open_no_symlinks(real, allowed_dirs)
+    except OSError as e:
+        raise _changed_error(name, shown_name, e) from None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(f.fileno())
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
+            raise adapter_error(name, f"{shown_name} was replaced while it was being opened (or is not a regular "
+                                "file)", "load the adapter again once its files are no longer being changed")
+        yield f
+
+
+def open_no_symlinks(real: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> int:
+    """A read-only fd of the resolved path `real`, following no symlink below the allowed directory holding it."""
+    root = _root_of(real, allowed_dirs)
+    if root is None:
+        return os.open(real, _FILE_FLAGS)
+    parts = os.path.relpath(real, root).split(os.sep)
+    dir_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # the operator's directory: followed
+    try:
+        for part in parts[:-1]:
+            next_fd = os.open(part, _DIR_FLAGS, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        return os.open(parts[-1], _FILE_FLAGS, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _root_of(real: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> str | None:
+    for allowed in allowed_dirs or ():
+        root = os.path.realpath(allowed)
+        if is_within(real, [root]):
+            return root
+    return None
+
+
+def _changed_error(name: str, shown_name: str, error: OSError) -> LoRAAdapterError:
+    return adapter_error(name, f"{shown_name} could not be opened as the file that was checked ({type(error).__name__}"
+                         f"{': a symlink appeared in its path' if _is_symlink_error(error) else ''})",
+                         "load the adapter again once its files are no longer being changed")
+
+
+def _is_symlink_error(error: OSError) -> bool:
+    return error.errno in (errno.ELOOP, errno.ENOTDIR, getattr(errno, "EMLINK", -1))
+
+
 def refuse_non_finite(name: str, key: str, tensor: np.ndarray) -> None:
     """Raise if `tensor` holds NaN or Inf: one such value would make every token through its slot NaN."""
     if tensor.dtype.kind in "fc" or tensor.dtype.name == "bfloat16":
         if not np.isfinite(np.sum(tensor)) and not np.isfinite(tensor).all():  # the sum: one pass, no mask
-            raise adapter_error(name, f"tensor {shown(key)!r} in {WEIGHTS_FILE} holds NaN or Inf values",
+            raise adapter_error(name, f"{tensor_label(key)} in {WEIGHTS_FILE} holds NaN or Inf values",
                                 "fix the training run (or the conversion) that produced them and re-save the adapter")
+
+
+def tensor_label(key: str, what: str = "tensor") -> str:
+    """How an error names a tensor (or module path) read from a safetensors header: by its name when that is a
+    dotted identifier of at most 200 characters, the form every model's tensor names have, else without it; so an
+    error never echoes free text from a file."""
+    if _DOTTED_NAME.fullmatch(key):
+        return f"{what} '{key}'"
+    return f"a {what} whose name is not a dotted identifier"
+
+
+_DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
+
+
+def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
+    """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> float32 array (F32, F16,
+    BF16, F64)."""
+    try:
+        entries = deserialize(data)
+    except (SafetensorError, ValueError, TypeError) as e:
+        raise adapter_error(name, f"the tensors are not a valid safetensors file ({type(e).__name__})",
+                            "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)") from e
+    tensors = {}
+    for key, entry in entries:
+        dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
+        if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
+            tensors[key] = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        elif dtype in _FLOAT_DTYPES:
+            tensors[key] = np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
+        else:
+            raise adapter_error(name, f"{tensor_label(key)} has dtype {shown(str(dtype))}",
+                                "LoRA tensors must be floating point (F32, F16, BF16 or F64)")
+    return tensors
+
+
+def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header (8-byte little-endian length, then JSON), reading no
+    tensor data: registration validates shapes in milliseconds however large the adapter. The data is checked by
+    the library when it is read."""
+    invalid = adapter_error(name, f"{WEIGHTS_FILE} does not start with a valid safetensors header",
+                            "re-save the adapter with peft's save_pretrained (safe_serialization=True)")
+    prefix = f.read(8)
+    if len(prefix) != 8 or int.from_bytes(prefix, "little") > MAX_HEADER_BYTES:
+        raise invalid
+    raw = f.read(int.from_bytes(prefix, "little"))
+    try:
+        header = json.loads(raw)
+        shapes = {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise invalid from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for shape in shapes.values() for d in shape):
+        raise invalid
+    return shapes
 
 
 def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> None:
     """Frontend check before an adapter is registered: its config and weights are inside the allowed directories
-    (after resolving symlinks) and every tensor is finite. Reads the weights once, tensor by tensor."""
-    import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so safetensors can hand bf16 tensors over
-    from safetensors import SafetensorError, safe_open
-
-    confined_file(name, os.path.join(adapter_dir, CONFIG_FILE), allowed_dirs)
+    (after resolving symlinks, opened without following any) and every tensor is finite."""
+    config = os.path.join(adapter_dir, CONFIG_FILE)
+    if os.path.isfile(config):  # else the engine's loader names what is missing
+        with open_confined(name, config, allowed_dirs):
+            pass
     weights = os.path.join(adapter_dir, WEIGHTS_FILE)
     if not os.path.isfile(weights):
         return  # the engine's loader names what is missing
-    real = confined_file(name, weights, allowed_dirs)
-    try:
-        with safe_open(real, framework="np") as f:
-            for key in f.keys():
-                refuse_non_finite(name, key, f.get_tensor(key))
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
-        if isinstance(e, LoRAAdapterError):
-            raise
-        raise adapter_error(name, f"cannot read {WEIGHTS_FILE} ({type(e).__name__})", "re-save the adapter") from e
+    with open_confined(name, weights, allowed_dirs) as f:
+        data = f.read()
+    for key, tensor in read_safetensors_bytes(name, data).items():
+        refuse_non_finite(name, key, tensor)

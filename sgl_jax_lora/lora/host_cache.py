@@ -88,6 +88,13 @@ class HostAdapterCache:
             self._entries.pop(lora_id, None)
             self._policy.remove(lora_id)
 
+    def forget_name(self, lora_name: str) -> None:
+        """Drop the per-name counters of an adapter name no longer registered: under load/unload churn with fresh
+        names they would grow without bound (and with them /metrics' `adapter` label)."""
+        with self._lock:
+            self.stats.hits_by_name.pop(lora_name, None)
+            self.stats.misses_by_name.pop(lora_name, None)
+
     def resident_ids(self) -> list[str]:
         with self._lock:
             return list(self._entries)

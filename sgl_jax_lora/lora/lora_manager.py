@@ -98,7 +98,9 @@ class LoRAManager:
 
     def unregister(self, lora_id: str) -> None:
         """Forget an adapter; its device slot, if it held one, is zeroed so that nothing of it stays on the device."""
-        self.refs.pop(lora_id, None)
+        ref = self.refs.pop(lora_id, None)
+        if ref is not None and all(other.lora_name != ref.lora_name for other in self.refs.values()):
+            self.host_cache.forget_name(ref.lora_name)  # an update's new version keeps the name's counters
         self._prefetches.pop(lora_id, None)
         slot = self.pool.slot_of.get(lora_id)
         self.pool.release(lora_id)

@@ -29,6 +29,7 @@ from sgl_jax_lora.lora.adapter_files import (
     LoRAAdapterError,
     adapter_error,
     confined_file,
+    open_confined,
     shown,
 )
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
@@ -40,6 +41,7 @@ ALL_LINEAR = "all-linear"
 # Modules whose adaptation changes the vocabulary rows or the output head: never served.
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 _EMBEDDING_PATHS: tuple[str, ...] = ("model.embed_tokens", "lm_head")
+MAX_CONFIG_BYTES = 2**20  # a PEFT adapter_config.json is a few KB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,20 +138,21 @@ def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
             raise adapter_error(name, f"{CONFIG_FILE} has no '{key}'",
                                 "save the adapter with peft's save_pretrained (LoraConfig)")
     r, alpha = raw["r"], raw["lora_alpha"]
-    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)) or alpha < 0:
-        raise adapter_error(name, f"invalid r={shown(repr(r))} / lora_alpha={shown(repr(alpha))}",
-                            "r must be a positive integer and lora_alpha a number")
+    if not _is_int(r) or r <= 0:
+        raise _field_error(name, "r", "a positive integer", r)
+    if not _is_number(alpha) or alpha < 0:
+        raise _field_error(name, "lora_alpha", "a non-negative number", alpha)
     config = PeftLoRAConfig(
         adapter_name=name,
         r=r,
         lora_alpha=float(alpha),
-        target_modules=_as_str_or_set(raw["target_modules"]),
+        target_modules=_as_str_or_set(name, "target_modules", raw["target_modules"]),
         use_rslora=bool(raw.get("use_rslora", False)),
-        rank_pattern=dict(raw.get("rank_pattern") or {}),
-        alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-        layers_to_transform=_as_int_tuple(raw.get("layers_to_transform")),
-        layers_pattern=_as_str_tuple(raw.get("layers_pattern")),
-        exclude_modules=_as_str_or_set(raw.get("exclude_modules")),
+        rank_pattern=_as_dict(name, "rank_pattern", raw.get("rank_pattern")),
+        alpha_pattern=_as_dict(name, "alpha_pattern", raw.get("alpha_pattern")),
+        layers_to_transform=_as_int_tuple(name, raw.get("layers_to_transform")),
+        layers_pattern=_as_str_tuple(name, raw.get("layers_pattern")),
+        exclude_modules=_as_str_or_set(name, "exclude_modules", raw.get("exclude_modules")),
     )
     _check_target_modules(name, config)
     _check_patterns(name, config)
@@ -178,10 +181,13 @@ def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | Non
     if not os.path.isfile(path):
         raise adapter_error(name, f"{CONFIG_FILE} not found in {shown(adapter_dir)}",
                             "point the adapter path at a directory written by peft's save_pretrained")
-    real = confined_file(name, path, allowed_dirs)
+    with open_confined(name, path, allowed_dirs) as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise adapter_error(name, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes (a PEFT config is a few KB)",
+                            "point the adapter path at a directory written by peft's save_pretrained")
     try:
-        with open(real, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:  # position only: the message never quotes the file
         raise adapter_error(name, f"{CONFIG_FILE} is not valid JSON (line {e.lineno}, column {e.colno})",
                             "fix or re-save the adapter") from None
@@ -196,14 +202,14 @@ def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | Non
 _REFUSED_FIELDS: tuple[tuple[str, Callable[[object], bool], str, str], ...] = (
     ("use_dora", bool, "use_dora=true (DoRA) is not supported",
      "merge the DoRA adapter into the base weights or retrain with use_dora=false"),
-    ("modules_to_save", bool, "modules_to_save={value} (fully trained extra modules) is not supported",
+    ("modules_to_save", bool, "modules_to_save (fully trained extra modules) is not supported",
      "retrain without modules_to_save, or merge the adapter into a new base model"),
-    ("bias", lambda v: v not in (None, "none"), "bias={value!r} trains base-model biases, not supported",
+    ("bias", lambda v: v not in (None, "none"), "bias other than 'none' trains base-model biases, not supported",
      "retrain with bias='none'"),
     ("lora_bias", bool, "lora_bias=true (a bias on lora_B) is not supported", "retrain with lora_bias=false"),
-    ("trainable_token_indices", bool, "trainable_token_indices={value} adds/retrains token embeddings",
+    ("trainable_token_indices", bool, "trainable_token_indices adds/retrains token embeddings",
      "serve a base model that already contains those tokens"),
-    ("target_parameters", bool, "target_parameters={value} (LoRA on raw parameters) is not supported",
+    ("target_parameters", bool, "target_parameters (LoRA on raw parameters) is not supported",
      "target the projection modules (q/k/v/o/gate/up/down_proj) instead"),
     ("layer_replication", bool, "layer_replication is not supported", "retrain without layer_replication"),
     ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported",
@@ -216,11 +222,11 @@ _REFUSED_FIELDS: tuple[tuple[str, Callable[[object], bool], str, str], ...] = (
 def _refuse_unsupported(name: str, raw: dict) -> None:
     peft_type = raw.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise adapter_error(name, f"peft_type={shown(repr(peft_type))} is not LoRA", "only LoRA adapters can be served")
+        raise adapter_error(name, f"{CONFIG_FILE}'s peft_type is not LORA", "only LoRA adapters can be served")
     for key, is_refused, problem, fix in _REFUSED_FIELDS:
         value = raw.get(key)
         if value is not None and is_refused(value):
-            raise adapter_error(name, shown(problem.format(value=value)), fix)
+            raise adapter_error(name, problem, fix)
 
 
 def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
@@ -229,24 +235,25 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
     if isinstance(targets, str):
         try:
             re.compile(targets)
-        except re.error as e:
-            raise adapter_error(name, f"target_modules regex {shown(repr(targets))} is invalid ({shown(str(e))})",
-                                "fix target_modules in adapter_config.json") from e
+        except re.error:
+            raise adapter_error(name, "target_modules (a string) is not a valid regular expression",
+                                "fix target_modules in adapter_config.json") from None
         hit = [p for p in _EMBEDDING_PATHS if config.targets(p)]
         if hit:
-            raise _embedding_error(name, hit[0])
+            raise _embedding_error(name, hit[0].rsplit(".", 1)[-1])
         return
     for target in sorted(targets):
         short = target.rsplit(".", 1)[-1]
         if short in EMBEDDING_MODULES:
-            raise _embedding_error(name, target)
+            raise _embedding_error(name, short)
         if short not in LORA_TARGET_MODULES:
-            raise adapter_error(name, f"target module {shown(repr(target))} is not supported",
+            raise adapter_error(name, "target_modules names a module LoRA cannot target",
                                 f"LoRA can target only: {supported}")
 
 
-def _embedding_error(name: str, target: str) -> LoRAAdapterError:
-    return adapter_error(name, f"targets the embedding/output layer ({shown(repr(target))}), which is not supported",
+def _embedding_error(name: str, module: str) -> LoRAAdapterError:
+    """`module`: one of EMBEDDING_MODULES (this file's own names, never the config's text)."""
+    return adapter_error(name, f"targets the embedding/output layer ({module}), which is not supported",
                          "retrain without embed_tokens/lm_head in target_modules")
 
 
@@ -255,37 +262,72 @@ def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
         for key, value in patterns.items():
             try:
                 re.compile(key)
-            except re.error as e:
-                raise adapter_error(name, f"{field} key {shown(repr(key))} is not a valid regex ({shown(str(e))})",
-                                    f"fix {field} in adapter_config.json") from e
-            is_rank = field == "rank_pattern"
-            valid = (isinstance(value, int) and value > 0) if is_rank else (
-                isinstance(value, (int, float)) and value >= 0)
-            if not valid or isinstance(value, bool):
-                raise adapter_error(name, f"{field}[{shown(repr(key))}]={shown(repr(value))} is invalid",
-                                    f"{field} values must be positive integers (ranks) / non-negative numbers (alphas)")
+            except re.error:
+                raise adapter_error(name, f"{field} has a key that is not a valid regular expression",
+                                    f"fix {field} in adapter_config.json") from None
+            if field == "rank_pattern" and not (_is_int(value) and value > 0):
+                raise _field_error(name, "rank_pattern", "a dict of positive integers (ranks)", value)
+            if field == "alpha_pattern" and not (_is_number(value) and value >= 0):
+                raise _field_error(name, "alpha_pattern", "a dict of non-negative numbers (alphas)", value)
 
 
-def _as_str_or_set(value: object) -> str | frozenset[str] | None:
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _field_error(name: str, field: str, expected: str, value: object) -> LoRAAdapterError:
+    """A config field of the wrong type or range, named with what it must be; its value (file content) is never
+    shown, only the JSON type it has."""
+    return adapter_error(name, f"{CONFIG_FILE}'s {field} must be {expected} (it holds a {_json_type(value)})",
+                         f"fix {field} in {CONFIG_FILE} or re-save the adapter with peft's save_pretrained")
+
+
+def _json_type(value: object) -> str:
+    for kind, name in ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "list"), (dict, "dict")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _as_dict(name: str, field: str, value: object) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _field_error(name, field, "a dict of module-name patterns to values", value)
+    return dict(value)
+
+
+def _as_str_or_set(name: str, field: str, value: object) -> str | frozenset[str] | None:
     if isinstance(value, str) and value.lower() == ALL_LINEAR:
         # PEFT expands "all-linear" before saving; a hand-written one means every projection.
         return frozenset(LORA_TARGET_MODULES)
     if value is None or isinstance(value, str):
         return value
-    return frozenset(str(v) for v in value)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _field_error(name, field, "a string (a regex) or a list of module names", value)
+    return frozenset(value)
 
 
-def _as_int_tuple(value: object) -> tuple[int, ...] | None:
+def _as_int_tuple(name: str, value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if isinstance(value, int):
+    if _is_int(value):
         return (value,)
-    return tuple(int(v) for v in value)
+    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+        raise _field_error(name, "layers_to_transform", "a layer index or a list of layer indices (integers >= 0)",
+                           value)
+    return tuple(value)
 
 
-def _as_str_tuple(value: object) -> tuple[str, ...] | None:
+def _as_str_tuple(name: str, value: object) -> tuple[str, ...] | None:
     if value is None or value == "" or value == []:
         return None
     if isinstance(value, str):
         return (value,)
-    return tuple(str(v) for v in value)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _field_error(name, "layers_pattern", "a string or a list of strings", value)
+    return tuple(value)

@@ -34,6 +34,7 @@ from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_process import run_engine_process
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.managers.prompt_limits import max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
@@ -64,6 +65,7 @@ class TokenizerManager:
         self.server_info = ready["info"]
         self.context_length = self.server_info["context_length"]
         self.max_total_tokens = self.server_info["max_total_tokens"]
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.context_length)  # longer texts cannot fit
         self._queues: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -151,6 +153,9 @@ class TokenizerManager:
         if input_ids is None:
             if not isinstance(text, str):
                 raise RequestError("give the prompt as 'text' (a string) or 'input_ids' (a list of token ids)")
+            if len(text) > self.max_prompt_chars:
+                raise RequestError(f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "
+                                   f"fit the context length {self.context_length}; shorten the prompt")
             input_ids = self.tokenizer.encode(text)
         if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise RequestError("input_ids must be a list of integers")
