@@ -38,6 +38,7 @@ from sgl_jax_lora.managers.prompt_limits import max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.keyed_locks import KeyedLocks
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,7 +79,7 @@ class TokenizerManager:
         for ref in self.server_info.get("loras", []):
             self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
         self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by path
-        self._update_locks: dict[str, asyncio.Lock] = {}  # one update of an adapter at a time
+        self._update_locks = KeyedLocks()  # one update of an adapter at a time
         self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
 
     def _wait_ready(self) -> dict:
@@ -282,7 +283,7 @@ class TokenizerManager:
         apart). Requests already running finish on the version they started with, which their meta_info names;
         that version is unloaded once they are done. Returns as soon as new requests get the new version."""
         self._check_lora_call(lora_name)
-        async with self._update_locks.setdefault(lora_name, asyncio.Lock()):
+        async with self._update_locks.hold(lora_name):
             old = self.lora_registry.get(lora_name)
             if old is None:
                 raise RequestError(f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
