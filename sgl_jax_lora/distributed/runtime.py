@@ -28,6 +28,7 @@ def initialize(args: ServerArgs) -> None:
             process_id=args.node_rank,
             initialization_timeout=args.dist_init_timeout,
             heartbeat_timeout_seconds=args.dist_heartbeat_timeout,
+            shutdown_timeout_seconds=args.dist_heartbeat_timeout,  # a node exiting after another died does not wait long
         )
     except Exception as e:
         raise DistributedEngineError(
