@@ -3,18 +3,23 @@
 Flow: the same ModelRunner programs, plus what multi-host needs: the outputs node 0 reads on the host (sampled ids,
 logprobs, prompt logprobs, logits to adjust) are gathered to every device by one compiled identity with a replicated
 output (a process can only read arrays whose shards it holds); the KV cache size is agreed (the smallest any node can
-hold) so that every node allocates the same cache. Followers (follower.py) call these methods directly when they
+hold) so that every node allocates the same cache; a new program is compiled on every node before any runs it
+(compile_barrier.py). Followers (follower.py) call these methods directly when they
 replay node 0's commands.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import KVPages, decode, encode
+from sgl_jax_lora.distributed.compile_barrier import CompileBarrier
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.sampler import SamplingBatch
@@ -30,6 +35,21 @@ class ReplicaModelRunner(ModelRunner):
         self.is_leader = channel.node_rank == 0
         super().__init__(args, cfg, mesh, lora)
         self._gather = jax.jit(lambda tree: tree, out_shardings=self._replicated)
+        self.compile_barrier = CompileBarrier(channel.client, args.dist_init_timeout)
+        wrap = self.compile_barrier.wrap
+        self._forward = wrap(self._forward, 3)  # state, lora_state, kv
+        self._logits = wrap(self._logits, 2)
+        self._prompt_logprobs = wrap(self._prompt_logprobs, 2)
+        self._sample = wrap(self._sample, 0)
+        self._gather = wrap(self._gather, 0)
+        self._write_lora_slot = wrap(self._write_lora_slot, 1)  # lora_state
+
+    def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
+        """Compile on every node, then wait for all: the warmup's forwards then run on every node at once."""
+        super().precompile_forwards(batches, threads, on_done)
+        for batch in batches:
+            self._forward.compiled_keys.add(self._forward.key((self.state, self.lora_state, self.kv, batch, self.no_prev_ids), {}))
+        self.compile_barrier.wait()
 
     def _num_kv_pages(self) -> int:
         """This node's size, then the smallest of all nodes' (node 0 collects them and sends the result)."""
