@@ -8,6 +8,8 @@ must make the other exit non-zero, and node 0's pending request must get an erro
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +17,9 @@ import threading
 import time
 
 import httpx
+import jax
+import jax.numpy as jnp
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -23,6 +28,10 @@ from http_helpers import ServerProcess, free_port, server_env
 from model_fixtures import load_hf_model, make_hf_model_dir
 from peft_fixtures import load_peft_model, write_peft_adapter
 from sgl_jax_lora import Engine
+from sgl_jax_lora.distributed.commands import Forward, WriteLoRASlot, decode, encode
+from sgl_jax_lora.lora.lora_batch import build_lora_batch
+from sgl_jax_lora.model_executor.model_runner import padding_forward_batch
+from sgl_jax_lora.server_args import ServerArgs
 
 SMALL = dict(dtype="float32", context_length=128, max_running_requests=8, chunked_prefill_size=32, max_prefill_seqs=4,
              token_buckets=[16], max_loras_per_batch=2, lora_backend="sgmv", tp_size=4)
@@ -148,6 +157,33 @@ def compilations_after_warmup(cluster: Cluster) -> list[int]:
     return [leader["num_compilations_after_warmup"], follower["num_compilations_after_warmup"]]
 
 
+def test_commands_round_trip_and_decoding_builds_only_known_types():
+    batch = padding_forward_batch(2, 8, 3, build_lora_batch(np.array([0, 1, 1, 0, 2, 0, 0, 0], np.int32), 3,
+                                                             np.array([0, 2, 0.5], np.float32), np.array([0, 8, 4], np.int32)))
+    command = decode(encode(Forward(batch, 7)))
+    assert command.prev_sample == 7
+    for ours, sent in zip(jax.tree_util.tree_leaves(command.batch), jax.tree_util.tree_leaves(batch), strict=True):
+        np.testing.assert_array_equal(ours, sent)
+        assert ours.dtype == sent.dtype
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3).astype(jnp.bfloat16)]
+    written = decode(encode(WriteLoRASlot(3, values)))
+    assert written.slot == 3 and written.values[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(written.values[0], values[0])
+    with pytest.raises(ValueError, match="unknown type 'Popen'"):
+        decode(msgpack.packb({"__dataclass__": "Popen", "fields": {"args": ["true"]}}))
+    with pytest.raises(ValueError, match="expected a command"):
+        decode(encode(batch))
+
+
+def test_multi_host_settings_name_the_fix():
+    with pytest.raises(ValueError, match="--dist-init-addr HOST:PORT"):
+        ServerArgs(nnodes=2)
+    with pytest.raises(ValueError, match="--node-rank must be in"):
+        ServerArgs(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1"):
+        Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
+
+
 def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(cluster, single, setup):
     _, base, adapters = setup
     loras = ["a", None, "b", None, "a"]
@@ -159,6 +195,21 @@ def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(clus
     assert_matches_peft(base, adapters, loras, ids, outs, 6)
     info = httpx.get(cluster.nodes[0].url + "/get_server_info", timeout=30).json()
     assert len(info["devices"]) == 4
+    assert compilations_after_warmup(cluster) == [0, 0]
+
+
+def test_host_adjusted_logits_reach_every_node(cluster, single):
+    # penalties adjust the logits on node 0's host; the adjusted logits go to node 1 before sampling
+    ids = [prompt(60 + i, 12) for i in range(2)]
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
+    response = httpx.post(cluster.nodes[0].url + "/generate", json={"input_ids": ids, "lora_path": ["b", None],
+                          "sampling_params": params, "return_logprob": True}, timeout=300)
+    assert response.status_code == 200, response.text
+    expected = single.generate(input_ids=ids, lora_path=["b", None], sampling_params=params, return_logprob=True)
+    assert_same_as(response.json(), expected)
+    plain = single.generate(input_ids=ids, lora_path=["b", None], sampling_params={**params, "frequency_penalty": 0.0,
+                                                                                  "repetition_penalty": 1.0})
+    assert [o["output_ids"] for o in plain] != [o["output_ids"] for o in expected]  # the penalties changed the tokens
     assert compilations_after_warmup(cluster) == [0, 0]
 
 
@@ -188,6 +239,13 @@ def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
     assert 400 <= refused.status_code < 500, refused.text
     after = generate(cluster.nodes[0], ids[2:4], [None, "b"], 5)
     assert_same_as(after, expected[2:4])
+    # an in-memory update: adapter b gets c's tensors and config; both nodes serve c's weights under b's name
+    update = {"lora_name": "b", "tensors": base64.b64encode((adapters["c"] / "adapter_model.safetensors").read_bytes()).decode(),
+              "config": json.loads((adapters["c"] / "adapter_config.json").read_text())}
+    response = httpx.post(leader + "/update_lora_adapter", json=update, timeout=120)
+    assert response.status_code == 200, response.text
+    updated = generate(cluster.nodes[0], ids[:1], ["b"], 5)
+    assert_matches_peft(base, adapters, ["c"], ids[:1], updated, 5)
     assert compilations_after_warmup(cluster) == [0, 0]
 
 
@@ -213,6 +271,7 @@ def test_killed_follower_makes_node_0_exit_and_fail_its_request(cluster):
     assert result["response"].status_code >= 500, result["response"].text
 
 
+@pytest.mark.slow  # a second pair of nodes: their start takes most of a minute on two cores
 def test_killed_node_0_makes_the_follower_exit_non_zero(setup):
     root, base, adapters = setup
     nodes = Cluster(base, adapters, root, skip_precompile=True)

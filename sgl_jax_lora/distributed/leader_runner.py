@@ -53,6 +53,7 @@ class LeaderModelRunner(ReplicaModelRunner):
         self._recent_samples: collections.deque[tuple[jax.Array, int]] = collections.deque(maxlen=RECENT_SAMPLES)
         self._num_samples = 0
         self._latest_forward: tuple[jax.Array, jax.Array] | None = None
+        self._warmup_sizes_left: set[int] = set()  # batch sizes whose logits path warmup has not taken yet
         super().__init__(args, cfg, mesh, lora, channel)
 
     def _send(self, command: Command) -> None:
@@ -63,7 +64,11 @@ class LeaderModelRunner(ReplicaModelRunner):
         super().precompile_forwards(batches, threads, on_done)
 
     def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
+        """The one-process warmup, which also takes the host-adjusted logits path once per batch size (its gather
+        compiles here, not at the first request with penalties)."""
+        self._warmup_sizes_left = {num_seqs for num_seqs, _ in buckets.shapes()}
         super().warmup(buckets, lora_for, progress)
+        self._warmup_sizes_left = set()
         self._send(Ready())
 
     def forward(self, batch: ForwardBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -81,10 +86,15 @@ class LeaderModelRunner(ReplicaModelRunner):
         self._check_latest(last_hidden, 1)
         number = self._num_samples
         self._num_samples += 1
-        self._send(Sample(sampling, number, bool(logit_rows)))
+        num_rows = sampling.temperature.shape[0]
+        via_host = bool(logit_rows) or num_rows in self._warmup_sizes_left
+        self._warmup_sizes_left.discard(num_rows)
+        self._send(Sample(sampling, number, via_host))
         logits = _on_all_nodes(self.logits, last_hidden)
-        if logit_rows:
-            adjusted = adjust_logits(_on_all_nodes(self.gathered_logits, logits), logit_rows)
+        if via_host:
+            adjusted = _on_all_nodes(self.gathered_logits, logits)
+            if logit_rows:
+                adjusted = adjust_logits(adjusted, logit_rows)
             self._send(AdjustedLogits(adjusted))
             logits = jax.device_put(adjusted, logits.sharding)
         launched = _on_all_nodes(self.sample_logits, logits, sampling)

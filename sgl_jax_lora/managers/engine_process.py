@@ -40,10 +40,8 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
         conn.send_bytes(encode({"type": "startup_error", "message": f"{type(e).__name__}: {e}"}))
         return
     conn.send_bytes(encode({"type": "ready", "info": core.server_info(), "pid": os.getpid()}))
-    try:
-        EngineLoop(core, conn).run()
-    finally:
-        core.runner.close()
+    EngineLoop(core, conn).run()
+    core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 
 
 def _enable_compilation_cache(cache_dir: str | None) -> None:
