@@ -198,8 +198,8 @@ def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(clus
     assert compilations_after_warmup(cluster) == [0, 0]
 
 
-def test_host_adjusted_logits_reach_every_node(cluster, single):
-    # penalties adjust the logits on node 0's host; the adjusted logits go to node 1 before sampling
+def test_logit_adjustments_reach_every_node(cluster, single):
+    # penalties are packed on node 0's host and applied on every node's devices: the packed entries travel
     ids = [prompt(60 + i, 12) for i in range(2)]
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
     response = httpx.post(cluster.nodes[0].url + "/generate", json={"input_ids": ids, "lora_path": ["b", None],

@@ -17,6 +17,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import EntryTable
 from pallas_kernels.sgmv.work_list import WorkList
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 
 
@@ -26,6 +27,7 @@ class Hello:
 
     args: dict  # ServerArgs.to_dict() of node 0, with max_lora_rank resolved and no --lora-paths
     model_config: dict  # node 0's config.json: a follower whose checkpoint differs refuses to start
+    buckets: dict  # node 0's compiled shapes (dataclasses.asdict(Buckets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +59,19 @@ class PromptLogprobs:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sample:
-    """Logits + sampling over the last hidden states of the latest Forward; `seq` numbers it for later Forwards."""
+class Logits:
+    """Logits of the latest Forward's last hidden states, adjusted on the devices when `adjustments` is given."""
 
-    sampling: SamplingBatch
-    seq: int
-    adjusted_logits: bool  # True: an AdjustedLogits command follows, to replace the logits before sampling
+    adjustments: LogitAdjustments | None
+    prev_sample: int  # the Sample whose carried ids the penalties count as in-flight output; -1: none
 
 
 @dataclasses.dataclass(frozen=True)
-class AdjustedLogits:
-    """The logits of the preceding Sample after node 0's host-side adjustments (penalties, banned tokens)."""
+class Sample:
+    """Sampling from the latest Logits; `seq` numbers it, for later Forwards and Logits to name its carried ids."""
 
-    logits: np.ndarray  # [S, V] f32
+    sampling: SamplingBatch
+    seq: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +92,10 @@ class Shutdown:
     """Node 0 is stopping: followers exit with code 0."""
 
 
-Command = Hello | KVPages | Precompile | Forward | PromptLogprobs | Sample | AdjustedLogits | WriteLoRASlot | Ready | Shutdown
-_DATACLASSES = {cls.__name__: cls for cls in (Hello, KVPages, Precompile, Forward, PromptLogprobs, Sample, AdjustedLogits,
+Command = Hello | KVPages | Precompile | Forward | PromptLogprobs | Sample | Logits | WriteLoRASlot | Ready | Shutdown
+_DATACLASSES = {cls.__name__: cls for cls in (Hello, KVPages, Precompile, Forward, PromptLogprobs, Logits, Sample,
                                              WriteLoRASlot, Ready, Shutdown, ForwardBatch, LoRABatch, SamplingBatch,
-                                             WorkList, EntryTable)}
+                                             WorkList, EntryTable, LogitAdjustments)}
 _ARRAY, _DATACLASS = "__ndarray__", "__dataclass__"
 
 
@@ -103,7 +105,7 @@ def encode(command: Command) -> bytes:
 
 def decode(data: bytes) -> Command:
     command = msgpack.unpackb(data, object_hook=_from_plain, raw=False, strict_map_key=False)
-    if not isinstance(command, (Hello, KVPages, Precompile, Forward, PromptLogprobs, Sample, AdjustedLogits, WriteLoRASlot,
+    if not isinstance(command, (Hello, KVPages, Precompile, Forward, PromptLogprobs, Logits, Sample, WriteLoRASlot,
                                 Ready, Shutdown)):
         raise ValueError(f"multi-host channel: expected a command, got {type(command).__name__}; are all nodes running "
                          "the same sgl_jax_lora version?")

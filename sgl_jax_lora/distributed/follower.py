@@ -18,12 +18,13 @@ import jax
 
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import (
-    AdjustedLogits, Command, Forward, Hello, Precompile, PromptLogprobs, Ready, Sample, Shutdown, WriteLoRASlot, decode,
+    Command, Forward, Hello, Logits, Precompile, PromptLogprobs, Ready, Sample, Shutdown, WriteLoRASlot, decode,
 )
 from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.distributed.leader_runner import RECENT_SAMPLES
 from sgl_jax_lora.distributed import runtime
 from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.model_runner import warmup_compile_threads
 from sgl_jax_lora.models.model_config import ModelConfig
@@ -59,11 +60,13 @@ class Follower:
         from sgl_jax_lora.lora.lora_setup import LoRASetup  # only with LoRA: reads no adapter (tensors come as commands)
 
         spec = LoRASetup(leader_args, model_path, mesh).spec if leader_args.enable_lora else None
-        self.runner = ReplicaModelRunner(leader_args, cfg, mesh, spec, channel)
+        buckets = Buckets(**{k: tuple(v) if isinstance(v, list) else v for k, v in hello.buckets.items()})
+        self.runner = ReplicaModelRunner(leader_args, cfg, mesh, buckets, spec, channel)
         self.latest_forward: tuple[jax.Array, jax.Array] | None = None
+        self.latest_logits: jax.Array | None = None
         self.carried_ids: dict[int, jax.Array] = {}
         self.handlers = {Precompile: self._precompile, Forward: self._forward, PromptLogprobs: self._prompt_logprobs,
-                         Sample: self._sample, WriteLoRASlot: self._write_lora_slot, Ready: self._ready}
+                         Logits: self._logits, Sample: self._sample, WriteLoRASlot: self._write_lora_slot, Ready: self._ready}
         self.status.is_ready = leader_args.skip_precompile  # else once node 0's warmup is replayed (Ready)
         self.threads = warmup_compile_threads(leader_args.warmup_compile_threads)
 
@@ -94,15 +97,12 @@ class Follower:
     def _prompt_logprobs(self, command: PromptLogprobs) -> None:
         self.runner.prompt_logprobs(self.latest_forward[0], command.targets, command.num_top)
 
+    def _logits(self, command: Logits) -> None:
+        prev_ids = self.carried_ids[command.prev_sample] if command.prev_sample >= 0 else self.runner.no_prev_ids
+        self.latest_logits = self.runner.logits(self.latest_forward[1], command.adjustments, prev_ids)
+
     def _sample(self, command: Sample) -> None:
-        logits = self.runner.logits(self.latest_forward[1])
-        if command.adjusted_logits:
-            self.runner.gathered_logits(logits)  # node 0 gathers them to adjust: the same collective runs here
-            adjusted = self._next()
-            if not isinstance(adjusted, AdjustedLogits):
-                raise RuntimeError(f"node {self.channel.node_rank}: expected adjusted logits, got {type(adjusted).__name__}")
-            logits = jax.device_put(adjusted.logits, logits.sharding)
-        launched = self.runner.sample_logits(logits, command.sampling)
+        launched = self.runner.sample_logits(self.latest_logits, command.sampling)
         self.carried_ids[command.seq] = launched.carried_ids
         self.carried_ids.pop(command.seq - RECENT_SAMPLES, None)
 

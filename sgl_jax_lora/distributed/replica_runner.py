@@ -1,7 +1,7 @@
 """ReplicaModelRunner: the ModelRunner every node of a multi-host engine runs (node 0 through LeaderModelRunner).
 
 Flow: the same ModelRunner programs, plus what multi-host needs: the outputs node 0 reads on the host (sampled ids,
-logprobs, prompt logprobs, logits to adjust) are gathered to every device by one compiled identity with a replicated
+logprobs, prompt logprobs) are gathered to every device by one compiled identity with a replicated
 output (a process can only read arrays whose shards it holds); the KV cache size is agreed (the smallest any node can
 hold) so that every node allocates the same cache; a new program is compiled on every node before any runs it
 (compile_barrier.py). Followers (follower.py) call these methods directly when they
@@ -19,9 +19,11 @@ from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import KVPages, decode, encode
 from sgl_jax_lora.distributed.compile_barrier import CompileBarrier
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -29,11 +31,11 @@ KV_PAGES_KEY = "sgl_jax_lora/kv_pages"
 
 
 class ReplicaModelRunner(ModelRunner):
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: jax.sharding.Mesh, lora: LoRAModelSpec | None,
-                 channel: CommandChannel):
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: jax.sharding.Mesh, buckets: Buckets,
+                 lora: LoRAModelSpec | None, channel: CommandChannel):
         self.channel = channel
         self.is_leader = channel.node_rank == 0
-        super().__init__(args, cfg, mesh, lora)
+        super().__init__(args, cfg, mesh, buckets, lora)
         self._gather = jax.jit(lambda tree: tree, out_shardings=self._replicated)
         self.compile_barrier = CompileBarrier(channel.client, args.dist_init_timeout)
         wrap = self.compile_barrier.wrap
@@ -68,13 +70,9 @@ class ReplicaModelRunner(ModelRunner):
         return min(sizes)
 
     # ---- pieces of launch_sample, run by every node --------------------------------------------
-    def logits(self, last_hidden: jax.Array) -> jax.Array:
-        """[S, V] logits on the devices (vocab-sharded)."""
-        return self._logits(self.state, self.lora_state, last_hidden)
-
-    def gathered_logits(self, logits: jax.Array) -> np.ndarray:
-        """The logits on the host of every node (host-side adjustments need them whole)."""
-        return np.asarray(self._gather(logits))
+    def logits(self, last_hidden: jax.Array, adjustments: LogitAdjustments | None, prev_ids: jax.Array) -> jax.Array:
+        """[S, V] logits on the devices, adjusted there when some request asks (penalties, logit_bias)."""
+        return self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
 
     def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
         """Sample; the output is replicated so that node 0 can read it."""
