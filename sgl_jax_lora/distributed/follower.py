@@ -24,6 +24,7 @@ from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.distributed.leader_runner import RECENT_SAMPLES
 from sgl_jax_lora.distributed import runtime
 from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.managers.engine_process import enable_compilation_cache
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.model_runner import warmup_compile_threads
@@ -120,6 +121,7 @@ def run_follower(args: ServerArgs, model_path: str) -> int:
     _start_health_server(args, status)
     print(f"sgl_jax_lora node {args.node_rank}/{args.nnodes}: joining {args.dist_init_addr}; GET "
           f"http://{args.host}:{args.port}/health turns 200 when node 0's warmup is replayed", flush=True)
+    enable_compilation_cache(args.compilation_cache_dir)  # this node's own flag: restarts skip compiling
     try:
         runtime.initialize(args)
         channel = CommandChannel(args.node_rank, args.nnodes)

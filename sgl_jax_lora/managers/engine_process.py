@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
-    _enable_compilation_cache(args_dict.get("compilation_cache_dir"))
+    enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     args = ServerArgs(**args_dict)
     try:
@@ -44,7 +44,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 
 
-def _enable_compilation_cache(cache_dir: str | None) -> None:
+def enable_compilation_cache(cache_dir: str | None) -> None:
     """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set)."""
     if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
