@@ -26,8 +26,8 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
     enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
-    args = ServerArgs(**args_dict)
     try:
+        args = ServerArgs(**args_dict)
         if args.nnodes > 1:  # node 0 of a multi-host engine: join the other nodes before touching a device
             from sgl_jax_lora.distributed.runtime import initialize
 
