@@ -23,6 +23,12 @@ class Engine:
         """Engine(model_path=..., tp_size=..., ...): the ServerArgs fields as keywords. `config` names a JSON or
         YAML file of the same fields (as `launch --config`); keywords given here override it."""
         self.server_args = ServerArgs.from_kwargs(config=config, **kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError(
+                f"node_rank={self.server_args.node_rank}: an Engine runs on node 0 only; start node "
+                f"{self.server_args.node_rank} with `python -m sgl_jax_lora.launch --nnodes {self.server_args.nnodes} "
+                f"--node-rank {self.server_args.node_rank} --dist-init-addr {self.server_args.dist_init_addr} ...`"
+            )
         model_path = self.server_args.model_path or demo_model_path()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-frontend", daemon=True)

@@ -4,7 +4,8 @@ Flow: argv -> --config FILE (JSON or YAML of ServerArgs fields, e.g. tpu_configs
 defaults -> argparse built from the ServerArgs fields (every flag in --help; a flag on the command line
 overrides the file) -> ServerArgs (validated;
 a bad flag exits with code 2 and names the fix) -> http_server.run_server, which spawns the engine
-process and serves until SIGINT/SIGTERM (exit 0) or until the engine process dies (exit 1). With no
+process and serves until SIGINT/SIGTERM (exit 0) or until the engine process dies (exit 1). With --node-rank > 0
+(multi-host) it runs distributed/follower.py instead: no HTTP API, /health only. With no
 --model-path it serves the embedded demo model, so it works on a fresh machine with no download.
 """
 
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     from sgl_jax_lora.entrypoints.http_server import run_server
 
     model_path = args.model_path or demo_model_path()
+    if args.node_rank > 0:  # multi-host: this node replays node 0's steps and answers /health only
+        from sgl_jax_lora.distributed.follower import run_follower
+
+        return run_follower(args, model_path)
     try:
         return run_server(args, model_path)
     except ValueError as e:  # a setting only checked when the app is built (e.g. --chat-template)

@@ -35,7 +35,13 @@ class ServerArgs:
     context_length: int | None = _f(None, "max tokens per request (prompt + output); default: the config's max_position_embeddings")
     random_seed: int = _f(0, "seed for dummy weights and for requests that give no seed")
     # Parallelism
-    tp_size: int = _f(1, "tensor-parallel size (devices in the 'tensor' mesh axis)")
+    tp_size: int = _f(1, "tensor-parallel size (devices in the 'tensor' mesh axis); with --nnodes > 1, every device of every node")
+    # Multi-host (docs/multi_host.md): one process per host, JAX's multi-controller runtime
+    nnodes: int = _f(1, "hosts (processes) that run the engine together; > 1 needs --node-rank and --dist-init-addr")
+    node_rank: int = _f(0, "this host's rank: 0 runs the HTTP server, tokenizer and scheduler; the others replay its steps and answer /health only")
+    dist_init_addr: str | None = _f(None, "HOST:PORT of node 0's JAX coordination service (the same on every node)")
+    dist_heartbeat_timeout: int = _f(10, "seconds without a heartbeat after which a node counts as dead and every node exits")
+    dist_init_timeout: int = _f(300, "seconds every node waits for all --nnodes nodes to join at startup")
     # KV cache and batching
     page_size: int = _f(16, "tokens per KV-cache page")
     max_total_tokens: int | None = _f(None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU")
@@ -112,8 +118,22 @@ class ServerArgs:
             raise ValueError(f"--lora-fused-gemm-min-tokens must be 0 (off) or a positive token count, got {fused!r}")
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
+        self._validate_multi_host()
         if self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+
+    def _validate_multi_host(self) -> None:
+        for name in ("nnodes", "dist_heartbeat_timeout", "dist_init_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
+        if self.nnodes > 1:
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address and a free port, "
+                                 f"the same on every node), got {self.dist_init_addr!r}")
 
     @classmethod
     def from_kwargs(cls, config: str | None = None, **kwargs) -> "ServerArgs":

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from sgl_jax_lora.distributed.leader_runner import make_model_runner
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
@@ -37,7 +38,7 @@ from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
+from sgl_jax_lora.model_executor.model_runner import LaunchedSample
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, LogitRow, pack_logit_rows
 from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
@@ -72,8 +73,7 @@ class EngineCore:
             args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets,
             max_logit_entries_per_row=max_logit_entries,
         )
-        self.runner = ModelRunner(args, self.cfg, self.mesh, self.buckets,
-                                  lora=self.lora_setup.spec if self.lora_setup else None)
+        self.runner = make_model_runner(args, self.cfg, self.mesh, self.buckets, self.lora_setup)  # multi-host: leader
         self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.max_total_tokens = self.allocator.num_usable * args.page_size

@@ -1,6 +1,7 @@
 """The engine process: builds EngineCore, then loops: read messages, run a step, send outputs.
 
-Flow: TokenizerManager spawns `run_engine_process` with one end of a Pipe. Messages are msgpack dicts
+Flow: TokenizerManager spawns `run_engine_process` with one end of a Pipe (with --nnodes > 1 it first joins the
+other nodes: distributed/runtime.py). Messages are msgpack dicts
 (io_struct.py). When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
 failing step fails only the requests of that step; the loop keeps serving the others.
 """
@@ -12,6 +13,7 @@ import os
 import signal
 from multiprocessing.connection import Connection
 
+from sgl_jax_lora.distributed.runtime import DistributedEngineError
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
@@ -22,21 +24,27 @@ logger = logging.getLogger(__name__)
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
-    _enable_compilation_cache(args_dict.get("compilation_cache_dir"))
+    enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     try:
+        args = ServerArgs(**args_dict)
+        if args.nnodes > 1:  # node 0 of a multi-host engine: join the other nodes before touching a device
+            from sgl_jax_lora.distributed.runtime import initialize
+
+            initialize(args)
         from sgl_jax_lora.managers.engine_core import EngineCore
 
-        core = EngineCore(ServerArgs(**args_dict), model_path)
+        core = EngineCore(args, model_path)
     except Exception as e:  # startup errors go back to the frontend, which raises them
         logger.exception("engine failed to start")
         conn.send_bytes(encode({"type": "startup_error", "message": f"{type(e).__name__}: {e}"}))
         return
     conn.send_bytes(encode({"type": "ready", "info": core.server_info(), "pid": os.getpid()}))
     EngineLoop(core, conn).run()
+    core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 
 
-def _enable_compilation_cache(cache_dir: str | None) -> None:
+def enable_compilation_cache(cache_dir: str | None) -> None:
     """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set)."""
     if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
@@ -73,6 +81,8 @@ class EngineLoop:
     def _step(self) -> list[dict]:
         try:
             return self.core.step()
+        except DistributedEngineError:
+            raise  # multi-host: the nodes are out of lockstep; the engine exits and the frontend fails its requests
         except Exception as e:  # fail the step's requests, keep serving
             logger.exception("step failed")
             return self.core.fail_running(f"engine error: {type(e).__name__}: {e}")

@@ -155,6 +155,9 @@ class ModelRunner:
         out = jax.device_get(self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top))
         return {"logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
 
+    def close(self) -> None:
+        """The engine is stopping. Nothing to release with one process (multi-host node 0 tells the others)."""
+
     # ---- LoRA slots --------------------------------------------------------------------------
     def lora_buffer_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         """State path -> shape [L, A, ...] of every LoRA buffer."""

@@ -1,0 +1,66 @@
+"""Joining the JAX multi-controller runtime: the first thing a multi-host engine process does.
+
+Flow: run_engine_process (node 0) or follower.run_follower (nodes 1..N-1) -> `initialize(args)`: gloo collectives on
+CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it), heartbeats that make
+every node exit within about --dist-heartbeat-timeout seconds of another's death -> `check_mesh_spans_all_devices`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from sgl_jax_lora.server_args import ServerArgs
+
+
+class DistributedEngineError(RuntimeError):
+    """A device action of a multi-host engine failed: the nodes are out of lockstep and must all restart."""
+
+
+def initialize(args: ServerArgs) -> None:
+    """Join the other nodes (blocks until all --nnodes have joined, up to --dist-init-timeout seconds)."""
+    import jax  # here, not at the top: the frontend imports this module's error and never imports JAX
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.dist_init_addr,
+            num_processes=args.nnodes,
+            process_id=args.node_rank,
+            initialization_timeout=args.dist_init_timeout,
+            heartbeat_timeout_seconds=args.dist_heartbeat_timeout,
+            shutdown_timeout_seconds=args.dist_heartbeat_timeout,  # a node exiting after another died does not wait long
+        )
+    except Exception as e:
+        raise DistributedEngineError(
+            f"node {args.node_rank} of {args.nnodes} could not join the coordinator at {args.dist_init_addr} ({e}); "
+            "start every node with the same --nnodes and --dist-init-addr (node 0's address, a port free there) and a "
+            "distinct --node-rank, within --dist-init-timeout seconds of each other"
+        ) from e
+    check_mesh_spans_all_devices(args)
+
+
+def check_mesh_spans_all_devices(args: ServerArgs) -> None:
+    """Multi-host serving shards the model over every device of every node (one 'tensor' axis)."""
+    import jax
+    total = jax.device_count()
+    if args.tp_size != total:
+        raise ValueError(
+            f"--tp-size {args.tp_size} but the {args.nnodes} nodes have {total} devices in all "
+            f"({jax.local_device_count()} on this node); multi-host serving uses every device: set --tp-size {total}"
+        )
+
+
+def coordination_client():
+    """The distributed runtime's client (the key-value store of the coordination service node 0 hosts)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized; call runtime.initialize(args) first")
+    return client
+
+
+def read_model_config(model_path: str) -> dict:
+    """The model's config.json, which every node must have the same of."""
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
