@@ -139,10 +139,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--base-steps", type=int, default=1200)
     parser.add_argument("--adapter-steps", type=int, default=400)
     parser.add_argument("--base-lr", type=float, default=3e-3)
-    parser.add_argument("--adapter-lr", type=float, default=3e-3)
+    parser.add_argument("--adapter-lr", type=float, default=1e-2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapters-only", action="store_true", help="keep OUT/model/ as it is; retrain the adapters")
     parser.add_argument("--eval-questions", type=int, default=None, help="corpus questions checked after each stage (default: all)")
     args = parser.parse_args(argv)
     if min(args.base_steps, args.adapter_steps, args.batch_size, args.rank) < 1:
@@ -155,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     model_dir = os.path.join(args.out_dir, "model")
-    write_initial_model(model_dir, args.seed)
+    if not args.adapters_only:
+        write_initial_model(model_dir, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    train_base(model_dir, tokenizer, args)
+    if not args.adapters_only:
+        train_base(model_dir, tokenizer, args)
     for name in ADAPTER_STYLES:
         train_adapter(name, model_dir, os.path.join(args.out_dir, ADAPTERS_SUBDIR, name), tokenizer, args)
     print(f"demo written to {args.out_dir}", flush=True)

@@ -61,7 +61,7 @@ class FullTrainer:
         tensors = {"model.embed_tokens.weight": flat[("embed_tokens", "embedding")],
                    "model.norm.weight": flat[("norm", "scale")]}
         if ("lm_head", "kernel") in flat:
-            tensors["lm_head.weight"] = flat[("lm_head", "kernel")].T
+            tensors["lm_head.weight"] = np.ascontiguousarray(flat[("lm_head", "kernel")].T)
         cfg = self.cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for layer in range(cfg.num_layers):
