@@ -31,7 +31,7 @@ def readme_demo_answers() -> tuple[str, dict[str, str]]:
     with open(README) as f:
         text = f.read()
     models = re.search(r"for model in ([^;]+); do", text).group(1).split()
-    question = re.search(r'"content": "([^"]+)"}]}\' |', text).group(1)
+    question = re.search(r'"content": "([^"]+)"}]}\' \|', text).group(1)
     answers = re.search(r"<!-- demo-answers -->\s*```\n(.*?)```", text, re.S).group(1).splitlines()
     assert len(models) == len(answers) == 3, (models, answers)
     return question, dict(zip(models, answers))
