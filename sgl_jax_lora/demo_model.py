@@ -1,33 +1,24 @@
-"""The embedded demo model: a small Llama-architecture HF directory written deterministically on first use.
+"""The embedded demo model: a small Llama-architecture chat model and two LoRA adapters, shipped in the package.
 
-Flow: `python -m sgl_jax_lora.launch` with no --model-path, and the tests, call `demo_model_path()`, which
-writes (once, then reuses from the cache directory) config.json, model.safetensors (seeded random
-weights), a byte-level BPE tokenizer.json trained with the `tokenizers` library on an embedded corpus,
-and a tokenizer_config.json carrying a ChatML-style chat template. No download is ever needed.
+Flow: `python -m sgl_jax_lora.launch` with no --model-path (and the tests) call `demo_model_path()` and
+`demo_adapter_paths()`, which copy the shipped files of sgl_jax_lora/demo/weights/ into the cache directory once
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a ChatML template; adapters/NAME/ with
+adapter_config.json and adapter_model.safetensors) and reuse that copy afterwards. The weights were trained by
+scripts/train_demo.py on the embedded corpus (sgl_jax_lora/demo/corpus.py): nothing is trained or downloaded at
+start-up. DEMO_VERSION names the cache directory, so a cache written by an older demo is never reused.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 
-import numpy as np
-from safetensors.numpy import save_file
-
-DEMO_VERSION = "v1"
-SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_CORPUS = """The quick brown fox jumps over the lazy dog. A serving engine answers many requests at once.
-JAX compiles programs for accelerators; one base model serves many low-rank adapters in every batch.
-Hello, world! What is the capital of France? Paris is the capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9.
-Tell me a story about a robot who learns to paint. Once upon a time there was a small robot.
-def add(a, b): return a + b  # code, punctuation, (brackets) [lists] {dicts} and "quotes".
-"""
+DEMO_VERSION = "v2"
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "weights")
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+ADAPTER_NAMES = ("demo-upper", "demo-pirate")  # answers in upper case; answers in pirate talk
+ADAPTERS_SUBDIR = "adapters"
 
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -52,7 +43,7 @@ def default_cache_dir() -> str:
 
 
 def demo_model_path(cache_dir: str | None = None) -> str:
-    """Path of the demo model directory, writing it first if it is not there yet."""
+    """Path of the demo model directory (its adapters under adapters/NAME), copying the shipped files first if needed."""
     target = cache_dir or default_cache_dir()
     if os.path.isfile(os.path.join(target, "model.safetensors")):
         return target
@@ -68,59 +59,20 @@ def demo_model_path(cache_dir: str | None = None) -> str:
     return target
 
 
-def write_demo_model(out_dir: str) -> None:
-    vocab_size = _write_tokenizer(out_dir)
-    config = dict(DEMO_CONFIG, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=4)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file(_random_weights(config), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+def demo_adapter_paths(cache_dir: str | None = None) -> dict[str, str]:
+    """Name -> PEFT directory of each demo adapter (trained on the demo model), in a fixed order."""
+    root = os.path.join(demo_model_path(cache_dir), ADAPTERS_SUBDIR)
+    return {name: os.path.join(root, name) for name in ADAPTER_NAMES}
 
 
-def _write_tokenizer(out_dir: str) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|pad|>",
-        "add_bos_token": False,
-        "model_max_length": DEMO_CONFIG["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)
-    return tokenizer.get_vocab_size()
-
-
-def _random_weights(config: dict) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
-    kv_heads, head_dim, vocab = config["num_key_value_heads"], config["head_dim"], config["vocab_size"]
-    normal = lambda *shape: (rng.standard_normal(shape) * 0.08).astype(np.float32)  # noqa: E731
-    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
-    weights["lm_head.weight"] = normal(vocab, hidden)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        weights.update(
-            {
-                p + "input_layernorm.weight": np.ones(hidden, np.float32),
-                p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
-                p + "self_attn.q_proj.weight": normal(heads * head_dim, hidden),
-                p + "self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
-                p + "self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
-                p + "self_attn.o_proj.weight": normal(hidden, heads * head_dim),
-                p + "mlp.gate_proj.weight": normal(inter, hidden),
-                p + "mlp.up_proj.weight": normal(inter, hidden),
-                p + "mlp.down_proj.weight": normal(hidden, inter),
-            }
-        )
-    return weights
+def write_demo_model(out_dir: str, shipped_dir: str = SHIPPED_DIR) -> None:
+    """Copy the shipped model files and adapters into out_dir; a missing file names the script that makes it."""
+    model_dir = os.path.join(shipped_dir, "model")
+    missing = [name for name in MODEL_FILES if not os.path.isfile(os.path.join(model_dir, name))]
+    missing += [name for name in ADAPTER_NAMES if not os.path.isdir(os.path.join(shipped_dir, ADAPTERS_SUBDIR, name))]
+    if missing:
+        raise FileNotFoundError(f"the demo model files {missing} are missing from {shipped_dir}; reinstall the package "
+                                "or run `python scripts/train_demo.py` to rebuild them")
+    for name in MODEL_FILES:
+        shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    shutil.copytree(os.path.join(shipped_dir, ADAPTERS_SUBDIR), os.path.join(out_dir, ADAPTERS_SUBDIR))

@@ -5,13 +5,15 @@ defaults -> argparse built from the ServerArgs fields (every flag in --help; a f
 overrides the file) -> ServerArgs (validated;
 a bad flag exits with code 2 and names the fix) -> http_server.run_server, which spawns the engine
 process and serves until SIGINT/SIGTERM (exit 0) or until the engine process dies (exit 1). With --node-rank > 0
-(multi-host) it runs distributed/follower.py instead: no HTTP API, /health only. With no
---model-path it serves the embedded demo model, so it works on a fresh machine with no download.
+(multi-host) it runs distributed/follower.py instead: no HTTP API, /health only. With no --model-path it serves the
+embedded demo model, so it works on a fresh machine with no download; with no --lora-paths either, the demo's two
+adapters (demo-upper, demo-pirate) are registered too (`with_demo_defaults`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -50,6 +52,19 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(str(e))
 
 
+def with_demo_defaults(args: ServerArgs) -> tuple[ServerArgs, str]:
+    """-> (args, model path): the demo model when no --model-path is given, plus its adapters when no --lora-paths
+    is given either. They are registered like --lora-paths (trusted, from the package), so clients still load
+    nothing else unless --lora-allowed-dirs says so."""
+    from sgl_jax_lora.demo_model import demo_adapter_paths, demo_model_path
+
+    if args.model_path is not None:
+        return args, args.model_path
+    if args.lora_paths is None:
+        args = dataclasses.replace(args, lora_paths=[f"{name}={path}" for name, path in demo_adapter_paths().items()])
+    return args, demo_model_path()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parser = build_parser()
@@ -57,10 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_platform_probes(args.log_level)  # before transformers and JAX are imported
     # Imported here so that `--help` and flag errors answer at once, without loading transformers.
-    from sgl_jax_lora.demo_model import demo_model_path
     from sgl_jax_lora.entrypoints.http_server import run_server
 
-    model_path = args.model_path or demo_model_path()
+    args, model_path = with_demo_defaults(args)
     if args.node_rank > 0:  # multi-host: this node replays node 0's steps and answers /health only
         from sgl_jax_lora.distributed.follower import run_follower
 

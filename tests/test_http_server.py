@@ -29,12 +29,15 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 # small limits, so that the bad-input matrix can cross each one with a small request
 LIMIT_FLAGS = ["--max-request-body-bytes", "300000", "--max-requests-per-call", "64", "--max-stop-strings", "4",
                "--max-stop-string-chars", "32"]
-CHAT = {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}]}
+CHAT = {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--api-key", API_KEY, *LIMIT_FLAGS])
+    from sgl_jax_lora.demo_model import demo_model_path
+
+    # the demo model named explicitly: a server without the default demo adapters (LoRA off)
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--model-path", demo_model_path(), "--served-model-name", "demo-model-v2", "--api-key", API_KEY, *LIMIT_FLAGS])
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -184,7 +187,7 @@ def test_stop_string(http):
 def test_openai_models(oai, server, model_name):
     models = oai.models.list().data
     assert [m.id for m in models] == [model_name]
-    assert model_name == "demo-model-v1"
+    assert model_name == "demo-model-v2"
 
 
 def test_openai_completions(oai, http, model_name):
@@ -415,20 +418,20 @@ BAD_REQUESTS = [
     ("unload-lora-missing-name", "/v1/unload_lora_adapter", {}, 400, "lora_name"),
     ("unknown-model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model 'gpt-4' does not exist"),
     ("unknown-chat-model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 400, "model 'nope' does not exist"),
-    ("completion-too-many-tokens", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
-    ("completion-temperature-type", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "n": 0}, 400, "n must be an integer between 1 and 128, got 0"),
-    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
+    ("completion-too-many-tokens", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("completion-temperature-type", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "n": 0}, 400, "n must be an integer between 1 and 128, got 0"),
+    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
     ("generate-n-float", "/generate", {"text": "hi", "sampling_params": {"n": 2.5}}, 400, "n must be an integer between 1 and 128, got 2.5"),
     ("generate-n-bool", "/generate", {"text": "hi", "sampling_params": {"n": True}}, 400, "n must be an integer between 1 and 128, got True"),
-    ("completion-logit-bias-range", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "logit_bias": {"5": -200}}, 400, "logit_bias[5] must be in [-100, 100]"),
+    ("completion-logit-bias-range", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "logit_bias": {"5": -200}}, 400, "logit_bias[5] must be in [-100, 100]"),
     ("generate-logit-bias-vocab", "/generate", {"text": "hi", "sampling_params": {"logit_bias": {"1000000": 5}}}, 400, "outside the vocabulary"),
-    ("completion-min-tokens-above-max", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens must be in [0, max_tokens = 2]"),
-    ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
+    ("completion-min-tokens-above-max", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens must be in [0, max_tokens = 2]"),
+    ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
     ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
-    ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v1", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
-    ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v1", "messages": []}, 400, "messages"),
-    ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v1", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v2", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
+    ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v2", "messages": []}, 400, "messages"),
+    ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v2", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ("unknown-route", "/v2/nothing", {}, 404, "Not Found"),
     # numbers: finite, and within the types they travel as (no 500 from msgpack, no engine step failing)
@@ -436,15 +439,15 @@ BAD_REQUESTS = [
     ("repetition-penalty-infinity", "/generate", b'{"text": "hi", "sampling_params": {"repetition_penalty": Infinity}}', 400, "repetition_penalty must be a finite number"),
     ("top-p-nan", "/generate", b'{"text": "hi", "sampling_params": {"top_p": NaN}}', 400, "top_p must be a finite number"),
     ("logit-bias-nan", "/generate", b'{"text": "hi", "sampling_params": {"logit_bias": {"5": NaN}}}', 400, "logit_bias[5] must be a finite number"),
-    ("completion-temperature-nan", "/v1/completions", b'{"model": "demo-model-v1", "prompt": "hi", "temperature": NaN}', 400, "temperature must be a finite number"),
-    ("chat-frequency-penalty-minus-infinity", "/v1/chat/completions", b'{"model": "demo-model-v1", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}', 400, "frequency_penalty must be a finite number"),
+    ("completion-temperature-nan", "/v1/completions", b'{"model": "demo-model-v2", "prompt": "hi", "temperature": NaN}', 400, "temperature must be a finite number"),
+    ("chat-frequency-penalty-minus-infinity", "/v1/chat/completions", b'{"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}', 400, "frequency_penalty must be a finite number"),
     ("seed-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"seed": 2**70}}, 400, "seed must be a 64-bit integer"),
     ("top-k-beyond-int32", "/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k must be -1 (off) or in [0, 2147483647]"),
     ("stop-token-id-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2**70]}}, 400, "stop_token_ids must be a list of token ids"),
     ("logprob-start-len-beyond-64-bits", "/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 2**70}, 400, "logprob_start_len must be an integer in [-1, 256)"),
     ("max-new-tokens-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2**70}}, 400, "max_new_tokens must be <= 2147483647"),
-    ("completion-seed-beyond-64-bits", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "seed": 2**70}, 400, "seed must be a 64-bit integer"),
-    ("completion-max-tokens-beyond-64-bits", "/v1/completions", {"model": "demo-model-v1", "prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens must be <= 2147483647"),
+    ("completion-seed-beyond-64-bits", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "seed": 2**70}, 400, "seed must be a 64-bit integer"),
+    ("completion-max-tokens-beyond-64-bits", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens must be <= 2147483647"),
     ("chat-top-k-beyond-int32", "/v1/chat/completions", {**CHAT, "top_k": 2**35}, 400, "top_k must be -1 (off)"),
     # limits (LIMIT_FLAGS)
     ("too-many-stop-strings", "/generate", {"text": "hi", "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}}, 400, "stop has 5 entries, more than --max-stop-strings 4"),
@@ -454,7 +457,7 @@ BAD_REQUESTS = [
     ("chat-too-many-stop-strings", "/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "--max-stop-strings 4"),
     ("prompts-times-n-over-limit", "/generate", {"text": ["a"] * 10, "sampling_params": {"n": 7}}, 400, "10 prompts x n=7 = 70 generations, more than --max-requests-per-call 64"),
     ("too-many-prompts", "/generate", {"input_ids": [[1, 2]] * 65}, 400, "65 prompts x n=1"),
-    ("completion-prompts-times-n-over-limit", "/v1/completions", {"model": "demo-model-v1", "prompt": ["a"] * 10, "n": 7}, 400, "--max-requests-per-call 64"),
+    ("completion-prompts-times-n-over-limit", "/v1/completions", {"model": "demo-model-v2", "prompt": ["a"] * 10, "n": 7}, 400, "--max-requests-per-call 64"),
     ("chat-n-over-limit", "/v1/chat/completions", {**CHAT, "n": 65}, 400, "1 prompts x n=65"),
     ("body-too-large", "/generate", b'{"text": "' + b"x" * 400_000 + b'"}', 413, "--max-request-body-bytes 300000"),
     ("lora-path-wrong-type", "/generate", {"text": "hi", "lora_path": 5}, 400, "lora_path"),
@@ -514,7 +517,7 @@ def test_bad_input_through_openai_client(oai):
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert "no-such-model" in str(excinfo.value)
     with pytest.raises(openai.BadRequestError, match="top_p"):
-        oai.completions.create(model="demo-model-v1", prompt="hi", top_p=2.0)
+        oai.completions.create(model="demo-model-v2", prompt="hi", top_p=2.0)
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}], ids=["missing", "wrong", "no-bearer"])

@@ -1,11 +1,13 @@
 """`python -m sgl_jax_lora.launch`: the README's run command, executed as written (default flags, the
-embedded demo model), serves requests; SIGTERM shuts it down with exit code 0 and no orphan engine
+embedded demo model and its two adapters), serves requests and gives the answers the README shows; SIGTERM shuts it down with exit code 0 and no orphan engine
 process; --help lists every ServerArgs flag; a bad flag exits 2 naming the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,19 @@ from sgl_jax_lora.server_args import ServerArgs
 # Default buckets compile for minutes on a 2-core CPU the first time (then the compilation cache
 # shared by the tests makes it seconds); the deadline only bounds a hung start.
 STARTUP_TIMEOUT_S = 900
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def readme_demo_answers() -> tuple[str, dict[str, str]]:
+    """(question, {model: answer}) of the README's demo: the models of its `for model in ...` loop, the question of
+    its request, and the lines of the block marked <!-- demo-answers -->, in order."""
+    with open(README) as f:
+        text = f.read()
+    models = re.search(r"for model in ([^;]+); do", text).group(1).split()
+    question = re.search(r'"content": "([^"]+)"}]}\' \|', text).group(1)
+    answers = re.search(r"<!-- demo-answers -->\s*```\n(.*?)```", text, re.S).group(1).splitlines()
+    assert len(models) == len(answers) == 3, (models, answers)
+    return question, dict(zip(models, answers))
 
 
 def run_launch(*args: str) -> subprocess.CompletedProcess:
@@ -55,6 +70,10 @@ def test_readme_command_serves_then_sigterm_leaves_no_orphan():
         model = client.models.list().data[0].id
         chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
         assert chat.choices[0].finish_reason in ("stop", "length")
+        question, answers = readme_demo_answers()
+        for name, answer in answers.items():  # the base model, then each default adapter
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], temperature=0)
+            assert reply.choices[0].message.content == answer, name
         engine_pid = httpx.get(server.url + "/get_server_info").json()["engine_pid"]
         assert process_exists(engine_pid)
     finally:

@@ -310,8 +310,8 @@ def run_server(args: ServerArgs, model_path: str) -> int:
         signal.signal(sig, lambda signum, frame: None)
     print(f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)", flush=True)
     if args.model_path is None:
-        print(f"no --model-path given: serving the embedded demo model ({model_path}); its weights are random, "
-              "so its text is noise: pass --model-path DIR to serve a real model", flush=True)
+        print(f"no --model-path given: serving the embedded demo model ({model_path}), a tiny chat model trained on "
+              "a small corpus (see README); pass --model-path DIR to serve a real model", flush=True)
     server.run()
     if not server.started and state.exit_code == 0:
         return 1  # could not bind the port (uvicorn logged why)

@@ -1,6 +1,6 @@
 """Training data: a JSONL file -> tokenized examples -> fixed-shape batches with a completion-only loss mask.
 
-Flow: `read_examples(path, tokenizer)` takes one JSON object per line, either
+Flow: `read_examples(path, tokenizer)` (or `examples_from_records` for records in memory) takes one JSON object per line, either
     {"prompt": "...", "completion": "..."}         the completion gets the loss, then the EOS token
     {"messages": [{"role": ..., "content": ...}]}  the tokenizer's chat template; the last (assistant) message gets
                                                    the loss, the earlier ones are the prompt
@@ -38,6 +38,11 @@ def read_examples(path: str, tokenizer, max_len: int) -> list[Example]:
     if not examples:
         raise ValueError(f"{path} holds no examples; write one JSON object per line")
     return examples
+
+
+def examples_from_records(records: list[dict], tokenizer, max_len: int, source: str) -> list[Example]:
+    """Records already in memory (the same two forms as a JSONL line) -> Examples; errors name source and index."""
+    return [_example(tokenizer, record, f"{source}[{i}]", max_len) for i, record in enumerate(records)]
 
 
 def _example(tokenizer, record: object, where: str, max_len: int) -> Example:
