@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_jax_lora.layers.linear import LinearAxes
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import PallasBackend
@@ -28,7 +29,7 @@ def make_layer(backend, seed: int = 0) -> LoRALinear:
     rng = np.random.default_rng(seed)
     spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"o_proj"}))
     layer = LoRALinear(IN_DIM, (OUT_DIM,), ("",), tp_size=1, use_bias=False, dtype=jnp.float32, spec=spec,
-                       row_parallel=True)
+                       row_parallel=True, axes=LinearAxes("heads", "embed", ("embed",)))
     layer.kernel[...] = jnp.asarray(rng.standard_normal((IN_DIM, OUT_DIM)), jnp.float32)
     is_adapter = (np.arange(NUM_SLOTS) > 0)[:, None, None]
     layer.lora_a[...] = jnp.asarray(rng.standard_normal((NUM_SLOTS, MAX_RANK, IN_DIM)) * is_adapter, jnp.float32)

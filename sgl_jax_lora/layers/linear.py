@@ -4,25 +4,45 @@ A packed linear (qkv_proj <- q, k, v; gate_up_proj <- gate, up) stores its outpu
 for tensor-parallel size tp, the output is [tp, part0_local | part1_local | ...], so that splitting the
 output on the "tensor" mesh axis hands every device whole local parts and `split_packed` needs no
 communication. models/weight_loader.py writes HF weights into this layout.
+
+Each linear declares the logical axes of its weights (LinearAxes, given by the model beside its layer
+definitions); layers/sharding.py turns them into mesh shardings.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearAxes:
+    """Logical axis names of a linear's weights (mapped to mesh axes by layers/sharding.py)."""
+
+    in_axis: str  # kernel rows: the input features
+    out_axis: str  # kernel columns and bias: the packed output features
+    part_axes: tuple[str, ...]  # each packed part's own output features (the LoRA B buffers of that part)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts."""
 
-    def __init__(self, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype: jnp.dtype):
+    def __init__(
+        self, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype: jnp.dtype,
+        axes: LinearAxes,
+    ):
+        if len(axes.part_axes) != len(part_sizes):
+            raise ValueError(f"{len(part_sizes)} packed parts but {len(axes.part_axes)} part axes in {axes}")
         self.in_features = in_features
         self.part_sizes = tuple(part_sizes)
         self.tp_size = tp_size
+        self.axes = axes
         out_features = sum(part_sizes)
-        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype))
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
     def base(self, x: jax.Array) -> jax.Array:
         """x [T, in] -> [T, out] (packed layout)."""

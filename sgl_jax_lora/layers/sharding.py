@@ -1,22 +1,25 @@
 """Mesh construction and the one rules table from logical axis names to mesh axes.
 
 Flow: ServerArgs.tp_size -> make_mesh -> every parameter, KV cache and LoRA buffer gets a NamedSharding
-from `logical_to_sharding(axes)` where `axes` are the logical names its module declares
-(PARAM_LOGICAL_AXES below, keyed by the parameter's path suffix).
+from `logical_to_sharding(axes)`. A parameter's `axes` are declared where its module creates it
+(`nnx.Param(value, logical_axes=(...))`; the stacked decoder layers add the leading "layers" axis), and
+`state_shardings` turns a model state's declared axes into NamedShardings for the weight loader and the
+orbax restore (models/weight_loader.py, models/orbax_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "tensor")
 
-# Logical axis -> mesh axis. Everything not listed is replicated.
+# Logical axis -> mesh axis (None: replicated). Every logical axis a module declares must be listed here.
 SHARDING_RULES: dict[str, str | None] = {
     "vocab": "tensor",
-    "qkv": "tensor",  # packed q|k|v output, laid out shard-major (see models/weight_loader.py)
+    "qkv": "tensor",  # packed q|k|v output, laid out shard-major (see layers/linear.py)
     "heads": "tensor",  # attention output features (o_proj input)
     "mlp": "tensor",  # packed gate|up output / down_proj input
     "kv_heads": "tensor",
@@ -26,34 +29,6 @@ SHARDING_RULES: dict[str, str | None] = {
     "lora_slots": None,
     "lora_rank": None,
     "kv_slots": None,
-}
-
-# Parameter path suffix -> logical axes (without the leading "layers" axis of stacked decoder layers).
-PARAM_LOGICAL_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("norm", "scale"): ("embed",),
-    ("input_layernorm", "scale"): ("embed",),
-    ("post_attention_layernorm", "scale"): ("embed",),
-    ("q_norm", "scale"): ("head_dim",),
-    ("k_norm", "scale"): ("head_dim",),
-    ("qkv_proj", "kernel"): ("embed", "qkv"),
-    ("qkv_proj", "bias"): ("qkv",),
-    ("o_proj", "kernel"): ("heads", "embed"),
-    ("gate_up_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
-    # LoRA buffers: A [A, R, in], B [A, out, R]; column-parallel B split on out, row-parallel A split on in.
-    ("qkv_proj", "lora_a"): ("lora_slots", "lora_rank", "embed"),
-    ("qkv_proj", "lora_b_q"): ("lora_slots", "heads", "lora_rank"),
-    ("qkv_proj", "lora_b_k"): ("lora_slots", "kv_heads", "lora_rank"),
-    ("qkv_proj", "lora_b_v"): ("lora_slots", "kv_heads", "lora_rank"),
-    ("o_proj", "lora_a"): ("lora_slots", "lora_rank", "heads"),
-    ("o_proj", "lora_b"): ("lora_slots", "embed", "lora_rank"),
-    ("gate_up_proj", "lora_a"): ("lora_slots", "lora_rank", "embed"),
-    ("gate_up_proj", "lora_b_gate"): ("lora_slots", "mlp", "lora_rank"),
-    ("gate_up_proj", "lora_b_up"): ("lora_slots", "mlp", "lora_rank"),
-    ("down_proj", "lora_a"): ("lora_slots", "lora_rank", "mlp"),
-    ("down_proj", "lora_b"): ("lora_slots", "embed", "lora_rank"),
 }
 
 
@@ -70,7 +45,10 @@ def make_mesh(tp_size: int, devices: list | None = None) -> Mesh:
 
 
 def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
-    return PartitionSpec(*(SHARDING_RULES.get(a) if a else None for a in axes))
+    unknown = [a for a in axes if a is not None and a not in SHARDING_RULES]
+    if unknown:
+        raise KeyError(f"logical axes {unknown} have no rule; add them to SHARDING_RULES in layers/sharding.py")
+    return PartitionSpec(*(SHARDING_RULES[a] if a else None for a in axes))
 
 
 def logical_to_sharding(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
@@ -83,16 +61,26 @@ def logical_to_sharding(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[i
     return NamedSharding(mesh, spec)
 
 
-def param_logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str, ...]:
-    """Logical axes of a parameter from its path in the model state."""
-    for suffix, axes in PARAM_LOGICAL_AXES.items():
-        if tuple(path[-len(suffix):]) == suffix:
-            if "layers" in path:
-                axes = ("layers",) + axes
-            if len(axes) != ndim:
-                raise ValueError(f"parameter {'.'.join(path)} has {ndim} dims but its rule names {axes}")
-            return axes
-    raise KeyError(f"no sharding rule for parameter {'.'.join(path)}; add it to PARAM_LOGICAL_AXES")
+def declared_axes(path: tuple[str, ...], variable: nnx.Variable) -> tuple[str, ...]:
+    """The logical axes a parameter's module declared for it (one per dimension)."""
+    axes = variable.get_metadata().get("logical_axes")
+    name = ".".join(path)
+    if axes is None:
+        raise KeyError(f"parameter {name} declares no logical axes; pass logical_axes=(...) where its module creates it")
+    ndim = len(variable.get_value().shape)
+    if len(axes) != ndim:
+        raise ValueError(f"parameter {name} has {ndim} dims but declares the logical axes {axes}")
+    return tuple(axes)
+
+
+def state_shardings(mesh: Mesh, state: nnx.State) -> dict[tuple[str, ...], NamedSharding]:
+    """Parameter path -> its NamedSharding on `mesh`, from the axes each parameter declares (abstract state is fine)."""
+    shardings = {}
+    for path, variable in nnx.to_flat_state(state):
+        path = tuple(str(p) for p in path)
+        shape = tuple(variable.get_value().shape)
+        shardings[path] = logical_to_sharding(mesh, declared_axes(path, variable), shape)
+    return shardings
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -20,6 +20,7 @@ Inside the model's layer loop the buffers arrive as LayerStack views of the [L, 
 Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):
     lora_a            [A, P*R, in]   P packed parts stacked along the rank axis (q|k|v or gate|up)
     lora_b[_<part>]   [A, out_p, R]  one per part, in the part's own output layout
+Their logical axes (for layers/sharding.py) follow the base linear's LinearAxes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.linear import Linear, base_product
+from sgl_jax_lora.layers.linear import Linear, LinearAxes, base_product
 from sgl_jax_lora.lora.layer_stack import as_layer_array
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
@@ -70,17 +71,24 @@ class LoRALinear(Linear):
         dtype: jnp.dtype,
         spec: LoRAModelSpec,
         row_parallel: bool,
+        axes: LinearAxes,
     ):
-        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype)
-        self.kernel = LoRABaseKernel(self.kernel.get_value())
+        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype, axes)
+        self.kernel = LoRABaseKernel(self.kernel.get_value(), logical_axes=(axes.in_axis, axes.out_axis))
         self.part_names = part_names
         self.row_parallel = row_parallel
         self.backend = spec.backend
         self.max_rank = spec.max_rank
         num_parts = len(part_sizes)
-        self.lora_a = LoRAWeight(jnp.zeros((spec.num_slots, num_parts * spec.max_rank, in_features), dtype))
-        for name, size in zip(part_names, part_sizes):
-            setattr(self, lora_b_name(name), LoRAWeight(jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)))
+        # A follows the base weight's input axis (split in row-parallel layers), each B its part's output axis
+        # (split in column-parallel layers); slots and rank are never split
+        self.lora_a = LoRAWeight(
+            jnp.zeros((spec.num_slots, num_parts * spec.max_rank, in_features), dtype),
+            logical_axes=("lora_slots", "lora_rank", axes.in_axis),
+        )
+        for name, size, part_axis in zip(part_names, part_sizes, axes.part_axes):
+            b = jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)
+            setattr(self, lora_b_name(name), LoRAWeight(b, logical_axes=("lora_slots", part_axis, "lora_rank")))
 
     def __call__(
         self, x: jax.Array, lora_batch: LoRABatch | None = None, residual: jax.Array | None = None

@@ -5,7 +5,10 @@ stacked decoder layers (one compiled layer body, weights [L, ...]) -> final norm
 `model.logits(hidden)` applies the LM head to the rows the sampler needs.
 
 Linears are packed (qkv_proj <- q, k, v; gate_up_proj <- gate, up) in shard-major layout
-(layers/linear.py). LORA_TARGETS is the table of which HF modules each packed linear carries.
+(layers/linear.py). Three tables beside the layers: LORA_TARGETS (which HF modules each packed linear carries),
+LINEAR_AXES (the logical axes of each linear's weights, declared on its parameters; layers/sharding.py maps
+them to mesh axes) and HF_WEIGHTS (the HF tensors each parameter is made from; models/weight_loader.py
+walks it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
-from sgl_jax_lora.layers.linear import Linear, split_packed
+from sgl_jax_lora.layers.linear import Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
 from sgl_jax_lora.lora.layer_stack import LayerStack
@@ -26,6 +29,7 @@ from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelS
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.weight_layout import LAYER, HFWeight
 
 # Packed linear -> (HF modules it carries, row-parallel?)
 LORA_TARGETS: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -36,14 +40,47 @@ LORA_TARGETS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 _PART_NAMES = {"qkv_proj": ("q", "k", "v"), "o_proj": ("",), "gate_up_proj": ("gate", "up"), "down_proj": ("",)}
 
+# Linear -> logical axes of its weights: (in, packed out, each part's out). Column-parallel linears split
+# their output features, row-parallel ones their input features (layers/sharding.py SHARDING_RULES).
+LINEAR_AXES: dict[str, LinearAxes] = {
+    "qkv_proj": LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
+    "o_proj": LinearAxes("heads", "embed", ("embed",)),
+    "gate_up_proj": LinearAxes("embed", "mlp", ("mlp", "mlp")),
+    "down_proj": LinearAxes("mlp", "embed", ("embed",)),
+    "lm_head": LinearAxes("embed", "vocab", ("vocab",)),
+}
+
+_ATTN, _MLP = f"model.layers.{LAYER}.self_attn", f"model.layers.{LAYER}.mlp"
+
+# Our parameter path (layer-stacked parameters under "layers") -> the HF tensors it is made from.
+# Parameters a config leaves out (qkv bias without Qwen2, q/k norms without Qwen3, lm_head when tied) are
+# simply absent from the model, so their rows go unused.
+HF_WEIGHTS: dict[str, HFWeight] = {
+    "embed_tokens.embedding": HFWeight(("model.embed_tokens.weight",)),
+    "norm.scale": HFWeight(("model.norm.weight",)),
+    "lm_head.kernel": HFWeight(("lm_head.weight",), transpose=True),
+    "layers.input_layernorm.scale": HFWeight((f"model.layers.{LAYER}.input_layernorm.weight",)),
+    "layers.post_attention_layernorm.scale": HFWeight((f"model.layers.{LAYER}.post_attention_layernorm.weight",)),
+    "layers.q_norm.scale": HFWeight((f"{_ATTN}.q_norm.weight",)),
+    "layers.k_norm.scale": HFWeight((f"{_ATTN}.k_norm.weight",)),
+    "layers.qkv_proj.kernel": HFWeight(
+        (f"{_ATTN}.q_proj.weight", f"{_ATTN}.k_proj.weight", f"{_ATTN}.v_proj.weight"), transpose=True, kv_parts=(1, 2)
+    ),
+    "layers.qkv_proj.bias": HFWeight((f"{_ATTN}.q_proj.bias", f"{_ATTN}.k_proj.bias", f"{_ATTN}.v_proj.bias"), kv_parts=(1, 2)),
+    "layers.o_proj.kernel": HFWeight((f"{_ATTN}.o_proj.weight",), transpose=True),
+    "layers.gate_up_proj.kernel": HFWeight((f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"), transpose=True),
+    "layers.down_proj.kernel": HFWeight((f"{_MLP}.down_proj.weight",), transpose=True),
+}
+
 
 def _make_linear(
     name: str, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype, lora: LoRAModelSpec | None
 ) -> Linear:
+    axes = LINEAR_AXES[name]
     if lora is None or name not in lora.target_modules:
-        return Linear(in_features, part_sizes, tp_size, use_bias, dtype)
+        return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes)
     row_parallel = LORA_TARGETS[name][1]
-    return LoRALinear(in_features, part_sizes, _PART_NAMES[name], tp_size, use_bias, dtype, lora, row_parallel)
+    return LoRALinear(in_features, part_sizes, _PART_NAMES[name], tp_size, use_bias, dtype, lora, row_parallel, axes)
 
 
 class DecoderLayer(nnx.Module):
@@ -56,13 +93,13 @@ class DecoderLayer(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, kv_heads, head_dim
         self.tp_size, self.page_size, self.attention_backend = tp_size, page_size, attention_backend
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, head_dim))
-        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         qkv_sizes = (cfg.num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         self.qkv_proj = _make_linear("qkv_proj", hidden, qkv_sizes, tp_size, cfg.qkv_bias, dtype, lora)
         self.o_proj = _make_linear("o_proj", cfg.num_heads * head_dim, (hidden,), tp_size, False, dtype, lora)
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
+        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         mlp = cfg.intermediate_size
         self.gate_up_proj = _make_linear("gate_up_proj", hidden, (mlp, mlp), tp_size, False, dtype, lora)
         self.down_proj = _make_linear("down_proj", mlp, (hidden,), tp_size, False, dtype, lora)
@@ -92,6 +129,8 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    hf_weights = HF_WEIGHTS  # the table models/weight_loader.py reads HF checkpoints through
+
     def __init__(
         self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None,
         layers_per_scan_step: int = 1, attention_backend: AttentionBackend = AttentionBackend(),
@@ -101,13 +140,18 @@ class LlamaForCausalLM(nnx.Module):
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
-        @nnx.vmap(in_axes=None, out_axes=0, axis_size=cfg.num_layers)
+        # every parameter's declared logical axes gain the leading "layers" axis of the stack
+        @nnx.vmap(in_axes=None, out_axes=0, axis_size=cfg.num_layers,
+                  transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
         def make_layers(_: int):
             return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend)
 
         self.layers = make_layers(0)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, (cfg.vocab_size,), tp_size, False, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, (cfg.vocab_size,), tp_size, False, dtype, LINEAR_AXES["lm_head"])
+        )
 
     def __call__(self, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
         """-> (final-normed hidden [T, E], updated kv)."""
@@ -146,7 +190,7 @@ class LlamaForCausalLM(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype):
-        self.embedding = nnx.Param(jnp.zeros((vocab_size, hidden_size), dtype))
+        self.embedding = nnx.Param(jnp.zeros((vocab_size, hidden_size), dtype), logical_axes=("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """ids [T] -> [T, E]."""

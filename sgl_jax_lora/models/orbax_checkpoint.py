@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from sgl_jax_lora.layers.sharding import logical_to_sharding, param_logical_axes
+from sgl_jax_lora.layers.sharding import state_shardings
 from sgl_jax_lora.models.model_config import ModelConfigError
 
 METADATA_FILE = "sgl_jax_lora_checkpoint.json"
@@ -152,10 +152,9 @@ def restore_model_state(model_path: str, tp_size: int, dtype: jnp.dtype, abstrac
 
     meta = read_metadata(model_path)
     flat = [(tuple(str(p) for p in path), variable) for path, variable in nnx.to_flat_state(abstract_state)]
-    shardings, targets = {}, {}
+    shardings, targets = state_shardings(mesh, abstract_state), {}
     for path, variable in flat:
         spec = variable.get_value()
-        shardings[path] = logical_to_sharding(mesh, param_logical_axes(path, len(spec.shape)), spec.shape)
         if not _is_lora(path):
             targets[path] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[path])
     check_compatible(meta, model_path, tp_size, dtype, {".".join(p): tuple(t.shape) for p, t in targets.items()})

@@ -2,9 +2,14 @@
 
 Used by the weight loader for base weights and by the LoRA memory pool for adapter B matrices, so the two
 always agree. `axis` is the output-feature axis of the array being transformed.
+
+HFWeight is one row of a model's table of HF weight names (models/llama.py HF_WEIGHTS): which HF tensors make
+one of our parameters and how (transposed, kv heads replicated, packed); models/weight_loader.py walks it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -36,3 +41,34 @@ def pack_shard_major(parts: list[np.ndarray], axis: int, tp_size: int) -> np.nda
     packed = np.concatenate(split, axis=1)
     packed = packed.reshape(packed.shape[0] * packed.shape[1], *packed.shape[2:])
     return np.moveaxis(packed, 0, axis)
+
+
+LAYER = "{layer}"  # stands for the decoder layer index in an HF tensor name
+
+
+@dataclasses.dataclass(frozen=True)
+class HFWeight:
+    """How one of our parameters is made from HF tensors. Names holding LAYER are read once per decoder
+    layer and stacked [L, ...]; two or more names are packed shard-major along the output features."""
+
+    names: tuple[str, ...]  # HF tensor names, in packing order (q, k, v; gate, up)
+    transpose: bool = False  # HF linears are [out, in]; ours are [in, out]
+    kv_parts: tuple[int, ...] = ()  # positions in `names` of k and v (their heads repeat when tp > num_kv_heads)
+
+    @property
+    def per_layer(self) -> bool:
+        return LAYER in self.names[0]
+
+    def tensor_names(self, num_layers: int) -> list[tuple[str, ...]]:
+        """The HF names to read: one tuple per decoder layer, or a single tuple for a whole-model tensor."""
+        if not self.per_layer:
+            return [self.names]
+        return [tuple(name.replace(LAYER, str(layer)) for name in self.names) for layer in range(num_layers)]
+
+    def to_ours(self, tensors: list[np.ndarray], cfg: ModelConfig, tp_size: int) -> np.ndarray:
+        """The HF tensors of `names` (one layer's) -> our layout; the output features are the last axis."""
+        parts = [t.T if self.transpose else t for t in tensors]
+        parts = [replicate_kv_heads(p, p.ndim - 1, cfg, tp_size) if i in self.kv_parts else p for i, p in enumerate(parts)]
+        if len(parts) == 1:
+            return parts[0]
+        return pack_shard_major(parts, parts[0].ndim - 1, tp_size)

@@ -3,8 +3,10 @@
 
 Flow: ModelRunner -> load_model_state(cfg, ...) -> (graphdef, state). The model is first built abstractly
 (nnx.eval_shape, no memory), then every parameter is produced directly in its sharded device layout
-(NamedSharding from layers/sharding.py): HF tensors are transposed to [in, out], packed shard-major
-(models/weight_layout.py), stacked over layers and placed with jax.device_put. LoRA buffers start as zeros.
+(NamedSharding from the axes each parameter declares, layers/sharding.py): the model's table of HF weight
+names (`hf_weights`, models/llama.py HF_WEIGHTS) says which HF tensors make each parameter; they are transposed
+to [in, out], packed shard-major (models/weight_layout.py), stacked over layers and placed with jax.device_put.
+LoRA buffers start as zeros.
 Only safetensors are read; pickle checkpoints are refused.
 """
 
@@ -23,12 +25,12 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from sgl_jax_lora.layers.attention import AttentionBackend
-from sgl_jax_lora.layers.sharding import logical_to_sharding, param_logical_axes
-from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.layers.sharding import state_shardings
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.models.orbax_checkpoint import is_converted_checkpoint, restore_model_state
 from sgl_jax_lora.models.registry import model_class_for
-from sgl_jax_lora.models.weight_layout import pack_shard_major, replicate_kv_heads
+from sgl_jax_lora.models.weight_layout import HFWeight
 
 
 class SafetensorsReader:
@@ -64,46 +66,16 @@ class SafetensorsReader:
         return self._handles[path].get_tensor(name)
 
 
-def _layer_tensor(reader: SafetensorsReader, cfg: ModelConfig, tp_size: int, layer: int, param: tuple[str, ...]) -> np.ndarray:
-    """One layer's tensor for our parameter path suffix, in our layout."""
-    prefix = f"model.layers.{layer}."
-    get = lambda name: reader.get(prefix + name)  # noqa: E731
-    module, leaf = param
-    if module in ("input_layernorm", "post_attention_layernorm"):
-        return get(f"{module}.weight")
-    if module in ("q_norm", "k_norm"):
-        return get(f"self_attn.{module}.weight")
-    if module == "qkv_proj":
-        suffix = "weight" if leaf == "kernel" else "bias"
-        axis = 1 if leaf == "kernel" else 0
-        q, k, v = (get(f"self_attn.{p}_proj.{suffix}") for p in "qkv")
-        if leaf == "kernel":
-            q, k, v = q.T, k.T, v.T
-        k, v = replicate_kv_heads(k, axis, cfg, tp_size), replicate_kv_heads(v, axis, cfg, tp_size)
-        return pack_shard_major([q, k, v], axis, tp_size)
-    if module == "o_proj":
-        return get("self_attn.o_proj.weight").T
-    if module == "gate_up_proj":
-        return pack_shard_major([get("mlp.gate_proj.weight").T, get("mlp.up_proj.weight").T], 1, tp_size)
-    if module == "down_proj":
-        return get("mlp.down_proj.weight").T
-    raise KeyError(f"no HF weight mapping for layer parameter {param}")
-
-
-def _top_tensor(reader: SafetensorsReader, param: tuple[str, ...]) -> np.ndarray:
-    if param == ("embed_tokens", "embedding"):
-        return reader.get("model.embed_tokens.weight")
-    if param == ("norm", "scale"):
-        return reader.get("model.norm.weight")
-    if param == ("lm_head", "kernel"):
-        return reader.get("lm_head.weight").T
-    raise KeyError(f"no HF weight mapping for parameter {param}")
-
-
-def _hf_value(reader: SafetensorsReader, cfg: ModelConfig, tp_size: int, path: tuple[str, ...]) -> np.ndarray:
-    if path[0] == "layers":
-        return np.stack([_layer_tensor(reader, cfg, tp_size, i, path[1:]) for i in range(cfg.num_layers)])
-    return _top_tensor(reader, path)
+def _hf_value(
+    reader: SafetensorsReader, hf_weights: dict[str, HFWeight], cfg: ModelConfig, tp_size: int, path: tuple[str, ...]
+) -> np.ndarray:
+    """Our parameter at `path` in our layout, from the HF tensors its row of the model's table names."""
+    name = ".".join(path)
+    if name not in hf_weights:
+        raise KeyError(f"no HF weight names for parameter {name}; add it to the model's HF weight table")
+    weight = hf_weights[name]
+    layers = [weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in weight.tensor_names(cfg.num_layers)]
+    return np.stack(layers) if weight.per_layer else layers[0]
 
 
 def _dummy_value(path: tuple[str, ...], shape: tuple[int, ...], dtype, sharding, seed: int) -> jax.Array:
@@ -136,17 +108,17 @@ def load_model_state(
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
         return graphdef, restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
+    shardings = state_shardings(mesh, abstract_state)
     leaves = []
     for path, variable in nnx.to_flat_state(abstract_state):
         path = tuple(str(p) for p in path)
-        spec = variable.get_value()
-        sharding = logical_to_sharding(mesh, param_logical_axes(path, len(spec.shape)), spec.shape)
-        if "lora_" in path[-1]:
+        spec, sharding = variable.get_value(), shardings[path]
+        if isinstance(variable, LoRAWeight):
             value = jax.jit(lambda s=spec: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
         elif reader is None:
             value = _dummy_value(path, spec.shape, spec.dtype, sharding, seed)
         else:
-            host = _hf_value(reader, cfg, tp_size, path)
+            host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path)
             if host.shape != spec.shape:
                 raise ModelConfigError(
                     f"weight for {'.'.join(path)} has shape {host.shape}, config implies {spec.shape}; "
