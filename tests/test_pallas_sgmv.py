@@ -212,6 +212,21 @@ def test_odd_sizes_of_a_layer_stack(kernel):
     assert_close(expand, y_ref, jnp.float32)
 
 
+@pytest.mark.tpu_export
+def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
+    # interpret mode does not check block shapes against Mosaic's rules; lowering for TPU (on CPU) does
+    case = make_case(19, in_dim=40, out_dim=72, max_rank=8, slot_ranks=(0, 8, 4), dtype=jnp.bfloat16)
+
+    def shrink_expand(x, a_stack, b_stack, meta, layer):
+        s = sgmv_shrink_tpu(x, a_stack, *meta, layer, rank_block=8)
+        return sgmv_expand_tpu(s, b_stack, *meta, layer, out_dtype=x.dtype)
+
+    stacks = (jnp.stack([case.lora_a] * 2), jnp.stack([case.lora_b] * 2))
+    exported = jax.export.export(jax.jit(shrink_expand), platforms=["tpu"])(case.x, *stacks, case.meta, jnp.int32(1))
+    assert exported.mlir_module().count("tpu_custom_call") == 2
+    assert exported.out_avals[0].shape == (40, 72)
+
+
 def test_gpu_tiles_for_odd_sizes_mask_their_last_block():
     tiles = choose_tiles(40, 8, 40, (48, 24, 24))
     assert tiles.block_in == 64 and tiles.in_splits == 1  # one masked step over `in`
