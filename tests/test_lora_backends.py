@@ -135,13 +135,13 @@ def test_all_base_batch(name):
     assert np.all(np.asarray(y) == 0.0)
 
 
-def packed_inputs(seed, *, num_tokens, dtype, block_rows=0):
-    """q|k|v-like packed module: A of 3 parts stacked along R, parts of different widths."""
+def packed_inputs(seed, *, num_tokens, dtype, block_rows=0, in_dim=128, widths=(256, 128, 128)):
+    """q|k|v-like packed module: A of the parts stacked along R, parts of different widths."""
     rng = np.random.default_rng(seed)
     ranks = np.array((0, 4, 8, 16), np.int32)
-    max_rank, in_dim, widths = 16, 128, (256, 128, 128)
-    row = np.arange(3 * max_rank) % max_rank
-    lora_a = rng.standard_normal((4, 3 * max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
+    max_rank, num_parts = 16, len(widths)
+    row = np.arange(num_parts * max_rank) % max_rank
+    lora_a = rng.standard_normal((4, num_parts * max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
     lora_bs = tuple(
         jnp.asarray(rng.standard_normal((4, w, max_rank)) * (np.arange(max_rank)[None, None, :] < ranks[:, None, None]),
                     dtype)
@@ -221,13 +221,33 @@ def test_apply_packed_reads_one_layer_of_stacked_buffers(name):
     assert_close(run(x, a_view, b_views, lora, base_out), expected, jnp.float32)
 
 
+@pytest.mark.parametrize("widths", [(48, 24, 24), (8,)], ids=["qkv_48_24_24", "part_8"])
+@pytest.mark.parametrize("name", ["pallas_gpu", "pallas_tpu"])
+def test_apply_packed_any_projection_size(name, widths):
+    # `in` 40 and part widths that neither the GPU blocks nor the TPU lanes divide, read from layer stacks as the
+    # model passes them: the same result as the one-hot einsum on the layer's slice, base rows untouched
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(13, num_tokens=24, dtype=jnp.float32, block_rows=16,
+                                                       in_dim=40, widths=widths)
+    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    backend = BACKENDS[name](None)
+    layer = jnp.int32(1)
+    a_view = LayerStack(stack_layers(lora_a, 3, 1), layer)
+    b_views = tuple(LayerStack(stack_layers(b, 3, 1), layer) for b in lora_bs)
+    y = jax.jit(lambda *a: backend.apply_packed(*a, tp_size=1))(x, a_view, b_views, lora, base_out)
+    assert_close(y, expected, jnp.float32)
+    is_base = np.asarray(lora.token_slot) == 0
+    assert np.array_equal(np.asarray(y)[is_base], np.asarray(base_out)[is_base]), "base rows must be untouched"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA device")
+@pytest.mark.parametrize("widths", [(256, 128, 128), (48, 24, 24)], ids=["aligned", "odd"])
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
-def test_pallas_apply_packed_on_device(num_tokens):
+def test_pallas_apply_packed_on_device(num_tokens, widths):
     dtype = jnp.bfloat16
     x, lora_a, lora_bs, lora, base_out = packed_inputs(
-        6, num_tokens=num_tokens, dtype=dtype, block_rows=gpu_block_rows(num_tokens)
+        6, num_tokens=num_tokens, dtype=dtype, block_rows=gpu_block_rows(num_tokens),
+        in_dim=128 if widths[0] == 256 else 40, widths=widths,
     )
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
     y = jax.jit(lambda *a: PallasBackend(None).apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)

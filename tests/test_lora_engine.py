@@ -332,11 +332,14 @@ def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(se
     assert base_tokens == reference(base, None, prompt(5), 3)[0]
 
 
-def test_pallas_backend_in_the_engine_matches_peft(setup):
-    """The engine with --lora-backend pallas: on CPU the GPU kernels run in interpret mode, through the same path
-    as on a GPU (work list built once per forward in jit, layer-stacked buffers read in place, one shrink and one
-    in-place expand launch per packed module)."""
+@pytest.mark.parametrize("sizes", ["aligned", "odd"])
+def test_pallas_backend_in_the_engine_matches_peft(setup, tmp_path, sizes):
+    """--lora-backend pallas in the engine (CPU: the GPU kernels in interpret mode, on the GPU path: work list per forward,
+    layer stacks read in place, one shrink + one expand launch per module); `odd`: q 40, k|v 20, up 88, no multiple of 16."""
     base, adapters = setup
+    if sizes == "odd":
+        base = make_hf_model_dir(tmp_path / "b", "llama", seed=12, hidden_size=40, head_dim=10, intermediate_size=88, num_attention_heads=4)
+        adapters = {n: write_peft_adapter(base, tmp_path / n, seed=i + 31, **f) for i, (n, f) in enumerate(ADAPTER_FORMS.items())}
     names = list(adapters) + [None]
     ids = [prompt(300 + i) for i in range(len(names))]
     with Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
@@ -347,9 +350,8 @@ def test_pallas_backend_in_the_engine_matches_peft(setup):
 
 
 def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
-    """tp 2 with --lora-backend pallas: the kernels run under shard_map on the layer-stacked buffers as the model
-    shards them (column-parallel B split on `out`, row-parallel A on `in`, the layer axis whole). The model's
-    per-shard widths are multiples of 16, as the GPU kernels need (interpret mode on CPU)."""
+    """tp 2 with --lora-backend pallas: the kernels run under shard_map on the layer-stacked buffers as the model shards
+    them (column-parallel B split on `out`, row-parallel A on `in`, the layer axis whole; interpret mode on CPU)."""
     base = make_hf_model_dir(tmp_path / "base", "llama", seed=11, hidden_size=64, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, intermediate_size=128)
     adapters = {n: write_peft_adapter(base, tmp_path / n, seed=i + 21, **ADAPTER_FORMS[n])

@@ -145,6 +145,7 @@ def test_apply_with_base_under_tensor_parallelism(layer):
         (dict(rank=8), "rank not a multiple of 16"),
         (dict(widths=(384,)), "part width not a multiple of 256"),
         (dict(in_dim=96), "in not a multiple of 64"),
+        (dict(in_dim=40, widths=(48, 24, 24), rank=8), "odd sizes: the SGMV kernels take them"),
     ],
 )
 def test_modules_that_do_not_fit_the_kernel_fall_back(change, why):
@@ -257,6 +258,25 @@ def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, m
         assert np.abs(ours_sgmv - expected).max() < 0.2
         if adapter is not None:
             assert np.abs(peft_logprobs(base, None, ids) - expected).max() > 1.0
+
+
+def test_engine_prefill_of_odd_sizes_falls_back_to_the_sgmv_kernels(tmp_path, monkeypatch):
+    """A model whose projection sizes fit neither the fused GEMM's tiles nor the SGMV kernels' blocks (hidden 40,
+    intermediate 88, head_dim 10: q 40, k and v 20), in a bucket that takes the fused GEMM: every module falls back
+    to x @ W and the SGMV kernels, which mask past the odd sizes. Within bf16 rounding of HF + PEFT in float32,
+    where leaving an adapter out moves the logprobs by more than that."""
+    base = make_hf_model_dir(tmp_path / "base", "llama", seed=6, hidden_size=40, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=10, intermediate_size=88)
+    adapters = [write_peft_adapter(base, tmp_path / f"a{i}", seed=40 + i, r=16, lora_alpha=32, b_std=0.2,
+                                   target_modules="all-linear") for i in range(2)]
+    calls = count_calls(monkeypatch)
+    ours = serve_prefill(base, adapters, fused_min_tokens=256)
+    assert not calls
+    for ids, adapter, logprobs in zip(PROMPTS, adapters + [None], ours):
+        expected = peft_logprobs(base, adapter, ids)
+        assert np.abs(logprobs - expected).max() < 0.2
+        if adapter is not None:
+            assert np.abs(peft_logprobs(base, None, ids) - expected).max() > 0.5
 
 
 @NEEDS_TWO_DEVICES

@@ -179,6 +179,82 @@ def test_packed_a_masks_rank_per_block(kernel):
     assert np.abs(np.asarray(shrink)[:, 16:]).max() > 0, "blocks above the first must not be masked away"
 
 
+@pytest.mark.parametrize("max_rank", [8, 16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_any_projection_size(kernel, max_rank):
+    # in 40 and out 72, multiples of neither the GPU blocks (16+) nor the TPU lanes (128): the GPU kernels mask
+    # past them, the TPU kernels pad to 128 and slice back
+    case = make_case(15, in_dim=40, out_dim=72, max_rank=max_rank, slot_ranks=(0, max_rank, max_rank // 2))
+    check_against_reference(kernel, case)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_odd_sizes_of_a_layer_stack(kernel):
+    # the model's [L, A, ...] stacks at odd sizes: each kernel reads exactly the given layer (the TPU wrapper pads
+    # that layer's slice, never the whole stack)
+    case = make_case(16, in_dim=40, out_dim=24, max_rank=8, slot_ranks=(0, 8, 4))
+    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta, rank_block=8)
+    y_ref = sgmv_expand_ref(s_ref, case.lora_b, *case.meta, jnp.float32)
+    a_stack = jnp.stack([case.lora_a * 3.0, case.lora_a, case.lora_a - 1.0])
+    b_stack = jnp.stack([case.lora_b * 3.0, case.lora_b, case.lora_b - 1.0])
+    layer = jnp.int32(1)
+    if kernel == "tpu":
+        shrink = sgmv_shrink_tpu(case.x, a_stack, *case.meta, layer, rank_block=8, block_rows=16, interpret=True)
+        expand = sgmv_expand_tpu(s_ref, b_stack, *case.meta, layer, out_dtype=jnp.float32, block_rows=16,
+                                 interpret=True)
+    else:
+        tiles = choose_tiles(case.x.shape[0], case.lora.num_segments, 40, 24)
+        shrink = sgmv_shrink_gpu_partials(case.x, a_stack, *case.meta, layer=layer, tiles=tiles, rank_block=8,
+                                          interpret=True).sum(0)
+        expand = sgmv_expand_gpu(s_ref, b_stack, *case.meta, layer=layer, out_dtype=jnp.float32, tiles=tiles,
+                                 interpret=True)
+    assert_close(shrink, s_ref, jnp.float32)
+    assert_close(expand, y_ref, jnp.float32)
+
+
+@pytest.mark.tpu_export
+def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
+    # interpret mode does not check block shapes against Mosaic's rules; lowering for TPU (on CPU) does
+    case = make_case(19, in_dim=40, out_dim=72, max_rank=8, slot_ranks=(0, 8, 4), dtype=jnp.bfloat16)
+
+    def shrink_expand(x, a_stack, b_stack, meta, layer):
+        s = sgmv_shrink_tpu(x, a_stack, *meta, layer, rank_block=8)
+        return sgmv_expand_tpu(s, b_stack, *meta, layer, out_dtype=x.dtype)
+
+    stacks = (jnp.stack([case.lora_a] * 2), jnp.stack([case.lora_b] * 2))
+    exported = jax.export.export(jax.jit(shrink_expand), platforms=["tpu"])(case.x, *stacks, case.meta, jnp.int32(1))
+    assert exported.mlir_module().count("tpu_custom_call") == 2
+    assert exported.out_avals[0].shape == (40, 72)
+
+
+def test_gpu_tiles_for_odd_sizes_mask_their_last_block():
+    tiles = choose_tiles(40, 8, 40, (48, 24, 24))
+    assert tiles.block_in == 64 and tiles.in_splits == 1  # one masked step over `in`
+    assert tiles.block_out == 64 and tiles.out_steps == 1  # one masked block per part
+    assert choose_tiles(40, 8, 4104, None).block_in == 256  # 17 steps, the last one masked
+    aligned = choose_tiles(40, 8, 4096, (4096, 1024, 1024))
+    assert aligned.block_in == 256 and all(w % aligned.block_out == 0 for w in (4096, 1024, 1024))
+
+
+@pytest.mark.parametrize("widths", [(48, 24, 24), (8,)], ids=["qkv_48_24_24", "part_8"])
+def test_gpu_expand_odd_parts_into_packed_columns(widths):
+    # one launch over every part, each part's last block masked past its width: the delta lands in its own
+    # columns of the packed output and never spills into the next part's
+    case = make_case(17, in_dim=40, out_dim=48, max_rank=16, slot_ranks=(0, 8, 16))
+    num_tokens = case.x.shape[0]
+    parts_b = tuple(case.lora_b[:, :w] * (i + 1.0) for i, w in enumerate(widths))
+    s_parts = [sgmv_shrink_ref(case.x, case.lora_a * (i + 1.0), *case.meta) for i in range(len(widths))]
+    base = jnp.asarray(np.random.default_rng(18).standard_normal((num_tokens, sum(widths))), jnp.float32)
+    tiles = choose_tiles(num_tokens, case.lora.num_segments, None, widths)
+    y = sgmv_expand_gpu(jnp.concatenate(s_parts, axis=1), parts_b, *case.meta, case.lora.slot_scale, base,
+                        out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
+    deltas = [sgmv_expand_ref(s_i * scale_tok, b, *case.meta, jnp.float32) for s_i, b in zip(s_parts, parts_b)]
+    assert_close(y, base + jnp.concatenate(deltas, axis=1), jnp.float32)
+    is_base = np.asarray(case.lora.token_slot) == 0
+    assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
+
+
 def test_gpu_expand_fuses_scale_and_base_add():
     case = make_case(6)
     num_tokens = case.x.shape[0]
@@ -268,8 +344,10 @@ def test_gpu_kernels_read_one_layer_of_stacks_and_expand_all_parts_in_one_launch
         dict(num_tokens=300, in_dim=512, out_dim=768, num_segments=16),
         dict(num_tokens=2048, in_dim=1024, out_dim=512, max_rank=16, slot_ranks=(0, 8, 16, 16, 16), num_segments=8),
         dict(num_tokens=64, max_rank=8, slot_ranks=(0, 8, 4)),
+        dict(num_tokens=300, in_dim=40, out_dim=72, max_rank=8, slot_ranks=(0, 8, 4)),
+        dict(num_tokens=40, in_dim=4104, out_dim=88, max_rank=16, slot_ranks=(0, 16, 8)),
     ],
-    ids=["t40", "t1", "t300", "t2048", "r8"],
+    ids=["t40", "t1", "t300", "t2048", "r8", "odd_in40_out72", "odd_in4104_out88"],
 )
 def test_gpu_kernel_on_device(shape, dtype):
     check_against_reference("gpu", make_case(8, dtype=dtype, **shape), interpret=False)

@@ -29,6 +29,10 @@ loads), relying on the pool's zeros between the rank and the granule boundary. B
 no weights. The matmul itself runs at the rank rounded up to a power of two >= 16 (Triton's static block),
 which costs nothing measurable in the memory-bound decode regime; rows/columns past R are masked, so the
 buffers are used as they are, never padded or copied.
+
+Any projection size: where no block divides `in` (shrink) or a part's width (expand), the last block runs
+past it and its columns there are masked out of the loads of x, A and B and the stores of the output, so
+odd sizes (a tiny model's 40 or 88) need no padded copy. Sizes the blocks divide trace no such masks.
 """
 
 from __future__ import annotations
@@ -74,22 +78,39 @@ def _as_parts(out_dims: int | tuple[int, ...] | None) -> tuple[int, ...] | None:
     return (out_dims,)
 
 
+def _in_block(in_dim: int) -> int:
+    """The shrink's `in` block: the largest candidate dividing in_dim, else one power of two (16-256) whose
+    last step is masked past in_dim."""
+    aligned = next((c for c in (256, 128, 64, 32, 16) if in_dim % c == 0), 0)
+    return aligned or min(256, max(_MIN_DOT, _next_pow2(in_dim)))
+
+
+def _out_candidates(parts: tuple[int, ...], max_block_out: int) -> list[int]:
+    """`out` blocks dividing every part; when none does, blocks up to the widest part's power of two, whose
+    columns past a part's width are masked."""
+    blocks = [c for c in (256, 128, 64, 32, 16) if c <= max_block_out]
+    aligned = [c for c in blocks if all(p % c == 0 for p in parts)]
+    return aligned or [c for c in blocks if c <= max(_MIN_DOT, _next_pow2(max(parts)))]
+
+
+def _num_groups(parts: tuple[int, ...], group_cols: int) -> int:
+    return sum(-(-p // group_cols) for p in parts)
+
+
 def choose_tiles(
     num_tokens: int, num_segments: int, in_dim: int | None, out_dims: int | tuple[int, ...] | None
 ) -> GpuTiles:
     """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
 
     in_dim is only needed by shrink and out_dims (one width, or every part's width of a packed module) only
-    by expand; pass None for the other.
+    by expand; pass None for the other. Any sizes: blocks that do not divide a dimension are masked past it.
     """
     block_rows = gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
     block_in, in_splits = 0, 1
     if in_dim is not None:
-        block_in = next((c for c in (256, 128, 64, 32, 16) if in_dim % c == 0), 0)
-        if not block_in:
-            raise ValueError(f"GPU SGMV kernel: input dim {in_dim} is not a multiple of 16; use another backend")
-        k_steps = in_dim // block_in
+        block_in = _in_block(in_dim)
+        k_steps = -(-in_dim // block_in)
         for split in range(1, k_steps + 1):
             if k_steps % split == 0:
                 in_splits = split
@@ -99,15 +120,12 @@ def choose_tiles(
     if parts is None:
         return GpuTiles(block_rows, block_in, 0, in_splits, 1)
     max_block_out = 128 if block_rows >= 64 else 256  # keeps the [tm, tn] f32 tile in registers
-    candidates = [c for c in (256, 128, 64, 32, 16) if c <= max_block_out and all(p % c == 0 for p in parts)]
-    if not candidates:
-        raise ValueError(f"GPU SGMV kernel: output dims {parts} are not multiples of 16; use another backend")
-    total_out = sum(parts)
-    enough = [c for c in candidates if num_items * (total_out // c) >= _TARGET_PROGRAMS]
+    candidates = _out_candidates(parts, max_block_out)
+    enough = [c for c in candidates if num_items * _num_groups(parts, c) >= _TARGET_PROGRAMS]
     block_out = enough[0] if enough else min((c for c in candidates if c >= 64), default=candidates[-1])
     out_steps = 1
-    while all((p // block_out) % (out_steps * 2) == 0 for p in parts) and (
-        num_items * (total_out // block_out) // (out_steps * 2) >= 2 * _TARGET_PROGRAMS
+    while all(p % (block_out * out_steps * 2) == 0 for p in parts) and (
+        num_items * _num_groups(parts, block_out) // (out_steps * 2) >= 2 * _TARGET_PROGRAMS
     ):
         out_steps *= 2
     return GpuTiles(block_rows, block_in, block_out, in_splits, out_steps)
@@ -151,12 +169,17 @@ def _shrink_kernel(
         r_ok = r_ok & (r_idx < max_rank)
     a_rows = (layer_ref[0] * num_slots + slot_ref[item]) * max_rank + r_idx
     a_ok = jnp.broadcast_to(r_ok[:, None], (rank_pad, tk))
-    k_steps = x_ref.shape[1] // tk // tiles.in_splits
+    in_dim = x_ref.shape[1]
+    k_steps = -(-in_dim // tk) // tiles.in_splits
 
     def step(j, acc):
         col_start = (split * k_steps + j) * tk
-        x_blk = plgpu.load(x_ref.at[_at(rows, col_start, tk)], mask=x_ok, other=0)
-        a_blk = plgpu.load(a_ref.at[_at(a_rows, col_start, tk)], mask=a_ok, other=0)
+        x_mask, a_mask = x_ok, a_ok
+        if in_dim % tk:  # the last block runs past `in`: its columns there are never read
+            col_ok = (col_start + jnp.arange(tk, dtype=jnp.int32) < in_dim)[None, :]
+            x_mask, a_mask = x_ok & col_ok, a_ok & col_ok
+        x_blk = plgpu.load(x_ref.at[_at(rows, col_start, tk)], mask=x_mask, other=0)
+        a_blk = plgpu.load(a_ref.at[_at(a_rows, col_start, tk)], mask=a_mask, other=0)
         return acc + _dot_nt(x_blk, a_blk)
 
     acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((tm, rank_pad), jnp.float32))
@@ -207,18 +230,24 @@ def _expand_kernel(
             s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, part.s_col, rank_pad)], mask=s_ok, other=0)
         s = (s * scale_ref[slot_ref[item]]).astype(b_ref.dtype)
         first_block = (group - part.first_group) * tiles.out_steps
+        is_ragged = part.out_dim % (tn * tiles.out_steps) != 0  # the part's last group runs past its width
 
         def step(j, carry):
             n_start = (first_block + j) * tn
-            b_rows = slot_index * part.out_dim + n_start + jnp.arange(tn, dtype=jnp.int32)
-            b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_ok, other=0)
+            cols = n_start + jnp.arange(tn, dtype=jnp.int32)
+            b_mask, touch, write = b_ok, row_touch, row_write
+            if is_ragged:  # columns past the part's width: B rows not read, output columns not written
+                col_ok = cols < part.out_dim
+                b_mask, touch, write = b_ok & col_ok[:, None], touch & col_ok[None, :], write & col_ok[None, :]
+            b_rows = slot_index * part.out_dim + cols
+            b_blk = plgpu.load(b_ref.at[_at(b_rows, 0, rank_pad)], mask=b_mask, other=0)
             delta = _dot_nt(s, b_blk)  # [tm, tn]
             out_at = _at(rows, part.out_col + n_start, tn)
             if has_base:  # rows of base tokens are left as they are in the aliased base output
-                base = plgpu.load(base_ref.at[out_at], mask=row_touch, other=0)
-                plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=row_touch)
+                base = plgpu.load(base_ref.at[out_at], mask=touch, other=0)
+                plgpu.store(o_ref.at[out_at], (base.astype(jnp.float32) + delta).astype(o_ref.dtype), mask=touch)
             else:
-                plgpu.store(o_ref.at[out_at], delta.astype(o_ref.dtype), mask=row_write)
+                plgpu.store(o_ref.at[out_at], delta.astype(o_ref.dtype), mask=write)
             return carry
 
         jax.lax.fori_loop(0, tiles.out_steps, step, 0)
@@ -341,12 +370,11 @@ def sgmv_expand_gpu(
     if out_col + sum(widths) > out_shape[1]:
         raise ValueError(f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + sum(widths)} do not fit")
     group_cols = tiles.block_out * tiles.out_steps
-    if any(w % group_cols for w in widths):
-        raise ValueError(f"part widths {widths} are not multiples of the tile's {group_cols} columns")
     parts, first_group, col = [], 0, out_col
-    for i, width in enumerate(widths):
-        parts.append(ExpandPart(width, s_col + i * max_rank, col, first_group, width // group_cols))
-        first_group += width // group_cols
+    for i, width in enumerate(widths):  # a part whose width group_cols does not divide masks its last group
+        num_groups = -(-width // group_cols)
+        parts.append(ExpandPart(width, s_col + i * max_rank, col, first_group, num_groups))
+        first_group += num_groups
         col += width
     s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
     b_flats = [b.reshape(-1, max_rank) for b in lora_bs]

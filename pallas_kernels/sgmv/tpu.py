@@ -9,7 +9,10 @@ consecutive items of one segment keep the same weight block, which the pipeline 
 output tile stays resident in VMEM while consecutive items accumulate their masked rows into it.
 
 Block shapes: rows a multiple of 16 (bf16 sublane packing), `in`/`out` blocks multiples of 128 (lanes);
-the rank dimension is taken whole (a block dim equal to the array dim is always legal).
+the rank dimension is taken whole (a block dim equal to the array dim is always legal). Any projection
+size: an `in` or `out` that is not a multiple of 128 is zero-padded to one at trace time (x's columns in
+the same op that sorts its rows; the weights from one layer's slice, so a layer-stacked buffer is not
+copied whole) and the result is sliced back; sizes already aligned trace no padding.
 
 Layer-stacked buffers: given `layer` (an int32 scalar), A / B may be the model's whole [L, A, ...] stacks;
 the layer index is scalar-prefetched with the work list and the weight index maps pick block
@@ -43,14 +46,26 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _lane_block(dim: int, max_block: int, what: str) -> int:
-    """Largest multiple of 128 that divides `dim` and is <= max_block."""
-    if dim % _LANES:
-        raise ValueError(f"TPU SGMV kernel: {what} dim {dim} is not a multiple of 128; pad the layer or use another backend")
-    block = min(max_block, dim) // _LANES * _LANES
+def _lane_block(dim: int, max_block: int) -> int:
+    """Largest multiple of 128 that divides `dim` (itself a multiple of 128) and is <= max_block."""
+    block = max(min(max_block, dim) // _LANES * _LANES, _LANES)
     while dim % block:
         block -= _LANES
     return block
+
+
+def _lane_padded(
+    weights: jax.Array, is_stacked: bool, layer_arg: jax.Array, axis: int, size: int
+) -> tuple[jax.Array, bool, jax.Array]:
+    """(weights, is_stacked, layer_arg) with `axis` (negative) zero-padded to `size` lanes. A layer-stacked
+    buffer gives its layer's slice first, so only that layer is copied; aligned weights come back as they are."""
+    if weights.shape[axis] == size:
+        return weights, is_stacked, layer_arg
+    if is_stacked:
+        weights = jax.lax.dynamic_index_in_dim(weights, layer_arg[0], 0, keepdims=False)
+    pad = [(0, 0)] * weights.ndim
+    pad[axis] = (0, size - weights.shape[axis])
+    return jnp.pad(weights, pad), False, jnp.zeros((1,), jnp.int32)
 
 
 def _row_block(num_rows: int, max_block: int) -> int:
@@ -136,9 +151,9 @@ def _weight_spec(is_stacked: bool, block: tuple[int, int], block_index) -> pl.Bl
     return pl.BlockSpec((None, None, *block), lambda *ids: (ids[-1][0], *block_index(*ids)))
 
 
-def _sort_rows(values: jax.Array, sort_perm: jax.Array, num_rows_padded: int) -> jax.Array:
+def _sort_rows(values: jax.Array, sort_perm: jax.Array, num_rows_padded: int, num_cols_padded: int) -> jax.Array:
     sorted_values = values[sort_perm]
-    return jnp.pad(sorted_values, ((0, num_rows_padded - values.shape[0]), (0, 0)))
+    return jnp.pad(sorted_values, ((0, num_rows_padded - values.shape[0]), (0, num_cols_padded - values.shape[1])))
 
 
 def _unsort_rows(sorted_values: jax.Array, sort_perm: jax.Array) -> jax.Array:
@@ -170,15 +185,17 @@ def sgmv_shrink_tpu(
     num_tokens, in_dim = x.shape
     is_stacked, layer_arg = layer_operand(lora_a, layer)
     max_rank = lora_a.shape[-2]
+    in_padded = _round_up(in_dim, _LANES)
+    lora_a, is_stacked, layer_arg = _lane_padded(lora_a, is_stacked, layer_arg, -1, in_padded)
     tm = _row_block(num_tokens, block_rows)
-    tk = _lane_block(in_dim, block_in, "input")
+    tk = _lane_block(in_padded, block_in)
     rows_padded = _round_up(max(num_tokens, 1), tm)
     work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tm)
-    x_sorted = _sort_rows(x, sort_perm, rows_padded)
+    x_sorted = _sort_rows(x, sort_perm, rows_padded, in_padded)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=_NUM_PREFETCH,
-        grid=(work.num_items, in_dim // tk),
+        grid=(work.num_items, in_padded // tk),
         in_specs=[
             pl.BlockSpec((tm, tk), lambda w, k, tile, slot, *_: (tile[w], k)),
             _weight_spec(is_stacked, (max_rank, tk), lambda w, k, tile, slot, *_: (slot[w], 0, k)),
@@ -214,15 +231,17 @@ def sgmv_expand_tpu(
     num_tokens, max_rank = s.shape
     is_stacked, layer_arg = layer_operand(lora_b, layer)
     out_dim = lora_b.shape[-2]
+    out_padded = _round_up(out_dim, _LANES)
+    lora_b, is_stacked, layer_arg = _lane_padded(lora_b, is_stacked, layer_arg, -2, out_padded)
     tm = _row_block(num_tokens, block_rows)
-    tn = _lane_block(out_dim, block_out, "output")
+    tn = _lane_block(out_padded, block_out)
     rows_padded = _round_up(max(num_tokens, 1), tm)
     work = make_work_list(seg_start, seg_slot, slot_rank, num_tokens, tm)
-    s_sorted = _sort_rows(s.astype(jnp.float32), sort_perm, rows_padded)
+    s_sorted = _sort_rows(s.astype(jnp.float32), sort_perm, rows_padded, max_rank)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=_NUM_PREFETCH,
-        grid=(out_dim // tn, work.num_items),
+        grid=(out_padded // tn, work.num_items),
         in_specs=[
             pl.BlockSpec((tm, max_rank), lambda n, w, tile, slot, *_: (tile[w], 0)),
             _weight_spec(is_stacked, (tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
@@ -233,8 +252,8 @@ def sgmv_expand_tpu(
     out_sorted = pl.pallas_call(
         functools.partial(_expand_kernel, block_rows=tm),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((rows_padded, out_dim), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((rows_padded, out_padded), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret_arg(interpret),
     )(*_prefetch_args(work, layer_arg), s_sorted, lora_b)
-    return _unsort_rows(out_sorted, sort_perm)
+    return _unsort_rows(out_sorted[:, :out_dim], sort_perm)

@@ -12,6 +12,9 @@ out of its loads (those bytes are never read) and reads nothing for base segment
 matmul of base segments but its weight DMA always moves the full R (static block shape). See
 docs/lora_backends.md.
 
+Projection sizes: any. The GPU kernels mask their last `in` / `out` block past sizes no block divides; the TPU
+kernels pad such sizes to 128 lanes at trace time and slice back (docs/lora_backends.md "Projection sizes").
+
 GPU `apply` / `apply_packed` fuse the whole LoRA: the shrink partials go straight into the expand kernel,
 which sums them, applies the slot scale and adds into the (packed) base output in place; a packed module
 (q|k|v, gate|up) is one shrink launch plus one expand launch for all its parts, with no XLA op between
@@ -25,7 +28,8 @@ Mosaic kernels scalar-prefetch the layer index into their weight index maps.
 Prefill on Hopper GPUs (`fused_gemm_tile_rows`, `apply_with_base`): from `--lora-fused-gemm-min-tokens` tokens
 (default FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its base GEMM and every part's expand in
 one Mosaic GPU kernel (pallas_kernels/sgmv/gemm_lora_gpu.py) after the SGMV shrink; the model hands over the
-module's base weight as a layer-stack view and the batch's entry table. Elsewhere a positive flag value runs
+module's base weight as a layer-stack view and the batch's entry table. A module that kernel cannot take (its
+tiles, rank or dtype) gets None from `apply_with_base` and runs the base GEMM and the SGMV kernels. Elsewhere a positive flag value runs
 that path with the kernel's pure-JAX reference (CPU tests).
 """
 
