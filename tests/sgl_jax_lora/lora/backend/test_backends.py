@@ -110,8 +110,8 @@ def test_a_poisoned_slot_changes_no_other_slots_tokens(name, poison):
     assert_close(y[others], np.asarray(y_clean)[others] + 0.5, jnp.float32)
 
 
-# The Pallas backends run their kernels in interpret mode here (slow); tests/test_pallas_sgmv.py already
-# checks those kernels on small pools, one token and all-base batches, so they skip the repeats below.
+# The Pallas backends run their kernels in interpret mode here (slow); tests/pallas_kernels/sgmv/test_sgmv_kernels.py
+# already checks those kernels on small pools, one token and all-base batches, so they skip the repeats below.
 PURE_JAX = ["einsum", "bgmv", "sgmv_ragged", "sgmv_onehot", "auto"]
 
 
