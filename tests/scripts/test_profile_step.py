@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 
 import pytest
 
+import scripts.profile_step as profile_step
 from scripts.profile_step import (
     device_ops, layer_period_us, split_forwards, span_us, summarize_trace, timed, timeline,
 )
@@ -51,20 +51,34 @@ def test_no_trace_gives_no_ops(tmp_path):
     assert device_ops(str(tmp_path)) == [] and split_forwards([]) == []
 
 
+class FakeClock:
+    """perf_counter for scripts/profile_step.py: time moves only when a result is awaited."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class SlowResult:
-    """A call's result that takes 30 ms to become ready, as a device computation would."""
+    """A call's result that takes 30 ms (on the fake clock) to become ready, as a device computation would."""
+
+    def __init__(self, clock: FakeClock):
+        self.clock = clock
 
     def block_until_ready(self):
-        time.sleep(0.03)
+        self.clock.now += 0.03
         return self
 
 
-def test_dispatch_time_leaves_out_the_wait_for_the_result():
-    calls = []
-    launch = lambda: calls.append(1) or SlowResult()  # noqa: E731
-    assert timed(launch, repeats=3, wait=False) < 10.0  # ms: the 30 ms wait is outside the timing
+def test_dispatch_time_leaves_out_the_wait_for_the_result(monkeypatch):
+    clock, calls = FakeClock(), []
+    monkeypatch.setattr(profile_step, "time", clock)
+    launch = lambda: calls.append(1) or SlowResult(clock)  # noqa: E731
+    assert timed(launch, repeats=3, wait=False) == 0.0  # ms: the 30 ms wait is outside the timing
     assert len(calls) == 4  # one warm-up call, then one per repeat
-    assert timed(launch, repeats=1) >= 30.0
+    assert timed(launch, repeats=1) == pytest.approx(30.0)
 
 
 def test_layer_period_follows_the_per_layer_op_with_the_most_time():

@@ -133,10 +133,15 @@ def test_adapter_names_are_checked_and_never_echoed_whole(http, root):
 
 def test_registered_adapters_are_bounded(http, root):
     assert len(model_ids(http)) == 2  # the base model and a0
-    for name in ["spare1", "spare2", "spare3"]:
-        assert load(http, name, str(root / name)).status_code == 200
-    assert len(model_ids(http)) - 1 == MAX_REGISTERED
-    assert "--max-loras-registered" in error_of(load(http, "one-more", str(root / "good")))
-    assert "--max-loras-registered" in error_of(generate(http, str(root / "good")))  # on-demand loads count too
-    assert http.post("/unload_lora_adapter", json={"lora_name": "spare1"}).status_code == 200
-    assert load(http, "one-more", str(root / "good")).status_code == 200
+    try:
+        for name in ["spare1", "spare2", "spare3"]:
+            assert load(http, name, str(root / name)).status_code == 200
+        assert len(model_ids(http)) - 1 == MAX_REGISTERED
+        assert "--max-loras-registered" in error_of(load(http, "one-more", str(root / "good")))
+        assert "--max-loras-registered" in error_of(generate(http, str(root / "good")))  # on-demand loads count too
+        assert http.post("/unload_lora_adapter", json={"lora_name": "spare1"}).status_code == 200
+        assert load(http, "one-more", str(root / "good")).status_code == 200
+    finally:  # the other tests expect the base model and a0 alone
+        for name in ["spare1", "spare2", "spare3", "one-more"]:
+            http.post("/unload_lora_adapter", json={"lora_name": name})
+    assert len(model_ids(http)) == 2

@@ -2,7 +2,7 @@
 off the event loop (/health answers meanwhile); SIGTERM drains (new requests 503, the running one finishes, exit
 code 0); an engine killed with SIGKILL fails every request at once, /health turns 503, the server exits non-zero.
 
-Each server here ends its life in a test, so the tests that stop one come last in their group.
+A test that stops its server has that server to itself, so the tests pass in any order and alone.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.support.http_helpers import SMALL_ENGINE_FLAGS, sse_events, start_ser
 LONG = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server():
     srv = start_server([*SMALL_ENGINE_FLAGS, "--shutdown-timeout", "120"])
     yield srv
@@ -77,12 +77,20 @@ def test_sigterm_drains_then_exits_zero(server):
         pytest.fail("the server did not exit after draining")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def doomed_server():
     # a longer context, so that its requests are still decoding when the engine is killed
     srv = start_server([*SMALL_ENGINE_FLAGS, "--context-length", "1024"])
     yield srv
     srv.stop(signal.SIGKILL)
+
+
+def health_is_503_or_exited(server) -> bool:
+    """/health once the engine is dead: 503 while the server is still up (it exits soon after)."""
+    try:
+        return httpx.get(server.url + "/health", timeout=30).status_code == 503
+    except httpx.TransportError:
+        return server.process.poll() is not None
 
 
 def test_engine_death_fails_every_request_at_once(doomed_server):
@@ -109,6 +117,7 @@ def test_engine_death_fails_every_request_at_once(doomed_server):
             assert events[-1] == "[DONE]" and "engine process has exited" in events[-2]["error"]["message"]
         waiter.join(timeout=120)
         assert waiting and waiting[0].status_code == 503, waiting
+        assert health_is_503_or_exited(doomed_server)
     finally:
         for s in streams:
             s.__exit__(None, None, None)
