@@ -71,7 +71,7 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         page_table[seq, :count] = free_pages[taken : taken + count]
         taken += count
     cache_shape = (case.num_layers, case.num_kv_heads, case.num_pages * case.page_size, case.head_dim)
-    draw = lambda shape: jnp.asarray(rng.standard_normal(shape), case.dtype)
+    draw = lambda shape: jnp.asarray(rng.standard_normal(shape), case.dtype)  # noqa: E731
     return Inputs(
         q=draw((case.num_tokens, case.num_heads, case.head_dim)),
         k_cache=draw(cache_shape),

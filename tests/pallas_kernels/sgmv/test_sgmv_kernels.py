@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
-from pallas_kernels.sgmv.work_list import make_work_list, make_work_list_host, padded_perm
+from pallas_kernels.sgmv.work_list import make_work_list, padded_perm
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 
 # Max |out - ref| allowed, relative to max |ref|, per input dtype. bf16: inputs are bf16 and the expand
