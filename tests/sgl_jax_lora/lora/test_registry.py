@@ -1,4 +1,4 @@
-"""LoRARegistry (refcounts, wait-for-unload), eviction policies and the host adapter cache."""
+"""LoRARegistry (refcounts, wait-for-unload) and the host adapter cache; eviction policies are in test_eviction.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from sgl_jax_lora.lora.adapter import LoRAAdapter
-from sgl_jax_lora.lora.eviction import FIFOEvictionPolicy, LRUEvictionPolicy, make_eviction_policy
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_manager import segment_buckets
 from sgl_jax_lora.lora.lora_ref import LoRARef
@@ -90,26 +89,6 @@ def test_unregister_of_idle_adapter_returns_at_once() -> None:
         assert registry.list_refs() == []
 
     asyncio.run(scenario())
-
-
-def test_lru_and_fifo_pick_different_victims() -> None:
-    lru, fifo = make_eviction_policy("lru"), make_eviction_policy("fifo")
-    assert isinstance(lru, LRUEvictionPolicy) and isinstance(fifo, FIFOEvictionPolicy)
-    for policy in (lru, fifo):
-        for key in ("a", "b", "c", "a"):
-            policy.mark_used(key)
-    assert lru.select_victim(["a", "b", "c"]) == "b"
-    assert fifo.select_victim(["a", "b", "c"]) == "a"
-    assert lru.select_victim(["a", "c"]) == "c"
-    assert lru.select_victim(["a", "never-seen"]) == "never-seen"
-    lru.remove("b")
-    lru.remove("not-there")
-    lru.mark_used("b")
-    assert lru.select_victim(["a", "b", "c"]) == "c"
-    with pytest.raises(ValueError, match="no evictable adapter"):
-        lru.select_victim([])
-    with pytest.raises(ValueError, match="--lora-eviction-policy 'mru'.*lru, fifo"):
-        make_eviction_policy("mru")
 
 
 def _tiny_adapter(ref: LoRARef) -> LoRAAdapter:
