@@ -530,7 +530,8 @@ def test_chat_template_sources(tmp_path):
     from transformers import AutoTokenizer
 
     from sgl_jax_lora.demo_model import demo_model_path
-    from sgl_jax_lora.entrypoints.openai_api import ChatMessage, load_chat_template, render_chat
+    from sgl_jax_lora.entrypoints.chat_template import load_chat_template, render_chat
+    from sgl_jax_lora.entrypoints.openai_protocol import ChatMessage
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     tm = types.SimpleNamespace(tokenizer=tokenizer)
