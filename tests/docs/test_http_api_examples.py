@@ -20,6 +20,9 @@ import pytest
 from tests.support.http_helpers import start_server
 from tests.support import REPO_ROOT
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 REPO = REPO_ROOT
 DOC = os.path.join(REPO, "docs", "http_api.md")
 EXAMPLE = re.compile(r"<!-- doc-example -->\s*```bash\n(.*?)```\s*```json\n(.*?)```", re.S)

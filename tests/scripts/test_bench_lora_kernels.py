@@ -12,6 +12,9 @@ import jax
 import pytest
 from tests.support import REPO_ROOT
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 ROOT = REPO_ROOT
 
 

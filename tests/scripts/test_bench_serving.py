@@ -19,6 +19,9 @@ from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_ser
 from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 ROOT = REPO_ROOT
 NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 10, 8, 4
 

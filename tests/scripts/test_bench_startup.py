@@ -10,6 +10,10 @@ import sys
 
 from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
+import pytest
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
 
 ROOT = REPO_ROOT
 

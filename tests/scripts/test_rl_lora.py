@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 from tests.support import REPO_ROOT
+import pytest
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
 
 ROOT = REPO_ROOT
 

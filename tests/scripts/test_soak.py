@@ -11,12 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
 from tests.support.peft_fixtures import write_peft_adapter
 
 from sgl_jax_lora.demo_model import demo_model_path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(REPO_ROOT) / "scripts" / "soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,9 @@ SMALL = dict(
     max_prefill_seqs=4,
     token_buckets=[16],
 )
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
 # Four adapters of different ranks, alphas and target forms.
 ADAPTER_FORMS = {
     "all_linear_r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),

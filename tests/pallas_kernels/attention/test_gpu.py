@@ -22,6 +22,9 @@ from pallas_kernels.attention.gpu import (
 )
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # max abs error on outputs of magnitude ~1
 ON_GPU = jax.devices()[0].platform == "gpu"
 

@@ -20,6 +20,9 @@ import pytest
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 _UNUSED_PAGE = 1 << 20  # far past any cache in these tests: reading it is an out-of-bounds DMA
 

@@ -19,6 +19,9 @@ from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import make_work_list, padded_perm
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 # Max |out - ref| allowed, relative to max |ref|, per input dtype. bf16: inputs are bf16 and the expand
 # kernels round s to bf16 before the matmul (as every backend does), ~2^-8 relative per element.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -21,6 +21,9 @@ import pytest
 
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, process_exists, sse_events, start_server
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

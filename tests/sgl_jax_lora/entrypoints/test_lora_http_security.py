@@ -17,6 +17,9 @@ from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
 from sgl_jax_lora.demo_model import demo_model_path
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 SECRET = "s3cr3t-value-from-outside"
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 MAX_REGISTERED = 4

@@ -17,6 +17,9 @@ from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
 from tests.support.peft_fixtures import write_peft_adapter
 from sgl_jax_lora.demo_model import demo_model_path
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 KEY = "tensors-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

@@ -17,6 +17,9 @@ import httpx
 import pytest
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, sse_events, start_server
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 LONG = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
 
 

@@ -26,7 +26,7 @@ from sgl_jax_lora.models.llama import LORA_TARGETS
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 
-pytestmark = pytest.mark.tpu_export
+pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
 
 PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
 # A Llama-shaped model with TPU-sized heads (head_dim 128, GQA 4/2... 8/4 at tp 4) and few layers.

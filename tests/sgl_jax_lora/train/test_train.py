@@ -21,6 +21,9 @@ from sgl_jax_lora.train.data import batches, padded_length, read_examples
 from sgl_jax_lora.train.lora_params import save_peft_adapter
 from sgl_jax_lora.train.trainer import LoRATrainer
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 PAIRS = [
     ("What is the capital of France?", " Paris is the capital of France."),
     ("Tell me a story about a robot.", " Once upon a time there was a small robot."),

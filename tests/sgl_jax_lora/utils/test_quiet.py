@@ -21,6 +21,9 @@ import pytest
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
 from tests.support import REPO_ROOT
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 REPO = REPO_ROOT
 TORCH_ENTRIES = ("torch", "functorch", "torchgen")
 NOISE = ("PyTorch was not found", "Unable to initialize backend")

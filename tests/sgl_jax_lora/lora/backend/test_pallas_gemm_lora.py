@@ -34,6 +34,9 @@ from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 
 def module_inputs(seed, *, num_tokens=256, in_dim=128, widths=(512, 256, 256), rank=16, seq_lens=(40, 100, 60, 30)):
     """A packed module's x, W, A (parts stacked along R) and B per part, and a prefill batch of sequences whose
