@@ -16,7 +16,8 @@ layer loop), and times, side by side in one process:
 Tokens are a prefill batch: `sequences` sequences of T / sequences tokens each, one adapter per sequence, held
 together in token order as the engine lays out a prefill batch. Ratios are to `xla`. Needs a Hopper GPU.
 
-Correctness: `pytest tests/test_gemm_lora.py tests/test_lora_in_gemm.py` on the GPU.
+Correctness, on the GPU: `pytest tests/pallas_kernels/sgmv/test_gemm_lora_gpu.py
+tests/sgl_jax_lora/lora/backend/test_pallas_gemm_lora.py`.
 
 Usage: python scripts/bench_gemm_lora.py --json out.json [--rows 0,1]
 """

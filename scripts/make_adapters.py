@@ -81,7 +81,7 @@ def random_lora_tensors(shapes: LoRATargetShapes, rank: int, targets: list[str],
                         b_std: float, dtype: str) -> dict[str, np.ndarray]:
     """PEFT-named tensors: A [r, in] ~ U(+-1/sqrt(in)), B [out, r] ~ N(0, b_std), both non-zero."""
     tensors = {}
-    for layer, module, path in shapes.all_module_paths():
+    for _layer, module, path in shapes.all_module_paths():
         if module not in targets:
             continue
         in_features, out_features = shapes.module_shapes[module]

@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv import gpu as gpu_kernels  # noqa: E402
 from scripts.bench_lora_kernels import make_lora, time_fn  # noqa: E402
-from sgl_jax_lora.layers.linear import pack_parts  # noqa: E402
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.backend import pallas as pallas_backend  # noqa: E402
 from sgl_jax_lora.lora.layer_stack import LayerStack  # noqa: E402

@@ -89,7 +89,7 @@ class Engine:
     async def _generate_all(self, requests) -> list[dict]:
         async def one(request):
             result = None
-            async for result in self.tokenizer_manager.generate_request(request):
+            async for result in self.tokenizer_manager.generate_request(request):  # noqa: B007 - keeps the last
                 pass
             return result
 

@@ -216,7 +216,7 @@ def _block_sequences(cu_q_lens: jax.Array, num_blocks: int, tokens_per_block: in
     first_token = jnp.arange(num_blocks, dtype=jnp.int32) * tokens_per_block
     num_real = cu_q_lens[-1]
     last_token = jnp.minimum(first_token + tokens_per_block, num_real) - 1
-    seq_of = lambda token: jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs - 1)
+    seq_of = lambda token: jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs - 1)  # noqa: E731
     first_seq = seq_of(first_token).astype(jnp.int32)
     last_seq = jnp.where(first_token < num_real, seq_of(last_token), first_seq - 1).astype(jnp.int32)
     return first_seq, last_seq

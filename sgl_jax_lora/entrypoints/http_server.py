@@ -31,6 +31,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from sgl_jax_lora.entrypoints import lora_tensors_api, native_api, openai_api
+from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
@@ -111,7 +112,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
         model_path=model_path,
         served_model_name=served_model_name(args, model_path),
         metrics=ServerMetrics(),
-        chat_template=openai_api.load_chat_template(args.chat_template),
+        chat_template=load_chat_template(args.chat_template),
         versions=native_api.package_versions(),
     )
 

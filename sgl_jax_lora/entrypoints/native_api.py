@@ -261,7 +261,7 @@ def _per_prompt(name: str, value: object, count: int) -> list:
 # ---- streaming and disconnects (shared with openai_api) ----------------------------------------
 async def last_result(results: AsyncIterator[dict]) -> dict:
     result = None
-    async for result in results:
+    async for result in results:  # noqa: B007 - keeps the last
         pass
     return result
 

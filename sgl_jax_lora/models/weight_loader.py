@@ -82,7 +82,8 @@ def _dummy_value(path: tuple[str, ...], shape: tuple[int, ...], dtype, sharding,
     """Random weights of the right shape made on device (norm scales 1), for benchmarks at real sizes."""
     if path[-1] == "scale":
         return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
-    # a hash that is the same in every process (str hashes are salted per process): multi-host nodes agree
+    # crc32, not hash(): str hashes differ per process (PYTHONHASHSEED), so --random-seed would not reproduce them,
+    # and multi-host nodes would build different weights
     key = jax.random.fold_in(jax.random.key(seed), zlib.crc32("/".join(path).encode()) % (2**31))
     make = lambda: (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)  # noqa: E731
     return jax.jit(make, out_shardings=sharding)()

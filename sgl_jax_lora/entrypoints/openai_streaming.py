@@ -1,0 +1,125 @@
+"""OpenAI streaming: the SSE chunks of /v1/completions and /v1/chat/completions, with text deltas that are never
+taken back, then a usage chunk when `stream_options.include_usage` asks for one.
+
+Flow: openai_api.py's routes hand the engine's result streams here -> merge_streams (native_api.py) interleaves
+the choices -> each update becomes one chunk (openai_responses.py builds its logprobs) -> `data: [DONE]` is
+added by streaming_response.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from sgl_jax_lora.entrypoints.native_api import merge_streams, sse
+from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax_lora.entrypoints.openai_responses import Echo, chat_logprobs, completion_logprobs, finish_reason, usage_of
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
+
+
+class TextDeltas:
+    """Turns cumulative texts into deltas that are never taken back.
+
+    Until the request finishes, hold back a trailing U+FFFD (the rest of a multi-byte character has
+    not arrived) and any tail that could be the start of a stop string (the final text omits it).
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.num_sent = 0
+
+    def delta(self, text: str, is_finished: bool) -> str:
+        end = len(text) if is_finished else self._stable_len(text)
+        if end <= self.num_sent:
+            return ""
+        piece = text[self.num_sent : end]
+        self.num_sent = end
+        return piece
+
+    def _stable_len(self, text: str) -> int:
+        end = len(text)
+        while end > self.num_sent and text[end - 1] == "\ufffd":
+            end -= 1
+        held = 0
+        for stop in self.stop:
+            for k in range(len(stop) - 1, held, -1):
+                if text[:end].endswith(stop[:k]):
+                    held = k
+                    break
+        return max(end - held, self.num_sent)
+
+
+async def completion_chunks(
+    tm: TokenizerManager, body: CompletionRequest, requests: list[GenerateRequest], echoes: list[Echo], streams: list,
+    response_id: str,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    deltas = [TextDeltas(r.sampling.stop) for r in requests]
+    num_inputs_sent = [0] * len(requests)
+    num_tokens_sent = [0] * len(requests)
+    num_chars_sent = [0] * len(requests)
+    finals: dict[int, dict] = {}
+    merged = merge_streams(streams)
+    async with contextlib.aclosing(merged):
+        async for index, result in merged:
+            echo = echoes[index]
+            finish = finish_reason(result)
+            meta = result["meta_info"]
+            text = "" if echo.scoring else deltas[index].delta(result["text"], finish is not None)
+            if num_chars_sent[index] == 0:  # the choice's first chunk starts with the echoed prompt
+                text = echo.text + text
+            if echo.scoring and finish is not None:
+                finish = "length"
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            if body.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index],
+                                                          num_chars_sent[index])
+                num_inputs_sent[index] = len(meta.get("input_token_logprobs", []))
+                num_tokens_sent[index] = meta["completion_tokens"]
+            num_chars_sent[index] += len(text)
+            if finish is not None:
+                finals[index] = result
+            if text or finish is not None or body.logprobs is not None:
+                yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]})
+    if body.stream_options and body.stream_options.include_usage:
+        usage = usage_of([finals[i] for i in sorted(finals)], body.n, any(echo.scoring for echo in echoes))
+        yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [], "usage": usage})
+
+
+async def chat_chunks(
+    tm: TokenizerManager, body: ChatCompletionRequest, requests: list[GenerateRequest], streams: list, response_id: str
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                    "choices": [choice]})
+
+    deltas = [TextDeltas(r.sampling.stop) for r in requests]
+    num_tokens_sent = [0] * len(requests)
+    is_first = [True] * len(requests)
+    finals: dict[int, dict] = {}
+    merged = merge_streams(streams)
+    async with contextlib.aclosing(merged):
+        async for index, result in merged:
+            finish = finish_reason(result)
+            text = deltas[index].delta(result["text"], finish is not None)
+            logprobs = None
+            if body.logprobs:
+                logprobs = chat_logprobs(tm, result["meta_info"], num_tokens_sent[index])
+                num_tokens_sent[index] = result["meta_info"]["completion_tokens"]
+            delta = {"role": "assistant", "content": text} if is_first[index] else {"content": text}
+            if finish is not None:
+                finals[index] = result
+            if text or finish is not None or is_first[index] or body.logprobs:
+                yield chunk(index, delta, finish, logprobs)
+                is_first[index] = False
+    if body.stream_options and body.stream_options.include_usage and finals:
+        yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                   "choices": [], "usage": usage_of([finals[i] for i in sorted(finals)], body.n)})

@@ -1,0 +1,1 @@
+"""The test suite: tests/<package path>/test_<module>.py mirrors the package; shared helpers live in tests/support."""

@@ -1,0 +1,155 @@
+"""The GPU ragged paged attention kernels (pallas_kernels/attention/gpu.py) against the reference.
+
+On CPU the kernels run in Pallas interpret mode in float32 on tiny shapes; on a CUDA GPU (marked `gpu`) they run
+compiled in bf16 over contexts up to 4096, GQA 1 and 8, page sizes 16 and 32. Every case draws fresh random
+inputs, shuffles the pages, reads layer 1 of a two-layer cache and leaves garbage pages in the table past each
+sequence's keys, so a kernel that reads another layer, another sequence's pages or keys past kv_len fails.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.gpu import (
+    DecodeTiles,
+    PrefillTiles,
+    _q_block_table,
+    choose_decode_splits,
+    ragged_paged_attention_gpu,
+)
+from pallas_kernels.attention.reference import ragged_paged_attention_ref
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # max abs error on outputs of magnitude ~1
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+def make_inputs(q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size, dtype, num_tokens=None, seed=0):
+    """Random q and a two-layer cache; sequence s owns kv_lens[s] keys on shuffled pages, plus pages of other
+    values past its keys (the table's tail). Returns the reference's positional arguments."""
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    pages_per_seq = max(1, max(-(-n // page_size) for n in kv_lens)) + 1
+    num_pages = num_seqs * pages_per_seq + 1  # page 0: scratch
+    table = rng.permutation(np.arange(1, num_pages)).reshape(num_seqs, pages_per_seq)
+    num_tokens = num_tokens or sum(q_lens)
+    cache_shape = (2, kv_heads, num_pages * page_size, head_dim)
+    q = jnp.asarray(rng.standard_normal((num_tokens, heads, head_dim)), dtype)
+    k_cache = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    v_cache = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kv_lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table, jnp.int32)
+    return (q, k_cache, v_cache, jnp.int32(1), kv_lens, table, cu_q_lens)
+
+
+def check(args, *, page_size, decode_only, interpret, **tiles):
+    head_dim = args[0].shape[-1]
+    want = ragged_paged_attention_ref(*args, page_size=page_size, scale=head_dim**-0.5)
+    got = ragged_paged_attention_gpu(
+        *args, page_size=page_size, scale=head_dim**-0.5, decode_only=decode_only, interpret=interpret, **tiles
+    )
+    assert got.shape == want.shape and got.dtype == want.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    num_real = int(args[-1][-1])
+    np.testing.assert_array_equal(got[num_real:], 0.0)  # padding tokens
+    np.testing.assert_allclose(got, want, atol=TOLERANCE[args[0].dtype.type], rtol=0)
+
+
+# (q_lens, kv_lens, padded token count): decode rows of one token, a padding sequence (q_len 0, kv_len 0),
+# keys ending on a page boundary (8), one past it (9), inside the first page (3)
+DECODE_CASES = [
+    ([1, 1, 0, 1, 1], [9, 8, 0, 3, 21], 7),
+    ([1, 1, 1], [1, 16, 40], None),
+]
+# prefill chunks: whole prompts, a chunk after a cached prefix (kv 20, q 6), chunks starting and ending on page
+# boundaries (kv 12 q 4: positions 8..11), 1-token rows beside chunks, a padding sequence, padding tokens
+PREFILL_CASES = [
+    ([5, 6, 0, 4, 1], [5, 20, 0, 12, 9], 19),
+    ([8, 1, 13], [8, 33, 13], None),
+]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("q_lens,kv_lens,num_tokens", DECODE_CASES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_interpret_f32(q_lens, kv_lens, num_tokens, group, num_splits):
+    args = make_inputs(
+        q_lens, kv_lens, heads=2 * group, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=num_tokens
+    )
+    tiles = DecodeTiles(block_kv=16, num_splits=num_splits)
+    check(args, page_size=4, decode_only=True, interpret=True, decode_tiles=tiles)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("q_lens,kv_lens,num_tokens", PREFILL_CASES)
+def test_general_interpret_f32(q_lens, kv_lens, num_tokens, group):
+    # 16-row q tiles: 16 tokens at GQA 1, 4 at GQA 4, so the longer chunks span several q blocks
+    args = make_inputs(
+        q_lens, kv_lens, heads=2 * group, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=num_tokens
+    )
+    check(args, page_size=4, decode_only=False, interpret=True, prefill_tiles=PrefillTiles(block_rows=16, block_kv=16))
+
+
+def test_general_kernel_serves_decode_rows():
+    args = make_inputs([1, 1, 0, 1], [9, 8, 0, 3], heads=4, kv_heads=1, head_dim=16, page_size=4, dtype=jnp.float32)
+    check(args, page_size=4, decode_only=False, interpret=True, prefill_tiles=PrefillTiles(block_rows=16, block_kv=16))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (12, 4, 64)])
+def test_unsupported_shapes_name_the_flag(heads, kv_heads, head_dim):
+    # head_dim not a power of two; query heads not a multiple of kv heads; GQA group 3
+    args = make_inputs([1], [4], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=4, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="--attention-backend native"):
+        ragged_paged_attention_gpu(*args, page_size=4, scale=1.0, decode_only=True, interpret=True)
+
+
+@pytest.mark.parametrize("q_lens,num_tokens,block_tokens", [([5, 0, 9, 1, 0], 20, 4), ([0, 0], 3, 2), ([8, 8], 16, 8)])
+def test_q_block_table_covers_each_token_once(q_lens, num_tokens, block_tokens):
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    seq, first, count = (np.asarray(a) for a in _q_block_table(cu_q_lens, num_tokens, block_tokens))
+    owner = np.full(num_tokens, -2)
+    for s, f, c in zip(seq, first, count):
+        assert 0 <= c <= block_tokens
+        assert (owner[f : f + c] == -2).all(), "a token in two blocks"
+        owner[f : f + c] = s
+    expected = np.concatenate([np.repeat(np.arange(len(q_lens)), q_lens), np.full(num_tokens - sum(q_lens), -1)])
+    np.testing.assert_array_equal(owner, expected)  # real tokens to their sequence, padding to -1
+
+
+def test_decode_splits_only_when_programs_are_few():
+    assert choose_decode_splits(num_tokens=256, num_kv_heads=8, max_kv_len=528, block_kv=32) == 1
+    assert choose_decode_splits(num_tokens=8, num_kv_heads=8, max_kv_len=2064, block_kv=32) == 8
+    assert choose_decode_splits(num_tokens=1, num_kv_heads=8, max_kv_len=64, block_kv=32) == 1  # 2 blocks: no split
+
+
+def _gpu_lens(mode: str, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """A batch with contexts from 1 to 4096: decode rows, or prefill chunks after prefixes of any length."""
+    if mode == "decode":
+        kv_lens = [1, 16, 17, 511, 512, 1000, 2048, 4096] + list(rng.integers(1, 4097, 24))
+        return [1] * len(kv_lens), [int(n) for n in kv_lens]
+    q_lens = [1, 64, 200, 257, 1, 33]
+    kv_lens = [4096, 64, 1200, 4096, 17, 33]
+    return q_lens, kv_lens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["decode", "general"])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 8])
+def test_kernels_on_gpu_bf16(mode, page_size, group):
+    rng = np.random.default_rng(page_size * 10 + group)
+    q_lens, kv_lens = _gpu_lens(mode, rng)
+    q_lens, kv_lens = q_lens + [0], kv_lens + [0]  # a padding sequence
+    kv_heads = 2
+    args = make_inputs(
+        q_lens, kv_lens, heads=kv_heads * group, kv_heads=kv_heads, head_dim=128, page_size=page_size,
+        dtype=jnp.bfloat16, num_tokens=sum(q_lens) + 3, seed=int(rng.integers(1 << 30)),
+    )
+    check(args, page_size=page_size, decode_only=mode == "decode", interpret=False)

@@ -1,0 +1,194 @@
+"""TPU ragged paged attention kernel (pallas_kernels/attention/tpu.py) against its reference.
+
+The kernel runs on CPU in Mosaic interpret mode (`pltpu.InterpretParams`: uninitialized VMEM reads as NaN and
+out-of-bounds DMAs raise). Page-table entries a sequence does not use hold an out-of-range page id for the kernel
+(the reference gets page 0 there), so a kernel that DMAs a page it should not read fails. The `tpu_export` tests
+lower the real (non-interpret) kernel for TPU with jax.export on CPU: proof that Pallas accepts it for Mosaic,
+not that libtpu compiles it (Mosaic's layout passes run only on a TPU host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.reference import ragged_paged_attention_ref
+from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+_UNUSED_PAGE = 1 << 20  # far past any cache in these tests: reading it is an out-of-bounds DMA
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call. Shapes come in buckets as in the engine (T, S, P, pages), so cases share compiles; the rows
+    past the real ones are padding: tokens past cu_q_lens[S], sequences with q_len 0 and kv_len 0."""
+
+    q_lens: tuple[int, ...]  # per real sequence
+    kv_lens: tuple[int, ...]  # per real sequence, this step's tokens included
+    num_tokens: int = 32  # T, padding included
+    num_seqs: int = 8  # S, padding sequences included
+    pages_per_seq: int = 16  # P
+    num_pages: int = 64  # cache pages, scratch page 0 included
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    page_size: int = 4
+    num_layers: int = 2
+    layer: int = 1
+    queries_per_block: int | None = 4
+    kv_pages_per_block: int | None = 2
+    dtype: type = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    q: jax.Array  # [T, H, D]
+    k_cache: jax.Array  # [L, K, N, D]
+    v_cache: jax.Array  # [L, K, N, D]
+    kv_lens: jax.Array  # [S] i32
+    page_table: jax.Array  # [S, P] i32, unused entries = _UNUSED_PAGE
+    page_table_ref: jax.Array  # [S, P] i32, unused entries = 0 (the scratch page)
+    cu_q_lens: jax.Array  # [S+1] i32
+
+
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
+    rng = np.random.default_rng(seed)
+    num_padding_seqs = case.num_seqs - len(case.q_lens)
+    q_lens = list(case.q_lens) + [0] * num_padding_seqs
+    kv_lens = list(case.kv_lens) + [0] * num_padding_seqs
+    pages_needed = [-(-kv // case.page_size) for kv in kv_lens]
+    assert sum(q_lens) <= case.num_tokens and max(pages_needed) <= case.pages_per_seq, "case outgrows its bucket"
+    free_pages = rng.permutation(np.arange(1, case.num_pages))  # page 0 is scratch
+    page_table = np.full((case.num_seqs, case.pages_per_seq), _UNUSED_PAGE, np.int32)
+    taken = 0
+    for seq, count in enumerate(pages_needed):
+        page_table[seq, :count] = free_pages[taken : taken + count]
+        taken += count
+    cache_shape = (case.num_layers, case.num_kv_heads, case.num_pages * case.page_size, case.head_dim)
+    draw = lambda shape: jnp.asarray(rng.standard_normal(shape), case.dtype)  # noqa: E731
+    return Inputs(
+        q=draw((case.num_tokens, case.num_heads, case.head_dim)),
+        k_cache=draw(cache_shape),
+        v_cache=draw(cache_shape),
+        kv_lens=jnp.asarray(kv_lens, jnp.int32),
+        page_table=jnp.asarray(page_table),
+        page_table_ref=jnp.asarray(np.where(page_table == _UNUSED_PAGE, 0, page_table)),
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+    )
+
+
+def run_both(case: Case, inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
+    scale = case.head_dim**-0.5
+    common = (inputs.q, inputs.k_cache, inputs.v_cache, jnp.int32(case.layer), inputs.kv_lens)
+    out = ragged_paged_attention_tpu(
+        *common, inputs.page_table, inputs.cu_q_lens, page_size=case.page_size, scale=scale,
+        num_kv_pages_per_block=case.kv_pages_per_block, num_queries_per_block=case.queries_per_block,
+        interpret=True,
+    )
+    ref = ragged_paged_attention_ref(*common, inputs.page_table_ref, inputs.cu_q_lens, page_size=case.page_size,
+                                     scale=scale)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+
+
+def check_case(case: Case) -> None:
+    inputs = make_inputs(case)
+    out, ref = run_both(case, inputs)
+    tol = TOLERANCE[case.dtype]
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    num_real = int(inputs.cu_q_lens[-1])
+    assert not np.any(out[num_real:]), "padding tokens must give zeros"
+    assert np.all(np.isfinite(out)), "stale VMEM (NaN in interpret mode) leaked into the output"
+
+
+CASES = {
+    "decode_rows_only": Case(q_lens=(1,) * 6, kv_lens=(5, 1, 17, 8, 12, 3)),
+    "prefill_chunks_only": Case(q_lens=(7, 12, 3), kv_lens=(7, 12, 3)),
+    "mixed_decode_and_chunks": Case(q_lens=(1, 9, 1, 1, 6), kv_lens=(30, 9, 4, 13, 6)),
+    "chunks_after_cached_prefix": Case(q_lens=(5, 11), kv_lens=(21, 40)),
+    "lengths_on_page_boundaries": Case(q_lens=(4, 8, 1, 1), kv_lens=(4, 16, 8, 1)),
+    "long_chunk_split_over_q_blocks": Case(q_lens=(1, 27, 1), kv_lens=(3, 45, 9)),
+    "empty_seqs_between_real_ones": Case(q_lens=(3, 0, 1, 0, 2), kv_lens=(3, 7, 9, 0, 5)),
+    "no_padding_full_buckets": Case(q_lens=(1, 1, 9, 1, 1, 16, 1, 2), kv_lens=(2, 3, 9, 20, 5, 30, 7, 2)),
+    "gqa_ratio_1": Case(q_lens=(1, 5, 1), kv_lens=(13, 5, 2), num_heads=2, num_kv_heads=2),
+    "gqa_ratio_4": Case(q_lens=(1, 5, 1), kv_lens=(13, 9, 2), num_heads=8, num_kv_heads=2),
+    "gqa_ratio_8": Case(q_lens=(2, 1), kv_lens=(11, 6), num_heads=8, num_kv_heads=1),
+    "first_layer_of_three": Case(q_lens=(1, 4), kv_lens=(9, 6), num_layers=3, layer=0),
+    "last_layer_of_three": Case(q_lens=(1, 4), kv_lens=(9, 6), num_layers=3, layer=2),
+    "page_size_8_head_dim_24": Case(q_lens=(3, 1), kv_lens=(19, 33), page_size=8, head_dim=24),
+    "kv_block_not_dividing_page_table": Case(q_lens=(2, 1), kv_lens=(22, 9), pages_per_seq=6,
+                                             kv_pages_per_block=4),
+    "q_and_kv_blocks_of_8": Case(q_lens=(1, 27, 1), kv_lens=(3, 45, 9), queries_per_block=8, kv_pages_per_block=8),
+    "contexts_of_a_few_hundred": Case(q_lens=(1, 16, 1), kv_lens=(300, 260, 177), page_size=16, pages_per_seq=20,
+                                      kv_pages_per_block=4, queries_per_block=8, num_kv_heads=1, num_heads=2),
+    "default_block_sizes": Case(q_lens=(1, 7, 1), kv_lens=(20, 7, 31), queries_per_block=None,
+                                kv_pages_per_block=None),
+    "bf16": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_reference(name: str):
+    check_case(CASES[name])
+
+
+def test_context_4096():
+    check_case(Case(q_lens=(1, 4), kv_lens=(4096, 300), num_tokens=8, num_seqs=2, pages_per_seq=128,
+                    num_pages=160, num_heads=2, num_kv_heads=1, page_size=32, kv_pages_per_block=16,
+                    queries_per_block=8))
+
+
+def test_wrong_layer_would_be_caught():
+    """The layer cases above mean something only if layers differ: reading layer 0 must not match layer 1."""
+    case = CASES["first_layer_of_three"]
+    inputs = make_inputs(case)
+    out, _ = run_both(case, inputs)
+    _, ref_other = run_both(dataclasses.replace(case, layer=1), inputs)
+    assert np.abs(out - ref_other).max() > 1e-2
+
+
+def test_untiled_shapes_raise_outside_interpret_mode():
+    case = CASES["decode_rows_only"]
+    inputs = make_inputs(case)
+    with pytest.raises(ValueError, match="head_dim 16 is not a multiple of 128.*--attention-backend native"):
+        ragged_paged_attention_tpu(inputs.q, inputs.k_cache, inputs.v_cache, jnp.int32(0), inputs.kv_lens,
+                                   inputs.page_table, inputs.cu_q_lens, page_size=case.page_size, scale=1.0)
+
+
+def test_bf16_page_size_off_the_sublane_tile_raises():
+    args = _tpu_export_args(num_tokens=16, num_seqs=16, num_heads=8, num_kv_heads=8, page_size=8)
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=8, scale=1.0)
+    with pytest.raises(ValueError, match="page_size 8 is not a multiple of 16.*--page-size 16"):
+        jax.eval_shape(kernel, *args)
+
+
+def _tpu_export_args(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, page_size: int):
+    num_layers, head_dim, pages_per_seq, num_pages = 4, 128, 64, 2048
+    struct = jax.ShapeDtypeStruct
+    cache = struct((num_layers, num_kv_heads, num_pages * page_size, head_dim), jnp.bfloat16)
+    return (
+        struct((num_tokens, num_heads, head_dim), jnp.bfloat16), cache, cache, struct((), jnp.int32),
+        struct((num_seqs,), jnp.int32), struct((num_seqs, pages_per_seq), jnp.int32),
+        struct((num_seqs + 1,), jnp.int32),
+    )
+
+
+@pytest.mark.tpu_export
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("num_tokens,num_seqs", [(64, 64), (512, 16)], ids=["decode", "mixed"])
+def test_lowers_for_tpu(page_size: int, num_heads: int, num_kv_heads: int, num_tokens: int, num_seqs: int):
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=page_size, scale=128**-0.5)
+    args = _tpu_export_args(num_tokens, num_seqs, num_heads, num_kv_heads, page_size)
+    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(*args)
+    module = exported.mlir_module()
+    assert exported.platforms == ("tpu",)
+    assert "tpu_custom_call" in module, "the kernel did not lower to a Mosaic custom call"

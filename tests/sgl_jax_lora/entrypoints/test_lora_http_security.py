@@ -1,0 +1,150 @@
+"""Hostile adapter loads over HTTP, against a real server on 127.0.0.1 (demo model, LoRA on, one allowed
+directory): a poisoned adapter (NaN in its safetensors) is refused with 400; files that escape the allowed
+directory through symlinks are refused without quoting them; one directory is one adapter however its path is
+spelled; names are checked (length, characters, the base model's name); --max-loras-registered holds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import httpx
+import pytest
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
+from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
+
+from sgl_jax_lora.demo_model import demo_model_path
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+SECRET = "s3cr3t-value-from-outside"
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+MAX_REGISTERED = 4
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    base = tmp_path_factory.mktemp("security")
+    allowed, outside = base / "allowed", base / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    form = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], b_std=0.5)
+    for name, seed in (("a0", 1), ("good", 2), ("spare1", 3), ("spare2", 4), ("spare3", 5)):
+        write_peft_adapter(demo_model_path(), allowed / name, seed=seed, **form)
+    shutil.copytree(allowed / "good", allowed / "bad")
+    poison_adapter(allowed / "bad")
+    # weights linked out of the allowed directory
+    shutil.copytree(allowed / "good", outside / "good")
+    (allowed / "linked_weights").mkdir()
+    shutil.copy(allowed / "good" / "adapter_config.json", allowed / "linked_weights")
+    os.symlink(outside / "good" / "adapter_model.safetensors", allowed / "linked_weights" / "adapter_model.safetensors")
+    # a config linked to a file outside holding a secret
+    (outside / "secret.json").write_text('{"peft_type": "' + SECRET + '", "r": 4}')
+    (allowed / "linked_config").mkdir()
+    shutil.copy(allowed / "good" / "adapter_model.safetensors", allowed / "linked_config")
+    os.symlink(outside / "secret.json", allowed / "linked_config" / "adapter_config.json")
+    os.symlink(outside / "good", allowed / "linked_dir")  # the whole directory linked out
+    os.symlink(allowed / "good", allowed / "alias")  # a link that stays inside
+    return allowed
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-paths", f"a0={root / 'a0'}", "--lora-allowed-dirs", str(root),
+                        "--max-loras-per-batch", "2", "--max-loras-registered", str(MAX_REGISTERED)])
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def load(http: httpx.Client, name: str, path: str) -> httpx.Response:
+    return http.post("/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
+def error_of(response: httpx.Response, status: int = 400) -> str:
+    assert response.status_code == status, response.text
+    return response.json()["error"]["message"]
+
+
+def model_ids(http: httpx.Client) -> list[str]:
+    return [m["id"] for m in http.get("/v1/models").json()["data"]]
+
+
+def generate(http: httpx.Client, lora_path: str | None) -> httpx.Response:
+    return http.post("/generate", json={"text": "Hello", "lora_path": lora_path, "sampling_params": GREEDY})
+
+
+def test_a_poisoned_adapter_is_refused_at_load(http, root):
+    message = error_of(load(http, "bad", str(root / "bad")))
+    assert "adapter 'bad'" in message and "lora_B" in message and "NaN or Inf" in message
+    on_demand = error_of(generate(http, str(root / "bad")))  # a request naming its path loads it on demand
+    assert "NaN or Inf" in on_demand
+    assert "bad" not in model_ids(http) and str(root / "bad") not in model_ids(http)
+    assert generate(http, None).status_code == 200 and generate(http, "a0").status_code == 200
+
+
+@pytest.mark.parametrize("directory, fragment", [
+    ("linked_weights", "adapter_model.safetensors resolves (through a symlink) to a file outside"),
+    ("linked_config", "adapter_config.json resolves (through a symlink) to a file outside"),
+    ("linked_dir", "is not an adapter directory inside the directories the operator allowed"),
+])
+def test_symlinks_out_of_the_allowed_directory_are_refused(http, root, directory, fragment):
+    loaded = error_of(load(http, "escape", str(root / directory)))
+    assert fragment in loaded and SECRET not in loaded
+    requested = error_of(generate(http, str(root / directory)))  # a request naming the path loads it on demand
+    assert SECRET not in requested
+    assert fragment in requested or (directory == "linked_dir" and "no LoRA adapter with this name" in requested)
+    assert "escape" not in model_ids(http) and len(model_ids(http)) == 2  # the base model and a0
+
+
+def test_one_directory_is_one_adapter_however_spelled(http, root):
+    real = os.path.realpath(root / "good")
+    spellings = [str(root / "good"), f"{root}/./good", f"{root}//good", f"{root}/a0/../good", f"{root}/good/",
+                 str(root / "alias"), f"{root}/alias/."]
+    texts = []
+    for path in spellings:
+        response = generate(http, path)
+        assert response.status_code == 200, (path, response.text)
+        texts.append(response.json()["text"])
+    assert len(set(texts)) == 1 and texts[0] != generate(http, None).json()["text"]
+    ids = model_ids(http)
+    assert ids.count(real) == 1 and not any(p in ids for p in spellings if p != real)
+    assert "already loaded as" in error_of(load(http, "another-name", f"{root}/alias"))
+    assert http.post("/unload_lora_adapter", json={"lora_name": real}).status_code == 200
+
+
+def test_adapter_names_are_checked_and_never_echoed_whole(http, root):
+    huge = "n" * 1_000_000
+    message = error_of(load(http, huge, str(root / "spare1")))
+    assert "--max-lora-name-length 512" in message and len(message) < 500
+    assert "control or non-printable" in error_of(load(http, "evil\nname", str(root / "spare1")))
+    assert "the base model's name" in error_of(load(http, model_ids(http)[0], str(root / "spare1")))
+    unknown = error_of(generate(http, "u" * 300))
+    assert "no LoRA adapter with this name" in unknown and "u" * 65 not in unknown  # the name is cut
+    deep = error_of(generate(http, "a/" * 500_000))  # refused before any path work on a million characters
+    assert "--max-lora-name-length 512" in deep and len(deep) < 500
+    assert "longer than any path" in error_of(load(http, "deep", "a/" * 500_000))
+
+
+def test_registered_adapters_are_bounded(http, root):
+    assert len(model_ids(http)) == 2  # the base model and a0
+    try:
+        for name in ["spare1", "spare2", "spare3"]:
+            assert load(http, name, str(root / name)).status_code == 200
+        assert len(model_ids(http)) - 1 == MAX_REGISTERED
+        assert "--max-loras-registered" in error_of(load(http, "one-more", str(root / "good")))
+        assert "--max-loras-registered" in error_of(generate(http, str(root / "good")))  # on-demand loads count too
+        assert http.post("/unload_lora_adapter", json={"lora_name": "spare1"}).status_code == 200
+        assert load(http, "one-more", str(root / "good")).status_code == 200
+    finally:  # the other tests expect the base model and a0 alone
+        for name in ["spare1", "spare2", "spare3", "one-more"]:
+            http.post("/unload_lora_adapter", json={"lora_name": name})
+    assert len(model_ids(http)) == 2

@@ -1,0 +1,295 @@
+"""Prefill with the base GEMM and the LoRA in one kernel, as the Pallas backend and the model run it
+(PallasBackend.apply_with_base; pallas_kernels/sgmv/gemm_lora_gpu.py).
+
+On CPU the backend computes that path with the kernel's pure-JAX reference of the same entry layout
+(`gemm_lora_entries_ref`), so what is checked here is everything around the kernel: which buckets and modules
+take it, packed parts, layer stacks read in place, tensor parallelism (the row-parallel delta added on one
+shard), the entry table the model builds per forward, and the engine's outputs against the SGMV path. On a
+Hopper GPU the same tests run the Mosaic GPU kernel itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import sgl_jax_lora.lora.backend.pallas as pallas_module
+from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
+from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
+from sgl_jax_lora.layers.linear import pack_parts, split_packed
+from sgl_jax_lora.lora.backend.auto import AutoBackend
+from sgl_jax_lora.lora.backend.einsum import EinsumBackend
+from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.layer_stack import LayerStack
+from sgl_jax_lora.lora.lora_batch import build_lora_batch, with_entry_table
+from sgl_jax_lora.managers.engine_core import EngineCore
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+
+def module_inputs(seed, *, num_tokens=256, in_dim=128, widths=(512, 256, 256), rank=16, seq_lens=(40, 100, 60, 30)):
+    """A packed module's x, W, A (parts stacked along R) and B per part, and a prefill batch of sequences whose
+    tokens are contiguous (slot 0 = base, padding at the end), with its entry table."""
+    rng = np.random.default_rng(seed)
+    num_slots, num_parts = 4, len(widths)
+    ranks = np.array([0, rank, rank // 2, rank], np.int32)
+    row = np.arange(num_parts * rank) % rank
+    lora_a = rng.standard_normal((num_slots, num_parts * rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
+    lora_bs = tuple(
+        jnp.asarray(rng.standard_normal((num_slots, w, rank)) * (np.arange(rank) < ranks[:, None, None]), jnp.bfloat16)
+        for w in widths
+    )
+    seq_slots = rng.integers(0, num_slots, len(seq_lens))
+    token_slot = np.zeros(num_tokens, np.int32)
+    token_slot[: sum(seq_lens)] = np.repeat(seq_slots, seq_lens)
+    scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
+    lora = build_lora_batch(token_slot, 8, scale, ranks, work_block_rows=0)
+    lora = with_entry_table(jax.tree_util.tree_map(jnp.asarray, lora), 128, len(seq_lens))
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((in_dim, sum(widths))) * 0.1, jnp.bfloat16)
+    return x, w, jnp.asarray(lora_a, jnp.bfloat16), lora_bs, lora
+
+
+def base_product(x, w):
+    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def base_plus_lora(x, w, lora_a, lora_bs, lora):
+    """x @ W + every part's delta, in float32, from the one-hot einsum backend."""
+    base = base_product(x, w)
+    return EinsumBackend(None).apply_packed(x.astype(jnp.float32), lora_a.astype(jnp.float32),
+                                            tuple(b.astype(jnp.float32) for b in lora_bs), lora, base, tp_size=1)
+
+
+def assert_close(y, expected):
+    y, expected = np.asarray(y.astype(jnp.float32)), np.asarray(expected)
+    assert np.abs(y - expected).max() <= 1e-2 * np.abs(expected).max()  # bf16 output, s rounded to bf16
+
+
+def fused_backend(mesh=None) -> PallasBackend:
+    return PallasBackend(mesh, fused_gemm_min_tokens=256)
+
+
+@pytest.mark.parametrize("stacked", ["arrays", "layer_stacks", "a_too_large_for_int32_offsets"])
+def test_apply_with_base_equals_base_gemm_plus_lora(stacked, monkeypatch):
+    if stacked == "a_too_large_for_int32_offsets":  # the shrink then gets A's layer slice; W and B stay stacked
+        monkeypatch.setattr(pallas_module, "fits_stacked_offsets", lambda shape: False)
+    x, w, lora_a, lora_bs, lora = module_inputs(0)
+    expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
+    lora_delta = expected - base_product(x, w)
+    assert float(jnp.abs(lora_delta).max()) > 0.2 * float(jnp.abs(expected).max())  # the LoRA part is not negligible
+    if stacked != "arrays":  # the model hands over views of [L, ...] stacks; layer 1 must be read, not its neighbours
+        layer = jnp.int32(1)
+        w, lora_a = LayerStack(jnp.stack([w * 3, w, w * 2]), layer), LayerStack(jnp.stack([lora_a * 3, lora_a]), layer)
+        lora_bs = tuple(LayerStack(jnp.stack([b * 3, b]), layer) for b in lora_bs)
+    y = jax.jit(lambda *a: fused_backend().apply_with_base(*a, tp_size=1))(x, w, lora_a, lora_bs, lora)
+    assert y.shape == expected.shape and y.dtype == jnp.bfloat16
+    assert_close(y, expected)
+    is_base = np.asarray(lora.token_slot) == 0  # base rows: x @ W alone
+    assert_close(y[is_base], base_product(x, as_array(w))[is_base])
+
+
+def as_array(w):
+    return w.sliced() if isinstance(w, LayerStack) else w
+
+
+NEEDS_TWO_DEVICES = pytest.mark.skipif(
+    jax.device_count() < 2 or jax.device_count() % 2,
+    reason="needs an even number of devices >= 2 (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+)
+
+
+@NEEDS_TWO_DEVICES
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_apply_with_base_under_tensor_parallelism(layer):
+    """tp 2: a column-parallel module splits W, B and y on `out` (each shard's parts side by side); a row-parallel
+    one splits x, W and A on `in`, sums the shrink over the shards, adds the delta on the first shard only and
+    all-reduces y. Both equal the one-device result."""
+    is_row = layer == "row"
+    widths = (256,) if is_row else (1024, 512, 512)  # per shard, every part a multiple of 256 columns
+    x, w, lora_a, lora_bs, lora = module_inputs(1, in_dim=256, widths=widths)
+    expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
+    mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def put(value, spec):
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    if not is_row:  # the packed output is shard-major over tp (layers/linear.py)
+        w = pack_parts(list(jnp.split(w, np.cumsum(widths)[:-1], axis=1)), 2)
+    layer_index = jnp.int32(0)
+    w_view = LayerStack(put(w[None], P(None, "tensor", None) if is_row else P(None, None, "tensor")), layer_index)
+    a_view = LayerStack(put(lora_a[None], P(None, None, None, "tensor") if is_row else P()), layer_index)
+    b_views = tuple(LayerStack(put(b[None], P() if is_row else P(None, None, "tensor", None)), layer_index) for b in lora_bs)
+    x = put(x, P(None, "tensor") if is_row else P())
+    lora = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
+    backend = fused_backend(mesh)
+    y = jax.jit(lambda *a: backend.apply_with_base(*a, tp_size=2, input_sharded=is_row, output_sharded=not is_row))(
+        x, w_view, a_view, b_views, lora
+    )
+    if not is_row:
+        y = jnp.concatenate(split_packed(y, widths, 2), axis=1)
+    assert_close(y, expected)
+
+
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        (dict(rank=8), "rank not a multiple of 16"),
+        (dict(widths=(384,)), "part width not a multiple of 256"),
+        (dict(in_dim=96), "in not a multiple of 64"),
+        (dict(in_dim=40, widths=(48, 24, 24), rank=8), "odd sizes: the SGMV kernels take them"),
+    ],
+)
+def test_modules_that_do_not_fit_the_kernel_fall_back(change, why):
+    x, w, lora_a, lora_bs, lora = module_inputs(2, **change)
+    assert fused_backend().apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1) is None, why
+
+
+def test_float32_and_batches_without_entries_fall_back():
+    x, w, lora_a, lora_bs, lora = module_inputs(3)
+    backend = fused_backend()
+    assert backend.apply_with_base(x.astype(jnp.float32), w, lora_a, lora_bs, lora, tp_size=1) is None
+    no_entries = dataclasses.replace(lora, entries=None)
+    assert backend.apply_with_base(x, w, lora_a, lora_bs, no_entries, tp_size=1) is None
+
+
+def test_which_buckets_take_the_fused_gemm():
+    backend = fused_backend()
+    assert [backend.fused_gemm_tile_rows(t, 4) for t in (128, 256, 320, 384, 2048)] == [0, 128, 0, 128, 128]
+    on_hopper = pallas_module._is_hopper(None)
+    assert PallasBackend(None).fused_gemm_tile_rows(4096, 4) == (128 if on_hopper else 0)  # default: Hopper GPUs only
+    assert PallasBackend(None).fused_gemm_tile_rows(256, 4) == 0  # default: from 512 tokens
+    assert PallasBackend(None, fused_gemm_min_tokens=0).fused_gemm_tile_rows(4096, 4) == 0
+    auto = AutoBackend(None, fused_gemm_min_tokens=256)
+    assert auto.fused_gemm_tile_rows(2048, 2) == 128 and auto.chosen(2048, 2, 512) is auto.backends["pallas"]
+
+
+def test_entry_bound_holds_for_the_worst_prefill_batch():
+    """with_entry_table sizes the table for the bucket (T / 128 + S - 1): S sequences that each cross row tile
+    boundaries in the worst places fill it exactly, and no entry is dropped."""
+    num_tokens, seq_lens = 512, (100, 100, 100, 212)  # every tile boundary falls inside a sequence
+    token_slot = np.zeros(num_tokens, np.int32)
+    token_slot[: sum(seq_lens)] = np.repeat([1, 2, 1, 2], seq_lens)
+    lora = build_lora_batch(token_slot, 4, np.array([0, 1, 1], np.float32), np.array([0, 16, 16], np.int32))
+    table = with_entry_table(jax.tree_util.tree_map(jnp.asarray, lora), 128, len(seq_lens)).entries
+    assert table.max_entries == 512 // 128 + 4 - 1
+    assert int(table.entry_start[-1]) == table.max_entries
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel_sized_model(tmp_path_factory):
+    """A tiny Llama whose modules fit the kernel's tiles (widths multiples of 256, in of 64), with two rank-16
+    all-linear adapters written by peft."""
+    root = tmp_path_factory.mktemp("fused")
+    base = make_hf_model_dir(root / "base", "llama", seed=5, hidden_size=256, num_attention_heads=2,
+                             num_key_value_heads=2, head_dim=128, intermediate_size=512)
+    adapters = [write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
+                for i in range(2)]
+    return base, adapters
+
+
+PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in range(3)]  # a0, a1, base
+
+
+def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
+    """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
+    args = ServerArgs(model_path=str(model_dir), dtype="bfloat16", tp_size=tp_size, context_length=512, max_running_requests=4,
+                      chunked_prefill_size=256, max_prefill_seqs=4, token_buckets=[128, 256],
+                      lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
+                      max_loras_per_batch=2, lora_backend="pallas", lora_fused_gemm_min_tokens=fused_min_tokens,
+                      skip_precompile=True, max_total_tokens=4096)
+    core = EngineCore(args, str(model_dir))
+    lora_ids = [ref.lora_id for ref in core.lora_setup.initial_refs] + [None]
+    for i, (ids, lora_id) in enumerate(zip(PROMPTS, lora_ids)):
+        core.add_request(GenerateRequest(rid=str(i), input_ids=ids, lora_id=lora_id, return_logprob=True,
+                                         logprob_start_len=0, sampling=SamplingParams(max_new_tokens=1, ignore_eos=True)))
+    logprobs: dict[str, list[float]] = {}
+    while core.scheduler.num_active:
+        for out in core.step():
+            logprobs.setdefault(out["rid"], []).extend(lp for lp, _, _ in out["new_input_logprobs"])
+    return [np.array(logprobs[str(i)][1:]) for i in range(len(PROMPTS))]  # the first prompt token has none
+
+
+def peft_logprobs(model_dir, adapter_dir, ids: list[int]) -> np.ndarray:
+    """HF transformers (+ PEFT) prompt logprobs in float32."""
+    model = load_peft_model(model_dir, adapter_dir) if adapter_dir else load_hf_model(model_dir)
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        return torch.log_softmax(model(tokens).logits[0], -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0].numpy()
+
+
+def count_calls(monkeypatch) -> list[int]:
+    """Counts the backend's traced calls of the fused GEMM (the real function still runs)."""
+    calls, real = [], pallas_module.gemm_lora_gpu
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_module, "gemm_lora_gpu", counted)
+    return calls
+
+
+def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, monkeypatch):
+    """Prompt logprobs of one mixed bf16 prefill step (two adapters and the base model) with
+    --lora-fused-gemm-min-tokens 256 (on a Hopper GPU, the Mosaic GPU kernel) and with 0 (the SGMV path): both
+    within bf16 rounding of HF transformers + PEFT in float32 (measured on CPU: 0.08-0.10 fused, 0.12-0.13 SGMV),
+    where leaving an adapter out moves them by more than 1."""
+    base, adapters = kernel_sized_model
+    calls = count_calls(monkeypatch)
+    sgmv = serve_prefill(base, adapters, fused_min_tokens=0)
+    assert not calls
+    fused = serve_prefill(base, adapters, fused_min_tokens=256)
+    assert len(calls) == 4  # q|k|v, o, gate|up and down, traced once in the layer scan
+    for ids, adapter, ours_fused, ours_sgmv in zip(PROMPTS, adapters + [None], fused, sgmv):
+        expected = peft_logprobs(base, adapter, ids)
+        assert np.abs(ours_fused - expected).max() < 0.2
+        assert np.abs(ours_sgmv - expected).max() < 0.2
+        if adapter is not None:
+            assert np.abs(peft_logprobs(base, None, ids) - expected).max() > 1.0
+
+
+def test_engine_prefill_of_odd_sizes_falls_back_to_the_sgmv_kernels(tmp_path, monkeypatch):
+    """A model whose projection sizes fit neither the fused GEMM's tiles nor the SGMV kernels' blocks (hidden 40,
+    intermediate 88, head_dim 10: q 40, k and v 20), in a bucket that takes the fused GEMM: every module falls back
+    to x @ W and the SGMV kernels, which mask past the odd sizes. Within bf16 rounding of HF + PEFT in float32,
+    where leaving an adapter out moves the logprobs by more than that."""
+    base = make_hf_model_dir(tmp_path / "base", "llama", seed=6, hidden_size=40, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=10, intermediate_size=88)
+    adapters = [write_peft_adapter(base, tmp_path / f"a{i}", seed=40 + i, r=16, lora_alpha=32, b_std=0.2,
+                                   target_modules="all-linear") for i in range(2)]
+    calls = count_calls(monkeypatch)
+    ours = serve_prefill(base, adapters, fused_min_tokens=256)
+    assert not calls
+    for ids, adapter, logprobs in zip(PROMPTS, adapters + [None], ours):
+        expected = peft_logprobs(base, adapter, ids)
+        assert np.abs(logprobs - expected).max() < 0.2
+        if adapter is not None:
+            assert np.abs(peft_logprobs(base, None, ids) - expected).max() > 0.5
+
+
+@NEEDS_TWO_DEVICES
+def test_engine_prefill_with_lora_in_the_gemm_under_tensor_parallelism(kernel_sized_model, monkeypatch):
+    """The same step at tp 2: o, gate|up and down take the fused GEMM under shard_map (down and o add their delta
+    on the first shard, then all-reduce); q|k|v, 128 columns per part per shard, falls back to the SGMV path.
+    Within bf16 rounding of HF transformers + PEFT in float32."""
+    base, adapters = kernel_sized_model
+    calls = count_calls(monkeypatch)
+    fused = serve_prefill(base, adapters, fused_min_tokens=256, tp_size=2)
+    assert len(calls) == 3
+    for ids, adapter, ours in zip(PROMPTS, adapters + [None], fused):
+        assert np.abs(ours - peft_logprobs(base, adapter, ids)).max() < 0.2

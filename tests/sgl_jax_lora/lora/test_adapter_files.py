@@ -1,0 +1,216 @@
+"""Adapter files as untrusted input (lora/adapter_files.py and the loader): non-finite tensors are refused, every
+file an adapter opens must resolve inside the allowed directories, and errors never quote a file's contents.
+
+Adapters are real PEFT directories (tests/support/peft_fixtures.py); symlinks are real symlinks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tests.support.peft_fixtures import make_tiny_llama_dir, poison_adapter, write_peft_adapter
+
+from sgl_jax_lora.lora import adapter_files
+from sgl_jax_lora.lora.adapter import inspect_peft_adapter, load_peft_adapter
+from sgl_jax_lora.lora.adapter_files import check_adapter_files, confined_dir
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+
+SECRET = "s3cr3t-value-from-outside"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="module")
+def shapes(base_dir: Path) -> LoRATargetShapes:
+    return LoRATargetShapes.from_hf_config(json.loads((base_dir / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def clean_adapter(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_peft_adapter(base_dir, tmp_path_factory.mktemp("clean") / "a", seed=1, r=4)
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    return allowed, outside
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["f32", "bf16"])
+def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, shapes, tmp_path, value, dtype):
+    bad = shutil.copytree(clean_adapter, tmp_path / "bad")
+    key = poison_adapter(bad, value, dtype)
+    for check in (lambda: load_peft_adapter("poisoned", str(bad), shapes),
+                  lambda: check_adapter_files("poisoned", str(bad), None)):
+        with pytest.raises(LoRAAdapterError) as err:
+            check()
+        message = str(err.value)
+        assert "adapter 'poisoned'" in message and key in message and "NaN or Inf" in message
+    # the clean original still loads, and header-only registration cannot see values (the weights' read does)
+    assert load_peft_adapter("clean", str(clean_adapter), shapes).rank == 4
+    assert inspect_peft_adapter("poisoned", str(bad), shapes).rank == 4
+
+
+def test_symlinked_weights_outside_the_allowed_dirs_are_refused(clean_adapter, shapes, dirs):
+    allowed, outside = dirs
+    shutil.copy(clean_adapter / "adapter_model.safetensors", outside / "adapter_model.safetensors")
+    adapter = allowed / "a"
+    adapter.mkdir()
+    shutil.copy(clean_adapter / "adapter_config.json", adapter / "adapter_config.json")
+    os.symlink(outside / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
+    assert confined_dir("a", str(adapter), [str(allowed)]) == os.path.realpath(adapter)  # the directory itself is fine
+    for check in (lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+                  lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
+                  lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])):
+        with pytest.raises(LoRAAdapterError, match="adapter_model.safetensors resolves .* outside the directories"):
+            check()
+    # the operator's own adapters (--lora-paths: no allowed_dirs) may link anywhere
+    assert load_peft_adapter("a", str(adapter), shapes).rank == 4
+
+
+def test_symlinked_config_outside_is_refused_without_quoting_it(clean_adapter, shapes, dirs):
+    allowed, outside = dirs
+    config = json.loads((clean_adapter / "adapter_config.json").read_text())
+    (outside / "secret.json").write_text(json.dumps({**config, "peft_type": SECRET}))
+    adapter = allowed / "a"
+    adapter.mkdir()
+    shutil.copy(clean_adapter / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
+    os.symlink(outside / "secret.json", adapter / "adapter_config.json")
+    for check in (lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+                  lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])):
+        with pytest.raises(LoRAAdapterError) as err:
+            check()
+        assert "adapter_config.json resolves" in str(err.value) and SECRET not in str(err.value)
+
+
+def test_a_symlinked_directory_must_resolve_inside(clean_adapter, dirs):
+    allowed, outside = dirs
+    shutil.copytree(clean_adapter, outside / "a")
+    os.symlink(outside / "a", allowed / "escape")
+    with pytest.raises(LoRAAdapterError, match="not an adapter directory inside"):
+        confined_dir("escape", str(allowed / "escape"), [str(allowed)])
+    shutil.copytree(clean_adapter, allowed / "real")
+    os.symlink(allowed / "real", allowed / "alias")  # a link that stays inside is followed
+    assert confined_dir("alias", str(allowed / "alias"), [str(allowed)]) == os.path.realpath(allowed / "real")
+    check_adapter_files("alias", str(allowed / "alias"), [str(allowed)])
+
+
+# (field, value) written into adapter_config.json; each must be refused naming the field, never quoting the value
+BAD_CONFIG_FIELDS = [
+    ("peft_type", SECRET), ("r", SECRET), ("lora_alpha", SECRET), ("target_modules", [SECRET]),
+    ("target_modules", "(" + SECRET), ("rank_pattern", {"(" + SECRET: 4}), ("rank_pattern", {"q_proj": SECRET}),
+    ("alpha_pattern", {"q_proj": SECRET}), ("rank_pattern", SECRET), ("layers_to_transform", [SECRET]),
+    ("layers_pattern", {SECRET: 1}), ("exclude_modules", {SECRET: 1}), ("bias", SECRET), ("modules_to_save", [SECRET]),
+    ("trainable_token_indices", [SECRET]), ("target_parameters", [SECRET]),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_CONFIG_FIELDS, ids=[f"{f}-{type(v).__name__}-{i}" for i, (f, v) in enumerate(BAD_CONFIG_FIELDS)])
+def test_config_errors_name_the_field_never_its_value(clean_adapter, shapes, tmp_path, field, value):
+    adapter = shutil.copytree(clean_adapter, tmp_path / "a")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(LoRAAdapterError) as err:
+        inspect_peft_adapter("a", str(adapter), shapes)
+    message = str(err.value)
+    assert field in message and SECRET not in message and "s3cr3t" not in message
+
+
+def test_unreadable_config_and_long_names_are_not_echoed(clean_adapter, shapes, tmp_path):
+    adapter = shutil.copytree(clean_adapter, tmp_path / "long")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "X" * 100_000}))
+    with pytest.raises(LoRAAdapterError) as err:
+        inspect_peft_adapter("n" * 10_000, str(adapter), shapes)
+    assert "peft_type is not LORA" in str(err.value) and len(str(err.value)) < 400
+    (adapter / "adapter_config.json").write_text('{"peft_type": "' + SECRET)  # truncated JSON
+    with pytest.raises(LoRAAdapterError, match=r"not valid JSON \(line 1") as err:
+        inspect_peft_adapter("a", str(adapter), shapes)
+    assert SECRET not in str(err.value)
+
+
+def test_tensor_names_are_shown_only_as_dotted_identifiers(clean_adapter, shapes, tmp_path):
+    adapter = shutil.copytree(clean_adapter, tmp_path / "a")
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({**tensors, f"{SECRET} = 'hunter2'": torch.zeros(2)}, str(weights))
+    for check in (lambda: load_peft_adapter("a", str(adapter), shapes), lambda: inspect_peft_adapter("a", str(adapter), shapes)):
+        with pytest.raises(LoRAAdapterError, match="unexpected tensor in adapter_model.safetensors: a tensor whose name is not a dotted identifier") as err:
+            check()
+        assert SECRET not in str(err.value) and "hunter2" not in str(err.value)
+
+
+# ---- the file swapped between the confinement check and the open (adapter_files.open_confined) ----------------
+def swap_final_for_symlink(target: Path, outside: Path) -> None:
+    """The checked file becomes a symlink to a same-named file outside the allowed directory."""
+    shutil.copy(target, outside / target.name)
+    target.unlink()
+    os.symlink(outside / target.name, target)
+
+
+def swap_parent_for_symlink(target: Path, outside: Path) -> None:
+    """The adapter directory becomes a symlink to a copy of it outside the allowed directory."""
+    copy = shutil.copytree(target.parent, outside / "copy")
+    moved = target.parent.with_name("moved")
+    target.parent.rename(moved)
+    os.symlink(copy, target.parent)
+
+
+def swap_for_another_file(target: Path, outside: Path) -> None:
+    """A different regular file is renamed over the checked one (no symlink at all)."""
+    other = target.with_name("other")
+    shutil.copy(target, other)
+    os.replace(other, target)
+
+
+SWAPS = [swap_final_for_symlink, swap_parent_for_symlink, swap_for_another_file]
+
+
+# Where the swap happens: after the path was resolved and checked inside (before the stat that the opened file
+# is compared with: only O_NOFOLLOW can catch it), or after that stat, just before the open (the fstat comparison
+# catches it too). A regular file renamed over the checked one before the stat is simply the file's new content.
+HOOKS = {"after_check": "confined_file", "before_open": "open_no_symlinks"}
+CASES = [(hook, swap) for hook in HOOKS for swap in SWAPS if not (hook == "after_check" and swap is swap_for_another_file)]
+
+
+@pytest.mark.parametrize("hook,swap", CASES, ids=[f"{h}-{s.__name__}" for h, s in CASES])
+@pytest.mark.parametrize("file_name", ["adapter_config.json", "adapter_model.safetensors"])
+@pytest.mark.parametrize("reader", ["frontend", "engine"])
+def test_a_file_swapped_after_the_check_is_not_read(clean_adapter, shapes, dirs, monkeypatch, hook, swap, file_name,
+                                                    reader):
+    allowed, outside = dirs
+    adapter = shutil.copytree(clean_adapter, allowed / "a")
+    original = getattr(adapter_files, HOOKS[hook])
+    swapped = []
+
+    def swap_around(*args):
+        if hook == "before_open" and args[0].endswith(file_name) and not swapped:
+            swap(adapter / file_name, outside)
+            swapped.append(hook)
+        result = original(*args)
+        if hook == "after_check" and args[1].endswith(file_name) and not swapped:
+            swap(adapter / file_name, outside)
+            swapped.append(hook)
+        return result
+
+    read = {"frontend": lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+            "engine": lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])}[reader]
+    read()  # untouched files load
+    monkeypatch.setattr(adapter_files, HOOKS[hook], swap_around)
+    with pytest.raises(LoRAAdapterError, match=f"{file_name} (could not be opened as the file that was checked|"
+                       "was replaced while it was being opened)"):
+        read()
+    assert swapped

@@ -1,0 +1,108 @@
+"""LoRAMemoryPool (lora/memory_pool.py), the device tier on the host alone: slot 0 is never handed out, victims are
+neither pinned nor busy and follow the eviction policy, releasing clears a slot's scale and rank, and
+`slot_update` lays an adapter out as the LoRA buffers expect (A parts stacked along the rank at max_rank strides,
+B in its first `rank` columns, kv heads replicated when tp exceeds them, absent modules zero)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter
+from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
+from sgl_jax_lora.models.model_config import ModelConfig, RopeConfig
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_RANK, SLOTS = 2, 8, 2, 1, 4, 4, 3
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=HIDDEN, intermediate_size=16,
+                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+                       rope=RopeConfig(theta=10000.0, rope_type="default"), max_position_embeddings=64,
+                       tie_word_embeddings=False, qkv_bias=False, qk_norm=False, eos_token_ids=(0,))
+
+
+def buffer_shapes(tp_size: int) -> dict[tuple[str, ...], tuple[int, ...]]:
+    kv_rows = max(1, KV_HEADS // tp_size) * tp_size * HEAD_DIM  # kv heads replicated up to one per shard
+    return {
+        ("layers", "qkv_proj", "lora_a"): (LAYERS, SLOTS, 3 * MAX_RANK, HIDDEN),
+        ("layers", "qkv_proj", "lora_b_q"): (LAYERS, SLOTS, HEADS * HEAD_DIM, MAX_RANK),
+        ("layers", "qkv_proj", "lora_b_k"): (LAYERS, SLOTS, kv_rows, MAX_RANK),
+        ("layers", "qkv_proj", "lora_b_v"): (LAYERS, SLOTS, kv_rows, MAX_RANK),
+        ("layers", "o_proj", "lora_b"): (LAYERS, SLOTS, HIDDEN, MAX_RANK),
+        ("layers", "o_proj", "lora_a"): (LAYERS, SLOTS, MAX_RANK, HEADS * HEAD_DIM),
+    }
+
+
+def make_pool(tp_size: int = 1, policy: str = "lru") -> LoRAMemoryPool:
+    return LoRAMemoryPool(tiny_config(), tp_size, SLOTS, MAX_RANK, buffer_shapes(tp_size), policy)
+
+
+def adapter(name: str, rank: int = 2, seed: int = 0, modules=("q_proj", "k_proj")) -> LoRAAdapter:
+    rng = np.random.default_rng(seed)
+    out = {"q_proj": HEADS * HEAD_DIM, "k_proj": KV_HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM, "o_proj": HIDDEN}
+    weights = {(layer, m): (rng.standard_normal((rank, HIDDEN)).astype(np.float32),
+                            rng.standard_normal((out[m], rank)).astype(np.float32))
+               for layer in range(LAYERS) for m in modules}
+    return LoRAAdapter(name=name, path=f"/adapters/{name}", weights=weights, scaling=0.5, rank=rank,
+                       target_modules=frozenset(modules), num_layers=LAYERS)
+
+
+def test_slots_fill_from_one_and_evict_the_least_recently_used():
+    pool = make_pool()
+    assert pool.free_slot() == 1
+    pool.assign(1, "a", adapter("a"))
+    pool.assign(pool.free_slot(), "b", adapter("b"))
+    assert pool.free_slot() is None and pool.slot_of == {"a": 1, "b": 2}
+    pool.policy.mark_used("a")  # b is now the least recently used
+    assert pool.victim(busy=set()) == 2
+    assert pool.victim(busy={"b"}) == 1
+    pool.pinned.add("a")
+    assert pool.victim(busy={"b"}) is None
+    pool.assign(2, "c", adapter("c"))  # overwrites b
+    assert pool.num_evictions == 1 and "b" not in pool.slot_of and pool.slot_owner == [None, "a", "c"]
+
+
+def test_release_clears_the_slot_and_its_pin():
+    pool = make_pool()
+    pool.assign(1, "a", adapter("a", rank=3))
+    pool.pinned.add("a")
+    assert (pool.slot_scale[1], pool.slot_rank[1]) == (0.5, 3)
+    pool.release("a")
+    assert pool.slot_owner[1] is None and "a" not in pool.pinned
+    assert (pool.slot_scale[1], pool.slot_rank[1]) == (0.0, 0)
+    pool.release("never-assigned")  # a no-op
+
+
+def test_slot_update_lays_out_a_and_b():
+    pool, lora = make_pool(), adapter("a", rank=2)
+    update = pool.slot_update(lora)
+    a = update[("layers", "qkv_proj", "lora_a")]
+    assert a.shape == (LAYERS, 3 * MAX_RANK, HIDDEN)
+    for layer in range(LAYERS):
+        np.testing.assert_array_equal(a[layer, 0:2], lora.weights[(layer, "q_proj")][0])  # q at part 0
+        np.testing.assert_array_equal(a[layer, MAX_RANK : MAX_RANK + 2], lora.weights[(layer, "k_proj")][0])
+        assert not a[layer, 2:MAX_RANK].any() and not a[layer, 2 * MAX_RANK :].any()  # above rank; v absent
+        b_q = update[("layers", "qkv_proj", "lora_b_q")][layer]
+        np.testing.assert_array_equal(b_q[:, :2], lora.weights[(layer, "q_proj")][1])
+        assert not b_q[:, 2:].any()
+    assert not update[("layers", "qkv_proj", "lora_b_v")].any() and not update[("layers", "o_proj", "lora_b")].any()
+    assert all(not z.any() and z.shape == update[path].shape for path, z in pool.zero_update().items())
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    pool, lora = make_pool(tp_size=2), adapter("a", rank=2)
+    b_k = pool.slot_update(lora)[("layers", "qkv_proj", "lora_b_k")]
+    hf = lora.weights[(0, "k_proj")][1]  # [K*D, r], one kv head
+    assert b_k.shape == (LAYERS, 2 * HEAD_DIM, MAX_RANK)
+    np.testing.assert_array_equal(b_k[0, :HEAD_DIM, :2], hf)
+    np.testing.assert_array_equal(b_k[0, HEAD_DIM:, :2], hf)
+
+
+@pytest.mark.parametrize("policy, victim", [("lru", "b"), ("fifo", "a")])
+def test_the_configured_policy_picks_the_victim(policy, victim):
+    pool = make_pool(policy=policy)
+    pool.assign(1, "a", adapter("a"))
+    pool.assign(2, "b", adapter("b"))
+    pool.policy.mark_used("a")  # used again after b arrived
+    assert pool.slot_owner[pool.victim(busy=set())] == victim

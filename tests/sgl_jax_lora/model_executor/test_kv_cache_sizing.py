@@ -1,0 +1,143 @@
+"""The KV cache's size at startup (ModelRunner._allocate_kv): sized from device memory unless --max-total-tokens
+says, less the memory of the largest step's programs (model_executor/step_memory.py), allocated and checked before
+the engine serves, and shrunk when the device cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
+112.6 GB limit).
+
+CPU devices report no memory, so these tests give the runner a device memory (`device_memory`) and an
+allocator that refuses caches above a size, raising the error XLA raises on the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+import sgl_jax_lora.model_executor.model_runner as model_runner
+from tests.support.model_fixtures import make_hf_model_dir
+from sgl_jax_lora.managers.engine_core import EngineCore
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.mem_cache.kv_cache import kv_bytes_per_token
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("kv") / "base", "llama", seed=3)
+
+
+def make_core(model_dir, **kwargs) -> EngineCore:
+    settings = dict(dtype="float32", context_length=128, max_running_requests=4, chunked_prefill_size=32,
+                    max_prefill_seqs=2, page_size=PAGE, skip_precompile=True)
+    args = ServerArgs(model_path=str(model_dir), **{**settings, **kwargs})
+    return EngineCore(args, str(model_dir))
+
+
+def device_memory_for(model_dir, tokens: int):
+    """A device memory whose --mem-fraction-static share (0.85 by default) holds `tokens` tokens of KV beside the
+    largest step's programs."""
+    runner = make_core(model_dir, max_total_tokens=64).runner
+    reserve = runner._measure_step_memory().reserve_bytes
+    limit = int((tokens * kv_bytes_per_token(runner.cfg, 1, np.float32) + reserve) / 0.85) + 1
+    return lambda: (limit, 0)
+
+
+def refuse_above(monkeypatch, max_tokens: int) -> list[int]:
+    """The allocator refuses caches of more than max_tokens tokens, as XLA does on the device; returns the sizes
+    asked for."""
+    asked, real = [], model_runner.allocate_kv_cache
+
+    def allocate(cfg, num_pages, page_size, *args):
+        asked.append((num_pages - 1) * page_size)
+        if asked[-1] > max_tokens:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 44.56GiB")
+        return real(cfg, num_pages, page_size, *args)
+
+    monkeypatch.setattr(model_runner, "allocate_kv_cache", allocate)
+    return asked
+
+
+def generate(core: EngineCore) -> list[int]:
+    core.add_request(GenerateRequest(rid="0", input_ids=list(range(2, 30)), sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    out = []
+    while core.scheduler.num_active:
+        for item in core.step():
+            out.extend(item["new_ids"])
+    return out
+
+
+def test_a_cache_sized_from_memory_shrinks_until_the_device_places_it(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(model_runner, "device_memory", device_memory_for(model_dir, 20000))
+    asked = refuse_above(monkeypatch, 15000)
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        core = make_core(model_dir)
+    assert asked[0] >= 20000 - PAGE and asked[-1] <= 15000 < asked[-2]  # shrunk until it fit, no further
+    assert all(b == pytest.approx(a * model_runner.KV_SHRINK_FACTOR, abs=PAGE) for a, b in zip(asked, asked[1:]))
+    assert core.runner.num_pages == asked[-1] // PAGE + 1
+    assert core.runner.kv.k.shape[2] == core.runner.num_pages * PAGE
+    assert "could not be placed on the devices; retrying" in caplog.text
+    assert len(generate(core)) == 3  # the engine serves with the smaller cache
+
+
+def test_a_cache_sized_by_the_user_is_not_shrunk(model_dir, monkeypatch):
+    asked = refuse_above(monkeypatch, 1000)
+    with pytest.raises(MemoryError, match="KV cache of 4096 tokens .* lower --max-total-tokens"):
+        make_core(model_dir, max_total_tokens=4096)
+    assert asked == [4096]
+
+
+def test_a_cache_that_never_fits_fails_with_the_fix_named(model_dir, monkeypatch):
+    monkeypatch.setattr(model_runner, "device_memory", device_memory_for(model_dir, 20000))
+    asked = refuse_above(monkeypatch, 0)
+    with pytest.raises(MemoryError, match="does not fit in device memory .*RESOURCE_EXHAUSTED.* --mem-fraction-static"):
+        make_core(model_dir)
+    assert len(asked) == model_runner.KV_ALLOCATION_ATTEMPTS
+
+
+def test_other_device_errors_are_not_taken_for_a_full_memory(model_dir, monkeypatch):
+    def broken(*args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: the device is gone")
+
+    monkeypatch.setattr(model_runner, "allocate_kv_cache", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        make_core(model_dir, max_total_tokens=4096)
+
+
+def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatch):
+    limit, used = 64_000_000, 1_000_000
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (limit, used))
+    small, large = make_core(model_dir), make_core(model_dir, chunked_prefill_size=128)
+    for core in (small, large):
+        runner, largest_bucket = core.runner, core.buckets.tokens[-1]
+        reserve = runner.step_memory.reserve_bytes
+        # prompt logprobs over the largest bucket hold its [T, V] float32 logits at least
+        assert runner.step_memory.prompt_logprobs_bytes >= largest_bucket * runner.cfg.vocab_size * 4
+        per_token = kv_bytes_per_token(runner.cfg, 1, np.float32)
+        assert runner.num_pages == -(-int((limit * 0.85 - used - reserve) / per_token) // PAGE) + 1
+        assert core.server_info()["step_memory_reserve_bytes"] == reserve
+    assert large.buckets.tokens[-1] > small.buckets.tokens[-1]
+    assert large.runner.step_memory.reserve_bytes > small.runner.step_memory.reserve_bytes
+    assert large.runner.num_pages < small.runner.num_pages
+
+
+def test_a_user_sized_cache_must_leave_the_largest_steps_memory_free(model_dir, monkeypatch):
+    runner = make_core(model_dir, max_total_tokens=64).runner
+    assert runner.step_memory is None  # CPU: no device memory to check against
+    reserve, per_token = runner._measure_step_memory().reserve_bytes, kv_bytes_per_token(runner.cfg, 1, np.float32)
+    limit = reserve + 1000 * per_token  # room for 1000 tokens beside the step
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (limit, 0))
+    assert make_core(model_dir, max_total_tokens=992).runner.num_pages == 992 // PAGE + 1
+    with pytest.raises(MemoryError, match=r"--max-total-tokens 1024 needs .* lower --max-total-tokens to 992 or less"):
+        make_core(model_dir, max_total_tokens=1024)
+
+
+def test_memory_the_largest_step_takes_whole_fails_with_the_fix_named(model_dir, monkeypatch):
+    reserve = make_core(model_dir, max_total_tokens=64).runner._measure_step_memory().reserve_bytes
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (int(reserve / 0.85), 0))
+    with pytest.raises(MemoryError, match="the largest step needs .* lower --chunked-prefill-size"):
+        make_core(model_dir)

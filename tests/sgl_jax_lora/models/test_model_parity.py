@@ -1,0 +1,153 @@
+"""Model-level parity: our NNX models vs HF transformers (torch, fp32), and tensor parallel vs tp=1.
+
+Runs one extend step of the model in-process (no engine process) on fake CPU devices. Also checks the two
+tables the model declares: every parameter's logical axes (and the shardings they give) and the HF weight
+names every checkpoint tensor is read through.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
+from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
+from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.registry import model_class_for
+from sgl_jax_lora.models.weight_loader import SafetensorsReader, load_model_state
+
+PAGE = 4
+
+
+def extend_batch(ids: np.ndarray, num_pages: int) -> ForwardBatch:
+    """One sequence, all tokens new, pages 1..num_pages."""
+    n = len(ids)
+    return ForwardBatch(
+        input_ids=ids.astype(np.int32),
+        positions=np.arange(n, dtype=np.int32),
+        cache_loc=np.arange(PAGE, PAGE + n, dtype=np.int32),
+        seq_lens=np.array([n], np.int32),
+        page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
+        cu_q_lens=np.array([0, n], np.int32),
+        last_token_index=np.array([n - 1], np.int32),
+        lora=None,
+    )
+
+
+def our_logits(model_dir, ids: np.ndarray, tp_size: int = 1) -> np.ndarray:
+    cfg = ModelConfig.from_model_path(str(model_dir))
+    mesh = make_mesh(tp_size)
+    graphdef, state = load_model_state(cfg, tp_size, PAGE, jnp.float32, mesh, None)
+    num_pages = -(-len(ids) // PAGE)
+    kv = allocate_kv_cache(cfg, num_pages + 1, PAGE, tp_size, jnp.float32, mesh)
+
+    @jax.jit
+    def run(state, kv, batch):
+        model = nnx.merge(graphdef, state)
+        hidden, _ = model(kv, batch)
+        return model.logits(hidden)
+
+    return np.asarray(run(state, kv, extend_batch(ids, num_pages)))
+
+
+def hf_logits(model_dir, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return load_hf_model(model_dir)(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_logprobs_match_hf(tmp_path, arch):
+    model_dir = make_hf_model_dir(tmp_path / arch, arch)
+    ids = np.random.default_rng(1).integers(2, 491, size=37)
+    ours, ref = log_softmax(our_logits(model_dir, ids)), log_softmax(hf_logits(model_dir, ids))
+    assert np.abs(ours - ref).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("tp_size", [2, 4, 8])
+def test_tensor_parallel_equals_tp1(tmp_path, tp_size):
+    # 8 query heads, 2 kv heads: tp 4 and 8 replicate kv heads across shards.
+    model_dir = make_hf_model_dir(tmp_path / "m", "qwen2", num_attention_heads=8, head_dim=6, intermediate_size=96)
+    ids = np.random.default_rng(2).integers(2, 491, size=21)
+    base = our_logits(model_dir, ids, tp_size=1)
+    sharded = our_logits(model_dir, ids, tp_size=tp_size)
+    assert np.abs(base - sharded).max() < 1e-5
+
+
+def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
+    cfg = ModelConfig.from_model_path(str(make_hf_model_dir(tmp_path / "m", "llama")))
+    with pytest.raises(ValueError, match="--tp-size 4 does not divide num_attention_heads=6"):
+        cfg.check_tensor_parallel(4)
+
+
+def abstract_state(cfg: ModelConfig, tp_size: int, lora: LoRAModelSpec | None) -> nnx.State:
+    model = nnx.eval_shape(lambda: model_class_for(cfg)(cfg, tp_size, PAGE, jnp.float32, lora))
+    return nnx.split(model)[1]
+
+
+def flat_paths(state: nnx.State) -> list[tuple[tuple[str, ...], nnx.Variable]]:
+    return [(tuple(str(p) for p in path), variable) for path, variable in nnx.to_flat_state(state)]
+
+
+def test_every_parameter_declares_the_logical_axes_of_its_sharding(tmp_path):
+    # Qwen3 with every LoRA target: norms of heads, untied lm_head, LoRA buffers of every linear
+    cfg = ModelConfig.from_model_path(str(make_hf_model_dir(tmp_path / "m", "qwen3")))
+    lora = LoRAModelSpec(num_slots=3, max_rank=4, backend=BgmvBackend(None),
+                         target_modules=frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}))
+    state = abstract_state(cfg, 2, lora)
+    for path, variable in flat_paths(state):
+        axes = declared_axes(path, variable)
+        assert len(axes) == variable.get_value().ndim and (axes[0] == "layers") == (path[0] == "layers"), path
+    t = "tensor"
+    expected = {  # tp 2; a vocab of 491 does not split over 2, so it stays replicated
+        "embed_tokens.embedding": (None, None), "lm_head.kernel": (None, None), "norm.scale": (None,),
+        "layers.input_layernorm.scale": (None, None), "layers.post_attention_layernorm.scale": (None, None),
+        "layers.q_norm.scale": (None, None), "layers.k_norm.scale": (None, None),
+        "layers.qkv_proj.kernel": (None, None, t), "layers.qkv_proj.lora_a": (None, None, None, None),
+        "layers.qkv_proj.lora_b_q": (None, None, t, None), "layers.qkv_proj.lora_b_k": (None, None, t, None),
+        "layers.qkv_proj.lora_b_v": (None, None, t, None),
+        "layers.o_proj.kernel": (None, t, None), "layers.o_proj.lora_a": (None, None, None, t),
+        "layers.o_proj.lora_b": (None, None, None, None),
+        "layers.gate_up_proj.kernel": (None, None, t), "layers.gate_up_proj.lora_a": (None, None, None, None),
+        "layers.gate_up_proj.lora_b_gate": (None, None, t, None), "layers.gate_up_proj.lora_b_up": (None, None, t, None),
+        "layers.down_proj.kernel": (None, t, None), "layers.down_proj.lora_a": (None, None, None, t),
+        "layers.down_proj.lora_b": (None, None, None, None),
+    }
+    shardings = state_shardings(make_mesh(2), state)
+    assert {".".join(path): tuple(s.spec) for path, s in shardings.items()} == expected
+
+
+def test_a_parameter_without_declared_axes_is_refused():
+    with pytest.raises(KeyError, match="parameter w declares no logical axes"):
+        declared_axes(("w",), nnx.Param(jnp.zeros((2, 3))))
+    with pytest.raises(ValueError, match="has 2 dims but declares the logical axes"):
+        declared_axes(("w",), nnx.Param(jnp.zeros((2, 3)), logical_axes=("embed",)))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_hf_weight_table_maps_every_checkpoint_tensor_to_one_parameter(tmp_path, arch):
+    model_dir = make_hf_model_dir(tmp_path / arch, arch)
+    cfg = ModelConfig.from_model_path(str(model_dir))
+    hf_weights = model_class_for(cfg).hf_weights
+    used = collections.Counter()
+    for path, _ in flat_paths(abstract_state(cfg, 1, None)):
+        for names in hf_weights[".".join(path)].tensor_names(cfg.num_layers):
+            used.update(names)
+    checkpoint = set(SafetensorsReader(str(model_dir)).file_of)
+    assert set(used) == checkpoint, (sorted(checkpoint - set(used)), sorted(set(used) - checkpoint))
+    assert max(used.values()) == 1, [name for name, count in used.items() if count > 1]

@@ -1,0 +1,125 @@
+"""The sampler's filters against a sort-based numpy reference, and its draws against the filtered distribution.
+
+The sampler finds each row's probability threshold by bisection (no sort of the vocabulary); the reference sorts
+each row descending and keeps a token while fewer than top_k come before it, the mass before it is below top_p,
+and its probability is at least min_p times the largest, the rules as the OpenAI and HF samplers state them
+(top_p 1 keeps every token).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax_lora.sampling.sampler import SamplingBatch, filter_mask, sample, token_logprobs
+
+
+def reference_mask(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    keep = np.zeros_like(probs, dtype=bool)
+    for s, row in enumerate(probs):
+        order = np.argsort(-row, kind="stable")
+        before = np.cumsum(row[order]) - row[order]
+        rank = np.arange(row.size)
+        kept = (rank < (top_k[s] if top_k[s] > 0 else row.size)) & ((before < top_p[s]) | (top_p[s] >= 1)) & (row[order] >= min_p[s] * row.max())
+        keep[s, order[kept]] = True
+    return keep
+
+
+def batch_of(top_k, top_p, min_p, temperature=1.0) -> SamplingBatch:
+    rows = len(top_k)
+    return SamplingBatch(temperature=jnp.full((rows,), temperature, jnp.float32), top_p=jnp.asarray(top_p, jnp.float32),
+                         top_k=jnp.asarray(top_k, jnp.int32), min_p=jnp.asarray(min_p, jnp.float32),
+                         seeds=jnp.arange(rows, dtype=jnp.uint32), steps=jnp.zeros((rows,), jnp.int32),
+                         is_greedy=False, num_top_logprobs=0)
+
+
+@pytest.mark.parametrize("vocab", [7, 491, 32000])
+def test_filters_match_a_sort(vocab):
+    rng = np.random.default_rng(vocab)
+    top_k = [0, 1, 5, 0, 0, 3, vocab, 40]
+    top_p = [1.0, 1.0, 1.0, 0.9, 0.5, 0.3, 0.99, 0.8]
+    min_p = [0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.02]
+    scaled = (rng.standard_normal((len(top_k), vocab)) * rng.uniform(0.5, 4, (len(top_k), 1))).astype(np.float32)
+    got = np.asarray(filter_mask(jnp.asarray(scaled), batch_of(top_k, top_p, min_p)))
+    want = reference_mask(scaled, np.array(top_k), np.array(top_p, np.float32), np.array(min_p, np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_no_filter_keeps_every_token():
+    scaled = np.random.default_rng(1).standard_normal((3, 100)).astype(np.float32)
+    assert np.asarray(filter_mask(jnp.asarray(scaled), batch_of([0] * 3, [1.0] * 3, [0.0] * 3))).all()
+
+
+def test_draws_stay_in_the_kept_set_and_follow_its_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4000, np.float32))
+    batch = batch_of([0] * 4000, [0.7] * 4000, [0.0] * 4000)  # nucleus: the first two tokens
+    batch = SamplingBatch(**{**batch.__dict__, "seeds": jnp.arange(4000, dtype=jnp.uint32)})
+    ids = np.asarray(sample(jnp.asarray(logits), batch).next_ids)
+    assert set(ids.tolist()) == {0, 1}
+    assert abs((ids == 0).mean() - 0.5 / 0.8) < 0.03  # 0.625 within ~4 standard deviations of 4000 draws
+
+
+def numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = np.random.default_rng(3).standard_normal((4, 50)).astype(np.float32)
+    batch = batch_of([0, 0, 5, 0], [1.0, 0.9, 1.0, 1.0], [0.0] * 4)
+    batch = SamplingBatch(**{**batch.__dict__, "temperature": jnp.asarray([0.0, 1.0, 0.0, 1.0], jnp.float32)})
+    ids = np.asarray(sample(jnp.asarray(logits), batch).next_ids)
+    assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
+    all_greedy = SamplingBatch(**{**batch.__dict__, "is_greedy": True})
+    np.testing.assert_array_equal(np.asarray(sample(jnp.asarray(logits), all_greedy).next_ids), logits.argmax(-1))
+
+
+def test_logprobs_are_the_unfiltered_model_distribution():
+    logits = np.random.default_rng(4).standard_normal((3, 40)).astype(np.float32)
+    batch = SamplingBatch(**{**batch_of([2, 0, 0], [1.0, 0.5, 1.0], [0.0, 0.0, 0.3], temperature=0.7).__dict__,
+                             "num_top_logprobs": 5})
+    out = sample(jnp.asarray(logits), batch)
+    want = numpy_log_softmax(logits.astype(np.float64))
+    ids = np.asarray(out.next_ids)
+    np.testing.assert_allclose(np.asarray(out.next_logprobs), want[np.arange(3), ids], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-want, axis=-1)[:, :5]
+    np.testing.assert_array_equal(np.asarray(out.top_ids), order)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(want, order, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_logprobs_score_the_given_targets():
+    logits = np.random.default_rng(5).standard_normal((6, 30)).astype(np.float32)
+    targets = np.array([0, 29, 3, 3, 17, 8], np.int32)
+    out = token_logprobs(jnp.asarray(logits), jnp.asarray(targets), num_top=2)
+    want = numpy_log_softmax(logits.astype(np.float64))
+    np.testing.assert_array_equal(np.asarray(out.next_ids), targets)
+    np.testing.assert_allclose(np.asarray(out.next_logprobs), want[np.arange(6), targets], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-want, axis=-1)[:, :2])
+    assert token_logprobs(jnp.asarray(logits), jnp.asarray(targets), num_top=0).top_ids.shape == (6, 0)
+
+
+def test_a_rows_draw_depends_on_its_seed_and_step_alone():
+    rng = np.random.default_rng(6)
+    logits = rng.standard_normal((4, 64)).astype(np.float32)
+    batch = batch_of([0, 10, 0, 0], [1.0, 1.0, 0.8, 1.0], [0.0, 0.0, 0.0, 0.05])
+    batch = SamplingBatch(**{**batch.__dict__, "seeds": jnp.asarray([11, 12, 13, 14], jnp.uint32),
+                             "steps": jnp.asarray([0, 3, 7, 2], jnp.int32)})
+    together = np.asarray(sample(jnp.asarray(logits), batch).next_ids)
+    for row in range(4):
+        alone = SamplingBatch(**{k: (v[row : row + 1] if isinstance(v, jnp.ndarray) else v)
+                                 for k, v in batch.__dict__.items()})
+        assert int(sample(jnp.asarray(logits[row : row + 1]), alone).next_ids[0]) == together[row]
+
+
+def test_temperature_is_applied_before_the_filters():
+    # top_p 0.6 on [0.5, 0.3, 0.2] keeps two tokens; at temperature 0.25 the first holds ~0.85: it alone is kept
+    logits = np.log(np.array([[0.5, 0.3, 0.2]] * 200, np.float32))
+    batch = batch_of([0] * 200, [0.6] * 200, [0.0] * 200, temperature=0.25)
+    batch = SamplingBatch(**{**batch.__dict__, "seeds": jnp.arange(200, dtype=jnp.uint32)})
+    assert set(np.asarray(sample(jnp.asarray(logits), batch).next_ids).tolist()) == {0}
+    scaled = logits / 0.25
+    want = reference_mask(scaled, np.zeros(200, int), np.full(200, 0.6, np.float32), np.zeros(200, np.float32))
+    assert want[:, 0].all() and not want[:, 1:].any()

@@ -1,0 +1,241 @@
+"""Adapters from memory and updates in place (Engine.load_lora_adapter_from_tensors / update_lora_adapter).
+
+A warmed-up engine serves real PEFT adapters (tests/support/peft_fixtures.py) from disk and the same tensors from memory;
+the compile counter proves neither path compiles.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import write_peft_adapter
+from sgl_jax_lora import Engine
+from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_file
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SMALL = dict(context_length=256, max_running_requests=4, chunked_prefill_size=32, max_prefill_seqs=2,
+             token_buckets=[8, 16])
+
+
+def read_adapter(adapter_dir) -> tuple[dict, dict]:
+    with open(adapter_dir / "adapter_config.json") as f:
+        return load_file(str(adapter_dir / "adapter_model.safetensors")), json.load(f)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 491, size=length).tolist()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory")
+    base = make_hf_model_dir(root / "base", "llama", seed=5)
+    first = write_peft_adapter(base, root / "first", seed=1, r=8, lora_alpha=16, target_modules="all-linear")
+    second = write_peft_adapter(base, root / "second", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                rank_pattern={"v_proj": 2})
+    engine = Engine(model_path=str(base), dtype="float32", max_loras_per_batch=3, max_lora_rank=8,
+                    lora_paths={"first_disk": str(first), "second_disk": str(second)}, **SMALL)
+    yield engine, first, second
+    engine.shutdown()
+
+
+def run(engine: Engine, ids: list[int], lora: str, max_new_tokens: int = 6, prompt_logprobs: bool = True) -> dict:
+    """Greedy tokens with output logprobs, and prompt logprobs unless the prefix cache is to be used (a request
+    for prompt logprobs computes every position)."""
+    return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, **GREEDY}, lora_path=lora,
+                           return_logprob=True, logprob_start_len=0 if prompt_logprobs else -1)
+
+
+def logprobs(out: dict) -> list[float]:
+    meta = out["meta_info"]
+    return [lp for lp, _ in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+
+
+def test_tensors_from_memory_serve_exactly_as_the_disk_load(setup):
+    engine, first, _ = setup
+    tensors, config = read_adapter(first)
+    result = engine.load_lora_adapter_from_tensors("first_mem", tensors, config)
+    assert result["rank"] == 8 and result["version"] == 1
+    as_jax = {name: jnp.asarray(t) for name, t in tensors.items()}  # JAX arrays are accepted as they are
+    engine.load_lora_adapter_from_tensors("first_jax", as_jax, config)
+    ids = prompt(1, 20)
+    disk, mem, jax_mem = (run(engine, ids, name) for name in ("first_disk", "first_mem", "first_jax"))
+    assert mem["output_ids"] == disk["output_ids"] == jax_mem["output_ids"]
+    assert logprobs(mem) == logprobs(disk) == logprobs(jax_mem)
+    assert logprobs(mem) != logprobs(run(engine, ids, None))  # the adapter changes the model
+    engine.unload_lora_adapter("first_jax")
+    assert engine.get_server_info()["num_compilations_after_warmup"] == 0
+
+
+def _bad_inputs(first) -> list[tuple[dict, dict, str]]:
+    tensors, config = read_adapter(first)
+    a_key = next(k for k in tensors if "q_proj.lora_A" in k)
+    return [
+        ({**tensors, a_key: tensors[a_key][:4]}, config, "has shape"),
+        ({k: v for k, v in tensors.items() if k != a_key}, config, "no lora_A"),
+        ({**tensors, a_key: tensors[a_key].astype(np.int32)}, config, "not a floating-point array"),
+        ({**tensors, "base_model.model.lm_head.weight": np.zeros((491, 48), np.float32)}, config, "embedding"),
+        ({}, config, "no tensors given"),
+        (tensors, {k: v for k, v in config.items() if k != "r"}, "has no 'r'"),
+        (tensors, {**config, "use_dora": True}, "DoRA"),
+        (tensors, {**config, "target_modules": ["embed_tokens"]}, "embedding"),
+    ]
+
+
+def test_bad_tensors_or_config_are_refused_with_the_problem_named(setup):
+    engine, first, _ = setup
+    for i, (tensors, config, message) in enumerate(_bad_inputs(first)):
+        with pytest.raises(ValueError, match=message):
+            engine.load_lora_adapter_from_tensors(f"bad{i}", tensors, config)
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.update_lora_adapter("never_loaded", read_adapter(first)[0])
+    loaded = {ref["lora_name"] for ref in engine.get_server_info()["loras"]}
+    assert not any(name.startswith("bad") for name in loaded)
+    ids = prompt(2, 12)
+    assert run(engine, ids, "first_disk")["output_ids"] == run(engine, ids, "first_disk")["output_ids"]  # still serving
+
+
+def test_update_serves_the_new_weights_and_never_their_predecessors_prefix_cache(setup):
+    engine, first, second = setup
+    first_tensors, first_config = read_adapter(first)
+    second_tensors, second_config = read_adapter(second)
+    engine.load_lora_adapter_from_tensors("live", first_tensors, first_config)
+    ids = prompt(3, 36)
+    before, cached = (run(engine, ids, "live", prompt_logprobs=False) for _ in range(2))
+    assert cached["meta_info"]["cached_tokens"] == 32 and cached["output_ids"] == before["output_ids"]
+    assert before["meta_info"]["lora_version"] == 1
+
+    updated = engine.update_lora_adapter("live", second_tensors, second_config)
+    assert updated["version"] == 2
+    after = run(engine, ids, "live", prompt_logprobs=False)
+    assert after["meta_info"]["cached_tokens"] == 0  # the prompt's pages under version 1 are not reused
+    assert after["meta_info"]["lora_version"] == 2
+    expected = run(engine, ids, "second_disk", prompt_logprobs=False)
+    assert after["output_ids"] == expected["output_ids"] and logprobs(after) == logprobs(expected)
+    assert after["output_ids"] != before["output_ids"]
+    again = run(engine, ids, "live", prompt_logprobs=False)
+    assert again["meta_info"]["cached_tokens"] == 32 and again["output_ids"] == after["output_ids"]
+
+
+def test_update_keeps_the_config_and_refuses_tensors_it_does_not_fit(setup):
+    engine, first, second = setup
+    first_tensors, first_config = read_adapter(first)
+    engine.load_lora_adapter_from_tensors("keep", first_tensors, first_config)
+    rescaled = {k: v * 2 if "lora_B" in k else v for k, v in first_tensors.items()}
+    assert engine.update_lora_adapter("keep", rescaled)["version"] == 2  # config of version 1 kept
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_lora_adapter("keep", read_adapter(second)[0])  # rank 4 tensors under the r=8 config
+    ids = prompt(4, 10)
+    out = run(engine, ids, "keep")
+    assert out["meta_info"]["lora_version"] == 2
+    assert logprobs(out) != logprobs(run(engine, ids, "first_disk"))
+
+
+def test_an_adapter_loaded_from_disk_is_updated_under_its_own_config(setup):
+    engine, first, _ = setup
+    engine.load_lora_adapter("from_disk", str(first))
+    tensors, config = read_adapter(first)
+    rescaled = {k: v * 2 if "lora_B" in k else v for k, v in tensors.items()}
+    assert engine.update_lora_adapter("from_disk", rescaled)["version"] == 2  # config re-read from its directory
+    engine.load_lora_adapter_from_tensors("rescaled", rescaled, config)
+    ids = prompt(6, 10)
+    updated = run(engine, ids, "from_disk")
+    assert logprobs(updated) == logprobs(run(engine, ids, "rescaled"))
+    assert logprobs(updated) != logprobs(run(engine, ids, "first_disk"))
+    assert {r["lora_name"]: r["lora_path"] for r in engine.get_server_info()["loras"]}["from_disk"] == ""
+
+
+def test_a_running_request_finishes_on_the_version_it_started_with(setup):
+    engine, first, second = setup
+    first_tensors, first_config = read_adapter(first)
+    engine.load_lora_adapter_from_tensors("racing", first_tensors, first_config)
+    ids, num_new = prompt(5, 12), 200
+    expected_v1 = run(engine, ids, "first_disk", num_new)
+    second_tensors, second_config = read_adapter(second)
+    update_file = TensorFile.from_arrays("racing", second_tensors)
+    tm = engine.tokenizer_manager
+
+    async def update_while_running() -> tuple[dict, dict, dict]:
+        ref = await tm.resolve_lora("racing")
+        request = tm.build_request(input_ids=ids, sampling_params={"max_new_tokens": num_new, **GREEDY},
+                                   lora_id=ref.lora_id, return_logprob=True, logprob_start_len=0)
+        stream = tm.generate_request(request)
+        first_chunk = await stream.__anext__()
+        update = await tm.update_lora_adapter("racing", update_file, second_config)
+        final = first_chunk
+        async for final in stream:  # noqa: B007 - keeps the last
+            pass
+        return first_chunk, update, final
+
+    with update_file:
+        first_chunk, update, final = engine._run(update_while_running())
+    assert first_chunk["meta_info"]["finish_reason"] is None and update["version"] == 2
+    assert final["meta_info"]["lora_version"] == 1
+    assert final["output_ids"] == expected_v1["output_ids"]
+    engine._run(tm.wait_for_retired_versions())  # version 1's request is done: it is unloaded
+    assert [r["version"] for r in engine.get_server_info()["loras"] if r["lora_name"] == "racing"] == [2]
+    new = run(engine, ids, "racing", 4)
+    assert new["meta_info"]["lora_version"] == 2
+    assert new["output_ids"] == run(engine, ids, "second_disk", 4)["output_ids"]
+    assert engine.get_server_info()["num_compilations_after_warmup"] == 0
+
+
+def test_a_tensor_file_of_every_float_dtype_maps_as_float32(tmp_path):
+    import torch
+    from safetensors.torch import save
+
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    values = torch.tensor([[1.5, -2.25], [0.0, 3.0]])
+    data = save({f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
+    with TensorFile.from_bytes(data) as tensor_file:
+        tensors = map_tensor_file("x", tensor_file.path)
+    assert len(tensors) == 4  # the mapping outlives the file's name
+    for array in tensors.values():
+        assert array.dtype == np.float32 and np.array_equal(array, values.numpy())
+    with TensorFile.from_bytes(save({"ids": torch.zeros(2, dtype=torch.int32)})) as tensor_file:
+        with pytest.raises(LoRAAdapterError, match="dtype I32"):
+            map_tensor_file("x", tensor_file.path)
+
+
+def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 5), dtype=np.float32), "b": rng.standard_normal(7).astype(np.float16),
+              "c": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16), "d": np.zeros((0, 4), np.float32)}
+    with TensorFile.from_arrays("x", arrays) as tensor_file:
+        tensors = map_tensor_file("x", tensor_file.path)
+    for key, array in arrays.items():
+        assert tensors[key].dtype == np.float32 and np.array_equal(tensors[key], array.astype(np.float32))
+        assert tensors[key].shape == array.shape
+    assert not tensors["a"].flags.writeable  # a view of the shared mapping, not a copy
+
+
+def _layout(header: bytes, data: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize("layout, problem", [
+    (b"\x03", "not a valid safetensors file"),
+    ((10**6).to_bytes(8, "little") + b"{}", "header longer than the data"),
+    (_layout(b"[1]"), "not a JSON object"),
+    (_layout(b"{x"), "header"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', bytes(8)), "do not match"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}', bytes(16)), "do not match"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}}'), "invalid shape"),
+    (_layout(b'{"t":{"dtype":"F32","shape":[2]}}', bytes(8)), "invalid shape or data_offsets"),
+    (_layout(b'{"t":[1]}'), "no valid header entry"),
+])
+def test_a_malformed_tensor_file_is_refused_with_the_problem_named(layout, problem):
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    with TensorFile.from_bytes(layout) as tensor_file:
+        with pytest.raises(LoRAAdapterError, match=problem):
+            map_tensor_file("x", tensor_file.path)

@@ -1,0 +1,85 @@
+"""`python -m sgl_jax_lora.launch`: the README's run command, executed as written (default flags, the
+embedded demo model and its two adapters), serves requests and gives the answers the README shows; SIGTERM shuts it down with exit code 0 and no orphan engine
+process; --help lists every ServerArgs flag; a bad flag exits 2 naming the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+
+from tests.support.http_helpers import process_exists, start_server
+from sgl_jax_lora.server_args import ServerArgs
+
+# Default buckets compile for minutes on a 2-core CPU the first time (then the compilation cache
+# shared by the tests makes it seconds); the deadline only bounds a hung start.
+STARTUP_TIMEOUT_S = 900
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def readme_demo_answers() -> tuple[str, dict[str, str]]:
+    """(question, {model: answer}) of the README's demo: the models of its `for model in ...` loop, the question of
+    its request, and the lines of the block marked <!-- demo-answers -->, in order."""
+    with open(README) as f:
+        text = f.read()
+    models = re.search(r"for model in ([^;]+); do", text).group(1).split()
+    question = re.search(r'"content": "([^"]+)"}]}\' \|', text).group(1)
+    answers = re.search(r"<!-- demo-answers -->\s*```\n(.*?)```", text, re.S).group(1).splitlines()
+    assert len(models) == len(answers) == 3, (models, answers)
+    return question, dict(zip(models, answers))
+
+
+def run_launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sgl_jax_lora.launch", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_flag():
+    result = run_launch("--help")
+    assert result.returncode == 0
+    for field in dataclasses.fields(ServerArgs):
+        assert "--" + field.name.replace("_", "-") in result.stdout
+
+
+def test_bad_flag_exits_2_naming_it():
+    result = run_launch("--tp-size", "0")
+    assert result.returncode == 2
+    assert "--tp-size must be a positive integer" in result.stderr
+    result = run_launch("--chat-template", "/no/such/file.jinja")
+    assert result.returncode == 2
+    assert "--chat-template" in result.stderr
+
+
+def test_readme_command_serves_then_sigterm_leaves_no_orphan():
+    server = start_server([], timeout_s=STARTUP_TIMEOUT_S)  # only --port is added
+    try:
+        log = server.log_text()
+        assert f"listening on http://127.0.0.1:{server.port}" in log
+        assert "demo model" in log
+        response = httpx.post(server.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, timeout=60)
+        assert response.status_code == 200, response.text
+        assert 1 <= len(response.json()["output_ids"]) <= 8
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        question, answers = readme_demo_answers()
+        for name, answer in answers.items():  # the base model, then each default adapter
+            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], temperature=0)
+            assert reply.choices[0].message.content == answer, name
+        engine_pid = httpx.get(server.url + "/get_server_info").json()["engine_pid"]
+        assert process_exists(engine_pid)
+    finally:
+        exit_code = server.stop(signal.SIGTERM)
+    assert exit_code == 0, server.log_text()[-3000:]
+    deadline = time.monotonic() + 15
+    while process_exists(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval of a bounded wait
+    assert not process_exists(engine_pid), "the engine process outlived the server"

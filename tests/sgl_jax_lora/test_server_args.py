@@ -1,0 +1,100 @@
+"""`--config FILE` (launch.py) and `load_config_file` (server_args.py): a JSON or YAML file of ServerArgs
+fields sets the defaults, flags on the command line override it, the shipped tpu_configs/ presets load as
+they are, and a bad key or value exits 2 naming the key and the closest field.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sgl_jax_lora.launch import parse_args
+from sgl_jax_lora.server_args import ServerArgs, load_config_file
+from tests.support import REPO_ROOT
+
+REPO = REPO_ROOT
+PRESETS = sorted(glob.glob(os.path.join(REPO, "tpu_configs", "*.json")))
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_presets_exist():
+    assert [os.path.basename(p) for p in PRESETS] == ["v5e-4.json", "v6e-8.json"]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_every_preset_key_reaches_server_args(preset):
+    with open(preset) as f:
+        raw = json.load(f)
+    args = parse_args(["--config", preset, "--model-path", "/models/llama"])
+    for key, value in raw.items():
+        assert getattr(args, key) == value, key
+    assert args.model_path == "/models/llama"
+
+
+def test_flags_override_the_file(tmp_path):
+    path = write(tmp_path, "c.json", json.dumps({"tp_size": 8, "max_running_requests": 256, "token_buckets": [8, 16]}))
+    args = parse_args(["--max-running-requests", "32", "--config", path, "--token-buckets", "4"])
+    assert args.tp_size == 8  # from the file
+    assert args.max_running_requests == 32  # the flag, given before --config, still wins
+    assert args.token_buckets == [4]
+    assert args.port == ServerArgs().port  # neither: the field's default
+
+
+def test_yaml_with_dashed_keys(tmp_path):
+    path = write(tmp_path, "c.yaml", "tp-size: 2\nlora_paths:\n  - a=/adapters/a\n  - {lora_name: b, lora_path: /adapters/b, pinned: true}\n")
+    args = parse_args(["--config", path])
+    assert args.tp_size == 2
+    assert args.enable_lora is True
+    assert args.lora_paths[0] == "a=/adapters/a"
+    assert json.loads(args.lora_paths[1]) == {"lora_name": "b", "lora_path": "/adapters/b", "pinned": True}
+
+
+def test_unknown_key_names_the_closest_field(tmp_path):
+    path = write(tmp_path, "c.json", json.dumps({"tp_size": 4, "max_runing_requests": 8}))
+    with pytest.raises(ValueError, match=r"unknown key 'max_runing_requests'; did you mean 'max_running_requests'\?"):
+        load_config_file(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ({"tp_size": "4"}, "'tp_size' must be an integer"),
+        ({"token_buckets": [8, "16"]}, "'token_buckets' must be a list of int"),
+        ({"lora_backend": "cuda"}, "'lora_backend' is 'cuda'; choose one of"),
+        ([1, 2], "must hold a mapping of ServerArgs fields"),
+    ],
+)
+def test_bad_values_are_named(tmp_path, content, message):
+    with pytest.raises(ValueError, match=message):
+        load_config_file(write(tmp_path, "c.json", json.dumps(content)))
+
+
+def test_engine_keywords_override_the_file(tmp_path):
+    """Engine(config=...) builds its ServerArgs through from_kwargs (starting an Engine compiles, so not here)."""
+    path = write(tmp_path, "c.json", json.dumps({"tp_size": 4, "page_size": 32}))
+    args = ServerArgs.from_kwargs(config=path, page_size=8)
+    assert (args.tp_size, args.page_size) == (4, 8)
+
+
+def test_launcher_exits_2_naming_the_bad_key(tmp_path):
+    path = write(tmp_path, "c.json", json.dumps({"chunked_prefil_size": 512}))
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", path], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 2
+    assert "unknown key 'chunked_prefil_size'; did you mean 'chunked_prefill_size'?" in result.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert missing.returncode == 2
+    assert "cannot read the file" in missing.stderr
