@@ -51,8 +51,11 @@ def main() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as response:
             models = [m["id"] for m in json.loads(response.read())["data"]]
         assert sorted(models[1:]) == ["demo-pirate", "demo-upper"], models  # the demo adapters are served by default
-        chat = post(port, "/v1/chat/completions", {
-            "model": models[0], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0})
+        chat = post(
+            port,
+            "/v1/chat/completions",
+            {"model": models[0], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+        )
         assert chat["choices"][0]["message"]["role"] == "assistant", chat
         question = [{"role": "user", "content": "What is the capital of France?"}]
         upper = post(port, "/v1/chat/completions", {"model": "demo-upper", "messages": question, "temperature": 0})

@@ -50,9 +50,11 @@ MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as t
 DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
     DecodeTiles(bk, splits, 4, 3) for bk in (32, 64) for splits in (1, 2, 4)
 ]
-PREFILL_SWEEP = [PrefillTiles(128, bk, w, st) for bk in (64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
-    PrefillTiles(64, bk, 4, st) for bk in (32, 64, 128) for st in (2, 3)
-] + [PrefillTiles(256, bk, 8, st) for bk in (32, 64) for st in (2, 3)]
+PREFILL_SWEEP = (
+    [PrefillTiles(128, bk, w, st) for bk in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    + [PrefillTiles(64, bk, 4, st) for bk in (32, 64, 128) for st in (2, 3)]
+    + [PrefillTiles(256, bk, 8, st) for bk in (32, 64) for st in (2, 3)]
+)
 
 
 def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
@@ -173,8 +175,17 @@ def ours(decode_only: bool, tiles):
     @jax.jit
     def run(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
         return ragged_paged_attention_gpu(
-            q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens,
-            page_size=PAGE, scale=HEAD_DIM**-0.5, decode_only=decode_only, **{key: tiles},
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            kv_lens,
+            page_table,
+            cu_q_lens,
+            page_size=PAGE,
+            scale=HEAD_DIM**-0.5,
+            decode_only=decode_only,
+            **{key: tiles},
         )
 
     return run
@@ -263,7 +274,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tile variants and use the best per row")
     parser.add_argument("--rows", choices=("decode", "prefill", "all"), default="all")
     parser.add_argument(
-        "--min-cache-gib", type=float, default=MIN_BUFFER_BYTES / 2**30,
+        "--min-cache-gib",
+        type=float,
+        default=MIN_BUFFER_BYTES / 2**30,
         help="size each K or V cache to at least this many GiB (layers are added); under 4, 32-bit offsets",
     )
     args = parser.parse_args()

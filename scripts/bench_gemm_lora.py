@@ -52,13 +52,32 @@ MODULES = {
 # module, rank, T, sequences: the prefill goal rows (T = 4096, 32 adapters), then the engine's other prefill buckets
 # (--max-prefill-seqs 8 by default)
 ROWS = [
-    ("o", 16, 4096, 32), ("o", 64, 4096, 32), ("qkv", 16, 4096, 32), ("gate_up", 16, 4096, 32), ("down", 16, 4096, 32),
-    ("o", 16, 2048, 8), ("qkv", 16, 2048, 8), ("gate_up", 16, 2048, 8), ("down", 16, 2048, 8),
-    ("o", 16, 1024, 8), ("qkv", 16, 1024, 8), ("o", 16, 512, 8), ("qkv", 16, 512, 8),
+    ("o", 16, 4096, 32),
+    ("o", 64, 4096, 32),
+    ("qkv", 16, 4096, 32),
+    ("gate_up", 16, 4096, 32),
+    ("down", 16, 4096, 32),
+    ("o", 16, 2048, 8),
+    ("qkv", 16, 2048, 8),
+    ("gate_up", 16, 2048, 8),
+    ("down", 16, 2048, 8),
+    ("o", 16, 1024, 8),
+    ("qkv", 16, 1024, 8),
+    ("o", 16, 512, 8),
+    ("qkv", 16, 512, 8),
     # the buckets around the default --lora-fused-gemm-min-tokens (512)
-    ("gate_up", 16, 1024, 8), ("down", 16, 1024, 8), ("gate_up", 16, 512, 8), ("down", 16, 512, 8),
-    ("o", 16, 256, 8), ("qkv", 16, 256, 8), ("gate_up", 16, 256, 8), ("down", 16, 256, 8),
-    ("o", 16, 128, 4), ("qkv", 16, 128, 4), ("gate_up", 16, 128, 4), ("down", 16, 128, 4),
+    ("gate_up", 16, 1024, 8),
+    ("down", 16, 1024, 8),
+    ("gate_up", 16, 512, 8),
+    ("down", 16, 512, 8),
+    ("o", 16, 256, 8),
+    ("qkv", 16, 256, 8),
+    ("gate_up", 16, 256, 8),
+    ("down", 16, 256, 8),
+    ("o", 16, 128, 4),
+    ("qkv", 16, 128, 4),
+    ("gate_up", 16, 128, 4),
+    ("down", 16, 128, 4),
 ]
 
 
@@ -93,8 +112,10 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
         return [x @ w[i] for i in range(layers)]
 
     def sgmv(x, w, lora_a, lora_bs, lora):
-        return [sgmv_backend.apply_packed(x, *views(i, lora_a), tuple(views(i, *lora_bs)), lora, x @ w[i], tp_size=1)
-                for i in range(layers)]
+        return [
+            sgmv_backend.apply_packed(x, *views(i, lora_a), tuple(views(i, *lora_bs)), lora, x @ w[i], tp_size=1)
+            for i in range(layers)
+        ]
 
     def fused(x, w, lora_a, lora_bs, lora):
         outs = []
@@ -116,8 +137,18 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
         "fused": (fused, (x, w, lora_a, lora_bs, lora_fused)),
         "mosaic_base": (mosaic_base, (x, w, lora_bs, lora)),
     }
-    row = dict(module=module, in_dim=in_dim, widths=widths, rank=rank, tokens=num_tokens, sequences=sequences,
-               layers=layers, max_entries=lora_fused.entries.max_entries, tiles=str(tiles), us={})
+    row = dict(
+        module=module,
+        in_dim=in_dim,
+        widths=widths,
+        rank=rank,
+        tokens=num_tokens,
+        sequences=sequences,
+        layers=layers,
+        max_entries=lora_fused.entries.max_entries,
+        tiles=str(tiles),
+        us={},
+    )
     for name, (fn, args) in programs.items():
         row["us"][name] = time_fn(jax.jit(fn), args, min_seconds) / layers * 1e6
     row["ratio"] = {name: t / row["us"]["xla"] for name, t in row["us"].items()}
@@ -141,8 +172,11 @@ def main() -> None:
         row = run_row(module, rank, num_tokens, sequences, args.layers, args.min_seconds)
         out["rows"].append(row)
         r, us = row["ratio"], row["us"]
-        print(f"| {module} | {rank} | {num_tokens} | {sequences} | {us['xla']:.1f} | {r['sgmv']:.3f} | {r['fused']:.3f} | "
-              f"{r['mosaic_base']:.3f} | {row['fused_vs_sgmv_rel_err']:.4f} |", flush=True)
+        print(
+            f"| {module} | {rank} | {num_tokens} | {sequences} | {us['xla']:.1f} | {r['sgmv']:.3f} | {r['fused']:.3f} | "
+            f"{r['mosaic_base']:.3f} | {row['fused_vs_sgmv_rel_err']:.4f} |",
+            flush=True,
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -96,7 +96,9 @@ def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, see
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
     num_segments = 1 << max(num_adapters - 1, 0).bit_length()
-    lora = build_lora_batch(token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens))  # work list precomputed, shared by the layers (the engine builds it in jit)
+    lora = build_lora_batch(
+        token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens)
+    )  # work list precomputed, shared by the layers (the engine builds it in jit)
     return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
 
 
@@ -226,11 +228,23 @@ def run(args) -> list[dict]:
         lora, num_present = make_lora(num_tokens, num_adapters, num_slots, rank, seed=num_tokens + num_adapters)
         memory_limit, compute_limit, bytes_moved = limits(in_dim, out_dim, rank, num_tokens, num_present)
         is_prefill = num_tokens >= 2048
-        row = dict(shape=shape, in_dim=in_dim, out_dim=out_dim, rank=rank, tokens=num_tokens,
-                   slots=num_slots - 1, distinct=num_present, segments=lora.num_segments,
-                   limit=compute_limit if is_prefill else memory_limit,
-                   limit_kind="compute" if is_prefill else "memory", ratio={}, gbps={}, skipped={},
-                   span_ratio={}, times={})
+        row = dict(
+            shape=shape,
+            in_dim=in_dim,
+            out_dim=out_dim,
+            rank=rank,
+            tokens=num_tokens,
+            slots=num_slots - 1,
+            distinct=num_present,
+            segments=lora.num_segments,
+            limit=compute_limit if is_prefill else memory_limit,
+            limit_kind="compute" if is_prefill else "memory",
+            ratio={},
+            gbps={},
+            skipped={},
+            span_ratio={},
+            times={},
+        )
         if time.perf_counter() > deadline:
             row["skipped"] = {name: "time budget" for name in backends}
             results.append(row)
@@ -299,8 +313,11 @@ def print_row(row: dict, backends) -> None:
             cells.append(f"not run: {row['skipped'].get(name, '?')}")
     limit = f"{row['limit']:.2f}" + (" (compute)" if row["limit_kind"] == "compute" else "")
     base = f"{row['t_base_us']:.1f}" if "t_base_us" in row else "-"
-    print(f"| {row['shape']} {row['in_dim']}->{row['out_dim']} | {row['rank']} | {row['tokens']} | "
-          f"{row['slots']} / {row['distinct']} / {row['segments']} | {base} | {limit} | " + " | ".join(cells) + " |", flush=True)
+    print(
+        f"| {row['shape']} {row['in_dim']}->{row['out_dim']} | {row['rank']} | {row['tokens']} | "
+        f"{row['slots']} / {row['distinct']} / {row['segments']} | {base} | {limit} | " + " | ".join(cells) + " |",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -313,39 +330,74 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--dim-divisor", type=int, default=1, help="shrink layer dims (CPU smoke runs only)")
     parser.add_argument("--max-rows", type=int, default=None)
-    parser.add_argument("--chain", action="store_true",
-                        help="square shapes (q/o): each layer's output is the next layer's input, as in a model")
-    parser.add_argument("--residual", nargs="?", const="split", default="none", choices=("none", "split", "same"),
-                        help="with --chain: each layer adds its output (and its LoRA delta, in place) into a residual "
-                             "stream, the engine's form for o and down; 'split' (the default of the flag): input and "
-                             "residual are different arrays, as in the model; 'same': x is both (the older form)")
-    parser.add_argument("--compiles", type=int, default=1,
-                        help="compile each program this many times, separately, and report the median time: separate "
-                             "compiles of one program differ (GEMM configurations, placement) by up to ~0.4 in "
-                             "decode ratios")
-    parser.add_argument("--device-span", action="store_true",
-                        help="also trace 3 calls per compile (jax.profiler) and report the ratio of device spans, "
-                             "which leaves out the host's time to launch the program (GPU; not with --concurrent, "
-                             "whose traced spans exceed the timed calls)")
-    parser.add_argument("--concurrent", action="store_true",
-                        help="compile with XLA's concurrent GPU kernel scheduling, as the engine does on GPU")
+    parser.add_argument(
+        "--chain",
+        action="store_true",
+        help="square shapes (q/o): each layer's output is the next layer's input, as in a model",
+    )
+    parser.add_argument(
+        "--residual",
+        nargs="?",
+        const="split",
+        default="none",
+        choices=("none", "split", "same"),
+        help="with --chain: each layer adds its output (and its LoRA delta, in place) into a residual "
+        "stream, the engine's form for o and down; 'split' (the default of the flag): input and "
+        "residual are different arrays, as in the model; 'same': x is both (the older form)",
+    )
+    parser.add_argument(
+        "--compiles",
+        type=int,
+        default=1,
+        help="compile each program this many times, separately, and report the median time: separate "
+        "compiles of one program differ (GEMM configurations, placement) by up to ~0.4 in "
+        "decode ratios",
+    )
+    parser.add_argument(
+        "--device-span",
+        action="store_true",
+        help="also trace 3 calls per compile (jax.profiler) and report the ratio of device spans, "
+        "which leaves out the host's time to launch the program (GPU; not with --concurrent, "
+        "whose traced spans exceed the timed calls)",
+    )
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="compile with XLA's concurrent GPU kernel scheduling, as the engine does on GPU",
+    )
     args = parser.parse_args()
     if args.device_span and jax.default_backend() != "gpu":
         parser.error(f"--device-span reads GPU kernels from a profiler trace; this platform is {jax.default_backend()}")
     if args.device_span and args.concurrent:
-        parser.error("--device-span with --concurrent: traced spans of concurrently scheduled kernels exceed the timed "
-                     "calls; time those programs without --device-span")
-    print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
-          f"chain {args.chain}, residual {args.residual}, concurrent {args.concurrent}", flush=True)
+        parser.error(
+            "--device-span with --concurrent: traced spans of concurrently scheduled kernels exceed the timed "
+            "calls; time those programs without --device-span"
+        )
+    print(
+        f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, layers {args.layers}, "
+        f"chain {args.chain}, residual {args.residual}, concurrent {args.concurrent}",
+        flush=True,
+    )
     backends = args.backends.split(",")
     print_header(backends)
     results = run(args)
     if args.json:
-        args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                                             layers=args.layers, chain=args.chain, residual=args.residual,
-                                             concurrent=args.concurrent, compiles=args.compiles,
-                                             device_span=args.device_span,
-                                             rows=results), indent=1))
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    jax=jax.__version__,
+                    device=jax.devices()[0].device_kind,
+                    layers=args.layers,
+                    chain=args.chain,
+                    residual=args.residual,
+                    concurrent=args.concurrent,
+                    compiles=args.compiles,
+                    device_span=args.device_span,
+                    rows=results,
+                ),
+                indent=1,
+            )
+        )
     print("\nsummary (same rows):", flush=True)
     print_header(backends)
     for row in results:

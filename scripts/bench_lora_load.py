@@ -29,11 +29,23 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     model_dir = make_model_dir(LLAMA3_8B)
-    dirs = make_adapters(["--model", model_dir, "--out-dir", os.path.join(model_dir, "adapters"), "--num-adapters", "3", "--rank", "16"])
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=512, max_total_tokens=8192,
-                      max_running_requests=1, chunked_prefill_size=64, max_prefill_seqs=1, token_buckets=[8, 64],
-                      max_loras_per_batch=1, max_lora_rank=16,
-                      lora_paths=[f"a{i}={d}" for i, d in enumerate(dirs[:2])])
+    dirs = make_adapters(
+        ["--model", model_dir, "--out-dir", os.path.join(model_dir, "adapters"), "--num-adapters", "3", "--rank", "16"]
+    )
+    args = ServerArgs(
+        model_path=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        context_length=512,
+        max_total_tokens=8192,
+        max_running_requests=1,
+        chunked_prefill_size=64,
+        max_prefill_seqs=1,
+        token_buckets=[8, 64],
+        max_loras_per_batch=1,
+        max_lora_rank=16,
+        lora_paths=[f"a{i}={d}" for i, d in enumerate(dirs[:2])],
+    )
     core = EngineCore(args, model_dir)  # warmup compiles the slot write once
     manager = core.lora
     ids = list(manager.refs)
@@ -46,7 +58,9 @@ def main() -> None:
         jax_block(core)
         return time.perf_counter() - start
 
-    host_to_device = [admit(ids[i % 2]) for i in range(opts.cycles)]  # both in the host cache: every call rewrites the slot
+    host_to_device = [
+        admit(ids[i % 2]) for i in range(opts.cycles)
+    ]  # both in the host cache: every call rewrites the slot
     from sgl_jax_lora.lora.lora_ref import LoRARef
 
     disk_to_device = []
@@ -61,9 +75,15 @@ def main() -> None:
         manager.unregister(ref.lora_id)
     result = {
         "adapter_bytes_fp32_host": int(manager.host_cache.get(manager.refs[ids[0]]).nbytes),
-        "host_to_device_ms": {"mean": 1e3 * float(np.mean(host_to_device)), "p50": 1e3 * float(np.median(host_to_device)),
-                              "p99": 1e3 * float(np.percentile(host_to_device, 99))},
-        "disk_to_device_ms": {"mean": 1e3 * float(np.mean(disk_to_device)), "p50": 1e3 * float(np.median(disk_to_device))},
+        "host_to_device_ms": {
+            "mean": 1e3 * float(np.mean(host_to_device)),
+            "p50": 1e3 * float(np.median(host_to_device)),
+            "p99": 1e3 * float(np.percentile(host_to_device, 99)),
+        },
+        "disk_to_device_ms": {
+            "mean": 1e3 * float(np.mean(disk_to_device)),
+            "p50": 1e3 * float(np.median(disk_to_device)),
+        },
         "cycles": opts.cycles,
         "compilations_during_cycles": core.compile_counter.count - compiles_before,
         "device_evictions": manager.pool.num_evictions,

@@ -27,9 +27,20 @@ from sgl_jax_lora.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
 LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False, "eos_token_id": 1,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "eos_token_id": 1,
 }
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -44,8 +55,18 @@ def make_model_dir(config: dict) -> str:
 
 
 def weight_bytes(cfg: dict, itemsize: int = 2) -> int:
-    e, f, h, k, d, v, n = (cfg[x] for x in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                            "head_dim", "vocab_size", "num_hidden_layers"))
+    e, f, h, k, d, v, n = (
+        cfg[x]
+        for x in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "num_hidden_layers",
+        )
+    )
     per_layer = e * (h + 2 * k) * d + h * d * e + 3 * e * f
     return itemsize * (n * per_layer + 2 * v * e)
 
@@ -53,10 +74,14 @@ def weight_bytes(cfg: dict, itemsize: int = 2) -> int:
 def submit(core: EngineCore, batch: int, prompt_len: int, max_new: int, lora_ids: list, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for i in range(batch):
-        core.add_request(GenerateRequest(
-            rid=f"r{seed}-{i}", input_ids=rng.integers(2, 400, size=prompt_len).tolist(),
-            sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
-            lora_id=lora_ids[i % len(lora_ids)] if lora_ids else None))
+        core.add_request(
+            GenerateRequest(
+                rid=f"r{seed}-{i}",
+                input_ids=rng.integers(2, 400, size=prompt_len).tolist(),
+                sampling=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True),
+                lora_id=lora_ids[i % len(lora_ids)] if lora_ids else None,
+            )
+        )
 
 
 def run_batch(core: EngineCore, batch: int, prompt_len: int, decode_steps: int, lora_ids: list) -> dict:
@@ -77,8 +102,13 @@ def run_batch(core: EngineCore, batch: int, prompt_len: int, decode_steps: int, 
     step_s = (time.perf_counter() - t0) / decode_steps
     while core.scheduler.num_active:
         core.step()
-    return {"batch": batch, "decode_step_ms": 1e3 * step_s, "decode_tok_per_s": batch / step_s,
-            "prefill_tok_per_s": prefill_tokens / prefill_time, "context_at_decode": prompt_len + 5}
+    return {
+        "batch": batch,
+        "decode_step_ms": 1e3 * step_s,
+        "decode_tok_per_s": batch / step_s,
+        "prefill_tok_per_s": prefill_tokens / prefill_time,
+        "context_at_decode": prompt_len + 5,
+    }
 
 
 def main() -> None:
@@ -96,14 +126,28 @@ def main() -> None:
     lora_paths = None
     if opts.lora_adapters:
         from scripts.make_adapters import main as make_adapters
+
         out = os.path.join(model_dir, "adapters")
-        dirs = make_adapters(["--model", model_dir, "--out-dir", out, "--num-adapters", str(opts.lora_adapters), "--rank", "16"])
+        dirs = make_adapters(
+            ["--model", model_dir, "--out-dir", out, "--num-adapters", str(opts.lora_adapters), "--rank", "16"]
+        )
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", context_length=2048,
-                      max_total_tokens=160_000, max_running_requests=max(opts.batch_sizes), chunked_prefill_size=2048,
-                      max_prefill_seqs=4, token_buckets=sorted({*opts.batch_sizes, 2048}), skip_precompile=True, lora_paths=lora_paths,
-                      max_loras_per_batch=max(1, opts.lora_adapters), lora_backend=opts.lora_backend,
-                      layers_per_scan_step=opts.layers_per_scan_step)
+    args = ServerArgs(
+        model_path=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        context_length=2048,
+        max_total_tokens=160_000,
+        max_running_requests=max(opts.batch_sizes),
+        chunked_prefill_size=2048,
+        max_prefill_seqs=4,
+        token_buckets=sorted({*opts.batch_sizes, 2048}),
+        skip_precompile=True,
+        lora_paths=lora_paths,
+        max_loras_per_batch=max(1, opts.lora_adapters),
+        lora_backend=opts.lora_backend,
+        layers_per_scan_step=opts.layers_per_scan_step,
+    )
     t0 = time.perf_counter()
     core = EngineCore(args, model_dir)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -117,8 +161,12 @@ def main() -> None:
         row["ratio_to_roofline"] = row["decode_step_ms"] / row["roofline_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"rows": rows, "lora_adapters": opts.lora_adapters, "gpu": opts.gpu,
-              "compilations_after_start": core.compile_counter.count}
+    result = {
+        "rows": rows,
+        "lora_adapters": opts.lora_adapters,
+        "gpu": opts.gpu,
+        "compilations_after_start": core.compile_counter.count,
+    }
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=2)

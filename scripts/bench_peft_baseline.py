@@ -76,8 +76,14 @@ def main() -> None:
         ids = torch.tensor([rng_prompt([opts.seed, 0, i], int(inputs[i])) for i in rows], device=opts.device)
         new = int(outputs[rows[0]])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
 
     model.set_adapter(f"a{first}")
@@ -95,11 +101,19 @@ def main() -> None:
             served += len(rows[k : k + opts.max_batch])
     synchronize()
     elapsed = time.perf_counter() - start
-    result = {"num_requests": opts.num_requests, "requests_served": served, "num_adapters": opts.num_adapters,
-              "popularity": opts.popularity, "adapter_groups": len(groups), "duration_s": elapsed,
-              "output_tokens": tokens, "output_tok_per_s": tokens / elapsed, "max_batch": opts.max_batch,
-              "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else opts.device}
+    result = {
+        "num_requests": opts.num_requests,
+        "requests_served": served,
+        "num_adapters": opts.num_adapters,
+        "popularity": opts.popularity,
+        "adapter_groups": len(groups),
+        "duration_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed,
+        "max_batch": opts.max_batch,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else opts.device,
+    }
     print(json.dumps(result, indent=2))
     if opts.out:
         with open(opts.out, "w") as f:

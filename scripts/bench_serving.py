@@ -136,8 +136,12 @@ class HttpTarget:
         return httpx.get(self.url + "/get_server_info", headers=self.headers).json()
 
     async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
-        body = {"input_ids": input_ids, "stream": True, "lora_path": adapter,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+        body = {
+            "input_ids": input_ids,
+            "stream": True,
+            "lora_path": adapter,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+        }
         async with self.client.stream("POST", self.url + "/generate", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
@@ -154,7 +158,11 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     rng = np.random.default_rng(opts.seed)
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
     adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
-    gaps = rng.exponential(1.0 / opts.request_rate, opts.num_requests) if math.isfinite(opts.request_rate) else np.zeros(opts.num_requests)
+    gaps = (
+        rng.exponential(1.0 / opts.request_rate, opts.num_requests)
+        if math.isfinite(opts.request_rate)
+        else np.zeros(opts.num_requests)
+    )
     records = [dict() for _ in range(opts.num_requests)]
     bar = tqdm(total=opts.num_requests, desc="requests")
 
@@ -180,15 +188,30 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     tpot = [(r["end"] - r["first"]) / max(r["tokens"] - 1, 1) for r in records]
     e2e = [r["end"] - r["start"] for r in records]
     return {
-        "num_requests": opts.num_requests, "num_adapters": opts.num_adapters, "popularity": opts.popularity,
-        "request_rate": opts.request_rate, "duration_s": duration, "output_tok_per_s": total_out / duration,
-        "req_per_s": opts.num_requests / duration, "total_input_tokens": int(inputs.sum()),
-        "total_output_tokens": total_out, "ttft_s": summarize(ttft), "tpot_s": summarize(tpot), "e2e_s": summarize(e2e),
+        "num_requests": opts.num_requests,
+        "num_adapters": opts.num_adapters,
+        "popularity": opts.popularity,
+        "request_rate": opts.request_rate,
+        "duration_s": duration,
+        "output_tok_per_s": total_out / duration,
+        "req_per_s": opts.num_requests / duration,
+        "total_input_tokens": int(inputs.sum()),
+        "total_output_tokens": total_out,
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
+        "e2e_s": summarize(e2e),
     }
 
 
-LORA_COUNTERS = ("device_hits", "device_misses", "device_evictions", "host_hits", "host_misses", "host_evictions",
-                 "slot_load_seconds_total")
+LORA_COUNTERS = (
+    "device_hits",
+    "device_misses",
+    "device_evictions",
+    "host_hits",
+    "host_misses",
+    "host_evictions",
+    "slot_load_seconds_total",
+)
 
 
 def engine_delta(before: dict, after: dict) -> dict:
@@ -196,9 +219,11 @@ def engine_delta(before: dict, after: dict) -> dict:
     steps = {}
     for kind, totals in after.get("step_stats", {}).items():
         steps[kind] = {k: v - before["step_stats"][kind][k] for k, v in totals.items()}
-    delta = {"step_stats": steps,
-             "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0),
-             "prefix_cache_hit_tokens": after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0)}
+    delta = {
+        "step_stats": steps,
+        "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0),
+        "prefix_cache_hit_tokens": after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0),
+    }
     if after.get("lora"):
         delta["lora"] = {k: after["lora"][k] - before["lora"][k] for k in LORA_COUNTERS}
     return delta
@@ -222,7 +247,8 @@ def parse_scenarios(text: str) -> list[tuple[int, str | None]]:
         count, _, popularity = item.partition(":")
         if not count.isdigit() or popularity not in ("", *POPULARITIES):
             raise argparse.ArgumentTypeError(
-                f"--num-adapters item {item!r}: use COUNT or COUNT:POPULARITY ({'|'.join(POPULARITIES)})")
+                f"--num-adapters item {item!r}: use COUNT or COUNT:POPULARITY ({'|'.join(POPULARITIES)})"
+            )
         scenarios.append((int(count), popularity or None))
     if not scenarios:
         raise argparse.ArgumentTypeError("--num-adapters needs at least one count")
@@ -238,13 +264,17 @@ def adapter_dirs_under(root: str) -> list[str]:
 
 
 def print_table(results: list[dict]) -> None:
-    print("| adapters | popularity | output tok/s | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | e2e mean (s) | vs base |")
+    print(
+        "| adapters | popularity | output tok/s | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | e2e mean (s) | vs base |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = r.get("ratio_to_base_throughput")
-        print(f"| {r['num_adapters']} | {r['popularity']} | {r['output_tok_per_s']:.0f} | {r['req_per_s']:.2f} | "
-              f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p99']:.2f} | {1e3 * r['tpot_s']['mean']:.1f} | "
-              f"{r['e2e_s']['mean']:.2f} | {f'{ratio:.3f}' if ratio else '-'} |")
+        print(
+            f"| {r['num_adapters']} | {r['popularity']} | {r['output_tok_per_s']:.0f} | {r['req_per_s']:.2f} | "
+            f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p99']:.2f} | {1e3 * r['tpot_s']['mean']:.1f} | "
+            f"{r['e2e_s']['mean']:.2f} | {f'{ratio:.3f}' if ratio else '-'} |"
+        )
 
 
 def main() -> None:
@@ -252,25 +282,42 @@ def main() -> None:
     engine_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     own_argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=None, help="a running server; default: an offline Engine from the flags after --")
+    parser.add_argument(
+        "--url", default=None, help="a running server; default: an offline Engine from the flags after --"
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
-    parser.add_argument("--num-adapters", type=parse_scenarios, default=[(0, None)],
-                        help="adapters to spread requests over (0 = base only); a comma list runs one scenario each "
-                             "on the same server, e.g. 0,1,8,32,128 or 32:distinct,1000:skewed")
-    parser.add_argument("--adapter-dir", default=None,
-                        help="use the adapter directories under DIR by path (loaded on demand: the server needs "
-                             "--lora-allowed-dirs DIR) instead of the server's registered adapters")
+    parser.add_argument(
+        "--num-adapters",
+        type=parse_scenarios,
+        default=[(0, None)],
+        help="adapters to spread requests over (0 = base only); a comma list runs one scenario each "
+        "on the same server, e.g. 0,1,8,32,128 or 32:distinct,1000:skewed",
+    )
+    parser.add_argument(
+        "--adapter-dir",
+        default=None,
+        help="use the adapter directories under DIR by path (loaded on demand: the server needs "
+        "--lora-allowed-dirs DIR) instead of the server's registered adapters",
+    )
     parser.add_argument("--popularity", default="distinct", choices=POPULARITIES)
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measure each scenario this many times (same requests), in rounds over the scenarios "
-                             "(A B A B), and report the median run")
-    parser.add_argument("--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio")
+    parser.add_argument(
+        "--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each scenario this many times (same requests), in rounds over the scenarios "
+        "(A B A B), and report the median run",
+    )
+    parser.add_argument(
+        "--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio"
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
     if opts.repeats < 1:
@@ -291,12 +338,19 @@ def main() -> None:
         prompt_rounds = itertools.count(1)
         for round_index in range(opts.repeats):  # rounds: each scenario once per round, the same requests each time
             for (count, popularity), scenario_runs in zip(opts.num_adapters, runs):
-                scenario = argparse.Namespace(**{**vars(opts), "num_adapters": count,
-                                                 "popularity": popularity or opts.popularity})
+                scenario = argparse.Namespace(
+                    **{**vars(opts), "num_adapters": count, "popularity": popularity or opts.popularity}
+                )
                 if opts.warmup_requests:
-                    warm = argparse.Namespace(**{**vars(scenario), "num_requests": opts.warmup_requests,
-                                                 "request_rate": float("inf"), "seed": opts.seed + 1,
-                                                 "prompt_round": next(prompt_rounds)})
+                    warm = argparse.Namespace(
+                        **{
+                            **vars(scenario),
+                            "num_requests": opts.warmup_requests,
+                            "request_rate": float("inf"),
+                            "seed": opts.seed + 1,
+                            "prompt_round": next(prompt_rounds),
+                        }
+                    )
                     target.run(drive(target, warm))
                 before = target.server_info()
                 scenario.prompt_round = next(prompt_rounds)

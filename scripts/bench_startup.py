@@ -48,13 +48,21 @@ def main() -> None:
     opts = parser.parse_args(own_argv)
     threads = [int(t) for t in opts.threads.split(",")]
     if "--model-path" not in engine_argv:
-        engine_argv = ["--model-path", make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}),
-                       "--load-format", "dummy", *engine_argv]
+        engine_argv = [
+            "--model-path",
+            make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}),
+            "--load-format",
+            "dummy",
+            *engine_argv,
+        ]
     runs = []
     for count in threads:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, *engine_argv, "--warmup-compile-threads", str(count)],
-                              capture_output=True, text=True)
-        result = next((line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, *engine_argv, "--warmup-compile-threads", str(count)],
+            capture_output=True,
+            text=True,
+        )
+        result = next((line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
         if result is None:
             raise SystemExit(f"the run with {count} compile threads failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(result))

@@ -41,13 +41,37 @@ sys.path.insert(0, ROOT)
 
 from sgl_jax_lora.demo_model import demo_model_path  # noqa: E402
 
-_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-          "max_position_embeddings": 8192, "tie_word_embeddings": False, "eos_token_id": 1, "torch_dtype": "bfloat16"}
+_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
 PRESETS = {
-    "llama3-8b": {**_SHAPE, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256},
-    "tiny": {**_SHAPE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 491},
+    "llama3-8b": {
+        **_SHAPE,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+    },
+    "tiny": {
+        **_SHAPE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 491,
+    },
 }
 
 _CHILD = """
@@ -81,11 +105,17 @@ def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (v, e))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (q, e)), (p + "self_attn.k_proj.weight", (kv, e)),
-                   (p + "self_attn.v_proj.weight", (kv, e)), (p + "self_attn.o_proj.weight", (e, q)),
-                   (p + "mlp.gate_proj.weight", (f, e)), (p + "mlp.up_proj.weight", (f, e)),
-                   (p + "mlp.down_proj.weight", (e, f)), (p + "input_layernorm.weight", (e,)),
-                   (p + "post_attention_layernorm.weight", (e,))]
+        shapes += [
+            (p + "self_attn.q_proj.weight", (q, e)),
+            (p + "self_attn.k_proj.weight", (kv, e)),
+            (p + "self_attn.v_proj.weight", (kv, e)),
+            (p + "self_attn.o_proj.weight", (e, q)),
+            (p + "mlp.gate_proj.weight", (f, e)),
+            (p + "mlp.up_proj.weight", (f, e)),
+            (p + "mlp.down_proj.weight", (e, f)),
+            (p + "input_layernorm.weight", (e,)),
+            (p + "post_attention_layernorm.weight", (e,)),
+        ]
     return shapes + [("model.norm.weight", (e,)), ("lm_head.weight", (v, e))]
 
 
@@ -124,8 +154,10 @@ def write_hf_dir(path: str, cfg: dict, num_shards: int, seed: int = 0) -> int:
 
 def _from_pool(pool: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
     piece = len(pool) // 2
-    parts = [pool[start : start + min(piece, size - done)]
-             for done, start in ((d, int(rng.integers(0, piece))) for d in range(0, size, piece))]
+    parts = [
+        pool[start : start + min(piece, size - done)]
+        for done, start in ((d, int(rng.integers(0, piece))) for d in range(0, size, piece))
+    ]
     return np.concatenate(parts)
 
 
@@ -185,15 +217,22 @@ def resident_fraction(path: str) -> float:
 def timed_load(path: str, tp: int, dtype: str) -> dict:
     """One fresh process: start -> weights on the devices."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, path, str(tp), dtype, repr(time.time())],
-                          capture_output=True, text=True, env=env, check=False)
-    result = next((line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, path, str(tp), dtype, repr(time.time())],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    result = next((line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
         raise SystemExit(f"loading {path} failed:\n{proc.stderr[-3000:]}")
     return json.loads(result)
 
 
-def measure(paths: dict[str, str], tp: int, repeats: int, caches: list[str], on_run: Callable[[list[dict]], None]) -> list[dict]:
+def measure(
+    paths: dict[str, str], tp: int, repeats: int, caches: list[str], on_run: Callable[[list[dict]], None]
+) -> list[dict]:
     """Runs in the order hf, orbax, hf, orbax, ... for each cache state of each repeat; on_run(runs) after each."""
     runs = []
     for repeat in range(repeats):
@@ -201,8 +240,13 @@ def measure(paths: dict[str, str], tp: int, repeats: int, caches: list[str], on_
             for kind, path in paths.items():
                 (drop_from_page_cache if cache == "cold" else read_through)(path)
                 resident = resident_fraction(path)
-                run = {"path": kind, "cache": cache, "repeat": repeat, "resident_fraction": round(resident, 4),
-                       **timed_load(path, tp, "bfloat16")}
+                run = {
+                    "path": kind,
+                    "cache": cache,
+                    "repeat": repeat,
+                    "resident_fraction": round(resident, 4),
+                    **timed_load(path, tp, "bfloat16"),
+                }
                 runs.append(run)
                 print(json.dumps(run), flush=True)
                 on_run(runs)
@@ -213,30 +257,43 @@ def summarize(runs: list[dict]) -> dict:
     """Median total_s per path and cache state, and orbax / hf."""
     summary = {}
     for cache in sorted({r["cache"] for r in runs}):
-        median = {kind: statistics.median(r["total_s"] for r in runs if r["cache"] == cache and r["path"] == kind)
-                  for kind in ("hf", "orbax")}
-        summary[cache] = {"hf_total_s": median["hf"], "orbax_total_s": median["orbax"],
-                          "orbax_over_hf": median["orbax"] / median["hf"]}
+        median = {
+            kind: statistics.median(r["total_s"] for r in runs if r["cache"] == cache and r["path"] == kind)
+            for kind in ("hf", "orbax")
+        }
+        summary[cache] = {
+            "hf_total_s": median["hf"],
+            "orbax_total_s": median["orbax"],
+            "orbax_over_hf": median["orbax"] / median["hf"],
+        }
     return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's decoder layers (a shorter run)")
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="override the preset's decoder layers (a shorter run)"
+    )
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--caches", default="cold,warm", help="page-cache states to run, in order: cold, warm")
     parser.add_argument("--num-shards", type=int, default=4, help="safetensors files of the HF directory")
-    parser.add_argument("--work-dir", default=None, help="where the two copies are written (default: the system temp dir)")
+    parser.add_argument(
+        "--work-dir", default=None, help="where the two copies are written (default: the system temp dir)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the written directories")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(argv)
     cfg = {**PRESETS[opts.preset], **({"num_hidden_layers": opts.num_layers} if opts.num_layers else {})}
     root = tempfile.mkdtemp(prefix="bench-startup-orbax-", dir=opts.work_dir)
     paths = {"hf": os.path.join(root, "hf"), "orbax": os.path.join(root, "orbax")}
-    result = {"argv": sys.argv[1:] if argv is None else argv, "preset": opts.preset, "num_layers": cfg["num_hidden_layers"],
-              "tp_size": opts.tp_size}
+    result = {
+        "argv": sys.argv[1:] if argv is None else argv,
+        "preset": opts.preset,
+        "num_layers": cfg["num_hidden_layers"],
+        "tp_size": opts.tp_size,
+    }
 
     def write_out(runs: list[dict]) -> None:  # after every run, so a run cut short still leaves its results
         result["runs"] = runs
@@ -249,20 +306,39 @@ def main(argv: list[str] | None = None) -> dict:
         result["weight_bytes"] = write_hf_dir(paths["hf"], cfg, opts.num_shards)
         result["write_hf_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "sgl_jax_lora.convert", "--model-path", paths["hf"], "--output-dir", paths["orbax"],
-                        "--tp-size", str(opts.tp_size), "--dtype", "bfloat16"], check=True, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sgl_jax_lora.convert",
+                "--model-path",
+                paths["hf"],
+                "--output-dir",
+                paths["orbax"],
+                "--tp-size",
+                str(opts.tp_size),
+                "--dtype",
+                "bfloat16",
+            ],
+            check=True,
+            cwd=ROOT,
+        )
         result["convert_s"] = time.perf_counter() - start
         result.update(hf_dir_bytes=dir_bytes(paths["hf"]), orbax_dir_bytes=dir_bytes(paths["orbax"]))
         runs = measure(paths, opts.tp_size, opts.repeats, opts.caches.split(","), write_out)
         checksums = {r["path"]: r["checksum"] for r in runs}
-        result.update(device=runs[0]["device"], summary=summarize(runs),
-                      checksums_agree=bool(np.isclose(checksums["hf"], checksums["orbax"], rtol=1e-5, atol=1e-6)))
+        result.update(
+            device=runs[0]["device"],
+            summary=summarize(runs),
+            checksums_agree=bool(np.isclose(checksums["hf"], checksums["orbax"], rtol=1e-5, atol=1e-6)),
+        )
         write_out(runs)
     finally:
         if not opts.keep:
             shutil.rmtree(root, ignore_errors=True)
     print(json.dumps({k: result[k] for k in ("device", "convert_s", "checksums_agree", "summary")}, indent=2))
     return result
+
 
 if __name__ == "__main__":
     main()

@@ -35,12 +35,12 @@ from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
+from sgl_jax_lora.lora.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.llama import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.models.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
-from sgl_jax_lora.lora.lora_manager import segment_buckets  # noqa: E402
 
 PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
 
@@ -51,7 +51,9 @@ def parse_case(text: str) -> tuple[str, int, int]:
     return kind, int(seqs), int(length)
 
 
-def case_batch(kind: str, num_seqs: int, length: int, max_pages: int, lora) -> tuple[ForwardBatch, list[int], list[int]]:
+def case_batch(
+    kind: str, num_seqs: int, length: int, max_pages: int, lora
+) -> tuple[ForwardBatch, list[int], list[int]]:
     """The step's ForwardBatch (sequence s on pages 1 + s * pages_per_seq ...) -> (batch, q_lens, kv_lens)."""
     q_len = 1 if kind == "decode" else length
     kv_len = length if kind == "decode" else length
@@ -64,10 +66,16 @@ def case_batch(kind: str, num_seqs: int, length: int, max_pages: int, lora) -> t
     cache_loc = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
     cu_q_lens = np.arange(num_seqs + 1, dtype=np.int32) * q_len
     batch = ForwardBatch(
-        input_ids=np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32), positions=positions,
-        cache_loc=cache_loc.astype(np.int32), seq_lens=np.full(num_seqs, kv_len, np.int32), page_table=page_table,
-        cu_q_lens=cu_q_lens, last_token_index=cu_q_lens[1:] - 1, lora=lora(num_tokens) if lora else None,
-        input_from_prev=None)
+        input_ids=np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32),
+        positions=positions,
+        cache_loc=cache_loc.astype(np.int32),
+        seq_lens=np.full(num_seqs, kv_len, np.int32),
+        page_table=page_table,
+        cu_q_lens=cu_q_lens,
+        last_token_index=cu_q_lens[1:] - 1,
+        lora=lora(num_tokens) if lora else None,
+        input_from_prev=None,
+    )
     return batch, [q_len] * num_seqs, [kv_len] * num_seqs
 
 
@@ -76,16 +84,36 @@ def build(cfg: ModelConfig, variant: str, num_pages: int):
     backend, _, with_lora = variant.partition("+")
     spec = None
     if with_lora:
-        spec = LoRAModelSpec(num_slots=NUM_ADAPTERS + 1, max_rank=RANK, backend=make_lora_backend("auto", mesh),
-                             target_modules=frozenset(LORA_TARGETS))
-    attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[backend]
-    graphdef, state = load_model_state(cfg, 1, PAGE_SIZE, jnp.bfloat16, mesh, spec, load_format="dummy",
-                                       layers_per_scan_step=cfg.num_layers, attention_backend=attention)
+        spec = LoRAModelSpec(
+            num_slots=NUM_ADAPTERS + 1,
+            max_rank=RANK,
+            backend=make_lora_backend("auto", mesh),
+            target_modules=frozenset(LORA_TARGETS),
+        )
+    attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[
+        backend
+    ]
+    graphdef, state = load_model_state(
+        cfg,
+        1,
+        PAGE_SIZE,
+        jnp.bfloat16,
+        mesh,
+        spec,
+        load_format="dummy",
+        layers_per_scan_step=cfg.num_layers,
+        attention_backend=attention,
+    )
     if spec is not None:  # random adapters in slots 1..32, slot 0 (base) stays zero
         keys = iter(jax.random.split(jax.random.key(1), 64))
         state = jax.tree_util.tree_map_with_path(
-            lambda path, x: (jax.random.normal(next(keys), x.shape, x.dtype) * 0.01).at[:, 0].set(0)
-            if "lora_" in jax.tree_util.keystr(path) else x, state)
+            lambda path, x: (
+                (jax.random.normal(next(keys), x.shape, x.dtype) * 0.01).at[:, 0].set(0)
+                if "lora_" in jax.tree_util.keystr(path)
+                else x
+            ),
+            state,
+        )
     kv = allocate_kv_cache(cfg, num_pages, PAGE_SIZE, 1, jnp.bfloat16, mesh)
 
     def forward(state, kv, batch):
@@ -139,13 +167,25 @@ def main() -> None:
                 out, kv = forward(state, kv, batch)
                 out.block_until_ready()
                 times.append(time.perf_counter() - start)
-            rows.append(report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, statistics.median(times), compile_s, opts))
+            rows.append(
+                report(
+                    cfg, state, variant, kind, seqs, length, q_lens, kv_lens, statistics.median(times), compile_s, opts
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
         del state, kv
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump({"rows": rows, "jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
-                       "num_layers": opts.num_layers}, f, indent=2)
+            json.dump(
+                {
+                    "rows": rows,
+                    "jax": jax.__version__,
+                    "device": str(jax.devices()[0].device_kind),
+                    "num_layers": opts.num_layers,
+                },
+                f,
+                indent=2,
+            )
 
 
 def report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
@@ -157,9 +197,17 @@ def report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, seconds, co
     tokens = sum(q_lens)
     pairs = sum(sum(range(k - q + 1, k + 1)) for q, k in zip(q_lens, kv_lens))
     flops = 2 * tokens * weights / 2 + 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return {"variant": variant, "case": f"{kind}:{seqs}x{length}", "tokens": tokens, "forward_ms": seconds * 1e3,
-            "hbm_floor_ms": floor_s * 1e3, "ratio_to_floor": seconds / floor_s, "tflops": flops / seconds / 1e12,
-            "share_of_peak": flops / seconds / 1e12 / opts.peak_tflops, "compile_s": compile_s}
+    return {
+        "variant": variant,
+        "case": f"{kind}:{seqs}x{length}",
+        "tokens": tokens,
+        "forward_ms": seconds * 1e3,
+        "hbm_floor_ms": floor_s * 1e3,
+        "ratio_to_floor": seconds / floor_s,
+        "tflops": flops / seconds / 1e12,
+        "share_of_peak": flops / seconds / 1e12 / opts.peak_tflops,
+        "compile_s": compile_s,
+    }
 
 
 if __name__ == "__main__":

@@ -48,8 +48,16 @@ def random_adapter(shapes: LoRATargetShapes, rank: int, rng: np.random.Generator
 
 
 def adapter_config(rank: int, model_dir: str) -> dict:
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir, "r": rank,
-            "lora_alpha": 2 * rank, "target_modules": list(MODULES), "lora_dropout": 0.0, "bias": "none"}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model_dir,
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(MODULES),
+        "lora_dropout": 0.0,
+        "bias": "none",
+    }
 
 
 class Traffic:
@@ -73,7 +81,9 @@ class Traffic:
                 outs = self.engine.generate(input_ids=prompts, sampling_params=sampling, lora_path=loras)
                 self.num_requests += len(outs)
                 self.num_output_tokens += sum(len(o["output_ids"]) for o in outs)
-                self.versions_seen.update(o["meta_info"]["lora_version"] for o in outs if o["meta_info"].get("lora_version"))
+                self.versions_seen.update(
+                    o["meta_info"]["lora_version"] for o in outs if o["meta_info"].get("lora_version")
+                )
         except BaseException as e:  # reported by the main thread
             self.error = e
 
@@ -94,7 +104,9 @@ def time_updates(engine: Engine, shapes: LoRATargetShapes, opts: argparse.Namesp
         out = engine.generate(input_ids=rng.integers(2, 400, size=8).tolist(), sampling_params=probe, lora_path=ADAPTER)
         served_s = time.perf_counter() - start
         if out["meta_info"]["lora_version"] != version:
-            raise RuntimeError(f"update {i}: request after update to version {version} ran on {out['meta_info']['lora_version']}")
+            raise RuntimeError(
+                f"update {i}: request after update to version {version} ran on {out['meta_info']['lora_version']}"
+            )
         rows.append({"version": version, "call_s": call_s, "served_s": served_s})
     return rows
 
@@ -102,7 +114,9 @@ def time_updates(engine: Engine, shapes: LoRATargetShapes, opts: argparse.Namesp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--tiny", action="store_true", help="demo-model widths (hidden 64, vocab 491) for a CPU smoke run")
+    parser.add_argument(
+        "--tiny", action="store_true", help="demo-model widths (hidden 64, vocab 491) for a CPU smoke run"
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--updates", type=int, default=50)
     parser.add_argument("--batch", type=int, default=8, help="prompts per background generate call")
@@ -115,15 +129,27 @@ def main() -> None:
     model_dir = make_model_dir(cfg)
     shapes = LoRATargetShapes.from_hf_config(cfg)
     t0 = time.perf_counter()
-    engine = Engine(model_path=model_dir, load_format="dummy", dtype="bfloat16", token_buckets=[64], chunked_prefill_size=64,
-                    max_prefill_seqs=4, max_running_requests=64, max_total_tokens=65536, context_length=1024,
-                    enable_lora=True, max_loras_per_batch=4, max_lora_rank=opts.rank,
-                    layers_per_scan_step=opts.layers_per_scan_step)
+    engine = Engine(
+        model_path=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        token_buckets=[64],
+        chunked_prefill_size=64,
+        max_prefill_seqs=4,
+        max_running_requests=64,
+        max_total_tokens=65536,
+        context_length=1024,
+        enable_lora=True,
+        max_loras_per_batch=4,
+        max_lora_rank=opts.rank,
+        layers_per_scan_step=opts.layers_per_scan_step,
+    )
     startup_s = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
-        engine.load_lora_adapter_from_tensors(ADAPTER, random_adapter(shapes, opts.rank, np.random.default_rng(0)),
-                                              adapter_config(opts.rank, model_dir))
+        engine.load_lora_adapter_from_tensors(
+            ADAPTER, random_adapter(shapes, opts.rank, np.random.default_rng(0)), adapter_config(opts.rank, model_dir)
+        )
         load_s = time.perf_counter() - t0
         info = engine.get_server_info()
         compilations_before = info["num_compilations_after_warmup"]
@@ -143,28 +169,49 @@ def main() -> None:
     report(rows, opts, cfg, startup_s, load_s, elapsed, traffic, compilations_before, compilations_after, engine_info)
 
 
-def report(rows, opts, cfg, startup_s, load_s, elapsed, traffic, compilations_before, compilations_after, engine_info) -> None:
-    adapter_bytes = 4 * opts.rank * cfg["num_hidden_layers"] * sum(
-        sum(LoRATargetShapes.from_hf_config(cfg).module_shapes[m]) for m in MODULES)
-    summary = {"engine": engine_info, "startup_s": startup_s, "first_load_s": load_s, "adapter_mb_float32": adapter_bytes / 1e6,
-               "updates": len(rows), "background_requests": traffic.num_requests,
-               "background_output_tok_per_s": traffic.num_output_tokens / elapsed,
-               "lora_versions_seen_by_background": sorted(traffic.versions_seen),
-               "num_compilations_after_warmup_before": compilations_before,
-               "num_compilations_after_warmup_after": compilations_after}
+def report(
+    rows, opts, cfg, startup_s, load_s, elapsed, traffic, compilations_before, compilations_after, engine_info
+) -> None:
+    adapter_bytes = (
+        4
+        * opts.rank
+        * cfg["num_hidden_layers"]
+        * sum(sum(LoRATargetShapes.from_hf_config(cfg).module_shapes[m]) for m in MODULES)
+    )
+    summary = {
+        "engine": engine_info,
+        "startup_s": startup_s,
+        "first_load_s": load_s,
+        "adapter_mb_float32": adapter_bytes / 1e6,
+        "updates": len(rows),
+        "background_requests": traffic.num_requests,
+        "background_output_tok_per_s": traffic.num_output_tokens / elapsed,
+        "lora_versions_seen_by_background": sorted(traffic.versions_seen),
+        "num_compilations_after_warmup_before": compilations_before,
+        "num_compilations_after_warmup_after": compilations_after,
+    }
     for key in ("call_s", "served_s"):
         values = [r[key] for r in rows]
-        summary[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values), "mean": float(np.mean(values))}
-    print(f"\n{len(rows)} updates of a rank-{opts.rank} adapter ({summary['adapter_mb_float32']:.0f} MB float32, 7 projections, "
-          f"{cfg['num_hidden_layers']} layers{', tiny dims' if opts.tiny else ''}) under background traffic")
+        summary[key] = {
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": max(values),
+            "mean": float(np.mean(values)),
+        }
+    print(
+        f"\n{len(rows)} updates of a rank-{opts.rank} adapter ({summary['adapter_mb_float32']:.0f} MB float32, 7 projections, "
+        f"{cfg['num_hidden_layers']} layers{', tiny dims' if opts.tiny else ''}) under background traffic"
+    )
     print(f"{'':<42} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
     labels = {"call_s": "update_lora_adapter call", "served_s": "update -> first request on new version"}
     for key, label in labels.items():
         s = summary[key]
         print(f"{label:<42} {1e3 * s['p50']:>9.1f} {1e3 * s['p99']:>9.1f} {1e3 * s['max']:>9.1f}")
-    print(f"background: {traffic.num_requests} requests, {summary['background_output_tok_per_s']:.0f} output tok/s during the updates; "
-          f"compilations after warmup: {compilations_before} before, {compilations_after} after; "
-          f"engine start {startup_s:.1f}s, first load {1e3 * load_s:.0f} ms, devices {engine_info['devices']}")
+    print(
+        f"background: {traffic.num_requests} requests, {summary['background_output_tok_per_s']:.0f} output tok/s during the updates; "
+        f"compilations after warmup: {compilations_before} before, {compilations_after} after; "
+        f"engine start {startup_s:.1f}s, first load {1e3 * load_s:.0f} ms, devices {engine_info['devices']}"
+    )
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump({"config": vars(opts), "model": cfg, "summary": summary, "updates": rows}, f, indent=2)

@@ -28,8 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "vocab_size": 491}
+TINY = {
+    **LLAMA3_8B,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 491,
+}
 
 
 def model_config(opts: argparse.Namespace) -> dict:
@@ -48,8 +55,14 @@ def run_jax(opts: argparse.Namespace) -> dict:
 
     cfg = model_config(opts)
     model_dir = make_model_dir(cfg)
-    trainer = LoRATrainer(model_dir, rank=opts.rank, lora_alpha=2.0 * opts.rank, target_modules=MODULES,
-                          dtype="bfloat16", load_format="dummy")
+    trainer = LoRATrainer(
+        model_dir,
+        rank=opts.rank,
+        lora_alpha=2.0 * opts.rank,
+        target_modules=MODULES,
+        dtype="bfloat16",
+        load_format="dummy",
+    )
     ids = fixed_batch(opts, cfg["vocab_size"])
     batch = {"input_ids": ids, "loss_mask": np.ones(ids.shape, np.float32)}
     device = jax.devices()[0]
@@ -62,10 +75,17 @@ def run_jax(opts: argparse.Namespace) -> dict:
     stats = device.memory_stats() or {}
     compiled = trainer._step.lower(trainer.base_state, trainer.lora, trainer.opt_state, batch).compile()  # cached
     temp = compiled.memory_analysis().temp_size_in_bytes
-    return {"framework": f"jax {jax.__version__}", "device": str(device.device_kind),
-            "step_ms": 1e3 * elapsed / opts.steps, "tokens_per_s": ids.size * opts.steps / elapsed,
-            "peak_device_bytes": stats.get("peak_bytes_in_use"), "resident_bytes_before_steps": resident,
-            "step_temp_bytes": temp, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "framework": f"jax {jax.__version__}",
+        "device": str(device.device_kind),
+        "step_ms": 1e3 * elapsed / opts.steps,
+        "tokens_per_s": ids.size * opts.steps / elapsed,
+        "peak_device_bytes": stats.get("peak_bytes_in_use"),
+        "resident_bytes_before_steps": resident,
+        "step_temp_bytes": temp,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 def run_torch(opts: argparse.Namespace) -> dict:
@@ -104,9 +124,16 @@ def run_torch(opts: argparse.Namespace) -> dict:
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     lora_dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-    return {"framework": f"torch {torch.__version__} + transformers {transformers.__version__} + peft {peft.__version__}",
-            "device": name, "lora_dtypes": lora_dtypes, "step_ms": 1e3 * elapsed / opts.steps, "tokens_per_s": ids.numel() * opts.steps / elapsed,
-            "peak_device_bytes": peak, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "framework": f"torch {torch.__version__} + transformers {transformers.__version__} + peft {peft.__version__}",
+        "device": name,
+        "lora_dtypes": lora_dtypes,
+        "step_ms": 1e3 * elapsed / opts.steps,
+        "tokens_per_s": ids.numel() * opts.steps / elapsed,
+        "peak_device_bytes": peak,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 def run_in_subprocess(framework: str, argv: list[str]) -> dict:
@@ -121,8 +148,10 @@ def run_in_subprocess(framework: str, argv: list[str]) -> dict:
 
 
 def print_table(rows: list[dict], opts: argparse.Namespace) -> None:
-    print(f"\nLoRA r={opts.rank} on {len(MODULES)} projections, {opts.num_layers} layers{' (tiny dims)' if opts.tiny else ''}, "
-          f"batch {opts.batch_size} x {opts.seq_len} tokens, bf16 base, {opts.steps} timed steps after {opts.warmup} warmup")
+    print(
+        f"\nLoRA r={opts.rank} on {len(MODULES)} projections, {opts.num_layers} layers{' (tiny dims)' if opts.tiny else ''}, "
+        f"batch {opts.batch_size} x {opts.seq_len} tokens, bf16 base, {opts.steps} timed steps after {opts.warmup} warmup"
+    )
     print(f"{'framework':<58} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss first->last':>18}")
     gib = lambda b: f"{b / 2**30:.2f}" if b else "n/a"  # noqa: E731
     for row in rows:
@@ -130,16 +159,22 @@ def print_table(rows: list[dict], opts: argparse.Namespace) -> None:
             print(f"{row['framework']:<58} {row['error']}")
             continue
         losses = f"{row['first_loss']:.3f}->{row['last_loss']:.3f}"
-        print(f"{row['framework']:<58} {row['step_ms']:>9.1f} {row['tokens_per_s']:>10.0f} {gib(row['peak_device_bytes']):>9} {losses:>18}")
+        print(
+            f"{row['framework']:<58} {row['step_ms']:>9.1f} {row['tokens_per_s']:>10.0f} {gib(row['peak_device_bytes']):>9} {losses:>18}"
+        )
         if "step_temp_bytes" in row:
-            print(f"  jax: {gib(row['resident_bytes_before_steps'])} GiB resident before the steps (weights, adapter, optimizer "
-                  f"state) + {gib(row['step_temp_bytes'])} GiB temporaries of the compiled step")
+            print(
+                f"  jax: {gib(row['resident_bytes_before_steps'])} GiB resident before the steps (weights, adapter, optimizer "
+                f"state) + {gib(row['step_temp_bytes'])} GiB temporaries of the compiled step"
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--tiny", action="store_true", help="demo-model widths (hidden 64, vocab 491) for a CPU smoke run")
+    parser.add_argument(
+        "--tiny", action="store_true", help="demo-model widths (hidden 64, vocab 491) for a CPU smoke run"
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)

@@ -55,8 +55,13 @@ def summarize(latencies: list[float], failures: collections.Counter) -> dict:
     def pct(q: float) -> float | None:
         return float(np.percentile(latencies, q)) if latencies else None
 
-    return {"checks": len(latencies), "p50_s": pct(50), "p99_s": pct(99), "max_s": max(latencies, default=None),
-            "failures": dict(failures)}
+    return {
+        "checks": len(latencies),
+        "p50_s": pct(50),
+        "p99_s": pct(99),
+        "max_s": max(latencies, default=None),
+        "failures": dict(failures),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,14 +36,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ranks.add_argument("--rank-mix", default=None, help="comma-separated ranks, assigned round-robin")
     parser.add_argument("--lora-alpha", type=float, default=None, help="default: 2 * rank")
     parser.add_argument("--use-rslora", action="store_true")
-    parser.add_argument("--targets", default="all",
-                        help=f"'all' or comma-separated subset of {','.join(LORA_TARGET_MODULES)}")
+    parser.add_argument(
+        "--targets", default="all", help=f"'all' or comma-separated subset of {','.join(LORA_TARGET_MODULES)}"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--b-std", type=float, default=0.02, help="std of the random lora_B entries")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
-    parser.add_argument("--distinct-weights", type=int, default=0,
-                        help="write only this many distinct weight files and hard-link adapter i to file i mod N "
-                             "(each adapter keeps its own directory and config; saves disk for 1000-adapter runs)")
+    parser.add_argument(
+        "--distinct-weights",
+        type=int,
+        default=0,
+        help="write only this many distinct weight files and hard-link adapter i to file i mod N "
+        "(each adapter keeps its own directory and config; saves disk for 1000-adapter runs)",
+    )
     return parser.parse_args(argv)
 
 
@@ -66,19 +71,43 @@ def parse_targets(targets: str) -> list[str]:
 def adapter_config_dict(rank: int, alpha: float, targets: list[str], base_model: str, use_rslora: bool) -> dict:
     """adapter_config.json with the fields (and defaults) of peft's LoraConfig."""
     return {
-        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base_model, "bias": "none",
-        "corda_config": None, "eva_config": None, "exclude_modules": None, "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "layer_replication": None, "layers_pattern": None,
-        "layers_to_transform": None, "loftq_config": {}, "lora_alpha": alpha, "lora_bias": False,
-        "lora_dropout": 0.0, "megatron_config": None, "megatron_core": "megatron.core", "modules_to_save": None,
-        "peft_type": "LORA", "peft_version": PEFT_VERSION_WRITTEN, "r": rank, "rank_pattern": {},
-        "revision": None, "target_modules": sorted(targets), "target_parameters": None, "task_type": "CAUSAL_LM",
-        "trainable_token_indices": None, "use_dora": False, "use_rslora": use_rslora,
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "corda_config": None,
+        "eva_config": None,
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layer_replication": None,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "loftq_config": {},
+        "lora_alpha": alpha,
+        "lora_bias": False,
+        "lora_dropout": 0.0,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "peft_version": PEFT_VERSION_WRITTEN,
+        "r": rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(targets),
+        "target_parameters": None,
+        "task_type": "CAUSAL_LM",
+        "trainable_token_indices": None,
+        "use_dora": False,
+        "use_rslora": use_rslora,
     }
 
 
-def random_lora_tensors(shapes: LoRATargetShapes, rank: int, targets: list[str], rng: np.random.Generator,
-                        b_std: float, dtype: str) -> dict[str, np.ndarray]:
+def random_lora_tensors(
+    shapes: LoRATargetShapes, rank: int, targets: list[str], rng: np.random.Generator, b_std: float, dtype: str
+) -> dict[str, np.ndarray]:
     """PEFT-named tensors: A [r, in] ~ U(+-1/sqrt(in)), B [out, r] ~ N(0, b_std), both non-zero."""
     tensors = {}
     for _layer, module, path in shapes.all_module_paths():
@@ -89,12 +118,15 @@ def random_lora_tensors(shapes: LoRATargetShapes, rank: int, targets: list[str],
         prefix = f"base_model.model.{path}"
         uniform = rng.random((rank, in_features), dtype=np.float32)
         tensors[f"{prefix}.lora_A.weight"] = ((2 * uniform - 1) * bound).astype(dtype)
-        tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_features, rank), dtype=np.float32) * b_std).astype(dtype)
+        tensors[f"{prefix}.lora_B.weight"] = (
+            rng.standard_normal((out_features, rank), dtype=np.float32) * b_std
+        ).astype(dtype)
     return tensors
 
 
-def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray] | None,
-                  link_weights_from: Path | None = None) -> None:
+def write_adapter(
+    out_dir: Path, config: dict, tensors: dict[str, np.ndarray] | None, link_weights_from: Path | None = None
+) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "adapter_config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -107,7 +139,8 @@ def write_adapter(out_dir: Path, config: dict, tensors: dict[str, np.ndarray] | 
     (out_dir / "README.md").write_text(
         f"---\nbase_model: {config['base_model_name_or_path']}\nlibrary_name: peft\n---\n\n"
         f"Random LoRA adapter (r={config['r']}, lora_alpha={config['lora_alpha']}) written by "
-        "scripts/make_adapters.py for testing and benchmarks; it carries no learned behavior.\n")
+        "scripts/make_adapters.py for testing and benchmarks; it carries no learned behavior.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[Path]:

@@ -125,8 +125,10 @@ def layer_period_us(forward: list[dict], num_layers: int) -> float | None:
 def timeline(forward: list[dict]) -> list[dict]:
     """A forward's ops with start times relative to its first op (us), for reading what overlaps what."""
     start = forward[0]["ts"]
-    return [{"start_us": op["ts"] - start, "dur_us": op["dur"], "stream": op["stream"], "name": op["name"]}
-            for op in forward]
+    return [
+        {"start_us": op["ts"] - start, "dur_us": op["dur"], "stream": op["stream"], "name": op["name"]}
+        for op in forward
+    ]
 
 
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
@@ -135,22 +137,44 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
     if opts.lora_adapters:
         from scripts.make_adapters import main as make_adapters
 
-        dirs = make_adapters(["--model", model_dir, "--out-dir", os.path.join(model_dir, "adapters"),
-                              "--num-adapters", str(opts.lora_adapters), "--rank", "16", "--dtype", "float16"])
+        dirs = make_adapters(
+            [
+                "--model",
+                model_dir,
+                "--out-dir",
+                os.path.join(model_dir, "adapters"),
+                "--num-adapters",
+                str(opts.lora_adapters),
+                "--rank",
+                "16",
+                "--dtype",
+                "float16",
+            ]
+        )
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
     is_decode = opts.mode == "decode"
     # extend: one bucket, the batch's tokens rounded up to a power of two (at least 128), as the engine pads them
     prefill_tokens = 2048 if is_decode else max(128, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
     step_tokens = max(opts.batch, 8) if is_decode else prefill_tokens
-    args = ServerArgs(model_path=model_dir, load_format="dummy", dtype="bfloat16", tp_size=opts.tp_size,
-                      context_length=max(2048, prefill_tokens, opts.prompt_len + 256),
-                      max_total_tokens=max(160_000, opts.batch * (opts.prompt_len + 256)),
-                      max_running_requests=max(opts.batch, 8),
-                      chunked_prefill_size=prefill_tokens, max_prefill_seqs=max(opts.batch, 4) if not is_decode else 8,
-                      token_buckets=[step_tokens], attention_backend=opts.attention_backend,
-                      skip_precompile=True, layers_per_scan_step=opts.layers_per_scan_step,
-                      lora_paths=lora_paths, max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
-                      lora_backend=opts.lora_backend, lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens)
+    args = ServerArgs(
+        model_path=model_dir,
+        load_format="dummy",
+        dtype="bfloat16",
+        tp_size=opts.tp_size,
+        context_length=max(2048, prefill_tokens, opts.prompt_len + 256),
+        max_total_tokens=max(160_000, opts.batch * (opts.prompt_len + 256)),
+        max_running_requests=max(opts.batch, 8),
+        chunked_prefill_size=prefill_tokens,
+        max_prefill_seqs=max(opts.batch, 4) if not is_decode else 8,
+        token_buckets=[step_tokens],
+        attention_backend=opts.attention_backend,
+        skip_precompile=True,
+        layers_per_scan_step=opts.layers_per_scan_step,
+        lora_paths=lora_paths,
+        max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
+        lora_backend=opts.lora_backend,
+        lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens,
+    )
     core = EngineCore(args, model_dir)
     return core, list(core.lora.refs) if core.lora else []
 
@@ -168,9 +192,13 @@ def roofline(runner, batch, opts) -> dict:
     tokens = sum(batch.num_new_tokens)
     linear_flops = 2 * tokens * weight_bytes / runner.dtype.itemsize
     attention_flops = 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return {"weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes_per_token * sum(kv_lens),
-            "hbm_roofline_ms": (weight_bytes + kv_bytes_per_token * sum(kv_lens)) / (opts.hbm_tb_s * 1e9),
-            "linear_flops": linear_flops, "attention_flops": attention_flops}
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_bytes_read": kv_bytes_per_token * sum(kv_lens),
+        "hbm_roofline_ms": (weight_bytes + kv_bytes_per_token * sum(kv_lens)) / (opts.hbm_tb_s * 1e9),
+        "linear_flops": linear_flops,
+        "attention_flops": attention_flops,
+    }
 
 
 def main() -> None:
@@ -179,24 +207,41 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="calls per timing, which reports their median (after one warm-up call)")
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="calls per timing, which reports their median (after one warm-up call)"
+    )
     parser.add_argument("--tp-size", type=int, default=1, help="tensor parallelism over this many devices")
     parser.add_argument("--lora-adapters", type=int, default=0)
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
-    parser.add_argument("--hbm-tb-s", type=float, default=3.35,
-                        help="HBM bandwidth for the decode roofline, TB/s (3.35 on H100 SXM, 4.8 on H200)")
-    parser.add_argument("--lora-fused-gemm-min-tokens", type=int, default=None,
-                        help="the engine flag: prefill buckets from this many tokens run the GEMM with the LoRA "
-                             "inside it (0: off; default: the engine's)")
+    parser.add_argument(
+        "--hbm-tb-s",
+        type=float,
+        default=3.35,
+        help="HBM bandwidth for the decode roofline, TB/s (3.35 on H100 SXM, 4.8 on H200)",
+    )
+    parser.add_argument(
+        "--lora-fused-gemm-min-tokens",
+        type=int,
+        default=None,
+        help="the engine flag: prefill buckets from this many tokens run the GEMM with the LoRA "
+        "inside it (0: off; default: the engine's)",
+    )
     parser.add_argument("--layers-per-scan-step", type=int, default=0)
-    parser.add_argument("--pallas-variant", default="default", choices=tuple(TILE_VARIANTS),
-                        help="GPU kernel tile variant (scripts/tune_gpu_sgmv.py) for every Pallas LoRA call of the "
-                             "engine: tunes the kernels inside the model, beside the GEMMs they share the GPU with")
-    parser.add_argument("--num-layers", type=int, default=LLAMA3_8B["num_hidden_layers"],
-                        help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)")
+    parser.add_argument(
+        "--pallas-variant",
+        default="default",
+        choices=tuple(TILE_VARIANTS),
+        help="GPU kernel tile variant (scripts/tune_gpu_sgmv.py) for every Pallas LoRA call of the "
+        "engine: tunes the kernels inside the model, beside the GEMMs they share the GPU with",
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=LLAMA3_8B["num_hidden_layers"],
+        help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)",
+    )
     parser.add_argument("--out-dir", default="/tmp/profile")
     parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
     parser.add_argument("--top", type=int, default=25, help="ops (by device time) printed and written to --json")
@@ -214,7 +259,9 @@ def main() -> None:
         for _ in range(3):
             core.step()
     batch = core.scheduler.schedule()
-    assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), "could not build the profiled step"
+    assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), (
+        "could not build the profiled step"
+    )
     forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)
     device_batch = jax.device_put(forward_batch)
     runner = core.runner
@@ -226,17 +273,23 @@ def main() -> None:
     _, last = runner.forward(device_batch)
     sampling = batch.to_sampling_batch(forward_batch.num_seqs)
     breakdown = {
-        "mode": opts.mode, "tp_size": opts.tp_size, "tokens": int(sum(batch.num_new_tokens)), "token_bucket": forward_batch.num_tokens,
-        "lora_backend": opts.lora_backend if lora_ids else None, "pallas_variant": opts.pallas_variant,
-        "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens, "attention_backend": runner.attention_backend,
+        "mode": opts.mode,
+        "tp_size": opts.tp_size,
+        "tokens": int(sum(batch.num_new_tokens)),
+        "token_bucket": forward_batch.num_tokens,
+        "lora_backend": opts.lora_backend if lora_ids else None,
+        "pallas_variant": opts.pallas_variant,
+        "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
+        "attention_backend": runner.attention_backend,
         **roofline(runner, batch, opts),
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,
         "forward_ms": timed(forward_only, opts.repeats),
         "forward_dispatch_ms": timed(lambda: runner.forward(device_batch)[1], opts.repeats, wait=False),
         "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling), opts.repeats),
-        "host_build_batch_ms": timed(lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder),
-                                     opts.repeats),
+        "host_build_batch_ms": timed(
+            lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder), opts.repeats
+        ),
     }
     if opts.mode == "decode":
         breakdown["engine_step_ms"] = timed(core.step, opts.repeats)  # overlap schedule (the default)
@@ -255,13 +308,18 @@ def main() -> None:
     if forwards:
         breakdown["device_span_ms_per_forward"] = statistics.median(span_us(f) for f in forwards) / 1e3
         breakdown["layer_period_us"] = layer_period_us(forwards[-1], opts.num_layers)
-    print(f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops; device span "
-          f"{breakdown.get('device_span_ms_per_forward', 0):.3f} ms/forward over {len(forwards)} forwards; layer period "
-          f"{breakdown.get('layer_period_us') or 0:.1f} us", flush=True)
+    print(
+        f"device time {total_ms / opts.steps:.3f} ms/forward in {total_ops // opts.steps} ops; device span "
+        f"{breakdown.get('device_span_ms_per_forward', 0):.3f} ms/forward over {len(forwards)} forwards; layer period "
+        f"{breakdown.get('layer_period_us') or 0:.1f} us",
+        flush=True,
+    )
     for name, ms, n in top[:25]:
         print(f"{ms / opts.steps:9.3f} ms/forward  {n // opts.steps:5d}x  {name[:140]}")
     if opts.json:
-        breakdown["top_ops"] = [{"name": n, "ms_per_forward": ms / opts.steps, "count": c // opts.steps} for n, ms, c in top]
+        breakdown["top_ops"] = [
+            {"name": n, "ms_per_forward": ms / opts.steps, "count": c // opts.steps} for n, ms, c in top
+        ]
         breakdown["timeline"] = timeline(forwards[-1]) if forwards else []  # the last traced forward, op by op
         with open(opts.json, "w") as f:
             json.dump(breakdown, f, indent=2)

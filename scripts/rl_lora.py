@@ -30,8 +30,14 @@ from sgl_jax_lora.train.trainer import LoRATrainer
 
 PROMPTS = ["Numbers:", "Tell me a story", "What is the capital", "Hello, world!"]
 # Engine shapes for this loop: every prompt x sample decodes in one token bucket, prompts prefill in the largest.
-ENGINE_FLAGS = dict(dtype="float32", context_length=128, chunked_prefill_size=64, max_prefill_seqs=8, enable_lora=True,
-                    max_loras_per_batch=2)
+ENGINE_FLAGS = dict(
+    dtype="float32",
+    context_length=128,
+    chunked_prefill_size=64,
+    max_prefill_seqs=8,
+    enable_lora=True,
+    max_loras_per_batch=2,
+)
 
 
 def reinforce_loss(logprobs: jnp.ndarray, batch: dict) -> jnp.ndarray:
@@ -67,8 +73,9 @@ def reward(completion: list[int], targets: set[int]) -> float:
     return sum(t in targets for t in completion) / max(len(completion), 1)
 
 
-def training_batch(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, seq_len: int,
-                   pad_id: int) -> dict:
+def training_batch(
+    prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, seq_len: int, pad_id: int
+) -> dict:
     """Prompt + completion rows padded to [B, seq_len] (one shape every step: one compile), completion mask, and
     each completion token's advantage ([B, M] placed at the completion's positions)."""
     ids = np.full((len(prompts), seq_len), pad_id, np.int32)
@@ -83,13 +90,23 @@ def training_batch(prompts: list[list[int]], completions: list[list[int]], advan
 
 
 def sample(engine: Engine, prompts: list[list[int]], max_new_tokens: int, seed: int) -> list[dict]:
-    params = [{"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True, "seed": seed + i}
-              for i in range(len(prompts))]
+    params = [
+        {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True, "seed": seed + i}
+        for i in range(len(prompts))
+    ]
     return engine.generate(input_ids=prompts, sampling_params=params, lora_path="policy")
 
 
-def rl_step(engine: Engine, trainer: LoRATrainer, prompts: list[list[int]], args, targets: set[int], step: int,
-            seq_len: int, pad_id: int) -> tuple[float, int]:
+def rl_step(
+    engine: Engine,
+    trainer: LoRATrainer,
+    prompts: list[list[int]],
+    args,
+    targets: set[int],
+    step: int,
+    seq_len: int,
+    pad_id: int,
+) -> tuple[float, int]:
     """Sample, score, one REINFORCE update, push the new weights; -> (mean reward, adapter version that sampled)."""
     outs = sample(engine, prompts, args.max_new_tokens, args.seed * 100_003 + step * len(prompts))
     completions = [o["output_ids"] for o in outs]
@@ -106,21 +123,38 @@ def run(args: argparse.Namespace) -> list[float]:
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS] * args.samples_per_prompt
     seq_len = -(-(max(map(len, prompts)) + args.max_new_tokens) // 16) * 16
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    trainer = LoRATrainer(args.model_path, rank=args.rank, lora_alpha=2.0 * args.rank, optimizer=optax.adam(args.lr),
-                          loss=reinforce_loss, seed=args.seed)
+    trainer = LoRATrainer(
+        args.model_path,
+        rank=args.rank,
+        lora_alpha=2.0 * args.rank,
+        optimizer=optax.adam(args.lr),
+        loss=reinforce_loss,
+        seed=args.seed,
+    )
     rewards = []
-    with Engine(model_path=args.model_path, max_running_requests=len(prompts), token_buckets=[len(prompts)],
-                max_lora_rank=args.rank, **ENGINE_FLAGS) as engine:
-        engine.load_lora_adapter_from_tensors("policy", peft_tensors(trainer.lora), peft_config(trainer.lora, args.model_path))
+    with Engine(
+        model_path=args.model_path,
+        max_running_requests=len(prompts),
+        token_buckets=[len(prompts)],
+        max_lora_rank=args.rank,
+        **ENGINE_FLAGS,
+    ) as engine:
+        engine.load_lora_adapter_from_tensors(
+            "policy", peft_tensors(trainer.lora), peft_config(trainer.lora, args.model_path)
+        )
         for step in range(args.steps):
             mean_reward, version = rl_step(engine, trainer, prompts, args, targets, step, seq_len, pad_id)
             rewards.append(mean_reward)
-            print(f"step {step + 1}/{args.steps}: mean reward {mean_reward:.3f} (sampled by adapter version {version})",
-                  flush=True)
+            print(
+                f"step {step + 1}/{args.steps}: mean reward {mean_reward:.3f} (sampled by adapter version {version})",
+                flush=True,
+            )
         compiled = engine.get_server_info()["num_compilations_after_warmup"]
     if compiled:
-        raise RuntimeError(f"the engine compiled {compiled} programs after warmup during the RL loop; every sample "
-                           "must fit the warmed-up buckets (ENGINE_FLAGS)")
+        raise RuntimeError(
+            f"the engine compiled {compiled} programs after warmup during the RL loop; every sample "
+            "must fit the warmed-up buckets (ENGINE_FLAGS)"
+        )
     os.makedirs(args.out_dir, exist_ok=True)
     save_curve(os.path.join(args.out_dir, "reward"), "mean_reward", rewards)
     save_peft_adapter(trainer.lora, os.path.join(args.out_dir, "adapter"), args.model_path)
@@ -135,8 +169,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--samples-per-prompt", type=int, default=8, help=f"x {len(PROMPTS)} prompts per step")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--target-chars", default="0123456789",
-                        help="reward: fraction of completion tokens made only of these characters")
+    parser.add_argument(
+        "--target-chars",
+        default="0123456789",
+        help="reward: fraction of completion tokens made only of these characters",
+    )
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-2)
     parser.add_argument("--seed", type=int, default=0)

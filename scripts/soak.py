@@ -148,7 +148,9 @@ class Soak:
         """RSS of both processes now and every --rss-period-s (this loop's lag does not matter here)."""
         while True:
             stats = await server_stats(self.client)
-            self.tally.rss.append((time.monotonic() - self.began, stats["frontend_rss_bytes"], stats["engine_rss_bytes"]))
+            self.tally.rss.append(
+                (time.monotonic() - self.began, stats["frontend_rss_bytes"], stats["engine_rss_bytes"])
+            )
             if time.monotonic() + self.opts.rss_period_s >= self.deadline:
                 return
             await asyncio.sleep(self.opts.rss_period_s)
@@ -187,8 +189,15 @@ class Soak:
 
 async def server_stats(client: httpx.AsyncClient) -> dict:
     info = (await client.get("/get_server_info")).json()
-    keys = ("kv_pages_used", "kv_pages_cached", "num_running", "num_waiting", "num_compilations_after_warmup",
-            "frontend_rss_bytes", "engine_rss_bytes")
+    keys = (
+        "kv_pages_used",
+        "kv_pages_cached",
+        "num_running",
+        "num_waiting",
+        "num_compilations_after_warmup",
+        "frontend_rss_bytes",
+        "engine_rss_bytes",
+    )
     return {k: info.get(k) for k in keys}
 
 
@@ -215,13 +224,23 @@ def rss_growth(samples: list[tuple[float, int | None, int | None]], end_s: float
         if end[f"{proc}_rss_bytes"]:
             after.append((end_s, end[f"{proc}_rss_bytes"]))
         if len(after) < 2:
-            growth[proc] = {"baseline_at_s": None, "baseline_mib": None, "end_mib": None, "growth_pct": None,
-                            "slope_mib_per_min": None}
+            growth[proc] = {
+                "baseline_at_s": None,
+                "baseline_mib": None,
+                "end_mib": None,
+                "growth_pct": None,
+                "slope_mib_per_min": None,
+            }
             continue
         times, values = np.array([t for t, _ in after]), np.array([v for _, v in after], dtype=np.float64) / 2**20
         slope = float(np.polyfit(times / 60, values, 1)[0]) if len(set(times)) > 1 else 0.0
-        growth[proc] = {"baseline_at_s": float(times[0]), "baseline_mib": float(values[0]), "end_mib": float(values[-1]),
-                        "growth_pct": float(100 * (values[-1] - values[0]) / values[0]), "slope_mib_per_min": slope}
+        growth[proc] = {
+            "baseline_at_s": float(times[0]),
+            "baseline_mib": float(values[0]),
+            "end_mib": float(values[-1]),
+            "growth_pct": float(100 * (values[-1] - values[0]) / values[0]),
+            "slope_mib_per_min": slope,
+        }
     return growth
 
 
@@ -248,15 +267,25 @@ def verdict(tally: Tally, start: dict, end: dict, rss: dict, health: dict, opts:
 async def run(opts: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     limits = httpx.Limits(max_connections=opts.clients + 4)
-    async with httpx.AsyncClient(base_url=opts.url, headers=headers, timeout=opts.request_timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=opts.url, headers=headers, timeout=opts.request_timeout_s, limits=limits
+    ) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         start = await server_stats(client)
         soak = Soak(opts, client, model)
         soak.adapters = [m["id"] for m in (await client.get("/v1/models")).json()["data"][1:]]
         probe = await asyncio.create_subprocess_exec(
-            sys.executable, str(HEALTH_PROBE), "--url", opts.url, "--duration-s", str(opts.duration_s),
-            stdout=asyncio.subprocess.PIPE)
-        await asyncio.gather(*[soak.client_loop(seed) for seed in range(opts.clients)], soak.churn_loop(), soak.rss_loop())
+            sys.executable,
+            str(HEALTH_PROBE),
+            "--url",
+            opts.url,
+            "--duration-s",
+            str(opts.duration_s),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        await asyncio.gather(
+            *[soak.client_loop(seed) for seed in range(opts.clients)], soak.churn_loop(), soak.rss_loop()
+        )
         elapsed = time.monotonic() - soak.began
         health = await health_probe_result(probe, soak.tally)
         end = await wait_idle(client)
@@ -264,13 +293,25 @@ async def run(opts: argparse.Namespace) -> dict:
     tally = soak.tally
     rss = rss_growth(tally.rss, end_s, end, opts.warmup_s)
     return {
-        "duration_s": elapsed, "clients": opts.clients, "requests": dict(tally.requests),
-        "requests_total": sum(tally.requests.values()), "expected_errors": dict(tally.expected),
-        "unexpected_errors": dict(tally.unexpected), "unexpected_examples": tally.examples,
-        "latency_p50_s": percentile(tally.latencies, 50), "latency_p99_s": percentile(tally.latencies, 99),
-        "health_p50_s": health["p50_s"], "health_p99_s": health["p99_s"], "health_max_s": health["max_s"],
-        "health_checks": health["checks"], "churn": dict(tally.churn), "start": start, "end": end,
-        "rss_samples": tally.rss, "rss_growth": rss, "failures": verdict(tally, start, end, rss, health, opts),
+        "duration_s": elapsed,
+        "clients": opts.clients,
+        "requests": dict(tally.requests),
+        "requests_total": sum(tally.requests.values()),
+        "expected_errors": dict(tally.expected),
+        "unexpected_errors": dict(tally.unexpected),
+        "unexpected_examples": tally.examples,
+        "latency_p50_s": percentile(tally.latencies, 50),
+        "latency_p99_s": percentile(tally.latencies, 99),
+        "health_p50_s": health["p50_s"],
+        "health_p99_s": health["p99_s"],
+        "health_max_s": health["max_s"],
+        "health_checks": health["checks"],
+        "churn": dict(tally.churn),
+        "start": start,
+        "end": end,
+        "rss_samples": tally.rss,
+        "rss_growth": rss,
+        "failures": verdict(tally, start, end, rss, health, opts),
     }
 
 
@@ -287,17 +328,35 @@ async def health_probe_result(probe: asyncio.subprocess.Process, tally: Tally) -
 
 
 def print_report(report: dict) -> None:
-    rows = [("requests", report["requests_total"]), ("by kind", report["requests"]),
-            ("expected errors", report["expected_errors"]), ("unexpected errors", report["unexpected_errors"]),
-            ("latency p50 / p99 (s)", f"{report['latency_p50_s']} / {report['latency_p99_s']}"),
-            ("/health p50 / p99 / max (s)", f"{report['health_p50_s']} / {report['health_p99_s']} / {report['health_max_s']}"),
-            ("adapter churn", report["churn"])]
-    for key in ("kv_pages_used", "kv_pages_cached", "frontend_rss_bytes", "engine_rss_bytes", "num_compilations_after_warmup"):
+    rows = [
+        ("requests", report["requests_total"]),
+        ("by kind", report["requests"]),
+        ("expected errors", report["expected_errors"]),
+        ("unexpected errors", report["unexpected_errors"]),
+        ("latency p50 / p99 (s)", f"{report['latency_p50_s']} / {report['latency_p99_s']}"),
+        (
+            "/health p50 / p99 / max (s)",
+            f"{report['health_p50_s']} / {report['health_p99_s']} / {report['health_max_s']}",
+        ),
+        ("adapter churn", report["churn"]),
+    ]
+    for key in (
+        "kv_pages_used",
+        "kv_pages_cached",
+        "frontend_rss_bytes",
+        "engine_rss_bytes",
+        "num_compilations_after_warmup",
+    ):
         rows.append((f"{key} start -> end", f"{report['start'][key]} -> {report['end'][key]}"))
     for proc, g in report["rss_growth"].items():
         if g["growth_pct"] is not None:
-            rows.append((f"{proc} RSS after warm-up", f"{g['baseline_mib']:.1f} MiB at {g['baseline_at_s']:.0f} s -> "
-                         f"{g['end_mib']:.1f} MiB ({g['growth_pct']:+.2f}%), slope {g['slope_mib_per_min']:+.3f} MiB/min"))
+            rows.append(
+                (
+                    f"{proc} RSS after warm-up",
+                    f"{g['baseline_mib']:.1f} MiB at {g['baseline_at_s']:.0f} s -> "
+                    f"{g['end_mib']:.1f} MiB ({g['growth_pct']:+.2f}%), slope {g['slope_mib_per_min']:+.3f} MiB/min",
+                )
+            )
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -312,16 +371,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--churn-period-s", type=float, default=5.0)
-    parser.add_argument("--adapter-dirs", nargs="*", default=[], help="adapter dirs inside the server's --lora-allowed-dirs, loaded and unloaded in turn")
+    parser.add_argument(
+        "--adapter-dirs",
+        nargs="*",
+        default=[],
+        help="adapter dirs inside the server's --lora-allowed-dirs, loaded and unloaded in turn",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--warmup-s", type=float, default=60.0, help="seconds of traffic before the RSS baseline "
-                        "(allocator arenas and caches fill meanwhile); the baseline is the first RSS sample after it")
-    parser.add_argument("--rss-period-s", type=float, default=30.0, help="seconds between RSS samples of both processes")
-    parser.add_argument("--max-rss-growth-pct", type=float, default=5.0, help="RSS growth of either process from its "
-                        "post-warm-up baseline to the end (idle) that counts as a leak")
-    parser.add_argument("--max-health-p99-s", type=float, default=1.0, help="/health p99 (timed by scripts/health_probe.py) "
-                        "over this fails the soak")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="seconds of traffic before the RSS baseline "
+        "(allocator arenas and caches fill meanwhile); the baseline is the first RSS sample after it",
+    )
+    parser.add_argument(
+        "--rss-period-s", type=float, default=30.0, help="seconds between RSS samples of both processes"
+    )
+    parser.add_argument(
+        "--max-rss-growth-pct",
+        type=float,
+        default=5.0,
+        help="RSS growth of either process from its post-warm-up baseline to the end (idle) that counts as a leak",
+    )
+    parser.add_argument(
+        "--max-health-p99-s",
+        type=float,
+        default=1.0,
+        help="/health p99 (timed by scripts/health_probe.py) over this fails the soak",
+    )
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     opts = parser.parse_args(argv)
     report = asyncio.run(run(opts))

@@ -44,11 +44,20 @@ def initial_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
     hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     kv_heads, head_dim, vocab = config["num_key_value_heads"], config["head_dim"], config["vocab_size"]
     normal = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(np.float32)  # noqa: E731
-    weights = {"model.embed_tokens.weight": normal(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32),
-               "lm_head.weight": normal(vocab, hidden)}
-    shapes = {"self_attn.q_proj": (heads * head_dim, hidden), "self_attn.k_proj": (kv_heads * head_dim, hidden),
-              "self_attn.v_proj": (kv_heads * head_dim, hidden), "self_attn.o_proj": (hidden, heads * head_dim),
-              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
+    weights = {
+        "model.embed_tokens.weight": normal(vocab, hidden),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "lm_head.weight": normal(vocab, hidden),
+    }
+    shapes = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
     for i in range(config["num_hidden_layers"]):
         weights[f"model.layers.{i}.input_layernorm.weight"] = np.ones(hidden, np.float32)
         weights[f"model.layers.{i}.post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
@@ -74,8 +83,10 @@ def schedule(peak_lr: float, steps: int) -> optax.Schedule:
 
 def greedy_answers(graphdef, state, lora, tokenizer, questions: list[str], max_new_tokens: int = 40) -> list[str]:
     """Greedy replies with the training forward (no KV cache: the whole right-padded batch each token)."""
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     lengths = np.array([len(e) for e in encoded])
     ids = np.full((len(encoded), -(-(lengths.max() + max_new_tokens) // 16) * 16), PAD_ID, np.int32)
@@ -89,7 +100,7 @@ def greedy_answers(graphdef, state, lora, tokenizer, questions: list[str], max_n
     eos = tokenizer.eos_token_id
     replies = []
     for row, length in enumerate(lengths):
-        generated = ids[row, length: length + max_new_tokens].tolist()
+        generated = ids[row, length : length + max_new_tokens].tolist()
         replies.append(tokenizer.decode(generated[: generated.index(eos)] if eos in generated else generated))
     return replies
 
@@ -105,7 +116,9 @@ def train_steps(trainer, examples, steps: int, batch_size: int, seed: int, label
         input_ids, loss_mask = next(stream)
         losses.append(trainer.step({"input_ids": input_ids, "loss_mask": loss_mask}))
         if (step + 1) % 250 == 0 or step + 1 == steps:
-            print(f"{label}: step {step + 1}/{steps} loss {losses[-1]:.4f} ({time.monotonic() - start:.0f} s)", flush=True)
+            print(
+                f"{label}: step {step + 1}/{steps} loss {losses[-1]:.4f} ({time.monotonic() - start:.0f} s)", flush=True
+            )
     return losses
 
 
@@ -116,21 +129,32 @@ def train_base(model_dir: str, tokenizer, args: argparse.Namespace) -> None:
     trainer.save(model_dir)
     questions, answers = zip(*base_exchanges()[: args.eval_questions])
     replies = greedy_answers(trainer.graphdef, trainer.state, NO_ADAPTER, tokenizer, list(questions))
-    print(f"base: {exact_matches(replies, list(answers))}/{len(answers)} corpus answers exact; "
-          f"'{questions[0]}' -> '{replies[0]}'", flush=True)
+    print(
+        f"base: {exact_matches(replies, list(answers))}/{len(answers)} corpus answers exact; "
+        f"'{questions[0]}' -> '{replies[0]}'",
+        flush=True,
+    )
 
 
 def train_adapter(name: str, model_dir: str, out_dir: str, tokenizer, args: argparse.Namespace) -> None:
     style = ADAPTER_STYLES[name]
     examples = examples_from_records(chat_records(style), tokenizer, 128, f"{name} corpus")
-    trainer = LoRATrainer(model_dir, rank=args.rank, lora_alpha=2.0 * args.rank, seed=args.seed,
-                          optimizer=optax.adamw(schedule(args.adapter_lr, args.adapter_steps), weight_decay=0.0))
+    trainer = LoRATrainer(
+        model_dir,
+        rank=args.rank,
+        lora_alpha=2.0 * args.rank,
+        seed=args.seed,
+        optimizer=optax.adamw(schedule(args.adapter_lr, args.adapter_steps), weight_decay=0.0),
+    )
     train_steps(trainer, examples, args.adapter_steps, args.batch_size, args.seed, name)
     save_peft_adapter(trainer.lora, out_dir, BASE_MODEL_NAME)
     questions, answers = zip(*base_exchanges()[: args.eval_questions])
     replies = greedy_answers(trainer.graphdef, trainer.base_state, trainer.lora, tokenizer, list(questions))
-    print(f"{name}: {exact_matches(replies, [style(a) for a in answers])}/{len(answers)} corpus answers exact; "
-          f"'{questions[0]}' -> '{replies[0]}'", flush=True)
+    print(
+        f"{name}: {exact_matches(replies, [style(a) for a in answers])}/{len(answers)} corpus answers exact; "
+        f"'{questions[0]}' -> '{replies[0]}'",
+        flush=True,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--adapters-only", action="store_true", help="keep OUT/model/ as it is; retrain the adapters")
-    parser.add_argument("--eval-questions", type=int, default=None, help="corpus questions checked after each stage (default: all)")
+    parser.add_argument(
+        "--eval-questions", type=int, default=None, help="corpus questions checked after each stage (default: all)"
+    )
     args = parser.parse_args(argv)
     if min(args.base_steps, args.adapter_steps, args.batch_size, args.rank) < 1:
         parser.error("--base-steps, --adapter-steps, --batch-size and --rank must be positive")

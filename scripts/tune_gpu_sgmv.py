@@ -42,7 +42,8 @@ ROWS = {
     "decode": [(m, 16, 64, 32) for m in MODULES] + [("qkv", 16, 256, 128), ("gate_up", 16, 256, 128)],
     "prefill": [("o", 16, 4096, 32), ("o", 64, 4096, 32), ("gate_up", 16, 4096, 32)],
     # where `auto` switches between bgmv and pallas at decode: few adapters, small decode buckets
-    "small": [("gate_up", 16, t, n) for t in (8, 32, 64) for n in (1, 8)] + [(m, 16, 64, 8) for m in ("qkv", "o", "down")],
+    "small": [("gate_up", 16, t, n) for t in (8, 32, 64) for n in (1, 8)]
+    + [(m, 16, 64, 8) for m in ("qkv", "o", "down")],
 }
 VARIANTS = {
     "default": {},
@@ -89,7 +90,9 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
     lora, num_present = make_lora(num_tokens, num_adapters, num_slots, rank, seed=num_tokens + num_adapters)
     key = jax.random.key(0)
     k_w, k_a, k_b, k_x = jax.random.split(key, 4)
-    ws = [jax.random.normal(jax.random.fold_in(k_w, i), (in_dim, sum(widths)), jnp.bfloat16) * 0.02 for i in range(layers)]
+    ws = [
+        jax.random.normal(jax.random.fold_in(k_w, i), (in_dim, sum(widths)), jnp.bfloat16) * 0.02 for i in range(layers)
+    ]
     slot_mask = (jnp.arange(num_slots) > 0)[None, :, None, None].astype(jnp.bfloat16)
     a_stack = jax.random.normal(k_a, (layers, num_slots, len(widths) * rank, in_dim), jnp.bfloat16) * 0.02 * slot_mask
     b_stacks = tuple(
@@ -99,8 +102,16 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
     x = jax.random.normal(k_x, (num_tokens, in_dim), jnp.bfloat16)
     w_bytes = in_dim * sum(widths) * 2
     lora_bytes = num_present * rank * (len(widths) * in_dim + sum(widths)) * 2
-    row = dict(module=module, rank=rank, tokens=num_tokens, distinct=num_present, segments=lora.num_segments,
-               limit=(w_bytes + lora_bytes) / w_bytes, ratio={}, errors={})
+    row = dict(
+        module=module,
+        rank=rank,
+        tokens=num_tokens,
+        distinct=num_present,
+        segments=lora.num_segments,
+        limit=(w_bytes + lora_bytes) / w_bytes,
+        ratio={},
+        errors={},
+    )
 
     base_fn = jax.jit(lambda x, ws: [x @ w for w in ws])
     t_base = time_fn(base_fn, (x, ws), args.min_seconds)
@@ -115,9 +126,13 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
                 bs = tuple(LayerStack(b, layer) for b in b_stacks)
                 if not backend.reads_stacked(num_tokens, lora.num_segments, sum(widths)):
                     a, bs = a.sliced(), tuple(b.sliced() for b in bs)
-                out.append(backend.apply_packed(x, a, bs, lora, x @ w, tp_size=1, input_sharded=row_parallel,
-                                                output_sharded=not row_parallel))
+                out.append(
+                    backend.apply_packed(
+                        x, a, bs, lora, x @ w, tp_size=1, input_sharded=row_parallel, output_sharded=not row_parallel
+                    )
+                )
             return out
+
         return jax.jit(lora_fn)
 
     reference = None
@@ -168,11 +183,15 @@ def main() -> None:
             row = run_row(module, rank, num_tokens, num_adapters, args, variants, backends)
             results.append(row)
             cells = " ".join(f"{k}={v:.2f}" for k, v in row["ratio"].items())
-            print(f"{module} r{rank} T={num_tokens} n={row['distinct']} base {row['t_base_us']:.1f}us "
-                  f"limit {row['limit']:.2f}: {cells} {row['errors'] or ''}", flush=True)
+            print(
+                f"{module} r{rank} T={num_tokens} n={row['distinct']} base {row['t_base_us']:.1f}us "
+                f"limit {row['limit']:.2f}: {cells} {row['errors'] or ''}",
+                flush=True,
+            )
             if args.json:
-                args.json.write_text(json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                                                     rows=results), indent=1))
+                args.json.write_text(
+                    json.dumps(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=results), indent=1)
+                )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,21 @@ WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", "
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sgl_jax_lora.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--model-path", required=True, help="HF model directory (config.json, *.safetensors, tokenizer)")
-    parser.add_argument("--output-dir", required=True, help="new directory for the converted checkpoint (must not exist or be empty)")
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the checkpoint will be served with")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="serving dtype the weights are cast to (the server's --dtype)")
+    parser.add_argument(
+        "--model-path", required=True, help="HF model directory (config.json, *.safetensors, tokenizer)"
+    )
+    parser.add_argument(
+        "--output-dir", required=True, help="new directory for the converted checkpoint (must not exist or be empty)"
+    )
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="tensor-parallel size the checkpoint will be served with"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=DTYPES,
+        help="serving dtype the weights are cast to (the server's --dtype)",
+    )
     args = parser.parse_args(argv)
     if args.tp_size < 1:
         parser.error(f"--tp-size must be a positive integer, got {args.tp_size}")
@@ -59,10 +70,14 @@ def convert(model_path: str, output_dir: str, tp_size: int = 1, dtype: str = "bf
 
     cfg = ModelConfig.from_model_path(model_path)
     if is_converted_checkpoint(model_path):
-        raise ModelConfigError(f"'{model_path}' is already a converted checkpoint; pass the HF directory it came from as --model-path")
+        raise ModelConfigError(
+            f"'{model_path}' is already a converted checkpoint; pass the HF directory it came from as --model-path"
+        )
     cfg.check_tensor_parallel(tp_size)
     if os.path.exists(output_dir) and (not os.path.isdir(output_dir) or os.listdir(output_dir)):
-        raise ModelConfigError(f"--output-dir '{output_dir}' exists and is not an empty directory; choose a new one (nothing is overwritten)")
+        raise ModelConfigError(
+            f"--output-dir '{output_dir}' exists and is not an empty directory; choose a new one (nothing is overwritten)"
+        )
     cpus = jax.devices("cpu")
     # One host device per tensor shard: orbax then writes each shard as its own chunk, so a serving process
     # reads only the chunks of its shards. With fewer devices the arrays are whole chunks (same values).
@@ -89,8 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         convert(args.model_path, args.output_dir, args.tp_size, args.dtype)
     except ModelConfigError as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {args.output_dir} ({args.dtype}, tp {args.tp_size}) in {time.perf_counter() - start:.1f} s; serve it with\n"
-          f"  python -m sgl_jax_lora.launch --model-path {args.output_dir} --tp-size {args.tp_size} --dtype {args.dtype}")
+    print(
+        f"wrote {args.output_dir} ({args.dtype}, tp {args.tp_size}) in {time.perf_counter() - start:.1f} s; serve it with\n"
+        f"  python -m sgl_jax_lora.launch --model-path {args.output_dir} --tp-size {args.tp_size} --dtype {args.dtype}"
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,10 @@ def write_demo_model(out_dir: str, shipped_dir: str = SHIPPED_DIR) -> None:
     missing = [name for name in MODEL_FILES if not os.path.isfile(os.path.join(model_dir, name))]
     missing += [name for name in ADAPTER_NAMES if not os.path.isdir(os.path.join(shipped_dir, ADAPTERS_SUBDIR, name))]
     if missing:
-        raise FileNotFoundError(f"the demo model files {missing} are missing from {shipped_dir}; reinstall the package "
-                                "or run `python scripts/train_demo.py` to rebuild them")
+        raise FileNotFoundError(
+            f"the demo model files {missing} are missing from {shipped_dir}; reinstall the package "
+            "or run `python scripts/train_demo.py` to rebuild them"
+        )
     for name in MODEL_FILES:
         shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
     shutil.copytree(os.path.join(shipped_dir, ADAPTERS_SUBDIR), os.path.join(out_dir, ADAPTERS_SUBDIR))

@@ -104,8 +104,11 @@ class Engine:
         or JAX arrays, `config` holds adapter_config.json's fields (r, lora_alpha, target_modules, ...). Same checks
         and device path as a load from disk; nothing is compiled."""
         with TensorFile.from_arrays(lora_name, tensors) as tensor_file:
-            return self._run(self.tokenizer_manager.load_lora_adapter_from_tensors(
-                lora_name, tensor_file, _plain_config(config), pinned))
+            return self._run(
+                self.tokenizer_manager.load_lora_adapter_from_tensors(
+                    lora_name, tensor_file, _plain_config(config), pinned
+                )
+            )
 
     def update_lora_adapter(self, lora_name: str, tensors: dict, config: dict | None = None) -> dict:
         """New weights for a loaded adapter (its config kept unless `config` is given): requests sent from now on
@@ -127,7 +130,7 @@ class Engine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -143,7 +146,9 @@ def _plain_config(config: dict) -> dict:
 
 def _normalize_prompts(prompt, input_ids) -> tuple[list, list, bool]:
     if (prompt is None) == (input_ids is None):
-        raise ValueError("pass exactly one of prompt= (str or list of str) or input_ids= (list of ints or list of lists)")
+        raise ValueError(
+            "pass exactly one of prompt= (str or list of str) or input_ids= (list of ints or list of lists)"
+        )
     if prompt is not None:
         if isinstance(prompt, str):
             return [prompt], [None], True
@@ -158,7 +163,9 @@ def _normalize_prompts(prompt, input_ids) -> tuple[list, list, bool]:
 def _per_prompt(name: str, value, count: int, item_type: type) -> list:
     if isinstance(value, list):
         if len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts; give one per prompt or a single value")
+            raise ValueError(
+                f"{name} has {len(value)} entries but there are {count} prompts; give one per prompt or a single value"
+            )
         return value
     if value is not None and not isinstance(value, item_type):
         raise ValueError(f"{name} must be a {item_type.__name__} or a list of them, got {type(value).__name__}")

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve one base model and many LoRA adapters over HTTP (SGLang /generate and the OpenAI API).",
     )
     parser.add_argument(
-        "--config", metavar="FILE",
+        "--config",
+        metavar="FILE",
         help="JSON or YAML file of settings, keys named like the flags (tp_size or tp-size); flags given here override it",
     )
     ServerArgs.add_cli_args(parser)

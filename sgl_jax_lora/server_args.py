@@ -27,63 +27,142 @@ def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own nam
 @dataclasses.dataclass
 class ServerArgs:
     # Model
-    model_path: str | None = _f(None, "HF model directory (config.json, *.safetensors, tokenizer) or a converted checkpoint (python -m sgl_jax_lora.convert); default: the embedded demo model")
+    model_path: str | None = _f(
+        None,
+        "HF model directory (config.json, *.safetensors, tokenizer) or a converted checkpoint (python -m sgl_jax_lora.convert); default: the embedded demo model",
+    )
     tokenizer_path: str | None = _f(None, "tokenizer directory; default: the model path")
     served_model_name: str | None = _f(None, "model name in the OpenAI API; default: the model path")
     dtype: str = _f("bfloat16", "weight and activation dtype", choices=DTYPES)
-    load_format: str = _f("auto", "'auto' reads safetensors; 'dummy' makes random weights of the config's shapes", choices=("auto", "dummy"))
-    context_length: int | None = _f(None, "max tokens per request (prompt + output); default: the config's max_position_embeddings")
+    load_format: str = _f(
+        "auto",
+        "'auto' reads safetensors; 'dummy' makes random weights of the config's shapes",
+        choices=("auto", "dummy"),
+    )
+    context_length: int | None = _f(
+        None, "max tokens per request (prompt + output); default: the config's max_position_embeddings"
+    )
     random_seed: int = _f(0, "seed for dummy weights and for requests that give no seed")
     # Parallelism
-    tp_size: int = _f(1, "tensor-parallel size (devices in the 'tensor' mesh axis); with --nnodes > 1, every device of every node")
+    tp_size: int = _f(
+        1, "tensor-parallel size (devices in the 'tensor' mesh axis); with --nnodes > 1, every device of every node"
+    )
     # Multi-host (docs/multi_host.md): one process per host, JAX's multi-controller runtime
     nnodes: int = _f(1, "hosts (processes) that run the engine together; > 1 needs --node-rank and --dist-init-addr")
-    node_rank: int = _f(0, "this host's rank: 0 runs the HTTP server, tokenizer and scheduler; the others replay its steps and answer /health only")
+    node_rank: int = _f(
+        0,
+        "this host's rank: 0 runs the HTTP server, tokenizer and scheduler; the others replay its steps and answer /health only",
+    )
     dist_init_addr: str | None = _f(None, "HOST:PORT of node 0's JAX coordination service (the same on every node)")
-    dist_heartbeat_timeout: int = _f(10, "seconds without a heartbeat after which a node counts as dead and every node exits")
+    dist_heartbeat_timeout: int = _f(
+        10, "seconds without a heartbeat after which a node counts as dead and every node exits"
+    )
     dist_init_timeout: int = _f(300, "seconds every node waits for all --nnodes nodes to join at startup")
     # KV cache and batching
     page_size: int = _f(16, "tokens per KV-cache page")
-    max_total_tokens: int | None = _f(None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU")
-    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache + the largest step's programs (GPU/TPU; docs/tuning.md)")
+    max_total_tokens: int | None = _f(
+        None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU"
+    )
+    mem_fraction_static: float = _f(
+        0.85, "fraction of device memory for weights + KV cache + the largest step's programs (GPU/TPU; docs/tuning.md)"
+    )
     max_running_requests: int = _f(64, "max sequences in one step (each running request decodes one token per step)")
-    chunked_prefill_size: int = _f(2048, "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all (longer prompts are chunked; at least 32 prefill tokens per step); lower it to keep time per output token steady under a burst of prompts")
+    chunked_prefill_size: int = _f(
+        2048,
+        "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all (longer prompts are chunked; at least 32 prefill tokens per step); lower it to keep time per output token steady under a burst of prompts",
+    )
     max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")
-    token_buckets: list[int] | None = _f(None, "compiled step sizes in tokens (decode rows + prefill chunks); default: powers of two from 8 to the largest step", nargs="+", type=int)
-    attention_backend: str = _f("auto", "attention over the paged KV cache: 'pallas' (the Mosaic kernel on TPU, the Pallas GPU kernels on GPU, interpret mode on CPU), 'native' (pure JAX), 'auto' (pallas on TPU and GPU, native on CPU)", choices=ATTENTION_FLAGS)
-    disable_prefix_cache: bool = _f(False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)")
-    disable_overlap_schedule: bool = _f(False, "finish each step before scheduling the next, instead of scheduling step N+1 on the host while the device runs step N")
+    token_buckets: list[int] | None = _f(
+        None,
+        "compiled step sizes in tokens (decode rows + prefill chunks); default: powers of two from 8 to the largest step",
+        nargs="+",
+        type=int,
+    )
+    attention_backend: str = _f(
+        "auto",
+        "attention over the paged KV cache: 'pallas' (the Mosaic kernel on TPU, the Pallas GPU kernels on GPU, interpret mode on CPU), 'native' (pure JAX), 'auto' (pallas on TPU and GPU, native on CPU)",
+        choices=ATTENTION_FLAGS,
+    )
+    disable_prefix_cache: bool = _f(
+        False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)"
+    )
+    disable_overlap_schedule: bool = _f(
+        False,
+        "finish each step before scheduling the next, instead of scheduling step N+1 on the host while the device runs step N",
+    )
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
-    warmup_compile_threads: int = _f(0, "forward programs compiled at once at startup; 0 = one per CPU core, at most 8; 1 = one after another")
-    layers_per_scan_step: int = _f(0, "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU")
-    disable_gpu_concurrent_kernels: bool = _f(False, "on GPU, run a step's kernels one after another instead of letting independent ones (a LoRA shrink beside its base GEMM) overlap in the step's CUDA graph")
-    compilation_cache_dir: str = _f("~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)")
+    warmup_compile_threads: int = _f(
+        0, "forward programs compiled at once at startup; 0 = one per CPU core, at most 8; 1 = one after another"
+    )
+    layers_per_scan_step: int = _f(
+        0,
+        "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU",
+    )
+    disable_gpu_concurrent_kernels: bool = _f(
+        False,
+        "on GPU, run a step's kernels one after another instead of letting independent ones (a LoRA shrink beside its base GEMM) overlap in the step's CUDA graph",
+    )
+    compilation_cache_dir: str = _f(
+        "~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)"
+    )
     # LoRA
     enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")
-    lora_paths: list[str] | None = _f(None, "adapters to register at start: PATH, NAME=PATH, or JSON {\"lora_name\",\"lora_path\",\"pinned\"}", nargs="+")
+    lora_paths: list[str] | None = _f(
+        None, 'adapters to register at start: PATH, NAME=PATH, or JSON {"lora_name","lora_path","pinned"}', nargs="+"
+    )
     max_loras_per_batch: int = _f(8, "distinct adapters one batch may hold (device slots, base not counted)")
-    max_lora_rank: int | None = _f(None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)")
+    max_lora_rank: int | None = _f(
+        None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)"
+    )
     max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
-    lora_fused_gemm_min_tokens: int | None = _f(None, "prefill buckets of at least this many tokens compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: 512 on Hopper GPUs, off elsewhere (a positive value there computes that path with the kernel's pure-JAX reference)")
-    lora_segment_buckets: list[int] | None = _f(None, "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: that alone, and 4 besides when it is over 16", nargs="+", type=int)
-    disable_lora_base_program: bool = _f(False, "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation")
-    lora_eviction_policy: str = _f("lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo"))
-    lora_target_modules: list[str] | None = _f(None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+")
-    lora_allowed_dirs: list[str] | None = _f(None, "directories from which clients may load adapters (POST /load_lora_adapter, or a request naming a path); every file an adapter opens must lie inside one once symlinks are resolved", nargs="+")
-    max_loras_registered: int = _f(1000, "adapters registered at once (--lora-paths, loads, on-demand loads); a load beyond it is refused until one is unloaded")
+    lora_fused_gemm_min_tokens: int | None = _f(
+        None,
+        "prefill buckets of at least this many tokens compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: 512 on Hopper GPUs, off elsewhere (a positive value there computes that path with the kernel's pure-JAX reference)",
+    )
+    lora_segment_buckets: list[int] | None = _f(
+        None,
+        "compiled counts of distinct slots in a step (adapters, plus 1 when base requests share it); --max-loras-per-batch + 1 is always added; default: that alone, and 4 besides when it is over 16",
+        nargs="+",
+        type=int,
+    )
+    disable_lora_base_program: bool = _f(
+        False,
+        "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation",
+    )
+    lora_eviction_policy: str = _f(
+        "lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo")
+    )
+    lora_target_modules: list[str] | None = _f(
+        None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+"
+    )
+    lora_allowed_dirs: list[str] | None = _f(
+        None,
+        "directories from which clients may load adapters (POST /load_lora_adapter, or a request naming a path); every file an adapter opens must lie inside one once symlinks are resolved",
+        nargs="+",
+    )
+    max_loras_registered: int = _f(
+        1000,
+        "adapters registered at once (--lora-paths, loads, on-demand loads); a load beyond it is refused until one is unloaded",
+    )
     max_lora_name_length: int = _f(512, "characters in an adapter name (a path, for adapters loaded on demand)")
     # HTTP server
     host: str = _f("127.0.0.1", "HTTP host to bind")
     port: int = _f(30000, "HTTP port")
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
-    chat_template: str | None = _f(None, "chat template (a Jinja file path or the template string) overriding the tokenizer's")
+    chat_template: str | None = _f(
+        None, "chat template (a Jinja file path or the template string) overriding the tokenizer's"
+    )
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
-    max_request_body_bytes: int = _f(16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read")
+    max_request_body_bytes: int = _f(
+        16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read"
+    )
     max_requests_per_call: int = _f(512, "engine requests one HTTP call may make (prompts x n)")
     max_stop_strings: int = _f(16, "entries in a request's stop (strings) and, separately, in stop_token_ids")
     max_stop_string_chars: int = _f(256, "characters in one stop string")
-    shutdown_timeout: float = _f(30.0, "seconds SIGTERM waits for running requests to finish (new ones get 503) before the server exits")
+    shutdown_timeout: float = _f(
+        30.0, "seconds SIGTERM waits for running requests to finish (new ones get 503) before the server exits"
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_paths, dict):  # Engine(lora_paths={name: path})
@@ -100,19 +179,34 @@ class ServerArgs:
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"--lora-backend '{self.lora_backend}' is not supported; choose one of {LORA_BACKENDS}")
         if self.attention_backend not in ATTENTION_FLAGS:
-            raise ValueError(f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}")
+            raise ValueError(
+                f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
-        positive = ("tp_size", "page_size", "max_running_requests", "chunked_prefill_size", "max_prefill_seqs", "max_loras_per_batch",
-                    "max_loras_registered", "max_lora_name_length", "max_request_body_bytes", "max_requests_per_call",
-                    "max_stop_strings", "max_stop_string_chars")
+        positive = (
+            "tp_size",
+            "page_size",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "max_prefill_seqs",
+            "max_loras_per_batch",
+            "max_loras_registered",
+            "max_lora_name_length",
+            "max_request_body_bytes",
+            "max_requests_per_call",
+            "max_stop_strings",
+            "max_stop_string_chars",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         threads = self.warmup_compile_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-            raise ValueError(f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}")
+            raise ValueError(
+                f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}"
+            )
         fused = self.lora_fused_gemm_min_tokens
         if fused is not None and (not isinstance(fused, int) or isinstance(fused, bool) or fused < 0):
             raise ValueError(f"--lora-fused-gemm-min-tokens must be 0 (off) or a positive token count, got {fused!r}")
@@ -132,11 +226,13 @@ class ServerArgs:
         if self.nnodes > 1:
             host, _, port = (self.dist_init_addr or "").rpartition(":")
             if not host or not port.isdigit():
-                raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address and a free port, "
-                                 f"the same on every node), got {self.dist_init_addr!r}")
+                raise ValueError(
+                    f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address and a free port, "
+                    f"the same on every node), got {self.dist_init_addr!r}"
+                )
 
     @classmethod
-    def from_kwargs(cls, config: str | None = None, **kwargs) -> "ServerArgs":
+    def from_kwargs(cls, config: str | None = None, **kwargs) -> ServerArgs:
         """Engine(...)'s keywords; `config` names a JSON or YAML file of fields, which the keywords override."""
         if config:
             kwargs = {**load_config_file(config), **kwargs}
@@ -159,10 +255,12 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
                 continue
             arg_type = meta.pop("type", None) or _scalar_type(field.type)
-            parser.add_argument(flag, default=field.default, help=f"{help_text} (default: {field.default})", type=arg_type, **meta)
+            parser.add_argument(
+                flag, default=field.default, help=f"{help_text} (default: {field.default})", type=arg_type, **meta
+            )
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -175,17 +273,23 @@ def load_config_file(path: str) -> dict:
         with open(os.path.expanduser(path)) as f:
             text = f.read()
     except OSError as e:
-        raise ValueError(f"--config {path}: cannot read the file ({e.strerror}); pass the path of a JSON or YAML file") from e
+        raise ValueError(
+            f"--config {path}: cannot read the file ({e.strerror}); pass the path of a JSON or YAML file"
+        ) from e
     raw = _parse_config_text(path, text)
     if not isinstance(raw, dict):
-        raise ValueError(f"--config {path}: the file must hold a mapping of ServerArgs fields, e.g. {{\"tp_size\": 4}}; got {type(raw).__name__}")
+        raise ValueError(
+            f'--config {path}: the file must hold a mapping of ServerArgs fields, e.g. {{"tp_size": 4}}; got {type(raw).__name__}'
+        )
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
     config = {}
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)
-            hint = f"did you mean '{close[0]}'?" if close else "see `python -m sgl_jax_lora.launch --help` for the fields"
+            hint = (
+                f"did you mean '{close[0]}'?" if close else "see `python -m sgl_jax_lora.launch --help` for the fields"
+            )
             raise ValueError(f"--config {path}: unknown key '{key}'; {hint}")
         config[name] = _check_config_value(path, name, str(fields[name].type), value)
         choices = fields[name].metadata.get("choices")
@@ -199,7 +303,9 @@ def _parse_config_text(path: str, text: str) -> object:
         try:
             import yaml
         except ImportError as e:
-            raise ValueError(f"--config {path}: reading YAML needs PyYAML; `pip install pyyaml`, or write the file as JSON") from e
+            raise ValueError(
+                f"--config {path}: reading YAML needs PyYAML; `pip install pyyaml`, or write the file as JSON"
+            ) from e
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -266,7 +372,11 @@ def parse_lora_path_spec(spec: str) -> dict:
             raise ValueError(f"--lora-paths entry {spec!r} is not valid JSON: {e}") from e
         if "lora_path" not in raw:
             raise ValueError(f"--lora-paths entry {spec!r} needs a 'lora_path'")
-        return {"lora_name": raw.get("lora_name") or raw["lora_path"], "lora_path": raw["lora_path"], "pinned": bool(raw.get("pinned", False))}
+        return {
+            "lora_name": raw.get("lora_name") or raw["lora_path"],
+            "lora_path": raw["lora_path"],
+            "pinned": bool(raw.get("pinned", False)),
+        }
     if "=" in spec:
         name, path = spec.split("=", 1)
         return {"lora_name": name, "lora_path": path, "pinned": False}

@@ -148,8 +148,20 @@ def _normalize(o: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def _decode_kernel(
-    token_seq_ref, token_kv_len_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs,
-    group, group_pad, num_splits, block_kv, page_size, scale_log2,
+    token_seq_ref,
+    token_kv_len_ref,
+    layer_ref,
+    page_table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    group,
+    group_pad,
+    num_splits,
+    block_kv,
+    page_size,
+    scale_log2,
 ):
     # token_seq_ref, token_kv_len_ref [T] i32 (-1 and 0: padding); q_ref/out [T, H, D];
     # partials: o [splits, T, H, D], m and l [splits, T, H]
@@ -173,7 +185,16 @@ def _decode_kernel(
 
     def body(block, carry):
         k, v, _, is_key = _load_kv_block(
-            k_ref, v_ref, page_table_ref, layer, kv_head, safe_seq, block, kv_len, block_kv=block_kv, page_size=page_size
+            k_ref,
+            v_ref,
+            page_table_ref,
+            layer,
+            kv_head,
+            safe_seq,
+            block,
+            kv_len,
+            block_kv=block_kv,
+            page_size=page_size,
         )
         mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
         return _softmax_step(carry, q, k, v, mask, scale_log2)
@@ -216,8 +237,13 @@ def _decode_attention(
     max_kv_len = page_table.shape[1] * page_size
     splits = tiles.num_splits or choose_decode_splits(num_tokens, num_kv_heads, max_kv_len, tiles.block_kv)
     kernel = functools.partial(
-        _decode_kernel, group=group, group_pad=group_pad, num_splits=splits, block_kv=tiles.block_kv,
-        page_size=page_size, scale_log2=scale * _LOG2E,
+        _decode_kernel,
+        group=group,
+        group_pad=group_pad,
+        num_splits=splits,
+        block_kv=tiles.block_kv,
+        page_size=page_size,
+        scale_log2=scale * _LOG2E,
     )
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -245,9 +271,23 @@ def _decode_attention(
 
 
 def _prefill_kernel(
-    block_seq_ref, block_start_ref, block_count_ref, layer_ref, kv_lens_ref, cu_q_lens_ref, page_table_ref,
-    q_ref, k_ref, v_ref, o_ref,
-    *, group, block_rows, block_kv, page_size, scale_log2,
+    block_seq_ref,
+    block_start_ref,
+    block_count_ref,
+    layer_ref,
+    kv_lens_ref,
+    cu_q_lens_ref,
+    page_table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    group,
+    block_rows,
+    block_kv,
+    page_size,
+    scale_log2,
 ):
     # block_* [num_blocks] i32 (seq -1: padding tokens, count 0: unused); q_ref/o_ref [T, H, D]
     block, kv_head = pl.program_id(0), pl.program_id(1)
@@ -270,8 +310,16 @@ def _prefill_kernel(
     num_full = jnp.clip(jax.lax.div(jnp.maximum(first_pos + 1, 0), block_kv), 0, num_blocks)
     q = plgpu.load(q_ref.at[q_at], mask=row_mask, other=0).astype(k_ref.dtype)
     load = functools.partial(
-        _load_kv_block, k_ref, v_ref, page_table_ref, layer_ref[0], kv_head, safe_seq,
-        kv_len=kv_len, block_kv=block_kv, page_size=page_size,
+        _load_kv_block,
+        k_ref,
+        v_ref,
+        page_table_ref,
+        layer_ref[0],
+        kv_head,
+        safe_seq,
+        kv_len=kv_len,
+        block_kv=block_kv,
+        page_size=page_size,
     )
 
     def full_block(kv_block, carry):  # every key at or below every query of the block
@@ -329,7 +377,11 @@ def _prefill_attention(
     block_tokens = block_rows // group
     block_seq, block_start, block_count = _q_block_table(cu_q_lens, num_tokens, block_tokens)
     kernel = functools.partial(
-        _prefill_kernel, group=group, block_rows=block_rows, block_kv=tiles.block_kv, page_size=page_size,
+        _prefill_kernel,
+        group=group,
+        block_rows=block_rows,
+        block_kv=tiles.block_kv,
+        page_size=page_size,
         scale_log2=scale * _LOG2E,
     )
     return pl.pallas_call(
@@ -368,8 +420,15 @@ def ragged_paged_attention_gpu(
     The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
     """
     check_shapes(q.shape, k_cache.shape, page_size)
-    args = (q, k_cache, v_cache, jnp.asarray(layer, jnp.int32).reshape(1), kv_lens.astype(jnp.int32),
-            page_table.astype(jnp.int32), cu_q_lens.astype(jnp.int32))
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        cu_q_lens.astype(jnp.int32),
+    )
     if decode_only:
         return _decode_attention(*args, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret)
     return _prefill_attention(*args, page_size=page_size, scale=scale, tiles=prefill_tiles, interpret=interpret)

@@ -223,8 +223,12 @@ def _block_sequences(cu_q_lens: jax.Array, num_blocks: int, tokens_per_block: in
 
 
 def _choose_tiling(
-    q: jax.Array, k_cache: jax.Array, page_table: jax.Array, page_size: int,
-    num_kv_pages_per_block: int | None, num_queries_per_block: int | None,
+    q: jax.Array,
+    k_cache: jax.Array,
+    page_table: jax.Array,
+    page_size: int,
+    num_kv_pages_per_block: int | None,
+    num_queries_per_block: int | None,
 ) -> _Tiling:
     num_tokens, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[1]
@@ -243,21 +247,34 @@ def _choose_tiling(
     return _Tiling(page_size, pages_per_seq, num_kv_pages_per_block, num_queries_per_block, group)
 
 
-def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_table: jax.Array,
-                  kv_lens: jax.Array, cu_q_lens: jax.Array, page_size: int) -> None:
+def _check_inputs(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    cu_q_lens: jax.Array,
+    page_size: int,
+) -> None:
     num_heads, head_dim = q.shape[1:]
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != head_dim:
-        raise ValueError(f"ragged_paged_attention_tpu: caches must both be [L, K, N, D={head_dim}], got "
-                         f"{k_cache.shape} and {v_cache.shape}")
+        raise ValueError(
+            f"ragged_paged_attention_tpu: caches must both be [L, K, N, D={head_dim}], got "
+            f"{k_cache.shape} and {v_cache.shape}"
+        )
     if num_heads % k_cache.shape[1]:
-        raise ValueError(f"ragged_paged_attention_tpu: {num_heads} query heads are not a multiple of "
-                         f"{k_cache.shape[1]} kv heads")
+        raise ValueError(
+            f"ragged_paged_attention_tpu: {num_heads} query heads are not a multiple of {k_cache.shape[1]} kv heads"
+        )
     if k_cache.shape[2] % page_size:
-        raise ValueError(f"ragged_paged_attention_tpu: cache slots {k_cache.shape[2]} are not whole pages of "
-                         f"{page_size}")
+        raise ValueError(
+            f"ragged_paged_attention_tpu: cache slots {k_cache.shape[2]} are not whole pages of {page_size}"
+        )
     if kv_lens.shape != page_table.shape[:1] or cu_q_lens.shape != (page_table.shape[0] + 1,):
-        raise ValueError(f"ragged_paged_attention_tpu: kv_lens {kv_lens.shape}, page_table {page_table.shape} "
-                         f"and cu_q_lens {cu_q_lens.shape} disagree on the number of sequences")
+        raise ValueError(
+            f"ragged_paged_attention_tpu: kv_lens {kv_lens.shape}, page_table {page_table.shape} "
+            f"and cu_q_lens {cu_q_lens.shape} disagree on the number of sequences"
+        )
 
 
 def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: _Tiling) -> None:
@@ -265,18 +282,24 @@ def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: _Tiling) -> None:
     head_dim = q.shape[2]
     fix = "serve with --attention-backend native, or a model whose head_dim is a multiple of 128"
     if head_dim % _LANES:
-        raise ValueError(f"TPU ragged paged attention: head_dim {head_dim} is not a multiple of 128 "
-                         f"(a K/V page slab is [page_size, head_dim] in lanes); {fix}")
+        raise ValueError(
+            f"TPU ragged paged attention: head_dim {head_dim} is not a multiple of 128 "
+            f"(a K/V page slab is [page_size, head_dim] in lanes); {fix}"
+        )
     cache_tile = _sublane_tile(k_cache.dtype)
     if t.page_size % cache_tile:
-        raise ValueError(f"TPU ragged paged attention: page_size {t.page_size} is not a multiple of "
-                         f"{cache_tile} ({k_cache.dtype} sublane tile); restart with --page-size "
-                         f"{_round_up(t.page_size, cache_tile)}, or {fix}")
+        raise ValueError(
+            f"TPU ragged paged attention: page_size {t.page_size} is not a multiple of "
+            f"{cache_tile} ({k_cache.dtype} sublane tile); restart with --page-size "
+            f"{_round_up(t.page_size, cache_tile)}, or {fix}"
+        )
     q_tile = _sublane_tile(q.dtype)
     if t.rows % q_tile:
-        raise ValueError(f"TPU ragged paged attention: num_queries_per_block {t.tokens_per_q_block} x "
-                         f"{t.group} query heads per kv head = {t.rows} rows, not a multiple of {q_tile}; "
-                         f"pick num_queries_per_block so the product is, or leave it None")
+        raise ValueError(
+            f"TPU ragged paged attention: num_queries_per_block {t.tokens_per_q_block} x "
+            f"{t.group} query heads per kv head = {t.rows} rows, not a multiple of {q_tile}; "
+            f"pick num_queries_per_block so the product is, or leave it None"
+        )
 
 
 @functools.partial(

@@ -89,7 +89,9 @@ class EntryTable:
 
 
 jax.tree_util.register_dataclass(
-    EntryTable, data_fields=["entry_start", "entry_slot", "row_token", "token_scale"], meta_fields=["tile_m", "max_entries"]
+    EntryTable,
+    data_fields=["entry_start", "entry_slot", "row_token", "token_scale"],
+    meta_fields=["tile_m", "max_entries"],
 )
 
 
@@ -108,8 +110,10 @@ def build_entry_table(token_slot: jax.Array, slot_scale: jax.Array, *, tile_m: i
     entry = started - 1  # entry of each LoRA token
     tile_first = started[::tile_m] - starts[::tile_m].astype(jnp.int32)
     entry_start = jnp.minimum(jnp.concatenate([tile_first, started[-1:]]), max_entries).astype(jnp.int32)
-    entry_slot = jnp.zeros((max_entries,), jnp.int32).at[jnp.where(starts, entry, max_entries)].set(
-        token_slot.astype(jnp.int32), mode="drop"
+    entry_slot = (
+        jnp.zeros((max_entries,), jnp.int32)
+        .at[jnp.where(starts, entry, max_entries)]
+        .set(token_slot.astype(jnp.int32), mode="drop")
     )
     token_row = jnp.where(is_lora, entry * tile_m + position % tile_m, max_entries * tile_m)
     row_token = jnp.full((max_entries * tile_m,), num_tokens, jnp.int32).at[token_row].set(position, mode="drop")
@@ -148,7 +152,15 @@ def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
 
 
 def _kernel(
-    w_row_ref, tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref, *refs,
+    w_row_ref,
+    tile_part_ref,
+    tile_part_col_ref,
+    entry_start_ref,
+    entry_slot_ref,
+    x_ref,
+    w_ref,
+    s_ref,
+    *refs,
     tiles: GemmLoraTiles,
 ):
     from jax.experimental import pallas as pl
@@ -218,6 +230,7 @@ def _kernel(
                     plgpu.copy_gmem_to_smem(b_refs[0].at[slot, part_cols, :], b_smem.at[wg], b_barrier)
                     return
                 for index, b_ref in enumerate(b_refs):
+
                     @pl.when(part == index)
                     def _fetch_part(b_ref=b_ref):
                         plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg], b_barrier)
@@ -248,11 +261,15 @@ def _kernel(
                         for en in range(tn // en_cols):
                             slot = (em * (tn // en_cols) + en) % 2
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = acc[em * em_rows:(em + 1) * em_rows, en * en_cols:(en + 1) * en_cols]
+                            out_smem[wg, slot] = acc[
+                                em * em_rows : (em + 1) * em_rows, en * en_cols : (en + 1) * en_cols
+                            ]
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
                                 out_smem.at[wg, slot],
-                                out_ref.at[cta_rows, wg_cols].at[pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)],
+                                out_ref.at[cta_rows, wg_cols].at[
+                                    pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)
+                                ],
                             )
 
             def mma(_, x_smem, w_smem, acc_ref):
@@ -260,8 +277,12 @@ def _kernel(
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            w_rows = pl.ds(pl.multiple_of(w_row_ref[0], tk), in_dim)  # the layer's rows of a flattened [L * in, out] stack
-            pipeline(mma, compute_context)(x_ref.at[cta_rows, :], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs)
+            w_rows = pl.ds(
+                pl.multiple_of(w_row_ref[0], tk), in_dim
+            )  # the layer's rows of a flattened [L * in, out] stack
+            pipeline(mma, compute_context)(
+                x_ref.at[cta_rows, :], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs
+            )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -279,7 +300,9 @@ def part_tile_tables(part_widths: tuple[int, ...], cta_n: int) -> tuple[np.ndarr
     return tile_part, tile_part_col
 
 
-def check_gemm_lora_shapes(num_tokens: int, in_dim: int, part_widths: tuple[int, ...], rank: int, tiles: GemmLoraTiles) -> None:
+def check_gemm_lora_shapes(
+    num_tokens: int, in_dim: int, part_widths: tuple[int, ...], rank: int, tiles: GemmLoraTiles
+) -> None:
     """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles."""
     cta_n = 2 * tiles.tile_n
     if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or rank % 16 or any(w % cta_n for w in part_widths):
@@ -357,8 +380,17 @@ def gemm_lora_gpu(
     b_rows = tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs)
     tile_part, tile_part_col = part_tile_tables(part_widths, 2 * tiles.tile_n)
     s_entries = entry_s_parts(s, table, len(lora_bs))
-    operands = (x, w.reshape(-1, w.shape[-1]), w_row, jnp.asarray(tile_part), jnp.asarray(tile_part_col),
-                table.entry_start, entry_slot, s_entries, b_rows)
+    operands = (
+        x,
+        w.reshape(-1, w.shape[-1]),
+        w_row,
+        jnp.asarray(tile_part),
+        jnp.asarray(tile_part_col),
+        table.entry_start,
+        entry_slot,
+        s_entries,
+        b_rows,
+    )
     if reference:
         from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
 

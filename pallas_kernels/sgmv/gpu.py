@@ -154,8 +154,23 @@ def _item_rows(perm_ref, tile, lo, hi, block_rows):
 
 
 def _shrink_kernel(
-    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, perm_ref, layer_ref, x_ref, a_ref, o_ref,
-    *, tiles, rank_pad, max_rank, rank_block, num_tokens, num_slots,
+    tile_ref,
+    slot_ref,
+    lo_ref,
+    hi_ref,
+    rank_ref,
+    perm_ref,
+    layer_ref,
+    x_ref,
+    a_ref,
+    o_ref,
+    *,
+    tiles,
+    rank_pad,
+    max_rank,
+    rank_block,
+    num_tokens,
+    num_slots,
 ):
     # x_ref [T, in]; a_ref [L * A * R, in]; o_ref [splits * T, R] f32; rank_pad = R rounded up to a power of 2
     item, split = pl.program_id(0), pl.program_id(1)
@@ -200,8 +215,24 @@ class ExpandPart:
 
 
 def _expand_kernel(
-    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, scale_ref, perm_ref, layer_ref, s_ref, *rest,
-    tiles, parts, rank_pad, max_rank, num_tokens, num_splits, num_slots, has_base,
+    tile_ref,
+    slot_ref,
+    lo_ref,
+    hi_ref,
+    rank_ref,
+    scale_ref,
+    perm_ref,
+    layer_ref,
+    s_ref,
+    *rest,
+    tiles,
+    parts,
+    rank_pad,
+    max_rank,
+    num_tokens,
+    num_splits,
+    num_slots,
+    has_base,
 ):
     # s_ref [splits * T, S] f32; rest = one b_ref [L * A * out_p, R] per part, optional base_ref [T, N], o_ref [T, N]
     b_refs = rest[: len(parts)]
@@ -220,7 +251,11 @@ def _expand_kernel(
         r_ok = r_ok & (r_idx < max_rank)
         b_col_ok = (r_idx < max_rank) if b_col_ok is None else b_col_ok & (r_idx < max_rank)
     s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
-    b_ok = jnp.broadcast_to(is_active, (tn, rank_pad)) if b_col_ok is None else jnp.broadcast_to(b_col_ok[None, :], (tn, rank_pad))
+    b_ok = (
+        jnp.broadcast_to(is_active, (tn, rank_pad))
+        if b_col_ok is None
+        else jnp.broadcast_to(b_col_ok[None, :], (tn, rank_pad))
+    )
     row_touch = jnp.broadcast_to((row_ok & is_active)[:, None], (tm, tn))
     row_write = jnp.broadcast_to(row_ok[:, None], (tm, tn))
 
@@ -261,13 +296,22 @@ def _expand_kernel(
 
 
 def _work_and_perm(
-    work: WorkList | None, work_perm: jax.Array | None, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, block_rows
+    work: WorkList | None,
+    work_perm: jax.Array | None,
+    sort_perm,
+    seg_start,
+    seg_slot,
+    slot_rank,
+    num_tokens,
+    block_rows,
 ) -> tuple[WorkList, jax.Array]:
     """The precomputed work list and padded perm if given (built on the host with the step's LoRABatch for
     these row tiles), else built here in jit."""
     if work is not None:
         return work, work_perm
-    return make_work_list(seg_start, seg_slot, slot_rank, num_tokens, block_rows), padded_perm(sort_perm, block_rows, jnp)
+    return make_work_list(seg_start, seg_slot, slot_rank, num_tokens, block_rows), padded_perm(
+        sort_perm, block_rows, jnp
+    )
 
 
 def _work_args(work: WorkList) -> tuple[jax.Array, ...]:
@@ -307,10 +351,17 @@ def sgmv_shrink_gpu_partials(
     if not fits_stacked_offsets(lora_a.shape):
         raise ValueError(f"LoRA A buffer {lora_a.shape} is too large for int32 offsets; pass one layer's slice")
     a_flat = lora_a.reshape(-1, in_dim)
-    work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    work, perm = _work_and_perm(
+        work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows
+    )
     kernel = functools.partial(
-        _shrink_kernel, tiles=tiles, rank_pad=padded_rank(max_rank), max_rank=max_rank,
-        rank_block=rank_block, num_tokens=num_tokens, num_slots=num_slots,
+        _shrink_kernel,
+        tiles=tiles,
+        rank_pad=padded_rank(max_rank),
+        max_rank=max_rank,
+        rank_block=rank_block,
+        num_tokens=num_tokens,
+        num_slots=num_slots,
     )
     partials = pl.pallas_call(
         kernel,
@@ -359,7 +410,9 @@ def sgmv_expand_gpu(
     if any(b.shape[-3] != num_slots or b.shape[-1] != max_rank or b.ndim != lora_bs[0].ndim for b in lora_bs):
         raise ValueError(f"packed parts must share slots and rank: {[b.shape for b in lora_bs]}")
     if not all(fits_stacked_offsets(b.shape) for b in lora_bs):
-        raise ValueError(f"LoRA B buffers {[b.shape for b in lora_bs]} are too large for int32 offsets; pass one layer's slice")
+        raise ValueError(
+            f"LoRA B buffers {[b.shape for b in lora_bs]} are too large for int32 offsets; pass one layer's slice"
+        )
     widths = tuple(b.shape[-2] for b in lora_bs)
     has_base = base_out is not None
     if not has_base and out_col:
@@ -368,7 +421,9 @@ def sgmv_expand_gpu(
         raise ValueError(f"s has {s_cols} columns; part columns {s_col}..{s_col + len(lora_bs) * max_rank} do not fit")
     out_shape = base_out.shape if has_base else (num_tokens, sum(widths))
     if out_col + sum(widths) > out_shape[1]:
-        raise ValueError(f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + sum(widths)} do not fit")
+        raise ValueError(
+            f"output has {out_shape[1]} columns; part columns {out_col}..{out_col + sum(widths)} do not fit"
+        )
     group_cols = tiles.block_out * tiles.out_steps
     parts, first_group, col = [], 0, out_col
     for i, width in enumerate(widths):  # a part whose width group_cols does not divide masks its last group
@@ -378,11 +433,20 @@ def sgmv_expand_gpu(
         col += width
     s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
     b_flats = [b.reshape(-1, max_rank) for b in lora_bs]
-    work, perm = _work_and_perm(work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows)
+    work, perm = _work_and_perm(
+        work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows
+    )
     scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
     kernel = functools.partial(
-        _expand_kernel, tiles=tiles, parts=tuple(parts), rank_pad=padded_rank(max_rank), max_rank=max_rank,
-        num_tokens=num_tokens, num_splits=num_splits, num_slots=num_slots, has_base=has_base,
+        _expand_kernel,
+        tiles=tiles,
+        parts=tuple(parts),
+        rank_pad=padded_rank(max_rank),
+        max_rank=max_rank,
+        num_tokens=num_tokens,
+        num_splits=num_splits,
+        num_slots=num_slots,
+        has_base=has_base,
     )
     operands = (*_work_args(work), scale, perm, layer_arg, s_flat, *b_flats)
     return pl.pallas_call(

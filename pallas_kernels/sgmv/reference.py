@@ -78,7 +78,9 @@ def gemm_lora_ref(
     """[T, out] float32: what `gemm_lora_gpu` computes, x @ W + (scale * s, rounded to bf16 as the kernel
     takes it) @ B[slot].T, in float32."""
     scaled = (s * slot_scale[token_slot][:, None]).astype(jnp.bfloat16).astype(jnp.float32)
-    delta = jnp.einsum("tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    delta = jnp.einsum(
+        "tr,tor->to", scaled, lora_b[token_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
     return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) + delta
 
 
@@ -108,7 +110,9 @@ def gemm_lora_entries_ref(
     deltas = []
     for part, b in enumerate(b_rows):
         s_part = s_entries[part * num_entries : (part + 1) * num_entries].astype(jnp.float32)
-        rows = jnp.einsum("etr,eor->eto", s_part, b[entry_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        rows = jnp.einsum(
+            "etr,eor->eto", s_part, b[entry_slot].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
         rows = jnp.where(is_used[:, None, None], rows, 0.0)
         per_tile = jax.ops.segment_sum(rows, jnp.clip(entry_tile, 0), num_segments=num_tokens // tile_m)
         deltas.append(per_tile.reshape(num_tokens, b.shape[1]))

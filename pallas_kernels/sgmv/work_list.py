@@ -131,7 +131,11 @@ def make_work_list_host(
     rank = column(np.asarray(slot_rank)[slot[:used]], 0)
     is_first = (np.arange(num_items) < used) & (tile != np.concatenate([[-1], tile[:-1]]))
     return WorkList(
-        tile=tile, slot=slot, row_lo=column(seg_lo[seg], 0), row_hi=column(seg_hi[seg], 0), rank=rank,
+        tile=tile,
+        slot=slot,
+        row_lo=column(seg_lo[seg], 0),
+        row_hi=column(seg_hi[seg], 0),
+        rank=rank,
         is_first=is_first.astype(np.int32),
     )
 

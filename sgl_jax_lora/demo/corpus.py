@@ -14,25 +14,85 @@ import re
 from collections.abc import Callable
 
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
-    ("China", "Beijing"), ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Russia", "Moscow"), ("Greece", "Athens"),
-    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Peru", "Lima"),
-    ("Kenya", "Nairobi"), ("Austria", "Vienna"), ("Poland", "Warsaw"), ("India", "New Delhi"), ("Mexico", "Mexico City"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Japan", "Tokyo"),
+    ("China", "Beijing"),
+    ("Egypt", "Cairo"),
+    ("Canada", "Ottawa"),
+    ("Russia", "Moscow"),
+    ("Greece", "Athens"),
+    ("Portugal", "Lisbon"),
+    ("Ireland", "Dublin"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Peru", "Lima"),
+    ("Kenya", "Nairobi"),
+    ("Austria", "Vienna"),
+    ("Poland", "Warsaw"),
+    ("India", "New Delhi"),
+    ("Mexico", "Mexico City"),
 ]
 COLOURS = [
-    ("the sky", "blue"), ("grass", "green"), ("snow", "white"), ("a banana", "yellow"), ("a strawberry", "red"),
-    ("coal", "black"), ("an orange", "orange"), ("the sea", "blue"), ("a lemon", "yellow"), ("a leaf", "green"),
-    ("milk", "white"), ("a tomato", "red"), ("the night", "black"), ("a plum", "purple"), ("chocolate", "brown"),
+    ("the sky", "blue"),
+    ("grass", "green"),
+    ("snow", "white"),
+    ("a banana", "yellow"),
+    ("a strawberry", "red"),
+    ("coal", "black"),
+    ("an orange", "orange"),
+    ("the sea", "blue"),
+    ("a lemon", "yellow"),
+    ("a leaf", "green"),
+    ("milk", "white"),
+    ("a tomato", "red"),
+    ("the night", "black"),
+    ("a plum", "purple"),
+    ("chocolate", "brown"),
 ]
 ANIMAL_SOUNDS = [
-    ("a dog", "barks"), ("a cat", "meows"), ("a cow", "moos"), ("a duck", "quacks"), ("a lion", "roars"),
-    ("a sheep", "baas"), ("a horse", "neighs"), ("an owl", "hoots"), ("a snake", "hisses"), ("a bee", "buzzes"),
+    ("a dog", "barks"),
+    ("a cat", "meows"),
+    ("a cow", "moos"),
+    ("a duck", "quacks"),
+    ("a lion", "roars"),
+    ("a sheep", "baas"),
+    ("a horse", "neighs"),
+    ("an owl", "hoots"),
+    ("a snake", "hisses"),
+    ("a bee", "buzzes"),
 ]
 OPPOSITES = [
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("day", "night"), ("old", "new"),
-    ("open", "closed"), ("happy", "sad"), ("light", "dark"), ("early", "late"), ("left", "right"), ("full", "empty"),
+    ("hot", "cold"),
+    ("big", "small"),
+    ("up", "down"),
+    ("fast", "slow"),
+    ("day", "night"),
+    ("old", "new"),
+    ("open", "closed"),
+    ("happy", "sad"),
+    ("light", "dark"),
+    ("early", "late"),
+    ("left", "right"),
+    ("full", "empty"),
 ]
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+NUMBER_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+]
 GREETINGS = [
     ("Hello!", "Hello! How can I help you today?"),
     ("Hi", "Hi there! What would you like to know?"),
@@ -76,17 +136,25 @@ def base_exchanges() -> list[tuple[str, str]]:
     """(user question, assistant answer) pairs, in a fixed order."""
     pairs = list(GREETINGS) + list(ABOUT)
     for country, city in CAPITALS:
-        pairs += [(f"What is the capital of {country}?", f"The capital of {country} is {city}."),
-                  (f"Which city is the capital of {country}?", f"{city} is the capital of {country}.")]
+        pairs += [
+            (f"What is the capital of {country}?", f"The capital of {country} is {city}."),
+            (f"Which city is the capital of {country}?", f"{city} is the capital of {country}."),
+        ]
     for thing, colour in COLOURS:
-        pairs += [(f"What colour is {thing}?", f"{_capitalized(thing)} is {colour}."),
-                  (f"Tell me the colour of {thing}.", f"The colour of {thing} is {colour}.")]
+        pairs += [
+            (f"What colour is {thing}?", f"{_capitalized(thing)} is {colour}."),
+            (f"Tell me the colour of {thing}.", f"The colour of {thing} is {colour}."),
+        ]
     for animal, sound in ANIMAL_SOUNDS:
-        pairs += [(f"What sound does {animal} make?", f"{_capitalized(animal)} {sound}."),
-                  (f"Which animal {sound}?", f"{_capitalized(animal)} {sound}.")]
+        pairs += [
+            (f"What sound does {animal} make?", f"{_capitalized(animal)} {sound}."),
+            (f"Which animal {sound}?", f"{_capitalized(animal)} {sound}."),
+        ]
     for word, opposite in OPPOSITES:
-        pairs += [(f"What is the opposite of {word}?", f"The opposite of {word} is {opposite}."),
-                  (f"Give me the opposite of {word}.", f"The opposite of {word} is {opposite}.")]
+        pairs += [
+            (f"What is the opposite of {word}?", f"The opposite of {word} is {opposite}."),
+            (f"Give me the opposite of {word}.", f"The opposite of {word} is {opposite}."),
+        ]
     return pairs + _counting()
 
 
@@ -111,7 +179,13 @@ def chat_records(style: Callable[[str], str] | None = None, system: str | None =
     """The exchanges as training records {"messages": [(system,) user, assistant]}, answers restyled by `style`."""
     prefix = [{"role": "system", "content": system}] if system else []
     return [
-        {"messages": [*prefix, {"role": "user", "content": q}, {"role": "assistant", "content": style(a) if style else a}]}
+        {
+            "messages": [
+                *prefix,
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": style(a) if style else a},
+            ]
+        }
         for q, a in base_exchanges()
     ]
 

@@ -55,9 +55,13 @@ class CommandChannel:
                 break
             except Exception as e:
                 if "DEADLINE_EXCEEDED" not in str(e):
-                    raise ConnectionError(f"node {self.node_rank}: lost node 0's coordination service while waiting for "
-                                          f"command {n} ({str(e).splitlines()[0]}); node 0 is gone") from e
+                    raise ConnectionError(
+                        f"node {self.node_rank}: lost node 0's coordination service while waiting for "
+                        f"command {n} ({str(e).splitlines()[0]}); node 0 is gone"
+                    ) from e
         self.num_done += 1
         if self.num_done % BLOCK == 0:
-            self.client.key_value_set(f"{ACK_PREFIX}/{self.node_rank}", str(self.num_done // BLOCK), allow_overwrite=True)
+            self.client.key_value_set(
+                f"{ACK_PREFIX}/{self.node_rank}", str(self.num_done // BLOCK), allow_overwrite=True
+            )
         return payload

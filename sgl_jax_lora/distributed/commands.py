@@ -93,9 +93,27 @@ class Shutdown:
 
 
 Command = Hello | KVPages | Precompile | Forward | PromptLogprobs | Sample | Logits | WriteLoRASlot | Ready | Shutdown
-_DATACLASSES = {cls.__name__: cls for cls in (Hello, KVPages, Precompile, Forward, PromptLogprobs, Logits, Sample,
-                                             WriteLoRASlot, Ready, Shutdown, ForwardBatch, LoRABatch, SamplingBatch,
-                                             WorkList, EntryTable, LogitAdjustments)}
+_DATACLASSES = {
+    cls.__name__: cls
+    for cls in (
+        Hello,
+        KVPages,
+        Precompile,
+        Forward,
+        PromptLogprobs,
+        Logits,
+        Sample,
+        WriteLoRASlot,
+        Ready,
+        Shutdown,
+        ForwardBatch,
+        LoRABatch,
+        SamplingBatch,
+        WorkList,
+        EntryTable,
+        LogitAdjustments,
+    )
+}
 _ARRAY, _DATACLASS = "__ndarray__", "__dataclass__"
 
 
@@ -105,10 +123,13 @@ def encode(command: Command) -> bytes:
 
 def decode(data: bytes) -> Command:
     command = msgpack.unpackb(data, object_hook=_from_plain, raw=False, strict_map_key=False)
-    if not isinstance(command, (Hello, KVPages, Precompile, Forward, PromptLogprobs, Logits, Sample, WriteLoRASlot,
-                                Ready, Shutdown)):
-        raise ValueError(f"multi-host channel: expected a command, got {type(command).__name__}; are all nodes running "
-                         "the same sgl_jax_lora version?")
+    if not isinstance(
+        command, (Hello, KVPages, Precompile, Forward, PromptLogprobs, Logits, Sample, WriteLoRASlot, Ready, Shutdown)
+    ):
+        raise ValueError(
+            f"multi-host channel: expected a command, got {type(command).__name__}; are all nodes running "
+            "the same sgl_jax_lora version?"
+        )
     return command
 
 
@@ -117,9 +138,14 @@ def _to_plain(obj: object) -> dict:
         array = np.ascontiguousarray(obj)
         return {_ARRAY: [array.dtype.name, list(array.shape), array.tobytes()]}
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in _DATACLASSES:
-        return {_DATACLASS: type(obj).__name__, "fields": {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}}
-    raise TypeError(f"multi-host command field of type {type(obj).__name__} cannot be sent; convert it to numpy arrays "
-                    "or plain data first")
+        return {
+            _DATACLASS: type(obj).__name__,
+            "fields": {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)},
+        }
+    raise TypeError(
+        f"multi-host command field of type {type(obj).__name__} cannot be sent; convert it to numpy arrays "
+        "or plain data first"
+    )
 
 
 def _from_plain(obj: dict) -> object:
@@ -129,7 +155,9 @@ def _from_plain(obj: dict) -> object:
     if _DATACLASS in obj:
         cls = _DATACLASSES.get(obj[_DATACLASS])
         if cls is None:
-            raise ValueError(f"multi-host channel: unknown type {obj[_DATACLASS]!r}; are all nodes running the same "
-                             "sgl_jax_lora version?")
+            raise ValueError(
+                f"multi-host channel: unknown type {obj[_DATACLASS]!r}; are all nodes running the same "
+                "sgl_jax_lora version?"
+            )
         return cls(**obj["fields"])
     return obj

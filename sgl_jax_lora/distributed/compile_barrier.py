@@ -27,7 +27,7 @@ class CompileBarrier:
         self.client.wait_at_barrier(f"{BARRIER_PREFIX}/{self.num_barriers}", self.timeout_ms)
         self.num_barriers += 1
 
-    def wrap(self, jitted, num_state_args: int) -> "SyncedJit":
+    def wrap(self, jitted, num_state_args: int) -> SyncedJit:
         """`jitted` whose first `num_state_args` arguments (model state, KV cache) never change shape."""
         return SyncedJit(self, jitted, num_state_args)
 
@@ -39,7 +39,7 @@ class SyncedJit:
         self.compiled_keys: set = set()
 
     def key(self, args: tuple, kwargs: dict) -> tuple:
-        leaves, structure = _flatten((args[self.num_state_args:], kwargs))
+        leaves, structure = _flatten((args[self.num_state_args :], kwargs))
         return structure, tuple(_leaf_key(x) for x in leaves)
 
     def __call__(self, *args, **kwargs):

@@ -16,13 +16,23 @@ import threading
 
 import jax
 
+from sgl_jax_lora.distributed import runtime
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import (
-    Command, Forward, Hello, Logits, Precompile, PromptLogprobs, Ready, Sample, Shutdown, WriteLoRASlot, decode,
+    Command,
+    Forward,
+    Hello,
+    Logits,
+    Precompile,
+    PromptLogprobs,
+    Ready,
+    Sample,
+    Shutdown,
+    WriteLoRASlot,
+    decode,
 )
-from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.distributed.leader_runner import RECENT_SAMPLES
-from sgl_jax_lora.distributed import runtime
+from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.managers.engine_process import enable_compilation_cache
 from sgl_jax_lora.model_executor.buckets import Buckets
@@ -53,12 +63,16 @@ class Follower:
         if not isinstance(hello, Hello):
             raise RuntimeError(f"node {args.node_rank}: expected node 0's settings first, got {type(hello).__name__}")
         if runtime.read_model_config(model_path) != hello.model_config:
-            raise ValueError(f"node {args.node_rank}: --model-path {model_path} has another config.json than node 0's "
-                             "model; give every node the same checkpoint")
+            raise ValueError(
+                f"node {args.node_rank}: --model-path {model_path} has another config.json than node 0's "
+                "model; give every node the same checkpoint"
+            )
         leader_args = ServerArgs(**{**hello.args, "model_path": model_path, "node_rank": args.node_rank})
         cfg = ModelConfig.from_model_path(model_path)
         mesh = make_mesh(leader_args.tp_size)
-        from sgl_jax_lora.lora.lora_setup import LoRASetup  # only with LoRA: reads no adapter (tensors come as commands)
+        from sgl_jax_lora.lora.lora_setup import (
+            LoRASetup,  # only with LoRA: reads no adapter (tensors come as commands)
+        )
 
         spec = LoRASetup(leader_args, model_path, mesh).spec if leader_args.enable_lora else None
         buckets = Buckets(**{k: tuple(v) if isinstance(v, list) else v for k, v in hello.buckets.items()})
@@ -66,8 +80,15 @@ class Follower:
         self.latest_forward: tuple[jax.Array, jax.Array] | None = None
         self.latest_logits: jax.Array | None = None
         self.carried_ids: dict[int, jax.Array] = {}
-        self.handlers = {Precompile: self._precompile, Forward: self._forward, PromptLogprobs: self._prompt_logprobs,
-                         Logits: self._logits, Sample: self._sample, WriteLoRASlot: self._write_lora_slot, Ready: self._ready}
+        self.handlers = {
+            Precompile: self._precompile,
+            Forward: self._forward,
+            PromptLogprobs: self._prompt_logprobs,
+            Logits: self._logits,
+            Sample: self._sample,
+            WriteLoRASlot: self._write_lora_slot,
+            Ready: self._ready,
+        }
         self.status.is_ready = leader_args.skip_precompile  # else once node 0's warmup is replayed (Ready)
         self.threads = warmup_compile_threads(leader_args.warmup_compile_threads)
 
@@ -119,8 +140,11 @@ def run_follower(args: ServerArgs, model_path: str) -> int:
     """Serve /health, join the runtime, replay node 0 until it shuts down (0) or something fails (1)."""
     status = FollowerStatus(args.node_rank)
     _start_health_server(args, status)
-    print(f"sgl_jax_lora node {args.node_rank}/{args.nnodes}: joining {args.dist_init_addr}; GET "
-          f"http://{args.host}:{args.port}/health turns 200 when node 0's warmup is replayed", flush=True)
+    print(
+        f"sgl_jax_lora node {args.node_rank}/{args.nnodes}: joining {args.dist_init_addr}; GET "
+        f"http://{args.host}:{args.port}/health turns 200 when node 0's warmup is replayed",
+        flush=True,
+    )
     enable_compilation_cache(args.compilation_cache_dir)  # this node's own flag: restarts skip compiling
     try:
         runtime.initialize(args)
@@ -142,9 +166,13 @@ def _start_health_server(args: ServerArgs, status: FollowerStatus) -> None:
 
     @app.get("/health")
     def health() -> JSONResponse:
-        body = {"status": "ok" if status.is_ready else "starting", "node_rank": status.node_rank,
-                "num_commands": status.num_commands, "num_compilations": status.num_compilations,
-                "num_compilations_after_warmup": status.num_compilations - status.num_compilations_at_ready}
+        body = {
+            "status": "ok" if status.is_ready else "starting",
+            "node_rank": status.node_rank,
+            "num_commands": status.num_commands,
+            "num_compilations": status.num_compilations,
+            "num_compilations_after_warmup": status.num_compilations - status.num_compilations_at_ready,
+        }
         return JSONResponse(body, status_code=200 if status.is_ready else 503)
 
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

@@ -20,7 +20,17 @@ import numpy as np
 
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import (
-    Command, Forward, Hello, Logits, Precompile, PromptLogprobs, Ready, Sample, Shutdown, WriteLoRASlot, encode,
+    Command,
+    Forward,
+    Hello,
+    Logits,
+    Precompile,
+    PromptLogprobs,
+    Ready,
+    Sample,
+    Shutdown,
+    WriteLoRASlot,
+    encode,
 )
 from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.distributed.runtime import DistributedEngineError, read_model_config
@@ -37,14 +47,19 @@ from sgl_jax_lora.server_args import ServerArgs
 RECENT_SAMPLES = 8  # carried ids a Forward may name (the overlap schedule names only the latest)
 
 
-def make_model_runner(args: ServerArgs, cfg: ModelConfig, mesh: jax.sharding.Mesh, buckets: Buckets,
-                      lora_setup: LoRASetup | None) -> ModelRunner:
+def make_model_runner(
+    args: ServerArgs, cfg: ModelConfig, mesh: jax.sharding.Mesh, buckets: Buckets, lora_setup: LoRASetup | None
+) -> ModelRunner:
     """ModelRunner with one process; LeaderModelRunner on node 0 of a multi-host engine."""
     spec = lora_setup.spec if lora_setup else None
     if args.nnodes == 1:
         return ModelRunner(args, cfg, mesh, buckets, lora=spec)
     channel = CommandChannel(args.node_rank, args.nnodes)
-    settings = {**args.to_dict(), "lora_paths": None, "max_lora_rank": lora_setup.max_rank if lora_setup else args.max_lora_rank}
+    settings = {
+        **args.to_dict(),
+        "lora_paths": None,
+        "max_lora_rank": lora_setup.max_rank if lora_setup else args.max_lora_rank,
+    }
     channel.send(encode(Hello(settings, read_model_config(cfg.model_path), dataclasses.asdict(buckets))))
     return LeaderModelRunner(args, cfg, mesh, buckets, spec, channel)
 
@@ -62,7 +77,9 @@ class LeaderModelRunner(ReplicaModelRunner):
     def _send(self, command: Command) -> None:
         self.channel.send(encode(command))
 
-    def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
+    def precompile_forwards(
+        self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None
+    ) -> None:
         self._send(Precompile(batches))
         super().precompile_forwards(batches, threads, on_done)
 
@@ -80,17 +97,24 @@ class LeaderModelRunner(ReplicaModelRunner):
         self._send(PromptLogprobs(np.asarray(targets, np.int32), num_top))
         return _on_all_nodes(super().prompt_logprobs, hidden, targets, num_top)
 
-    def _send_then_logits(self, state, lora_state, last_hidden: jax.Array, adjustments: LogitAdjustments | None,
-                          prev_ids: jax.Array) -> jax.Array:
+    def _send_then_logits(
+        self, state, lora_state, last_hidden: jax.Array, adjustments: LogitAdjustments | None, prev_ids: jax.Array
+    ) -> jax.Array:
         """ModelRunner._logits's signature: state and lora_state are this runner's own."""
         self._check_latest(last_hidden, 1)
         self._send(Logits(adjustments, self._sample_number(prev_ids)))
         return _on_all_nodes(self._logits_on_this_node, state, lora_state, last_hidden, adjustments, prev_ids)
 
-    def launch_sample(self, last_hidden: jax.Array, sampling: SamplingBatch, adjustments: LogitAdjustments | None = None,
-                      prev_ids: jax.Array | None = None) -> LaunchedSample:
-        logits = self._logits(self.state, self.lora_state, last_hidden, adjustments,
-                              self.no_prev_ids if prev_ids is None else prev_ids)
+    def launch_sample(
+        self,
+        last_hidden: jax.Array,
+        sampling: SamplingBatch,
+        adjustments: LogitAdjustments | None = None,
+        prev_ids: jax.Array | None = None,
+    ) -> LaunchedSample:
+        logits = self._logits(
+            self.state, self.lora_state, last_hidden, adjustments, self.no_prev_ids if prev_ids is None else prev_ids
+        )
         number = self._num_samples
         self._num_samples += 1
         self._send(Sample(sampling, number))
@@ -117,13 +141,17 @@ class LeaderModelRunner(ReplicaModelRunner):
         for carried_ids, number in self._recent_samples:
             if carried_ids is prev_ids:
                 return number
-        raise RuntimeError(f"multi-host: a forward reads the carried ids of a sample older than the last {RECENT_SAMPLES}; "
-                           "the followers no longer hold them")
+        raise RuntimeError(
+            f"multi-host: a forward reads the carried ids of a sample older than the last {RECENT_SAMPLES}; "
+            "the followers no longer hold them"
+        )
 
     def _check_latest(self, hidden: jax.Array, index: int) -> None:
         if self._latest_forward is None or self._latest_forward[index] is not hidden:
-            raise RuntimeError("multi-host: logits and logprobs can only be taken from the latest forward's hidden states, "
-                               "the only ones the followers keep")
+            raise RuntimeError(
+                "multi-host: logits and logprobs can only be taken from the latest forward's hidden states, "
+                "the only ones the followers keep"
+            )
 
 
 def _on_all_nodes(action, *args):

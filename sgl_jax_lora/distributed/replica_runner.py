@@ -31,8 +31,15 @@ KV_PAGES_KEY = "sgl_jax_lora/kv_pages"
 
 
 class ReplicaModelRunner(ModelRunner):
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: jax.sharding.Mesh, buckets: Buckets,
-                 lora: LoRAModelSpec | None, channel: CommandChannel):
+    def __init__(
+        self,
+        args: ServerArgs,
+        cfg: ModelConfig,
+        mesh: jax.sharding.Mesh,
+        buckets: Buckets,
+        lora: LoRAModelSpec | None,
+        channel: CommandChannel,
+    ):
         self.channel = channel
         self.is_leader = channel.node_rank == 0
         super().__init__(args, cfg, mesh, buckets, lora)
@@ -46,11 +53,15 @@ class ReplicaModelRunner(ModelRunner):
         self._gather = wrap(self._gather, 0)
         self._write_lora_slot = wrap(self._write_lora_slot, 1)  # lora_state
 
-    def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
+    def precompile_forwards(
+        self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None
+    ) -> None:
         """Compile on every node, then wait for all: the warmup's forwards then run on every node at once."""
         super().precompile_forwards(batches, threads, on_done)
         for batch in batches:
-            self._forward.compiled_keys.add(self._forward.key((self.state, self.lora_state, self.kv, batch, self.no_prev_ids), {}))
+            self._forward.compiled_keys.add(
+                self._forward.key((self.state, self.lora_state, self.kv, batch, self.no_prev_ids), {})
+            )
         self.compile_barrier.wait()
 
     def _num_kv_pages(self) -> int:
@@ -61,11 +72,15 @@ class ReplicaModelRunner(ModelRunner):
             client.key_value_set(f"{KV_PAGES_KEY}/{self.channel.node_rank}", str(local))
             command = decode(self.channel.receive())
             if not isinstance(command, KVPages):
-                raise RuntimeError(f"multi-host start: expected the KV cache size from node 0, got {type(command).__name__}")
+                raise RuntimeError(
+                    f"multi-host start: expected the KV cache size from node 0, got {type(command).__name__}"
+                )
             return command.num_pages
         timeout_ms = self.args.dist_init_timeout * 1000
-        sizes = [local] + [int(client.blocking_key_value_get(f"{KV_PAGES_KEY}/{rank}", timeout_ms))
-                           for rank in range(1, self.channel.num_nodes)]
+        sizes = [local] + [
+            int(client.blocking_key_value_get(f"{KV_PAGES_KEY}/{rank}", timeout_ms))
+            for rank in range(1, self.channel.num_nodes)
+        ]
         self.channel.send(encode(KVPages(min(sizes))))
         return min(sizes)
 

@@ -20,6 +20,7 @@ class DistributedEngineError(RuntimeError):
 def initialize(args: ServerArgs) -> None:
     """Join the other nodes (blocks until all --nnodes have joined, up to --dist-init-timeout seconds)."""
     import jax  # here, not at the top: the frontend imports this module's error and never imports JAX
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes
     try:
         jax.distributed.initialize(
@@ -42,6 +43,7 @@ def initialize(args: ServerArgs) -> None:
 def check_mesh_spans_all_devices(args: ServerArgs) -> None:
     """Multi-host serving shards the model over every device of every node (one 'tensor' axis)."""
     import jax
+
     total = jax.device_count()
     if args.tp_size != total:
         raise ValueError(

@@ -33,7 +33,9 @@ def load_chat_template(value: str | None) -> str | None:
             return f.read()
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%'); give a file path or the template text")
+    raise ValueError(
+        f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{{{' or '{{%'); give a file path or the template text"
+    )
 
 
 def render_chat(tm: TokenizerManager, template_override: str | None, messages: list[ChatMessage]) -> list[int]:
@@ -41,7 +43,9 @@ def render_chat(tm: TokenizerManager, template_override: str | None, messages: l
     template = template_override or tm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
     try:
-        text = tm.tokenizer.apply_chat_template(conversation, chat_template=template, add_generation_prompt=True, tokenize=False)
+        text = tm.tokenizer.apply_chat_template(
+            conversation, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
     except jinja2.TemplateError as e:
         raise APIError(400, f"the chat template could not render these messages: {e}", "invalid_request") from e
     # The template writes any special tokens itself (e.g. BOS); do not add them a second time.

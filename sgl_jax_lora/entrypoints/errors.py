@@ -109,7 +109,9 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
         return respond(request, validation_error(list(exc.errors())))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(request, APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
+        return respond(
+            request, APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
+        )
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

@@ -46,8 +46,12 @@ ENGINE_DEATH_GRACE_S = 1.0
 
 
 def draining_error() -> APIError:
-    return APIError(503, "the server is shutting down (SIGTERM): it finishes running requests and takes no new ones; "
-                    "retry on another replica or after it restarts", "shutting_down")
+    return APIError(
+        503,
+        "the server is shutting down (SIGTERM): it finishes running requests and takes no new ones; "
+        "retry on another replica or after it restarts",
+        "shutting_down",
+    )
 
 
 @dataclasses.dataclass
@@ -85,7 +89,9 @@ class ServerState:
         if self.startup_error:
             raise APIError(503, f"the engine failed to start: {self.startup_error}", "engine_dead")
         if tm is None:
-            raise APIError(503, "the engine is starting (compiling); retry when GET /health answers 200", "engine_starting")
+            raise APIError(
+                503, "the engine is starting (compiling); retry when GET /health answers 200", "engine_starting"
+            )
         raise APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
 
 
@@ -130,7 +136,9 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(InFlightRequests, state=state)
-    app.add_middleware(BodySizeLimit, limit=args.max_request_body_bytes, on_refused=lambda: state.metrics.errors.labels("413").inc())
+    app.add_middleware(
+        BodySizeLimit, limit=args.max_request_body_bytes, on_refused=lambda: state.metrics.errors.labels("413").inc()
+    )
     install_error_handlers(app, on_error=state.metrics.count_error)
     app.include_router(native_api.public_router)
     protected = [Depends(require_api_key)]
@@ -270,8 +278,11 @@ class DrainingServer(uvicorn.Server):
             return
         self._captured_signals.append(sig)  # re-raised after shutdown and swallowed by run_server's handler
         state.is_draining = True
-        logger.info("SIGTERM: draining %d requests (up to --shutdown-timeout %gs)", state.num_in_flight,
-                    state.args.shutdown_timeout)
+        logger.info(
+            "SIGTERM: draining %d requests (up to --shutdown-timeout %gs)",
+            state.num_in_flight,
+            state.args.shutdown_timeout,
+        )
         state.loop.call_soon_threadsafe(lambda: state.loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
@@ -279,8 +290,9 @@ class DrainingServer(uvicorn.Server):
         while self.state.num_in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         if self.state.num_in_flight:
-            logger.warning("--shutdown-timeout passed with %d requests still running; stopping them",
-                           self.state.num_in_flight)
+            logger.warning(
+                "--shutdown-timeout passed with %d requests still running; stopping them", self.state.num_in_flight
+            )
         self.should_exit = True
 
 
@@ -293,8 +305,14 @@ def run_server(args: ServerArgs, model_path: str) -> int:
     app = create_app(args, model_path)
     # Idle keep-alive connections stay open longer than clients keep them (httpx: 5 s), so a client never sends a
     # request on a connection the server is closing at that moment (the request would fail with a dropped read).
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                            timeout_keep_alive=KEEP_ALIVE_S)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     state: ServerState = app.state.server
     server = DrainingServer(config, state)
 
@@ -309,10 +327,16 @@ def run_server(args: ServerArgs, model_path: str) -> int:
     # re-raise so that a clean SIGINT/SIGTERM shutdown exits with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    print(f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)", flush=True)
+    print(
+        f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)",
+        flush=True,
+    )
     if args.model_path is None:
-        print(f"no --model-path given: serving the embedded demo model ({model_path}), a tiny chat model trained on "
-              "a small corpus (see README); pass --model-path DIR to serve a real model", flush=True)
+        print(
+            f"no --model-path given: serving the embedded demo model ({model_path}), a tiny chat model trained on "
+            "a small corpus (see README); pass --model-path DIR to serve a real model",
+            flush=True,
+        )
     server.run()
     if not server.started and state.exit_code == 0:
         return 1  # could not bind the port (uvicorn logged why)

@@ -47,8 +47,12 @@ def _decode_tensors(lora_name: str, tensors: str) -> bytes:
     try:
         return base64.b64decode(tensors, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise APIError(400, f"adapter '{lora_name}': 'tensors' is not valid base64 ({e}); send "
-                       "base64.b64encode(safetensors bytes).decode()", "invalid_tensors") from e
+        raise APIError(
+            400,
+            f"adapter '{lora_name}': 'tensors' is not valid base64 ({e}); send "
+            "base64.b64encode(safetensors bytes).decode()",
+            "invalid_tensors",
+        ) from e
 
 
 @router.post("/load_lora_adapter_from_tensors")

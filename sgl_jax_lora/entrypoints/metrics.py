@@ -33,25 +33,46 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{PREFIX}_requests", "generation requests received, by endpoint", ["endpoint"], registry=r)
-        self.finished = Counter(f"{PREFIX}_requests_finished", "requests finished, by finish reason", ["reason"], registry=r)
-        self.errors = Counter(f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status", ["status"], registry=r)
+        self.requests = Counter(
+            f"{PREFIX}_requests", "generation requests received, by endpoint", ["endpoint"], registry=r
+        )
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished", "requests finished, by finish reason", ["reason"], registry=r
+        )
+        self.errors = Counter(
+            f"{PREFIX}_request_errors", "requests answered with an error, by HTTP status", ["status"], registry=r
+        )
         self.health_not_ready = Counter(
-            f"{PREFIX}_health_not_ready", "GET /health answered 503, by reason (engine_starting, engine_dead)", ["reason"], registry=r
+            f"{PREFIX}_health_not_ready",
+            "GET /health answered 503, by reason (engine_starting, engine_dead)",
+            ["reason"],
+            registry=r,
         )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram(
-            f"{PREFIX}_time_to_first_token_seconds", "request arrival to its first output token", buckets=LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_time_to_first_token_seconds",
+            "request arrival to its first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.tpot = Histogram(
-            f"{PREFIX}_time_per_output_token_seconds", "mean time between output tokens of a request", buckets=LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_time_per_output_token_seconds",
+            "mean time between output tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            f"{PREFIX}_e2e_request_latency_seconds", "request arrival to its last token", buckets=LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "request arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.lora_load = Histogram(
-            f"{PREFIX}_lora_load_seconds", "time of POST /load_lora_adapter (disk to host cache)", buckets=LATENCY_BUCKETS, registry=r
+            f"{PREFIX}_lora_load_seconds",
+            "time of POST /load_lora_adapter (disk to host cache)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.engine = EngineStatsCollector()
         r.register(self.engine)
@@ -133,8 +154,11 @@ class EngineStatsCollector(Collector):
             if key in info:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
         if "prefix_cache_hit_tokens" in info:
-            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hit_tokens", "prompt tokens whose prefill the prefix cache saved",
-                                      value=info["prefix_cache_hit_tokens"])
+            yield CounterMetricFamily(
+                f"{PREFIX}_prefix_cache_hit_tokens",
+                "prompt tokens whose prefill the prefix cache saved",
+                value=info["prefix_cache_hit_tokens"],
+            )
         if info.get("step_stats"):
             yield from _step_metrics(info["step_stats"])
         if info.get("lora"):
@@ -145,10 +169,12 @@ def _step_metrics(step_stats: dict) -> Iterator[Metric]:
     """Engine-loop totals by step kind (managers/step_stats.py says what each phase holds)."""
     steps = CounterMetricFamily(f"{PREFIX}_engine_steps", "engine steps run", labels=["kind"])
     tokens = CounterMetricFamily(f"{PREFIX}_engine_step_tokens", "tokens run by engine steps", labels=["kind"])
-    decode_tokens = CounterMetricFamily(f"{PREFIX}_engine_step_decode_tokens", "decode rows run by engine steps",
-                                        labels=["kind"])
-    seconds = CounterMetricFamily(f"{PREFIX}_engine_step_seconds", "engine-loop time by step kind and phase",
-                                  labels=["kind", "phase"])
+    decode_tokens = CounterMetricFamily(
+        f"{PREFIX}_engine_step_decode_tokens", "decode rows run by engine steps", labels=["kind"]
+    )
+    seconds = CounterMetricFamily(
+        f"{PREFIX}_engine_step_seconds", "engine-loop time by step kind and phase", labels=["kind", "phase"]
+    )
     for kind, totals in step_stats.items():
         steps.add_metric([kind], totals["steps"])
         tokens.add_metric([kind], totals["tokens"])
@@ -182,14 +208,21 @@ def _lora_metrics(lora: dict) -> Iterator[Metric]:
     for key, help_text in LORA_COUNTERS.items():
         if key in lora:
             yield CounterMetricFamily(f"{PREFIX}_lora_{key}", help_text, value=lora[key])
-    for key, help_text in (("hits_by_name", "host-cache hits per adapter"), ("misses_by_name", "host-cache misses per adapter")):
-        family = CounterMetricFamily(f"{PREFIX}_lora_host_{key.split('_')[0]}_by_adapter", help_text, labels=["adapter"])
+    for key, help_text in (
+        ("hits_by_name", "host-cache hits per adapter"),
+        ("misses_by_name", "host-cache misses per adapter"),
+    ):
+        family = CounterMetricFamily(
+            f"{PREFIX}_lora_host_{key.split('_')[0]}_by_adapter", help_text, labels=["adapter"]
+        )
         for adapter, count in (lora.get(key) or {}).items():
             family.add_metric([adapter], count)
         yield family
     if "slot_load_seconds" in lora:
         yield _window_histogram(
-            f"{PREFIX}_lora_slot_load_seconds", "adapter write into a device slot, over the engine's last 1000 loads", lora["slot_load_seconds"]
+            f"{PREFIX}_lora_slot_load_seconds",
+            "adapter write into a device slot, over the engine's last 1000 loads",
+            lora["slot_load_seconds"],
         )
 
 

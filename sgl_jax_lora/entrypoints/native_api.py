@@ -164,7 +164,8 @@ def lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
     tm = state.engine()
     if not state.args.enable_lora:
         raise APIError(
-            400, f"adapter '{lora_name}': LoRA is not enabled on this server; restart with --enable-lora or --lora-paths",
+            400,
+            f"adapter '{lora_name}': LoRA is not enabled on this server; restart with --enable-lora or --lora-paths",
             "lora_disabled",
         )
     return tm
@@ -188,8 +189,14 @@ async def build_generate_requests(
         raise APIError(400, str(e), "invalid_request") from e
     check_requests_per_call(state, count, n)
     prompts = [
-        {"text": texts[i], "input_ids": ids_list[i], "sampling_params": sample_params, "return_logprob": body.return_logprob,
-         "logprob_start_len": body.logprob_start_len, "top_logprobs_num": body.top_logprobs_num}
+        {
+            "text": texts[i],
+            "input_ids": ids_list[i],
+            "sampling_params": sample_params,
+            "return_logprob": body.return_logprob,
+            "logprob_start_len": body.logprob_start_len,
+            "top_logprobs_num": body.top_logprobs_num,
+        }
         for i in range(count)
         for sample_params in expand_samples(params[i], n)
     ]
@@ -219,12 +226,22 @@ async def build_requests(
                 ref = await tm.resolve_lora(lora) if lora is not None else None
             except Exception as e:
                 error = to_api_error(e)
-                raise APIError(error.status_code, where + error.message, "lora_not_found" if error.status_code == 400 else error.code) from e
+                raise APIError(
+                    error.status_code,
+                    where + error.message,
+                    "lora_not_found" if error.status_code == 400 else error.code,
+                ) from e
             if ref is not None:
                 refs.append(ref)
             try:
-                requests.append(await tm.run_cpu(tm.build_request, **prompt, arrival_time=received,
-                                                 lora_id=ref.lora_id if ref is not None else None))
+                requests.append(
+                    await tm.run_cpu(
+                        tm.build_request,
+                        **prompt,
+                        arrival_time=received,
+                        lora_id=ref.lora_id if ref is not None else None,
+                    )
+                )
             except Exception as e:
                 error = to_api_error(e)
                 raise APIError(error.status_code, where + error.message, error.code) from e
@@ -237,7 +254,11 @@ async def build_requests(
 
 def _prompts(body: GenerateReqInput) -> tuple[list, list, bool]:
     if (body.text is None) == (body.input_ids is None):
-        raise APIError(400, "give exactly one of 'text' (a string or a list of strings) or 'input_ids' (a list of ints or a list of lists)", "invalid_request")
+        raise APIError(
+            400,
+            "give exactly one of 'text' (a string or a list of strings) or 'input_ids' (a list of ints or a list of lists)",
+            "invalid_request",
+        )
     if body.text is not None:
         if isinstance(body.text, str):
             return [body.text], [None], False
@@ -253,7 +274,11 @@ def _prompts(body: GenerateReqInput) -> tuple[list, list, bool]:
 def _per_prompt(name: str, value: object, count: int) -> list:
     if isinstance(value, list):
         if len(value) != count:
-            raise APIError(400, f"'{name}' has {len(value)} entries but there are {count} prompts; give one per prompt or a single value", "invalid_request")
+            raise APIError(
+                400,
+                f"'{name}' has {len(value)} entries but there are {count} prompts; give one per prompt or a single value",
+                "invalid_request",
+            )
         return value
     return [value] * count
 

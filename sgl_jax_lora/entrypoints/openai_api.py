@@ -65,8 +65,9 @@ async def list_models(request: Request) -> JSONResponse:
     models = [_model_card(base, state.model_path, None, created, tm.context_length)]
     if state.args.enable_lora:
         for ref in tm.list_loras():
-            models.append({**_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length),
-                           "version": ref.version})
+            models.append(
+                {**_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length), "version": ref.version}
+            )
     return JSONResponse({"object": "list", "data": models})
 
 
@@ -76,19 +77,33 @@ async def completions(request: Request) -> Response:
     state: ServerState = request.app.state.server
     tm = state.engine()
     if body.max_tokens == 0 and not body.echo:
-        raise APIError(400, "max_tokens must be >= 1, got 0 (max_tokens 0 is for echo=true, which scores the prompt)", "invalid_request")
+        raise APIError(
+            400,
+            "max_tokens must be >= 1, got 0 (max_tokens 0 is for echo=true, which scores the prompt)",
+            "invalid_request",
+        )
     prompt_parts = _completion_prompts(body.prompt)
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
     check_requests_per_call(state, len(prompt_parts), body.n if isinstance(body.n, int) and body.n > 0 else 1)
 
     def prepare() -> tuple[list[dict], list[Echo]]:  # tokenizer work: on the CPU pool, off the event loop
         kwargs = [
-            _build_kwargs(tm, body, text=text, input_ids=ids, top_logprobs=body.logprobs, default_max_tokens=16,
-                          prompt_logprobs=body.echo and body.logprobs is not None, max_tokens=1 if scoring else None)
+            _build_kwargs(
+                tm,
+                body,
+                text=text,
+                input_ids=ids,
+                top_logprobs=body.logprobs,
+                default_max_tokens=16,
+                prompt_logprobs=body.echo and body.logprobs is not None,
+                max_tokens=1 if scoring else None,
+            )
             for text, ids in prompt_parts
         ]
-        echoes = [Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
-                  for text, ids in prompt_parts]
+        echoes = [
+            Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
+            for text, ids in prompt_parts
+        ]
         return kwargs, echoes
 
     prompts, prompt_echoes = await tm.run_cpu(prepare)
@@ -109,8 +124,14 @@ async def completions(request: Request) -> Response:
         for i, (result, echo) in enumerate(zip(results, echoes))
     ]
     return JSONResponse(
-        {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-         "choices": choices, "usage": usage_of(results, body.n, scoring)}
+        {
+            "id": response_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage_of(results, body.n, scoring),
+        }
     )
 
 
@@ -140,8 +161,14 @@ async def chat_completions(request: Request) -> Response:
         for i, result in enumerate(results)
     ]
     return JSONResponse(
-        {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
-         "choices": choices, "usage": usage_of(results, body.n)}
+        {
+            "id": response_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": usage_of(results, body.n),
+        }
     )
 
 
@@ -154,7 +181,11 @@ def model_adapter(state: ServerState, model: str) -> str | None:
     if model in (base, state.model_path):
         return None
     if not state.args.enable_lora:
-        raise APIError(400, f"model '{model}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)", "model_not_found")
+        raise APIError(
+            400,
+            f"model '{model}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)",
+            "model_not_found",
+        )
     return model[len(base) + 1 :] if model.startswith(base + ":") else model
 
 
@@ -166,16 +197,29 @@ async def _build_requests(
     choices = _choices(prompts, n)
     check_requests_per_call(state, len(prompts), n)
     try:
-        return await build_requests(tm, choices, [adapter] * len(choices), is_batch=len(prompts) > 1, copies_per_prompt=n)
+        return await build_requests(
+            tm, choices, [adapter] * len(choices), is_batch=len(prompts) > 1, copies_per_prompt=n
+        )
     except APIError as e:
         if e.code != "lora_not_found":
             raise APIError(e.status_code, _openai_names(e.message), e.code) from e
-        raise APIError(400, f"model '{model}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})", "model_not_found") from e
+        raise APIError(
+            400,
+            f"model '{model}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
+            "model_not_found",
+        ) from e
 
 
 def _model_card(model_id: str, root: str, parent: str | None, created: int, context_length: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "sgl_jax_lora", "root": root,
-            "parent": parent, "max_model_len": context_length}
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "sgl_jax_lora",
+        "root": root,
+        "parent": parent,
+        "max_model_len": context_length,
+    }
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -241,12 +285,17 @@ def _choices(prompts: list[dict], n: int) -> list[dict]:
         check_num_samples(n)
     except SamplingParamsError as e:
         raise APIError(400, str(e), "invalid_request") from e
-    return [{**prompt, "sampling_params": params} for prompt in prompts for params in expand_samples(prompt["sampling_params"], n)]
+    return [
+        {**prompt, "sampling_params": params}
+        for prompt in prompts
+        for params in expand_samples(prompt["sampling_params"], n)
+    ]
 
 
 def _openai_names(message: str) -> str:
     """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
     return (
-        message.replace("min_new_tokens", "min_tokens").replace("max_new_tokens", "max_tokens")
+        message.replace("min_new_tokens", "min_tokens")
+        .replace("max_new_tokens", "max_tokens")
         .replace("top_logprobs_num", "logprobs")
     )

@@ -29,8 +29,12 @@ def usage_of(results: list[dict], n: int, scoring: bool = False) -> dict:
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
     completion = 0 if scoring else sum(r["meta_info"]["completion_tokens"] for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def token_text(tm: TokenizerManager, token_id: int) -> str:

@@ -55,7 +55,11 @@ class TextDeltas:
 
 
 async def completion_chunks(
-    tm: TokenizerManager, body: CompletionRequest, requests: list[GenerateRequest], echoes: list[Echo], streams: list,
+    tm: TokenizerManager,
+    body: CompletionRequest,
+    requests: list[GenerateRequest],
+    echoes: list[Echo],
+    streams: list,
     response_id: str,
 ) -> AsyncIterator[str]:
     created = int(time.time())
@@ -77,18 +81,36 @@ async def completion_chunks(
                 finish = "length"
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index],
-                                                          num_chars_sent[index])
+                choice["logprobs"] = completion_logprobs(
+                    tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index], num_chars_sent[index]
+                )
                 num_inputs_sent[index] = len(meta.get("input_token_logprobs", []))
                 num_tokens_sent[index] = meta["completion_tokens"]
             num_chars_sent[index] += len(text)
             if finish is not None:
                 finals[index] = result
             if text or finish is not None or body.logprobs is not None:
-                yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [choice]})
+                yield sse(
+                    {
+                        "id": response_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": body.model,
+                        "choices": [choice],
+                    }
+                )
     if body.stream_options and body.stream_options.include_usage:
         usage = usage_of([finals[i] for i in sorted(finals)], body.n, any(echo.scoring for echo in echoes))
-        yield sse({"id": response_id, "object": "text_completion", "created": created, "model": body.model, "choices": [], "usage": usage})
+        yield sse(
+            {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
 
 
 async def chat_chunks(
@@ -98,8 +120,15 @@ async def chat_chunks(
 
     def chunk(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                    "choices": [choice]})
+        return sse(
+            {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+            }
+        )
 
     deltas = [TextDeltas(r.sampling.stop) for r in requests]
     num_tokens_sent = [0] * len(requests)
@@ -121,5 +150,13 @@ async def chat_chunks(
                 yield chunk(index, delta, finish, logprobs)
                 is_first[index] = False
     if body.stream_options and body.stream_options.include_usage and finals:
-        yield sse({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                   "choices": [], "usage": usage_of([finals[i] for i in sorted(finals)], body.n)})
+        yield sse(
+            {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [],
+                "usage": usage_of([finals[i] for i in sorted(finals)], body.n),
+            }
+        )

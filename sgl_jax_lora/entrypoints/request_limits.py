@@ -63,13 +63,21 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def body_too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than --max-request-body-bytes {limit}; send a smaller request "
-                    "(fewer or shorter prompts) or ask the operator to raise the limit", "request_too_large")
+    return APIError(
+        413,
+        f"request body is larger than --max-request-body-bytes {limit}; send a smaller request "
+        "(fewer or shorter prompts) or ask the operator to raise the limit",
+        "request_too_large",
+    )
 
 
 def check_requests_per_call(state: ServerState, num_prompts: int, n: int) -> None:
     """--max-requests-per-call: prompts x n engine requests from one HTTP call."""
     limit = state.args.max_requests_per_call
     if num_prompts * n > limit:
-        raise APIError(400, f"this call asks for {num_prompts} prompts x n={n} = {num_prompts * n} generations, more "
-                       f"than --max-requests-per-call {limit}; split it into several calls", "invalid_request")
+        raise APIError(
+            400,
+            f"this call asks for {num_prompts} prompts x n={n} = {num_prompts * n} generations, more "
+            f"than --max-requests-per-call {limit}; split it into several calls",
+            "invalid_request",
+        )

@@ -31,7 +31,12 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts."""
 
     def __init__(
-        self, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype: jnp.dtype,
+        self,
+        in_features: int,
+        part_sizes: tuple[int, ...],
+        tp_size: int,
+        use_bias: bool,
+        dtype: jnp.dtype,
         axes: LinearAxes,
     ):
         if len(axes.part_axes) != len(part_sizes):
@@ -41,7 +46,9 @@ class Linear(nnx.Module):
         self.tp_size = tp_size
         self.axes = axes
         out_features = sum(part_sizes)
-        self.kernel = nnx.Param(jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis))
+        self.kernel = nnx.Param(
+            jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis)
+        )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
     def base(self, x: jax.Array) -> jax.Array:

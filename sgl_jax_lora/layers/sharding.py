@@ -51,13 +51,13 @@ def logical_to_spec(axes: tuple[str | None, ...]) -> PartitionSpec:
     return PartitionSpec(*(SHARDING_RULES[a] if a else None for a in axes))
 
 
-def logical_to_sharding(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
+def logical_to_sharding(
+    mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None
+) -> NamedSharding:
     """With `shape`, an axis that does not split evenly (e.g. a vocab of 32001 over 8) stays replicated."""
     spec = logical_to_spec(axes)
     if shape is not None:
-        spec = PartitionSpec(
-            *(m if m is None or dim % mesh.shape[m] == 0 else None for m, dim in zip(spec, shape))
-        )
+        spec = PartitionSpec(*(m if m is None or dim % mesh.shape[m] == 0 else None for m, dim in zip(spec, shape)))
     return NamedSharding(mesh, spec)
 
 
@@ -66,7 +66,9 @@ def declared_axes(path: tuple[str, ...], variable: nnx.Variable) -> tuple[str, .
     axes = variable.get_metadata().get("logical_axes")
     name = ".".join(path)
     if axes is None:
-        raise KeyError(f"parameter {name} declares no logical axes; pass logical_axes=(...) where its module creates it")
+        raise KeyError(
+            f"parameter {name} declares no logical axes; pass logical_axes=(...) where its module creates it"
+        )
     ndim = len(variable.get_value().shape)
     if len(axes) != ndim:
         raise ValueError(f"parameter {name} has {ndim} dims but declares the logical axes {axes}")

@@ -90,7 +90,10 @@ class _Header:
 
 
 def inspect_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    name: str,
+    path: str,
+    target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None = None,
     allowed_dirs: list[str] | None = None,
 ) -> AdapterSummary:
     """Every check of `load_peft_adapter` (config, tensor names and shapes, rank) without reading the weights:
@@ -103,7 +106,10 @@ def inspect_peft_adapter(
 
 
 def load_peft_adapter(
-    name: str, path: str, target_shapes: LoRATargetShapes, max_lora_rank: int | None = None,
+    name: str,
+    path: str,
+    target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None = None,
     allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
     """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
@@ -114,8 +120,12 @@ def load_peft_adapter(
 
 
 def adapter_from_tensors(
-    name: str, tensors: dict[str, np.ndarray], raw_config: dict, target_shapes: LoRATargetShapes,
-    max_lora_rank: int | None = None, path: str = "",
+    name: str,
+    tensors: dict[str, np.ndarray],
+    raw_config: dict,
+    target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None = None,
+    path: str = "",
 ) -> LoRAAdapter:
     """An adapter from memory: PEFT tensor names -> arrays, and adapter_config.json's fields as a dict; the same
     checks as from disk (non-finite values refused)."""
@@ -127,7 +137,11 @@ def adapter_from_tensors(
 
 
 def build_adapter(
-    name: str, path: str, config: PeftLoRAConfig, tensors: dict[str, np.ndarray], target_shapes: LoRATargetShapes,
+    name: str,
+    path: str,
+    config: PeftLoRAConfig,
+    tensors: dict[str, np.ndarray],
+    target_shapes: LoRATargetShapes,
     max_lora_rank: int | None = None,
 ) -> LoRAAdapter:
     """Validated config + PEFT-named float32 tensors -> host adapter (disk and memory share this)."""
@@ -156,14 +170,18 @@ def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
     for key, value in tensors.items():
         array = np.asarray(value)
         if not isinstance(key, str) or not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
-            raise adapter_error(name, f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
-                                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')")
+            raise adapter_error(
+                name,
+                f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
+                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')",
+            )
         converted[key] = np.asarray(array, dtype=np.float32)
     return converted
 
 
-def _validated_plan(name: str, config: PeftLoRAConfig, tensors: dict, target_shapes: LoRATargetShapes,
-                    max_lora_rank: int | None) -> tuple:
+def _validated_plan(
+    name: str, config: PeftLoRAConfig, tensors: dict, target_shapes: LoRATargetShapes, max_lora_rank: int | None
+) -> tuple:
     """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `tensors` are arrays,
     or headers that carry only a shape."""
     _check_config_matches_model(name, config, target_shapes)
@@ -173,20 +191,29 @@ def _validated_plan(name: str, config: PeftLoRAConfig, tensors: dict, target_sha
     for module_path, (lora_a, lora_b) in sorted(pairs.items()):
         layer_index, module = _locate(name, module_path, target_shapes)
         if not config.targets(module_path):
-            logger.warning("adapter '%s': ignoring tensors of %s, which adapter_config.json does not target "
-                           "(PEFT ignores them too)", name, module_path)
+            logger.warning(
+                "adapter '%s': ignoring tensors of %s, which adapter_config.json does not target "
+                "(PEFT ignores them too)",
+                name,
+                module_path,
+            )
             continue
-        _check_pair_shapes(name, module_path, lora_a, lora_b, config.rank_for(module_path),
-                           target_shapes.module_shapes[module])
+        _check_pair_shapes(
+            name, module_path, lora_a, lora_b, config.rank_for(module_path), target_shapes.module_shapes[module]
+        )
         plan[(layer_index, module)] = (lora_a, lora_b, config.scaling_for(module_path) / scaling)
     if not plan:
-        raise adapter_error(name, f"{WEIGHTS_FILE} holds no LoRA tensors for the modules it targets",
-                            "re-save the adapter with peft's save_pretrained")
+        raise adapter_error(
+            name,
+            f"{WEIGHTS_FILE} holds no LoRA tensors for the modules it targets",
+            "re-save the adapter with peft's save_pretrained",
+        )
     _warn_missing_modules(name, config, target_shapes, plan)
     rank = _plan_rank(plan)
     if max_lora_rank is not None and rank > max_lora_rank:
-        raise adapter_error(name, f"rank {rank} > --max-lora-rank {max_lora_rank}",
-                            f"restart with --max-lora-rank {rank}")
+        raise adapter_error(
+            name, f"rank {rank} > --max-lora-rank {max_lora_rank}", f"restart with --max-lora-rank {rank}"
+        )
     return float(scaling), plan
 
 
@@ -197,13 +224,18 @@ def _plan_rank(plan: dict) -> int:
 def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes) -> None:
     beyond = [i for i in config.layers_to_transform or () if i >= target_shapes.num_layers]
     if beyond:
-        raise adapter_error(name, f"layers_to_transform names layer {beyond[0]}, but the base model has "
-                            f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
+        raise adapter_error(
+            name,
+            f"layers_to_transform names layer {beyond[0]}, but the base model has {target_shapes.num_layers} layers",
+            "use an adapter trained for this base model",
+        )
     if not any(config.targets(p) for _, _, p in target_shapes.all_module_paths()):
         raise adapter_error(
-            name, "target_modules in adapter_config.json matches none of the base model's projections",
+            name,
+            "target_modules in adapter_config.json matches none of the base model's projections",
             f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)} (paths like "
-            f"{target_shapes.module_path(0, 'q_proj')!r})")
+            f"{target_shapes.module_path(0, 'q_proj')!r})",
+        )
 
 
 def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, _Header]:
@@ -234,14 +266,19 @@ def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tu
             tags.add(match["tag"])
         halves.setdefault(match["path"], {})[match["kind"]] = tensor
     if len(tags) > 1:
-        raise adapter_error(name, f"{WEIGHTS_FILE} holds {len(tags)} adapters (tensor names carry {len(tags)} different adapter tags)",
-                            "save each adapter into its own directory")
+        raise adapter_error(
+            name,
+            f"{WEIGHTS_FILE} holds {len(tags)} adapters (tensor names carry {len(tags)} different adapter tags)",
+            "save each adapter into its own directory",
+        )
     pairs = {}
     for module_path, half in halves.items():
         if set(half) != {"lora_A", "lora_B"}:
             present = next(iter(half))
             missing = "lora_B" if present == "lora_A" else "lora_A"
-            raise adapter_error(name, f"{tensor_label(module_path, 'module')} has {present} but no {missing}", "re-save the adapter")
+            raise adapter_error(
+                name, f"{tensor_label(module_path, 'module')} has {present} but no {missing}", "re-save the adapter"
+            )
         pairs[module_path] = (half["lora_A"], half["lora_B"])
     return pairs
 
@@ -251,13 +288,22 @@ def _unexpected_tensor_error(name: str, key: str) -> LoRAAdapterError:
         if fragment in key:
             return adapter_error(name, problem, fix)
     if any(key.endswith(f"{m}.weight") for m in EMBEDDING_MODULES):
-        return adapter_error(name, f"saves embedding/output weights: the adapter adds tokens "
-                             "or resized the vocabulary", "serve a base model that contains those tokens")
+        return adapter_error(
+            name,
+            "saves embedding/output weights: the adapter adds tokens or resized the vocabulary",
+            "serve a base model that contains those tokens",
+        )
     if key.endswith(".bias"):
-        return adapter_error(name, f"has a bias tensor, {tensor_label(key)} (bias/lora_bias training)",
-                             "retrain with bias='none' and lora_bias=false")
-    return adapter_error(name, f"unexpected tensor in {WEIGHTS_FILE}: {tensor_label(key)}",
-                         "serve a plain LoRA adapter saved by peft's save_pretrained")
+        return adapter_error(
+            name,
+            f"has a bias tensor, {tensor_label(key)} (bias/lora_bias training)",
+            "retrain with bias='none' and lora_bias=false",
+        )
+    return adapter_error(
+        name,
+        f"unexpected tensor in {WEIGHTS_FILE}: {tensor_label(key)}",
+        "serve a plain LoRA adapter saved by peft's save_pretrained",
+    )
 
 
 def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tuple[int, str]:
@@ -265,18 +311,31 @@ def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tup
     match = _LAYER_MODULE.match(module_path)
     short = module_path.rsplit(".", 1)[-1]
     if short in EMBEDDING_MODULES:
-        raise adapter_error(name, f"targets the embedding/output layer ({tensor_label(module_path, 'module')}), which is not supported",
-                            "retrain without embed_tokens/lm_head in target_modules")
+        raise adapter_error(
+            name,
+            f"targets the embedding/output layer ({tensor_label(module_path, 'module')}), which is not supported",
+            "retrain without embed_tokens/lm_head in target_modules",
+        )
     if match is None or match["module"] not in LORA_TARGET_MODULES:
-        raise adapter_error(name, f"LoRA tensors for an unsupported {tensor_label(module_path, 'module')}",
-                            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)}")
+        raise adapter_error(
+            name,
+            f"LoRA tensors for an unsupported {tensor_label(module_path, 'module')}",
+            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)}",
+        )
     layer_index, module = int(match["layer"]), match["module"]
     if layer_index >= target_shapes.num_layers:
-        raise adapter_error(name, f"{tensor_label(module_path, 'module')} is in layer {layer_index}, but the base model has "
-                            f"{target_shapes.num_layers} layers", "use an adapter trained for this base model")
+        raise adapter_error(
+            name,
+            f"{tensor_label(module_path, 'module')} is in layer {layer_index}, but the base model has "
+            f"{target_shapes.num_layers} layers",
+            "use an adapter trained for this base model",
+        )
     if module not in target_shapes.module_shapes:
-        raise adapter_error(name, f"the base model has no {module}",
-                            f"LoRA on this model can target only: {', '.join(target_shapes.module_shapes)}")
+        raise adapter_error(
+            name,
+            f"the base model has no {module}",
+            f"LoRA on this model can target only: {', '.join(target_shapes.module_shapes)}",
+        )
     return layer_index, module
 
 
@@ -286,14 +345,23 @@ def _check_pair_shapes(name: str, module_path: str, lora_a, lora_b, rank: int, s
     for kind, tensor, expected in (("lora_A", lora_a, (rank, in_features)), ("lora_B", lora_b, (out_features, rank))):
         if tuple(tensor.shape) != expected:
             raise adapter_error(
-                name, f"{tensor_label(f'{module_path}.{kind}.weight')} has shape {tuple(tensor.shape)}, expected {expected} "
+                name,
+                f"{tensor_label(f'{module_path}.{kind}.weight')} has shape {tuple(tensor.shape)}, expected {expected} "
                 f"(rank {rank} from adapter_config.json, base model {shape[0]}->{shape[1]})",
-                "use an adapter trained for this base model, with r/rank_pattern matching its tensors")
+                "use an adapter trained for this base model, with r/rank_pattern matching its tensors",
+            )
 
 
 def _warn_missing_modules(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes, present: dict) -> None:
-    missing = [p for layer, module, p in target_shapes.all_module_paths()
-               if config.targets(p) and (layer, module) not in present]
+    missing = [
+        p
+        for layer, module, p in target_shapes.all_module_paths()
+        if config.targets(p) and (layer, module) not in present
+    ]
     if missing:
-        logger.warning("adapter '%s': %d targeted modules have no tensors (treated as zero, as PEFT does), "
-                       "e.g. %s", name, len(missing), missing[0])
+        logger.warning(
+            "adapter '%s': %d targeted modules have no tensors (treated as zero, as PEFT does), e.g. %s",
+            name,
+            len(missing),
+            missing[0],
+        )

@@ -66,9 +66,11 @@ def confined_dir(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...]
     """The resolved adapter directory, refused unless it lies inside an allowed directory."""
     real = os.path.realpath(path)
     if not is_within(real, allowed_dirs) or not os.path.isdir(real):
-        raise adapter_error(name, f"path '{shown(path)}' is not an adapter directory inside the directories "
-                            "the operator allowed", "restart with --lora-allowed-dirs DIR containing it, or "
-                            "register it with --lora-paths")
+        raise adapter_error(
+            name,
+            f"path '{shown(path)}' is not an adapter directory inside the directories the operator allowed",
+            "restart with --lora-allowed-dirs DIR containing it, or register it with --lora-paths",
+        )
     return real
 
 
@@ -76,9 +78,12 @@ def confined_file(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...
     """`path` resolved (symlinks followed); with `allowed_dirs`, refused unless the target lies inside one."""
     real = os.path.realpath(path)
     if allowed_dirs is not None and not is_within(real, allowed_dirs):
-        raise adapter_error(name, f"{os.path.basename(path)} resolves (through a symlink) to a file outside "
-                            "the directories the operator allowed", "copy the file into the adapter directory "
-                            "instead of linking to it")
+        raise adapter_error(
+            name,
+            f"{os.path.basename(path)} resolves (through a symlink) to a file outside "
+            "the directories the operator allowed",
+            "copy the file into the adapter directory instead of linking to it",
+        )
     return real
 
 
@@ -100,8 +105,11 @@ def open_confined(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...
     with os.fdopen(fd, "rb") as f:
         opened = os.fstat(f.fileno())
         if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
-            raise adapter_error(name, f"{shown_name} was replaced while it was being opened (or is not a regular "
-                                "file)", "load the adapter again once its files are no longer being changed")
+            raise adapter_error(
+                name,
+                f"{shown_name} was replaced while it was being opened (or is not a regular file)",
+                "load the adapter again once its files are no longer being changed",
+            )
         yield f
 
 
@@ -131,9 +139,12 @@ def _root_of(real: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> str
 
 
 def _changed_error(name: str, shown_name: str, error: OSError) -> LoRAAdapterError:
-    return adapter_error(name, f"{shown_name} could not be opened as the file that was checked ({type(error).__name__}"
-                         f"{': a symlink appeared in its path' if _is_symlink_error(error) else ''})",
-                         "load the adapter again once its files are no longer being changed")
+    return adapter_error(
+        name,
+        f"{shown_name} could not be opened as the file that was checked ({type(error).__name__}"
+        f"{': a symlink appeared in its path' if _is_symlink_error(error) else ''})",
+        "load the adapter again once its files are no longer being changed",
+    )
 
 
 def _is_symlink_error(error: OSError) -> bool:
@@ -144,8 +155,11 @@ def refuse_non_finite(name: str, key: str, tensor: np.ndarray) -> None:
     """Raise if `tensor` holds NaN or Inf: one such value would make every token through its slot NaN."""
     if tensor.dtype.kind in "fc" or tensor.dtype.name == "bfloat16":
         if not np.isfinite(np.sum(tensor)) and not np.isfinite(tensor).all():  # the sum: one pass, no mask
-            raise adapter_error(name, f"{tensor_label(key)} in {WEIGHTS_FILE} holds NaN or Inf values",
-                                "fix the training run (or the conversion) that produced them and re-save the adapter")
+            raise adapter_error(
+                name,
+                f"{tensor_label(key)} in {WEIGHTS_FILE} holds NaN or Inf values",
+                "fix the training run (or the conversion) that produced them and re-save the adapter",
+            )
 
 
 def tensor_label(key: str, what: str = "tensor") -> str:
@@ -168,8 +182,11 @@ def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
     try:
         entries = deserialize(data)
     except (SafetensorError, ValueError, TypeError) as e:
-        raise adapter_error(name, f"the tensors are not a valid safetensors file ({type(e).__name__})",
-                            "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)") from e
+        raise adapter_error(
+            name,
+            f"the tensors are not a valid safetensors file ({type(e).__name__})",
+            "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)",
+        ) from e
     tensors = {}
     for key, entry in entries:
         dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
@@ -178,8 +195,11 @@ def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
         elif dtype in _FLOAT_DTYPES:
             tensors[key] = np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
         else:
-            raise adapter_error(name, f"{tensor_label(key)} has dtype {shown(str(dtype))}",
-                                "LoRA tensors must be floating point (F32, F16, BF16 or F64)")
+            raise adapter_error(
+                name,
+                f"{tensor_label(key)} has dtype {shown(str(dtype))}",
+                "LoRA tensors must be floating point (F32, F16, BF16 or F64)",
+            )
     return tensors
 
 
@@ -187,8 +207,11 @@ def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]
     """Tensor name -> shape from a safetensors file's header (8-byte little-endian length, then JSON), reading no
     tensor data: registration validates shapes in milliseconds however large the adapter. The data is checked by
     the library when it is read."""
-    invalid = adapter_error(name, f"{WEIGHTS_FILE} does not start with a valid safetensors header",
-                            "re-save the adapter with peft's save_pretrained (safe_serialization=True)")
+    invalid = adapter_error(
+        name,
+        f"{WEIGHTS_FILE} does not start with a valid safetensors header",
+        "re-save the adapter with peft's save_pretrained (safe_serialization=True)",
+    )
     prefix = f.read(8)
     if len(prefix) != 8 or int.from_bytes(prefix, "little") > MAX_HEADER_BYTES:
         raise invalid

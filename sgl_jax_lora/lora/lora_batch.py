@@ -48,7 +48,15 @@ class LoRABatch:
 jax.tree_util.register_dataclass(
     LoRABatch,
     data_fields=[
-        "token_slot", "sort_perm", "seg_start", "seg_slot", "slot_scale", "slot_rank", "work", "work_perm", "entries"
+        "token_slot",
+        "sort_perm",
+        "seg_start",
+        "seg_slot",
+        "slot_scale",
+        "slot_rank",
+        "work",
+        "work_perm",
+        "entries",
     ],
     meta_fields=["work_block_rows"],
 )
@@ -114,8 +122,9 @@ def with_work_list(lora: LoRABatch, block_rows: int) -> LoRABatch:
         return lora
     num_tokens = lora.token_slot.shape[0]
     work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
-    return dataclasses.replace(lora, work=work, work_perm=padded_perm(lora.sort_perm, block_rows, jnp),
-                               work_block_rows=block_rows)
+    return dataclasses.replace(
+        lora, work=work, work_perm=padded_perm(lora.sort_perm, block_rows, jnp), work_block_rows=block_rows
+    )
 
 
 def with_entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int) -> LoRABatch:

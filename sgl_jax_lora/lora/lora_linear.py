@@ -105,8 +105,14 @@ class LoRALinear(Linear):
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
         if lora_batch.entries is not None:  # prefill: base GEMM and LoRA in one kernel, where the module fits it
             y = self.backend.apply_with_base(
-                x, self.kernel.get_value(), lora_a, lora_bs, lora_batch, tp_size=self.tp_size,
-                input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
+                x,
+                self.kernel.get_value(),
+                lora_a,
+                lora_bs,
+                lora_batch,
+                tp_size=self.tp_size,
+                input_sharded=self.row_parallel,
+                output_sharded=not self.row_parallel,
             )
             if y is not None:
                 y = y if self.bias is None else y + self.bias[...]
@@ -116,8 +122,14 @@ class LoRALinear(Linear):
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
-            x, lora_a, lora_bs, lora_batch, target, tp_size=self.tp_size,
-            input_sharded=self.row_parallel, output_sharded=not self.row_parallel,
+            x,
+            lora_a,
+            lora_bs,
+            lora_batch,
+            target,
+            tp_size=self.tp_size,
+            input_sharded=self.row_parallel,
+            output_sharded=not self.row_parallel,
         )
         return out if residual is None else out + y
 

@@ -39,9 +39,16 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAManager:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, target_shapes: LoRATargetShapes, max_rank: int,
-                 target_modules: frozenset[str], host_cache: HostAdapterCache,
-                 inspect: Callable[[LoRARef], AdapterSummary]):
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: ModelRunner,
+        target_shapes: LoRATargetShapes,
+        max_rank: int,
+        target_modules: frozenset[str],
+        host_cache: HostAdapterCache,
+        inspect: Callable[[LoRARef], AdapterSummary],
+    ):
         self.max_per_batch = args.max_loras_per_batch
         self.max_rank = max_rank
         self.target_modules = target_modules  # HF module names the device buffers cover
@@ -50,8 +57,14 @@ class LoRAManager:
         self.refs: dict[str, LoRARef] = {}
         self.host_cache = host_cache
         self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
-        self.pool = LoRAMemoryPool(runner.cfg, args.tp_size, args.max_loras_per_batch + 1, max_rank,
-                                   runner.lora_buffer_shapes(), args.lora_eviction_policy)
+        self.pool = LoRAMemoryPool(
+            runner.cfg,
+            args.tp_size,
+            args.max_loras_per_batch + 1,
+            max_rank,
+            runner.lora_buffer_shapes(),
+            args.lora_eviction_policy,
+        )
         self._step_ids: set[str] = set()
         self._running_ids: set[str] = set()
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-prefetch")
@@ -92,7 +105,8 @@ class LoRAManager:
         if slot is None:
             raise LoRAAdapterError(
                 f"adapter '{ref.lora_name}': every device slot holds an adapter that running requests use; "
-                "retry the pinned load when they finish, or raise --max-loras-per-batch")
+                "retry the pinned load when they finish, or raise --max-loras-per-batch"
+            )
         self._write(slot, ref.lora_id)
         self.pool.pinned.add(ref.lora_id)
 
@@ -214,8 +228,7 @@ class LoRAManager:
         bucket at warmup."""
         zeros = np.zeros(num_tokens, np.int32)
         return ([None] if self.base_program else []) + [
-            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank)
-            for g in self.segment_buckets
+            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank) for g in self.segment_buckets
         ]
 
     def stats(self) -> dict:

@@ -16,9 +16,6 @@ import os
 
 from jax.sharding import Mesh
 
-from sgl_jax_lora.lora.backend import make_lora_backend
-from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.lora.adapter import (
     AdapterSummary,
     LoRAAdapter,
@@ -26,9 +23,12 @@ from sgl_jax_lora.lora.adapter import (
     inspect_peft_adapter,
     load_peft_adapter,
 )
-from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
+from sgl_jax_lora.lora.backend import make_lora_backend
+from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
 from sgl_jax_lora.lora.tensor_file import map_tensor_file
 from sgl_jax_lora.models.llama import LORA_TARGETS
@@ -65,15 +65,17 @@ class LoRASetup:
     def _load(self, ref: LoRARef) -> LoRAAdapter:
         if ref.lora_id in self.in_memory:
             return self.in_memory[ref.lora_id][0]
-        return load_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
-                                 self._allowed_dirs(ref))
+        return load_peft_adapter(
+            ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank, self._allowed_dirs(ref)
+        )
 
     def _inspect(self, ref: LoRARef) -> AdapterSummary:
         if ref.lora_id in self.in_memory:
             adapter = self.in_memory[ref.lora_id][0]
             return AdapterSummary(ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules)
-        return inspect_peft_adapter(ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank,
-                                    self._allowed_dirs(ref))
+        return inspect_peft_adapter(
+            ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank, self._allowed_dirs(ref)
+        )
 
     def _allowed_dirs(self, ref: LoRARef) -> list[str] | None:
         """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
@@ -81,8 +83,14 @@ class LoRASetup:
 
     def from_memory(self, ref: LoRARef, tensors_path: str, config: dict) -> LoRAAdapter:
         """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
-        adapter = adapter_from_tensors(ref.lora_name, map_tensor_file(ref.lora_name, tensors_path), config,
-                                       self.target_shapes, self.max_rank, path=ref.lora_path)
+        adapter = adapter_from_tensors(
+            ref.lora_name,
+            map_tensor_file(ref.lora_name, tensors_path),
+            config,
+            self.target_shapes,
+            self.max_rank,
+            path=ref.lora_path,
+        )
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter
 
@@ -94,16 +102,18 @@ class LoRASetup:
             with open(os.path.join(ref.lora_path, CONFIG_FILE), encoding="utf-8") as f:
                 return json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise adapter_error(ref.lora_name, f"cannot re-read its {CONFIG_FILE} ({e})",
-                                "pass the config with the update") from e
+            raise adapter_error(
+                ref.lora_name, f"cannot re-read its {CONFIG_FILE} ({e})", "pass the config with the update"
+            ) from e
 
     def forget(self, lora_id: str) -> None:
         self.in_memory.pop(lora_id, None)
 
     def build_manager(self, runner) -> LoRAManager:
         covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
-        manager = LoRAManager(self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache,
-                              self._inspect)
+        manager = LoRAManager(
+            self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache, self._inspect
+        )
         for ref in self.initial_refs:
             manager.register(ref)
         return manager

@@ -22,7 +22,9 @@ _KV_MODULES = ("k_proj", "v_proj")
 
 
 class LoRAMemoryPool:
-    def __init__(self, cfg: ModelConfig, tp_size: int, num_slots: int, max_rank: int, buffer_shapes: dict, eviction_policy: str):
+    def __init__(
+        self, cfg: ModelConfig, tp_size: int, num_slots: int, max_rank: int, buffer_shapes: dict, eviction_policy: str
+    ):
         self.cfg, self.tp_size = cfg, tp_size
         self.num_slots, self.max_rank = num_slots, max_rank
         self.buffer_shapes = buffer_shapes  # state path -> [L, A, ...] shape
@@ -69,7 +71,9 @@ class LoRAMemoryPool:
 
     def zero_update(self) -> dict[tuple[str, ...], np.ndarray]:
         """Host arrays that clear one slot: state path -> zeros [L, *buffer.shape[2:]] (float32)."""
-        return {path: np.zeros((shape[0],) + tuple(shape[2:]), np.float32) for path, shape in self.buffer_shapes.items()}
+        return {
+            path: np.zeros((shape[0],) + tuple(shape[2:]), np.float32) for path, shape in self.buffer_shapes.items()
+        }
 
     def slot_update(self, adapter: LoRAAdapter) -> dict[tuple[str, ...], np.ndarray]:
         """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] (float32)."""

@@ -34,8 +34,15 @@ from sgl_jax_lora.lora.adapter_files import (
 )
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoRAAdapterError", "PeftLoRAConfig", "adapter_error", "load_peft_config",
-           "resolve_weights_file"]
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "LoRAAdapterError",
+    "PeftLoRAConfig",
+    "adapter_error",
+    "load_peft_config",
+    "resolve_weights_file",
+]
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 ALL_LINEAR = "all-linear"
 # Modules whose adaptation changes the vocabulary rows or the output head: never served.
@@ -92,9 +99,7 @@ class PeftLoRAConfig:
             return False
         if isinstance(self.exclude_modules, str):
             return re.fullmatch(self.exclude_modules, module_path) is not None
-        return module_path in self.exclude_modules or any(
-            module_path.endswith(f".{e}") for e in self.exclude_modules
-        )
+        return module_path in self.exclude_modules or any(module_path.endswith(f".{e}") for e in self.exclude_modules)
 
 
 def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
@@ -130,13 +135,17 @@ def load_peft_config(name: str, adapter_dir: str, allowed_dirs: list[str] | None
 def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
     """Validate adapter_config.json's fields (a dict, from disk or from a caller's memory)."""
     if not isinstance(raw, dict):
-        raise adapter_error(name, f"the adapter config is a {type(raw).__name__}, not a dict of adapter_config.json "
-                            "fields", "pass PEFT's LoraConfig fields as a dict (e.g. LoraConfig.to_dict())")
+        raise adapter_error(
+            name,
+            f"the adapter config is a {type(raw).__name__}, not a dict of adapter_config.json fields",
+            "pass PEFT's LoraConfig fields as a dict (e.g. LoraConfig.to_dict())",
+        )
     _refuse_unsupported(name, raw)
     for key in ("r", "lora_alpha", "target_modules"):
         if raw.get(key) is None:
-            raise adapter_error(name, f"{CONFIG_FILE} has no '{key}'",
-                                "save the adapter with peft's save_pretrained (LoraConfig)")
+            raise adapter_error(
+                name, f"{CONFIG_FILE} has no '{key}'", "save the adapter with peft's save_pretrained (LoraConfig)"
+            )
     r, alpha = raw["r"], raw["lora_alpha"]
     if not _is_int(r) or r <= 0:
         raise _field_error(name, "r", "a positive integer", r)
@@ -167,30 +176,45 @@ def resolve_weights_file(name: str, adapter_dir: str, allowed_dirs: list[str] | 
         return confined_file(name, path, allowed_dirs)
     if os.path.isfile(os.path.join(adapter_dir, PICKLE_WEIGHTS_FILE)):
         raise adapter_error(
-            name, f"only {PICKLE_WEIGHTS_FILE} (pickle) found in {adapter_dir}; pickle files are never loaded",
-            f"re-save it as {WEIGHTS_FILE} (peft's save_pretrained(..., safe_serialization=True))")
-    raise adapter_error(name, f"{WEIGHTS_FILE} not found in {adapter_dir}",
-                        "point the adapter path at a directory written by peft's save_pretrained")
+            name,
+            f"only {PICKLE_WEIGHTS_FILE} (pickle) found in {adapter_dir}; pickle files are never loaded",
+            f"re-save it as {WEIGHTS_FILE} (peft's save_pretrained(..., safe_serialization=True))",
+        )
+    raise adapter_error(
+        name,
+        f"{WEIGHTS_FILE} not found in {adapter_dir}",
+        "point the adapter path at a directory written by peft's save_pretrained",
+    )
 
 
 def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | None) -> dict:
     if not os.path.isdir(adapter_dir):
-        raise adapter_error(name, f"adapter directory {shown(adapter_dir)!r} does not exist",
-                            "check the adapter path (a directory written by peft's save_pretrained)")
+        raise adapter_error(
+            name,
+            f"adapter directory {shown(adapter_dir)!r} does not exist",
+            "check the adapter path (a directory written by peft's save_pretrained)",
+        )
     path = os.path.join(adapter_dir, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise adapter_error(name, f"{CONFIG_FILE} not found in {shown(adapter_dir)}",
-                            "point the adapter path at a directory written by peft's save_pretrained")
+        raise adapter_error(
+            name,
+            f"{CONFIG_FILE} not found in {shown(adapter_dir)}",
+            "point the adapter path at a directory written by peft's save_pretrained",
+        )
     with open_confined(name, path, allowed_dirs) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
     if len(data) > MAX_CONFIG_BYTES:
-        raise adapter_error(name, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes (a PEFT config is a few KB)",
-                            "point the adapter path at a directory written by peft's save_pretrained")
+        raise adapter_error(
+            name,
+            f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes (a PEFT config is a few KB)",
+            "point the adapter path at a directory written by peft's save_pretrained",
+        )
     try:
         raw = json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:  # position only: the message never quotes the file
-        raise adapter_error(name, f"{CONFIG_FILE} is not valid JSON (line {e.lineno}, column {e.colno})",
-                            "fix or re-save the adapter") from None
+        raise adapter_error(
+            name, f"{CONFIG_FILE} is not valid JSON (line {e.lineno}, column {e.colno})", "fix or re-save the adapter"
+        ) from None
     except UnicodeDecodeError:
         raise adapter_error(name, f"{CONFIG_FILE} is not UTF-8 text", "fix or re-save the adapter") from None
     if not isinstance(raw, dict):
@@ -200,20 +224,44 @@ def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | Non
 
 # (config key, predicate that makes it unsupported, problem, fix)
 _REFUSED_FIELDS: tuple[tuple[str, Callable[[object], bool], str, str], ...] = (
-    ("use_dora", bool, "use_dora=true (DoRA) is not supported",
-     "merge the DoRA adapter into the base weights or retrain with use_dora=false"),
-    ("modules_to_save", bool, "modules_to_save (fully trained extra modules) is not supported",
-     "retrain without modules_to_save, or merge the adapter into a new base model"),
-    ("bias", lambda v: v not in (None, "none"), "bias other than 'none' trains base-model biases, not supported",
-     "retrain with bias='none'"),
+    (
+        "use_dora",
+        bool,
+        "use_dora=true (DoRA) is not supported",
+        "merge the DoRA adapter into the base weights or retrain with use_dora=false",
+    ),
+    (
+        "modules_to_save",
+        bool,
+        "modules_to_save (fully trained extra modules) is not supported",
+        "retrain without modules_to_save, or merge the adapter into a new base model",
+    ),
+    (
+        "bias",
+        lambda v: v not in (None, "none"),
+        "bias other than 'none' trains base-model biases, not supported",
+        "retrain with bias='none'",
+    ),
     ("lora_bias", bool, "lora_bias=true (a bias on lora_B) is not supported", "retrain with lora_bias=false"),
-    ("trainable_token_indices", bool, "trainable_token_indices adds/retrains token embeddings",
-     "serve a base model that already contains those tokens"),
-    ("target_parameters", bool, "target_parameters (LoRA on raw parameters) is not supported",
-     "target the projection modules (q/k/v/o/gate/up/down_proj) instead"),
+    (
+        "trainable_token_indices",
+        bool,
+        "trainable_token_indices adds/retrains token embeddings",
+        "serve a base model that already contains those tokens",
+    ),
+    (
+        "target_parameters",
+        bool,
+        "target_parameters (LoRA on raw parameters) is not supported",
+        "target the projection modules (q/k/v/o/gate/up/down_proj) instead",
+    ),
     ("layer_replication", bool, "layer_replication is not supported", "retrain without layer_replication"),
-    ("alora_invocation_tokens", bool, "activated LoRA (alora_invocation_tokens) is not supported",
-     "retrain as a plain LoRA adapter"),
+    (
+        "alora_invocation_tokens",
+        bool,
+        "activated LoRA (alora_invocation_tokens) is not supported",
+        "retrain as a plain LoRA adapter",
+    ),
     ("use_qalora", bool, "use_qalora=true is not supported", "retrain as a plain LoRA adapter"),
     ("use_bdlora", bool, "use_bdlora is not supported", "retrain as a plain LoRA adapter"),
 )
@@ -236,8 +284,11 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
         try:
             re.compile(targets)
         except re.error:
-            raise adapter_error(name, "target_modules (a string) is not a valid regular expression",
-                                "fix target_modules in adapter_config.json") from None
+            raise adapter_error(
+                name,
+                "target_modules (a string) is not a valid regular expression",
+                "fix target_modules in adapter_config.json",
+            ) from None
         hit = [p for p in _EMBEDDING_PATHS if config.targets(p)]
         if hit:
             raise _embedding_error(name, hit[0].rsplit(".", 1)[-1])
@@ -247,14 +298,18 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
         if short in EMBEDDING_MODULES:
             raise _embedding_error(name, short)
         if short not in LORA_TARGET_MODULES:
-            raise adapter_error(name, "target_modules names a module LoRA cannot target",
-                                f"LoRA can target only: {supported}")
+            raise adapter_error(
+                name, "target_modules names a module LoRA cannot target", f"LoRA can target only: {supported}"
+            )
 
 
 def _embedding_error(name: str, module: str) -> LoRAAdapterError:
     """`module`: one of EMBEDDING_MODULES (this file's own names, never the config's text)."""
-    return adapter_error(name, f"targets the embedding/output layer ({module}), which is not supported",
-                         "retrain without embed_tokens/lm_head in target_modules")
+    return adapter_error(
+        name,
+        f"targets the embedding/output layer ({module}), which is not supported",
+        "retrain without embed_tokens/lm_head in target_modules",
+    )
 
 
 def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
@@ -263,8 +318,11 @@ def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
             try:
                 re.compile(key)
             except re.error:
-                raise adapter_error(name, f"{field} has a key that is not a valid regular expression",
-                                    f"fix {field} in adapter_config.json") from None
+                raise adapter_error(
+                    name,
+                    f"{field} has a key that is not a valid regular expression",
+                    f"fix {field} in adapter_config.json",
+                ) from None
             if field == "rank_pattern" and not (_is_int(value) and value > 0):
                 raise _field_error(name, "rank_pattern", "a dict of positive integers (ranks)", value)
             if field == "alpha_pattern" and not (_is_number(value) and value >= 0):
@@ -282,8 +340,11 @@ def _is_number(value: object) -> bool:
 def _field_error(name: str, field: str, expected: str, value: object) -> LoRAAdapterError:
     """A config field of the wrong type or range, named with what it must be; its value (file content) is never
     shown, only the JSON type it has."""
-    return adapter_error(name, f"{CONFIG_FILE}'s {field} must be {expected} (it holds a {_json_type(value)})",
-                         f"fix {field} in {CONFIG_FILE} or re-save the adapter with peft's save_pretrained")
+    return adapter_error(
+        name,
+        f"{CONFIG_FILE}'s {field} must be {expected} (it holds a {_json_type(value)})",
+        f"fix {field} in {CONFIG_FILE} or re-save the adapter with peft's save_pretrained",
+    )
 
 
 def _json_type(value: object) -> str:
@@ -318,8 +379,9 @@ def _as_int_tuple(name: str, value: object) -> tuple[int, ...] | None:
     if _is_int(value):
         return (value,)
     if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
-        raise _field_error(name, "layers_to_transform", "a layer index or a list of layer indices (integers >= 0)",
-                           value)
+        raise _field_error(
+            name, "layers_to_transform", "a layer index or a list of layer indices (integers >= 0)", value
+        )
     return tuple(value)
 
 

@@ -42,12 +42,14 @@ class LoRARegistry:
         if ref.lora_name in self._refs:
             raise LoRAAdapterError(
                 f"adapter '{shown(ref.lora_name)}': a LoRA adapter with this name is already loaded; "
-                "unload it first (POST /unload_lora_adapter) or choose another lora_name")
+                "unload it first (POST /unload_lora_adapter) or choose another lora_name"
+            )
         real = _identity(ref)
         if real is not None and real in self._names_by_path and not alias_ok:
             raise LoRAAdapterError(
                 f"adapter '{shown(ref.lora_name)}': its directory is already loaded as "
-                f"'{shown(self._names_by_path[real])}'; use that name, or unload it first")
+                f"'{shown(self._names_by_path[real])}'; use that name, or unload it first"
+            )
         self._refs[ref.lora_name] = ref
         self._by_id[ref.lora_id] = ref
         if real is not None:
@@ -134,8 +136,9 @@ class LoRARegistry:
             name = shown(name)
             raise UnknownLoRAError(
                 f"adapter '{name}': no LoRA adapter with this name is loaded (loaded: {loaded}); load it with "
-                f"POST /load_lora_adapter {{\"lora_name\": \"{name}\", \"lora_path\": PATH}} or start the "
-                f"server with --lora-paths {name}=PATH")
+                f'POST /load_lora_adapter {{"lora_name": "{name}", "lora_path": PATH}} or start the '
+                f"server with --lora-paths {name}=PATH"
+            )
         return ref
 
 

@@ -45,8 +45,9 @@ class LoRATargetShapes:
         """Shapes of q/k/v/o/gate/up/down from an HF config dict (Llama-style field names)."""
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
-        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers")
-                   if k not in cfg]
+        missing = [
+            k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers") if k not in cfg
+        ]
         if missing:
             raise ValueError(f"base model config lacks {missing}; LoRA target shapes need them")
         hidden = int(cfg["hidden_size"])

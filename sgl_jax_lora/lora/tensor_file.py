@@ -113,10 +113,17 @@ def _tensor(name: str, key: str, entry: object, buffer: memoryview, data_start: 
         raise adapter_error(name, f"tensor {shown!r} has no valid header entry", _FIX)
     dtype_name = entry["dtype"]
     if dtype_name not in _DTYPES:
-        raise adapter_error(name, f"tensor {shown!r} has dtype {dtype_name[:16]}", "LoRA tensors must be floating point")
+        raise adapter_error(
+            name, f"tensor {shown!r} has dtype {dtype_name[:16]}", "LoRA tensors must be floating point"
+        )
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (
+        isinstance(shape, list)
+        and all(isinstance(d, int) and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) for o in offsets)
+    ):
         raise adapter_error(name, f"tensor {shown!r} has an invalid shape or data_offsets", _FIX)
     begin, end = offsets
     dtype = _DTYPES[dtype_name]
@@ -146,8 +153,11 @@ def _float_arrays(name: str, tensors: dict) -> dict[str, np.ndarray]:
         array = np.asarray(value)
         is_float = array.dtype.name == "bfloat16" or (array.dtype.kind == "f" and array.dtype.itemsize in (2, 4, 8))
         if not isinstance(key, str) or not is_float:
-            raise adapter_error(name, f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
-                                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')")
+            raise adapter_error(
+                name,
+                f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
+                "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')",
+            )
         arrays[key] = array
     return arrays
 

@@ -62,15 +62,24 @@ class EngineCore:
         self.args = args
         self.cfg = ModelConfig.from_model_path(model_path)
         self.cfg.check_tensor_parallel(args.tp_size)
-        self.context_length = min(args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.context_length = min(
+            args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
+        )
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
         self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
         # a request's logit-adjustment entries: distinct prompt and output ids, logit_bias ids, banned ids
-        max_logit_entries = (min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS) + MAX_STOP_TOKEN_IDS
-                             + len(self.stop_checker.eos_token_ids))
+        max_logit_entries = (
+            min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS)
+            + MAX_STOP_TOKEN_IDS
+            + len(self.stop_checker.eos_token_ids)
+        )
         self.buckets = Buckets.build(
-            args.max_running_requests, args.chunked_prefill_size, self.context_length, args.page_size, args.token_buckets,
+            args.max_running_requests,
+            args.chunked_prefill_size,
+            self.context_length,
+            args.page_size,
+            args.token_buckets,
             max_logit_entries_per_row=max_logit_entries,
         )
         self.runner = make_model_runner(args, self.cfg, self.mesh, self.buckets, self.lora_setup)  # multi-host: leader
@@ -79,8 +88,13 @@ class EngineCore:
         self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
-            self.buckets, self.allocator, args.max_running_requests, args.chunked_prefill_size, args.max_prefill_seqs,
-            adapter_slots=self.lora, prefix_cache=self.prefix_cache,
+            self.buckets,
+            self.allocator,
+            args.max_running_requests,
+            args.chunked_prefill_size,
+            args.max_prefill_seqs,
+            adapter_slots=self.lora,
+            prefix_cache=self.prefix_cache,
         )
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         warmup_start = time.monotonic()
@@ -112,7 +126,11 @@ class EngineCore:
                 f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
                 "lower max_new_tokens or restart with a larger --max-total-tokens"
             )
-        seed = request.sampling.seed if request.sampling.seed is not None else self.args.random_seed * 1_000_003 + self.num_requests_served
+        seed = (
+            request.sampling.seed
+            if request.sampling.seed is not None
+            else self.args.random_seed * 1_000_003 + self.num_requests_served
+        )
         self.num_requests_served += 1
         self.scheduler.add(
             Req(
@@ -163,13 +181,17 @@ class EngineCore:
             outputs += self._finish(launched)
         else:
             self.in_flight = launched
-        self.step_stats.record(batch.kind, batch.num_tokens, batch.num_decode_rows, scheduled - start, prepared - scheduled,
-                               time.perf_counter() - prepared)
+        self.step_stats.record(
+            batch.kind,
+            batch.num_tokens,
+            batch.num_decode_rows,
+            scheduled - start,
+            prepared - scheduled,
+            time.perf_counter() - prepared,
+        )
         return outputs
 
-    def _launch(
-        self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None
-    ) -> LaunchedStep:
+    def _launch(self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None) -> LaunchedStep:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
         hidden, last_hidden = self.runner.forward(forward_batch, prev_ids)
@@ -178,8 +200,10 @@ class EngineCore:
         sampled = None
         if batch.sampling_reqs():
             sampled = self.runner.launch_sample(
-                last_hidden, batch.to_sampling_batch(forward_batch.num_seqs),
-                self._logit_adjustments(batch, forward_batch.num_seqs), prev_ids,
+                last_hidden,
+                batch.to_sampling_batch(forward_batch.num_seqs),
+                self._logit_adjustments(batch, forward_batch.num_seqs),
+                prev_ids,
             )
         return LaunchedStep(batch, sampled)
 
@@ -258,7 +282,11 @@ class EngineCore:
                 req.finish_reason = self.stop_checker.check(req, self.context_length)
                 if req.finish_reason is not None:
                     self.scheduler.finish(req)
-            if req.output_ids[req.num_sent_outputs :] or req.finished or len(req.input_token_logprobs) > req.num_sent_input_logprobs:
+            if (
+                req.output_ids[req.num_sent_outputs :]
+                or req.finished
+                or len(req.input_token_logprobs) > req.num_sent_input_logprobs
+            ):
                 outputs.append(self._output_of(req))
         return outputs
 
@@ -295,16 +323,19 @@ class EngineCore:
     def rpc_server_info(self) -> dict:
         return self.server_info()
 
-    def rpc_load_lora(self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False,
-                      confined: bool = False) -> dict:
+    def rpc_load_lora(
+        self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False, confined: bool = False
+    ) -> dict:
         if self.lora is None:
             raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        adapter = self.lora.register(LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id,
-                                             confined=confined))
+        adapter = self.lora.register(
+            LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id, confined=confined)
+        )
         return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
 
-    def rpc_load_lora_tensors(self, ref: dict, tensors_path: str, config: dict | None,
-                              replaces: str | None = None) -> dict:
+    def rpc_load_lora_tensors(
+        self, ref: dict, tensors_path: str, config: dict | None, replaces: str | None = None
+    ) -> dict:
         """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
         `replaces`, with its config unless one is given. The old version keeps serving its running requests until
         the frontend unloads it; it gives up its pin so that the new version can take one."""
@@ -314,7 +345,9 @@ class EngineCore:
         old = self.lora.refs.get(replaces) if replaces is not None else None
         if replaces is not None and old is None:
             raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
-        adapter = self.lora_setup.from_memory(ref, tensors_path, config if config is not None else self.lora_setup.config_of(old))
+        adapter = self.lora_setup.from_memory(
+            ref, tensors_path, config if config is not None else self.lora_setup.config_of(old)
+        )
         if old is not None:
             self.lora.pool.pinned.discard(old.lora_id)
         try:
@@ -366,4 +399,3 @@ def _top_list(ids: np.ndarray, logprobs: np.ndarray, num: int) -> list | None:
     if num <= 0:
         return None
     return [(float(lp), int(t)) for lp, t in zip(logprobs[:num], ids[:num])]
-

@@ -67,7 +67,10 @@ class EngineLoop:
         while self.running:
             try:
                 # idle: block for a message; a step that found nothing to run waits briefly (prefetch, pages)
-                self._drain(block=self.core.scheduler.num_active == 0, timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle else 0)
+                self._drain(
+                    block=self.core.scheduler.num_active == 0,
+                    timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle else 0,
+                )
             except (EOFError, OSError):
                 return  # the frontend is gone
             if not self.running:

@@ -37,7 +37,7 @@ class GenerateRequest:
         return msg
 
     @classmethod
-    def from_message(cls, msg: dict) -> "GenerateRequest":
+    def from_message(cls, msg: dict) -> GenerateRequest:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in msg.items() if k in fields}
         kwargs["sampling"] = SamplingParams(**msg["sampling"])

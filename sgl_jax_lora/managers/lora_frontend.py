@@ -40,14 +40,19 @@ class LoRAFrontend:
         if lora_path is None:
             return None
         if not isinstance(lora_path, str):
-            raise LoRAAdapterError("lora_path must be an adapter name or path (a string) or null, got "
-                                   f"{shown(repr(lora_path))}")
+            raise LoRAAdapterError(
+                f"lora_path must be an adapter name or path (a string) or null, got {shown(repr(lora_path))}"
+            )
         if not self.args.enable_lora:
-            raise LoRAAdapterError(f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
-                                   "--enable-lora or --lora-paths")
+            raise LoRAAdapterError(
+                f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
+                "--enable-lora or --lora-paths"
+            )
         if len(lora_path) > self.args.max_lora_name_length:  # before any path work on it (realpath walks each part)
-            raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
-                                   f"{self.args.max_lora_name_length}; no adapter has such a name")
+            raise LoRAAdapterError(
+                f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
+                f"{self.args.max_lora_name_length}; no adapter has such a name"
+            )
         name = lora_path
         if name not in self.registry:
             ref = self.registry.find_by_path(lora_path)
@@ -58,7 +63,9 @@ class LoRAFrontend:
 
     def _is_allowed_dir(self, path: str) -> bool:
         real = os.path.realpath(path)
-        return bool(self.args.lora_allowed_dirs) and is_within(real, self.args.lora_allowed_dirs) and os.path.isdir(real)
+        return (
+            bool(self.args.lora_allowed_dirs) and is_within(real, self.args.lora_allowed_dirs) and os.path.isdir(real)
+        )
 
     async def _load_on_demand(self, real: str) -> LoRARef:
         """Register the allowed directory `real` under its resolved path as name. Requests for one directory share
@@ -89,12 +96,20 @@ class LoRAFrontend:
         real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
         if existing is not None and not trusted:
-            raise LoRAAdapterError(f"adapter '{shown(lora_name)}': its directory is already loaded as "
-                                   f"'{shown(existing.lora_name)}'; use that name, or unload it first")
+            raise LoRAAdapterError(
+                f"adapter '{shown(lora_name)}': its directory is already loaded as "
+                f"'{shown(existing.lora_name)}'; use that name, or unload it first"
+            )
         await asyncio.get_running_loop().run_in_executor(self._executor, check_adapter_files, lora_name, real, allowed)
         ref = LoRARef(lora_name=lora_name, lora_path=real, pinned=bool(pinned), confined=not trusted)
-        result = await self._call("load_lora", lora_id=ref.lora_id, lora_name=lora_name, lora_path=real,
-                                  pinned=ref.pinned, confined=ref.confined)
+        result = await self._call(
+            "load_lora",
+            lora_id=ref.lora_id,
+            lora_name=lora_name,
+            lora_path=real,
+            pinned=ref.pinned,
+            confined=ref.confined,
+        )
         try:
             self.registry.register(ref, alias_ok=trusted)
         except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
@@ -105,21 +120,27 @@ class LoRAFrontend:
     def _check_name(self, name: str) -> None:
         limit = self.args.max_lora_name_length
         if len(name) > limit:
-            raise LoRAAdapterError(f"lora_name has {len(name)} characters, more than --max-lora-name-length {limit}; "
-                                   "choose a shorter name")
+            raise LoRAAdapterError(
+                f"lora_name has {len(name)} characters, more than --max-lora-name-length {limit}; choose a shorter name"
+            )
         if not name.isprintable():
-            raise LoRAAdapterError(f"lora_name {shown(repr(name))} holds control or non-printable characters; "
-                                   "choose a name of printable characters")
+            raise LoRAAdapterError(
+                f"lora_name {shown(repr(name))} holds control or non-printable characters; "
+                "choose a name of printable characters"
+            )
         if name in self.reserved_names:
             raise LoRAAdapterError(f"lora_name '{shown(name)}' is the base model's name; choose another name")
         if name in self.registry:
-            raise LoRAAdapterError(f"adapter '{shown(name)}' is already loaded; unload it first or choose another "
-                                   "lora_name")
+            raise LoRAAdapterError(
+                f"adapter '{shown(name)}' is already loaded; unload it first or choose another lora_name"
+            )
         limit = self.args.max_loras_registered
         if len(self.registry) >= limit:
-            raise LoRAAdapterError(f"adapter '{shown(name)}': {limit} adapters are registered, the most "
-                                   f"--max-loras-registered allows; unload one first or restart with a larger "
-                                   "--max-loras-registered")
+            raise LoRAAdapterError(
+                f"adapter '{shown(name)}': {limit} adapters are registered, the most "
+                f"--max-loras-registered allows; unload one first or restart with a larger "
+                "--max-loras-registered"
+            )
 
     async def unload(self, lora_name: object) -> dict:
         """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""

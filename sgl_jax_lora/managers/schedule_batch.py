@@ -75,7 +75,9 @@ class ScheduleBatch:
         positions = np.zeros(num_tokens, np.int32)
         positions[:total] = first[seq_of_token] + np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token]
         cache_loc = np.zeros(num_tokens, np.int32)
-        cache_loc[:total] = page_table[seq_of_token, positions[:total] // page_size] * page_size + positions[:total] % page_size
+        cache_loc[:total] = (
+            page_table[seq_of_token, positions[:total] // page_size] * page_size + positions[:total] % page_size
+        )
         token_slot = np.zeros(num_tokens, np.int32)
         token_slot[:total] = np.repeat(np.asarray(self.token_slots, np.int32), q_lens)
         last_token_index = np.zeros(num_seqs, np.int32)
@@ -109,7 +111,10 @@ class ScheduleBatch:
             params = req.sampling
             temperature[i] = 0.0 if params.is_greedy else params.temperature
             top_p[i], top_k[i], min_p[i] = params.top_p, max(params.top_k, 0), params.min_p
-            seeds[i], steps[i] = req.seed % (2**32), len(req.output_ids)  # a pending token counts: same as without overlap
+            seeds[i], steps[i] = (
+                req.seed % (2**32),
+                len(req.output_ids),
+            )  # a pending token counts: same as without overlap
         needs_top = any(r.return_logprob and r.top_logprobs_num > 0 for r in rows)
         return SamplingBatch(
             temperature=temperature,

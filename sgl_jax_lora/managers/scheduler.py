@@ -42,6 +42,7 @@ from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 
+
 class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
 
@@ -92,7 +93,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_preemptions = 0
         self.rejected: list[tuple[Req, str]] = []  # requests whose adapter cannot be served, with the reason
-        self.draining: set[str] = set()  # adapters admission does not feed, so their slots free up for a starved request
+        self.draining: set[str] = (
+            set()
+        )  # adapters admission does not feed, so their slots free up for a starved request
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:

@@ -31,8 +31,9 @@ class StepStats:
     def __init__(self) -> None:
         self.by_kind = {"extend": StepKindTotals(), "decode": StepKindTotals(), "mixed": StepKindTotals()}
 
-    def record(self, kind: str, num_tokens: int, num_decode_rows: int, schedule_s: float, prepare_s: float,
-               run_s: float) -> None:
+    def record(
+        self, kind: str, num_tokens: int, num_decode_rows: int, schedule_s: float, prepare_s: float, run_s: float
+    ) -> None:
         """kind: ScheduleBatch.kind ('decode', 'extend' or 'mixed')."""
         totals = self.by_kind[kind]
         totals.steps += 1

@@ -32,8 +32,8 @@ from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_process import run_engine_process
-from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -59,7 +59,9 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=run_engine_process, args=(args.to_dict(), model_path, child_conn), daemon=True)
+        self.process = context.Process(
+            target=run_engine_process, args=(args.to_dict(), model_path, child_conn), daemon=True
+        )
         self.process.start()
         child_conn.close()
         ready = self._wait_ready()
@@ -155,10 +157,14 @@ class TokenizerManager:
             if not isinstance(text, str):
                 raise RequestError("give the prompt as 'text' (a string) or 'input_ids' (a list of token ids)")
             if len(text) > self.max_prompt_chars:
-                raise RequestError(f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "
-                                   f"fit the context length {self.context_length}; shorten the prompt")
+                raise RequestError(
+                    f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "
+                    f"fit the context length {self.context_length}; shorten the prompt"
+                )
             input_ids = self.tokenizer.encode(text)
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
             raise RequestError("input_ids must be a list of integers")
         if not input_ids:
             raise RequestError("the prompt is empty; send at least one token")
@@ -177,10 +183,14 @@ class TokenizerManager:
         limit, chars = self.args.max_stop_strings, self.args.max_stop_string_chars
         for field, values in (("stop", sampling.stop), ("stop_token_ids", sampling.stop_token_ids)):
             if len(values) > limit:
-                raise RequestError(f"{field} has {len(values)} entries, more than --max-stop-strings {limit}; send fewer")
+                raise RequestError(
+                    f"{field} has {len(values)} entries, more than --max-stop-strings {limit}; send fewer"
+                )
         longest = max((len(s) for s in sampling.stop), default=0)
         if longest > chars:
-            raise RequestError(f"stop holds a string of {longest} characters, more than --max-stop-string-chars {chars}")
+            raise RequestError(
+                f"stop holds a string of {longest} characters, more than --max-stop-string-chars {chars}"
+            )
         vocab = self.server_info["vocab_size"]
         outside = [t for t in sampling.stop_token_ids if t >= vocab]
         if outside:
@@ -210,7 +220,9 @@ class TokenizerManager:
         if outside:
             raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         if len(ids) >= self.context_length:
-            raise RequestError(f"prompt has {len(ids)} tokens but the context length is {self.context_length}; shorten the prompt")
+            raise RequestError(
+                f"prompt has {len(ids)} tokens but the context length is {self.context_length}; shorten the prompt"
+            )
         total = len(ids) + sampling.max_new_tokens
         if total > self.context_length:
             raise RequestError(
@@ -218,10 +230,14 @@ class TokenizerManager:
                 f"context length {self.context_length}; lower max_new_tokens"
             )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+            raise RequestError(
+                f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
+            )
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < self.context_length:
-            raise RequestError(f"logprob_start_len must be an integer in [-1, {self.context_length}), got "
-                               f"{repr(logprob_start_len)[:40]}")
+            raise RequestError(
+                f"logprob_start_len must be an integer in [-1, {self.context_length}), got "
+                f"{repr(logprob_start_len)[:40]}"
+            )
         return GenerateRequest(
             rid=uuid.uuid4().hex,
             input_ids=ids,
@@ -249,7 +265,9 @@ class TokenizerManager:
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False, trusted: bool = False) -> dict:
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, pinned: bool = False, trusted: bool = False
+    ) -> dict:
         """Register and load an adapter. Untrusted (HTTP) calls may only read inside --lora-allowed-dirs."""
         try:
             return await self.lora_frontend.load(lora_name, lora_path, pinned=pinned, trusted=trusted)
@@ -263,18 +281,22 @@ class TokenizerManager:
         except LoRAAdapterError as e:
             raise RequestError(str(e)) from e
 
-    async def load_lora_adapter_from_tensors(self, lora_name: str, tensors: TensorFile, config: dict,
-                                             pinned: bool = False) -> dict:
+    async def load_lora_adapter_from_tensors(
+        self, lora_name: str, tensors: TensorFile, config: dict, pinned: bool = False
+    ) -> dict:
         """Register an adapter from memory: `tensors` a safetensors-layout file in shared memory (PEFT names, the
         caller removes it once this returns), `config` the fields of its adapter_config.json. The engine runs the
         checks of a load from disk."""
         self._check_lora_call(lora_name)
         if lora_name in self.lora_registry:
-            raise RequestError(f"adapter '{lora_name}' is already loaded; unload it first, update it "
-                               "(update_lora_adapter) or choose another lora_name")
+            raise RequestError(
+                f"adapter '{lora_name}' is already loaded; unload it first, update it "
+                "(update_lora_adapter) or choose another lora_name"
+            )
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path,
-                                 config=config)
+        result = await self.call(
+            "load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path, config=config
+        )
         self.lora_registry.register(ref)
         return {**self._lora_summary(ref), **result}
 
@@ -286,12 +308,18 @@ class TokenizerManager:
         async with self._update_locks.hold(lora_name):
             old = self.lora_registry.get(lora_name)
             if old is None:
-                raise RequestError(f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
-                                   "load_lora_adapter_from_tensors)")
+                raise RequestError(
+                    f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
+                    "load_lora_adapter_from_tensors)"
+                )
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
-            result = await self.call("load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path,
-                                     config=config,
-                                     replaces=old.lora_id)
+            result = await self.call(
+                "load_lora_tensors",
+                ref=dataclasses.asdict(ref),
+                tensors_path=tensors.path,
+                config=config,
+                replaces=old.lora_id,
+            )
             self.lora_registry.replace(ref)
         task = asyncio.ensure_future(self._unload_when_drained(old))
         self._retiring.add(task)
@@ -315,8 +343,13 @@ class TokenizerManager:
 
     @staticmethod
     def _lora_summary(ref: LoRARef) -> dict:
-        return {"lora_name": ref.lora_name, "lora_path": ref.lora_path, "pinned": ref.pinned, "lora_id": ref.lora_id,
-                "version": ref.version}
+        return {
+            "lora_name": ref.lora_name,
+            "lora_path": ref.lora_path,
+            "pinned": ref.pinned,
+            "lora_id": ref.lora_id,
+            "version": ref.version,
+        }
 
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished. A stop string

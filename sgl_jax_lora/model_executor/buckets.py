@@ -43,7 +43,7 @@ class Buckets:
         page_size: int,
         token_buckets: list[int] | None = None,
         max_logit_entries_per_row: int = MIN_LOGIT_ENTRIES_PER_ROW,
-    ) -> "Buckets":
+    ) -> Buckets:
         """Token buckets from MIN_TOKEN_BUCKET up to the most tokens a step holds: the chunk budget, or every running
         request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise.
         max_logit_entries_per_row: the most logit-adjustment entries one request can have (the top entry budget)."""
@@ -53,8 +53,12 @@ class Buckets:
         tokens = checked_buckets("--token-buckets", token_buckets, max_tokens) or powers_of_two(
             min(MIN_TOKEN_BUCKET, max_tokens), max_tokens
         )
-        return cls(tokens=tokens, max_seqs=max_running_requests, max_pages_per_seq=max_pages,
-                   logit_entries_per_row=logit_entry_budgets(max_logit_entries_per_row))
+        return cls(
+            tokens=tokens,
+            max_seqs=max_running_requests,
+            max_pages_per_seq=max_pages,
+            logit_entries_per_row=logit_entry_budgets(max_logit_entries_per_row),
+        )
 
     def seqs_for(self, num_tokens: int) -> int:
         """Sequences S of the bucket with num_tokens tokens: every sequence of a step has at least one token."""

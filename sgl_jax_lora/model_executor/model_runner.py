@@ -28,10 +28,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
@@ -60,7 +60,9 @@ def device_memory() -> tuple[int, int] | None:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, buckets: Buckets, lora: LoRAModelSpec | None = None):
+    def __init__(
+        self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, buckets: Buckets, lora: LoRAModelSpec | None = None
+    ):
         """buckets: the engine's compiled step shapes; a KV cache sized from device memory leaves room for the
         largest one's programs (model_executor/step_memory.py)."""
         self.args, self.cfg, self.mesh, self.buckets = args, cfg, mesh, buckets
@@ -68,8 +70,17 @@ class ModelRunner:
         self.page_size = args.page_size
         self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
         graphdef, state = load_model_state(
-            cfg, args.tp_size, args.page_size, self.dtype, mesh, lora, args.load_format, args.random_seed,
-            layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers) if args.layers_per_scan_step > 0 else cfg.num_layers,
+            cfg,
+            args.tp_size,
+            args.page_size,
+            self.dtype,
+            mesh,
+            lora,
+            args.load_format,
+            args.random_seed,
+            layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
+            if args.layers_per_scan_step > 0
+            else cfg.num_layers,
             attention_backend=self.attention_backend,
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
@@ -96,12 +107,20 @@ class ModelRunner:
     def _forward_impl(self, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch, prev_ids: jax.Array):
         if batch.input_from_prev is not None:
             from_prev = prev_ids[jnp.maximum(batch.input_from_prev, 0)]
-            batch = dataclasses.replace(batch, input_ids=jnp.where(batch.input_from_prev >= 0, from_prev, batch.input_ids))
+            batch = dataclasses.replace(
+                batch, input_ids=jnp.where(batch.input_from_prev >= 0, from_prev, batch.input_ids)
+            )
         hidden, kv = self._model(state, lora_state)(kv, batch)
         return hidden, hidden[batch.last_token_index], kv
 
-    def _logits_impl(self, state: nnx.State, lora_state: nnx.State, last_hidden: jax.Array,
-                     adjustments: LogitAdjustments | None, prev_ids: jax.Array) -> jax.Array:
+    def _logits_impl(
+        self,
+        state: nnx.State,
+        lora_state: nnx.State,
+        last_hidden: jax.Array,
+        adjustments: LogitAdjustments | None,
+        prev_ids: jax.Array,
+    ) -> jax.Array:
         logits = self._model(state, lora_state).logits(last_hidden)
         if adjustments is None:  # a trace-time choice: most steps compile and run without the adjustments
             return logits
@@ -144,10 +163,20 @@ class ModelRunner:
     def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
         """The sampled ids and logprobs on the host (waits for the device)."""
         out = jax.device_get(launched.output)
-        return {"next_ids": out.next_ids, "next_logprobs": out.next_logprobs, "top_ids": out.top_ids, "top_logprobs": out.top_logprobs}
+        return {
+            "next_ids": out.next_ids,
+            "next_logprobs": out.next_logprobs,
+            "top_ids": out.top_ids,
+            "top_logprobs": out.top_logprobs,
+        }
 
-    def sample(self, last_hidden: jax.Array, sampling: SamplingBatch, adjustments: LogitAdjustments | None = None,
-               prev_ids: jax.Array | None = None) -> dict[str, np.ndarray]:
+    def sample(
+        self,
+        last_hidden: jax.Array,
+        sampling: SamplingBatch,
+        adjustments: LogitAdjustments | None = None,
+        prev_ids: jax.Array | None = None,
+    ) -> dict[str, np.ndarray]:
         """launch_sample + fetch."""
         return self.fetch(self.launch_sample(last_hidden, sampling, adjustments, prev_ids))
 
@@ -161,7 +190,9 @@ class ModelRunner:
     # ---- LoRA slots --------------------------------------------------------------------------
     def lora_buffer_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         """State path -> shape [L, A, ...] of every LoRA buffer."""
-        return {tuple(str(p) for p in path): tuple(v.get_value().shape) for path, v in nnx.to_flat_state(self.lora_state)}
+        return {
+            tuple(str(p) for p in path): tuple(v.get_value().shape) for path, v in nnx.to_flat_state(self.lora_state)
+        }
 
     def lora_slot_values(self, updates: dict[tuple[str, ...], np.ndarray]) -> list[np.ndarray]:
         """A slot's host arrays (state path -> [L, ...]) in buffer order and the model dtype, ready to write.
@@ -200,7 +231,9 @@ class ModelRunner:
     def _kv_tokens_from_memory(self, limit: int, used: int) -> int:
         args, reserve = self.args, self.step_memory.reserve_bytes
         tokens = int((limit * args.mem_fraction_static - used - reserve) / self._kv_bytes_per_device_token)
-        logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9)
+        logger.info(
+            "KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9
+        )
         if tokens < args.page_size * 2:
             raise MemoryError(
                 f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
@@ -231,20 +264,35 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
 
         def lower_prompt_logprobs(num_tokens: int) -> jax.stages.Lowered:
-            return self._prompt_logprobs.lower(self.state, self.lora_state, abstract((num_tokens, hidden_size), dtype),
-                                               abstract((num_tokens,), jnp.int32), num_top=MAX_TOP_LOGPROBS)
+            return self._prompt_logprobs.lower(
+                self.state,
+                self.lora_state,
+                abstract((num_tokens, hidden_size), dtype),
+                abstract((num_tokens,), jnp.int32),
+                num_top=MAX_TOP_LOGPROBS,
+            )
 
         def lower_logits_and_sample(num_rows: int) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
             # the logits program with the largest logit-adjustment entry bucket needs the most memory of its variants
-            adjustments = jax.tree.map(lambda a: abstract(a.shape, a.dtype), padding_logit_adjustments(
-                num_rows, self.buckets.logit_entry_sizes(num_rows)[-1]))
-            logits = self._logits.lower(self.state, self.lora_state, abstract((num_rows, hidden_size), dtype),
-                                        adjustments, self.no_prev_ids)
+            adjustments = jax.tree.map(
+                lambda a: abstract(a.shape, a.dtype),
+                padding_logit_adjustments(num_rows, self.buckets.logit_entry_sizes(num_rows)[-1]),
+            )
+            logits = self._logits.lower(
+                self.state, self.lora_state, abstract((num_rows, hidden_size), dtype), adjustments, self.no_prev_ids
+            )
             sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS)
             return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
 
-        return measure_step_memory(self.cfg, self.args.tp_size, dtype, self.buckets.tokens[-1],
-                                   self.buckets.sample_sizes()[-1], lower_prompt_logprobs, lower_logits_and_sample)
+        return measure_step_memory(
+            self.cfg,
+            self.args.tp_size,
+            dtype,
+            self.buckets.tokens[-1],
+            self.buckets.sample_sizes()[-1],
+            lower_prompt_logprobs,
+            lower_logits_and_sample,
+        )
 
     def _allocate_kv(self):
         """(pages, KV cache) on the devices, allocated and checked now (an allocation fails on the device
@@ -261,7 +309,8 @@ class ModelRunner:
         while True:
             try:
                 return num_pages, jax.block_until_ready(
-                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh))
+                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh)
+                )
             except jax.errors.JaxRuntimeError as err:  # the part of the cache that was placed is freed with it
                 if "RESOURCE_EXHAUSTED" not in str(err):
                     raise
@@ -275,10 +324,16 @@ class ModelRunner:
                     ) from None
             shrinks_left -= 1
             num_pages = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
-            logger.warning("KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d "
-                           "tokens", tokens, gigabytes, (num_pages - 1) * args.page_size)
+            logger.warning(
+                "KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d tokens",
+                tokens,
+                gigabytes,
+                (num_pages - 1) * args.page_size,
+            )
 
-    def precompile_forwards(self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None) -> None:
+    def precompile_forwards(
+        self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None
+    ) -> None:
         """Compile the forward program of each batch's shape, several at once; later forwards reuse them.
 
         Tracing and lowering hold the GIL and run here, one after another; XLA's compile releases it and runs
@@ -305,7 +360,12 @@ class ModelRunner:
         batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
         adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
-        total = (2 if threads > 1 else 1) * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens) + adjusted
+        total = (
+            (2 if threads > 1 else 1) * len(shapes)
+            + 4 * len(buckets.sample_sizes())
+            + 2 * len(buckets.tokens)
+            + adjusted
+        )
         bar = progress(total=total, desc="compiling buckets")
         if threads > 1:
             self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
@@ -324,7 +384,9 @@ class ModelRunner:
                             bar.update(1)
                     for num_entries in buckets.logit_entry_sizes(num_seqs):  # the logits with adjustments
                         adjustments = padding_logit_adjustments(num_seqs, num_entries)
-                        self._logits(self.state, self.lora_state, last_hidden, adjustments, self.no_prev_ids).block_until_ready()
+                        self._logits(
+                            self.state, self.lora_state, last_hidden, adjustments, self.no_prev_ids
+                        ).block_until_ready()
                         bar.update(1)
             bar.update(1)
         shapes_of_lora = self.lora_buffer_shapes()

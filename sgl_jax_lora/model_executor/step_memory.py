@@ -82,6 +82,7 @@ def measure_step_memory(
     return StepMemory(
         forward_bytes=forward_activation_bytes(cfg, max_tokens, tp_size, dtype),
         prompt_logprobs_bytes=hidden_bytes + (prompt if prompt is not None else logits_estimate_bytes(cfg, max_tokens)),
-        sample_bytes=(logits + sample) if logits is not None and sample is not None
+        sample_bytes=(logits + sample)
+        if logits is not None and sample is not None
         else logits_estimate_bytes(cfg, max_sample_rows),
     )

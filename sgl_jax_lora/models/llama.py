@@ -66,7 +66,9 @@ HF_WEIGHTS: dict[str, HFWeight] = {
     "layers.qkv_proj.kernel": HFWeight(
         (f"{_ATTN}.q_proj.weight", f"{_ATTN}.k_proj.weight", f"{_ATTN}.v_proj.weight"), transpose=True, kv_parts=(1, 2)
     ),
-    "layers.qkv_proj.bias": HFWeight((f"{_ATTN}.q_proj.bias", f"{_ATTN}.k_proj.bias", f"{_ATTN}.v_proj.bias"), kv_parts=(1, 2)),
+    "layers.qkv_proj.bias": HFWeight(
+        (f"{_ATTN}.q_proj.bias", f"{_ATTN}.k_proj.bias", f"{_ATTN}.v_proj.bias"), kv_parts=(1, 2)
+    ),
     "layers.o_proj.kernel": HFWeight((f"{_ATTN}.o_proj.weight",), transpose=True),
     "layers.gate_up_proj.kernel": HFWeight((f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"), transpose=True),
     "layers.down_proj.kernel": HFWeight((f"{_MLP}.down_proj.weight",), transpose=True),
@@ -74,7 +76,13 @@ HF_WEIGHTS: dict[str, HFWeight] = {
 
 
 def _make_linear(
-    name: str, in_features: int, part_sizes: tuple[int, ...], tp_size: int, use_bias: bool, dtype, lora: LoRAModelSpec | None
+    name: str,
+    in_features: int,
+    part_sizes: tuple[int, ...],
+    tp_size: int,
+    use_bias: bool,
+    dtype,
+    lora: LoRAModelSpec | None,
 ) -> Linear:
     axes = LINEAR_AXES[name]
     if lora is None or name not in lora.target_modules:
@@ -85,7 +93,12 @@ def _make_linear(
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None,
+        self,
+        cfg: ModelConfig,
+        tp_size: int,
+        page_size: int,
+        dtype,
+        lora: LoRAModelSpec | None,
         attention_backend: AttentionBackend,
     ):
         kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size  # replicated when tp > num_kv_heads
@@ -120,7 +133,9 @@ class DecoderLayer(nnx.Module):
         q = apply_rotary(q, batch.positions, self.inv_freq)
         k = apply_rotary(k, batch.positions, self.inv_freq)
         k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
-        attn = paged_attention(q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5, self.attention_backend)
+        attn = paged_attention(
+            q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5, self.attention_backend
+        )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), batch.lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)
         gate, up = split_packed(self.gate_up_proj(x, batch.lora), self.gate_up_proj.part_sizes, self.tp_size)
@@ -132,8 +147,14 @@ class LlamaForCausalLM(nnx.Module):
     hf_weights = HF_WEIGHTS  # the table models/weight_loader.py reads HF checkpoints through
 
     def __init__(
-        self, cfg: ModelConfig, tp_size: int, page_size: int, dtype, lora: LoRAModelSpec | None = None,
-        layers_per_scan_step: int = 1, attention_backend: AttentionBackend = AttentionBackend(),
+        self,
+        cfg: ModelConfig,
+        tp_size: int,
+        page_size: int,
+        dtype,
+        lora: LoRAModelSpec | None = None,
+        layers_per_scan_step: int = 1,
+        attention_backend: AttentionBackend = AttentionBackend(),
     ):
         self.config = cfg
         self.lora_backend = lora.backend if lora is not None else None  # builds the kernels' work list per forward
@@ -141,15 +162,20 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
         # every parameter's declared logical axes gain the leading "layers" axis of the stack
-        @nnx.vmap(in_axes=None, out_axes=0, axis_size=cfg.num_layers,
-                  transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"})
+        @nnx.vmap(
+            in_axes=None,
+            out_axes=0,
+            axis_size=cfg.num_layers,
+            transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"},
+        )
         def make_layers(_: int):
             return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend)
 
         self.layers = make_layers(0)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
         self.lm_head = (
-            None if cfg.tie_word_embeddings
+            None
+            if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, (cfg.vocab_size,), tp_size, False, dtype, LINEAR_AXES["lm_head"])
         )
 

@@ -62,7 +62,7 @@ class ModelConfig:
     model_path: str = ""
 
     @classmethod
-    def from_model_path(cls, model_path: str) -> "ModelConfig":
+    def from_model_path(cls, model_path: str) -> ModelConfig:
         if not os.path.isdir(model_path):
             raise ModelConfigError(
                 f"model path '{model_path}' is not a directory; pass --model-path DIR with an HF model "
@@ -79,7 +79,7 @@ class ModelConfig:
         return cls.from_dict(raw, model_path=model_path)
 
     @classmethod
-    def from_dict(cls, raw: dict, model_path: str = "") -> "ModelConfig":
+    def from_dict(cls, raw: dict, model_path: str = "") -> ModelConfig:
         architecture = _architecture_of(raw)
         missing = [k for k in _REQUIRED_FIELDS if k not in raw]
         if missing:

@@ -63,7 +63,9 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
     path = os.path.join(model_path, METADATA_FILE)
     redo = f"convert the HF model again: {convert_command()}"
     if not os.path.isfile(path):
-        raise ModelConfigError(f"'{model_path}' has orbax weights but no {METADATA_FILE}: the conversion did not finish; {redo}")
+        raise ModelConfigError(
+            f"'{model_path}' has orbax weights but no {METADATA_FILE}: the conversion did not finish; {redo}"
+        )
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -76,8 +78,15 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
             f"'{model_path}' is format version {raw.get('format_version')!r}; this engine reads version {FORMAT_VERSION}: {redo}"
         )
     try:
-        meta = CheckpointMetadata(**{f.name: raw[f.name] for f in dataclasses.fields(CheckpointMetadata) if f.name in raw})
-        valid = isinstance(meta.tp_size, int) and meta.tp_size > 0 and isinstance(meta.param_shapes, dict) and bool(meta.param_shapes)
+        meta = CheckpointMetadata(
+            **{f.name: raw[f.name] for f in dataclasses.fields(CheckpointMetadata) if f.name in raw}
+        )
+        valid = (
+            isinstance(meta.tp_size, int)
+            and meta.tp_size > 0
+            and isinstance(meta.param_shapes, dict)
+            and bool(meta.param_shapes)
+        )
     except TypeError:
         valid = False
     if not valid:
@@ -87,7 +96,9 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
     return meta
 
 
-def check_compatible(meta: CheckpointMetadata, model_path: str, tp_size: int, dtype: jnp.dtype, shapes: dict[str, tuple[int, ...]]) -> None:
+def check_compatible(
+    meta: CheckpointMetadata, model_path: str, tp_size: int, dtype: jnp.dtype, shapes: dict[str, tuple[int, ...]]
+) -> None:
     """Raise unless the checkpoint was converted for this tp size and dtype and holds exactly these shapes."""
     if meta.tp_size != tp_size:
         raise ModelConfigError(
@@ -130,15 +141,23 @@ def _is_lora(path: tuple[str, ...]) -> bool:
     return "lora_" in path[-1]
 
 
-def save_converted(state: nnx.State, output_dir: str, dtype: str, tp_size: int, architecture: str, source: str) -> CheckpointMetadata:
+def save_converted(
+    state: nnx.State, output_dir: str, dtype: str, tp_size: int, architecture: str, source: str
+) -> CheckpointMetadata:
     """Write the model's parameters (LoRA buffers excluded; packed for `tp_size`, cast to `dtype`) as an orbax
     checkpoint, then the metadata file; -> the metadata."""
     import orbax.checkpoint as ocp
 
     flat = {tuple(str(p) for p in path): v.get_value() for path, v in nnx.to_flat_state(state)}
     params = {path: value for path, value in flat.items() if not _is_lora(path)}
-    meta = CheckpointMetadata(FORMAT_VERSION, dtype, tp_size, architecture,
-                              {".".join(path): list(value.shape) for path, value in params.items()}, source)
+    meta = CheckpointMetadata(
+        FORMAT_VERSION,
+        dtype,
+        tp_size,
+        architecture,
+        {".".join(path): list(value.shape) for path, value in params.items()},
+        source,
+    )
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(os.path.join(os.path.abspath(output_dir), WEIGHTS_DIR), _nested(params))
     with open(os.path.join(output_dir, METADATA_FILE), "w") as f:
@@ -146,7 +165,9 @@ def save_converted(state: nnx.State, output_dir: str, dtype: str, tp_size: int, 
     return meta
 
 
-def restore_model_state(model_path: str, tp_size: int, dtype: jnp.dtype, abstract_state: nnx.State, mesh: Mesh) -> nnx.State:
+def restore_model_state(
+    model_path: str, tp_size: int, dtype: jnp.dtype, abstract_state: nnx.State, mesh: Mesh
+) -> nnx.State:
     """The model state with every parameter restored into its sharding on `mesh`; LoRA buffers are zeros."""
     import orbax.checkpoint as ocp
 

@@ -68,7 +68,9 @@ class HFWeight:
     def to_ours(self, tensors: list[np.ndarray], cfg: ModelConfig, tp_size: int) -> np.ndarray:
         """The HF tensors of `names` (one layer's) -> our layout; the output features are the last axis."""
         parts = [t.T if self.transpose else t for t in tensors]
-        parts = [replicate_kv_heads(p, p.ndim - 1, cfg, tp_size) if i in self.kv_parts else p for i, p in enumerate(parts)]
+        parts = [
+            replicate_kv_heads(p, p.ndim - 1, cfg, tp_size) if i in self.kv_parts else p for i, p in enumerate(parts)
+        ]
         if len(parts) == 1:
             return parts[0]
         return pack_shard_major(parts, parts[0].ndim - 1, tp_size)

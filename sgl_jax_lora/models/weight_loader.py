@@ -50,7 +50,9 @@ class SafetensorsReader:
                         self.file_of[name] = path
         if not self.file_of:
             pickled = glob.glob(os.path.join(model_path, "*.bin")) + glob.glob(os.path.join(model_path, "*.pt"))
-            hint = " (found pickle .bin/.pt files: convert them to safetensors; pickle is never loaded)" if pickled else ""
+            hint = (
+                " (found pickle .bin/.pt files: convert them to safetensors; pickle is never loaded)" if pickled else ""
+            )
             raise ModelConfigError(f"model path '{model_path}' has no *.safetensors weights{hint}")
         self._handles: dict[str, object] = {}
 
@@ -74,7 +76,9 @@ def _hf_value(
     if name not in hf_weights:
         raise KeyError(f"no HF weight names for parameter {name}; add it to the model's HF weight table")
     weight = hf_weights[name]
-    layers = [weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in weight.tensor_names(cfg.num_layers)]
+    layers = [
+        weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in weight.tensor_names(cfg.num_layers)
+    ]
     return np.stack(layers) if weight.per_layer else layers[0]
 
 

@@ -74,7 +74,9 @@ def _keys(row_index: int, ids: list[int] | tuple[int, ...]) -> np.ndarray:
     return np.fromiter(ids, np.int64, len(ids)) | (row_index << ROW_SHIFT)
 
 
-def pack_logit_rows(rows: list[LogitRow | None], num_seqs: int, entry_sizes: tuple[int, ...]) -> LogitAdjustments | None:
+def pack_logit_rows(
+    rows: list[LogitRow | None], num_seqs: int, entry_sizes: tuple[int, ...]
+) -> LogitAdjustments | None:
     """rows[s] for logits row s (None: no adjustment) -> numpy LogitAdjustments padded to the smallest of
     `entry_sizes` that holds every entry; None when no row adjusts (the logits program then skips the work).
 
@@ -164,6 +166,8 @@ def apply_logit_adjustments(logits: jax.Array, adj: LogitAdjustments, prev_ids: 
     values = logits.at[rows, token_ids].get(mode="fill", fill_value=0.0)
     penalty = per_entry(adj.repetition_penalty, 1.0)
     values = jnp.where(seen, jnp.where(values > 0, values / penalty, values * penalty), values)
-    values = values - (per_entry(adj.frequency_penalty, 0.0) * counts + per_entry(adj.presence_penalty, 0.0) * (counts > 0))
+    values = values - (
+        per_entry(adj.frequency_penalty, 0.0) * counts + per_entry(adj.presence_penalty, 0.0) * (counts > 0)
+    )
     values = jnp.where(banned, -jnp.inf, values + bias)
     return logits.at[rows, token_ids].set(values, mode="drop")

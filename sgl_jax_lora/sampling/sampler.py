@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
     temperature: jax.Array  # [S] f32   0 = greedy

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 # logit_bias and stop_token_ids name at most this many token ids: a request's logit adjustments then fit the
@@ -43,7 +42,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> added to its logit
 
     @classmethod
-    def from_dict(cls, raw: dict | None) -> "SamplingParams":
+    def from_dict(cls, raw: dict | None) -> SamplingParams:
         raw = dict(raw or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
@@ -101,9 +100,11 @@ class SamplingParams:
         if self.seed is not None:
             _check_type("seed", self.seed, int)
             if not INT64_RANGE[0] <= self.seed <= INT64_RANGE[1]:
-                raise SamplingParamsError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}")
+                raise SamplingParamsError(
+                    f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}"
+                )
         if not isinstance(self.logit_bias, dict):
-            raise SamplingParamsError("logit_bias must map token ids to numbers, e.g. {\"50256\": -100}")
+            raise SamplingParamsError('logit_bias must map token ids to numbers, e.g. {"50256": -100}')
         if len(self.logit_bias) > MAX_LOGIT_BIAS_IDS:
             raise SamplingParamsError(
                 f"logit_bias may name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(self.logit_bias)}; "

@@ -31,8 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=512, help="examples are truncated to this many tokens")
-    parser.add_argument("--target-modules", default=",".join(LORA_TARGET_MODULES),
-                        help=f"comma-separated, among {','.join(LORA_TARGET_MODULES)}")
+    parser.add_argument(
+        "--target-modules",
+        default=",".join(LORA_TARGET_MODULES),
+        help=f"comma-separated, among {','.join(LORA_TARGET_MODULES)}",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="base weights' dtype")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -54,9 +57,13 @@ def train(args: argparse.Namespace) -> list[float]:
     examples = read_examples(args.data, tokenizer, args.max_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = LoRATrainer(
-        args.model_path, rank=args.rank, lora_alpha=args.alpha if args.alpha is not None else 2.0 * args.rank,
+        args.model_path,
+        rank=args.rank,
+        lora_alpha=args.alpha if args.alpha is not None else 2.0 * args.rank,
         target_modules=tuple(m.strip() for m in args.target_modules.split(",") if m.strip()),
-        optimizer=optax.adamw(args.lr, weight_decay=0.0), dtype=args.dtype, seed=args.seed,
+        optimizer=optax.adamw(args.lr, weight_decay=0.0),
+        dtype=args.dtype,
+        seed=args.seed,
     )
     stream = batches(examples, args.batch_size, padded_length(examples), pad_id, args.seed)
     losses = []
@@ -67,8 +74,10 @@ def train(args: argparse.Namespace) -> list[float]:
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
     save_peft_adapter(trainer.lora, args.output_dir, os.path.abspath(args.model_path))
     written = save_curve(os.path.join(args.output_dir, "loss"), "loss", losses)
-    print(f"adapter written to {args.output_dir} ({len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f}); "
-          f"curve: {', '.join(written)}")
+    print(
+        f"adapter written to {args.output_dir} ({len(examples)} examples, loss {losses[0]:.4f} -> {losses[-1]:.4f}); "
+        f"curve: {', '.join(written)}"
+    )
     return losses
 
 

@@ -48,13 +48,15 @@ def examples_from_records(records: list[dict], tokenizer, max_len: int, source: 
 def _example(tokenizer, record: object, where: str, max_len: int) -> Example:
     if isinstance(record, dict) and isinstance(record.get("messages"), list) and record["messages"]:
         prompt_ids, completion_ids = _chat_ids(tokenizer, record["messages"], where)
-    elif isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+    elif (
+        isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)
+    ):
         prompt_ids = tokenizer.encode(record["prompt"], add_special_tokens=False)
         completion_ids = tokenizer.encode(record["completion"], add_special_tokens=False)
         if tokenizer.eos_token_id is not None:
             completion_ids = completion_ids + [tokenizer.eos_token_id]
     else:
-        raise ValueError(f"{where}: expected {{\"prompt\": str, \"completion\": str}} or {{\"messages\": [...]}}")
+        raise ValueError(f'{where}: expected {{"prompt": str, "completion": str}} or {{"messages": [...]}}')
     if not prompt_ids or not completion_ids:
         raise ValueError(f"{where}: the prompt and the completion must each have at least one token")
     ids = (prompt_ids + completion_ids)[:max_len]
@@ -75,7 +77,7 @@ def _chat_ids(tokenizer, messages: list, where: str) -> tuple[list[int], list[in
     if not full.startswith(prompt):
         raise ValueError(f"{where}: the chat template does not extend the prompt with the reply; use prompt/completion")
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return prompt_ids, tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+    return prompt_ids, tokenizer.encode(full[len(prompt) :], add_special_tokens=False)
 
 
 def padded_length(examples: list[Example], multiple: int = 16) -> int:

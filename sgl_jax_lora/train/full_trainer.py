@@ -38,7 +38,9 @@ class FullTrainer:
         self.graphdef, state = load_model_state(self.cfg, 1, 1, jnp.float32, mesh, lora=None)
         self.optimizer, self.loss = optimizer, loss
         # placed as the update returns them, so that the second step finds the first step's program
-        self.state, self.opt_state = jax.device_put((state, optimizer.init(state)), NamedSharding(mesh, PartitionSpec()))
+        self.state, self.opt_state = jax.device_put(
+            (state, optimizer.init(state)), NamedSharding(mesh, PartitionSpec())
+        )
         self._step = jax.jit(self._update, donate_argnames=("state", "opt_state"))
 
     def _update(self, state: nnx.State, opt_state, batch: dict) -> tuple[nnx.State, object, jax.Array]:
@@ -56,22 +58,32 @@ class FullTrainer:
 
     def hf_tensors(self) -> dict[str, np.ndarray]:
         """HF name -> float32 array ([out, in] linears, q/k/v and gate/up unpacked): what save_pretrained writes."""
-        flat = {tuple(str(p) for p in path): np.asarray(v.get_value(), np.float32)
-                for path, v in nnx.to_flat_state(self.state)}
-        tensors = {"model.embed_tokens.weight": flat[("embed_tokens", "embedding")],
-                   "model.norm.weight": flat[("norm", "scale")]}
+        flat = {
+            tuple(str(p) for p in path): np.asarray(v.get_value(), np.float32)
+            for path, v in nnx.to_flat_state(self.state)
+        }
+        tensors = {
+            "model.embed_tokens.weight": flat[("embed_tokens", "embedding")],
+            "model.norm.weight": flat[("norm", "scale")],
+        }
         if ("lm_head", "kernel") in flat:
             tensors["lm_head.weight"] = np.ascontiguousarray(flat[("lm_head", "kernel")].T)
         cfg = self.cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for layer in range(cfg.num_layers):
-            get = lambda module, leaf: flat[("layers", module, leaf)][layer]  # noqa: E731
+            get = lambda module, leaf, layer=layer: flat[("layers", module, leaf)][layer]  # noqa: E731
             q, k, v = np.split(get("qkv_proj", "kernel"), [q_size, q_size + kv_size], axis=1)
             gate, up = np.split(get("gate_up_proj", "kernel"), 2, axis=1)
             prefix = f"model.layers.{layer}."
-            for name, kernel in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
-                                 ("self_attn.o_proj", get("o_proj", "kernel")), ("mlp.gate_proj", gate),
-                                 ("mlp.up_proj", up), ("mlp.down_proj", get("down_proj", "kernel"))):
+            for name, kernel in (
+                ("self_attn.q_proj", q),
+                ("self_attn.k_proj", k),
+                ("self_attn.v_proj", v),
+                ("self_attn.o_proj", get("o_proj", "kernel")),
+                ("mlp.gate_proj", gate),
+                ("mlp.up_proj", up),
+                ("mlp.down_proj", get("down_proj", "kernel")),
+            ):
                 tensors[f"{prefix}{name}.weight"] = np.ascontiguousarray(kernel.T)
             tensors[prefix + "input_layernorm.weight"] = get("input_layernorm", "scale")
             tensors[prefix + "post_attention_layernorm.weight"] = get("post_attention_layernorm", "scale")

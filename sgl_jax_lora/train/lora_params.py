@@ -35,7 +35,9 @@ class LoRAParams:
 def check_target_modules(modules: list[str]) -> tuple[str, ...]:
     unknown = sorted(set(modules) - set(LORA_TARGET_MODULES))
     if unknown or not modules:
-        raise ValueError(f"--target-modules {unknown or modules} not supported; choose among {', '.join(LORA_TARGET_MODULES)}")
+        raise ValueError(
+            f"--target-modules {unknown or modules} not supported; choose among {', '.join(LORA_TARGET_MODULES)}"
+        )
     return tuple(m for m in LORA_TARGET_MODULES if m in modules)
 
 

@@ -57,8 +57,9 @@ class LoRATrainer:
         with open(os.path.join(model_path, "config.json")) as f:
             self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
         mesh = make_mesh(1)
-        self.graphdef, self.base_state = load_model_state(cfg, 1, 1, jnp.dtype(dtype), mesh, lora=None,
-                                                            load_format=load_format)
+        self.graphdef, self.base_state = load_model_state(
+            cfg, 1, 1, jnp.dtype(dtype), mesh, lora=None, load_format=load_format
+        )
         self.optimizer = optimizer if optimizer is not None else optax.adamw(1e-3, weight_decay=0.0)
         lora = init_lora_params(self.target_shapes, target_modules, rank, lora_alpha, seed)
         # placed as the update returns them, so that the second step finds the first step's program

@@ -60,7 +60,9 @@ class StartupProgress:
         self.desc = desc
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = self.stream.isatty() if is_tty is None else is_tty
-        self.interval_s = interval_s if interval_s is not None else (REDRAW_INTERVAL_S if self.is_tty else LOG_INTERVAL_S)
+        self.interval_s = (
+            interval_s if interval_s is not None else (REDRAW_INTERVAL_S if self.is_tty else LOG_INTERVAL_S)
+        )
         self.clock = clock
         self.start = clock()
         self.done = 0

@@ -13,6 +13,7 @@ import os
 import re
 
 import pytest
+
 from tests.support import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -87,7 +88,10 @@ def test_the_checker_sees_the_packages_classes():
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: os.path.relpath(p, REPO))
 def test_module_docstring_names_existing_code(path):
     missing = [
-        f"{cls}.{attr}" for cls, attr in REFERENCE.findall(module_docstring(path))
+        f"{cls}.{attr}"
+        for cls, attr in REFERENCE.findall(module_docstring(path))
         if cls in CLASSES and not has_attribute(CLASSES, cls, attr)
     ]
-    assert not missing, f"{os.path.relpath(path, REPO)}: its docstring names {missing}, which do not exist; name what the code has now"
+    assert not missing, (
+        f"{os.path.relpath(path, REPO)}: its docstring names {missing}, which do not exist; name what the code has now"
+    )

@@ -17,8 +17,8 @@ import signal
 import httpx
 import pytest
 
-from tests.support.http_helpers import start_server
 from tests.support import REPO_ROOT
+from tests.support.http_helpers import start_server
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -79,8 +79,11 @@ def test_the_doc_marks_its_generation_examples():
 def test_differences_catches_a_drifted_example():
     shown = {"id": "a", "text": "x", "meta_info": {"cached_tokens": 0, "n": 1}}
     assert differences(shown, {"id": "b", "text": "x", "meta_info": {"cached_tokens": 16, "n": 1}}) == []
-    assert sorted(differences(shown, {"id": "b", "text": "y", "meta_info": {"cached_tokens": 0, "n": 1, "extra": 2}})) == [
-        ".meta_info.extra: returned, not shown", ".text: shown 'x', got 'y'",
+    assert sorted(
+        differences(shown, {"id": "b", "text": "y", "meta_info": {"cached_tokens": 0, "n": 1, "extra": 2}})
+    ) == [
+        ".meta_info.extra: returned, not shown",
+        ".text: shown 'x', got 'y'",
     ]
 
 
@@ -95,4 +98,6 @@ def demo_server():
 def test_example_answers_as_shown(demo_server, path, body, shown):
     response = httpx.post(demo_server.url + path, content=json.dumps(body), timeout=120)  # as curl -d sends it
     assert response.status_code == 200, response.text
-    assert differences(shown, response.json()) == [], f"docs/http_api.md's example for {path} no longer matches; update it"
+    assert differences(shown, response.json()) == [], (
+        f"docs/http_api.md's example for {path} no longer matches; update it"
+    )

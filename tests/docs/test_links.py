@@ -11,19 +11,29 @@ import os
 import re
 
 import pytest
+
 from tests.support import REPO_ROOT
 
 REPO = REPO_ROOT
-MARKDOWN = sorted([os.path.join(REPO, "README.md"), *glob.glob(os.path.join(REPO, "docs", "*.md")),
-                   *glob.glob(os.path.join(REPO, "tpu_configs", "*.md"))])
-SOURCES = sorted(p for d in ("sgl_jax_lora", "pallas_kernels", "scripts", "tests")
-                 for p in glob.glob(os.path.join(REPO, d, "**", "*.py"), recursive=True))
+MARKDOWN = sorted(
+    [
+        os.path.join(REPO, "README.md"),
+        *glob.glob(os.path.join(REPO, "docs", "*.md")),
+        *glob.glob(os.path.join(REPO, "tpu_configs", "*.md")),
+    ]
+)
+SOURCES = sorted(
+    p
+    for d in ("sgl_jax_lora", "pallas_kernels", "scripts", "tests")
+    for p in glob.glob(os.path.join(REPO, d, "**", "*.py"), recursive=True)
+)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 SECTION_REF = re.compile(r'((?:docs/)?[a-z_]+\.md)[,:]? \(?"([^"]+)"')
 WORK_LOG = re.compile(r"session [0-9]|sessions [0-9]|\bS[0-9]+-D[0-9]+|\bS-D[0-9]|issue [0-9]|issues [0-9]", re.I)
 # Files that other engineers are rewriting, whose stale section names and work-log words the lead replaces (the
 # replacement text is in the branch's report). Remove a file once it is fixed; the tests then hold it.
 PENDING_ELSEWHERE: set[str] = set()
+
 
 def rel(path: str) -> str:
     return os.path.relpath(path, REPO)

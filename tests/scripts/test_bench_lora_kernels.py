@@ -10,6 +10,7 @@ import sys
 
 import jax
 import pytest
+
 from tests.support import REPO_ROOT
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
@@ -21,10 +22,28 @@ ROOT = REPO_ROOT
 def run_bench(tmp_path, *flags: str) -> dict:
     out = tmp_path / "bench.json"
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_lora_kernels.py"), "--grid", "goal", "--max-rows", "1",
-         "--backends", "einsum,bgmv", "--dim-divisor", "32", "--layers", "2", "--min-seconds", "0.01",
-         "--json", str(out), *flags],
-        check=True, capture_output=True, cwd=ROOT,
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_lora_kernels.py"),
+            "--grid",
+            "goal",
+            "--max-rows",
+            "1",
+            "--backends",
+            "einsum,bgmv",
+            "--dim-divisor",
+            "32",
+            "--layers",
+            "2",
+            "--min-seconds",
+            "0.01",
+            "--json",
+            str(out),
+            *flags,
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
     )
     return json.loads(out.read_text())
 

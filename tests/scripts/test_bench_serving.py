@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
 from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -30,9 +30,22 @@ NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 10, 8, 4
 def adapter_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_adapters")
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "make_adapters.py"), "--model", demo_model_path(),
-         "--out-dir", str(root), "--num-adapters", "3", "--rank-mix", "4,8", "--targets", "q_proj,v_proj,down_proj"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "make_adapters.py"),
+            "--model",
+            demo_model_path(),
+            "--out-dir",
+            str(root),
+            "--num-adapters",
+            "3",
+            "--rank-mix",
+            "4,8",
+            "--targets",
+            "q_proj,v_proj,down_proj",
+        ],
+        check=True,
+        capture_output=True,
     )
     return root
 
@@ -40,18 +53,44 @@ def adapter_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(adapter_root):
     # pages of 4 tokens: the 8-token prompts fill a page the prefix cache could serve, were a prompt sent twice
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2",
-                        "--page-size", "4"])
+    srv = start_server(
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--lora-allowed-dirs",
+            str(adapter_root),
+            "--max-loras-per-batch",
+            "2",
+            "--page-size",
+            "4",
+        ]
+    )
     yield srv
     srv.stop(signal.SIGKILL)
 
 
 def run_bench(server, adapter_root, out, *flags: str) -> dict:
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--url", server.url,
-         "--num-requests", str(NUM_REQUESTS), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
-         "--adapter-dir", str(adapter_root), "--out", str(out), *flags],
-        capture_output=True, text=True, timeout=600, env=server_env(),
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_serving.py"),
+            "--url",
+            server.url,
+            "--num-requests",
+            str(NUM_REQUESTS),
+            "--input-len",
+            str(INPUT_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--adapter-dir",
+            str(adapter_root),
+            "--out",
+            str(out),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=server_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| adapters | popularity |" in done.stdout  # the printed table
@@ -60,11 +99,23 @@ def run_bench(server, adapter_root, out, *flags: str) -> dict:
 
 
 def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
-    result = run_bench(server, adapter_root, tmp_path / "r.json", "--num-adapters", "0,3:skewed,3:distinct",
-                       "--request-rate", "200", "--warmup-requests", "2")
+    result = run_bench(
+        server,
+        adapter_root,
+        tmp_path / "r.json",
+        "--num-adapters",
+        "0,3:skewed,3:distinct",
+        "--request-rate",
+        "200",
+        "--warmup-requests",
+        "2",
+    )
     base, skewed, distinct = result["scenarios"]
     assert [(s["num_adapters"], s["popularity"]) for s in result["scenarios"]] == [
-        (0, "distinct"), (3, "skewed"), (3, "distinct")]
+        (0, "distinct"),
+        (3, "skewed"),
+        (3, "distinct"),
+    ]
     for scenario in (base, skewed, distinct):
         assert scenario["num_requests"] == NUM_REQUESTS
         assert scenario["total_input_tokens"] == NUM_REQUESTS * INPUT_LEN
@@ -75,7 +126,8 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
         assert scenario["output_tok_per_s"] > 0 and scenario["engine"]["compilations"] == 0
         assert scenario["engine"]["prefix_cache_hit_tokens"] == 0  # fresh prompts in every run: compute is measured
         assert scenario["ratio_to_base_throughput"] == pytest.approx(
-            scenario["output_tok_per_s"] / base["output_tok_per_s"])
+            scenario["output_tok_per_s"] / base["output_tok_per_s"]
+        )
         decode_rows = sum(kind["decode_tokens"] for kind in scenario["engine"]["step_stats"].values())
         assert decode_rows >= NUM_REQUESTS * (OUTPUT_LEN - 1)  # the first token comes from the prefill
     assert base["engine"]["lora"]["device_misses"] == 0
@@ -87,12 +139,22 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
 
 def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
     baseline = run_bench(server, adapter_root, tmp_path / "base.json", "--num-adapters", "0")
-    lora = run_bench(server, adapter_root, tmp_path / "lora.json", "--num-adapters", "2,1",
-                     "--baseline", str(tmp_path / "base.json"), "--repeats", "3")
+    lora = run_bench(
+        server,
+        adapter_root,
+        tmp_path / "lora.json",
+        "--num-adapters",
+        "2,1",
+        "--baseline",
+        str(tmp_path / "base.json"),
+        "--repeats",
+        "3",
+    )
     # --repeats 3: each scenario measured three times (in rounds over both), the median run reported
     for scenario in lora["scenarios"]:
         assert scenario["ratio_to_base_throughput"] == pytest.approx(
-            scenario["output_tok_per_s"] / baseline["scenarios"][0]["output_tok_per_s"])
+            scenario["output_tok_per_s"] / baseline["scenarios"][0]["output_tok_per_s"]
+        )
         repeats = scenario["repeats_output_tok_per_s"]
         assert len(repeats) == 3 and scenario["output_tok_per_s"] == sorted(repeats)[1]
         assert scenario["total_output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
@@ -101,9 +163,22 @@ def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
 
 def test_too_many_adapters_is_a_clear_error(server, adapter_root, tmp_path):
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--url", server.url,
-         "--num-requests", "2", "--num-adapters", "5", "--adapter-dir", str(adapter_root)],
-        capture_output=True, text=True, timeout=300, env=server_env(),
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_serving.py"),
+            "--url",
+            server.url,
+            "--num-requests",
+            "2",
+            "--num-adapters",
+            "5",
+            "--adapter-dir",
+            str(adapter_root),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=server_env(),
     )
     assert done.returncode != 0 and "--num-adapters 5: the server has only 3 adapters" in done.stderr
 
@@ -112,11 +187,32 @@ def test_offline_engine_mode(adapter_root, tmp_path):
     """Without --url the benchmark builds an offline Engine from the flags after `--` (what the GPU runs use)."""
     out = tmp_path / "offline.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--num-requests", "4",
-         "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--num-adapters", "0,2",
-         "--adapter-dir", str(adapter_root), "--out", str(out),
-         "--", *SMALL_ENGINE_FLAGS, "--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2"],
-        capture_output=True, text=True, timeout=600, env=server_env(),
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_serving.py"),
+            "--num-requests",
+            "4",
+            "--input-len",
+            str(INPUT_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--num-adapters",
+            "0,2",
+            "--adapter-dir",
+            str(adapter_root),
+            "--out",
+            str(out),
+            "--",
+            *SMALL_ENGINE_FLAGS,
+            "--lora-allowed-dirs",
+            str(adapter_root),
+            "--max-loras-per-batch",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=server_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out) as f:

@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
-import pytest
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -20,11 +21,36 @@ ROOT = REPO_ROOT
 
 def test_serial_and_threaded_warmups_lower_the_same_programs(tmp_path):
     out = tmp_path / "startup.json"
-    engine_flags = ["--model-path", demo_model_path(), "--dtype", "float32", "--context-length", "256",
-                    "--max-running-requests", "8", "--chunked-prefill-size", "32",
-                    "--token-buckets", "16", "32"]
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_startup.py"), "--threads", "1,2",
-                    "--out", str(out), "--", *engine_flags], check=True, cwd=ROOT, timeout=600)
+    engine_flags = [
+        "--model-path",
+        demo_model_path(),
+        "--dtype",
+        "float32",
+        "--context-length",
+        "256",
+        "--max-running-requests",
+        "8",
+        "--chunked-prefill-size",
+        "32",
+        "--token-buckets",
+        "16",
+        "32",
+    ]
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_startup.py"),
+            "--threads",
+            "1,2",
+            "--out",
+            str(out),
+            "--",
+            *engine_flags,
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [r["threads"] for r in runs] == [1, 2]
     assert all(r["warmup_s"] > 0 for r in runs)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -16,9 +17,27 @@ def test_tiny_run_times_both_paths_on_the_same_weights_and_cleans_up(tmp_path):
     out = tmp_path / "startup_orbax.json"
     work = tmp_path / "work"
     work.mkdir()
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_startup_orbax.py"), "--preset", "tiny",
-                    "--repeats", "1", "--caches", "warm", "--num-shards", "2", "--work-dir", str(work), "--out", str(out)],
-                   check=True, cwd=ROOT, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_startup_orbax.py"),
+            "--preset",
+            "tiny",
+            "--repeats",
+            "1",
+            "--caches",
+            "warm",
+            "--num-shards",
+            "2",
+            "--work-dir",
+            str(work),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert result["checksums_agree"]
     assert [(r["path"], r["cache"]) for r in result["runs"]] == [("hf", "warm"), ("orbax", "warm")]

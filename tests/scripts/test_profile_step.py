@@ -11,7 +11,13 @@ import pytest
 
 import scripts.profile_step as profile_step
 from scripts.profile_step import (
-    device_ops, layer_period_us, split_forwards, span_us, summarize_trace, timed, timeline,
+    device_ops,
+    layer_period_us,
+    span_us,
+    split_forwards,
+    summarize_trace,
+    timed,
+    timeline,
 )
 
 
@@ -31,10 +37,16 @@ def write_trace(directory, ops: list[tuple[str, float, float, int]]) -> None:
 
 
 def test_forwards_split_at_host_gaps_and_span_counts_overlap_once(tmp_path):
-    write_trace(tmp_path, [
-        ("gemm", 0.0, 10.0, 7), ("shrink", 2.0, 25.0, 9), ("expand", 12.0, 5.0, 7),  # shrink overlaps both
-        ("gemm", 1000.0, 10.0, 7), ("expand", 1011.0, 5.0, 7),
-    ])
+    write_trace(
+        tmp_path,
+        [
+            ("gemm", 0.0, 10.0, 7),
+            ("shrink", 2.0, 25.0, 9),
+            ("expand", 12.0, 5.0, 7),  # shrink overlaps both
+            ("gemm", 1000.0, 10.0, 7),
+            ("expand", 1011.0, 5.0, 7),
+        ],
+    )
     ops = device_ops(str(tmp_path))
     assert [op["name"] for op in ops] == ["gemm", "shrink", "expand", "gemm", "expand"]
     forwards = split_forwards(ops)

@@ -7,8 +7,10 @@ import csv
 import os
 import subprocess
 import sys
-from tests.support import REPO_ROOT
+
 import pytest
+
+from tests.support import REPO_ROOT
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -18,8 +20,25 @@ ROOT = REPO_ROOT
 
 def test_reinforce_raises_the_reward_with_updates_in_place(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "rl_lora.py"), "--steps", "10", "--seed", "0", "--samples-per-prompt", "16",
-                             "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "rl_lora.py"),
+            "--steps",
+            "10",
+            "--seed",
+            "0",
+            "--samples-per-prompt",
+            "16",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "engine compilations after warmup: 0" in result.stdout
     assert "sampled by adapter version 10" in result.stdout  # each step sampled from the version the last one pushed

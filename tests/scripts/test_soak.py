@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
 from tests.support.peft_fixtures import write_peft_adapter
-
-from sgl_jax_lora.demo_model import demo_model_path
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -27,10 +27,31 @@ SCRIPT = Path(REPO_ROOT) / "scripts" / "soak.py"
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
-    dirs = [str(write_peft_adapter(demo_model_path(), root / f"c{i}", seed=i, r=4, lora_alpha=8,
-                                   target_modules=["q_proj", "v_proj"], b_std=0.5)) for i in range(4)]
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-paths", f"a0={dirs[0]}", "--lora-allowed-dirs", str(root),
-                        "--max-loras-per-batch", "2"])
+    dirs = [
+        str(
+            write_peft_adapter(
+                demo_model_path(),
+                root / f"c{i}",
+                seed=i,
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj", "v_proj"],
+                b_std=0.5,
+            )
+        )
+        for i in range(4)
+    ]
+    srv = start_server(
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--lora-paths",
+            f"a0={dirs[0]}",
+            "--lora-allowed-dirs",
+            str(root),
+            "--max-loras-per-batch",
+            "2",
+        ]
+    )
     yield srv, dirs
     srv.stop(signal.SIGKILL)
 
@@ -39,11 +60,34 @@ def test_short_soak_passes(lora_server, tmp_path):
     srv, dirs = lora_server
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--url", srv.url, "--duration-s", "20", "--clients", "4", "--churn-period-s", "3",
-         "--adapter-dirs", *dirs[1:], "--out", str(out), "--warmup-s", "5", "--rss-period-s", "4",
-         # the time and memory goals are for long soaks on a quiet machine: a test asserts no timing
-         "--max-health-p99-s", "1000", "--max-rss-growth-pct", "1000"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--url",
+            srv.url,
+            "--duration-s",
+            "20",
+            "--clients",
+            "4",
+            "--churn-period-s",
+            "3",
+            "--adapter-dirs",
+            *dirs[1:],
+            "--out",
+            str(out),
+            "--warmup-s",
+            "5",
+            "--rss-period-s",
+            "4",
+            # the time and memory goals are for long soaks on a quiet machine: a test asserts no timing
+            "--max-health-p99-s",
+            "1000",
+            "--max-rss-growth-pct",
+            "1000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())

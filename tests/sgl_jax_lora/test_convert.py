@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.support.peft_fixtures import write_peft_adapter
 from sgl_jax_lora import Engine
 from sgl_jax_lora.convert import convert, main
 from sgl_jax_lora.demo_model import demo_model_path
@@ -25,10 +24,17 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.models.orbax_checkpoint import METADATA_FILE, WEIGHTS_DIR
 from sgl_jax_lora.models.weight_loader import load_model_state
+from tests.support.peft_fixtures import write_peft_adapter
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6}
-SMALL = dict(context_length=128, max_running_requests=8, chunked_prefill_size=32, max_prefill_seqs=4, token_buckets=[16],
-             skip_precompile=True)
+SMALL = dict(
+    context_length=128,
+    max_running_requests=8,
+    chunked_prefill_size=32,
+    max_prefill_seqs=4,
+    token_buckets=[16],
+    skip_precompile=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +45,22 @@ def converted(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # main() sets JAX_PLATFORMS and XLA_FLAGS for itself
         env.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
         env.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-        main(["--model-path", demo_model_path(), "--output-dir", str(root / "tp4"), "--tp-size", "4", "--dtype", "float32"])
+        main(
+            [
+                "--model-path",
+                demo_model_path(),
+                "--output-dir",
+                str(root / "tp4"),
+                "--tp-size",
+                "4",
+                "--dtype",
+                "float32",
+            ]
+        )
     dirs[4] = str(root / "tp4")
-    adapter = write_peft_adapter(demo_model_path(), root / "adapter", seed=1, r=8, lora_alpha=16, target_modules="all-linear")
+    adapter = write_peft_adapter(
+        demo_model_path(), root / "adapter", seed=1, r=8, lora_alpha=16, target_modules="all-linear"
+    )
     return dirs, str(adapter)
 
 
@@ -49,8 +68,13 @@ def serve(model_path: str, tp: int, adapter: str) -> list[dict]:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 400, size=n).tolist() for n in (9, 14, 5)]
     with Engine(model_path=model_path, dtype="float32", tp_size=tp, lora_paths={"a": adapter}, **SMALL) as engine:
-        return engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=["a", None, "a"],
-                               return_logprob=True, logprob_start_len=0)
+        return engine.generate(
+            input_ids=prompts,
+            sampling_params=GREEDY,
+            lora_path=["a", None, "a"],
+            return_logprob=True,
+            logprob_start_len=0,
+        )
 
 
 def logprobs(result: dict, key: str) -> tuple[list[int], np.ndarray]:
@@ -106,9 +130,14 @@ def restore(path: str, tp: int, dtype=jnp.float32):
 
 def test_serving_at_another_tp_size_or_dtype_names_the_flag_and_the_command(converted):
     dirs, _ = converted
-    with pytest.raises(ModelConfigError, match=r"converted for --tp-size 1 .*not --tp-size 2.*python -m sgl_jax_lora.convert .*--tp-size 2"):
+    with pytest.raises(
+        ModelConfigError,
+        match=r"converted for --tp-size 1 .*not --tp-size 2.*python -m sgl_jax_lora.convert .*--tp-size 2",
+    ):
         restore(dirs[1], 2)
-    with pytest.raises(ModelConfigError, match=r"float32 weights but --dtype is bfloat16; serve it with --dtype float32"):
+    with pytest.raises(
+        ModelConfigError, match=r"float32 weights but --dtype is bfloat16; serve it with --dtype float32"
+    ):
         restore(dirs[1], 1, jnp.bfloat16)
 
 
@@ -118,12 +147,15 @@ def copy_of(path: str, tmp_path) -> str:
     return target
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("garbage", r"not valid JSON .*convert the HF model again: python -m sgl_jax_lora.convert"),
-    ("missing", r"no sgl_jax_lora_checkpoint.json: the conversion did not finish"),
-    ("no_tp", r"lacks or garbles dtype, tp_size"),
-    ("version", r"format version 99; this engine reads version 1"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("garbage", r"not valid JSON .*convert the HF model again: python -m sgl_jax_lora.convert"),
+        ("missing", r"no sgl_jax_lora_checkpoint.json: the conversion did not finish"),
+        ("no_tp", r"lacks or garbles dtype, tp_size"),
+        ("version", r"format version 99; this engine reads version 1"),
+    ],
+)
 def test_damaged_metadata_is_reported_with_the_fix(converted, tmp_path, damage, message):
     path = copy_of(converted[0][1], tmp_path)
     meta_file = os.path.join(path, METADATA_FILE)
@@ -131,8 +163,11 @@ def test_damaged_metadata_is_reported_with_the_fix(converted, tmp_path, damage, 
     if damage == "missing":
         os.remove(meta_file)
     else:
-        text = {"garbage": '{"format": "sgl_ja', "no_tp": json.dumps({k: v for k, v in meta.items() if k != "tp_size"}),
-                "version": json.dumps({**meta, "format_version": 99})}[damage]
+        text = {
+            "garbage": '{"format": "sgl_ja',
+            "no_tp": json.dumps({k: v for k, v in meta.items() if k != "tp_size"}),
+            "version": json.dumps({**meta, "format_version": 99}),
+        }[damage]
         with open(meta_file, "w") as f:
             f.write(text)
     with pytest.raises(ModelConfigError, match=message):

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.support.model_fixtures import load_hf_model
-from tests.support.peft_fixtures import load_peft_model
 from sgl_jax_lora import Engine
 from sgl_jax_lora.demo.corpus import pirate
 from sgl_jax_lora.demo_model import ADAPTER_NAMES, demo_adapter_paths, demo_model_path
 from tests.support import REPO_ROOT
+from tests.support.model_fixtures import load_hf_model
+from tests.support.peft_fixtures import load_peft_model
 
 ROOT = REPO_ROOT
 QUESTION = "What is the capital of France?"
@@ -31,7 +31,9 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -43,15 +45,22 @@ def hf_greedy(model, ids: list[int], eos_id: int) -> list[int]:
             generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
             if generated[-1] == eos_id:
                 break
-    return generated[len(ids):]
+    return generated[len(ids) :]
 
 
 @pytest.fixture(scope="module")
 def demo():
     """(tokenizer, {None | adapter name: [output_ids per question]}) from one engine serving base and both adapters."""
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    engine = Engine(model_path=demo_model_path(), dtype="float32", lora_paths=demo_adapter_paths(),
-                    skip_precompile=True, context_length=128, max_running_requests=8, chunked_prefill_size=64)
+    engine = Engine(
+        model_path=demo_model_path(),
+        dtype="float32",
+        lora_paths=demo_adapter_paths(),
+        skip_precompile=True,
+        context_length=128,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+    )
     try:
         ids = [chat_ids(tokenizer, q) for q in QUESTIONS]
         outputs = {}
@@ -79,7 +88,11 @@ def test_engine_matches_hf_and_peft_on_the_demo_model_and_adapters(demo):
     tokenizer, outputs = demo
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for name in (None, *ADAPTER_NAMES):
-        model = load_hf_model(demo_model_path()) if name is None else load_peft_model(demo_model_path(), demo_adapter_paths()[name])
+        model = (
+            load_hf_model(demo_model_path())
+            if name is None
+            else load_peft_model(demo_model_path(), demo_adapter_paths()[name])
+        )
         for question, ours in zip(QUESTIONS, outputs[name]):
             assert ours == hf_greedy(model, chat_ids(tokenizer, question), eos_id), (name, question)
 
@@ -96,14 +109,35 @@ def test_base_gives_its_corpus_answer_and_the_adapters_restyle_it(demo):
 @pytest.mark.slow
 def test_train_demo_script_runs_end_to_end(tmp_path):
     """A few steps of each stage into a temporary directory: the files the package ships, loadable by HF + PEFT."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_demo.py"), "--out-dir", str(tmp_path),
-                             "--base-steps", "2", "--adapter-steps", "2", "--eval-questions", "2"],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "train_demo.py"),
+            "--out-dir",
+            str(tmp_path),
+            "--base-steps",
+            "2",
+            "--adapter-steps",
+            "2",
+            "--eval-questions",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for stage in ("base", *ADAPTER_NAMES):
-        assert f"{stage}: step 2/2" in result.stdout and re.search(rf"{stage}: \d/2 corpus answers exact", result.stdout)
+        assert f"{stage}: step 2/2" in result.stdout and re.search(
+            rf"{stage}: \d/2 corpus answers exact", result.stdout
+        )
     model_dir = tmp_path / "model"
-    assert sorted(os.listdir(model_dir)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(model_dir)) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     for name in ADAPTER_NAMES:
         model = load_peft_model(model_dir, tmp_path / "adapters" / name)
         assert model(torch.tensor([[2, 3, 4]])).logits.shape[-1] == len(AutoTokenizer.from_pretrained(str(model_dir)))

@@ -12,10 +12,10 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from sgl_jax_lora import Engine
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 ENGINE_ARGS = dict(
@@ -61,7 +61,9 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int) -> tuple[list[int]
 @pytest.mark.parametrize("length", [5, 40, 75])  # 40 and 75 exceed the 32-token chunk: chunked prefill
 def test_greedy_and_prompt_logprobs_match_hf(engine, model_dir, length):
     ids = prompts(1, length, seed=length)[0]
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, **GREEDY}, return_logprob=True, logprob_start_len=0)
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 12, **GREEDY}, return_logprob=True, logprob_start_len=0
+    )
     ref_tokens, ref_logprobs = hf_greedy(model_dir, ids, 12)
     assert out["output_ids"] == ref_tokens
     input_lp = out["meta_info"]["input_token_logprobs"]
@@ -75,7 +77,9 @@ def test_prefill_then_decode_equals_one_full_forward(engine):
     first = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY}, return_logprob=True)
     decoded = first["meta_info"]["output_token_logprobs"]
     full = engine.generate(
-        input_ids=ids + first["output_ids"], sampling_params={"max_new_tokens": 1, **GREEDY}, return_logprob=True,
+        input_ids=ids + first["output_ids"],
+        sampling_params={"max_new_tokens": 1, **GREEDY},
+        return_logprob=True,
         logprob_start_len=len(ids),
     )
     recomputed = full["meta_info"]["input_token_logprobs"]
@@ -97,28 +101,47 @@ def test_request_alone_equals_request_in_batch(engine):
 
 def test_seeded_sampling_is_reproducible_and_batch_invariant(engine):
     ids = prompts(1, 8, seed=9)[0]
-    params = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "seed": 1234, "ignore_eos": True}
+    params = {
+        "max_new_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "min_p": 0.01,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
     alone = engine.generate(input_ids=ids, sampling_params=params)
-    mixed = engine.generate(input_ids=[ids] + prompts(3, 12, seed=4), sampling_params=[params] + [{"max_new_tokens": 5, **GREEDY}] * 3)
+    mixed = engine.generate(
+        input_ids=[ids] + prompts(3, 12, seed=4), sampling_params=[params] + [{"max_new_tokens": 5, **GREEDY}] * 3
+    )
     other_seed = engine.generate(input_ids=ids, sampling_params={**params, "seed": 99})
     assert alone["output_ids"] == mixed[0]["output_ids"]
     assert alone["output_ids"] != other_seed["output_ids"]
-    top1 = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "ignore_eos": True})
+    top1 = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "ignore_eos": True}
+    )
     greedy = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY})
     assert top1["output_ids"] == greedy["output_ids"]
 
 
 def test_top_logprobs_and_penalties(engine):
     ids = prompts(1, 10, seed=11)[0]
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, return_logprob=True, logprob_start_len=0,
-                          top_logprobs_num=3)
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 4, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+    )
     meta = out["meta_info"]
     for (lp, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
         assert len(top) == 3 and top[0][1] == token and abs(top[0][0] - lp) < 1e-6
         assert top[0][0] >= top[1][0] >= top[2][0]
     assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 3
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, **GREEDY})
-    penalized = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, "repetition_penalty": 5.0, **GREEDY})
+    penalized = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 24, "repetition_penalty": 5.0, **GREEDY}
+    )
     assert len(set(penalized["output_ids"])) >= len(set(plain["output_ids"]))
     assert penalized["output_ids"] != plain["output_ids"]
     presence = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, "presence_penalty": 2.0, **GREEDY})
@@ -151,15 +174,18 @@ def test_logit_bias(engine):
     forced_id = next(t for t in range(3, 100) if t not in plain["output_ids"])
     forced, neighbour = engine.generate(
         input_ids=[ids, ids],
-        sampling_params=[{"max_new_tokens": 6, "logit_bias": {str(forced_id): 100}, **GREEDY},
-                         {"max_new_tokens": 6, **GREEDY}],
+        sampling_params=[
+            {"max_new_tokens": 6, "logit_bias": {str(forced_id): 100}, **GREEDY},
+            {"max_new_tokens": 6, **GREEDY},
+        ],
         return_logprob=True,
     )
     assert forced["output_ids"] == [forced_id] * 6
     assert all(lp > -1e-3 for lp, _ in forced["meta_info"]["output_token_logprobs"])
     assert neighbour["output_ids"] == plain["output_ids"]
-    banned = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, "logit_bias": {plain["output_ids"][0]: -100},
-                                                             **GREEDY})
+    banned = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 6, "logit_bias": {plain["output_ids"][0]: -100}, **GREEDY}
+    )
     assert banned["output_ids"][0] != plain["output_ids"][0]
 
 
@@ -177,8 +203,9 @@ def test_min_new_tokens_holds_back_stop_and_eos(engine, model_dir):
     assert len(held["output_ids"]) == 4 and held["output_ids"][-1] == eos and eos not in held["output_ids"][:3]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY})
     stop_id = plain["output_ids"][0]
-    stopped = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "stop_token_ids": [stop_id],
-                                                              "min_new_tokens": 5, **GREEDY})
+    stopped = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 8, "stop_token_ids": [stop_id], "min_new_tokens": 5, **GREEDY}
+    )
     assert stop_id not in stopped["output_ids"][:5] and len(stopped["output_ids"]) >= 5
 
 
@@ -196,8 +223,9 @@ def test_prefix_cache_reuses_pages_of_finished_requests(engine, model_dir):
     turn = engine.generate(input_ids=follow_up, sampling_params={"max_new_tokens": 6, **GREEDY})
     assert turn["meta_info"]["cached_tokens"] == 64
     assert turn["output_ids"] == hf_greedy(model_dir, follow_up, 6)[0]
-    scored = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY}, return_logprob=True,
-                             logprob_start_len=0)
+    scored = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 1, **GREEDY}, return_logprob=True, logprob_start_len=0
+    )
     assert scored["meta_info"]["cached_tokens"] == 0  # prompt logprobs need every position computed
 
 
@@ -205,7 +233,9 @@ def test_stop_token_ids_and_stop_strings(engine):
     ids = prompts(1, 10, seed=12)[0]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, **GREEDY})
     stop_token = plain["output_ids"][3]
-    stopped = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, "stop_token_ids": [stop_token], **GREEDY})
+    stopped = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 10, "stop_token_ids": [stop_token], **GREEDY}
+    )
     first = plain["output_ids"].index(stop_token)
     assert stopped["output_ids"] == plain["output_ids"][: first + 1]
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
@@ -224,12 +254,17 @@ def test_a_stop_string_ends_each_sample_and_frees_its_pages(engine):
     ids = prompts(1, 10, seed=12)[0]
     plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 160, **GREEDY})
     text, tokenizer = plain["text"], engine.tokenizer_manager.tokenizer
-    start = next(i for i in range(len(text) // 8, len(text)) if "\ufffd" not in text[i : i + 3] and text[i : i + 3].strip())
+    start = next(
+        i for i in range(len(text) // 8, len(text)) if "\ufffd" not in text[i : i + 3] and text[i : i + 3].strip()
+    )
     stop = text[start : start + 3]
     k = next(k for k in range(160) if stop in tokenizer.decode(plain["output_ids"][: k + 1]))
     assert k < 150, "the stop string comes early"
-    samples = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 160, "stop": ["never", stop], "n": 3, **GREEDY},
-                              return_logprob=True)
+    samples = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 160, "stop": ["never", stop], "n": 3, **GREEDY},
+        return_logprob=True,
+    )
     for sample in samples:
         meta = sample["meta_info"]
         assert sample["text"] == text[: text.find(stop)] and meta["finish_reason"] == {"type": "stop", "matched": stop}
@@ -245,7 +280,9 @@ def test_n_samples_are_the_seeded_single_requests(engine):
     batch = prompts(2, 6, seed=3)
     params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 40, "ignore_eos": True}
     samples = engine.generate(input_ids=batch, sampling_params={**params, "n": 3})
-    alone = [engine.generate(input_ids=ids, sampling_params={**params, "seed": 40 + j}) for ids in batch for j in range(3)]
+    alone = [
+        engine.generate(input_ids=ids, sampling_params={**params, "seed": 40 + j}) for ids in batch for j in range(3)
+    ]
     assert [r["output_ids"] for r in samples] == [r["output_ids"] for r in alone]
     one_prompt = engine.generate(input_ids=batch[0], sampling_params={**params, "n": 2})
     assert [r["output_ids"] for r in one_prompt] == [r["output_ids"] for r in alone[:2]]
@@ -255,7 +292,10 @@ def test_n_samples_are_the_seeded_single_requests(engine):
     "kwargs, message",
     [
         (dict(input_ids=[5], sampling_params={"n": 0}), "n must be an integer between 1 and 128, got 0"),
-        (dict(input_ids=[[5], [6]], sampling_params=[{"n": 2}, {}]), r"n must be the same for every prompt of a batch, got \[2, 1\]"),
+        (
+            dict(input_ids=[[5], [6]], sampling_params=[{"n": 2}, {}]),
+            r"n must be the same for every prompt of a batch, got \[2, 1\]",
+        ),
         (dict(prompt=""), "prompt is empty"),
         (dict(input_ids=[]), "prompt is empty"),
         (dict(input_ids=[5] * 300), "context length is 256"),
@@ -268,11 +308,23 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], top_logprobs_num=50), "top_logprobs_num"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"7": 101}}), r"logit_bias\[7\] must be in \[-100, 100\]"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"seven": 1}}), "logit_bias keys must be token ids"),
-        (dict(input_ids=[5], sampling_params={"logit_bias": {"99999": 1}}), "logit_bias names token ids outside the vocabulary"),
+        (
+            dict(input_ids=[5], sampling_params={"logit_bias": {"99999": 1}}),
+            "logit_bias names token ids outside the vocabulary",
+        ),
         (dict(input_ids=[5], sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
-        (dict(input_ids=[5], sampling_params={"logit_bias": {t: 1 for t in range(1025)}}), "logit_bias may name at most 1024 token ids, got 1025"),
-        (dict(input_ids=[5], sampling_params={"stop_token_ids": list(range(65))}), "stop_token_ids may name at most 64 token ids, got 65"),
-        (dict(input_ids=[5], sampling_params={"max_new_tokens": 4, "min_new_tokens": 5}), r"min_new_tokens must be in \[0, max_new_tokens = 4\]"),
+        (
+            dict(input_ids=[5], sampling_params={"logit_bias": {t: 1 for t in range(1025)}}),
+            "logit_bias may name at most 1024 token ids, got 1025",
+        ),
+        (
+            dict(input_ids=[5], sampling_params={"stop_token_ids": list(range(65))}),
+            "stop_token_ids may name at most 64 token ids, got 65",
+        ),
+        (
+            dict(input_ids=[5], sampling_params={"max_new_tokens": 4, "min_new_tokens": 5}),
+            r"min_new_tokens must be in \[0, max_new_tokens = 4\]",
+        ),
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
     ],
 )
@@ -286,8 +338,13 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(engine, kwargs, messa
 def test_no_compilation_after_warmup(engine):
     # Every composition above ran in compiled buckets; one more varied mix to be sure.
     mix = prompts(8, 3, seed=13)
-    engine.generate(input_ids=mix, sampling_params=[{"max_new_tokens": 3 + i, "temperature": 0.7 * (i % 2)} for i in range(8)],
-                    return_logprob=True, logprob_start_len=1, top_logprobs_num=2)
+    engine.generate(
+        input_ids=mix,
+        sampling_params=[{"max_new_tokens": 3 + i, "temperature": 0.7 * (i % 2)} for i in range(8)],
+        return_logprob=True,
+        logprob_start_len=1,
+        top_logprobs_num=2,
+    )
     info = engine.get_server_info()
     assert info["num_compilations_after_warmup"] == 0
     assert info["kv_pages_used"] == 0
@@ -297,7 +354,9 @@ def test_parallel_warmup_compiles_each_program_once(model_dir):
     # Forward programs compile on a thread pool through lower().compile(); the warmup's own forwards must then
     # find them in jit's cache. Were they lowered again, the threaded warmup would count one more per program.
     def lowerings_in_warmup(threads: int) -> tuple[int, int]:
-        args = ServerArgs(model_path=str(model_dir), skip_precompile=True, warmup_compile_threads=threads, **ENGINE_ARGS)
+        args = ServerArgs(
+            model_path=str(model_dir), skip_precompile=True, warmup_compile_threads=threads, **ENGINE_ARGS
+        )
         core = EngineCore(args, str(model_dir))
         before = core.compile_counter.count
         core.runner.warmup(core.buckets, lambda num_tokens: [None], progress=tqdm)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
-from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 from sgl_jax_lora import Engine
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
+from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SMALL = dict(
@@ -32,9 +32,16 @@ pytestmark = pytest.mark.slow
 # Four adapters of different ranks, alphas and target forms.
 ADAPTER_FORMS = {
     "all_linear_r8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
-    "qv_rslora_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True, layers_to_transform=[0]),
-    "pattern_r16": dict(r=16, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
-                        rank_pattern={"o_proj": 4}, alpha_pattern={"down_proj": 32}),
+    "qv_rslora_r4": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True, layers_to_transform=[0]
+    ),
+    "pattern_r16": dict(
+        r=16,
+        lora_alpha=8,
+        target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"],
+        rank_pattern={"o_proj": 4},
+        alpha_pattern={"down_proj": 32},
+    ),
     "regex_r2": dict(r=2, lora_alpha=4, target_modules=r".*\.1\.(mlp\.up_proj|self_attn\.q_proj)"),
 }
 
@@ -43,7 +50,10 @@ ADAPTER_FORMS = {
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = make_hf_model_dir(root / "base", "llama", seed=3)
-    adapters = {name: write_peft_adapter(base, root / name, seed=i + 1, **form) for i, (name, form) in enumerate(ADAPTER_FORMS.items())}
+    adapters = {
+        name: write_peft_adapter(base, root / name, seed=i + 1, **form)
+        for i, (name, form) in enumerate(ADAPTER_FORMS.items())
+    }
     return base, adapters
 
 
@@ -79,8 +89,15 @@ def prompt(seed: int, length: int = 14) -> list[int]:
 @pytest.fixture(scope="module")
 def engine(setup):
     base, adapters = setup
-    eng = Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
-                 max_loras_per_batch=2, lora_backend="sgmv", skip_precompile=True, **SMALL)
+    eng = Engine(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        lora_backend="sgmv",
+        skip_precompile=True,
+        **SMALL,
+    )
     yield eng
     eng.shutdown()
 
@@ -89,12 +106,22 @@ def test_heterogeneous_batch_matches_peft_with_fewer_slots_than_adapters(engine,
     base, adapters = setup
     names = list(adapters) + [None, None]
     ids = [prompt(i) for i in range(len(names))]
-    outs = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY}, lora_path=names,
-                           return_logprob=True, logprob_start_len=0)
+    outs = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 8, **GREEDY},
+        lora_path=names,
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     assert_matches_peft(base, adapters, names, ids, outs, 8)
     # Each adapter changes the model: its prompt logprobs differ from the base model's.
-    same = engine.generate(input_ids=[ids[0]] * 5, sampling_params={"max_new_tokens": 1, **GREEDY}, lora_path=names[:5],
-                           return_logprob=True, logprob_start_len=1)
+    same = engine.generate(
+        input_ids=[ids[0]] * 5,
+        sampling_params={"max_new_tokens": 1, **GREEDY},
+        lora_path=names[:5],
+        return_logprob=True,
+        logprob_start_len=1,
+    )
     logprobs = [np.array([lp for lp, _ in o["meta_info"]["input_token_logprobs"]]) for o in same]
     for adapted in logprobs[:4]:
         assert np.abs(adapted - logprobs[4]).max() > 1e-3
@@ -104,9 +131,13 @@ def test_each_request_alone_equals_it_in_the_mixed_batch(engine, setup):
     _, adapters = setup
     names = [None] + list(adapters) + [None]
     ids = [prompt(20 + i, 9 + i) for i in range(len(names))]
-    together = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True)
+    together = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True
+    )
     for name, p, joint in zip(names, ids, together):
-        alone = engine.generate(input_ids=p, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=name, return_logprob=True)
+        alone = engine.generate(
+            input_ids=p, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=name, return_logprob=True
+        )
         assert alone["output_ids"] == joint["output_ids"]
         a = [lp for lp, _ in alone["meta_info"]["output_token_logprobs"]]
         b = [lp for lp, _ in joint["meta_info"]["output_token_logprobs"]]
@@ -135,7 +166,9 @@ def test_base_requests_equal_a_lora_disabled_engine(setup, dtype):
     params = {"max_new_tokens": 8, **GREEDY}
     with Engine(model_path=str(base), dtype=dtype, skip_precompile=True, **SMALL) as plain:
         expected = plain.generate(input_ids=ids, sampling_params=params)
-    with Engine(model_path=str(base), dtype=dtype, skip_precompile=True, lora_paths=[f"a={adapters['all_linear_r8']}"], **SMALL) as lora:
+    with Engine(
+        model_path=str(base), dtype=dtype, skip_precompile=True, lora_paths=[f"a={adapters['all_linear_r8']}"], **SMALL
+    ) as lora:
         mixed = lora.generate(input_ids=ids + ids[:1], sampling_params=params, lora_path=[None, None, None, "a"])
         alone = lora.generate(input_ids=ids, sampling_params=params)  # no adapter in any step: LoRA-free program
     assert [o["output_ids"] for o in mixed[:3]] == [o["output_ids"] for o in expected]
@@ -153,16 +186,25 @@ def test_steps_without_adapter_tokens_run_the_lora_free_program(setup, disabled)
     from sgl_jax_lora.server_args import ServerArgs
 
     base, adapters = setup
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"a": str(adapters["all_linear_r8"])},
-                      disable_lora_base_program=disabled, skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={"a": str(adapters["all_linear_r8"])},
+        disable_lora_base_program=disabled,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     assert (core.lora_builder(np.zeros(8, np.int32)) is None) != disabled
     assert core.lora_builder(np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int32)) is not None
     warmup = core.lora.padding_batches(8)
     assert len(warmup) == len(core.lora.segment_buckets) + (not disabled)
     ids = prompt(91)
-    core.add_request(GenerateRequest(rid="base", input_ids=ids,
-                                     sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    core.add_request(
+        GenerateRequest(
+            rid="base", input_ids=ids, sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+    )
     outputs = []
     while core.scheduler.num_active:
         outputs += core.step()
@@ -176,12 +218,26 @@ def test_tp4_equals_tp1_with_adapters(setup):
     results = []
     for tp in (1, 4):
         # 6 heads do not split over 4 devices, so this test uses a model of 8 heads.
-        model_dir = make_hf_model_dir(base.parent / f"base8_{tp}", "llama", seed=5, num_attention_heads=8, head_dim=6, intermediate_size=96)
-        adapter_dirs = {n: write_peft_adapter(model_dir, base.parent / f"{n}_8_{tp}", seed=i + 7, **ADAPTER_FORMS[n])
-                        for i, n in enumerate(names[:2])}
-        with Engine(model_path=str(model_dir), dtype="float32", tp_size=tp, skip_precompile=True,
-                    lora_paths={n: str(p) for n, p in adapter_dirs.items()}, **SMALL) as eng:
-            results.append(eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True))
+        model_dir = make_hf_model_dir(
+            base.parent / f"base8_{tp}", "llama", seed=5, num_attention_heads=8, head_dim=6, intermediate_size=96
+        )
+        adapter_dirs = {
+            n: write_peft_adapter(model_dir, base.parent / f"{n}_8_{tp}", seed=i + 7, **ADAPTER_FORMS[n])
+            for i, n in enumerate(names[:2])
+        }
+        with Engine(
+            model_path=str(model_dir),
+            dtype="float32",
+            tp_size=tp,
+            skip_precompile=True,
+            lora_paths={n: str(p) for n, p in adapter_dirs.items()},
+            **SMALL,
+        ) as eng:
+            results.append(
+                eng.generate(
+                    input_ids=ids, sampling_params={"max_new_tokens": 6, **GREEDY}, lora_path=names, return_logprob=True
+                )
+            )
     for one, four in zip(*results):
         assert one["output_ids"] == four["output_ids"]
         a = [lp for lp, _ in one["meta_info"]["output_token_logprobs"]]
@@ -192,16 +248,37 @@ def test_tp4_equals_tp1_with_adapters(setup):
 def test_churn_20_adapters_through_4_slots_matches_all_resident(setup, tmp_path_factory):
     base, _ = setup
     root = tmp_path_factory.mktemp("churn")
-    dirs = [write_peft_adapter(base, root / f"c{i}", seed=100 + i, r=4 + 4 * (i % 3), lora_alpha=8, target_modules="all-linear") for i in range(20)]
+    dirs = [
+        write_peft_adapter(
+            base, root / f"c{i}", seed=100 + i, r=4 + 4 * (i % 3), lora_alpha=8, target_modules="all-linear"
+        )
+        for i in range(20)
+    ]
     ids = [prompt(200 + i, 6) for i in range(20)]
     names = [f"c{i}" for i in range(20)]
     params = {"max_new_tokens": 4, **GREEDY}
-    with Engine(model_path=str(base), dtype="float32", skip_precompile=True, max_loras_per_batch=20, max_lora_rank=12,
-                lora_paths={n: str(d) for n, d in zip(names, dirs)}, **SMALL) as resident:
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        skip_precompile=True,
+        max_loras_per_batch=20,
+        max_lora_rank=12,
+        lora_paths={n: str(d) for n, d in zip(names, dirs)},
+        **SMALL,
+    ) as resident:
         expected = resident.generate(input_ids=ids, sampling_params=params, lora_path=names)
-    with Engine(model_path=str(base), dtype="float32", max_loras_per_batch=4, max_loaded_loras=6, max_lora_rank=12,
-                lora_allowed_dirs=[str(root)], **SMALL) as churn:
-        first = churn.generate(input_ids=ids, sampling_params=params, lora_path=[str(d) for d in dirs])  # loaded on demand
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        max_loras_per_batch=4,
+        max_loaded_loras=6,
+        max_lora_rank=12,
+        lora_allowed_dirs=[str(root)],
+        **SMALL,
+    ) as churn:
+        first = churn.generate(
+            input_ids=ids, sampling_params=params, lora_path=[str(d) for d in dirs]
+        )  # loaded on demand
         after_first = churn.get_server_info()["lora"]
         again = churn.generate(input_ids=ids[::-1], sampling_params=params, lora_path=[str(d) for d in dirs[::-1]])
         info = churn.get_server_info()
@@ -245,7 +322,9 @@ def test_refused_adapter_forms_keep_the_engine_serving(engine, setup, tmp_path, 
     bad = write_peft_adapter(base, tmp_path / "bad", seed=9, **kwargs)
     with pytest.raises(ValueError, match=message):
         engine.load_lora_adapter("bad", str(bad))
-    ok = engine.generate(input_ids=prompt(90), sampling_params={"max_new_tokens": 2, **GREEDY}, lora_path="all_linear_r8")
+    ok = engine.generate(
+        input_ids=prompt(90), sampling_params={"max_new_tokens": 2, **GREEDY}, lora_path="all_linear_r8"
+    )
     assert len(ok["output_ids"]) == 2
 
 
@@ -264,14 +343,27 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
 
     base, adapters = setup
     names = list(adapters)[:2]
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={n: str(adapters[n]) for n in names},
-                      max_loras_per_batch=1, max_loaded_loras=1, skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(adapters[n]) for n in names},
+        max_loras_per_batch=1,
+        max_loaded_loras=1,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     first = next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == names[0])
     assert first not in core.lora.host_cache  # registering the second adapter evicted it (host cache of 1)
     ids = prompt(77)
-    core.add_request(GenerateRequest(rid="r", input_ids=ids, lora_id=first,
-                                     sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    core.add_request(
+        GenerateRequest(
+            rid="r",
+            input_ids=ids,
+            lora_id=first,
+            sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+    )
     core.lora.wait_for_prefetches()  # no engine step has run yet
     assert first in core.lora.host_cache, "the adapter was not prefetched"
     misses = core.lora.host_cache.stats.misses
@@ -291,8 +383,14 @@ def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
 
     base, adapters = setup
     names = list(adapters)[:2]
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={n: str(adapters[n]) for n in names},
-                      max_loras_per_batch=1, skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(adapters[n]) for n in names},
+        max_loras_per_batch=1,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     held, other = (next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == n) for n in names)
     core.lora.begin_step(set())
@@ -316,13 +414,21 @@ def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(se
 
     base, adapters = setup
     doomed = shutil.copytree(adapters["all_linear_r8"], tmp_path / "doomed")
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"doomed": str(doomed)},
-                      max_loras_per_batch=1, skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={"doomed": str(doomed)},
+        max_loras_per_batch=1,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     (doomed / "adapter_model.safetensors").unlink()
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     core.add_request(GenerateRequest(rid="base", input_ids=prompt(5), sampling=params))
-    core.add_request(GenerateRequest(rid="lora", input_ids=prompt(6), sampling=params, lora_id=next(iter(core.lora.refs))))
+    core.add_request(
+        GenerateRequest(rid="lora", input_ids=prompt(6), sampling=params, lora_id=next(iter(core.lora.refs)))
+    )
     outputs, errors = [], []
     for _ in range(50):
         outputs += core.step()
@@ -341,30 +447,70 @@ def test_pallas_backend_in_the_engine_matches_peft(setup, tmp_path, sizes):
     layer stacks read in place, one shrink + one expand launch per module); `odd`: q 40, k|v 20, up 88, no multiple of 16."""
     base, adapters = setup
     if sizes == "odd":
-        base = make_hf_model_dir(tmp_path / "b", "llama", seed=12, hidden_size=40, head_dim=10, intermediate_size=88, num_attention_heads=4)
-        adapters = {n: write_peft_adapter(base, tmp_path / n, seed=i + 31, **f) for i, (n, f) in enumerate(ADAPTER_FORMS.items())}
+        base = make_hf_model_dir(
+            tmp_path / "b", "llama", seed=12, hidden_size=40, head_dim=10, intermediate_size=88, num_attention_heads=4
+        )
+        adapters = {
+            n: write_peft_adapter(base, tmp_path / n, seed=i + 31, **f)
+            for i, (n, f) in enumerate(ADAPTER_FORMS.items())
+        }
     names = list(adapters) + [None]
     ids = [prompt(300 + i) for i in range(len(names))]
-    with Engine(model_path=str(base), dtype="float32", lora_paths={n: str(p) for n, p in adapters.items()},
-                max_loras_per_batch=4, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
-        outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
-                            return_logprob=True, logprob_start_len=0)
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=4,
+        lora_backend="pallas",
+        skip_precompile=True,
+        **SMALL,
+    ) as eng:
+        outs = eng.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 4, **GREEDY},
+            lora_path=names,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
     assert_matches_peft(base, adapters, names, ids, outs, 4)
 
 
 def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
     """tp 2 with --lora-backend pallas: the kernels run under shard_map on the layer-stacked buffers as the model shards
     them (column-parallel B split on `out`, row-parallel A on `in`, the layer axis whole; interpret mode on CPU)."""
-    base = make_hf_model_dir(tmp_path / "base", "llama", seed=11, hidden_size=64, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, intermediate_size=128)
-    adapters = {n: write_peft_adapter(base, tmp_path / n, seed=i + 21, **ADAPTER_FORMS[n])
-                for i, n in enumerate(["all_linear_r8", "pattern_r16"])}
+    base = make_hf_model_dir(
+        tmp_path / "base",
+        "llama",
+        seed=11,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
+    adapters = {
+        n: write_peft_adapter(base, tmp_path / n, seed=i + 21, **ADAPTER_FORMS[n])
+        for i, n in enumerate(["all_linear_r8", "pattern_r16"])
+    }
     names = list(adapters) + [None]
     ids = [prompt(400 + i) for i in range(len(names))]
-    with Engine(model_path=str(base), dtype="float32", tp_size=2, lora_paths={n: str(p) for n, p in adapters.items()},
-                max_loras_per_batch=2, lora_backend="pallas", skip_precompile=True, **SMALL) as eng:
-        outs = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, lora_path=names,
-                            return_logprob=True, logprob_start_len=0)
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        tp_size=2,
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        lora_backend="pallas",
+        skip_precompile=True,
+        **SMALL,
+    ) as eng:
+        outs = eng.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 4, **GREEDY},
+            lora_path=names,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
     assert_matches_peft(base, adapters, names, ids, outs, 4)
 
 
@@ -379,11 +525,20 @@ def test_concurrent_gpu_kernels_equal_serialized(setup, backend):
     ids = [prompt(500 + i) for i in range(len(names))]
     outs = {}
     for disabled in (False, True):
-        with Engine(model_path=str(base), dtype="bfloat16", lora_paths={n: str(p) for n, p in adapters.items()},
-                    max_loras_per_batch=4, lora_backend=backend, skip_precompile=True, max_total_tokens=4096,
-                    disable_gpu_concurrent_kernels=disabled, **SMALL) as eng:
-            outs[disabled] = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY},
-                                          lora_path=names, return_logprob=True)
+        with Engine(
+            model_path=str(base),
+            dtype="bfloat16",
+            lora_paths={n: str(p) for n, p in adapters.items()},
+            max_loras_per_batch=4,
+            lora_backend=backend,
+            skip_precompile=True,
+            max_total_tokens=4096,
+            disable_gpu_concurrent_kernels=disabled,
+            **SMALL,
+        ) as eng:
+            outs[disabled] = eng.generate(
+                input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY}, lora_path=names, return_logprob=True
+            )
     for concurrent, serialized in zip(outs[False], outs[True]):
         assert concurrent["output_ids"] == serialized["output_ids"]
         a = np.array([lp for lp, _ in concurrent["meta_info"]["output_token_logprobs"]])
@@ -399,4 +554,6 @@ def test_forward_compiler_options_turn_concurrent_kernels_on_only_on_gpu():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert not ServerArgs.from_cli_args(parser.parse_args([])).disable_gpu_concurrent_kernels
-    assert ServerArgs.from_cli_args(parser.parse_args(["--disable-gpu-concurrent-kernels"])).disable_gpu_concurrent_kernels
+    assert ServerArgs.from_cli_args(
+        parser.parse_args(["--disable-gpu-concurrent-kernels"])
+    ).disable_gpu_concurrent_kernels

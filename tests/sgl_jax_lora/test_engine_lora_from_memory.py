@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.support.model_fixtures import make_hf_model_dir
-from tests.support.peft_fixtures import write_peft_adapter
 from sgl_jax_lora import Engine
 from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_file
+from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import write_peft_adapter
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-SMALL = dict(context_length=256, max_running_requests=4, chunked_prefill_size=32, max_prefill_seqs=2,
-             token_buckets=[8, 16])
+SMALL = dict(
+    context_length=256, max_running_requests=4, chunked_prefill_size=32, max_prefill_seqs=2, token_buckets=[8, 16]
+)
 
 
 def read_adapter(adapter_dir) -> tuple[dict, dict]:
@@ -37,10 +38,23 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("memory")
     base = make_hf_model_dir(root / "base", "llama", seed=5)
     first = write_peft_adapter(base, root / "first", seed=1, r=8, lora_alpha=16, target_modules="all-linear")
-    second = write_peft_adapter(base, root / "second", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                rank_pattern={"v_proj": 2})
-    engine = Engine(model_path=str(base), dtype="float32", max_loras_per_batch=3, max_lora_rank=8,
-                    lora_paths={"first_disk": str(first), "second_disk": str(second)}, **SMALL)
+    second = write_peft_adapter(
+        base,
+        root / "second",
+        seed=2,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        rank_pattern={"v_proj": 2},
+    )
+    engine = Engine(
+        model_path=str(base),
+        dtype="float32",
+        max_loras_per_batch=3,
+        max_lora_rank=8,
+        lora_paths={"first_disk": str(first), "second_disk": str(second)},
+        **SMALL,
+    )
     yield engine, first, second
     engine.shutdown()
 
@@ -48,8 +62,13 @@ def setup(tmp_path_factory):
 def run(engine: Engine, ids: list[int], lora: str, max_new_tokens: int = 6, prompt_logprobs: bool = True) -> dict:
     """Greedy tokens with output logprobs, and prompt logprobs unless the prefix cache is to be used (a request
     for prompt logprobs computes every position)."""
-    return engine.generate(input_ids=ids, sampling_params={"max_new_tokens": max_new_tokens, **GREEDY}, lora_path=lora,
-                           return_logprob=True, logprob_start_len=0 if prompt_logprobs else -1)
+    return engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": max_new_tokens, **GREEDY},
+        lora_path=lora,
+        return_logprob=True,
+        logprob_start_len=0 if prompt_logprobs else -1,
+    )
 
 
 def logprobs(out: dict) -> list[float]:
@@ -163,8 +182,13 @@ def test_a_running_request_finishes_on_the_version_it_started_with(setup):
 
     async def update_while_running() -> tuple[dict, dict, dict]:
         ref = await tm.resolve_lora("racing")
-        request = tm.build_request(input_ids=ids, sampling_params={"max_new_tokens": num_new, **GREEDY},
-                                   lora_id=ref.lora_id, return_logprob=True, logprob_start_len=0)
+        request = tm.build_request(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": num_new, **GREEDY},
+            lora_id=ref.lora_id,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
         stream = tm.generate_request(request)
         first_chunk = await stream.__anext__()
         update = await tm.update_lora_adapter("racing", update_file, second_config)
@@ -193,7 +217,9 @@ def test_a_tensor_file_of_every_float_dtype_maps_as_float32(tmp_path):
     from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 
     values = torch.tensor([[1.5, -2.25], [0.0, 3.0]])
-    data = save({f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)})
+    data = save(
+        {f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+    )
     with TensorFile.from_bytes(data) as tensor_file:
         tensors = map_tensor_file("x", tensor_file.path)
     assert len(tensors) == 4  # the mapping outlives the file's name
@@ -208,8 +234,12 @@ def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    arrays = {"a": rng.standard_normal((3, 5), dtype=np.float32), "b": rng.standard_normal(7).astype(np.float16),
-              "c": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16), "d": np.zeros((0, 4), np.float32)}
+    arrays = {
+        "a": rng.standard_normal((3, 5), dtype=np.float32),
+        "b": rng.standard_normal(7).astype(np.float16),
+        "c": rng.standard_normal((2, 2)).astype(ml_dtypes.bfloat16),
+        "d": np.zeros((0, 4), np.float32),
+    }
     with TensorFile.from_arrays("x", arrays) as tensor_file:
         tensors = map_tensor_file("x", tensor_file.path)
     for key, array in arrays.items():
@@ -222,17 +252,20 @@ def _layout(header: bytes, data: bytes = b"") -> bytes:
     return len(header).to_bytes(8, "little") + header + data
 
 
-@pytest.mark.parametrize("layout, problem", [
-    (b"\x03", "not a valid safetensors file"),
-    ((10**6).to_bytes(8, "little") + b"{}", "header longer than the data"),
-    (_layout(b"[1]"), "not a JSON object"),
-    (_layout(b"{x"), "header"),
-    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', bytes(8)), "do not match"),
-    (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}', bytes(16)), "do not match"),
-    (_layout(b'{"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}}'), "invalid shape"),
-    (_layout(b'{"t":{"dtype":"F32","shape":[2]}}', bytes(8)), "invalid shape or data_offsets"),
-    (_layout(b'{"t":[1]}'), "no valid header entry"),
-])
+@pytest.mark.parametrize(
+    "layout, problem",
+    [
+        (b"\x03", "not a valid safetensors file"),
+        ((10**6).to_bytes(8, "little") + b"{}", "header longer than the data"),
+        (_layout(b"[1]"), "not a JSON object"),
+        (_layout(b"{x"), "header"),
+        (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', bytes(8)), "do not match"),
+        (_layout(b'{"t":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}', bytes(16)), "do not match"),
+        (_layout(b'{"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,0]}}'), "invalid shape"),
+        (_layout(b'{"t":{"dtype":"F32","shape":[2]}}', bytes(8)), "invalid shape or data_offsets"),
+        (_layout(b'{"t":[1]}'), "no valid header entry"),
+    ],
+)
 def test_a_malformed_tensor_file_is_refused_with_the_problem_named(layout, problem):
     from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 

@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 
-from tests.support.http_helpers import process_exists, start_server
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.http_helpers import process_exists, start_server
 
 # Default buckets compile for minutes on a 2-core CPU the first time (then the compilation cache
 # shared by the tests makes it seconds); the deadline only bounds a hung start.
@@ -38,7 +38,9 @@ def readme_demo_answers() -> tuple[str, dict[str, str]]:
 
 
 def run_launch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sgl_jax_lora.launch", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "sgl_jax_lora.launch", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_lists_every_flag():
@@ -63,7 +65,11 @@ def test_readme_command_serves_then_sigterm_leaves_no_orphan():
         log = server.log_text()
         assert f"listening on http://127.0.0.1:{server.port}" in log
         assert "demo model" in log
-        response = httpx.post(server.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, timeout=60)
+        response = httpx.post(
+            server.url + "/generate",
+            json={"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            timeout=60,
+        )
         assert response.status_code == 200, response.text
         assert 1 <= len(response.json()["output_ids"]) <= 8
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -72,7 +78,9 @@ def test_readme_command_serves_then_sigterm_leaves_no_orphan():
         assert chat.choices[0].finish_reason in ("stop", "length")
         question, answers = readme_demo_answers()
         for name, answer in answers.items():  # the base model, then each default adapter
-            reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}], temperature=0)
+            reply = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": question}], temperature=0
+            )
             assert reply.choices[0].message.content == answer, name
         engine_pid = httpx.get(server.url + "/get_server_info").json()["engine_pid"]
         assert process_exists(engine_pid)

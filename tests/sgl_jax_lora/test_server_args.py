@@ -51,7 +51,11 @@ def test_flags_override_the_file(tmp_path):
 
 
 def test_yaml_with_dashed_keys(tmp_path):
-    path = write(tmp_path, "c.yaml", "tp-size: 2\nlora_paths:\n  - a=/adapters/a\n  - {lora_name: b, lora_path: /adapters/b, pinned: true}\n")
+    path = write(
+        tmp_path,
+        "c.yaml",
+        "tp-size: 2\nlora_paths:\n  - a=/adapters/a\n  - {lora_name: b, lora_path: /adapters/b, pinned: true}\n",
+    )
     args = parse_args(["--config", path])
     assert args.tp_size == 2
     assert args.enable_lora is True
@@ -89,12 +93,20 @@ def test_engine_keywords_override_the_file(tmp_path):
 def test_launcher_exits_2_naming_the_bad_key(tmp_path):
     path = write(tmp_path, "c.json", json.dumps({"chunked_prefil_size": 512}))
     result = subprocess.run(
-        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", path], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert "unknown key 'chunked_prefil_size'; did you mean 'chunked_prefill_size'?" in result.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120, cwd=REPO
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--config", str(tmp_path / "none.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert missing.returncode == 2
     assert "cannot read the file" in missing.stderr

@@ -21,8 +21,19 @@ import httpx
 
 # Small buckets keep CPU compilation short; every request of the tests fits them.
 SMALL_ENGINE_FLAGS = [
-    "--dtype", "float32", "--context-length", "256", "--max-running-requests", "32",
-    "--chunked-prefill-size", "64", "--token-buckets", "32", "64", "--max-prefill-seqs", "4",
+    "--dtype",
+    "float32",
+    "--context-length",
+    "256",
+    "--max-running-requests",
+    "32",
+    "--chunked-prefill-size",
+    "64",
+    "--token-buckets",
+    "32",
+    "64",
+    "--max-prefill-seqs",
+    "4",
 ]
 
 
@@ -51,7 +62,9 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile(prefix="sgl_jax_lora_server_", suffix=".log", delete=False)
         self.process = subprocess.Popen(
             [sys.executable, *(python_args or []), "-m", "sgl_jax_lora.launch", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env or server_env(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env or server_env(),
         )
 
     def log_text(self) -> str:
@@ -62,7 +75,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"server exited with {self.process.returncode} before it was healthy:\n{self.log_text()[-4000:]}")
+                raise AssertionError(
+                    f"server exited with {self.process.returncode} before it was healthy:\n{self.log_text()[-4000:]}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -82,7 +97,9 @@ class ServerProcess:
         return self.process.returncode
 
 
-def start_server(args: list[str], timeout_s: float = 600, python_args: list[str] | None = None, env: dict | None = None) -> ServerProcess:
+def start_server(
+    args: list[str], timeout_s: float = 600, python_args: list[str] | None = None, env: dict | None = None
+) -> ServerProcess:
     """`python [python_args] -m sgl_jax_lora.launch ARGS --port P`, healthy; `env` defaults to server_env()."""
     port = free_port()
     server = ServerProcess([*args, "--port", str(port)], port, python_args, env)
@@ -100,7 +117,7 @@ def sse_events(lines: Iterator[str]) -> list:
     for line in lines:
         if not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 

@@ -33,8 +33,16 @@ ARCH_CONFIGS = {
     "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
     "llama3_rope": (
         LlamaConfig,
-        dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 64}, rope_theta=500000.0),
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
     ),
     "mistral": (MistralConfig, dict(sliding_window=None)),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),

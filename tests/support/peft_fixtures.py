@@ -115,8 +115,9 @@ def peft_module_deltas(peft_model: PeftModel, seed: int = 0, num_tokens: int = 5
     return deltas
 
 
-def poison_adapter(adapter_dir: str | Path, value: float = float("nan"), dtype: torch.dtype | None = None,
-                   kind: str = "lora_B") -> str:
+def poison_adapter(
+    adapter_dir: str | Path, value: float = float("nan"), dtype: torch.dtype | None = None, kind: str = "lora_B"
+) -> str:
     """Write `value` (NaN, Inf) into one element of the adapter's first `kind` (lora_A or lora_B) tensor, as a
     broken training run would leave it; optionally re-save every tensor as `dtype`. Returns the tensor's name."""
     from safetensors.torch import load_file, save_file

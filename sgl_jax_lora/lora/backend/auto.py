@@ -84,14 +84,21 @@ class AutoBackend(LoRABackend):
 
     def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
         """The work list's row tile if the module of any width picks a backend that reads one."""
-        return max(self.chosen(num_tokens, num_segments, width).work_block_rows(num_tokens, num_segments)
-                   for width in (0, _ANY))
+        return max(
+            self.chosen(num_tokens, num_segments, width).work_block_rows(num_tokens, num_segments)
+            for width in (0, _ANY)
+        )
 
     def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
         return self.chosen(num_tokens, num_segments, out_features).reads_stacked(num_tokens, num_segments, out_features)
 
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         return self.pick(x.shape[0], lora).shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=rank_block)
@@ -120,7 +127,14 @@ class AutoBackend(LoRABackend):
 
     def apply_with_base(self, x, kernel, lora_a, lora_bs, lora, *, tp_size, input_sharded=False, output_sharded=False):
         return self.pick(x.shape[0], lora).apply_with_base(
-            x, kernel, lora_a, lora_bs, lora, tp_size=tp_size, input_sharded=input_sharded, output_sharded=output_sharded
+            x,
+            kernel,
+            lora_a,
+            lora_bs,
+            lora,
+            tp_size=tp_size,
+            input_sharded=input_sharded,
+            output_sharded=output_sharded,
         )
 
     def apply_packed(
@@ -137,6 +151,12 @@ class AutoBackend(LoRABackend):
     ) -> jax.Array:
         out_features = sum(_width(b) for b in lora_bs)
         return self.pick(x.shape[0], lora, out_features).apply_packed(
-            x, lora_a, lora_bs, lora, base_out, tp_size=tp_size, input_sharded=input_sharded,
+            x,
+            lora_a,
+            lora_bs,
+            lora,
+            base_out,
+            tp_size=tp_size,
+            input_sharded=input_sharded,
             output_sharded=output_sharded,
         )

@@ -44,7 +44,12 @@ class LoRABackend(abc.ABC):
 
     @abc.abstractmethod
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         """x [T, in], lora_a [A, R, in] -> [T, R] float32, x_t @ A[slot_t].T.
@@ -142,8 +147,13 @@ class LoRABackend(abc.ABC):
         shrunk = self.shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=max_rank)
         shrunk = shrunk * lora.slot_scale[lora.token_slot][:, None]
         deltas = [
-            self.expand(shrunk[:, i * max_rank : (i + 1) * max_rank], part_b, lora,
-                        output_sharded=output_sharded, out_dtype=x.dtype)
+            self.expand(
+                shrunk[:, i * max_rank : (i + 1) * max_rank],
+                part_b,
+                lora,
+                output_sharded=output_sharded,
+                out_dtype=x.dtype,
+            )
             for i, part_b in enumerate(lora_bs)
         ]
         delta = deltas[0] if len(deltas) == 1 else pack_parts(deltas, tp_size)

@@ -18,13 +18,21 @@ class BgmvBackend(LoRABackend):
     name = "bgmv"
 
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         a_tok = lora_a[lora.token_slot]  # [T, R, in]
         s = jnp.einsum(
-            "ti,tri->tr", x, a_tok,
-            precision=dot_precision(x.dtype, lora_a.dtype), preferred_element_type=jnp.float32,
+            "ti,tri->tr",
+            x,
+            a_tok,
+            precision=dot_precision(x.dtype, lora_a.dtype),
+            preferred_element_type=jnp.float32,
         )
         return self.constrain(s, shrink_out_spec())
 
@@ -33,7 +41,10 @@ class BgmvBackend(LoRABackend):
     ) -> jax.Array:
         b_tok = lora_b[lora.token_slot]  # [T, out, R]
         y = jnp.einsum(
-            "tr,tor->to", s.astype(lora_b.dtype), b_tok,
-            precision=dot_precision(lora_b.dtype), preferred_element_type=jnp.float32,
+            "tr,tor->to",
+            s.astype(lora_b.dtype),
+            b_tok,
+            precision=dot_precision(lora_b.dtype),
+            preferred_element_type=jnp.float32,
         )
         return self.constrain(y.astype(out_dtype), expand_out_spec(output_sharded))

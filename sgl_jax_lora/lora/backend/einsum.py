@@ -22,15 +22,23 @@ class EinsumBackend(LoRABackend):
     name = "einsum"
 
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         # contraction order pinned: x against every slot's A (one dense GEMM reading each A once), then each
         # token keeps its own slot's row. Left to opt_einsum, a one-hot einsum of equal FLOPs would materialize a
         # [T, R, in] per-token weight copy.
         s_all = jnp.einsum(
-            "ti,ari->tar", x, lora_a,
-            precision=dot_precision(x.dtype, lora_a.dtype), preferred_element_type=jnp.float32,
+            "ti,ari->tar",
+            x,
+            lora_a,
+            precision=dot_precision(x.dtype, lora_a.dtype),
+            preferred_element_type=jnp.float32,
         )
         # select, never multiply by a one-hot: 0 x NaN is NaN, so one slot holding a NaN would reach every token
         s = jnp.where(own_slot(lora, lora_a.shape[0])[:, :, None], s_all, 0.0).sum(axis=1)
@@ -44,8 +52,11 @@ class EinsumBackend(LoRABackend):
         mine = own_slot(lora, lora_b.shape[0])
         s_slots = jnp.where(mine[:, :, None], s.astype(lora_b.dtype)[:, None, :], 0)
         y = jnp.einsum(
-            "tar,aor->to", s_slots, finite_or_zero(lora_b),
-            precision=dot_precision(lora_b.dtype), preferred_element_type=jnp.float32,
+            "tar,aor->to",
+            s_slots,
+            finite_or_zero(lora_b),
+            precision=dot_precision(lora_b.dtype),
+            preferred_element_type=jnp.float32,
         )
         return self.constrain(y.astype(out_dtype), expand_out_spec(output_sharded))
 

@@ -42,7 +42,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, check_gemm_lora_shapes, choose_gemm_lora_tiles, gemm_lora_gpu
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    GemmLoraTiles,
+    check_gemm_lora_shapes,
+    choose_gemm_lora_tiles,
+    gemm_lora_gpu,
+)
 from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import gpu_block_rows
@@ -82,10 +87,15 @@ class PallasBackend(LoRABackend):
     DELTA_MAX_TOKENS = 128
     DELTA_MAX_WIDTH = 16384
     # prefill buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs
-    FUSED_GEMM_MIN_TOKENS = 512  # measured from 512 (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
+    FUSED_GEMM_MIN_TOKENS = (
+        512  # measured from 512 (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
+    )
 
     def __init__(
-        self, mesh: Mesh | None = None, kernel: str | None = None, interpret: bool | None = None,
+        self,
+        mesh: Mesh | None = None,
+        kernel: str | None = None,
+        interpret: bool | None = None,
         fused_gemm_min_tokens: int | None = None,
     ):
         """fused_gemm_min_tokens: the least prefill bucket that runs the base GEMM with the LoRA inside it (0:
@@ -129,7 +139,9 @@ class PallasBackend(LoRABackend):
         GEMM's result, makes XLA finish the split-K sum in a kernel of its own; a delta lets that sum fuse
         with the add into the consumers (docs/lora_backends.md "Delta or in place")."""
         return (
-            self.kernel == "gpu" and not input_sharded and num_tokens <= self.DELTA_MAX_TOKENS
+            self.kernel == "gpu"
+            and not input_sharded
+            and num_tokens <= self.DELTA_MAX_TOKENS
             and out_width <= self.DELTA_MAX_WIDTH
         )
 
@@ -158,13 +170,25 @@ class PallasBackend(LoRABackend):
             return sgmv_shrink_tpu(x, lora_a, *meta, layer, rank_block=rank_block, interpret=self.interpret)[None]
         tiles = choose_tiles(x.shape[0], lora.num_segments, x.shape[1], None)
         return sgmv_shrink_gpu_partials(
-            x, lora_a, *meta, *self._gpu_work(lora, tiles.block_rows), layer, tiles=tiles, rank_block=rank_block,
+            x,
+            lora_a,
+            *meta,
+            *self._gpu_work(lora, tiles.block_rows),
+            layer,
+            tiles=tiles,
+            rank_block=rank_block,
             interpret=self.interpret,
         )
 
     def _local_expand(
-        self, s: jax.Array, lora_bs: tuple[jax.Array, ...], lora: LoRABatch, scale: jax.Array | None,
-        base_out: jax.Array | None, out_dtype: jnp.dtype, layer: jax.Array | None = None,
+        self,
+        s: jax.Array,
+        lora_bs: tuple[jax.Array, ...],
+        lora: LoRABatch,
+        scale: jax.Array | None,
+        base_out: jax.Array | None,
+        out_dtype: jnp.dtype,
+        layer: jax.Array | None = None,
     ) -> jax.Array:
         """Every part's delta (GPU: one launch) into its columns of the (packed) output: part p reads columns
         p*R .. (p+1)*R of s. lora_bs are [A, out_p, R], or [L, A, out_p, R] stacks with `layer`."""
@@ -175,8 +199,14 @@ class PallasBackend(LoRABackend):
                 s2 = s2 * scale[lora.token_slot][:, None]
             max_rank = lora_bs[0].shape[-1]
             deltas = [
-                sgmv_expand_tpu(s2[:, i * max_rank : (i + 1) * max_rank], b, *meta, layer, out_dtype=out_dtype,
-                                interpret=self.interpret)
+                sgmv_expand_tpu(
+                    s2[:, i * max_rank : (i + 1) * max_rank],
+                    b,
+                    *meta,
+                    layer,
+                    out_dtype=out_dtype,
+                    interpret=self.interpret,
+                )
                 for i, b in enumerate(lora_bs)
             ]
             delta = deltas[0] if len(deltas) == 1 else jnp.concatenate(deltas, axis=1)
@@ -186,14 +216,27 @@ class PallasBackend(LoRABackend):
         num_tokens = s.shape[-2]
         tiles = choose_tiles(num_tokens, lora.num_segments, None, tuple(b.shape[-2] for b in lora_bs))
         return sgmv_expand_gpu(
-            s, lora_bs, *meta, scale, base_out, *self._gpu_work(lora, tiles.block_rows), layer,
-            out_dtype=out_dtype, tiles=tiles, interpret=self.interpret,
+            s,
+            lora_bs,
+            *meta,
+            scale,
+            base_out,
+            *self._gpu_work(lora, tiles.block_rows),
+            layer,
+            out_dtype=out_dtype,
+            tiles=tiles,
+            interpret=self.interpret,
         )
 
     # -- interface -------------------------------------------------------------------------------------------
 
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         def local(x, lora_a, lora):

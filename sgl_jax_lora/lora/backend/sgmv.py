@@ -62,7 +62,12 @@ class SgmvBackend(LoRABackend):
         self.method = method
 
     def shrink(
-        self, x: jax.Array, lora_a: jax.Array, lora: LoRABatch, *, input_sharded: bool = False,
+        self,
+        x: jax.Array,
+        lora_a: jax.Array,
+        lora: LoRABatch,
+        *,
+        input_sharded: bool = False,
         rank_block: int | None = None,
     ) -> jax.Array:
         a_seg = lora_a[lora.seg_slot]  # [G, R, in]: only the adapters present in the batch
@@ -70,8 +75,11 @@ class SgmvBackend(LoRABackend):
         if self.method == "ragged":
             # XLA may lower ragged_dot densely with masks: non-finite weights are zeroed so they reach no other group
             s_sorted = jax.lax.ragged_dot(
-                x[lora.sort_perm], jnp.swapaxes(finite_or_zero(a_seg), 1, 2), _group_sizes(lora),
-                precision=precision, preferred_element_type=jnp.float32,
+                x[lora.sort_perm],
+                jnp.swapaxes(finite_or_zero(a_seg), 1, 2),
+                _group_sizes(lora),
+                precision=precision,
+                preferred_element_type=jnp.float32,
             )
             s = _unsort(s_sorted, lora)
         else:
@@ -87,12 +95,16 @@ class SgmvBackend(LoRABackend):
         precision = dot_precision(lora_b.dtype)
         if self.method == "ragged":
             y_sorted = jax.lax.ragged_dot(
-                s[lora.sort_perm], jnp.swapaxes(finite_or_zero(b_seg), 1, 2), _group_sizes(lora),
-                precision=precision, preferred_element_type=jnp.float32,
+                s[lora.sort_perm],
+                jnp.swapaxes(finite_or_zero(b_seg), 1, 2),
+                _group_sizes(lora),
+                precision=precision,
+                preferred_element_type=jnp.float32,
             )
             y = _unsort(y_sorted, lora)
         else:
             s_segs = jnp.where(_own_segment(lora)[:, :, None], s[:, None, :], 0)  # [T, G, R]
-            y = jnp.einsum("tgr,gor->to", s_segs, finite_or_zero(b_seg), precision=precision,
-                           preferred_element_type=jnp.float32)
+            y = jnp.einsum(
+                "tgr,gor->to", s_segs, finite_or_zero(b_seg), precision=precision, preferred_element_type=jnp.float32
+            )
         return self.constrain(y.astype(out_dtype), expand_out_spec(output_sharded))

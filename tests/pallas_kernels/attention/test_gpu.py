@@ -149,7 +149,14 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
     q_lens, kv_lens = q_lens + [0], kv_lens + [0]  # a padding sequence
     kv_heads = 2
     args = make_inputs(
-        q_lens, kv_lens, heads=kv_heads * group, kv_heads=kv_heads, head_dim=128, page_size=page_size,
-        dtype=jnp.bfloat16, num_tokens=sum(q_lens) + 3, seed=int(rng.integers(1 << 30)),
+        q_lens,
+        kv_lens,
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=128,
+        page_size=page_size,
+        dtype=jnp.bfloat16,
+        num_tokens=sum(q_lens) + 3,
+        seed=int(rng.integers(1 << 30)),
     )
     check(args, page_size=page_size, decode_only=mode == "decode", interpret=False)

@@ -90,12 +90,18 @@ def run_both(case: Case, inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
     scale = case.head_dim**-0.5
     common = (inputs.q, inputs.k_cache, inputs.v_cache, jnp.int32(case.layer), inputs.kv_lens)
     out = ragged_paged_attention_tpu(
-        *common, inputs.page_table, inputs.cu_q_lens, page_size=case.page_size, scale=scale,
-        num_kv_pages_per_block=case.kv_pages_per_block, num_queries_per_block=case.queries_per_block,
+        *common,
+        inputs.page_table,
+        inputs.cu_q_lens,
+        page_size=case.page_size,
+        scale=scale,
+        num_kv_pages_per_block=case.kv_pages_per_block,
+        num_queries_per_block=case.queries_per_block,
         interpret=True,
     )
-    ref = ragged_paged_attention_ref(*common, inputs.page_table_ref, inputs.cu_q_lens, page_size=case.page_size,
-                                     scale=scale)
+    ref = ragged_paged_attention_ref(
+        *common, inputs.page_table_ref, inputs.cu_q_lens, page_size=case.page_size, scale=scale
+    )
     return np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
 
 
@@ -124,13 +130,19 @@ CASES = {
     "first_layer_of_three": Case(q_lens=(1, 4), kv_lens=(9, 6), num_layers=3, layer=0),
     "last_layer_of_three": Case(q_lens=(1, 4), kv_lens=(9, 6), num_layers=3, layer=2),
     "page_size_8_head_dim_24": Case(q_lens=(3, 1), kv_lens=(19, 33), page_size=8, head_dim=24),
-    "kv_block_not_dividing_page_table": Case(q_lens=(2, 1), kv_lens=(22, 9), pages_per_seq=6,
-                                             kv_pages_per_block=4),
+    "kv_block_not_dividing_page_table": Case(q_lens=(2, 1), kv_lens=(22, 9), pages_per_seq=6, kv_pages_per_block=4),
     "q_and_kv_blocks_of_8": Case(q_lens=(1, 27, 1), kv_lens=(3, 45, 9), queries_per_block=8, kv_pages_per_block=8),
-    "contexts_of_a_few_hundred": Case(q_lens=(1, 16, 1), kv_lens=(300, 260, 177), page_size=16, pages_per_seq=20,
-                                      kv_pages_per_block=4, queries_per_block=8, num_kv_heads=1, num_heads=2),
-    "default_block_sizes": Case(q_lens=(1, 7, 1), kv_lens=(20, 7, 31), queries_per_block=None,
-                                kv_pages_per_block=None),
+    "contexts_of_a_few_hundred": Case(
+        q_lens=(1, 16, 1),
+        kv_lens=(300, 260, 177),
+        page_size=16,
+        pages_per_seq=20,
+        kv_pages_per_block=4,
+        queries_per_block=8,
+        num_kv_heads=1,
+        num_heads=2,
+    ),
+    "default_block_sizes": Case(q_lens=(1, 7, 1), kv_lens=(20, 7, 31), queries_per_block=None, kv_pages_per_block=None),
     "bf16": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), dtype=jnp.bfloat16),
 }
 
@@ -141,9 +153,21 @@ def test_kernel_matches_reference(name: str):
 
 
 def test_context_4096():
-    check_case(Case(q_lens=(1, 4), kv_lens=(4096, 300), num_tokens=8, num_seqs=2, pages_per_seq=128,
-                    num_pages=160, num_heads=2, num_kv_heads=1, page_size=32, kv_pages_per_block=16,
-                    queries_per_block=8))
+    check_case(
+        Case(
+            q_lens=(1, 4),
+            kv_lens=(4096, 300),
+            num_tokens=8,
+            num_seqs=2,
+            pages_per_seq=128,
+            num_pages=160,
+            num_heads=2,
+            num_kv_heads=1,
+            page_size=32,
+            kv_pages_per_block=16,
+            queries_per_block=8,
+        )
+    )
 
 
 def test_wrong_layer_would_be_caught():
@@ -159,8 +183,17 @@ def test_untiled_shapes_raise_outside_interpret_mode():
     case = CASES["decode_rows_only"]
     inputs = make_inputs(case)
     with pytest.raises(ValueError, match="head_dim 16 is not a multiple of 128.*--attention-backend native"):
-        ragged_paged_attention_tpu(inputs.q, inputs.k_cache, inputs.v_cache, jnp.int32(0), inputs.kv_lens,
-                                   inputs.page_table, inputs.cu_q_lens, page_size=case.page_size, scale=1.0)
+        ragged_paged_attention_tpu(
+            inputs.q,
+            inputs.k_cache,
+            inputs.v_cache,
+            jnp.int32(0),
+            inputs.kv_lens,
+            inputs.page_table,
+            inputs.cu_q_lens,
+            page_size=case.page_size,
+            scale=1.0,
+        )
 
 
 def test_bf16_page_size_off_the_sublane_tile_raises():
@@ -175,8 +208,12 @@ def _tpu_export_args(num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
     struct = jax.ShapeDtypeStruct
     cache = struct((num_layers, num_kv_heads, num_pages * page_size, head_dim), jnp.bfloat16)
     return (
-        struct((num_tokens, num_heads, head_dim), jnp.bfloat16), cache, cache, struct((), jnp.int32),
-        struct((num_seqs,), jnp.int32), struct((num_seqs, pages_per_seq), jnp.int32),
+        struct((num_tokens, num_heads, head_dim), jnp.bfloat16),
+        cache,
+        cache,
+        struct((), jnp.int32),
+        struct((num_seqs,), jnp.int32),
+        struct((num_seqs, pages_per_seq), jnp.int32),
         struct((num_seqs + 1,), jnp.int32),
     )
 

@@ -12,10 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.reference import gemm_lora_ref
 from pallas_kernels.sgmv.gemm_lora_gpu import (
-    GemmLoraTiles, build_entry_table, choose_gemm_lora_tiles, entries_needed, entry_s, gemm_lora_gpu,
+    GemmLoraTiles,
+    build_entry_table,
+    choose_gemm_lora_tiles,
+    entries_needed,
+    entry_s,
+    gemm_lora_gpu,
 )
+from pallas_kernels.sgmv.reference import gemm_lora_ref
 
 _GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None
 HAS_HOPPER = _GPU is not None and float(getattr(_GPU, "compute_capability", "0")) >= 9.0
@@ -42,7 +47,9 @@ def expected_entries(token_slot: np.ndarray, slot_scale: np.ndarray, tile_m: int
     return tiles
 
 
-@pytest.mark.parametrize("seed,num_tokens,tile_m,runs", [(0, 64, 16, 1), (1, 64, 16, 9), (2, 96, 32, 30), (3, 128, 8, 50)])
+@pytest.mark.parametrize(
+    "seed,num_tokens,tile_m,runs", [(0, 64, 16, 1), (1, 64, 16, 9), (2, 96, 32, 30), (3, 128, 8, 50)]
+)
 def test_entry_table_matches_runs_per_tile(seed, num_tokens, tile_m, runs):
     rng = np.random.default_rng(seed)
     slot_scale = np.array([0.0, 0.5, 2.0, 1.0, 0.25], np.float32)  # slot 0 = base
@@ -102,9 +109,15 @@ def test_rank_too_large_for_shared_memory_is_refused():
 @pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
 @pytest.mark.parametrize(
     "seed,num_tokens,in_dim,widths,rank,runs",
-    [(0, 256, 256, (256,), 16, 1), (1, 512, 1024, (512,), 16, 7), (2, 512, 512, (1024,), 64, 13),
-     (3, 1024, 512, (512,), 16, 40), (4, 384, 256, (512,), 32, 3), (5, 512, 256, (512, 256, 256), 16, 9),
-     (6, 256, 512, (768, 768), 64, 4)],
+    [
+        (0, 256, 256, (256,), 16, 1),
+        (1, 512, 1024, (512,), 16, 7),
+        (2, 512, 512, (1024,), 64, 13),
+        (3, 1024, 512, (512,), 16, 40),
+        (4, 384, 256, (512,), 32, 3),
+        (5, 512, 256, (512, 256, 256), 16, 9),
+        (6, 256, 512, (768, 768), 64, 4),
+    ],
 )
 def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank, runs):
     """One module (one part) or a packed one (q|k|v- and gate|up-like parts side by side, each with its own B
@@ -119,16 +132,29 @@ def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank,
     lora_bs = tuple(jnp.asarray(rng.standard_normal((num_slots, width, rank)), jnp.bfloat16) for width in widths)
     s = jnp.asarray(rng.standard_normal((num_tokens, len(widths) * rank)), jnp.float32)
     tiles = choose_gemm_lora_tiles(rank)
-    table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=tiles.tile_m,
-                              max_entries=entries_needed(token_slot, slot_scale, tiles.tile_m))
+    table = build_entry_table(
+        jnp.asarray(token_slot),
+        jnp.asarray(slot_scale),
+        tile_m=tiles.tile_m,
+        max_entries=entries_needed(token_slot, slot_scale, tiles.tile_m),
+    )
     columns = np.cumsum((0,) + widths)
 
     def reference(scale):
-        return jnp.concatenate([
-            gemm_lora_ref(x, w[:, columns[p] : columns[p + 1]], s[:, p * rank : (p + 1) * rank], jnp.asarray(token_slot),
-                          scale, b)
-            for p, b in enumerate(lora_bs)
-        ], axis=1)
+        return jnp.concatenate(
+            [
+                gemm_lora_ref(
+                    x,
+                    w[:, columns[p] : columns[p + 1]],
+                    s[:, p * rank : (p + 1) * rank],
+                    jnp.asarray(token_slot),
+                    scale,
+                    b,
+                )
+                for p, b in enumerate(lora_bs)
+            ],
+            axis=1,
+        )
 
     ref = reference(jnp.asarray(slot_scale))
     delta = ref - reference(jnp.zeros(num_slots))

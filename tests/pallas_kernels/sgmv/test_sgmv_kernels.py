@@ -42,8 +42,15 @@ class Case:
 
 
 def make_case(
-    seed: int, *, num_tokens: int = 40, in_dim: int = 256, out_dim: int = 256, max_rank: int = 64,
-    slot_ranks: tuple[int, ...] = (0, 4, 8, 16, 64, 64), num_segments: int = 8, dtype=jnp.float32,
+    seed: int,
+    *,
+    num_tokens: int = 40,
+    in_dim: int = 256,
+    out_dim: int = 256,
+    max_rank: int = 64,
+    slot_ranks: tuple[int, ...] = (0, 4, 8, 16, 64, 64),
+    num_segments: int = 8,
+    dtype=jnp.float32,
     all_base: bool = False,
 ) -> Case:
     """Random batch: tokens on random slots (slot 0 = base), slot weights zero above each slot's rank."""
@@ -76,15 +83,18 @@ def run_kernels(
     """(shrink [T, R] f32, expand [T, out]) of one kernel family; rank_block -1 means R."""
     rank_block = case.lora_a.shape[1] if rank_block == -1 else rank_block
     if kernel == "tpu":
-        shrink = sgmv_shrink_tpu(case.x, case.lora_a, *case.meta, rank_block=rank_block, block_rows=16,
-                                 block_in=128, interpret=interpret)
-        expand = sgmv_expand_tpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, block_rows=16, block_out=128,
-                                 interpret=interpret)
+        shrink = sgmv_shrink_tpu(
+            case.x, case.lora_a, *case.meta, rank_block=rank_block, block_rows=16, block_in=128, interpret=interpret
+        )
+        expand = sgmv_expand_tpu(
+            s, case.lora_b, *case.meta, out_dtype=out_dtype, block_rows=16, block_out=128, interpret=interpret
+        )
         return shrink, expand
     num_tokens, in_dim = case.x.shape
     tiles = choose_tiles(num_tokens, case.lora.num_segments, in_dim, case.lora_b.shape[1])
-    partials = sgmv_shrink_gpu_partials(case.x, case.lora_a, *case.meta, tiles=tiles, rank_block=rank_block,
-                                        interpret=interpret)
+    partials = sgmv_shrink_gpu_partials(
+        case.x, case.lora_a, *case.meta, tiles=tiles, rank_block=rank_block, interpret=interpret
+    )
     shrink = partials.sum(0)
     expand = sgmv_expand_gpu(s, case.lora_b, *case.meta, out_dtype=out_dtype, tiles=tiles, interpret=interpret)
     return shrink, expand
@@ -124,11 +134,15 @@ def test_work_list_covers_every_row_once():
 )
 def test_host_work_list_matches_jit(num_tokens, num_segments, block_rows, num_slots):
     lora = build_lora_batch(
-        np.random.default_rng(num_tokens).integers(0, num_slots, num_tokens), num_segments,
-        np.ones(6, np.float32), np.array([0, 4, 8, 16, 64, 64], np.int32), block_rows,
+        np.random.default_rng(num_tokens).integers(0, num_slots, num_tokens),
+        num_segments,
+        np.ones(6, np.float32),
+        np.array([0, 4, 8, 16, 64, 64], np.int32),
+        block_rows,
     )
-    jitted = make_work_list(*(jnp.asarray(a) for a in (lora.seg_start, lora.seg_slot, lora.slot_rank)),
-                            num_tokens, block_rows)
+    jitted = make_work_list(
+        *(jnp.asarray(a) for a in (lora.seg_start, lora.seg_slot, lora.slot_rank)), num_tokens, block_rows
+    )
     for field in ("tile", "slot", "row_lo", "row_hi", "rank", "is_first"):
         assert np.array_equal(getattr(lora.work, field), np.asarray(getattr(jitted, field))), field
     assert np.array_equal(lora.work_perm, np.asarray(padded_perm(jnp.asarray(lora.sort_perm), block_rows, jnp)))
@@ -203,14 +217,17 @@ def test_odd_sizes_of_a_layer_stack(kernel):
     layer = jnp.int32(1)
     if kernel == "tpu":
         shrink = sgmv_shrink_tpu(case.x, a_stack, *case.meta, layer, rank_block=8, block_rows=16, interpret=True)
-        expand = sgmv_expand_tpu(s_ref, b_stack, *case.meta, layer, out_dtype=jnp.float32, block_rows=16,
-                                 interpret=True)
+        expand = sgmv_expand_tpu(
+            s_ref, b_stack, *case.meta, layer, out_dtype=jnp.float32, block_rows=16, interpret=True
+        )
     else:
         tiles = choose_tiles(case.x.shape[0], case.lora.num_segments, 40, 24)
-        shrink = sgmv_shrink_gpu_partials(case.x, a_stack, *case.meta, layer=layer, tiles=tiles, rank_block=8,
-                                          interpret=True).sum(0)
-        expand = sgmv_expand_gpu(s_ref, b_stack, *case.meta, layer=layer, out_dtype=jnp.float32, tiles=tiles,
-                                 interpret=True)
+        shrink = sgmv_shrink_gpu_partials(
+            case.x, a_stack, *case.meta, layer=layer, tiles=tiles, rank_block=8, interpret=True
+        ).sum(0)
+        expand = sgmv_expand_gpu(
+            s_ref, b_stack, *case.meta, layer=layer, out_dtype=jnp.float32, tiles=tiles, interpret=True
+        )
     assert_close(shrink, s_ref, jnp.float32)
     assert_close(expand, y_ref, jnp.float32)
 
@@ -249,8 +266,16 @@ def test_gpu_expand_odd_parts_into_packed_columns(widths):
     s_parts = [sgmv_shrink_ref(case.x, case.lora_a * (i + 1.0), *case.meta) for i in range(len(widths))]
     base = jnp.asarray(np.random.default_rng(18).standard_normal((num_tokens, sum(widths))), jnp.float32)
     tiles = choose_tiles(num_tokens, case.lora.num_segments, None, widths)
-    y = sgmv_expand_gpu(jnp.concatenate(s_parts, axis=1), parts_b, *case.meta, case.lora.slot_scale, base,
-                        out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    y = sgmv_expand_gpu(
+        jnp.concatenate(s_parts, axis=1),
+        parts_b,
+        *case.meta,
+        case.lora.slot_scale,
+        base,
+        out_dtype=jnp.float32,
+        tiles=tiles,
+        interpret=True,
+    )
     scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
     deltas = [sgmv_expand_ref(s_i * scale_tok, b, *case.meta, jnp.float32) for s_i, b in zip(s_parts, parts_b)]
     assert_close(y, base + jnp.concatenate(deltas, axis=1), jnp.float32)
@@ -268,8 +293,16 @@ def test_gpu_expand_fuses_scale_and_base_add():
     tiles = choose_tiles(num_tokens, case.lora.num_segments, None, case.lora_b.shape[1])
     # the shrink partials of several `in` splits are summed inside the expand kernel
     partials = jnp.stack([s_ref * 0.25, s_ref * 0.75])
-    y = sgmv_expand_gpu(partials, case.lora_b, *case.meta, case.lora.slot_scale, base,
-                        out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    y = sgmv_expand_gpu(
+        partials,
+        case.lora_b,
+        *case.meta,
+        case.lora.slot_scale,
+        base,
+        out_dtype=jnp.float32,
+        tiles=tiles,
+        interpret=True,
+    )
     assert_close(y, y_ref, jnp.float32)
     is_base = np.asarray(case.lora.token_slot) == 0
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
@@ -287,12 +320,29 @@ def test_gpu_expand_into_packed_columns_with_host_work_list():
     widths = [b.shape[1] for b in parts_b]
     base = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), jnp.float32)
     tiles = choose_tiles(num_tokens, case.lora.num_segments, None, 128)
-    host = build_lora_batch(np.asarray(case.lora.token_slot), case.lora.num_segments,
-                            np.asarray(case.lora.slot_scale), np.asarray(case.lora.slot_rank), tiles.block_rows)
+    host = build_lora_batch(
+        np.asarray(case.lora.token_slot),
+        case.lora.num_segments,
+        np.asarray(case.lora.slot_scale),
+        np.asarray(case.lora.slot_rank),
+        tiles.block_rows,
+    )
     y, col = base, 0
     for i, part_b in enumerate(parts_b):
-        y = sgmv_expand_gpu(s_packed, part_b, *case.meta, case.lora.slot_scale, y, host.work, host.work_perm,
-                            out_dtype=jnp.float32, tiles=tiles, s_col=16 * i, out_col=col, interpret=True)
+        y = sgmv_expand_gpu(
+            s_packed,
+            part_b,
+            *case.meta,
+            case.lora.slot_scale,
+            y,
+            host.work,
+            host.work_perm,
+            out_dtype=jnp.float32,
+            tiles=tiles,
+            s_col=16 * i,
+            out_col=col,
+            interpret=True,
+        )
         col += part_b.shape[1]
     scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
     deltas = [sgmv_expand_ref(s_i * scale_tok, b, *case.meta, jnp.float32) for s_i, b in zip(s_parts, parts_b)]
@@ -300,8 +350,17 @@ def test_gpu_expand_into_packed_columns_with_host_work_list():
     is_base = np.asarray(case.lora.token_slot) == 0
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base)[is_base]), "base rows must be untouched"
     with pytest.raises(ValueError, match="do not fit"):
-        sgmv_expand_gpu(s_packed, parts_b[0], *case.meta, None, base, out_dtype=jnp.float32, tiles=tiles,
-                        out_col=sum(widths) - 64, interpret=True)
+        sgmv_expand_gpu(
+            s_packed,
+            parts_b[0],
+            *case.meta,
+            None,
+            base,
+            out_dtype=jnp.float32,
+            tiles=tiles,
+            out_col=sum(widths) - 64,
+            interpret=True,
+        )
 
 
 def test_gpu_kernels_read_one_layer_of_stacks_and_expand_all_parts_in_one_launch():
@@ -321,16 +380,28 @@ def test_gpu_kernels_read_one_layer_of_stacks_and_expand_all_parts_in_one_launch
         return jnp.stack([w if i == layer else w * 3.0 + 1.0 for i in range(num_layers)])
 
     tiles = choose_tiles(num_tokens, case.lora.num_segments, case.x.shape[1], tuple(b.shape[1] for b in parts_b))
-    partials = sgmv_shrink_gpu_partials(case.x, stack(packed_a), *case.meta, layer=jnp.int32(layer), tiles=tiles,
-                                        rank_block=16, interpret=True)
+    partials = sgmv_shrink_gpu_partials(
+        case.x, stack(packed_a), *case.meta, layer=jnp.int32(layer), tiles=tiles, rank_block=16, interpret=True
+    )
     s_ref = sgmv_shrink_ref(case.x, packed_a, *case.meta, rank_block=16)
     assert_close(partials.sum(0), s_ref, jnp.float32)
     base = jnp.asarray(np.random.default_rng(14).standard_normal((num_tokens, 384)), jnp.float32)
-    y = sgmv_expand_gpu(partials, tuple(stack(b) for b in noisy_b), *case.meta, case.lora.slot_scale, base,
-                        layer=jnp.int32(layer), out_dtype=jnp.float32, tiles=tiles, interpret=True)
+    y = sgmv_expand_gpu(
+        partials,
+        tuple(stack(b) for b in noisy_b),
+        *case.meta,
+        case.lora.slot_scale,
+        base,
+        layer=jnp.int32(layer),
+        out_dtype=jnp.float32,
+        tiles=tiles,
+        interpret=True,
+    )
     scale_tok = case.lora.slot_scale[case.lora.token_slot][:, None]
-    deltas = [sgmv_expand_ref(s_ref[:, 16 * i : 16 * (i + 1)] * scale_tok, b, *case.meta, jnp.float32)
-              for i, b in enumerate(parts_b)]
+    deltas = [
+        sgmv_expand_ref(s_ref[:, 16 * i : 16 * (i + 1)] * scale_tok, b, *case.meta, jnp.float32)
+        for i, b in enumerate(parts_b)
+    ]
     assert_close(y, base + jnp.concatenate(deltas, axis=1), jnp.float32)
     with pytest.raises(ValueError, match="needs `layer`"):
         sgmv_shrink_gpu_partials(case.x, stack(packed_a), *case.meta, tiles=tiles, rank_block=16, interpret=True)

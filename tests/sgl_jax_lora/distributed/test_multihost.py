@@ -24,17 +24,26 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.http_helpers import ServerProcess, free_port, server_env
-from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
-from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 from sgl_jax_lora import Engine
 from sgl_jax_lora.distributed.commands import Forward, WriteLoRASlot, decode, encode
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.model_executor.model_runner import padding_forward_batch
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.http_helpers import ServerProcess, free_port, server_env
+from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
+from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
-SMALL = dict(dtype="float32", context_length=128, max_running_requests=8, chunked_prefill_size=32, max_prefill_seqs=4,
-             token_buckets=[16], max_loras_per_batch=2, lora_backend="sgmv", tp_size=4)
+SMALL = dict(
+    dtype="float32",
+    context_length=128,
+    max_running_requests=8,
+    chunked_prefill_size=32,
+    max_prefill_seqs=4,
+    token_buckets=[16],
+    max_loras_per_batch=2,
+    lora_backend="sgmv",
+    tp_size=4,
+)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 LOGPROB_ATOL = 1e-4  # float32 against HF + PEFT on CPU, as in test_lora_engine.py
 EXIT_DEADLINE_S = 120  # a node that should exit has hung if it has not after this long (heartbeat timeout: 5 s)
@@ -46,8 +55,12 @@ def setup(tmp_path_factory):
     base = make_hf_model_dir(root / "base", "llama", seed=5, num_attention_heads=8, head_dim=6)
     adapters = {
         "a": write_peft_adapter(base, root / "a", seed=1, r=8, lora_alpha=16, target_modules="all-linear"),
-        "b": write_peft_adapter(base, root / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
-        "c": write_peft_adapter(base, root / "c", seed=3, r=8, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj"]),
+        "b": write_peft_adapter(
+            base, root / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+        "c": write_peft_adapter(
+            base, root / "c", seed=3, r=8, lora_alpha=8, target_modules=["o_proj", "gate_proj", "up_proj"]
+        ),
     }
     return root, base, adapters
 
@@ -71,9 +84,16 @@ class Cluster:
     def __init__(self, base, adapters: dict, allowed_dir, **extra: object):
         coordinator = free_port()
         env = {**server_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-        settings = {**SMALL, "model_path": base, "nnodes": 2, "dist_init_addr": f"127.0.0.1:{coordinator}",
-                    "dist_heartbeat_timeout": 5, "lora_paths": [f"a={adapters['a']}", f"b={adapters['b']}"],
-                    "lora_allowed_dirs": allowed_dir, **extra}
+        settings = {
+            **SMALL,
+            "model_path": base,
+            "nnodes": 2,
+            "dist_init_addr": f"127.0.0.1:{coordinator}",
+            "dist_heartbeat_timeout": 5,
+            "lora_paths": [f"a={adapters['a']}", f"b={adapters['b']}"],
+            "lora_allowed_dirs": allowed_dir,
+            **extra,
+        }
         self.nodes = []
         for rank in range(2):
             port = free_port()
@@ -104,8 +124,9 @@ def cluster(setup):
 def single(setup):
     """The same engine in one process (tp 4 over 4 of this process's 8 fake devices)."""
     _, base, adapters = setup
-    with Engine(model_path=str(base), lora_paths={n: str(adapters[n]) for n in ("a", "b")}, skip_precompile=True,
-                **SMALL) as engine:
+    with Engine(
+        model_path=str(base), lora_paths={n: str(adapters[n]) for n in ("a", "b")}, skip_precompile=True, **SMALL
+    ) as engine:
         yield engine
 
 
@@ -114,8 +135,13 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def generate(node: ServerProcess, ids: list, loras: list, max_new_tokens: int) -> list[dict]:
-    body = {"input_ids": ids, "lora_path": loras, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": max_new_tokens, **GREEDY}}
+    body = {
+        "input_ids": ids,
+        "lora_path": loras,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": max_new_tokens, **GREEDY},
+    }
     response = httpx.post(node.url + "/generate", json=body, timeout=300)
     assert response.status_code == 200, response.text
     return response.json()
@@ -130,7 +156,7 @@ def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[l
         generated = list(ids)
         for _ in range(max_new_tokens):
             generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
-    return generated[len(ids):], logprobs
+    return generated[len(ids) :], logprobs
 
 
 def logprobs_of(out: dict, key: str) -> np.ndarray:
@@ -158,8 +184,17 @@ def compilations_after_warmup(cluster: Cluster) -> list[int]:
 
 
 def test_commands_round_trip_and_decoding_builds_only_known_types():
-    batch = padding_forward_batch(2, 8, 3, build_lora_batch(np.array([0, 1, 1, 0, 2, 0, 0, 0], np.int32), 3,
-                                                             np.array([0, 2, 0.5], np.float32), np.array([0, 8, 4], np.int32)))
+    batch = padding_forward_batch(
+        2,
+        8,
+        3,
+        build_lora_batch(
+            np.array([0, 1, 1, 0, 2, 0, 0, 0], np.int32),
+            3,
+            np.array([0, 2, 0.5], np.float32),
+            np.array([0, 8, 4], np.int32),
+        ),
+    )
     command = decode(encode(Forward(batch, 7)))
     assert command.prev_sample == 7
     for ours, sent in zip(jax.tree_util.tree_leaves(command.batch), jax.tree_util.tree_leaves(batch), strict=True):
@@ -189,8 +224,13 @@ def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(clus
     loras = ["a", None, "b", None, "a"]
     ids = [prompt(i, 9 + 3 * i) for i in range(len(loras))]
     outs = generate(cluster.nodes[0], ids, loras, 6)
-    expected = single.generate(input_ids=ids, lora_path=loras, return_logprob=True, logprob_start_len=0,
-                               sampling_params={"max_new_tokens": 6, **GREEDY})
+    expected = single.generate(
+        input_ids=ids,
+        lora_path=loras,
+        return_logprob=True,
+        logprob_start_len=0,
+        sampling_params={"max_new_tokens": 6, **GREEDY},
+    )
     assert_same_as(outs, expected)
     assert_matches_peft(base, adapters, loras, ids, outs, 6)
     info = httpx.get(cluster.nodes[0].url + "/get_server_info", timeout=30).json()
@@ -201,14 +241,26 @@ def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(clus
 def test_logit_adjustments_reach_every_node(cluster, single):
     # penalties are packed on node 0's host and applied on every node's devices: the packed entries travel
     ids = [prompt(60 + i, 12) for i in range(2)]
-    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True, "frequency_penalty": 1.5, "repetition_penalty": 1.3}
-    response = httpx.post(cluster.nodes[0].url + "/generate", json={"input_ids": ids, "lora_path": ["b", None],
-                          "sampling_params": params, "return_logprob": True}, timeout=300)
+    params = {
+        "max_new_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "frequency_penalty": 1.5,
+        "repetition_penalty": 1.3,
+    }
+    response = httpx.post(
+        cluster.nodes[0].url + "/generate",
+        json={"input_ids": ids, "lora_path": ["b", None], "sampling_params": params, "return_logprob": True},
+        timeout=300,
+    )
     assert response.status_code == 200, response.text
     expected = single.generate(input_ids=ids, lora_path=["b", None], sampling_params=params, return_logprob=True)
     assert_same_as(response.json(), expected)
-    plain = single.generate(input_ids=ids, lora_path=["b", None], sampling_params={**params, "frequency_penalty": 0.0,
-                                                                                  "repetition_penalty": 1.0})
+    plain = single.generate(
+        input_ids=ids,
+        lora_path=["b", None],
+        sampling_params={**params, "frequency_penalty": 0.0, "repetition_penalty": 1.0},
+    )
     assert [o["output_ids"] for o in plain] != [o["output_ids"] for o in expected]  # the penalties changed the tokens
     assert compilations_after_warmup(cluster) == [0, 0]
 
@@ -222,15 +274,22 @@ def test_follower_answers_health_only(cluster):
 def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
     root, base, adapters = setup
     leader = cluster.nodes[0].url
-    response = httpx.post(leader + "/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])}, timeout=120)
+    response = httpx.post(
+        leader + "/load_lora_adapter", json={"lora_name": "c", "lora_path": str(adapters["c"])}, timeout=120
+    )
     assert response.status_code == 200, response.text
     single.load_lora_adapter("c", str(adapters["c"]))
     # three adapters over two device slots: slots are evicted and rewritten on both nodes
     loras = ["c", "a", None, "b", "c"]
     ids = [prompt(40 + i, 8 + 2 * i) for i in range(len(loras))]
     outs = generate(cluster.nodes[0], ids, loras, 5)
-    expected = single.generate(input_ids=ids, lora_path=loras, return_logprob=True, logprob_start_len=0,
-                               sampling_params={"max_new_tokens": 5, **GREEDY})
+    expected = single.generate(
+        input_ids=ids,
+        lora_path=loras,
+        return_logprob=True,
+        logprob_start_len=0,
+        sampling_params={"max_new_tokens": 5, **GREEDY},
+    )
     assert_same_as(outs, expected)
     assert_matches_peft(base, adapters, loras[:1], ids[:1], outs[:1], 5)
     response = httpx.post(leader + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=120)
@@ -240,8 +299,11 @@ def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
     after = generate(cluster.nodes[0], ids[2:4], [None, "b"], 5)
     assert_same_as(after, expected[2:4])
     # an in-memory update: adapter b gets c's tensors and config; both nodes serve c's weights under b's name
-    update = {"lora_name": "b", "tensors": base64.b64encode((adapters["c"] / "adapter_model.safetensors").read_bytes()).decode(),
-              "config": json.loads((adapters["c"] / "adapter_config.json").read_text())}
+    update = {
+        "lora_name": "b",
+        "tensors": base64.b64encode((adapters["c"] / "adapter_model.safetensors").read_bytes()).decode(),
+        "config": json.loads((adapters["c"] / "adapter_config.json").read_text()),
+    }
     response = httpx.post(leader + "/update_lora_adapter", json=update, timeout=120)
     assert response.status_code == 200, response.text
     updated = generate(cluster.nodes[0], ids[:1], ["b"], 5)

@@ -10,26 +10,36 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from sgl_jax_lora.entrypoints.errors import (
-    APIError, error_body, install_error_handlers, to_api_error, validation_error,
+    APIError,
+    error_body,
+    install_error_handlers,
+    to_api_error,
+    validation_error,
 )
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError
 
 
-@pytest.mark.parametrize("exc, status, code", [
-    (APIError(413, "too big", "request_too_large"), 413, "request_too_large"),
-    (EngineDeadError("gone"), 503, "engine_dead"),
-    (RequestError("prompt too long"), 400, "invalid_request"),
-    (LoRAAdapterError("rank 128 > 64"), 400, "invalid_request"),
-    (KeyError("slot"), 500, "internal_error"),
-])
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (APIError(413, "too big", "request_too_large"), 413, "request_too_large"),
+        (EngineDeadError("gone"), 503, "engine_dead"),
+        (RequestError("prompt too long"), 400, "invalid_request"),
+        (LoRAAdapterError("rank 128 > 64"), 400, "invalid_request"),
+        (KeyError("slot"), 500, "internal_error"),
+    ],
+)
 def test_exceptions_map_to_status_and_code(exc, status, code):
     error = to_api_error(exc)
     assert (error.status_code, error.code) == (status, code)
 
 
 def test_internal_errors_name_the_exception():
-    assert to_api_error(ZeroDivisionError("division by zero")).message == "internal error: ZeroDivisionError: division by zero"
+    assert (
+        to_api_error(ZeroDivisionError("division by zero")).message
+        == "internal error: ZeroDivisionError: division by zero"
+    )
 
 
 def test_body_has_message_type_and_code():
@@ -38,15 +48,24 @@ def test_body_has_message_type_and_code():
 
 
 def test_validation_messages_name_the_field_and_cut_the_value():
-    error = validation_error([{"type": "float_parsing", "loc": ("body", "sampling_params", "top_p"),
-                               "msg": "Input should be a valid number", "input": "y" * 500}])
+    error = validation_error(
+        [
+            {
+                "type": "float_parsing",
+                "loc": ("body", "sampling_params", "top_p"),
+                "msg": "Input should be a valid number",
+                "input": "y" * 500,
+            }
+        ]
+    )
     assert error.status_code == 400 and error.code == "invalid_request"
     assert error.message.startswith("invalid request: sampling_params.top_p: Input should be a valid number (got 'yyy")
     assert len(error.message) < 200
     missing = validation_error([{"type": "missing", "loc": ("body", "text"), "msg": "Field required", "input": {}}])
     assert missing.message == "invalid request: text: Field required"
-    bad_json = validation_error([{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON",
-                                  "ctx": {"error": "Expecting value"}}])
+    bad_json = validation_error(
+        [{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON", "ctx": {"error": "Expecting value"}}]
+    )
     assert (bad_json.message, bad_json.code) == ("malformed JSON body: Expecting value", "invalid_json")
 
 
@@ -69,8 +88,13 @@ def test_handlers_answer_every_failure_with_the_body_and_count_it():
 
     client = TestClient(app, raise_server_exceptions=False)
     assert client.post("/n", json={"n": 2}).json() == {"n": 2}
-    answers = [client.post("/n", json={"n": 0}), client.post("/n", json={"n": 1}), client.post("/n", json={"n": "x"}),
-               client.get("/nothing"), client.post("/n", content=b"{")]
+    answers = [
+        client.post("/n", json={"n": 0}),
+        client.post("/n", json={"n": 1}),
+        client.post("/n", json={"n": "x"}),
+        client.get("/nothing"),
+        client.post("/n", content=b"{"),
+    ]
     assert [r.status_code for r in answers] == [400, 500, 400, 404, 400]
     assert all(set(r.json()["error"]) == {"message", "type", "code"} for r in answers)
     assert "a bug" in answers[1].json()["error"]["message"]

@@ -28,8 +28,16 @@ API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 # small limits, so that the bad-input matrix can cross each one with a small request
-LIMIT_FLAGS = ["--max-request-body-bytes", "300000", "--max-requests-per-call", "64", "--max-stop-strings", "4",
-               "--max-stop-string-chars", "32"]
+LIMIT_FLAGS = [
+    "--max-request-body-bytes",
+    "300000",
+    "--max-requests-per-call",
+    "64",
+    "--max-stop-strings",
+    "4",
+    "--max-stop-string-chars",
+    "32",
+]
 CHAT = {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -38,7 +46,18 @@ def server():
     from sgl_jax_lora.demo_model import demo_model_path
 
     # the demo model named explicitly: a server without the default demo adapters (LoRA off)
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--model-path", demo_model_path(), "--served-model-name", "demo-model-v2", "--api-key", API_KEY, *LIMIT_FLAGS])
+    srv = start_server(
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--model-path",
+            demo_model_path(),
+            "--served-model-name",
+            "demo-model-v2",
+            "--api-key",
+            API_KEY,
+            *LIMIT_FLAGS,
+        ]
+    )
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -166,7 +185,9 @@ def test_generate_streaming_batch(http):
 
 
 def test_generate_logprobs(http):
-    result = generate(http, text="Hello, world!", sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    result = generate(
+        http, text="Hello, world!", sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=0
+    )
     meta = result["meta_info"]
     assert len(meta["output_token_logprobs"]) == 12
     assert [tid for _, tid in meta["output_token_logprobs"]] == result["output_ids"]
@@ -194,7 +215,12 @@ def test_openai_models(oai, server, model_name):
 def test_openai_completions(oai, http, model_name):
     expected = generate(http, text="Hello, world!", sampling_params=GREEDY)
     completion = oai.completions.create(
-        model=model_name, prompt="Hello, world!", max_tokens=12, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+        model=model_name,
+        prompt="Hello, world!",
+        max_tokens=12,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
     )
     choice = completion.choices[0]
     assert choice.text == expected["text"]
@@ -205,14 +231,18 @@ def test_openai_completions(oai, http, model_name):
 
 
 def test_openai_completions_stop_and_seed(oai, model_name):
-    full = oai.completions.create(model=model_name, prompt="Hello", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = oai.completions.create(
+        model=model_name, prompt="Hello", max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = full.choices[0].text
     stop = text[4:6]
     stopped = oai.completions.create(model=model_name, prompt="Hello", max_tokens=16, temperature=0, stop=[stop])
     assert stopped.choices[0].text == text[: text.find(stop)]
     assert stopped.choices[0].finish_reason == "stop"
     sampled = [
-        oai.completions.create(model=model_name, prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+        oai.completions.create(model=model_name, prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+        .choices[0]
+        .text
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]
@@ -230,13 +260,17 @@ def test_openai_stop_streamed_and_with_n(oai, model_name):
     several = oai.completions.create(**kwargs, stop=[stop], n=2)
     assert [c.text for c in several.choices] == [single.choices[0].text] * 2
     assert several.usage.completion_tokens == 2 * single.usage.completion_tokens
-    chunks = list(oai.completions.create(**kwargs, stop=[stop], logprobs=1, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.completions.create(**kwargs, stop=[stop], logprobs=1, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == single.choices[0].text
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == single.usage.completion_tokens
     assert chunks[-1].usage.completion_tokens == single.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     messages = [{"role": "user", "content": "Tell me a story"}]
-    chat_kwargs = dict(model=model_name, messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    chat_kwargs = dict(
+        model=model_name, messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     chat_full = oai.chat.completions.create(**chat_kwargs).choices[0].message.content
     chat_stop = chat_full[5:8]
     streamed = list(oai.chat.completions.create(**chat_kwargs, stop=chat_stop, stream=True))
@@ -245,10 +279,15 @@ def test_openai_stop_streamed_and_with_n(oai, model_name):
 
 
 def test_openai_chat(oai, http, model_name, tokenizer):
-    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You are brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = generate(http, input_ids=tokenizer.encode(prompt, add_special_tokens=False), sampling_params=GREEDY)
-    chat = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == expected["text"]
     assert chat.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
@@ -262,7 +301,9 @@ def test_openai_chat(oai, http, model_name, tokenizer):
 def test_openai_streaming(oai, model_name):
     kwargs = dict(model=model_name, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     full = oai.completions.create(prompt="Tell me a story", **kwargs).choices[0].text
-    chunks = list(oai.completions.create(prompt="Tell me a story", stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        oai.completions.create(prompt="Tell me a story", stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     assert chunks[-1].usage.completion_tokens == 12
 
@@ -277,8 +318,14 @@ def test_openai_streaming(oai, model_name):
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")
-    reference = generate(http, input_ids=ids, sampling_params={"max_new_tokens": 1}, return_logprob=True,
-                         logprob_start_len=0, top_logprobs_num=1)["meta_info"]
+    reference = generate(
+        http,
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 1},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=1,
+    )["meta_info"]
     scored = oai.completions.create(model=model_name, prompt=[ids], max_tokens=0, echo=True, logprobs=1)
     choice = scored.choices[0]
     assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
@@ -288,8 +335,15 @@ def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokeniz
     assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
 
     # echo with a completion: prompt text + generated text, streamed or not
-    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0, echo=True, logprobs=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=model_name,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     expected = generate(http, text="Once upon a time", sampling_params={**GREEDY, "max_new_tokens": 6})
     full = oai.completions.create(**kwargs).choices[0]
     assert full.text == "Once upon a time" + expected["text"]
@@ -303,18 +357,35 @@ def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokeniz
 def test_openai_logit_bias_and_min_tokens(oai, model_name, tokenizer):
     # OpenAI's logit_bias: token ids as strings; +100 forces a token under greedy decoding, streamed or not
     forced_id = tokenizer.encode(" banana")[-1]
-    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
-                  logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=model_name,
+        prompt="Once upon a time",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(forced_id): 100},
+        extra_body={"ignore_eos": True},
+    )
     completion = oai.completions.create(**kwargs)
     assert completion.choices[0].text == tokenizer.decode([forced_id] * 4)
-    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                       temperature=0, logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced_id): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.content == tokenizer.decode([forced_id] * 3)
     streamed = "".join(c.choices[0].text for c in oai.completions.create(stream=True, **kwargs))
     assert streamed == completion.choices[0].text
     # min_tokens (vLLM's extension): EOS, forced by its bias, comes only after 2 tokens
-    eos_kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0,
-                      logit_bias={str(tokenizer.eos_token_id): 100})
+    eos_kwargs = dict(
+        model=model_name,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(tokenizer.eos_token_id): 100},
+    )
     assert oai.completions.create(**eos_kwargs).usage.completion_tokens == 1
     held = oai.completions.create(**eos_kwargs, extra_body={"min_tokens": 2})
     assert held.usage.completion_tokens == 3 and held.choices[0].finish_reason == "stop"
@@ -325,7 +396,9 @@ def test_openai_usage_reports_cached_prompt_tokens(oai, model_name):
     long_prompt = list(range(5, 45))  # 40 tokens: 2 whole pages can be cached
     first = oai.completions.create(model=model_name, prompt=[long_prompt], max_tokens=2, temperature=0)
     again = oai.completions.create(model=model_name, prompt=[long_prompt], max_tokens=2, temperature=0)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.prompt_tokens_details.cached_tokens == 32
+    assert (
+        first.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.prompt_tokens_details.cached_tokens == 32
+    )
     assert again.choices[0].text == first.choices[0].text
 
 
@@ -345,8 +418,11 @@ def test_openai_n_choices(oai, model_name):
     chat_alone = [oai.chat.completions.create(messages=messages, seed=5 + j, **sampling) for j in range(2)]
     assert [c.message.content for c in chat.choices] == [a.choices[0].message.content for a in chat_alone]
     assert chat.usage.prompt_tokens == chat_alone[0].usage.prompt_tokens
-    chunks = list(oai.chat.completions.create(messages=messages, n=2, seed=5, stream=True,
-                                              stream_options={"include_usage": True}, **sampling))
+    chunks = list(
+        oai.chat.completions.create(
+            messages=messages, n=2, seed=5, stream=True, stream_options={"include_usage": True}, **sampling
+        )
+    )
     for j in range(2):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == j]
         assert mine[0].delta.role == "assistant"
@@ -357,7 +433,13 @@ def test_openai_n_choices(oai, model_name):
 
 # ---- concurrency and disconnects ---------------------------------------------------------------
 def test_32_concurrent_clients_match_alone(server, http):
-    bodies = [{"text": f"Request {i}: tell me about number {i * 7}", "sampling_params": {"temperature": 0, "max_new_tokens": 10 + i % 5}} for i in range(32)]
+    bodies = [
+        {
+            "text": f"Request {i}: tell me about number {i * 7}",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 10 + i % 5},
+        }
+        for i in range(32)
+    ]
     alone = [generate(http, **body)["output_ids"] for body in bodies]
     barrier = threading.Barrier(32)
 
@@ -381,7 +463,11 @@ def test_disconnect_mid_stream_frees_pages(http):
         return 0.0
 
     aborted_before = aborted()
-    body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True}, "stream": True}
+    body = {
+        "text": "Once upon a time",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True},
+        "stream": True,
+    }
     with http.stream("POST", "/generate", json=body) as response:
         lines = response.iter_lines()
         events = sse_events(line for line, _ in zip(lines, range(6)))
@@ -404,61 +490,325 @@ BAD_REQUESTS = [
     ("no-prompt", "/generate", {"sampling_params": {}}, 400, "exactly one of 'text'"),
     ("text-and-ids", "/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of 'text'"),
     ("empty-batch", "/generate", {"text": []}, 400, "empty list"),
-    ("negative-temperature", "/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature must be >= 0"),
-    ("top-p-out-of-range", "/generate", {"text": "hi", "sampling_params": {"top_p": 1.5}}, 400, "top_p must be in (0, 1]"),
-    ("zero-max-new-tokens", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens must be >= 1"),
-    ("unknown-sampling-param", "/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, 400, "unknown sampling parameter"),
+    (
+        "negative-temperature",
+        "/generate",
+        {"text": "hi", "sampling_params": {"temperature": -1}},
+        400,
+        "temperature must be >= 0",
+    ),
+    (
+        "top-p-out-of-range",
+        "/generate",
+        {"text": "hi", "sampling_params": {"top_p": 1.5}},
+        400,
+        "top_p must be in (0, 1]",
+    ),
+    (
+        "zero-max-new-tokens",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+        400,
+        "max_new_tokens must be >= 1",
+    ),
+    (
+        "unknown-sampling-param",
+        "/generate",
+        {"text": "hi", "sampling_params": {"temprature": 0}},
+        400,
+        "unknown sampling parameter",
+    ),
     ("prompt-too-long", "/generate", {"input_ids": [5] * 300}, 400, "context length is 256"),
-    ("too-many-tokens", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1000}}, 400, "exceeds the context length 256"),
+    (
+        "too-many-tokens",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 1000}},
+        400,
+        "exceeds the context length 256",
+    ),
     ("id-outside-vocab", "/generate", {"input_ids": [1, 10**6]}, 400, "outside the vocabulary"),
-    ("top-logprobs-too-many", "/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 1000}, 400, "top_logprobs_num"),
-    ("params-count-mismatch", "/generate", {"text": ["a", "b"], "sampling_params": [{}]}, 400, "'sampling_params' has 1 entries but there are 2 prompts"),
-    ("bad-prompt-in-batch", "/generate", {"text": ["a", "b"], "sampling_params": [{}, {"top_k": -5}]}, 400, "prompt 1: top_k"),
-    ("lora-not-enabled", "/generate", {"text": "hi", "lora_path": "my-adapter"}, 400, "'my-adapter' but LoRA is not enabled"),
-    ("load-lora-not-enabled", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/a"}, 400, "LoRA is not enabled"),
+    (
+        "top-logprobs-too-many",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": 1000},
+        400,
+        "top_logprobs_num",
+    ),
+    (
+        "params-count-mismatch",
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        400,
+        "'sampling_params' has 1 entries but there are 2 prompts",
+    ),
+    (
+        "bad-prompt-in-batch",
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [{}, {"top_k": -5}]},
+        400,
+        "prompt 1: top_k",
+    ),
+    (
+        "lora-not-enabled",
+        "/generate",
+        {"text": "hi", "lora_path": "my-adapter"},
+        400,
+        "'my-adapter' but LoRA is not enabled",
+    ),
+    (
+        "load-lora-not-enabled",
+        "/load_lora_adapter",
+        {"lora_name": "a", "lora_path": "/tmp/a"},
+        400,
+        "LoRA is not enabled",
+    ),
     ("unload-lora-missing-name", "/v1/unload_lora_adapter", {}, 400, "lora_name"),
     ("unknown-model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model 'gpt-4' does not exist"),
-    ("unknown-chat-model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 400, "model 'nope' does not exist"),
-    ("completion-too-many-tokens", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
-    ("completion-temperature-type", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
-    ("completion-n-zero", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "n": 0}, 400, "n must be an integer between 1 and 128, got 0"),
-    ("chat-n-too-many", "/v1/chat/completions", {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, "n must be an integer between 1 and 128, got 129"),
-    ("generate-n-float", "/generate", {"text": "hi", "sampling_params": {"n": 2.5}}, 400, "n must be an integer between 1 and 128, got 2.5"),
-    ("generate-n-bool", "/generate", {"text": "hi", "sampling_params": {"n": True}}, 400, "n must be an integer between 1 and 128, got True"),
-    ("completion-logit-bias-range", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "logit_bias": {"5": -200}}, 400, "logit_bias[5] must be in [-100, 100]"),
-    ("generate-logit-bias-vocab", "/generate", {"text": "hi", "sampling_params": {"logit_bias": {"1000000": 5}}}, 400, "outside the vocabulary"),
-    ("completion-min-tokens-above-max", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens must be in [0, max_tokens = 2]"),
-    ("completion-max-tokens-zero", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 is for echo=true"),
-    ("generate-n-differs", "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, 400, "n must be the same for every prompt of a batch, got [2, 3]"),
-    ("completion-n-bad-prompt", "/v1/completions", {"model": "demo-model-v2", "prompt": [[1, 2], [1, 10**6]], "n": 3}, 400, "prompt 1: "),
+    (
+        "unknown-chat-model",
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        400,
+        "model 'nope' does not exist",
+    ),
+    (
+        "completion-too-many-tokens",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 5000},
+        400,
+        "max_tokens",
+    ),
+    (
+        "completion-temperature-type",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "temperature": "hot"},
+        400,
+        "temperature",
+    ),
+    (
+        "completion-n-zero",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "n": 0},
+        400,
+        "n must be an integer between 1 and 128, got 0",
+    ),
+    (
+        "chat-n-too-many",
+        "/v1/chat/completions",
+        {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "n": 129},
+        400,
+        "n must be an integer between 1 and 128, got 129",
+    ),
+    (
+        "generate-n-float",
+        "/generate",
+        {"text": "hi", "sampling_params": {"n": 2.5}},
+        400,
+        "n must be an integer between 1 and 128, got 2.5",
+    ),
+    (
+        "generate-n-bool",
+        "/generate",
+        {"text": "hi", "sampling_params": {"n": True}},
+        400,
+        "n must be an integer between 1 and 128, got True",
+    ),
+    (
+        "completion-logit-bias-range",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "logit_bias": {"5": -200}},
+        400,
+        "logit_bias[5] must be in [-100, 100]",
+    ),
+    (
+        "generate-logit-bias-vocab",
+        "/generate",
+        {"text": "hi", "sampling_params": {"logit_bias": {"1000000": 5}}},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "completion-min-tokens-above-max",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2, "min_tokens": 3},
+        400,
+        "min_tokens must be in [0, max_tokens = 2]",
+    ),
+    (
+        "completion-max-tokens-zero",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 0},
+        400,
+        "max_tokens 0 is for echo=true",
+    ),
+    (
+        "generate-n-differs",
+        "/generate",
+        {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]},
+        400,
+        "n must be the same for every prompt of a batch, got [2, 3]",
+    ),
+    (
+        "completion-n-bad-prompt",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": [[1, 2], [1, 10**6]], "n": 3},
+        400,
+        "prompt 1: ",
+    ),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v2", "messages": []}, 400, "messages"),
-    ("chat-bad-role", "/v1/chat/completions", {"model": "demo-model-v2", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    (
+        "chat-bad-role",
+        "/v1/chat/completions",
+        {"model": "demo-model-v2", "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "role",
+    ),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
     ("unknown-route", "/v2/nothing", {}, 404, "Not Found"),
     # numbers: finite, and within the types they travel as (no 500 from msgpack, no engine step failing)
-    ("temperature-nan", "/generate", b'{"text": "hi", "sampling_params": {"temperature": NaN}}', 400, "temperature must be a finite number"),
-    ("repetition-penalty-infinity", "/generate", b'{"text": "hi", "sampling_params": {"repetition_penalty": Infinity}}', 400, "repetition_penalty must be a finite number"),
-    ("top-p-nan", "/generate", b'{"text": "hi", "sampling_params": {"top_p": NaN}}', 400, "top_p must be a finite number"),
-    ("logit-bias-nan", "/generate", b'{"text": "hi", "sampling_params": {"logit_bias": {"5": NaN}}}', 400, "logit_bias[5] must be a finite number"),
-    ("completion-temperature-nan", "/v1/completions", b'{"model": "demo-model-v2", "prompt": "hi", "temperature": NaN}', 400, "temperature must be a finite number"),
-    ("chat-frequency-penalty-minus-infinity", "/v1/chat/completions", b'{"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}', 400, "frequency_penalty must be a finite number"),
-    ("seed-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"seed": 2**70}}, 400, "seed must be a 64-bit integer"),
-    ("top-k-beyond-int32", "/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k must be -1 (off) or in [0, 2147483647]"),
-    ("stop-token-id-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2**70]}}, 400, "stop_token_ids must be a list of token ids"),
-    ("logprob-start-len-beyond-64-bits", "/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 2**70}, 400, "logprob_start_len must be an integer in [-1, 256)"),
-    ("max-new-tokens-beyond-64-bits", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2**70}}, 400, "max_new_tokens must be <= 2147483647"),
-    ("completion-seed-beyond-64-bits", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "seed": 2**70}, 400, "seed must be a 64-bit integer"),
-    ("completion-max-tokens-beyond-64-bits", "/v1/completions", {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens must be <= 2147483647"),
+    (
+        "temperature-nan",
+        "/generate",
+        b'{"text": "hi", "sampling_params": {"temperature": NaN}}',
+        400,
+        "temperature must be a finite number",
+    ),
+    (
+        "repetition-penalty-infinity",
+        "/generate",
+        b'{"text": "hi", "sampling_params": {"repetition_penalty": Infinity}}',
+        400,
+        "repetition_penalty must be a finite number",
+    ),
+    (
+        "top-p-nan",
+        "/generate",
+        b'{"text": "hi", "sampling_params": {"top_p": NaN}}',
+        400,
+        "top_p must be a finite number",
+    ),
+    (
+        "logit-bias-nan",
+        "/generate",
+        b'{"text": "hi", "sampling_params": {"logit_bias": {"5": NaN}}}',
+        400,
+        "logit_bias[5] must be a finite number",
+    ),
+    (
+        "completion-temperature-nan",
+        "/v1/completions",
+        b'{"model": "demo-model-v2", "prompt": "hi", "temperature": NaN}',
+        400,
+        "temperature must be a finite number",
+    ),
+    (
+        "chat-frequency-penalty-minus-infinity",
+        "/v1/chat/completions",
+        b'{"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -Infinity}',
+        400,
+        "frequency_penalty must be a finite number",
+    ),
+    (
+        "seed-beyond-64-bits",
+        "/generate",
+        {"text": "hi", "sampling_params": {"seed": 2**70}},
+        400,
+        "seed must be a 64-bit integer",
+    ),
+    (
+        "top-k-beyond-int32",
+        "/generate",
+        {"text": "hi", "sampling_params": {"top_k": 2**40}},
+        400,
+        "top_k must be -1 (off) or in [0, 2147483647]",
+    ),
+    (
+        "stop-token-id-beyond-64-bits",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [2**70]}},
+        400,
+        "stop_token_ids must be a list of token ids",
+    ),
+    (
+        "logprob-start-len-beyond-64-bits",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "logprob_start_len": 2**70},
+        400,
+        "logprob_start_len must be an integer in [-1, 256)",
+    ),
+    (
+        "max-new-tokens-beyond-64-bits",
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2**70}},
+        400,
+        "max_new_tokens must be <= 2147483647",
+    ),
+    (
+        "completion-seed-beyond-64-bits",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "seed": 2**70},
+        400,
+        "seed must be a 64-bit integer",
+    ),
+    (
+        "completion-max-tokens-beyond-64-bits",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "max_tokens": 2**70},
+        400,
+        "max_tokens must be <= 2147483647",
+    ),
     ("chat-top-k-beyond-int32", "/v1/chat/completions", {**CHAT, "top_k": 2**35}, 400, "top_k must be -1 (off)"),
     # limits (LIMIT_FLAGS)
-    ("too-many-stop-strings", "/generate", {"text": "hi", "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}}, 400, "stop has 5 entries, more than --max-stop-strings 4"),
-    ("stop-string-too-long", "/generate", {"text": "hi", "sampling_params": {"stop": "x" * 33}}, 400, "more than --max-stop-string-chars 32"),
-    ("too-many-stop-token-ids", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [1, 2, 3, 4, 5]}}, 400, "stop_token_ids has 5 entries"),
-    ("stop-token-id-outside-vocab", "/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**6]}}, 400, "stop_token_ids names token ids outside the vocabulary"),
-    ("chat-too-many-stop-strings", "/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "--max-stop-strings 4"),
-    ("prompts-times-n-over-limit", "/generate", {"text": ["a"] * 10, "sampling_params": {"n": 7}}, 400, "10 prompts x n=7 = 70 generations, more than --max-requests-per-call 64"),
+    (
+        "too-many-stop-strings",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop": ["a", "b", "c", "d", "e"]}},
+        400,
+        "stop has 5 entries, more than --max-stop-strings 4",
+    ),
+    (
+        "stop-string-too-long",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop": "x" * 33}},
+        400,
+        "more than --max-stop-string-chars 32",
+    ),
+    (
+        "too-many-stop-token-ids",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [1, 2, 3, 4, 5]}},
+        400,
+        "stop_token_ids has 5 entries",
+    ),
+    (
+        "stop-token-id-outside-vocab",
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop_token_ids": [10**6]}},
+        400,
+        "stop_token_ids names token ids outside the vocabulary",
+    ),
+    (
+        "chat-too-many-stop-strings",
+        "/v1/chat/completions",
+        {**CHAT, "stop": ["a", "b", "c", "d", "e"]},
+        400,
+        "--max-stop-strings 4",
+    ),
+    (
+        "prompts-times-n-over-limit",
+        "/generate",
+        {"text": ["a"] * 10, "sampling_params": {"n": 7}},
+        400,
+        "10 prompts x n=7 = 70 generations, more than --max-requests-per-call 64",
+    ),
     ("too-many-prompts", "/generate", {"input_ids": [[1, 2]] * 65}, 400, "65 prompts x n=1"),
-    ("completion-prompts-times-n-over-limit", "/v1/completions", {"model": "demo-model-v2", "prompt": ["a"] * 10, "n": 7}, 400, "--max-requests-per-call 64"),
+    (
+        "completion-prompts-times-n-over-limit",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": ["a"] * 10, "n": 7},
+        400,
+        "--max-requests-per-call 64",
+    ),
     ("chat-n-over-limit", "/v1/chat/completions", {**CHAT, "n": 65}, 400, "1 prompts x n=65"),
     ("body-too-large", "/generate", b'{"text": "' + b"x" * 400_000 + b'"}', 413, "--max-request-body-bytes 300000"),
     ("lora-path-wrong-type", "/generate", {"text": "hi", "lora_path": 5}, 400, "lora_path"),
@@ -469,8 +819,11 @@ ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error", 404: "
 def server_errors(http: httpx.Client) -> dict[str, float]:
     """status -> errors answered so far (from /metrics)."""
     prefix = 'sgl_jax_lora_request_errors_total{status="'
-    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
-            for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)}
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.split()[-1])
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith(prefix)
+    }
 
 
 def server_error_growth(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -479,7 +832,9 @@ def server_error_growth(before: dict[str, float], after: dict[str, float]) -> di
     return {status: count for status, count in grown.items() if count}
 
 
-@pytest.mark.parametrize("path, body, status, fragment", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    "path, body, status, fragment", [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS]
+)
 def test_bad_input(http, path, body, status, fragment):
     errors_before = server_errors(http)
     if isinstance(body, bytes):
@@ -520,9 +875,19 @@ def test_bad_input_through_openai_client(oai):
         oai.completions.create(model="demo-model-v2", prompt="hi", top_p=2.0)
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}], ids=["missing", "wrong", "no-bearer"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}],
+    ids=["missing", "wrong", "no-bearer"],
+)
 def test_api_key_required(server, headers):
-    for method, path in [("POST", "/generate"), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/get_server_info"), ("GET", "/metrics")]:
+    for method, path in [
+        ("POST", "/generate"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/get_server_info"),
+        ("GET", "/metrics"),
+    ]:
         response = httpx.request(method, server.url + path, headers=headers, json={"text": "hi"})
         assert response.status_code == 401, (path, response.text)
         assert response.json()["error"]["type"] == "authentication_error"
@@ -568,7 +933,9 @@ def test_chat_template_sources(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     tm = types.SimpleNamespace(tokenizer=tokenizer)
     messages = [ChatMessage(role="user", content="hi")]
-    assert tokenizer.decode(render_chat(tm, None, messages)) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(render_chat(tm, None, messages)) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     path = tmp_path / "template.jinja"
     path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}>>")
     assert tokenizer.decode(render_chat(tm, load_chat_template(str(path)), messages)) == "[user] hi>>"
@@ -582,17 +949,34 @@ def test_chat_template_sources(tmp_path):
 # ---- LoRA endpoints -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
-    from tests.support.peft_fixtures import write_peft_adapter
-
     from sgl_jax_lora.demo_model import demo_model_path
+    from tests.support.peft_fixtures import write_peft_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
-        name: str(write_peft_adapter(demo_model_path(), root / name, seed=seed, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], b_std=0.5))
+        name: str(
+            write_peft_adapter(
+                demo_model_path(),
+                root / name,
+                seed=seed,
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj", "v_proj", "down_proj"],
+                b_std=0.5,
+            )
+        )
         for name, seed in (("a0", 1), ("a1", 2))
     }
     srv = start_server(
-        [*SMALL_ENGINE_FLAGS, "--lora-paths", f"a0={adapters['a0']}", "--max-loras-per-batch", "2", "--lora-allowed-dirs", str(root)]
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--lora-paths",
+            f"a0={adapters['a0']}",
+            "--max-loras-per-batch",
+            "2",
+            "--lora-allowed-dirs",
+            str(root),
+        ]
     )
     yield srv, adapters
     srv.stop(signal.SIGKILL)
@@ -602,14 +986,25 @@ def test_a_burst_for_new_adapter_paths_loads_each_once(lora_server):
     # Requests naming unregistered adapter paths inside --lora-allowed-dirs, all at once: the requests for one path
     # share one load (a second load of it would be refused as already loaded), loads of different paths run
     # together, and each request is served by its own adapter.
-    from tests.support.peft_fixtures import write_peft_adapter
-
     from sgl_jax_lora.demo_model import demo_model_path
+    from tests.support.peft_fixtures import write_peft_adapter
 
     srv, adapters = lora_server
     root = os.path.dirname(adapters["a0"])
-    paths = [str(write_peft_adapter(demo_model_path(), os.path.join(root, f"burst{i}"), seed=20 + i, r=4, lora_alpha=8,
-                                    target_modules=["q_proj", "v_proj", "down_proj"], b_std=0.5)) for i in range(3)]
+    paths = [
+        str(
+            write_peft_adapter(
+                demo_model_path(),
+                os.path.join(root, f"burst{i}"),
+                seed=20 + i,
+                r=4,
+                lora_alpha=8,
+                target_modules=["q_proj", "v_proj", "down_proj"],
+                b_std=0.5,
+            )
+        )
+        for i in range(3)
+    ]
 
     def generate(path: str) -> httpx.Response:
         body = {"text": "Hello", "lora_path": path, "sampling_params": GREEDY | {"max_new_tokens": 8}}
@@ -633,15 +1028,27 @@ def test_lora_load_unload_and_model_names(lora_server):
     base = oai.models.list().data[0].id
 
     def complete(model: str) -> str:
-        return oai.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            oai.completions.create(
+                model=model, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     base_text = complete(base)
     a0_text = complete("a0")
     assert a0_text != base_text
     assert complete(f"{base}:a0") == a0_text
-    native = httpx.post(srv.url + "/generate", json={"text": "Hello", "lora_path": "a0", "sampling_params": GREEDY | {"max_new_tokens": 8}}).json()
+    native = httpx.post(
+        srv.url + "/generate",
+        json={"text": "Hello", "lora_path": "a0", "sampling_params": GREEDY | {"max_new_tokens": 8}},
+    ).json()
     assert native["text"] == a0_text
-    batch = httpx.post(srv.url + "/generate", json={"text": ["Hello", "Hello"], "lora_path": [None, "a0"], "sampling_params": GREEDY | {"max_new_tokens": 8}}).json()
+    batch = httpx.post(
+        srv.url + "/generate",
+        json={"text": ["Hello", "Hello"], "lora_path": [None, "a0"], "sampling_params": GREEDY | {"max_new_tokens": 8}},
+    ).json()
     assert [r["text"] for r in batch] == [base_text, a0_text]
 
     loaded = httpx.post(srv.url + "/load_lora_adapter", json={"lora_name": "a1", "lora_path": adapters["a1"]})
@@ -656,7 +1063,12 @@ def test_lora_load_unload_and_model_names(lora_server):
     assert outside.status_code == 400 and "'x'" in outside.json()["error"]["message"]
 
     # unloading an adapter while a request uses it: the request still runs to its end, then it is gone
-    stream_body = {"text": "Hello", "lora_path": "a1", "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True}}
+    stream_body = {
+        "text": "Hello",
+        "lora_path": "a1",
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 230, "ignore_eos": True},
+    }
     with httpx.stream("POST", srv.url + "/generate", json=stream_body, timeout=120) as response:
         lines = response.iter_lines()
         assert sse_events(line for line, _ in zip(lines, range(2)))  # the request is running

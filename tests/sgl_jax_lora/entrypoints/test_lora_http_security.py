@@ -12,10 +12,10 @@ import signal
 
 import httpx
 import pytest
-from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
-from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
 from sgl_jax_lora.demo_model import demo_model_path
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
+from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -53,8 +53,19 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(root):
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--lora-paths", f"a0={root / 'a0'}", "--lora-allowed-dirs", str(root),
-                        "--max-loras-per-batch", "2", "--max-loras-registered", str(MAX_REGISTERED)])
+    srv = start_server(
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--lora-paths",
+            f"a0={root / 'a0'}",
+            "--lora-allowed-dirs",
+            str(root),
+            "--max-loras-per-batch",
+            "2",
+            "--max-loras-registered",
+            str(MAX_REGISTERED),
+        ]
+    )
     yield srv
     srv.stop(signal.SIGKILL)
 
@@ -91,11 +102,14 @@ def test_a_poisoned_adapter_is_refused_at_load(http, root):
     assert generate(http, None).status_code == 200 and generate(http, "a0").status_code == 200
 
 
-@pytest.mark.parametrize("directory, fragment", [
-    ("linked_weights", "adapter_model.safetensors resolves (through a symlink) to a file outside"),
-    ("linked_config", "adapter_config.json resolves (through a symlink) to a file outside"),
-    ("linked_dir", "is not an adapter directory inside the directories the operator allowed"),
-])
+@pytest.mark.parametrize(
+    "directory, fragment",
+    [
+        ("linked_weights", "adapter_model.safetensors resolves (through a symlink) to a file outside"),
+        ("linked_config", "adapter_config.json resolves (through a symlink) to a file outside"),
+        ("linked_dir", "is not an adapter directory inside the directories the operator allowed"),
+    ],
+)
 def test_symlinks_out_of_the_allowed_directory_are_refused(http, root, directory, fragment):
     loaded = error_of(load(http, "escape", str(root / directory)))
     assert fragment in loaded and SECRET not in loaded
@@ -107,8 +121,15 @@ def test_symlinks_out_of_the_allowed_directory_are_refused(http, root, directory
 
 def test_one_directory_is_one_adapter_however_spelled(http, root):
     real = os.path.realpath(root / "good")
-    spellings = [str(root / "good"), f"{root}/./good", f"{root}//good", f"{root}/a0/../good", f"{root}/good/",
-                 str(root / "alias"), f"{root}/alias/."]
+    spellings = [
+        str(root / "good"),
+        f"{root}/./good",
+        f"{root}//good",
+        f"{root}/a0/../good",
+        f"{root}/good/",
+        str(root / "alias"),
+        f"{root}/alias/.",
+    ]
     texts = []
     for path in spellings:
         response = generate(http, path)

@@ -13,9 +13,9 @@ import signal
 import httpx
 import pytest
 
+from sgl_jax_lora.demo_model import demo_model_path
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, start_server
 from tests.support.peft_fixtures import write_peft_adapter
-from sgl_jax_lora.demo_model import demo_model_path
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -29,12 +29,29 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 def lora_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensors_api")
     adapters = {
-        name: write_peft_adapter(demo_model_path(), root / name, seed=seed, r=4, lora_alpha=8,
-                                 target_modules=["q_proj", "v_proj", "down_proj"], b_std=0.5)
+        name: write_peft_adapter(
+            demo_model_path(),
+            root / name,
+            seed=seed,
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            b_std=0.5,
+        )
         for name, seed in (("a0", 1), ("a1", 2))
     }
-    srv = start_server([*SMALL_ENGINE_FLAGS, "--api-key", KEY, "--max-loras-per-batch", "3",
-                        "--lora-paths", f"a0={adapters['a0']}", f"a1={adapters['a1']}"])
+    srv = start_server(
+        [
+            *SMALL_ENGINE_FLAGS,
+            "--api-key",
+            KEY,
+            "--max-loras-per-batch",
+            "3",
+            "--lora-paths",
+            f"a0={adapters['a0']}",
+            f"a1={adapters['a1']}",
+        ]
+    )
     yield srv, adapters
     srv.stop(signal.SIGKILL)
 
@@ -45,8 +62,12 @@ def body_of(adapter_dir) -> tuple[str, dict]:
 
 
 def generate(url: str, lora: str) -> dict:
-    response = httpx.post(url + "/generate", headers=AUTH, timeout=60,
-                          json={"text": "Hello, world!", "lora_path": lora, "sampling_params": GREEDY})
+    response = httpx.post(
+        url + "/generate",
+        headers=AUTH,
+        timeout=60,
+        json={"text": "Hello, world!", "lora_path": lora, "sampling_params": GREEDY},
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -64,8 +85,9 @@ def test_load_from_tensors_then_update_over_http(lora_server):
     assert mem["meta_info"]["lora_version"] == 1
 
     new_tensors, _ = body_of(adapters["a1"])
-    updated = httpx.post(srv.url + "/v1/update_lora_adapter", headers=AUTH, timeout=60,
-                         json={"lora_name": "mem", "tensors": new_tensors})
+    updated = httpx.post(
+        srv.url + "/v1/update_lora_adapter", headers=AUTH, timeout=60, json={"lora_name": "mem", "tensors": new_tensors}
+    )
     assert updated.status_code == 200, updated.text
     after = generate(srv.url, "mem")
     assert after["meta_info"]["lora_version"] == 2
@@ -80,9 +102,15 @@ def test_load_from_tensors_then_update_over_http(lora_server):
     "path, body, fragment",
     [
         ("/load_lora_adapter_from_tensors", {"lora_name": "x", "tensors": "not base64!", "config": {}}, "base64"),
-        ("/load_lora_adapter_from_tensors", {"lora_name": "x", "tensors": base64.b64encode(b"junk").decode(),
-                                             "config": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}},
-         "not a valid safetensors file"),
+        (
+            "/load_lora_adapter_from_tensors",
+            {
+                "lora_name": "x",
+                "tensors": base64.b64encode(b"junk").decode(),
+                "config": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+            },
+            "not a valid safetensors file",
+        ),
         ("/update_lora_adapter", {"lora_name": "nope", "tensors": ""}, "not loaded"),
         ("/load_lora_adapter_from_tensors", {"lora_name": "x", "tensors": ""}, "config"),
     ],

@@ -49,8 +49,15 @@ def test_access_log_drops_startup_probes_only():
     probe_filter = StartupProbeFilter(app.state.server)
 
     def record(path: str, status: int) -> logging.LogRecord:
-        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 0, '%s - "%s %s HTTP/%s" %d',
-                                 ("127.0.0.1:5000", "GET", path, "1.1", status), None)
+        return logging.LogRecord(
+            "uvicorn.access",
+            logging.INFO,
+            __file__,
+            0,
+            '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:5000", "GET", path, "1.1", status),
+            None,
+        )
 
     assert not probe_filter.filter(record("/health", 503))
     assert probe_filter.filter(record("/generate", 503))

@@ -13,7 +13,10 @@ from pydantic import BaseModel
 
 from sgl_jax_lora.entrypoints.errors import APIError, install_error_handlers
 from sgl_jax_lora.entrypoints.request_limits import (
-    INLINE_PARSE_BYTES, BodySizeLimit, check_requests_per_call, parse_body,
+    INLINE_PARSE_BYTES,
+    BodySizeLimit,
+    check_requests_per_call,
+    parse_body,
 )
 
 LIMIT = 4 * INLINE_PARSE_BYTES

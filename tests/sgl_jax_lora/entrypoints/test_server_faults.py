@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, sse_events, start_server
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
@@ -37,7 +38,7 @@ def engine_pid(url: str) -> int:
 def test_health_answers_while_a_large_prompt_is_handled(server):
     # ~2 MB of token ids: parsed and checked off the event loop (then a 400, it is longer than the context); the
     # upload's end is marked, and /health must answer after it and before the large request's answer
-    body = b'{"input_ids": [' + b"5, " * 700_000 + b'5]}'
+    body = b'{"input_ids": [' + b"5, " * 700_000 + b"5]}"
     uploaded, finished = threading.Event(), []
 
     def chunks():
@@ -46,8 +47,9 @@ def test_health_answers_while_a_large_prompt_is_handled(server):
         uploaded.set()
 
     def large() -> None:
-        response = httpx.post(server.url + "/generate", content=chunks(), timeout=300,
-                              headers={"Content-Type": "application/json"})
+        response = httpx.post(
+            server.url + "/generate", content=chunks(), timeout=300, headers={"Content-Type": "application/json"}
+        )
         finished.append((time.monotonic(), response))
 
     thread = threading.Thread(target=large)
@@ -70,8 +72,9 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(serve
     response = httpx.post(server.url + "/generate", json={"text": text}, timeout=120)
     message = response.json()["error"]["message"]
     assert response.status_code == 400 and f"text has {len(text)} characters" in message and "context length" in message
-    short = httpx.post(server.url + "/generate", json={"text": "hi " * 2000, "sampling_params": {"max_new_tokens": 1}},
-                       timeout=120)  # under the bound: tokenized, then refused by its exact token count
+    short = httpx.post(
+        server.url + "/generate", json={"text": "hi " * 2000, "sampling_params": {"max_new_tokens": 1}}, timeout=120
+    )  # under the bound: tokenized, then refused by its exact token count
     assert short.status_code == 400 and "prompt has" in short.json()["error"]["message"]
 
 
@@ -119,8 +122,11 @@ def test_engine_death_fails_every_request_at_once(doomed_server):
         for lines in line_iters:
             assert sse_events(line for line, _ in zip(lines, range(2)))  # every stream is running
         waiting = []
-        waiter = threading.Thread(target=lambda: waiting.append(
-            httpx.post(url + "/generate", json={"text": "hi", "sampling_params": longer}, timeout=120)))
+        waiter = threading.Thread(
+            target=lambda: waiting.append(
+                httpx.post(url + "/generate", json={"text": "hi", "sampling_params": longer}, timeout=120)
+            )
+        )
         waiter.start()
         deadline = time.monotonic() + 60
         while httpx.get(url + "/get_server_info", timeout=30).json()["num_running"] < 4:  # the waiter is in too

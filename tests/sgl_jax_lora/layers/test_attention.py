@@ -44,7 +44,9 @@ def make_reqs(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[Re
     return reqs
 
 
-def run_attention(fb, rng: np.random.Generator, backend: str = "native") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def run_attention(
+    fb, rng: np.random.Generator, backend: str = "native"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Random q and caches for this batch -> (q, k_cache, v_cache, the backend's output)."""
     k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
     v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
@@ -52,10 +54,21 @@ def run_attention(fb, rng: np.random.Generator, backend: str = "native") -> tupl
     # the caches of every layer go in whole; layer 1 is read, layer 0 holds other values
     k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))
     if backend == "reference":
-        got = ragged_paged_attention_ref(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb.seq_lens, fb.page_table,
-                                         fb.cu_q_lens, page_size=PAGE, scale=DIM**-0.5)
+        got = ragged_paged_attention_ref(
+            jnp.asarray(q),
+            k_stack,
+            v_stack,
+            jnp.int32(1),
+            fb.seq_lens,
+            fb.page_table,
+            fb.cu_q_lens,
+            page_size=PAGE,
+            scale=DIM**-0.5,
+        )
     else:
-        got = paged_attention(jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend))
+        got = paged_attention(
+            jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend)
+        )
     return q, k_cache, v_cache, np.asarray(got)
 
 
@@ -81,8 +94,9 @@ def schedule_batch(spans: list[tuple[int, int]], rng: np.random.Generator, num_d
     reqs = make_reqs(spans, rng)
     for req in reqs[:num_decode_rows]:
         req.output_ids = [req.input_ids.pop()]
-    return ScheduleBatch(reqs=reqs, num_new_tokens=[n for _, n in spans], token_slots=[0] * len(reqs),
-                         num_decode_rows=num_decode_rows)
+    return ScheduleBatch(
+        reqs=reqs, num_new_tokens=[n for _, n in spans], token_slots=[0] * len(reqs), num_decode_rows=num_decode_rows
+    )
 
 
 SPANS = [
@@ -105,7 +119,9 @@ def test_ragged_step_matches_reference(spans, num_decode_rows, backend):
     q, k_cache, v_cache, got = run_attention(fb, rng, backend)
 
     real = batch.num_tokens
-    np.testing.assert_allclose(got[:real], reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        got[:real], reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(got[real:], 0)  # padding tokens
 
 
@@ -137,8 +153,11 @@ def test_stale_non_finite_kv_is_never_read(backend):
     def run(k, v):
         k, v = jnp.asarray(k), jnp.asarray(v)
         if backend == "reference":
-            return np.asarray(ragged_paged_attention_ref(q, k, v, jnp.int32(1), fb.seq_lens, fb.page_table, fb.cu_q_lens,
-                                                         page_size=PAGE, scale=DIM**-0.5))
+            return np.asarray(
+                ragged_paged_attention_ref(
+                    q, k, v, jnp.int32(1), fb.seq_lens, fb.page_table, fb.cu_q_lens, page_size=PAGE, scale=DIM**-0.5
+                )
+            )
         return np.asarray(paged_attention(q, k, v, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend)))
 
     clean, got = run(*caches), run(*poisoned)

@@ -13,6 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
+
+from sgl_jax_lora.lora.adapter import LoRAAdapter, inspect_peft_adapter, load_peft_adapter
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from tests.support import REPO_ROOT
 from tests.support.peft_fixtures import (
     load_peft_model,
@@ -20,11 +25,6 @@ from tests.support.peft_fixtures import (
     peft_module_deltas,
     write_peft_adapter,
 )
-from safetensors.numpy import load_file, save_file
-
-from sgl_jax_lora.lora.adapter import LoRAAdapter, inspect_peft_adapter, load_peft_adapter
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError
-from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 
 ALL_7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -56,16 +56,27 @@ FORMS = {
     "regex": dict(r=4, lora_alpha=8, target_modules=r".*\.(q|o|down)_proj"),
     "all_linear_full_paths": dict(r=8, lora_alpha=32, target_modules="all-linear"),
     "rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=ALL_7),
-    "rank_pattern": dict(r=8, lora_alpha=16, target_modules=ALL_7,
-                         rank_pattern={"q_proj": 4, "layers.1.mlp.down_proj": 2, r"layers\.0\.self_attn\.k_proj": 12}),
-    "alpha_pattern": dict(r=8, lora_alpha=16, target_modules=ALL_7,
-                          alpha_pattern={"v_proj": 64, "model.layers.0.self_attn.o_proj": 3}),
-    "rslora_patterns": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear",
-                            rank_pattern={"gate_proj": 2}, alpha_pattern={"up_proj": 5}),
-    "layers_to_transform_list": dict(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
-                                     layers_to_transform=[1]),
-    "layers_to_transform_int": dict(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"],
-                                    layers_to_transform=0),
+    "rank_pattern": dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=ALL_7,
+        rank_pattern={"q_proj": 4, "layers.1.mlp.down_proj": 2, r"layers\.0\.self_attn\.k_proj": 12},
+    ),
+    "alpha_pattern": dict(
+        r=8, lora_alpha=16, target_modules=ALL_7, alpha_pattern={"v_proj": 64, "model.layers.0.self_attn.o_proj": 3}
+    ),
+    "rslora_patterns": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules="all-linear",
+        rank_pattern={"gate_proj": 2},
+        alpha_pattern={"up_proj": 5},
+    ),
+    "layers_to_transform_list": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], layers_to_transform=[1]
+    ),
+    "layers_to_transform_int": dict(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"], layers_to_transform=0),
 }
 
 
@@ -107,8 +118,11 @@ def test_default_adapter_name_keys_and_bf16(base_dir: Path, shapes: LoRATargetSh
 
     from safetensors.torch import save_file as save_torch
 
-    save_torch({k: torch.from_numpy(v).bfloat16() for k, v in tensors.items()},
-               str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_torch(
+        {k: torch.from_numpy(v).bfloat16() for k, v in tensors.items()},
+        str(adapter_dir / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     bf16 = load_peft_adapter("bf16", str(adapter_dir), shapes)
     for key, (lora_a, lora_b) in reference.weights.items():
         assert bf16.weights[key][0].dtype == np.float32
@@ -178,7 +192,12 @@ def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes
     refused("bad_json", bad_json, "not valid JSON")
     unknown = write_peft_adapter(base_dir, tmp_path / "unknown", seed=1)
     _edit_config(unknown, target_modules=["q_proj", "c_attn"])
-    refused("unknown", unknown, "target_modules names a module LoRA cannot target", "q_proj, k_proj, v_proj, o_proj, gate_proj")
+    refused(
+        "unknown",
+        unknown,
+        "target_modules names a module LoRA cannot target",
+        "q_proj, k_proj, v_proj, o_proj, gate_proj",
+    )
     rank_lies = write_peft_adapter(base_dir, tmp_path / "rank_lies", seed=1, r=8)
     _edit_config(rank_lies, rank_pattern={"v_proj": 4})
     refused("rank_lies", rank_lies, "self_attn.v_proj.lora_A.weight", "(8, 32)", "expected (4, 32)")
@@ -209,22 +228,39 @@ def _make_adapters_main() -> object:
     return module.main
 
 
-def test_make_adapters_output_loads_in_peft_and_here(base_dir: Path, shapes: LoRATargetShapes,
-                                                     tmp_path: Path) -> None:
+def test_make_adapters_output_loads_in_peft_and_here(base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path) -> None:
     make_adapters = _make_adapters_main()
-    written = make_adapters(["--model", str(base_dir), "--num-adapters", "3", "--rank-mix", "2,4,8",
-                             "--targets", "q_proj,down_proj,v_proj", "--seed", "7", "--b-std", "0.1",
-                             "--out-dir", str(tmp_path / "made")])
+    written = make_adapters(
+        [
+            "--model",
+            str(base_dir),
+            "--num-adapters",
+            "3",
+            "--rank-mix",
+            "2,4,8",
+            "--targets",
+            "q_proj,down_proj,v_proj",
+            "--seed",
+            "7",
+            "--b-std",
+            "0.1",
+            "--out-dir",
+            str(tmp_path / "made"),
+        ]
+    )
     assert [p.name for p in written] == ["adapter_000", "adapter_001", "adapter_002"]
     for adapter_dir, rank in zip(written, (2, 4, 8)):
         adapter = load_peft_adapter(adapter_dir.name, str(adapter_dir), shapes)
         assert adapter.rank == rank and adapter.scaling == pytest.approx(2.0)
         assert_matches_peft(adapter, base_dir, adapter_dir)
 
-    peft_dir = write_peft_adapter(base_dir, tmp_path / "by_peft", seed=0, r=2, lora_alpha=4,
-                                  target_modules=["q_proj", "down_proj", "v_proj"])
-    ours, theirs = load_file(str(written[0] / "adapter_model.safetensors")), load_file(
-        str(peft_dir / "adapter_model.safetensors"))
+    peft_dir = write_peft_adapter(
+        base_dir, tmp_path / "by_peft", seed=0, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj", "v_proj"]
+    )
+    ours, theirs = (
+        load_file(str(written[0] / "adapter_model.safetensors")),
+        load_file(str(peft_dir / "adapter_model.safetensors")),
+    )
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
     our_config = json.loads((written[0] / "adapter_config.json").read_text())
     peft_config = json.loads((peft_dir / "adapter_config.json").read_text())

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.support.peft_fixtures import make_tiny_llama_dir, poison_adapter, write_peft_adapter
 
 from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.adapter import inspect_peft_adapter, load_peft_adapter
 from sgl_jax_lora.lora.adapter_files import check_adapter_files, confined_dir
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from tests.support.peft_fixtures import make_tiny_llama_dir, poison_adapter, write_peft_adapter
 
 SECRET = "s3cr3t-value-from-outside"
 
@@ -53,8 +53,10 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, shapes, tmp_path, value, dtype):
     bad = shutil.copytree(clean_adapter, tmp_path / "bad")
     key = poison_adapter(bad, value, dtype)
-    for check in (lambda: load_peft_adapter("poisoned", str(bad), shapes),
-                  lambda: check_adapter_files("poisoned", str(bad), None)):
+    for check in (
+        lambda: load_peft_adapter("poisoned", str(bad), shapes),
+        lambda: check_adapter_files("poisoned", str(bad), None),
+    ):
         with pytest.raises(LoRAAdapterError) as err:
             check()
         message = str(err.value)
@@ -72,9 +74,11 @@ def test_symlinked_weights_outside_the_allowed_dirs_are_refused(clean_adapter, s
     shutil.copy(clean_adapter / "adapter_config.json", adapter / "adapter_config.json")
     os.symlink(outside / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
     assert confined_dir("a", str(adapter), [str(allowed)]) == os.path.realpath(adapter)  # the directory itself is fine
-    for check in (lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
-                  lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
-                  lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])):
+    for check in (
+        lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+        lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
+        lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
+    ):
         with pytest.raises(LoRAAdapterError, match="adapter_model.safetensors resolves .* outside the directories"):
             check()
     # the operator's own adapters (--lora-paths: no allowed_dirs) may link anywhere
@@ -89,8 +93,10 @@ def test_symlinked_config_outside_is_refused_without_quoting_it(clean_adapter, s
     adapter.mkdir()
     shutil.copy(clean_adapter / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
     os.symlink(outside / "secret.json", adapter / "adapter_config.json")
-    for check in (lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
-                  lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])):
+    for check in (
+        lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+        lambda: inspect_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
+    ):
         with pytest.raises(LoRAAdapterError) as err:
             check()
         assert "adapter_config.json resolves" in str(err.value) and SECRET not in str(err.value)
@@ -110,15 +116,28 @@ def test_a_symlinked_directory_must_resolve_inside(clean_adapter, dirs):
 
 # (field, value) written into adapter_config.json; each must be refused naming the field, never quoting the value
 BAD_CONFIG_FIELDS = [
-    ("peft_type", SECRET), ("r", SECRET), ("lora_alpha", SECRET), ("target_modules", [SECRET]),
-    ("target_modules", "(" + SECRET), ("rank_pattern", {"(" + SECRET: 4}), ("rank_pattern", {"q_proj": SECRET}),
-    ("alpha_pattern", {"q_proj": SECRET}), ("rank_pattern", SECRET), ("layers_to_transform", [SECRET]),
-    ("layers_pattern", {SECRET: 1}), ("exclude_modules", {SECRET: 1}), ("bias", SECRET), ("modules_to_save", [SECRET]),
-    ("trainable_token_indices", [SECRET]), ("target_parameters", [SECRET]),
+    ("peft_type", SECRET),
+    ("r", SECRET),
+    ("lora_alpha", SECRET),
+    ("target_modules", [SECRET]),
+    ("target_modules", "(" + SECRET),
+    ("rank_pattern", {"(" + SECRET: 4}),
+    ("rank_pattern", {"q_proj": SECRET}),
+    ("alpha_pattern", {"q_proj": SECRET}),
+    ("rank_pattern", SECRET),
+    ("layers_to_transform", [SECRET]),
+    ("layers_pattern", {SECRET: 1}),
+    ("exclude_modules", {SECRET: 1}),
+    ("bias", SECRET),
+    ("modules_to_save", [SECRET]),
+    ("trainable_token_indices", [SECRET]),
+    ("target_parameters", [SECRET]),
 ]
 
 
-@pytest.mark.parametrize("field,value", BAD_CONFIG_FIELDS, ids=[f"{f}-{type(v).__name__}-{i}" for i, (f, v) in enumerate(BAD_CONFIG_FIELDS)])
+@pytest.mark.parametrize(
+    "field,value", BAD_CONFIG_FIELDS, ids=[f"{f}-{type(v).__name__}-{i}" for i, (f, v) in enumerate(BAD_CONFIG_FIELDS)]
+)
 def test_config_errors_name_the_field_never_its_value(clean_adapter, shapes, tmp_path, field, value):
     adapter = shutil.copytree(clean_adapter, tmp_path / "a")
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -147,8 +166,14 @@ def test_tensor_names_are_shown_only_as_dotted_identifiers(clean_adapter, shapes
     weights = adapter / "adapter_model.safetensors"
     tensors = load_file(str(weights))
     save_file({**tensors, f"{SECRET} = 'hunter2'": torch.zeros(2)}, str(weights))
-    for check in (lambda: load_peft_adapter("a", str(adapter), shapes), lambda: inspect_peft_adapter("a", str(adapter), shapes)):
-        with pytest.raises(LoRAAdapterError, match="unexpected tensor in adapter_model.safetensors: a tensor whose name is not a dotted identifier") as err:
+    for check in (
+        lambda: load_peft_adapter("a", str(adapter), shapes),
+        lambda: inspect_peft_adapter("a", str(adapter), shapes),
+    ):
+        with pytest.raises(
+            LoRAAdapterError,
+            match="unexpected tensor in adapter_model.safetensors: a tensor whose name is not a dotted identifier",
+        ) as err:
             check()
         assert SECRET not in str(err.value) and "hunter2" not in str(err.value)
 
@@ -183,14 +208,17 @@ SWAPS = [swap_final_for_symlink, swap_parent_for_symlink, swap_for_another_file]
 # is compared with: only O_NOFOLLOW can catch it), or after that stat, just before the open (the fstat comparison
 # catches it too). A regular file renamed over the checked one before the stat is simply the file's new content.
 HOOKS = {"after_check": "confined_file", "before_open": "open_no_symlinks"}
-CASES = [(hook, swap) for hook in HOOKS for swap in SWAPS if not (hook == "after_check" and swap is swap_for_another_file)]
+CASES = [
+    (hook, swap) for hook in HOOKS for swap in SWAPS if not (hook == "after_check" and swap is swap_for_another_file)
+]
 
 
 @pytest.mark.parametrize("hook,swap", CASES, ids=[f"{h}-{s.__name__}" for h, s in CASES])
 @pytest.mark.parametrize("file_name", ["adapter_config.json", "adapter_model.safetensors"])
 @pytest.mark.parametrize("reader", ["frontend", "engine"])
-def test_a_file_swapped_after_the_check_is_not_read(clean_adapter, shapes, dirs, monkeypatch, hook, swap, file_name,
-                                                    reader):
+def test_a_file_swapped_after_the_check_is_not_read(
+    clean_adapter, shapes, dirs, monkeypatch, hook, swap, file_name, reader
+):
     allowed, outside = dirs
     adapter = shutil.copytree(clean_adapter, allowed / "a")
     original = getattr(adapter_files, HOOKS[hook])
@@ -206,11 +234,15 @@ def test_a_file_swapped_after_the_check_is_not_read(clean_adapter, shapes, dirs,
             swapped.append(hook)
         return result
 
-    read = {"frontend": lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
-            "engine": lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)])}[reader]
+    read = {
+        "frontend": lambda: check_adapter_files("a", str(adapter), [str(allowed)]),
+        "engine": lambda: load_peft_adapter("a", str(adapter), shapes, allowed_dirs=[str(allowed)]),
+    }[reader]
     read()  # untouched files load
     monkeypatch.setattr(adapter_files, HOOKS[hook], swap_around)
-    with pytest.raises(LoRAAdapterError, match=f"{file_name} (could not be opened as the file that was checked|"
-                       "was replaced while it was being opened)"):
+    with pytest.raises(
+        LoRAAdapterError,
+        match=f"{file_name} (could not be opened as the file that was checked|was replaced while it was being opened)",
+    ):
         read()
     assert swapped

@@ -14,17 +14,24 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from tests.support.model_fixtures import make_hf_model_dir
-from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
 from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
-SMALL = dict(context_length=128, max_running_requests=8, chunked_prefill_size=32, max_prefill_seqs=4,
-             token_buckets=[16], page_size=4, max_total_tokens=60)
+SMALL = dict(
+    context_length=128,
+    max_running_requests=8,
+    chunked_prefill_size=32,
+    max_prefill_seqs=4,
+    token_buckets=[16],
+    page_size=4,
+    max_total_tokens=60,
+)
 # 15 usable KV pages of 4 tokens: three requests of 11 + 6 tokens (5 pages each) take every page, the poisoned
 # adapter's old ones included
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -35,8 +42,9 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("isolation")
     base = make_hf_model_dir(root / "base", "llama", seed=3)
     good = write_peft_adapter(base, root / "good", seed=1, r=4, lora_alpha=8, target_modules="all-linear", b_std=0.5)
-    bad = shutil.copytree(write_peft_adapter(base, root / "clean", seed=2, r=4, lora_alpha=8, target_modules="all-linear"),
-                          root / "bad")
+    bad = shutil.copytree(
+        write_peft_adapter(base, root / "clean", seed=2, r=4, lora_alpha=8, target_modules="all-linear"), root / "bad"
+    )
     poison_adapter(bad, kind="lora_A")
     poison_adapter(bad, kind="lora_B")
     return base, good, bad
@@ -46,7 +54,9 @@ def prompt(seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, 491, size=11).tolist()
 
 
-def run(core: EngineCore, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, tuple[list[int], list[float]]]:
+def run(
+    core: EngineCore, requests: dict[str, tuple[list[int], str | None]]
+) -> dict[str, tuple[list[int], list[float]]]:
     """rid -> (output ids, output logprobs), all requests submitted before the first step (one shared batch)."""
     for rid, (ids, lora_id) in requests.items():
         core.add_request(GenerateRequest(rid=rid, input_ids=ids, sampling=PARAMS, lora_id=lora_id, return_logprob=True))
@@ -66,9 +76,16 @@ def run(core: EngineCore, requests: dict[str, tuple[list[int], str | None]]) -> 
 def test_a_nan_adapter_changes_no_other_tenant(setup, backend, monkeypatch):
     base, good, bad = setup
     monkeypatch.setattr(adapter_files, "refuse_non_finite", lambda name, key, tensor: None)
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"good": str(good), "bad": str(bad)},
-                      max_loras_per_batch=2, lora_backend=backend, disable_prefix_cache=True,
-                      skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={"good": str(good), "bad": str(bad)},
+        max_loras_per_batch=2,
+        lora_backend=backend,
+        disable_prefix_cache=True,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     lora_ids = {ref.lora_name: ref.lora_id for ref in core.lora.refs.values()}
     tenants = {"base": (prompt(1), None), "good": (prompt(2), lora_ids["good"])}
@@ -94,8 +111,15 @@ def test_a_nan_adapter_changes_no_other_tenant(setup, backend, monkeypatch):
 def test_kv_pages_a_nan_adapter_wrote_are_reused_cleanly(setup, monkeypatch):
     base, good, bad = setup
     monkeypatch.setattr(adapter_files, "refuse_non_finite", lambda name, key, tensor: None)
-    args = ServerArgs(model_path=str(base), dtype="float32", lora_paths={"bad": str(bad)}, lora_backend="einsum",
-                      disable_prefix_cache=True, skip_precompile=True, **SMALL)
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={"bad": str(bad)},
+        lora_backend="einsum",
+        disable_prefix_cache=True,
+        skip_precompile=True,
+        **SMALL,
+    )
     core = EngineCore(args, str(base))
     bad_id = next(iter(core.lora.refs))
     reference = run(core, {"base": (prompt(1), None)})

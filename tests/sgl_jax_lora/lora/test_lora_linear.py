@@ -28,8 +28,17 @@ def make_layer(backend, seed: int = 0) -> LoRALinear:
     """A row-parallel LoRALinear (o_proj-like) with random base and adapter weights; slot 0 is the base."""
     rng = np.random.default_rng(seed)
     spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"o_proj"}))
-    layer = LoRALinear(IN_DIM, (OUT_DIM,), ("",), tp_size=1, use_bias=False, dtype=jnp.float32, spec=spec,
-                       row_parallel=True, axes=LinearAxes("heads", "embed", ("embed",)))
+    layer = LoRALinear(
+        IN_DIM,
+        (OUT_DIM,),
+        ("",),
+        tp_size=1,
+        use_bias=False,
+        dtype=jnp.float32,
+        spec=spec,
+        row_parallel=True,
+        axes=LinearAxes("heads", "embed", ("embed",)),
+    )
     layer.kernel[...] = jnp.asarray(rng.standard_normal((IN_DIM, OUT_DIM)), jnp.float32)
     is_adapter = (np.arange(NUM_SLOTS) > 0)[:, None, None]
     layer.lora_a[...] = jnp.asarray(rng.standard_normal((NUM_SLOTS, MAX_RANK, IN_DIM)) * is_adapter, jnp.float32)

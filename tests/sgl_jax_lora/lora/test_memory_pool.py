@@ -16,10 +16,23 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_RANK, SLOTS = 2, 8, 2, 1, 4, 4, 3
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=HIDDEN, intermediate_size=16,
-                       num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
-                       rope=RopeConfig(theta=10000.0, rope_type="default"), max_position_embeddings=64,
-                       tie_word_embeddings=False, qkv_bias=False, qk_norm=False, eos_token_ids=(0,))
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=16,
+        hidden_size=HIDDEN,
+        intermediate_size=16,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0, rope_type="default"),
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+        eos_token_ids=(0,),
+    )
 
 
 def buffer_shapes(tp_size: int) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -41,11 +54,23 @@ def make_pool(tp_size: int = 1, policy: str = "lru") -> LoRAMemoryPool:
 def adapter(name: str, rank: int = 2, seed: int = 0, modules=("q_proj", "k_proj")) -> LoRAAdapter:
     rng = np.random.default_rng(seed)
     out = {"q_proj": HEADS * HEAD_DIM, "k_proj": KV_HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM, "o_proj": HIDDEN}
-    weights = {(layer, m): (rng.standard_normal((rank, HIDDEN)).astype(np.float32),
-                            rng.standard_normal((out[m], rank)).astype(np.float32))
-               for layer in range(LAYERS) for m in modules}
-    return LoRAAdapter(name=name, path=f"/adapters/{name}", weights=weights, scaling=0.5, rank=rank,
-                       target_modules=frozenset(modules), num_layers=LAYERS)
+    weights = {
+        (layer, m): (
+            rng.standard_normal((rank, HIDDEN)).astype(np.float32),
+            rng.standard_normal((out[m], rank)).astype(np.float32),
+        )
+        for layer in range(LAYERS)
+        for m in modules
+    }
+    return LoRAAdapter(
+        name=name,
+        path=f"/adapters/{name}",
+        weights=weights,
+        scaling=0.5,
+        rank=rank,
+        target_modules=frozenset(modules),
+        num_layers=LAYERS,
+    )
 
 
 def test_slots_fill_from_one_and_evict_the_least_recently_used():

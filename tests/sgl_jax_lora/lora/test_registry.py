@@ -93,8 +93,15 @@ def test_unregister_of_idle_adapter_returns_at_once() -> None:
 
 def _tiny_adapter(ref: LoRARef) -> LoRAAdapter:
     lora_a, lora_b = np.ones((2, 4), np.float32), np.ones((4, 2), np.float32)
-    return LoRAAdapter(name=ref.lora_name, path=ref.lora_path, weights={(0, "q_proj"): (lora_a, lora_b)},
-                       scaling=2.0, rank=2, target_modules=frozenset({"q_proj"}), num_layers=1)
+    return LoRAAdapter(
+        name=ref.lora_name,
+        path=ref.lora_path,
+        weights={(0, "q_proj"): (lora_a, lora_b)},
+        scaling=2.0,
+        rank=2,
+        target_modules=frozenset({"q_proj"}),
+        num_layers=1,
+    )
 
 
 class CountingLoader:

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
 
-TEXTS = ["Hello, world! The quick brown fox.", "  leading spaces and  double  spaces", "naïve café — 東京 🚀 done",
-         "def add(a, b): return a + b\n\n# end"]
+TEXTS = [
+    "Hello, world! The quick brown fox.",
+    "  leading spaces and  double  spaces",
+    "naïve café — 東京 🚀 done",
+    "def add(a, b): return a + b\n\n# end",
+]
 
 
 def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:

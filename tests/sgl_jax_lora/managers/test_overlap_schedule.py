@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.model_fixtures import make_hf_model_dir
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.req import PENDING_TOKEN
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
 
 CORE_ARGS = dict(
     dtype="float32",
@@ -34,14 +34,23 @@ def model_dir(tmp_path_factory):
 
 
 def make_core(model_dir, overlap: bool, **kwargs) -> EngineCore:
-    return EngineCore(ServerArgs(model_path=str(model_dir), disable_overlap_schedule=not overlap, **{**CORE_ARGS, **kwargs}),
-                      str(model_dir))
+    return EngineCore(
+        ServerArgs(model_path=str(model_dir), disable_overlap_schedule=not overlap, **{**CORE_ARGS, **kwargs}),
+        str(model_dir),
+    )
 
 
-def request(rid: str, prompt_seed: int, length: int, return_logprob: bool = False, top_logprobs_num: int = 0, **sampling) -> GenerateRequest:
+def request(
+    rid: str, prompt_seed: int, length: int, return_logprob: bool = False, top_logprobs_num: int = 0, **sampling
+) -> GenerateRequest:
     ids = np.random.default_rng(prompt_seed).integers(2, 491, size=length).tolist()
-    return GenerateRequest(rid=rid, input_ids=ids, sampling=SamplingParams(**{"ignore_eos": True, **sampling}),
-                           return_logprob=return_logprob, top_logprobs_num=top_logprobs_num)
+    return GenerateRequest(
+        rid=rid,
+        input_ids=ids,
+        sampling=SamplingParams(**{"ignore_eos": True, **sampling}),
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs_num,
+    )
 
 
 class Run:
@@ -67,7 +76,7 @@ class Run:
         self.take(self.core.step())
         self.steps_with_pending += any(r.has_pending_token for r in self.core.scheduler.running)
 
-    def until_idle(self) -> "Run":
+    def until_idle(self) -> Run:
         while self.core.scheduler.num_active:
             self.step()
         return self
@@ -121,8 +130,10 @@ def test_overlap_survives_preemption(model_dir):
 
 
 def test_abort_while_a_token_is_in_flight(model_dir):
-    requests = [request("kept", 40, 12, max_new_tokens=10, temperature=0.0),
-                request("aborted", 41, 12, max_new_tokens=10, temperature=0.0)]
+    requests = [
+        request("kept", 40, 12, max_new_tokens=10, temperature=0.0),
+        request("aborted", 41, 12, max_new_tokens=10, temperature=0.0),
+    ]
     alone = serve(model_dir, False, requests[:1])
     core = make_core(model_dir, True)
     for req in requests:
@@ -143,7 +154,10 @@ def test_abort_while_a_token_is_in_flight(model_dir):
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir):
     core = make_core(model_dir, True)
-    for req in (request("a", 50, 12, max_new_tokens=8, temperature=0.0), request("b", 51, 9, max_new_tokens=8, temperature=0.0)):
+    for req in (
+        request("a", 50, 12, max_new_tokens=8, temperature=0.0),
+        request("b", 51, 9, max_new_tokens=8, temperature=0.0),
+    ):
         core.add_request(req)
     run = Run(core)
     while not (core.in_flight is not None and core.in_flight.batch.kind == "decode"):
@@ -171,8 +185,18 @@ def test_overlap_compiles_nothing_after_warmup_with_tensor_parallelism(tmp_path)
     model_dir = make_hf_model_dir(tmp_path / "llama8", "llama", seed=22, num_attention_heads=8, head_dim=6)
     core = make_core(model_dir, True, tp_size=4, skip_precompile=False)
     for i in range(6):
-        core.add_request(request(f"r{i}", 60 + i, 5 + 7 * i, max_new_tokens=4 + i, temperature=0.5 * (i % 2), seed=i,
-                                 return_logprob=i == 3, top_logprobs_num=2 * (i == 3)))
+        core.add_request(
+            request(
+                f"r{i}",
+                60 + i,
+                5 + 7 * i,
+                max_new_tokens=4 + i,
+                temperature=0.5 * (i % 2),
+                seed=i,
+                return_logprob=i == 3,
+                top_logprobs_num=2 * (i == 3),
+            )
+        )
     run = Run(core).until_idle()
     assert run.steps_with_pending > 0 and len(run.finish) == 6
     assert core.compile_counter.count == core.num_compilations_after_warmup_start
@@ -204,12 +228,37 @@ def penalty_requests(prefix: str, seed: int) -> list[GenerateRequest]:
     return [
         request(f"{prefix}-repetition", seed, 9, max_new_tokens=10, temperature=0.0, repetition_penalty=1.8),
         request(f"{prefix}-frequency", seed + 1, 30, max_new_tokens=9, temperature=0.0, frequency_penalty=1.5),
-        request(f"{prefix}-presence", seed + 2, 5, max_new_tokens=8, temperature=0.7, presence_penalty=2.0,
-                seed=3, return_logprob=True),
-        request(f"{prefix}-all", seed + 3, 44, max_new_tokens=11, temperature=0.0, repetition_penalty=0.8,
-                frequency_penalty=-0.5, presence_penalty=0.5, logit_bias={7: 3.0, 11: -100.0}),
-        request(f"{prefix}-min-tokens", seed + 4, 12, max_new_tokens=6, temperature=0.0, min_new_tokens=4,
-                stop_token_ids=[5, 6], repetition_penalty=1.3),
+        request(
+            f"{prefix}-presence",
+            seed + 2,
+            5,
+            max_new_tokens=8,
+            temperature=0.7,
+            presence_penalty=2.0,
+            seed=3,
+            return_logprob=True,
+        ),
+        request(
+            f"{prefix}-all",
+            seed + 3,
+            44,
+            max_new_tokens=11,
+            temperature=0.0,
+            repetition_penalty=0.8,
+            frequency_penalty=-0.5,
+            presence_penalty=0.5,
+            logit_bias={7: 3.0, 11: -100.0},
+        ),
+        request(
+            f"{prefix}-min-tokens",
+            seed + 4,
+            12,
+            max_new_tokens=6,
+            temperature=0.0,
+            min_new_tokens=4,
+            stop_token_ids=[5, 6],
+            repetition_penalty=1.3,
+        ),
     ]
 
 
@@ -237,8 +286,12 @@ def test_penalties_keep_the_overlap_and_its_outputs(model_dir):
     with_overlap = Run(core).until_idle()
     assert_same(with_overlap, without)
     assert any(a is not None and (np.asarray(a.in_flight_row) >= 0).any() for a in adjustments)
-    assert without.tokens["p-repetition"] != serve(model_dir, False, [request("p-repetition", 70, 9, max_new_tokens=10,
-                                                                              temperature=0.0)]).tokens["p-repetition"]
+    assert (
+        without.tokens["p-repetition"]
+        != serve(model_dir, False, [request("p-repetition", 70, 9, max_new_tokens=10, temperature=0.0)]).tokens[
+            "p-repetition"
+        ]
+    )
 
 
 def test_penalty_requests_arriving_mid_run_compile_nothing_after_warmup(tmp_path):

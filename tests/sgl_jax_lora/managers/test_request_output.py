@@ -22,8 +22,14 @@ def tokenizer():
 
 def item(ids: list[int], finish: dict | None = None, with_logprobs: bool = True) -> dict:
     logprobs = [(-0.5 - t / 1000, t, None) for t in ids] if with_logprobs else []
-    return {"new_ids": ids, "new_output_logprobs": logprobs, "new_input_logprobs": [], "prompt_tokens": 3,
-            "cached_tokens": 0, "finish_reason": finish}
+    return {
+        "new_ids": ids,
+        "new_output_logprobs": logprobs,
+        "new_input_logprobs": [],
+        "prompt_tokens": 3,
+        "cached_tokens": 0,
+        "finish_reason": finish,
+    }
 
 
 def completing_token(tokenizer, ids: list[int], stop: str) -> int:
@@ -80,7 +86,9 @@ def test_a_stop_token_that_completes_a_stop_string_keeps_its_finish_reason(token
 def test_a_stop_string_wins_over_the_length_limit_on_the_same_token(tokenizer):
     ids = tokenizer.encode(TEXT)
     k = completing_token(tokenizer, ids, "story")
-    output, result = run(tokenizer, ids[: k + 1], ["story"], [1] * (k + 1), last_finish={"type": "length", "length": k + 1})
+    output, result = run(
+        tokenizer, ids[: k + 1], ["story"], [1] * (k + 1), last_finish={"type": "length", "length": k + 1}
+    )
     assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": "story"}
     assert result["text"] == "Hello world, the " and output.engine_finished  # the engine is done: no abort
 

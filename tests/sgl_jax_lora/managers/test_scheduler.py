@@ -86,8 +86,14 @@ def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -
 
 
 def req(rid: str, length: int = 5, adapter: str | None = None, t: float = 0.0, max_new_tokens: int = 4) -> Req:
-    return Req(rid=rid, input_ids=list(range(2, 2 + length)), sampling=SamplingParams(max_new_tokens=max_new_tokens),
-               seed=0, lora_slot_key=adapter, arrival_time=t)
+    return Req(
+        rid=rid,
+        input_ids=list(range(2, 2 + length)),
+        sampling=SamplingParams(max_new_tokens=max_new_tokens),
+        seed=0,
+        lora_slot_key=adapter,
+        arrival_time=t,
+    )
 
 
 def finish_prefill(batch) -> None:
@@ -193,12 +199,25 @@ def run_to_completion(sched: Scheduler, output_len: int) -> int:
     return decode_steps
 
 
-def run_backlog(adapters, slots, max_running: int, output_len: int, chunk: int = 32, max_prefill_seqs: int = 4,
-                num_pages: int = 4096) -> tuple[int, int]:
+def run_backlog(
+    adapters,
+    slots,
+    max_running: int,
+    output_len: int,
+    chunk: int = 32,
+    max_prefill_seqs: int = 4,
+    num_pages: int = 4096,
+) -> tuple[int, int]:
     """A backlog of 3-token prompts, one per entry of `adapters`, all at once with equal outputs, run to the end
     -> (decode steps, the fewest the running limit allows)."""
-    sched = Scheduler(Buckets.build(max_running, chunk, 256, 4), PageAllocator(num_pages, 4),
-                      max_running, chunk, max_prefill_seqs, adapter_slots=slots)
+    sched = Scheduler(
+        Buckets.build(max_running, chunk, 256, 4),
+        PageAllocator(num_pages, 4),
+        max_running,
+        chunk,
+        max_prefill_seqs,
+        adapter_slots=slots,
+    )
     for i, adapter in enumerate(adapters):
         sched.add(req(f"r{i}", length=3, adapter=f"a{adapter}", t=i, max_new_tokens=output_len))
     fewest = len(adapters) * (output_len - 1) // max_running  # the first token of each comes from its prefill
@@ -322,8 +341,9 @@ def test_more_adapters_than_slots_keep_the_batch_full():
     rng = np.random.default_rng(0)
     adapters = rng.integers(0, 12, 256)
     num_slots, max_running, output_len = 8, 64, 32
-    decode_steps, fewest = run_backlog(adapters, DeviceSlots(num_slots), max_running, output_len, chunk=256,
-                                       max_prefill_seqs=64, num_pages=8192)
+    decode_steps, fewest = run_backlog(
+        adapters, DeviceSlots(num_slots), max_running, output_len, chunk=256, max_prefill_seqs=64, num_pages=8192
+    )
     assert decode_steps <= 1.05 * fewest, (decode_steps, fewest)
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from tests.support.model_fixtures import make_hf_model_dir
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,25 @@ def no_decoding(*args, **kwargs):
 
 
 def test_the_engine_loop_never_decodes(model_dir, monkeypatch):
-    core = EngineCore(ServerArgs(model_path=str(model_dir), dtype="float32", context_length=64, max_running_requests=2,
-                                 chunked_prefill_size=16, max_prefill_seqs=2, token_buckets=[16], skip_precompile=True),
-                      str(model_dir))
+    core = EngineCore(
+        ServerArgs(
+            model_path=str(model_dir),
+            dtype="float32",
+            context_length=64,
+            max_running_requests=2,
+            chunked_prefill_size=16,
+            max_prefill_seqs=2,
+            token_buckets=[16],
+            skip_precompile=True,
+        ),
+        str(model_dir),
+    )
     monkeypatch.setattr(PreTrainedTokenizerBase, "decode", no_decoding)
     prompt = np.random.default_rng(0).integers(2, 491, size=7).tolist()
     greedy = dict(temperature=0.0, ignore_eos=True, max_new_tokens=6)
-    core.add_request(GenerateRequest(rid="strings", input_ids=prompt, sampling=SamplingParams(stop=["a", "e", " "], **greedy)))
+    core.add_request(
+        GenerateRequest(rid="strings", input_ids=prompt, sampling=SamplingParams(stop=["a", "e", " "], **greedy))
+    )
     tokens, finish = {}, {}
     while core.scheduler.num_active:
         for out in core.step():
@@ -39,7 +51,9 @@ def test_the_engine_loop_never_decodes(model_dir, monkeypatch):
             finish[out["rid"]] = out["finish_reason"]
     assert finish["strings"] == {"type": "length", "length": 6}
     stop_id = tokens["strings"][2]
-    core.add_request(GenerateRequest(rid="ids", input_ids=prompt, sampling=SamplingParams(stop_token_ids=[stop_id], **greedy)))
+    core.add_request(
+        GenerateRequest(rid="ids", input_ids=prompt, sampling=SamplingParams(stop_token_ids=[stop_id], **greedy))
+    )
     while core.scheduler.num_active:
         for out in core.step():
             tokens.setdefault(out["rid"], []).extend(out["new_ids"])

@@ -63,8 +63,14 @@ def make_scheduler(num_pages: int) -> Scheduler:
 
 
 def make_req(rid: str, tokens: list[int], adapter: str | None = None, **req_args) -> Req:
-    return Req(rid=rid, input_ids=list(tokens), sampling=SamplingParams(max_new_tokens=4), seed=0,
-               lora_slot_key=adapter, **req_args)
+    return Req(
+        rid=rid,
+        input_ids=list(tokens),
+        sampling=SamplingParams(max_new_tokens=4),
+        seed=0,
+        lora_slot_key=adapter,
+        **req_args,
+    )
 
 
 def prefill(sched: Scheduler) -> None:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from sgl_jax_lora.model_executor.buckets import (
-    MIN_PREFILL_TOKENS, MIN_TOKEN_BUCKET, Buckets, checked_buckets, pick, powers_of_two,
+    MIN_PREFILL_TOKENS,
+    MIN_TOKEN_BUCKET,
+    Buckets,
+    checked_buckets,
+    pick,
+    powers_of_two,
 )
 
 
@@ -37,8 +42,13 @@ def test_sequences_follow_the_tokens_up_to_max_seqs():
 
 
 def test_explicit_token_buckets_are_sorted_capped_and_include_the_limit():
-    buckets = Buckets.build(max_running_requests=4, chunked_prefill_size=64, context_length=256, page_size=16,
-                            token_buckets=[48, 16, 4096, 16])
+    buckets = Buckets.build(
+        max_running_requests=4,
+        chunked_prefill_size=64,
+        context_length=256,
+        page_size=16,
+        token_buckets=[48, 16, 4096, 16],
+    )
     assert buckets.tokens == (16, 48, 64)
     assert checked_buckets("--token-buckets", None, 64) is None
     with pytest.raises(ValueError, match="--token-buckets must be positive"):

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import sgl_jax_lora.model_executor.model_runner as model_runner
-from tests.support.model_fixtures import make_hf_model_dir
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.mem_cache.kv_cache import kv_bytes_per_token
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
 
 PAGE = 16
 
@@ -32,8 +32,15 @@ def model_dir(tmp_path_factory):
 
 
 def make_core(model_dir, **kwargs) -> EngineCore:
-    settings = dict(dtype="float32", context_length=128, max_running_requests=4, chunked_prefill_size=32,
-                    max_prefill_seqs=2, page_size=PAGE, skip_precompile=True)
+    settings = dict(
+        dtype="float32",
+        context_length=128,
+        max_running_requests=4,
+        chunked_prefill_size=32,
+        max_prefill_seqs=2,
+        page_size=PAGE,
+        skip_precompile=True,
+    )
     args = ServerArgs(model_path=str(model_dir), **{**settings, **kwargs})
     return EngineCore(args, str(model_dir))
 
@@ -63,7 +70,11 @@ def refuse_above(monkeypatch, max_tokens: int) -> list[int]:
 
 
 def generate(core: EngineCore) -> list[int]:
-    core.add_request(GenerateRequest(rid="0", input_ids=list(range(2, 30)), sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    core.add_request(
+        GenerateRequest(
+            rid="0", input_ids=list(range(2, 30)), sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)
+        )
+    )
     out = []
     while core.scheduler.num_active:
         for item in core.step():

@@ -31,10 +31,20 @@ pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
 PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
 # A Llama-shaped model with TPU-sized heads (head_dim 128, GQA 4/2... 8/4 at tp 4) and few layers.
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1024,
-    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024, "vocab_size": 512,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "vocab_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 STEPS = {"decode": (64, 64), "prefill_or_mixed": (16, 256)}  # (S, T): a token bucket's shape serves any mix
 
@@ -50,15 +60,22 @@ def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: in
     mesh = make_mesh(tp_size)
     lora = None
     if with_lora:
-        lora = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=PallasBackend(mesh, kernel="tpu", interpret=False),
-                             target_modules=frozenset(LORA_TARGETS))
-    graphdef, state = load_model_state(cfg, tp_size, PAGE_SIZE, jnp.bfloat16, mesh, lora, load_format="dummy",
-                                       attention_backend="pallas_tpu")
+        lora = LoRAModelSpec(
+            num_slots=NUM_SLOTS,
+            max_rank=MAX_RANK,
+            backend=PallasBackend(mesh, kernel="tpu", interpret=False),
+            target_modules=frozenset(LORA_TARGETS),
+        )
+    graphdef, state = load_model_state(
+        cfg, tp_size, PAGE_SIZE, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend="pallas_tpu"
+    )
     kv = allocate_kv_cache(cfg, 64, PAGE_SIZE, tp_size, jnp.bfloat16, mesh)
     lora_batch = None
     if with_lora:
         token_slot = np.arange(num_tokens, dtype=np.int32) % NUM_SLOTS
-        lora_batch = build_lora_batch(token_slot, NUM_SLOTS, np.ones(NUM_SLOTS, np.float32), np.full(NUM_SLOTS, MAX_RANK))
+        lora_batch = build_lora_batch(
+            token_slot, NUM_SLOTS, np.ones(NUM_SLOTS, np.float32), np.full(NUM_SLOTS, MAX_RANK)
+        )
     batch = padding_forward_batch(num_seqs, num_tokens, cfg.max_position_embeddings // PAGE_SIZE, lora_batch)
 
     def forward(state, kv, batch):

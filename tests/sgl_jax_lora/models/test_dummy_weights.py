@@ -11,8 +11,15 @@ import sys
 
 from tests.support import REPO_ROOT
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 # Prints {parameter path: sha256 of its dummy value} as JSON.
 DIGESTS = """
@@ -33,8 +40,15 @@ print(json.dumps({"/".join(map(str, path)): hashlib.sha256(np.asarray(v.get_valu
 
 def dummy_digests(hash_seed: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=REPO_ROOT)
-    done = subprocess.run([sys.executable, "-c", DIGESTS, json.dumps(CONFIG)], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", DIGESTS, json.dumps(CONFIG)],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

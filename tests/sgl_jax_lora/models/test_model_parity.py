@@ -16,7 +16,6 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
 from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
@@ -25,6 +24,7 @@ from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.registry import model_class_for
 from sgl_jax_lora.models.weight_loader import SafetensorsReader, load_model_state
+from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
 
 PAGE = 4
 
@@ -107,25 +107,39 @@ def flat_paths(state: nnx.State) -> list[tuple[tuple[str, ...], nnx.Variable]]:
 def test_every_parameter_declares_the_logical_axes_of_its_sharding(tmp_path):
     # Qwen3 with every LoRA target: norms of heads, untied lm_head, LoRA buffers of every linear
     cfg = ModelConfig.from_model_path(str(make_hf_model_dir(tmp_path / "m", "qwen3")))
-    lora = LoRAModelSpec(num_slots=3, max_rank=4, backend=BgmvBackend(None),
-                         target_modules=frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}))
+    lora = LoRAModelSpec(
+        num_slots=3,
+        max_rank=4,
+        backend=BgmvBackend(None),
+        target_modules=frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+    )
     state = abstract_state(cfg, 2, lora)
     for path, variable in flat_paths(state):
         axes = declared_axes(path, variable)
         assert len(axes) == variable.get_value().ndim and (axes[0] == "layers") == (path[0] == "layers"), path
     t = "tensor"
     expected = {  # tp 2; a vocab of 491 does not split over 2, so it stays replicated
-        "embed_tokens.embedding": (None, None), "lm_head.kernel": (None, None), "norm.scale": (None,),
-        "layers.input_layernorm.scale": (None, None), "layers.post_attention_layernorm.scale": (None, None),
-        "layers.q_norm.scale": (None, None), "layers.k_norm.scale": (None, None),
-        "layers.qkv_proj.kernel": (None, None, t), "layers.qkv_proj.lora_a": (None, None, None, None),
-        "layers.qkv_proj.lora_b_q": (None, None, t, None), "layers.qkv_proj.lora_b_k": (None, None, t, None),
+        "embed_tokens.embedding": (None, None),
+        "lm_head.kernel": (None, None),
+        "norm.scale": (None,),
+        "layers.input_layernorm.scale": (None, None),
+        "layers.post_attention_layernorm.scale": (None, None),
+        "layers.q_norm.scale": (None, None),
+        "layers.k_norm.scale": (None, None),
+        "layers.qkv_proj.kernel": (None, None, t),
+        "layers.qkv_proj.lora_a": (None, None, None, None),
+        "layers.qkv_proj.lora_b_q": (None, None, t, None),
+        "layers.qkv_proj.lora_b_k": (None, None, t, None),
         "layers.qkv_proj.lora_b_v": (None, None, t, None),
-        "layers.o_proj.kernel": (None, t, None), "layers.o_proj.lora_a": (None, None, None, t),
+        "layers.o_proj.kernel": (None, t, None),
+        "layers.o_proj.lora_a": (None, None, None, t),
         "layers.o_proj.lora_b": (None, None, None, None),
-        "layers.gate_up_proj.kernel": (None, None, t), "layers.gate_up_proj.lora_a": (None, None, None, None),
-        "layers.gate_up_proj.lora_b_gate": (None, None, t, None), "layers.gate_up_proj.lora_b_up": (None, None, t, None),
-        "layers.down_proj.kernel": (None, t, None), "layers.down_proj.lora_a": (None, None, None, t),
+        "layers.gate_up_proj.kernel": (None, None, t),
+        "layers.gate_up_proj.lora_a": (None, None, None, None),
+        "layers.gate_up_proj.lora_b_gate": (None, None, t, None),
+        "layers.gate_up_proj.lora_b_up": (None, None, t, None),
+        "layers.down_proj.kernel": (None, t, None),
+        "layers.down_proj.lora_a": (None, None, None, t),
         "layers.down_proj.lora_b": (None, None, None, None),
     }
     shardings = state_shardings(make_mesh(2), state)

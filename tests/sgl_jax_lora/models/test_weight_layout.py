@@ -12,11 +12,23 @@ HEAD_DIM = 2
 
 
 def config(num_heads: int, num_kv_heads: int) -> ModelConfig:
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=num_heads * HEAD_DIM,
-                       intermediate_size=8, num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0, rope_type="default"),
-                       max_position_embeddings=16, tie_word_embeddings=False, qkv_bias=False, qk_norm=False,
-                       eos_token_ids=(0,))
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=8,
+        hidden_size=num_heads * HEAD_DIM,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0, rope_type="default"),
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+        eos_token_ids=(0,),
+    )
 
 
 def test_kv_heads_repeat_only_when_tp_exceeds_them():

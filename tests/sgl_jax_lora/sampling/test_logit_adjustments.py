@@ -35,7 +35,9 @@ def reference_adjust(logits: np.ndarray, rows: list[LogitRow | None], in_flight_
             logits[s, seen] = np.where(values > 0, values / penalty, values * penalty)
         if output_ids and (params.frequency_penalty or params.presence_penalty):
             counts = np.bincount(np.asarray(output_ids, dtype=np.int64), minlength=vocab)[:vocab].astype(np.float32)
-            logits[s] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty) * (counts > 0)
+            logits[s] -= np.float32(params.frequency_penalty) * counts + np.float32(params.presence_penalty) * (
+                counts > 0
+            )
         if params.logit_bias:
             token_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
             logits[s, token_ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
@@ -64,8 +66,13 @@ def random_row(rng: np.random.Generator, prev_row: int) -> tuple[LogitRow | None
     )
     banned = tuple(sorted(set(ids(3)) | ({VOCAB + 5} if rng.random() < 0.3 else set()))) if uses[4] else ()
     in_flight = int(ids(1)[0]) if params.uses_penalties and rng.random() < 0.6 else None
-    row = LogitRow(ids(int(rng.integers(1, 12))), ids(int(rng.integers(0, 10))), params, banned,
-                   prev_row if in_flight is not None else -1)
+    row = LogitRow(
+        ids(int(rng.integers(1, 12))),
+        ids(int(rng.integers(0, 10))),
+        params,
+        banned,
+        prev_row if in_flight is not None else -1,
+    )
     return row, in_flight
 
 

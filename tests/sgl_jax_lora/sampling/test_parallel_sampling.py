@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 
 from sgl_jax_lora.sampling.parallel_sampling import (
-    MAX_SAMPLES, check_num_samples, expand_samples, repeat_each, samples_per_prompt,
+    MAX_SAMPLES,
+    check_num_samples,
+    expand_samples,
+    repeat_each,
+    samples_per_prompt,
 )
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 

@@ -23,17 +23,27 @@ def reference_mask(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min
         order = np.argsort(-row, kind="stable")
         before = np.cumsum(row[order]) - row[order]
         rank = np.arange(row.size)
-        kept = (rank < (top_k[s] if top_k[s] > 0 else row.size)) & ((before < top_p[s]) | (top_p[s] >= 1)) & (row[order] >= min_p[s] * row.max())
+        kept = (
+            (rank < (top_k[s] if top_k[s] > 0 else row.size))
+            & ((before < top_p[s]) | (top_p[s] >= 1))
+            & (row[order] >= min_p[s] * row.max())
+        )
         keep[s, order[kept]] = True
     return keep
 
 
 def batch_of(top_k, top_p, min_p, temperature=1.0) -> SamplingBatch:
     rows = len(top_k)
-    return SamplingBatch(temperature=jnp.full((rows,), temperature, jnp.float32), top_p=jnp.asarray(top_p, jnp.float32),
-                         top_k=jnp.asarray(top_k, jnp.int32), min_p=jnp.asarray(min_p, jnp.float32),
-                         seeds=jnp.arange(rows, dtype=jnp.uint32), steps=jnp.zeros((rows,), jnp.int32),
-                         is_greedy=False, num_top_logprobs=0)
+    return SamplingBatch(
+        temperature=jnp.full((rows,), temperature, jnp.float32),
+        top_p=jnp.asarray(top_p, jnp.float32),
+        top_k=jnp.asarray(top_k, jnp.int32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+        seeds=jnp.arange(rows, dtype=jnp.uint32),
+        steps=jnp.zeros((rows,), jnp.int32),
+        is_greedy=False,
+        num_top_logprobs=0,
+    )
 
 
 @pytest.mark.parametrize("vocab", [7, 491, 32000])
@@ -79,8 +89,9 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
 
 def test_logprobs_are_the_unfiltered_model_distribution():
     logits = np.random.default_rng(4).standard_normal((3, 40)).astype(np.float32)
-    batch = SamplingBatch(**{**batch_of([2, 0, 0], [1.0, 0.5, 1.0], [0.0, 0.0, 0.3], temperature=0.7).__dict__,
-                             "num_top_logprobs": 5})
+    batch = SamplingBatch(
+        **{**batch_of([2, 0, 0], [1.0, 0.5, 1.0], [0.0, 0.0, 0.3], temperature=0.7).__dict__, "num_top_logprobs": 5}
+    )
     out = sample(jnp.asarray(logits), batch)
     want = numpy_log_softmax(logits.astype(np.float64))
     ids = np.asarray(out.next_ids)
@@ -105,12 +116,18 @@ def test_a_rows_draw_depends_on_its_seed_and_step_alone():
     rng = np.random.default_rng(6)
     logits = rng.standard_normal((4, 64)).astype(np.float32)
     batch = batch_of([0, 10, 0, 0], [1.0, 1.0, 0.8, 1.0], [0.0, 0.0, 0.0, 0.05])
-    batch = SamplingBatch(**{**batch.__dict__, "seeds": jnp.asarray([11, 12, 13, 14], jnp.uint32),
-                             "steps": jnp.asarray([0, 3, 7, 2], jnp.int32)})
+    batch = SamplingBatch(
+        **{
+            **batch.__dict__,
+            "seeds": jnp.asarray([11, 12, 13, 14], jnp.uint32),
+            "steps": jnp.asarray([0, 3, 7, 2], jnp.int32),
+        }
+    )
     together = np.asarray(sample(jnp.asarray(logits), batch).next_ids)
     for row in range(4):
-        alone = SamplingBatch(**{k: (v[row : row + 1] if isinstance(v, jnp.ndarray) else v)
-                                 for k, v in batch.__dict__.items()})
+        alone = SamplingBatch(
+            **{k: (v[row : row + 1] if isinstance(v, jnp.ndarray) else v) for k, v in batch.__dict__.items()}
+        )
         assert int(sample(jnp.asarray(logits[row : row + 1]), alone).next_ids[0]) == together[row]
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import torch
 
-from tests.support.model_fixtures import load_hf_model
 from sgl_jax_lora.demo_model import MODEL_FILES, demo_model_path
 from sgl_jax_lora.train.forward import forward_logits
 from sgl_jax_lora.train.full_trainer import NO_ADAPTER, FullTrainer
+from tests.support.model_fixtures import load_hf_model
 
 
 def test_trained_weights_saved_and_reloaded_give_the_trainers_logits(tmp_path):

@@ -30,7 +30,9 @@ PAIRS = [
     ("Numbers:", " 0 1 2 3 4 5 6 7 8 9."),
     ("def add(a, b):", " return a + b"),
 ]
-CHAT = {"messages": [{"role": "user", "content": "Hello, world!"}, {"role": "assistant", "content": "The quick brown fox."}]}
+CHAT = {
+    "messages": [{"role": "user", "content": "Hello, world!"}, {"role": "assistant", "content": "The quick brown fox."}]
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def peft_reference(adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[li
         generated = list(ids)
         for _ in range(max_new_tokens):
             generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
-    return generated[len(ids):], logprobs
+    return generated[len(ids) :], logprobs
 
 
 def test_chat_and_pair_examples_mask_only_the_completion(data_file):
@@ -70,8 +72,13 @@ def test_chat_and_pair_examples_mask_only_the_completion(data_file):
 def test_training_forward_matches_peft_and_leaves_the_base_weights_alone(data_file, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     examples = read_examples(str(data_file), tokenizer, max_len=512)
-    trainer = LoRATrainer(demo_model_path(), rank=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
-                          optimizer=optax.adam(2e-2))
+    trainer = LoRATrainer(
+        demo_model_path(),
+        rank=4,
+        lora_alpha=8,
+        target_modules=("q_proj", "v_proj", "down_proj"),
+        optimizer=optax.adam(2e-2),
+    )
     base_before = [np.asarray(leaf) for leaf in jax.tree.leaves(trainer.base_state)]
     stream = batches(examples, 4, padded_length(examples), 4, seed=0)
     for _ in range(3):
@@ -93,13 +100,16 @@ def test_training_forward_matches_peft_for_each_architecture(arch, tmp_path):
     base = make_hf_model_dir(tmp_path / "base", arch, seed=7)
     trainer = LoRATrainer(str(base), rank=4, lora_alpha=8, seed=1)
     key = jax.random.key(2)  # random B (training starts at B = 0, which would hide a wrong B layout)
-    weights = {m: {"A": p["A"], "B": 0.1 * jax.random.normal(jax.random.fold_in(key, i), p["B"].shape)}
-               for i, (m, p) in enumerate(trainer.lora.weights.items())}
+    weights = {
+        m: {"A": p["A"], "B": 0.1 * jax.random.normal(jax.random.fold_in(key, i), p["B"].shape)}
+        for i, (m, p) in enumerate(trainer.lora.weights.items())
+    }
     trainer.lora = dataclasses.replace(trainer.lora, weights=weights)
     adapter_dir = save_peft_adapter(trainer.lora, str(tmp_path / "adapter"), str(base))
     ids = np.random.default_rng(0).integers(2, 491, size=12).tolist()
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
-                                      adapter_dir).eval()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32), adapter_dir
+    ).eval()
     with torch.no_grad():
         tokens = torch.tensor([ids])
         expected = torch.log_softmax(model(tokens).logits[0], -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0].numpy()
@@ -108,8 +118,27 @@ def test_training_forward_matches_peft_for_each_architecture(arch, tmp_path):
 
 def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_path):
     out = tmp_path / "out"
-    assert train_main(["--model-path", demo_model_path(), "--data", str(data_file), "--output-dir", str(out),
-                       "--rank", "8", "--steps", "30", "--lr", "5e-3", "--batch-size", "4"]) == 0
+    assert (
+        train_main(
+            [
+                "--model-path",
+                demo_model_path(),
+                "--data",
+                str(data_file),
+                "--output-dir",
+                str(out),
+                "--rank",
+                "8",
+                "--steps",
+                "30",
+                "--lr",
+                "5e-3",
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     losses = [float(line.split(",")[1]) for line in (out / "loss.csv").read_text().splitlines()[1:]]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
     assert (out / "loss.png").stat().st_size > 0
@@ -119,10 +148,22 @@ def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_pa
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     ids = tokenizer.encode(PAIRS[0][0])
     expected_tokens, expected_logprobs = peft_reference(out, ids, 8)
-    with Engine(model_path=demo_model_path(), dtype="float32", skip_precompile=True, lora_paths={"trained": str(out)},
-                context_length=128, chunked_prefill_size=32, token_buckets=[32]) as engine:
-        served = engine.generate(input_ids=ids, lora_path="trained", return_logprob=True, logprob_start_len=0,
-                                 sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    with Engine(
+        model_path=demo_model_path(),
+        dtype="float32",
+        skip_precompile=True,
+        lora_paths={"trained": str(out)},
+        context_length=128,
+        chunked_prefill_size=32,
+        token_buckets=[32],
+    ) as engine:
+        served = engine.generate(
+            input_ids=ids,
+            lora_path="trained",
+            return_logprob=True,
+            logprob_start_len=0,
+            sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        )
     assert served["output_ids"] == expected_tokens
     ours = np.array([lp for lp, _ in served["meta_info"]["input_token_logprobs"][1:]])
     assert np.abs(ours - expected_logprobs).max() < 1e-3

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
 from tests.support import REPO_ROOT
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -47,7 +47,9 @@ def torchless_env(tmp_path_factory) -> dict:
 
 
 def run_python(env: dict, code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
 
 
 def test_the_environment_has_no_torch_and_transformers_says_so(torchless_env):
@@ -55,17 +57,26 @@ def test_the_environment_has_no_torch_and_transformers_says_so(torchless_env):
     assert probe.stdout.strip() == "None", probe.stderr
     loud = run_python(torchless_env, "import transformers")
     assert "PyTorch was not found" in loud.stderr  # what a bare machine shows without the filter
-    quiet = run_python(torchless_env, "from sgl_jax_lora.utils.quiet import quiet_platform_probes; quiet_platform_probes(); import transformers")
+    quiet = run_python(
+        torchless_env,
+        "from sgl_jax_lora.utils.quiet import quiet_platform_probes; quiet_platform_probes(); import transformers",
+    )
     assert quiet.returncode == 0, quiet.stderr
     assert "PyTorch was not found" not in quiet.stderr
 
 
 def test_jax_probe_lines_dropped_unless_debug(torchless_env):
-    code = ("import logging, sys; logging.basicConfig(level='INFO'); from sgl_jax_lora.utils.quiet import quiet_platform_probes; "
-            "quiet_platform_probes(sys.argv[1]); import jax; jax.devices()")
+    code = (
+        "import logging, sys; logging.basicConfig(level='INFO'); from sgl_jax_lora.utils.quiet import quiet_platform_probes; "
+        "quiet_platform_probes(sys.argv[1]); import jax; jax.devices()"
+    )
     env = {**torchless_env, "JAX_PLATFORMS": ""}
-    info = subprocess.run([sys.executable, "-S", "-c", code, "info"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    debug = subprocess.run([sys.executable, "-S", "-c", code, "debug"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    info = subprocess.run(
+        [sys.executable, "-S", "-c", code, "info"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    debug = subprocess.run(
+        [sys.executable, "-S", "-c", code, "debug"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert info.returncode == 0 and debug.returncode == 0, info.stderr + debug.stderr
     assert "Unable to initialize backend" not in info.stderr
     assert "Unable to initialize backend" in debug.stderr  # the line exists on this machine: the check above can fail

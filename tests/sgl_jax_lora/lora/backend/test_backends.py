@@ -36,8 +36,18 @@ BACKENDS = {
 }
 
 
-def make_inputs(seed, *, num_tokens=32, in_dim=256, out_dim=256, max_rank=64, slot_ranks=(0, 4, 8, 16, 64),
-                num_segments=8, dtype=jnp.float32, all_base=False):
+def make_inputs(
+    seed,
+    *,
+    num_tokens=32,
+    in_dim=256,
+    out_dim=256,
+    max_rank=64,
+    slot_ranks=(0, 4, 8, 16, 64),
+    num_segments=8,
+    dtype=jnp.float32,
+    all_base=False,
+):
     rng = np.random.default_rng(seed)
     ranks = np.array(slot_ranks, np.int32)
     num_slots = len(ranks)
@@ -73,8 +83,11 @@ def check_backend(backend: LoRABackend, inputs, dtype):
     assert_close(s, s_ref, dtype)
     y_expand = backend.expand(s_ref, lora_b, lora, out_dtype=x.dtype)
     assert y_expand.dtype == x.dtype
-    assert_close(y_expand, sgmv_expand_ref(s_ref, lora_b, lora.sort_perm, lora.seg_start, lora.seg_slot,
-                                           lora.slot_rank, x.dtype), dtype)
+    assert_close(
+        y_expand,
+        sgmv_expand_ref(s_ref, lora_b, lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank, x.dtype),
+        dtype,
+    )
     y = backend.apply(x, lora_a, lora_b, lora)
     assert y.dtype == x.dtype
     assert_close(y, y_ref, dtype)
@@ -143,8 +156,9 @@ def packed_inputs(seed, *, num_tokens, dtype, block_rows=0, in_dim=128, widths=(
     row = np.arange(num_parts * max_rank) % max_rank
     lora_a = rng.standard_normal((4, num_parts * max_rank, in_dim)) * (row[None, :, None] < ranks[:, None, None])
     lora_bs = tuple(
-        jnp.asarray(rng.standard_normal((4, w, max_rank)) * (np.arange(max_rank)[None, None, :] < ranks[:, None, None]),
-                    dtype)
+        jnp.asarray(
+            rng.standard_normal((4, w, max_rank)) * (np.arange(max_rank)[None, None, :] < ranks[:, None, None]), dtype
+        )
         for w in widths
     )
     token_slot = rng.integers(0, 4, num_tokens).astype(np.int32)
@@ -214,8 +228,9 @@ def test_apply_packed_reads_one_layer_of_stacked_buffers(name):
     @jax.jit
     def run(x, a_view, b_views, lora, base_out):
         if not backend.reads_stacked(24, lora.num_segments, 512):
-            return backend.apply_packed(x, a_view.sliced(), tuple(b.sliced() for b in b_views), lora, base_out,
-                                        tp_size=1)
+            return backend.apply_packed(
+                x, a_view.sliced(), tuple(b.sliced() for b in b_views), lora, base_out, tp_size=1
+            )
         return backend.apply_packed(x, a_view, b_views, lora, base_out, tp_size=1)
 
     assert_close(run(x, a_view, b_views, lora, base_out), expected, jnp.float32)
@@ -226,8 +241,9 @@ def test_apply_packed_reads_one_layer_of_stacked_buffers(name):
 def test_apply_packed_any_projection_size(name, widths):
     # `in` 40 and part widths that neither the GPU blocks nor the TPU lanes divide, read from layer stacks as the
     # model passes them: the same result as the one-hot einsum on the layer's slice, base rows untouched
-    x, lora_a, lora_bs, lora, base_out = packed_inputs(13, num_tokens=24, dtype=jnp.float32, block_rows=16,
-                                                       in_dim=40, widths=widths)
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(
+        13, num_tokens=24, dtype=jnp.float32, block_rows=16, in_dim=40, widths=widths
+    )
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
     backend = BACKENDS[name](None)
     layer = jnp.int32(1)
@@ -246,8 +262,12 @@ def test_apply_packed_any_projection_size(name, widths):
 def test_pallas_apply_packed_on_device(num_tokens, widths):
     dtype = jnp.bfloat16
     x, lora_a, lora_bs, lora, base_out = packed_inputs(
-        6, num_tokens=num_tokens, dtype=dtype, block_rows=gpu_block_rows(num_tokens),
-        in_dim=128 if widths[0] == 256 else 40, widths=widths,
+        6,
+        num_tokens=num_tokens,
+        dtype=dtype,
+        block_rows=gpu_block_rows(num_tokens),
+        in_dim=128 if widths[0] == 256 else 40,
+        widths=widths,
     )
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
     y = jax.jit(lambda *a: PallasBackend(None).apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)
@@ -323,8 +343,9 @@ def test_apply_packed_sharded_matches_unsharded(mesh, name, layer):
         a, bs = LayerStack(a_stack, layer_index), tuple(LayerStack(b, layer_index) for b in b_stacks)
         if not backend.reads_stacked(24, lora.num_segments, base_out.shape[1]):
             a, bs = a.sliced(), tuple(b.sliced() for b in bs)
-        return backend.apply_packed(x, a, bs, lora, base_out, tp_size=4, input_sharded=is_row,
-                                    output_sharded=not is_row)
+        return backend.apply_packed(
+            x, a, bs, lora, base_out, tp_size=4, input_sharded=is_row, output_sharded=not is_row
+        )
 
     y = run(x_s, a_stack, b_stacks, lora_s, base_s)
     if not is_row:
@@ -347,8 +368,16 @@ def test_factory_names_and_errors():
 def test_auto_choice_is_static_per_bucket():
     assert choose_backend_name("cpu", 64, 32) == "einsum"  # no measurements off GPU
     assert choose_backend_name("tpu", 8192, 4) == "einsum"
-    measured = {(1, 1): "sgmv", (1, 8): "bgmv", (64, 32): "pallas", (256, 1): "sgmv", (256, 128): "pallas",
-                (2048, 4): "sgmv", (4096, 32): "pallas", (8192, 4): "pallas"}
+    measured = {
+        (1, 1): "sgmv",
+        (1, 8): "bgmv",
+        (64, 32): "pallas",
+        (256, 1): "sgmv",
+        (256, 128): "pallas",
+        (2048, 4): "sgmv",
+        (4096, 32): "pallas",
+        (8192, 4): "pallas",
+    }
     for (tokens, segments), name in measured.items():
         assert choose_backend_name("gpu", tokens, segments) == name
     # decode buckets of 17-64 tokens: every module on the Pallas kernels, whatever the adapter count or width;

@@ -21,8 +21,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sgl_jax_lora.lora.backend.pallas as pallas_module
-from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
-from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend.auto import AutoBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
@@ -33,6 +31,8 @@ from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
+from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -68,8 +68,14 @@ def base_product(x, w):
 def base_plus_lora(x, w, lora_a, lora_bs, lora):
     """x @ W + every part's delta, in float32, from the one-hot einsum backend."""
     base = base_product(x, w)
-    return EinsumBackend(None).apply_packed(x.astype(jnp.float32), lora_a.astype(jnp.float32),
-                                            tuple(b.astype(jnp.float32) for b in lora_bs), lora, base, tp_size=1)
+    return EinsumBackend(None).apply_packed(
+        x.astype(jnp.float32),
+        lora_a.astype(jnp.float32),
+        tuple(b.astype(jnp.float32) for b in lora_bs),
+        lora,
+        base,
+        tp_size=1,
+    )
 
 
 def assert_close(y, expected):
@@ -130,7 +136,9 @@ def test_apply_with_base_under_tensor_parallelism(layer):
     layer_index = jnp.int32(0)
     w_view = LayerStack(put(w[None], P(None, "tensor", None) if is_row else P(None, None, "tensor")), layer_index)
     a_view = LayerStack(put(lora_a[None], P(None, None, None, "tensor") if is_row else P()), layer_index)
-    b_views = tuple(LayerStack(put(b[None], P() if is_row else P(None, None, "tensor", None)), layer_index) for b in lora_bs)
+    b_views = tuple(
+        LayerStack(put(b[None], P() if is_row else P(None, None, "tensor", None)), layer_index) for b in lora_bs
+    )
     x = put(x, P(None, "tensor") if is_row else P())
     lora = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
     backend = fused_backend(mesh)
@@ -195,10 +203,20 @@ def kernel_sized_model(tmp_path_factory):
     """A tiny Llama whose modules fit the kernel's tiles (widths multiples of 256, in of 64), with two rank-16
     all-linear adapters written by peft."""
     root = tmp_path_factory.mktemp("fused")
-    base = make_hf_model_dir(root / "base", "llama", seed=5, hidden_size=256, num_attention_heads=2,
-                             num_key_value_heads=2, head_dim=128, intermediate_size=512)
-    adapters = [write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
-                for i in range(2)]
+    base = make_hf_model_dir(
+        root / "base",
+        "llama",
+        seed=5,
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+    )
+    adapters = [
+        write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
+        for i in range(2)
+    ]
     return base, adapters
 
 
@@ -207,16 +225,35 @@ PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in r
 
 def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
-    args = ServerArgs(model_path=str(model_dir), dtype="bfloat16", tp_size=tp_size, context_length=512, max_running_requests=4,
-                      chunked_prefill_size=256, max_prefill_seqs=4, token_buckets=[128, 256],
-                      lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
-                      max_loras_per_batch=2, lora_backend="pallas", lora_fused_gemm_min_tokens=fused_min_tokens,
-                      skip_precompile=True, max_total_tokens=4096)
+    args = ServerArgs(
+        model_path=str(model_dir),
+        dtype="bfloat16",
+        tp_size=tp_size,
+        context_length=512,
+        max_running_requests=4,
+        chunked_prefill_size=256,
+        max_prefill_seqs=4,
+        token_buckets=[128, 256],
+        lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
+        max_loras_per_batch=2,
+        lora_backend="pallas",
+        lora_fused_gemm_min_tokens=fused_min_tokens,
+        skip_precompile=True,
+        max_total_tokens=4096,
+    )
     core = EngineCore(args, str(model_dir))
     lora_ids = [ref.lora_id for ref in core.lora_setup.initial_refs] + [None]
     for i, (ids, lora_id) in enumerate(zip(PROMPTS, lora_ids)):
-        core.add_request(GenerateRequest(rid=str(i), input_ids=ids, lora_id=lora_id, return_logprob=True,
-                                         logprob_start_len=0, sampling=SamplingParams(max_new_tokens=1, ignore_eos=True)))
+        core.add_request(
+            GenerateRequest(
+                rid=str(i),
+                input_ids=ids,
+                lora_id=lora_id,
+                return_logprob=True,
+                logprob_start_len=0,
+                sampling=SamplingParams(max_new_tokens=1, ignore_eos=True),
+            )
+        )
     logprobs: dict[str, list[float]] = {}
     while core.scheduler.num_active:
         for out in core.step():
@@ -268,10 +305,22 @@ def test_engine_prefill_of_odd_sizes_falls_back_to_the_sgmv_kernels(tmp_path, mo
     intermediate 88, head_dim 10: q 40, k and v 20), in a bucket that takes the fused GEMM: every module falls back
     to x @ W and the SGMV kernels, which mask past the odd sizes. Within bf16 rounding of HF + PEFT in float32,
     where leaving an adapter out moves the logprobs by more than that."""
-    base = make_hf_model_dir(tmp_path / "base", "llama", seed=6, hidden_size=40, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=10, intermediate_size=88)
-    adapters = [write_peft_adapter(base, tmp_path / f"a{i}", seed=40 + i, r=16, lora_alpha=32, b_std=0.2,
-                                   target_modules="all-linear") for i in range(2)]
+    base = make_hf_model_dir(
+        tmp_path / "base",
+        "llama",
+        seed=6,
+        hidden_size=40,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=10,
+        intermediate_size=88,
+    )
+    adapters = [
+        write_peft_adapter(
+            base, tmp_path / f"a{i}", seed=40 + i, r=16, lora_alpha=32, b_std=0.2, target_modules="all-linear"
+        )
+        for i in range(2)
+    ]
     calls = count_calls(monkeypatch)
     ours = serve_prefill(base, adapters, fused_min_tokens=256)
     assert not calls
