@@ -15,6 +15,7 @@ on GPU in bf16/fp16 it is cuDNN's flash attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +47,24 @@ def _frozen_dot_bwd(out_dtype: jnp.dtype, residuals: tuple, cotangent: jax.Array
 frozen_dot.defvjp(_frozen_dot_fwd, _frozen_dot_bwd)
 
 
-def _base(linear, x: jax.Array) -> jax.Array:
-    """The serving Linear's base product (layers/linear.py), through frozen_dot."""
-    y = frozen_dot(x, linear.kernel[...], x.dtype)
+def trainable_dot(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """frozen_dot's product with JAX's own gradients for both operands (full-parameter training)."""
+    return jnp.dot(x, kernel, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+Dot = Callable[[jax.Array, jax.Array, jnp.dtype], jax.Array]
+
+
+def _base(linear, x: jax.Array, dot: Dot) -> jax.Array:
+    """The serving Linear's base product (layers/linear.py), through `dot`."""
+    y = dot(x, linear.kernel[...], x.dtype)
     return y if linear.bias is None else y + linear.bias[...]
 
 
-def _logits(model, hidden: jax.Array) -> jax.Array:
-    """hidden [N, E] -> logits [N, V] float32, as the serving model's `logits`, through frozen_dot."""
+def _logits(model, hidden: jax.Array, dot: Dot) -> jax.Array:
+    """hidden [N, E] -> logits [N, V] float32, as the serving model's `logits`, through `dot`."""
     kernel = model.embed_tokens.embedding[...].T if model.lm_head is None else model.lm_head.kernel[...]
-    return frozen_dot(hidden, kernel, jnp.float32)
+    return dot(hidden, kernel, jnp.float32)
 
 
 def _lora_delta(x: jax.Array, lora: dict, module: str, scaling: float) -> jax.Array | None:
@@ -71,9 +80,9 @@ def _plus(y: jax.Array, delta: jax.Array | None) -> jax.Array:
     return y if delta is None else y + delta
 
 
-def _packed(linear, x: jax.Array, modules: tuple[str, ...], lora: dict, scaling: float) -> list[jax.Array]:
+def _packed(linear, x: jax.Array, modules: tuple[str, ...], lora: dict, scaling: float, dot: Dot) -> list[jax.Array]:
     """A packed linear (qkv_proj, gate_up_proj): base GEMM split into its parts, each with its module's delta."""
-    parts = split_packed(_base(linear, x), linear.part_sizes, linear.tp_size)
+    parts = split_packed(_base(linear, x, dot), linear.part_sizes, linear.tp_size)
     return [_plus(part, _lora_delta(x, lora, m, scaling)) for part, m in zip(parts, modules)]
 
 
@@ -97,11 +106,13 @@ def _use_cudnn_attention(q: jax.Array) -> bool:
     return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
 
 
-def _layer(layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: float, batch: int) -> jax.Array:
+def _layer(
+    layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: float, batch: int, dot: Dot
+) -> jax.Array:
     """One decoder layer. hidden [N, E] with N = B * S (row-major), positions [N] -> [N, E]."""
     num_tokens = hidden.shape[0]
     x = layer.input_layernorm(hidden)
-    q, k, v = _packed(layer.qkv_proj, x, ("q_proj", "k_proj", "v_proj"), lora, scaling)
+    q, k, v = _packed(layer.qkv_proj, x, ("q_proj", "k_proj", "v_proj"), lora, scaling, dot)
     q = q.reshape(num_tokens, layer.num_heads, layer.head_dim)
     k = k.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
     v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -110,15 +121,19 @@ def _layer(layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: 
     q, k = apply_rotary(q, positions, layer.inv_freq), apply_rotary(k, positions, layer.inv_freq)
     split = lambda t: t.reshape(batch, num_tokens // batch, *t.shape[1:])  # noqa: E731
     attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5).reshape(num_tokens, -1)
-    hidden = hidden + _plus(_base(layer.o_proj, attn), _lora_delta(attn, lora, "o_proj", scaling))
+    hidden = hidden + _plus(_base(layer.o_proj, attn, dot), _lora_delta(attn, lora, "o_proj", scaling))
     x = layer.post_attention_layernorm(hidden)
-    gate, up = _packed(layer.gate_up_proj, x, ("gate_proj", "up_proj"), lora, scaling)
+    gate, up = _packed(layer.gate_up_proj, x, ("gate_proj", "up_proj"), lora, scaling, dot)
     act = jax.nn.silu(gate) * up
-    return hidden + _plus(_base(layer.down_proj, act), _lora_delta(act, lora, "down_proj", scaling))
+    return hidden + _plus(_base(layer.down_proj, act, dot), _lora_delta(act, lora, "down_proj", scaling))
 
 
-def forward_logits(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:
-    """input_ids [B, S] i32 -> logits [B, S, V] f32 of the base model with the adapter `lora` applied."""
+def forward_logits(
+    graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array, frozen_base: bool = True
+) -> jax.Array:
+    """input_ids [B, S] i32 -> logits [B, S, V] f32 of the base model with the adapter `lora` applied. frozen_base:
+    the base weights get no gradient (LoRA training, through frozen_dot); False for full-parameter training."""
+    dot = frozen_dot if frozen_base else trainable_dot
     model = nnx.merge(graphdef, base_state)
     batch, seq_len = input_ids.shape
     hidden = model.embed_tokens(input_ids.reshape(-1))
@@ -127,14 +142,16 @@ def forward_logits(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAPara
 
     def body(h, xs):
         state, layer_lora = xs
-        return _layer(nnx.merge(layer_def, state), h, positions, layer_lora, lora.scaling, batch), None
+        return _layer(nnx.merge(layer_def, state), h, positions, layer_lora, lora.scaling, batch, dot), None
 
     hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights))
-    return _logits(model, model.norm(hidden)).reshape(batch, seq_len, -1)
+    return _logits(model, model.norm(hidden), dot).reshape(batch, seq_len, -1)
 
 
-def token_logprobs(graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array) -> jax.Array:
-    """input_ids [B, S] -> [B, S-1] f32: log p(input_ids[:, t+1] | input_ids[:, :t+1])."""
-    logits = forward_logits(graphdef, base_state, lora, input_ids)[:, :-1]
+def token_logprobs(
+    graphdef: nnx.GraphDef, base_state: nnx.State, lora: LoRAParams, input_ids: jax.Array, frozen_base: bool = True
+) -> jax.Array:
+    """input_ids [B, S] -> [B, S-1] f32: log p(input_ids[:, t+1] | input_ids[:, :t+1]) (frozen_base: as forward_logits)."""
+    logits = forward_logits(graphdef, base_state, lora, input_ids, frozen_base)[:, :-1]
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     return jnp.take_along_axis(logprobs, input_ids[:, 1:, None], axis=-1)[..., 0]

@@ -45,7 +45,9 @@ class FullTrainer:
 
     def _update(self, state: nnx.State, opt_state, batch: dict) -> tuple[nnx.State, object, jax.Array]:
         def loss_of(params: nnx.State) -> jax.Array:
-            return self.loss(token_logprobs(self.graphdef, params, NO_ADAPTER, batch["input_ids"]), batch)
+            return self.loss(
+                token_logprobs(self.graphdef, params, NO_ADAPTER, batch["input_ids"], frozen_base=False), batch
+            )
 
         value, grads = jax.value_and_grad(loss_of)(state)
         updates, opt_state = self.optimizer.update(grads, opt_state, state)

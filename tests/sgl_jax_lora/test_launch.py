@@ -17,12 +17,13 @@ import httpx
 import openai
 
 from sgl_jax_lora.server_args import ServerArgs
+from tests.support import REPO_ROOT
 from tests.support.http_helpers import process_exists, start_server
 
 # Default buckets compile for minutes on a 2-core CPU the first time (then the compilation cache
 # shared by the tests makes it seconds); the deadline only bounds a hung start.
 STARTUP_TIMEOUT_S = 900
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(REPO_ROOT, "README.md")
 
 
 def readme_demo_answers() -> tuple[str, dict[str, str]]:
