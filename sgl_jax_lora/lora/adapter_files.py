@@ -173,6 +173,7 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
 
 
@@ -187,20 +188,29 @@ def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
             f"the tensors are not a valid safetensors file ({type(e).__name__})",
             "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)",
         ) from e
-    tensors = {}
-    for key, entry in entries:
-        dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
-        if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
-            tensors[key] = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        elif dtype in _FLOAT_DTYPES:
-            tensors[key] = np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
-        else:
-            raise adapter_error(
-                name,
-                f"{tensor_label(key)} has dtype {shown(str(dtype))}",
-                "LoRA tensors must be floating point (F32, F16, BF16 or F64)",
-            )
-    return tensors
+    return {
+        key: float32_tensor(name, key, entry["dtype"], tuple(entry["shape"]), entry["data"]) for key, entry in entries
+    }
+
+
+def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
+    """One safetensors entry (its dtype name, shape and raw bytes or buffer slice) -> a float32 array; F32 is a
+    read-only view of `raw`, the other float dtypes are converted. Disk, HTTP bodies and TensorFiles share it."""
+    if dtype == "F32":
+        return np.frombuffer(raw, np.float32).reshape(shape)
+    if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if dtype in _FLOAT_DTYPES:
+        return np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
+    raise non_float_error(name, key, dtype)
+
+
+def non_float_error(name: str, key: str, dtype: object) -> LoRAAdapterError:
+    return adapter_error(
+        name,
+        f"{tensor_label(key)} has dtype {shown(str(dtype))}",
+        "LoRA tensors must be floating point (F32, F16, BF16 or F64)",
+    )
 
 
 def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]]:

@@ -20,10 +20,10 @@ import tempfile
 
 import numpy as np
 
+from sgl_jax_lora.lora.adapter_files import FLOAT_ITEMSIZES, float32_tensor, non_float_error, tensor_label
 from sgl_jax_lora.lora.peft_config import adapter_error
 
 _SHM_DIR = "/dev/shm"
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8"), "BF16": np.dtype("<u2")}
 _FIX = "send the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)"
 
 
@@ -108,14 +108,11 @@ def map_tensor_file(name: str, path: str) -> dict[str, np.ndarray]:
 
 
 def _tensor(name: str, key: str, entry: object, buffer: memoryview, data_start: int, size: int) -> np.ndarray:
-    shown = key if len(key) <= 64 else key[:64] + "..."
     if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
-        raise adapter_error(name, f"tensor {shown!r} has no valid header entry", _FIX)
-    dtype_name = entry["dtype"]
-    if dtype_name not in _DTYPES:
-        raise adapter_error(
-            name, f"tensor {shown!r} has dtype {dtype_name[:16]}", "LoRA tensors must be floating point"
-        )
+        raise adapter_error(name, f"{tensor_label(key)} has no valid header entry", _FIX)
+    itemsize = FLOAT_ITEMSIZES.get(entry["dtype"])
+    if itemsize is None:
+        raise non_float_error(name, key, entry["dtype"])
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not (
         isinstance(shape, list)
@@ -124,18 +121,13 @@ def _tensor(name: str, key: str, entry: object, buffer: memoryview, data_start: 
         and len(offsets) == 2
         and all(isinstance(o, int) for o in offsets)
     ):
-        raise adapter_error(name, f"tensor {shown!r} has an invalid shape or data_offsets", _FIX)
+        raise adapter_error(name, f"{tensor_label(key)} has an invalid shape or data_offsets", _FIX)
     begin, end = offsets
-    dtype = _DTYPES[dtype_name]
     count = int(np.prod(shape, dtype=np.int64))
-    if not 0 <= begin <= end <= size - data_start or end - begin != count * dtype.itemsize:
-        raise adapter_error(name, f"tensor {shown!r}: its data_offsets do not match its shape and dtype", _FIX)
-    raw = np.frombuffer(buffer, dtype, count, data_start + begin).reshape(shape)
-    if dtype_name == "F32":
-        return raw  # a read-only view: the mapping stays alive as long as the array does
-    if dtype_name == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.astype(np.float32)
+    if not 0 <= begin <= end <= size - data_start or end - begin != count * itemsize:
+        raise adapter_error(name, f"{tensor_label(key)}: its data_offsets do not match its shape and dtype", _FIX)
+    # F32: a read-only view of the mapping, which stays alive as long as the array does
+    return float32_tensor(name, key, entry["dtype"], tuple(shape), buffer[data_start + begin : data_start + end])
 
 
 def _write_at(fd: int, value: np.ndarray, start: int) -> None:
