@@ -39,7 +39,7 @@ from sgl_jax_lora.model_executor.step_memory import StepMemory, measure_step_mem
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
-from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, sample, token_logprobs
+from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, chunked_token_logprobs, sample
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -129,7 +129,7 @@ class ModelRunner:
     def _prompt_logprobs_impl(
         self, state: nnx.State, lora_state: nnx.State, hidden: jax.Array, targets: jax.Array, num_top: int
     ) -> SampleOutput:
-        return token_logprobs(self._model(state, lora_state).logits(hidden), targets, num_top)
+        return chunked_token_logprobs(self._model(state, lora_state).logits, hidden, targets, num_top)
 
     # ---- step API --------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

@@ -12,9 +12,15 @@ request's samples do not depend on what else is in its batch. Returned logprobs 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+# Prompt logprobs take the logits of this many rows at a time: a step's [T, V] float32 logits (2.1 GB at T = 4096
+# with a 128k vocabulary, more with log-softmax and top-k) never exist at once, so the memory the KV cache must
+# leave them stays small whatever the largest token bucket.
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +130,23 @@ def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_top: int) -> Sa
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return SampleOutput(target_ids, target, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def chunked_token_logprobs(
+    logits_of: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    target_ids: jax.Array,
+    num_top: int,
+    rows_per_chunk: int = PROMPT_LOGPROB_ROWS,
+) -> SampleOutput:
+    """`token_logprobs` over hidden [T, E] -> logits_of [C, E] -> [C, V], PROMPT_LOGPROB_ROWS rows at a time (the
+    rows are padded to a whole number of chunks; the padding's results are dropped). Same values as one call."""
+    num_rows = hidden.shape[0]
+    if num_rows <= rows_per_chunk:
+        return token_logprobs(logits_of(hidden), target_ids, num_top)
+    num_chunks = -(-num_rows // rows_per_chunk)
+    padding = num_chunks * rows_per_chunk - num_rows
+    hidden = jnp.pad(hidden, ((0, padding), (0, 0))).reshape(num_chunks, rows_per_chunk, hidden.shape[1])
+    targets = jnp.pad(target_ids, (0, padding)).reshape(num_chunks, rows_per_chunk)
+    out = jax.lax.map(lambda chunk: token_logprobs(logits_of(chunk[0]), chunk[1], num_top), (hidden, targets))
+    return jax.tree.map(lambda a: a.reshape((num_chunks * rows_per_chunk,) + a.shape[2:])[:num_rows], out)

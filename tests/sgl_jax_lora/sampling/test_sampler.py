@@ -12,7 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax_lora.sampling.sampler import SamplingBatch, filter_mask, sample, token_logprobs
+from sgl_jax_lora.sampling.sampler import (
+    SamplingBatch,
+    chunked_token_logprobs,
+    filter_mask,
+    sample,
+    token_logprobs,
+)
 
 
 def reference_mask(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:
@@ -110,6 +116,21 @@ def test_prompt_logprobs_score_the_given_targets():
     np.testing.assert_allclose(np.asarray(out.next_logprobs), want[np.arange(6), targets], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.argsort(-want, axis=-1)[:, :2])
     assert token_logprobs(jnp.asarray(logits), jnp.asarray(targets), num_top=0).top_ids.shape == (6, 0)
+
+
+@pytest.mark.parametrize("num_rows", [7, 16, 37])
+def test_prompt_logprobs_in_row_chunks_equal_one_call(num_rows):
+    rng = np.random.default_rng(num_rows)
+    hidden = jnp.asarray(rng.standard_normal((num_rows, 12)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((12, 50)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 50, num_rows), jnp.int32)
+    whole = token_logprobs(hidden @ head, targets, 5)
+    chunked = chunked_token_logprobs(lambda h: h @ head, hidden, targets, 5, rows_per_chunk=8)
+    assert chunked.next_logprobs.shape == (num_rows,) and chunked.top_ids.shape == (num_rows, 5)
+    np.testing.assert_array_equal(chunked.next_ids, whole.next_ids)
+    np.testing.assert_array_equal(chunked.top_ids, whole.top_ids)
+    np.testing.assert_allclose(chunked.next_logprobs, whole.next_logprobs, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(chunked.top_logprobs, whole.top_logprobs, rtol=1e-6, atol=1e-6)
 
 
 def test_a_rows_draw_depends_on_its_seed_and_step_alone():
