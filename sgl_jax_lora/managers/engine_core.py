@@ -84,6 +84,13 @@ class EngineCore:
         )
         self.runner = make_model_runner(args, self.cfg, self.mesh, self.buckets, self.lora_setup)  # multi-host: leader
         self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
+        self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
+        warmup_start = time.monotonic()
+        if not args.skip_precompile:  # compiles, then places the KV cache (its final size), then runs each program
+            lora_for = self.lora.padding_batches if self.lora else (lambda num_tokens: [None])
+            self.runner.warmup(self.buckets, lora_for, progress=startup_progress)
+        self.runner.place_kv_cache()
+        self.warmup_s = time.monotonic() - warmup_start
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.max_total_tokens = self.allocator.num_usable * args.page_size
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
@@ -96,12 +103,6 @@ class EngineCore:
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
         )
-        self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
-        warmup_start = time.monotonic()
-        if not args.skip_precompile:
-            lora_for = self.lora.padding_batches if self.lora else (lambda num_tokens: [None])
-            self.runner.warmup(self.buckets, lora_for, progress=startup_progress)
-        self.warmup_s = time.monotonic() - warmup_start
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
         self.step_stats = StepStats()

@@ -34,9 +34,18 @@ def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:
     return 2 * cfg.num_layers * kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh) -> KVCache:
+def abstract_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh
+) -> KVCache:
+    """The cache's shapes, dtype and sharding, with no memory behind them: the forward programs compile against it
+    before the cache takes the device memory (XLA's autotuner allocates buffers while it compiles)."""
     kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size
     shape = (cfg.num_layers, kv_heads, num_pages * page_size, cfg.head_dim)
-    sharding = logical_to_sharding(mesh, KV_LOGICAL_AXES)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    tensor = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=logical_to_sharding(mesh, KV_LOGICAL_AXES))
+    return KVCache(k=tensor, v=tensor)
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh) -> KVCache:
+    tensor = abstract_kv_cache(cfg, num_pages, page_size, tp_size, dtype, mesh).k
+    zeros = jax.jit(lambda: jnp.zeros(tensor.shape, tensor.dtype), out_shardings=tensor.sharding)
     return KVCache(k=zeros(), v=zeros())

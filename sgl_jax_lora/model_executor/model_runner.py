@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from sgl_jax_lora.mem_cache.kv_cache import KVCache, abstract_kv_cache, allocate_kv_cache, kv_bytes_per_token
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
@@ -98,7 +98,12 @@ class ModelRunner:
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
         self.step_memory: StepMemory | None = None  # measured when the KV cache is sized from device memory
-        self.num_pages, self.kv = self._allocate_kv()
+        self.num_pages = self._num_kv_pages()
+        # Shapes only until `place_kv_cache()`: the warmup compiles the forward programs first, while the memory the
+        # cache will take is still free (XLA's autotuner allocates buffers as large as a fusion's operands, e.g. a
+        # whole layer-stacked weight, while it compiles).
+        self.kv: KVCache = abstract_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
+        self.is_kv_placed = False
 
     # ---- jitted bodies -------------------------------------------------------------------------
     def _model(self, state: nnx.State, lora_state: nnx.State):
@@ -138,6 +143,7 @@ class ModelRunner:
         prev_ids: the `carried_ids` of the step whose sampled ids `batch.input_from_prev` points into (None: no
         token of this batch is in flight)."""
         prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
+        self.place_kv_cache()  # a no-op once placed (by the warmup, after compiling)
         hidden, last_hidden, self.kv = self._forward(self.state, self.lora_state, self.kv, batch, prev_ids)
         return hidden, last_hidden
 
@@ -294,23 +300,26 @@ class ModelRunner:
             lower_logits_and_sample,
         )
 
-    def _allocate_kv(self):
-        """(pages, KV cache) on the devices, allocated and checked now (an allocation fails on the device
-        asynchronously, and would otherwise surface at the first forward).
+    def place_kv_cache(self) -> None:
+        """Allocate the KV cache on the devices and check it now (an allocation fails on the device asynchronously,
+        and would otherwise surface at the first forward); a no-op once placed.
 
         A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and
         V of 47.8 GB each did not both fit under an H200's 112.6 GB limit (the GPU allocator seems to grow in regions
         rounded up to powers of two). Such a cache is shrunk by
         KV_SHRINK_FACTOR until it fits; a size the user set (--max-total-tokens) is not changed: it fails with the
         fix named."""
-        args = self.args
-        num_pages = self._num_kv_pages()
+        if self.is_kv_placed:
+            return
+        args, num_pages = self.args, self.num_pages
         shrinks_left = 0 if args.max_total_tokens else KV_ALLOCATION_ATTEMPTS - 1
         while True:
             try:
-                return num_pages, jax.block_until_ready(
+                self.kv = jax.block_until_ready(
                     allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh)
                 )
+                self.num_pages, self.is_kv_placed = num_pages, True
+                return
             except jax.errors.JaxRuntimeError as err:  # the part of the cache that was placed is freed with it
                 if "RESOURCE_EXHAUSTED" not in str(err):
                     raise
@@ -325,7 +334,8 @@ class ModelRunner:
             shrinks_left -= 1
             num_pages = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
             logger.warning(
-                "KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d tokens",
+                "KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d tokens (the "
+                "forward programs compile again for its shape)",
                 tokens,
                 gigabytes,
                 (num_pages - 1) * args.page_size,
@@ -360,15 +370,10 @@ class ModelRunner:
         batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
         adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
-        total = (
-            (2 if threads > 1 else 1) * len(shapes)
-            + 4 * len(buckets.sample_sizes())
-            + 2 * len(buckets.tokens)
-            + adjusted
-        )
+        total = 2 * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens) + adjusted
         bar = progress(total=total, desc="compiling buckets")
-        if threads > 1:
-            self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
+        self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
+        self.place_kv_cache()  # after the forwards compiled: their autotuning had the cache's memory
         sampled_sizes = set()
         for (num_seqs, num_tokens, lora_index), batch in zip(shapes, batches):
             hidden, last_hidden = self.forward(batch)

@@ -137,10 +137,12 @@ def chunked_token_logprobs(
     hidden: jax.Array,
     target_ids: jax.Array,
     num_top: int,
-    rows_per_chunk: int = PROMPT_LOGPROB_ROWS,
+    rows_per_chunk: int | None = None,
 ) -> SampleOutput:
-    """`token_logprobs` over hidden [T, E] -> logits_of [C, E] -> [C, V], PROMPT_LOGPROB_ROWS rows at a time (the
-    rows are padded to a whole number of chunks; the padding's results are dropped). Same values as one call."""
+    """`token_logprobs` over hidden [T, E] -> logits_of [C, E] -> [C, V], rows_per_chunk (default
+    PROMPT_LOGPROB_ROWS) rows at a time (the rows are padded to a whole number of chunks; the padding's results are
+    dropped). Same values as one call."""
+    rows_per_chunk = rows_per_chunk or PROMPT_LOGPROB_ROWS
     num_rows = hidden.shape[0]
     if num_rows <= rows_per_chunk:
         return token_logprobs(logits_of(hidden), target_ids, num_top)

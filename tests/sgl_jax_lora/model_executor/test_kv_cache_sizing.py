@@ -1,6 +1,6 @@
-"""The KV cache's size at startup (ModelRunner._allocate_kv): sized from device memory unless --max-total-tokens
-says, less the memory of the largest step's programs (model_executor/step_memory.py), allocated and checked before
-the engine serves, and shrunk when the device cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
+"""The KV cache's size at startup (ModelRunner.place_kv_cache): sized from device memory unless --max-total-tokens
+says, less the memory of the largest step's programs (model_executor/step_memory.py), allocated and checked after
+the forward programs compiled and before the engine serves, and shrunk when the device cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
 112.6 GB limit).
 
 CPU devices report no memory, so these tests give the runner a device memory (`device_memory`) and an
@@ -19,6 +19,9 @@ import sgl_jax_lora.model_executor.model_runner as model_runner
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.mem_cache.kv_cache import kv_bytes_per_token
+from sgl_jax_lora.model_executor.compile_counter import CompileCounter
+from sgl_jax_lora.sampling import sampler
+from sgl_jax_lora.sampling.sampler import PROMPT_LOGPROB_ROWS
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
@@ -126,7 +129,8 @@ def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatc
     for core in (small, large):
         runner, largest_bucket = core.runner, core.buckets.tokens[-1]
         reserve = runner.step_memory.reserve_bytes
-        # prompt logprobs over the largest bucket hold its [T, V] float32 logits at least
+        # prompt logprobs over the largest bucket (one chunk of rows here) hold its [T, V] float32 logits at least
+        assert largest_bucket <= PROMPT_LOGPROB_ROWS
         assert runner.step_memory.prompt_logprobs_bytes >= largest_bucket * runner.cfg.vocab_size * 4
         per_token = kv_bytes_per_token(runner.cfg, 1, np.float32)
         assert runner.num_pages == -(-int((limit * 0.85 - used - reserve) / per_token) // PAGE) + 1
@@ -134,6 +138,35 @@ def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatc
     assert large.buckets.tokens[-1] > small.buckets.tokens[-1]
     assert large.runner.step_memory.reserve_bytes > small.runner.step_memory.reserve_bytes
     assert large.runner.num_pages < small.runner.num_pages
+
+
+def test_prompt_logprobs_memory_stays_one_chunk_whatever_the_largest_bucket(model_dir, monkeypatch):
+    monkeypatch.setattr(model_runner, "device_memory", lambda: (64_000_000, 1_000_000))
+    monkeypatch.setattr(sampler, "PROMPT_LOGPROB_ROWS", 32)
+    core = make_core(model_dir, chunked_prefill_size=128)
+    runner, largest_bucket = core.runner, core.buckets.tokens[-1]
+    hidden_bytes = largest_bucket * runner.cfg.hidden_size * 4
+    assert largest_bucket == 4 * sampler.PROMPT_LOGPROB_ROWS
+    assert runner.step_memory.prompt_logprobs_bytes - hidden_bytes < largest_bucket * runner.cfg.vocab_size * 4
+
+
+def test_the_forward_programs_compile_before_the_cache_takes_its_memory(model_dir, monkeypatch):
+    """XLA's autotuner allocates device buffers while it compiles (as large as a fusion's operands): with the cache
+    placed first, a cache sized from memory left it none (an 8B model's start failed on the GPU)."""
+    counter, real, compiled_before_placing = CompileCounter(), model_runner.allocate_kv_cache, []
+
+    def allocate(*args):
+        compiled_before_placing.append(counter.count)
+        return real(*args)
+
+    monkeypatch.setattr(model_runner, "allocate_kv_cache", allocate)
+    core = make_core(model_dir, max_total_tokens=1024, skip_precompile=False, warmup_compile_threads=1)
+    num_forward_programs = len(core.buckets.shapes())
+    assert compiled_before_placing and compiled_before_placing[0] >= num_forward_programs
+    assert core.runner.is_kv_placed and core.runner.kv.k.shape[2] == core.runner.num_pages * PAGE
+    before = core.compile_counter.count
+    assert len(generate(core)) == 3
+    assert core.compile_counter.count == before  # the programs compiled against the unplaced cache are the ones run
 
 
 def test_a_user_sized_cache_must_leave_the_largest_steps_memory_free(model_dir, monkeypatch):
