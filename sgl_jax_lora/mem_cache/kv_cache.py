@@ -34,9 +34,7 @@ def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:
     return 2 * cfg.num_layers * kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def abstract_kv_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh
-) -> KVCache:
+def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, tp_size: int, dtype, mesh: Mesh) -> KVCache:
     """The cache's shapes, dtype and sharding, with no memory behind them: the forward programs compile against it
     before the cache takes the device memory (XLA's autotuner allocates buffers while it compiles)."""
     kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size
