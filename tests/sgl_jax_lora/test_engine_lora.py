@@ -376,7 +376,7 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
 
 
 def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
-    """LoRAManager.try_admit: an adapter in `keep` (one that waiting requests want) is not evicted for another;
+    """LoRAManager.reserve: an adapter in `keep` (one that waiting requests want) is not evicted for another;
     without it, the slot is taken."""
     from sgl_jax_lora.managers.engine_core import EngineCore
     from sgl_jax_lora.server_args import ServerArgs
@@ -393,13 +393,16 @@ def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
     )
     core = EngineCore(args, str(base))
     held, other = (next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == n) for n in names)
-    core.lora.begin_step(set())
-    slot = core.lora.try_admit(held)
-    core.lora.begin_step(set())  # a new step: nothing running, so `held` is evictable unless kept
-    assert core.lora.try_admit(other, keep=frozenset({held})) is None
+    plan = core.lora.plan_step(set())
+    slot = core.lora.reserve(plan, held)
+    core.lora.apply(plan.slot_writes)
+    plan = core.lora.plan_step(set())  # a new step: nothing running, so `held` is evictable unless kept
+    assert core.lora.reserve(plan, other, keep=frozenset({held})) is None
     assert core.lora.pool.slot_of == {held: slot}
-    assert core.lora.try_admit(other) == slot
+    assert core.lora.reserve(plan, other) == slot
     assert core.lora.pool.slot_of == {other: slot}
+    assert [(w.slot, w.lora_id) for w in plan.slot_writes] == [(slot, other)]
+    core.lora.apply(plan.slot_writes)
 
 
 def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(setup, tmp_path):
