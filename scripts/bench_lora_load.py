@@ -52,9 +52,10 @@ def main() -> None:
     compiles_before = core.compile_counter.count
 
     def admit(lora_id: str) -> float:
-        manager.begin_step()
+        plan = manager.plan_step()
         start = time.perf_counter()
-        manager.try_admit(lora_id)
+        manager.reserve(plan, lora_id)
+        manager.apply(plan.slot_writes)
         jax_block(core)
         return time.perf_counter() - start
 
@@ -68,8 +69,9 @@ def main() -> None:
         ref = LoRARef(lora_name=f"disk{i}", lora_path=str(dirs[2]))
         start = time.perf_counter()
         manager.register(ref)  # disk -> host cache
-        manager.begin_step()
-        manager.try_admit(ref.lora_id)  # host -> device slot
+        plan = manager.plan_step()
+        manager.reserve(plan, ref.lora_id)  # disk -> host cache -> slot arrays
+        manager.apply(plan.slot_writes)  # host -> device slot
         jax_block(core)
         disk_to_device.append(time.perf_counter() - start)
         manager.unregister(ref.lora_id)

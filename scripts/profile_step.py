@@ -262,7 +262,9 @@ def main() -> None:
     assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), (
         "could not build the profiled step"
     )
-    forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder)
+    if core.lora is not None:
+        core.lora.apply(batch.slot_writes)
+    forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder, core.tokens_in_flight)
     device_batch = jax.device_put(forward_batch)
     runner = core.runner
 
@@ -288,7 +290,8 @@ def main() -> None:
         "forward_dispatch_ms": timed(lambda: runner.forward(device_batch)[1], opts.repeats, wait=False),
         "logits_and_sample_ms": timed(lambda: runner.sample(last, sampling), opts.repeats),
         "host_build_batch_ms": timed(
-            lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder), opts.repeats
+            lambda: batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder, core.tokens_in_flight),
+            opts.repeats,
         ),
     }
     if opts.mode == "decode":

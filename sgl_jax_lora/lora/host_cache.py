@@ -1,9 +1,9 @@
 """HostAdapterCache: the host tier of adapters (`--max-loaded-loras`), between disk and device slots.
 
 Flow: LoRAManager needs an adapter that is not on the device (a prefetch on request arrival, on a
-background thread, or try_admit) -> `get(ref)` returns the host copy, loading it from disk through `loader`
-on a miss and evicting the least recently used unpinned adapter when the cache is full -> the manager
-writes it into a device slot.
+background thread, or `reserve` while a step is planned) -> `get(ref)` returns the host copy, loading it from
+disk through `loader` on a miss and evicting the least recently used unpinned adapter when the cache is full ->
+the manager writes it into a device slot when the plan is applied.
 `/unload_lora_adapter` ends with `drop(lora_id)`. Hits, misses and evictions feed the metrics.
 
 Pinned adapters are never evicted. If pinned adapters alone fill the cache, it holds more than

@@ -1,6 +1,6 @@
 """LoRABatch: the per-step LoRA metadata that crosses into jit inside ForwardBatch.
 
-Flow: the Scheduler admits requests, LoRAManager.try_admit giving each adapter its device slot ->
+Flow: the Scheduler admits requests, LoRAManager.reserve giving each adapter its device slot ->
 LoRAManager.lora_batch (`build_lora_batch`) turns the per-token slots into this pytree on the host (numpy) ->
 ForwardBatch carries it to the model -> every LoRALinear hands it to the LoRA backend (einsum / bgmv / sgmv / pallas).
 

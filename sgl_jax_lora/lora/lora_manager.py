@@ -2,14 +2,17 @@
 
 Flow: EngineCore.add_request -> `prefetch(lora_id)`: an adapter that is not on the device is read from disk
 into the host cache and laid out as slot arrays (model dtype) on a background thread, so the engine loop
-never waits on disk for it. Scheduler.schedule() -> `begin_step(running adapters)` then
-`try_admit(lora_id, keep)` for each request it considers: the adapter's device slot, writing its slot arrays
-(ModelRunner.write_lora_slot) into a free slot or one evicted by the policy, or None when the step already
-holds --max-loras-per-batch distinct adapters, no slot can be freed, or its prefetch is still running.
-Adapters of running requests are never evicted (no reload thrash between a prefill and the next decode), nor
-are those in `keep` (the scheduler passes the adapters other waiting requests want).
-`lora_batch(token_slots)` then builds the step's LoRABatch. Frontend calls (`register`, `unregister`)
-arrive as RPCs through the engine loop.
+never waits on disk for it. Scheduler.schedule() plans a step: `plan_step(running adapters)` then
+`reserve(plan, lora_id, keep)` for each request it considers: the adapter's device slot, or None when the step
+already holds --max-loras-per-batch distinct adapters, no slot can be freed, or its prefetch is still running.
+An adapter not on the device takes a free slot or one evicted by the policy in the slot table (host
+bookkeeping: LoRAMemoryPool), and its slot arrays go into the plan's `slot_writes`; reading them (when no
+prefetch did) happens here, so an unreadable adapter rejects its request while planning. Adapters of running
+requests are never evicted (no reload thrash between a prefill and the next decode), nor are those in `keep`
+(the scheduler passes the adapters other waiting requests want). EngineCore then `apply`s the plan's slot writes
+(ModelRunner.write_lora_slot), the only device writes of a step's adapters, and `lora_batch(token_slots)`
+builds the step's LoRABatch. Frontend calls (`register`, `unregister`) arrive as RPCs through the engine loop;
+a pinned adapter is written into its slot by `register`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from sgl_jax_lora.managers.schedule_batch import AdapterPlan, SlotWrite
 from sgl_jax_lora.model_executor.buckets import checked_buckets
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
@@ -65,8 +69,8 @@ class LoRAManager:
             runner.lora_buffer_shapes(),
             args.lora_eviction_policy,
         )
-        self._step_ids: set[str] = set()
-        self._running_ids: set[str] = set()
+        self._running_ids: frozenset[str] = frozenset()  # adapters of running requests when the last step was planned
+        self._unapplied: list[SlotWrite] = []  # reserved by the last plan, not on the device yet
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-prefetch")
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
@@ -107,7 +111,7 @@ class LoRAManager:
                 f"adapter '{ref.lora_name}': every device slot holds an adapter that running requests use; "
                 "retry the pinned load when they finish, or raise --max-loras-per-batch"
             )
-        self._write(slot, ref.lora_id)
+        self.apply([self._reserve_slot(slot, ref.lora_id)])
         self.pool.pinned.add(ref.lora_id)
 
     def unregister(self, lora_id: str) -> None:
@@ -137,10 +141,12 @@ class LoRAManager:
             )
 
     # ---- per step (AdapterSlots protocol of the scheduler) ------------------------------------
-    def begin_step(self, running: set[str | None] = frozenset()) -> None:
-        """running: adapters of the requests already running; their slots are not evicted by this step."""
-        self._step_ids = set()
-        self._running_ids = {lora_id for lora_id in running if lora_id is not None}
+    def plan_step(self, running: set[str | None] = frozenset()) -> AdapterPlan:
+        """A new step's adapter plan. running: adapters of the requests already running; their slots are not
+        evicted by this step (nor by a pin before the next one)."""
+        self._forget_unapplied()
+        self._running_ids = frozenset(lora_id for lora_id in running if lora_id is not None)
+        return AdapterPlan(running=self._running_ids)
 
     def prefetch(self, lora_id: str | None) -> None:
         """Start reading `lora_id` from disk and laying it out for a slot off the engine thread (no-op if it is
@@ -174,14 +180,14 @@ class LoRAManager:
     def is_resident(self, lora_id: str) -> bool:
         return lora_id in self.pool.slot_of
 
-    def try_admit(self, lora_id: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
+    def reserve(self, plan: AdapterPlan, lora_id: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
         if lora_id is None:
             return 0
         if lora_id not in self.refs:
             raise LoRAAdapterError(f"adapter id {lora_id} is not registered (it was unloaded)")
-        if lora_id in self._step_ids:
+        if lora_id in plan.adapters:
             return self.pool.slot_of[lora_id]
-        if len(self._step_ids) >= self.max_per_batch:
+        if len(plan.adapters) >= self.max_per_batch:
             return None
         slot = self.pool.slot_of.get(lora_id)
         if slot is None:
@@ -190,29 +196,50 @@ class LoRAManager:
                 return None  # still on its way from disk; a later step admits it
             slot = self.pool.free_slot()
             if slot is None:
-                slot = self.pool.victim(busy=self._step_ids | self._running_ids | keep)
+                slot = self.pool.victim(busy=plan.adapters | plan.running | keep)
             if slot is None:
                 return None
-            self._write(slot, lora_id)
+            plan.slot_writes.append(self._reserve_slot(slot, lora_id))
             self.device_misses += 1
         else:
             self.device_hits += 1
         self.pool.policy.mark_used(lora_id)
-        self._step_ids.add(lora_id)
+        plan.adapters.add(lora_id)
         return slot
 
-    def _write(self, slot: int, lora_id: str) -> None:
-        """Host -> device slot; a finished prefetch supplies the arrays, else they are made here (errors raise).
-        Every element of the slot is written (rows above the adapter's rank as zeros): nothing of the adapter
-        it evicts remains."""
+    def _reserve_slot(self, slot: int, lora_id: str) -> SlotWrite:
+        """Give `slot` to the adapter in the slot table and make its slot arrays on the host: a finished prefetch
+        supplies them, else they are made here (errors raise, and nothing is reserved). No device write: `apply`."""
         start = time.perf_counter()
         prefetched = self._prefetches.pop(lora_id, None)
         adapter, values = prefetched.result() if prefetched is not None else self._host_slot_arrays(self.refs[lora_id])
-        self.runner.write_lora_slot(slot, values)
         self.pool.assign(slot, lora_id, adapter)
-        elapsed = time.perf_counter() - start
-        self.load_latencies_s.append(elapsed)
-        self.load_seconds_total += elapsed
+        write = SlotWrite(slot, lora_id, values, time.perf_counter() - start)
+        self._unapplied.append(write)
+        return write
+
+    def apply(self, writes: list[SlotWrite]) -> None:
+        """Write planned adapters into their device slots (host -> device). Every element of a slot is written (rows
+        above the adapter's rank as zeros): nothing of the adapter it evicts remains."""
+        for write in writes:
+            start = time.perf_counter()
+            try:
+                self.runner.write_lora_slot(write.slot, write.values)
+            except BaseException:
+                self._forget_unapplied()  # this write and the ones after it never reached the device
+                raise
+            self._unapplied.remove(write)
+            elapsed = write.host_s + time.perf_counter() - start
+            self.load_latencies_s.append(elapsed)
+            self.load_seconds_total += elapsed
+
+    def _forget_unapplied(self) -> None:
+        """A plan whose step failed before its slot writes were applied: its slots hold something else on the
+        device, so the slot table forgets them (their adapters load again when next wanted)."""
+        for write in self._unapplied:
+            if self.pool.slot_of.get(write.lora_id) == write.slot:
+                self.pool.release(write.lora_id)
+        self._unapplied = []
 
     def lora_batch(self, token_slots: np.ndarray) -> LoRABatch | None:
         """The step's LoRABatch, its segment count padded to the smallest segment bucket that fits; None (the

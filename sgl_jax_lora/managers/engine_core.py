@@ -1,17 +1,20 @@
-"""EngineCore: the device loop of one engine process: admit requests, schedule, run, postprocess.
+"""EngineCore: the device loop of one engine process: admit requests, plan, prepare, launch, finish.
 
 Flow of one step (`step()`), overlap schedule (the default):
-    batch = scheduler.schedule()                          # decode rows + prefill chunks, one ragged step, planned
+    plan = scheduler.schedule()                           # decode rows + prefill chunks, one ragged step, and the
+                                                          # adapter in each device slot: host bookkeeping only,
                                                           # while the previous step still runs on the device
-    forward_batch = batch.to_forward_batch(...)           # padded to a compiled bucket
-    launched = _launch(...)                               # forward + sampling dispatched, not waited for; tokens
+    forward_batch = _prepare(plan)                        # apply it: adapter loads into device slots
+                                                          # (LoRAManager.apply), the batch padded to a bucket
+    launched = _launch(plan, forward_batch, prev)         # forward + sampling dispatched, not waited for; tokens
                                                           # of the previous step are read on the device
-    outputs = _finish(previous step)                      # its tokens reach the host: token-level stop checks
+    outputs = _finish(prev)                               # its tokens reach the host: token-level stop checks
                                                           # (stop strings are the frontend's), free pages
-    _advance(launched)                                    # the new step's tokens become pending (req.py)
+    _advance(launched)                                    # the new step's tokens are in flight (in_flight.py)
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
 finishes itself before `step()` returns. Penalties keep the overlap: a request's token still in flight is counted
-on the device (sampling/logit_adjustments.py).
+on the device (sampling/logit_adjustments.py). The tokens in flight live in `tokens_in_flight` (InFlightTokens:
+request -> step and row), never as placeholders in a request's output_ids.
 Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental output dicts.
 """
 
@@ -21,14 +24,14 @@ import dataclasses
 import logging
 import time
 
-import numpy as np
-
 from sgl_jax_lora.distributed.leader_runner import make_model_runner
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
+from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
+from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, top_list
+from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.managers.step_stats import StepStats
@@ -41,7 +44,7 @@ from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, LogitRow, pack_logit_rows
-from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS
+from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.progress import startup_progress
 
@@ -52,6 +55,7 @@ logger = logging.getLogger(__name__)
 class LaunchedStep:
     """A step on the device whose sampled tokens have not been read yet."""
 
+    number: int  # steps are numbered from 1 in launch order
     batch: ScheduleBatch
     sampled: LaunchedSample | None  # None: no request samples (prefill chunks only)
 
@@ -108,6 +112,8 @@ class EngineCore:
         self.step_stats = StepStats()
         self.last_step_idle = False
         self.in_flight: LaunchedStep | None = None  # the step launched by the last `step()`, tokens not yet read
+        self.tokens_in_flight = InFlightTokens()  # its requests' sampled tokens, by request: step and row
+        self.num_steps_launched = 0
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -162,42 +168,42 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[dict]:
-        """Schedule and launch a step, then finish the step launched before it (overlap schedule: the device runs
-        the new step while the host takes the previous one's tokens); without overlap, finish the new step."""
-        start = time.perf_counter()
+        """Plan a step, prepare and launch it, then finish the step launched before it (overlap schedule: the
+        device runs the new step while the host takes the previous one's tokens); without overlap, finish the new
+        step."""
         prev, self.in_flight = self.in_flight, None
-        batch = self.scheduler.schedule()
-        self.last_step_idle = batch is None and prev is None  # requests may be waiting on an adapter prefetch or pages
-        outputs: list[dict] = []
-        if batch is None:
-            return self._finish(prev) if prev is not None else outputs
-        scheduled = time.perf_counter()
-        forward_batch = batch.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder)
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()  # which requests run, which adapter goes in which slot: no device writes
+        self.last_step_idle = plan is None and prev is None  # requests may be waiting on an adapter prefetch or pages
+        if plan is None:
+            return self._finish(prev)
+        planned = time.perf_counter()
+        forward_batch = self._prepare(plan)  # the plan's slot writes, the padded host batch
         prepared = time.perf_counter()
-        launched = self._launch(batch, forward_batch, prev)
-        if prev is not None:
-            outputs += self._finish(prev)
-        self._advance(launched)
+        launched = self._launch(plan, forward_batch, prev)  # forward + sampling dispatched, not waited for
+        outputs = self._finish(prev)  # the previous step's tokens reach the host
+        self._advance(launched)  # this step's tokens are in flight
         if self.args.disable_overlap_schedule:
             outputs += self._finish(launched)
         else:
             self.in_flight = launched
-        self.step_stats.record(
-            batch.kind,
-            batch.num_tokens,
-            batch.num_decode_rows,
-            scheduled - start,
-            prepared - scheduled,
-            time.perf_counter() - prepared,
-        )
+        elapsed = (planned - start, prepared - planned, time.perf_counter() - prepared)
+        self.step_stats.record(plan.kind, plan.num_tokens, plan.num_decode_rows, *elapsed)
         return outputs
+
+    def _prepare(self, plan: ScheduleBatch) -> ForwardBatch:
+        """Apply the plan: its adapter loads into their device slots (the step's only device writes before launch),
+        then the step padded to its bucket on the host, its decode rows reading the tokens in flight."""
+        if self.lora is not None:
+            self.lora.apply(plan.slot_writes)
+        return plan.to_forward_batch(self.buckets, self.args.page_size, self.lora_builder, self.tokens_in_flight)
 
     def _launch(self, batch: ScheduleBatch, forward_batch: ForwardBatch, prev: LaunchedStep | None) -> LaunchedStep:
         """Dispatch the forward and the sampling; only prompt logprobs (rare) wait for the device here."""
         prev_ids = prev.sampled.carried_ids if prev is not None and prev.sampled is not None else None
         hidden, last_hidden = self.runner.forward(forward_batch, prev_ids)
         if batch.num_decode_rows < len(batch.reqs):  # prefill chunks: prompt logprobs, if asked
-            self._collect_prompt_logprobs(batch, hidden, forward_batch.num_tokens)
+            collect_prompt_logprobs(self.runner, batch, hidden, forward_batch.num_tokens)
         sampled = None
         if batch.sampling_reqs():
             sampled = self.runner.launch_sample(
@@ -206,14 +212,15 @@ class EngineCore:
                 self._logit_adjustments(batch, forward_batch.num_seqs),
                 prev_ids,
             )
-        return LaunchedStep(batch, sampled)
+        self.num_steps_launched += 1
+        return LaunchedStep(self.num_steps_launched, batch, sampled)
 
     def _logit_adjustments(self, batch: ScheduleBatch, num_seqs: int) -> LogitAdjustments | None:
         """The step's logit adjustments (applied on the device); None when no sampling request adjusts its logits.
         A request short of min_new_tokens may not sample its stop or EOS ids (the token of this step is its
-        len(output_ids)-th: tokens still in flight are counted). A token of a request in flight is counted by its
+        num_output_tokens-th: a token in flight is counted). A request's token in flight is counted by its
         penalties on the device, from its row in the previous step's sampled ids."""
-        if not any(r.sampling.adjusts_logits or len(r.output_ids) < r.sampling.min_new_tokens for r in batch.reqs):
+        if not any(r.sampling.adjusts_logits or r.num_output_tokens < r.sampling.min_new_tokens for r in batch.reqs):
             return None  # the common case: nothing to build
         rows: list[LogitRow | None] = []
         for req, n in zip(batch.reqs, batch.num_new_tokens):
@@ -222,63 +229,40 @@ class EngineCore:
                 continue
             params = req.sampling
             banned: tuple[int, ...] = ()
-            if len(req.output_ids) < params.min_new_tokens:
+            if req.num_output_tokens < params.min_new_tokens:
                 eos = () if params.ignore_eos else tuple(self.stop_checker.eos_token_ids)
                 banned = tuple(sorted(set(params.stop_token_ids) | set(eos)))
-            in_flight_row = req.pending_row if req.has_pending_token and params.uses_penalties else -1
-            rows.append(LogitRow(req.input_ids, req.resolved_output_ids, params, banned, in_flight_row))
+            in_flight_row = self.tokens_in_flight.row(req) if params.uses_penalties else -1
+            rows.append(LogitRow(req.input_ids, req.output_ids, params, banned, in_flight_row))
         return pack_logit_rows(rows, num_seqs, self.buckets.logit_entry_sizes(num_seqs))
 
     def _advance(self, step: LaunchedStep) -> None:
-        """Move the step's requests past its tokens before they reach the host: each sampled token is pending."""
+        """Move the step's requests past its tokens before they reach the host: each sampled token is in flight."""
         for i, (req, n) in enumerate(zip(step.batch.reqs, step.batch.num_new_tokens)):
             if req.finished:  # stopped by the previous step's token, or aborted: this step's token is dropped
                 continue
             req.num_computed += n
             if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
-                req.output_ids.append(PENDING_TOKEN)
-                req.pending_row = i
+                self.tokens_in_flight.add(req, step.number, i)
 
-    def _collect_prompt_logprobs(self, batch: ScheduleBatch, hidden, num_tokens: int) -> None:
-        wanted = [(i, r) for i, r in enumerate(batch.reqs) if r.return_logprob and r.num_computed < len(r.input_ids)]
-        if not wanted:
-            return
-        targets = np.zeros(num_tokens, np.int32)
-        starts = np.cumsum([0] + batch.num_new_tokens)
-        for i, req in enumerate(batch.reqs):
-            for j in range(batch.num_new_tokens[i]):
-                nxt = req.num_computed + j + 1
-                if nxt < req.seq_len:
-                    targets[starts[i] + j] = req.all_ids[nxt]
-        num_top = max(r.top_logprobs_num for _, r in wanted)
-        result = self.runner.prompt_logprobs(hidden, targets, MAX_TOP_LOGPROBS if num_top else 0)
-        for i, req in wanted:
-            if req.next_prompt_logprob_pos < 0:  # first chunk: start at logprob_start_len
-                req.next_prompt_logprob_pos = req.prompt_logprob_start
-                if req.next_prompt_logprob_pos == 0:
-                    req.input_token_logprobs.append((None, req.input_ids[0], None))
-                    req.next_prompt_logprob_pos = 1
-            for j in range(batch.num_new_tokens[i]):
-                position = req.num_computed + j + 1  # the prompt token this row predicts
-                if position != req.next_prompt_logprob_pos or position >= len(req.input_ids):
-                    continue  # before logprob_start_len, or already collected before a preemption
-                row = starts[i] + j
-                top = _top_list(result["top_ids"][row], result["top_logprobs"][row], req.top_logprobs_num)
-                req.input_token_logprobs.append((float(result["logprobs"][row]), req.input_ids[position], top))
-                req.next_prompt_logprob_pos += 1
-
-    def _finish(self, step: LaunchedStep) -> list[dict]:
-        """The step's sampled tokens reach the host: replace each pending token, check stops, emit outputs."""
+    def _finish(self, step: LaunchedStep | None) -> list[dict]:
+        """The step's sampled tokens reach the host: each request's token in flight lands, stops are checked,
+        outputs emitted."""
+        if step is None:
+            return []
         sampled = self.runner.fetch(step.sampled) if step.sampled is not None else None
         outputs = []
-        for i, req in enumerate(step.batch.reqs):
-            if req.finished:  # finished before this step's token landed: it was sent then
+        for req in step.batch.reqs:
+            token_in_flight = self.tokens_in_flight.pop(req)  # this step's (the next step's are not advanced yet)
+            if req.finished:  # finished before this step's token landed: it was sent then, the token is dropped
                 continue
-            if req.has_pending_token:  # this step's token (the next step's requests are not advanced yet)
+            if token_in_flight is not None:
+                assert token_in_flight.step == step.number, (req.rid, token_in_flight, step.number)
+                i = token_in_flight.row
                 token = int(sampled["next_ids"][i])
-                req.output_ids[-1] = token
+                req.output_ids.append(token)
                 if req.return_logprob:
-                    top = _top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
+                    top = top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
                     req.output_token_logprobs.append((float(sampled["next_logprobs"][i]), token, top))
                 req.finish_reason = self.stop_checker.check(req, self.context_length)
                 if req.finish_reason is not None:
@@ -292,7 +276,7 @@ class EngineCore:
         return outputs
 
     def _output_of(self, req: Req) -> dict:
-        output_ids = req.resolved_output_ids  # an abort can come while a token is in flight
+        output_ids = req.output_ids  # the tokens on the host (an abort can come while a token is in flight)
         out = {
             "rid": req.rid,
             "new_ids": output_ids[req.num_sent_outputs :],
@@ -312,11 +296,12 @@ class EngineCore:
         preempted while a token of theirs was in flight: that token is lost with the step)."""
         self.in_flight = None
         outputs = []
-        lost_token = [r for r in self.scheduler.waiting if r.has_pending_token]
+        lost_token = [r for r in self.scheduler.waiting if r in self.tokens_in_flight]
         for req in list(self.scheduler.running) + lost_token:
             self.scheduler.finish(req)
             req.finish_reason = {"type": "abort", "message": message}
             outputs.append(self._output_of(req))
+        self.tokens_in_flight.clear()
         if self.prefix_cache is not None:  # the failed step may not have written the K/V its requests' pages claim
             self.prefix_cache.evict(self.prefix_cache.num_cached)
         return outputs
@@ -394,9 +379,3 @@ class EngineCore:
             "attention_backend": self.runner.attention_backend,
             "timestamp": time.time(),
         }
-
-
-def _top_list(ids: np.ndarray, logprobs: np.ndarray, num: int) -> list | None:
-    if num <= 0:
-        return None
-    return [(float(lp), int(t)) for lp, t in zip(logprobs[:num], ids[:num])]

@@ -9,9 +9,10 @@ A preempted Req drops its pages, resets num_computed to 0 and is prefilled again
 last token, which the next decode step feeds as usual.
 
 Overlap schedule (engine_core.py): a launched step advances its requests at once, before its tokens reach
-the host; each sampled token is then `PENDING_TOKEN` at the end of output_ids, and `pending_row` is its row in
-that step's sampled ids, from which the next step reads it on the device. It is always the last entry of
-all_ids, which prefill never feeds, and finishing the step (EngineCore._finish) overwrites it with the real id.
+the host. `output_ids` holds only the tokens that reached the host; a token still in flight is recorded by the
+engine (managers/in_flight.py: its step and row, from which the next step reads it on the device), and
+`num_in_flight` counts it here, so that `seq_len` and `num_output_tokens` count it as if it had landed. It is
+always the token after all_ids, which prefill never feeds; finishing the step (EngineCore._finish) appends it.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import dataclasses
 import time
 
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
-
-PENDING_TOKEN = -1  # an output token sampled by a step whose results have not reached the host yet
 
 
 @dataclasses.dataclass(eq=False)  # identity: queues compare requests by object, never field by field
@@ -36,9 +35,9 @@ class Req:
     lora_slot_key: str | None = None  # adapter id (LoRARef.lora_id) or None for base
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     # progress
-    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host
+    num_in_flight: int = 0  # output tokens sampled but not on the host yet (0 or 1; written by InFlightTokens)
     num_computed: int = 0
-    pending_row: int = -1  # row of the PENDING_TOKEN at the end of output_ids in its step's sampled ids
     pages: list[int] = dataclasses.field(default_factory=list)
     finish_reason: dict | None = None
     times_overtaken: int = 0  # requests that arrived after it and were admitted first (bounded; see scheduler)
@@ -52,16 +51,23 @@ class Req:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt + the output tokens on the host (a token in flight is not among them)."""
         return self.input_ids + self.output_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, the one in flight included."""
+        return len(self.output_ids) + self.num_in_flight
+
+    @property
     def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
+        """Prompt + output tokens, the one in flight included."""
+        return len(self.input_ids) + self.num_output_tokens
 
     @property
     def remaining_prefill(self) -> int:
-        """Tokens still to prefill: the prompt, or after a preemption all_ids but the token fed next."""
-        target = self.seq_len - 1 if self.output_ids else self.seq_len
+        """Tokens still to prefill: the prompt, or after a preemption all tokens but the one fed next."""
+        target = self.seq_len - 1 if self.num_output_tokens else self.seq_len
         return max(0, target - self.num_computed)
 
     @property
@@ -71,17 +77,7 @@ class Req:
     @property
     def out_of_new_tokens(self) -> bool:
         """Its last allowed token is sampled (maybe still in flight): it finishes by length, no step feeds it."""
-        return len(self.output_ids) >= self.sampling.max_new_tokens
-
-    @property
-    def has_pending_token(self) -> bool:
-        """Its last output token was sampled by a step whose results have not reached the host yet."""
-        return bool(self.output_ids) and self.output_ids[-1] == PENDING_TOKEN
-
-    @property
-    def resolved_output_ids(self) -> list[int]:
-        """output_ids without a PENDING_TOKEN at the end."""
-        return self.output_ids[:-1] if self.has_pending_token else self.output_ids
+        return self.num_output_tokens >= self.sampling.max_new_tokens
 
     @property
     def max_seq_len(self) -> int:

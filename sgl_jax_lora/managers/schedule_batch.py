@@ -1,8 +1,10 @@
-"""ScheduleBatch: the requests the scheduler picked for one ragged step, and their padding into a bucket.
+"""ScheduleBatch: the plan of one ragged step (the requests the scheduler picked, the adapters it put in device
+slots) and its padding into a bucket.
 
-Flow: Scheduler.schedule() -> ScheduleBatch(reqs, num_new_tokens): decode rows (one token each) then prefill
-chunks -> `to_forward_batch` (numpy, padded to a compiled token bucket) and `to_sampling_batch` -> ModelRunner.
-Pure host code; no device arrays here.
+Flow: Scheduler.schedule() -> ScheduleBatch(reqs, num_new_tokens, token_slots, adapters): decode rows (one token
+each) then prefill chunks; `adapters` (AdapterPlan) holds the slot writes the step needs, which EngineCore applies
+(LoRAManager.apply) before launching it -> `to_forward_batch` (numpy, padded to a compiled token bucket) and
+`to_sampling_batch` -> ModelRunner. Pure host code; no device arrays here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
-from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
+from sgl_jax_lora.managers.in_flight import InFlightTokens
+from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.model_executor.buckets import Buckets, pick
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
@@ -22,12 +25,38 @@ from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 LoRABatchBuilder = Callable[[np.ndarray], LoRABatch | None]  # token slots [T] -> LoRABatch
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotWrite:
+    """An adapter to write into a device slot before the planned step runs (the slot is already its in the slot
+    table: LoRAMemoryPool)."""
+
+    slot: int
+    lora_id: str
+    values: list[np.ndarray]  # the slot's arrays in the model dtype, made on the host while planning
+    host_s: float = 0.0  # seconds planning spent making them (part of the adapter's load latency)
+
+
+@dataclasses.dataclass
+class AdapterPlan:
+    """The adapters of the step being planned (LoRAManager.plan_step, then `reserve` for each request)."""
+
+    running: frozenset[str] = frozenset()  # adapters of requests already running: their slots stay put
+    adapters: set[str] = dataclasses.field(default_factory=set)  # adapters the step uses (base not counted)
+    slot_writes: list[SlotWrite] = dataclasses.field(default_factory=list)  # host -> device, applied before launch
+
+
 @dataclasses.dataclass
 class ScheduleBatch:
     reqs: list[Req]  # decode rows first, then prefill chunks
     num_new_tokens: list[int]  # tokens each request feeds this step (1 for a decode row)
     token_slots: list[int]  # LoRA device slot of each request (0 = base)
     num_decode_rows: int = 0  # the first num_decode_rows requests feed their last sampled token
+    adapters: AdapterPlan = dataclasses.field(default_factory=AdapterPlan)
+
+    @property
+    def slot_writes(self) -> list[SlotWrite]:
+        """The adapter loads to apply to the device before this step runs."""
+        return self.adapters.slot_writes
 
     @property
     def num_tokens(self) -> int:
@@ -45,9 +74,16 @@ class ScheduleBatch:
         num_tokens = pick(buckets.tokens, self.num_tokens)
         return buckets.seqs_for(num_tokens), num_tokens
 
-    def to_forward_batch(self, buckets: Buckets, page_size: int, lora_builder: LoRABatchBuilder) -> ForwardBatch:
+    def to_forward_batch(
+        self,
+        buckets: Buckets,
+        page_size: int,
+        lora_builder: LoRABatchBuilder,
+        in_flight: InFlightTokens | None = None,
+    ) -> ForwardBatch:
         """The step padded to its bucket: the ragged layout (cu_q_lens), token ids (or, for a decode row whose token
-        the step in flight samples, its row in that step's ids), positions, cache slots, page tables."""
+        the step in flight samples, its row in that step's ids, from `in_flight`; None: no token is in flight),
+        positions, cache slots, page tables."""
         num_seqs, num_tokens = self.padded_sizes(buckets)
         count, total = len(self.reqs), self.num_tokens
         q_lens = np.asarray(self.num_new_tokens, np.int32)
@@ -63,13 +99,14 @@ class ScheduleBatch:
         for i, req in enumerate(self.reqs):
             page_table[i, : len(req.pages)] = req.pages
             start, n = cu_q_lens[i], q_lens[i]
-            if req.output_ids and first[i] == req.seq_len - 1:  # feeds its last sampled token
-                token = req.output_ids[-1]
-                if token == PENDING_TOKEN:  # sampled by the step in flight: read on the device
-                    input_from_prev[start] = req.pending_row
+            if req.num_output_tokens and first[i] == req.seq_len - 1:  # feeds its last sampled token
+                if req.num_in_flight:  # sampled by the step in flight: read on the device
+                    if in_flight is None or req not in in_flight:
+                        raise ValueError(f"request {req.rid} has a token in flight that no InFlightTokens records")
+                    input_from_prev[start] = in_flight.row(req)
                 else:
-                    input_ids[start] = token
-            else:  # a prefill chunk never reaches a pending token (req.py)
+                    input_ids[start] = req.output_ids[-1]
+            else:  # a prefill chunk never reaches a token in flight (req.py)
                 input_ids[start : start + n] = req.all_ids[first[i] : first[i] + n]
         seq_of_token = np.repeat(np.arange(count, dtype=np.int32), q_lens)
         positions = np.zeros(num_tokens, np.int32)
@@ -111,10 +148,8 @@ class ScheduleBatch:
             params = req.sampling
             temperature[i] = 0.0 if params.is_greedy else params.temperature
             top_p[i], top_k[i], min_p[i] = params.top_p, max(params.top_k, 0), params.min_p
-            seeds[i], steps[i] = (
-                req.seed % (2**32),
-                len(req.output_ids),
-            )  # a pending token counts: same as without overlap
+            seeds[i] = req.seed % (2**32)
+            steps[i] = req.num_output_tokens  # a token in flight counts: same as without overlap
         needs_top = any(r.return_logprob and r.top_logprobs_num > 0 for r in rows)
         return SamplingBatch(
             temperature=temperature,

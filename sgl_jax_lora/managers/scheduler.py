@@ -7,8 +7,11 @@ batch). An admission never stalls the running requests: they decode in the same 
 tokens arrive; when a decode row runs out of pages the newest running request is preempted (pages freed,
 recomputed later).
 
+Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
+(`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
+
 LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
-step; when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
+step (reserving its slot in the plan); when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
 whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
 outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
 requests fill the batch, and each slot left over goes to the adapter with the fewest, so rarely used adapters take
@@ -26,7 +29,7 @@ first takes the cached pages of its longest cached prefix under its adapter and 
 requests leave their full pages in the cache, and cached pages no request holds are evicted when pages run short.
 
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
-requests are already advanced, their sampled tokens pending. A request may then turn out finished (a stop
+requests are already advanced, their sampled tokens in flight (managers/in_flight.py). A request may then turn out finished (a stop
 token) after the next step took it; that step's token for it is dropped.
 """
 
@@ -37,7 +40,7 @@ from collections import Counter, deque
 from typing import Protocol
 
 from sgl_jax_lora.managers.req import Req
-from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
+from sgl_jax_lora.managers.schedule_batch import AdapterPlan, ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
@@ -46,14 +49,18 @@ from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 class AdapterSlots(Protocol):
     """What the scheduler needs from the LoRA manager."""
 
-    def begin_step(self, running: set[str | None]) -> None:
-        """A new step; `running` holds the adapter keys of running requests (their slots stay put)."""
+    def plan_step(self, running: set[str | None]) -> AdapterPlan:
+        """The adapter plan of a new step; `running` holds the adapter keys of running requests (their slots stay
+        put)."""
         ...
 
-    def try_admit(self, adapter_key: str | None, keep: frozenset[str | None] = frozenset()) -> int | None:
-        """Device slot for this adapter in the step being built, or None if it cannot join it; adapters in
-        `keep` are not evicted for it. Raises ValueError (naming the adapter and the fix) if the adapter cannot
-        be served at all."""
+    def reserve(
+        self, plan: AdapterPlan, adapter_key: str | None, keep: frozenset[str | None] = frozenset()
+    ) -> int | None:
+        """Device slot for this adapter in the planned step, or None if it cannot join it; adapters in `keep` are
+        not evicted for it. A slot the adapter is not in yet is reserved in host bookkeeping and its write added
+        to `plan.slot_writes`; nothing is written to the device. Raises ValueError (naming the adapter and the
+        fix) if the adapter cannot be served at all."""
         ...
 
     def can_evict(self, adapter_key: str) -> bool:
@@ -167,7 +174,7 @@ class Scheduler:
         if not self._can_allocate(self._chunk(req, budget)[1]):  # the pages it would have evicted were its prefix
             self._release(req)
             req.num_computed = 0
-        elif not req.output_ids:  # its first admission (a preempted request's recompute is not counted)
+        elif not req.num_output_tokens:  # its first admission (a preempted request's recompute is not counted)
             req.cached_tokens = req.num_computed
             self.num_cached_tokens += req.num_computed
 
@@ -177,10 +184,11 @@ class Scheduler:
 
     # ---- step selection ----------------------------------------------------------------------
     def schedule(self) -> ScheduleBatch | None:
-        """The next step: decode rows, then prefill chunks; None when nothing can run."""
-        if self.adapter_slots is not None:
-            self.adapter_slots.begin_step({r.lora_slot_key for r in self.running})
+        """The plan of the next step: decode rows, then prefill chunks, and the adapter loads they need; None when
+        nothing can run. Host bookkeeping only (queues, KV pages, the adapter slot table): no device writes."""
         batch = ScheduleBatch(reqs=[], num_new_tokens=[], token_slots=[])
+        if self.adapter_slots is not None:
+            batch.adapters = self.adapter_slots.plan_step({r.lora_slot_key for r in self.running})
         self._add_decode_rows(batch)
         batch.num_decode_rows = len(batch.reqs)
         budget = min(max(self.chunk_budget - batch.num_decode_rows, MIN_PREFILL_TOKENS), self.chunk_budget)
@@ -261,7 +269,7 @@ class Scheduler:
         for r in self.running:
             key = r.lora_slot_key
             if key is not None and self.adapter_slots.can_evict(key):
-                steps_left[key] = max(steps_left.get(key, 0), r.sampling.max_new_tokens - len(r.output_ids))
+                steps_left[key] = max(steps_left.get(key, 0), r.sampling.max_new_tokens - r.num_output_tokens)
         if not steps_left:
             return
         victim = min(steps_left, key=lambda key: (num_wanting[key], steps_left[key]))
@@ -325,7 +333,7 @@ class Scheduler:
         num_new, pages_needed = self._chunk(req, budget)
         if num_new <= 0 or not self._can_allocate(pages_needed):
             return 0
-        slot = self._adapter_slot(req, keep)
+        slot = self._adapter_slot(batch, req, keep)
         if slot is None:
             return 0
         if not req.pages and req.num_computed == 0:  # entering (new, or preempted): start after a cached prefix
@@ -345,20 +353,20 @@ class Scheduler:
                 continue
             if not self._ensure_decode_page(req, batch):
                 continue
-            slot = self._adapter_slot(req)
+            slot = self._adapter_slot(batch, req)
             if slot is None:
                 continue
             batch.reqs.append(req)
             batch.num_new_tokens.append(1)
             batch.token_slots.append(slot)
 
-    def _adapter_slot(self, req: Req, keep: frozenset = frozenset()) -> int | None:
-        """The request's adapter slot for this step (0 = base), None if it cannot join now. An adapter that can
-        never be served (its files became unreadable after registration) rejects that request alone."""
+    def _adapter_slot(self, batch: ScheduleBatch, req: Req, keep: frozenset = frozenset()) -> int | None:
+        """The request's adapter slot in the planned step (0 = base), None if it cannot join now. An adapter that
+        can never be served (its files became unreadable after registration) rejects that request alone."""
         if self.adapter_slots is None:
             return 0
         try:
-            return self.adapter_slots.try_admit(req.lora_slot_key, keep)
+            return self.adapter_slots.reserve(batch.adapters, req.lora_slot_key, keep)
         except ValueError as e:
             self._remove(req)
             self.rejected.append((req, str(e)))

@@ -2,8 +2,10 @@
 
 Flow: EngineCore.step() times its three phases and calls `record`; `server_info()["step_stats"]` reports the
 totals (and /metrics exports them as counters). Phases:
-    schedule_s  Scheduler.schedule(), which includes writing adapters into device slots (LoRA loads)
-    prepare_s   ScheduleBatch -> ForwardBatch (padding, page tables, LoRABatch) on the host
+    schedule_s  Scheduler.schedule(): the step's plan, which includes reading an adapter's slot arrays on the host
+                when no prefetch made them ready
+    prepare_s   applying the plan: adapter loads into device slots (LoRAManager.apply), then ScheduleBatch ->
+                ForwardBatch (padding, page tables, LoRABatch) on the host
     run_s       launching forward + sampling, then finishing a step (its sampled ids reach the host: stop checks,
                 outputs): the previous one under the overlap schedule, this one without; either way it holds the
                 wait for the device

@@ -1,6 +1,7 @@
 """StopChecker: decides, on the engine loop, whether a request's last sampled token finishes it, and why.
 
-Flow: EngineCore._finish puts each sampled token in its request's output, then calls `check`. Only token-level
+Flow: EngineCore._finish appends each sampled token that reached the host to its request's output_ids, then calls
+`check` (no token of the request is in flight then: the next step's requests are advanced after). Only token-level
 conditions are checked here (stop_token_ids, EOS, max_new_tokens, the context length), so the loop never decodes
 text. Stop strings are matched in the frontend, on the text it decodes anyway for streaming
 (managers/request_output.py), which then aborts the request here. Finish reasons follow SGLang:
@@ -32,6 +33,6 @@ class StopChecker:
         token = req.output_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return {"type": "stop", "matched": token}
-        if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= context_length:
-            return {"type": "length", "length": len(req.output_ids)}
+        if req.num_output_tokens >= params.max_new_tokens or req.seq_len >= context_length:
+            return {"type": "length", "length": req.num_output_tokens}
         return None

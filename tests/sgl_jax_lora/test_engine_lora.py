@@ -376,7 +376,7 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
 
 
 def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
-    """LoRAManager.try_admit: an adapter in `keep` (one that waiting requests want) is not evicted for another;
+    """LoRAManager.reserve: an adapter in `keep` (one that waiting requests want) is not evicted for another;
     without it, the slot is taken."""
     from sgl_jax_lora.managers.engine_core import EngineCore
     from sgl_jax_lora.server_args import ServerArgs
@@ -393,13 +393,72 @@ def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
     )
     core = EngineCore(args, str(base))
     held, other = (next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == n) for n in names)
-    core.lora.begin_step(set())
-    slot = core.lora.try_admit(held)
-    core.lora.begin_step(set())  # a new step: nothing running, so `held` is evictable unless kept
-    assert core.lora.try_admit(other, keep=frozenset({held})) is None
+    plan = core.lora.plan_step(set())
+    slot = core.lora.reserve(plan, held)
+    core.lora.apply(plan.slot_writes)
+    plan = core.lora.plan_step(set())  # a new step: nothing running, so `held` is evictable unless kept
+    assert core.lora.reserve(plan, other, keep=frozenset({held})) is None
     assert core.lora.pool.slot_of == {held: slot}
-    assert core.lora.try_admit(other) == slot
+    assert core.lora.reserve(plan, other) == slot
     assert core.lora.pool.slot_of == {other: slot}
+    assert [(w.slot, w.lora_id) for w in plan.slot_writes] == [(slot, other)]
+    core.lora.apply(plan.slot_writes)
+
+
+def test_a_step_writes_its_adapters_after_planning_and_before_the_launch(setup):
+    """EngineCore.step(): Scheduler.schedule() only plans (no slot write inside it); the plan's slot writes are
+    applied next, then the step is launched."""
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
+    from sgl_jax_lora.sampling.sampling_params import SamplingParams
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    names = list(adapters)[:2]
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(adapters[n]) for n in names},
+        max_loras_per_batch=2,
+        skip_precompile=True,
+        **SMALL,
+    )
+    core = EngineCore(args, str(base))
+    events: list[str] = []
+    write, schedule, forward = core.runner.write_lora_slot, core.scheduler.schedule, core.runner.forward
+
+    def recording_write(slot, values):
+        events.append(f"write {slot}")
+        return write(slot, values)
+
+    def recording_schedule():
+        events.append("plan")
+        plan = schedule()
+        events.append(f"planned {len(plan.slot_writes) if plan is not None else 0} loads")
+        return plan
+
+    def recording_forward(*args, **kwargs):
+        events.append("launch")
+        return forward(*args, **kwargs)
+
+    core.runner.write_lora_slot = recording_write
+    core.scheduler.schedule = recording_schedule
+    core.runner.forward = recording_forward
+    for i, ref in enumerate(core.lora.refs.values()):
+        core.add_request(
+            GenerateRequest(
+                rid=f"r{i}",
+                input_ids=prompt(90 + i),
+                lora_id=ref.lora_id,
+                sampling=SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True),
+            )
+        )
+    core.lora.wait_for_prefetches()
+    core.step()
+    assert events == ["plan", "planned 2 loads", "write 1", "write 2", "launch"]
+    while core.scheduler.num_active:
+        core.step()
+    assert events.count("write 1") == events.count("write 2") == 1  # loaded once, kept for the decode steps
 
 
 def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(setup, tmp_path):

@@ -11,7 +11,6 @@ import pytest
 
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.managers.req import PENDING_TOKEN
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
@@ -54,7 +53,7 @@ def request(
 
 
 class Run:
-    """Steps a core until it is idle; gathers each request's streamed outputs and how often a token was pending."""
+    """Steps a core until it is idle; gathers each request's streamed outputs and how often a token was in flight."""
 
     def __init__(self, core: EngineCore):
         self.core = core
@@ -65,7 +64,7 @@ class Run:
 
     def take(self, outputs: list[dict]) -> None:
         for out in outputs:
-            assert PENDING_TOKEN not in out["new_ids"]
+            assert all(token >= 0 for token in out["new_ids"])  # real ids only: a token in flight is not sent
             self.tokens.setdefault(out["rid"], []).extend(out["new_ids"])
             self.logprobs.setdefault(out["rid"], []).extend(lp for lp, _, _ in out["new_output_logprobs"])
             assert out["completion_tokens"] == len(self.tokens[out["rid"]])
@@ -74,7 +73,7 @@ class Run:
 
     def step(self) -> None:
         self.take(self.core.step())
-        self.steps_with_pending += any(r.has_pending_token for r in self.core.scheduler.running)
+        self.steps_with_pending += any(r in self.core.tokens_in_flight for r in self.core.scheduler.running)
 
     def until_idle(self) -> Run:
         while self.core.scheduler.num_active:
@@ -142,12 +141,17 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     while not (core.in_flight is not None and core.in_flight.batch.kind == "decode"):
         run.step()
     aborted = next(r for r in core.scheduler.running if r.rid == "aborted")
-    assert aborted.has_pending_token
+    assert aborted in core.tokens_in_flight and aborted.num_in_flight == 1
+    assert aborted.num_output_tokens == len(aborted.output_ids) + 1
     out = core.abort("aborted")
     run.take([out])
     assert out["finish_reason"]["type"] == "abort"
-    assert run.tokens["aborted"] == aborted.output_ids[:-1]  # what had landed, nothing in flight
+    assert run.tokens["aborted"] == aborted.output_ids  # what had landed, nothing in flight
+    assert out["completion_tokens"] == len(aborted.output_ids)
+    landed = list(aborted.output_ids)
     run.until_idle()
+    assert aborted.output_ids == landed  # the token in flight was dropped when its step finished
+    assert aborted not in core.tokens_in_flight and len(core.tokens_in_flight) == 0
     assert run.tokens["kept"] == alone.tokens["kept"]
     assert core.scheduler.num_pages_held == 0
 
@@ -173,6 +177,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(model_dir
     run.take(core.fail_running("engine error: RuntimeError: device fault"))
     assert run.finish["a"]["type"] == run.finish["b"]["type"] == "abort"
     assert core.in_flight is None and core.scheduler.num_active == 0 and core.scheduler.num_pages_held == 0
+    assert len(core.tokens_in_flight) == 0  # the failed step's tokens are gone
     assert core.prefix_cache.num_cached == 0  # the failed step's pages are not reused
     later = request("later", 52, 10, max_new_tokens=6, temperature=0.0)
     core.add_request(later)

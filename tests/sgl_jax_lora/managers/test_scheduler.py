@@ -13,7 +13,9 @@ import collections
 import numpy as np
 import pytest
 
-from sgl_jax_lora.managers.req import PENDING_TOKEN, Req
+from sgl_jax_lora.managers.in_flight import InFlightTokens
+from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.schedule_batch import AdapterPlan
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
@@ -24,14 +26,16 @@ class OneSlotPerStep:
     def __init__(self):
         self.step_adapter = None
 
-    def begin_step(self, running: set[str | None]) -> None:
+    def plan_step(self, running: set[str | None]) -> AdapterPlan:
         self.step_adapter = None
+        return AdapterPlan(running=frozenset(k for k in running if k is not None))
 
-    def try_admit(self, key: str | None, keep: frozenset = frozenset()) -> int | None:
+    def reserve(self, plan: AdapterPlan, key: str | None, keep: frozenset = frozenset()) -> int | None:
         if key is None:
             return 0
         if self.step_adapter in (None, key):
             self.step_adapter = key
+            plan.adapters.add(key)
             return 1
         return None
 
@@ -48,25 +52,25 @@ class DeviceSlots:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self.resident: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently used first
-        self.busy: set[str] = set()
         self.loads = 0
 
-    def begin_step(self, running: set[str | None]) -> None:
-        self.busy = {key for key in running if key is not None}
+    def plan_step(self, running: set[str | None]) -> AdapterPlan:
+        return AdapterPlan(running=frozenset(k for k in running if k is not None))
 
-    def try_admit(self, key: str | None, keep: frozenset = frozenset()) -> int | None:
+    def reserve(self, plan: AdapterPlan, key: str | None, keep: frozenset = frozenset()) -> int | None:
         if key is None:
             return 0
         if key not in self.resident:
             if len(self.resident) == self.num_slots:
-                victims = [k for k in self.resident if k not in self.busy and k not in keep]
+                busy = plan.adapters | plan.running
+                victims = [k for k in self.resident if k not in busy and k not in keep]
                 if not victims:
                     return None
                 del self.resident[victims[0]]
             self.loads += 1
         self.resident[key] = None
         self.resident.move_to_end(key)
-        self.busy.add(key)
+        plan.adapters.add(key)
         return 1 + list(self.resident).index(key)
 
     def can_evict(self, key: str) -> bool:
@@ -355,10 +359,14 @@ def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
         sched.add(r)
     finish_prefill(sched.schedule())
     assert [r.rid for r in sched.schedule().reqs] == ["last", "more"]
-    for r in (last, more):
+    tokens_in_flight = InFlightTokens()
+    for row, r in enumerate((last, more)):
         r.num_computed += 1
-        r.output_ids.append(PENDING_TOKEN)
+        tokens_in_flight.add(r, step=1, row=row)
+    assert last.out_of_new_tokens and not more.out_of_new_tokens
     assert [r.rid for r in sched.schedule().reqs] == ["more"]
+    tokens_in_flight.pop(last)
+    last.output_ids.append(7)
     sched.finish(last)  # its token lands: length stop
     assert sched.running == [more]
 

@@ -1,0 +1,172 @@
+"""LoRAManager (lora/lora_manager.py) plans, then applies: reserving an adapter's device slot for a step is host
+bookkeeping (the slot table, the slot arrays made ready), and the device is written only by `apply`, which
+EngineCore calls after scheduling and before the launch. Here the manager drives a runner that records its slot
+writes (no model, no device), alone and under Scheduler.schedule()."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.lora_manager import LoRAManager
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.scheduler import Scheduler
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from sgl_jax_lora.model_executor.buckets import Buckets
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+
+
+class RecordingRunner:
+    """The runner calls the manager makes: slot arrays are tagged with their adapter's name; writes are recorded."""
+
+    cfg = None
+
+    def __init__(self):
+        self.writes: list[tuple[int, str]] = []  # (slot, adapter name)
+
+    def lora_buffer_shapes(self) -> dict:
+        return {}
+
+    def lora_slot_values(self, update: dict) -> list[np.ndarray]:
+        return [np.zeros(1)]
+
+    def write_lora_slot(self, slot: int, values: list[np.ndarray]) -> None:
+        self.writes.append((slot, values[0].item() if values[0].dtype.kind == "U" else "zeros"))
+
+
+class Adapter:
+    def __init__(self, name: str):
+        self.name, self.rank, self.scaling = name, 8, 2.0
+
+
+def make_manager(max_loras_per_batch: int = 2, gone: frozenset[str] = frozenset()):
+    """A manager over a RecordingRunner; adapters named in `gone` cannot be read."""
+
+    def load(ref: LoRARef) -> Adapter:
+        if ref.lora_name in gone:
+            raise LoRAAdapterError(f"adapter '{ref.lora_name}': adapter_model.safetensors is gone; load it again")
+        return Adapter(ref.lora_name)
+
+    runner = RecordingRunner()
+    args = types.SimpleNamespace(
+        max_loras_per_batch=max_loras_per_batch,
+        tp_size=1,
+        lora_eviction_policy="lru",
+        lora_segment_buckets=None,
+        disable_lora_base_program=False,
+    )
+    summary = types.SimpleNamespace(rank=8, target_modules=frozenset())
+    manager = LoRAManager(args, runner, None, 8, frozenset(), HostAdapterCache(None, load), lambda ref: summary)
+    # the slot arrays carry the adapter's name, so that a recorded write says whose arrays went where
+    manager._host_slot_arrays = lambda ref: (
+        manager.host_cache.get(ref),
+        [np.asarray(manager.host_cache.get(ref).name)],
+    )
+    return manager, runner
+
+
+def register(manager: LoRAManager, *names: str) -> dict[str, str]:
+    ids = {}
+    for name in names:
+        ref = LoRARef(lora_name=name, lora_path=f"/adapters/{name}")
+        manager.register(ref)
+        ids[name] = ref.lora_id
+    return ids
+
+
+def test_reserving_a_slot_writes_nothing_until_apply():
+    manager, runner = make_manager()
+    ids = register(manager, "a", "b")
+    plan = manager.plan_step(set())
+    assert manager.reserve(plan, ids["a"]) == 1 and manager.reserve(plan, ids["b"]) == 2
+    assert manager.reserve(plan, ids["a"]) == 1 and manager.reserve(plan, None) == 0  # in the plan already; base
+    assert runner.writes == []  # planned: the slot table holds them, the device not yet
+    assert manager.pool.slot_of == {ids["a"]: 1, ids["b"]: 2} and plan.adapters == {ids["a"], ids["b"]}
+    assert [(w.slot, w.lora_id) for w in plan.slot_writes] == [(1, ids["a"]), (2, ids["b"])]
+    assert (manager.device_misses, manager.device_hits, len(manager.load_latencies_s)) == (2, 0, 0)
+    manager.apply(plan.slot_writes)
+    assert runner.writes == [(1, "a"), (2, "b")]
+    assert len(manager.load_latencies_s) == 2 and manager.load_seconds_total == sum(manager.load_latencies_s)
+    plan = manager.plan_step({ids["a"]})
+    assert manager.reserve(plan, ids["a"]) == 1 and plan.slot_writes == []  # on the device: nothing to write
+    assert (manager.device_misses, manager.device_hits) == (2, 1)
+
+
+def test_eviction_is_planned_and_spares_running_and_kept_adapters():
+    manager, runner = make_manager(max_loras_per_batch=2)
+    ids = register(manager, "a", "b", "c")
+    plan = manager.plan_step(set())
+    manager.reserve(plan, ids["a"])
+    manager.reserve(plan, ids["b"])
+    manager.apply(plan.slot_writes)
+    plan = manager.plan_step({ids["a"]})  # "a" running: its slot stays put
+    assert manager.reserve(plan, ids["c"], keep=frozenset({ids["b"]})) is None  # "b" kept for a waiting request
+    assert manager.reserve(plan, ids["c"]) == 2  # evicts "b", in the slot table only
+    assert manager.pool.slot_of == {ids["a"]: 1, ids["c"]: 2} and manager.pool.num_evictions == 1
+    assert runner.writes == [(1, "a"), (2, "b")]
+    assert manager.reserve(plan, ids["b"]) is None  # the step holds max_loras_per_batch adapters
+    manager.apply(plan.slot_writes)
+    assert runner.writes[-1] == (2, "c")
+
+
+def test_a_plan_that_is_never_applied_is_forgotten():
+    # the step failed between planning and applying: the slots it reserved hold other weights on the device
+    manager, runner = make_manager()
+    ids = register(manager, "a")
+    plan = manager.plan_step(set())
+    manager.reserve(plan, ids["a"])
+    plan = manager.plan_step(set())
+    assert manager.pool.slot_of == {} and not manager.is_resident(ids["a"])
+    assert manager.reserve(plan, ids["a"]) == 1 and len(plan.slot_writes) == 1  # loaded again
+    manager.apply(plan.slot_writes)
+    assert runner.writes == [(1, "a")]
+
+
+def test_a_failed_slot_write_leaves_the_slot_table_as_the_device_is():
+    manager, runner = make_manager()
+    ids = register(manager, "a", "b")
+    plan = manager.plan_step(set())
+    manager.reserve(plan, ids["a"])
+    manager.reserve(plan, ids["b"])
+
+    def fault(slot, values):
+        raise RuntimeError("device fault")
+
+    runner.write_lora_slot = fault
+    with pytest.raises(RuntimeError, match="device fault"):
+        manager.apply(plan.slot_writes)
+    assert manager.pool.slot_of == {}
+
+
+def req(rid: str, adapter: str | None, t: float) -> Req:
+    return Req(
+        rid=rid,
+        input_ids=list(range(2, 8)),
+        sampling=SamplingParams(max_new_tokens=4),
+        seed=0,
+        lora_slot_key=adapter,
+        arrival_time=t,
+    )
+
+
+def test_schedule_is_a_plan_without_device_writes():
+    manager, runner = make_manager(max_loras_per_batch=2, gone=frozenset({"gone"}))
+    ids = register(manager, "a", "b", "gone")
+    sched = Scheduler(Buckets.build(8, 32, 256, 4), PageAllocator(64, 4), 8, 32, 4, adapter_slots=manager)
+    for i, key in enumerate([ids["a"], None, ids["gone"], ids["b"], ids["a"]]):
+        sched.add(req(f"r{i}", key, t=i))
+    plan = sched.schedule()
+    assert runner.writes == []
+    slot_of = {r.rid: slot for r, slot in zip(plan.reqs, plan.token_slots)}
+    assert slot_of == {"r0": 1, "r1": 0, "r3": 2, "r4": 1}
+    assert [(w.slot, w.lora_id) for w in plan.slot_writes] == [(1, ids["a"]), (2, ids["b"])]
+    # the adapter that cannot be read rejects its request alone, while planning
+    [(rejected, message)] = sched.pop_rejected()
+    assert rejected.rid == "r2" and "adapter 'gone'" in message
+    manager.apply(plan.slot_writes)
+    assert runner.writes == [(1, "a"), (2, "b")]
