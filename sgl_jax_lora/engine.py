@@ -13,6 +13,7 @@ import time
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.lora.tensor_file import TensorFile
+from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.server_args import ServerArgs
@@ -122,7 +123,7 @@ class Engine:
         return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
 
     def get_server_info(self) -> dict:
-        info = self._run(self.tokenizer_manager.call("server_info"))
+        info = self._run(self.tokenizer_manager.call(ServerInfoCall()))
         return {"server_args": self.server_args.to_dict(), **info}
 
     def shutdown(self) -> None:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
-from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.io_struct import GenerateRequest, ServerInfoCall
 from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
@@ -97,7 +97,7 @@ async def generate(request: Request) -> Response:
 async def get_server_info(request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     tm = state.engine()
-    engine_info = await tm.call("server_info")
+    engine_info = await tm.call(ServerInfoCall())
     server_args = state.args.to_dict()
     if server_args.get("api_key"):
         server_args["api_key"] = "<redacted>"

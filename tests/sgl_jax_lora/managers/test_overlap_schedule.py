@@ -65,12 +65,12 @@ class Run:
 
     def take(self, outputs: list[dict]) -> None:
         for out in outputs:
-            assert PENDING_TOKEN not in out["new_ids"]
-            self.tokens.setdefault(out["rid"], []).extend(out["new_ids"])
-            self.logprobs.setdefault(out["rid"], []).extend(lp for lp, _, _ in out["new_output_logprobs"])
-            assert out["completion_tokens"] == len(self.tokens[out["rid"]])
-            if out["finish_reason"] is not None:
-                self.finish[out["rid"]] = out["finish_reason"]
+            assert PENDING_TOKEN not in out.new_ids
+            self.tokens.setdefault(out.rid, []).extend(out.new_ids)
+            self.logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_output_logprobs)
+            assert out.completion_tokens == len(self.tokens[out.rid])
+            if out.finish_reason is not None:
+                self.finish[out.rid] = out.finish_reason
 
     def step(self) -> None:
         self.take(self.core.step())
@@ -145,7 +145,7 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     assert aborted.has_pending_token
     out = core.abort("aborted")
     run.take([out])
-    assert out["finish_reason"]["type"] == "abort"
+    assert out.finish_reason["type"] == "abort"
     assert run.tokens["aborted"] == aborted.output_ids[:-1]  # what had landed, nothing in flight
     run.until_idle()
     assert run.tokens["kept"] == alone.tokens["kept"]
