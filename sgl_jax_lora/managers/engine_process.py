@@ -33,6 +33,7 @@ from sgl_jax_lora.managers.io_struct import (
     ServerInfoCall,
     ShutdownRequest,
     StartupError,
+    UnknownMessageError,
     UnloadLoRACall,
     decode,
     encode,
@@ -130,7 +131,13 @@ class EngineLoop:
 
     def _drain(self, block: bool, timeout: float = 0) -> None:
         while self.conn.poll(None if block else timeout):
-            self.handle(decode(self.conn.recv_bytes()))
+            data = self.conn.recv_bytes()
+            try:
+                msg = decode(data)
+            except UnknownMessageError as e:  # a frontend of another version: refuse it, keep serving
+                logger.error("dropped a message from the frontend: %s", e)
+            else:
+                self.handle(msg)
             block, timeout = False, 0
 
     def handle(self, msg: Message) -> None:
@@ -140,7 +147,8 @@ class EngineLoop:
             return
         handler = self.handlers.get(type(msg))
         if handler is None:
-            raise TypeError(f"the engine process does not take {type(msg).__name__} messages")
+            logger.error("dropped a %s message: the engine process does not take it", type(msg).__name__)
+            return
         handler(msg)
 
     def _generate(self, request: GenerateRequest) -> None:
