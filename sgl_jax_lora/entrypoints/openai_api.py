@@ -87,27 +87,8 @@ async def completions(request: Request) -> Response:
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
     check_requests_per_call(state, len(prompt_parts), body.n if isinstance(body.n, int) and body.n > 0 else 1)
 
-    def prepare() -> tuple[list[PromptSpec], list[Echo]]:  # tokenizer work: on the CPU pool, off the event loop
-        specs = [
-            _prompt_spec(
-                tm,
-                body,
-                text=text,
-                input_ids=ids,
-                top_logprobs=body.logprobs,
-                default_max_tokens=16,
-                prompt_logprobs=body.echo and body.logprobs is not None,
-                max_tokens=1 if scoring else None,
-            )
-            for text, ids in prompt_parts
-        ]
-        echoes = [
-            Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
-            for text, ids in prompt_parts
-        ]
-        return specs, echoes
-
-    prompts, prompt_echoes = await tm.run_cpu(prepare)
+    # tokenizer work: on the CPU pool, off the event loop
+    prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts, scoring)
     echoes = repeat_each(prompt_echoes, body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
@@ -233,6 +214,30 @@ def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] 
     if isinstance(prompt[0], int):
         return [(None, prompt)]
     return [(None, ids) for ids in prompt]
+
+
+def _completion_specs(
+    tm: TokenizerManager, body: CompletionRequest, prompt_parts: list, scoring: bool
+) -> tuple[list[PromptSpec], list[Echo]]:
+    """Each completion prompt's PromptSpec and what its choices echo."""
+    specs = [
+        _prompt_spec(
+            tm,
+            body,
+            text=text,
+            input_ids=ids,
+            top_logprobs=body.logprobs,
+            default_max_tokens=16,
+            prompt_logprobs=body.echo and body.logprobs is not None,
+            max_tokens=1 if scoring else None,
+        )
+        for text, ids in prompt_parts
+    ]
+    echoes = [
+        Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
+        for text, ids in prompt_parts
+    ]
+    return specs, echoes
 
 
 def _prompt_spec(
