@@ -1,20 +1,22 @@
 """Engine: the offline API (no HTTP), shaped like SGLang's offline engine.
 
-Flow: Engine(**server_args) spawns the engine process through a TokenizerManager and runs its asyncio
-loop on a background thread; `generate(...)` validates every prompt first (so a bad one refuses the
-call before anything runs), submits them all at once and returns the finished result dicts.
+Flow: Engine(**server_args) spawns the engine process through a TokenizerManager (its EngineClient) and runs
+its asyncio loop on a background thread; `generate(...)` goes through the request front door
+(managers/request_normalizer.py: prompts, per-prompt values, n, adapters), which validates every prompt first
+(so a bad one refuses the call before anything runs), then submits them all at once and returns the finished
+result dicts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.lora.tensor_file import TensorFile
+from sgl_jax_lora.managers.io_struct import ServerInfoCall
+from sgl_jax_lora.managers.request_normalizer import ENGINE, PromptRefused, build_requests, normalize
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
-from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
 from sgl_jax_lora.server_args import ServerArgs
 
 
@@ -53,38 +55,22 @@ class Engine:
 
         `n` in the sampling params (the same for every prompt) samples each prompt n times: a list of
         results, prompt-major (sampling/parallel_sampling.py)."""
-        prompts, ids, is_single = _normalize_prompts(prompt, input_ids)
-        params = _per_prompt("sampling_params", sampling_params, len(prompts), dict)
-        loras = _per_prompt("lora_path", lora_path, len(prompts), str)
-        n = samples_per_prompt(params)
-        if n > 1:
-            is_single = False
-            prompts, ids, loras = (repeat_each(items, n) for items in (prompts, ids, loras))
-            params = [sample_params for p in params for sample_params in expand_samples(p, n)]
-        count = len(prompts)
-        received = time.monotonic()
-        refs = [self._run(self.tokenizer_manager.resolve_lora(lora)) if lora else None for lora in loras]
+        batch = normalize(
+            prompt,
+            input_ids,
+            sampling_params,
+            lora_path,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            dialect=ENGINE,
+        )
         try:
-            requests = [
-                self.tokenizer_manager.build_request(
-                    text=prompts[i],
-                    input_ids=ids[i],
-                    sampling_params=params[i],
-                    return_logprob=return_logprob,
-                    logprob_start_len=logprob_start_len,
-                    top_logprobs_num=top_logprobs_num,
-                    lora_id=refs[i].lora_id if refs[i] else None,
-                    arrival_time=received,
-                )
-                for i in range(count)
-            ]
-        except Exception:
-            for ref in refs:
-                if ref is not None:
-                    self.tokenizer_manager.lora_registry.release(ref.lora_id)
-            raise
+            requests = self._run(build_requests(self.tokenizer_manager, batch))
+        except PromptRefused as e:
+            raise e.cause from None  # the offline caller gets the error itself (ValueError, EngineDeadError, ...)
         results = self._run(self._generate_all(requests))
-        return results[0] if is_single else results
+        return results if batch.answers_list else results[0]
 
     async def _generate_all(self, requests) -> list[dict]:
         async def one(request):
@@ -122,7 +108,7 @@ class Engine:
         return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
 
     def get_server_info(self) -> dict:
-        info = self._run(self.tokenizer_manager.call("server_info"))
+        info = self._run(self.tokenizer_manager.call(ServerInfoCall()))
         return {"server_args": self.server_args.to_dict(), **info}
 
     def shutdown(self) -> None:
@@ -142,31 +128,3 @@ def _plain_config(config: dict) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict of adapter_config.json fields, got {type(config).__name__}")
     return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
-
-
-def _normalize_prompts(prompt, input_ids) -> tuple[list, list, bool]:
-    if (prompt is None) == (input_ids is None):
-        raise ValueError(
-            "pass exactly one of prompt= (str or list of str) or input_ids= (list of ints or list of lists)"
-        )
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return [prompt], [None], True
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        return list(prompt), [None] * len(prompt), False
-    if isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
-        return [None] * len(input_ids), list(input_ids), False
-    return [None], [input_ids], True
-
-
-def _per_prompt(name: str, value, count: int, item_type: type) -> list:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise ValueError(
-                f"{name} has {len(value)} entries but there are {count} prompts; give one per prompt or a single value"
-            )
-        return value
-    if value is not None and not isinstance(value, item_type):
-        raise ValueError(f"{name} must be a {item_type.__name__} or a list of them, got {type(value).__name__}")
-    return [value] * count

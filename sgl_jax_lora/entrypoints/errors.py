@@ -1,7 +1,7 @@
 """HTTP errors: one OpenAI-style body for every failure, `{"error": {"message", "type", "code"}}`.
 
-Flow: a handler raises (APIError here, RequestError from the TokenizerManager, LoRAAdapterError from the
-adapter code, pydantic's RequestValidationError for malformed JSON or wrong types) -> the handlers
+Flow: a handler raises (APIError here, RequestError from the TokenizerManager or the request front door,
+PromptRefused naming the refused prompt of a batch with its cause, LoRAAdapterError from the adapter code, pydantic's RequestValidationError for malformed JSON or wrong types) -> the handlers
 installed by `install_error_handlers` turn it into a JSON response with the status below. Nothing a
 client sends can take the server down: the exception ends one request, the server keeps serving.
 
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.request_normalizer import PromptRefused
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ def to_api_error(exc: Exception) -> APIError:
     """Map any exception raised while serving a request to the APIError the client should see."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, PromptRefused):  # a prompt of the call could not be built: name it, keep its cause's status
+        error = to_api_error(exc.cause)
+        code = "lora_not_found" if exc.stage == "lora" and error.status_code == 400 else error.code
+        return APIError(error.status_code, exc.where + error.message, code)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
     if isinstance(exc, (RequestError, LoRAAdapterError)):

@@ -35,6 +35,7 @@ from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
+from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
 
@@ -150,7 +151,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     async def metrics(request: Request) -> Response:
         tm = state.tokenizer_manager
         if state.is_ready:
-            state.metrics.set_engine_stats(await tm.call("server_info"))
+            state.metrics.set_engine_stats(await tm.call(ServerInfoCall()))
         body = await asyncio.to_thread(state.metrics.render)  # every series, formatted: kept off the event loop
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

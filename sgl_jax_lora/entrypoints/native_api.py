@@ -1,8 +1,9 @@
 """The SGLang-style native API: POST /generate, GET /health, GET /get_server_info, GET /get_model_info,
 POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
 
-Flow: JSON body -> pydantic model (wrong types -> 400) -> one `GenerateRequest` per prompt, all validated
-before any is sent (`TokenizerManager.build_request`, adapters via `resolve_lora`) -> results collected,
+Flow: JSON body -> pydantic model (wrong types -> 400) -> the request front door (managers/request_normalizer.py:
+`normalize`, then --max-requests-per-call, then `build_requests`: one `GenerateRequest` per prompt and sample, all
+validated before any is sent; a refused prompt of a batch is named, entrypoints/errors.py) -> results collected,
 or streamed as server-sent events (`data: {...}` per increment, then `data: [DONE]`). The streaming and
 disconnect helpers here are shared with openai_api.py: a client that goes away cancels its generators,
 which aborts its requests in the engine and frees their KV pages.
@@ -15,7 +16,6 @@ import contextlib
 import json
 import os
 import platform
-import time
 from collections.abc import AsyncIterator, Awaitable
 from importlib import metadata
 from typing import TYPE_CHECKING, TypeVar
@@ -26,9 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
-from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.sampling.parallel_sampling import expand_samples, repeat_each, samples_per_prompt
-from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
+from sgl_jax_lora.managers.io_struct import ServerInfoCall
+from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -85,19 +84,30 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateReqInput)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    requests, is_batch = await build_generate_requests(state, tm, body)
+    batch = normalize(
+        body.text,
+        body.input_ids,
+        body.sampling_params,
+        body.lora_path,
+        body.return_logprob,
+        body.logprob_start_len,
+        body.top_logprobs_num,
+        dialect=HTTP,
+    )
+    check_requests_per_call(state, batch.num_prompts, batch.copies_per_prompt)
+    requests = await build_requests(tm, batch)  # all validated before any is sent
     streams = [state.metrics.track(tm.generate_request(r), "generate") for r in requests]
     if body.stream:
-        return await streaming_response(request, _generate_events(streams, is_batch))
+        return await streaming_response(request, _generate_events(streams, batch.answers_list))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
-    return JSONResponse(results if is_batch else results[0])
+    return JSONResponse(results if batch.answers_list else results[0])
 
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     tm = state.engine()
-    engine_info = await tm.call("server_info")
+    engine_info = await tm.call(ServerInfoCall())
     server_args = state.args.to_dict()
     if server_args.get("api_key"):
         server_args["api_key"] = "<redacted>"
@@ -169,118 +179,6 @@ def lora_engine(state: ServerState, lora_name: str) -> TokenizerManager:
             "lora_disabled",
         )
     return tm
-
-
-# ---- building requests -------------------------------------------------------------------------
-async def build_generate_requests(
-    state: ServerState, tm: TokenizerManager, body: GenerateReqInput
-) -> tuple[list[GenerateRequest], bool]:
-    """Validate every prompt of the body (raising a 400 naming the first bad one) before sending any.
-
-    -> (requests, whether the answer is a list): a batch, or one prompt with `n` > 1 samples, answers with a
-    list, prompt-major (sampling/parallel_sampling.py)."""
-    texts, ids_list, is_batch = _prompts(body)
-    count = len(texts)
-    params = _per_prompt("sampling_params", body.sampling_params, count)
-    loras = _per_prompt("lora_path", body.lora_path, count)
-    try:
-        n = samples_per_prompt(params)
-    except SamplingParamsError as e:
-        raise APIError(400, str(e), "invalid_request") from e
-    check_requests_per_call(state, count, n)
-    prompts = [
-        {
-            "text": texts[i],
-            "input_ids": ids_list[i],
-            "sampling_params": sample_params,
-            "return_logprob": body.return_logprob,
-            "logprob_start_len": body.logprob_start_len,
-            "top_logprobs_num": body.top_logprobs_num,
-        }
-        for i in range(count)
-        for sample_params in expand_samples(params[i], n)
-    ]
-    requests = await build_requests(tm, prompts, repeat_each(loras, n), is_batch, copies_per_prompt=n)
-    return requests, is_batch or n > 1
-
-
-async def build_requests(
-    tm: TokenizerManager, prompts: list[dict], loras: list[str | None], is_batch: bool, copies_per_prompt: int = 1
-) -> list[GenerateRequest]:
-    """One GenerateRequest per prompt (`build_request` keyword arguments) with its adapter resolved.
-
-    Errors name the prompt (in a batch) as the client numbered it: with `copies_per_prompt` = n (the OpenAI
-    routes' n choices, prompt-major), request i belongs to prompt i // n.
-
-    `resolve_lora` counts the adapter as in flight and `generate_request` releases it; so if any prompt
-    is refused, the adapters already acquired for this call are released here. An adapter that cannot
-    be resolved raises a 400 with code "lora_not_found" (the OpenAI routes rephrase it by model name).
-    """
-    received = time.monotonic()  # before any adapter load: the requests keep their place in the engine's queue
-    refs = []
-    requests = []
-    try:
-        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-            where = f"prompt {i // copies_per_prompt}: " if is_batch else ""
-            try:
-                ref = await tm.resolve_lora(lora) if lora is not None else None
-            except Exception as e:
-                error = to_api_error(e)
-                raise APIError(
-                    error.status_code,
-                    where + error.message,
-                    "lora_not_found" if error.status_code == 400 else error.code,
-                ) from e
-            if ref is not None:
-                refs.append(ref)
-            try:
-                requests.append(
-                    await tm.run_cpu(
-                        tm.build_request,
-                        **prompt,
-                        arrival_time=received,
-                        lora_id=ref.lora_id if ref is not None else None,
-                    )
-                )
-            except Exception as e:
-                error = to_api_error(e)
-                raise APIError(error.status_code, where + error.message, error.code) from e
-    except BaseException:
-        for ref in refs:
-            tm.lora_registry.release(ref.lora_id)
-        raise
-    return requests
-
-
-def _prompts(body: GenerateReqInput) -> tuple[list, list, bool]:
-    if (body.text is None) == (body.input_ids is None):
-        raise APIError(
-            400,
-            "give exactly one of 'text' (a string or a list of strings) or 'input_ids' (a list of ints or a list of lists)",
-            "invalid_request",
-        )
-    if body.text is not None:
-        if isinstance(body.text, str):
-            return [body.text], [None], False
-        if not body.text:
-            raise APIError(400, "'text' is an empty list; send at least one prompt", "invalid_request")
-        return list(body.text), [None] * len(body.text), True
-    ids = body.input_ids
-    if ids and isinstance(ids[0], list):
-        return [None] * len(ids), list(ids), True
-    return [None], [ids], False
-
-
-def _per_prompt(name: str, value: object, count: int) -> list:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise APIError(
-                400,
-                f"'{name}' has {len(value)} entries but there are {count} prompts; give one per prompt or a single value",
-                "invalid_request",
-            )
-        return value
-    return [value] * count
 
 
 # ---- streaming and disconnects (shared with openai_api) ----------------------------------------

@@ -2,8 +2,9 @@
 
 Flow: JSON body -> pydantic model (wrong types, unknown fields -> 400) -> `model` resolved (the served
 model name = base; an adapter name or `BASE:ADAPTER` = that adapter; anything else -> 400 naming it) ->
-chat messages rendered with the chat template -> OpenAI sampling fields mapped onto SGLang's names ->
-`TokenizerManager.build_request` (range checks, prompt length) -> the engine -> an OpenAI response, or
+chat messages rendered with the chat template -> OpenAI sampling fields mapped onto SGLang's names (one
+PromptSpec per prompt) -> the request front door (managers/request_normalizer.py: `with_samples` for n, then
+`build_requests`: range checks, prompt length, the adapter) -> the engine -> an OpenAI response, or
 SSE chunks with text deltas then `data: [DONE]`.
 
 `n` choices per prompt are n engine requests (sampling/parallel_sampling.py: with a `seed`, choice j samples
@@ -17,6 +18,7 @@ finish reasons, usage and logprobs; openai_streaming.py the SSE chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -25,9 +27,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from sgl_jax_lora.entrypoints.chat_template import render_chat
-from sgl_jax_lora.entrypoints.errors import APIError
+from sgl_jax_lora.entrypoints.errors import APIError, to_api_error
 from sgl_jax_lora.entrypoints.native_api import (
-    build_requests,
     gather_or_cancel,
     last_result,
     run_unless_disconnected,
@@ -45,8 +46,8 @@ from sgl_jax_lora.entrypoints.openai_responses import (
 from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_chunks
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.sampling.parallel_sampling import check_num_samples, expand_samples, repeat_each
-from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
+from sgl_jax_lora.managers.request_normalizer import PromptRefused, PromptSpec, build_requests, with_samples
+from sgl_jax_lora.sampling.parallel_sampling import repeat_each
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -86,27 +87,8 @@ async def completions(request: Request) -> Response:
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
     check_requests_per_call(state, len(prompt_parts), body.n if isinstance(body.n, int) and body.n > 0 else 1)
 
-    def prepare() -> tuple[list[dict], list[Echo]]:  # tokenizer work: on the CPU pool, off the event loop
-        kwargs = [
-            _build_kwargs(
-                tm,
-                body,
-                text=text,
-                input_ids=ids,
-                top_logprobs=body.logprobs,
-                default_max_tokens=16,
-                prompt_logprobs=body.echo and body.logprobs is not None,
-                max_tokens=1 if scoring else None,
-            )
-            for text, ids in prompt_parts
-        ]
-        echoes = [
-            Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
-            for text, ids in prompt_parts
-        ]
-        return kwargs, echoes
-
-    prompts, prompt_echoes = await tm.run_cpu(prepare)
+    # tokenizer work: on the CPU pool, off the event loop
+    prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts, scoring)
     echoes = repeat_each(prompt_echoes, body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
@@ -144,7 +126,7 @@ async def chat_completions(request: Request) -> Response:
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prompt = _build_kwargs(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
+    prompt = _prompt_spec(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
     requests = await _build_requests(state, tm, body.model, [prompt], body.n)
     streams = [state.metrics.track(tm.generate_request(r), "chat_completions") for r in requests]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -190,17 +172,16 @@ def model_adapter(state: ServerState, model: str) -> str | None:
 
 
 async def _build_requests(
-    state: ServerState, tm: TokenizerManager, model: str, prompts: list[dict], n: int
+    state: ServerState, tm: TokenizerManager, model: str, prompts: list[PromptSpec], n: int
 ) -> list[GenerateRequest]:
-    """The engine requests of `prompts` with n choices each (prompt-major)."""
+    """The engine requests of `prompts` with n choices each (prompt-major), through the request front door."""
     adapter = model_adapter(state, model)
-    choices = _choices(prompts, n)
+    batch = with_samples([dataclasses.replace(p, lora_path=adapter) for p in prompts], n, is_batch=len(prompts) > 1)
     check_requests_per_call(state, len(prompts), n)
     try:
-        return await build_requests(
-            tm, choices, [adapter] * len(choices), is_batch=len(prompts) > 1, copies_per_prompt=n
-        )
-    except APIError as e:
+        return await build_requests(tm, batch)
+    except PromptRefused as refused:
+        e = to_api_error(refused)
         if e.code != "lora_not_found":
             raise APIError(e.status_code, _openai_names(e.message), e.code) from e
         raise APIError(
@@ -235,7 +216,31 @@ def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] 
     return [(None, ids) for ids in prompt]
 
 
-def _build_kwargs(
+def _completion_specs(
+    tm: TokenizerManager, body: CompletionRequest, prompt_parts: list, scoring: bool
+) -> tuple[list[PromptSpec], list[Echo]]:
+    """Each completion prompt's PromptSpec and what its choices echo."""
+    specs = [
+        _prompt_spec(
+            tm,
+            body,
+            text=text,
+            input_ids=ids,
+            top_logprobs=body.logprobs,
+            default_max_tokens=16,
+            prompt_logprobs=body.echo and body.logprobs is not None,
+            max_tokens=1 if scoring else None,
+        )
+        for text, ids in prompt_parts
+    ]
+    echoes = [
+        Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
+        for text, ids in prompt_parts
+    ]
+    return specs, echoes
+
+
+def _prompt_spec(
     tm: TokenizerManager,
     body: SamplingFields,
     text: str | None,
@@ -244,8 +249,8 @@ def _build_kwargs(
     default_max_tokens: int | None,
     prompt_logprobs: bool = False,
     max_tokens: int | None = None,
-) -> dict:
-    """OpenAI fields -> `TokenizerManager.build_request` keyword arguments (validated there).
+) -> PromptSpec:
+    """OpenAI fields -> the front door's PromptSpec (validated when the request is built).
 
     prompt_logprobs: also the prompt's logprobs (echo); max_tokens: in place of the body's."""
     max_tokens = body.max_tokens if max_tokens is None else max_tokens
@@ -269,27 +274,14 @@ def _build_kwargs(
         "seed": body.seed,
         "logit_bias": body.logit_bias,
     }
-    return {
-        "text": text,
-        "input_ids": input_ids,
-        "sampling_params": sampling,
-        "return_logprob": top_logprobs is not None,
-        "logprob_start_len": 0 if prompt_logprobs else -1,
-        "top_logprobs_num": top_logprobs or 0,
-    }
-
-
-def _choices(prompts: list[dict], n: int) -> list[dict]:
-    """n requests per prompt, prompt-major (sampling/parallel_sampling.py)."""
-    try:
-        check_num_samples(n)
-    except SamplingParamsError as e:
-        raise APIError(400, str(e), "invalid_request") from e
-    return [
-        {**prompt, "sampling_params": params}
-        for prompt in prompts
-        for params in expand_samples(prompt["sampling_params"], n)
-    ]
+    return PromptSpec(
+        text=text,
+        input_ids=input_ids,
+        sampling_params=sampling,
+        return_logprob=top_logprobs is not None,
+        logprob_start_len=0 if prompt_logprobs else -1,
+        top_logprobs_num=top_logprobs or 0,
+    )
 
 
 def _openai_names(message: str) -> str:

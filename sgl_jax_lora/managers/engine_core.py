@@ -15,7 +15,7 @@ so the host's work for step N+1 overlaps the device's work for step N. With --di
 finishes itself before `step()` returns. Penalties keep the overlap: a request's token still in flight is counted
 on the device (sampling/logit_adjustments.py). The tokens in flight live in `tokens_in_flight` (InFlightTokens:
 request -> step and row), never as placeholders in a request's output_ids.
-Requests arrive as plain dicts (managers/io_struct.py) and leave as incremental output dicts.
+Requests arrive as GenerateRequest and leave as incremental EngineOutput messages (managers/io_struct.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
-from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
+from sgl_jax_lora.managers.prompt_limits import check_context_length
 from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, top_list
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
@@ -118,16 +119,8 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
         """Admit a tokenized request; raises ValueError (sent back as that request's error) if it can never fit."""
+        check_context_length(len(request.input_ids), request.sampling.max_new_tokens, self.context_length)
         max_len = len(request.input_ids) + request.sampling.max_new_tokens
-        if len(request.input_ids) >= self.context_length:
-            raise ValueError(
-                f"prompt has {len(request.input_ids)} tokens but the context length is {self.context_length}; shorten the prompt"
-            )
-        if max_len > self.context_length:
-            raise ValueError(
-                f"prompt ({len(request.input_ids)} tokens) + max_new_tokens ({request.sampling.max_new_tokens}) = {max_len} "
-                f"exceeds the context length {self.context_length}; lower max_new_tokens"
-            )
         if max_len > self.max_total_tokens:
             raise ValueError(
                 f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
@@ -159,7 +152,7 @@ class EngineCore:
         """(rid, message) of requests the scheduler rejected since the last call (their adapter cannot be read)."""
         return [(req.rid, message) for req, message in self.scheduler.pop_rejected()]
 
-    def abort(self, rid: str) -> dict | None:
+    def abort(self, rid: str) -> EngineOutput | None:
         req = self.scheduler.abort(rid)
         if req is None:
             return None
@@ -167,7 +160,7 @@ class EngineCore:
         return self._output_of(req)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[dict]:
+    def step(self) -> list[EngineOutput]:
         """Plan a step, prepare and launch it, then finish the step launched before it (overlap schedule: the
         device runs the new step while the host takes the previous one's tokens); without overlap, finish the new
         step."""
@@ -245,7 +238,7 @@ class EngineCore:
             if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
                 self.tokens_in_flight.add(req, step.number, i)
 
-    def _finish(self, step: LaunchedStep | None) -> list[dict]:
+    def _finish(self, step: LaunchedStep | None) -> list[EngineOutput]:
         """The step's sampled tokens reach the host: each request's token in flight lands, stops are checked,
         outputs emitted."""
         if step is None:
@@ -275,23 +268,23 @@ class EngineCore:
                 outputs.append(self._output_of(req))
         return outputs
 
-    def _output_of(self, req: Req) -> dict:
+    def _output_of(self, req: Req) -> EngineOutput:
         output_ids = req.output_ids  # the tokens on the host (an abort can come while a token is in flight)
-        out = {
-            "rid": req.rid,
-            "new_ids": output_ids[req.num_sent_outputs :],
-            "new_output_logprobs": req.output_token_logprobs[req.num_sent_outputs :] if req.return_logprob else [],
-            "new_input_logprobs": req.input_token_logprobs[req.num_sent_input_logprobs :],
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish_reason,
-        }
+        out = EngineOutput(
+            rid=req.rid,
+            new_ids=output_ids[req.num_sent_outputs :],
+            new_output_logprobs=req.output_token_logprobs[req.num_sent_outputs :] if req.return_logprob else [],
+            new_input_logprobs=req.input_token_logprobs[req.num_sent_input_logprobs :],
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(output_ids),
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason,
+        )
         req.num_sent_outputs = len(output_ids)
         req.num_sent_input_logprobs = len(req.input_token_logprobs)
         return out
 
-    def fail_running(self, message: str) -> list[dict]:
+    def fail_running(self, message: str) -> list[EngineOutput]:
         """After a step raised: finish every running request with an error, keep the waiting ones (but those
         preempted while a token of theirs was in flight: that token is lost with the step)."""
         self.in_flight = None
@@ -320,14 +313,13 @@ class EngineCore:
         return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
 
     def rpc_load_lora_tensors(
-        self, ref: dict, tensors_path: str, config: dict | None, replaces: str | None = None
+        self, ref: LoRARef, tensors_path: str, config: dict | None, replaces: str | None = None
     ) -> dict:
         """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
         `replaces`, with its config unless one is given. The old version keeps serving its running requests until
         the frontend unloads it; it gives up its pin so that the new version can take one."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        ref = LoRARef(**ref)
         old = self.lora.refs.get(replaces) if replaces is not None else None
         if replaces is not None and old is None:
             raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")

@@ -1,9 +1,13 @@
 """The engine process: builds EngineCore, then loops: read messages, run a step, send outputs.
 
-Flow: TokenizerManager spawns `run_engine_process` with one end of a Pipe (with --nnodes > 1 it first joins the
-other nodes: distributed/runtime.py). Messages are msgpack dicts
-(io_struct.py). When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
-failing step fails only the requests of that step; the loop keeps serving the others.
+Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with one end of a Pipe (with
+--nnodes > 1 it first joins the other nodes: distributed/runtime.py). The process answers Ready (or StartupError),
+then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
+`EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
+(server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply,
+ShutdownRequest -> exit. Each step's EngineOutput items go back as one EngineOutputs. When idle the loop blocks on
+the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step; the
+loop keeps serving the others.
 """
 
 from __future__ import annotations
@@ -14,7 +18,26 @@ import signal
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
-from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.managers.io_struct import (
+    AbortRequest,
+    CallReply,
+    EngineCall,
+    EngineOutput,
+    EngineOutputs,
+    GenerateRequest,
+    LoadLoRACall,
+    LoadLoRATensorsCall,
+    Message,
+    Ready,
+    RequestFailed,
+    ServerInfoCall,
+    ShutdownRequest,
+    StartupError,
+    UnknownMessageError,
+    UnloadLoRACall,
+    decode,
+    encode,
+)
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
@@ -37,9 +60,9 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
         core = EngineCore(args, model_path)
     except Exception as e:  # startup errors go back to the frontend, which raises them
         logger.exception("engine failed to start")
-        conn.send_bytes(encode({"type": "startup_error", "message": f"{type(e).__name__}: {e}"}))
+        conn.send_bytes(encode(StartupError(f"{type(e).__name__}: {e}")))
         return
-    conn.send_bytes(encode({"type": "ready", "info": core.server_info(), "pid": os.getpid()}))
+    conn.send_bytes(encode(Ready(info=core.server_info(), pid=os.getpid())))
     EngineLoop(core, conn).run()
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 
@@ -62,6 +85,22 @@ class EngineLoop:
         self.core = core
         self.conn = conn
         self.running = True
+        self.handlers = {
+            GenerateRequest: self._generate,
+            AbortRequest: self._abort,
+            ShutdownRequest: self._shutdown,
+        }
+        # each call's EngineCore method; its result (plain data) is the CallReply's
+        self.calls = {
+            ServerInfoCall: lambda call: core.rpc_server_info(),
+            LoadLoRACall: lambda call: core.rpc_load_lora(
+                call.lora_id, call.lora_name, call.lora_path, pinned=call.pinned, confined=call.confined
+            ),
+            LoadLoRATensorsCall: lambda call: core.rpc_load_lora_tensors(
+                call.ref, call.tensors_path, call.config, replaces=call.replaces
+            ),
+            UnloadLoRACall: lambda call: core.rpc_unload_lora(call.lora_id),
+        }
 
     def run(self) -> None:
         while self.running:
@@ -77,11 +116,11 @@ class EngineLoop:
                 return
             outputs = self._step()
             if outputs:
-                self._send({"type": "outputs", "items": outputs})
+                self._send(EngineOutputs(outputs))
             for rid, message in self.core.pop_request_errors():
-                self._send({"type": "error", "rid": rid, "message": message})
+                self._send(RequestFailed(rid, message))
 
-    def _step(self) -> list[dict]:
+    def _step(self) -> list[EngineOutput]:
         try:
             return self.core.step()
         except DistributedEngineError:
@@ -92,32 +131,49 @@ class EngineLoop:
 
     def _drain(self, block: bool, timeout: float = 0) -> None:
         while self.conn.poll(None if block else timeout):
-            self._handle(decode(self.conn.recv_bytes()))
+            data = self.conn.recv_bytes()
+            try:
+                msg = decode(data)
+            except UnknownMessageError as e:  # a frontend of another version: refuse it, keep serving
+                logger.error("dropped a message from the frontend: %s", e)
+            else:
+                self.handle(msg)
             block, timeout = False, 0
 
-    def _handle(self, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "generate":
-            try:
-                self.core.add_request(GenerateRequest.from_message(msg))
-            except ValueError as e:
-                self._send({"type": "error", "rid": msg["rid"], "message": str(e)})
-        elif kind == "abort":
-            out = self.core.abort(msg["rid"])
-            if out is not None:
-                self._send({"type": "outputs", "items": [out]})
-        elif kind == "call":
-            self._send({"type": "reply", "call_id": msg["call_id"], **self._call(msg)})
-        elif kind == "shutdown":
-            self.running = False
+    def handle(self, msg: Message) -> None:
+        """Dispatch one message from the frontend on its class."""
+        if isinstance(msg, EngineCall):
+            self._send(self._call(msg))
+            return
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            logger.error("dropped a %s message: the engine process does not take it", type(msg).__name__)
+            return
+        handler(msg)
 
-    def _call(self, msg: dict) -> dict:
-        """Synchronous calls from the frontend: server info, LoRA load/unload."""
+    def _generate(self, request: GenerateRequest) -> None:
         try:
-            method = getattr(self.core, "rpc_" + msg["method"])
-            return {"ok": True, "result": method(**msg.get("kwargs", {}))}
-        except Exception as e:
-            return {"ok": False, "message": str(e)}
+            self.core.add_request(request)
+        except ValueError as e:
+            self._send(RequestFailed(request.rid, str(e)))
 
-    def _send(self, msg: dict) -> None:
+    def _abort(self, msg: AbortRequest) -> None:
+        out = self.core.abort(msg.rid)
+        if out is not None:
+            self._send(EngineOutputs([out]))
+
+    def _shutdown(self, msg: ShutdownRequest) -> None:
+        self.running = False
+
+    def _call(self, call: EngineCall) -> CallReply:
+        """Synchronous calls from the frontend: server info, LoRA load/unload."""
+        method = self.calls.get(type(call))
+        if method is None:
+            return CallReply(call.call_id, ok=False, message=f"unknown engine call {type(call).__name__}")
+        try:
+            return CallReply(call.call_id, ok=True, result=method(call))
+        except Exception as e:
+            return CallReply(call.call_id, ok=False, message=str(e))
+
+    def _send(self, msg: Message) -> None:
         self.conn.send_bytes(encode(msg))

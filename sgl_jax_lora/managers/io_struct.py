@@ -1,24 +1,48 @@
-"""Messages between the frontend (TokenizerManager) and the engine process, and their wire encoding.
+"""Messages between the frontend (EngineClient) and the engine process, and their wire encoding.
 
-Flow: frontend -> engine: {"type": "generate", ...GenerateRequest}, {"type": "abort", "rid"},
-{"type": "server_info"}, {"type": "shutdown"} (and the LoRA calls); engine -> frontend: {"type": "ready"},
-{"type": "outputs", "items": [...]}, {"type": "error", "rid", "message"}, {"type": "reply", "call_id", ...}.
-Encoded with msgpack (plain data only: no pickle crosses the process boundary).
+Flow: every message is a dataclass here. The frontend sends GenerateRequest, AbortRequest, ShutdownRequest and
+the calls (EngineCall subclasses: ServerInfoCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall), each with
+the `call_id` its CallReply names; the engine process sends Ready or StartupError once, then EngineOutputs (one
+EngineOutput per request that advanced in a step), RequestFailed (a request refused or rejected) and CallReply.
+Both sides dispatch on the message's class (managers/engine_process.py, managers/engine_client.py).
+
+On the wire: msgpack of plain data, {"type": TAG, **fields} (nested dataclasses become maps); `decode` rebuilds
+the dataclass of TAG and refuses an unknown one (UnknownMessageError). No pickle crosses the process boundary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any, ClassVar
 
 import msgpack
 
+from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
+class UnknownMessageError(ValueError):
+    """Bytes from the other process that are not a message of this module."""
+
+
 @dataclasses.dataclass
-class GenerateRequest:
+class Message:
+    """Base of every message: `TAG` names its class on the wire."""
+
+    TAG: ClassVar[str] = ""
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> Message:
+        return cls(**fields)
+
+
+# ---- frontend -> engine --------------------------------------------------------------------------
+@dataclasses.dataclass
+class GenerateRequest(Message):
     """A tokenized request, as the engine process receives it."""
+
+    TAG: ClassVar[str] = "generate"
 
     rid: str
     input_ids: list[int]
@@ -31,22 +55,181 @@ class GenerateRequest:
     # queues by it, so a request that waited for its adapter to be registered keeps its place in line
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
-    def to_message(self) -> dict:
-        msg = dataclasses.asdict(self)
-        msg["type"] = "generate"
-        return msg
+    @classmethod
+    def from_fields(cls, fields: dict) -> GenerateRequest:
+        return cls(**{**fields, "sampling": SamplingParams(**fields["sampling"])})
+
+
+@dataclasses.dataclass
+class AbortRequest(Message):
+    """Stop a request (the client went away, or a stop string finished it in the frontend) and free its pages."""
+
+    TAG: ClassVar[str] = "abort"
+
+    rid: str
+
+
+@dataclasses.dataclass
+class ShutdownRequest(Message):
+    """Leave the engine loop; the process exits."""
+
+    TAG: ClassVar[str] = "shutdown"
+
+
+@dataclasses.dataclass
+class EngineCall(Message):
+    """A synchronous call: the engine answers with a CallReply of the same `call_id` (set by the EngineClient)."""
+
+    call_id: int = dataclasses.field(default=0, kw_only=True)
+
+
+@dataclasses.dataclass
+class ServerInfoCall(EngineCall):
+    TAG: ClassVar[str] = "server_info"
+
+
+@dataclasses.dataclass
+class LoadLoRACall(EngineCall):
+    """Register an adapter read from its PEFT directory."""
+
+    TAG: ClassVar[str] = "load_lora"
+
+    lora_id: str
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    confined: bool = False  # every file it opens must lie inside --lora-allowed-dirs
+
+
+@dataclasses.dataclass
+class LoadLoRATensorsCall(EngineCall):
+    """Register an adapter from memory (a safetensors-layout file in shared memory), or the next version of the
+    adapter `replaces` (its config kept when `config` is None)."""
+
+    TAG: ClassVar[str] = "load_lora_tensors"
+
+    ref: LoRARef
+    tensors_path: str
+    config: dict | None = None
+    replaces: str | None = None
 
     @classmethod
-    def from_message(cls, msg: dict) -> GenerateRequest:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in msg.items() if k in fields}
-        kwargs["sampling"] = SamplingParams(**msg["sampling"])
-        return cls(**kwargs)
+    def from_fields(cls, fields: dict) -> LoadLoRATensorsCall:
+        return cls(**{**fields, "ref": LoRARef(**fields["ref"])})
 
 
-def encode(message: dict) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+@dataclasses.dataclass
+class UnloadLoRACall(EngineCall):
+    TAG: ClassVar[str] = "unload_lora"
+
+    lora_id: str
 
 
-def decode(data: bytes) -> dict:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+# ---- engine -> frontend --------------------------------------------------------------------------
+@dataclasses.dataclass
+class Ready(Message):
+    """The engine is up: its server info (context length, vocabulary, adapters of --lora-paths) and process id."""
+
+    TAG: ClassVar[str] = "ready"
+
+    info: dict
+    pid: int
+
+
+@dataclasses.dataclass
+class StartupError(Message):
+    TAG: ClassVar[str] = "startup_error"
+
+    message: str
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """One request's increment from a step: its new tokens (and logprobs), counts, and the finish reason of the
+    increment's last token (None while it runs). Logprob entries are (logprob, token id, top list or None)."""
+
+    rid: str
+    new_ids: list[int]
+    new_output_logprobs: list
+    new_input_logprobs: list
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reason: dict | None = None
+
+
+@dataclasses.dataclass
+class EngineOutputs(Message):
+    TAG: ClassVar[str] = "outputs"
+
+    items: list[EngineOutput]
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> EngineOutputs:
+        return cls([EngineOutput(**item) for item in fields["items"]])
+
+
+@dataclasses.dataclass
+class RequestFailed(Message):
+    """A request the engine refused or could not serve (its adapter cannot be read, it can never fit)."""
+
+    TAG: ClassVar[str] = "error"
+
+    rid: str
+    message: str
+
+
+@dataclasses.dataclass
+class CallReply(Message):
+    """The answer to the EngineCall of `call_id`: its result, or (ok False) the message of its error."""
+
+    TAG: ClassVar[str] = "reply"
+
+    call_id: int
+    ok: bool
+    result: Any = None
+    message: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TAG: cls
+    for cls in (
+        GenerateRequest,
+        AbortRequest,
+        ShutdownRequest,
+        ServerInfoCall,
+        LoadLoRACall,
+        LoadLoRATensorsCall,
+        UnloadLoRACall,
+        Ready,
+        StartupError,
+        EngineOutputs,
+        RequestFailed,
+        CallReply,
+    )
+}
+
+
+def _plain(value: object) -> dict:
+    """msgpack's hook for a dataclass inside a message (fields as a map, one level; msgpack recurses)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"cannot send a {type(value).__name__} to the other process: send plain data or a dataclass")
+
+
+def encode(message: Message) -> bytes:
+    if type(message).TAG not in MESSAGE_TYPES:
+        raise UnknownMessageError(f"{type(message).__name__} is not a message of io_struct.py")
+    return msgpack.packb({"type": message.TAG, **_plain(message)}, use_bin_type=True, default=_plain)
+
+
+def decode(data: bytes) -> Message:
+    raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    tag = raw.pop("type", None) if isinstance(raw, dict) else None
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise UnknownMessageError(f"unknown message type {tag!r}; expected one of {sorted(MESSAGE_TYPES)}")
+    try:
+        return cls.from_fields(raw)
+    except TypeError as e:
+        raise UnknownMessageError(f"malformed {tag!r} message: {e}") from e

@@ -7,7 +7,7 @@ Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter ->
   resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
   operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
   on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
-  "load_lora" call -> registered.
+  LoadLoRACall to the engine -> registered.
 Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen characters) and the fix.
 """
 
@@ -21,13 +21,14 @@ from concurrent.futures import Executor
 from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, check_adapter_files, confined_dir, is_within, shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.registry import LoRARegistry
+from sgl_jax_lora.managers.io_struct import EngineCall, LoadLoRACall, UnloadLoRACall
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
 
-EngineCall = Callable[..., Awaitable[object]]  # TokenizerManager.call(method, **kwargs)
+CallEngine = Callable[[EngineCall], Awaitable[object]]  # TokenizerManager.call
 
 
 class LoRAFrontend:
-    def __init__(self, args: ServerArgs, model_path: str, call: EngineCall, executor: Executor):
+    def __init__(self, args: ServerArgs, model_path: str, call: CallEngine, executor: Executor):
         self.args = args
         self.registry = LoRARegistry()
         self.reserved_names = {served_model_name(args, model_path), model_path} | ({args.model_path} - {None})
@@ -103,17 +104,14 @@ class LoRAFrontend:
         await asyncio.get_running_loop().run_in_executor(self._executor, check_adapter_files, lora_name, real, allowed)
         ref = LoRARef(lora_name=lora_name, lora_path=real, pinned=bool(pinned), confined=not trusted)
         result = await self._call(
-            "load_lora",
-            lora_id=ref.lora_id,
-            lora_name=lora_name,
-            lora_path=real,
-            pinned=ref.pinned,
-            confined=ref.confined,
+            LoadLoRACall(
+                lora_id=ref.lora_id, lora_name=lora_name, lora_path=real, pinned=ref.pinned, confined=ref.confined
+            )
         )
         try:
             self.registry.register(ref, alias_ok=trusted)
         except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
-            await self._call("unload_lora", lora_id=ref.lora_id)
+            await self._call(UnloadLoRACall(ref.lora_id))
             raise
         return {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id, **result}
 
@@ -149,5 +147,5 @@ class LoRAFrontend:
         if not isinstance(lora_name, str):
             raise LoRAAdapterError("unload_lora_adapter needs 'lora_name' (a string)")
         ref = await self.registry.unregister(lora_name)
-        await self._call("unload_lora", lora_id=ref.lora_id)
+        await self._call(UnloadLoRACall(ref.lora_id))
         return {"lora_name": lora_name, "lora_id": ref.lora_id}

@@ -1,6 +1,9 @@
-"""The longest prompt text worth tokenizing: a bound checked before the tokenizer runs.
+"""Prompt limits: the context-length check and the longest prompt text worth tokenizing.
 
-Flow: TokenizerManager.__init__ computes `max_prompt_chars(tokenizer, context_length)` once; `tokenize` refuses a
+`check_context_length` is the one context-length check: the frontend runs it on every request it builds
+(TokenizerManager.build_request) and the engine again when it admits one (EngineCore.add_request, a last guard).
+
+TokenizerManager.__init__ computes `max_prompt_chars(tokenizer, context_length)` once; `tokenize` refuses a
 longer `text` before calling the tokenizer. Tokenizing runs on a frontend worker thread but its cost grows with
 the text: a 50 MB prompt took minutes of CPU on a 2-core machine (and held a worker the whole time) only to be
 refused for exceeding the context length afterwards.
@@ -14,9 +17,26 @@ tokenized and checked against the context length exactly, as before.
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NORMALIZER_SLACK = 4
+
+
+def check_context_length(num_prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    """Raise ValueError naming the fix unless the prompt and its max_new_tokens fit the context length."""
+    if num_prompt_tokens >= context_length:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens but the context length is {context_length}; shorten the prompt"
+        )
+    total = num_prompt_tokens + max_new_tokens
+    if total > context_length:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"context length {context_length}; lower max_new_tokens"
+        )
 
 
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, context_length: int) -> int:

@@ -1,6 +1,6 @@
 """RequestOutput: one request's result as the frontend builds it from the engine's increments.
 
-Flow: TokenizerManager.generate_request makes one per request; each {"type": "outputs"} item of that request goes
+Flow: TokenizerManager.generate_request makes one per request; each EngineOutput of that request (io_struct.py) goes
 through `add`, which appends its token ids and logprobs, grows the text (IncrementalDetokenizer) and returns the
 cumulative result dict ({"text", "output_ids", "meta_info"}).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
-from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
 from sgl_jax_lora.managers.stop_strings import StopStrings
 
 
@@ -37,19 +37,19 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, item: dict) -> None:
+    def add(self, item: EngineOutput) -> None:
         """Take one engine increment: new_ids, new_output_logprobs (one per id, or none), new_input_logprobs,
         finish_reason (the engine's, for the increment's last token)."""
-        finish = item["finish_reason"]
+        finish = item.finish_reason
         self.engine_finished = finish is not None
-        self.input_logprobs += item["new_input_logprobs"]
+        self.input_logprobs += item.new_input_logprobs
         if not self.stop_strings:
-            self.output_ids += item["new_ids"]
-            self.output_logprobs += item["new_output_logprobs"]
-            self.text = self.detokenizer.append(item["new_ids"], is_last=finish is not None)
+            self.output_ids += item.new_ids
+            self.output_logprobs += item.new_output_logprobs
+            self.text = self.detokenizer.append(item.new_ids, is_last=finish is not None)
             self.finish_reason = finish
             return
-        self._add_checking_stop_strings(item["new_ids"], item["new_output_logprobs"], finish)
+        self._add_checking_stop_strings(item.new_ids, item.new_output_logprobs, finish)
 
     def _add_checking_stop_strings(self, new_ids: list[int], new_logprobs: list, finish: dict | None) -> None:
         """Token by token, so that a stop string ends the output at the token that completes it."""
@@ -70,14 +70,14 @@ class RequestOutput:
             self.text = text
         self.finish_reason = finish
 
-    def result(self, request: GenerateRequest, item: dict) -> dict:
+    def result(self, request: GenerateRequest, item: EngineOutput) -> dict:
         """The cumulative result dict of `request` after `item`; token counts and logprobs are those of the (maybe
         cut) output."""
         meta = {
             "id": request.rid,
-            "prompt_tokens": item["prompt_tokens"],
+            "prompt_tokens": item.prompt_tokens,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": item["cached_tokens"],
+            "cached_tokens": item.cached_tokens,
             "finish_reason": self.finish_reason,
         }
         if request.return_logprob:

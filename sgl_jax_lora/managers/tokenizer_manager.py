@@ -1,24 +1,22 @@
 """TokenizerManager: the asyncio frontend of one engine: validate, tokenize, send, detokenize, stream.
 
 Flow:
-  Engine.generate / HTTP handler -> `generate_request(...)` (async generator)
-    -> validate + tokenize here -> {"type": "generate"} over the pipe to the engine process
-    <- {"type": "outputs"} read by a reader thread, routed to the request's asyncio queue
+  Engine.generate / HTTP handler -> managers/request_normalizer.py (prompts, per-prompt values, n, adapters)
+    -> `build_request` here: validate + tokenize -> GenerateRequest
+    -> `generate_request(request)` (async generator): EngineClient.send(GenerateRequest) over the pipe
+    <- EngineOutput items, routed by the EngineClient's reader thread to the request's asyncio queue
     -> cumulative result dicts ({"text", "output_ids", "meta_info"}) yielded per increment (request_output.py:
        detokenization and stop strings, which finish the request here and abort it in the engine).
-The engine process is spawned here; this process never imports JAX, so HTTP and tokenization never
-stall the device loop. Cancelling the generator (client disconnect) aborts the request in the engine.
+The EngineClient (managers/engine_client.py) spawns the engine process and owns its pipe; this process never
+imports JAX, so HTTP and tokenization never stall the device loop. Cancelling the generator (client disconnect)
+aborts the request in the engine. Adapters: names resolved and loaded on demand by managers/lora_frontend.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import itertools
 import logging
-import multiprocessing as mp
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,10 +29,16 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
-from sgl_jax_lora.managers.engine_process import run_engine_process
-from sgl_jax_lora.managers.io_struct import GenerateRequest, decode, encode
+from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError
+from sgl_jax_lora.managers.io_struct import (
+    EngineCall,
+    EngineOutput,
+    GenerateRequest,
+    LoadLoRATensorsCall,
+    UnloadLoRACall,
+)
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
-from sgl_jax_lora.managers.prompt_limits import max_prompt_chars
+from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
@@ -44,12 +48,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class RequestError(ValueError):
-    """A request was refused (bad input, or the engine could not serve it)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process exited."""
+__all__ = ["EngineDeadError", "RequestError", "TokenizerManager"]
 
 
 class TokenizerManager:
@@ -57,99 +56,39 @@ class TokenizerManager:
         self.args = args
         self.model_path = model_path
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
-        context = mp.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(
-            target=run_engine_process, args=(args.to_dict(), model_path, child_conn), daemon=True
-        )
-        self.process.start()
-        child_conn.close()
-        ready = self._wait_ready()
-        self.server_info = ready["info"]
+        self.client = EngineClient(args, model_path)  # spawns the engine; returns once it has compiled
+        self.server_info = self.client.server_info
         self.context_length = self.server_info["context_length"]
         self.max_total_tokens = self.server_info["max_total_tokens"]
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.context_length)  # longer texts cannot fit
-        self._queues: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
-        self._calls: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.is_dead = False
-        self._send_lock = threading.Lock()
         # per-request CPU work (JSON, tokenization, chat templates, adapter file checks) runs here, off the loop
         self.cpu_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="frontend-cpu")
         self.lora_frontend = LoRAFrontend(args, model_path, self.call, self.cpu_pool)
         for ref in self.server_info.get("loras", []):
             self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
-        self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by path
         self._update_locks = KeyedLocks()  # one update of an adapter at a time
         self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
 
-    def _wait_ready(self) -> dict:
-        try:
-            msg = decode(self._conn.recv_bytes())
-        except EOFError:
-            self.process.join(timeout=5)
-            raise EngineDeadError(f"engine process exited during startup (exit code {self.process.exitcode})") from None
-        if msg["type"] == "startup_error":
-            self.process.join(timeout=10)
-            raise RuntimeError(f"engine failed to start: {msg['message']}")
-        return msg
+    @property
+    def process(self):
+        """The engine process (multiprocessing.Process)."""
+        return self.client.process
+
+    @property
+    def is_dead(self) -> bool:
+        return self.client.is_dead
+
+    @is_dead.setter
+    def is_dead(self, value: bool) -> None:
+        self.client.is_dead = value
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Begin routing engine messages into `loop` (call once, from or for the serving loop)."""
-        self._loop = loop
-        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+        self.client.start(loop)
 
-    # ---- engine -> frontend ------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        while True:
-            try:
-                msg = decode(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._on_engine_death)
-                return
-            self._loop.call_soon_threadsafe(self._dispatch, msg)
-
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg["type"]
-        if kind == "outputs":
-            for item in msg["items"]:
-                queue = self._queues.get(item["rid"])
-                if queue is not None:
-                    queue.put_nowait(item)
-        elif kind == "error":
-            queue = self._queues.get(msg["rid"])
-            if queue is not None:
-                queue.put_nowait(RequestError(msg["message"]))
-        elif kind == "reply":
-            future = self._calls.pop(msg["call_id"], None)
-            if future is not None and not future.done():
-                future.set_result(msg)
-
-    def _on_engine_death(self) -> None:
-        self.is_dead = True
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError("engine process exited"))
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(EngineDeadError("engine process exited"))
-
-    def _send(self, msg: dict) -> None:
-        if self.is_dead:
-            raise EngineDeadError("engine process exited")
-        with self._send_lock:
-            self._conn.send_bytes(encode(msg))
-
-    async def call(self, method: str, **kwargs) -> object:
-        """A synchronous request to the engine process (server info, LoRA load/unload)."""
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        self._send({"type": "call", "call_id": call_id, "method": method, "kwargs": kwargs})
-        reply = await future
-        if not reply["ok"]:
-            raise RequestError(reply["message"])
-        return reply["result"]
+    async def call(self, call: EngineCall) -> object:
+        """A synchronous request to the engine process (ServerInfoCall, the LoRA calls) -> its result."""
+        return await self.client.call(call)
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
@@ -219,16 +158,10 @@ class TokenizerManager:
         outside = [t for t in sampling.logit_bias if t >= vocab]
         if outside:
             raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
-        if len(ids) >= self.context_length:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens but the context length is {self.context_length}; shorten the prompt"
-            )
-        total = len(ids) + sampling.max_new_tokens
-        if total > self.context_length:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} exceeds the "
-                f"context length {self.context_length}; lower max_new_tokens"
-            )
+        try:
+            check_context_length(len(ids), sampling.max_new_tokens, self.context_length)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(
                 f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
@@ -294,9 +227,7 @@ class TokenizerManager:
                 "(update_lora_adapter) or choose another lora_name"
             )
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        result = await self.call(
-            "load_lora_tensors", ref=dataclasses.asdict(ref), tensors_path=tensors.path, config=config
-        )
+        result = await self.call(LoadLoRATensorsCall(ref=ref, tensors_path=tensors.path, config=config))
         self.lora_registry.register(ref)
         return {**self._lora_summary(ref), **result}
 
@@ -314,11 +245,7 @@ class TokenizerManager:
                 )
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
             result = await self.call(
-                "load_lora_tensors",
-                ref=dataclasses.asdict(ref),
-                tensors_path=tensors.path,
-                config=config,
-                replaces=old.lora_id,
+                LoadLoRATensorsCall(ref=ref, tensors_path=tensors.path, config=config, replaces=old.lora_id)
             )
             self.lora_registry.replace(ref)
         task = asyncio.ensure_future(self._unload_when_drained(old))
@@ -333,7 +260,7 @@ class TokenizerManager:
     async def _unload_when_drained(self, old: LoRARef) -> None:
         await self.lora_registry.wait_drained(old.lora_id)
         if not self.is_dead:
-            await self.call("unload_lora", lora_id=old.lora_id)
+            await self.call(UnloadLoRACall(old.lora_id))
 
     def _check_lora_call(self, lora_name: str) -> None:
         if not self.args.enable_lora:
@@ -354,11 +281,10 @@ class TokenizerManager:
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished. A stop string
         finishes it here (managers/request_output.py); the engine, which may have decoded past it, is told to abort."""
-        queue: asyncio.Queue = asyncio.Queue()
         output = RequestOutput(self.tokenizer, request.sampling.skip_special_tokens, request.sampling.stop)
-        self._queues[request.rid] = queue
+        queue = self.client.open_stream(request.rid)
         try:
-            self._send(request.to_message())
+            self.client.send(request)
             while not output.finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -366,13 +292,13 @@ class TokenizerManager:
                 output.add(item)
                 yield self._result(request, output, item)
         finally:
-            self._queues.pop(request.rid, None)
+            self.client.close_stream(request.rid)
             if not output.engine_finished and not self.is_dead:  # stopped here, or the client went away
-                self._send({"type": "abort", "rid": request.rid})
+                self.client.abort(request.rid)
             if request.lora_id is not None:
                 self.lora_registry.release(request.lora_id)
 
-    def _result(self, request: GenerateRequest, output: RequestOutput, item: dict) -> dict:
+    def _result(self, request: GenerateRequest, output: RequestOutput, item: EngineOutput) -> dict:
         result = output.result(request, item)
         ref = self.lora_registry.ref_of(request.lora_id) if request.lora_id is not None else None
         if ref is not None:  # the adapter version that served the whole request
@@ -380,17 +306,8 @@ class TokenizerManager:
         return result
 
     def abort(self, rid: str) -> None:
-        self._send({"type": "abort", "rid": rid})
+        self.client.abort(rid)
 
     def shutdown(self) -> None:
-        if self.process.is_alive():
-            try:
-                self._send({"type": "shutdown"})
-            except (EngineDeadError, OSError):
-                pass
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout=5)
-        self._conn.close()
+        self.client.shutdown()
         self.cpu_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,7 @@
 """Parallel sampling: `n` samples of one prompt, as n engine requests (SGLang's and OpenAI's `n`).
 
-Where it sits: the request builders (POST /generate, the OpenAI routes, the offline Engine) expand each
-prompt into n copies before the requests are built; the engine never sees `n`. With a seed, copy j samples
+Where it sits: the request front door (managers/request_normalizer.py, for POST /generate, the OpenAI routes and
+the offline Engine) expands each prompt into n copies before the requests are built; the engine never sees `n`. With a seed, copy j samples
 with seed + j, so every sample is reproducible and is what a single request with that seed returns. Copies
 are prompt-major: prompt i's sample j is request i * n + j.
 """

@@ -208,7 +208,7 @@ def test_steps_without_adapter_tokens_run_the_lora_free_program(setup, disabled)
     outputs = []
     while core.scheduler.num_active:
         outputs += core.step()
-    assert [t for out in outputs for t in out["new_ids"]] == reference(base, None, ids, 3)[0]
+    assert [t for out in outputs for t in out.new_ids] == reference(base, None, ids, 3)[0]
 
 
 def test_tp4_equals_tp1_with_adapters(setup):
@@ -371,7 +371,7 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     while core.scheduler.num_active:
         outputs += core.step()
     assert core.lora.host_cache.stats.misses == misses  # the steps did not read the disk again
-    tokens = [t for out in outputs for t in out["new_ids"]]
+    tokens = [t for out in outputs for t in out.new_ids]
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
 
 
@@ -496,7 +496,7 @@ def test_adapter_whose_files_vanish_after_registration_fails_only_its_request(se
             break
     assert [rid for rid, _ in errors] == ["lora"]
     assert "adapter 'doomed'" in errors[0][1] and "adapter_model.safetensors" in errors[0][1]
-    base_tokens = [t for out in outputs if out["rid"] == "base" for t in out["new_ids"]]
+    base_tokens = [t for out in outputs if out.rid == "base" for t in out.new_ids]
     assert base_tokens == reference(base, None, prompt(5), 3)[0]
 
 

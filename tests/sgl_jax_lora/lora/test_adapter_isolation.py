@@ -64,8 +64,8 @@ def run(
     results = {rid: ([], []) for rid in requests}
     for _ in range(200):
         for out in core.step():
-            results[out["rid"]][0].extend(out["new_ids"])
-            results[out["rid"]][1].extend(lp for lp, _, _ in out["new_output_logprobs"])
+            results[out.rid][0].extend(out.new_ids)
+            results[out.rid][1].extend(lp for lp, _, _ in out.new_output_logprobs)
         assert not core.pop_request_errors()
         if not core.scheduler.num_active:
             return results

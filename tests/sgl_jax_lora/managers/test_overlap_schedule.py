@@ -64,12 +64,12 @@ class Run:
 
     def take(self, outputs: list[dict]) -> None:
         for out in outputs:
-            assert all(token >= 0 for token in out["new_ids"])  # real ids only: a token in flight is not sent
-            self.tokens.setdefault(out["rid"], []).extend(out["new_ids"])
-            self.logprobs.setdefault(out["rid"], []).extend(lp for lp, _, _ in out["new_output_logprobs"])
-            assert out["completion_tokens"] == len(self.tokens[out["rid"]])
-            if out["finish_reason"] is not None:
-                self.finish[out["rid"]] = out["finish_reason"]
+            assert all(token >= 0 for token in out.new_ids)  # real ids only: a token in flight is not sent
+            self.tokens.setdefault(out.rid, []).extend(out.new_ids)
+            self.logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_output_logprobs)
+            assert out.completion_tokens == len(self.tokens[out.rid])
+            if out.finish_reason is not None:
+                self.finish[out.rid] = out.finish_reason
 
     def step(self) -> None:
         self.take(self.core.step())
@@ -145,9 +145,9 @@ def test_abort_while_a_token_is_in_flight(model_dir):
     assert aborted.num_output_tokens == len(aborted.output_ids) + 1
     out = core.abort("aborted")
     run.take([out])
-    assert out["finish_reason"]["type"] == "abort"
+    assert out.finish_reason["type"] == "abort"
     assert run.tokens["aborted"] == aborted.output_ids  # what had landed, nothing in flight
-    assert out["completion_tokens"] == len(aborted.output_ids)
+    assert out.completion_tokens == len(aborted.output_ids)
     landed = list(aborted.output_ids)
     run.until_idle()
     assert aborted.output_ids == landed  # the token in flight was dropped when its step finished

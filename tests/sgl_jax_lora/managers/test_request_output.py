@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sgl_jax_lora.demo_model import demo_model_path
-from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
@@ -20,16 +20,18 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(demo_model_path(), local_files_only=True)
 
 
-def item(ids: list[int], finish: dict | None = None, with_logprobs: bool = True) -> dict:
+def item(ids: list[int], finish: dict | None = None, with_logprobs: bool = True) -> EngineOutput:
     logprobs = [(-0.5 - t / 1000, t, None) for t in ids] if with_logprobs else []
-    return {
-        "new_ids": ids,
-        "new_output_logprobs": logprobs,
-        "new_input_logprobs": [],
-        "prompt_tokens": 3,
-        "cached_tokens": 0,
-        "finish_reason": finish,
-    }
+    return EngineOutput(
+        rid="r",
+        new_ids=ids,
+        new_output_logprobs=logprobs,
+        new_input_logprobs=[],
+        prompt_tokens=3,
+        completion_tokens=len(ids),
+        cached_tokens=0,
+        finish_reason=finish,
+    )
 
 
 def completing_token(tokenizer, ids: list[int], stop: str) -> int:

@@ -47,8 +47,8 @@ def test_the_engine_loop_never_decodes(model_dir, monkeypatch):
     tokens, finish = {}, {}
     while core.scheduler.num_active:
         for out in core.step():
-            tokens.setdefault(out["rid"], []).extend(out["new_ids"])
-            finish[out["rid"]] = out["finish_reason"]
+            tokens.setdefault(out.rid, []).extend(out.new_ids)
+            finish[out.rid] = out.finish_reason
     assert finish["strings"] == {"type": "length", "length": 6}
     stop_id = tokens["strings"][2]
     core.add_request(
@@ -56,8 +56,8 @@ def test_the_engine_loop_never_decodes(model_dir, monkeypatch):
     )
     while core.scheduler.num_active:
         for out in core.step():
-            tokens.setdefault(out["rid"], []).extend(out["new_ids"])
-            finish[out["rid"]] = out["finish_reason"]
+            tokens.setdefault(out.rid, []).extend(out.new_ids)
+            finish[out.rid] = out.finish_reason
     first = tokens["strings"].index(stop_id)
     assert tokens["ids"] == tokens["strings"][: first + 1] and finish["ids"] == {"type": "stop", "matched": stop_id}
     assert core.scheduler.num_pages_held == 0

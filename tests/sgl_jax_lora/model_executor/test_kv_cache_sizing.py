@@ -81,7 +81,7 @@ def generate(core: EngineCore) -> list[int]:
     out = []
     while core.scheduler.num_active:
         for item in core.step():
-            out.extend(item["new_ids"])
+            out.extend(item.new_ids)
     return out
 
 

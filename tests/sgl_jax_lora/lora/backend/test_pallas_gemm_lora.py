@@ -257,7 +257,7 @@ def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) 
     logprobs: dict[str, list[float]] = {}
     while core.scheduler.num_active:
         for out in core.step():
-            logprobs.setdefault(out["rid"], []).extend(lp for lp, _, _ in out["new_input_logprobs"])
+            logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_input_logprobs)
     return [np.array(logprobs[str(i)][1:]) for i in range(len(PROMPTS))]  # the first prompt token has none
 
 

@@ -1,0 +1,182 @@
+"""EngineClient: the frontend's end of the engine process: spawns it, owns its pipe, routes what comes back.
+
+Flow: TokenizerManager builds one EngineClient, which spawns `run_engine_process` (managers/engine_process.py) and
+blocks until the engine answers Ready (its server info) or StartupError (raised here as RuntimeError; a process that
+dies first raises EngineDeadError). The engine process reports its own startup progress (compilation) on stderr.
+`start(loop)` starts the reader thread: each message from the engine (io_struct.py) is dispatched on its class in
+`loop` -- EngineOutputs items and RequestFailed go to the queue of their request (`open_stream`), a CallReply to
+the future of its `call`. When the pipe closes every open stream gets EngineDeadError and every pending call fails
+with it. `send` writes any frontend message (GenerateRequest, AbortRequest, ...); `shutdown` stops the process.
+This process never imports JAX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from collections.abc import Callable
+
+from sgl_jax_lora.managers.engine_process import run_engine_process
+from sgl_jax_lora.managers.io_struct import (
+    AbortRequest,
+    CallReply,
+    EngineCall,
+    EngineOutputs,
+    Message,
+    Ready,
+    RequestFailed,
+    ShutdownRequest,
+    StartupError,
+    decode,
+    encode,
+)
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request was refused (bad input, or the engine could not serve it)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process exited."""
+
+
+class EngineClient:
+    def __init__(self, args: ServerArgs, model_path: str, target: Callable = run_engine_process):
+        """Spawn `target(args_dict, model_path, conn)` (the engine process; tests give a stand-in) and wait for
+        it to be ready."""
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=target, args=(args.to_dict(), model_path, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        ready = self._wait_ready()
+        self.server_info: dict = ready.info  # as the engine reported it at startup
+        self.is_dead = False
+        self._streams: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+        self.handlers = {EngineOutputs: self._on_outputs, RequestFailed: self._on_failed, CallReply: self._on_reply}
+
+    def _wait_ready(self) -> Ready:
+        try:
+            msg = decode(self._conn.recv_bytes())
+        except EOFError:
+            self.process.join(timeout=5)
+            raise EngineDeadError(f"engine process exited during startup (exit code {self.process.exitcode})") from None
+        if isinstance(msg, StartupError):
+            self.process.join(timeout=10)
+            raise RuntimeError(f"engine failed to start: {msg.message}")
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"engine failed to start: it sent {type(msg).__name__} before Ready")
+        return msg
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin routing engine messages into `loop` (call once, from or for the serving loop)."""
+        self._loop = loop
+        threading.Thread(target=self._read_loop, name="engine-reader", daemon=True).start()
+
+    # ---- engine -> frontend ------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = decode(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                self._call_in_loop(self._on_engine_death)
+                return
+            if not self._call_in_loop(self.dispatch, msg):
+                return
+
+    def _call_in_loop(self, fn: Callable, *args: object) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the serving loop is closed: nobody is left to route to
+            return False
+        return True
+
+    def dispatch(self, msg: Message) -> None:
+        """Route one engine message (on the loop); a message the frontend does not take is logged and dropped."""
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            logger.error("the engine sent a %s message, which the frontend does not take", type(msg).__name__)
+            return
+        handler(msg)
+
+    def _on_outputs(self, msg: EngineOutputs) -> None:
+        for item in msg.items:
+            queue = self._streams.get(item.rid)
+            if queue is not None:
+                queue.put_nowait(item)
+
+    def _on_failed(self, msg: RequestFailed) -> None:
+        queue = self._streams.get(msg.rid)
+        if queue is not None:
+            queue.put_nowait(RequestError(msg.message))
+
+    def _on_reply(self, msg: CallReply) -> None:
+        future = self._calls.pop(msg.call_id, None)
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    def _on_engine_death(self) -> None:
+        self.is_dead = True
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError("engine process exited"))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("engine process exited"))
+
+    # ---- frontend -> engine ------------------------------------------------------------------
+    def open_stream(self, rid: str) -> asyncio.Queue:
+        """The queue that receives request `rid`'s EngineOutput items (or the exception that ends it)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        return queue
+
+    def close_stream(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    def send(self, msg: Message) -> None:
+        if self.is_dead:
+            raise EngineDeadError("engine process exited")
+        data = encode(msg)
+        with self._send_lock:
+            self._conn.send_bytes(data)
+
+    async def call(self, call: EngineCall) -> object:
+        """A synchronous request to the engine process (server info, LoRA load/unload) -> its result;
+        RequestError with the engine's message if it failed."""
+        call.call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call.call_id] = future
+        try:
+            self.send(call)
+        except BaseException:
+            self._calls.pop(call.call_id, None)
+            raise
+        reply: CallReply = await future
+        if not reply.ok:
+            raise RequestError(reply.message)
+        return reply.result
+
+    def abort(self, rid: str) -> None:
+        self.send(AbortRequest(rid))
+
+    def shutdown(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.send(ShutdownRequest())
+            except (EngineDeadError, OSError):
+                pass
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        self._conn.close()

@@ -1,0 +1,117 @@
+"""EngineLoop (managers/engine_process.py) dispatches each frontend message on its class, here against a stand-in
+EngineCore and a real pipe: a refused request answers RequestFailed, an abort its last EngineOutput, every call
+its EngineCore method's result (or error) in a CallReply of the same call_id, shutdown ends the loop; bytes of an
+unknown message are dropped, the loop keeps serving."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+import msgpack
+
+from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.managers.engine_process import EngineLoop
+from sgl_jax_lora.managers.io_struct import (
+    AbortRequest,
+    CallReply,
+    EngineOutput,
+    EngineOutputs,
+    GenerateRequest,
+    LoadLoRACall,
+    LoadLoRATensorsCall,
+    RequestFailed,
+    ServerInfoCall,
+    ShutdownRequest,
+    UnloadLoRACall,
+    decode,
+)
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+
+
+class FakeCore:
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.added: list[str] = []
+
+    def add_request(self, request: GenerateRequest) -> None:
+        if request.rid == "too-long":
+            raise ValueError("prompt has 300 tokens but the context length is 256; shorten the prompt")
+        self.added.append(request.rid)
+
+    def abort(self, rid: str) -> EngineOutput | None:
+        if rid != "running":
+            return None
+        return EngineOutput(rid, [7], [], [], 3, 1, 0, {"type": "abort", "message": "aborted by the client"})
+
+    def rpc_server_info(self) -> dict:
+        return {"context_length": 256}
+
+    def rpc_load_lora(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> dict:
+        self.calls.append(("load_lora", lora_id, lora_name, lora_path, pinned, confined))
+        return {"rank": 8, "target_modules": ["q_proj"]}
+
+    def rpc_load_lora_tensors(self, ref, tensors_path, config, replaces=None) -> dict:
+        self.calls.append(("load_lora_tensors", ref, tensors_path, config, replaces))
+        return {"rank": 4, "target_modules": ["v_proj"]}
+
+    def rpc_unload_lora(self, lora_id: str) -> dict:
+        raise ValueError(f"adapter {lora_id} is not loaded")
+
+
+def make_loop():
+    frontend, engine = mp.Pipe()
+    core = FakeCore()
+    return EngineLoop(core, engine), core, frontend
+
+
+def received(conn):
+    return decode(conn.recv_bytes()) if conn.poll(1) else None
+
+
+def test_requests_and_aborts():
+    loop, core, frontend = make_loop()
+    sampling = SamplingParams(max_new_tokens=2)
+    loop.handle(GenerateRequest(rid="ok", input_ids=[1], sampling=sampling))
+    loop.handle(GenerateRequest(rid="too-long", input_ids=[1], sampling=sampling))
+    assert core.added == ["ok"]
+    assert received(frontend) == RequestFailed(
+        "too-long", "prompt has 300 tokens but the context length is 256; shorten the prompt"
+    )
+    loop.handle(AbortRequest("running"))
+    outputs = received(frontend)
+    assert isinstance(outputs, EngineOutputs) and outputs.items[0].finish_reason["type"] == "abort"
+    loop.handle(AbortRequest("gone"))  # already finished: nothing to send
+    assert not frontend.poll(0.05)
+
+
+def test_calls_reach_their_method_and_reply_with_their_call_id():
+    loop, core, frontend = make_loop()
+    ref = LoRARef(lora_name="a", lora_path="", lora_id="id2", version=2)
+    loop.handle(ServerInfoCall(call_id=1))
+    loop.handle(LoadLoRACall("id1", "a", "/adapters/a", pinned=True, call_id=2))
+    loop.handle(LoadLoRATensorsCall(ref, "/dev/shm/a", None, replaces="id1", call_id=3))
+    loop.handle(UnloadLoRACall("id9", call_id=4))
+    replies = [received(frontend) for _ in range(4)]
+    assert replies == [
+        CallReply(1, ok=True, result={"context_length": 256}),
+        CallReply(2, ok=True, result={"rank": 8, "target_modules": ["q_proj"]}),
+        CallReply(3, ok=True, result={"rank": 4, "target_modules": ["v_proj"]}),
+        CallReply(4, ok=False, message="adapter id9 is not loaded"),
+    ]
+    assert core.calls == [
+        ("load_lora", "id1", "a", "/adapters/a", True, False),
+        ("load_lora_tensors", ref, "/dev/shm/a", None, "id1"),
+    ]
+
+
+def test_shutdown_and_unknown_messages(caplog):
+    loop, core, frontend = make_loop()
+    frontend.send_bytes(msgpack.packb({"type": "reboot"}))
+    frontend.send_bytes(msgpack.packb({"type": "abort", "rid": "gone"}))
+    with caplog.at_level(logging.ERROR):
+        loop._drain(block=False, timeout=0.5)
+    assert "unknown message type 'reboot'" in caplog.text
+    assert loop.running
+    loop.handle(ShutdownRequest())
+    assert not loop.running
