@@ -28,13 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
+from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
-from sgl_jax_lora.managers.schedule_batch import AdapterPlan, SlotWrite
 from sgl_jax_lora.model_executor.buckets import checked_buckets
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.req import Req
@@ -23,26 +24,6 @@ from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
 LoRABatchBuilder = Callable[[np.ndarray], LoRABatch | None]  # token slots [T] -> LoRABatch
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class SlotWrite:
-    """An adapter to write into a device slot before the planned step runs (the slot is already its in the slot
-    table: LoRAMemoryPool)."""
-
-    slot: int
-    lora_id: str
-    values: list[np.ndarray]  # the slot's arrays in the model dtype, made on the host while planning
-    host_s: float = 0.0  # seconds planning spent making them (part of the adapter's load latency)
-
-
-@dataclasses.dataclass
-class AdapterPlan:
-    """The adapters of the step being planned (LoRAManager.plan_step, then `reserve` for each request)."""
-
-    running: frozenset[str] = frozenset()  # adapters of requests already running: their slots stay put
-    adapters: set[str] = dataclasses.field(default_factory=set)  # adapters the step uses (base not counted)
-    slot_writes: list[SlotWrite] = dataclasses.field(default_factory=list)  # host -> device, applied before launch
 
 
 @dataclasses.dataclass

@@ -39,8 +39,9 @@ import bisect
 from collections import Counter, deque
 from typing import Protocol
 
+from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.req import Req
-from sgl_jax_lora.managers.schedule_batch import AdapterPlan, ScheduleBatch
+from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets

@@ -13,9 +13,9 @@ import collections
 import numpy as np
 import pytest
 
+from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.req import Req
-from sgl_jax_lora.managers.schedule_batch import AdapterPlan
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
