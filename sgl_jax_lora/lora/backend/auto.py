@@ -7,6 +7,11 @@ module and costs nothing at run time. The table comes from scripts/bench_lora_ke
 scripts/tune_gpu_sgmv.py and, for decode buckets, whole-model forwards (scripts/profile_step.py); the
 measurements behind it are in docs/benchmarks.md and the reasoning in docs/lora_backends.md. Platforms
 without measurements use the one-hot einsum baseline.
+
+Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
+one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
+it, else the plain LoRAMeta; `apply_packed` and `apply_with_base` go to the backend `chosen` for the module.
+What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 
 from __future__ import annotations
