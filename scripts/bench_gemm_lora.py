@@ -10,7 +10,7 @@ layer loop), and times, side by side in one process:
   engine's prefill with `--lora-fused-gemm-min-tokens 0`);
 - `fused`: the Pallas backend's `apply_with_base`: the SGMV shrink, the per-layer entry layout of s, and
   pallas_kernels/sgmv/gemm_lora_gpu.py (the GEMM with every part's expand inside), with the batch's entry table
-  built once for all layers, as the model builds it once per forward (the engine's prefill on Hopper GPUs);
+  built once for all layers, as the backend prepares it once per forward (the engine's prefill on Hopper GPUs);
 - `mosaic_base`: that GEMM kernel with no LoRA entries (its own base speed).
 
 Tokens are a prefill batch: `sequences` sequences of T / sequences tokens each, one adapter per sequence, held
@@ -25,6 +25,7 @@ Usage: python scripts/bench_gemm_lora.py --json out.json [--rows 0,1]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.sgmv.gemm_lora_gpu import build_entry_table, choose_gemm_lora_tiles, gemm_lora_gpu  # noqa: E402
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
-from sgl_jax_lora.lora.backend.pallas import PallasBackend  # noqa: E402
+from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, entry_table, prepare_on_host  # noqa: E402
 from sgl_jax_lora.lora.layer_stack import LayerStack  # noqa: E402
-from sgl_jax_lora.lora.lora_batch import build_lora_batch, with_entry_table  # noqa: E402
+from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 
 # Llama-3-8B modules: in, part widths
 MODULES = {
@@ -89,10 +90,11 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
     ranks = np.full(num_slots, rank, np.int32)
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
-    lora = build_lora_batch(token_slot, 1 << (sequences - 1).bit_length(), scale, ranks, gpu_block_rows(num_tokens))
-    lora = jax.tree_util.tree_map(jnp.asarray, lora)
+    lora = build_lora_batch(token_slot, 1 << (sequences - 1).bit_length(), scale, ranks)
+    # the Pallas GPU backend's metadata, its work list built on the host; and with the fused GEMM's entry table
+    lora = jax.tree_util.tree_map(jnp.asarray, prepare_on_host(lora, gpu_block_rows(num_tokens)))
     tiles = choose_gemm_lora_tiles(rank)
-    lora_fused = with_entry_table(lora, tiles.tile_m, sequences)
+    lora_fused = dataclasses.replace(lora, entries=entry_table(lora.batch, tiles.tile_m, sequences))
     keys = jax.random.split(jax.random.key(rank), 3 + num_parts)
 
     def normal(key, shape):
@@ -102,8 +104,8 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
     lora_a = normal(keys[1], (layers, num_slots, num_parts * rank, in_dim))
     lora_bs = tuple(normal(keys[3 + p], (layers, num_slots, width, rank)) for p, width in enumerate(widths))
     x = normal(keys[2], (num_tokens, in_dim))
-    sgmv_backend = PallasBackend(fused_gemm_min_tokens=0)
-    fused_backend = PallasBackend(fused_gemm_min_tokens=1)
+    sgmv_backend = PallasGPUBackend(fused_gemm_min_tokens=0)
+    fused_backend = PallasGPUBackend(fused_gemm_min_tokens=1)
 
     def views(layer, *stacks):
         return [LayerStack(s, jnp.int32(layer)) for s in stacks]
@@ -127,7 +129,9 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
         return outs
 
     def mosaic_base(x, w, lora_bs, lora):
-        table = build_entry_table(lora.token_slot, jnp.zeros_like(lora.slot_scale), tile_m=tiles.tile_m, max_entries=1)
+        table = build_entry_table(
+            lora.batch.token_slot, jnp.zeros_like(lora.batch.slot_scale), tile_m=tiles.tile_m, max_entries=1
+        )
         s = jnp.zeros((num_tokens, num_parts * rank), jnp.float32)
         return [gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(i), tiles=tiles) for i in range(layers)]
 

@@ -2,7 +2,8 @@
 
 For each (layer shape, rank, tokens T, distinct adapters n) it jits 16 unrolled layers with distinct
 weights (so the base weights stream from HBM, as in a real model) twice: base only (y = x @ W) and
-LoRA-wrapped (y = x @ W + backend.apply(x, A, B, lora), the add fused where the backend can). The row's
+LoRA-wrapped (y = x @ W + the LoRA by `backend.apply_packed` with the metadata of `backend.prepare`, built once
+per program as the engine does, the add fused where the backend can). The row's
 ratio is t_lora / t_base, measured side by side. Tokens are spread over the n adapters round-robin and then
 shuffled (so every adapter is present when T >= n); the slot pool holds max(8, n) adapters plus slot 0.
 
@@ -49,7 +50,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import CONCURRENT_GPU_KERNELS  # noqa: E402
@@ -96,9 +96,7 @@ def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, see
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
     num_segments = 1 << max(num_adapters - 1, 0).bit_length()
-    lora = build_lora_batch(
-        token_slot, num_segments, scale, ranks, gpu_block_rows(num_tokens)
-    )  # work list precomputed, shared by the layers (the engine builds it in jit)
+    lora = build_lora_batch(token_slot, num_segments, scale, ranks)
     return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
 
 
@@ -172,11 +170,13 @@ def base_layer(inp, res, w, a, b):
     return inp @ w if res is None else res + inp @ w
 
 
-def lora_layer(backend, lora):
+def lora_layer(backend, meta):
+    """A LoRA-wrapped layer; meta: `backend.prepare`'s metadata, shared by the layers (as in the engine)."""
+
     def layer(inp, res, w, a, b):
         if res is None:
-            return backend.apply(inp, a, b, lora, base_out=inp @ w)
-        return backend.apply(inp, a, b, lora, base_out=res) + inp @ w  # the delta into the residual
+            return backend.apply_packed(inp, a, (b,), meta, inp @ w, tp_size=1)
+        return backend.apply_packed(inp, a, (b,), meta, res, tp_size=1) + inp @ w  # the delta into the residual
 
     return layer
 
@@ -277,7 +277,8 @@ def run(args) -> list[dict]:
 
             def make_lora_fn(backend=backend):
                 def fn(x, r, ws, as_, bs, lora):
-                    return run_layers(lora_layer(backend, lora), x, r, ws, as_, bs)
+                    meta = backend.prepare(lora, num_seqs=x.shape[0])
+                    return run_layers(lora_layer(backend, meta), x, r, ws, as_, bs)
 
                 return jit(fn)
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pallas_kernels.sgmv import gpu as gpu_kernels  # noqa: E402
 from scripts.bench_lora_kernels import make_lora, time_fn  # noqa: E402
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
-from sgl_jax_lora.lora.backend import pallas as pallas_backend  # noqa: E402
+from sgl_jax_lora.lora.backend import pallas_gpu as pallas_backend  # noqa: E402
 from sgl_jax_lora.lora.layer_stack import LayerStack  # noqa: E402
 
 # module -> (in, part widths, row-parallel)
@@ -119,16 +119,15 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
 
     def lora_fn_for(backend):
         def lora_fn(x, ws, a_stack, b_stacks, lora):
+            meta = backend.prepare(lora, num_seqs=num_tokens)  # once per program, shared by the layers
             out = []
             for i, w in enumerate(ws):
                 layer = jnp.int32(i)
                 a = LayerStack(a_stack, layer)
                 bs = tuple(LayerStack(b, layer) for b in b_stacks)
-                if not backend.reads_stacked(num_tokens, lora.num_segments, sum(widths)):
-                    a, bs = a.sliced(), tuple(b.sliced() for b in bs)
                 out.append(
                     backend.apply_packed(
-                        x, a, bs, lora, x @ w, tp_size=1, input_sharded=row_parallel, output_sharded=not row_parallel
+                        x, a, bs, meta, x @ w, tp_size=1, input_sharded=row_parallel, output_sharded=not row_parallel
                     )
                 )
             return out

@@ -1,6 +1,6 @@
 """Base GEMM with the LoRA expand inside it, for prefill on Hopper GPUs (Pallas on Mosaic GPU).
 
-Where it sits: the Pallas LoRA backend's prefill path on Hopper GPUs (lora/backend/pallas.py `apply_with_base`,
+Where it sits: the Pallas LoRA backend's prefill path on Hopper GPUs (lora/backend/pallas_gpu.py `apply_with_base`,
 called by LoRALinear for prefill buckets from `--lora-fused-gemm-min-tokens` tokens), in place of XLA's
 `x @ W` followed by the SGMV expand. The shrink (s = x @ A[slot].T, which reads x once) stays the SGMV shrink
 kernel of `gpu.py`; this kernel computes, for each packed part p of the module (q|k|v, gate|up; one part

@@ -305,8 +305,8 @@ def _work_and_perm(
     num_tokens,
     block_rows,
 ) -> tuple[WorkList, jax.Array]:
-    """The precomputed work list and padded perm if given (built on the host with the step's LoRABatch for
-    these row tiles), else built here in jit."""
+    """The precomputed work list and padded perm if given (built once per step for these row tiles, by the
+    backend's `prepare` or on the host), else built here in jit."""
     if work is not None:
         return work, work_perm
     return make_work_list(seg_start, seg_slot, slot_rank, num_tokens, block_rows), padded_perm(
@@ -343,7 +343,7 @@ def sgmv_shrink_gpu_partials(
 
     rank_block: A's rows come in blocks of this size (R, or the per-part R of packed modules) and rows at or
     above the slot's rank within a block are skipped; None skips only rank-0 (base) slots.
-    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
+    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (the backend's PallasGPUMeta.work), else built here.
     """
     num_tokens, in_dim = x.shape
     _, layer_arg = layer_operand(lora_a, layer)
@@ -399,7 +399,7 @@ def sgmv_expand_gpu(
     the output: packed modules (q|k|v, gate|up) run one shrink on their stacked A and this one expand.
     Without base_out: [T, sum out_p]. With base_out: base_out's shape, each part's delta added into its
     columns in place (the other columns, and base tokens' rows, are not touched).
-    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (LoRABatch.work), else built here.
+    work, work_perm: the batch's work list for row tiles of `tiles.block_rows` (the backend's PallasGPUMeta.work), else built here.
     """
     if s_partials.ndim == 2:
         s_partials = s_partials[None]

@@ -7,9 +7,10 @@ adapter's weights once. The item count is static: a tile list of ceil(T / block_
 G - 1 segment boundaries gives at most num_tiles + G - 1 items; the unused tail items are empty (lo == hi)
 and repeat the last tile, so a TPU output block stays resident across them.
 
-The list can be built inside jit (`make_work_list`, a handful of small XLA ops per kernel call) or once per
-step on the host (`make_work_list_host`, numpy, identical values): the engine builds it with the step's
-LoRABatch, so the kernels of every layer share it and no per-call index ops run on the device.
+The list can be built inside jit (`make_work_list`, a handful of small XLA ops) or on the host
+(`make_work_list_host`, numpy, identical values): the engine's Pallas GPU backend builds it once per forward in
+its `prepare` (lora/backend/pallas_gpu.py), so the kernels of every layer share it and no per-call index ops run
+on the device.
 
 `layer_operand` is the other piece of metadata both kernels share: the layer index into the model's
 layer-stacked [L, A, ...] weight buffers, passed to the kernels as a [1] int32 array.

@@ -2,11 +2,12 @@
 
 Where it sits: the model keeps every LoRA buffer as one [L, A, ...] array (the decoder layers are vmapped).
 Its layer loop (models/llama.py) hands each layer a LayerStack(stack, layer) for the LoRA buffers instead of
-the [A, ...] slice that `lax.scan` would cut. LoRALinear then asks its backend whether it reads stacked
-buffers in place (`LoRABackend.reads_stacked`). The Pallas kernels do: the GPU ones offset their pointers by
-the layer index, the TPU ones scalar-prefetch it into their weight index maps, so no per-layer copy of the
-slot pool is made (a kernel call gets its operands as whole buffers, so a slice made outside it is a copy).
-Every other backend gets `sliced()`, a dynamic slice that XLA fuses into its consumers as before.
+the [A, ...] slice that `lax.scan` would cut, and LoRALinear passes them on to its backend as they are.
+Backends that read stacked buffers in place (`LoRABackend.reads_stacked`) take them whole: the Pallas kernels do,
+the GPU ones offsetting their pointers by the layer index, the TPU ones scalar-prefetching it into their weight
+index maps, so no per-layer copy of the slot pool is made (a kernel call gets its operands as whole buffers, so a
+slice made outside it is a copy). Every other backend takes `sliced()`, a dynamic slice that XLA fuses into its
+consumers.
 """
 
 from __future__ import annotations

@@ -8,11 +8,8 @@ Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exac
 Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments
 is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
 
-The batch may also carry the GPU SGMV kernels' work list (pallas_kernels/sgmv/work_list.py), so that no
-layer's kernel call rebuilds it: the model builds it once per forward inside jit (`with_work_list`, a few
-tiny device ops; no host time and no extra host->device transfers per step), or a caller may build it here
-on the host (`build_lora_batch(work_block_rows=...)`, numpy, same values). In prefill buckets that run the base
-GEMM with the LoRA inside it, the model adds that kernel's entry table the same way (`with_entry_table`).
+It is plain per-step data: no kernel's structures. Each backend turns it into its own metadata once per
+forward (`LoRABackend.prepare`, lora/backend/base.py), e.g. the Pallas GPU kernels' work list.
 """
 
 from __future__ import annotations
@@ -20,11 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-
-from pallas_kernels.sgmv.gemm_lora_gpu import EntryTable, build_entry_table
-from pallas_kernels.sgmv.work_list import WorkList, make_work_list, make_work_list_host, padded_perm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +28,6 @@ class LoRABatch:
     seg_slot: jax.Array  # [G] i32     slot of each segment; padded (empty) segments use slot 0
     slot_scale: jax.Array  # [A] f32   scaling of each slot's adapter (alpha/r, alpha/sqrt(r) with rslora); 0 for slot 0
     slot_rank: jax.Array  # [A] i32    true rank of each slot (<= max rank); 0 for slot 0 and empty slots
-    work: WorkList | None = None  # (row tile, segment) items for row tiles of `work_block_rows`
-    work_perm: jax.Array | None = None  # [T rounded up to work_block_rows] i32 sort_perm padded with T
-    work_block_rows: int = 0  # static; 0 = no precomputed work list
-    entries: EntryTable | None = None  # runs of one adapter per row tile, for the GEMM with the LoRA inside it
 
     @property
     def num_segments(self) -> int:
@@ -54,11 +43,8 @@ jax.tree_util.register_dataclass(
         "seg_slot",
         "slot_scale",
         "slot_rank",
-        "work",
-        "work_perm",
-        "entries",
     ],
-    meta_fields=["work_block_rows"],
+    meta_fields=[],
 )
 
 
@@ -67,14 +53,12 @@ def build_lora_batch(
     num_segments: int,
     slot_scale: np.ndarray,
     slot_rank: np.ndarray,
-    work_block_rows: int = 0,
 ) -> LoRABatch:
     """Host-side construction of a LoRABatch (numpy leaves).
 
     token_slot: [T] i32, already padded to the token bucket (padding tokens use slot 0).
     num_segments: G, the static segment bucket; must be >= the number of distinct slots in token_slot.
     slot_scale: [A] f32; slot_rank: [A] i32.
-    work_block_rows: > 0 also builds the kernels' work list for row tiles of this size.
     """
     token_slot = np.asarray(token_slot, dtype=np.int32)
     num_tokens = token_slot.shape[0]
@@ -98,10 +82,6 @@ def build_lora_batch(
     seg_slot = np.zeros((num_segments,), np.int32)
     seg_slot[:num_used] = slots
     slot_rank = np.array(slot_rank, np.int32)  # copies: a snapshot of the pool, which the next step may change
-    work, work_perm = None, None
-    if work_block_rows:
-        work = make_work_list_host(seg_start, seg_slot, slot_rank, num_tokens, work_block_rows)
-        work_perm = padded_perm(sort_perm, work_block_rows)
     return LoRABatch(
         token_slot=token_slot,
         sort_perm=sort_perm,
@@ -109,35 +89,4 @@ def build_lora_batch(
         seg_slot=seg_slot,
         slot_scale=np.array(slot_scale, np.float32),
         slot_rank=slot_rank,
-        work=work,
-        work_perm=work_perm,
-        work_block_rows=work_block_rows,
     )
-
-
-def with_work_list(lora: LoRABatch, block_rows: int) -> LoRABatch:
-    """The batch with the kernels' work list for row tiles of `block_rows`, built inside jit unless the batch
-    already carries one for those tiles (block_rows 0: the batch as it is)."""
-    if not block_rows or lora.work_block_rows == block_rows:
-        return lora
-    num_tokens = lora.token_slot.shape[0]
-    work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
-    return dataclasses.replace(
-        lora, work=work, work_perm=padded_perm(lora.sort_perm, block_rows, jnp), work_block_rows=block_rows
-    )
-
-
-def with_entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int) -> LoRABatch:
-    """The batch with the entry table of the GEMM that has the LoRA inside it (pallas_kernels/sgmv/gemm_lora_gpu.py),
-    built inside jit for row tiles of `tile_rows` (0: the batch as it is).
-
-    Its static size is a bound that holds for every extend batch of the bucket. An entry is a (row tile, run of
-    one adapter) pair. Each sequence's tokens are contiguous (managers/schedule_batch.py), so there are at most
-    `num_seqs` runs; a run meets one tile more than the tile boundaries it crosses, and each of the
-    T / tile_rows - 1 boundaries is crossed by one run at most: at most T / tile_rows + num_seqs - 1 entries."""
-    if not tile_rows:
-        return lora
-    num_tokens = lora.token_slot.shape[0]
-    max_entries = num_tokens // tile_rows + num_seqs - 1
-    table = build_entry_table(lora.token_slot, lora.slot_scale, tile_m=tile_rows, max_entries=max_entries)
-    return dataclasses.replace(lora, entries=table)

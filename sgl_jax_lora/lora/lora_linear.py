@@ -7,15 +7,18 @@ buffers (a donated, shape-stable update). At run time:
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part
       (backend.apply_packed: one shrink on the stacked A, one expand per part into the packed output)
 
-In prefill buckets where the backend runs the base GEMM with the LoRA inside it (`apply_with_base`, the
-Pallas backend on Hopper GPUs), y = that one kernel's output instead, for every module that fits it.
+with the step's backend metadata (`LoRAMeta`, built once per forward by the backend's `prepare`). When that
+metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
+in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
+fits it.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
 base GEMM (docs/architecture.md "GPU kernel scheduling").
 
 Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
-(lora/layer_stack.py); backends that read stacks in place get them as they are, the others one layer's slice.
+(lora/layer_stack.py) and go to the backend as they are: backends that read stacks in place do, the others
+take one layer's slice.
 
 Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):
     lora_a            [A, P*R, in]   P packed parts stacked along the rank axis (q|k|v or gate|up)
@@ -34,10 +37,9 @@ from flax import nnx
 
 from sgl_jax_lora.layers.linear import Linear, LinearAxes, base_product
 from sgl_jax_lora.lora.layer_stack import as_layer_array
-from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
-    from sgl_jax_lora.lora.backend.base import LoRABackend
+    from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
 
 
 class LoRAWeight(nnx.Variable):
@@ -90,26 +92,24 @@ class LoRALinear(Linear):
             b = jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)
             setattr(self, lora_b_name(name), LoRAWeight(b, logical_axes=("lora_slots", part_axis, "lora_rank")))
 
-    def __call__(
-        self, x: jax.Array, lora_batch: LoRABatch | None = None, residual: jax.Array | None = None
-    ) -> jax.Array:
+    def __call__(self, x: jax.Array, lora: LoRAMeta | None = None, residual: jax.Array | None = None) -> jax.Array:
         """x [T, in] -> [T, out] packed (+ residual [T, out]); the LoRA delta is exactly zero for slot-0 tokens.
 
         With `residual`, the delta is added into the residual rather than into the base output, and the
         base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
         result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
         """
-        if lora_batch is None:
+        if lora is None:
             return super().__call__(x, residual=residual)
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
-        if lora_batch.entries is not None:  # prefill: base GEMM and LoRA in one kernel, where the module fits it
+        if lora.runs_base_gemm:  # prefill: base GEMM and LoRA in one kernel, where the module fits it
             y = self.backend.apply_with_base(
                 x,
                 self.kernel.get_value(),
                 lora_a,
                 lora_bs,
-                lora_batch,
+                lora,
                 tp_size=self.tp_size,
                 input_sharded=self.row_parallel,
                 output_sharded=not self.row_parallel,
@@ -118,14 +118,12 @@ class LoRALinear(Linear):
                 y = y if self.bias is None else y + self.bias[...]
                 return y if residual is None else residual + y
         y = self.base(x)
-        if not self.backend.reads_stacked(x.shape[0], lora_batch.num_segments, sum(self.part_sizes)):
-            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
             x,
             lora_a,
             lora_bs,
-            lora_batch,
+            lora,
             target,
             tp_size=self.tp_size,
             input_sharded=self.row_parallel,

@@ -13,8 +13,6 @@ walks it).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,8 +21,8 @@ from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, wri
 from sgl_jax_lora.layers.linear import Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
+from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.layer_stack import LayerStack
-from sgl_jax_lora.lora.lora_batch import with_entry_table, with_work_list
 from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
@@ -118,12 +116,13 @@ class DecoderLayer(nnx.Module):
         self.down_proj = _make_linear("down_proj", mlp, (hidden,), tp_size, False, dtype, lora)
 
     def __call__(
-        self, hidden: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch
+        self, hidden: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch, lora: LoRAMeta | None
     ) -> tuple[jax.Array, KVCache]:
-        """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv."""
+        """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv. lora: the LoRA backend's
+        metadata for the step (None: no token uses an adapter)."""
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
-        qkv = self.qkv_proj(x, batch.lora)
+        qkv = self.qkv_proj(x, lora)
         q, k, v = split_packed(qkv, self.qkv_proj.part_sizes, self.tp_size)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -136,10 +135,10 @@ class DecoderLayer(nnx.Module):
         attn = paged_attention(
             q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5, self.attention_backend
         )
-        hidden = self.o_proj(attn.reshape(num_tokens, -1), batch.lora, residual=hidden)
+        hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)
-        gate, up = split_packed(self.gate_up_proj(x, batch.lora), self.gate_up_proj.part_sizes, self.tp_size)
-        hidden = self.down_proj(jax.nn.silu(gate) * up, batch.lora, residual=hidden)
+        gate, up = split_packed(self.gate_up_proj(x, lora), self.gate_up_proj.part_sizes, self.tp_size)
+        hidden = self.down_proj(jax.nn.silu(gate) * up, lora, residual=hidden)
         return hidden, KVCache(k=k_cache, v=v_cache)
 
 
@@ -157,7 +156,7 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: AttentionBackend = AttentionBackend(),
     ):
         self.config = cfg
-        self.lora_backend = lora.backend if lora is not None else None  # builds the kernels' work list per forward
+        self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
 
@@ -182,24 +181,20 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
         """-> (final-normed hidden [T, E], updated kv)."""
         hidden = self.embed_tokens(batch.input_ids)
-        fused_rows = 0
+        lora = None
         if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
-            num_tokens, num_segments = batch.lora.token_slot.shape[0], batch.lora.num_segments
-            block_rows = self.lora_backend.work_block_rows(num_tokens, num_segments)
-            fused_rows = self.lora_backend.fused_gemm_tile_rows(num_tokens, num_segments)
-            lora = with_entry_table(with_work_list(batch.lora, block_rows), fused_rows, batch.seq_lens.shape[0])
-            batch = dataclasses.replace(batch, lora=lora)
-        # LoRA buffers (and, for the GEMM with the LoRA inside it, the LoRA modules' base weights) stay whole
-        # [L, ...] arrays outside the scan: each layer gets LayerStack views (lora/layer_stack.py), so kernels
-        # that read the stack in place never copy a layer's slot pool or weight
-        stacked = (LoRAWeight, LoRABaseKernel) if fused_rows else LoRAWeight
+            lora = self.lora_backend.prepare(batch.lora, num_seqs=batch.seq_lens.shape[0])
+        # LoRA buffers (and, when the backend runs the base GEMM with the LoRA inside it, the LoRA modules' base
+        # weights) stay whole [L, ...] arrays outside the scan: each layer gets LayerStack views
+        # (lora/layer_stack.py), so kernels that read the stack in place never copy a layer's slot pool or weight
+        stacked = (LoRAWeight, LoRABaseKernel) if lora is not None and lora.runs_base_gemm else LoRAWeight
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
 
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
             views = jax.tree.map(lambda stack: LayerStack(stack, layer), stacked_state)
-            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch)
+            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

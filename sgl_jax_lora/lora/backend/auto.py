@@ -7,18 +7,22 @@ module and costs nothing at run time. The table comes from scripts/bench_lora_ke
 scripts/tune_gpu_sgmv.py and, for decode buckets, whole-model forwards (scripts/profile_step.py); the
 measurements behind it are in docs/benchmarks.md and the reasoning in docs/lora_backends.md. Platforms
 without measurements use the one-hot einsum baseline.
+
+Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
+one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
+it, else the plain LoRAMeta; `apply_packed` and `apply_with_base` go to the backend `chosen` for the module.
+What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from sgl_jax_lora.lora.backend.base import LoRABackend
+from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
-from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
 from sgl_jax_lora.lora.layer_stack import LayerStack, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
@@ -57,6 +61,9 @@ def _width(weight: jax.Array | LayerStack) -> int:
 
 
 class AutoBackend(LoRABackend):
+    """Delegates each module's call to the backend chosen for its bucket and width (`chosen`); its metadata is
+    the Pallas backend's when that backend runs any module of the bucket, else the plain LoRAMeta."""
+
     name = "auto"
 
     def __init__(self, mesh: Mesh | None = None, fused_gemm_min_tokens: int | None = None):
@@ -66,7 +73,7 @@ class AutoBackend(LoRABackend):
             "einsum": EinsumBackend(mesh),
             "bgmv": BgmvBackend(mesh),
             "sgmv": SgmvBackend(mesh),
-            "pallas": PallasBackend(mesh, fused_gemm_min_tokens=fused_gemm_min_tokens),
+            "pallas": make_pallas_backend(mesh, fused_gemm_min_tokens=fused_gemm_min_tokens),
         }
 
     def chosen(self, num_tokens: int, num_segments: int, out_features: int = 0) -> LoRABackend:
@@ -76,86 +83,55 @@ class AutoBackend(LoRABackend):
             return self.backends["pallas"]
         return self.backends[choose_backend_name(self.platform, num_tokens, num_segments, out_features)]
 
-    def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
-        return self.backends["pallas"].fused_gemm_tile_rows(num_tokens, num_segments)
-
-    def pick(self, num_tokens: int, lora: LoRABatch, out_features: int = 0) -> LoRABackend:
-        return self.chosen(num_tokens, lora.num_segments, out_features)
-
-    def work_block_rows(self, num_tokens: int, num_segments: int) -> int:
-        """The work list's row tile if the module of any width picks a backend that reads one."""
-        return max(
-            self.chosen(num_tokens, num_segments, width).work_block_rows(num_tokens, num_segments)
-            for width in (0, _ANY)
-        )
-
-    def reads_stacked(self, num_tokens: int, num_segments: int, out_features: int = 0) -> bool:
-        return self.chosen(num_tokens, num_segments, out_features).reads_stacked(num_tokens, num_segments, out_features)
-
-    def shrink(
-        self,
-        x: jax.Array,
-        lora_a: jax.Array,
-        lora: LoRABatch,
-        *,
-        input_sharded: bool = False,
-        rank_block: int | None = None,
-    ) -> jax.Array:
-        return self.pick(x.shape[0], lora).shrink(x, lora_a, lora, input_sharded=input_sharded, rank_block=rank_block)
-
-    def expand(
-        self, s: jax.Array, lora_b: jax.Array, lora: LoRABatch, *, output_sharded: bool = False, out_dtype: jnp.dtype
-    ) -> jax.Array:
-        return self.pick(s.shape[0], lora, _width(lora_b)).expand(
-            s, lora_b, lora, output_sharded=output_sharded, out_dtype=out_dtype
-        )
-
-    def apply(
-        self,
-        x: jax.Array,
-        lora_a: jax.Array,
-        lora_b: jax.Array,
-        lora: LoRABatch,
-        *,
-        input_sharded: bool = False,
-        output_sharded: bool = False,
-        base_out: jax.Array | None = None,
-    ) -> jax.Array:
-        return self.pick(x.shape[0], lora, _width(lora_b)).apply(
-            x, lora_a, lora_b, lora, input_sharded=input_sharded, output_sharded=output_sharded, base_out=base_out
-        )
-
-    def apply_with_base(self, x, kernel, lora_a, lora_bs, lora, *, tp_size, input_sharded=False, output_sharded=False):
-        return self.pick(x.shape[0], lora).apply_with_base(
-            x,
-            kernel,
-            lora_a,
-            lora_bs,
-            lora,
-            tp_size=tp_size,
-            input_sharded=input_sharded,
-            output_sharded=output_sharded,
-        )
+    def prepare(self, lora: LoRABatch, num_seqs: int) -> LoRAMeta:
+        num_tokens, num_segments = lora.token_slot.shape[0], lora.num_segments
+        pallas = self.backends["pallas"]
+        if any(self.chosen(num_tokens, num_segments, width) is pallas for width in (0, _ANY)):
+            return pallas.prepare(lora, num_seqs)
+        return LoRAMeta(lora)
 
     def apply_packed(
         self,
         x: jax.Array,
-        lora_a: jax.Array,
-        lora_bs: tuple[jax.Array, ...],
-        lora: LoRABatch,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
         base_out: jax.Array,
         *,
         tp_size: int,
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
-        out_features = sum(_width(b) for b in lora_bs)
-        return self.pick(x.shape[0], lora, out_features).apply_packed(
+        backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
+        return backend.apply_packed(
             x,
             lora_a,
             lora_bs,
-            lora,
+            meta,
             base_out,
+            tp_size=tp_size,
+            input_sharded=input_sharded,
+            output_sharded=output_sharded,
+        )
+
+    def apply_with_base(
+        self,
+        x: jax.Array,
+        kernel: jax.Array | LayerStack,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array | None:
+        return self.chosen(x.shape[0], meta.batch.num_segments).apply_with_base(
+            x,
+            kernel,
+            lora_a,
+            lora_bs,
+            meta,
             tp_size=tp_size,
             input_sharded=input_sharded,
             output_sharded=output_sharded,

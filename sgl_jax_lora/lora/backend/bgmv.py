@@ -10,11 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sgl_jax_lora.lora.backend.base import LoRABackend, dot_precision, expand_out_spec, shrink_out_spec
+from sgl_jax_lora.lora.backend.base import dot_precision
+from sgl_jax_lora.lora.backend.xla import XlaBackend, expand_out_spec, shrink_out_spec
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 
-class BgmvBackend(LoRABackend):
+class BgmvBackend(XlaBackend):
     name = "bgmv"
 
     def shrink(

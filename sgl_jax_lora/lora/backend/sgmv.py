@@ -18,8 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sgl_jax_lora.lora.backend.base import LoRABackend, dot_precision, expand_out_spec, shrink_out_spec
+from sgl_jax_lora.lora.backend.base import dot_precision
 from sgl_jax_lora.lora.backend.einsum import finite_or_zero
+from sgl_jax_lora.lora.backend.xla import XlaBackend, expand_out_spec, shrink_out_spec
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 METHODS = ("ragged", "segment_onehot")
@@ -49,7 +50,7 @@ def _unsort(values_sorted: jax.Array, lora: LoRABatch) -> jax.Array:
     return jnp.zeros_like(values_sorted).at[lora.sort_perm].set(values_sorted, unique_indices=True)
 
 
-class SgmvBackend(LoRABackend):
+class SgmvBackend(XlaBackend):
     name = "sgmv"
 
     def __init__(self, mesh=None, method: str | None = None):

@@ -17,6 +17,7 @@ from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_g
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
 from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import make_work_list, padded_perm
+from sgl_jax_lora.lora.backend.pallas_gpu import prepare_on_host
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
@@ -138,15 +139,15 @@ def test_host_work_list_matches_jit(num_tokens, num_segments, block_rows, num_sl
         num_segments,
         np.ones(6, np.float32),
         np.array([0, 4, 8, 16, 64, 64], np.int32),
-        block_rows,
     )
+    host = prepare_on_host(lora, block_rows)  # the GPU backend's metadata, built with numpy
     jitted = make_work_list(
         *(jnp.asarray(a) for a in (lora.seg_start, lora.seg_slot, lora.slot_rank)), num_tokens, block_rows
     )
     for field in ("tile", "slot", "row_lo", "row_hi", "rank", "is_first"):
-        assert np.array_equal(getattr(lora.work, field), np.asarray(getattr(jitted, field))), field
-    assert np.array_equal(lora.work_perm, np.asarray(padded_perm(jnp.asarray(lora.sort_perm), block_rows, jnp)))
-    assert lora.work_perm.shape[0] % block_rows == 0 and lora.work_block_rows == block_rows
+        assert np.array_equal(getattr(host.work, field), np.asarray(getattr(jitted, field))), field
+    assert np.array_equal(host.work_perm, np.asarray(padded_perm(jnp.asarray(lora.sort_perm), block_rows, jnp)))
+    assert host.work_perm.shape[0] % block_rows == 0 and host.work_block_rows == block_rows
 
 
 def test_reference_recovers_token_slots():
@@ -320,13 +321,13 @@ def test_gpu_expand_into_packed_columns_with_host_work_list():
     widths = [b.shape[1] for b in parts_b]
     base = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), jnp.float32)
     tiles = choose_tiles(num_tokens, case.lora.num_segments, None, 128)
-    host = build_lora_batch(
+    host_lora = build_lora_batch(
         np.asarray(case.lora.token_slot),
         case.lora.num_segments,
         np.asarray(case.lora.slot_scale),
         np.asarray(case.lora.slot_rank),
-        tiles.block_rows,
     )
+    host = prepare_on_host(host_lora, tiles.block_rows)
     y, col = base, 0
     for i, part_b in enumerate(parts_b):
         y = sgmv_expand_gpu(

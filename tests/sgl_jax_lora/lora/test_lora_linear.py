@@ -12,14 +12,14 @@ import pytest
 from sgl_jax_lora.layers.linear import LinearAxes
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
-from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.lora.lora_linear import LoRALinear, LoRAModelSpec
 
 BACKENDS = {
     "einsum": lambda: EinsumBackend(None),
     "bgmv": lambda: BgmvBackend(None),
-    "pallas_gpu": lambda: PallasBackend(None, kernel="gpu", interpret=True),
+    "pallas_gpu": lambda: PallasGPUBackend(None, interpret=True),
 }
 NUM_TOKENS, IN_DIM, OUT_DIM, MAX_RANK, NUM_SLOTS = 24, 64, 32, 16, 4
 
@@ -46,6 +46,11 @@ def make_layer(backend, seed: int = 0) -> LoRALinear:
     return layer
 
 
+def prepared(layer: LoRALinear, lora):
+    """The step's metadata from the layer's backend, as the model's forward builds it."""
+    return layer.backend.prepare(lora, num_seqs=NUM_TOKENS)
+
+
 def make_batch(seed: int = 1):
     rng = np.random.default_rng(seed)
     token_slot = rng.integers(0, NUM_SLOTS, NUM_TOKENS).astype(np.int32)
@@ -61,8 +66,10 @@ def make_batch(seed: int = 1):
 def test_residual_form_equals_adding_the_residual(name):
     layer = make_layer(BACKENDS[name]())
     x, residual, lora = make_batch()
-    expected = np.asarray(residual) + np.asarray(layer(x, lora))
-    np.testing.assert_allclose(np.asarray(layer(x, lora, residual=residual)), expected, rtol=1e-5, atol=1e-4)
+    expected = np.asarray(residual) + np.asarray(layer(x, prepared(layer, lora)))
+    np.testing.assert_allclose(
+        np.asarray(layer(x, prepared(layer, lora), residual=residual)), expected, rtol=1e-5, atol=1e-4
+    )
     without_lora = np.asarray(residual) + np.asarray(layer.base(x))
     np.testing.assert_allclose(np.asarray(layer(x, None, residual=residual)), without_lora, rtol=1e-6)
 
@@ -94,7 +101,7 @@ def test_row_parallel_lora_kernels_do_not_wait_for_the_base_gemm():
     # the GPU may run them beside it; without it, the expand adds into the GEMM's output and must wait
     layer = make_layer(BACKENDS["pallas_gpu"]())
     x, residual, lora = make_batch()
-    with_residual = jax.make_jaxpr(lambda x, r: layer(x, lora, residual=r))(x, residual).jaxpr
-    into_base = jax.make_jaxpr(lambda x: layer(x, lora))(x).jaxpr
+    with_residual = jax.make_jaxpr(lambda x, r: layer(x, prepared(layer, lora), residual=r))(x, residual).jaxpr
+    into_base = jax.make_jaxpr(lambda x: layer(x, prepared(layer, lora)))(x).jaxpr
     assert kernels_after_base_gemm(into_base) >= 1
     assert kernels_after_base_gemm(with_residual) == 0

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
@@ -63,7 +63,7 @@ def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: in
         lora = LoRAModelSpec(
             num_slots=NUM_SLOTS,
             max_rank=MAX_RANK,
-            backend=PallasBackend(mesh, kernel="tpu", interpret=False),
+            backend=PallasTPUBackend(mesh, interpret=False),
             target_modules=frozenset(LORA_TARGETS),
         )
     graphdef, state = load_model_state(

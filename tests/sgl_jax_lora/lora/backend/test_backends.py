@@ -14,12 +14,16 @@ from pallas_kernels.sgmv.work_list import gpu_block_rows
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend import BACKEND_NAMES, LoRABackend, make_lora_backend
 from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name
+from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
-from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
+from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, prepare_on_host
+from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
 from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+from tests.support.lora_backends import apply, expand, resolved, shrink
 
 # Max |out - ref| relative to max |ref|, per dtype. bf16: bf16 inputs/outputs and s rounded to bf16 before
 # the expand matmul (every backend does this), ~2^-8 relative per element.
@@ -30,8 +34,8 @@ BACKENDS = {
     "bgmv": lambda mesh: BgmvBackend(mesh),
     "sgmv_ragged": lambda mesh: SgmvBackend(mesh, method="ragged"),
     "sgmv_onehot": lambda mesh: SgmvBackend(mesh, method="segment_onehot"),
-    "pallas_gpu": lambda mesh: PallasBackend(mesh, kernel="gpu", interpret=True),
-    "pallas_tpu": lambda mesh: PallasBackend(mesh, kernel="tpu", interpret=True),
+    "pallas_gpu": lambda mesh: PallasGPUBackend(mesh, interpret=True),
+    "pallas_tpu": lambda mesh: PallasTPUBackend(mesh, interpret=True),
     "auto": lambda mesh: AutoBackend(mesh),
 }
 
@@ -78,23 +82,23 @@ def assert_close(out, ref, dtype):
 def check_backend(backend: LoRABackend, inputs, dtype):
     x, lora_a, lora_b, lora = inputs
     s_ref, y_ref = reference(*inputs)
-    s = backend.shrink(x, lora_a, lora)
+    s = shrink(backend, x, lora_a, lora)
     assert s.dtype == jnp.float32
     assert_close(s, s_ref, dtype)
-    y_expand = backend.expand(s_ref, lora_b, lora, out_dtype=x.dtype)
+    y_expand = expand(backend, s_ref, lora_b, lora, out_dtype=x.dtype)
     assert y_expand.dtype == x.dtype
     assert_close(
         y_expand,
         sgmv_expand_ref(s_ref, lora_b, lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank, x.dtype),
         dtype,
     )
-    y = backend.apply(x, lora_a, lora_b, lora)
+    y = apply(backend, x, lora_a, lora_b, lora)
     assert y.dtype == x.dtype
     assert_close(y, y_ref, dtype)
     is_base = np.asarray(lora.token_slot) == 0
     assert np.all(np.asarray(s)[is_base] == 0.0) and np.all(np.asarray(y, np.float32)[is_base] == 0.0)
     base_out = jnp.full((x.shape[0], lora_b.shape[1]), 0.5, x.dtype)
-    y_fused = backend.apply(x, lora_a, lora_b, lora, base_out=base_out)
+    y_fused = apply(backend, x, lora_a, lora_b, lora, base_out=base_out)
     assert_close(y_fused, np.asarray(y_ref, np.float32) + 0.5, dtype)
     assert np.all(np.asarray(y_fused, np.float32)[is_base] == 0.5)
 
@@ -116,7 +120,7 @@ def test_a_poisoned_slot_changes_no_other_slots_tokens(name, poison):
     poisoned_a = lora_a.at[2, 0, :7].set(poison)
     poisoned_b = lora_b.at[2, :5, 0].set(poison)
     base_out = jnp.full((x.shape[0], lora_b.shape[1]), 0.5, x.dtype)
-    y = np.asarray(BACKENDS[name](None).apply(x, poisoned_a, poisoned_b, lora, base_out=base_out))
+    y = np.asarray(apply(BACKENDS[name](None), x, poisoned_a, poisoned_b, lora, base_out=base_out))
     others = np.asarray(lora.token_slot) != 2
     assert others.sum() > 0 and (~others).sum() > 0
     assert np.all(np.isfinite(y[others]))
@@ -144,12 +148,12 @@ def test_one_token(name):
 @pytest.mark.parametrize("name", PURE_JAX + ["pallas_gpu"])
 def test_all_base_batch(name):
     x, lora_a, lora_b, lora = make_inputs(3, all_base=True)
-    y = BACKENDS[name](None).apply(x, lora_a, lora_b, lora)
+    y = apply(BACKENDS[name](None), x, lora_a, lora_b, lora)
     assert np.all(np.asarray(y) == 0.0)
 
 
 def packed_inputs(seed, *, num_tokens, dtype, block_rows=0, in_dim=128, widths=(256, 128, 128)):
-    """q|k|v-like packed module: A of the parts stacked along R, parts of different widths."""
+    """q|k|v-like packed module: A of the parts stacked along R, parts of different widths; its LoRA metadata."""
     rng = np.random.default_rng(seed)
     ranks = np.array((0, 4, 8, 16), np.int32)
     max_rank, num_parts = 16, len(widths)
@@ -163,10 +167,12 @@ def packed_inputs(seed, *, num_tokens, dtype, block_rows=0, in_dim=128, widths=(
     )
     token_slot = rng.integers(0, 4, num_tokens).astype(np.int32)
     scale = np.where(ranks > 0, 2.0 / np.maximum(ranks, 1), 0.0).astype(np.float32)
-    lora = jax.tree_util.tree_map(jnp.asarray, build_lora_batch(token_slot, 4, scale, ranks, block_rows))
+    lora = build_lora_batch(token_slot, 4, scale, ranks)
+    # block_rows: the Pallas GPU kernels' work list built on the host; else the kernels build theirs in jit
+    meta = jax.tree_util.tree_map(jnp.asarray, prepare_on_host(lora, block_rows) if block_rows else LoRAMeta(lora))
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), dtype)
     base_out = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), dtype)
-    return x, jnp.asarray(lora_a, dtype), lora_bs, lora, base_out
+    return x, jnp.asarray(lora_a, dtype), lora_bs, meta, base_out
 
 
 @pytest.mark.parametrize("block_rows", [0, 16], ids=["jit_work_list", "host_work_list"])
@@ -175,11 +181,12 @@ def test_apply_packed_adds_every_part_in_place(name, block_rows):
     if block_rows and not name.startswith("pallas"):
         pytest.skip("only the Pallas GPU kernels read the host work list")
     dtype = jnp.float32
-    x, lora_a, lora_bs, lora, base_out = packed_inputs(5, num_tokens=24, dtype=dtype, block_rows=block_rows)
-    meta = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
-    s = sgmv_shrink_ref(x, lora_a, *meta, rank_block=16) * lora.slot_scale[lora.token_slot][:, None]
-    deltas = [sgmv_expand_ref(s[:, 16 * i : 16 * (i + 1)], b, *meta, dtype) for i, b in enumerate(lora_bs)]
-    y = BACKENDS[name](None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    x, lora_a, lora_bs, meta, base_out = packed_inputs(5, num_tokens=24, dtype=dtype, block_rows=block_rows)
+    lora = meta.batch
+    segments = (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+    s = sgmv_shrink_ref(x, lora_a, *segments, rank_block=16) * lora.slot_scale[lora.token_slot][:, None]
+    deltas = [sgmv_expand_ref(s[:, 16 * i : 16 * (i + 1)], b, *segments, dtype) for i, b in enumerate(lora_bs)]
+    y = BACKENDS[name](None).apply_packed(x, lora_a, lora_bs, meta, base_out, tp_size=1)
     assert y.dtype == base_out.dtype
     assert_close(y, base_out + jnp.concatenate(deltas, axis=1), dtype)
     is_base = np.asarray(lora.token_slot) == 0
@@ -190,20 +197,20 @@ def test_apply_packed_adds_every_part_in_place(name, block_rows):
 def test_pallas_gpu_apply_packed_delta_and_in_place_agree(in_place):
     # decode buckets of narrow column-parallel modules (q|k|v) return the delta for XLA to add; the others add
     # it into the base output in place; both give base_out + delta, base rows untouched
-    backend = PallasBackend(None, kernel="gpu", interpret=True)
+    backend = PallasGPUBackend(None, interpret=True)
     assert backend.returns_delta(64, 6144, input_sharded=False)
     assert not backend.returns_delta(256, 6144, input_sharded=False)  # prefill-sized bucket
     assert not backend.returns_delta(64, 28672, input_sharded=False)  # gate|up
     assert not backend.returns_delta(64, 4096, input_sharded=True)  # row-parallel: into the residual
-    assert not PallasBackend(None, kernel="tpu", interpret=True).returns_delta(64, 6144, input_sharded=False)
+    assert not PallasTPUBackend(None, interpret=True).returns_delta(64, 6144, input_sharded=False)
     if in_place:
         backend.DELTA_MAX_WIDTH = 0
-    x, lora_a, lora_bs, lora, base_out = packed_inputs(12, num_tokens=24, dtype=jnp.float32, block_rows=16)
+    x, lora_a, lora_bs, meta, base_out = packed_inputs(12, num_tokens=24, dtype=jnp.float32, block_rows=16)
     assert backend.returns_delta(24, 512, input_sharded=False) != in_place
-    y = jax.jit(lambda *a: backend.apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)
-    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    y = jax.jit(lambda *a: backend.apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, meta, base_out)
+    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, meta, base_out, tp_size=1)
     assert_close(y, expected, jnp.float32)
-    is_base = np.asarray(lora.token_slot) == 0
+    is_base = np.asarray(meta.batch.token_slot) == 0
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base_out)[is_base]), "base rows must be untouched"
 
 
@@ -220,14 +227,15 @@ def test_apply_packed_reads_one_layer_of_stacked_buffers(name):
     x, lora_a, lora_bs, lora, base_out = packed_inputs(7, num_tokens=24, dtype=jnp.float32, block_rows=16)
     backend = BACKENDS[name](None)
     expected = backend.apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
+    chosen = resolved(backend, 24, lora.batch, 512)
     layer = jnp.int32(2)
     a_view = LayerStack(stack_layers(lora_a, 4, 2), layer)
     b_views = tuple(LayerStack(stack_layers(b, 4, 2), layer) for b in lora_bs)
-    assert backend.reads_stacked(24, lora.num_segments, 512) == name.startswith("pallas")
+    assert chosen.reads_stacked == name.startswith("pallas")
 
     @jax.jit
     def run(x, a_view, b_views, lora, base_out):
-        if not backend.reads_stacked(24, lora.num_segments, 512):
+        if not chosen.reads_stacked:  # slicing here or in the backend is the same
             return backend.apply_packed(
                 x, a_view.sliced(), tuple(b.sliced() for b in b_views), lora, base_out, tp_size=1
             )
@@ -251,7 +259,7 @@ def test_apply_packed_any_projection_size(name, widths):
     b_views = tuple(LayerStack(stack_layers(b, 3, 1), layer) for b in lora_bs)
     y = jax.jit(lambda *a: backend.apply_packed(*a, tp_size=1))(x, a_view, b_views, lora, base_out)
     assert_close(y, expected, jnp.float32)
-    is_base = np.asarray(lora.token_slot) == 0
+    is_base = np.asarray(lora.batch.token_slot) == 0
     assert np.array_equal(np.asarray(y)[is_base], np.asarray(base_out)[is_base]), "base rows must be untouched"
 
 
@@ -270,7 +278,7 @@ def test_pallas_apply_packed_on_device(num_tokens, widths):
         widths=widths,
     )
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, base_out, tp_size=1)
-    y = jax.jit(lambda *a: PallasBackend(None).apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)
+    y = jax.jit(lambda *a: make_pallas_backend(None).apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, lora, base_out)
     assert_close(y, expected, dtype)
 
 
@@ -302,14 +310,14 @@ def test_sharded_matches_unsharded(mesh, name, layer):
     lora_s = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
 
     @jax.jit
-    def apply(x, lora_a, lora_b, lora):
-        s = backend.shrink(x, lora_a, lora, input_sharded=is_row)
+    def run(x, lora_a, lora_b, lora):
+        s = shrink(backend, x, lora_a, lora, input_sharded=is_row)
         s = s * lora.slot_scale[lora.token_slot][:, None]
-        y_two_step = backend.expand(s, lora_b, lora, output_sharded=not is_row, out_dtype=x.dtype)
-        y_fused = backend.apply(x, lora_a, lora_b, lora, input_sharded=is_row, output_sharded=not is_row)
+        y_two_step = expand(backend, s, lora_b, lora, output_sharded=not is_row, out_dtype=x.dtype)
+        y_fused = apply(backend, x, lora_a, lora_b, lora, input_sharded=is_row, output_sharded=not is_row)
         return y_two_step, y_fused
 
-    for y in apply(x_s, a_s, b_s, lora_s):
+    for y in run(x_s, a_s, b_s, lora_s):
         assert_close(y, y_ref, jnp.float32)
 
 
@@ -341,7 +349,7 @@ def test_apply_packed_sharded_matches_unsharded(mesh, name, layer):
     def run(x, a_stack, b_stacks, lora, base_out):
         layer_index = jnp.int32(1)
         a, bs = LayerStack(a_stack, layer_index), tuple(LayerStack(b, layer_index) for b in b_stacks)
-        if not backend.reads_stacked(24, lora.num_segments, base_out.shape[1]):
+        if not resolved(backend, 24, lora.batch, base_out.shape[1]).reads_stacked:
             a, bs = a.sliced(), tuple(b.sliced() for b in bs)
         return backend.apply_packed(
             x, a, bs, lora, base_out, tp_size=4, input_sharded=is_row, output_sharded=not is_row
@@ -388,7 +396,14 @@ def test_auto_choice_is_static_per_bucket():
     assert choose_backend_name("gpu", 16, 4, 4096) == "bgmv"
     auto = AutoBackend(None)
     auto.platform = "gpu"  # the table, not the machine: which tile the engine builds and what LoRALinear passes
-    assert auto.work_block_rows(64, 32) == gpu_block_rows(64)
-    assert auto.work_block_rows(16, 8) == 0
-    assert auto.reads_stacked(64, 32, 28672) and auto.reads_stacked(64, 32, 4096)
-    assert not auto.reads_stacked(16, 8, 4096)
+    assert work_block_rows(auto, 64, 32) == gpu_block_rows(64)
+    assert work_block_rows(auto, 16, 8) == 0
+    assert auto.chosen(64, 32, 28672).reads_stacked and auto.chosen(64, 32, 4096).reads_stacked
+    assert not auto.chosen(16, 8, 4096).reads_stacked
+
+
+def work_block_rows(backend, num_tokens: int, num_segments: int) -> int:
+    """The row tile of the work list in the metadata `backend.prepare` builds for a bucket (0: none)."""
+    lora = build_lora_batch(np.zeros(num_tokens, np.int32), num_segments, np.zeros(4, np.float32), np.zeros(4))
+    meta = backend.prepare(jax.tree_util.tree_map(jnp.asarray, lora), num_seqs=num_tokens)
+    return meta.work_block_rows if isinstance(meta, PallasGPUMeta) else 0

@@ -1,10 +1,10 @@
 """Prefill with the base GEMM and the LoRA in one kernel, as the Pallas backend and the model run it
-(PallasBackend.apply_with_base; pallas_kernels/sgmv/gemm_lora_gpu.py).
+(PallasGPUBackend.apply_with_base; pallas_kernels/sgmv/gemm_lora_gpu.py).
 
 On CPU the backend computes that path with the kernel's pure-JAX reference of the same entry layout
 (`gemm_lora_entries_ref`), so what is checked here is everything around the kernel: which buckets and modules
 take it, packed parts, layer stacks read in place, tensor parallelism (the row-parallel delta added on one
-shard), the entry table the model builds per forward, and the engine's outputs against the SGMV path. On a
+shard), the entry table the backend prepares per forward, and the engine's outputs against the SGMV path. On a
 Hopper GPU the same tests run the Mosaic GPU kernel itself.
 """
 
@@ -20,13 +20,14 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import sgl_jax_lora.lora.backend.pallas as pallas_module
+import sgl_jax_lora.lora.backend.pallas_gpu as pallas_module
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend.auto import AutoBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
-from sgl_jax_lora.lora.backend.pallas import PallasBackend
+from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
+from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, entry_table
 from sgl_jax_lora.lora.layer_stack import LayerStack
-from sgl_jax_lora.lora.lora_batch import build_lora_batch, with_entry_table
+from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.slow
 
 def module_inputs(seed, *, num_tokens=256, in_dim=128, widths=(512, 256, 256), rank=16, seq_lens=(40, 100, 60, 30)):
     """A packed module's x, W, A (parts stacked along R) and B per part, and a prefill batch of sequences whose
-    tokens are contiguous (slot 0 = base, padding at the end), with its entry table."""
+    tokens are contiguous (slot 0 = base, padding at the end), as backend metadata with its entry table."""
     rng = np.random.default_rng(seed)
     num_slots, num_parts = 4, len(widths)
     ranks = np.array([0, rank, rank // 2, rank], np.int32)
@@ -54,8 +55,8 @@ def module_inputs(seed, *, num_tokens=256, in_dim=128, widths=(512, 256, 256), r
     token_slot = np.zeros(num_tokens, np.int32)
     token_slot[: sum(seq_lens)] = np.repeat(seq_slots, seq_lens)
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
-    lora = build_lora_batch(token_slot, 8, scale, ranks, work_block_rows=0)
-    lora = with_entry_table(jax.tree_util.tree_map(jnp.asarray, lora), 128, len(seq_lens))
+    lora = jax.tree_util.tree_map(jnp.asarray, build_lora_batch(token_slot, 8, scale, ranks))
+    lora = PallasGPUMeta(lora, entries=entry_table(lora, 128, len(seq_lens)))
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((in_dim, sum(widths))) * 0.1, jnp.bfloat16)
     return x, w, jnp.asarray(lora_a, jnp.bfloat16), lora_bs, lora
@@ -83,8 +84,8 @@ def assert_close(y, expected):
     assert np.abs(y - expected).max() <= 1e-2 * np.abs(expected).max()  # bf16 output, s rounded to bf16
 
 
-def fused_backend(mesh=None) -> PallasBackend:
-    return PallasBackend(mesh, fused_gemm_min_tokens=256)
+def fused_backend(mesh=None) -> PallasGPUBackend:
+    return PallasGPUBackend(mesh, fused_gemm_min_tokens=256)
 
 
 @pytest.mark.parametrize("stacked", ["arrays", "layer_stacks", "a_too_large_for_int32_offsets"])
@@ -102,7 +103,7 @@ def test_apply_with_base_equals_base_gemm_plus_lora(stacked, monkeypatch):
     y = jax.jit(lambda *a: fused_backend().apply_with_base(*a, tp_size=1))(x, w, lora_a, lora_bs, lora)
     assert y.shape == expected.shape and y.dtype == jnp.bfloat16
     assert_close(y, expected)
-    is_base = np.asarray(lora.token_slot) == 0  # base rows: x @ W alone
+    is_base = np.asarray(lora.batch.token_slot) == 0  # base rows: x @ W alone
     assert_close(y[is_base], base_product(x, as_array(w))[is_base])
 
 
@@ -176,21 +177,27 @@ def test_which_buckets_take_the_fused_gemm():
     backend = fused_backend()
     assert [backend.fused_gemm_tile_rows(t, 4) for t in (128, 256, 320, 384, 2048)] == [0, 128, 0, 128, 128]
     on_hopper = pallas_module._is_hopper(None)
-    assert PallasBackend(None).fused_gemm_tile_rows(4096, 4) == (128 if on_hopper else 0)  # default: Hopper GPUs only
-    assert PallasBackend(None).fused_gemm_tile_rows(256, 4) == 0  # default: from 512 tokens
-    assert PallasBackend(None, fused_gemm_min_tokens=0).fused_gemm_tile_rows(4096, 4) == 0
+    assert make_pallas_backend(None).fused_gemm_tile_rows(4096, 4) == (128 if on_hopper else 0)  # Hopper GPUs only
+    assert make_pallas_backend(None).fused_gemm_tile_rows(256, 4) == 0  # default: from 512 tokens
+    assert make_pallas_backend(None, fused_gemm_min_tokens=0).fused_gemm_tile_rows(4096, 4) == 0
     auto = AutoBackend(None, fused_gemm_min_tokens=256)
-    assert auto.fused_gemm_tile_rows(2048, 2) == 128 and auto.chosen(2048, 2, 512) is auto.backends["pallas"]
+    pallas = auto.backends["pallas"]
+    assert pallas.fused_gemm_tile_rows(2048, 2) == 128 and auto.chosen(2048, 2, 512) is pallas
+    # the step's metadata carries the entry table in those buckets only, and then the layers hand over W
+    for num_tokens, fused in ((2048, True), (320, False)):
+        lora = build_lora_batch(np.zeros(num_tokens, np.int32), 2, np.zeros(2, np.float32), np.zeros(2, np.int32))
+        meta = auto.prepare(jax.tree_util.tree_map(jnp.asarray, lora), num_seqs=4)
+        assert meta.runs_base_gemm == fused and (getattr(meta, "entries", None) is not None) == fused
 
 
 def test_entry_bound_holds_for_the_worst_prefill_batch():
-    """with_entry_table sizes the table for the bucket (T / 128 + S - 1): S sequences that each cross row tile
+    """entry_table sizes the table for the bucket (T / 128 + S - 1): S sequences that each cross row tile
     boundaries in the worst places fill it exactly, and no entry is dropped."""
     num_tokens, seq_lens = 512, (100, 100, 100, 212)  # every tile boundary falls inside a sequence
     token_slot = np.zeros(num_tokens, np.int32)
     token_slot[: sum(seq_lens)] = np.repeat([1, 2, 1, 2], seq_lens)
     lora = build_lora_batch(token_slot, 4, np.array([0, 1, 1], np.float32), np.array([0, 16, 16], np.int32))
-    table = with_entry_table(jax.tree_util.tree_map(jnp.asarray, lora), 128, len(seq_lens)).entries
+    table = entry_table(jax.tree_util.tree_map(jnp.asarray, lora), 128, len(seq_lens))
     assert table.max_entries == 512 // 128 + 4 - 1
     assert int(table.entry_start[-1]) == table.max_entries
 

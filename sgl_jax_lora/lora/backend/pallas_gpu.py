@@ -1,0 +1,275 @@
+"""PallasGPUBackend: the Triton SGMV kernels (pallas_kernels/sgmv/gpu.py) and, in prefill on Hopper GPUs, the
+Mosaic GPU GEMM with the LoRA inside it (pallas_kernels/sgmv/gemm_lora_gpu.py), behind the backend interface.
+
+Where it sits: `--lora-backend pallas` off TPU (make_pallas_backend, lora/backend/pallas.py, which also holds
+the sharding and the `apply_packed` both Pallas backends share); on CPU its kernels run in interpret mode.
+What exists here: `PallasGPUMeta` (the step's metadata), `PallasGPUBackend`, `entry_table` and
+`prepare_on_host` (the same metadata built with numpy, for tests and benchmarks).
+
+Metadata (`prepare`, once per forward inside jit, a few tiny device ops): the kernels' work list for the token
+bucket's row tiles (pallas_kernels/sgmv/work_list.py), shared by every layer's kernels; and in the prefill
+buckets that take the fused GEMM (`fused_gemm_tile_rows`), that kernel's entry table (`runs_base_gemm`).
+
+Rank awareness: the kernels mask A rows above each slot's rank, and B columns from the rank rounded up to 8, out
+of their loads (those bytes are never read) and read nothing for base segments. Projection sizes: any; the
+kernels mask their last `in` / `out` block past sizes no block divides.
+
+`apply_packed` fuses the whole LoRA: the shrink partials go straight into the expand kernel, which sums them,
+applies the slot scale and adds into the (packed) base output in place; a packed module (q|k|v, gate|up) is one
+shrink launch plus one expand launch for all its parts, with no XLA op between them, except that in decode
+buckets q|k|v's expand writes its delta for XLA to add (`returns_delta`).
+
+Prefill on Hopper GPUs (`apply_with_base`): from `--lora-fused-gemm-min-tokens` tokens (default
+FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its base GEMM and every part's expand in one Mosaic
+GPU kernel after the SGMV shrink; the model hands over the module's base weight as a layer-stack view. A module
+that kernel cannot take (its tiles, rank or dtype) gets None from `apply_with_base` and runs the base GEMM and
+the SGMV kernels. Elsewhere a positive flag value runs that path with the kernel's pure-JAX reference (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    EntryTable,
+    GemmLoraTiles,
+    build_entry_table,
+    check_gemm_lora_shapes,
+    choose_gemm_lora_tiles,
+    gemm_lora_gpu,
+)
+from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
+from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, make_work_list_host, padded_perm
+from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRAMeta
+from sgl_jax_lora.lora.backend.pallas import (
+    IN_SPLIT_A,
+    IN_SPLIT_X,
+    OUT_SPLIT_B,
+    OUT_SPLIT_Y,
+    REPLICATED,
+    PallasBackend,
+    stacked_spec,
+)
+from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array, layer_shape
+from sgl_jax_lora.lora.lora_batch import LoRABatch
+
+_IN_SPLIT_W = P(TENSOR_AXIS, None)  # base weight [in, out] of a row-parallel layer
+_OUT_SPLIT_W = P(None, TENSOR_AXIS)  # ... of a column-parallel layer
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasGPUMeta(LoRAMeta):
+    work: WorkList | None = None  # (row tile, segment) items for row tiles of `work_block_rows`
+    work_perm: jax.Array | None = None  # [T rounded up to work_block_rows] i32 sort_perm padded with T
+    work_block_rows: int = 0  # static; 0 = no precomputed work list (the kernels build theirs)
+    entries: EntryTable | None = None  # runs of one adapter per row tile, for the GEMM with the LoRA inside it
+
+    @property
+    def runs_base_gemm(self) -> bool:
+        return self.entries is not None
+
+
+jax.tree_util.register_dataclass(
+    PallasGPUMeta, data_fields=["batch", "work", "work_perm", "entries"], meta_fields=["work_block_rows"]
+)
+
+
+def entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int) -> EntryTable:
+    """The entry table of the GEMM that has the LoRA inside it, for row tiles of `tile_rows`, built inside jit.
+
+    Its static size is a bound that holds for every extend batch of the bucket. An entry is a (row tile, run of
+    one adapter) pair. Each sequence's tokens are contiguous (managers/schedule_batch.py), so there are at most
+    `num_seqs` runs; a run meets one tile more than the tile boundaries it crosses, and each of the
+    T / tile_rows - 1 boundaries is crossed by one run at most: at most T / tile_rows + num_seqs - 1 entries."""
+    max_entries = lora.token_slot.shape[0] // tile_rows + num_seqs - 1
+    return build_entry_table(lora.token_slot, lora.slot_scale, tile_m=tile_rows, max_entries=max_entries)
+
+
+def prepare_on_host(lora: LoRABatch, block_rows: int) -> PallasGPUMeta:
+    """The work list of `prepare` for row tiles of `block_rows`, built with numpy from a host LoRABatch (same
+    values; tests and benchmarks)."""
+    seg_start, seg_slot, slot_rank = (np.asarray(a) for a in (lora.seg_start, lora.seg_slot, lora.slot_rank))
+    work = make_work_list_host(seg_start, seg_slot, slot_rank, lora.token_slot.shape[0], block_rows)
+    work_perm = padded_perm(np.asarray(lora.sort_perm), block_rows)
+    return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows)
+
+
+def _is_hopper(mesh: Mesh | None) -> bool:
+    """Whether the devices are CUDA GPUs of compute capability 9.x (WGMMA and TMA: the Mosaic GPU GEMM)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
+
+
+def _work(meta: LoRAMeta, block_rows: int) -> tuple:
+    """The step's precomputed (work list, padded perm) when built for these row tiles, else (None, None)."""
+    if isinstance(meta, PallasGPUMeta) and meta.work is not None and meta.work_block_rows == block_rows:
+        return meta.work, meta.work_perm
+    return None, None
+
+
+def _segments(meta: LoRAMeta) -> tuple[jax.Array, ...]:
+    lora = meta.batch
+    return (lora.sort_perm, lora.seg_start, lora.seg_slot, lora.slot_rank)
+
+
+class PallasGPUBackend(PallasBackend):
+    native_platforms = ("gpu", "cuda")
+    # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
+    DELTA_MAX_TOKENS = 128
+    DELTA_MAX_WIDTH = 16384
+    # prefill buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; measured from 512
+    # (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
+    FUSED_GEMM_MIN_TOKENS = 512
+
+    def __init__(
+        self, mesh: Mesh | None = None, interpret: bool | None = None, fused_gemm_min_tokens: int | None = None
+    ):
+        """fused_gemm_min_tokens: the least prefill bucket that runs the base GEMM with the LoRA inside it (0:
+        none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
+        path computes with the kernel's pure-JAX reference."""
+        super().__init__(mesh, interpret)
+        has_gemm_kernel = not self.interpret and _is_hopper(mesh)
+        if fused_gemm_min_tokens is None:
+            fused_gemm_min_tokens = self.FUSED_GEMM_MIN_TOKENS if has_gemm_kernel else 0
+        self.fused_gemm_min_tokens = fused_gemm_min_tokens
+        self.fused_gemm_reference = not has_gemm_kernel
+
+    def prepare(self, lora: LoRABatch, num_seqs: int) -> PallasGPUMeta:
+        num_tokens = lora.token_slot.shape[0]
+        block_rows = gpu_block_rows(num_tokens)
+        work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
+        work_perm = padded_perm(lora.sort_perm, block_rows, jnp)
+        tile_rows = self.fused_gemm_tile_rows(num_tokens, lora.num_segments)
+        entries = entry_table(lora, tile_rows, num_seqs) if tile_rows else None
+        return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows, entries=entries)
+
+    def returns_delta(self, num_tokens: int, out_width: int, input_sharded: bool) -> bool:
+        """Decode buckets (up to DELTA_MAX_TOKENS tokens) of column-parallel modules up to DELTA_MAX_WIDTH output
+        columns (q|k|v): XLA splits these GEMMs along K, and an in-place expand, which needs the GEMM's result,
+        makes XLA finish the split-K sum in a kernel of its own; a delta lets that sum fuse with the add into the
+        consumers (docs/lora_backends.md "Delta or in place")."""
+        return not input_sharded and num_tokens <= self.DELTA_MAX_TOKENS and out_width <= self.DELTA_MAX_WIDTH
+
+    def fits_stacks(self, buffers: tuple[LayerStack, ...]) -> bool:
+        """Whether the Triton kernels' int32 offsets reach every layer of these stacks."""
+        return all(fits_stacked_offsets(w.stack.shape) for w in buffers)
+
+    def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
+        tile_m = GemmLoraTiles.tile_m
+        if self.fused_gemm_min_tokens and num_tokens >= self.fused_gemm_min_tokens and num_tokens % tile_m == 0:
+            return tile_m
+        return 0
+
+    # -- per-shard kernels -----------------------------------------------------------------------------------
+
+    def _local_shrink_partials(
+        self, x: jax.Array, lora_a: jax.Array, meta: LoRAMeta, rank_block: int | None, layer: jax.Array | None = None
+    ) -> jax.Array:
+        tiles = choose_tiles(x.shape[0], meta.batch.num_segments, x.shape[1], None)
+        return sgmv_shrink_gpu_partials(
+            x,
+            lora_a,
+            *_segments(meta),
+            *_work(meta, tiles.block_rows),
+            layer,
+            tiles=tiles,
+            rank_block=rank_block,
+            interpret=self.interpret,
+        )
+
+    def _local_expand(
+        self,
+        s: jax.Array,
+        lora_bs: tuple[jax.Array, ...],
+        meta: LoRAMeta,
+        scale: jax.Array | None,
+        base_out: jax.Array | None,
+        out_dtype: jnp.dtype,
+        layer: jax.Array | None = None,
+    ) -> jax.Array:
+        """One launch for every part."""
+        tiles = choose_tiles(s.shape[-2], meta.batch.num_segments, None, tuple(b.shape[-2] for b in lora_bs))
+        return sgmv_expand_gpu(
+            s,
+            lora_bs,
+            *_segments(meta),
+            scale,
+            base_out,
+            *_work(meta, tiles.block_rows),
+            layer,
+            out_dtype=out_dtype,
+            tiles=tiles,
+            interpret=self.interpret,
+        )
+
+    # -- the base GEMM with the LoRA inside it (prefill) ---------------------------------------------------------
+
+    def _fused_gemm_tiles(
+        self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, meta: LoRAMeta
+    ) -> GemmLoraTiles | None:
+        """The kernel's tiles when this module fits the fused GEMM, else None."""
+        if not meta.runs_base_gemm or x.dtype != jnp.bfloat16:
+            return None
+        try:
+            tiles = choose_gemm_lora_tiles(rank)
+            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles)
+        except ValueError:
+            return None
+        return tiles if meta.entries.tile_m == tiles.tile_m else None
+
+    def apply_with_base(
+        self,
+        x: jax.Array,
+        kernel: jax.Array | LayerStack,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+        input_sharded: bool = False,
+        output_sharded: bool = False,
+    ) -> jax.Array | None:
+        """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
+        into the GEMM's accumulator. Row-parallel layers (`input_sharded` over several devices) add the delta on
+        the first shard only, before the all-reduce of the partial outputs."""
+        rank = layer_shape(lora_bs[0])[-1]
+        in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
+        widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
+        tiles = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta)
+        if tiles is None:
+            return None
+        weights = (kernel, *lora_bs)  # read by the GEMM kernel, at any size
+        if all(isinstance(w, LayerStack) for w in weights):
+            layer, stacks = kernel.layer, tuple(w.stack for w in weights)
+        else:  # unstacked callers: stacks of one layer
+            layer, stacks = jnp.zeros((), jnp.int32), tuple(as_layer_array(w)[None] for w in weights)
+        if isinstance(lora_a, LayerStack) and fits_stacked_offsets(lora_a.stack.shape):
+            a_layer, a_stack = lora_a.layer, lora_a.stack
+        else:  # the Triton shrink's int32 offsets cannot reach every layer of this stack: its layer's slice
+            a_layer, a_stack = jnp.zeros((), jnp.int32), as_layer_array(lora_a)[None]
+        is_split = self._is_split(input_sharded)
+
+        def local(x, w, lora_a, meta, layers, *lora_bs):
+            layer, a_layer = layers[0], layers[1]
+            s = self._local_shrink_partials(x, lora_a, meta, rank, a_layer).sum(0)
+            table = meta.entries
+            if is_split:
+                s = jax.lax.psum(s, TENSOR_AXIS)
+                is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
+                table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
+            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, tiles=tiles, reference=self.fused_gemm_reference)
+            return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
+
+        x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)
+        w_spec = _IN_SPLIT_W if input_sharded else _OUT_SPLIT_W if output_sharded else REPLICATED
+        b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
+        specs = (x_spec, stacked_spec(w_spec, True), stacked_spec(a_spec, True), REPLICATED, REPLICATED)
+        specs += (stacked_spec(b_spec, True),) * len(lora_bs)
+        layers = jnp.stack([layer, a_layer]).astype(jnp.int32)
+        return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, meta, layers, *stacks[1:])
