@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 
-from pallas_kernels.sgmv.gemm_lora_gpu import EntryTable
-from pallas_kernels.sgmv.work_list import WorkList
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
@@ -109,8 +107,6 @@ _DATACLASSES = {
         ForwardBatch,
         LoRABatch,
         SamplingBatch,
-        WorkList,
-        EntryTable,
         LogitAdjustments,
     )
 }

@@ -37,7 +37,7 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.managers.engine_process import enable_compilation_cache
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
-from sgl_jax_lora.model_executor.model_runner import warmup_compile_threads
+from sgl_jax_lora.model_executor.padding_batches import warmup_compile_threads
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.server_args import ServerArgs
 

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,7 +34,18 @@ from sgl_jax_lora.mem_cache.kv_cache import KVCache, abstract_kv_cache, allocate
 from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-from sgl_jax_lora.model_executor.step_memory import StepMemory, measure_step_memory
+from sgl_jax_lora.model_executor.padding_batches import (
+    padding_forward_batch,
+    padding_sampling_batch,
+    warmup_compile_threads,
+)
+from sgl_jax_lora.model_executor.step_memory import (
+    StepMemory,
+    check_kv_fits,
+    device_memory,
+    kv_tokens_from_memory,
+    measure_step_memory,
+)
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
@@ -47,16 +57,6 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
 KV_ALLOCATION_ATTEMPTS = 8  # a cache sized from memory shrinks this many times at most before startup fails
 KV_SHRINK_FACTOR = 0.9
-
-
-def device_memory() -> tuple[int, int] | None:
-    """(bytes the allocator may use, bytes in use) on the first device; None where the platform does not say
-    (CPU)."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return None
-    stats = device.memory_stats() or {}
-    return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if stats.get("bytes_limit") else None
 
 
 class ModelRunner:
@@ -220,46 +220,20 @@ class ModelRunner:
         memory = device_memory()
         if memory is not None:
             self.step_memory = self._measure_step_memory()
+            reserve, per_token = self.step_memory.reserve_bytes, self._kv_bytes_per_device_token
         if args.max_total_tokens:
             tokens = args.max_total_tokens
             if memory is not None:
-                self._check_kv_fits(tokens, *memory)
+                check_kv_fits(args, tokens, *memory, reserve, per_token)
         elif memory is None:
             tokens = CPU_DEFAULT_KV_TOKENS
         else:
-            tokens = self._kv_tokens_from_memory(*memory)
+            tokens = kv_tokens_from_memory(args, *memory, reserve, per_token)
         return math.ceil(tokens / args.page_size) + 1  # + scratch page 0
 
     @property
     def _kv_bytes_per_device_token(self) -> float:
         return kv_bytes_per_token(self.cfg, self.args.tp_size, self.dtype) / self.args.tp_size
-
-    def _kv_tokens_from_memory(self, limit: int, used: int) -> int:
-        args, reserve = self.args, self.step_memory.reserve_bytes
-        tokens = int((limit * args.mem_fraction_static - used - reserve) / self._kv_bytes_per_device_token)
-        logger.info(
-            "KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9
-        )
-        if tokens < args.page_size * 2:
-            raise MemoryError(
-                f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
-                f"needs {reserve} B); raise --mem-fraction-static, lower --chunked-prefill-size or "
-                "--max-running-requests (smaller steps), use more devices (--tp-size), or set --max-total-tokens"
-            )
-        return tokens
-
-    def _check_kv_fits(self, tokens: int, limit: int, used: int) -> None:
-        """A --max-total-tokens cache and the largest step's programs must fit in the free device memory: refused
-        at startup, not when the warmup first runs the largest program."""
-        reserve, per_token = self.step_memory.reserve_bytes, self._kv_bytes_per_device_token
-        free = limit - used
-        if tokens * per_token + reserve > free:
-            fits = max(0, int((free - reserve) / per_token)) // self.args.page_size * self.args.page_size
-            raise MemoryError(
-                f"--max-total-tokens {tokens} needs {tokens * per_token / 1e9:.2f} GB of KV cache per device plus "
-                f"{reserve / 1e9:.2f} GB for the largest step's programs, but {free / 1e9:.2f} GB are free; lower "
-                f"--max-total-tokens to {fits} or less, or --chunked-prefill-size / --max-running-requests"
-            )
 
     def _measure_step_memory(self) -> StepMemory:
         """Per-device bytes of the largest step's programs, from XLA's memory analysis of those that take no KV
@@ -401,28 +375,6 @@ class ModelRunner:
         bar.close()
 
 
-def padding_forward_batch(num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
-    """A step of the (S, T) bucket with no real token: every token writes scratch slot 0, no sequence has keys."""
-    zeros_i = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-    return ForwardBatch(
-        input_ids=zeros_i(num_tokens),
-        positions=zeros_i(num_tokens),
-        cache_loc=zeros_i(num_tokens),
-        seq_lens=zeros_i(num_seqs),
-        page_table=zeros_i(num_seqs, num_pages),
-        cu_q_lens=zeros_i(num_seqs + 1),
-        last_token_index=zeros_i(num_seqs),
-        lora=lora,
-        input_from_prev=np.full((num_tokens,), -1, np.int32),
-    )
-
-
-def warmup_compile_threads(requested: int) -> int:
-    """--warmup-compile-threads: 0 picks one thread per CPU core, at most 8 (each compile holds its program's
-    HLO and XLA's working memory on the host)."""
-    return requested if requested > 0 else max(1, min(8, os.cpu_count() or 1))
-
-
 @dataclasses.dataclass(frozen=True)
 class LaunchedSample:
     output: SampleOutput  # [S] rows, on the device (copies to the host started)
@@ -433,19 +385,6 @@ def _sample_and_carry(max_rows: int, replicated: NamedSharding, logits: jax.Arra
     out = sample(logits, batch)
     carried = jnp.zeros((max_rows,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
     return out, jax.lax.with_sharding_constraint(carried, replicated)
-
-
-def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> SamplingBatch:
-    return SamplingBatch(
-        temperature=np.zeros((num_seqs,), np.float32),
-        top_p=np.ones((num_seqs,), np.float32),
-        top_k=np.zeros((num_seqs,), np.int32),
-        min_p=np.zeros((num_seqs,), np.float32),
-        seeds=np.zeros((num_seqs,), np.uint32),
-        steps=np.zeros((num_seqs,), np.int32),
-        is_greedy=is_greedy,
-        num_top_logprobs=num_top,
-    )
 
 
 def _write_slot(lora_state: nnx.State, slot: jax.Array, values: list[jax.Array]) -> nnx.State:

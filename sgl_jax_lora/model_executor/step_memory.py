@@ -4,9 +4,10 @@ the step's temporaries (without it, a large step budget could run out of memory 
 ran, e.g. prompt logprobs over thousands of tokens).
 
 Flow: ModelRunner._num_kv_pages (only when sizing from device memory) -> `measure_step_memory` -> StepMemory, whose
-`reserve_bytes` per device come off the KV share. The programs that take no KV cache are compiled here for XLA's
-memory analysis (temporaries + outputs): prompt logprobs over the largest token bucket T ([T, V] float32 logits,
-their log-softmax and top-k), and the logits and sampling of the most rows a step samples. The forward takes the
+`reserve_bytes` per device come off the KV share (`kv_tokens_from_memory`, or `check_kv_fits` for a size the user set). The programs that take no KV cache are compiled here for XLA's
+memory analysis (temporaries + outputs): prompt logprobs over the largest token bucket T (float32 logits, their
+log-softmax and top-k, PROMPT_LOGPROB_ROWS rows at a time), and the logits and sampling of the most rows a step
+samples. The forward takes the
 cache, so compiling it here would be a second compile of the largest bucket at startup; its activations are
 estimated from the model config instead.
 """
@@ -14,12 +15,16 @@ estimated from the model config instead.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 FLOAT32_LOGIT_COPIES = 3  # logits, log-softmax and top-k of [N, V] float32: the estimate where XLA gives no analysis
 FORWARD_SAFETY_FACTOR = 2  # XLA may keep a fused layer's inputs and outputs live at once
@@ -86,3 +91,39 @@ def measure_step_memory(
         if logits is not None and sample is not None
         else logits_estimate_bytes(cfg, max_sample_rows),
     )
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(bytes the allocator may use, bytes in use) on the first device; None where the platform does not say
+    (CPU)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if stats.get("bytes_limit") else None
+
+
+def kv_tokens_from_memory(args: ServerArgs, limit: int, used: int, reserve: int, bytes_per_token: float) -> int:
+    """KV tokens per device: --mem-fraction-static of the device limit, less what is in use and the step reserve."""
+    tokens = int((limit * args.mem_fraction_static - used - reserve) / bytes_per_token)
+    logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9)
+    if tokens < args.page_size * 2:
+        raise MemoryError(
+            f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
+            f"needs {reserve} B); raise --mem-fraction-static, lower --chunked-prefill-size or "
+            "--max-running-requests (smaller steps), use more devices (--tp-size), or set --max-total-tokens"
+        )
+    return tokens
+
+
+def check_kv_fits(args: ServerArgs, tokens: int, limit: int, used: int, reserve: int, bytes_per_token: float) -> None:
+    """A --max-total-tokens cache and the largest step's programs must fit in the free device memory: refused
+    at startup, not when the warmup first runs the largest program."""
+    free = limit - used
+    if tokens * bytes_per_token + reserve > free:
+        fits = max(0, int((free - reserve) / bytes_per_token)) // args.page_size * args.page_size
+        raise MemoryError(
+            f"--max-total-tokens {tokens} needs {tokens * bytes_per_token / 1e9:.2f} GB of KV cache per device plus "
+            f"{reserve / 1e9:.2f} GB for the largest step's programs, but {free / 1e9:.2f} GB are free; lower "
+            f"--max-total-tokens to {fits} or less, or --chunked-prefill-size / --max-running-requests"
+        )

@@ -27,7 +27,7 @@ import torch
 from sgl_jax_lora import Engine
 from sgl_jax_lora.distributed.commands import Forward, WriteLoRASlot, decode, encode
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from sgl_jax_lora.model_executor.model_runner import padding_forward_batch
+from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.http_helpers import ServerProcess, free_port, server_env
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir

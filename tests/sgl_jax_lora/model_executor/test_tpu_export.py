@@ -21,7 +21,7 @@ from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.model_runner import padding_forward_batch
+from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.models.llama import LORA_TARGETS
 from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
