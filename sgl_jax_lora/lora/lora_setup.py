@@ -30,7 +30,7 @@ from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
-from sgl_jax_lora.lora.tensor_file import map_tensor_file
+from sgl_jax_lora.lora.tensor_file import map_tensor_files
 from sgl_jax_lora.models.llama import LORA_TARGETS
 from sgl_jax_lora.server_args import ServerArgs, parse_lora_path_spec
 
@@ -81,11 +81,11 @@ class LoRASetup:
         """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
         return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
-    def from_memory(self, ref: LoRARef, tensors_path: str, config: dict) -> LoRAAdapter:
+    def from_memory(self, ref: LoRARef, tensors_paths: list[str], config: dict) -> LoRAAdapter:
         """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
         adapter = adapter_from_tensors(
             ref.lora_name,
-            map_tensor_file(ref.lora_name, tensors_path),
+            map_tensor_files(ref.lora_name, tensors_paths),
             config,
             self.target_shapes,
             self.max_rank,

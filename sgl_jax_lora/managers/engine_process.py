@@ -97,7 +97,7 @@ class EngineLoop:
                 call.lora_id, call.lora_name, call.lora_path, pinned=call.pinned, confined=call.confined
             ),
             LoadLoRATensorsCall: lambda call: core.rpc_load_lora_tensors(
-                call.ref, call.tensors_path, call.config, replaces=call.replaces
+                call.ref, call.tensors_paths, call.config, replaces=call.replaces
             ),
             UnloadLoRACall: lambda call: core.rpc_unload_lora(call.lora_id),
         }

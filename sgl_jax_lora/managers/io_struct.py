@@ -103,13 +103,13 @@ class LoadLoRACall(EngineCall):
 
 @dataclasses.dataclass
 class LoadLoRATensorsCall(EngineCall):
-    """Register an adapter from memory (a safetensors-layout file in shared memory), or the next version of the
-    adapter `replaces` (its config kept when `config` is None)."""
+    """Register an adapter from memory (safetensors-layout files in shared memory: lora/tensor_file.py), or the next
+    version of the adapter `replaces` (its config kept when `config` is None)."""
 
     TAG: ClassVar[str] = "load_lora_tensors"
 
     ref: LoRARef
-    tensors_path: str
+    tensors_paths: list[str]
     config: dict | None = None
     replaces: str | None = None
 

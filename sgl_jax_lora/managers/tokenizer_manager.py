@@ -227,7 +227,7 @@ class TokenizerManager:
                 "(update_lora_adapter) or choose another lora_name"
             )
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        result = await self.call(LoadLoRATensorsCall(ref=ref, tensors_path=tensors.path, config=config))
+        result = await self.call(LoadLoRATensorsCall(ref=ref, tensors_paths=tensors.paths, config=config))
         self.lora_registry.register(ref)
         return {**self._lora_summary(ref), **result}
 
@@ -245,7 +245,7 @@ class TokenizerManager:
                 )
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
             result = await self.call(
-                LoadLoRATensorsCall(ref=ref, tensors_path=tensors.path, config=config, replaces=old.lora_id)
+                LoadLoRATensorsCall(ref=ref, tensors_paths=tensors.paths, config=config, replaces=old.lora_id)
             )
             self.lora_registry.replace(ref)
         task = asyncio.ensure_future(self._unload_when_drained(old))

@@ -7,6 +7,7 @@ the compile counter proves neither path compiles.
 from __future__ import annotations
 
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from sgl_jax_lora import Engine
-from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_file
+from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_files
 from tests.support.model_fixtures import make_hf_model_dir
 from tests.support.peft_fixtures import write_peft_adapter
 
@@ -221,13 +222,13 @@ def test_a_tensor_file_of_every_float_dtype_maps_as_float32(tmp_path):
         {f"t_{dtype}": values.to(dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
     )
     with TensorFile.from_bytes(data) as tensor_file:
-        tensors = map_tensor_file("x", tensor_file.path)
+        tensors = map_tensor_files("x", tensor_file.paths)
     assert len(tensors) == 4  # the mapping outlives the file's name
     for array in tensors.values():
         assert array.dtype == np.float32 and np.array_equal(array, values.numpy())
     with TensorFile.from_bytes(save({"ids": torch.zeros(2, dtype=torch.int32)})) as tensor_file:
         with pytest.raises(LoRAAdapterError, match="dtype I32"):
-            map_tensor_file("x", tensor_file.path)
+            map_tensor_files("x", tensor_file.paths)
 
 
 def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
@@ -241,11 +242,31 @@ def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
         "d": np.zeros((0, 4), np.float32),
     }
     with TensorFile.from_arrays("x", arrays) as tensor_file:
-        tensors = map_tensor_file("x", tensor_file.path)
+        tensors = map_tensor_files("x", tensor_file.paths)
     for key, array in arrays.items():
         assert tensors[key].dtype == np.float32 and np.array_equal(tensors[key], array.astype(np.float32))
         assert tensors[key].shape == array.shape
     assert not tensors["a"].flags.writeable  # a view of the shared mapping, not a copy
+
+
+def test_large_arrays_are_written_as_shards_on_threads_and_read_back_whole(monkeypatch):
+    import sgl_jax_lora.lora.tensor_file as tensor_file_module
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    monkeypatch.setattr(tensor_file_module, "MIN_SHARD_BYTES", 64)
+    rng = np.random.default_rng(1)
+    arrays = {f"layer{i}.lora_A.weight": rng.standard_normal((4, 8 + i), dtype=np.float32) for i in range(11)}
+    with TensorFile.from_arrays("x", arrays) as tensor_file:
+        paths = list(tensor_file.paths)
+        assert len(paths) == tensor_file_module.WRITE_THREADS  # 11 tensors of >= 128 bytes: every thread writes
+        tensors = map_tensor_files("x", paths)
+        shards = [map_tensor_files("x", [path]) for path in paths]
+        with pytest.raises(LoRAAdapterError, match="given twice"):
+            map_tensor_files("x", [paths[0], paths[0]])
+    assert not any(os.path.exists(path) for path in paths)  # every shard removed
+    assert sorted(k for shard in shards for k in shard) == sorted(arrays)  # each tensor in exactly one shard
+    for key, array in arrays.items():
+        assert np.array_equal(tensors[key], array)
 
 
 def _layout(header: bytes, data: bytes = b"") -> bytes:
@@ -271,4 +292,4 @@ def test_a_malformed_tensor_file_is_refused_with_the_problem_named(layout, probl
 
     with TensorFile.from_bytes(layout) as tensor_file:
         with pytest.raises(LoRAAdapterError, match=problem):
-            map_tensor_file("x", tensor_file.path)
+            map_tensor_files("x", tensor_file.paths)

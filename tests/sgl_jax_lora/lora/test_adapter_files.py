@@ -246,3 +246,15 @@ def test_a_file_swapped_after_the_check_is_not_read(
     ):
         read()
     assert swapped
+
+
+def test_a_large_adapter_is_checked_on_threads_with_the_first_bad_tensor_named(monkeypatch):
+    import numpy as np
+
+    monkeypatch.setattr(adapter_files, "PARALLEL_CHECK_BYTES", 0)
+    tensors = {f"layers.{i}.q_proj.lora_A.weight": np.ones((4, 16), np.float32) for i in range(20)}
+    adapter_files.refuse_any_non_finite("big", tensors)  # all finite: passes
+    for bad in (3, 17):
+        tensors[f"layers.{bad}.q_proj.lora_A.weight"] = np.full((4, 16), np.nan, np.float32)
+    with pytest.raises(LoRAAdapterError, match=r"adapter 'big'.*layers\.3\.q_proj\.lora_A\.weight.*NaN or Inf"):
+        adapter_files.refuse_any_non_finite("big", tensors)

@@ -51,8 +51,8 @@ class FakeCore:
         self.calls.append(("load_lora", lora_id, lora_name, lora_path, pinned, confined))
         return {"rank": 8, "target_modules": ["q_proj"]}
 
-    def rpc_load_lora_tensors(self, ref, tensors_path, config, replaces=None) -> dict:
-        self.calls.append(("load_lora_tensors", ref, tensors_path, config, replaces))
+    def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None) -> dict:
+        self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces))
         return {"rank": 4, "target_modules": ["v_proj"]}
 
     def rpc_unload_lora(self, lora_id: str) -> dict:
