@@ -164,7 +164,7 @@ class EngineClient:
         reply: CallReply = await future
         if not reply.ok:
             raise RequestError(reply.message)
-        return reply.result
+        return call.REPLY(**reply.result) if call.REPLY is not None else reply.result
 
     def abort(self, rid: str) -> None:
         self.send(AbortRequest(rid))

@@ -29,7 +29,7 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
-from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
+from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
 from sgl_jax_lora.managers.prompt_limits import check_context_length
 from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, top_list
 from sgl_jax_lora.managers.req import Req
@@ -304,17 +304,17 @@ class EngineCore:
 
     def rpc_load_lora(
         self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False, confined: bool = False
-    ) -> dict:
+    ) -> AdapterLoaded:
         if self.lora is None:
             raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         adapter = self.lora.register(
             LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id, confined=confined)
         )
-        return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
+        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
 
     def rpc_load_lora_tensors(
         self, ref: LoRARef, tensors_paths: list[str], config: dict | None, replaces: str | None = None
-    ) -> dict:
+    ) -> AdapterLoaded:
         """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
         `replaces`, with its config unless one is given. The old version keeps serving its running requests until
         the frontend unloads it; it gives up its pin so that the new version can take one."""
@@ -335,14 +335,14 @@ class EngineCore:
             if old is not None and old.pinned:
                 self.lora.pool.pinned.add(old.lora_id)
             raise
-        return {"rank": adapter.rank, "target_modules": sorted(adapter.target_modules)}
+        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
 
-    def rpc_unload_lora(self, lora_id: str) -> dict:
+    def rpc_unload_lora(self, lora_id: str) -> Unloaded:
         if self.lora is None:
             raise ValueError("LoRA is not enabled")
         self.lora.unregister(lora_id)
         self.lora_setup.forget(lora_id)
-        return {}
+        return Unloaded()
 
     def server_info(self) -> dict:
         return {

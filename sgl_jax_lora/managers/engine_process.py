@@ -12,6 +12,7 @@ loop keeps serving the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -171,7 +172,9 @@ class EngineLoop:
         if method is None:
             return CallReply(call.call_id, ok=False, message=f"unknown engine call {type(call).__name__}")
         try:
-            return CallReply(call.call_id, ok=True, result=method(call))
+            result = method(call)
+            plain = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
+            return CallReply(call.call_id, ok=True, result=plain)
         except Exception as e:
             return CallReply(call.call_id, ok=False, message=str(e))
 

@@ -78,13 +78,30 @@ class ShutdownRequest(Message):
 
 @dataclasses.dataclass
 class EngineCall(Message):
-    """A synchronous call: the engine answers with a CallReply of the same `call_id` (set by the EngineClient)."""
+    """A synchronous call: the engine answers with a CallReply of the same `call_id` (set by the EngineClient). Its
+    result crosses as plain data and reaches the caller as REPLY (a dataclass), or as it came where REPLY is None."""
 
+    REPLY: ClassVar[type | None] = None
     call_id: int = dataclasses.field(default=0, kw_only=True)
 
 
 @dataclasses.dataclass
+class AdapterLoaded:
+    """The result of LoadLoRACall and LoadLoRATensorsCall: what the engine found in the adapter."""
+
+    rank: int
+    target_modules: list[str]
+
+
+@dataclasses.dataclass
+class Unloaded:
+    """The result of UnloadLoRACall."""
+
+
+@dataclasses.dataclass
 class ServerInfoCall(EngineCall):
+    """-> the server info document (a JSON object, served as is by GET /get_server_info)."""
+
     TAG: ClassVar[str] = "server_info"
 
 
@@ -93,6 +110,7 @@ class LoadLoRACall(EngineCall):
     """Register an adapter read from its PEFT directory."""
 
     TAG: ClassVar[str] = "load_lora"
+    REPLY: ClassVar[type] = AdapterLoaded
 
     lora_id: str
     lora_name: str
@@ -107,6 +125,7 @@ class LoadLoRATensorsCall(EngineCall):
     version of the adapter `replaces` (its config kept when `config` is None)."""
 
     TAG: ClassVar[str] = "load_lora_tensors"
+    REPLY: ClassVar[type] = AdapterLoaded
 
     ref: LoRARef
     tensors_paths: list[str]
@@ -121,6 +140,7 @@ class LoadLoRATensorsCall(EngineCall):
 @dataclasses.dataclass
 class UnloadLoRACall(EngineCall):
     TAG: ClassVar[str] = "unload_lora"
+    REPLY: ClassVar[type] = Unloaded
 
     lora_id: str
 

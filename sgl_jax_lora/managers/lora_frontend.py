@@ -14,6 +14,7 @@ Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen ch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -113,7 +114,8 @@ class LoRAFrontend:
         except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
             await self._call(UnloadLoRACall(ref.lora_id))
             raise
-        return {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id, **result}
+        summary = {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id}
+        return {**summary, **dataclasses.asdict(result)}
 
     def _check_name(self, name: str) -> None:
         limit = self.args.max_lora_name_length

@@ -15,6 +15,7 @@ aborts the request in the engine. Adapters: names resolved and loaded on demand 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -229,7 +230,7 @@ class TokenizerManager:
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
         result = await self.call(LoadLoRATensorsCall(ref=ref, tensors_paths=tensors.paths, config=config))
         self.lora_registry.register(ref)
-        return {**self._lora_summary(ref), **result}
+        return {**self._lora_summary(ref), **dataclasses.asdict(result)}
 
     async def update_lora_adapter(self, lora_name: str, tensors: TensorFile, config: dict | None = None) -> dict:
         """Serve new weights under `lora_name` as its next version (a new lora_id: the prefix cache keeps them
@@ -251,7 +252,7 @@ class TokenizerManager:
         task = asyncio.ensure_future(self._unload_when_drained(old))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
-        return {**self._lora_summary(ref), "replaced_lora_id": old.lora_id, **result}
+        return {**self._lora_summary(ref), "replaced_lora_id": old.lora_id, **dataclasses.asdict(result)}
 
     async def wait_for_retired_versions(self) -> None:
         """Return once every replaced adapter version has finished its requests and been unloaded."""

@@ -17,6 +17,7 @@ from sgl_jax_lora.managers.io_struct import (
     EngineOutput,
     EngineOutputs,
     GenerateRequest,
+    LoadLoRACall,
     Ready,
     RequestFailed,
     ServerInfoCall,
@@ -54,5 +55,7 @@ def run_fake_engine(args_dict: dict, model_path: str, conn: Connection) -> None:
             conn.send_bytes(encode(EngineOutputs([out])))
         elif isinstance(msg, ServerInfoCall):
             conn.send_bytes(encode(CallReply(msg.call_id, ok=True, result=FAKE_INFO)))
+        elif isinstance(msg, LoadLoRACall):  # a result as plain data: the client turns it into the call's REPLY
+            conn.send_bytes(encode(CallReply(msg.call_id, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})))
         elif isinstance(msg, UnloadLoRACall):
             conn.send_bytes(encode(CallReply(msg.call_id, ok=False, message=f"no adapter {msg.lora_id}")))

@@ -10,8 +10,10 @@ import pytest
 
 from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError
 from sgl_jax_lora.managers.io_struct import (
+    AdapterLoaded,
     EngineOutput,
     GenerateRequest,
+    LoadLoRACall,
     ServerInfoCall,
     UnloadLoRACall,
 )
@@ -60,6 +62,8 @@ def test_calls_get_their_replies_and_outputs_reach_their_request():
         assert await asyncio.gather(*calls) == [FAKE_INFO] * 3
         with pytest.raises(RequestError, match="no adapter abc"):
             await client.call(UnloadLoRACall("abc"))
+        loaded = await client.call(LoadLoRACall(lora_id="x", lora_name="x", lora_path="/x"))
+        assert loaded == AdapterLoaded(rank=8, target_modules=["q_proj"])  # the typed reply of the call
         queues = {rid: client.open_stream(rid) for rid in ("a", "b", "refuse-c")}
         for rid, ids in (("a", [4, 5]), ("b", [6]), ("refuse-c", [7])):
             client.send(request(rid, ids))

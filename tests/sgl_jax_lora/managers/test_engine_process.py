@@ -14,6 +14,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.managers.engine_process import EngineLoop
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
+    AdapterLoaded,
     CallReply,
     EngineOutput,
     EngineOutputs,
@@ -47,13 +48,13 @@ class FakeCore:
     def rpc_server_info(self) -> dict:
         return {"context_length": 256}
 
-    def rpc_load_lora(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> dict:
+    def rpc_load_lora(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> AdapterLoaded:
         self.calls.append(("load_lora", lora_id, lora_name, lora_path, pinned, confined))
-        return {"rank": 8, "target_modules": ["q_proj"]}
+        return AdapterLoaded(8, ["q_proj"])
 
-    def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None) -> dict:
+    def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None) -> AdapterLoaded:
         self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces))
-        return {"rank": 4, "target_modules": ["v_proj"]}
+        return AdapterLoaded(4, ["v_proj"])
 
     def rpc_unload_lora(self, lora_id: str) -> dict:
         raise ValueError(f"adapter {lora_id} is not loaded")
