@@ -8,7 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO_ROOT
+
+# slow: a minute or more of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
 
 ROOT = REPO_ROOT
 

@@ -88,6 +88,7 @@ def logprobs(result: dict, key: str) -> tuple[list[int], np.ndarray]:
 LOGPROB_ATOL = 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_converted_directory_serves_what_the_hf_directory_serves(converted, tp):
     dirs, adapter = converted

@@ -84,6 +84,7 @@ def test_shipped_demo_model_and_adapters_load():
         assert os.path.getsize(os.path.join(path, "adapter_model.safetensors")) > 0
 
 
+@pytest.mark.slow
 def test_engine_matches_hf_and_peft_on_the_demo_model_and_adapters(demo):
     tokenizer, outputs = demo
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")

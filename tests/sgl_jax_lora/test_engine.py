@@ -350,6 +350,7 @@ def test_no_compilation_after_warmup(engine):
     assert info["kv_pages_used"] == 0
 
 
+@pytest.mark.slow
 def test_parallel_warmup_compiles_each_program_once(model_dir):
     # Forward programs compile on a thread pool through lower().compile(); the warmup's own forwards must then
     # find them in jit's cache. Were they lowered again, the threaded warmup would count one more per program.

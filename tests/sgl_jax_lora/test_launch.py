@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support import REPO_ROOT
@@ -60,6 +61,7 @@ def test_bad_flag_exits_2_naming_it():
     assert "--chat-template" in result.stderr
 
 
+@pytest.mark.slow
 def test_readme_command_serves_then_sigterm_leaves_no_orphan():
     server = start_server([], timeout_s=STARTUP_TIMEOUT_S)  # only --port is added
     try:

@@ -219,6 +219,7 @@ def test_multi_host_settings_name_the_fix():
         Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
 
 
+@pytest.mark.slow
 def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(cluster, single, setup):
     _, base, adapters = setup
     loras = ["a", None, "b", None, "a"]
@@ -311,6 +312,7 @@ def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
     assert compilations_after_warmup(cluster) == [0, 0]
 
 
+@pytest.mark.slow
 def test_killed_follower_makes_node_0_exit_and_fail_its_request(cluster):
     # runs last in this module: it ends the cluster
     leader, follower = cluster.nodes

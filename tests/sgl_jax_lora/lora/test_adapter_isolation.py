@@ -23,6 +23,9 @@ from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
 from tests.support.peft_fixtures import poison_adapter, write_peft_adapter
 
+# slow: a minute or more of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 SMALL = dict(
     context_length=128,
     max_running_requests=8,

@@ -15,6 +15,9 @@ from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
 
+# slow: a minute or more of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
 CORE_ARGS = dict(
     dtype="float32",
     context_length=128,

@@ -85,6 +85,7 @@ def generate(core: EngineCore) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_a_cache_sized_from_memory_shrinks_until_the_device_places_it(model_dir, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "device_memory", device_memory_for(model_dir, 20000))
     asked = refuse_above(monkeypatch, 15000)
@@ -150,6 +151,7 @@ def test_prompt_logprobs_memory_stays_one_chunk_whatever_the_largest_bucket(mode
     assert runner.step_memory.prompt_logprobs_bytes - hidden_bytes < largest_bucket * runner.cfg.vocab_size * 4
 
 
+@pytest.mark.slow
 def test_the_forward_programs_compile_before_the_cache_takes_its_memory(model_dir, monkeypatch):
     """XLA's autotuner allocates device buffers while it compiles (as large as a fusion's operands): with the cache
     placed first, a cache sized from memory left it none (an 8B model's start failed on the GPU)."""
@@ -169,6 +171,7 @@ def test_the_forward_programs_compile_before_the_cache_takes_its_memory(model_di
     assert core.compile_counter.count == before  # the programs compiled against the unplaced cache are the ones run
 
 
+@pytest.mark.slow
 def test_a_user_sized_cache_must_leave_the_largest_steps_memory_free(model_dir, monkeypatch):
     runner = make_core(model_dir, max_total_tokens=64).runner
     assert runner.step_memory is None  # CPU: no device memory to check against

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO_ROOT
 
 CONFIG = {
@@ -52,6 +54,7 @@ def dummy_digests(hash_seed: str) -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_same_dummy_weights():
     first, second = dummy_digests("1"), dummy_digests("2")
     assert first == second

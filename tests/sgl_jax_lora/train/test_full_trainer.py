@@ -8,6 +8,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 import torch
 
 from sgl_jax_lora.demo_model import MODEL_FILES, demo_model_path
@@ -16,6 +17,7 @@ from sgl_jax_lora.train.full_trainer import NO_ADAPTER, FullTrainer
 from tests.support.model_fixtures import load_hf_model
 
 
+@pytest.mark.slow
 def test_trained_weights_saved_and_reloaded_give_the_trainers_logits(tmp_path):
     for name in MODEL_FILES:
         shutil.copy(f"{demo_model_path()}/{name}", tmp_path / name)
