@@ -4,6 +4,10 @@ Drives EngineCore (the engine process's loop, without HTTP or IPC) on a Llama-3-
     python scripts/bench_offline.py --out results.json [--batch-sizes 1 16 64 128] [--prompt-len 512]
 Decode step time is compared with its HBM roofline: (weight bytes + KV bytes read per step) / bandwidth.
 Add --lora-adapters N to serve N random rank-16 adapters (all 7 projections) spread over the batch.
+--tp-size N shards the model over N devices of this process; with --nnodes 2 --node-rank 0 --dist-init-addr H:P this
+process is node 0 of a multi-host engine (the other node runs `python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1`
+on the same --model-dir; scripts/bench_multi_process.py runs both). The roofline then counts the bandwidth of all
+--tp-size devices.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ LLAMA3_8B = {
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
 
-def make_model_dir(config: dict) -> str:
-    path = tempfile.mkdtemp(prefix="bench-model-")
+def make_model_dir(config: dict, path: str | None = None) -> str:
+    """A checkpoint directory of `config` (no weights: serve it with load_format="dummy") and the demo tokenizer."""
+    path = path or tempfile.mkdtemp(prefix="bench-model-")
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -120,9 +126,24 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--gpu", default="H100", choices=sorted(HBM_BYTES_PER_S))
     parser.add_argument("--layers-per-scan-step", type=int, default=0, help="0 = fully unrolled layer loop")
+    parser.add_argument("--num-layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
+    parser.add_argument("--model-config", default=None, help="a config.json to use instead of Llama-3-8B's shape")
+    parser.add_argument(
+        "--model-dir", default=None, help="where to write the checkpoint directory (default: a temp dir)"
+    )
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--dist-init-addr", default=None)
+    parser.add_argument("--max-total-tokens", type=int, default=160_000)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    model_dir = make_model_dir(LLAMA3_8B)
+    config = LLAMA3_8B
+    if opts.model_config:
+        with open(opts.model_config) as f:
+            config = json.load(f)
+    config = {**config, "num_hidden_layers": opts.num_layers}
+    model_dir = make_model_dir(config, opts.model_dir)
     lora_paths = None
     if opts.lora_adapters:
         from scripts.make_adapters import main as make_adapters
@@ -134,10 +155,14 @@ def main() -> None:
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
     args = ServerArgs(
         model_path=model_dir,
+        tp_size=opts.tp_size,
+        nnodes=opts.nnodes,
+        node_rank=opts.node_rank,
+        dist_init_addr=opts.dist_init_addr,
         load_format="dummy",
         dtype="bfloat16",
         context_length=2048,
-        max_total_tokens=160_000,
+        max_total_tokens=opts.max_total_tokens,
         max_running_requests=max(opts.batch_sizes),
         chunked_prefill_size=2048,
         max_prefill_seqs=4,
@@ -149,15 +174,20 @@ def main() -> None:
         layers_per_scan_step=opts.layers_per_scan_step,
     )
     t0 = time.perf_counter()
+    if args.nnodes > 1:
+        from sgl_jax_lora.distributed.runtime import initialize
+
+        initialize(args)  # waits for the other nodes
     core = EngineCore(args, model_dir)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s", flush=True)
     lora_ids = list(core.lora.refs) if core.lora else []
-    kv_token_bytes = 2 * 32 * 8 * 128 * 2
+    kv_token_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+    bandwidth = HBM_BYTES_PER_S[opts.gpu] * opts.tp_size
     rows = []
     for batch in opts.batch_sizes:
         row = run_batch(core, batch, opts.prompt_len, opts.decode_steps, lora_ids)
-        bytes_per_step = weight_bytes(LLAMA3_8B) + batch * row["context_at_decode"] * kv_token_bytes
-        row["roofline_ms"] = 1e3 * bytes_per_step / HBM_BYTES_PER_S[opts.gpu]
+        bytes_per_step = weight_bytes(config) + batch * row["context_at_decode"] * kv_token_bytes
+        row["roofline_ms"] = 1e3 * bytes_per_step / bandwidth
         row["ratio_to_roofline"] = row["decode_step_ms"] / row["roofline_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -165,8 +195,13 @@ def main() -> None:
         "rows": rows,
         "lora_adapters": opts.lora_adapters,
         "gpu": opts.gpu,
+        "tp_size": opts.tp_size,
+        "nnodes": opts.nnodes,
+        "num_layers": config["num_hidden_layers"],
+        "devices": [str(d) for d in core.runner.mesh.devices.flat],
         "compilations_after_start": core.compile_counter.count,
     }
+    core.runner.close()  # multi-host: the other nodes exit too
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(result, f, indent=2)

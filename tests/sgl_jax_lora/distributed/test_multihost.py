@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -78,14 +79,18 @@ def cli_flags(settings: dict) -> list[str]:
     return flags
 
 
-class Cluster:
-    """Two nodes on 127.0.0.1, each in its own process group with two fake CPU devices."""
+def fake_cpu_devices(rank: int) -> dict:
+    return {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
-    def __init__(self, base, adapters: dict, allowed_dir, **extra: object):
+
+class Cluster:
+    """Two nodes on 127.0.0.1, each in its own process group; `node_devices(rank)` is the environment that gives a
+    node its devices (two fake CPU devices each by default)."""
+
+    def __init__(self, base, adapters: dict, allowed_dir, node_devices=fake_cpu_devices, settings=SMALL, **extra):
         coordinator = free_port()
-        env = {**server_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
         settings = {
-            **SMALL,
+            **settings,
             "model_path": base,
             "nnodes": 2,
             "dist_init_addr": f"127.0.0.1:{coordinator}",
@@ -97,6 +102,7 @@ class Cluster:
         self.nodes = []
         for rank in range(2):
             port = free_port()
+            env = {**server_env(), **node_devices(rank)}
             node = ServerProcess([*cli_flags(settings), "--node-rank", str(rank), "--port", str(port)], port, env=env)
             self.nodes.append(node)
 
@@ -346,6 +352,58 @@ def test_killed_node_0_makes_the_follower_exit_non_zero(setup):
         assert follower.process.wait(timeout=EXIT_DEADLINE_S) != 0
     finally:
         nodes.stop()
+
+
+def num_cuda_devices() -> int:
+    """GPUs on this host, counted without starting a CUDA client in the test process (it would hold their memory)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    listing = subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def one_gpu_each(rank: int) -> dict:
+    return {"CUDA_VISIBLE_DEVICES": str(rank), "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
+
+
+# a model shaped for the GPU kernels (head_dim 128, projections multiples of 128), bf16, tp 2
+GPU_MODEL = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+GPU_SETTINGS = {**SMALL, "dtype": "bfloat16", "tp_size": 2, "lora_backend": "auto", "max_total_tokens": 4096}
+BF16_LOGPROB_ATOL = 0.05  # two bf16 programs whose all-reduces run in different process layouts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(num_cuda_devices() < 2, reason="needs two CUDA devices")
+def test_two_gpu_processes_equal_one_process_tp2(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the engines of this test share the two GPUs
+    base = make_hf_model_dir(tmp_path / "base", "llama", seed=7, **GPU_MODEL)
+    adapters = {
+        "a": write_peft_adapter(base, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules="all-linear"),
+        "b": write_peft_adapter(base, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    }
+    loras = ["a", None, "b", None, "a", "b"]
+    ids = [prompt(100 + i, 9 + 5 * i) for i in range(len(loras))]
+    params = {"max_new_tokens": 8, **GREEDY}
+    lora_paths = {n: str(adapters[n]) for n in ("a", "b")}
+    with Engine(model_path=str(base), lora_paths=lora_paths, skip_precompile=True, **GPU_SETTINGS) as single:
+        expected = single.generate(
+            input_ids=ids, lora_path=loras, return_logprob=True, logprob_start_len=0, sampling_params=params
+        )
+        assert len(single.get_server_info()["devices"]) == 2
+    nodes = Cluster(base, adapters, tmp_path, node_devices=one_gpu_each, settings=GPU_SETTINGS)
+    try:
+        nodes.wait_healthy()
+        outs = generate(nodes.nodes[0], ids, loras, 8)
+        assert compilations_after_warmup(nodes) == [0, 0]
+    finally:
+        nodes.stop()
+    for ours, theirs in zip(outs, expected, strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            gap = np.abs(logprobs_of(ours, key) - logprobs_of(theirs, key)).max()
+            print(f"two processes vs one, {key}: max |logprob difference| {gap:.2e}")
+            assert gap < BF16_LOGPROB_ATOL, key
 
 
 def wait_until_running(node: ServerProcess) -> None:

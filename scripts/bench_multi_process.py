@@ -1,0 +1,112 @@
+"""One engine over two processes against the same engine in one process: decode steps side by side in one call.
+
+    python scripts/bench_multi_process.py --out multi_process.json [--batch-sizes 64 256] [--num-layers 32]
+
+Both runs serve the same Llama-3-8B-shaped dummy model with tensor parallelism 2 (scripts/bench_offline.py drives the
+engine loop without HTTP):
+  one process    tp 2 over both GPUs of this process;
+  two processes  multi-host serving on one host: node 0 (bench_offline.py --nnodes 2 --node-rank 0) on GPU 0, node 1
+                 (`python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1`) on GPU 1; node 0 sends every device action
+                 to node 1 through JAX's coordination service, and the collectives cross the two processes.
+The result holds both runs' rows (decode step ms, tok/s, prefill tok/s per batch size) and each decode step's ratio of
+two processes to one. `--platform cpu` runs the same on fake CPU devices (a check of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NODE_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_env(platform: str, devices: list[int]) -> dict:
+    """The environment of a process that sees only `devices` (GPU ordinals, or a count of fake CPU devices)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(devices)}"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    return env
+
+
+def bench_args(opts: argparse.Namespace, model_dir: str, out: str) -> list[str]:
+    args = [sys.executable, os.path.join(REPO, "scripts", "bench_offline.py"), "--model-dir", model_dir, "--out", out]
+    args += ["--tp-size", "2", "--num-layers", str(opts.num_layers), "--gpu", opts.gpu]
+    args += ["--batch-sizes", *map(str, opts.batch_sizes), "--prompt-len", str(opts.prompt_len)]
+    args += ["--decode-steps", str(opts.decode_steps), "--max-total-tokens", str(opts.max_total_tokens)]
+    return args + (["--model-config", opts.model_config] if opts.model_config else [])
+
+
+def run_one_process(opts: argparse.Namespace, model_dir: str, work: str) -> dict:
+    out = os.path.join(work, "one_process.json")
+    subprocess.run(bench_args(opts, model_dir, out), env=device_env(opts.platform, [0, 1]), check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def run_two_processes(opts: argparse.Namespace, model_dir: str, work: str) -> dict:
+    out = os.path.join(work, "two_processes.json")
+    address = f"127.0.0.1:{free_port()}"
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--model-path", model_dir, "--tp-size", "2"]
+        + ["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", address, "--port", str(free_port())],
+        env=device_env(opts.platform, [1]),
+        cwd=REPO,
+    )
+    try:
+        node0 = bench_args(opts, model_dir, out) + ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", address]
+        subprocess.run(node0, env=device_env(opts.platform, [0]), check=True, timeout=NODE_TIMEOUT_S)
+        code = follower.wait(timeout=120)  # node 0's shutdown ends node 1 with exit code 0
+        if code != 0:
+            raise RuntimeError(f"node 1 exited with {code}")
+    finally:
+        if follower.poll() is None:
+            follower.send_signal(signal.SIGKILL)
+    with open(out) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--max-total-tokens", type=int, default=160_000)
+    parser.add_argument("--model-config", default=None, help="a config.json instead of Llama-3-8B's shape")
+    parser.add_argument("--gpu", default="H100")
+    parser.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-multi-process-")
+    model_dir = os.path.join(work, "model")
+    result = {"one_process": run_one_process(opts, model_dir, work)}
+    print(json.dumps(result["one_process"]["rows"]), flush=True)
+    result["two_processes"] = run_two_processes(opts, model_dir, work)
+    pairs = zip(result["one_process"]["rows"], result["two_processes"]["rows"], strict=True)
+    result["two_over_one_decode_step"] = {
+        str(one["batch"]): two["decode_step_ms"] / one["decode_step_ms"] for one, two in pairs
+    }
+    print(json.dumps(result["two_over_one_decode_step"]), flush=True)
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
