@@ -9,10 +9,10 @@ import pytest
 
 from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_manager import segment_buckets
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry, UnknownLoRAError
+from sgl_jax_lora.managers.lora_manager import segment_buckets
 
 
 async def _yield_to_loop(times: int = 5) -> None:

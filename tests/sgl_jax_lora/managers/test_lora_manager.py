@@ -1,4 +1,4 @@
-"""LoRAManager (lora/lora_manager.py) plans, then applies: reserving an adapter's device slot for a step is host
+"""LoRAManager (managers/lora_manager.py) plans, then applies: reserving an adapter's device slot for a step is host
 bookkeeping (the slot table, the slot arrays made ready), and the device is written only by `apply`, which
 EngineCore calls after scheduling and before the launch. Here the manager drives a runner that records its slot
 writes (no model, no device), alone and under Scheduler.schedule()."""
@@ -10,14 +10,14 @@ import types
 import numpy as np
 import pytest
 
+from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.lora_manager import LoRAManager
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
