@@ -79,7 +79,7 @@ import json, sys, time
 start = float(sys.argv[4])
 import jax, jax.numpy as jnp
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 path, tp, dtype = sys.argv[1], int(sys.argv[2]), jnp.dtype(sys.argv[3])
 mesh = make_mesh(tp)

@@ -31,15 +31,15 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
+from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
-from sgl_jax_lora.lora.lora_manager import segment_buckets  # noqa: E402
+from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
+from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch  # noqa: E402
-from sgl_jax_lora.models.llama import LORA_TARGETS  # noqa: E402
-from sgl_jax_lora.models.model_config import ModelConfig  # noqa: E402
+from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
 
 PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16

@@ -63,8 +63,8 @@ def convert(model_path: str, output_dir: str, tp_size: int = 1, dtype: str = "bf
     import jax
     import jax.numpy as jnp
 
+    from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
     from sgl_jax_lora.layers.sharding import make_mesh
-    from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
     from sgl_jax_lora.models.orbax_checkpoint import is_converted_checkpoint, save_converted
     from sgl_jax_lora.models.weight_loader import load_model_state
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp_size}".strip()
-    from sgl_jax_lora.models.model_config import ModelConfigError
+    from sgl_jax_lora.configs.model_config import ModelConfigError
 
     start = time.perf_counter()
     try:

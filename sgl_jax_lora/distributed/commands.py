@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 

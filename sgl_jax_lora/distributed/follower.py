@@ -16,6 +16,8 @@ import threading
 
 import jax
 
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed import runtime
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import (
@@ -34,11 +36,9 @@ from sgl_jax_lora.distributed.commands import (
 from sgl_jax_lora.distributed.leader_runner import RECENT_SAMPLES
 from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.managers.engine_process import enable_compilation_cache
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
+from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.model_executor.padding_batches import warmup_compile_threads
-from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import (
     Command,
@@ -36,10 +38,8 @@ from sgl_jax_lora.distributed.replica_runner import ReplicaModelRunner
 from sgl_jax_lora.distributed.runtime import DistributedEngineError, read_model_config
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_setup import LoRASetup
-from sgl_jax_lora.model_executor.buckets import Buckets
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.server_args import ServerArgs

@@ -15,14 +15,14 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed.channel import CommandChannel
 from sgl_jax_lora.distributed.commands import KVPages, decode, encode
 from sgl_jax_lora.distributed.compile_barrier import CompileBarrier
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.model_executor.buckets import Buckets
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.server_args import ServerArgs

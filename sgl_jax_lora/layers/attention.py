@@ -27,8 +27,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-
 ATTENTION_BACKENDS = ("native", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 QUERY_TILE = 128  # fewest query tokens per native row when a step has many more tokens than sequences
 NATIVE_GATHER_BYTES = 1 << 28  # the native path's gathered keys per lax.map iteration (bounds its host memory)
@@ -65,13 +63,16 @@ def paged_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
-    batch: ForwardBatch,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
     page_size: int,
     scale: float,
     backend: AttentionBackend = AttentionBackend(),
 ) -> jax.Array:
-    """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]."""
-    args = (q, k_cache, v_cache, layer, batch.seq_lens, batch.page_table, batch.cu_q_lens)
+    """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]. The step's
+    ragged layout is the ForwardBatch's (models/forward_batch.py): seq_lens [S], page_table [S, P], cu_q_lens [S+1]."""
+    args = (q, k_cache, v_cache, layer, seq_lens, page_table, cu_q_lens)
     if backend.name == "native":  # plain JAX: GSPMD partitions it
         return _native_attention(*args, page_size=page_size, scale=scale)
     kernel = _pallas_kernel(backend.name, page_size, scale)

@@ -1,7 +1,7 @@
 """LoRALinear: a base Linear plus the device buffers of every adapter slot for that layer.
 
 Flow: the model builds LoRALinear in place of Linear for each LoRA target in its table
-(models/llama.py LORA_TARGETS) when LoRA is enabled. LoRAMemoryPool writes adapters into slot s of the
+(lora/target_shapes.py LORA_TARGETS) when LoRA is enabled. LoRAMemoryPool writes adapters into slot s of the
 buffers (a donated, shape-stable update). At run time:
 
     y = base(x) + expand(shrink(x, A) * slot_scale[token_slot], B_part) for each packed part

@@ -3,10 +3,13 @@
 Flow: EngineCore (with --enable-lora) -> LoRASetup(args): parse --lora-paths, validate those adapters from
 their configs and tensor headers, fix the pool's max rank (--max-lora-rank, else the largest initial rank,
 else 16) and the covered modules (--lora-target-modules, else all seven projections), pick the backend
--> `spec` goes to the model (LoRALinear buffers) -> `build_manager(runner)` registers the initial
-adapters (pinned ones take their device slot).
+-> `spec` goes to the model (LoRALinear buffers) -> `build_lora_manager(setup, runner)` (managers/lora_manager.py)
+registers the initial adapters (pinned ones take their device slot).
 Adapters given as tensors (load from memory, or an update's new version) have no directory to re-read: `from_memory`
 validates them and keeps the host copy here, and the host cache's loader takes it from here.
+
+Where it sits: the top of the lora package, below the models it shapes; EngineCore, the multi-host runners and
+followers (distributed/) and the LoRAManager (managers/lora_manager.py) read it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ from sgl_jax_lora.lora.adapter import (
 from sgl_jax_lora.lora.backend import make_lora_backend
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
-from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
+from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LORA_TARGETS, LoRATargetShapes
 from sgl_jax_lora.lora.tensor_file import map_tensor_files
-from sgl_jax_lora.models.llama import LORA_TARGETS
 from sgl_jax_lora.server_args import ServerArgs, parse_lora_path_spec
 
 DEFAULT_MAX_LORA_RANK = 16
@@ -51,7 +52,7 @@ class LoRASetup:
         self.loader_max_rank: int | None = args.max_lora_rank
         self.in_memory: dict[str, tuple[LoRAAdapter, dict]] = {}  # lora_id -> (host adapter, its config dict)
         self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
-        initial_ranks = [self._inspect(ref).rank for ref in self.initial_refs]
+        initial_ranks = [self.inspect(ref).rank for ref in self.initial_refs]
         self.max_rank = args.max_lora_rank or max(initial_ranks, default=DEFAULT_MAX_LORA_RANK)
         self.loader_max_rank = self.max_rank
         packed = frozenset(name for name, (parts, _) in LORA_TARGETS.items() if set(parts) & self.target_modules)
@@ -69,7 +70,7 @@ class LoRASetup:
             ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank, self._allowed_dirs(ref)
         )
 
-    def _inspect(self, ref: LoRARef) -> AdapterSummary:
+    def inspect(self, ref: LoRARef) -> AdapterSummary:
         if ref.lora_id in self.in_memory:
             adapter = self.in_memory[ref.lora_id][0]
             return AdapterSummary(ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules)
@@ -109,14 +110,10 @@ class LoRASetup:
     def forget(self, lora_id: str) -> None:
         self.in_memory.pop(lora_id, None)
 
-    def build_manager(self, runner) -> LoRAManager:
-        covered = frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
-        manager = LoRAManager(
-            self.args, runner, self.target_shapes, self.max_rank, covered, self.host_cache, self._inspect
-        )
-        for ref in self.initial_refs:
-            manager.register(ref)
-        return manager
+    @property
+    def covered_modules(self) -> frozenset[str]:
+        """The HF modules the device buffers cover (every part of each packed linear the spec targets)."""
+        return frozenset(m for name in self.spec.target_modules for m in LORA_TARGETS[name][0])
 
 
 def _target_modules(requested: list[str] | None) -> frozenset[str]:

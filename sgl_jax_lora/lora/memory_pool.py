@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.weight_layout import replicate_kv_heads
 from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.eviction import make_eviction_policy
-from sgl_jax_lora.models.llama import LORA_TARGETS
-from sgl_jax_lora.models.model_config import ModelConfig
-from sgl_jax_lora.models.weight_layout import replicate_kv_heads
+from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
 
 _KV_MODULES = ("k_proj", "v_proj")
 

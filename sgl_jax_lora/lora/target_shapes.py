@@ -1,4 +1,8 @@
-"""LoRATargetShapes: the base model's LoRA-targetable linears, as the adapter loader needs them.
+"""LoRATargetShapes: the base model's LoRA-targetable linears, as the adapter loader needs them; LORA_TARGETS: which
+HF modules each packed linear of the model carries.
+
+Where it sits: the lora package's adapter data, below the models (models/llama.py builds its LoRA linears from
+LORA_TARGETS) and everything that lays adapters out (lora/memory_pool.py, lora/lora_setup.py).
 
 Flow: the engine reads the base model's HF `config.json` -> `LoRATargetShapes.from_hf_config` ->
 `load_peft_adapter(..., target_shapes)` checks every adapter tensor against these shapes before any
@@ -32,6 +36,15 @@ MODULE_PARENT: dict[str, str] = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+}
+
+
+# Packed linear of the Llama-family model -> (HF modules it carries, row-parallel?)
+LORA_TARGETS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "qkv_proj": (("q_proj", "k_proj", "v_proj"), False),
+    "o_proj": (("o_proj",), True),
+    "gate_up_proj": (("gate_proj", "up_proj"), False),
+    "down_proj": (("down_proj",), True),
 }
 
 

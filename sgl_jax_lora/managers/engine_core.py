@@ -24,12 +24,15 @@ import dataclasses
 import logging
 import time
 
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed.leader_runner import make_model_runner
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
+from sgl_jax_lora.managers.lora_manager import build_lora_manager
 from sgl_jax_lora.managers.prompt_limits import check_context_length
 from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, top_list
 from sgl_jax_lora.managers.req import Req
@@ -39,11 +42,9 @@ from sgl_jax_lora.managers.step_stats import StepStats
 from sgl_jax_lora.managers.stop_checker import StopChecker, eos_token_ids
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compile_counter import CompileCounter
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, LogitRow, pack_logit_rows
 from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS
 from sgl_jax_lora.server_args import ServerArgs
@@ -88,7 +89,7 @@ class EngineCore:
             max_logit_entries_per_row=max_logit_entries,
         )
         self.runner = make_model_runner(args, self.cfg, self.mesh, self.buckets, self.lora_setup)  # multi-host: leader
-        self.lora = self.lora_setup.build_manager(self.runner) if self.lora_setup else None
+        self.lora = build_lora_manager(self.lora_setup, self.runner) if self.lora_setup else None
         self.lora_builder = self.lora.lora_batch if self.lora else (lambda token_slots: None)
         warmup_start = time.monotonic()
         if not args.skip_precompile:  # compiles, then places the KV cache (its final size), then runs each program

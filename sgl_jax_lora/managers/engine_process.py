@@ -39,6 +39,7 @@ from sgl_jax_lora.managers.io_struct import (
     decode,
     encode,
 )
+from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
@@ -66,16 +67,6 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
     conn.send_bytes(encode(Ready(info=core.server_info(), pid=os.getpid())))
     EngineLoop(core, conn).run()
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
-
-
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set)."""
-    if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 IDLE_STEP_WAIT_S = 0.002

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sgl_jax_lora.configs.buckets import Buckets, pick
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.req import Req
-from sgl_jax_lora.model_executor.buckets import Buckets, pick
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 

@@ -10,7 +10,7 @@ recomputed later).
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
 
-LoRA: an `AdapterSlots` object (lora/lora_manager.py) decides whether a request's adapter can join the
+LoRA: an `AdapterSlots` object (managers/lora_manager.py) decides whether a request's adapter can join the
 step (reserving its slot in the plan); when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
 whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
 outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
@@ -39,12 +39,12 @@ import bisect
 from collections import Counter, deque
 from typing import Protocol
 
+from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
-from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 
 
 class AdapterSlots(Protocol):

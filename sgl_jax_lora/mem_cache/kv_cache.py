@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import logical_to_sharding
-from sgl_jax_lora.models.model_config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

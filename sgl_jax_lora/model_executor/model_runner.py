@@ -27,13 +27,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import KVCache, abstract_kv_cache, allocate_kv_cache, kv_bytes_per_token
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
 from sgl_jax_lora.model_executor.padding_batches import (
     padding_forward_batch,
     padding_sampling_batch,
@@ -46,7 +46,7 @@ from sgl_jax_lora.model_executor.step_memory import (
     kv_tokens_from_memory,
     measure_step_memory,
 )
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
 from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, chunked_token_logprobs, sample

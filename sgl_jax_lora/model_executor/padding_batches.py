@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from sgl_jax_lora.lora.lora_batch import LoRABatch
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ stacked decoder layers (one compiled layer body, weights [L, ...]) -> final norm
 `model.logits(hidden)` applies the LM head to the rows the sampler needs.
 
 Linears are packed (qkv_proj <- q, k, v; gate_up_proj <- gate, up) in shard-major layout
-(layers/linear.py). Three tables beside the layers: LORA_TARGETS (which HF modules each packed linear carries),
-LINEAR_AXES (the logical axes of each linear's weights, declared on its parameters; layers/sharding.py maps
+(layers/linear.py); which HF modules each packed linear carries is LORA_TARGETS (lora/target_shapes.py). Two
+tables beside the layers: LINEAR_AXES (the logical axes of each linear's weights, declared on its parameters; layers/sharding.py maps
 them to mesh axes) and HF_WEIGHTS (the HF tensors each parameter is made from; models/weight_loader.py
 walks it).
 """
@@ -17,25 +17,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
 from sgl_jax_lora.layers.linear import Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
+from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
 from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelSpec, LoRAWeight
+from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-from sgl_jax_lora.models.model_config import ModelConfig
-from sgl_jax_lora.models.weight_layout import LAYER, HFWeight
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 
-# Packed linear -> (HF modules it carries, row-parallel?)
-LORA_TARGETS: dict[str, tuple[tuple[str, ...], bool]] = {
-    "qkv_proj": (("q_proj", "k_proj", "v_proj"), False),
-    "o_proj": (("o_proj",), True),
-    "gate_up_proj": (("gate_proj", "up_proj"), False),
-    "down_proj": (("down_proj",), True),
-}
 _PART_NAMES = {"qkv_proj": ("q", "k", "v"), "o_proj": ("",), "gate_up_proj": ("gate", "up"), "down_proj": ("",)}
 
 # Linear -> logical axes of its weights: (in, packed out, each part's out). Column-parallel linears split
@@ -133,7 +127,16 @@ class DecoderLayer(nnx.Module):
         k = apply_rotary(k, batch.positions, self.inv_freq)
         k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
         attn = paged_attention(
-            q, k_cache, v_cache, layer, batch, self.page_size, self.head_dim**-0.5, self.attention_backend
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            batch.seq_lens,
+            batch.page_table,
+            batch.cu_q_lens,
+            self.page_size,
+            self.head_dim**-0.5,
+            self.attention_backend,
         )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden)
         x = self.post_attention_layernorm(hidden)

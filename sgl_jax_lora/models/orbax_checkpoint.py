@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from sgl_jax_lora.configs.model_config import ModelConfigError
 from sgl_jax_lora.layers.sharding import state_shardings
-from sgl_jax_lora.models.model_config import ModelConfigError
 
 METADATA_FILE = "sgl_jax_lora_checkpoint.json"
 WEIGHTS_DIR = "weights"

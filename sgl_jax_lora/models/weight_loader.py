@@ -5,7 +5,7 @@ Flow: ModelRunner -> load_model_state(cfg, ...) -> (graphdef, state). The model 
 (nnx.eval_shape, no memory), then every parameter is produced directly in its sharded device layout
 (NamedSharding from the axes each parameter declares, layers/sharding.py): the model's table of HF weight
 names (`hf_weights`, models/llama.py HF_WEIGHTS) says which HF tensors make each parameter; they are transposed
-to [in, out], packed shard-major (models/weight_layout.py), stacked over layers and placed with jax.device_put.
+to [in, out], packed shard-major (layers/weight_layout.py), stacked over layers and placed with jax.device_put.
 LoRA buffers start as zeros.
 Only safetensors are read; pickle checkpoints are refused.
 """
@@ -24,13 +24,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 
+from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.sharding import state_shardings
+from sgl_jax_lora.layers.weight_layout import HFWeight
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
-from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.models.orbax_checkpoint import is_converted_checkpoint, restore_model_state
 from sgl_jax_lora.models.registry import model_class_for
-from sgl_jax_lora.models.weight_layout import HFWeight
 
 
 class SafetensorsReader:

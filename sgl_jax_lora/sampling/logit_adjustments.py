@@ -2,7 +2,7 @@
 
 Flow: EngineCore describes each sampling request that adjusts its logits as a `LogitRow` (most steps have none) ->
 `pack_logit_rows` turns the step's rows into a `LogitAdjustments` of small flat arrays, one entry per (row, token id)
-that some rule touches, padded to an entry bucket (model_executor/buckets.py) -> ModelRunner's logits program applies
+that some rule touches, padded to an entry bucket (configs/buckets.py) -> ModelRunner's logits program applies
 `apply_logit_adjustments` right after the LM head, on the device -> `sampler.sample`. The [S, V] logits never leave
 the device.
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax_lora.model_executor.buckets import pick
+from sgl_jax_lora.configs.buckets import pick
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 

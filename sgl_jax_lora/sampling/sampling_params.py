@@ -11,7 +11,7 @@ import dataclasses
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 # logit_bias and stop_token_ids name at most this many token ids: a request's logit adjustments then fit the
-# largest compiled entry bucket (model_executor/buckets.py)
+# largest compiled entry bucket (configs/buckets.py)
 MAX_LOGIT_BIAS_IDS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_INT32 = 2**31 - 1  # token ids, top_k and token counts travel as int32 arrays

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams

@@ -22,9 +22,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
-from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams, init_lora_params

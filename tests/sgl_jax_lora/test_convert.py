@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 
 from sgl_jax_lora import Engine
+from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.convert import convert, main
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.models.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.models.orbax_checkpoint import METADATA_FILE, WEIGHTS_DIR
 from sgl_jax_lora.models.weight_loader import load_model_state
 from tests.support.peft_fixtures import write_peft_adapter

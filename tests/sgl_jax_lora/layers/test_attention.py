@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
+from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.layers.attention import QUERY_TILE, AttentionBackend, native_query_layout, paged_attention
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 PAGE, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
@@ -67,7 +67,16 @@ def run_attention(
         )
     else:
         got = paged_attention(
-            jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend)
+            jnp.asarray(q),
+            k_stack,
+            v_stack,
+            jnp.int32(1),
+            fb.seq_lens,
+            fb.page_table,
+            fb.cu_q_lens,
+            PAGE,
+            DIM**-0.5,
+            AttentionBackend(backend),
         )
     return q, k_cache, v_cache, np.asarray(got)
 
@@ -158,7 +167,8 @@ def test_stale_non_finite_kv_is_never_read(backend):
                     q, k, v, jnp.int32(1), fb.seq_lens, fb.page_table, fb.cu_q_lens, page_size=PAGE, scale=DIM**-0.5
                 )
             )
-        return np.asarray(paged_attention(q, k, v, jnp.int32(1), fb, PAGE, DIM**-0.5, AttentionBackend(backend)))
+        layout = (fb.seq_lens, fb.page_table, fb.cu_q_lens)
+        return np.asarray(paged_attention(q, k, v, jnp.int32(1), *layout, PAGE, DIM**-0.5, AttentionBackend(backend)))
 
     clean, got = run(*caches), run(*poisoned)
     assert np.isfinite(got).all()

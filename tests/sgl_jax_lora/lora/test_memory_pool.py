@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sgl_jax_lora.configs.model_config import ModelConfig, RopeConfig
 from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
-from sgl_jax_lora.models.model_config import ModelConfig, RopeConfig
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_RANK, SLOTS = 2, 8, 2, 1, 4, 4, 3
 

@@ -9,7 +9,6 @@ import pytest
 
 from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_manager import segment_buckets
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry, UnknownLoRAError
@@ -162,18 +161,6 @@ def test_host_cache_fifo_policy() -> None:
     cache.get(a)  # a hit does not refresh a FIFO position
     cache.get(c)
     assert set(cache.resident_ids()) == {b.lora_id, c.lora_id}
-
-
-def test_segment_buckets_default_and_flag() -> None:
-    assert segment_buckets(33) == (4, 33)
-    assert segment_buckets(3) == (3,)
-    assert segment_buckets(9) == (9,)  # a small pool: one bucket (each bucket is a compiled program per token bucket)
-    assert segment_buckets(17) == (4, 17)
-    # --lora-segment-buckets: sorted, capped at the slot count, which is always compiled
-    assert segment_buckets(129, [33, 4, 33]) == (4, 33, 129)
-    assert segment_buckets(9, [64]) == (9,)
-    with pytest.raises(ValueError, match="--lora-segment-buckets"):
-        segment_buckets(9, [0])
 
 
 def test_a_directory_is_one_adapter_however_spelled(tmp_path) -> None:

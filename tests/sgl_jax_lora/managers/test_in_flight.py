@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.managers.in_flight import InFlightToken, InFlightTokens
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 

@@ -13,12 +13,12 @@ import collections
 import numpy as np
 import pytest
 
+from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.model_executor.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 

@@ -3,11 +3,11 @@ Scheduler's use of it (a request starts after its cached prefix, cached pages ma
 
 from __future__ import annotations
 
+from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 TOKENS = list(range(100, 111))  # 11 tokens: two whole pages of 4 and 3 more

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
-from sgl_jax_lora.models.llama import LORA_TARGETS
-from sgl_jax_lora.models.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 
 pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.models.weight_loader import load_model_state
 
 cfg = ModelConfig.from_dict(json.loads(sys.argv[1]))

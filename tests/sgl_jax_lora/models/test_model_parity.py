@@ -16,12 +16,12 @@ import pytest
 import torch
 from flax import nnx
 
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.forward_batch import ForwardBatch
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.registry import model_class_for
 from sgl_jax_lora.models.weight_loader import SafetensorsReader, load_model_state
 from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax_lora.model_executor.buckets import logit_entry_budgets
+from sgl_jax_lora.configs.buckets import logit_entry_budgets
 from sgl_jax_lora.sampling.logit_adjustments import LogitRow, apply_logit_adjustments, pack_logit_rows
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 

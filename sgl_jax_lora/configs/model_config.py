@@ -3,6 +3,9 @@
 Flow: ServerArgs.model_path -> ModelConfig.from_model_path -> model class (models/registry.py),
 weight loader, KV cache sizing and LoRA target shapes. All validation of the config happens here, at the
 boundary, with errors that name the field and the fix.
+
+Where it sits: configs, at the bottom of the package with the compiled buckets; every layer above reads it (rotary,
+the KV cache, the models, the runner, the engine core) and it imports no other module of the package.
 """
 
 from __future__ import annotations

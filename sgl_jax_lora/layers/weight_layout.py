@@ -5,6 +5,9 @@ always agree. `axis` is the output-feature axis of the array being transformed.
 
 HFWeight is one row of a model's table of HF weight names (models/llama.py HF_WEIGHTS): which HF tensors make
 one of our parameters and how (transposed, kv heads replicated, packed); models/weight_loader.py walks it.
+
+Where it sits: layers, beside the packed linears (layers/linear.py) whose layout it produces; below the LoRA
+memory pool (lora/memory_pool.py) and the models, which both lay weights out through it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from sgl_jax_lora.models.model_config import ModelConfig
+from sgl_jax_lora.configs.model_config import ModelConfig
 
 
 def kv_head_indices(cfg: ModelConfig, tp_size: int) -> np.ndarray:

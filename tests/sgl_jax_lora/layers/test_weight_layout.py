@@ -1,12 +1,12 @@
-"""Host layout transforms (models/weight_layout.py): kv heads are repeated shard-major when tp exceeds them (each
+"""Host layout transforms (layers/weight_layout.py): kv heads are repeated shard-major when tp exceeds them (each
 shard gets the head its query heads read), untouched otherwise; packing puts every part's slice in each shard."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from sgl_jax_lora.models.model_config import ModelConfig, RopeConfig
-from sgl_jax_lora.models.weight_layout import kv_head_indices, pack_shard_major, replicate_kv_heads
+from sgl_jax_lora.configs.model_config import ModelConfig, RopeConfig
+from sgl_jax_lora.layers.weight_layout import kv_head_indices, pack_shard_major, replicate_kv_heads
 
 HEAD_DIM = 2
 

@@ -5,12 +5,16 @@ Flow:
     -> ScheduleBatch.to_forward_batch(buckets) pads everything to a compiled token bucket (numpy)
     -> ModelRunner.forward(forward_batch, prev_ids) (one host->device transfer of this pytree; tokens sampled by
        the step still in flight come from `prev_ids` on the device, see `input_from_prev`)
-    -> model layers read the fields they need; attention reads the ragged layout (cu_q_lens, seq_lens,
-       page_table), LoRALinear layers read `lora`.
+    -> the model (models/llama.py) reads the fields it needs and hands the layers theirs: attention gets the
+       ragged layout (cu_q_lens, seq_lens, page_table), the LoRA backend `lora`.
 
 Every field is an array; the bucket is the arrays' shapes, so each bucket is its own compiled program. Padding tokens
 write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences have no tokens and seq_len 0,
 so padding never changes a real request's result.
+
+Where it sits: models, the lowest package that reads a whole ForwardBatch (the model's input, with the KV cache);
+the layers below take the arrays they need, and the runner, the multi-host commands and the scheduler's
+ScheduleBatch above build or carry it.
 """
 
 from __future__ import annotations

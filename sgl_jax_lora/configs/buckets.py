@@ -6,6 +6,10 @@ A step is ragged: decode rows (one token each) and prefill chunks share one forw
 mix. `pick` returns the smallest bucket that fits. A step whose requests adjust their logits (penalties, logit_bias,
 min_new_tokens) sends one entry per (row, token id) a rule touches, padded to an entry bucket: S times a per-row
 budget from `logit_entries_per_row` (sampling/logit_adjustments.py).
+
+Where it sits: configs, at the bottom of the package: the scheduler and EngineCore pad each step to these shapes,
+the LoRA manager and the logit adjustments pick their buckets with `pick` and `checked_buckets`, and the model runner
+compiles one program per bucket.
 """
 
 from __future__ import annotations

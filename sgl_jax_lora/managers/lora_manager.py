@@ -13,6 +13,9 @@ requests are never evicted (no reload thrash between a prefill and the next deco
 (ModelRunner.write_lora_slot), the only device writes of a step's adapters, and `lora_batch(token_slots)`
 builds the step's LoRABatch. Frontend calls (`register`, `unregister`) arrive as RPCs through the engine loop;
 a pinned adapter is written into its slot by `register`.
+
+Where it sits: a manager of the engine process, above the model runner whose LoRA buffers it writes; built by
+`build_lora_manager` from the engine's LoRASetup (lora/lora_setup.py: adapters, max rank, covered modules).
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from sgl_jax_lora.configs.buckets import checked_buckets
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
-from sgl_jax_lora.model_executor.buckets import checked_buckets
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -277,6 +281,16 @@ class LoRAManager:
             "slot_load_seconds": list(self.load_latencies_s),
             "slot_load_seconds_total": self.load_seconds_total,
         }
+
+
+def build_lora_manager(setup: LoRASetup, runner: ModelRunner) -> LoRAManager:
+    """The engine's LoRAManager of `setup`'s adapters on `runner`'s buffers; registers the initial adapters."""
+    manager = LoRAManager(
+        setup.args, runner, setup.target_shapes, setup.max_rank, setup.covered_modules, setup.host_cache, setup.inspect
+    )
+    for ref in setup.initial_refs:
+        manager.register(ref)
+    return manager
 
 
 def segment_buckets(num_slots: int, requested: list[int] | None = None) -> tuple[int, ...]:

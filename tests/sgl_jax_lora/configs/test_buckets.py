@@ -1,11 +1,11 @@
-"""Buckets (model_executor/buckets.py): the token buckets every step is padded to, the sequence count each implies,
+"""Buckets (configs/buckets.py): the token buckets every step is padded to, the sequence count each implies,
 `pick` (the smallest bucket that fits) and the checks of --token-buckets."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_jax_lora.model_executor.buckets import (
+from sgl_jax_lora.configs.buckets import (
     MIN_PREFILL_TOKENS,
     MIN_TOKEN_BUCKET,
     Buckets,

@@ -1,7 +1,8 @@
-"""LoRAManager (lora/lora_manager.py) plans, then applies: reserving an adapter's device slot for a step is host
+"""LoRAManager (managers/lora_manager.py) plans, then applies: reserving an adapter's device slot for a step is host
 bookkeeping (the slot table, the slot arrays made ready), and the device is written only by `apply`, which
 EngineCore calls after scheduling and before the launch. Here the manager drives a runner that records its slot
-writes (no model, no device), alone and under Scheduler.schedule()."""
+writes (no model, no device), alone and under Scheduler.schedule(). Last, the compiled segment buckets
+(`segment_buckets`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import types
 import numpy as np
 import pytest
 
+from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_manager import LoRAManager
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.managers.lora_manager import LoRAManager, segment_buckets
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.model_executor.buckets import Buckets
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
@@ -170,3 +171,15 @@ def test_schedule_is_a_plan_without_device_writes():
     assert rejected.rid == "r2" and "adapter 'gone'" in message
     manager.apply(plan.slot_writes)
     assert runner.writes == [(1, "a"), (2, "b")]
+
+
+def test_segment_buckets_default_and_flag() -> None:
+    assert segment_buckets(33) == (4, 33)
+    assert segment_buckets(3) == (3,)
+    assert segment_buckets(9) == (9,)  # a small pool: one bucket (each bucket is a compiled program per token bucket)
+    assert segment_buckets(17) == (4, 17)
+    # --lora-segment-buckets: sorted, capped at the slot count, which is always compiled
+    assert segment_buckets(129, [33, 4, 33]) == (4, 33, 129)
+    assert segment_buckets(9, [64]) == (9,)
+    with pytest.raises(ValueError, match="--lora-segment-buckets"):
+        segment_buckets(9, [0])
