@@ -126,12 +126,15 @@ def adapter_from_tensors(
     target_shapes: LoRATargetShapes,
     max_lora_rank: int | None = None,
     path: str = "",
+    checked_finite: bool = False,
 ) -> LoRAAdapter:
     """An adapter from memory: PEFT tensor names -> arrays, and adapter_config.json's fields as a dict; the same
-    checks as from disk (non-finite values refused)."""
+    checks as from disk (non-finite values refused, unless `checked_finite`: the frontend checked the same values
+    as it wrote them, TensorFile.from_arrays)."""
     config = parse_peft_config(name, raw_config)
     tensors = _float32_tensors(name, tensors)
-    adapter_files.refuse_any_non_finite(name, tensors)
+    if not checked_finite:
+        adapter_files.refuse_any_non_finite(name, tensors, in_memory=True)
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 

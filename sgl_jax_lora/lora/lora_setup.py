@@ -82,8 +82,11 @@ class LoRASetup:
         """Adapters loaded by clients read only inside --lora-allowed-dirs; the operator's --lora-paths anywhere."""
         return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
-    def from_memory(self, ref: LoRARef, tensors_paths: list[str], config: dict) -> LoRAAdapter:
-        """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`."""
+    def from_memory(
+        self, ref: LoRARef, tensors_paths: list[str], config: dict, checked_finite: bool = False
+    ) -> LoRAAdapter:
+        """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`
+        (`checked_finite`: the frontend already refused NaN and Inf as it wrote the files)."""
         adapter = adapter_from_tensors(
             ref.lora_name,
             map_tensor_files(ref.lora_name, tensors_paths),
@@ -91,6 +94,7 @@ class LoRASetup:
             self.target_shapes,
             self.max_rank,
             path=ref.lora_path,
+            checked_finite=checked_finite,
         )
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter

@@ -11,6 +11,11 @@ Arrays are written as up to WRITE_THREADS files (shards, each a subset of the te
 into one tmpfs file take its inode lock one at a time, writes into several files run side by side (168 MB in
 33 ms on 8 threads against 83 ms in one file on the H100 machine's CPUs). An HTTP body is one file, as it came.
 
+Each writer thread refuses a tensor holding NaN or Inf just before writing it (the array is then in the CPU's cache
+for the write), so arrays of the float dtypes the engine reads exactly (float32, float16, bfloat16) arrive checked:
+`checked_finite` tells the engine to skip its own pass. float64 arrays (whose float32 conversion may overflow) and
+HTTP bodies are checked by the engine.
+
 The layout is safetensors' (8-byte little-endian header length, a JSON header of dtype / shape / data offsets,
 the raw data), parsed here with every offset and size checked, since HTTP bodies arrive in it unchanged.
 """
@@ -25,7 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sgl_jax_lora.lora.adapter_files import FLOAT_ITEMSIZES, float32_tensor, non_float_error, tensor_label
+from sgl_jax_lora.lora.adapter_files import (
+    FLOAT_ITEMSIZES,
+    float32_tensor,
+    non_float_error,
+    refuse_non_finite,
+    tensor_label,
+)
 from sgl_jax_lora.lora.peft_config import adapter_error
 
 _SHM_DIR = "/dev/shm"
@@ -38,8 +49,9 @@ class TensorFile:
     """Safetensors-layout files in shared memory (one or several shards of the tensors), owned by the frontend until
     `remove()` (or the `with` exit)."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], checked_finite: bool = False):
         self.paths = paths
+        self.checked_finite = checked_finite  # every tensor was found finite as the engine will read it
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TensorFile:
@@ -56,8 +68,10 @@ class TensorFile:
     @classmethod
     def from_arrays(cls, name: str, tensors: dict) -> TensorFile:
         """PEFT tensor names -> float arrays (numpy or JAX; float32, float16, bfloat16, float64), written as they
-        are (no conversion): the engine reads each dtype."""
+        are (no conversion): the engine reads each dtype. Raises LoRAAdapterError (nothing left behind) if a tensor
+        holds NaN or Inf."""
         arrays = _float_arrays(name, tensors)
+        checked_finite = all(a.dtype.itemsize < 8 for a in arrays.values())
         total = sum(a.nbytes for a in arrays.values())
         num_shards = max(1, min(WRITE_THREADS, len(arrays), total // MIN_SHARD_BYTES))
         shards: list[dict[str, np.ndarray]] = [{} for _ in range(num_shards)]
@@ -67,14 +81,14 @@ class TensorFile:
             shards[smallest][key] = value
             sizes[smallest] += value.nbytes
         if num_shards == 1:
-            return cls([_write_shard(shards[0])])
+            return cls([_write_shard(name, shards[0])], checked_finite)
         with ThreadPoolExecutor(num_shards, thread_name_prefix="tensor-file") as pool:
-            futures = [pool.submit(_write_shard, shard) for shard in shards]
+            futures = [pool.submit(_write_shard, name, shard) for shard in shards]
         paths = [f.result() for f in futures if f.exception() is None]
-        if len(paths) < num_shards:  # e.g. /dev/shm full: leave nothing behind
+        if len(paths) < num_shards:  # a non-finite tensor, /dev/shm full: leave nothing behind
             cls(paths).remove()
             next(f for f in futures if f.exception() is not None).result()
-        return cls(paths)
+        return cls(paths, checked_finite)
 
     def remove(self) -> None:
         for path in self.paths:
@@ -90,8 +104,9 @@ class TensorFile:
         self.remove()
 
 
-def _write_shard(arrays: dict[str, np.ndarray]) -> str:
-    """One safetensors-layout file of these arrays (data 8-byte aligned, as safetensors writes it); -> its path."""
+def _write_shard(name: str, arrays: dict[str, np.ndarray]) -> str:
+    """One safetensors-layout file of these arrays (data 8-byte aligned, as safetensors writes it), each checked
+    finite just before it is written; -> its path."""
     header, offset = {}, 0
     for key, value in arrays.items():
         dtype = "BF16" if value.dtype.name == "bfloat16" else {4: "F32", 2: "F16", 8: "F64"}[value.dtype.itemsize]
@@ -105,6 +120,7 @@ def _write_shard(arrays: dict[str, np.ndarray]) -> str:
         os.ftruncate(fd, data_start + offset)
         os.pwrite(fd, len(header_bytes).to_bytes(8, "little") + header_bytes, 0)
         for key, value in arrays.items():
+            refuse_non_finite(name, key, value, in_memory=True)
             _write_at(fd, value, data_start + header[key]["data_offsets"][0])
     except BaseException:
         os.unlink(path)

@@ -314,7 +314,12 @@ class EngineCore:
         return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
 
     def rpc_load_lora_tensors(
-        self, ref: LoRARef, tensors_paths: list[str], config: dict | None, replaces: str | None = None
+        self,
+        ref: LoRARef,
+        tensors_paths: list[str],
+        config: dict | None,
+        replaces: str | None = None,
+        checked_finite: bool = False,
     ) -> AdapterLoaded:
         """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
         `replaces`, with its config unless one is given. The old version keeps serving its running requests until
@@ -325,7 +330,7 @@ class EngineCore:
         if replaces is not None and old is None:
             raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
         adapter = self.lora_setup.from_memory(
-            ref, tensors_paths, config if config is not None else self.lora_setup.config_of(old)
+            ref, tensors_paths, config if config is not None else self.lora_setup.config_of(old), checked_finite
         )
         if old is not None:
             self.lora.pool.pinned.discard(old.lora_id)

@@ -89,7 +89,11 @@ class EngineLoop:
                 call.lora_id, call.lora_name, call.lora_path, pinned=call.pinned, confined=call.confined
             ),
             LoadLoRATensorsCall: lambda call: core.rpc_load_lora_tensors(
-                call.ref, call.tensors_paths, call.config, replaces=call.replaces
+                call.ref,
+                call.tensors_paths,
+                call.config,
+                replaces=call.replaces,
+                checked_finite=call.tensors_checked_finite,
             ),
             UnloadLoRACall: lambda call: core.rpc_unload_lora(call.lora_id),
         }

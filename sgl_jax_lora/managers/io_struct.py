@@ -131,6 +131,7 @@ class LoadLoRATensorsCall(EngineCall):
     tensors_paths: list[str]
     config: dict | None = None
     replaces: str | None = None
+    tensors_checked_finite: bool = False  # the frontend found every tensor finite as it wrote the files
 
     @classmethod
     def from_fields(cls, fields: dict) -> LoadLoRATensorsCall:

@@ -228,7 +228,10 @@ class TokenizerManager:
                 "(update_lora_adapter) or choose another lora_name"
             )
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        result = await self.call(LoadLoRATensorsCall(ref=ref, tensors_paths=tensors.paths, config=config))
+        call = LoadLoRATensorsCall(
+            ref=ref, tensors_paths=tensors.paths, config=config, tensors_checked_finite=tensors.checked_finite
+        )
+        result = await self.call(call)
         self.lora_registry.register(ref)
         return {**self._lora_summary(ref), **dataclasses.asdict(result)}
 
@@ -246,7 +249,13 @@ class TokenizerManager:
                 )
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
             result = await self.call(
-                LoadLoRATensorsCall(ref=ref, tensors_paths=tensors.paths, config=config, replaces=old.lora_id)
+                LoadLoRATensorsCall(
+                    ref=ref,
+                    tensors_paths=tensors.paths,
+                    config=config,
+                    replaces=old.lora_id,
+                    tensors_checked_finite=tensors.checked_finite,
+                )
             )
             self.lora_registry.replace(ref)
         task = asyncio.ensure_future(self._unload_when_drained(old))

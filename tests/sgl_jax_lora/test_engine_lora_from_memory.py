@@ -6,6 +6,7 @@ the compile counter proves neither path compiles.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from safetensors.numpy import save as save_file_bytes
 
 from sgl_jax_lora import Engine
 from sgl_jax_lora.lora.tensor_file import TensorFile, map_tensor_files
@@ -100,6 +102,12 @@ def _bad_inputs(first) -> list[tuple[dict, dict, str]]:
         ({**tensors, a_key: tensors[a_key][:4]}, config, "has shape"),
         ({k: v for k, v in tensors.items() if k != a_key}, config, "no lora_A"),
         ({**tensors, a_key: tensors[a_key].astype(np.int32)}, config, "not a floating-point array"),
+        ({**tensors, a_key: np.full_like(tensors[a_key], np.nan)}, config, "holds NaN or Inf"),  # frontend check
+        (
+            {**tensors, a_key: np.full(tensors[a_key].shape, 1e300)},
+            config,
+            r"lora_A.weight' holds NaN or Inf",
+        ),  # engine
         ({**tensors, "base_model.model.lm_head.weight": np.zeros((491, 48), np.float32)}, config, "embedding"),
         ({}, config, "no tensors given"),
         (tensors, {k: v for k, v in config.items() if k != "r"}, "has no 'r'"),
@@ -267,6 +275,40 @@ def test_large_arrays_are_written_as_shards_on_threads_and_read_back_whole(monke
     assert sorted(k for shard in shards for k in shard) == sorted(arrays)  # each tensor in exactly one shard
     for key, array in arrays.items():
         assert np.array_equal(tensors[key], array)
+
+
+def _tensor_files_in_shm() -> set[str]:
+    return set(glob.glob("/dev/shm/sgl-jax-lora-tensors-*"))
+
+
+def test_a_non_finite_array_is_refused_as_it_is_written_and_no_shard_stays(monkeypatch):
+    import sgl_jax_lora.lora.tensor_file as tensor_file_module
+    from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+
+    monkeypatch.setattr(tensor_file_module, "MIN_SHARD_BYTES", 64)
+    rng = np.random.default_rng(2)
+    arrays = {f"layer{i}.lora_B.weight": rng.standard_normal((8 + i, 4), dtype=np.float32) for i in range(11)}
+    with TensorFile.from_arrays("x", arrays) as tensor_file:
+        assert tensor_file.checked_finite and len(tensor_file.paths) == tensor_file_module.WRITE_THREADS
+    before = _tensor_files_in_shm()
+    for bad in (np.nan, np.inf, -np.inf):
+        poisoned = {**arrays, "layer7.lora_B.weight": arrays["layer7.lora_B.weight"].copy()}
+        poisoned["layer7.lora_B.weight"][3, 1] = bad
+        with pytest.raises(LoRAAdapterError, match="tensor 'layer7.lora_B.weight' holds NaN or Inf values"):
+            TensorFile.from_arrays("x", poisoned)
+        assert _tensor_files_in_shm() == before  # the shards written beside it are removed
+
+
+def test_the_engine_checks_what_the_frontend_could_not():
+    import ml_dtypes
+
+    finite = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float16), "c": np.ones(2, ml_dtypes.bfloat16)}
+    with TensorFile.from_arrays("x", finite) as tensor_file:
+        assert tensor_file.checked_finite  # float32 reads these values exactly
+    with TensorFile.from_arrays("x", {**finite, "d": np.full(2, 1e300)}) as tensor_file:
+        assert not tensor_file.checked_finite  # float64 may overflow on its way to float32: the engine checks
+    with TensorFile.from_bytes(save_file_bytes({"a": np.ones(3, np.float32)})) as tensor_file:
+        assert not tensor_file.checked_finite  # an HTTP body: the engine checks
 
 
 def _layout(header: bytes, data: bytes = b"") -> bytes:
