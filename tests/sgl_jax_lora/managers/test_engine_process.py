@@ -52,8 +52,8 @@ class FakeCore:
         self.calls.append(("load_lora", lora_id, lora_name, lora_path, pinned, confined))
         return AdapterLoaded(8, ["q_proj"])
 
-    def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None) -> AdapterLoaded:
-        self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces))
+    def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None, checked_finite=False) -> AdapterLoaded:
+        self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces, checked_finite))
         return AdapterLoaded(4, ["v_proj"])
 
     def rpc_unload_lora(self, lora_id: str) -> dict:
@@ -91,7 +91,7 @@ def test_calls_reach_their_method_and_reply_with_their_call_id():
     ref = LoRARef(lora_name="a", lora_path="", lora_id="id2", version=2)
     loop.handle(ServerInfoCall(call_id=1))
     loop.handle(LoadLoRACall("id1", "a", "/adapters/a", pinned=True, call_id=2))
-    loop.handle(LoadLoRATensorsCall(ref, "/dev/shm/a", None, replaces="id1", call_id=3))
+    loop.handle(LoadLoRATensorsCall(ref, "/dev/shm/a", None, replaces="id1", tensors_checked_finite=True, call_id=3))
     loop.handle(UnloadLoRACall("id9", call_id=4))
     replies = [received(frontend) for _ in range(4)]
     assert replies == [
@@ -102,7 +102,7 @@ def test_calls_reach_their_method_and_reply_with_their_call_id():
     ]
     assert core.calls == [
         ("load_lora", "id1", "a", "/adapters/a", True, False),
-        ("load_lora_tensors", ref, "/dev/shm/a", None, "id1"),
+        ("load_lora_tensors", ref, "/dev/shm/a", None, "id1", True),
     ]
 
 
