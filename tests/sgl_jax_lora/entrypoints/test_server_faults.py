@@ -35,9 +35,13 @@ def engine_pid(url: str) -> int:
     return httpx.get(url + "/get_server_info", timeout=30).json()["engine_pid"]
 
 
-def test_health_answers_while_a_large_prompt_is_handled(server):
-    # ~2 MB of token ids: parsed and checked off the event loop (then a 400, it is longer than the context); the
-    # upload's end is marked, and /health must answer after it and before the large request's answer
+HEALTH_ATTEMPTS = 3  # a parse that finishes before one /health round trip leaves an attempt's window empty
+
+
+def health_during_a_large_prompt(url: str) -> list[tuple[float, int]]:
+    """Send ~2 MB of token ids (parsed and checked off the event loop, then a 400: longer than the context) and poll
+    /health from the upload's end until the large request is answered; -> the /health answers that came before the
+    large answer, as (time, status)."""
     body = b'{"input_ids": [' + b"5, " * 700_000 + b"5]}"
     uploaded, finished = threading.Event(), []
 
@@ -48,21 +52,32 @@ def test_health_answers_while_a_large_prompt_is_handled(server):
 
     def large() -> None:
         response = httpx.post(
-            server.url + "/generate", content=chunks(), timeout=300, headers={"Content-Type": "application/json"}
+            url + "/generate", content=chunks(), timeout=300, headers={"Content-Type": "application/json"}
         )
         finished.append((time.monotonic(), response))
 
     thread = threading.Thread(target=large)
-    thread.start()
-    assert uploaded.wait(timeout=120)
-    answered = []
-    while not finished:
-        response = httpx.get(server.url + "/health", timeout=300)
-        answered.append((time.monotonic(), response.status_code))
+    with httpx.Client(timeout=300) as client:
+        client.get(url + "/health")  # the connection is open before the upload starts
+        thread.start()
+        assert uploaded.wait(timeout=120)
+        answered = []
+        while not finished:
+            answered.append((time.monotonic(), client.get(url + "/health").status_code))
     thread.join(timeout=300)
     done_at, response = finished[0]
     assert response.status_code == 400 and "context length" in response.json()["error"]["message"]
-    assert [status for at, status in answered if at < done_at] and all(s == 200 for _, s in answered)
+    assert all(status == 200 for _, status in answered)
+    return [(at, status) for at, status in answered if at < done_at]
+
+
+def test_health_answers_while_a_large_prompt_is_handled(server):
+    # a loop blocked by the parse answers no /health between the upload's end and the large answer, in any attempt;
+    # on a loaded machine a fast parse can leave one attempt's window empty by chance
+    for _ in range(HEALTH_ATTEMPTS):
+        if health_during_a_large_prompt(server.url):
+            return
+    raise AssertionError(f"no /health answer while the large prompt was handled, in {HEALTH_ATTEMPTS} attempts")
 
 
 def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server):
