@@ -2,7 +2,7 @@
 
 One engine serves the module; its model is a tiny random HF Llama so every answer can be checked
 against HF transformers. The engine's invariants (docs/architecture.md): HF parity, prefill+decode == full forward,
-chunked == unchunked, batch invariance, no compilation after warmup.
+chunked == unchunked, batch invariance, no compilation after warmup. An Engine is refused on a node other than 0.
 """
 
 from __future__ import annotations
@@ -366,3 +366,8 @@ def test_parallel_warmup_compiles_each_program_once(model_dir):
     threaded, num_forwards = lowerings_in_warmup(2)
     serial, _ = lowerings_in_warmup(1)
     assert threaded == serial >= num_forwards > 1
+
+
+def test_an_engine_on_a_node_other_than_0_is_refused_naming_the_launch_command():
+    with pytest.raises(ValueError, match="python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1"):
+        Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")

@@ -1,6 +1,7 @@
 """`--config FILE` (launch.py) and `load_config_file` (server_args.py): a JSON or YAML file of ServerArgs
 fields sets the defaults, flags on the command line override it, the shipped tpu_configs/ presets load as
-they are, and a bad key or value exits 2 naming the key and the closest field.
+they are, and a bad key or value exits 2 naming the key and the closest field. Multi-host settings that cannot
+work (no --dist-init-addr, a node rank out of range) are refused naming the fix.
 """
 
 from __future__ import annotations
@@ -110,3 +111,10 @@ def test_launcher_exits_2_naming_the_bad_key(tmp_path):
     )
     assert missing.returncode == 2
     assert "cannot read the file" in missing.stderr
+
+
+def test_multi_host_settings_name_the_fix():
+    with pytest.raises(ValueError, match="--dist-init-addr HOST:PORT"):
+        ServerArgs(nnodes=2)
+    with pytest.raises(ValueError, match="--node-rank must be in"):
+        ServerArgs(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")

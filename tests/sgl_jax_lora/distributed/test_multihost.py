@@ -18,18 +18,11 @@ import threading
 import time
 
 import httpx
-import jax
-import jax.numpy as jnp
-import msgpack
 import numpy as np
 import pytest
 import torch
 
 from sgl_jax_lora import Engine
-from sgl_jax_lora.distributed.commands import Forward, WriteLoRASlot, decode, encode
-from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
-from sgl_jax_lora.server_args import ServerArgs
 from tests.support.http_helpers import ServerProcess, free_port, server_env
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
@@ -187,42 +180,6 @@ def compilations_after_warmup(cluster: Cluster) -> list[int]:
     leader = httpx.get(cluster.nodes[0].url + "/get_server_info", timeout=30).json()
     follower = httpx.get(cluster.nodes[1].url + "/health", timeout=30).json()
     return [leader["num_compilations_after_warmup"], follower["num_compilations_after_warmup"]]
-
-
-def test_commands_round_trip_and_decoding_builds_only_known_types():
-    batch = padding_forward_batch(
-        2,
-        8,
-        3,
-        build_lora_batch(
-            np.array([0, 1, 1, 0, 2, 0, 0, 0], np.int32),
-            3,
-            np.array([0, 2, 0.5], np.float32),
-            np.array([0, 8, 4], np.int32),
-        ),
-    )
-    command = decode(encode(Forward(batch, 7)))
-    assert command.prev_sample == 7
-    for ours, sent in zip(jax.tree_util.tree_leaves(command.batch), jax.tree_util.tree_leaves(batch), strict=True):
-        np.testing.assert_array_equal(ours, sent)
-        assert ours.dtype == sent.dtype
-    values = [np.arange(6, dtype=np.float32).reshape(2, 3).astype(jnp.bfloat16)]
-    written = decode(encode(WriteLoRASlot(3, values)))
-    assert written.slot == 3 and written.values[0].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(written.values[0], values[0])
-    with pytest.raises(ValueError, match="unknown type 'Popen'"):
-        decode(msgpack.packb({"__dataclass__": "Popen", "fields": {"args": ["true"]}}))
-    with pytest.raises(ValueError, match="expected a command"):
-        decode(encode(batch))
-
-
-def test_multi_host_settings_name_the_fix():
-    with pytest.raises(ValueError, match="--dist-init-addr HOST:PORT"):
-        ServerArgs(nnodes=2)
-    with pytest.raises(ValueError, match="--node-rank must be in"):
-        ServerArgs(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
-    with pytest.raises(ValueError, match="python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1"):
-        Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
 
 
 @pytest.mark.slow

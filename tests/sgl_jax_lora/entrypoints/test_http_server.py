@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -920,30 +919,6 @@ def test_metrics(http):
     assert values['sgl_jax_lora_engine_steps_total{kind="decode"}'] >= 11  # 12 tokens: 1 from prefill, 11 decodes
     assert values['sgl_jax_lora_engine_step_tokens_total{kind="extend"}'] >= 1
     assert values['sgl_jax_lora_engine_step_seconds_total{kind="decode",phase="run"}'] > 0
-
-
-# ---- chat templates (no server) ----------------------------------------------------------------
-def test_chat_template_sources(tmp_path):
-    from transformers import AutoTokenizer
-
-    from sgl_jax_lora.demo_model import demo_model_path
-    from sgl_jax_lora.entrypoints.chat_template import load_chat_template, render_chat
-    from sgl_jax_lora.entrypoints.openai_protocol import ChatMessage
-
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    tm = types.SimpleNamespace(tokenizer=tokenizer)
-    messages = [ChatMessage(role="user", content="hi")]
-    assert (
-        tokenizer.decode(render_chat(tm, None, messages)) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
-    path = tmp_path / "template.jinja"
-    path.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}>>")
-    assert tokenizer.decode(render_chat(tm, load_chat_template(str(path)), messages)) == "[user] hi>>"
-    assert tokenizer.decode(render_chat(tm, load_chat_template("{{ messages[0]['content'] }}!"), messages)) == "hi!"
-    tokenizer.chat_template = None
-    assert tokenizer.decode(render_chat(tm, None, messages)) == "user: hi\nassistant:"
-    with pytest.raises(ValueError, match="no such file"):
-        load_chat_template("/no/such/template.jinja")
 
 
 # ---- LoRA endpoints -----------------------------------------------------------------------------

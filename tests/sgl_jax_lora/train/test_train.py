@@ -1,5 +1,6 @@
 """LoRA training (sgl_jax_lora.train) on the demo model: the loss falls, and the exported PEFT directory is the same
-adapter for HF PEFT (torch, fp32), for our engine and for the training forward."""
+adapter for HF PEFT (torch, fp32), for our engine and for the training forward. The data reader is tested in
+test_data.py, the update's compilation in test_trainer.py."""
 
 from __future__ import annotations
 
@@ -20,27 +21,15 @@ from sgl_jax_lora.train.__main__ import main as train_main
 from sgl_jax_lora.train.data import batches, padded_length, read_examples
 from sgl_jax_lora.train.lora_params import save_peft_adapter
 from sgl_jax_lora.train.trainer import LoRATrainer
+from tests.support.train_data import PAIRS, write_data_file
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
 
-PAIRS = [
-    ("What is the capital of France?", " Paris is the capital of France."),
-    ("Tell me a story about a robot.", " Once upon a time there was a small robot."),
-    ("Numbers:", " 0 1 2 3 4 5 6 7 8 9."),
-    ("def add(a, b):", " return a + b"),
-]
-CHAT = {
-    "messages": [{"role": "user", "content": "Hello, world!"}, {"role": "assistant", "content": "The quick brown fox."}]
-}
-
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    lines = [json.dumps({"prompt": p, "completion": c}) for p, c in PAIRS] + [json.dumps(CHAT)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_data_file(tmp_path_factory.mktemp("data") / "train.jsonl")
 
 
 def peft_reference(adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
@@ -54,19 +43,6 @@ def peft_reference(adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[li
         for _ in range(max_new_tokens):
             generated.append(int(model(torch.tensor([generated])).logits[0, -1].argmax()))
     return generated[len(ids) :], logprobs
-
-
-def test_chat_and_pair_examples_mask_only_the_completion(data_file):
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    examples = read_examples(str(data_file), tokenizer, max_len=512)
-    pair, chat = examples[0], examples[-1]
-    completion = [t for t, m in zip(pair.input_ids, pair.loss_mask) if m]
-    assert tokenizer.decode(completion) == PAIRS[0][1] + tokenizer.eos_token
-    reply = tokenizer.decode([t for t, m in zip(chat.input_ids, chat.loss_mask) if m])
-    assert reply.startswith("The quick brown fox.<|im_end|>")
-    assert tokenizer.decode(chat.input_ids).startswith("<|im_start|>user\nHello, world!<|im_end|>")
-    ids, mask = next(batches(examples, 3, padded_length(examples), 4, seed=0))
-    assert ids.shape == mask.shape == (3, padded_length(examples)) and padded_length(examples) % 16 == 0
 
 
 def test_training_forward_matches_peft_and_leaves_the_base_weights_alone(data_file, tmp_path):
@@ -168,18 +144,3 @@ def test_cli_loss_falls_and_the_adapter_serves_as_peft_runs_it(data_file, tmp_pa
     ours = np.array([lp for lp, _ in served["meta_info"]["input_token_logprobs"][1:]])
     assert np.abs(ours - expected_logprobs).max() < 1e-3
     assert tokenizer.decode(expected_tokens).startswith(" Paris")  # it learned its completion
-
-
-def test_the_update_compiles_once():
-    """The adapter and optimizer state start placed as the update returns them, so later steps reuse the first
-    step's program."""
-    from sgl_jax_lora.model_executor.compile_counter import CompileCounter
-
-    trainer = LoRATrainer(demo_model_path(), rank=4)
-    ids = np.random.default_rng(0).integers(2, 400, (2, 16)).astype(np.int32)
-    batch = {"input_ids": ids, "loss_mask": np.ones(ids.shape, np.float32)}
-    trainer.step(batch)
-    counter = CompileCounter()
-    for _ in range(3):
-        trainer.step(batch)
-    assert counter.count == 0
