@@ -1,0 +1,82 @@
+"""sgl_jax_lora/configs/model_config.py: ModelConfig read from an HF config.json (defaults, per-architecture flags,
+rope scaling in both HF spellings, Mistral's sliding window), tensor-parallel checks, and refusals that name the
+problem and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+}
+
+
+def test_defaults_of_a_minimal_llama_config():
+    cfg = ModelConfig.from_dict({**LLAMA, "eos_token_id": 2})
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings) == (8, 32, 4096)
+    assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rms_norm_eps) == ("default", 10000.0, 1e-6)
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_word_embeddings, cfg.eos_token_ids) == (False, False, False, (2,))
+    assert ModelConfig.from_dict({**LLAMA, "eos_token_id": [2, 7]}).eos_token_ids == (2, 7)
+    assert ModelConfig.from_dict(LLAMA).eos_token_ids == ()
+
+
+def test_architecture_flags_and_an_explicit_attention_bias():
+    assert ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen2ForCausalLM"]}).qkv_bias
+    qwen3 = ModelConfig.from_dict({**LLAMA, "architectures": ["Qwen3ForCausalLM"]})
+    assert qwen3.qk_norm and not qwen3.qkv_bias
+    assert ModelConfig.from_dict({**LLAMA, "attention_bias": True}).qkv_bias
+
+
+def test_rope_scaling_in_either_spelling():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    old = ModelConfig.from_dict({**LLAMA, "rope_theta": 500000.0, "rope_scaling": llama3})
+    new = ModelConfig.from_dict({**LLAMA, "rope_parameters": {**llama3, "rope_theta": 500000.0}})
+    assert old.rope == new.rope
+    assert (new.rope.rope_type, new.rope.theta, new.rope.factor) == ("llama3", 500000.0, 8.0)
+    assert ModelConfig.from_dict({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope.factor == 2.0
+    with pytest.raises(ModelConfigError, match="unsupported rope type 'yarn'; supported: default, linear, llama3"):
+        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn"}})
+
+
+def test_mistral_serves_only_its_sliding_window():
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).max_position_embeddings == 32768
+    long_llama = {**LLAMA, "max_position_embeddings": 32768, "sliding_window": 4096}
+    assert ModelConfig.from_dict(long_llama).max_position_embeddings == 32768  # only Mistral's window clips
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ModelConfigError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: Llama"):
+        ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ModelConfigError, match=r"lacks required field\(s\) \['intermediate_size'\]"):
+        ModelConfig.from_dict({k: v for k, v in LLAMA.items() if k != "intermediate_size"})
+
+
+def test_model_path_checks(tmp_path):
+    with pytest.raises(ModelConfigError, match="is not a directory; pass --model-path DIR"):
+        ModelConfig.from_model_path(str(tmp_path / "absent"))
+    with pytest.raises(ModelConfigError, match="has no config.json"):
+        ModelConfig.from_model_path(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="is not valid JSON"):
+        ModelConfig.from_model_path(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert ModelConfig.from_model_path(str(tmp_path)).model_path == str(tmp_path)
+
+
+def test_tensor_parallel_splits_and_replicated_kv_heads():
+    cfg = ModelConfig.from_dict({**LLAMA, "num_key_value_heads": 2})
+    cfg.check_tensor_parallel(8)  # 8 heads over 8; 2 KV heads replicated (8 is a multiple of 2)
+    assert (cfg.kv_heads_per_shard(1), cfg.kv_heads_per_shard(2), cfg.kv_heads_per_shard(8)) == (2, 1, 1)
+    with pytest.raises(ModelConfigError, match=r"--tp-size 3 does not divide num_attention_heads=8.*\[1, 2, 4, 8\]"):
+        cfg.check_tensor_parallel(3)
