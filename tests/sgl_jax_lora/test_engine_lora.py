@@ -5,16 +5,12 @@ Adapters are written by the `peft` library (tests/support/peft_fixtures.py) for 
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import numpy as np
 import pytest
 import torch
 
 from sgl_jax_lora import Engine
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
-from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
@@ -603,16 +599,3 @@ def test_concurrent_gpu_kernels_equal_serialized(setup, backend):
         a = np.array([lp for lp, _ in concurrent["meta_info"]["output_token_logprobs"]])
         b = np.array([lp for lp, _ in serialized["meta_info"]["output_token_logprobs"]])
         assert np.abs(a - b).max() < 1e-2
-
-
-def test_forward_compiler_options_turn_concurrent_kernels_on_only_on_gpu():
-    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert forward_compiler_options("gpu", False) == forward_compiler_options("cuda", False) == concurrent
-    assert forward_compiler_options("gpu", True) is None
-    assert forward_compiler_options("cpu", False) is None and forward_compiler_options("tpu", False) is None
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    assert not ServerArgs.from_cli_args(parser.parse_args([])).disable_gpu_concurrent_kernels
-    assert ServerArgs.from_cli_args(
-        parser.parse_args(["--disable-gpu-concurrent-kernels"])
-    ).disable_gpu_concurrent_kernels
