@@ -10,6 +10,8 @@ engine loop without HTTP):
                  to node 1 through JAX's coordination service, and the collectives cross the two processes.
 The result holds both runs' rows (decode step ms, tok/s, prefill tok/s per batch size) and each decode step's ratio of
 two processes to one. `--platform cpu` runs the same on fake CPU devices (a check of the script, not a measurement).
+Nodes still running after `--node-timeout` seconds get SIGABRT, so each prints its Python threads' stacks, then die;
+`--two-processes-only` skips the one-process run.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NODE_TIMEOUT_S = 900
+sys.path.insert(0, REPO)
+
+from scripts.bench_offline import bench_config, make_model_dir  # noqa: E402
 
 
 def free_port() -> int:
@@ -36,6 +40,7 @@ def free_port() -> int:
 def device_env(platform: str, devices: list[int]) -> dict:
     """The environment of a process that sees only `devices` (GPU ordinals, or a count of fake CPU devices)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT on a timeout prints every thread's Python stack
     if platform == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(devices)}"
@@ -68,17 +73,37 @@ def run_two_processes(opts: argparse.Namespace, model_dir: str, work: str) -> di
         env=device_env(opts.platform, [1]),
         cwd=REPO,
     )
+    node0_args = bench_args(opts, model_dir, out) + ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", address]
+    node0 = subprocess.Popen(node0_args, env=device_env(opts.platform, [0]))
     try:
-        node0 = bench_args(opts, model_dir, out) + ["--nnodes", "2", "--node-rank", "0", "--dist-init-addr", address]
-        subprocess.run(node0, env=device_env(opts.platform, [0]), check=True, timeout=NODE_TIMEOUT_S)
+        try:
+            code = node0.wait(timeout=opts.node_timeout)
+        except subprocess.TimeoutExpired:
+            abort_with_stacks([node0, follower])
+            raise RuntimeError(f"the nodes did not finish in {opts.node_timeout} s (their stacks are above)") from None
+        if code != 0:
+            raise RuntimeError(f"node 0 exited with {code}")
         code = follower.wait(timeout=120)  # node 0's shutdown ends node 1 with exit code 0
         if code != 0:
             raise RuntimeError(f"node 1 exited with {code}")
     finally:
-        if follower.poll() is None:
-            follower.send_signal(signal.SIGKILL)
+        for node in (node0, follower):
+            if node.poll() is None:
+                node.send_signal(signal.SIGKILL)
     with open(out) as f:
         return json.load(f)
+
+
+def abort_with_stacks(nodes: list[subprocess.Popen]) -> None:
+    """SIGABRT each node still running (Python's fault handler prints its threads' stacks), then SIGKILL."""
+    for node in nodes:
+        if node.poll() is None:
+            node.send_signal(signal.SIGABRT)
+    for node in nodes:
+        try:
+            node.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.send_signal(signal.SIGKILL)
 
 
 def main() -> None:
@@ -92,19 +117,30 @@ def main() -> None:
     parser.add_argument("--gpu", default="H100")
     parser.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--node-timeout", type=int, default=900, help="seconds before hung nodes are aborted")
+    parser.add_argument("--two-processes-only", action="store_true", help="skip the one-process run (no ratio)")
     opts = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-multi-process-")
-    model_dir = os.path.join(work, "model")
-    result = {"one_process": run_one_process(opts, model_dir, work)}
-    print(json.dumps(result["one_process"]["rows"]), flush=True)
+    model_dir = make_model_dir(bench_config(opts.model_config, opts.num_layers), os.path.join(work, "model"))
+    result = {}
+    if not opts.two_processes_only:
+        result["one_process"] = run_one_process(opts, model_dir, work)
+        print(json.dumps(result["one_process"]["rows"]), flush=True)
     result["two_processes"] = run_two_processes(opts, model_dir, work)
+    print(json.dumps(result["two_processes"]["rows"]), flush=True)
+    if opts.two_processes_only:
+        return _write(result, opts.out)
     pairs = zip(result["one_process"]["rows"], result["two_processes"]["rows"], strict=True)
     result["two_over_one_decode_step"] = {
         str(one["batch"]): two["decode_step_ms"] / one["decode_step_ms"] for one, two in pairs
     }
     print(json.dumps(result["two_over_one_decode_step"]), flush=True)
-    if opts.out:
-        with open(opts.out, "w") as f:
+    _write(result, opts.out)
+
+
+def _write(result: dict, out: str | None) -> None:
+    if out:
+        with open(out, "w") as f:
             json.dump(result, f, indent=2)
 
 

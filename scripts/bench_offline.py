@@ -49,6 +49,15 @@ LLAMA3_8B = {
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
 
+def bench_config(model_config: str | None, num_layers: int) -> dict:
+    """Llama-3-8B's shape (or a config.json's) with `num_layers` layers."""
+    config = LLAMA3_8B
+    if model_config:
+        with open(model_config) as f:
+            config = json.load(f)
+    return {**config, "num_hidden_layers": num_layers}
+
+
 def make_model_dir(config: dict, path: str | None = None) -> str:
     """A checkpoint directory of `config` (no weights: serve it with load_format="dummy") and the demo tokenizer."""
     path = path or tempfile.mkdtemp(prefix="bench-model-")
@@ -138,11 +147,7 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=160_000)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    config = LLAMA3_8B
-    if opts.model_config:
-        with open(opts.model_config) as f:
-            config = json.load(f)
-    config = {**config, "num_hidden_layers": opts.num_layers}
+    config = bench_config(opts.model_config, opts.num_layers)
     model_dir = make_model_dir(config, opts.model_dir)
     lora_paths = None
     if opts.lora_adapters:

@@ -1,7 +1,7 @@
 """Joining the JAX multi-controller runtime: the first thing a multi-host engine process does.
 
-Flow: run_engine_process (node 0) or follower.run_follower (nodes 1..N-1) -> `initialize(args)`: gloo collectives on
-CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it), heartbeats that make
+Flow: run_engine_process (node 0) or follower.run_follower (nodes 1..N-1) -> `initialize(args)`: each node's own GPU
+autotuning (`tune_each_node_alone`), gloo collectives on CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it), heartbeats that make
 every node exit within about --dist-heartbeat-timeout seconds of another's death -> `check_mesh_spans_all_devices`.
 """
 
@@ -21,6 +21,7 @@ def initialize(args: ServerArgs) -> None:
     """Join the other nodes (blocks until all --nnodes have joined, up to --dist-init-timeout seconds)."""
     import jax  # here, not at the top: the frontend imports this module's error and never imports JAX
 
+    tune_each_node_alone()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes
     try:
         jax.distributed.initialize(
@@ -38,6 +39,17 @@ def initialize(args: ServerArgs) -> None:
             "distinct --node-rank, within --dist-init-timeout seconds of each other"
         ) from e
     check_mesh_spans_all_devices(args)
+
+
+def tune_each_node_alone() -> None:
+    """Turn off XLA's sharded GPU autotuning (unless XLA_FLAGS sets it): with it, each process tunes a share of the
+    GEMMs of every program it compiles and waits for the other processes' shares. Our nodes compile on several
+    threads and each reads its own persistent compilation cache, so a node can wait for a share that no other node
+    will tune, and both hang. Called before the GPU backend starts (XLA reads its flags
+    once)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_shard_autotuning" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_shard_autotuning=false".strip()
 
 
 def check_mesh_spans_all_devices(args: ServerArgs) -> None:

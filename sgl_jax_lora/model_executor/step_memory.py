@@ -94,9 +94,9 @@ def measure_step_memory(
 
 
 def device_memory() -> tuple[int, int] | None:
-    """(bytes the allocator may use, bytes in use) on the first device; None where the platform does not say
-    (CPU)."""
-    device = jax.devices()[0]
+    """(bytes the allocator may use, bytes in use) on this process's first device (on several hosts, the devices of
+    the others have no memory statistics here); None where the platform does not say (CPU)."""
+    device = jax.local_devices()[0]
     if device.platform == "cpu":
         return None
     stats = device.memory_stats() or {}

@@ -1,6 +1,7 @@
 """scripts/bench_multi_process.py on fake CPU devices: the one-process run (tp 2 in one process) and the two-process
 run (node 0 drives bench_offline.py, node 1 is the launcher) both complete on the same model, node 1 exits cleanly
-after node 0, and the result pairs each batch size's decode steps."""
+after node 0, and the result pairs each batch size's decode steps; nodes that outlast --node-timeout are aborted with
+their Python stacks printed, and none is left running."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,3 +51,19 @@ def test_one_and_two_processes_run_the_same_batches(tmp_path):
     assert set(result["two_over_one_decode_step"]) == {"2", "4"}
     assert all(ratio > 0 for ratio in result["two_over_one_decode_step"].values())
     assert one["compilations_after_start"] > 0 and two["compilations_after_start"] > 0
+
+
+def test_nodes_past_the_timeout_are_aborted_with_their_stacks(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    script = os.path.join(REPO_ROOT, "scripts", "bench_multi_process.py")
+    flags = ["--platform", "cpu", "--model-config", str(config), "--num-layers", "2", "--two-processes-only"]
+    flags += ["--node-timeout", "3"]  # the nodes are still importing JAX or compiling then
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert done.returncode != 0
+    assert "did not finish in 3 s" in done.stderr
+    assert "most recent call first" in done.stderr  # the fault handler's stack dump of a node
+    assert time.monotonic() - started < 120
+    nodes = subprocess.run(["pgrep", "-f", "bench-multi-process-.*/model"], capture_output=True, text=True).stdout
+    assert nodes.strip() == ""  # both nodes' command lines name the run's model directory

@@ -14,6 +14,7 @@ from sgl_jax_lora.model_executor.step_memory import (
     FORWARD_SAFETY_FACTOR,
     StepMemory,
     check_kv_fits,
+    device_memory,
     forward_activation_bytes,
     kv_tokens_from_memory,
     measure_step_memory,
@@ -99,3 +100,22 @@ def test_a_user_sized_cache_must_fit_beside_the_reserve():
     check_kv_fits(args, 1000, 10_000_000, 1_000_000, 2_000_000, 1000.0)  # 1 MB + 2 MB of 9 MB free: fits
     with pytest.raises(MemoryError, match="lower --max-total-tokens to 6992 or less"):
         check_kv_fits(args, 8000, 10_000_000, 1_000_000, 2_000_000, 1000.0)  # 7,000 tokens fit, in pages of 16
+
+
+class _GPUOfThisProcess:
+    platform = "gpu"
+
+    def memory_stats(self) -> dict:
+        return {"bytes_limit": 80 << 30, "bytes_in_use": 3 << 30}
+
+
+def test_device_memory_reads_a_device_of_this_process(monkeypatch):
+    """On several hosts jax.devices()[0] can be another process's GPU, whose memory_stats() raises; the KV cache is
+    sized from this process's own first device."""
+
+    def global_devices():
+        raise AssertionError("device_memory must not read the global device list")
+
+    monkeypatch.setattr(jax, "devices", global_devices)
+    monkeypatch.setattr(jax, "local_devices", lambda: [_GPUOfThisProcess()])
+    assert device_memory() == (80 << 30, 3 << 30)
