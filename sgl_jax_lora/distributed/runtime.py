@@ -1,8 +1,10 @@
 """Joining the JAX multi-controller runtime: the first thing a multi-host engine process does.
 
 Flow: run_engine_process (node 0) or follower.run_follower (nodes 1..N-1) -> `initialize(args)`: each node's own GPU
-autotuning (`tune_each_node_alone`), gloo collectives on CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it), heartbeats that make
-every node exit within about --dist-heartbeat-timeout seconds of another's death -> `check_mesh_spans_all_devices`.
+autotuning (`tune_each_node_alone`), SIGTERM left to end the process (JAX's preemption service off), gloo
+collectives on CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it),
+heartbeats that make every node exit within about --dist-heartbeat-timeout seconds of another's death ->
+`check_mesh_spans_all_devices`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def initialize(args: ServerArgs) -> None:
 
     tune_each_node_alone()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives across processes
+    # JAX's preemption service catches SIGTERM (to reach a sync point that only training loops ask for): a node
+    # would keep running when an operator or a supervisor stops it. Off, SIGTERM ends the node; the others follow
+    # within --dist-heartbeat-timeout.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             coordinator_address=args.dist_init_addr,

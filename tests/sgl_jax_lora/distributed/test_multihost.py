@@ -276,7 +276,8 @@ def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
 
 
 @pytest.mark.slow
-def test_killed_follower_makes_node_0_exit_and_fail_its_request(cluster):
+def test_stopped_follower_exits_and_makes_node_0_exit_and_fail_its_request(cluster):
+    """SIGTERM (an operator's or a supervisor's stop) ends a follower at once, though JAX's runtime would catch it."""
     # runs last in this module: it ends the cluster
     leader, follower = cluster.nodes
     result: dict = {}
@@ -291,7 +292,8 @@ def test_killed_follower_makes_node_0_exit_and_fail_its_request(cluster):
     thread = threading.Thread(target=pending_request)
     thread.start()
     wait_until_running(leader)
-    follower.process.send_signal(signal.SIGKILL)
+    follower.process.send_signal(signal.SIGTERM)
+    assert follower.process.wait(timeout=EXIT_DEADLINE_S) == -signal.SIGTERM
     code = leader.process.wait(timeout=EXIT_DEADLINE_S)
     thread.join(timeout=EXIT_DEADLINE_S)
     assert code != 0
