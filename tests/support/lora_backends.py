@@ -1,11 +1,13 @@
 """LoRA backends one operation at a time, for tests: a module's shrink, expand or whole LoRA (`apply`) over a
 LoRABatch, through whichever backend `AutoBackend` picks for the bucket (the engine itself only calls
-`prepare`, `apply_packed` and `apply_with_base`)."""
+`prepare`, `apply_packed` and `apply_with_base`); random slot weights as the memory pool lays them out and a
+per-token numpy reference of the delta."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sgl_jax_lora.lora.backend.auto import AutoBackend
 from sgl_jax_lora.lora.backend.base import LoRABackend
@@ -66,3 +68,30 @@ def apply(
     return backend.apply_packed(
         x, lora_a, (lora_b,), meta, base_out, tp_size=1, input_sharded=input_sharded, output_sharded=output_sharded
     )
+
+
+def random_slots(
+    seed: int, *, num_tokens: int, in_dim: int, out_dim: int, slot_ranks: tuple[int, ...], max_rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(x [T, in], lora_a [A, R, in], lora_b [A, out, R], token_slot [T]) float32 / int32, as the memory pool lays
+    slots out: slot 0 (the base model) and the rows and columns above each slot's rank are zero."""
+    rng = np.random.default_rng(seed)
+    ranks = np.array(slot_ranks)
+    x = rng.standard_normal((num_tokens, in_dim)).astype(np.float32)
+    row = np.arange(max_rank)
+    live = row[None, :] < ranks[:, None]  # [A, R]
+    lora_a = (rng.standard_normal((len(ranks), max_rank, in_dim)) * live[:, :, None]).astype(np.float32)
+    lora_b = (rng.standard_normal((len(ranks), out_dim, max_rank)) * live[:, None, :]).astype(np.float32)
+    token_slot = rng.integers(0, len(ranks), num_tokens).astype(np.int32)
+    return x, lora_a, lora_b, token_slot
+
+
+def per_token_reference(
+    x: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, token_slot: np.ndarray, slot_scale: np.ndarray
+) -> np.ndarray:
+    """[T, out] float64: scale[slot_t] * (x_t @ A[slot_t].T) @ B[slot_t].T, one token at a time in numpy."""
+    x, lora_a, lora_b = (np.asarray(t, np.float64) for t in (x, lora_a, lora_b))
+    out = np.zeros((x.shape[0], lora_b.shape[1]))
+    for t, slot in enumerate(np.asarray(token_slot)):
+        out[t] = slot_scale[slot] * ((x[t] @ lora_a[slot].T) @ lora_b[slot].T)
+    return out

@@ -1,0 +1,104 @@
+"""sgl_jax_lora/entrypoints/openai_protocol.py: the OpenAI request bodies, parsed from JSON as the server parses them
+(model_validate_json): defaults, every accepted prompt and message form, and the refusals: unknown fields (named),
+wrong types with no coercion (strict), unknown roles and content parts, an empty message list."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def parse(request_type, /, **body):
+    return request_type.model_validate_json(json.dumps(body))
+
+
+def error_of(request_type, /, **body) -> dict:
+    with pytest.raises(ValidationError) as caught:
+        parse(request_type, **body)
+    errors = caught.value.errors()
+    assert errors
+    return errors[0]
+
+
+def test_completion_defaults():
+    body = parse(CompletionRequest, model="m", prompt="Hi")
+    assert (body.max_tokens, body.temperature, body.top_p, body.n) == (None, 1.0, 1.0, 1)
+    assert (body.stream, body.stream_options, body.stop, body.seed) == (False, None, None, None)
+    assert (body.top_k, body.min_p, body.min_tokens, body.repetition_penalty) == (-1, 0.0, 0, 1.0)
+    assert (body.logprobs, body.echo, body.ignore_eos, body.skip_special_tokens) == (None, False, False, True)
+    assert isinstance(body, SamplingFields)
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]], ids=["str", "strs", "ids", "idss"])
+def test_completion_prompt_forms(prompt):
+    assert parse(CompletionRequest, model="m", prompt=prompt).prompt == prompt
+
+
+def test_completion_refuses_bad_prompts_and_a_missing_model():
+    assert error_of(CompletionRequest, model="m", prompt=[1.5])["type"] in ("string_type", "int_type")
+    assert error_of(CompletionRequest, model="m", prompt=None)
+    assert error_of(CompletionRequest, prompt="Hi")["loc"] == ("model",)
+    assert error_of(CompletionRequest, model="m")["loc"] == ("prompt",)
+
+
+def test_unknown_fields_are_refused_by_name():
+    error = error_of(CompletionRequest, model="m", prompt="Hi", best_of=2)
+    assert error["type"] == "extra_forbidden" and error["loc"] == ("best_of",)
+    error = error_of(CompletionRequest, model="m", prompt="Hi", stream_options={"include_usage": True, "x": 1})
+    assert error["type"] == "extra_forbidden" and error["loc"] == ("stream_options", "x")
+
+
+def test_strict_types_are_not_coerced():
+    assert error_of(CompletionRequest, model="m", prompt="Hi", n="2")["loc"] == ("n",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", max_tokens=1.0)["loc"] == ("max_tokens",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", stream="true")["loc"] == ("stream",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", temperature="0.5")["loc"] == ("temperature",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", stop_token_ids=["1"])["loc"][0] == "stop_token_ids"
+    # an integer is a valid float (JSON writes 1.0 as 1 in many clients)
+    assert parse(CompletionRequest, model="m", prompt="Hi", temperature=0).temperature == 0.0
+
+
+def test_sampling_extras_are_carried():
+    body = parse(
+        CompletionRequest,
+        model="m",
+        prompt="Hi",
+        stop=["\n", "."],
+        logit_bias={"17": -100.0, "3": 5},
+        stream=True,
+        stream_options={"include_usage": True},
+        stop_token_ids=[1, 2],
+        seed=-5,
+    )
+    assert body.stop == ["\n", "."] and body.logit_bias == {"17": -100.0, "3": 5.0}
+    assert body.stream and body.stream_options.include_usage
+    assert body.stop_token_ids == [1, 2] and body.seed == -5
+    assert parse(CompletionRequest, model="m", prompt="Hi", stop="END").stop == "END"
+
+
+def test_chat_messages_string_parts_and_null_content():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ]
+    body = parse(ChatCompletionRequest, model="m", messages=messages, max_completion_tokens=5, logprobs=True)
+    assert [m.role for m in body.messages] == ["system", "user", "assistant"]
+    assert [part.text for part in body.messages[1].content] == ["Hi", " there"]
+    assert body.messages[2].content is None and body.messages[2].name == "bot"
+    assert body.max_completion_tokens == 5 and body.logprobs is True and body.top_logprobs is None
+
+
+def test_chat_refusals():
+    assert error_of(ChatCompletionRequest, model="m", messages=[])["type"] == "too_short"
+    assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "robot", "content": "x"}])
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": [image]}])
+    extra = error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x", "tool_calls": []}])
+    assert extra["type"] == "extra_forbidden" and extra["loc"][-1] == "tool_calls"
+    assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x"}], logprobs=1)
+    assert error_of(ChatCompletionRequest, model="m", prompt="Hi", messages=[{"role": "user"}])["loc"] == ("prompt",)
