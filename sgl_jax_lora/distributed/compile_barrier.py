@@ -52,9 +52,10 @@ class SyncedJit:
 
 
 def _leaf_key(leaf: object) -> tuple:
-    """Shape and dtype of an array; the value of a Python scalar (a static argument such as num_top)."""
+    """Shape and dtype of an array; the type and value of a Python scalar (a static argument such as num_top: jit
+    compiles 1, True and 1.0 as three programs, though they compare equal)."""
     if isinstance(leaf, (bool, int, float, str)):
-        return ("static", leaf)
+        return ("static", type(leaf).__name__, leaf)
     return np.shape(leaf), str(leaf.dtype)
 
 

@@ -1,7 +1,7 @@
 """sgl_jax_lora/distributed/compile_barrier.py: barriers are numbered in the order they are reached; a call with new
 argument shapes compiles its program once and waits at one barrier before running it, a call with known shapes does
-neither; the state arguments do not enter the key; Python scalars are keyed by value, arrays by shape and dtype; a
-wrapped call returns what the plain jitted function returns."""
+neither; the state arguments do not enter the key; Python scalars are keyed by type and value, arrays by shape and
+dtype; a wrapped call returns what the plain jitted function returns."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from sgl_jax_lora.distributed.compile_barrier import BARRIER_PREFIX, CompileBarrier, _leaf_key
 
@@ -99,12 +98,13 @@ def test_a_known_key_skips_compile_and_barrier():
     assert (jitted.num_lowered, client.barriers) == (0, [])
 
 
-def test_leaf_key_of_python_scalars_is_their_value_of_arrays_their_shape_and_dtype():
-    assert _leaf_key(3) == ("static", 3)
-    assert _leaf_key(0.5) == ("static", 0.5)
-    assert _leaf_key("greedy") == ("static", "greedy")
-    assert _leaf_key(True) == ("static", True)
+def test_leaf_key_of_python_scalars_is_their_type_and_value_of_arrays_their_shape_and_dtype():
+    assert _leaf_key(3) == ("static", "int", 3)
+    assert _leaf_key(0.5) == ("static", "float", 0.5)
+    assert _leaf_key("greedy") == ("static", "str", "greedy")
+    assert _leaf_key(True) == ("static", "bool", True)
     assert _leaf_key(3) != _leaf_key(4)
+    assert len({_leaf_key(1), _leaf_key(True), _leaf_key(1.0)}) == 3  # equal values, three programs
     assert _leaf_key(np.zeros((2, 3), np.int32)) == ((2, 3), "int32")
     assert _leaf_key(jnp.zeros((5,), jnp.bfloat16)) == ((5,), "bfloat16")
     assert _leaf_key(np.float32(1.0)) == ((), "float32")  # a numpy scalar is traced: its value does not matter
@@ -120,11 +120,6 @@ def test_a_new_static_value_is_a_new_program():
     assert (jitted.num_lowered, len(client.barriers)) == (2, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="static scalars are keyed by value alone: 1 == True == 1.0, so a call with an equal value of another type "
-    "is taken as known, though jit compiles it as a new program (in the call path, with no barrier)",
-)
 def test_an_equal_static_value_of_another_type_is_a_new_program():
     client, jitted, synced = make(static=(2,))
     state, x = {"w": jnp.eye(2)}, jnp.ones(2)
