@@ -67,6 +67,9 @@ async def completion_chunks(
     num_inputs_sent = [0] * len(requests)
     num_tokens_sent = [0] * len(requests)
     num_chars_sent = [0] * len(requests)
+    # the text offset after the tokens whose logprobs were sent (ahead of num_chars_sent while text is held back as
+    # a possible stop string: its tokens' logprobs go out at once)
+    num_token_chars_sent = [0] * len(requests)
     finals: dict[int, dict] = {}
     merged = merge_streams(streams)
     async with contextlib.aclosing(merged):
@@ -81,9 +84,10 @@ async def completion_chunks(
                 finish = "length"
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(
-                    tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index], num_chars_sent[index]
+                choice["logprobs"] = logprobs = completion_logprobs(
+                    tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index], num_token_chars_sent[index]
                 )
+                num_token_chars_sent[index] += sum(len(token) for token in logprobs["tokens"])
                 num_inputs_sent[index] = len(meta.get("input_token_logprobs", []))
                 num_tokens_sent[index] = meta["completion_tokens"]
             num_chars_sent[index] += len(text)

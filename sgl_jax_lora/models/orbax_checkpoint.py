@@ -93,6 +93,11 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
         raise ModelConfigError(f"{path} lacks or garbles dtype, tp_size, architecture or param_shapes; {redo}")
     if not os.path.isdir(os.path.join(model_path, WEIGHTS_DIR)):
         raise ModelConfigError(f"'{model_path}' has {METADATA_FILE} but no {WEIGHTS_DIR}/ directory; {redo}")
+    if not os.path.isfile(os.path.join(model_path, WEIGHTS_DIR, ORBAX_COMMIT_FILE)):
+        raise ModelConfigError(
+            f"'{model_path}' has {METADATA_FILE} but its {WEIGHTS_DIR}/ directory is unfinished (no "
+            f"{ORBAX_COMMIT_FILE}); {redo}"
+        )
     return meta
 
 

@@ -69,16 +69,29 @@ class SafetensorsReader:
 
 
 def _hf_value(
-    reader: SafetensorsReader, hf_weights: dict[str, HFWeight], cfg: ModelConfig, tp_size: int, path: tuple[str, ...]
+    reader: SafetensorsReader,
+    hf_weights: dict[str, HFWeight],
+    cfg: ModelConfig,
+    tp_size: int,
+    path: tuple[str, ...],
+    shape: tuple[int, ...],
 ) -> np.ndarray:
-    """Our parameter at `path` in our layout, from the HF tensors its row of the model's table names."""
+    """Our parameter at `path` in our layout, from the HF tensors its row of the model's table names; raises
+    ModelConfigError naming the HF tensors if they do not give `shape` (the config's)."""
     name = ".".join(path)
     if name not in hf_weights:
         raise KeyError(f"no HF weight names for parameter {name}; add it to the model's HF weight table")
     weight = hf_weights[name]
-    layers = [
-        weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in weight.tensor_names(cfg.num_layers)
-    ]
+    names_per_layer = weight.tensor_names(cfg.num_layers)
+    layers = [weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in names_per_layer]
+    layer_shape = shape[1:] if weight.per_layer else shape
+    for names, layer in zip(names_per_layer, layers, strict=True):
+        if layer.shape != layer_shape:
+            where = f"layer {names_per_layer.index(names)} " if weight.per_layer else ""
+            raise ModelConfigError(
+                f"weight for {name}: {where}({', '.join(names)}) gives shape {layer.shape}, config implies "
+                f"{layer_shape}; config.json and the safetensors files disagree"
+            )
     return np.stack(layers) if weight.per_layer else layers[0]
 
 
@@ -123,12 +136,7 @@ def load_model_state(
         elif reader is None:
             value = _dummy_value(path, spec.shape, spec.dtype, sharding, seed)
         else:
-            host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path)
-            if host.shape != spec.shape:
-                raise ModelConfigError(
-                    f"weight for {'.'.join(path)} has shape {host.shape}, config implies {spec.shape}; "
-                    "config.json and the safetensors files disagree"
-                )
+            host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path, spec.shape)
             value = jax.device_put(host.astype(spec.dtype), sharding)
         leaves.append((path, variable.replace(value)))
     return graphdef, nnx.from_flat_state(leaves)

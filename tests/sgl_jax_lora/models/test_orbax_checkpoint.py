@@ -158,10 +158,13 @@ GOOD = {
 }
 
 
-def write_metadata(path, raw, weights: bool = True) -> str:
+def write_metadata(path, raw, weights: bool = True, finished: bool = True) -> str:
+    """The metadata file, beside a weights/ directory that orbax finished (its commit file) unless told otherwise."""
     (path / METADATA_FILE).write_text(json.dumps(raw))
     if weights:
         (path / WEIGHTS_DIR).mkdir()
+        if finished:
+            (path / WEIGHTS_DIR / ORBAX_COMMIT_FILE).write_text("{}")
     return str(path)
 
 
@@ -193,16 +196,10 @@ def test_metadata_without_its_weights_directory_is_refused(tmp_path):
         read_metadata(write_metadata(tmp_path, GOOD, weights=False))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_metadata checks only that weights/ exists, not that orbax finished it (its _CHECKPOINT_METADATA), "
-    "so metadata beside an emptied weights/ directory reaches orbax and fails with its FileNotFoundError "
-    "instead of a ModelConfigError saying to convert again",
-)
 def test_metadata_beside_unfinished_weights_is_refused_with_the_command(saved, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     raw = json.loads((saved[0] / METADATA_FILE).read_text())
-    path = write_metadata(tmp_path, raw)  # weights/ exists, but orbax never wrote into it
+    path = write_metadata(tmp_path, raw, finished=False)  # weights/ exists, but orbax never wrote into it
     cfg = ModelConfig.from_dict(CONFIG, path)
     with pytest.raises(ModelConfigError, match=r"python -m sgl_jax_lora\.convert"):
         restore_model_state(path, TP, jnp.float32, abstract_state(cfg, TP), make_mesh(TP))
