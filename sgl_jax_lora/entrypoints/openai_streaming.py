@@ -67,9 +67,7 @@ async def completion_chunks(
     num_inputs_sent = [0] * len(requests)
     num_tokens_sent = [0] * len(requests)
     num_chars_sent = [0] * len(requests)
-    # the text offset after the tokens whose logprobs were sent (ahead of num_chars_sent while text is held back as
-    # a possible stop string: its tokens' logprobs go out at once)
-    num_token_chars_sent = [0] * len(requests)
+    num_token_chars_sent = [0] * len(requests)  # text of the tokens whose logprobs went out (held-back text included)
     finals: dict[int, dict] = {}
     merged = merge_streams(streams)
     async with contextlib.aclosing(merged):
