@@ -7,6 +7,7 @@ so that only the first run on a machine pays for compiling the buckets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,7 @@ def server_env() -> dict:
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT from `abort_with_stacks` prints every thread's Python stack to the log
     return env
 
 
@@ -84,7 +86,17 @@ class ServerProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)  # poll interval of a bounded wait, not synchronization
-        raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.log_text()[-4000:]}")
+        self.abort_with_stacks()
+        raise AssertionError(f"server not healthy after {timeout_s}s:\n{self.log_text()[-8000:]}")
+
+    def abort_with_stacks(self) -> None:
+        """SIGABRT the server and its engine process: where each was stuck goes to the log (PYTHONFAULTHANDLER)."""
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        for pid in [int(p) for p in children.split()] + [self.process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int:
         if self.process.poll() is None:
