@@ -17,27 +17,17 @@ import pytest
 
 from sgl_jax_lora.lora.backend.sgmv import METHODS, SgmvBackend, token_segment
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from tests.support.lora_backends import apply, per_token_reference, random_slots
-
-SLOT_RANKS = (0, 4, 8, 2)  # slot 0: the base model
-SLOT_SCALE = np.array([0.0, 2.0, 0.5, 1.5], np.float32)
-# f32: HIGHEST precision dots, rounding only. bf16: inputs, weights and the shrink result rounded to 8 significant
-# bits (~2^-8 relative each) before float32 accumulation: within 2e-2 of the largest reference entry.
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def inputs(seed: int = 0, num_tokens: int = 24, num_segments: int = 4):
-    x, lora_a, lora_b, token_slot = random_slots(
-        seed, num_tokens=num_tokens, in_dim=32, out_dim=24, slot_ranks=SLOT_RANKS, max_rank=8
-    )
-    token_slot[:3] = (0, 1, 3)  # every case present whatever the seed
-    lora = build_lora_batch(token_slot, num_segments, SLOT_SCALE, np.array(SLOT_RANKS))
-    return x, lora_a, lora_b, jax.tree_util.tree_map(jnp.asarray, lora)
-
-
-def assert_close(actual, expected, dtype):
-    actual = np.asarray(actual, np.float64)
-    assert np.abs(actual - expected).max() <= TOLERANCE[dtype] * np.abs(expected).max()
+from tests.support.lora_backends import (
+    SLOT_RANKS,
+    SLOT_SCALE,
+    apply,
+    assert_close,
+    check_apply_matches_the_per_token_reference,
+    check_shrink_and_expand,
+    check_tokens_of_no_adapter_keep_the_base_output,
+    per_token_reference,
+    slot_inputs,
+)
 
 
 @functools.cache
@@ -56,46 +46,24 @@ def run(method: str, x, lora_a, lora_b, lora, base=None, dtype=jnp.float32):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_shrink_and_expand_pick_each_tokens_own_slot(method):
-    x, lora_a, lora_b, lora = inputs()
-    backend = SgmvBackend(None, method=method)
-    s = jax.jit(backend.shrink)(jnp.asarray(x), jnp.asarray(lora_a), lora)
-    slots = np.asarray(lora.token_slot)
-    expected_s = np.einsum("ti,tri->tr", x.astype(np.float64), lora_a[slots].astype(np.float64))
-    assert s.shape == (24, 8) and s.dtype == jnp.float32
-    assert_close(s, expected_s, jnp.float32)
-    y = jax.jit(backend.expand, static_argnames="out_dtype")(s, jnp.asarray(lora_b), lora, out_dtype=jnp.float32)
-    assert y.shape == (24, 24) and y.dtype == jnp.float32
-    assert_close(y, np.einsum("tr,tor->to", expected_s, lora_b[slots].astype(np.float64)), jnp.float32)
+    check_shrink_and_expand(SgmvBackend(None, method=method))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("method", METHODS)
 def test_apply_matches_the_per_token_reference(method, dtype):
-    x, lora_a, lora_b, lora = inputs(seed=1)
-    base = np.random.default_rng(2).standard_normal((24, 24)).astype(np.float32)
-    out = run(method, x, lora_a, lora_b, lora, base, dtype)
-    assert out.dtype == dtype
-    rounded = [np.asarray(jnp.asarray(t, dtype), np.float32) for t in (x, lora_a, lora_b)]
-    delta = per_token_reference(*rounded, np.asarray(lora.token_slot), SLOT_SCALE)
-    assert_close(np.asarray(out, np.float64) - np.asarray(jnp.asarray(base, dtype), np.float64), delta, dtype)
-    assert np.abs(delta).max() > 1.0  # the adapters do change the output
+    check_apply_matches_the_per_token_reference(functools.partial(run, method), dtype)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_tokens_of_no_adapter_keep_the_base_output_exactly(method):
-    x, lora_a, lora_b, lora = inputs(seed=3)
-    base = np.random.default_rng(4).standard_normal((24, 24)).astype(np.float32)
-    out = np.asarray(run(method, x, lora_a, lora_b, lora, base))
-    no_adapter = np.asarray(lora.token_slot) == 0
-    assert no_adapter.sum() >= 1
-    np.testing.assert_array_equal(out[no_adapter], base[no_adapter])
-    assert not np.array_equal(out[~no_adapter], base[~no_adapter])
+    check_tokens_of_no_adapter_keep_the_base_output(functools.partial(run, method))
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_non_finite_slot_reaches_only_its_own_tokens(method, poison):
-    x, lora_a, lora_b, lora = inputs(seed=5)
+    x, lora_a, lora_b, lora = slot_inputs(seed=5)
     clean = np.asarray(run(method, x, lora_a, lora_b, lora))
     lora_a[3, 0, :5] = poison  # slot 3: rank 2, so row 0 and column 0 are live
     lora_b[3, :5, 0] = poison
@@ -110,7 +78,7 @@ def test_a_non_finite_slot_reaches_only_its_own_tokens(method, poison):
 def test_segment_buckets_larger_than_the_segments_present(method):
     # 3 distinct slots (0, 1, 3): G = 3 has no padding, G = 16 adds 13 empty segments (start = end = T, slot 0)
     rng = np.random.default_rng(6)
-    x, lora_a, lora_b, _ = inputs(seed=6)
+    x, lora_a, lora_b, _ = slot_inputs(seed=6)
     token_slot = rng.choice([0, 1, 3], 24).astype(np.int32)
     token_slot[:3] = (0, 1, 3)
     expected = per_token_reference(x, lora_a, lora_b, token_slot, SLOT_SCALE)
@@ -127,7 +95,7 @@ def test_segment_buckets_larger_than_the_segments_present(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_more_segments_than_tokens(method):
     # 3 tokens, 2 slots, a bucket of 8 segments: 6 of them empty
-    x, lora_a, lora_b, _ = inputs(seed=7)
+    x, lora_a, lora_b, _ = slot_inputs(seed=7)
     token_slot = np.array([2, 0, 2], np.int32)
     lora = build_lora_batch(token_slot, 8, SLOT_SCALE, np.array(SLOT_RANKS))
     out = run(method, x[:3], lora_a, lora_b, jax.tree_util.tree_map(jnp.asarray, lora))
