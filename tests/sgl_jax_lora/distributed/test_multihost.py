@@ -166,7 +166,9 @@ def assert_same_as(ours: list[dict], theirs: list[dict]) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert a["output_ids"] == b["output_ids"]
         for key in ("input_token_logprobs", "output_token_logprobs"):
-            np.testing.assert_allclose(logprobs_of(a, key), logprobs_of(b, key), rtol=0, atol=1e-6)
+            # float32; a row batched with other rows runs another bucket's program, whose sums may differ by a few
+            # ulp (1.2e-6 seen at a logprob of -3.7)
+            np.testing.assert_allclose(logprobs_of(a, key), logprobs_of(b, key), rtol=0, atol=1e-5)
 
 
 def assert_matches_peft(base, adapters: dict, loras: list, ids: list, outs: list[dict], max_new_tokens: int) -> None:
