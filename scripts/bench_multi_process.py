@@ -1,6 +1,7 @@
 """One engine over two processes against the same engine in one process: decode steps side by side in one call.
 
     python scripts/bench_multi_process.py --out multi_process.json [--batch-sizes 64 256] [--num-layers 32]
+        [--layers-per-scan-step 4]
 
 Both runs serve the same Llama-3-8B-shaped dummy model with tensor parallelism 2 (scripts/bench_offline.py drives the
 engine loop without HTTP):
@@ -54,6 +55,7 @@ def bench_args(opts: argparse.Namespace, model_dir: str, out: str) -> list[str]:
     args += ["--tp-size", "2", "--num-layers", str(opts.num_layers), "--gpu", opts.gpu]
     args += ["--batch-sizes", *map(str, opts.batch_sizes), "--prompt-len", str(opts.prompt_len)]
     args += ["--decode-steps", str(opts.decode_steps), "--max-total-tokens", str(opts.max_total_tokens)]
+    args += ["--layers-per-scan-step", str(opts.layers_per_scan_step)]
     return args + (["--model-config", opts.model_config] if opts.model_config else [])
 
 
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--layers-per-scan-step", type=int, default=0, help="0 = fully unrolled layer loop")
     parser.add_argument("--max-total-tokens", type=int, default=160_000)
     parser.add_argument("--model-config", default=None, help="a config.json instead of Llama-3-8B's shape")
     parser.add_argument("--gpu", default="H100")

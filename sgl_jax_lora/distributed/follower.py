@@ -4,7 +4,8 @@ Flow: `python -m sgl_jax_lora.launch --nnodes N --node-rank R --dist-init-addr H
 `run_follower`: /health on --host:--port (503 while starting, 200 once node 0's warmup is replayed) -> join the
 runtime (runtime.initialize) -> Hello: node 0's settings; this node checks that its checkpoint has the same config.json,
 builds the same ModelRunner (ReplicaModelRunner) on its own devices -> `Follower.run`: every command in order, each
-calling the same compiled program as node 0 with the same inputs -> Shutdown: exit 0. Any error, a lost node 0
+calling the same compiled program as node 0 with the same inputs (a receiver thread fetches and decodes the next
+commands while this node dispatches the current one) -> Shutdown: exit 0. Any error, a lost node 0
 included, exits non-zero (node 0 then fails within --dist-heartbeat-timeout seconds).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 
 import jax
@@ -42,6 +44,7 @@ from sgl_jax_lora.model_executor.padding_batches import warmup_compile_threads
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+RECEIVE_AHEAD = 64  # commands received and decoded ahead of the one being replayed
 
 
 @dataclasses.dataclass
@@ -59,7 +62,7 @@ class Follower:
     def __init__(self, args: ServerArgs, model_path: str, channel: CommandChannel, status: FollowerStatus):
         self.channel, self.status = channel, status
         self.compile_counter = CompileCounter()
-        hello = self._next()
+        hello = decode(self.channel.receive())
         if not isinstance(hello, Hello):
             raise RuntimeError(f"node {args.node_rank}: expected node 0's settings first, got {type(hello).__name__}")
         if runtime.read_model_config(model_path) != hello.model_config:
@@ -92,22 +95,34 @@ class Follower:
         self.status.is_ready = leader_args.skip_precompile  # else once node 0's warmup is replayed (Ready)
         self.threads = warmup_compile_threads(leader_args.warmup_compile_threads)
 
-    def _next(self) -> Command:
-        command = decode(self.channel.receive())
-        self.status.num_commands += 1
-        self.status.num_compilations = self.compile_counter.count
-        return command
-
     def run(self) -> None:
         """Replay commands until node 0 sends Shutdown."""
+        inbox: queue.Queue[Command | Exception] = queue.Queue(maxsize=RECEIVE_AHEAD)
+        threading.Thread(target=self._receive_ahead, args=(inbox,), name="command-receiver", daemon=True).start()
         while True:
-            command = self._next()
+            command = inbox.get()
+            if isinstance(command, Exception):
+                raise command
+            self.status.num_commands += 1
+            self.status.num_compilations = self.compile_counter.count
             if isinstance(command, Shutdown):
                 return
             handler = self.handlers.get(type(command))
             if handler is None:
                 raise RuntimeError(f"node {self.channel.node_rank}: unexpected command {type(command).__name__}")
             handler(command)
+
+    def _receive_ahead(self, inbox: queue.Queue) -> None:
+        """The receiver thread: each command in order (a failure, node 0's loss included, ends the replay)."""
+        while True:
+            try:
+                command = decode(self.channel.receive())
+            except Exception as e:
+                inbox.put(e)
+                return
+            inbox.put(command)
+            if isinstance(command, Shutdown):
+                return
 
     def _precompile(self, command: Precompile) -> None:
         self.runner.precompile_forwards(command.batches, self.threads)

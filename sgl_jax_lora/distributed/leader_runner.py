@@ -132,8 +132,9 @@ class LeaderModelRunner(ReplicaModelRunner):
         _on_all_nodes(super().write_lora_slot, slot, values)
 
     def close(self) -> None:
-        """Tell the followers to exit (node 0's engine is stopping)."""
+        """Tell the followers to exit (node 0's engine is stopping); returns once the command is stored."""
         self._send(Shutdown())
+        self.channel.flush()
 
     def _sample_number(self, prev_ids: jax.Array | None) -> int:
         if prev_ids is None or prev_ids is self.no_prev_ids:

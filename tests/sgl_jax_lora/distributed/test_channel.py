@@ -1,13 +1,16 @@
 """sgl_jax_lora/distributed/channel.py: followers receive node 0's commands in order under keys
 `<prefix>/<block>/<n>`; each follower acknowledges every finished block; node 0 deletes exactly the blocks every
 follower has acknowledged; a receive that times out is retried, any other error of the store ends it with a
-ConnectionError that names the command awaited.
+ConnectionError that names the command awaited. Node 0's send only queues: a sender thread stores the commands in
+order, send returns while the store is slow, and a failed store is raised by the next send or flush.
 
 The coordination service is replaced by an in-memory store with the semantics of JAX's client, as checked against
 the real one: setting a present key fails unless overwriting is allowed, deleting a key deletes the keys under it
 as a directory, a missing key raises NOT_FOUND (try_get) or DEADLINE_EXCEEDED (a blocking get)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -19,6 +22,7 @@ class FakeCoordinationClient:
     """The key-value methods of jax's DistributedRuntimeClient that the channel calls, over one dict."""
 
     def __init__(self):
+        self.changed = threading.Condition()  # node 0's sender thread sets keys that the test's follower awaits
         self.store: dict[str, str | bytes] = {}
         self.blocking_timeouts: list[int] = []
         self.errors_before_get: list[Exception] = []  # raised, in order, by the next blocking gets
@@ -30,9 +34,11 @@ class FakeCoordinationClient:
         self._set(key, value, allow_overwrite)
 
     def _set(self, key, value, allow_overwrite: bool) -> None:
-        if key in self.store and not allow_overwrite:
-            raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
-        self.store[key] = value
+        with self.changed:
+            if key in self.store and not allow_overwrite:
+                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
+            self.store[key] = value
+            self.changed.notify_all()
 
     def key_value_delete(self, key: str) -> None:
         for k in [k for k in self.store if k == key or k.startswith(key + "/")]:
@@ -47,9 +53,10 @@ class FakeCoordinationClient:
         self.blocking_timeouts.append(timeout_in_ms)
         if self.errors_before_get:
             raise self.errors_before_get.pop(0)
-        if key not in self.store:
-            raise AssertionError(f"the test awaits {key}, which nothing will send")
-        return self.store[key]
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.store, timeout=10):
+                raise AssertionError(f"the test awaits {key}, which nothing sent")
+            return self.store[key]
 
 
 @pytest.fixture
@@ -67,6 +74,7 @@ def test_commands_are_stored_under_their_block_and_number(client):
     leader = CommandChannel(0, 2)
     for n in range(BLOCK + 2):
         leader.send(b"cmd %d" % n)
+    leader.flush()
     assert client.store[f"{PREFIX}/0/0"] == b"cmd 0"
     assert client.store[f"{PREFIX}/0/{BLOCK - 1}"] == b"cmd %d" % (BLOCK - 1)
     assert client.store[f"{PREFIX}/1/{BLOCK}"] == b"cmd %d" % BLOCK
@@ -103,6 +111,7 @@ def test_node_0_deletes_only_the_blocks_every_follower_acknowledged(client):
         fast.receive()
         if n < BLOCK:
             slow.receive()
+    leader.flush()
     # the slow follower finished block 0 only; block 0 went when block 1 was complete, nothing after
     assert leader.num_blocks_deleted == 1
     assert command_keys(client.store) == {f"{PREFIX}/{n // BLOCK}/{n}" for n in range(BLOCK, 3 * BLOCK)}
@@ -110,6 +119,7 @@ def test_node_0_deletes_only_the_blocks_every_follower_acknowledged(client):
         slow.receive()  # acknowledges block 1; node 0 deletes it with its next full block
     for _ in range(BLOCK):
         leader.send(b"y")
+    leader.flush()
     assert leader.num_blocks_deleted == 2
     assert min(int(k.split("/")[2]) for k in command_keys(client.store)) == 2
 
@@ -119,6 +129,7 @@ def test_blocks_are_kept_until_every_follower_has_acknowledged_one(client):
     for _ in range(2 * BLOCK):
         leader.send(b"x")
         follower.receive()
+    leader.flush()
     assert leader.num_blocks_deleted == 0  # follower 2 never acknowledged: NOT_FOUND counts as 0 blocks
     assert len(command_keys(client.store)) == 2 * BLOCK
 
@@ -127,9 +138,11 @@ def test_deleting_block_1_leaves_block_10(client):
     leader = CommandChannel(0, 2)
     for _ in range(11 * BLOCK + 1):
         leader.send(b"x")
+    leader.flush()
     client.store[f"{ACK_PREFIX}/1"] = "2"  # the follower finished blocks 0 and 1
     for _ in range(BLOCK - 1):
         leader.send(b"x")
+    leader.flush()
     assert leader.num_blocks_deleted == 2
     blocks = {int(k.split("/")[2]) for k in command_keys(client.store)}
     assert blocks == set(range(2, 12))
@@ -154,3 +167,44 @@ def test_a_lost_coordination_service_ends_the_wait_naming_the_command(client):
     ):
         follower.receive()
     assert follower.num_done == 1  # the command was not counted as received
+
+
+def test_send_returns_while_the_store_is_slow(client):
+    """A command's round trip to the coordination service is off node 0's step: send only queues it."""
+    release = threading.Event()
+    store = client._set
+
+    def slow_set(key, value, allow_overwrite):
+        release.wait(timeout=10)
+        store(key, value, allow_overwrite)
+
+    client._set = slow_set
+    leader = CommandChannel(0, 2)
+    for n in range(3):
+        leader.send(b"%d" % n)
+    assert command_keys(client.store) == set()  # all three sent, none stored yet
+    release.set()
+    leader.flush()
+    assert [client.store[f"{PREFIX}/0/{n}"] for n in range(3)] == [b"0", b"1", b"2"]
+
+
+def test_a_failed_store_is_raised_by_the_next_send_and_nothing_after_it_is_stored(client):
+    release = threading.Event()
+    store = client._set
+
+    def held_set(key, value, allow_overwrite):
+        release.wait(timeout=10)
+        store(key, value, allow_overwrite)
+
+    client._set = held_set
+    leader = CommandChannel(0, 2)
+    client.store[f"{PREFIX}/0/1"] = b"occupied"  # storing command 1 fails as the real service does: ALREADY_EXISTS
+    for payload in (b"a", b"b", b"c"):
+        leader.send(payload)  # queued while the sender is held: none fails yet
+    release.set()
+    with pytest.raises(ConnectionError, match=r"node 0 could not send a command .*ALREADY_EXISTS.*restart every node"):
+        leader.flush()
+    with pytest.raises(ConnectionError, match="could not send a command"):
+        leader.send(b"d")
+    assert client.store[f"{PREFIX}/0/0"] == b"a"
+    assert f"{PREFIX}/0/2" not in client.store  # c would reach the followers after a command they never get
