@@ -50,6 +50,16 @@ class ScheduleBatch:
             return "decode"
         return "mixed" if self.num_decode_rows else "extend"
 
+    def group_rows_by_slot(self) -> None:
+        """Order the rows by adapter slot, the given order within a slot (the scheduler calls this on the decode
+        rows, before any chunk joins). Each adapter's decode rows are then one run of tokens. The GEMM with the
+        LoRA inside it (mixed steps on Hopper GPUs) adds a row tile's LoRA run by run, one after another; with
+        adapters interleaved, nearly every decode row would be a run of its own."""
+        order = sorted(range(len(self.reqs)), key=self.token_slots.__getitem__)
+        self.reqs[:] = [self.reqs[i] for i in order]
+        self.num_new_tokens[:] = [self.num_new_tokens[i] for i in order]
+        self.token_slots[:] = [self.token_slots[i] for i in order]
+
     def padded_sizes(self, buckets: Buckets) -> tuple[int, int]:
         """-> (sequences S, tokens T) of the bucket this step runs in."""
         num_tokens = pick(buckets.tokens, self.num_tokens)

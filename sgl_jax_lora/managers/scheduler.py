@@ -1,11 +1,10 @@
 """Scheduler: continuous batching over a waiting queue and a running list (host only).
 
-Each step is one ragged batch: first a decode row (one token) for every running request that has finished its
-prefill, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
+Each step is one ragged batch: first a decode row (one token) for every running request past its prefill, grouped
+by adapter slot, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
 --chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
 batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
-tokens arrive; when a decode row runs out of pages the newest running request is preempted (pages freed,
-recomputed later).
+tokens arrive; a decode row out of pages preempts the newest running request (pages freed, recomputed later).
 
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
@@ -360,6 +359,7 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(1)
             batch.token_slots.append(slot)
+        batch.group_rows_by_slot()
 
     def _adapter_slot(self, batch: ScheduleBatch, req: Req, keep: frozenset = frozenset()) -> int | None:
         """The request's adapter slot in the planned step (0 = base), None if it cannot join now. An adapter that

@@ -4,9 +4,8 @@ follower has acknowledged; a receive that times out is retried, any other error 
 ConnectionError that names the command awaited. Node 0's send only queues: a sender thread stores the commands in
 order, send returns while the store is slow, and a failed store is raised by the next send or flush.
 
-The coordination service is replaced by an in-memory store with the semantics of JAX's client, as checked against
-the real one: setting a present key fails unless overwriting is allowed, deleting a key deletes the keys under it
-as a directory, a missing key raises NOT_FOUND (try_get) or DEADLINE_EXCEEDED (a blocking get)."""
+The coordination service is replaced by tests/support/coordination.py's in-memory store with the semantics of JAX's
+client."""
 
 from __future__ import annotations
 
@@ -16,47 +15,7 @@ import pytest
 
 from sgl_jax_lora.distributed import channel as channel_module
 from sgl_jax_lora.distributed.channel import ACK_PREFIX, BLOCK, PREFIX, RECEIVE_POLL_MS, CommandChannel
-
-
-class FakeCoordinationClient:
-    """The key-value methods of jax's DistributedRuntimeClient that the channel calls, over one dict."""
-
-    def __init__(self):
-        self.changed = threading.Condition()  # node 0's sender thread sets keys that the test's follower awaits
-        self.store: dict[str, str | bytes] = {}
-        self.blocking_timeouts: list[int] = []
-        self.errors_before_get: list[Exception] = []  # raised, in order, by the next blocking gets
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-        self._set(key, value, allow_overwrite)
-
-    def key_value_set_bytes(self, key: str, value: bytes, allow_overwrite: bool = False) -> None:
-        self._set(key, value, allow_overwrite)
-
-    def _set(self, key, value, allow_overwrite: bool) -> None:
-        with self.changed:
-            if key in self.store and not allow_overwrite:
-                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
-            self.store[key] = value
-            self.changed.notify_all()
-
-    def key_value_delete(self, key: str) -> None:
-        for k in [k for k in self.store if k == key or k.startswith(key + "/")]:
-            del self.store[k]
-
-    def key_value_try_get(self, key: str) -> str:
-        if key not in self.store:
-            raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
-        return self.store[key]
-
-    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
-        self.blocking_timeouts.append(timeout_in_ms)
-        if self.errors_before_get:
-            raise self.errors_before_get.pop(0)
-        with self.changed:
-            if not self.changed.wait_for(lambda: key in self.store, timeout=10):
-                raise AssertionError(f"the test awaits {key}, which nothing sent")
-            return self.store[key]
+from tests.support.coordination import FakeCoordinationClient
 
 
 @pytest.fixture
@@ -169,16 +128,22 @@ def test_a_lost_coordination_service_ends_the_wait_naming_the_command(client):
     assert follower.num_done == 1  # the command was not counted as received
 
 
-def test_send_returns_while_the_store_is_slow(client):
-    """A command's round trip to the coordination service is off node 0's step: send only queues it."""
+def hold_stores(client: FakeCoordinationClient) -> threading.Event:
+    """Every store of the client waits until the returned event is set (node 0's sender thread stalls there)."""
     release = threading.Event()
     store = client._set
 
-    def slow_set(key, value, allow_overwrite):
+    def held_set(key, value, allow_overwrite):
         release.wait(timeout=10)
         store(key, value, allow_overwrite)
 
-    client._set = slow_set
+    client._set = held_set
+    return release
+
+
+def test_send_returns_while_the_store_is_slow(client):
+    """A command's round trip to the coordination service is off node 0's step: send only queues it."""
+    release = hold_stores(client)
     leader = CommandChannel(0, 2)
     for n in range(3):
         leader.send(b"%d" % n)
@@ -189,14 +154,7 @@ def test_send_returns_while_the_store_is_slow(client):
 
 
 def test_a_failed_store_is_raised_by_the_next_send_and_nothing_after_it_is_stored(client):
-    release = threading.Event()
-    store = client._set
-
-    def held_set(key, value, allow_overwrite):
-        release.wait(timeout=10)
-        store(key, value, allow_overwrite)
-
-    client._set = held_set
+    release = hold_stores(client)
     leader = CommandChannel(0, 2)
     client.store[f"{PREFIX}/0/1"] = b"occupied"  # storing command 1 fails as the real service does: ALREADY_EXISTS
     for payload in (b"a", b"b", b"c"):

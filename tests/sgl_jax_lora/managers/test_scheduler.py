@@ -13,6 +13,7 @@ import collections
 import numpy as np
 import pytest
 
+from pallas_kernels.sgmv.gemm_lora_gpu import entries_needed
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.in_flight import InFlightTokens
@@ -84,6 +85,19 @@ class DeviceSlots:
         return key in self.resident
 
 
+class FixedSlots(DeviceSlots):
+    """Every adapter resident in a slot of its own for good."""
+
+    def __init__(self, slot_of: dict[str, int]):
+        super().__init__(num_slots=len(slot_of))
+        self.slot_of = slot_of
+
+    def reserve(self, plan: AdapterPlan, key: str | None, keep: frozenset = frozenset()) -> int | None:
+        if key is not None:
+            plan.adapters.add(key)
+        return self.slot_of.get(key, 0)
+
+
 def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -> Scheduler:
     buckets = Buckets.build(8, 32, 256, 4)
     return Scheduler(buckets, PageAllocator(num_pages, 4), 8, 32, max_prefill_seqs, adapter_slots=slots)
@@ -142,6 +156,28 @@ def test_an_admission_joins_the_running_decodes_in_one_step():
     assert batch.num_new_tokens == [1, 1, 1, 61]  # 64 tokens: 3 decode rows, then the chunk
     finish_prefill(batch)
     assert [len(r.output_ids) for r in running] == [2, 2, 2]
+
+
+def test_decode_rows_come_grouped_by_adapter_slot_in_running_order():
+    # requests of three adapters and base, interleaved in arrival order: each step's decode rows are one run per
+    # slot (base first), in running order within a slot, so the GEMM with the LoRA inside it meets each adapter
+    # once per row tile instead of once per row
+    sched = make_scheduler(slots=FixedSlots({"a": 1, "b": 2, "c": 3}))
+    adapters = ["a", "b", None, "c"] * 2
+    running = [req(f"r{i}", length=3, adapter=a, t=i, max_new_tokens=8) for i, a in enumerate(adapters)]
+    for r in running:
+        sched.add(r)
+    while any(r.is_prefilling or not r.output_ids for r in running):
+        finish_prefill(sched.schedule())
+    batch = sched.schedule()
+    assert batch.kind == "decode" and batch.token_slots == sorted(batch.token_slots)
+    for slot in set(batch.token_slots):
+        rows = [r for r, s in zip(batch.reqs, batch.token_slots) if s == slot]
+        assert rows == [r for r in running if r in rows]  # running order within the slot
+    slot_scale = np.array([0.0, 1.0, 1.0, 1.0])  # slot 0 is base: no LoRA run
+    slot_of = dict(zip(batch.reqs, batch.token_slots))
+    assert entries_needed(batch.token_slots, slot_scale, tile_m=128) == 3
+    assert entries_needed([slot_of[r] for r in running], slot_scale, tile_m=128) == 6  # rows in running order
 
 
 def test_decode_rows_leave_the_floor_of_prefill_tokens():
