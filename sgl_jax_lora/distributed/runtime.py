@@ -50,9 +50,8 @@ def initialize(args: ServerArgs) -> None:
 def tune_each_node_alone() -> None:
     """Turn off XLA's sharded GPU autotuning (unless XLA_FLAGS sets it): with it, each process tunes a share of the
     GEMMs of every program it compiles and waits for the other processes' shares. Our nodes compile on several
-    threads and each reads its own persistent compilation cache, so a node can wait for a share that no other node
-    will tune, and both hang. Called before the GPU backend starts (XLA reads its flags
-    once)."""
+    threads, in orders that can differ, and each reads its own persistent compilation cache, so a node could wait
+    for a share that no other node will tune. Called before the GPU backend starts (XLA reads its flags once)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_shard_autotuning" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_shard_autotuning=false".strip()
