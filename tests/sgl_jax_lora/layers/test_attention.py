@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from sgl_jax_lora.configs.buckets import Buckets
-from sgl_jax_lora.layers.attention import QUERY_TILE, AttentionBackend, native_query_layout, paged_attention
+from sgl_jax_lora.layers.attention import QUERY_TILE, AttentionBackend, native_query_layout, paged_attention, write_kv
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -173,3 +173,23 @@ def test_stale_non_finite_kv_is_never_read(backend):
     clean, got = run(*caches), run(*poisoned)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, clean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_write_kv_writes_exactly_the_step_rows(dtype):
+    # every value of the caches but the written slots of the written layer is unchanged, bit for bit (16-bit float
+    # caches are scattered as raw bits on CPU); the written rows hold k and v in the cache dtype
+    rng = np.random.default_rng(0)
+    layers, slots = 3, 64
+    k_cache = jnp.asarray(rng.normal(size=(layers, KV_HEADS, slots, DIM)), dtype)
+    v_cache = jnp.asarray(rng.normal(size=(layers, KV_HEADS, slots, DIM)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(5, KV_HEADS, DIM)), jnp.float32) for _ in range(2))
+    loc = jnp.asarray([7, 0, 63, 12, 8], jnp.int32)
+    expected = [np.array(c).copy() for c in (k_cache, v_cache)]
+    for cache, rows in zip(expected, (k, v)):
+        cache[1][:, np.asarray(loc)] = np.asarray(rows.astype(dtype)).transpose(1, 0, 2)
+    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    got = step(k_cache, v_cache, jnp.int32(1), k, v, loc)
+    for ours, theirs in zip(got, expected):
+        assert ours.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(ours).view(np.uint8), theirs.view(np.uint8))
