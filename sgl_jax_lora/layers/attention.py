@@ -61,7 +61,7 @@ def _scatter_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows
 
     On CPU, XLA has no bfloat16 (or float16) scatter: it would convert the whole cache to float32 and back for each
     layer's write. A program lowered for CPU scatters the cache as raw 16-bit bits instead, which still copies it
-    but converts nothing: a demo-model decode step is 1.6-3.9x faster (docs/benchmarks.md "CPU: the demo model's
+    but converts nothing: a demo-model decode step is 1.8-3.5x faster (docs/benchmarks.md "CPU: the demo model's
     decode step"). Programs lowered for GPU or TPU (a TPU export on a CPU host included) keep the plain write."""
     rows = rows.astype(cache.dtype)
     if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
