@@ -193,3 +193,13 @@ def test_write_kv_writes_exactly_the_step_rows(dtype):
     for ours, theirs in zip(got, expected):
         assert ours.dtype == dtype
         np.testing.assert_array_equal(np.asarray(ours).view(np.uint8), theirs.view(np.uint8))
+
+
+def test_only_programs_lowered_for_cpu_write_kv_as_raw_bits():
+    # GPU and TPU scatter bfloat16 as it is: their lowerings (exported from this CPU host) hold no bitcast
+    cache = jax.ShapeDtypeStruct((2, KV_HEADS, 64, DIM), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((4, KV_HEADS, DIM), jnp.float32)
+    args = (cache, cache, jax.ShapeDtypeStruct((), jnp.int32), rows, rows, jax.ShapeDtypeStruct((4,), jnp.int32))
+    for platform, as_bits in (("cpu", True), ("cuda", False), ("tpu", False)):
+        module = jax.export.export(jax.jit(write_kv), platforms=[platform])(*args).mlir_module()
+        assert ("bitcast_convert" in module) == as_bits, platform
