@@ -12,16 +12,7 @@ import sys
 import pytest
 
 from tests.support import REPO_ROOT
-
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+from tests.support.tiny_configs import TINY_LLAMA_CONFIG
 
 # Prints {parameter path: sha256 of its dummy value} as JSON.
 DIGESTS = """
@@ -43,7 +34,7 @@ print(json.dumps({"/".join(map(str, path)): hashlib.sha256(np.asarray(v.get_valu
 def dummy_digests(hash_seed: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=REPO_ROOT)
     done = subprocess.run(
-        [sys.executable, "-c", DIGESTS, json.dumps(CONFIG)],
+        [sys.executable, "-c", DIGESTS, json.dumps(TINY_LLAMA_CONFIG)],
         env=env,
         cwd=REPO_ROOT,
         capture_output=True,

@@ -37,16 +37,8 @@ from sgl_jax_lora.models.orbax_checkpoint import (
 )
 from sgl_jax_lora.models.registry import model_class_for
 from sgl_jax_lora.models.weight_loader import load_model_state
+from tests.support.tiny_configs import TINY_LLAMA_CONFIG
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 TP, PAGE = 2, 4
 LORA = LoRAModelSpec(num_slots=2, max_rank=4, backend=BgmvBackend(None), target_modules=frozenset({"qkv_proj"}))
 
@@ -77,7 +69,7 @@ def saved(tmp_path_factory):
     """(directory, the state that was saved, the metadata save_converted returned)."""
     pytest.importorskip("orbax.checkpoint", reason="orbax is needed to save and restore converted checkpoints")
     out = tmp_path_factory.mktemp("converted")
-    cfg = ModelConfig.from_dict(CONFIG)
+    cfg = ModelConfig.from_dict(TINY_LLAMA_CONFIG)
     state = random_state(cfg, TP)
     meta = save_converted(state, str(out), "float32", TP, cfg.architecture, "/models/tiny")
     return out, state, meta
@@ -85,7 +77,7 @@ def saved(tmp_path_factory):
 
 def test_restore_gives_back_every_parameter_in_its_sharding(saved):
     out, state, _ = saved
-    cfg, mesh = ModelConfig.from_dict(CONFIG, str(out)), make_mesh(TP)
+    cfg, mesh = ModelConfig.from_dict(TINY_LLAMA_CONFIG, str(out)), make_mesh(TP)
     abstract = abstract_state(cfg, TP)
     restored, original = flat(restore_model_state(str(out), TP, jnp.float32, abstract, mesh)), flat(state)
     shardings = {".".join(p): s for p, s in state_shardings(mesh, abstract).items()}
@@ -119,7 +111,9 @@ def test_the_metadata_records_the_packing_and_every_saved_shape(saved):
 
 def test_the_loader_restores_a_converted_directory_instead_of_reading_safetensors(saved):
     out, state, _ = saved
-    cfg = ModelConfig.from_dict(CONFIG, str(out))  # no safetensors in `out`: only the orbax weights can serve
+    cfg = ModelConfig.from_dict(
+        TINY_LLAMA_CONFIG, str(out)
+    )  # no safetensors in `out`: only the orbax weights can serve
     _, loaded = load_model_state(cfg, TP, PAGE, jnp.float32, make_mesh(TP), None)
     original = flat(state)
     for name, variable in flat(loaded).items():
@@ -130,7 +124,7 @@ def test_which_directories_count_as_converted(saved, tmp_path):
     assert is_converted_checkpoint(str(saved[0]))
     assert not is_converted_checkpoint("")
     assert not is_converted_checkpoint(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     (tmp_path / WEIGHTS_DIR).mkdir()  # orbax started but never finished: not a converted checkpoint yet
     assert not is_converted_checkpoint(str(tmp_path))
     (tmp_path / WEIGHTS_DIR / ORBAX_COMMIT_FILE).write_text("{}")  # finished weights, metadata never written
@@ -139,10 +133,10 @@ def test_which_directories_count_as_converted(saved, tmp_path):
 
 def test_a_conversion_cut_short_before_its_metadata_is_refused_with_the_command(tmp_path):
     pytest.importorskip("orbax.checkpoint", reason="restore_model_state imports orbax before it reads the metadata")
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     (tmp_path / WEIGHTS_DIR).mkdir()
     (tmp_path / WEIGHTS_DIR / ORBAX_COMMIT_FILE).write_text("{}")
-    cfg = ModelConfig.from_dict(CONFIG, str(tmp_path))
+    cfg = ModelConfig.from_dict(TINY_LLAMA_CONFIG, str(tmp_path))
     expected = rf"no {METADATA_FILE}: the conversion did not finish; .*python -m sgl_jax_lora\.convert --model-path"
     with pytest.raises(ModelConfigError, match=expected):
         load_model_state(cfg, 1, PAGE, jnp.float32, make_mesh(1), None)
@@ -197,10 +191,10 @@ def test_metadata_without_its_weights_directory_is_refused(tmp_path):
 
 
 def test_metadata_beside_unfinished_weights_is_refused_with_the_command(saved, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     raw = json.loads((saved[0] / METADATA_FILE).read_text())
     path = write_metadata(tmp_path, raw, finished=False)  # weights/ exists, but orbax never wrote into it
-    cfg = ModelConfig.from_dict(CONFIG, path)
+    cfg = ModelConfig.from_dict(TINY_LLAMA_CONFIG, path)
     with pytest.raises(ModelConfigError, match=r"python -m sgl_jax_lora\.convert"):
         restore_model_state(path, TP, jnp.float32, abstract_state(cfg, TP), make_mesh(TP))
 
