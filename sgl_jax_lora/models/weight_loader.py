@@ -85,9 +85,9 @@ def _hf_value(
     names_per_layer = weight.tensor_names(cfg.num_layers)
     layers = [weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in names_per_layer]
     layer_shape = shape[1:] if weight.per_layer else shape
-    for names, layer in zip(names_per_layer, layers, strict=True):
+    for index, (names, layer) in enumerate(zip(names_per_layer, layers, strict=True)):
         if layer.shape != layer_shape:
-            where = f"layer {names_per_layer.index(names)} " if weight.per_layer else ""
+            where = f"layer {index} " if weight.per_layer else ""
             raise ModelConfigError(
                 f"weight for {name}: {where}({', '.join(names)}) gives shape {layer.shape}, config implies "
                 f"{layer_shape}; config.json and the safetensors files disagree"
