@@ -14,6 +14,12 @@ Columns:
 - TFLOP/s (prefill): 4 * H * D * (number of causal (query, key) pairs: sum over sequences of q_len * (q_len + 1) / 2
   with no prefix) over time: two matrix products of 2 FLOPs per multiply-add.
 - max err: max |ours - gather| on the same inputs (the gather computes in bf16 with float32 accumulation).
+- engine ms: the engine's path for every step (`decode_only=False`: decode rows through the decode kernel, gathered
+  one a sequence, the general kernel over the rest, its grid bounded by the default --max-prefill-seqs of 8) on
+  the same rows.
+- general ms: the general (q-block) kernel alone on every token, decode rows included (one q block each).
+Mixed rows hold B decode rows at context C beside N prefill chunks of Q new tokens after a prefix of Q tokens;
+their "ours" is the engine path and their "gather" the pure-JAX reference (pallas_kernels/attention/reference.py).
 
 Baselines: "gather" is the engine's pure-JAX paged attention math written inline (sgl_jax_lora/layers/attention.py
 needs a ForwardBatch): gather every page of each sequence, einsum, masked softmax, einsum; prefill maps it over
@@ -27,6 +33,7 @@ Usage: python scripts/bench_attention.py --json out.json [--sweep] [--rows decod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -40,11 +47,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.attention.gpu import DecodeTiles, PrefillTiles, ragged_paged_attention_gpu  # noqa: E402
+from pallas_kernels.attention.gpu import (  # noqa: E402
+    DecodeTiles,
+    PrefillTiles,
+    _prefill_attention,
+    ragged_paged_attention_gpu,
+)
+from pallas_kernels.attention.reference import ragged_paged_attention_ref  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DECODE_ROWS = [(64, 517), (256, 517), (64, 2053), (256, 2053), (8, 2053)]  # 8 x 2053: few programs, key splits
 PREFILL_ROWS = [(8, 256), (8, 2048), (1, 2048)]  # 1 x 2048: the prefill step of the engine's goal
+ENGINE_MAX_CHUNKS = 8  # the engine's default --max-prefill-seqs, which bounds the q-block grid of its steps
+MIXED_ROWS = [(240, 517, 2, 256), (64, 517, 1, 1024)]  # (decode rows, their context, chunks, chunk tokens)
 CALLS = 8  # back-to-back calls per timed program
 MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as the engine's cache is
 DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
@@ -169,7 +184,7 @@ def jax_paged_decode():
     return prepare, jax.jit(paged_attention)
 
 
-def ours(decode_only: bool, tiles):
+def ours(decode_only: bool, tiles, max_chunks: int | None = None):
     key = "decode_tiles" if decode_only else "prefill_tiles"
 
     @jax.jit
@@ -185,7 +200,23 @@ def ours(decode_only: bool, tiles):
             page_size=PAGE,
             scale=HEAD_DIM**-0.5,
             decode_only=decode_only,
+            max_chunks=max_chunks,
             **{key: tiles},
+        )
+
+    return run
+
+
+def general_alone():
+    """The general kernel on every token: a decode row gets a q block of its own."""
+
+    @jax.jit
+    def run(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
+        layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+        args = (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
+        scale = HEAD_DIM**-0.5
+        return _prefill_attention(
+            *args, page_size=PAGE, scale=scale, tiles=PrefillTiles(), interpret=False, skip_decode_rows=False
         )
 
     return run
@@ -242,6 +273,9 @@ def decode_row(batch_size: int, context: int, sweep: bool, jax_op, min_cache_byt
         jax_sets = prepare(batch)
         row["jax_paged_ms"] = time_ms(op, jax_sets)
         row["jax_paged_max_err"] = _max_err(op(*jax_sets[0]), reference)
+    for name, fn in (("engine", ours(False, PrefillTiles(), ENGINE_MAX_CHUNKS)), ("general", general_alone())):
+        row[f"{name}_ms"] = time_ms(fn, _arg_sets(batch))
+        row[f"{name}_max_err"] = _max_err(fn(*_arg_sets(batch)[0]), reference)
     row["ours_tbps"] = kv_bytes / row["ours_ms"] / 1e9
     return row
 
@@ -255,15 +289,41 @@ def prefill_row(num_seqs: int, q_len: int, sweep: bool, min_cache_bytes: int) ->
     return row
 
 
+def mixed_row(num_decode: int, context: int, num_chunks: int, chunk: int, min_cache_bytes: int) -> dict:
+    """Decode rows beside prefill chunks (each after a prefix of `chunk` tokens): the engine path against the general
+    kernel alone."""
+    q_lens = [1] * num_decode + [chunk] * num_chunks
+    kv_lens = [context] * num_decode + [2 * chunk] * num_chunks
+    batch = make_batch(q_lens, kv_lens, num_decode + chunk, min_cache_bytes)
+    row = {"kind": "mixed", "batch": f"{num_decode}+{num_chunks}x{chunk}", "context": context}
+    arg_sets = _arg_sets(batch)
+    gather = jax.jit(functools.partial(ragged_paged_attention_ref, page_size=PAGE, scale=HEAD_DIM**-0.5))
+    reference = gather(*arg_sets[0])
+    row["gather_ms"] = time_ms(gather, arg_sets)
+    row["tiles"] = "defaults"
+    for name, fn in (("ours", ours(False, PrefillTiles(), ENGINE_MAX_CHUNKS)), ("general", general_alone())):
+        row[f"{name}_ms"] = time_ms(fn, arg_sets)
+        row[f"{name}_max_err"] = _max_err(fn(*arg_sets[0]), reference)
+    row["max_err"] = row["ours_max_err"]
+    return row
+
+
 def print_table(rows: list[dict]) -> None:
-    header = f"{'row':<22}{'gather ms':>10}{'jax ms':>9}{'ours ms':>9}{'ours rate':>14}{'x gather':>9}{'max err':>9}"
+    header = (
+        f"{'row':<22}{'gather ms':>10}{'jax ms':>9}{'ours ms':>9}{'engine':>9}{'general':>9}{'ours rate':>14}"
+        f"{'x gather':>9}"
+        f"{'max err':>9}"
+    )
     print(f"\n{header}  tiles")
     for r in rows:
         name = f"{r['kind']} {r['batch']}x{r['context']}"
         jax_ms = f"{r['jax_paged_ms']:.3f}" if "jax_paged_ms" in r else "-"
-        rate = f"{r['ours_tbps']:.2f} TB/s" if r["kind"] == "decode" else f"{r['ours_tflops']:.0f} TFLOP/s"
+        general_ms = f"{r['general_ms']:.3f}" if "general_ms" in r else "-"
+        engine_ms = f"{r['engine_ms']:.3f}" if "engine_ms" in r else "-"
+        rate = {"decode": f"{r.get('ours_tbps', 0):.2f} TB/s", "prefill": f"{r.get('ours_tflops', 0):.0f} TFLOP/s"}
+        rate = rate.get(r["kind"], "-")
         print(
-            f"{name:<22}{r['gather_ms']:>10.3f}{jax_ms:>9}{r['ours_ms']:>9.3f}{rate:>14}"
+            f"{name:<22}{r['gather_ms']:>10.3f}{jax_ms:>9}{r['ours_ms']:>9.3f}{engine_ms:>9}{general_ms:>9}{rate:>14}"
             f"{r['gather_ms'] / r['ours_ms']:>9.1f}{r['max_err']:>9.4f}  {r['tiles']}"
         )
 
@@ -272,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every row (sweeps included) here")
     parser.add_argument("--sweep", action="store_true", help="also time tile variants and use the best per row")
-    parser.add_argument("--rows", choices=("decode", "prefill", "all"), default="all")
+    parser.add_argument("--rows", choices=("decode", "prefill", "mixed", "all"), default="all")
     parser.add_argument(
         "--min-cache-gib",
         type=float,
@@ -292,6 +352,10 @@ def main() -> None:
     if args.rows in ("prefill", "all"):
         for num_seqs, q_len in PREFILL_ROWS:
             rows.append(prefill_row(num_seqs, q_len, args.sweep, min_cache_bytes))
+            report(rows, args.json, device)
+    if args.rows in ("mixed", "all"):
+        for num_decode, context, num_chunks, chunk in MIXED_ROWS:
+            rows.append(mixed_row(num_decode, context, num_chunks, chunk, min_cache_bytes))
             report(rows, args.json, device)
     print_table(rows)
 

@@ -43,11 +43,14 @@ from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
 
 PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
+MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
     kind, shape = text.split(":")
     seqs, length = shape.split("x")
+    if kind == "prefill" and int(seqs) > MAX_PREFILL_SEQS:
+        raise SystemExit(f"{text}: at most {MAX_PREFILL_SEQS} prompts in a prefill case (the engine's default)")
     return kind, int(seqs), int(length)
 
 
@@ -103,6 +106,7 @@ def build(cfg: ModelConfig, variant: str, num_pages: int):
         load_format="dummy",
         layers_per_scan_step=cfg.num_layers,
         attention_backend=attention,
+        max_prefill_chunks=MAX_PREFILL_SEQS,
     )
     if spec is not None:  # random adapters in slots 1..32, slot 0 (base) stays zero
         keys = iter(jax.random.split(jax.random.key(1), 64))

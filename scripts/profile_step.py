@@ -14,6 +14,9 @@ is timed without the step's scheduling; decode mode also times whole engine step
 without it (each step finished before the next is scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
+`--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
+the same step; `bring_up_s` (the engine built, its programs compiled, the requests brought to the step) shows what
+they cost in compile time.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from scripts.tune_gpu_sgmv import VARIANTS as TILE_VARIANTS  # noqa: E402
 from scripts.tune_gpu_sgmv import patched_choose_tiles  # noqa: E402
 from sgl_jax_lora.lora.backend import pallas as pallas_backend  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
+from sgl_jax_lora.model_executor import model_runner  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
 
 
@@ -129,6 +133,24 @@ def timeline(forward: list[dict]) -> list[dict]:
         {"start_us": op["ts"] - start, "dur_us": op["dur"], "stream": op["stream"], "name": op["name"]}
         for op in forward
     ]
+
+
+def parse_xla_option(option: str) -> tuple[str, bool | int | str]:
+    """'KEY=VALUE' -> (KEY, VALUE as XLA's option type: true/false a bool, digits an int, else the string)."""
+    key, _, value = option.partition("=")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
+def add_forward_xla_options(extra: dict) -> None:
+    """Merge `extra` into the compile options ModelRunner gives its forward (XLA's flag names and values)."""
+    base = model_runner.forward_compiler_options
+
+    def with_extra(platform: str, disable_gpu_concurrent_kernels: bool) -> dict:
+        return {**(base(platform, disable_gpu_concurrent_kernels) or {}), **extra}
+
+    model_runner.forward_compiler_options = with_extra
 
 
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
@@ -242,12 +264,23 @@ def main() -> None:
         default=LLAMA3_8B["num_hidden_layers"],
         help="decoder layers of the Llama-3-8B-shaped model (fewer compile faster)",
     )
+    parser.add_argument(
+        "--xla-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an XLA option added to the forward's compile options (repeatable), e.g. "
+        "xla_gpu_enable_dynamic_slice_fusion=true: compares XLA settings on the same step",
+    )
     parser.add_argument("--out-dir", default="/tmp/profile")
     parser.add_argument("--json", default=None, help="write the breakdown and top ops here")
     parser.add_argument("--top", type=int, default=25, help="ops (by device time) printed and written to --json")
     opts = parser.parse_args()
     if opts.pallas_variant != "default":  # before the engine traces its forward
         pallas_backend.choose_tiles = patched_choose_tiles(TILE_VARIANTS[opts.pallas_variant])
+    if opts.xla_option:  # before the runner builds its jitted forward
+        add_forward_xla_options(dict(parse_xla_option(option) for option in opts.xla_option))
+    started = time.perf_counter()
     core, lora_ids = build_engine(opts)
     args = core.args
     submit(core, opts.batch, opts.prompt_len, 200, lora_ids, seed=0)
@@ -259,6 +292,7 @@ def main() -> None:
         for _ in range(3):
             core.step()
     batch = core.scheduler.schedule()
+    bring_up_s = time.perf_counter() - started  # the engine built, its programs compiled, the step's requests run up
     assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), (
         "could not build the profiled step"
     )
@@ -283,6 +317,8 @@ def main() -> None:
         "pallas_variant": opts.pallas_variant,
         "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
         "attention_backend": runner.attention_backend,
+        "xla_options": opts.xla_option,
+        "bring_up_s": bring_up_s,
         **roofline(runner, batch, opts),
         "distinct_adapters": len({s for s in batch.token_slots if s}),
         "segment_bucket": forward_batch.lora.num_segments if forward_batch.lora is not None else None,

@@ -8,19 +8,27 @@ Two kernels, both reading K/V in place through the page table (row j of a key bl
 page_table[s, j // page_size] * page_size + j % page_size, so a block needs no whole pages and any page size
 works) with an online softmax in float32:
 
-decode (static `decode_only`: every q_len <= 1): flash-decoding. Grid (token, kv head, kv split). A program
-holds the G query heads of one kv head as the rows of a tile padded to 16 (the smallest `dot`), walks its
-split of the sequence's key blocks and, with one split, writes the normalized result straight into the
+decode (the decode rows: sequences of one query token): flash-decoding. Grid (row, kv head, kv split). A
+program holds the G query heads of one kv head as the rows of a tile padded to 16 (the smallest `dot`), walks
+its split of the sequence's key blocks and, with one split, writes the normalized result straight into the
 output; with several it writes float32 partials (o, running max, denominator) that a few jnp ops combine.
-The split count comes from the static shapes so that small batches still fill the GPU. Padding tokens
-(mapped to no sequence) have no keys and come out as zeros.
+The split count comes from the static shapes so that small batches still fill the GPU. Rows mapped to no
+sequence have no keys and come out as zeros.
 
-general (prefill chunks and decode rows in any mix): flash attention over q blocks. A q block holds up to BQ
-tokens of ONE sequence; the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G +
-head-in-group), so each K/V block loaded serves all G heads. The block -> (sequence, first token, count)
-table is built in jit from cu_q_lens (static bound T // BQ + S + 1 blocks); padding tokens get blocks of
-their own that write zeros. Keys are walked up to the causal limit of the block's last token: blocks wholly
-below the block's first query position without a mask, the diagonal blocks with the causal mask.
+general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence;
+the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G + head-in-group), so each
+K/V block loaded serves all G heads. The block -> (sequence, first token, count) table is built in jit from
+cu_q_lens (static bound T // BQ + C + 1 blocks, C the sequences that may hold a chunk: S, or the caller's
+`max_chunks`); padding tokens get blocks of their own that write zeros. Keys are walked up to the causal
+limit of the block's last token: blocks wholly below the block's first query position without a mask, the
+diagonal blocks with the causal mask.
+
+A step of any mix runs both in one program, with no branch on the step's kind: the decode kernel over one row a
+sequence (q gathered at each one-token sequence's token; other sequences map to no sequence) and the general
+kernel over the q blocks of the longer sequences and the padding; the decode rows are then scattered into the
+general kernel's output. In a mixed step the general kernel would serve a decode row with a q tile of G real
+rows out of BQ * G, at about twice the decode kernel's time (docs/benchmarks.md); in a decode step it launches
+only the padding's blocks. `decode_only=True` runs the decode kernel over every token instead (no gather).
 """
 
 from __future__ import annotations
@@ -227,15 +235,26 @@ def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tup
     return jnp.where(is_real, seq, -1), jnp.where(is_real, kv_lens[seq], 0)
 
 
+def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
+    """The decode rows of a mixed step, one slot per sequence: ([S] i32 token of the sequence's one query row, or
+    num_tokens when its q_len is not 1; [S] i32 the sequence, or -1; [S] i32 its kv_len, or 0)."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    is_row = cu_q_lens[1:] - cu_q_lens[:-1] == 1
+    token = jnp.where(is_row, cu_q_lens[:-1], num_tokens)
+    seq = jnp.where(is_row, jnp.arange(num_seqs, dtype=jnp.int32), -1)
+    return token, seq, jnp.where(is_row, kv_lens, 0)
+
+
 def _decode_attention(
-    q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size, scale, tiles, interpret
+    q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, *, page_size, scale, tiles, interpret
 ) -> jax.Array:
-    num_tokens, num_heads, head_dim = q.shape
+    """q [R, H, D]: one query row each, of sequence row_seq[r] (-1: none) with row_kv_len[r] keys -> [R, H, D]."""
+    num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     group_pad = max(_MIN_DOT, _next_pow2(group))
     max_kv_len = page_table.shape[1] * page_size
-    splits = tiles.num_splits or choose_decode_splits(num_tokens, num_kv_heads, max_kv_len, tiles.block_kv)
+    splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, max_kv_len, tiles.block_kv)
     kernel = functools.partial(
         _decode_kernel,
         group=group,
@@ -250,17 +269,17 @@ def _decode_attention(
     else:
         out_shape = (
             jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_tokens, num_heads), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_tokens, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
         )
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(num_tokens, num_kv_heads, splits),
+        grid=(num_rows, num_kv_heads, splits),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(*_token_seq(cu_q_lens, kv_lens, num_tokens), layer, page_table, q, k_cache, v_cache)
+    )(row_seq, row_kv_len, layer, page_table, q, k_cache, v_cache)
     if splits == 1:
         return result
     o, m, l = result
@@ -341,14 +360,25 @@ def _prefill_kernel(
     plgpu.store(o_ref.at[q_at], _normalize(o, l).astype(o_ref.dtype), mask=row_mask)
 
 
-def _q_block_table(cu_q_lens: jax.Array, num_tokens: int, block_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(seq, first token, token count) of every q block, [T // BQ + S + 1] i32 each: each sequence's tokens in
-    blocks of up to BQ, then the padding tokens past cu_q_lens[S] (seq -1, written as zeros), then unused blocks
-    (count 0). A sequence's blocks come last token first: the blocks with the most keys start first, so the
-    launch does not end on a tail of long programs."""
+def _q_block_table(
+    cu_q_lens: jax.Array,
+    num_tokens: int,
+    block_tokens: int,
+    skip_decode_rows: bool = False,
+    max_chunks: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(seq, first token, token count) of every q block, [T // BQ + C + 1] i32 each (C: the sequences that may own
+    blocks): each sequence's tokens in blocks of up to BQ, then the padding tokens past cu_q_lens[S] (seq -1,
+    written as zeros), then unused blocks (count 0). A sequence's blocks come last token first: the blocks with the
+    most keys start first, so the launch does not end on a tail of long programs. skip_decode_rows: sequences of
+    one query token get no block (the decode kernel serves them), and C = min(S, max_chunks) when the caller
+    promises at most max_chunks longer sequences (each sequence's partial block is what C counts)."""
     num_seqs = cu_q_lens.shape[0] - 1
-    max_blocks = num_tokens // block_tokens + num_seqs + 1
+    owners = min(num_seqs, max_chunks) if skip_decode_rows and max_chunks is not None else num_seqs
+    max_blocks = num_tokens // block_tokens + owners + 1
     q_lens = jnp.diff(cu_q_lens)
+    if skip_decode_rows:
+        q_lens = jnp.where(q_lens == 1, 0, q_lens)
     pad_len = num_tokens - cu_q_lens[-1]
     lens = jnp.concatenate([q_lens, pad_len[None]])  # padding as sequence S
     starts = cu_q_lens  # sequence S starts at cu_q_lens[S]
@@ -368,14 +398,31 @@ def _q_block_table(cu_q_lens: jax.Array, num_tokens: int, block_tokens: int) -> 
 
 
 def _prefill_attention(
-    q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size, scale, tiles, interpret
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lens,
+    page_table,
+    cu_q_lens,
+    *,
+    page_size,
+    scale,
+    tiles,
+    interpret,
+    skip_decode_rows,
+    max_chunks=None,
 ) -> jax.Array:
+    """The general kernel over every token; with skip_decode_rows, the rows of one-token sequences are left
+    unwritten (the caller fills them) and max_chunks bounds the longer sequences (`_q_block_table`)."""
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_rows = max(tiles.block_rows or choose_block_rows(num_tokens, page_table.shape[0]), _MIN_DOT, group)
     block_tokens = block_rows // group
-    block_seq, block_start, block_count = _q_block_table(cu_q_lens, num_tokens, block_tokens)
+    block_seq, block_start, block_count = _q_block_table(
+        cu_q_lens, num_tokens, block_tokens, skip_decode_rows, max_chunks
+    )
     kernel = functools.partial(
         _prefill_kernel,
         group=group,
@@ -395,7 +442,8 @@ def _prefill_attention(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("page_size", "scale", "decode_only", "interpret", "decode_tiles", "prefill_tiles")
+    jax.jit,
+    static_argnames=("page_size", "scale", "decode_only", "max_chunks", "interpret", "decode_tiles", "prefill_tiles"),
 )
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, H, D]
@@ -409,26 +457,48 @@ def ragged_paged_attention_gpu(
     page_size: int,
     scale: float,
     decode_only: bool = False,
+    max_chunks: int | None = None,
     interpret: bool = False,
     decode_tiles: DecodeTiles = DecodeTiles(),
     prefill_tiles: PrefillTiles = PrefillTiles(),
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; products in float32.
 
-    decode_only: the caller promises every q_len <= 1 (a decode step); selects the flash-decoding kernel (a longer
-    row would attend as its last token for each of its tokens).
+    decode_only: the caller promises every q_len <= 1 (a decode step); the flash-decoding kernel then serves every
+    token (a longer row would attend as its last token for each of its tokens). Otherwise (any mix, decode steps
+    included) the sequences of one query token take the decode kernel and the others the general kernel, both
+    in the same program, so a step needs no branch on its kind.
+    max_chunks: the caller promises at most this many sequences of more than one query token (the engine's
+    --max-prefill-seqs); the general kernel's grid then has T // BQ + max_chunks + 1 q blocks instead of
+    T // BQ + S + 1, which in a step of decode rows is the launch of hundreds of programs with nothing to do.
     The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
     """
     check_shapes(q.shape, k_cache.shape, page_size)
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        jnp.asarray(layer, jnp.int32).reshape(1),
-        kv_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32),
-        cu_q_lens.astype(jnp.int32),
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    kv_lens, page_table, cu_q_lens = (a.astype(jnp.int32) for a in (kv_lens, page_table, cu_q_lens))
+    decode = functools.partial(
+        _decode_attention, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret
     )
     if decode_only:
-        return _decode_attention(*args, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret)
-    return _prefill_attention(*args, page_size=page_size, scale=scale, tiles=prefill_tiles, interpret=interpret)
+        return decode(q, *_token_seq(cu_q_lens, kv_lens, q.shape[0]), k_cache, v_cache, layer, page_table)
+    general = functools.partial(
+        _prefill_attention,
+        page_size=page_size,
+        scale=scale,
+        tiles=prefill_tiles,
+        interpret=interpret,
+        max_chunks=max_chunks,
+    )
+    return _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
+
+
+def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens) -> jax.Array:
+    """Any mix of decode rows and prefill chunks: the decode kernel serves the sequences of one query token (one
+    program row each, gathered from q), the general kernel every other token (it skips those rows), and the decode
+    results are scattered into the general kernel's output."""
+    num_tokens = q.shape[0]
+    row_token, row_seq, row_kv_len = _decode_rows(cu_q_lens, kv_lens, num_tokens)
+    row_q = q[jnp.minimum(row_token, num_tokens - 1)]
+    rows = decode(row_q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table)
+    out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True)
+    return out.at[row_token].set(rows, mode="drop", unique_indices=True)

@@ -5,8 +5,8 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
     native      pure JAX (the CPU path): each sequence's pages are gathered and the queries attend in rows
                 (`_native_attention`); its row layout is derived inside jit from cu_q_lens
     pallas_tpu  the Mosaic kernel (pallas_kernels/attention/tpu.py), K/V pages read in place
-    pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py): flash-decoding for steps of decode rows
-                alone, flash attention over q blocks otherwise (chosen on the device, per step)
+    pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py): flash-decoding for the decode rows and
+                flash attention over q blocks for the prefill chunks, both in every step
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
 `AttentionBackend` holds it with the mesh. Pallas kernels do not take part in GSPMD partitioning, so with tensor
@@ -37,6 +37,8 @@ _MASKED = -1e30
 class AttentionBackend:
     name: str = "native"  # one of ATTENTION_BACKENDS
     mesh: Mesh | None = None  # the ("data", "tensor") mesh; Pallas kernels run per "tensor" shard when it has several
+    # the most prefill chunks a step holds (--max-prefill-seqs): bounds the GPU q-block kernel's grid; None: any
+    max_chunks: int | None = None
 
 
 def resolve_attention_backend(flag: str, platform: str) -> str:
@@ -95,7 +97,7 @@ def paged_attention(
     args = (q, k_cache, v_cache, layer, seq_lens, page_table, cu_q_lens)
     if backend.name == "native":  # plain JAX: GSPMD partitions it
         return _native_attention(*args, page_size=page_size, scale=scale)
-    kernel = _pallas_kernel(backend.name, page_size, scale)
+    kernel = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks)
     mesh = backend.mesh
     if mesh is None or mesh.shape["tensor"] == 1:
         return kernel(*args)
@@ -104,7 +106,7 @@ def paged_attention(
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
 
-def _pallas_kernel(name: str, page_size: int, scale: float):
+def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None):
     """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)."""
     if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
@@ -114,19 +116,9 @@ def _pallas_kernel(name: str, page_size: int, scale: float):
     if name == "pallas_gpu":
         from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
 
-        def gpu_kernel(*args):
-            # steps of decode rows alone take the flash-decoding kernel (keys split over programs); any prefill chunk
-            # takes the q-block kernel. Both are compiled into the step; lax.cond runs one.
-            cu_q_lens = args[-1]
-            is_decode = jnp.all(cu_q_lens[1:] - cu_q_lens[:-1] <= 1)
-            return jax.lax.cond(
-                is_decode,
-                lambda *a: ragged_paged_attention_gpu(*a, page_size=page_size, scale=scale, decode_only=True),
-                lambda *a: ragged_paged_attention_gpu(*a, page_size=page_size, scale=scale),
-                *args,
-            )
-
-        return gpu_kernel
+        # decode rows take the flash-decoding kernel and prefill chunks the q-block kernel, in every step: no branch
+        # on the step's kind (pallas_kernels/attention/gpu.py)
+        return lambda *args: ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale, max_chunks=max_chunks)
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 

@@ -82,6 +82,7 @@ class ModelRunner:
             if args.layers_per_scan_step > 0
             else cfg.num_layers,
             attention_backend=self.attention_backend,
+            max_prefill_chunks=args.max_prefill_seqs,
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)

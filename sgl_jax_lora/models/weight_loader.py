@@ -117,10 +117,12 @@ def load_model_state(
     seed: int = 0,
     layers_per_scan_step: int = 1,
     attention_backend: str = "native",
+    max_prefill_chunks: int | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """-> (graphdef, state) with every array placed in its sharded layout."""
+    """-> (graphdef, state) with every array placed in its sharded layout. max_prefill_chunks: the most prefill
+    chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by."""
     model_cls = model_class_for(cfg)
-    attention = AttentionBackend(attention_backend, mesh)
+    attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
     abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention))
     graphdef, abstract_state = nnx.split(abstract)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):

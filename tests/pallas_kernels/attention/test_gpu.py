@@ -47,11 +47,11 @@ def make_inputs(q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size, dtype,
     return (q, k_cache, v_cache, jnp.int32(1), kv_lens, table, cu_q_lens)
 
 
-def check(args, *, page_size, decode_only, interpret, **tiles):
+def check(args, *, page_size, decode_only, interpret, **options):
     head_dim = args[0].shape[-1]
     want = ragged_paged_attention_ref(*args, page_size=page_size, scale=head_dim**-0.5)
     got = ragged_paged_attention_gpu(
-        *args, page_size=page_size, scale=head_dim**-0.5, decode_only=decode_only, interpret=interpret, **tiles
+        *args, page_size=page_size, scale=head_dim**-0.5, decode_only=decode_only, interpret=interpret, **options
     )
     assert got.shape == want.shape and got.dtype == want.dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -96,9 +96,32 @@ def test_general_interpret_f32(q_lens, kv_lens, num_tokens, group):
     check(args, page_size=4, decode_only=False, interpret=True, prefill_tiles=PrefillTiles(block_rows=16, block_kv=16))
 
 
-def test_general_kernel_serves_decode_rows():
-    args = make_inputs([1, 1, 0, 1], [9, 8, 0, 3], heads=4, kv_heads=1, head_dim=16, page_size=4, dtype=jnp.float32)
-    check(args, page_size=4, decode_only=False, interpret=True, prefill_tiles=PrefillTiles(block_rows=16, block_kv=16))
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_path_serves_decode_steps(num_splits):
+    # the engine's path for every step: a step of decode rows only leaves the general kernel the padding tokens
+    args = make_inputs(
+        [1, 1, 0, 1], [9, 8, 0, 3], heads=4, kv_heads=1, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=6
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
+    check(args, page_size=4, decode_only=False, interpret=True, **tiles)
+
+
+@pytest.mark.parametrize("max_chunks", [None, 2])
+def test_mixed_path_with_split_decode_rows_after_chunks(max_chunks):
+    # one-token sequences after and between two chunks, their keys split over two programs each; with max_chunks
+    # 2 the q-block grid is sized for the two chunks (and still covers padding tokens)
+    args = make_inputs(
+        [7, 1, 5, 1, 0],
+        [30, 13, 5, 40, 0],
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=17,
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+    check(args, page_size=4, decode_only=False, max_chunks=max_chunks, interpret=True, **tiles)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (12, 4, 64)])
@@ -120,6 +143,18 @@ def test_q_block_table_covers_each_token_once(q_lens, num_tokens, block_tokens):
         owner[f : f + c] = s
     expected = np.concatenate([np.repeat(np.arange(len(q_lens)), q_lens), np.full(num_tokens - sum(q_lens), -1)])
     np.testing.assert_array_equal(owner, expected)  # real tokens to their sequence, padding to -1
+
+
+def test_q_block_table_leaves_decode_rows_to_the_decode_kernel():
+    cu_q_lens = jnp.asarray([0, 1, 6, 7, 9], jnp.int32)  # q lens 1, 5, 1, 2
+    seq, first, count = (np.asarray(a) for a in _q_block_table(cu_q_lens, 12, 4, skip_decode_rows=True))
+    covered = sorted(t for s, f, c in zip(seq, first, count) for t in range(f, f + c))
+    assert covered == [1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # all but tokens 0 and 6; padding 9..11 as seq -1
+    assert set(seq[count > 0].tolist()) == {1, 3, -1}
+    bounded = (np.asarray(a) for a in _q_block_table(cu_q_lens, 12, 4, skip_decode_rows=True, max_chunks=2))
+    seq_b, first_b, count_b = bounded
+    assert len(seq_b) == 12 // 4 + 2 + 1 < len(seq)  # two chunks' partial blocks instead of four sequences'
+    assert sorted(t for f, c in zip(first_b, count_b) for t in range(f, f + c)) == covered
 
 
 def test_decode_splits_only_when_programs_are_few():
@@ -159,4 +194,5 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
         num_tokens=sum(q_lens) + 3,
         seed=int(rng.integers(1 << 30)),
     )
-    check(args, page_size=page_size, decode_only=mode == "decode", interpret=False)
+    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)  # as the engine bounds its grid
+    check(args, page_size=page_size, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)
