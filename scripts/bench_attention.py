@@ -187,37 +187,18 @@ def jax_paged_decode():
 def ours(decode_only: bool, tiles, max_chunks: int | None = None):
     key = "decode_tiles" if decode_only else "prefill_tiles"
 
-    @jax.jit
-    def run(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
-        return ragged_paged_attention_gpu(
-            q,
-            k_cache,
-            v_cache,
-            layer,
-            kv_lens,
-            page_table,
-            cu_q_lens,
-            page_size=PAGE,
-            scale=HEAD_DIM**-0.5,
-            decode_only=decode_only,
-            max_chunks=max_chunks,
-            **{key: tiles},
-        )
-
-    return run
+    options = {"decode_only": decode_only, "max_chunks": max_chunks, key: tiles}
+    return jax.jit(functools.partial(ragged_paged_attention_gpu, page_size=PAGE, scale=HEAD_DIM**-0.5, **options))
 
 
 def general_alone():
     """The general kernel on every token: a decode row gets a q block of its own."""
 
     @jax.jit
-    def run(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens):
+    def run(q, k_cache, v_cache, layer, *layout):  # layout: kv_lens, page_table, cu_q_lens
         layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-        args = (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
-        scale = HEAD_DIM**-0.5
-        return _prefill_attention(
-            *args, page_size=PAGE, scale=scale, tiles=PrefillTiles(), interpret=False, skip_decode_rows=False
-        )
+        options = {"tiles": PrefillTiles(), "interpret": False, "skip_decode_rows": False}
+        return _prefill_attention(q, k_cache, v_cache, layer, *layout, page_size=PAGE, scale=HEAD_DIM**-0.5, **options)
 
     return run
 
