@@ -1,7 +1,8 @@
-"""Profile one engine step (decode or prefill/extend, base or with LoRA): time breakdown + a trace summary.
+"""Profile one engine step (decode, prefill/extend or mixed, base or with LoRA): time breakdown + a trace summary.
 
     python scripts/profile_step.py --mode decode --batch 64
     python scripts/profile_step.py --mode extend --batch 8 --prompt-len 256 --lora-adapters 8 --lora-backend pallas
+    python scripts/profile_step.py --mode mixed --batch 240 --prompt-len 512 --chunks 2 --chunk-len 256
 Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapters` random rank-16 adapters on
 all 7 projections, one per request round-robin), brings `--batch` requests to the step being profiled, then
 (1) times the forward alone (and how long its call takes to return, before the device finishes), logits +
@@ -9,9 +10,11 @@ sampling alone and building the batch on the host, and (2) records `--steps` for
 (perfetto trace) and prints the ops with the most device time, the device span of a forward (first op start to
 last op end: under concurrent kernel scheduling ops overlap, and the span, not the summed op time, is what a
 forward costs) and its layer period (the median time from one layer's start to the next); `--json` also gets
-the last forward's timeline. Extend mode repeats the same prefill forward (it rewrites the same KV pages), so it
-is timed without the step's scheduling; decode mode also times whole engine steps, with the overlap schedule and
-without it (each step finished before the next is scheduled). `--pallas-variant` runs the
+the last forward's timeline. Mixed mode brings --batch requests to decode, then admits --chunks prompts of
+--chunk-len tokens: the profiled step holds both, as most steps of a busy server do. Extend and mixed modes repeat
+the same forward (it rewrites the same KV pages), so they are timed without the step's scheduling; decode mode
+also times whole engine steps, with the overlap schedule and without it (each step finished before the next is
+scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
 `--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
@@ -153,6 +156,17 @@ def add_forward_xla_options(extra: dict) -> None:
     model_runner.forward_compiler_options = with_extra
 
 
+def step_bucket(opts) -> tuple[int, int]:
+    """(the engine's one token bucket, its chunked-prefill size) for the profiled step: decode, the batch's rows;
+    extend, the batch's tokens; mixed, the decode rows plus the chunks' tokens; rounded up to a power of two (at
+    least 128 for prefill), as the engine pads them."""
+    if opts.mode == "decode":
+        return max(opts.batch, 8), 2048
+    tokens = opts.batch * opts.prompt_len if opts.mode == "extend" else opts.batch + opts.chunks * opts.chunk_len
+    bucket = max(128, 1 << (tokens - 1).bit_length())
+    return bucket, bucket
+
+
 def build_engine(opts) -> tuple[EngineCore, list[str]]:
     model_dir = make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers})
     lora_paths = None
@@ -174,20 +188,18 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
             ]
         )
         lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
-    is_decode = opts.mode == "decode"
-    # extend: one bucket, the batch's tokens rounded up to a power of two (at least 128), as the engine pads them
-    prefill_tokens = 2048 if is_decode else max(128, 1 << (opts.batch * opts.prompt_len - 1).bit_length())
-    step_tokens = max(opts.batch, 8) if is_decode else prefill_tokens
+    step_tokens, prefill_tokens = step_bucket(opts)
+    num_chunks = opts.chunks if opts.mode == "mixed" else 0
     args = ServerArgs(
         model_path=model_dir,
         load_format="dummy",
         dtype="bfloat16",
         tp_size=opts.tp_size,
         context_length=max(2048, prefill_tokens, opts.prompt_len + 256),
-        max_total_tokens=max(160_000, opts.batch * (opts.prompt_len + 256)),
-        max_running_requests=max(opts.batch, 8),
+        max_total_tokens=max(160_000, opts.batch * (opts.prompt_len + 256) + num_chunks * (opts.chunk_len + 256)),
+        max_running_requests=max(opts.batch + num_chunks, 8),
         chunked_prefill_size=prefill_tokens,
-        max_prefill_seqs=max(opts.batch, 4) if not is_decode else 8,
+        max_prefill_seqs={"extend": max(opts.batch, 4), "decode": 8, "mixed": max(opts.chunks, 8)}[opts.mode],
         token_buckets=[step_tokens],
         attention_backend=opts.attention_backend,
         skip_precompile=True,
@@ -225,8 +237,10 @@ def roofline(runner, batch, opts) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("decode", "extend"), default="decode")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--mode", choices=("decode", "extend", "mixed"), default="decode")
+    parser.add_argument("--batch", type=int, default=64, help="requests (mixed: decode rows beside the chunks)")
+    parser.add_argument("--chunks", type=int, default=2, help="mixed: prompts admitted into the profiled step")
+    parser.add_argument("--chunk-len", type=int, default=256, help="mixed: tokens of each admitted prompt")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
@@ -286,16 +300,18 @@ def main() -> None:
     submit(core, opts.batch, opts.prompt_len, 200, lora_ids, seed=0)
     if core.lora is not None:  # every request's adapter in hand, so that the profiled step admits them all
         core.lora.wait_for_prefetches()
-    if opts.mode == "decode":
+    if opts.mode in ("decode", "mixed"):
         while core.scheduler.waiting or any(r.is_prefilling for r in core.scheduler.running):
             core.step()
         for _ in range(3):
             core.step()
+    if opts.mode == "mixed":  # the chunks join the running decode rows in the next step
+        submit(core, opts.chunks, opts.chunk_len, 200, lora_ids, seed=1)
+        if core.lora is not None:
+            core.lora.wait_for_prefetches()
     batch = core.scheduler.schedule()
     bring_up_s = time.perf_counter() - started  # the engine built, its programs compiled, the step's requests run up
-    assert batch is not None and (batch.kind == "decode") == (opts.mode == "decode"), (
-        "could not build the profiled step"
-    )
+    assert batch is not None and batch.kind == opts.mode, "could not build the profiled step"
     if core.lora is not None:
         core.lora.apply(batch.slot_writes)
     forward_batch = batch.to_forward_batch(core.buckets, args.page_size, core.lora_builder, core.tokens_in_flight)
@@ -330,7 +346,7 @@ def main() -> None:
             opts.repeats,
         ),
     }
-    if opts.mode == "decode":
+    if opts.mode == "decode":  # a mixed step admits its chunks once: only its forward repeats
         breakdown["engine_step_ms"] = timed(core.step, opts.repeats)  # overlap schedule (the default)
         args.disable_overlap_schedule = True  # read by every step: the same engine, each step finished before the next
         breakdown["engine_step_no_overlap_ms"] = timed(core.step, opts.repeats)

@@ -1,9 +1,11 @@
 """scripts/profile_step.py's trace reading on a hand-made perfetto trace: device ops only, forwards split at the
 host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams; the dispatch
-timing leaves out the wait for a call's result; the layer period is read off the op that runs once per layer."""
+timing leaves out the wait for a call's result; the layer period is read off the op that runs once per layer; each
+mode's one token bucket holds its profiled step."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 
@@ -105,3 +107,17 @@ def test_layer_period_follows_the_per_layer_op_with_the_most_time():
     forward[3]["name"] = "attention_2"  # XLA named one layer's op apart: only "norm" still runs once per layer
     assert layer_period_us(forward, num_layers=3) == 95.0  # norms 100 and 90 us apart
     assert layer_period_us(forward, num_layers=4) is None
+
+
+@pytest.mark.parametrize(
+    "mode,batch,prompt_len,chunks,chunk_len,want",
+    [
+        ("decode", 256, 512, 2, 256, (256, 2048)),  # the decode rows; prefill chunks of 2048 to bring them up
+        ("extend", 8, 256, 2, 256, (2048, 2048)),  # the batch's prompt tokens
+        ("mixed", 240, 512, 2, 256, (1024, 1024)),  # 240 decode rows + 512 chunk tokens, as the engine pads them
+        ("mixed", 4, 32, 2, 16, (128, 128)),  # at least 128
+    ],
+)
+def test_step_bucket_holds_the_profiled_step(mode, batch, prompt_len, chunks, chunk_len, want):
+    opts = argparse.Namespace(mode=mode, batch=batch, prompt_len=prompt_len, chunks=chunks, chunk_len=chunk_len)
+    assert profile_step.step_bucket(opts) == want
