@@ -237,12 +237,13 @@ def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tup
 
 def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
     """The decode rows of a mixed step, one slot per sequence: ([S] i32 token of the sequence's one query row, or
-    num_tokens when its q_len is not 1; [S] i32 the sequence, or -1; [S] i32 its kv_len, or 0)."""
+    num_tokens + s (past the output, distinct) when its q_len is not 1; [S] i32 the sequence, or -1; [S] i32 its
+    kv_len, or 0)."""
     num_seqs = cu_q_lens.shape[0] - 1
     is_row = cu_q_lens[1:] - cu_q_lens[:-1] == 1
-    token = jnp.where(is_row, cu_q_lens[:-1], num_tokens)
-    seq = jnp.where(is_row, jnp.arange(num_seqs, dtype=jnp.int32), -1)
-    return token, seq, jnp.where(is_row, kv_lens, 0)
+    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+    token = jnp.where(is_row, cu_q_lens[:-1], num_tokens + seqs)
+    return token, jnp.where(is_row, seqs, -1), jnp.where(is_row, kv_lens, 0)
 
 
 def _decode_attention(
