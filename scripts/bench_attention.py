@@ -3,7 +3,8 @@
 Shapes: Llama-3-8B attention (H=32 query heads, K=8 kv heads, D=128), page 16, bf16. Decode: batch 64 and 256 at
 contexts 517 and 2053, and batch 8 at 2053 (one query token a sequence). Prefill: 8 sequences of 256 and of 2048
 new tokens, and one of 2048, no prefix.
-Pages are shuffled over a cache of several layers sized past 4 GiB per K or V buffer, as the engine's is (the
+Pages are shuffled over a cache of several layers (`--page-order in-order`: in order, as a fresh engine hands them
+out) sized past 4 GiB per K or V buffer, as the engine's is (the
 kernels then index with 64-bit offsets); layer 1 is read.
 
 Columns:
@@ -33,6 +34,7 @@ Usage: python scripts/bench_attention.py --json out.json [--sweep] [--rows decod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -86,15 +88,22 @@ def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
     return statistics.median(samples)
 
 
-def make_batch(q_lens: list[int], kv_lens: list[int], seed: int, min_cache_bytes: int) -> dict:
-    """Random bf16 q and multi-layer caches with each sequence's pages shuffled over the whole layer."""
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    min_bytes: int  # each K or V cache at least this large (layers are added)
+    shuffled: bool = True  # pages spread at random over the layer (a long-running server); else in order (a fresh one)
+
+
+def make_batch(q_lens: list[int], kv_lens: list[int], seed: int, cache: CacheSpec) -> dict:
+    """Random bf16 q and multi-layer caches; each sequence's pages shuffled over the whole layer, or in order."""
     num_seqs = len(q_lens)
     pages_per_seq = max(-(-n // PAGE) for n in kv_lens)
     used_pages = num_seqs * pages_per_seq + 1
     layer_bytes = used_pages * PAGE * KV_HEADS * HEAD_DIM * 2
-    num_layers = max(2, math.ceil(min_cache_bytes / layer_bytes))
+    num_layers = max(2, math.ceil(cache.min_bytes / layer_bytes))
     rng = np.random.default_rng(seed)
-    table = rng.permutation(np.arange(1, used_pages))[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
+    pages = rng.permutation(np.arange(1, used_pages)) if cache.shuffled else np.arange(1, used_pages)
+    table = pages[: num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
     key = jax.random.PRNGKey(seed)
     kq, kk, kv = jax.random.split(key, 3)
     cache_shape = (num_layers, KV_HEADS, used_pages * PAGE, HEAD_DIM)
@@ -244,8 +253,8 @@ def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) ->
     return reference
 
 
-def decode_row(batch_size: int, context: int, sweep: bool, jax_op, min_cache_bytes: int) -> dict:
-    batch = make_batch([1] * batch_size, [context] * batch_size, batch_size + context, min_cache_bytes)
+def decode_row(batch_size: int, context: int, sweep: bool, jax_op, cache: CacheSpec) -> dict:
+    batch = make_batch([1] * batch_size, [context] * batch_size, batch_size + context, cache)
     kv_bytes = batch_size * context * KV_HEADS * HEAD_DIM * 2 * 2
     row = {"kind": "decode", "batch": batch_size, "context": context, "kv_bytes": kv_bytes}
     reference = measure(row, batch, True, gather_decode, sweep)
@@ -261,8 +270,8 @@ def decode_row(batch_size: int, context: int, sweep: bool, jax_op, min_cache_byt
     return row
 
 
-def prefill_row(num_seqs: int, q_len: int, sweep: bool, min_cache_bytes: int) -> dict:
-    batch = make_batch([q_len] * num_seqs, [q_len] * num_seqs, num_seqs * q_len, min_cache_bytes)
+def prefill_row(num_seqs: int, q_len: int, sweep: bool, cache: CacheSpec) -> dict:
+    batch = make_batch([q_len] * num_seqs, [q_len] * num_seqs, num_seqs * q_len, cache)
     flops = 4 * HEADS * HEAD_DIM * num_seqs * q_len * (q_len + 1) // 2
     row = {"kind": "prefill", "batch": num_seqs, "context": q_len, "flops": flops}
     measure(row, batch, False, gather_prefill, sweep)
@@ -270,12 +279,12 @@ def prefill_row(num_seqs: int, q_len: int, sweep: bool, min_cache_bytes: int) ->
     return row
 
 
-def mixed_row(num_decode: int, context: int, num_chunks: int, chunk: int, min_cache_bytes: int) -> dict:
+def mixed_row(num_decode: int, context: int, num_chunks: int, chunk: int, cache: CacheSpec) -> dict:
     """Decode rows beside prefill chunks (each after a prefix of `chunk` tokens): the engine path against the general
     kernel alone."""
     q_lens = [1] * num_decode + [chunk] * num_chunks
     kv_lens = [context] * num_decode + [2 * chunk] * num_chunks
-    batch = make_batch(q_lens, kv_lens, num_decode + chunk, min_cache_bytes)
+    batch = make_batch(q_lens, kv_lens, num_decode + chunk, cache)
     row = {"kind": "mixed", "batch": f"{num_decode}+{num_chunks}x{chunk}", "context": context}
     arg_sets = _arg_sets(batch)
     gather = jax.jit(functools.partial(ragged_paged_attention_ref, page_size=PAGE, scale=HEAD_DIM**-0.5))
@@ -315,28 +324,34 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time tile variants and use the best per row")
     parser.add_argument("--rows", choices=("decode", "prefill", "mixed", "all"), default="all")
     parser.add_argument(
+        "--page-order",
+        choices=("shuffled", "in-order"),
+        default="shuffled",
+        help="pages of each sequence at random places in the cache (a long-running server) or in order (a fresh one)",
+    )
+    parser.add_argument(
         "--min-cache-gib",
         type=float,
         default=MIN_BUFFER_BYTES / 2**30,
         help="size each K or V cache to at least this many GiB (layers are added); under 4, 32-bit offsets",
     )
     args = parser.parse_args()
-    min_cache_bytes = int(args.min_cache_gib * 2**30)
+    cache = CacheSpec(int(args.min_cache_gib * 2**30), shuffled=args.page_order == "shuffled")
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}")
     jax_op = jax_paged_decode()
     rows = []
     if args.rows in ("decode", "all"):
         for batch_size, context in DECODE_ROWS:
-            rows.append(decode_row(batch_size, context, args.sweep, jax_op, min_cache_bytes))
+            rows.append(decode_row(batch_size, context, args.sweep, jax_op, cache))
             report(rows, args.json, device)
     if args.rows in ("prefill", "all"):
         for num_seqs, q_len in PREFILL_ROWS:
-            rows.append(prefill_row(num_seqs, q_len, args.sweep, min_cache_bytes))
+            rows.append(prefill_row(num_seqs, q_len, args.sweep, cache))
             report(rows, args.json, device)
     if args.rows in ("mixed", "all"):
         for num_decode, context, num_chunks, chunk in MIXED_ROWS:
-            rows.append(mixed_row(num_decode, context, num_chunks, chunk, min_cache_bytes))
+            rows.append(mixed_row(num_decode, context, num_chunks, chunk, cache))
             report(rows, args.json, device)
     print_table(rows)
 
