@@ -200,3 +200,19 @@ def test_a_directory_without_safetensors_is_refused_and_pickles_are_never_read(t
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ModelConfigError, match=r"found pickle \.bin/\.pt files: convert them to safetensors"):
         SafetensorsReader(str(tmp_path))
+
+
+def test_attention_backend_carries_the_chunk_bound(model_dir):
+    # the engine's --max-prefill-seqs reaches the attention of every layer (the GPU q-block grid is sized by it)
+    graphdef, state = load_model_state(
+        ModelConfig.from_model_path(str(model_dir)),
+        1,
+        4,
+        jnp.float32,
+        make_mesh(1),
+        None,
+        attention_backend="pallas_gpu",
+        max_prefill_chunks=3,
+    )
+    backend = nnx.merge(graphdef, state).layers.attention_backend
+    assert (backend.name, backend.max_chunks) == ("pallas_gpu", 3)
