@@ -236,7 +236,7 @@ def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tup
 
 
 def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
-    """The decode rows of a mixed step, one slot per sequence: ([S] i32 token of the sequence's one query row, or
+    """The decode rows of a step, one slot per sequence: ([S] i32 token of the sequence's one query row, or
     num_tokens + s (past the output, distinct) when its q_len is not 1; [S] i32 the sequence, or -1; [S] i32 its
     kv_len, or 0)."""
     num_seqs = cu_q_lens.shape[0] - 1
