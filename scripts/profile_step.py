@@ -16,7 +16,8 @@ the same forward (it rewrites the same KV pages), so they are timed without the 
 also times whole engine steps, with the overlap schedule and without it (each step finished before the next is
 scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
-`--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
+`--gpu-gemm-min-tokens N` (0: off) sets the engine flag, so that XLA's dot and the base GEMM kernel are compared on
+the same prefill step. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
 `--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
 the same step; `bring_up_s` (the engine built, its programs compiled, the requests brought to the step) shows what
 they cost in compile time.
@@ -208,6 +209,7 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
         max_loras_per_batch=max(1, opts.max_loras_per_batch or opts.lora_adapters),
         lora_backend=opts.lora_backend,
         lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens,
+        gpu_gemm_min_tokens=opts.gpu_gemm_min_tokens,
     )
     core = EngineCore(args, model_dir)
     return core, list(core.lora.refs) if core.lora else []
@@ -263,6 +265,13 @@ def main() -> None:
         default=None,
         help="the engine flag: prefill buckets from this many tokens run the GEMM with the LoRA "
         "inside it (0: off; default: the engine's)",
+    )
+    parser.add_argument(
+        "--gpu-gemm-min-tokens",
+        type=int,
+        default=None,
+        help="the engine flag: prefill buckets from this many tokens run every layer linear's base GEMM with the "
+        "Mosaic GPU kernel instead of XLA's dot (0: off; default: the engine's)",
     )
     parser.add_argument("--layers-per-scan-step", type=int, default=0)
     parser.add_argument(
@@ -332,6 +341,7 @@ def main() -> None:
         "lora_backend": opts.lora_backend if lora_ids else None,
         "pallas_variant": opts.pallas_variant,
         "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
+        "gpu_gemm_min_tokens": opts.gpu_gemm_min_tokens,
         "attention_backend": runner.attention_backend,
         "xla_options": opts.xla_option,
         "bring_up_s": bring_up_s,

@@ -102,6 +102,10 @@ class ServerArgs:
         False,
         "on GPU, run a step's kernels one after another instead of letting independent ones (a LoRA shrink beside its base GEMM) overlap in the step's CUDA graph",
     )
+    gpu_gemm_min_tokens: int | None = _f(
+        None,
+        "prefill buckets of at least this many tokens compute every decoder layer linear's base GEMM (q|k|v, o, gate|up, down) with a Mosaic GPU kernel that reads the layer's weight in place, instead of XLA's dot (modules that do not fit its tiles, and non-bfloat16 models, keep XLA's dot); 0 turns it off; default: 512 on Hopper GPUs, off elsewhere (other GPUs and CPU compute that path with the kernel's pure-JAX reference when set)",
+    )
     compilation_cache_dir: str = _f(
         "~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)"
     )
@@ -207,9 +211,13 @@ class ServerArgs:
             raise ValueError(
                 f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}"
             )
-        fused = self.lora_fused_gemm_min_tokens
-        if fused is not None and (not isinstance(fused, int) or isinstance(fused, bool) or fused < 0):
-            raise ValueError(f"--lora-fused-gemm-min-tokens must be 0 (off) or a positive token count, got {fused!r}")
+        for name in ("lora_fused_gemm_min_tokens", "gpu_gemm_min_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be 0 (off) or a positive token count, got {value!r}; "
+                    "leave it unset for the platform's default"
+                )
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         self._validate_multi_host()

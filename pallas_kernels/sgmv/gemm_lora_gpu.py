@@ -30,7 +30,8 @@ one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipel
 (`emit_pipeline_warp_specialized`), and a TMA epilogue of 64 x `epilogue_n` stores. Needs: T a multiple of tile_m, in a
 multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64,
 bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
-TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there).
+TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
+B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py.
 """
 
 from __future__ import annotations
@@ -151,26 +152,19 @@ def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
     return int(np.sum(_entry_starts(token_slot, np.asarray(slot_scale)[token_slot] != 0, tile_m, np)))
 
 
-def _kernel(
-    w_row_ref,
-    tile_part_ref,
-    tile_part_col_ref,
-    entry_start_ref,
-    entry_slot_ref,
-    x_ref,
-    w_ref,
-    s_ref,
-    *refs,
-    tiles: GemmLoraTiles,
-):
+def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
+    """The kernel body. refs: (w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs, out); with
+    has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    *b_refs, out_ref = refs
-    num_tokens, in_dim = x_ref.shape
-    out_dim = w_ref.shape[1]
-    rank = s_ref.shape[-1]
-    num_entries = s_ref.shape[0] // len(b_refs)
+    if has_lora:
+        w_row_ref, tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref = refs[:8]
+        b_refs, out_ref = refs[8:-1], refs[-1]
+        rank, num_entries = s_ref.shape[-1], s_ref.shape[0] // len(b_refs)
+    else:
+        w_row_ref, x_ref, w_ref, out_ref = refs
+    (num_tokens, in_dim), out_dim = x_ref.shape, w_ref.shape[1]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
     m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
@@ -197,19 +191,25 @@ def _kernel(
         )
 
     unused = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+    lora_allocs = {}
+    if has_lora:  # s and B tiles per warpgroup, and their barriers
+        lora_allocs = dict(
+            s_smem=plgpu.SMEM((2, tm, rank), s_ref.dtype, transforms=transforms(rank)),
+            b_smem=plgpu.SMEM((2, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
+            lora_barriers=plgpu.Barrier(num_barriers=4),
+        )
 
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref.at[pl.ds(0, in_dim), :]),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols)),
-        s_smem=plgpu.SMEM((2, tm, rank), s_ref.dtype, transforms=transforms(rank)),
-        b_smem=plgpu.SMEM((2, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
-        lora_barriers=plgpu.Barrier(num_barriers=4),
+        **lora_allocs,
         collective_axes="wg",
     )
-    def scope(pipeline_allocs, out_smem, s_smem, b_smem, lora_barriers):
+    def scope(pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None):
         wg = jax.lax.axis_index("wg")
-        s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
+        if has_lora:
+            s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
 
         @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
         def tile_loop(loop_info):
@@ -218,10 +218,10 @@ def _kernel(
             cta_rows = pl.ds(mi * tm, tm)
             cta_cols = pl.ds(ni * cta_n, cta_n)
             wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
-            first = entry_start_ref[mi]
-            end = entry_start_ref[mi + 1]
-            part = tile_part_ref[ni]  # the packed part this CTA's columns lie in, and where they start in it
-            part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # for the TMA tiling
+            if has_lora:
+                first, end = entry_start_ref[mi], entry_start_ref[mi + 1]
+                part = tile_part_ref[ni]  # the packed part this CTA's columns lie in, and where they start in it
+                part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # for the TMA tiling
 
             def fetch(entry):
                 plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_smem.at[wg], s_barrier)
@@ -236,24 +236,28 @@ def _kernel(
                         plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg], b_barrier)
 
             def compute_context(eval_pipeline):
-                @pl.when(first < end)
-                def _prefetch():  # the first entry's operands arrive while the K loop runs
-                    fetch(first)
+                if has_lora:
+
+                    @pl.when(first < end)
+                    def _prefetch():  # the first entry's operands arrive while the K loop runs
+                        fetch(first)
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                 def acc_scope(acc_ref):
                     eval_pipeline(acc_ref)
 
-                    @pl.loop(first, end)
-                    def _lora(entry):
-                        plgpu.barrier_wait(s_barrier)
-                        plgpu.barrier_wait(b_barrier)
-                        plgpu.wgmma(acc_ref, s_smem.at[wg], b_smem.at[wg].transpose((1, 0)))
-                        plgpu.wgmma_wait(0)
+                    if has_lora:
 
-                        @pl.when(entry + 1 < end)
-                        def _next():
-                            fetch(entry + 1)
+                        @pl.loop(first, end)
+                        def _lora(entry):
+                            plgpu.barrier_wait(s_barrier)
+                            plgpu.barrier_wait(b_barrier)
+                            plgpu.wgmma(acc_ref, s_smem.at[wg], b_smem.at[wg].transpose((1, 0)))
+                            plgpu.wgmma_wait(0)
+
+                            @pl.when(entry + 1 < end)
+                            def _next():
+                                fetch(entry + 1)
 
                     acc = acc_ref[...].astype(out_ref.dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -277,9 +281,7 @@ def _kernel(
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            w_rows = pl.ds(
-                pl.multiple_of(w_row_ref[0], tk), in_dim
-            )  # the layer's rows of a flattened [L * in, out] stack
+            w_rows = pl.ds(pl.multiple_of(w_row_ref[0], tk), in_dim)  # the layer's rows of the [L * in, out] stack
             pipeline(mma, compute_context)(
                 x_ref.at[cta_rows, :], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs
             )

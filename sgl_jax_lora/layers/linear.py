@@ -7,6 +7,11 @@ communication. models/weight_loader.py writes HF weights into this layout.
 
 Each linear declares the logical axes of its weights (LinearAxes, given by the model beside its layer
 definitions); layers/sharding.py turns them into mesh shardings.
+
+The base weight is a `BaseKernel` parameter. Inside the model's layer loop it arrives as the layer's [in, out]
+slice, or, in prefill buckets that run the base GEMM kernel (`--gpu-gemm-min-tokens`, layers/base_gemm.py), as a
+LayerStack view of the [L, in, out] stack (lora/layer_stack.py), which `base` hands to that kernel when the module
+fits it and slices otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm
+from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +35,13 @@ class LinearAxes:
     part_axes: tuple[str, ...]  # each packed part's own output features (the LoRA B buffers of that part)
 
 
+class BaseKernel(nnx.Param):
+    """A linear's base weight [in, out]: the model's layer loop can hand it over as a LayerStack view (see above)."""
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts."""
+    """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts. base_gemm: the
+    model's base-GEMM kernel setting (None: XLA's dot always)."""
 
     def __init__(
         self,
@@ -38,6 +51,7 @@ class Linear(nnx.Module):
         use_bias: bool,
         dtype: jnp.dtype,
         axes: LinearAxes,
+        base_gemm: BaseGemm | None = None,
     ):
         if len(axes.part_axes) != len(part_sizes):
             raise ValueError(f"{len(part_sizes)} packed parts but {len(axes.part_axes)} part axes in {axes}")
@@ -45,15 +59,22 @@ class Linear(nnx.Module):
         self.part_sizes = tuple(part_sizes)
         self.tp_size = tp_size
         self.axes = axes
+        self.base_gemm = base_gemm
         out_features = sum(part_sizes)
-        self.kernel = nnx.Param(
+        self.kernel = BaseKernel(
             jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis)
         )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
     def base(self, x: jax.Array) -> jax.Array:
-        """x [T, in] -> [T, out] (packed layout)."""
-        return base_product(x, self.kernel[...], self.bias)
+        """x [T, in] -> [T, out] (packed layout): the base GEMM kernel on a LayerStack kernel in the buckets that
+        run it, when the module fits it; else XLA's dot."""
+        kernel = self.kernel.get_value()
+        if isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
+            y = base_gemm(x, kernel, self.base_gemm, self.axes)
+            if y is not None:
+                return y if self.bias is None else y + self.bias[...]
+        return base_product(x, as_layer_array(kernel), self.bias)
 
     def __call__(self, x: jax.Array, lora_batch: object = None, residual: jax.Array | None = None) -> jax.Array:
         """x [T, in] -> [T, out] (+ residual [T, out] when given)."""

@@ -10,7 +10,8 @@ buffers (a donated, shape-stable update). At run time:
 with the step's backend metadata (`LoRAMeta`, built once per forward by the backend's `prepare`). When that
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
 in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
-fits it.
+fits it. Where it does not (and in steps without adapter tokens), the base GEMM is `Linear.base`: in buckets
+from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
@@ -35,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.linear import Linear, LinearAxes, base_product
-from sgl_jax_lora.lora.layer_stack import as_layer_array
+from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
     from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
@@ -46,10 +47,11 @@ class LoRAWeight(nnx.Variable):
     """Adapter buffers: device state written by the memory pool, never trained."""
 
 
-class LoRABaseKernel(nnx.Param):
+class LoRABaseKernel(BaseKernel):
     """The base weight of a LoRALinear. In prefill buckets that run the GEMM with the LoRA inside it, the model
     hands it over as a LayerStack view of the [L, in, out] stack, as it does the LoRA buffers, so that the
-    kernel reads the layer in place (a kernel's operand sliced outside it would be a copy of the layer's W)."""
+    kernel reads the layer in place (a kernel's operand sliced outside it would be a copy of the layer's W); so it
+    does every BaseKernel in buckets that run the base GEMM kernel (layers/base_gemm.py)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +76,9 @@ class LoRALinear(Linear):
         spec: LoRAModelSpec,
         row_parallel: bool,
         axes: LinearAxes,
+        base_gemm: BaseGemm | None = None,
     ):
-        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype, axes)
+        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm)
         self.kernel = LoRABaseKernel(self.kernel.get_value(), logical_axes=(axes.in_axis, axes.out_axis))
         self.part_names = part_names
         self.row_parallel = row_parallel
@@ -130,9 +133,6 @@ class LoRALinear(Linear):
             output_sharded=not self.row_parallel,
         )
         return out if residual is None else out + y
-
-    def base(self, x: jax.Array) -> jax.Array:
-        return base_product(x, as_layer_array(self.kernel.get_value()), self.bias)
 
 
 def lora_b_name(part_name: str) -> str:

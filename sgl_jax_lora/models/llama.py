@@ -2,7 +2,9 @@
 
 Flow: ModelRunner calls `model(kv_cache, forward_batch)` inside jit -> embeddings -> a lax.scan over the
 stacked decoder layers (one compiled layer body, weights [L, ...]) -> final norm -> hidden [T, E].
-`model.logits(hidden)` applies the LM head to the rows the sampler needs.
+`model.logits(hidden)` applies the LM head to the rows the sampler needs. In token buckets that run the base GEMM
+kernel (`base_gemm`, layers/base_gemm.py: `--gpu-gemm-min-tokens`), the layers' base weights stay whole [L, ...]
+stacks outside the scan, as the LoRA buffers always do (see `__call__`).
 
 Linears are packed (qkv_proj <- q, k, v; gate_up_proj <- gate, up) in shard-major layout
 (layers/linear.py); which HF modules each packed linear carries is LORA_TARGETS (lora/target_shapes.py). Two
@@ -19,7 +21,8 @@ from flax import nnx
 
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
-from sgl_jax_lora.layers.linear import Linear, LinearAxes, split_packed
+from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
 from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
@@ -75,12 +78,14 @@ def _make_linear(
     use_bias: bool,
     dtype,
     lora: LoRAModelSpec | None,
+    base_gemm: BaseGemm | None,
 ) -> Linear:
     axes = LINEAR_AXES[name]
     if lora is None or name not in lora.target_modules:
-        return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes)
+        return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm)
     row_parallel = LORA_TARGETS[name][1]
-    return LoRALinear(in_features, part_sizes, _PART_NAMES[name], tp_size, use_bias, dtype, lora, row_parallel, axes)
+    parts = _PART_NAMES[name]
+    return LoRALinear(in_features, part_sizes, parts, tp_size, use_bias, dtype, lora, row_parallel, axes, base_gemm)
 
 
 class DecoderLayer(nnx.Module):
@@ -92,6 +97,7 @@ class DecoderLayer(nnx.Module):
         dtype,
         lora: LoRAModelSpec | None,
         attention_backend: AttentionBackend,
+        base_gemm: BaseGemm | None = None,
     ):
         kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size  # replicated when tp > num_kv_heads
         head_dim, hidden = cfg.head_dim, cfg.hidden_size
@@ -100,14 +106,15 @@ class DecoderLayer(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, head_dim))
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         qkv_sizes = (cfg.num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        self.qkv_proj = _make_linear("qkv_proj", hidden, qkv_sizes, tp_size, cfg.qkv_bias, dtype, lora)
-        self.o_proj = _make_linear("o_proj", cfg.num_heads * head_dim, (hidden,), tp_size, False, dtype, lora)
+        linear = dict(tp_size=tp_size, dtype=dtype, lora=lora, base_gemm=base_gemm)
+        self.qkv_proj = _make_linear("qkv_proj", hidden, qkv_sizes, use_bias=cfg.qkv_bias, **linear)
+        self.o_proj = _make_linear("o_proj", cfg.num_heads * head_dim, (hidden,), use_bias=False, **linear)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
         self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         mlp = cfg.intermediate_size
-        self.gate_up_proj = _make_linear("gate_up_proj", hidden, (mlp, mlp), tp_size, False, dtype, lora)
-        self.down_proj = _make_linear("down_proj", mlp, (hidden,), tp_size, False, dtype, lora)
+        self.gate_up_proj = _make_linear("gate_up_proj", hidden, (mlp, mlp), use_bias=False, **linear)
+        self.down_proj = _make_linear("down_proj", mlp, (hidden,), use_bias=False, **linear)
 
     def __call__(
         self, hidden: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch, lora: LoRAMeta | None
@@ -157,8 +164,11 @@ class LlamaForCausalLM(nnx.Module):
         lora: LoRAModelSpec | None = None,
         layers_per_scan_step: int = 1,
         attention_backend: AttentionBackend = AttentionBackend(),
+        base_gemm: BaseGemm | None = None,
     ):
+        """base_gemm: the base GEMM kernel's setting (layers/base_gemm.py make_base_gemm; None: XLA's dot always)."""
         self.config = cfg
+        self.base_gemm = base_gemm
         self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
@@ -171,7 +181,7 @@ class LlamaForCausalLM(nnx.Module):
             transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"},
         )
         def make_layers(_: int):
-            return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend)
+            return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend, base_gemm)
 
         self.layers = make_layers(0)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
@@ -188,9 +198,14 @@ class LlamaForCausalLM(nnx.Module):
         if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
             lora = self.lora_backend.prepare(batch.lora, num_seqs=batch.seq_lens.shape[0])
         # LoRA buffers (and, when the backend runs the base GEMM with the LoRA inside it, the LoRA modules' base
-        # weights) stay whole [L, ...] arrays outside the scan: each layer gets LayerStack views
-        # (lora/layer_stack.py), so kernels that read the stack in place never copy a layer's slot pool or weight
-        stacked = (LoRAWeight, LoRABaseKernel) if lora is not None and lora.runs_base_gemm else LoRAWeight
+        # weights; in buckets that run the base GEMM kernel, every layer linear's base weight) stay whole [L, ...]
+        # arrays outside the scan: each layer gets LayerStack views (lora/layer_stack.py), so kernels that read the
+        # stack in place never copy a layer's slot pool or weight
+        stacked = LoRAWeight
+        if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):
+            stacked = (LoRAWeight, BaseKernel)  # LoRABaseKernel is a BaseKernel
+        elif lora is not None and lora.runs_base_gemm:
+            stacked = (LoRAWeight, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
 
         def body(carry, xs):

@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.layers.attention import AttentionBackend
+from sgl_jax_lora.layers.base_gemm import make_base_gemm
 from sgl_jax_lora.layers.sharding import state_shardings
 from sgl_jax_lora.layers.weight_layout import HFWeight
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
@@ -118,12 +119,18 @@ def load_model_state(
     layers_per_scan_step: int = 1,
     attention_backend: str = "native",
     max_prefill_chunks: int | None = None,
+    base_gemm_min_tokens: int | None = 0,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout. max_prefill_chunks: the most prefill
-    chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by."""
+    chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by.
+    base_gemm_min_tokens: --gpu-gemm-min-tokens, the least token bucket whose layer linears run the base GEMM
+    kernel (layers/base_gemm.py; 0: never, None: the platform's default)."""
     model_cls = model_class_for(cfg)
     attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention))
+    base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
+    abstract = nnx.eval_shape(
+        lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention, base_gemm)
+    )
     graphdef, abstract_state = nnx.split(abstract)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
         return graphdef, restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)

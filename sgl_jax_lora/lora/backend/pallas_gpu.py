@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.sgmv.gemm_gpu import is_hopper
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     EntryTable,
     GemmLoraTiles,
@@ -102,8 +103,7 @@ def prepare_on_host(lora: LoRABatch, block_rows: int) -> PallasGPUMeta:
 
 def _is_hopper(mesh: Mesh | None) -> bool:
     """Whether the devices are CUDA GPUs of compute capability 9.x (WGMMA and TMA: the Mosaic GPU GEMM)."""
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
+    return is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
 
 
 def _work(meta: LoRAMeta, block_rows: int) -> tuple:

@@ -1,0 +1,92 @@
+"""BaseGemm: the decoder layers' base GEMMs as one Mosaic GPU kernel in large prefill buckets (`--gpu-gemm-min-tokens`).
+
+Where it sits: between `Linear.base` (layers/linear.py) and pallas_kernels/sgmv/gemm_gpu.py. In token buckets of at
+least `min_tokens` tokens, LlamaForCausalLM (models/llama.py) keeps every decoder layer's base weight (`BaseKernel`)
+as the whole [L, in, out] stack outside its layer scan and hands each layer LayerStack views (lora/layer_stack.py),
+as the fused LoRA path does for LoRA modules; `Linear.base` then calls `base_gemm`, which runs the kernel on the
+stack, reading the layer's W in place (XLA's dot on the layer's slice may copy that slice first). A module the
+kernel cannot take (its tiles, or a dtype other than bfloat16) gets None and runs XLA's dot on the slice.
+
+Tensor parallelism: Pallas calls do not take part in GSPMD propagation, so with several devices the kernel runs
+under `jax.shard_map`, each device on its shard of W as the weight loader placed it (layers/sharding.py):
+column-parallel modules (W split on `out`) take x replicated and give y split on its columns; row-parallel ones
+(W split on `in`) take x split on its columns and all-reduce y over "tensor" in x's dtype, as XLA's dot does.
+
+`make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on Hopper GPUs (compute
+capability 9.x), off elsewhere; a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX
+reference (`gemm_gpu(..., reference=True)`), so the plumbing around the kernel is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, is_hopper
+from sgl_jax_lora.layers.sharding import logical_to_sharding
+from sgl_jax_lora.lora.layer_stack import LayerStack
+
+if TYPE_CHECKING:  # type only: layers/linear.py imports this module
+    from sgl_jax_lora.layers.linear import LinearAxes
+
+# prefill buckets from this many tokens run the kernel on Hopper GPUs by default (the fused LoRA path's threshold;
+# the kernel alone was measured per module, not yet in the engine)
+DEFAULT_MIN_TOKENS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseGemm:
+    """The model's static base-GEMM setting (a static attribute of the model and of every decoder-layer linear)."""
+
+    min_tokens: int  # the least token bucket that runs the kernel (> 0)
+    mesh: Mesh | None = None  # the ("data", "tensor") mesh the weights are placed on; None: one device
+    reference: bool = False  # compute with the kernel's pure-JAX reference (platforms without Mosaic GPU)
+
+    def runs(self, num_tokens: int) -> bool:
+        """Whether a bucket of `num_tokens` tokens runs the kernel (the model's layers then get LayerStack views)."""
+        return 0 < self.min_tokens <= num_tokens
+
+
+def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
+    """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). None: DEFAULT_MIN_TOKENS on
+    Hopper GPUs, off elsewhere; a positive value elsewhere runs the kernel's pure-JAX reference."""
+    has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+    if min_tokens is None:
+        min_tokens = DEFAULT_MIN_TOKENS if has_kernel else 0
+    if min_tokens == 0:
+        return None
+    return BaseGemm(min_tokens, mesh, reference=not has_kernel)
+
+
+def base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes) -> jax.Array | None:
+    """x [T, in] @ the layer's W of `kernel` ([L, in, out] stack) with the kernel, in x's dtype: the packed output
+    [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel."""
+    mesh, stack = config.mesh, kernel.stack
+    w_spec = P(None, None, None)
+    if mesh is not None and mesh.size > 1:  # where the weight loader placed W (the layer axis is never split)
+        w_spec = logical_to_sharding(mesh, ("layers", axes.in_axis, axes.out_axis), stack.shape).spec
+    in_axis, out_axis = w_spec[1], w_spec[2]
+    in_local = stack.shape[1] // (mesh.shape[in_axis] if in_axis else 1)
+    out_local = stack.shape[2] // (mesh.shape[out_axis] if out_axis else 1)
+    tiles = choose_gemm_tiles()
+    if x.dtype != jnp.bfloat16 or stack.dtype != x.dtype:
+        return None
+    try:
+        check_gemm_shapes(x.shape[0], in_local, out_local, tiles)
+    except ValueError:
+        return None
+
+    def local(x, stack, layer):
+        y = gemm_gpu(x, stack, layer, tiles=tiles, reference=config.reference)
+        return jax.lax.psum(y, in_axis) if in_axis else y
+
+    if mesh is None or mesh.size == 1:
+        return local(x, stack, kernel.layer)
+    in_specs = (P(None, in_axis), w_spec, P())
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
+    return sharded(x, stack, kernel.layer)

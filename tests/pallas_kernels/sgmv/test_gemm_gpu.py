@@ -1,0 +1,118 @@
+"""The base GEMM kernel without LoRA (pallas_kernels/sgmv/gemm_gpu.py: gemm_lora_gpu.py's kernel, has_lora=False).
+
+On CPU: the pure-JAX reference (what the engine computes there) against x @ W[layer], the shape checks, the tile
+choice against the shared-memory budget, and the kernel traced for Mosaic GPU (its jaxpr, as a GPU would build it).
+Tests marked `gpu` run the kernel itself against the reference and are skipped without a Hopper-class CUDA device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, gemm_gpu_rows, is_hopper
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
+
+HAS_HOPPER = is_hopper(jax.devices()[0])
+
+
+def operands(seed: int, num_tokens: int, in_dim: int, out_dim: int, layers: int = 3):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((layers, in_dim, out_dim)) / np.sqrt(in_dim), jnp.bfloat16)
+    return x, w
+
+
+def expected(x, w_layer):
+    return jnp.dot(x.astype(jnp.float32), w_layer.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def test_reference_is_x_at_the_layers_w():
+    x, w = operands(0, 256, 128, 512)
+    y = jax.jit(lambda x, w, layer: gemm_gpu(x, w, layer, reference=True))(x, w, jnp.int32(1))
+    assert y.shape == (256, 512) and y.dtype == jnp.bfloat16
+    want = expected(x, w[1])
+    assert np.abs(np.asarray(y, np.float32) - want).max() <= 1e-2 * np.abs(want).max()  # bf16 output
+    unstacked = gemm_gpu(x, w[2], reference=True)
+    np.testing.assert_array_equal(
+        np.asarray(unstacked, np.float32), np.asarray(gemm_gpu(x, w, 2, reference=True), np.float32)
+    )
+
+
+@pytest.mark.parametrize(
+    "num_tokens,in_dim,out_dim,why",
+    [
+        (200, 128, 512, "T not a multiple of 128"),
+        (256, 96, 512, "in not a multiple of 64"),
+        (256, 128, 384, "out not a multiple of 256"),
+    ],
+)
+def test_shapes_that_do_not_fit_the_tiles_are_refused(num_tokens, in_dim, out_dim, why):
+    x, w = operands(1, num_tokens, in_dim, out_dim, layers=1)
+    with pytest.raises(ValueError, match="gemm_gpu: .* do not fit tiles"):
+        gemm_gpu(x, w[0], reference=True)
+    with pytest.raises(ValueError, match="do not fit tiles"):
+        check_gemm_shapes(num_tokens, in_dim, out_dim, choose_gemm_tiles())
+
+
+def test_mismatched_operands_are_refused():
+    x, w = operands(2, 256, 128, 512, layers=1)
+    with pytest.raises(ValueError, match="does not match W"):
+        gemm_gpu(x.astype(jnp.float32), w[0], reference=True)
+
+
+def test_tiles_fit_shared_memory_without_the_lora_tiles():
+    """No s or B tiles: the deepest pipeline with the widest epilogue stores fits, which rank 16 does not."""
+    tiles = choose_gemm_tiles()
+    assert (tiles.stages, tiles.epilogue_n) == (4, 64)
+    assert tiles.smem_bytes(0) + 1024 <= 227 * 1024 < tiles.smem_bytes(16) + 1024
+
+
+def test_the_kernel_traces_without_lora_operands(monkeypatch):
+    """The kernel body with has_lora=False, traced as on a GPU (its jaxpr: no device needed): the layer's first row
+    its only scalar operand, x and W tiles in shared memory, and no s or B tiles."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    x, w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), jax.ShapeDtypeStruct((3 * 256, 512), jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((1,), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda *a: gemm_gpu_rows(*a, tiles=choose_gemm_tiles()))(x, w, row))
+    assert "bf16[4,16,1,8,64]" in jaxpr and "bf16[4,8,4,8,64]" in jaxpr  # 4 stages of x and W tiles
+    assert ",16]" not in jaxpr  # no [.., R=16] LoRA tiles (the LoRA kernel at rank 16 has them)
+
+
+LLAMA3_8B_MODULES = {  # (in, out) of the layer linears
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize("module", sorted(LLAMA3_8B_MODULES))
+def test_gemm_gpu_matches_reference_at_llama3_8b_sizes(module):
+    """2048 tokens through each Llama-3-8B layer linear, W layer 1 of a 3-layer stack read in place, in bf16."""
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    x, w = operands(3, 2048, in_dim, out_dim)
+    y = gemm_gpu(x, w, jnp.int32(1)).astype(jnp.float32)
+    want = expected(x, w[1])
+    assert float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want))) < 1e-2  # bf16 output
+    reference = gemm_gpu(x, w, jnp.int32(1), reference=True).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(y - reference)) / jnp.max(jnp.abs(want))) < 1e-2
+    assert float(jnp.max(jnp.abs(y - expected(x, w[0])))) > 0.1 * float(jnp.max(jnp.abs(want)))  # not layer 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+def test_gemm_gpu_with_other_tiles():
+    x, w = operands(4, 384, 512, 1024, layers=2)
+    tiles = GemmLoraTiles(stages=3, epilogue_n=32)
+    y = gemm_gpu(x, w, jnp.int32(1), tiles=tiles).astype(jnp.float32)
+    want = expected(x, w[1])
+    assert float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want))) < 1e-2

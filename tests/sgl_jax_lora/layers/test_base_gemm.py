@@ -1,0 +1,200 @@
+"""The decoder layers' base GEMMs as the Mosaic GPU kernel in large prefill buckets (`--gpu-gemm-min-tokens`;
+layers/base_gemm.py, pallas_kernels/sgmv/gemm_gpu.py).
+
+On CPU a positive threshold computes that path with the kernel's pure-JAX reference, so what is checked here is
+everything around the kernel: which buckets and modules take it (the model keeps the base weights as whole stacks
+outside its layer scan in those buckets), tensor parallelism (row-parallel modules all-reduce their partial
+products), LoRA steps around it, the flag's validation and its way from the server args to the model. On a Hopper
+GPU the same tests run the kernel itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import sgl_jax_lora.layers.base_gemm as base_gemm_module
+import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
+from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.base_gemm import DEFAULT_MIN_TOKENS, BaseGemm, make_base_gemm
+from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.managers.engine_core import EngineCore
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax_lora.models.forward_batch import ForwardBatch
+from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import write_peft_adapter
+
+PAGE = 4
+THRESHOLD = 256
+
+
+@pytest.fixture(scope="module")
+def kernel_sized_model(tmp_path_factory):
+    """A tiny Llama whose modules fit the kernel's tiles at tp 1 (widths multiples of 256, in of 64); at tp 2 q|k|v's
+    384 columns per shard do not."""
+    return make_hf_model_dir(
+        tmp_path_factory.mktemp("basegemm") / "base",
+        "llama",
+        seed=5,
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+    )
+
+
+def count_calls(monkeypatch, module=base_gemm_module, name="gemm_gpu") -> list[int]:
+    """Counts the traced calls of a kernel entry (by default the base GEMM's; the real function still runs)."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def extend_batch(num_tokens: int, seed: int) -> ForwardBatch:
+    """One sequence of `num_tokens` new tokens, pages 1..."""
+    ids = np.random.default_rng(seed).integers(2, 491, num_tokens).astype(np.int32)
+    num_pages = -(-num_tokens // PAGE)
+    return ForwardBatch(
+        input_ids=ids,
+        positions=np.arange(num_tokens, dtype=np.int32),
+        cache_loc=np.arange(PAGE, PAGE + num_tokens, dtype=np.int32),
+        seq_lens=np.array([num_tokens], np.int32),
+        page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
+        cu_q_lens=np.array([0, num_tokens], np.int32),
+        last_token_index=np.array([num_tokens - 1], np.int32),
+        lora=None,
+    )
+
+
+def forward_logits(model_dir, num_tokens: int, min_tokens: int, tp_size: int) -> np.ndarray:
+    cfg = ModelConfig.from_model_path(str(model_dir))
+    mesh = make_mesh(tp_size)
+    graphdef, state = load_model_state(cfg, tp_size, PAGE, jnp.bfloat16, mesh, None, base_gemm_min_tokens=min_tokens)
+    kv = allocate_kv_cache(cfg, num_tokens // PAGE + 1, PAGE, tp_size, jnp.bfloat16, mesh)
+
+    @jax.jit
+    def run(state, kv, batch):
+        model = nnx.merge(graphdef, state)
+        hidden, _ = model(kv, batch)
+        return model.logits(hidden)
+
+    return np.asarray(run(state, kv, extend_batch(num_tokens, seed=num_tokens)))
+
+
+@pytest.mark.parametrize(
+    "tp_size,num_tokens,kernel_calls",
+    [
+        (1, 256, 4),  # q|k|v, o, gate|up and down, traced once in the layer scan
+        (1, 8, 0),  # below the threshold: XLA's dot
+        (2, 256, 3),  # q|k|v's 384 columns per shard do not fit the kernel's 256-column tiles: XLA's dot
+    ],
+)
+def test_forward_with_the_base_gemm_kernel_equals_xla_dot(
+    kernel_sized_model, monkeypatch, tp_size, num_tokens, kernel_calls
+):
+    calls = count_calls(monkeypatch)
+    expected = forward_logits(kernel_sized_model, num_tokens, 0, tp_size)
+    assert not calls
+    ours = forward_logits(kernel_sized_model, num_tokens, THRESHOLD, tp_size)
+    assert len(calls) == kernel_calls
+    assert np.abs(ours - expected).max() <= 4e-2 * np.abs(expected).max()  # bf16 rounding (measured: 0.9-1.7%)
+
+
+def test_flag_default_and_validation():
+    assert ServerArgs().gpu_gemm_min_tokens is None
+    mesh = make_mesh(1)
+    on_hopper = base_gemm_module.is_hopper(jax.devices()[0])
+    default = make_base_gemm(None, mesh)
+    assert (default.min_tokens if default else 0) == (DEFAULT_MIN_TOKENS if on_hopper else 0)  # off elsewhere
+    assert make_base_gemm(0, mesh) is None
+    assert make_base_gemm(256, mesh) == BaseGemm(256, mesh, reference=not on_hopper)  # CPU: the pure-JAX reference
+    assert BaseGemm(256).runs(256) and BaseGemm(256).runs(2048) and not BaseGemm(256).runs(128)
+    for bad in (-1, 1.5, True, "512"):
+        with pytest.raises(ValueError, match="--gpu-gemm-min-tokens must be 0 \\(off\\) or a positive token count"):
+            ServerArgs(gpu_gemm_min_tokens=bad)
+    assert ServerArgs(gpu_gemm_min_tokens=0).gpu_gemm_min_tokens == 0
+
+
+# ---- the engine, with LoRA ----------------------------------------------------------------------------------
+
+PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in range(3)]  # a0, a1, base
+
+
+def serve(model_dir, adapters, gpu_min_tokens: int, fused_min_tokens: int = 0) -> list[list[float]]:
+    """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step, then two greedy decode steps
+    in the 128-token bucket: each request's prompt and output logprobs."""
+    args = ServerArgs(
+        model_path=str(model_dir),
+        dtype="bfloat16",
+        context_length=512,
+        max_running_requests=4,
+        chunked_prefill_size=256,
+        max_prefill_seqs=4,
+        token_buckets=[128, 256],
+        lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
+        max_loras_per_batch=2,
+        lora_backend="pallas",
+        lora_fused_gemm_min_tokens=fused_min_tokens,
+        gpu_gemm_min_tokens=gpu_min_tokens,
+        skip_precompile=True,
+        max_total_tokens=4096,
+    )
+    core = EngineCore(args, str(model_dir))
+    lora_ids = [ref.lora_id for ref in core.lora_setup.initial_refs] + [None]
+    for i, (ids, lora_id) in enumerate(zip(PROMPTS, lora_ids)):
+        sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0)
+        request = GenerateRequest(
+            rid=str(i), input_ids=ids, lora_id=lora_id, return_logprob=True, logprob_start_len=0, sampling=sampling
+        )
+        core.add_request(request)
+    logprobs: dict[str, list[float]] = {}
+    while core.scheduler.num_active:
+        for out in core.step():
+            logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_input_logprobs)
+            logprobs[out.rid].extend(lp for lp, _, _ in out.new_output_logprobs)
+    return [logprobs[str(i)][1:] for i in range(len(PROMPTS))]  # the first prompt token has none
+
+
+@pytest.fixture(scope="module")
+def adapters(kernel_sized_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("basegemm_adapters")
+    return [
+        write_peft_adapter(
+            kernel_sized_model, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear"
+        )
+        for i in range(2)
+    ]
+
+
+@pytest.mark.slow
+def test_engine_with_lora_and_the_base_gemm_kernel(kernel_sized_model, adapters, monkeypatch):
+    """--gpu-gemm-min-tokens 256 against 0, LoRA on every module through the SGMV kernels: the prefill step's base
+    GEMMs run the kernel (4 modules traced once in the layer scan; the flag reached the model), the decode steps
+    (128-token bucket) XLA's dot; prompt and output logprobs agree within bf16 rounding. With the fused LoRA GEMM
+    on as well, every LoRA module of the prefill step takes the fused kernel, which wins over the base kernel."""
+    calls = count_calls(monkeypatch)
+    expected = serve(kernel_sized_model, adapters, gpu_min_tokens=0)
+    assert not calls
+    ours = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
+    assert len(calls) == 4
+    for got, want in zip(ours, expected):
+        assert len(got) == len(want) and np.abs(np.array(got) - np.array(want)).max() < 0.1
+    calls.clear()
+    fused_calls = count_calls(monkeypatch, pallas_gpu_module, "gemm_lora_gpu")
+    both = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD, fused_min_tokens=THRESHOLD)
+    assert not calls and len(fused_calls) == 4
+    for got, want in zip(both, expected):
+        assert np.abs(np.array(got) - np.array(want)).max() < 0.2
