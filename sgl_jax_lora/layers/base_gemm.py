@@ -34,8 +34,9 @@ from sgl_jax_lora.lora.layer_stack import LayerStack
 if TYPE_CHECKING:  # type only: layers/linear.py imports this module
     from sgl_jax_lora.layers.linear import LinearAxes
 
-# prefill buckets from this many tokens run the kernel on Hopper GPUs by default (the fused LoRA path's threshold;
-# the kernel alone was measured per module, not yet in the engine)
+# buckets from this many tokens run the kernel on Hopper GPUs by default: measured per module on an H100, it is as
+# fast as XLA's GEMM or faster from 512 tokens, slower for o and down below
+# (docs/benchmarks.md "The base GEMM kernel in prefill steps")
 DEFAULT_MIN_TOKENS = 512
 
 

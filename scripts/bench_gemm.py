@@ -1,0 +1,91 @@
+"""The base GEMM kernel without LoRA (pallas_kernels/sgmv/gemm_gpu.py) against XLA's GEMM, per Llama-3-8B module.
+
+For each module and token count T it builds an [L, in, out] weight stack, as the model holds the layers' weights,
+jits `layers` layers each computing x @ W[layer] (the layer index constant, as in the engine's unrolled layer loop),
+and times, side by side in one process:
+
+- `xla`: `x @ w[layer]`, what the engine runs with `--gpu-gemm-min-tokens 0` (XLA may copy the layer's W first);
+- `kernel`: `gemm_gpu(x, w, layer)`, which reads the layer's rows of the stack in place (the engine's default on
+  Hopper GPUs from 512 tokens).
+
+It also reports the largest absolute difference between the two outputs of the last layer. Needs a Hopper GPU;
+`--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
+
+Usage: python scripts/bench_gemm.py --json out.json [--tokens 128,256,512,1024,2048] [--modules qkv,o]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.sgmv.gemm_gpu import gemm_gpu  # noqa: E402
+from scripts.bench_lora_kernels import time_fn  # noqa: E402
+
+# Llama-3-8B modules: in, packed out
+MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+def measure_row(
+    module: str, in_dim: int, out_dim: int, num_tokens: int, layers: int, min_seconds: float, reference: bool = False
+) -> dict:
+    """Times both programs over one [layers, in, out] stack; microseconds per layer."""
+    w = jax.jit(
+        lambda: (jax.random.normal(jax.random.key(0), (layers, in_dim, out_dim), jnp.float32) * 0.02).astype(
+            jnp.bfloat16
+        )
+    )()
+    x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.float32).astype(jnp.bfloat16)
+    xla = jax.jit(lambda x, w: [x @ w[layer] for layer in range(layers)])
+    kernel = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), reference=reference) for layer in range(layers)])
+    xla_us = time_fn(xla, (x, w), min_seconds) / layers * 1e6
+    kernel_us = time_fn(kernel, (x, w), min_seconds) / layers * 1e6
+    diff = jnp.abs(kernel(x, w)[-1].astype(jnp.float32) - xla(x, w)[-1].astype(jnp.float32))
+    return dict(
+        module=module,
+        in_dim=in_dim,
+        out_dim=out_dim,
+        tokens=num_tokens,
+        layers=layers,
+        xla_us=xla_us,
+        kernel_us=kernel_us,
+        ratio=kernel_us / xla_us,
+        max_abs_diff=float(jnp.max(diff)),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--tokens", default="128,256,512,1024,2048", help="comma-separated token counts T")
+    parser.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)}")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="time per program (bench_lora_kernels.time_fn)")
+    parser.add_argument("--reference", action="store_true", help="time the kernel's pure-JAX reference (no GPU)")
+    args = parser.parse_args()
+    rows = []
+    print("| module | T | xla us/layer | kernel us/layer | kernel / xla | max abs diff |", flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    for module in args.modules.split(","):
+        in_dim, out_dim = MODULES[module]
+        for num_tokens in (int(t) for t in args.tokens.split(",")):
+            row = measure_row(module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference)
+            rows.append(row)
+            print(
+                f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['ratio']:.3f} | "
+                f"{row['max_abs_diff']:.3g} |",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": str(jax.devices()[0]), "jax": jax.__version__, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
