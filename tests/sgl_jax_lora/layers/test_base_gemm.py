@@ -21,14 +21,11 @@ import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.base_gemm import DEFAULT_MIN_TOKENS, BaseGemm, make_base_gemm
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.managers.engine_core import EngineCore
-from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.weight_loader import load_model_state
-from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
-from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.kernel_sized_engine import count_calls, make_kernel_sized_model, serve_logprobs
 from tests.support.peft_fixtures import write_peft_adapter
 
 PAGE = 4
@@ -37,30 +34,7 @@ THRESHOLD = 256
 
 @pytest.fixture(scope="module")
 def kernel_sized_model(tmp_path_factory):
-    """A tiny Llama whose modules fit the kernel's tiles at tp 1 (widths multiples of 256, in of 64); at tp 2 q|k|v's
-    384 columns per shard do not."""
-    return make_hf_model_dir(
-        tmp_path_factory.mktemp("basegemm") / "base",
-        "llama",
-        seed=5,
-        hidden_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=512,
-    )
-
-
-def count_calls(monkeypatch, module=base_gemm_module, name="gemm_gpu") -> list[int]:
-    """Counts the traced calls of a kernel entry (by default the base GEMM's; the real function still runs)."""
-    calls, real = [], getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
+    return make_kernel_sized_model(tmp_path_factory.mktemp("basegemm") / "base")
 
 
 def extend_batch(num_tokens: int, seed: int) -> ForwardBatch:
@@ -105,7 +79,7 @@ def forward_logits(model_dir, num_tokens: int, min_tokens: int, tp_size: int) ->
 def test_forward_with_the_base_gemm_kernel_equals_xla_dot(
     kernel_sized_model, monkeypatch, tp_size, num_tokens, kernel_calls
 ):
-    calls = count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
     expected = forward_logits(kernel_sized_model, num_tokens, 0, tp_size)
     assert not calls
     ours = forward_logits(kernel_sized_model, num_tokens, THRESHOLD, tp_size)
@@ -130,42 +104,14 @@ def test_flag_default_and_validation():
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
 
-PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in range(3)]  # a0, a1, base
 
-
-def serve(model_dir, adapters, gpu_min_tokens: int, fused_min_tokens: int = 0) -> list[list[float]]:
+def serve(model_dir, adapters, gpu_min_tokens: int, fused_min_tokens: int = 0) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step, then two greedy decode steps
     in the 128-token bucket: each request's prompt and output logprobs."""
-    args = ServerArgs(
-        model_path=str(model_dir),
-        dtype="bfloat16",
-        context_length=512,
-        max_running_requests=4,
-        chunked_prefill_size=256,
-        max_prefill_seqs=4,
-        token_buckets=[128, 256],
-        lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
-        max_loras_per_batch=2,
-        lora_backend="pallas",
-        lora_fused_gemm_min_tokens=fused_min_tokens,
-        gpu_gemm_min_tokens=gpu_min_tokens,
-        skip_precompile=True,
-        max_total_tokens=4096,
+    prompt, output = serve_logprobs(
+        model_dir, adapters, 3, gpu_gemm_min_tokens=gpu_min_tokens, lora_fused_gemm_min_tokens=fused_min_tokens
     )
-    core = EngineCore(args, str(model_dir))
-    lora_ids = [ref.lora_id for ref in core.lora_setup.initial_refs] + [None]
-    for i, (ids, lora_id) in enumerate(zip(PROMPTS, lora_ids)):
-        sampling = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0)
-        request = GenerateRequest(
-            rid=str(i), input_ids=ids, lora_id=lora_id, return_logprob=True, logprob_start_len=0, sampling=sampling
-        )
-        core.add_request(request)
-    logprobs: dict[str, list[float]] = {}
-    while core.scheduler.num_active:
-        for out in core.step():
-            logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_input_logprobs)
-            logprobs[out.rid].extend(lp for lp, _, _ in out.new_output_logprobs)
-    return [logprobs[str(i)][1:] for i in range(len(PROMPTS))]  # the first prompt token has none
+    return [np.concatenate([p, o]) for p, o in zip(prompt, output)]
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +131,7 @@ def test_engine_with_lora_and_the_base_gemm_kernel(kernel_sized_model, adapters,
     GEMMs run the kernel (4 modules traced once in the layer scan; the flag reached the model), the decode steps
     (128-token bucket) XLA's dot; prompt and output logprobs agree within bf16 rounding. With the fused LoRA GEMM
     on as well, every LoRA module of the prefill step takes the fused kernel, which wins over the base kernel."""
-    calls = count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
     expected = serve(kernel_sized_model, adapters, gpu_min_tokens=0)
     assert not calls
     ours = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)

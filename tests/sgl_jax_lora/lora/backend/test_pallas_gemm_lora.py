@@ -28,10 +28,7 @@ from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, entry_table
 from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from sgl_jax_lora.managers.engine_core import EngineCore
-from sgl_jax_lora.managers.io_struct import GenerateRequest
-from sgl_jax_lora.sampling.sampling_params import SamplingParams
-from sgl_jax_lora.server_args import ServerArgs
+from tests.support.kernel_sized_engine import PROMPTS, count_calls, make_kernel_sized_model, serve_logprobs
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
@@ -210,16 +207,7 @@ def kernel_sized_model(tmp_path_factory):
     """A tiny Llama whose modules fit the kernel's tiles (widths multiples of 256, in of 64), with two rank-16
     all-linear adapters written by peft."""
     root = tmp_path_factory.mktemp("fused")
-    base = make_hf_model_dir(
-        root / "base",
-        "llama",
-        seed=5,
-        hidden_size=256,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=512,
-    )
+    base = make_kernel_sized_model(root / "base")
     adapters = [
         write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
         for i in range(2)
@@ -227,45 +215,10 @@ def kernel_sized_model(tmp_path_factory):
     return base, adapters
 
 
-PROMPTS = [np.random.default_rng(9 + i).integers(2, 491, 70).tolist() for i in range(3)]  # a0, a1, base
-
-
 def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
-    args = ServerArgs(
-        model_path=str(model_dir),
-        dtype="bfloat16",
-        tp_size=tp_size,
-        context_length=512,
-        max_running_requests=4,
-        chunked_prefill_size=256,
-        max_prefill_seqs=4,
-        token_buckets=[128, 256],
-        lora_paths=[f"a{i}={p}" for i, p in enumerate(adapters)],
-        max_loras_per_batch=2,
-        lora_backend="pallas",
-        lora_fused_gemm_min_tokens=fused_min_tokens,
-        skip_precompile=True,
-        max_total_tokens=4096,
-    )
-    core = EngineCore(args, str(model_dir))
-    lora_ids = [ref.lora_id for ref in core.lora_setup.initial_refs] + [None]
-    for i, (ids, lora_id) in enumerate(zip(PROMPTS, lora_ids)):
-        core.add_request(
-            GenerateRequest(
-                rid=str(i),
-                input_ids=ids,
-                lora_id=lora_id,
-                return_logprob=True,
-                logprob_start_len=0,
-                sampling=SamplingParams(max_new_tokens=1, ignore_eos=True),
-            )
-        )
-    logprobs: dict[str, list[float]] = {}
-    while core.scheduler.num_active:
-        for out in core.step():
-            logprobs.setdefault(out.rid, []).extend(lp for lp, _, _ in out.new_input_logprobs)
-    return [np.array(logprobs[str(i)][1:]) for i in range(len(PROMPTS))]  # the first prompt token has none
+    prompt, _ = serve_logprobs(model_dir, adapters, 1, lora_fused_gemm_min_tokens=fused_min_tokens, tp_size=tp_size)
+    return prompt
 
 
 def peft_logprobs(model_dir, adapter_dir, ids: list[int]) -> np.ndarray:
@@ -276,25 +229,13 @@ def peft_logprobs(model_dir, adapter_dir, ids: list[int]) -> np.ndarray:
         return torch.log_softmax(model(tokens).logits[0], -1)[:-1].gather(1, tokens[0, 1:, None])[:, 0].numpy()
 
 
-def count_calls(monkeypatch) -> list[int]:
-    """Counts the backend's traced calls of the fused GEMM (the real function still runs)."""
-    calls, real = [], pallas_module.gemm_lora_gpu
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pallas_module, "gemm_lora_gpu", counted)
-    return calls
-
-
 def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, monkeypatch):
     """Prompt logprobs of one mixed bf16 prefill step (two adapters and the base model) with
     --lora-fused-gemm-min-tokens 256 (on a Hopper GPU, the Mosaic GPU kernel) and with 0 (the SGMV path): both
     within bf16 rounding of HF transformers + PEFT in float32 (measured on CPU: 0.08-0.10 fused, 0.12-0.13 SGMV),
     where leaving an adapter out moves them by more than 1."""
     base, adapters = kernel_sized_model
-    calls = count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
     sgmv = serve_prefill(base, adapters, fused_min_tokens=0)
     assert not calls
     fused = serve_prefill(base, adapters, fused_min_tokens=256)
@@ -328,7 +269,7 @@ def test_engine_prefill_of_odd_sizes_falls_back_to_the_sgmv_kernels(tmp_path, mo
         )
         for i in range(2)
     ]
-    calls = count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
     ours = serve_prefill(base, adapters, fused_min_tokens=256)
     assert not calls
     for ids, adapter, logprobs in zip(PROMPTS, adapters + [None], ours):
@@ -344,7 +285,7 @@ def test_engine_prefill_with_lora_in_the_gemm_under_tensor_parallelism(kernel_si
     on the first shard, then all-reduce); q|k|v, 128 columns per part per shard, falls back to the SGMV path.
     Within bf16 rounding of HF transformers + PEFT in float32."""
     base, adapters = kernel_sized_model
-    calls = count_calls(monkeypatch)
+    calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
     fused = serve_prefill(base, adapters, fused_min_tokens=256, tp_size=2)
     assert len(calls) == 3
     for ids, adapter, ours in zip(PROMPTS, adapters + [None], fused):
