@@ -5,7 +5,8 @@ same adapter per request from --popularity over --num-adapters). They are groupe
 and each group is served with `model.set_adapter(name)` and batched `generate` calls of up to --max-batch
 requests (greedy, exactly --output-len new tokens). HF has no continuous batching and no cross-adapter batching:
 this is how one serves many adapters with PEFT alone. Groups are served until --time-budget seconds have passed;
-throughput is the generated tokens of the groups served over their wall time.
+throughput is the generated tokens of the groups served over their wall time, and each group's seconds are reported
+beside it (HF `generate` is bound by the host's per-token work, so these follow the machine's CPU).
 
     python scripts/bench_peft_baseline.py --model DIR --adapter-dir ADAPTERS --num-requests 128 \\
         --num-adapters 32 --popularity distinct --input-len 128 --output-len 256 --out peft.json
@@ -91,15 +92,17 @@ def main() -> None:
     synchronize = torch.cuda.synchronize if opts.device.startswith("cuda") else (lambda: None)
     synchronize()
     start = time.perf_counter()
-    tokens, served = 0, 0
+    tokens, served, group_seconds = 0, 0, []
     for adapter, rows in groups.items():
         if time.perf_counter() - start > opts.time_budget:
             break
+        group_start = time.perf_counter()
         model.set_adapter(f"a{adapter}")
         for k in range(0, len(rows), opts.max_batch):
             tokens += serve(rows[k : k + opts.max_batch])
             served += len(rows[k : k + opts.max_batch])
-    synchronize()
+        synchronize()
+        group_seconds.append(time.perf_counter() - group_start)
     elapsed = time.perf_counter() - start
     result = {
         "num_requests": opts.num_requests,
@@ -110,6 +113,7 @@ def main() -> None:
         "duration_s": elapsed,
         "output_tokens": tokens,
         "output_tok_per_s": tokens / elapsed,
+        "group_seconds": group_seconds,  # each adapter group served, in order: a slow first group shows here
         "max_batch": opts.max_batch,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else opts.device,
