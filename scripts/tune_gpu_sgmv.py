@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv import gpu as gpu_kernels  # noqa: E402
 from scripts.bench_lora_kernels import make_lora, time_fn  # noqa: E402
+from sgl_jax_lora.layers.layer_stack import LayerStack  # noqa: E402
 from sgl_jax_lora.lora.backend import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.backend import pallas_gpu as pallas_backend  # noqa: E402
-from sgl_jax_lora.lora.layer_stack import LayerStack  # noqa: E402
 
 # module -> (in, part widths, row-parallel)
 MODULES = {

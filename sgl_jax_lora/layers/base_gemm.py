@@ -2,7 +2,7 @@
 
 Where it sits: between `Linear.base` (layers/linear.py) and pallas_kernels/sgmv/gemm_gpu.py. In token buckets of at
 least `min_tokens` tokens, LlamaForCausalLM (models/llama.py) keeps every decoder layer's base weight (`BaseKernel`)
-as the whole [L, in, out] stack outside its layer scan and hands each layer LayerStack views (lora/layer_stack.py),
+as the whole [L, in, out] stack outside its layer scan and hands each layer LayerStack views (layers/layer_stack.py),
 as the fused LoRA path does for LoRA modules; `Linear.base` then calls `base_gemm`, which runs the kernel on the
 stack, reading the layer's W in place (XLA's dot on the layer's slice may copy that slice first). A module the
 kernel cannot take (its tiles, or a dtype other than bfloat16) gets None and runs XLA's dot on the slice.
@@ -28,8 +28,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, is_hopper
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.sharding import logical_to_sharding
-from sgl_jax_lora.lora.layer_stack import LayerStack
 
 if TYPE_CHECKING:  # type only: layers/linear.py imports this module
     from sgl_jax_lora.layers.linear import LinearAxes

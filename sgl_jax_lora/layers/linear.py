@@ -10,7 +10,7 @@ definitions); layers/sharding.py turns them into mesh shardings.
 
 The base weight is a `BaseKernel` parameter. Inside the model's layer loop it arrives as the layer's [in, out]
 slice, or, in prefill buckets that run the base GEMM kernel (`--gpu-gemm-min-tokens`, layers/base_gemm.py), as a
-LayerStack view of the [L, in, out] stack (lora/layer_stack.py), which `base` hands to that kernel when the module
+LayerStack view of the [L, in, out] stack (layers/layer_stack.py), which `base` hands to that kernel when the module
 fits it and slices otherwise.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm
-from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ The row-parallel layers (o_proj, down_proj) are called with the residual stream 
 base GEMM (docs/architecture.md "GPU kernel scheduling").
 
 Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
-(lora/layer_stack.py) and go to the backend as they are: backends that read stacks in place do, the others
+(layers/layer_stack.py) and go to the backend as they are: backends that read stacks in place do, the others
 take one layer's slice.
 
 Buffers (A = slots incl. slot 0 = base, R = max rank, rows above an adapter's rank are zero):

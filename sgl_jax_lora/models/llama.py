@@ -22,12 +22,12 @@ from flax import nnx
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
 from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
 from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
 from sgl_jax_lora.lora.backend.base import LoRAMeta
-from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
 from sgl_jax_lora.mem_cache.kv_cache import KVCache
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nnx.Module):
             lora = self.lora_backend.prepare(batch.lora, num_seqs=batch.seq_lens.shape[0])
         # LoRA buffers (and, when the backend runs the base GEMM with the LoRA inside it, the LoRA modules' base
         # weights; in buckets that run the base GEMM kernel, every layer linear's base weight) stay whole [L, ...]
-        # arrays outside the scan: each layer gets LayerStack views (lora/layer_stack.py), so kernels that read the
+        # arrays outside the scan: each layer gets LayerStack views (layers/layer_stack.py), so kernels that read the
         # stack in place never copy a layer's slot pool or weight
         stacked = LoRAWeight
         if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):

@@ -19,12 +19,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh
 
+from sgl_jax_lora.layers.layer_stack import LayerStack, layer_shape
 from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
-from sgl_jax_lora.lora.layer_stack import LayerStack, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 # (max tokens, max segments, min output width, backend): the first row that fits wins. From the H100 runs

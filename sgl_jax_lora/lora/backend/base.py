@@ -13,7 +13,7 @@ What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_pa
 (lora/backend/xla.py), the Pallas ones `PallasBackend` (lora/backend/pallas.py).
 
 Shapes: x [T, in]; lora_a [A, P * R, in] (P packed parts stacked along the rank axis); each lora_b
-[A, out_p, R]; or LayerStack views of the model's [L, ...] stacks (lora/layer_stack.py): backends that read
+[A, out_p, R]; or LayerStack views of the model's [L, ...] stacks (layers/layer_stack.py): backends that read
 stacks in place (`reads_stacked`) take them as they are, the others slice the layer. Slot 0 is the base model
 (all-zero weights), so base tokens get an exactly-zero delta. Sharding (mesh axes ("data", "tensor")):
 column-parallel layers pass `output_sharded=True` (B split on `out`); row-parallel layers pass
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from sgl_jax_lora.lora.layer_stack import LayerStack
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 TENSOR_AXIS = "tensor"

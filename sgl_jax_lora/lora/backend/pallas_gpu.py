@@ -47,6 +47,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
 )
 from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, make_work_list_host, padded_perm
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRAMeta
 from sgl_jax_lora.lora.backend.pallas import (
     IN_SPLIT_A,
@@ -57,7 +58,6 @@ from sgl_jax_lora.lora.backend.pallas import (
     PallasBackend,
     stacked_spec,
 )
-from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 _IN_SPLIT_W = P(TENSOR_AXIS, None)  # base weight [in, out] of a row-parallel layer

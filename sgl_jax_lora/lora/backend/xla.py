@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
 from sgl_jax_lora.layers.linear import pack_parts
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend, LoRAMeta
-from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.lora.backend import auto
 from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name, rules_for_platform
 from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
@@ -18,7 +19,6 @@ from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUMeta
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
-from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from tests.support.lora_backends import random_slots
 

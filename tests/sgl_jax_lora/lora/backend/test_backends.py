@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref
 from pallas_kernels.sgmv.work_list import gpu_block_rows
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend import BACKEND_NAMES, LoRABackend, make_lora_backend
 from sgl_jax_lora.lora.backend.auto import AutoBackend, choose_backend_name
@@ -21,7 +22,6 @@ from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, prepare_on_host
 from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
-from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from tests.support.lora_backends import apply, expand, resolved, shrink
 

@@ -21,12 +21,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sgl_jax_lora.lora.backend.pallas_gpu as pallas_module
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend.auto import AutoBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, entry_table
-from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from tests.support.kernel_sized_engine import PROMPTS, count_calls, make_kernel_sized_model, serve_logprobs
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir

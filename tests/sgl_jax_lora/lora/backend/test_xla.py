@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.sgmv import SgmvBackend
-from sgl_jax_lora.lora.layer_stack import LayerStack
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 
 

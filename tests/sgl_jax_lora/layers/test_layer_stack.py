@@ -1,4 +1,4 @@
-"""sgl_jax_lora/lora/layer_stack.py: a LayerStack stands for layer `layer` of an [L, A, ...] buffer: `sliced()` is
+"""sgl_jax_lora/layers/layer_stack.py: a LayerStack stands for layer `layer` of an [L, A, ...] buffer: `sliced()` is
 that layer's [A, ...] array for a traced layer index too (inside jit and a `lax.scan` over layers), its layer shape
 drops the leading L, it is a pytree of the stack and the index, and the helpers treat a plain [A, ...] array as
 itself."""
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax_lora.lora.layer_stack import LayerStack, as_layer_array, layer_shape
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
 
 STACK = np.arange(4 * 3 * 2 * 5, dtype=np.float32).reshape(4, 3, 2, 5)  # [L=4, A=3, 2, 5]
 

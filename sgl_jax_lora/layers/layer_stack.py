@@ -1,13 +1,13 @@
-"""LayerStack: one decoder layer's view of a layer-stacked LoRA buffer, without slicing it.
+"""LayerStack: one decoder layer's view of a layer-stacked buffer ([L, ...]), without slicing it.
 
-Where it sits: the model keeps every LoRA buffer as one [L, A, ...] array (the decoder layers are vmapped).
-Its layer loop (models/llama.py) hands each layer a LayerStack(stack, layer) for the LoRA buffers instead of
-the [A, ...] slice that `lax.scan` would cut, and LoRALinear passes them on to its backend as they are.
-Backends that read stacked buffers in place (`LoRABackend.reads_stacked`) take them whole: the Pallas kernels do,
-the GPU ones offsetting their pointers by the layer index, the TPU ones scalar-prefetching it into their weight
-index maps, so no per-layer copy of the slot pool is made (a kernel call gets its operands as whole buffers, so a
-slice made outside it is a copy). Every other backend takes `sliced()`, a dynamic slice that XLA fuses into its
-consumers.
+Where it sits: the model keeps its decoder layers' parameters and LoRA buffers as [L, ...] stacks (the layers are
+vmapped). Its layer loop (models/llama.py) hands each layer a LayerStack(stack, layer) instead of the slice that
+`lax.scan` would cut: always for the LoRA buffers, which LoRALinear passes on to its backend as they are, and in the
+buckets of the base GEMM kernels for the linears' base weights (layers/base_gemm.py, the fused LoRA GEMM).
+Kernels that read stacks in place take them whole: the Pallas GPU kernels offset their pointers by the layer index,
+the TPU ones scalar-prefetch it into their weight index maps, so no per-layer copy is made (a kernel call gets its
+operands as whole buffers, so a slice made outside it is a copy). Everything else takes `sliced()`, a dynamic slice
+that XLA fuses into its consumers.
 """
 
 from __future__ import annotations
