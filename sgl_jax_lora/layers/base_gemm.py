@@ -12,9 +12,10 @@ under `jax.shard_map`, each device on its shard of W as the weight loader placed
 column-parallel modules (W split on `out`) take x replicated and give y split on its columns; row-parallel ones
 (W split on `in`) take x split on its columns and all-reduce y over "tensor" in x's dtype, as XLA's dot does.
 
-`make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on Hopper GPUs (compute
-capability 9.x), off elsewhere; a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX
-reference (`gemm_gpu(..., reference=True)`), so the plumbing around the kernel is tested on CPU.
+`make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on one Hopper GPU
+(compute capability 9.x), off elsewhere and under tensor parallelism (not yet run on GPUs: set the flag to use it
+there); a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX reference
+(`gemm_gpu(..., reference=True)`), so the plumbing around the kernel is tested on CPU.
 """
 
 from __future__ import annotations
@@ -55,10 +56,12 @@ class BaseGemm:
 
 def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
     """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). None: DEFAULT_MIN_TOKENS on
-    Hopper GPUs, off elsewhere; a positive value elsewhere runs the kernel's pure-JAX reference."""
+    one Hopper GPU, off elsewhere (several GPUs: the kernel under shard_map has not run on GPUs yet, so it waits for
+    the flag); a positive value off Hopper GPUs runs the kernel's pure-JAX reference."""
     has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     if min_tokens is None:
-        min_tokens = DEFAULT_MIN_TOKENS if has_kernel else 0
+        one_device = mesh is None or mesh.size == 1
+        min_tokens = DEFAULT_MIN_TOKENS if has_kernel and one_device else 0
     if min_tokens == 0:
         return None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)

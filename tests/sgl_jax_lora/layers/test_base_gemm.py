@@ -102,6 +102,18 @@ def test_flag_default_and_validation():
     assert ServerArgs(gpu_gemm_min_tokens=0).gpu_gemm_min_tokens == 0
 
 
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two (fake) devices")
+def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
+    """On Hopper GPUs (stood in for by the platform check) the default runs the kernel itself on one device, and not
+    under tensor parallelism, where the kernel has not run on GPUs yet; a value given there turns it on."""
+    monkeypatch.setattr(base_gemm_module, "is_hopper", lambda device: True)
+    one, two = make_mesh(1), make_mesh(2)
+    assert make_base_gemm(None, one) == BaseGemm(DEFAULT_MIN_TOKENS, one, reference=False)
+    assert make_base_gemm(None, None) == BaseGemm(DEFAULT_MIN_TOKENS, None, reference=False)
+    assert make_base_gemm(None, two) is None
+    assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
+
+
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
 
 
