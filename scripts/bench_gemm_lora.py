@@ -11,7 +11,8 @@ layer loop), and times, side by side in one process:
 - `fused`: the Pallas backend's `apply_with_base`: the SGMV shrink, the per-layer entry layout of s, and
   pallas_kernels/sgmv/gemm_lora_gpu.py (the GEMM with every part's expand inside), with the batch's entry table
   built once for all layers, as the backend prepares it once per forward (the engine's prefill on Hopper GPUs);
-- `mosaic_base`: that GEMM kernel with no LoRA entries (its own base speed).
+- `mosaic_base`: that GEMM kernel with no LoRA entries (its own base speed, with the LoRA tiles still allocated;
+  the kernel without them, which the engine runs for base GEMMs, is timed by scripts/bench_gemm.py).
 
 Tokens are a prefill batch: `sequences` sequences of T / sequences tokens each, one adapter per sequence, held
 together in token order as the engine lays out a prefill batch. Ratios are to `xla`. Needs a Hopper GPU.

@@ -14,21 +14,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import sgl_jax_lora.layers.base_gemm as base_gemm_module
 import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
-from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.base_gemm import DEFAULT_MIN_TOKENS, BaseGemm, make_base_gemm
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.models.forward_batch import ForwardBatch
-from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.kernel_sized_engine import count_calls, make_kernel_sized_model, serve_logprobs
+from tests.support.model_forward import model_logits
 from tests.support.peft_fixtures import write_peft_adapter
 
-PAGE = 4
 THRESHOLD = 256
 
 
@@ -37,35 +32,9 @@ def kernel_sized_model(tmp_path_factory):
     return make_kernel_sized_model(tmp_path_factory.mktemp("basegemm") / "base")
 
 
-def extend_batch(num_tokens: int, seed: int) -> ForwardBatch:
-    """One sequence of `num_tokens` new tokens, pages 1..."""
-    ids = np.random.default_rng(seed).integers(2, 491, num_tokens).astype(np.int32)
-    num_pages = -(-num_tokens // PAGE)
-    return ForwardBatch(
-        input_ids=ids,
-        positions=np.arange(num_tokens, dtype=np.int32),
-        cache_loc=np.arange(PAGE, PAGE + num_tokens, dtype=np.int32),
-        seq_lens=np.array([num_tokens], np.int32),
-        page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
-        cu_q_lens=np.array([0, num_tokens], np.int32),
-        last_token_index=np.array([num_tokens - 1], np.int32),
-        lora=None,
-    )
-
-
 def forward_logits(model_dir, num_tokens: int, min_tokens: int, tp_size: int) -> np.ndarray:
-    cfg = ModelConfig.from_model_path(str(model_dir))
-    mesh = make_mesh(tp_size)
-    graphdef, state = load_model_state(cfg, tp_size, PAGE, jnp.bfloat16, mesh, None, base_gemm_min_tokens=min_tokens)
-    kv = allocate_kv_cache(cfg, num_tokens // PAGE + 1, PAGE, tp_size, jnp.bfloat16, mesh)
-
-    @jax.jit
-    def run(state, kv, batch):
-        model = nnx.merge(graphdef, state)
-        hidden, _ = model(kv, batch)
-        return model.logits(hidden)
-
-    return np.asarray(run(state, kv, extend_batch(num_tokens, seed=num_tokens)))
+    ids = np.random.default_rng(num_tokens).integers(2, 491, num_tokens)
+    return model_logits(model_dir, ids, jnp.bfloat16, tp_size, base_gemm_min_tokens=min_tokens)
 
 
 @pytest.mark.parametrize(

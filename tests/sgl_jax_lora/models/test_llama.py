@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,44 +20,14 @@ from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.registry import model_class_for
-from sgl_jax_lora.models.weight_loader import SafetensorsReader, load_model_state
+from sgl_jax_lora.models.weight_loader import SafetensorsReader
 from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
-
-PAGE = 4
-
-
-def extend_batch(ids: np.ndarray, num_pages: int) -> ForwardBatch:
-    """One sequence, all tokens new, pages 1..num_pages."""
-    n = len(ids)
-    return ForwardBatch(
-        input_ids=ids.astype(np.int32),
-        positions=np.arange(n, dtype=np.int32),
-        cache_loc=np.arange(PAGE, PAGE + n, dtype=np.int32),
-        seq_lens=np.array([n], np.int32),
-        page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
-        cu_q_lens=np.array([0, n], np.int32),
-        last_token_index=np.array([n - 1], np.int32),
-        lora=None,
-    )
+from tests.support.model_forward import PAGE, model_logits
 
 
 def our_logits(model_dir, ids: np.ndarray, tp_size: int = 1) -> np.ndarray:
-    cfg = ModelConfig.from_model_path(str(model_dir))
-    mesh = make_mesh(tp_size)
-    graphdef, state = load_model_state(cfg, tp_size, PAGE, jnp.float32, mesh, None)
-    num_pages = -(-len(ids) // PAGE)
-    kv = allocate_kv_cache(cfg, num_pages + 1, PAGE, tp_size, jnp.float32, mesh)
-
-    @jax.jit
-    def run(state, kv, batch):
-        model = nnx.merge(graphdef, state)
-        hidden, _ = model(kv, batch)
-        return model.logits(hidden)
-
-    return np.asarray(run(state, kv, extend_batch(ids, num_pages)))
+    return model_logits(model_dir, ids, jnp.float32, tp_size)
 
 
 def hf_logits(model_dir, ids: np.ndarray) -> np.ndarray:
