@@ -5,8 +5,9 @@ jits `layers` layers each computing x @ W[layer] (the layer index constant, as i
 and times, side by side in one process:
 
 - `xla`: `x @ w[layer]`, what the engine runs with `--gpu-gemm-min-tokens 0` (XLA may copy the layer's W first);
-- `kernel`: `gemm_gpu(x, w, layer)`, which reads the layer's rows of the stack in place (the engine's default on
-  Hopper GPUs from 512 tokens).
+- `kernel`: `gemm_gpu(x, w, layer)`, which reads the layer's rows of the stack in place, its K loop split as
+  `choose_k_splits` picks for the GPU's SMs (what the engine runs from `--gpu-gemm-min-tokens`);
+- `unsplit`: the same kernel with one K loop per tile (`k_splits=1`), where the kernel splits.
 
 It also reports the largest absolute difference between the two outputs of the last layer. Needs a Hopper GPU;
 `--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.sgmv.gemm_gpu import gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import choose_gemm_tiles, choose_k_splits, gemm_gpu  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 
 # Llama-3-8B modules: in, packed out
@@ -47,6 +48,12 @@ def measure_row(
     kernel = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), reference=reference) for layer in range(layers)])
     xla_us = time_fn(xla, (x, w), min_seconds) / layers * 1e6
     kernel_us = time_fn(kernel, (x, w), min_seconds) / layers * 1e6
+    num_sms = 0 if reference else jax.devices()[0].core_count
+    k_splits = choose_k_splits(num_tokens, in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
+    unsplit_us = None
+    if k_splits > 1:
+        unsplit = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), k_splits=1) for layer in range(layers)])
+        unsplit_us = time_fn(unsplit, (x, w), min_seconds) / layers * 1e6
     diff = jnp.abs(kernel(x, w)[-1].astype(jnp.float32) - xla(x, w)[-1].astype(jnp.float32))
     return dict(
         module=module,
@@ -56,6 +63,8 @@ def measure_row(
         layers=layers,
         xla_us=xla_us,
         kernel_us=kernel_us,
+        k_splits=k_splits,
+        unsplit_us=unsplit_us,
         ratio=kernel_us / xla_us,
         max_abs_diff=float(jnp.max(diff)),
     )
@@ -71,15 +80,17 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="time the kernel's pure-JAX reference (no GPU)")
     args = parser.parse_args()
     rows = []
-    print("| module | T | xla us/layer | kernel us/layer | kernel / xla | max abs diff |", flush=True)
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| module | T | xla us/layer | kernel us/layer | K parts | unsplit us/layer | kernel / xla | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for module in args.modules.split(","):
         in_dim, out_dim = MODULES[module]
         for num_tokens in (int(t) for t in args.tokens.split(",")):
             row = measure_row(module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference)
+            unsplit_us = row["unsplit_us"]
             rows.append(row)
             print(
-                f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['ratio']:.3f} | "
+                f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['k_splits']} | "
+                f"{'-' if unsplit_us is None else f'{unsplit_us:.1f}'} | {row['ratio']:.3f} | "
                 f"{row['max_abs_diff']:.3g} |",
                 flush=True,
             )

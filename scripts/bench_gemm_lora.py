@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.sgmv.gemm_lora_gpu import build_entry_table, choose_gemm_lora_tiles, gemm_lora_gpu  # noqa: E402
+from pallas_kernels.sgmv.entry_table import build_entry_table  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import choose_gemm_lora_tiles, gemm_lora_gpu  # noqa: E402
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 from sgl_jax_lora.layers.layer_stack import LayerStack  # noqa: E402

@@ -10,14 +10,21 @@ two consumer warpgroups side by side along N, the same `stages`-deep TMA pipelin
 epilogue, with no s or B tiles in shared memory, no entry tables among its operands and no LoRA loop after the K
 loop. Its only scalar operand is the first row of the layer's W in the flattened [L * in, out] stack.
 
+Split K, for decode-sized T: with few CTA tiles ((T / tile_m) x (out / 2 tile_n), 32 for the o and down modules
+of Llama-3-8B at 256 tokens) most of the GPU's SMs would idle through a long K loop. `choose_k_splits` then cuts the
+K loop into up to 8 equal parts so that tiles x parts still fit one wave over the SMs; each CTA writes its part's
+float32 product to a [k_splits * T, out] buffer (32-column epilogue stores: the bytes of 64 bf16 columns) and XLA
+sums the parts and rounds once to x's dtype.
+
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
-`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, and the pure-JAX reference
-for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k, out a multiple of
-2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
+`choose_k_splits`, `check_gemm_shapes`, `gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and
+the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k,
+out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,10 +38,32 @@ def is_hopper(device) -> bool:
     return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
 
 
-def choose_gemm_tiles() -> GemmLoraTiles:
+MAX_K_SPLITS = 8
+
+
+def choose_gemm_tiles(k_splits: int = 1) -> GemmLoraTiles:
     """The tiles of the LoRA kernel's choice with no LoRA tiles in shared memory (rank 0): 4 stages and 64-column
-    epilogue stores."""
-    return choose_gemm_lora_tiles(0)
+    epilogue stores; with split K, 32-column stores of the float32 parts (the same shared memory)."""
+    tiles = choose_gemm_lora_tiles(0)
+    if k_splits > 1:
+        tiles = dataclasses.replace(tiles, epilogue_n=32)
+        assert tiles.smem_bytes(0, out_itemsize=4) == choose_gemm_lora_tiles(0).smem_bytes(0)
+    return tiles
+
+
+def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles, num_sms: int) -> int:
+    """The most parts (1, 2, 4 or 8) the K loop may be cut into so that CTA tiles x parts fit one wave over
+    `num_sms` SMs, each part a whole number of at least `tiles.stages` K steps; 1 when the tiles alone fill half
+    the SMs or more."""
+    num_tiles = (num_tokens // tiles.tile_m) * (out_dim // (2 * tiles.tile_n))
+    k_steps = in_dim // tiles.tile_k
+    best = 1
+    if 2 * num_tiles > num_sms:
+        return best
+    for parts in (2, 4, MAX_K_SPLITS):
+        if num_tiles * parts <= num_sms and k_steps % parts == 0 and k_steps // parts >= tiles.stages:
+            best = parts
+    return best
 
 
 def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles) -> None:
@@ -47,27 +76,34 @@ def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLor
         )
 
 
-@functools.partial(jax.jit, static_argnames=("tiles",))
+@functools.partial(jax.jit, static_argnames=("tiles", "k_splits"))
 def gemm_gpu_rows(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
     w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
     *,
     tiles: GemmLoraTiles,
+    k_splits: int = 1,
 ) -> jax.Array:
-    """x @ W in one kernel ([T, out], x's dtype); the shapes as `check_gemm_shapes` requires."""
+    """x @ W in one kernel ([T, out], x's dtype; with k_splits > 1 the kernel's float32 parts summed by XLA); the
+    shapes as `check_gemm_shapes` requires, in / tile_k a multiple of k_splits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
-    return plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles, has_lora=False),
-        out_type=jax.ShapeDtypeStruct((x.shape[0], w_rows.shape[1]), x.dtype),
+    out_dtype = x.dtype if k_splits == 1 else jnp.float32
+    y = plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits),
+        out_type=jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(w_row, x, w_rows)
+    if k_splits == 1:
+        return y
+    return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
 
 
 def gemm_gpu(
@@ -76,19 +112,27 @@ def gemm_gpu(
     layer: jax.Array | None = None,
     *,
     tiles: GemmLoraTiles | None = None,
+    k_splits: int | None = None,
     reference: bool = False,
 ) -> jax.Array:
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32.
 
-    reference: compute it with the pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU
-    (CPU tests of the code around the kernel); the shapes are checked either way."""
-    tiles = tiles or choose_gemm_tiles()
+    k_splits: parts of the K loop (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when
+    `tiles` are given or off GPUs). reference: compute it with the
+    pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU (CPU tests of the code around the
+    kernel); the shapes are checked either way."""
     in_dim, out_dim = w.shape[-2:]
+    if k_splits is None:
+        num_sms = getattr(jax.devices()[0], "core_count", 0) if tiles is None and not reference else 0
+        k_splits = choose_k_splits(x.shape[0], in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
+    tiles = tiles or choose_gemm_tiles(k_splits)
     if x.shape[1] != in_dim or x.dtype != w.dtype:
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
     check_gemm_shapes(x.shape[0], in_dim, out_dim, tiles)
+    if (in_dim // tiles.tile_k) % k_splits:
+        raise ValueError(f"gemm_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts")
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         return jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
-    return gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, tiles=tiles)
+    return gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, tiles=tiles, k_splits=k_splits)

@@ -13,7 +13,7 @@ percent of its time, while an expand outside the GEMM must read and write y agai
 
 How the LoRA enters the GEMM: the tokens of one output row tile (`tile_m` rows) belong to a few runs of
 consecutive tokens with the same adapter slot (a prefill batch holds each sequence's tokens together).
-`build_entry_table` cuts the tokens into entries, one per (row tile, run) pair (once per batch), and
+`build_entry_table` (entry_table.py) cuts the tokens into entries, one per (row tile, run) pair (once per batch), and
 `entry_s` lays the scaled s out per entry as an [E, tile_m, R] array whose rows outside the entry's run are
 zero (once per layer). After the tile's K loop over
 x and W, the kernel adds, for each entry of its row tile, s_entry [tile_m, R] @ B[slot].T [R, tile_n] into
@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sgmv.entry_table import EntryTable, entry_s_parts
+
 _SMEM_BYTES = 227 * 1024  # H100 shared memory per block
 _SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
 
@@ -57,9 +59,9 @@ class GemmLoraTiles:
     snake_minor_n: bool = True  # tile order: snake along N (else along M) ...
     snake_width: int = 8  # ... in bands this many tiles wide
 
-    def smem_bytes(self, rank: int) -> int:
+    def smem_bytes(self, rank: int, out_itemsize: int = 2) -> int:
         pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * 2
-        epilogue = 2 * 2 * 64 * self.epilogue_n * 2  # two warpgroups, two slots
+        epilogue = 2 * 2 * 64 * self.epilogue_n * out_itemsize  # two warpgroups, two slots
         lora = 2 * (self.tile_m + self.tile_n) * rank * 2  # s and B tiles per warpgroup
         return pipeline + epilogue + lora
 
@@ -77,84 +79,11 @@ def choose_gemm_lora_tiles(rank: int) -> GemmLoraTiles:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class EntryTable:
-    """Where each row tile's LoRA runs are: built once per batch, shared by every layer."""
-
-    entry_start: jax.Array  # [T / tile_m + 1] i32: row tile i owns entries entry_start[i] .. entry_start[i+1]
-    entry_slot: jax.Array  # [E] i32: the slot (row of B's first axis) of each entry
-    row_token: jax.Array  # [E * tile_m] i32: the token at each row of the flattened s entries; T = none (zero row)
-    token_scale: jax.Array  # [T] f32: scale of the token's slot
-    tile_m: int  # static
-    max_entries: int  # static: E
-
-
-jax.tree_util.register_dataclass(
-    EntryTable,
-    data_fields=["entry_start", "entry_slot", "row_token", "token_scale"],
-    meta_fields=["tile_m", "max_entries"],
-)
-
-
-def build_entry_table(token_slot: jax.Array, slot_scale: jax.Array, *, tile_m: int, max_entries: int) -> EntryTable:
-    """Cut the tokens into entries, one per maximal run of one slot inside one row tile, base runs (scale 0)
-    left out. Entries past max_entries are dropped, so max_entries must be at least (row tiles + runs of
-    adapter tokens - 1); `entries_needed` counts them on the host."""
-    num_tokens = token_slot.shape[0]
-    if num_tokens % tile_m:
-        raise ValueError(f"{num_tokens} tokens are not a multiple of the {tile_m}-row tile; pad the batch to one")
-    position = jnp.arange(num_tokens, dtype=jnp.int32)
-    scale = slot_scale[token_slot].astype(jnp.float32)
-    is_lora = scale != 0
-    starts = _entry_starts(token_slot, is_lora, tile_m, jnp)
-    started = jnp.cumsum(starts.astype(jnp.int32))
-    entry = started - 1  # entry of each LoRA token
-    tile_first = started[::tile_m] - starts[::tile_m].astype(jnp.int32)
-    entry_start = jnp.minimum(jnp.concatenate([tile_first, started[-1:]]), max_entries).astype(jnp.int32)
-    entry_slot = (
-        jnp.zeros((max_entries,), jnp.int32)
-        .at[jnp.where(starts, entry, max_entries)]
-        .set(token_slot.astype(jnp.int32), mode="drop")
-    )
-    token_row = jnp.where(is_lora, entry * tile_m + position % tile_m, max_entries * tile_m)
-    row_token = jnp.full((max_entries * tile_m,), num_tokens, jnp.int32).at[token_row].set(position, mode="drop")
-    return EntryTable(entry_start, entry_slot, row_token, scale, tile_m, max_entries)
-
-
-def entry_s(s: jax.Array, table: EntryTable) -> jax.Array:
-    """[E, tile_m, R] bf16: scale * s of each entry's tokens at their rows in the tile, zeros elsewhere (a
-    gather per layer: the scatter that places the tokens runs once per batch, in `build_entry_table`)."""
-    scaled = jnp.concatenate([s * table.token_scale[:, None], jnp.zeros((1, s.shape[1]), s.dtype)])
-    return scaled[table.row_token].astype(jnp.bfloat16).reshape(table.max_entries, table.tile_m, s.shape[1])
-
-
-def entry_s_parts(s: jax.Array, table: EntryTable, num_parts: int) -> jax.Array:
-    """[P * E, tile_m, R]: `entry_s` of each packed part's R columns of s ([T, P * R]), part p's entries at p * E."""
-    laid_out = entry_s(s, table)  # [E, tile_m, P * R]
-    if num_parts == 1:
-        return laid_out
-    rank = s.shape[1] // num_parts
-    parts = laid_out.reshape(table.max_entries, table.tile_m, num_parts, rank)
-    return parts.transpose(2, 0, 1, 3).reshape(num_parts * table.max_entries, table.tile_m, rank)
-
-
-def _entry_starts(token_slot, is_lora, tile_m: int, xp):
-    """[T] bool: where an entry starts (an adapter token whose slot differs from the previous token's, or the
-    first of a row tile); xp is numpy (host) or jax.numpy (in jit)."""
-    position = xp.arange(token_slot.shape[0])
-    previous = xp.concatenate([xp.full((1,), -1, token_slot.dtype), token_slot[:-1]])
-    return is_lora & ((token_slot != previous) | (position % tile_m == 0))
-
-
-def entries_needed(token_slot, slot_scale, tile_m: int) -> int:
-    """Host-side count of the entries of a batch (numpy arrays): the least max_entries for it."""
-    token_slot = np.asarray(token_slot)
-    return int(np.sum(_entry_starts(token_slot, np.asarray(slot_scale)[token_slot] != 0, tile_m, np)))
-
-
-def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
+def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1):
     """The kernel body. refs: (w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs, out); with
-    has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop."""
+    has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop.
+    k_splits > 1 (has_lora False only): each CTA tile runs over one of k_splits equal parts of the K loop and writes
+    its float32 partial product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -168,17 +97,19 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
     m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
-    bits = jnp.dtype(x_ref.dtype).itemsize * 8
+    assert k_splits == 1 or not has_lora, "split K runs without LoRA only"
+    k_len = in_dim // k_splits  # the K columns of one split
     em_rows, en_cols = 64, tiles.epilogue_n
 
-    def transforms(minor: int):
+    def transforms(minor: int, dtype=x_ref.dtype):
+        bits = jnp.dtype(dtype).itemsize * 8
         swizzle = plgpu.find_swizzle(minor * bits)
         return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_steps,),
+            grid=(k_steps // k_splits,),
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM),
@@ -201,8 +132,10 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref, w_ref.at[pl.ds(0, in_dim), :]),
-        out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols)),
+        pipeline_allocs=pipeline(unused, unused).get_allocations(
+            x_ref.at[:, pl.ds(0, k_len)], w_ref.at[pl.ds(0, k_len), :]
+        ),
+        out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols, out_ref.dtype)),
         **lora_allocs,
         collective_axes="wg",
     )
@@ -211,11 +144,13 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
         if has_lora:
             s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((k_splits * m_tiles * n_tiles,), collective_axes="sm")
         def tile_loop(loop_info):
             (linear,) = loop_info.index
+            split, linear = linear // (m_tiles * n_tiles), linear % (m_tiles * n_tiles)
             mi, ni = plgpu.planar_snake(linear, (m_tiles, n_tiles), 1 if tiles.snake_minor_n else 0, tiles.snake_width)
             cta_rows = pl.ds(mi * tm, tm)
+            out_rows = pl.ds(split * num_tokens + mi * tm, tm)  # = cta_rows without split K
             cta_cols = pl.ds(ni * cta_n, cta_n)
             wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
             if has_lora:
@@ -271,7 +206,7 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(
                                 out_smem.at[wg, slot],
-                                out_ref.at[cta_rows, wg_cols].at[
+                                out_ref.at[out_rows, wg_cols].at[
                                     pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)
                                 ],
                             )
@@ -281,9 +216,11 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True):
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            w_rows = pl.ds(pl.multiple_of(w_row_ref[0], tk), in_dim)  # the layer's rows of the [L * in, out] stack
+            # the split's K columns of x, and its rows of the layer's W in the [L * in, out] stack
+            x_cols = pl.ds(split * k_len, k_len)
+            w_rows = pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len)
             pipeline(mma, compute_context)(
-                x_ref.at[cta_rows, :], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs
+                x_ref.at[cta_rows, x_cols], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs
             )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

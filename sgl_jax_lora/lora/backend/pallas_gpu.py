@@ -36,11 +36,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.sgmv.entry_table import EntryTable, build_entry_table
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
 from pallas_kernels.sgmv.gemm_lora_gpu import (
-    EntryTable,
     GemmLoraTiles,
-    build_entry_table,
     check_gemm_lora_shapes,
     choose_gemm_lora_tiles,
     gemm_lora_gpu,

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, gemm_gpu_rows, is_hopper
+from pallas_kernels.sgmv.gemm_gpu import (
+    check_gemm_shapes,
+    choose_gemm_tiles,
+    choose_k_splits,
+    gemm_gpu,
+    gemm_gpu_rows,
+    is_hopper,
+)
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
 
 HAS_HOPPER = is_hopper(jax.devices()[0])
@@ -116,3 +123,62 @@ def test_gemm_gpu_with_other_tiles():
     y = gemm_gpu(x, w, jnp.int32(1), tiles=tiles).astype(jnp.float32)
     want = expected(x, w[1])
     assert float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want))) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "num_tokens,expected_splits",
+    [(128, {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}), (256, {"qkv": 2, "o": 4, "gate_up": 1, "down": 4})]
+    + [(t, {"qkv": 1, "o": 2, "gate_up": 1, "down": 2}) for t in (512,)]
+    + [(t, dict.fromkeys(LLAMA3_8B_MODULES, 1)) for t in (1024, 2048)],
+)
+def test_k_splits_fill_one_wave_over_the_sms(num_tokens, expected_splits):
+    """At decode sizes the CTA tiles alone leave most of an H100's 132 SMs idle: the K loop is cut into parts so
+    that tiles x parts fit one wave, never more; from 1024 tokens the tiles fill the GPU unsplit."""
+    tiles = choose_gemm_tiles()
+    for module, (in_dim, out_dim) in LLAMA3_8B_MODULES.items():
+        splits = choose_k_splits(num_tokens, in_dim, out_dim, tiles, num_sms=132)
+        assert splits == expected_splits[module], module
+        num_tiles = (num_tokens // 128) * (out_dim // 256)
+        assert splits == 1 or num_tiles * splits <= 132
+        assert (in_dim // tiles.tile_k) % splits == 0
+
+
+def test_split_tiles_fit_shared_memory_with_float32_parts():
+    tiles = choose_gemm_tiles(k_splits=4)
+    assert tiles.epilogue_n == 32 and tiles.stages == 4
+    assert tiles.smem_bytes(0, out_itemsize=4) + 1024 <= 227 * 1024
+
+
+def test_split_k_traces_to_float32_parts_summed_once(monkeypatch):
+    """The kernel with the K loop in 4 parts, traced as on a GPU: it writes [4 * T, out] float32 parts, and one sum
+    over them gives the bf16 [T, out]; a split that does not divide the K steps is refused."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    x, w = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((1,), jnp.int32)
+    call = lambda *a: gemm_gpu_rows(*a, tiles=choose_gemm_tiles(4), k_splits=4)  # noqa: E731
+    jaxpr = jax.make_jaxpr(call)(x, w, row)
+    assert "f32[512,512]" in str(jaxpr) and "reduce_sum" in str(jaxpr)
+    assert jaxpr.out_avals[0].shape == (128, 512) and jaxpr.out_avals[0].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="do not split into 3 equal parts"):
+        gemm_gpu(jnp.zeros((128, 1024), jnp.bfloat16), jnp.zeros((1024, 512), jnp.bfloat16), k_splits=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize("num_tokens", [128, 256])
+@pytest.mark.parametrize("module", sorted(LLAMA3_8B_MODULES))
+def test_split_k_matches_reference_at_decode_sizes(module, num_tokens):
+    """Decode-sized T through each Llama-3-8B layer linear with the splits the GPU's SMs call for (o and down split
+    4 or 8 ways), W layer 2 of a 3-layer stack read in place."""
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    x, w = operands(5, num_tokens, in_dim, out_dim)
+    y = gemm_gpu(x, w, jnp.int32(2)).astype(jnp.float32)
+    want = expected(x, w[2])
+    assert float(jnp.max(jnp.abs(y - want)) / jnp.max(jnp.abs(want))) < 1e-2  # bf16 output
+    for splits in (2, 8):
+        forced = gemm_gpu(x, w, jnp.int32(2), k_splits=splits).astype(jnp.float32)
+        assert float(jnp.max(jnp.abs(forced - y)) / jnp.max(jnp.abs(want))) < 1e-2, splits

@@ -12,14 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.gemm_lora_gpu import (
-    GemmLoraTiles,
-    build_entry_table,
-    choose_gemm_lora_tiles,
-    entries_needed,
-    entry_s,
-    gemm_lora_gpu,
-)
+from pallas_kernels.sgmv.entry_table import build_entry_table, entries_needed, entry_s
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles, gemm_lora_gpu
 from pallas_kernels.sgmv.reference import gemm_lora_ref
 
 _GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None

@@ -1,4 +1,4 @@
-"""The decoder layers' base GEMMs as the Mosaic GPU kernel in large prefill buckets (`--gpu-gemm-min-tokens`;
+"""The decoder layers' base GEMMs as the Mosaic GPU kernel in large token buckets (`--gpu-gemm-min-tokens`;
 layers/base_gemm.py, pallas_kernels/sgmv/gemm_gpu.py).
 
 On CPU a positive threshold computes that path with the kernel's pure-JAX reference, so what is checked here is
@@ -61,7 +61,7 @@ def test_flag_default_and_validation():
     mesh = make_mesh(1)
     on_hopper = base_gemm_module.is_hopper(jax.devices()[0])
     default = make_base_gemm(None, mesh)
-    assert (default.min_tokens if default else 0) == (DEFAULT_MIN_TOKENS if on_hopper else 0)  # off elsewhere
+    assert (default.min_tokens if default else 0) == (min(DEFAULT_MIN_TOKENS.values()) if on_hopper else 0)
     assert make_base_gemm(0, mesh) is None
     assert make_base_gemm(256, mesh) == BaseGemm(256, mesh, reference=not on_hopper)  # CPU: the pure-JAX reference
     assert BaseGemm(256).runs(256) and BaseGemm(256).runs(2048) and not BaseGemm(256).runs(128)
@@ -77,10 +77,19 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
     under tensor parallelism, where the kernel has not run on GPUs yet; a value given there turns it on."""
     monkeypatch.setattr(base_gemm_module, "is_hopper", lambda device: True)
     one, two = make_mesh(1), make_mesh(2)
-    assert make_base_gemm(None, one) == BaseGemm(DEFAULT_MIN_TOKENS, one, reference=False)
-    assert make_base_gemm(None, None) == BaseGemm(DEFAULT_MIN_TOKENS, None, reference=False)
+    default = make_base_gemm(None, one)
+    assert default.mesh is one and not default.reference
+    assert make_base_gemm(None, None).mesh is None
     assert make_base_gemm(None, two) is None
     assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
+    # each module's own least bucket: the kernel at decode sizes where it beat XLA's GEMM per module on an H100
+    for module, least in DEFAULT_MIN_TOKENS.items():
+        setting = default.for_module(module)
+        assert setting.runs(least) and not setting.runs(least // 2) and setting.mesh is one
+    assert DEFAULT_MIN_TOKENS["o_proj"] > DEFAULT_MIN_TOKENS["qkv_proj"]
+    assert default.runs(min(DEFAULT_MIN_TOKENS.values()))  # the model keeps the stacks whole where any module runs it
+    # a value given is every module's
+    assert all(make_base_gemm(1024, one).for_module(m).min_tokens == 1024 for m in DEFAULT_MIN_TOKENS)
 
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------

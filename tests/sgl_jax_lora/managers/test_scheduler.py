@@ -13,7 +13,7 @@ import collections
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.gemm_lora_gpu import entries_needed
+from pallas_kernels.sgmv.entry_table import entries_needed
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.in_flight import InFlightTokens
