@@ -18,6 +18,7 @@ import os
 DTYPES = ("bfloat16", "float32")
 LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 ATTENTION_FLAGS = ("auto", "native", "pallas")
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 
 
 def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own name
@@ -67,9 +68,10 @@ class ServerArgs:
         0.85, "fraction of device memory for weights + KV cache + the largest step's programs (GPU/TPU; docs/tuning.md)"
     )
     max_running_requests: int = _f(64, "max sequences in one step (each running request decodes one token per step)")
-    chunked_prefill_size: int = _f(
-        2048,
-        "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all (longer prompts are chunked; at least 32 prefill tokens per step); lower it to keep time per output token steady under a burst of prompts",
+    chunked_prefill_size: int | None = _f(
+        None,
+        "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all, over any number of prompts (longer prompts are chunked; at least 32 prefill tokens per step); default: 2048, or the context length when shorter; lower it to keep time per output token steady under a burst of prompts, raise it for throughput",
+        type=int,
     )
     max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")
     token_buckets: list[int] | None = _f(
@@ -204,6 +206,8 @@ class ServerArgs:
         )
         for name in positive:
             value = getattr(self, name)
+            if name == "chunked_prefill_size" and value is None:  # the default: step_token_budget
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         threads = self.warmup_compile_threads
@@ -221,8 +225,13 @@ class ServerArgs:
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         self._validate_multi_host()
-        if self.max_prefill_seqs > self.chunked_prefill_size:
+        if self.chunked_prefill_size is not None and self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+
+    def step_token_budget(self, context_length: int) -> int:
+        """--chunked-prefill-size as given (a step's tokens span many prompts, so the context does not bound it), or
+        by default DEFAULT_CHUNKED_PREFILL_SIZE capped at the context length (small models keep small programs)."""
+        return self.chunked_prefill_size or min(DEFAULT_CHUNKED_PREFILL_SIZE, context_length)
 
     def _validate_multi_host(self) -> None:
         for name in ("nnodes", "dist_heartbeat_timeout", "dist_init_timeout"):

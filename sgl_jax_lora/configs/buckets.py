@@ -52,7 +52,6 @@ class Buckets:
         request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise.
         max_logit_entries_per_row: the most logit-adjustment entries one request can have (the top entry budget)."""
         max_pages = -(-context_length // page_size)
-        chunked_prefill_size = min(chunked_prefill_size, context_length)  # no prompt chunk exceeds the context
         max_tokens = max(chunked_prefill_size, max_running_requests + min(chunked_prefill_size, MIN_PREFILL_TOKENS))
         tokens = checked_buckets("--token-buckets", token_buckets, max_tokens) or powers_of_two(
             min(MIN_TOKEN_BUCKET, max_tokens), max_tokens

@@ -118,3 +118,16 @@ def test_multi_host_settings_name_the_fix():
         ServerArgs(nnodes=2)
     with pytest.raises(ValueError, match="--node-rank must be in"):
         ServerArgs(nnodes=2, node_rank=2, dist_init_addr="127.0.0.1:5000")
+
+
+def test_the_step_token_budget_is_the_flag_or_the_default_within_the_context():
+    """--chunked-prefill-size is a step's budget over many prompts, kept as given above the context length; unset,
+    it is 2048, capped at a shorter context (the demo model's 1024 keeps its 1024-token largest step)."""
+    assert ServerArgs().step_token_budget(1024) == 1024
+    assert ServerArgs().step_token_budget(8192) == 2048
+    assert ServerArgs(chunked_prefill_size=8192).step_token_budget(1536) == 8192
+    assert parse_args(["--chunked-prefill-size", "4096"]).step_token_budget(1536) == 4096
+    with pytest.raises(ValueError, match="--chunked-prefill-size must be a positive integer"):
+        ServerArgs(chunked_prefill_size=0)
+    with pytest.raises(ValueError, match="--max-prefill-seqs must not exceed --chunked-prefill-size"):
+        ServerArgs(chunked_prefill_size=4, max_prefill_seqs=8)

@@ -29,9 +29,13 @@ def test_build_covers_the_chunk_or_every_decode_row_plus_a_prefill_share():
     assert many.tokens[-1] == 100 + MIN_PREFILL_TOKENS
 
 
-def test_the_chunk_budget_never_exceeds_the_context():
+def test_a_step_budget_above_the_context_is_kept():
+    """A step's tokens span many prompts: a 4096-token budget over a 256-token context is a 4096-token step (every
+    prompt's chunk stays within its own context)."""
     buckets = Buckets.build(max_running_requests=2, chunked_prefill_size=4096, context_length=256, page_size=16)
-    assert buckets.tokens[-1] == 256
+    assert buckets.tokens[-1] == 4096 and buckets.max_pages_per_seq == 16
+    given = Buckets.build(1024, 8192, 1536, 16, token_buckets=[64, 256, 512, 1024, 2048, 4096, 8192])
+    assert given.tokens == (64, 256, 512, 1024, 2048, 4096, 8192)  # nothing of the flag's buckets is dropped
 
 
 def test_sequences_follow_the_tokens_up_to_max_seqs():

@@ -421,10 +421,10 @@ def test_decode_out_of_pages_preempts_the_newest_request():
 
 def test_token_buckets_cover_every_step_and_refuse_nonpositive_sizes():
     buckets = Buckets.build(64, 2048, 1024, 16, token_buckets=[64, 4096])
-    assert buckets.tokens == (64, 1024)  # 4096 is capped at the largest step (chunk capped at the context), not dropped
+    assert buckets.tokens == (64, 2048)  # 4096 is capped at the largest step (the step's budget), not dropped
     assert buckets.max_pages_per_seq == 64
     assert [s for s, _ in buckets.shapes()] == [64, 64]
-    default = Buckets.build(64, 2048, 1024, 16)
+    default = Buckets.build(64, 1024, 1024, 16)  # ServerArgs.step_token_budget: 2048 capped at a 1024 context
     assert default.tokens == (8, 16, 32, 64, 128, 256, 512, 1024)
     assert default.sample_sizes() == (8, 16, 32, 64)  # a step's sequences: at most its tokens and the running limit
     # every running request's decode row plus MIN_PREFILL_TOKENS fit the largest step
