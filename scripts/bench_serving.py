@@ -330,7 +330,13 @@ def main() -> None:
         with open(opts.baseline) as f:
             base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
     results, runs = [], [[] for _ in opts.num_adapters]
-    warmup_s = target.server_info().get("warmup_s")
+    info = target.server_info()
+    warmup_s = info.get("warmup_s")
+    # the step shape the engine runs, as it took the flags (a budget the engine cut shows here)
+    engine_shape = {
+        key: info.get(key) for key in ("step_token_budget", "token_buckets", "context_length", "max_total_tokens")
+    }
+    print(f"engine: {engine_shape}", flush=True)
     try:
         for count, _ in opts.num_adapters:
             if count > len(target.adapter_names):
@@ -368,7 +374,13 @@ def main() -> None:
                 print(json.dumps(result), flush=True)
                 if opts.out:  # after every scenario, so a run cut short keeps what it measured
                     with open(opts.out, "w") as f:
-                        json.dump({"argv": argv, "engine_warmup_s": warmup_s, "scenarios": results}, f, indent=2)
+                        record = {
+                            "argv": argv,
+                            "engine_warmup_s": warmup_s,
+                            "engine": engine_shape,
+                            "scenarios": results,
+                        }
+                        json.dump(record, f, indent=2)
     finally:
         target.close()
     print_table(results)

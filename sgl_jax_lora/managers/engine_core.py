@@ -357,6 +357,8 @@ class EngineCore:
             "architecture": self.cfg.architecture,
             "vocab_size": self.cfg.vocab_size,
             "context_length": self.context_length,
+            "step_token_budget": self.scheduler.chunk_budget,  # --chunked-prefill-size as the steps get it
+            "token_buckets": list(self.buckets.tokens),
             "max_total_tokens": self.max_total_tokens,
             "step_memory_reserve_bytes": self.runner.step_memory.reserve_bytes if self.runner.step_memory else 0,
             "kv_pages_total": self.allocator.num_usable,

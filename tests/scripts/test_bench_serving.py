@@ -111,6 +111,8 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
         "2",
     )
     base, skewed, distinct = result["scenarios"]
+    shape = result["engine"]  # the step shape the server took from its flags
+    assert shape["step_token_budget"] == shape["token_buckets"][-1] and shape["context_length"] > 0
     assert [(s["num_adapters"], s["popularity"]) for s in result["scenarios"]] == [
         (0, "distinct"),
         (3, "skewed"),

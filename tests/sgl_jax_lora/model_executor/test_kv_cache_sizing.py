@@ -137,6 +137,9 @@ def test_the_kv_share_leaves_the_largest_steps_memory_free(model_dir, monkeypatc
         assert runner.num_pages == -(-int((limit * 0.85 - used - reserve) / per_token) // PAGE) + 1
         assert core.server_info()["step_memory_reserve_bytes"] == reserve
     assert large.buckets.tokens[-1] > small.buckets.tokens[-1]
+    # server info says the step shape the engine took from the flags (bench_serving.py records it)
+    assert large.server_info()["step_token_budget"] == 128 == large.server_info()["token_buckets"][-1]
+    assert small.server_info()["token_buckets"] == list(small.buckets.tokens)
     assert large.runner.step_memory.reserve_bytes > small.runner.step_memory.reserve_bytes
     assert large.runner.num_pages < small.runner.num_pages
 
