@@ -130,7 +130,10 @@ def gemm_gpu(
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
     check_gemm_shapes(x.shape[0], in_dim, out_dim, tiles)
     if (in_dim // tiles.tile_k) % k_splits:
-        raise ValueError(f"gemm_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts")
+        raise ValueError(
+            f"gemm_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts; pass a k_splits "
+            "that divides them, or None for choose_k_splits"
+        )
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         return jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)

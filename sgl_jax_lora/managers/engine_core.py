@@ -80,10 +80,10 @@ class EngineCore:
             + MAX_STOP_TOKEN_IDS
             + len(self.stop_checker.eos_token_ids)
         )
-        self.step_token_budget = args.step_token_budget(self.context_length)
+        step_token_budget = args.step_token_budget(self.context_length)  # the scheduler keeps it (chunk_budget)
         self.buckets = Buckets.build(
             args.max_running_requests,
-            self.step_token_budget,
+            step_token_budget,
             self.context_length,
             args.page_size,
             args.token_buckets,
@@ -105,7 +105,7 @@ class EngineCore:
             self.buckets,
             self.allocator,
             args.max_running_requests,
-            self.step_token_budget,
+            step_token_budget,
             args.max_prefill_seqs,
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
