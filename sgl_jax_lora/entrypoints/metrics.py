@@ -175,13 +175,19 @@ def _step_metrics(step_stats: dict) -> Iterator[Metric]:
     seconds = CounterMetricFamily(
         f"{PREFIX}_engine_step_seconds", "engine-loop time by step kind and phase", labels=["kind", "phase"]
     )
+    waits = CounterMetricFamily(
+        f"{PREFIX}_engine_step_device_wait_seconds",
+        "engine-loop time blocked on the device for sampled ids (part of the run phase)",
+        labels=["kind"],
+    )
     for kind, totals in step_stats.items():
         steps.add_metric([kind], totals["steps"])
         tokens.add_metric([kind], totals["tokens"])
         decode_tokens.add_metric([kind], totals["decode_tokens"])
         for phase in PHASES:
             seconds.add_metric([kind, phase.removesuffix("_s")], totals[phase])
-    yield from (steps, tokens, decode_tokens, seconds)
+        waits.add_metric([kind], totals["wait_s"])
+    yield from (steps, tokens, decode_tokens, seconds, waits)
 
 
 LORA_GAUGES = {

@@ -8,7 +8,7 @@ Flow of one step (`step()`), overlap schedule (the default):
                                                           # (LoRAManager.apply), the batch padded to a bucket
     launched = _launch(plan, forward_batch, prev)         # forward + sampling dispatched, not waited for; tokens
                                                           # of the previous step are read on the device
-    outputs = _finish(prev)                               # its tokens reach the host: token-level stop checks
+    outputs = _finish(prev, _fetch(prev))                 # its tokens reach the host: token-level stop checks
                                                           # (stop strings are the frontend's), free pages
     _advance(launched)                                    # the new step's tokens are in flight (in_flight.py)
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
@@ -168,22 +168,28 @@ class EngineCore:
         step."""
         prev, self.in_flight = self.in_flight, None
         start = time.perf_counter()
+        self.step_stats.begin(start)
         plan = self.scheduler.schedule()  # which requests run, which adapter goes in which slot: no device writes
         self.last_step_idle = plan is None and prev is None  # requests may be waiting on an adapter prefetch or pages
         if plan is None:
-            return self._finish(prev)
+            return self._finish(prev, self._fetch(prev)[0])
         planned = time.perf_counter()
         forward_batch = self._prepare(plan)  # the plan's slot writes, the padded host batch
         prepared = time.perf_counter()
         launched = self._launch(plan, forward_batch, prev)  # forward + sampling dispatched, not waited for
-        outputs = self._finish(prev)  # the previous step's tokens reach the host
+        sampled, wait_s = self._fetch(prev)  # the previous step's tokens reach the host
+        outputs = self._finish(prev, sampled)
         self._advance(launched)  # this step's tokens are in flight
         if self.args.disable_overlap_schedule:
-            outputs += self._finish(launched)
+            sampled, waited = self._fetch(launched)
+            wait_s += waited
+            outputs += self._finish(launched, sampled)
         else:
             self.in_flight = launched
-        elapsed = (planned - start, prepared - planned, time.perf_counter() - prepared)
-        self.step_stats.record(plan.kind, plan.num_tokens, plan.num_decode_rows, *elapsed)
+        ended = time.perf_counter()
+        elapsed = (planned - start, prepared - planned, ended - prepared, wait_s)
+        busy = ended if self.scheduler.num_active else None  # the gap to the next step counts while requests remain
+        self.step_stats.record(plan.kind, plan.num_tokens, plan.num_decode_rows, *elapsed, ended=busy)
         return outputs
 
     def _prepare(self, plan: ScheduleBatch) -> ForwardBatch:
@@ -240,12 +246,19 @@ class EngineCore:
             if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
                 self.tokens_in_flight.add(req, step.number, i)
 
-    def _finish(self, step: LaunchedStep | None) -> list[EngineOutput]:
-        """The step's sampled tokens reach the host: each request's token in flight lands, stops are checked,
-        outputs emitted."""
+    def _fetch(self, step: LaunchedStep | None) -> tuple[dict | None, float]:
+        """The step's sampled ids on the host, and the seconds the host waited for the device to give them."""
+        if step is None or step.sampled is None:
+            return None, 0.0
+        start = time.perf_counter()
+        sampled = self.runner.fetch(step.sampled)
+        return sampled, time.perf_counter() - start
+
+    def _finish(self, step: LaunchedStep | None, sampled: dict | None) -> list[EngineOutput]:
+        """The step's sampled tokens (`_fetch`) reach its requests: each request's token in flight lands, stops are
+        checked, outputs emitted."""
         if step is None:
             return []
-        sampled = self.runner.fetch(step.sampled) if step.sampled is not None else None
         outputs = []
         for req in step.batch.reqs:
             token_in_flight = self.tokens_in_flight.pop(req)  # this step's (the next step's are not advanced yet)

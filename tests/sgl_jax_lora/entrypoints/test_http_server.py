@@ -919,6 +919,8 @@ def test_metrics(http):
     assert values['sgl_jax_lora_engine_steps_total{kind="decode"}'] >= 11  # 12 tokens: 1 from prefill, 11 decodes
     assert values['sgl_jax_lora_engine_step_tokens_total{kind="extend"}'] >= 1
     assert values['sgl_jax_lora_engine_step_seconds_total{kind="decode",phase="run"}'] > 0
+    assert values['sgl_jax_lora_engine_step_seconds_total{kind="decode",phase="between"}'] > 0
+    assert values['sgl_jax_lora_engine_step_device_wait_seconds_total{kind="decode"}'] > 0
 
 
 # ---- LoRA endpoints -----------------------------------------------------------------------------
