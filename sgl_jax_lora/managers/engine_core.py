@@ -206,7 +206,7 @@ class EngineCore:
         if batch.num_decode_rows < len(batch.reqs):  # prefill chunks: prompt logprobs, if asked
             collect_prompt_logprobs(self.runner, batch, hidden, forward_batch.num_tokens)
         sampled = None
-        if batch.sampling_reqs():
+        if batch.num_decode_rows or batch.sampling_reqs():  # decode rows always sample
             sampled = self.runner.launch_sample(
                 last_hidden,
                 batch.to_sampling_batch(forward_batch.num_seqs),
@@ -239,12 +239,13 @@ class EngineCore:
 
     def _advance(self, step: LaunchedStep) -> None:
         """Move the step's requests past its tokens before they reach the host: each sampled token is in flight."""
+        add = self.tokens_in_flight.add
         for i, (req, n) in enumerate(zip(step.batch.reqs, step.batch.num_new_tokens)):
-            if req.finished:  # stopped by the previous step's token, or aborted: this step's token is dropped
+            if req.finish_reason is not None:  # stopped by the previous step's token, or aborted: token dropped
                 continue
             req.num_computed += n
             if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
-                self.tokens_in_flight.add(req, step.number, i)
+                add(req, step.number, i)
 
     def _fetch(self, step: LaunchedStep | None) -> tuple[dict | None, float]:
         """The step's sampled ids on the host, and the seconds the host waited for the device to give them."""
@@ -260,14 +261,15 @@ class EngineCore:
         if step is None:
             return []
         outputs = []
+        next_ids = sampled["next_ids"].tolist() if sampled is not None else []  # Python ints, converted at once
         for req in step.batch.reqs:
             token_in_flight = self.tokens_in_flight.pop(req)  # this step's (the next step's are not advanced yet)
-            if req.finished:  # finished before this step's token landed: it was sent then, the token is dropped
+            if req.finish_reason is not None:  # finished before this step's token landed: sent then, token dropped
                 continue
             if token_in_flight is not None:
                 assert token_in_flight.step == step.number, (req.rid, token_in_flight, step.number)
                 i = token_in_flight.row
-                token = int(sampled["next_ids"][i])
+                token = next_ids[i]
                 req.output_ids.append(token)
                 if req.return_logprob:
                     top = top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
@@ -276,8 +278,8 @@ class EngineCore:
                 if req.finish_reason is not None:
                     self.scheduler.finish(req)
             if (
-                req.output_ids[req.num_sent_outputs :]
-                or req.finished
+                len(req.output_ids) > req.num_sent_outputs
+                or req.finish_reason is not None
                 or len(req.input_token_logprobs) > req.num_sent_input_logprobs
             ):
                 outputs.append(self._output_of(req))

@@ -14,14 +14,13 @@ request has at most one entry.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from sgl_jax_lora.managers.req import Req
 
 
-@dataclasses.dataclass(frozen=True)
-class InFlightToken:
+class InFlightToken(NamedTuple):  # a tuple: one is made per sampled token
     step: int  # the number of the launched step that samples it
     row: int  # its row in that step's sampled ids
 

@@ -54,6 +54,8 @@ class Req:
         """Prompt + the output tokens on the host (a token in flight is not among them)."""
         return self.input_ids + self.output_ids
 
+    # The counts below are read for every running request in every step (scheduler, batch, stop checks): each
+    # computes from the lists directly rather than through the others.
     @property
     def num_output_tokens(self) -> int:
         """Output tokens sampled so far, the one in flight included."""
@@ -62,22 +64,24 @@ class Req:
     @property
     def seq_len(self) -> int:
         """Prompt + output tokens, the one in flight included."""
-        return len(self.input_ids) + self.num_output_tokens
+        return len(self.input_ids) + len(self.output_ids) + self.num_in_flight
 
     @property
     def remaining_prefill(self) -> int:
         """Tokens still to prefill: the prompt, or after a preemption all tokens but the one fed next."""
-        target = self.seq_len - 1 if self.num_output_tokens else self.seq_len
+        num_output = len(self.output_ids) + self.num_in_flight
+        target = len(self.input_ids) + num_output - (1 if num_output else 0)
         return max(0, target - self.num_computed)
 
     @property
     def is_prefilling(self) -> bool:
-        return self.remaining_prefill > 0
+        num_output = len(self.output_ids) + self.num_in_flight
+        return len(self.input_ids) + num_output - (1 if num_output else 0) > self.num_computed
 
     @property
     def out_of_new_tokens(self) -> bool:
         """Its last allowed token is sampled (maybe still in flight): it finishes by length, no step feeds it."""
-        return self.num_output_tokens >= self.sampling.max_new_tokens
+        return len(self.output_ids) + self.num_in_flight >= self.sampling.max_new_tokens
 
     @property
     def max_seq_len(self) -> int:

@@ -10,6 +10,7 @@ each) then prefill chunks; `adapters` (AdapterPlan) holds the slot writes the st
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -84,21 +85,28 @@ class ScheduleBatch:
         first = np.fromiter((r.num_computed for r in self.reqs), np.int32, count)
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:count] = first + q_lens
-        page_table = np.zeros((num_seqs, buckets.max_pages_per_seq), np.int32)
+        page_table = _page_table(self.reqs, num_seqs, buckets.max_pages_per_seq)
         input_ids = np.zeros(num_tokens, np.int32)
         input_from_prev = np.full(num_tokens, -1, np.int32)
-        for i, req in enumerate(self.reqs):
-            page_table[i, : len(req.pages)] = req.pages
-            start, n = cu_q_lens[i], q_lens[i]
-            if req.num_output_tokens and first[i] == req.seq_len - 1:  # feeds its last sampled token
+        fed_at, fed_ids, from_prev_at, from_prev_rows = [], [], [], []  # one token each, written at once below
+        starts = cu_q_lens.tolist()
+        for i, req in enumerate(self.reqs):  # per request in every step: Python-level work kept to the minimum
+            start, n, computed = starts[i], self.num_new_tokens[i], req.num_computed
+            num_output = len(req.output_ids) + req.num_in_flight
+            if num_output and computed == len(req.input_ids) + num_output - 1:  # feeds its last sampled token
                 if req.num_in_flight:  # sampled by the step in flight: read on the device
-                    if in_flight is None or req not in in_flight:
+                    row = in_flight.row(req) if in_flight is not None else -1
+                    if row < 0:
                         raise ValueError(f"request {req.rid} has a token in flight that no InFlightTokens records")
-                    input_from_prev[start] = in_flight.row(req)
+                    from_prev_at.append(start)
+                    from_prev_rows.append(row)
                 else:
-                    input_ids[start] = req.output_ids[-1]
+                    fed_at.append(start)
+                    fed_ids.append(req.output_ids[-1])
             else:  # a prefill chunk never reaches a token in flight (req.py)
-                input_ids[start : start + n] = req.all_ids[first[i] : first[i] + n]
+                input_ids[start : start + n] = req.all_ids[computed : computed + n]
+        input_ids[fed_at] = fed_ids
+        input_from_prev[from_prev_at] = from_prev_rows
         seq_of_token = np.repeat(np.arange(count, dtype=np.int32), q_lens)
         positions = np.zeros(num_tokens, np.int32)
         positions[:total] = first[seq_of_token] + np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token]
@@ -135,12 +143,14 @@ class ScheduleBatch:
         min_p = np.zeros(num_seqs, np.float32)
         seeds = np.zeros(num_seqs, np.uint32)
         steps = np.zeros(num_seqs, np.int32)
-        for i, req in enumerate(rows):
-            params = req.sampling
-            temperature[i] = 0.0 if params.is_greedy else params.temperature
-            top_p[i], top_k[i], min_p[i] = params.top_p, max(params.top_k, 0), params.min_p
-            seeds[i] = req.seed % (2**32)
-            steps[i] = req.num_output_tokens  # a token in flight counts: same as without overlap
+        count, params = len(rows), [r.sampling for r in rows]  # column by column: one numpy write each
+        temperature[:count] = [0.0 if p.is_greedy else p.temperature for p in params]
+        top_p[:count] = [p.top_p for p in params]
+        top_k[:count] = [max(p.top_k, 0) for p in params]
+        min_p[:count] = [p.min_p for p in params]
+        seeds[:count] = [r.seed % (2**32) for r in rows]
+        # a token in flight counts (Req.num_output_tokens), as without the overlap schedule
+        steps[:count] = [len(r.output_ids) + r.num_in_flight for r in rows]
         needs_top = any(r.return_logprob and r.top_logprobs_num > 0 for r in rows)
         return SamplingBatch(
             temperature=temperature,
@@ -152,3 +162,15 @@ class ScheduleBatch:
             is_greedy=bool(np.all(temperature == 0)),
             num_top_logprobs=MAX_TOP_LOGPROBS if needs_top else 0,
         )
+
+
+def _page_table(reqs: list[Req], num_seqs: int, max_pages: int) -> np.ndarray:
+    """[num_seqs, max_pages] page ids, row i holding reqs[i].pages then zeros; filled in one write (a row-major
+    mask over the rows' lengths takes the concatenated pages in order)."""
+    page_table = np.zeros((num_seqs, max_pages), np.int32)
+    lengths = np.fromiter((len(r.pages) for r in reqs), np.int64, len(reqs))
+    if lengths.size and lengths.max() > max_pages:
+        raise ValueError(f"a request holds {int(lengths.max())} KV pages, more than a page table row's {max_pages}")
+    held = np.arange(max_pages) < lengths[:, None]
+    page_table[: len(reqs)][held] = np.fromiter(itertools.chain.from_iterable(r.pages for r in reqs), np.int32)
+    return page_table

@@ -349,7 +349,7 @@ class Scheduler:
         """A decode row for every running request past its prefill that may still sample (one whose last allowed
         token is in flight under the overlap schedule finishes when it lands)."""
         for req in [r for r in self.running if not r.is_prefilling and not r.out_of_new_tokens]:
-            if req not in self.running:  # preempted while making room for an earlier one
+            if req.num_computed == 0:  # preempted while making room for an earlier one (a decode row has K/V)
                 continue
             if not self._ensure_decode_page(req, batch):
                 continue
@@ -389,7 +389,8 @@ class Scheduler:
         return True
 
     def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:
-        candidates = [r for r in self.running if r not in exclude]
+        excluded = set(exclude)  # requests hash by identity
+        candidates = [r for r in self.running if r not in excluded]
         return max(candidates, key=lambda r: r.arrival_time) if candidates else None
 
     def _preempt(self, req: Req) -> None:

@@ -33,6 +33,7 @@ class StopChecker:
         token = req.output_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return {"type": "stop", "matched": token}
-        if req.num_output_tokens >= params.max_new_tokens or req.seq_len >= context_length:
-            return {"type": "length", "length": req.num_output_tokens}
+        num_output = len(req.output_ids) + req.num_in_flight  # Req.num_output_tokens, read once per token
+        if num_output >= params.max_new_tokens or len(req.input_ids) + num_output >= context_length:
+            return {"type": "length", "length": num_output}
         return None
