@@ -5,8 +5,10 @@ once) and scripts/simulate_schedule.py (the same scheduler, no model). It builds
 flags around a tiny Llama-shaped model (dummy weights, 2 layers of width 64), so that the device work of a step is
 small, runs every request to its full output, and reports the engine's own step phases (managers/step_stats.py) per
 step kind: `schedule`, `prepare`, and `launch_finish` (the run phase less the wait for the device: dispatching the
-forward and sampling, then landing the previous step's tokens). Their sum is the host time one step costs; a GPU
-step shorter than it leaves the device idle (bench_serving.py's `wait_s` and `between_s` show which side waits).
+forward and sampling, then landing the step's tokens). Their sum is the host time one step costs; a GPU step
+shorter than it leaves the device idle (bench_serving.py's `wait_s` and `between_s` show which side waits). The
+engine runs without the overlap schedule here, so that no device work (on a CPU, the same cores) runs beside the
+phases measured; the per-request work of each phase is the same with it.
 The step shapes are those of the flags (running requests, budget, buckets), so the per-request work of the
 scheduler, the batch builder and the finish is what it is at that load; the device's share is not modelled.
 
@@ -53,14 +55,16 @@ HOST_PHASES = ("schedule", "prepare", "launch_finish")
 
 
 def build_engine(engine_flags: list[str], model_dir: str) -> EngineCore:
-    """EngineCore of the flags around the tiny model (dummy float32 weights); the flags name the load."""
-    args = parse_args(["--model-path", model_dir, "--load-format", "dummy", "--dtype", "float32", *engine_flags])
+    """EngineCore of the flags around the tiny model (dummy float32 weights); the flags name the load. The overlap
+    schedule is off: on a CPU the device's work runs on the host's cores, and would share them with the phases
+    measured; without it each step's device work runs inside `wait_s` alone."""
+    flags = ["--model-path", model_dir, "--load-format", "dummy", "--dtype", "float32", "--disable-overlap-schedule"]
+    args = parse_args([*flags, *engine_flags])
     return EngineCore(args, model_dir)
 
 
 def run_workload(core: EngineCore, inputs: np.ndarray, outputs: np.ndarray, seed: int) -> int:
-    """All requests at once, each to its full output (EOS ignored, greedy); -> calls of EngineCore.step() (the steps
-    run, and a last call that only lands the last step's tokens under the overlap schedule)."""
+    """All requests at once, each to its full output (EOS ignored, greedy); -> calls of EngineCore.step()."""
     rng = np.random.default_rng(seed)
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
         core.add_request(
