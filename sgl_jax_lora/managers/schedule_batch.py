@@ -86,27 +86,7 @@ class ScheduleBatch:
         seq_lens = np.zeros(num_seqs, np.int32)
         seq_lens[:count] = first + q_lens
         page_table = _page_table(self.reqs, num_seqs, buckets.max_pages_per_seq)
-        input_ids = np.zeros(num_tokens, np.int32)
-        input_from_prev = np.full(num_tokens, -1, np.int32)
-        fed_at, fed_ids, from_prev_at, from_prev_rows = [], [], [], []  # one token each, written at once below
-        starts = cu_q_lens.tolist()
-        for i, req in enumerate(self.reqs):  # per request in every step: Python-level work kept to the minimum
-            start, n, computed = starts[i], self.num_new_tokens[i], req.num_computed
-            num_output = len(req.output_ids) + req.num_in_flight
-            if num_output and computed == len(req.input_ids) + num_output - 1:  # feeds its last sampled token
-                if req.num_in_flight:  # sampled by the step in flight: read on the device
-                    row = in_flight.row(req) if in_flight is not None else -1
-                    if row < 0:
-                        raise ValueError(f"request {req.rid} has a token in flight that no InFlightTokens records")
-                    from_prev_at.append(start)
-                    from_prev_rows.append(row)
-                else:
-                    fed_at.append(start)
-                    fed_ids.append(req.output_ids[-1])
-            else:  # a prefill chunk never reaches a token in flight (req.py)
-                input_ids[start : start + n] = req.all_ids[computed : computed + n]
-        input_ids[fed_at] = fed_ids
-        input_from_prev[from_prev_at] = from_prev_rows
+        input_ids, input_from_prev = self._token_inputs(num_tokens, cu_q_lens.tolist(), in_flight)
         seq_of_token = np.repeat(np.arange(count, dtype=np.int32), q_lens)
         positions = np.zeros(num_tokens, np.int32)
         positions[:total] = first[seq_of_token] + np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token]
@@ -129,6 +109,34 @@ class ScheduleBatch:
             lora=lora_builder(token_slot),
             input_from_prev=input_from_prev,
         )
+
+    def _token_inputs(
+        self, num_tokens: int, starts: list[int], in_flight: InFlightTokens | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """-> (input_ids, input_from_prev) [T]: each chunk's prompt ids, each decode row's last sampled id, or, for a
+        token still in flight, its row in the previous step's sampled ids (-1 elsewhere). Runs per request in every
+        step, so its Python-level work is kept to the minimum: single tokens are written at once at the end."""
+        input_ids = np.zeros(num_tokens, np.int32)
+        input_from_prev = np.full(num_tokens, -1, np.int32)
+        fed_at, fed_ids, from_prev_at, from_prev_rows = [], [], [], []
+        for i, req in enumerate(self.reqs):
+            start, n, computed = starts[i], self.num_new_tokens[i], req.num_computed
+            num_output = len(req.output_ids) + req.num_in_flight
+            if num_output and computed == len(req.input_ids) + num_output - 1:  # feeds its last sampled token
+                if req.num_in_flight:  # sampled by the step in flight: read on the device
+                    row = in_flight.row(req) if in_flight is not None else -1
+                    if row < 0:
+                        raise ValueError(f"request {req.rid} has a token in flight that no InFlightTokens records")
+                    from_prev_at.append(start)
+                    from_prev_rows.append(row)
+                else:
+                    fed_at.append(start)
+                    fed_ids.append(req.output_ids[-1])
+            else:  # a prefill chunk never reaches a token in flight (req.py)
+                input_ids[start : start + n] = req.all_ids[computed : computed + n]
+        input_ids[fed_at] = fed_ids
+        input_from_prev[from_prev_at] = from_prev_rows
+        return input_ids, input_from_prev
 
     def sampling_reqs(self) -> list[Req]:
         """Requests that sample a token this step: decode rows, and chunks that finish their prefill."""

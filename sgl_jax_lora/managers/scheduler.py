@@ -390,8 +390,7 @@ class Scheduler:
 
     def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:
         excluded = set(exclude)  # requests hash by identity
-        candidates = [r for r in self.running if r not in excluded]
-        return max(candidates, key=lambda r: r.arrival_time) if candidates else None
+        return max((r for r in self.running if r not in excluded), key=lambda r: r.arrival_time, default=None)
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
