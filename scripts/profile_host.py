@@ -22,7 +22,6 @@ Usage: python scripts/profile_host.py [--num-requests 1000] [--json out.json] [-
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
 from scripts.bench_serving import sample_lengths  # noqa: E402
+from scripts.simulate_schedule import split_engine_flags, workload_parser  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.managers.io_struct import GenerateRequest  # noqa: E402
@@ -106,17 +106,10 @@ def host_report(step_stats: dict) -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0: ShareGPT-like)")
-    parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0: ShareGPT-like)")
-    parser.add_argument("--seed", type=int, default=0)
+    own, engine_flags = split_engine_flags(sys.argv[1:])
+    parser = workload_parser(__doc__)
     parser.add_argument("--profile", type=int, default=0, help="print this many functions by own time (cProfile)")
-    parser.add_argument("--json", help="write the result here")
-    opts = parser.parse_args(argv[:split])
-    engine_flags = argv[split + 1 :]
+    opts = parser.parse_args(own)
     inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
     with tempfile.TemporaryDirectory(prefix="profile-host-") as model_dir:
         core = build_engine(engine_flags, make_model_dir(TINY_LLAMA, model_dir))

@@ -75,20 +75,30 @@ def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs
     return dict(kinds, preemptions=scheduler.num_preemptions, token_buckets=list(buckets.tokens))
 
 
-def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def workload_parser(description: str) -> argparse.ArgumentParser:
+    """The workload options of the scripts that replay bench_serving.py's requests (this one, profile_host.py)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0: ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0: ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the result here")
-    opts = parser.parse_args(argv[:split])
+    return parser
+
+
+def split_engine_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv -> (the script's own options, the engine flags after `--`)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    return argv[:split], argv[split + 1 :]
+
+
+def main() -> None:
+    own, engine_flags = split_engine_flags(sys.argv[1:])
+    opts = workload_parser(__doc__).parse_args(own)
     inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
-    scheduler, buckets = build_scheduler(argv[split + 1 :])
+    scheduler, buckets = build_scheduler(engine_flags)
     result = simulate(scheduler, buckets, inputs, outputs)
-    result.update(input_tokens=int(inputs.sum()), output_tokens=int(outputs.sum()), engine_flags=argv[split + 1 :])
+    result.update(input_tokens=int(inputs.sum()), output_tokens=int(outputs.sum()), engine_flags=engine_flags)
     for kind in ("mixed", "decode"):
         row = result[kind]
         print(
