@@ -8,7 +8,8 @@ step kind: `schedule`, `prepare`, and `launch_finish` (the run phase less the wa
 forward and sampling, then landing the step's tokens). Their sum is the host time one step costs; a GPU step
 shorter than it leaves the device idle (bench_serving.py's `wait_s` and `between_s` show which side waits). The
 engine runs without the overlap schedule here, so that no device work (on a CPU, the same cores) runs beside the
-phases measured; the per-request work of each phase is the same with it.
+phases measured; with it the phases do the same per-request work, but for decode rows reading their token from the
+step in flight instead of the host.
 The step shapes are those of the flags (running requests, budget, buckets), so the per-request work of the
 scheduler, the batch builder and the finish is what it is at that load; the device's share is not modelled.
 
