@@ -6,7 +6,7 @@ and times, side by side in one process:
 
 - `xla`: `x @ w[layer]`, what the engine runs with `--gpu-gemm-min-tokens 0` (XLA may copy the layer's W first);
 - `kernel`: `gemm_gpu(x, w, layer)`, which reads the layer's rows of the stack in place, its K loop split as
-  `choose_k_splits` picks for the GPU's SMs (what the engine runs from `--gpu-gemm-min-tokens`);
+  `default_k_splits` picks for the GPU's SMs (what the engine runs from `--gpu-gemm-min-tokens`);
 - `unsplit`: the same kernel with one K loop per tile (`k_splits=1`), where the kernel splits.
 
 It also reports the largest absolute difference between the two outputs of the last layer. Needs a Hopper GPU;
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.sgmv.gemm_gpu import choose_gemm_tiles, choose_k_splits, gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import default_k_splits, gemm_gpu  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 
 # Llama-3-8B modules: in, packed out
@@ -48,8 +48,7 @@ def measure_row(
     kernel = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), reference=reference) for layer in range(layers)])
     xla_us = time_fn(xla, (x, w), min_seconds) / layers * 1e6
     kernel_us = time_fn(kernel, (x, w), min_seconds) / layers * 1e6
-    num_sms = 0 if reference else jax.devices()[0].core_count
-    k_splits = choose_k_splits(num_tokens, in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
+    k_splits = 1 if reference else default_k_splits(num_tokens, in_dim, out_dim)
     unsplit_us = None
     if k_splits > 1:
         unsplit = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), k_splits=1) for layer in range(layers)])

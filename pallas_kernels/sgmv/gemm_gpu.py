@@ -17,8 +17,8 @@ float32 product to a [k_splits * T, out] buffer (32-column epilogue stores: the 
 sums the parts and rounds once to x's dtype.
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
-`choose_k_splits`, `check_gemm_shapes`, `gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and
-the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k,
+`choose_k_splits` (and `default_k_splits`, its choice on this GPU), `check_gemm_shapes`, `gemm_gpu_rows` (the
+kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k,
 out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
@@ -64,6 +64,13 @@ def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraT
         if num_tiles * parts <= num_sms and k_steps % parts == 0 and k_steps // parts >= tiles.stages:
             best = parts
     return best
+
+
+def default_k_splits(num_tokens: int, in_dim: int, out_dim: int) -> int:
+    """The parts `gemm_gpu` cuts the K loop into when not told: `choose_k_splits` with the default tiles over this
+    GPU's SMs; 1 off GPUs (a device without a core count)."""
+    num_sms = getattr(jax.devices()[0], "core_count", 0)
+    return choose_k_splits(num_tokens, in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
 
 
 def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles) -> None:
@@ -123,8 +130,7 @@ def gemm_gpu(
     kernel); the shapes are checked either way."""
     in_dim, out_dim = w.shape[-2:]
     if k_splits is None:
-        num_sms = getattr(jax.devices()[0], "core_count", 0) if tiles is None and not reference else 0
-        k_splits = choose_k_splits(x.shape[0], in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
+        k_splits = 1 if tiles is not None or reference else default_k_splits(x.shape[0], in_dim, out_dim)
     tiles = tiles or choose_gemm_tiles(k_splits)
     if x.shape[1] != in_dim or x.dtype != w.dtype:
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
