@@ -204,10 +204,9 @@ class ServerArgs:
             "max_stop_strings",
             "max_stop_string_chars",
         )
-        optional = ("chunked_prefill_size",)  # None: a default chosen later (step_token_budget)
         for name in positive:
             value = getattr(self, name)
-            if value is None and name in optional:
+            if name == "chunked_prefill_size" and value is None:  # the default: step_token_budget
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
