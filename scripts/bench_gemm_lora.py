@@ -12,7 +12,9 @@ layer loop), and times, side by side in one process:
   pallas_kernels/sgmv/gemm_lora_gpu.py (the GEMM with every part's expand inside), with the batch's entry table
   built once for all layers, as the backend prepares it once per forward (the engine's prefill on Hopper GPUs);
 - `mosaic_base`: that GEMM kernel with no LoRA entries (its own base speed, with the LoRA tiles still allocated;
-  the kernel without them, which the engine runs for base GEMMs, is timed by scripts/bench_gemm.py).
+  the kernel without them, which the engine runs for base GEMMs, is timed by scripts/bench_gemm.py);
+- `fused_unsplit`, in rows where `fused` cuts the K loop (`choose_gemm_lora_split`): `fused` in one part;
+- `base_kernel`: pallas_kernels/sgmv/gemm_gpu.py, the base GEMM the engine runs without adapters (its own K split).
 
 Tokens are a prefill batch: `sequences` sequences of T / sequences tokens each, one adapter per sequence, held
 together in token order as the engine lays out a prefill batch. Ratios are to `xla`. Needs a Hopper GPU.
@@ -38,7 +40,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.entry_table import build_entry_table  # noqa: E402
-from pallas_kernels.sgmv.gemm_lora_gpu import choose_gemm_lora_tiles, gemm_lora_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import (  # noqa: E402
+    choose_gemm_lora_split,
+    choose_gemm_lora_tiles,
+    gemm_lora_gpu,
+)
 from pallas_kernels.sgmv.work_list import gpu_block_rows  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 from sgl_jax_lora.layers.layer_stack import LayerStack  # noqa: E402
@@ -81,6 +88,16 @@ ROWS = [
     ("qkv", 16, 128, 4),
     ("gate_up", 16, 128, 4),
     ("down", 16, 128, 4),
+    # decode buckets of the serving runs with 32 adapters: the scheduler groups decode rows by adapter, so a row
+    # tile holds one run per adapter it meets (8 at 512 rows, 16 with 64 adapters); rows 25-32
+    ("qkv", 16, 512, 32),
+    ("o", 16, 512, 32),
+    ("gate_up", 16, 512, 32),
+    ("down", 16, 512, 32),
+    ("o", 16, 512, 64),
+    ("down", 16, 512, 64),
+    ("gate_up", 16, 1024, 32),
+    ("down", 16, 1024, 32),
 ]
 
 
@@ -108,6 +125,7 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
     x = normal(keys[2], (num_tokens, in_dim))
     sgmv_backend = PallasGPUBackend(fused_gemm_min_tokens=0)
     fused_backend = PallasGPUBackend(fused_gemm_min_tokens=1)
+    unsplit_backend = PallasGPUBackend(fused_gemm_min_tokens=1, fused_gemm_split_k=False)
 
     def views(layer, *stacks):
         return [LayerStack(s, jnp.int32(layer)) for s in stacks]
@@ -121,14 +139,22 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
             for i in range(layers)
         ]
 
-    def fused(x, w, lora_a, lora_bs, lora):
-        outs = []
-        for i in range(layers):
-            w_view, a_view, *b_views = views(i, w, lora_a, *lora_bs)
-            y = fused_backend.apply_with_base(x, w_view, a_view, tuple(b_views), lora, tp_size=1)
-            assert y is not None, "the module does not fit the fused GEMM"
-            outs.append(y)
-        return outs
+    def fused_with(backend):
+        def fused(x, w, lora_a, lora_bs, lora):
+            outs = []
+            for i in range(layers):
+                w_view, a_view, *b_views = views(i, w, lora_a, *lora_bs)
+                y = backend.apply_with_base(x, w_view, a_view, tuple(b_views), lora, tp_size=1)
+                assert y is not None, "the module does not fit the fused GEMM"
+                outs.append(y)
+            return outs
+
+        return fused
+
+    fused = fused_with(fused_backend)
+
+    def base_kernel(x, w):
+        return [gemm_gpu(x, w, jnp.int32(i)) for i in range(layers)]
 
     def mosaic_base(x, w, lora_bs, lora):
         table = build_entry_table(
@@ -142,7 +168,11 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
         "sgmv": (sgmv, (x, w, lora_a, lora_bs, lora)),
         "fused": (fused, (x, w, lora_a, lora_bs, lora_fused)),
         "mosaic_base": (mosaic_base, (x, w, lora_bs, lora)),
+        "base_kernel": (base_kernel, (x, w)),
     }
+    k_splits = choose_gemm_lora_split(num_tokens, in_dim, sum(widths), rank, jax.devices()[0].core_count)[1]
+    if k_splits > 1:
+        programs["fused_unsplit"] = (fused_with(unsplit_backend), (x, w, lora_a, lora_bs, lora_fused))
     row = dict(
         module=module,
         in_dim=in_dim,
@@ -153,6 +183,7 @@ def run_row(module: str, rank: int, num_tokens: int, sequences: int, layers: int
         layers=layers,
         max_entries=lora_fused.entries.max_entries,
         tiles=str(tiles),
+        fused_k_splits=k_splits,
         us={},
     )
     for name, (fn, args) in programs.items():
@@ -173,14 +204,20 @@ def main() -> None:
     args = parser.parse_args()
     out = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "rows": []}
     picked = ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")]
-    print("| module | rank | T | seqs | xla us | sgmv | fused | mosaic base | fused vs sgmv err |", flush=True)
+    print(
+        "| module | rank | T | seqs | xla us | sgmv | fused (K parts) | fused in one part | mosaic base | base kernel | "
+        "fused vs sgmv err |",
+        flush=True,
+    )
     for module, rank, num_tokens, sequences in picked:
         row = run_row(module, rank, num_tokens, sequences, args.layers, args.min_seconds)
         out["rows"].append(row)
         r, us = row["ratio"], row["us"]
+        unsplit = f"{r['fused_unsplit']:.3f}" if "fused_unsplit" in r else "-"
         print(
-            f"| {module} | {rank} | {num_tokens} | {sequences} | {us['xla']:.1f} | {r['sgmv']:.3f} | {r['fused']:.3f} | "
-            f"{r['mosaic_base']:.3f} | {row['fused_vs_sgmv_rel_err']:.4f} |",
+            f"| {module} | {rank} | {num_tokens} | {sequences} | {us['xla']:.1f} | {r['sgmv']:.3f} | "
+            f"{r['fused']:.3f} ({row['fused_k_splits']}) | {unsplit} | {r['mosaic_base']:.3f} | {r['base_kernel']:.3f} | "
+            f"{row['fused_vs_sgmv_rel_err']:.4f} |",
             flush=True,
         )
         if args.json:

@@ -17,7 +17,7 @@ float32 product to a [k_splits * T, out] buffer (32-column epilogue stores: the 
 sums the parts and rounds once to x's dtype.
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
-`choose_k_splits` (and `default_k_splits`, its choice on this GPU), `check_gemm_shapes`, `gemm_gpu_rows` (the
+`default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `check_gemm_shapes`, `gemm_gpu_rows` (the
 kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k,
 out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
@@ -30,15 +30,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_gemm_lora_tiles
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_gemm_lora_tiles, choose_k_splits
 
 
 def is_hopper(device) -> bool:
     """Whether `device` is a CUDA GPU of compute capability 9.x (WGMMA and TMA: the Mosaic GPU GEMM kernels)."""
     return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
-
-
-MAX_K_SPLITS = 8
 
 
 def choose_gemm_tiles(k_splits: int = 1) -> GemmLoraTiles:
@@ -49,21 +46,6 @@ def choose_gemm_tiles(k_splits: int = 1) -> GemmLoraTiles:
         tiles = dataclasses.replace(tiles, epilogue_n=32)
         assert tiles.smem_bytes(0, out_itemsize=4) == choose_gemm_lora_tiles(0).smem_bytes(0)
     return tiles
-
-
-def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles, num_sms: int) -> int:
-    """The most parts (1, 2, 4 or 8) the K loop may be cut into so that CTA tiles x parts fit one wave over
-    `num_sms` SMs, each part a whole number of at least `tiles.stages` K steps; 1 when the tiles alone fill half
-    the SMs or more."""
-    num_tiles = (num_tokens // tiles.tile_m) * (out_dim // (2 * tiles.tile_n))
-    k_steps = in_dim // tiles.tile_k
-    best = 1
-    if 2 * num_tiles > num_sms:
-        return best
-    for parts in (2, 4, MAX_K_SPLITS):
-        if num_tiles * parts <= num_sms and k_steps % parts == 0 and k_steps // parts >= tiles.stages:
-            best = parts
-    return best
 
 
 def default_k_splits(num_tokens: int, in_dim: int, out_dim: int) -> int:

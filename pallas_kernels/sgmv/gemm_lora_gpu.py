@@ -32,6 +32,12 @@ multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 
 bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
 B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py.
+
+Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and down of Llama-3-8B at 512 tokens:
+64 tiles on 132 SMs), the K loop is cut into parts as in the base GEMM (`choose_k_splits`); each part's CTA writes
+its float32 product to a [k_splits * T, out] buffer that XLA sums, and only the first part's CTA adds the tile's
+LoRA entries, so the sum holds each entry once. `choose_gemm_lora_split` picks the parts and the tiles with float32
+epilogue stores that fit shared memory beside the LoRA tiles (one pipeline stage fewer at rank 16).
 """
 
 from __future__ import annotations
@@ -66,24 +72,61 @@ class GemmLoraTiles:
         return pipeline + epilogue + lora
 
 
-def choose_gemm_lora_tiles(rank: int) -> GemmLoraTiles:
+def choose_gemm_lora_tiles(rank: int, out_itemsize: int = 2) -> GemmLoraTiles:
     """The deepest pipeline that fits shared memory with this rank's LoRA tiles (narrower epilogue stores
-    before fewer stages: a stage less costs more than twice the stores)."""
+    before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32 parts of split
+    K, stored 32 columns (128 bytes) at a time."""
     for stages in (4, 3, 2):
-        for epilogue_n in (64, 32):
+        for epilogue_n in (64, 32) if out_itemsize == 2 else (32,):
             tiles = GemmLoraTiles(stages=stages, epilogue_n=epilogue_n)
-            if tiles.smem_bytes(rank) + _SMEM_SPARE <= _SMEM_BYTES:
+            if tiles.smem_bytes(rank, out_itemsize) + _SMEM_SPARE <= _SMEM_BYTES:
                 return tiles
     raise ValueError(
         f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}; use the SGMV kernels (ranks above 64) instead"
     )
 
 
+MAX_K_SPLITS = 8
+MIN_SPLIT_STAGES = 3  # split K with LoRA tiles only where the float32 epilogue leaves this deep a pipeline
+
+
+def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles, num_sms: int) -> int:
+    """The most parts (1, 2, 4 or 8) the K loop may be cut into so that CTA tiles x parts fit one wave over
+    `num_sms` SMs, each part a whole number of at least `tiles.stages` K steps; 1 when the tiles alone fill half
+    the SMs or more."""
+    num_tiles = (num_tokens // tiles.tile_m) * (out_dim // (2 * tiles.tile_n))
+    k_steps = in_dim // tiles.tile_k
+    best = 1
+    if 2 * num_tiles > num_sms:
+        return best
+    for parts in (2, 4, MAX_K_SPLITS):
+        if num_tiles * parts <= num_sms and k_steps % parts == 0 and k_steps // parts >= tiles.stages:
+            best = parts
+    return best
+
+
+def choose_gemm_lora_split(
+    num_tokens: int, in_dim: int, out_dim: int, rank: int, num_sms: int
+) -> tuple[GemmLoraTiles, int]:
+    """The tiles and K parts of the GEMM with the LoRA inside it over `num_sms` SMs: `choose_k_splits` with this
+    rank's tiles; when it splits, the tiles with float32 epilogue stores, unless they leave fewer than
+    MIN_SPLIT_STAGES stages (then one part)."""
+    tiles = choose_gemm_lora_tiles(rank)
+    k_splits = choose_k_splits(num_tokens, in_dim, out_dim, tiles, num_sms) if num_sms else 1
+    if k_splits == 1:
+        return tiles, 1
+    split_tiles = choose_gemm_lora_tiles(rank, out_itemsize=4)
+    if split_tiles.stages < MIN_SPLIT_STAGES:
+        return tiles, 1
+    return split_tiles, choose_k_splits(num_tokens, in_dim, out_dim, split_tiles, num_sms)
+
+
 def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1):
     """The kernel body. refs: (w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs, out); with
     has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop.
-    k_splits > 1 (has_lora False only): each CTA tile runs over one of k_splits equal parts of the K loop and writes
-    its float32 partial product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts."""
+    k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
+    product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. The first part's tile adds
+    the LoRA entries, the others none."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -97,7 +140,6 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
     m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
-    assert k_splits == 1 or not has_lora, "split K runs without LoRA only"
     k_len = in_dim // k_splits  # the K columns of one split
     em_rows, en_cols = 64, tiles.epilogue_n
 
@@ -155,6 +197,8 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
             wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
             if has_lora:
                 first, end = entry_start_ref[mi], entry_start_ref[mi + 1]
+                if k_splits > 1:  # the entries go into the first part only: the parts' sum holds each once
+                    end = jnp.where(split == 0, end, first)
                 part = tile_part_ref[ni]  # the packed part this CTA's columns lie in, and where they start in it
                 part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # for the TMA tiling
 
@@ -252,7 +296,7 @@ def check_gemm_lora_shapes(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("tiles",))
+@functools.partial(jax.jit, static_argnames=("tiles", "k_splits"))
 def gemm_lora_gpu_entries(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
@@ -265,22 +309,28 @@ def gemm_lora_gpu_entries(
     b_rows: tuple[jax.Array, ...],  # P x [slots, out_p, R] bf16 (a layer stack flattened to [L * A, out_p, R])
     *,
     tiles: GemmLoraTiles,
+    k_splits: int = 1,
 ) -> jax.Array:
-    """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype); the
-    shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
+    """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype; with
+    k_splits > 1 the kernel's float32 parts summed by XLA); the shapes as `check_gemm_lora_shapes` requires
+    (gemm_lora_gpu checks them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    num_tokens = x.shape[0]
+    num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
-    return plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles),
-        out_type=jax.ShapeDtypeStruct((num_tokens, w_rows.shape[1]), x.dtype),
+    out_dtype = x.dtype if k_splits == 1 else jnp.float32
+    y = plgpu.kernel(
+        functools.partial(_kernel, tiles=tiles, k_splits=k_splits),
+        out_type=jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
         grid=(num_sms,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
+    if k_splits == 1:
+        return y
+    return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
 
 
 def gemm_lora_gpu(
@@ -292,16 +342,18 @@ def gemm_lora_gpu(
     layer: jax.Array | None = None,
     *,
     tiles: GemmLoraTiles | None = None,
+    k_splits: int = 1,
     reference: bool = False,
 ) -> jax.Array:
     """y = x @ W + scale[slot_t] * s_t @ B_p[slot_t].T for every packed part p (its columns of y, which holds the
     parts side by side), in one GEMM kernel; the table from `build_entry_table` with tile_m = tiles.tile_m.
 
-    reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of the
-    kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel)."""
+    k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with their tiles; in / tile_k must be a
+    multiple). reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of
+    the kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel)."""
     lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
     rank = lora_bs[0].shape[-1]
-    tiles = tiles or choose_gemm_lora_tiles(rank)
+    tiles = tiles or choose_gemm_lora_tiles(rank, out_itemsize=2 if k_splits == 1 else 4)
     if table.tile_m != tiles.tile_m:
         raise ValueError(
             f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel; build it with tile_m={tiles.tile_m}"
@@ -314,6 +366,11 @@ def gemm_lora_gpu(
         )
     in_dim = w.shape[-2]
     check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles)
+    if (in_dim // tiles.tile_k) % k_splits:
+        raise ValueError(
+            f"gemm_lora_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts; pass the "
+            "k_splits of choose_gemm_lora_split"
+        )
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_bs[0].shape[-3]
     b_rows = tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs)
@@ -334,4 +391,4 @@ def gemm_lora_gpu(
         from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
 
         return gemm_lora_entries_ref(*operands, tile_m=tiles.tile_m)
-    return gemm_lora_gpu_entries(*operands, tiles=tiles)
+    return gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits)

@@ -41,6 +41,7 @@ from pallas_kernels.sgmv.gemm_gpu import is_hopper
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
     check_gemm_lora_shapes,
+    choose_gemm_lora_split,
     choose_gemm_lora_tiles,
     gemm_lora_gpu,
 )
@@ -127,17 +128,25 @@ class PallasGPUBackend(PallasBackend):
     FUSED_GEMM_MIN_TOKENS = 512
 
     def __init__(
-        self, mesh: Mesh | None = None, interpret: bool | None = None, fused_gemm_min_tokens: int | None = None
+        self,
+        mesh: Mesh | None = None,
+        interpret: bool | None = None,
+        fused_gemm_min_tokens: int | None = None,
+        fused_gemm_split_k: bool = True,
     ):
         """fused_gemm_min_tokens: the least prefill bucket that runs the base GEMM with the LoRA inside it (0:
         none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
-        path computes with the kernel's pure-JAX reference."""
+        path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K loop where
+        its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part (scripts/bench_gemm_lora.py
+        compares the two)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
             fused_gemm_min_tokens = self.FUSED_GEMM_MIN_TOKENS if has_gemm_kernel else 0
         self.fused_gemm_min_tokens = fused_gemm_min_tokens
         self.fused_gemm_reference = not has_gemm_kernel
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        self.fused_gemm_sms = getattr(device, "core_count", 0) if has_gemm_kernel and fused_gemm_split_k else 0
 
     def prepare(self, lora: LoRABatch, num_seqs: int) -> PallasGPUMeta:
         num_tokens = lora.token_slot.shape[0]
@@ -211,16 +220,17 @@ class PallasGPUBackend(PallasBackend):
 
     def _fused_gemm_tiles(
         self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, meta: LoRAMeta
-    ) -> GemmLoraTiles | None:
-        """The kernel's tiles when this module fits the fused GEMM, else None."""
+    ) -> tuple[GemmLoraTiles, int] | None:
+        """The kernel's tiles and K parts (`choose_gemm_lora_split` over this GPU's SMs; one part off GPUs) when
+        this module fits the fused GEMM, else None."""
         if not meta.runs_base_gemm or x.dtype != jnp.bfloat16:
             return None
         try:
-            tiles = choose_gemm_lora_tiles(rank)
-            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles)
+            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, choose_gemm_lora_tiles(rank))
+            tiles, k_splits = choose_gemm_lora_split(x.shape[0], in_local, sum(widths_local), rank, self.fused_gemm_sms)
         except ValueError:
             return None
-        return tiles if meta.entries.tile_m == tiles.tile_m else None
+        return (tiles, k_splits) if meta.entries.tile_m == tiles.tile_m else None
 
     def apply_with_base(
         self,
@@ -240,9 +250,10 @@ class PallasGPUBackend(PallasBackend):
         rank = layer_shape(lora_bs[0])[-1]
         in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
         widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
-        tiles = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta)
-        if tiles is None:
+        chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta)
+        if chosen is None:
             return None
+        tiles, k_splits = chosen
         weights = (kernel, *lora_bs)  # read by the GEMM kernel, at any size
         if all(isinstance(w, LayerStack) for w in weights):
             layer, stacks = kernel.layer, tuple(w.stack for w in weights)
@@ -262,7 +273,9 @@ class PallasGPUBackend(PallasBackend):
                 s = jax.lax.psum(s, TENSOR_AXIS)
                 is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
                 table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
-            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, tiles=tiles, reference=self.fused_gemm_reference)
+            y = gemm_lora_gpu(
+                x, w, s, table, lora_bs, layer, tiles=tiles, k_splits=k_splits, reference=self.fused_gemm_reference
+            )
             return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
 
         x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)

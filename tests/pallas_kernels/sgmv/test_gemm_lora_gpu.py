@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sgmv.entry_table import build_entry_table, entries_needed, entry_s
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles, gemm_lora_gpu
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    GemmLoraTiles,
+    choose_gemm_lora_split,
+    choose_gemm_lora_tiles,
+    gemm_lora_gpu,
+    gemm_lora_gpu_entries,
+)
 from pallas_kernels.sgmv.reference import gemm_lora_ref
 
 _GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None
@@ -94,6 +100,55 @@ def test_chosen_tiles_fit_shared_memory(rank):
     assert tiles.stages == 4 or deeper.smem_bytes(rank) + 1024 > 227 * 1024
 
 
+LLAMA3_8B_MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+
+
+@pytest.mark.parametrize(
+    "num_tokens,rank,split",
+    [(512, 16, {"o": 2, "down": 2}), (256, 16, {"qkv": 2, "o": 4, "down": 4}), (1024, 16, {}), (512, 64, {})],
+)
+def test_split_k_where_the_tiles_leave_sms_idle(num_tokens, rank, split):
+    """On 132 SMs the modules whose CTA tiles fill less than half of them cut the K loop, with float32 epilogue
+    stores that fit beside the LoRA tiles at a pipeline of at least 3 stages; rank 64 leaves 2 stages: unsplit."""
+    for module, (in_dim, out_dim) in LLAMA3_8B_MODULES.items():
+        tiles, k_splits = choose_gemm_lora_split(num_tokens, in_dim, out_dim, rank, num_sms=132)
+        assert k_splits == split.get(module, 1), module
+        num_tiles = (num_tokens // 128) * (out_dim // 256)
+        assert k_splits == 1 or num_tiles * k_splits <= 132
+        itemsize = 4 if k_splits > 1 else 2
+        assert tiles.smem_bytes(rank, itemsize) + 1024 <= 227 * 1024
+        assert k_splits == 1 or (tiles.stages >= 3 and tiles.epilogue_n == 32)
+    assert choose_gemm_lora_split(512, 4096, 4096, 16, num_sms=0)[1] == 1  # no SM count (off GPUs): one part
+
+
+def test_split_k_with_lora_lowers_for_cuda(monkeypatch):
+    """The kernel with LoRA entries and the K loop in 2 parts, lowered for CUDA on this CPU machine (Mosaic GPU's
+    lowering needs no device): [2 * T, out] float32 parts, summed once to bf16 [T, out]."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    num_tokens, in_dim, out_dim, rank, num_entries = 256, 512, 512, 16, 4
+    shapes = (
+        jax.ShapeDtypeStruct((num_tokens, in_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((in_dim, out_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((num_tokens // 128 + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((num_entries,), jnp.int32),
+        jax.ShapeDtypeStruct((num_entries, 128, rank), jnp.bfloat16),
+        (jax.ShapeDtypeStruct((3, out_dim, rank), jnp.bfloat16),),
+    )
+    tiles = choose_gemm_lora_tiles(rank, out_itemsize=4)
+    call = jax.jit(gemm_lora_gpu_entries, static_argnames=("tiles", "k_splits"))
+    lowered = call.trace(*shapes, tiles=tiles, k_splits=2).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text and f"tensor<{2 * num_tokens}x{out_dim}xf32>" in text
+    assert lowered.out_info.shape == (num_tokens, out_dim) and lowered.out_info.dtype == jnp.bfloat16
+
+
 def test_rank_too_large_for_shared_memory_is_refused():
     with pytest.raises(ValueError, match="no tiles fit shared memory at rank 256"):
         choose_gemm_lora_tiles(256)
@@ -161,3 +216,49 @@ def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank,
     b_stacks = tuple(jnp.stack([jnp.zeros_like(b), b]) for b in lora_bs)  # [L=2, A, out_p, R]
     y_stacked = gemm_lora_gpu(x, w_stack, s, table, b_stacks, jnp.int32(1), tiles=tiles).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(y_stacked), np.asarray(y))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize(
+    "seed,num_tokens,in_dim,widths,runs,k_splits",
+    [(10, 512, 4096, (4096,), 32, 2), (11, 512, 14336, (4096,), 32, 2), (12, 256, 4096, (4096, 1024, 1024), 9, 4)],
+)
+def test_split_k_with_lora_matches_reference(seed, num_tokens, in_dim, widths, runs, k_splits):
+    """o-, down- and q|k|v-sized modules at decode sizes (rank 16, adapters' runs as the scheduler groups decode
+    rows) with the K loop in parts: each entry is added once (by the first part) and the sum matches the float32
+    reference and the unsplit kernel; W and B read in place as layer 1 of two-layer stacks."""
+    rng = np.random.default_rng(seed)
+    rank, num_slots = 16, 33
+    token_slot = random_runs(rng, num_tokens, runs, num_slots)
+    slot_scale = np.where(np.arange(num_slots) > 0, 0.5, 0.0).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)) * 0.1, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, in_dim, sum(widths))) * 0.02, jnp.bfloat16)
+    lora_bs = tuple(jnp.asarray(rng.standard_normal((2, num_slots, width, rank)), jnp.bfloat16) for width in widths)
+    s = jnp.asarray(rng.standard_normal((num_tokens, len(widths) * rank)), jnp.float32)
+    table = build_entry_table(
+        jnp.asarray(token_slot),
+        jnp.asarray(slot_scale),
+        tile_m=128,
+        max_entries=entries_needed(token_slot, slot_scale, 128),
+    )
+    columns = np.cumsum((0,) + widths)
+    ref = jnp.concatenate(
+        [
+            gemm_lora_ref(
+                x,
+                w[1][:, columns[p] : columns[p + 1]],
+                s[:, p * rank : (p + 1) * rank],
+                jnp.asarray(token_slot),
+                jnp.asarray(slot_scale),
+                b[1],
+            )
+            for p, b in enumerate(lora_bs)
+        ],
+        axis=1,
+    )
+    split = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), k_splits=k_splits).astype(jnp.float32)
+    unsplit = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1)).astype(jnp.float32)
+    scale = float(jnp.max(jnp.abs(ref)))
+    assert float(jnp.max(jnp.abs(split - ref))) < 1e-2 * scale  # bf16 output
+    assert float(jnp.max(jnp.abs(split - unsplit))) < 1e-2 * scale
