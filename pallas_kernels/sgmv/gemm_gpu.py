@@ -17,9 +17,10 @@ float32 product to a [k_splits * T, out] buffer (32-column epilogue stores: the 
 sums the parts and rounds once to x's dtype.
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
-`default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `check_gemm_shapes`, `gemm_gpu_rows` (the
-kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k,
-out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
+`default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `check_gemm_shapes`,
+`gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms
+without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k, out a multiple of 2 * tile_n, bf16
+operands (a bf16 WGMMA) of one dtype.
 """
 
 from __future__ import annotations
