@@ -8,8 +8,9 @@ choose `--chunked-prefill-size`, `--max-running-requests`, `--max-prefill-seqs`,
 requests ignore EOS). No model runs: the counts are the scheduler's, the time of a step is not modelled.
 
 Prints, per step kind ("decode": decode rows only; "mixed": prefill chunks, with decode rows beside them), the steps,
-their tokens and decode rows, the mean of each and of the padded bucket; and the preemptions (a decode row short of a
-KV page takes the newest running request's pages, which later recomputes its prefill).
+their tokens and decode rows, the mean of each and of the padded bucket, how many steps ran each token bucket; and the
+preemptions (a decode row short of a KV page takes the newest running request's pages, which later recomputes its
+prefill).
 
 Usage: python scripts/simulate_schedule.py [--num-requests 1000] [--json out.json] -- --max-running-requests 1024
     --chunked-prefill-size 4096 --context-length 1536 --max-total-tokens 330000 [--token-buckets ...]
@@ -48,11 +49,15 @@ def build_scheduler(engine_flags: list[str]) -> tuple[Scheduler, Buckets]:
 
 
 def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs: np.ndarray) -> dict:
-    """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens."""
+    """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
+    the steps that ran each token bucket (`steps_by_bucket`)."""
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
         params = SamplingParams(max_new_tokens=int(num_out), ignore_eos=True)
         scheduler.add(Req(f"r{i}", [0] * int(num_in), params, seed=0, arrival_time=float(i)))
-    kinds = {kind: dict(steps=0, tokens=0, decode_rows=0, bucket_tokens=0) for kind in ("decode", "mixed")}
+    kinds = {
+        kind: dict(steps=0, tokens=0, decode_rows=0, bucket_tokens=0, steps_by_bucket=dict.fromkeys(buckets.tokens, 0))
+        for kind in ("decode", "mixed")
+    }
     while scheduler.num_active:
         plan = scheduler.schedule()
         if plan is None:
@@ -62,7 +67,9 @@ def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs
         kind["steps"] += 1
         kind["tokens"] += num_tokens
         kind["decode_rows"] += plan.num_decode_rows
-        kind["bucket_tokens"] += next(t for t in buckets.tokens if t >= num_tokens)
+        bucket = next(t for t in buckets.tokens if t >= num_tokens)
+        kind["bucket_tokens"] += bucket
+        kind["steps_by_bucket"][bucket] += 1
         for req, num_new in zip(plan.reqs, plan.num_new_tokens):
             req.num_computed += num_new
             if req.num_computed == req.seq_len:  # a decode row, or the chunk that ends a prefill: one token
@@ -72,6 +79,7 @@ def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs
     for kind in kinds.values():
         steps = max(kind["steps"], 1)
         kind.update(mean_tokens=kind["tokens"] / steps, mean_bucket=kind["bucket_tokens"] / steps)
+        kind["steps_by_bucket"] = {bucket: n for bucket, n in kind["steps_by_bucket"].items() if n}
     return dict(kinds, preemptions=scheduler.num_preemptions, token_buckets=list(buckets.tokens))
 
 
@@ -103,7 +111,8 @@ def main() -> None:
         row = result[kind]
         print(
             f"{kind}: {row['steps']} steps, {row['mean_tokens']:.0f} tokens each (bucket {row['mean_bucket']:.0f}), "
-            f"{row['decode_rows'] / max(row['steps'], 1):.0f} decode rows each"
+            f"{row['decode_rows'] / max(row['steps'], 1):.0f} decode rows each; steps per bucket "
+            f"{row['steps_by_bucket']}"
         )
     print(f"preemptions: {result['preemptions']}; token buckets: {result['token_buckets']}")
     if opts.json:

@@ -30,6 +30,10 @@ def test_every_prompt_and_output_token_is_scheduled_once():
     assert result["preemptions"] == 0 and prefill == inputs.sum()
     assert sum(kind["decode_rows"] for kind in steps) == (outputs - 1).sum()
     assert result["mixed"]["mean_tokens"] <= 128 and result["token_buckets"][-1] == 128
+    for kind in steps:  # each step counted once, in a compiled bucket that holds its tokens
+        assert sum(kind["steps_by_bucket"].values()) == kind["steps"]
+        assert set(kind["steps_by_bucket"]) <= set(result["token_buckets"])
+        assert sum(b * n for b, n in kind["steps_by_bucket"].items()) == kind["bucket_tokens"] >= kind["tokens"]
 
 
 def test_a_step_budget_above_the_context_length_fills_steps_above_it():
