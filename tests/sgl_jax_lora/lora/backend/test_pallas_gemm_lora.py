@@ -108,6 +108,27 @@ def as_array(w):
     return w.sliced() if isinstance(w, LayerStack) else w
 
 
+def test_apply_with_base_splits_k_where_the_tiles_leave_sms_idle(monkeypatch):
+    """With an H100's 132 SMs, a module of 8 CTA tiles cuts its K loop (8 K steps) in 2 parts, with the float32
+    epilogue tiles; the result is the same module's. Off GPUs (no SM count) it stays in one part."""
+    calls, kernel_call = [], pallas_module.gemm_lora_gpu
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["k_splits"], kwargs["tiles"]))
+        return kernel_call(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_module, "gemm_lora_gpu", recording)
+    x, w, lora_a, lora_bs, lora = module_inputs(1, in_dim=512)
+    expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
+    on_h100 = fused_backend()
+    on_h100.fused_gemm_sms = 132
+    assert_close(on_h100.apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1), expected)
+    assert_close(fused_backend().apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1), expected)
+    (split, split_tiles), (unsplit, _) = calls
+    assert (split, unsplit) == (2, 1)
+    assert split_tiles.epilogue_n == 32 and split_tiles.smem_bytes(16, out_itemsize=4) + 1024 <= 227 * 1024
+
+
 NEEDS_TWO_DEVICES = pytest.mark.skipif(
     jax.device_count() < 2 or jax.device_count() % 2,
     reason="needs an even number of devices >= 2 (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
