@@ -139,7 +139,8 @@ class SamplingParams:
 
 def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) or not isinstance(value, types):
-        raise SamplingParamsError(f"{name} must be a number of type {types}, got {_short(value)}")
+        kind = "an integer" if types is int else "a number"
+        raise SamplingParamsError(f"{name} must be {kind}, got {_short(value)}")
     if isinstance(value, float) and not abs(value) <= MAX_FLOAT32:  # NaN fails every comparison
         raise SamplingParamsError(f"{name} must be a finite number (no NaN or Infinity, |x| <= 3.4e38), got {value!r}")
 
