@@ -48,7 +48,7 @@ class LoRAWeight(nnx.Variable):
 
 
 class LoRABaseKernel(BaseKernel):
-    """The base weight of a LoRALinear. In prefill buckets that run the GEMM with the LoRA inside it, the model
+    """The base weight of a LoRALinear. In token buckets that run the GEMM with the LoRA inside it, the model
     hands it over as a LayerStack view of the [L, in, out] stack, as it does the LoRA buffers, so that the
     kernel reads the layer in place (a kernel's operand sliced outside it would be a copy of the layer's W); so it
     does every BaseKernel in buckets that run the base GEMM kernel (layers/base_gemm.py)."""

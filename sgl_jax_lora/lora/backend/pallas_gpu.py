@@ -19,9 +19,10 @@ applies the slot scale and adds into the (packed) base output in place; a packed
 shrink launch plus one expand launch for all its parts, with no XLA op between them, except that in decode
 buckets q|k|v's expand writes its delta for XLA to add (`returns_delta`).
 
-Prefill on Hopper GPUs (`apply_with_base`): from `--lora-fused-gemm-min-tokens` tokens (default
-FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its base GEMM and every part's expand in one Mosaic
-GPU kernel after the SGMV shrink; the model hands over the module's base weight as a layer-stack view. A module
+Large token buckets on Hopper GPUs (`apply_with_base`; decode rows, prefill chunks or both): from
+`--lora-fused-gemm-min-tokens` tokens (default FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its
+base GEMM and every part's expand in one Mosaic GPU kernel after the SGMV shrink, its K loop split where its tiles
+leave SMs idle; the model hands over the module's base weight as a layer-stack view. A module
 that kernel cannot take (its tiles, rank or dtype) gets None from `apply_with_base` and runs the base GEMM and
 the SGMV kernels. Elsewhere a positive flag value runs that path with the kernel's pure-JAX reference (CPU tests).
 """
@@ -123,7 +124,7 @@ class PallasGPUBackend(PallasBackend):
     # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
     DELTA_MAX_TOKENS = 128
     DELTA_MAX_WIDTH = 16384
-    # prefill buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; measured from 512
+    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; measured from 512
     # (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
     FUSED_GEMM_MIN_TOKENS = 512
 
@@ -134,7 +135,7 @@ class PallasGPUBackend(PallasBackend):
         fused_gemm_min_tokens: int | None = None,
         fused_gemm_split_k: bool = True,
     ):
-        """fused_gemm_min_tokens: the least prefill bucket that runs the base GEMM with the LoRA inside it (0:
+        """fused_gemm_min_tokens: the least token bucket that runs the base GEMM with the LoRA inside it (0:
         none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
         path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K loop where
         its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part (scripts/bench_gemm_lora.py
