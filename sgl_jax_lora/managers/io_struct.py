@@ -234,8 +234,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 def _plain(value: object) -> dict:
     """msgpack's hook for a dataclass inside a message (fields as a map, one level; msgpack recurses)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = getattr(value, "__dict__", None)  # the fields (class variables such as TAG live on the class)
-        return fields if fields is not None else {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return value.__dict__  # the fields (class variables such as TAG live on the class); read, not copied
     raise TypeError(f"cannot send a {type(value).__name__} to the other process: send plain data or a dataclass")
 
 

@@ -43,7 +43,6 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
     check_gemm_lora_shapes,
     choose_gemm_lora_split,
-    choose_gemm_lora_tiles,
     gemm_lora_gpu,
 )
 from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
@@ -102,9 +101,13 @@ def prepare_on_host(lora: LoRABatch, block_rows: int) -> PallasGPUMeta:
     return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows)
 
 
+def _first_device(mesh: Mesh | None):
+    return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+
+
 def _is_hopper(mesh: Mesh | None) -> bool:
     """Whether the devices are CUDA GPUs of compute capability 9.x (WGMMA and TMA: the Mosaic GPU GEMM)."""
-    return is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+    return is_hopper(_first_device(mesh))
 
 
 def _work(meta: LoRAMeta, block_rows: int) -> tuple:
@@ -146,8 +149,7 @@ class PallasGPUBackend(PallasBackend):
             fused_gemm_min_tokens = self.FUSED_GEMM_MIN_TOKENS if has_gemm_kernel else 0
         self.fused_gemm_min_tokens = fused_gemm_min_tokens
         self.fused_gemm_reference = not has_gemm_kernel
-        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-        self.fused_gemm_sms = getattr(device, "core_count", 0) if has_gemm_kernel and fused_gemm_split_k else 0
+        self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
 
     def prepare(self, lora: LoRABatch, num_seqs: int) -> PallasGPUMeta:
         num_tokens = lora.token_slot.shape[0]
@@ -227,8 +229,8 @@ class PallasGPUBackend(PallasBackend):
         if not meta.runs_base_gemm or x.dtype != jnp.bfloat16:
             return None
         try:
-            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, choose_gemm_lora_tiles(rank))
             tiles, k_splits = choose_gemm_lora_split(x.shape[0], in_local, sum(widths_local), rank, self.fused_gemm_sms)
+            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles)
         except ValueError:
             return None
         return (tiles, k_splits) if meta.entries.tile_m == tiles.tile_m else None
