@@ -3,6 +3,8 @@
 Shapes: Llama-3-8B attention (H=32 query heads, K=8 kv heads, D=128), page 16, bf16. Decode: batch 64 and 256 at
 contexts 517 and 2053, and batch 8 at 2053 (one query token a sequence). Prefill: 8 sequences of 256 and of 2048
 new tokens, and one of 2048, no prefix.
+`--kv-dtype fp8_e4m3` / `fp8_e5m2` stores the caches in 8-bit floats (the engine's `--kv-cache-dtype`): half the
+bytes to read; the kernels widen them to bf16 as they load.
 Pages are shuffled over a cache of several layers (`--page-order in-order`: in order, as a fresh engine hands them
 out) sized past 4 GiB per K or V buffer, as the engine's is (the
 kernels then index with 64-bit offsets); layer 1 is read.
@@ -10,7 +12,8 @@ kernels then index with 64-bit offsets); layer 1 is read.
 Columns:
 - ms: median over 15 repeats of one jitted program that runs the op 8 times back to back, each on its own q and
   cache layer (so no call reads what the one before left in L2), divided by 8; two warm-up runs first.
-- TB/s (decode): K/V bytes read over time, bytes = sum over sequences of kv_len * K * D * 2 (bf16) * 2 (K and V);
+- TB/s (decode): K/V bytes read over time, bytes = sum over sequences of kv_len * K * D * 2 (bf16; 1 for fp8) * 2 (K
+  and V);
   the H100's HBM peak is 3.35 TB/s.
 - TFLOP/s (prefill): 4 * H * D * (number of causal (query, key) pairs: sum over sequences of q_len * (q_len + 1) / 2
   with no prefix) over time: two matrix products of 2 FLOPs per multiply-add.
@@ -63,6 +66,7 @@ PREFILL_ROWS = [(8, 256), (8, 2048), (1, 2048)]  # 1 x 2048: the prefill step of
 ENGINE_MAX_CHUNKS = 8  # the engine's default --max-prefill-seqs, which bounds the q-block grid of its steps
 MIXED_ROWS = [(240, 517, 2, 256), (64, 517, 1, 1024)]  # (decode rows, their context, chunks, chunk tokens)
 CALLS = 8  # back-to-back calls per timed program
+KV_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as the engine's cache is
 DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
     DecodeTiles(bk, splits, 4, 3) for bk in (32, 64) for splits in (1, 2, 4)
@@ -92,14 +96,16 @@ def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
 class CacheSpec:
     min_bytes: int  # each K or V cache at least this large (layers are added)
     shuffled: bool = True  # pages spread at random over the layer (a long-running server); else in order (a fresh one)
+    dtype: str = "bfloat16"  # the caches' dtype (KV_DTYPES)
 
 
 def make_batch(q_lens: list[int], kv_lens: list[int], seed: int, cache: CacheSpec) -> dict:
-    """Random bf16 q and multi-layer caches; each sequence's pages shuffled over the whole layer, or in order."""
+    """Random bf16 q and multi-layer caches (bf16 values stored in cache.dtype); each sequence's pages shuffled over
+    the whole layer, or in order."""
     num_seqs = len(q_lens)
     pages_per_seq = max(-(-n // PAGE) for n in kv_lens)
     used_pages = num_seqs * pages_per_seq + 1
-    layer_bytes = used_pages * PAGE * KV_HEADS * HEAD_DIM * 2
+    layer_bytes = used_pages * PAGE * KV_HEADS * HEAD_DIM * jnp.dtype(KV_DTYPES[cache.dtype]).itemsize
     num_layers = max(2, math.ceil(cache.min_bytes / layer_bytes))
     rng = np.random.default_rng(seed)
     pages = rng.permutation(np.arange(1, used_pages)) if cache.shuffled else np.arange(1, used_pages)
@@ -109,8 +115,8 @@ def make_batch(q_lens: list[int], kv_lens: list[int], seed: int, cache: CacheSpe
     cache_shape = (num_layers, KV_HEADS, used_pages * PAGE, HEAD_DIM)
     return dict(
         qs=[jax.random.normal(k, (sum(q_lens), HEADS, HEAD_DIM), jnp.bfloat16) for k in jax.random.split(kq, CALLS)],
-        k_cache=jax.random.normal(kk, cache_shape, jnp.bfloat16),
-        v_cache=jax.random.normal(kv, cache_shape, jnp.bfloat16),
+        k_cache=jax.random.normal(kk, cache_shape, jnp.bfloat16).astype(KV_DTYPES[cache.dtype]),
+        v_cache=jax.random.normal(kv, cache_shape, jnp.bfloat16).astype(KV_DTYPES[cache.dtype]),
         kv_lens=jnp.asarray(kv_lens, jnp.int32),
         page_table=jnp.asarray(table, jnp.int32),
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
@@ -255,8 +261,8 @@ def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) ->
 
 def decode_row(batch_size: int, context: int, sweep: bool, jax_op, cache: CacheSpec) -> dict:
     batch = make_batch([1] * batch_size, [context] * batch_size, batch_size + context, cache)
-    kv_bytes = batch_size * context * KV_HEADS * HEAD_DIM * 2 * 2
-    row = {"kind": "decode", "batch": batch_size, "context": context, "kv_bytes": kv_bytes}
+    kv_bytes = batch_size * context * KV_HEADS * HEAD_DIM * batch["k_cache"].dtype.itemsize * 2
+    row = {"kind": "decode", "batch": batch_size, "context": context, "kv_bytes": kv_bytes, "kv_dtype": cache.dtype}
     reference = measure(row, batch, True, gather_decode, sweep)
     if jax_op is not None:
         prepare, op = jax_op
@@ -335,11 +341,14 @@ def main() -> None:
         default=MIN_BUFFER_BYTES / 2**30,
         help="size each K or V cache to at least this many GiB (layers are added); under 4, 32-bit offsets",
     )
+    parser.add_argument(
+        "--kv-dtype", choices=tuple(KV_DTYPES), default="bfloat16", help="the caches' dtype (--kv-cache-dtype)"
+    )
     args = parser.parse_args()
-    cache = CacheSpec(int(args.min_cache_gib * 2**30), shuffled=args.page_order == "shuffled")
+    cache = CacheSpec(int(args.min_cache_gib * 2**30), args.page_order == "shuffled", args.kv_dtype)
     device = jax.devices()[0]
     print(f"device: {device.device_kind}, jax {jax.__version__}")
-    jax_op = jax_paged_decode()
+    jax_op = jax_paged_decode() if args.kv_dtype == "bfloat16" else None  # its kernel takes 16-bit caches
     rows = []
     if args.rows in ("decode", "all"):
         for batch_size, context in DECODE_ROWS:

@@ -203,6 +203,7 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
         max_prefill_seqs={"extend": max(opts.batch, 4), "decode": 8, "mixed": max(opts.chunks, 8)}[opts.mode],
         token_buckets=[step_tokens],
         attention_backend=opts.attention_backend,
+        kv_cache_dtype=opts.kv_cache_dtype,
         skip_precompile=True,
         layers_per_scan_step=opts.layers_per_scan_step,
         lora_paths=lora_paths,
@@ -222,7 +223,7 @@ def roofline(runner, batch, opts) -> dict:
     cfg = runner.cfg
     embed = cfg.vocab_size * cfg.hidden_size * runner.dtype.itemsize
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(runner.state)) - embed
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
     kv_lens = [r.num_computed + n for r, n in zip(batch.reqs, batch.num_new_tokens)]
     pairs = sum(sum(range(k - n + 1, k + 1)) for k, n in zip(kv_lens, batch.num_new_tokens))
     tokens = sum(batch.num_new_tokens)
@@ -253,6 +254,7 @@ def main() -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the engine flag (auto, fp8_e4m3, fp8_e5m2)")
     parser.add_argument(
         "--hbm-tb-s",
         type=float,

@@ -2,22 +2,24 @@
 --config file and the keyword arguments of the offline Engine (Engine(model_path=..., tp_size=...) ==
 --model-path --tp-size == {"model_path": ..., "tp_size": ...} in a config file).
 
-Flow: launch.py reads --config (`load_config_file`: JSON or YAML, keys checked here) as the defaults, then
-parses argv over them -> ServerArgs -> validated here (errors name the flag and the fix) -> handed to the
-engine process and the HTTP frontend.
+Flow: launch.py reads --config (`load_config_file`: JSON or YAML, keys checked in utils/config_file.py) as the
+defaults, then parses argv over them -> ServerArgs -> validated here (errors name the flag and the fix) -> handed
+to the engine process and the HTTP frontend.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
+
+from sgl_jax_lora.utils.config_file import read_config_file
 
 DTYPES = ("bfloat16", "float32")
 LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 ATTENTION_FLAGS = ("auto", "native", "pallas")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_cache_dtype
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 
 
@@ -61,6 +63,11 @@ class ServerArgs:
     dist_init_timeout: int = _f(300, "seconds every node waits for all --nnodes nodes to join at startup")
     # KV cache and batching
     page_size: int = _f(16, "tokens per KV-cache page")
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV-cache dtype: 'auto' (the model's --dtype) or 8-bit floats, 'fp8_e4m3' or 'fp8_e5m2': half the memory (twice the tokens) and half the bytes a decode step's attention reads; K/V are saturated and cast with no scale, so outputs drift from the model's (docs/tuning.md); the TPU kernel needs --page-size 32 with them",
+        choices=KV_CACHE_DTYPES,
+    )
     max_total_tokens: int | None = _f(
         None, "KV-cache budget in tokens; default: from --mem-fraction-static on GPU/TPU, 32768 on CPU"
     )
@@ -188,6 +195,10 @@ class ServerArgs:
             raise ValueError(
                 f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype '{self.kv_cache_dtype}' is not supported; choose one of {KV_CACHE_DTYPES}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
         positive = (
@@ -282,87 +293,9 @@ class ServerArgs:
 
 
 def load_config_file(path: str) -> dict:
-    """A JSON or YAML file of ServerArgs fields -> {field: value}, every key and value type checked.
-
-    Keys are the field names (`tp_size`; `tp-size` and `--tp-size` are accepted too). Raises ValueError
-    naming the file, the bad key and the closest field."""
-    try:
-        with open(os.path.expanduser(path)) as f:
-            text = f.read()
-    except OSError as e:
-        raise ValueError(
-            f"--config {path}: cannot read the file ({e.strerror}); pass the path of a JSON or YAML file"
-        ) from e
-    raw = _parse_config_text(path, text)
-    if not isinstance(raw, dict):
-        raise ValueError(
-            f'--config {path}: the file must hold a mapping of ServerArgs fields, e.g. {{"tp_size": 4}}; got {type(raw).__name__}'
-        )
-    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
-    config = {}
-    for key, value in raw.items():
-        name = str(key).lstrip("-").replace("-", "_")
-        if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=1)
-            hint = (
-                f"did you mean '{close[0]}'?" if close else "see `python -m sgl_jax_lora.launch --help` for the fields"
-            )
-            raise ValueError(f"--config {path}: unknown key '{key}'; {hint}")
-        config[name] = _check_config_value(path, name, str(fields[name].type), value)
-        choices = fields[name].metadata.get("choices")
-        if choices and config[name] not in choices:
-            raise ValueError(f"--config {path}: '{name}' is {value!r}; choose one of {list(choices)}")
-    return config
-
-
-def _parse_config_text(path: str, text: str) -> object:
-    if path.endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError as e:
-            raise ValueError(
-                f"--config {path}: reading YAML needs PyYAML; `pip install pyyaml`, or write the file as JSON"
-            ) from e
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {path}: not valid YAML: {e}") from e
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path}: not valid JSON ({e}); name a YAML file *.yaml / *.yml to write YAML") from e
-
-
-def _check_config_value(path: str, name: str, type_text: str, value: object) -> object:
-    """The value if it fits the field's annotation (`int`, `float | None`, `list[str] | None`, ...)."""
-    if value is None and "None" in type_text:
-        return value
-    if name == "lora_paths" and isinstance(value, (dict, list)):  # {name: path}, or entries as strings or objects
-        entries = [f"{k}={v}" for k, v in value.items()] if isinstance(value, dict) else value
-        if all(isinstance(v, str) for v in entries) or all(isinstance(v, (str, dict)) for v in entries):
-            return [json.dumps(v) if isinstance(v, dict) else v for v in entries]
-    if type_text.startswith("list"):
-        item_type = int if "list[int]" in type_text else str
-        if isinstance(value, list) and all(isinstance(v, item_type) and not isinstance(v, bool) for v in value):
-            return value
-        expected = f"a list of {item_type.__name__}"
-    elif type_text.startswith("bool"):
-        if isinstance(value, bool):
-            return value
-        expected = "true or false"
-    elif type_text.startswith("int"):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        expected = "an integer"
-    elif type_text.startswith("float"):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        expected = "a number"
-    else:
-        if isinstance(value, str):
-            return value
-        expected = "a string"
-    raise ValueError(f"--config {path}: '{name}' must be {expected}, got {value!r}")
+    """A JSON or YAML file of ServerArgs fields -> {field: value}, every key and value type checked
+    (utils/config_file.py); raises ValueError naming the file, the bad key and the closest field."""
+    return read_config_file(path, dataclasses.fields(ServerArgs))
 
 
 def served_model_name(args: ServerArgs, model_path: str) -> str:

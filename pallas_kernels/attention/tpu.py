@@ -133,8 +133,10 @@ def _for_pages_in_block(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, num_
 
 def _flash_update(refs: _KernelRefs, slot, mask: jax.Array, key_is_loaded: jax.Array, scale: float) -> None:
     """One online-softmax step of all rows over the kv block in buffer `slot`; masked scores count for nothing."""
-    k = refs.k_buf[slot]  # [KB, D]
-    v = jnp.where(key_is_loaded, refs.v_buf[slot], 0)  # stale VMEM rows may hold NaN; 0 * NaN would leak
+    k, v = refs.k_buf[slot], refs.v_buf[slot]  # [KB, D]
+    if jnp.dtype(k.dtype).itemsize == 1:  # an 8-bit cache (--kv-cache-dtype fp8_*): products in q's dtype
+        k, v = k.astype(refs.q.dtype), v.astype(refs.q.dtype)
+    v = jnp.where(key_is_loaded, v, 0)  # stale VMEM rows may hold NaN; 0 * NaN would leak
     scores = jnp.where(mask, _dot(refs.q[...], k, 1) * scale, _MASK_VALUE)  # [R, KB]
     max_prev = refs.row_max[...]  # [R, 128]
     max_new = jnp.maximum(max_prev, jnp.max(scores, axis=1, keepdims=True))

@@ -61,12 +61,15 @@ def write_kv(
 def _scatter_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: jax.Array) -> jax.Array:
     """cache[layer, :, cache_loc] = rows ([T, K, D]: the indexed dims come first), in place on GPU and TPU.
 
-    On CPU, XLA has no bfloat16 (or float16) scatter: it would convert the whole cache to float32 and back for each
-    layer's write. A program lowered for CPU scatters the cache as raw 16-bit bits instead, which still copies it
+    On CPU, XLA has no bfloat16 (or float16, or 8-bit float) scatter: it would convert the whole cache to float32 and
+    back for each layer's write. A program lowered for CPU scatters the cache as raw bits instead, which still copies it
     but converts nothing: a demo-model decode step is 1.8-3.5x faster (docs/benchmarks.md "CPU: the demo model's
     decode step"). Programs lowered for GPU or TPU (a TPU export on a CPU host included) keep the plain write."""
+    if cache.dtype.itemsize == 1:  # an 8-bit float cache (--kv-cache-dtype fp8_*): saturate, float8_e4m3fn has no inf
+        limit = float(jnp.finfo(cache.dtype).max)
+        rows = jnp.clip(rows, -limit, limit)
     rows = rows.astype(cache.dtype)
-    if cache.dtype.itemsize != 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
+    if cache.dtype.itemsize > 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
         return _set_rows(cache, layer, cache_loc, rows)
     return jax.lax.platform_dependent(cache, layer, cache_loc, rows, cpu=_set_rows_as_bits, default=_set_rows)
 
@@ -80,8 +83,8 @@ def _set_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: ja
 
 
 def _set_rows_as_bits(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type
-    return bits(_set_rows(bits(cache, jnp.uint16), layer, cache_loc, bits(rows, jnp.uint16)), cache.dtype)
+    bits, word = jax.lax.bitcast_convert_type, jnp.uint16 if cache.dtype.itemsize == 2 else jnp.uint8
+    return bits(_set_rows(bits(cache, word), layer, cache_loc, bits(rows, word)), cache.dtype)
 
 
 def paged_attention(
@@ -124,6 +127,11 @@ def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | No
         # on the step's kind (pallas_kernels/attention/gpu.py)
         return lambda *args: ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale, max_chunks=max_chunks)
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
+
+
+def _widened(cached: jax.Array, dtype) -> jax.Array:
+    """K/V read from the cache, in `dtype` (q's) when the cache holds 8-bit floats; else as stored."""
+    return cached.astype(dtype) if cached.dtype.itemsize == 1 else cached
 
 
 def native_query_layout(num_seqs: int, num_tokens: int) -> tuple[int, int]:
@@ -179,7 +187,7 @@ def _native_attention(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens
 
     def attend(args):
         qs, slots, m = args  # [C, Q, K, G, D], [C, Lk], [C, Q, Lk]
-        keys, values = k_layer[:, slots], v_layer[:, slots]  # [K, C, Lk, D]
+        keys, values = _widened(k_layer[:, slots], q.dtype), _widened(v_layer[:, slots], q.dtype)  # [K, C, Lk, D]
         # slots no query of the row may read hold another request's stale K/V, maybe non-finite: 0 * NaN is NaN
         values = jnp.where(jnp.any(m, axis=1)[None, :, :, None], values, 0)
         scores = jnp.einsum("cqkgd,kcld->kcgql", qs, keys, preferred_element_type=jnp.float32) * scale

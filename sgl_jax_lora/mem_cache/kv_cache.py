@@ -3,6 +3,9 @@
 Layout per tensor: [L, K, N, D] (heads before slots: see layers/attention.py) with N = num_pages * page_size slots (slot = page * page_size + offset),
 K = kv heads held across the tensor axis (replicated copies when tp > num_kv_heads), sharded on K.
 Page 0 is scratch: padding tokens write there and the allocator never hands it out.
+The cache holds the model's dtype, or 8-bit floats (`kv_cache_dtype`, --kv-cache-dtype fp8_e4m3 / fp8_e5m2): K/V
+are saturated and cast as they are written (layers/attention.py `write_kv`), with no scale, and widened back to
+the model's dtype as the attention reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ class KVCache:
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
 
 KV_LOGICAL_AXES = ("layers", "kv_heads", "kv_slots", "head_dim")
+FP8_KV_DTYPES = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}  # --kv-cache-dtype -> 8-bit dtype
+
+
+def kv_cache_dtype(flag: str, model_dtype) -> jnp.dtype:
+    """--kv-cache-dtype -> the cache's dtype: 'auto' keeps the model's dtype."""
+    if flag == "auto":
+        return jnp.dtype(model_dtype)
+    if flag not in FP8_KV_DTYPES:
+        raise ValueError(f"--kv-cache-dtype '{flag}' is not supported; choose auto, {' or '.join(FP8_KV_DTYPES)}")
+    return jnp.dtype(FP8_KV_DTYPES[flag])
 
 
 def kv_bytes_per_token(cfg: ModelConfig, tp_size: int, dtype: jnp.dtype) -> int:

@@ -32,7 +32,13 @@ from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import resolve_attention_backend
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
-from sgl_jax_lora.mem_cache.kv_cache import KVCache, abstract_kv_cache, allocate_kv_cache, kv_bytes_per_token
+from sgl_jax_lora.mem_cache.kv_cache import (
+    KVCache,
+    abstract_kv_cache,
+    allocate_kv_cache,
+    kv_bytes_per_token,
+    kv_cache_dtype,
+)
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.padding_batches import (
     padding_forward_batch,
@@ -67,6 +73,7 @@ class ModelRunner:
         largest one's programs (model_executor/step_memory.py)."""
         self.args, self.cfg, self.mesh, self.buckets = args, cfg, mesh, buckets
         self.dtype = jnp.dtype(args.dtype)
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.page_size = args.page_size
         self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
         graphdef, state = load_model_state(
@@ -104,7 +111,7 @@ class ModelRunner:
         # Shapes only until `place_kv_cache()`: the warmup compiles the forward programs first, while the memory the
         # cache will take is still free (XLA's autotuner allocates buffers as large as a fusion's operands, e.g. a
         # whole layer-stacked weight, while it compiles).
-        self.kv: KVCache = abstract_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.dtype, mesh)
+        self.kv: KVCache = abstract_kv_cache(cfg, self.num_pages, args.page_size, args.tp_size, self.kv_dtype, mesh)
         self.is_kv_placed = False
 
     # ---- jitted bodies -------------------------------------------------------------------------
@@ -171,12 +178,7 @@ class ModelRunner:
     def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
         """The sampled ids and logprobs on the host (waits for the device)."""
         out = jax.device_get(launched.output)
-        return {
-            "next_ids": out.next_ids,
-            "next_logprobs": out.next_logprobs,
-            "top_ids": out.top_ids,
-            "top_logprobs": out.top_logprobs,
-        }
+        return {name: getattr(out, name) for name in ("next_ids", "next_logprobs", "top_ids", "top_logprobs")}
 
     def sample(
         self,
@@ -235,7 +237,7 @@ class ModelRunner:
 
     @property
     def _kv_bytes_per_device_token(self) -> float:
-        return kv_bytes_per_token(self.cfg, self.args.tp_size, self.dtype) / self.args.tp_size
+        return kv_bytes_per_token(self.cfg, self.args.tp_size, self.kv_dtype) / self.args.tp_size
 
     def _measure_step_memory(self) -> StepMemory:
         """Per-device bytes of the largest step's programs, from XLA's memory analysis of those that take no KV
@@ -282,9 +284,8 @@ class ModelRunner:
 
         A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and
         V of 47.8 GB each did not both fit under an H200's 112.6 GB limit (the GPU allocator seems to grow in regions
-        rounded up to powers of two). Such a cache is shrunk by
-        KV_SHRINK_FACTOR until it fits; a size the user set (--max-total-tokens) is not changed: it fails with the
-        fix named."""
+        rounded up to powers of two). Such a cache is shrunk by KV_SHRINK_FACTOR until it fits; a size the user set
+        (--max-total-tokens) is not changed: it fails with the fix named."""
         if self.is_kv_placed:
             return
         args, num_pages = self.args, self.num_pages
@@ -292,7 +293,7 @@ class ModelRunner:
         while True:
             try:
                 self.kv = jax.block_until_ready(
-                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.dtype, self.mesh)
+                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.kv_dtype, self.mesh)
                 )
                 self.num_pages, self.is_kv_placed = num_pages, True
                 return
@@ -300,7 +301,7 @@ class ModelRunner:
                 if "RESOURCE_EXHAUSTED" not in str(err):
                     raise
                 tokens = (num_pages - 1) * args.page_size
-                gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.dtype) / 1e9
+                gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.kv_dtype) / 1e9
                 if not shrinks_left:
                     raise MemoryError(
                         f"the KV cache of {tokens} tokens ({gigabytes:.1f} GB over {args.tp_size} device(s)) does not "

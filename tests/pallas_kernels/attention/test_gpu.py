@@ -8,6 +8,8 @@ sequence's keys, so a kernel that reads another layer, another sequence's pages 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from pallas_kernels.attention.gpu import (
     DecodeTiles,
     PrefillTiles,
     _q_block_table,
+    choose_decode_block_kv,
     choose_decode_splits,
     ragged_paged_attention_gpu,
 )
@@ -29,9 +32,12 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}  # max abs error on outputs 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
 
-def make_inputs(q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size, dtype, num_tokens=None, seed=0):
-    """Random q and a two-layer cache; sequence s owns kv_lens[s] keys on shuffled pages, plus pages of other
-    values past its keys (the table's tail). Returns the reference's positional arguments."""
+def make_inputs(
+    q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size, dtype, num_tokens=None, seed=0, cache_dtype=None
+):
+    """Random q and a two-layer cache (in cache_dtype, default q's); sequence s owns kv_lens[s] keys on shuffled
+    pages, plus pages of other values past its keys (the table's tail). Returns the reference's positional
+    arguments."""
     rng = np.random.default_rng(seed)
     num_seqs = len(q_lens)
     pages_per_seq = max(1, max(-(-n // page_size) for n in kv_lens)) + 1
@@ -40,8 +46,8 @@ def make_inputs(q_lens, kv_lens, *, heads, kv_heads, head_dim, page_size, dtype,
     num_tokens = num_tokens or sum(q_lens)
     cache_shape = (2, kv_heads, num_pages * page_size, head_dim)
     q = jnp.asarray(rng.standard_normal((num_tokens, heads, head_dim)), dtype)
-    k_cache = jnp.asarray(rng.standard_normal(cache_shape), dtype)
-    v_cache = jnp.asarray(rng.standard_normal(cache_shape), dtype)
+    k_cache = jnp.asarray(rng.standard_normal(cache_shape), cache_dtype or dtype)
+    v_cache = jnp.asarray(rng.standard_normal(cache_shape), cache_dtype or dtype)
     cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     kv_lens, table = jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table, jnp.int32)
     return (q, k_cache, v_cache, jnp.int32(1), kv_lens, table, cu_q_lens)
@@ -157,6 +163,49 @@ def test_q_block_table_leaves_decode_rows_to_the_decode_kernel():
     assert sorted(t for f, c in zip(first_b, count_b) for t in range(f, f + c)) == covered
 
 
+FP8_CACHES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES)
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_fp8_cache_interpret(cache_dtype, decode_only):
+    # an 8-bit cache (--kv-cache-dtype fp8_*): the kernels widen K/V to q's dtype as they load them, so in float32
+    # they match the reference (which widens the same values) to float32 rounding; keys past kv_len stay unread
+    q_lens, kv_lens, num_tokens = ([1, 1, 0, 1], [9, 8, 0, 21], 5) if decode_only else PREFILL_CASES[0]
+    args = make_inputs(
+        q_lens,
+        kv_lens,
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=num_tokens,
+        cache_dtype=cache_dtype,
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+    check(args, page_size=4, decode_only=decode_only, interpret=True, **tiles)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES)
+def test_fp8_cache_lowers_for_cuda(cache_dtype):
+    # Triton lowering needs no GPU: both kernels of the engine's path (and the decode-only one) lower for CUDA with
+    # an 8-bit cache and bf16 queries at the Llama-3-8B attention shape
+    q = jax.ShapeDtypeStruct((40, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 8, 64 * 16, 128), cache_dtype)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    shapes = (q, cache, cache, i32(()), i32((4,)), i32((4, 16)), i32((5,)))
+    for decode_only in (True, False):
+        run = functools.partial(ragged_paged_attention_gpu, page_size=16, scale=0.1, decode_only=decode_only)
+        text = jax.jit(run).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "ragged_paged_attention_decode" in text
+
+
+def test_decode_block_holds_the_same_bytes_for_any_cache_dtype():
+    assert choose_decode_block_kv(jnp.bfloat16) == 32
+    assert choose_decode_block_kv(jnp.float8_e4m3fn) == choose_decode_block_kv(jnp.float8_e5m2) == 64
+
+
 def test_decode_splits_only_when_programs_are_few():
     assert choose_decode_splits(num_tokens=256, num_kv_heads=8, max_kv_len=528, block_kv=32) == 1
     assert choose_decode_splits(num_tokens=8, num_kv_heads=8, max_kv_len=2064, block_kv=32) == 8
@@ -196,3 +245,26 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
     )
     max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)  # as the engine bounds its grid
     check(args, page_size=page_size, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES)
+@pytest.mark.parametrize("mode", ["decode", "general"])
+def test_kernels_on_gpu_fp8_cache(cache_dtype, mode):
+    rng = np.random.default_rng(7)
+    q_lens, kv_lens = _gpu_lens(mode, rng)
+    args = make_inputs(
+        q_lens + [0],
+        kv_lens + [0],
+        heads=16,
+        kv_heads=2,
+        head_dim=128,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        num_tokens=sum(q_lens) + 3,
+        seed=int(rng.integers(1 << 30)),
+        cache_dtype=cache_dtype,
+    )
+    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)
+    check(args, page_size=16, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)

@@ -47,6 +47,7 @@ class Case:
     queries_per_block: int | None = 4
     kv_pages_per_block: int | None = 2
     dtype: type = jnp.float32
+    cache_dtype: type | None = None  # default: dtype; an 8-bit float is --kv-cache-dtype fp8_*
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +75,11 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         page_table[seq, :count] = free_pages[taken : taken + count]
         taken += count
     cache_shape = (case.num_layers, case.num_kv_heads, case.num_pages * case.page_size, case.head_dim)
-    draw = lambda shape: jnp.asarray(rng.standard_normal(shape), case.dtype)  # noqa: E731
+    draw = lambda shape, dtype=case.dtype: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     return Inputs(
         q=draw((case.num_tokens, case.num_heads, case.head_dim)),
-        k_cache=draw(cache_shape),
-        v_cache=draw(cache_shape),
+        k_cache=draw(cache_shape, case.cache_dtype or case.dtype),
+        v_cache=draw(cache_shape, case.cache_dtype or case.dtype),
         kv_lens=jnp.asarray(kv_lens, jnp.int32),
         page_table=jnp.asarray(page_table),
         page_table_ref=jnp.asarray(np.where(page_table == _UNUSED_PAGE, 0, page_table)),
@@ -144,6 +145,9 @@ CASES = {
     ),
     "default_block_sizes": Case(q_lens=(1, 7, 1), kv_lens=(20, 7, 31), queries_per_block=None, kv_pages_per_block=None),
     "bf16": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), dtype=jnp.bfloat16),
+    # 8-bit caches are widened to q's dtype in the kernel: float32 products of the same values as the reference's
+    "fp8_e4m3_cache": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), cache_dtype=jnp.float8_e4m3fn),
+    "fp8_e5m2_cache_bf16": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), dtype=jnp.bfloat16, cache_dtype=jnp.float8_e5m2),
 }
 
 
@@ -203,10 +207,12 @@ def test_bf16_page_size_off_the_sublane_tile_raises():
         jax.eval_shape(kernel, *args)
 
 
-def _tpu_export_args(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, page_size: int):
+def _tpu_export_args(
+    num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, page_size: int, cache_dtype=jnp.bfloat16
+):
     num_layers, head_dim, pages_per_seq, num_pages = 4, 128, 64, 2048
     struct = jax.ShapeDtypeStruct
-    cache = struct((num_layers, num_kv_heads, num_pages * page_size, head_dim), jnp.bfloat16)
+    cache = struct((num_layers, num_kv_heads, num_pages * page_size, head_dim), cache_dtype)
     return (
         struct((num_tokens, num_heads, head_dim), jnp.bfloat16),
         cache,
@@ -229,3 +235,21 @@ def test_lowers_for_tpu(page_size: int, num_heads: int, num_kv_heads: int, num_t
     module = exported.mlir_module()
     assert exported.platforms == ("tpu",)
     assert "tpu_custom_call" in module, "the kernel did not lower to a Mosaic custom call"
+
+
+@pytest.mark.tpu_export
+@pytest.mark.parametrize("num_tokens,num_seqs", [(64, 64), (512, 16)], ids=["decode", "mixed"])
+def test_fp8_cache_lowers_for_tpu(num_tokens: int, num_seqs: int):
+    # an 8-bit cache's sublane tile is 32 rows: page size 32
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=32, scale=128**-0.5)
+    args = _tpu_export_args(num_tokens, num_seqs, 32, 8, 32, cache_dtype=jnp.float8_e4m3fn)
+    exported = jax.export.export(jax.jit(kernel), platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_fp8_page_size_off_the_sublane_tile_raises():
+    args = _tpu_export_args(num_tokens=16, num_seqs=16, num_heads=8, num_kv_heads=8, page_size=16)
+    args = (args[0], *(jax.ShapeDtypeStruct(a.shape, jnp.float8_e4m3fn) for a in args[1:3]), *args[3:])
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=16, scale=1.0)
+    with pytest.raises(ValueError, match="page_size 16 is not a multiple of 32.*--page-size 32"):
+        jax.eval_shape(kernel, *args)

@@ -45,14 +45,16 @@ def make_reqs(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[Re
 
 
 def run_attention(
-    fb, rng: np.random.Generator, backend: str = "native"
+    fb, rng: np.random.Generator, backend: str = "native", cache_dtype=jnp.float32
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Random q and caches for this batch -> (q, k_cache, v_cache, the backend's output)."""
-    k_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
-    v_cache = rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32)
+    """Random q and caches (stored in cache_dtype) for this batch -> (q, k_cache, v_cache as float32 of the stored
+    values, the backend's output)."""
+    stored = lambda c: np.asarray(jnp.asarray(c).astype(cache_dtype).astype(jnp.float32))  # noqa: E731
+    k_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32))
+    v_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32))
     q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
     # the caches of every layer go in whole; layer 1 is read, layer 0 holds other values
-    k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))
+    k_stack, v_stack = (jnp.asarray(np.stack([-c, c])).astype(cache_dtype) for c in (k_cache, v_cache))
     if backend == "reference":
         got = ragged_paged_attention_ref(
             jnp.asarray(q),
@@ -134,6 +136,20 @@ def test_ragged_step_matches_reference(spans, num_decode_rows, backend):
     np.testing.assert_array_equal(got[real:], 0)  # padding tokens
 
 
+@pytest.mark.parametrize("backend", ["native", "reference", "pallas_interpret"])
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_caches_are_read_as_the_values_they_hold(cache_dtype, backend):
+    # --kv-cache-dtype fp8_*: every backend widens the 8-bit K/V to q's dtype, so a mixed step matches the
+    # per-token reference over the stored values to float32 rounding
+    spans, num_decode_rows = SPANS[-1]
+    rng = np.random.default_rng(11)
+    batch = schedule_batch([(p - (i < num_decode_rows), n) for i, (p, n) in enumerate(spans)], rng, num_decode_rows)
+    fb = batch.to_forward_batch(Buckets.build(8, 512, 1024, PAGE), PAGE, lambda slots: None)
+    q, k_cache, v_cache, got = run_attention(fb, rng, backend, cache_dtype)
+    want = reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens)
+    np.testing.assert_allclose(got[: batch.num_tokens], want, rtol=1e-5, atol=1e-5)
+
+
 def test_native_layout_rows_hold_any_split():
     """R rows of Q hold every split of T tokens over S sequences: the worst case is S - 1 one-token sequences and one
     long one, each starting a row."""
@@ -175,10 +191,10 @@ def test_stale_non_finite_kv_is_never_read(backend):
     np.testing.assert_allclose(got, clean, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_write_kv_writes_exactly_the_step_rows(dtype):
-    # every value of the caches but the written slots of the written layer is unchanged, bit for bit (16-bit float
-    # caches are scattered as raw bits on CPU); the written rows hold k and v in the cache dtype
+    # every value of the caches but the written slots of the written layer is unchanged, bit for bit (16- and 8-bit
+    # float caches are scattered as raw bits on CPU); the written rows hold k and v in the cache dtype
     rng = np.random.default_rng(0)
     layers, slots = 3, 64
     k_cache = jnp.asarray(rng.normal(size=(layers, KV_HEADS, slots, DIM)), dtype)
@@ -193,6 +209,16 @@ def test_write_kv_writes_exactly_the_step_rows(dtype):
     for ours, theirs in zip(got, expected):
         assert ours.dtype == dtype
         np.testing.assert_array_equal(np.asarray(ours).view(np.uint8), theirs.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_write_kv_saturates_an_fp8_cache(dtype):
+    # float8_e4m3fn has no inf: a plain cast of 500 gives NaN, which would poison every later read of the slot
+    limit = float(jnp.finfo(dtype).max)
+    cache = jnp.zeros((1, 1, 4, 2), dtype)
+    rows = jnp.asarray([[[3 * limit, -3 * limit]], [[1.5, -0.25]]], jnp.float32)  # [2 tokens, 1 head, 2]
+    k, _ = jax.jit(write_kv)(cache, cache, jnp.int32(0), rows, rows, jnp.asarray([1, 2], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(k[0, 0, 1:3].astype(jnp.float32)), [[limit, -limit], [1.5, -0.25]])
 
 
 def test_only_programs_lowered_for_cpu_write_kv_as_raw_bits():
