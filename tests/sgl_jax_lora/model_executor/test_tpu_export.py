@@ -56,7 +56,15 @@ def model_config(tmp_path_factory) -> ModelConfig:
     return ModelConfig.from_model_path(str(path))
 
 
-def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: int, num_tokens: int):
+def export_forward(
+    cfg: ModelConfig,
+    tp_size: int,
+    with_lora: bool,
+    num_seqs: int,
+    num_tokens: int,
+    kv_dtype=jnp.bfloat16,
+    page_size: int = PAGE_SIZE,
+):
     mesh = make_mesh(tp_size)
     lora = None
     if with_lora:
@@ -67,16 +75,16 @@ def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: in
             target_modules=frozenset(LORA_TARGETS),
         )
     graphdef, state = load_model_state(
-        cfg, tp_size, PAGE_SIZE, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend="pallas_tpu"
+        cfg, tp_size, page_size, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend="pallas_tpu"
     )
-    kv = allocate_kv_cache(cfg, 64, PAGE_SIZE, tp_size, jnp.bfloat16, mesh)
+    kv = allocate_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
     lora_batch = None
     if with_lora:
         token_slot = np.arange(num_tokens, dtype=np.int32) % NUM_SLOTS
         lora_batch = build_lora_batch(
             token_slot, NUM_SLOTS, np.ones(NUM_SLOTS, np.float32), np.full(NUM_SLOTS, MAX_RANK)
         )
-    batch = padding_forward_batch(num_seqs, num_tokens, cfg.max_position_embeddings // PAGE_SIZE, lora_batch)
+    batch = padding_forward_batch(num_seqs, num_tokens, cfg.max_position_embeddings // page_size, lora_batch)
 
     def forward(state, kv, batch):
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
@@ -99,3 +107,11 @@ def test_forward_exports_for_tpu(model_config, tp_size, with_lora, step):
     # the attention kernel, once per scanned layer body, and the LoRA kernels when LoRA is on
     assert module.count("tpu_custom_call") >= (2 if with_lora else 1)
     assert "ragged_paged_attention" in module
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_forward_with_an_fp8_cache_exports_for_tpu(model_config, step):
+    # --kv-cache-dtype fp8_e4m3 with --page-size 32 (an 8-bit page slab fills the 32-row sublane tile), tp 4
+    exported = export_forward(model_config, 4, False, *STEPS[step], kv_dtype=jnp.float8_e4m3fn, page_size=32)
+    module = exported.mlir_module()
+    assert "ragged_paged_attention" in module and "f8E4M3FN" in module
