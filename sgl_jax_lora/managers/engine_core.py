@@ -393,5 +393,6 @@ class EngineCore:
             "max_lora_rank": self.lora.max_rank if self.lora else None,
             "buckets": {"tokens": list(self.buckets.tokens), "seqs": [s for s, _ in self.buckets.shapes()]},
             "attention_backend": self.runner.attention_backend,
+            "kv_cache_dtype": str(self.runner.kv_dtype),  # --kv-cache-dtype as resolved ('auto': the model's)
             "timestamp": time.time(),
         }

@@ -73,6 +73,7 @@ def test_an_fp8_cache_serves_near_the_full_precision_cache(model_dir, flag):
     want = prompt_logprobs(make_core(model_dir))
     core = make_core(model_dir, kv_cache_dtype=flag)
     assert core.runner.kv.k.dtype == kv_cache_dtype(flag, jnp.float32) == core.runner.kv.v.dtype
+    assert core.server_info()["kv_cache_dtype"] == {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[flag]
     got = prompt_logprobs(core)
     for rid, logprobs in want.items():
         assert len(got[rid]) == len(logprobs) == len(PROMPTS[int(rid)]) - 1
@@ -93,3 +94,11 @@ def test_a_cache_sized_from_memory_holds_more_tokens_in_fp8(model_dir, monkeypat
     small = make_core(model_dir, max_total_tokens=None, kv_cache_dtype="fp8_e4m3").runner.num_pages - 1
     assert abs(full * PAGE - 1000) <= PAGE
     assert abs(small - 4 * full) <= 4
+
+
+def test_an_fp8_cache_sharded_over_kv_heads_gives_the_same_logprobs(model_dir):
+    # tp 2 over fake CPU devices: the cache's kv heads split across them, each device writing and reading its own
+    want = prompt_logprobs(make_core(model_dir, kv_cache_dtype="fp8_e4m3"))
+    got = prompt_logprobs(make_core(model_dir, kv_cache_dtype="fp8_e4m3", tp_size=2))
+    for rid, logprobs in want.items():
+        np.testing.assert_allclose(got[rid], logprobs, atol=1e-4)
