@@ -56,6 +56,7 @@ from pallas_kernels.attention.gpu import (  # noqa: E402
     DecodeTiles,
     PrefillTiles,
     _prefill_attention,
+    choose_decode_block_kv,
     ragged_paged_attention_gpu,
 )
 from pallas_kernels.attention.reference import ragged_paged_attention_ref  # noqa: E402
@@ -249,7 +250,7 @@ def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) ->
     arg_sets = _arg_sets(batch)
     reference = baseline(*arg_sets[0])
     row["gather_ms"] = time_ms(baseline, arg_sets)
-    tiles = DecodeTiles() if decode_only else PrefillTiles()
+    tiles = DecodeTiles(choose_decode_block_kv(batch["k_cache"].dtype)) if decode_only else PrefillTiles()
     if sweep:
         tiles, _, row["sweep"] = best_variant(decode_only, batch, DECODE_SWEEP if decode_only else PREFILL_SWEEP)
     row["tiles"] = str(tiles)
