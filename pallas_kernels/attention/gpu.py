@@ -29,6 +29,9 @@ kernel over the q blocks of the longer sequences and the padding; the decode row
 general kernel's output. In a mixed step the general kernel would serve a decode row with a q tile of G real
 rows out of BQ * G, at about twice the decode kernel's time (docs/benchmarks.md); in a decode step it launches
 only the padding's blocks. `decode_only=True` runs the decode kernel over every token instead (no gather).
+
+An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened to q's dtype as its rows load, so both kernels multiply as
+with a 16-bit cache; the decode kernel then walks 64 keys a step (`choose_decode_block_kv`: the bytes of 32 bf16).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ alternate, so the DMA of the next page block overlaps the math on the current on
 are not read, so VMEM rows past it hold stale data: scores and values there are masked before use.
 
 TPU tiling: a page slab is [page_size, D], so page_size must be a multiple of the cache dtype's sublane tile
-(8 for 32-bit, 16 for bf16) and D a multiple of 128; q tiles need BQ * G to be a multiple of q's sublane tile.
+(8 for 32-bit, 16 for bf16, 32 for an 8-bit cache, whose slabs are widened to q's dtype before the products) and D
+a multiple of 128; q tiles need BQ * G to be a multiple of q's sublane tile.
 These are checked when not interpreting. D cannot be padded here: padding the cache would copy it every call.
 
 Not done: the first page block of the next sequence is not prefetched while the current one finishes, and a
