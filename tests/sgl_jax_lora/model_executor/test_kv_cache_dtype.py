@@ -18,9 +18,10 @@ from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.mem_cache.kv_cache import kv_bytes_per_token, kv_cache_dtype
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.sgl_jax_lora.model_executor import test_kv_cache_sizing as sizing
 from tests.support.model_fixtures import make_hf_model_dir
 
-PAGE = 16
+PAGE = sizing.PAGE
 PROMPTS = [list(range(2, 40)), [5, 9, 13, 77, 21, 3] * 5, list(range(90, 20, -3))]
 
 
@@ -30,17 +31,9 @@ def model_dir(tmp_path_factory):
 
 
 def make_core(model_dir, **kwargs) -> EngineCore:
-    settings = dict(
-        dtype="float32",
-        context_length=128,
-        max_running_requests=4,
-        chunked_prefill_size=32,  # the prompts run as chunks after cached prefixes: every read goes through the cache
-        max_prefill_seqs=2,
-        page_size=PAGE,
-        skip_precompile=True,
-        max_total_tokens=2048,
-    )
-    return EngineCore(ServerArgs(model_path=str(model_dir), **{**settings, **kwargs}), str(model_dir))
+    """The sizing tests' engine (float32, 16-token pages, 32-token steps: the prompts run as chunks after cached
+    prefixes, so every read goes through the cache) with a 2048-token cache unless told."""
+    return sizing.make_core(model_dir, **{"max_total_tokens": 2048, **kwargs})
 
 
 def prompt_logprobs(core: EngineCore) -> dict[str, list[float]]:
