@@ -142,3 +142,29 @@ def test_train_demo_script_runs_end_to_end(tmp_path):
     for name in ADAPTER_NAMES:
         model = load_peft_model(model_dir, tmp_path / "adapters" / name)
         assert model(torch.tensor([[2, 3, 4]])).logits.shape[-1] == len(AutoTokenizer.from_pretrained(str(model_dir)))
+
+
+@pytest.mark.slow
+def test_an_fp8_kv_cache_keeps_the_demo_answers(demo):
+    """--kv-cache-dtype fp8_e4m3 on the trained demo model: the greedy answers to the corpus questions, base and both
+    adapters, are those of the full-precision cache, token for token (a trained model's K/V, unlike a random one's,
+    leave the answers' tokens clear winners)."""
+    _, outputs = demo
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    engine = Engine(
+        model_path=demo_model_path(),
+        dtype="float32",
+        lora_paths=demo_adapter_paths(),
+        skip_precompile=True,
+        context_length=128,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+        kv_cache_dtype="fp8_e4m3",
+    )
+    try:
+        ids = [chat_ids(tokenizer, q) for q in QUESTIONS]
+        for name in (None, *ADAPTER_NAMES):
+            outs = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path=[name] * len(ids))
+            assert [out["output_ids"] for out in outs] == outputs[name], name
+    finally:
+        engine.shutdown()
