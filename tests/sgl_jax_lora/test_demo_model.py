@@ -1,6 +1,7 @@
 """The shipped demo (sgl_jax_lora/demo/weights/, copied by demo_model.py): it loads; our engine's greedy tokens equal
 HF transformers + PEFT's on the demo model and both demo adapters; the trained base model gives a corpus answer;
-the upper-case adapter answers in upper case; scripts/train_demo.py still runs end to end.
+the upper-case adapter answers in upper case; an 8-bit KV cache keeps the answers; scripts/train_demo.py still runs
+end to end.
 """
 
 from __future__ import annotations
