@@ -4,8 +4,8 @@ Layout per tensor: [L, K, N, D] (heads before slots: see layers/attention.py) wi
 K = kv heads held across the tensor axis (replicated copies when tp > num_kv_heads), sharded on K.
 Page 0 is scratch: padding tokens write there and the allocator never hands it out.
 The cache holds the model's dtype, or 8-bit floats (`kv_cache_dtype`, --kv-cache-dtype fp8_e4m3 / fp8_e5m2): K/V
-are saturated and cast as they are written (layers/attention.py `write_kv`), with no scale, and widened back to
-the model's dtype as the attention reads them.
+are saturated and cast as they are written (layers/attention.py `write_kv`), with no scale, and widened again as
+the attention reads them (pallas_kernels/attention).
 """
 
 from __future__ import annotations

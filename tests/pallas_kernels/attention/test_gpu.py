@@ -187,6 +187,29 @@ def test_fp8_cache_interpret(cache_dtype, decode_only):
     check(args, page_size=4, decode_only=decode_only, interpret=True, **tiles)
 
 
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_fp8_cache_with_bf16_queries_multiplies_in_float16(decode_only):
+    # beside bf16 queries an 8-bit cache widens to float16 (one conversion a pair on the GPU): within bf16's tolerance
+    # of the reference, and a query past float16's range saturates instead of turning the row into inf or NaN
+    q_lens, kv_lens, num_tokens = ([1, 1, 0, 1], [9, 8, 0, 21], 5) if decode_only else PREFILL_CASES[0]
+    args = make_inputs(
+        q_lens,
+        kv_lens,
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.bfloat16,
+        num_tokens=num_tokens,
+        cache_dtype=jnp.float8_e4m3fn,
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+    check(args, page_size=4, decode_only=decode_only, interpret=True, **tiles)
+    q = args[0].at[0, 0, 0].set(1e6)
+    out = ragged_paged_attention_gpu(q, *args[1:], page_size=4, scale=0.25, decode_only=decode_only, interpret=True)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
 def test_fp8_cache_lowers_for_cuda(cache_dtype):
     # Triton lowering needs no GPU: both kernels of the engine's path (and the decode-only one) lower for CUDA with
