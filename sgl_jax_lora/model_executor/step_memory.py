@@ -106,7 +106,14 @@ def device_memory() -> tuple[int, int] | None:
 def kv_tokens_from_memory(args: ServerArgs, limit: int, used: int, reserve: int, bytes_per_token: float) -> int:
     """KV tokens per device: --mem-fraction-static of the device limit, less what is in use and the step reserve."""
     tokens = int((limit * args.mem_fraction_static - used - reserve) / bytes_per_token)
-    logger.info("KV cache: %d tokens; %.2f GB per device left for the largest step's programs", tokens, reserve / 1e9)
+    logger.info(
+        "KV cache: %d tokens (%d bytes each per device, --kv-cache-dtype %s); %.2f GB per device left for the largest "
+        "step's programs",
+        tokens,
+        bytes_per_token,
+        args.kv_cache_dtype,
+        reserve / 1e9,
+    )
     if tokens < args.page_size * 2:
         raise MemoryError(
             f"no device memory left for the KV cache (limit {limit} B, in use {used} B, the largest step "
