@@ -49,10 +49,8 @@ def hf_greedy(model, ids: list[int], eos_id: int) -> list[int]:
     return generated[len(ids) :]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    """(tokenizer, {None | adapter name: [output_ids per question]}) from one engine serving base and both adapters."""
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+def demo_answers(tokenizer, **engine_args) -> dict:
+    """{None | adapter name: [output_ids per question]} from one engine serving base and both adapters (float32)."""
     engine = Engine(
         model_path=demo_model_path(),
         dtype="float32",
@@ -61,6 +59,7 @@ def demo():
         context_length=128,
         max_running_requests=8,
         chunked_prefill_size=64,
+        **engine_args,
     )
     try:
         ids = [chat_ids(tokenizer, q) for q in QUESTIONS]
@@ -70,7 +69,14 @@ def demo():
             outputs[name] = [out["output_ids"] for out in outs]
     finally:
         engine.shutdown()
-    return tokenizer, outputs
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """(tokenizer, {None | adapter name: [output_ids per question]}) with a full-precision KV cache."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
+    return tokenizer, demo_answers(tokenizer)
 
 
 def test_shipped_demo_model_and_adapters_load():
@@ -150,22 +156,5 @@ def test_an_fp8_kv_cache_keeps_the_demo_answers(demo):
     """--kv-cache-dtype fp8_e4m3 on the trained demo model: the greedy answers to the corpus questions, base and both
     adapters, are those of the full-precision cache, token for token (a trained model's K/V, unlike a random one's,
     leave the answers' tokens clear winners)."""
-    _, outputs = demo
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    engine = Engine(
-        model_path=demo_model_path(),
-        dtype="float32",
-        lora_paths=demo_adapter_paths(),
-        skip_precompile=True,
-        context_length=128,
-        max_running_requests=8,
-        chunked_prefill_size=64,
-        kv_cache_dtype="fp8_e4m3",
-    )
-    try:
-        ids = [chat_ids(tokenizer, q) for q in QUESTIONS]
-        for name in (None, *ADAPTER_NAMES):
-            outs = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path=[name] * len(ids))
-            assert [out["output_ids"] for out in outs] == outputs[name], name
-    finally:
-        engine.shutdown()
+    tokenizer, outputs = demo
+    assert demo_answers(tokenizer, kv_cache_dtype="fp8_e4m3") == outputs

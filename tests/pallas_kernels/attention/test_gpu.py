@@ -164,6 +164,23 @@ def test_q_block_table_leaves_decode_rows_to_the_decode_kernel():
 
 
 FP8_CACHES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+FP8_TILES = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+
+
+def fp8_inputs(decode_only: bool, q_dtype, cache_dtype):
+    """Decode rows (a padding sequence, keys past a page boundary) or prefill chunks, in an 8-bit cache."""
+    q_lens, kv_lens, num_tokens = ([1, 1, 0, 1], [9, 8, 0, 21], 5) if decode_only else PREFILL_CASES[0]
+    return make_inputs(
+        q_lens,
+        kv_lens,
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=q_dtype,
+        num_tokens=num_tokens,
+        cache_dtype=cache_dtype,
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
@@ -171,40 +188,16 @@ FP8_CACHES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
 def test_fp8_cache_interpret(cache_dtype, decode_only):
     # an 8-bit cache (--kv-cache-dtype fp8_*): the kernels widen K/V to q's dtype as they load them, so in float32
     # they match the reference (which widens the same values) to float32 rounding; keys past kv_len stay unread
-    q_lens, kv_lens, num_tokens = ([1, 1, 0, 1], [9, 8, 0, 21], 5) if decode_only else PREFILL_CASES[0]
-    args = make_inputs(
-        q_lens,
-        kv_lens,
-        heads=8,
-        kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        dtype=jnp.float32,
-        num_tokens=num_tokens,
-        cache_dtype=cache_dtype,
-    )
-    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
-    check(args, page_size=4, decode_only=decode_only, interpret=True, **tiles)
+    args = fp8_inputs(decode_only, jnp.float32, cache_dtype)
+    check(args, page_size=4, decode_only=decode_only, interpret=True, **FP8_TILES)
 
 
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_fp8_cache_with_bf16_queries_multiplies_in_float16(decode_only):
     # beside bf16 queries an 8-bit cache widens to float16 (one conversion a pair on the GPU): within bf16's tolerance
     # of the reference, and a query past float16's range saturates instead of turning the row into inf or NaN
-    q_lens, kv_lens, num_tokens = ([1, 1, 0, 1], [9, 8, 0, 21], 5) if decode_only else PREFILL_CASES[0]
-    args = make_inputs(
-        q_lens,
-        kv_lens,
-        heads=8,
-        kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        dtype=jnp.bfloat16,
-        num_tokens=num_tokens,
-        cache_dtype=jnp.float8_e4m3fn,
-    )
-    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
-    check(args, page_size=4, decode_only=decode_only, interpret=True, **tiles)
+    args = fp8_inputs(decode_only, jnp.bfloat16, jnp.float8_e4m3fn)
+    check(args, page_size=4, decode_only=decode_only, interpret=True, **FP8_TILES)
     q = args[0].at[0, 0, 0].set(1e6)
     out = ragged_paged_attention_gpu(q, *args[1:], page_size=4, scale=0.25, decode_only=decode_only, interpret=True)
     assert np.isfinite(np.asarray(out, np.float32)).all()
