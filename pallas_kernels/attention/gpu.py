@@ -158,7 +158,8 @@ def _load_kv_block(
     k_ref, v_ref, page_table_ref, layer, kv_head, seq, block, kv_len, *, block_kv, page_size, compute_dtype
 ):
     """K and V rows [block_kv, D] of key block `block` of sequence `seq`, gathered through the page table; rows at
-    or past kv_len are not read (zeros). Returns (k, v, key positions, key row is valid)."""
+    or past kv_len are not read (zeros). An 8-bit cache's rows come widened to compute_dtype (q's, as `_load_q`
+    chose it). Returns (k, v, key positions, key row is valid)."""
     cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
     pos = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     is_key = pos < kv_len
@@ -167,9 +168,8 @@ def _load_kv_block(
     at = (layer, kv_head, slot[:, None], cols[None, :])
     row_mask = jnp.broadcast_to(is_key[:, None], (block_kv, cols.shape[0]))
     if jnp.dtype(k_ref.dtype).itemsize == 1:  # an 8-bit cache: widened here (Triton fills no 8-bit `other`)
-        compute = _compute_dtype(k_ref.dtype, compute_dtype)
-        k = jnp.where(row_mask, plgpu.load(k_ref.at[at], mask=row_mask).astype(compute), 0)
-        v = jnp.where(row_mask, plgpu.load(v_ref.at[at], mask=row_mask).astype(compute), 0)
+        k = jnp.where(row_mask, plgpu.load(k_ref.at[at], mask=row_mask).astype(compute_dtype), 0)
+        v = jnp.where(row_mask, plgpu.load(v_ref.at[at], mask=row_mask).astype(compute_dtype), 0)
         return k, v, pos, is_key
     k = plgpu.load(k_ref.at[at], mask=row_mask, other=0)
     v = plgpu.load(v_ref.at[at], mask=row_mask, other=0)
@@ -242,7 +242,7 @@ def _decode_kernel(
             kv_len,
             block_kv=block_kv,
             page_size=page_size,
-            compute_dtype=q_ref.dtype,
+            compute_dtype=q.dtype,
         )
         mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
         return _softmax_step(carry, q, k, v, mask, scale_log2)
@@ -381,7 +381,7 @@ def _prefill_kernel(
         kv_len=kv_len,
         block_kv=block_kv,
         page_size=page_size,
-        compute_dtype=q_ref.dtype,
+        compute_dtype=q.dtype,
     )
 
     def full_block(kv_block, carry):  # every key at or below every query of the block
