@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from scripts.bench_serving import sample_lengths  # noqa: E402
 from sgl_jax_lora.configs.buckets import Buckets  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.req import Req  # noqa: E402
+from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sgl_jax_lora.managers.scheduler import Scheduler  # noqa: E402
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator  # noqa: E402
 from sgl_jax_lora.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -48,9 +50,16 @@ def build_scheduler(engine_flags: list[str]) -> tuple[Scheduler, Buckets]:
     return Scheduler(buckets, allocator, args.max_running_requests, budget, args.max_prefill_seqs), buckets
 
 
-def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs: np.ndarray) -> dict:
+def simulate(
+    scheduler: Scheduler,
+    buckets: Buckets,
+    inputs: np.ndarray,
+    outputs: np.ndarray,
+    on_step: Callable[[ScheduleBatch], None] | None = None,
+) -> dict:
     """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
-    the steps that ran each token bucket (`steps_by_bucket`)."""
+    the steps that ran each token bucket (`steps_by_bucket`). `on_step` sees each planned step before its tokens land
+    (its requests' `num_computed` is then the context before the step)."""
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
         params = SamplingParams(max_new_tokens=int(num_out), ignore_eos=True)
         scheduler.add(Req(f"r{i}", [0] * int(num_in), params, seed=0, arrival_time=float(i)))
@@ -62,6 +71,8 @@ def simulate(scheduler: Scheduler, buckets: Buckets, inputs: np.ndarray, outputs
         plan = scheduler.schedule()
         if plan is None:
             raise RuntimeError("the scheduler planned no step with requests left: a request can never fit the cache")
+        if on_step is not None:
+            on_step(plan)
         num_tokens = sum(plan.num_new_tokens)
         kind = kinds["mixed" if plan.num_decode_rows < len(plan.reqs) else "decode"]
         kind["steps"] += 1

@@ -1,0 +1,163 @@
+"""The work floor of bench_serving.py's workload: the least time any engine needs for its steps on one GPU.
+
+Where it sits: beside scripts/simulate_schedule.py, whose scheduler run it replays (the engine's own steps for these
+flags, no device), to say how far a measured throughput is from what the work itself allows, and whether a goal is
+reachable on this workload at all. Each step's work, for a Llama-3-8B-shaped model (`bench_offline.LLAMA3_8B`):
+
+- FLOPs: 2 per decoder-layer weight per token, 2 per LM-head weight per sampled row, and 4 x head dim per causal
+  (query, key) pair per query head and layer (QK^T and PV);
+- bytes: every weight but the embedding table read once, plus each sequence's keys and values read once (its
+  context before the step and the step's new tokens) and the new tokens' K/V written, at --kv-bytes per element.
+
+A step's floor is its roofline, max(FLOPs / GEMM peak, bytes / HBM bandwidth): compute and memory perfectly
+overlapped inside the step, no padding, no launch gaps, no host time. The run's floor is the sum over steps (also
+per step kind: mixed steps hold prefill chunks, decode steps decode rows only), and output tokens over it the
+ceiling on output tok/s. The serial floor is what an engine that runs its linears and its attention one after the
+other (as ours does: separate kernels) can reach: per step, the linears at max(FLOPs / peak, weight bytes / bandwidth)
+plus attention at max(FLOPs / peak, K/V bytes / bandwidth). The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the
+790 TFLOP/s bf16 GEMM rate measured on one, docs/benchmarks.md). Also printed: the four parts of the work, each at
+its own peak, so that it shows which bound the steps meet.
+
+Usage: python scripts/serving_floor.py [--kv-bytes 1] [--json out.json] -- <engine flags, as simulate_schedule.py>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.bench_offline import LLAMA3_8B  # noqa: E402
+from scripts.bench_serving import sample_lengths  # noqa: E402
+from scripts.simulate_schedule import build_scheduler, simulate, split_engine_flags, workload_parser  # noqa: E402
+from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelWork:
+    """Per-token and per-step constants of a model's work (weights in elements, bytes per weight element 2)."""
+
+    layer_weights: int  # decoder-layer linear weights (q|k|v, o, gate|up, down), all layers
+    head_weights: int  # LM head
+    attention_flops_per_pair: int  # per (query, key) pair, all query heads and layers
+    kv_elements_per_token: int  # K and V elements of one token, all layers
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelWork:
+        hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+        heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+        per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+        return cls(
+            layer_weights=layers * per_layer,
+            head_weights=hidden * config["vocab_size"],
+            attention_flops_per_pair=4 * head_dim * heads * layers,
+            kv_elements_per_token=2 * kv_heads * head_dim * layers,
+        )
+
+
+@dataclasses.dataclass
+class FloorTally:
+    """The work of the steps seen so far, and the sum of their rooflines."""
+
+    model: ModelWork
+    gemm_flops_per_s: float
+    hbm_bytes_per_s: float
+    kv_bytes: float
+    floor_s: float = 0.0
+    serial_floor_s: float = 0.0
+    floor_s_by_kind: dict[str, float] = dataclasses.field(default_factory=lambda: {"mixed": 0.0, "decode": 0.0})
+    linear_flops: float = 0.0
+    attention_flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_read_write_bytes: float = 0.0
+
+    def add_step(self, plan: ScheduleBatch) -> None:
+        """One planned step, before its tokens land (each request's num_computed is its context before the step)."""
+        tokens = sampled = pairs = kv_tokens = 0
+        for req, num_new in zip(plan.reqs, plan.num_new_tokens):
+            context = req.num_computed
+            tokens += num_new
+            sampled += context + num_new == req.seq_len  # the step ends its prompt or decodes: one token out
+            pairs += num_new * context + num_new * (num_new + 1) // 2
+            kv_tokens += context + 2 * num_new  # context and new keys read, new keys written
+        linear = 2.0 * (self.model.layer_weights * tokens + self.model.head_weights * sampled)
+        attention = float(self.model.attention_flops_per_pair * pairs)
+        weights = 2.0 * (self.model.layer_weights + self.model.head_weights)
+        kv = self.kv_bytes * self.model.kv_elements_per_token * kv_tokens
+        floor = max((linear + attention) / self.gemm_flops_per_s, (weights + kv) / self.hbm_bytes_per_s)
+        self.floor_s += floor
+        self.serial_floor_s += max(linear / self.gemm_flops_per_s, weights / self.hbm_bytes_per_s) + max(
+            attention / self.gemm_flops_per_s, kv / self.hbm_bytes_per_s
+        )
+        self.floor_s_by_kind["mixed" if plan.num_decode_rows < len(plan.reqs) else "decode"] += floor
+        self.linear_flops += linear
+        self.attention_flops += attention
+        self.weight_bytes += weights
+        self.kv_read_write_bytes += kv
+
+    def parts_s(self) -> dict[str, float]:
+        """Each part of the work alone at its peak, seconds."""
+        return {
+            "linear_flops_s": self.linear_flops / self.gemm_flops_per_s,
+            "attention_flops_s": self.attention_flops / self.gemm_flops_per_s,
+            "weight_bytes_s": self.weight_bytes / self.hbm_bytes_per_s,
+            "kv_bytes_s": self.kv_read_write_bytes / self.hbm_bytes_per_s,
+        }
+
+
+def main() -> None:
+    own, engine_flags = split_engine_flags(sys.argv[1:])
+    parser = workload_parser(__doc__)
+    parser.add_argument(
+        "--gemm-tflops", type=float, default=790.0, help="bf16 GEMM rate, TFLOP/s (790: H100, measured)"
+    )
+    parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth, TB/s (3.35: H100 SXM; 4.8: H200)")
+    parser.add_argument("--kv-bytes", type=int, default=2, choices=(1, 2), help="bytes per K/V element (1: fp8 cache)")
+    opts = parser.parse_args(own)
+    inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
+    scheduler, buckets = build_scheduler(engine_flags)
+    tally = FloorTally(ModelWork.from_config(LLAMA3_8B), opts.gemm_tflops * 1e12, opts.hbm_tb_s * 1e12, opts.kv_bytes)
+    steps = simulate(scheduler, buckets, inputs, outputs, on_step=tally.add_step)
+    output_tokens = int(outputs.sum())
+    result = {
+        "input_tokens": int(inputs.sum()),
+        "output_tokens": output_tokens,
+        "steps": steps["mixed"]["steps"] + steps["decode"]["steps"],
+        "floor_s": tally.floor_s,
+        "floor_s_by_kind": tally.floor_s_by_kind,
+        "steps_by_kind": {kind: steps[kind]["steps"] for kind in ("mixed", "decode")},
+        "ceiling_output_tok_per_s": output_tokens / tally.floor_s,
+        "serial_floor_s": tally.serial_floor_s,
+        "serial_ceiling_output_tok_per_s": output_tokens / tally.serial_floor_s,
+        **tally.parts_s(),
+        "gemm_tflops": opts.gemm_tflops,
+        "hbm_tb_s": opts.hbm_tb_s,
+        "kv_bytes": opts.kv_bytes,
+        "engine_flags": engine_flags,
+    }
+    print(
+        f"{result['steps']} steps, {output_tokens} output tokens: floor {tally.floor_s:.2f} s, ceiling "
+        f"{result['ceiling_output_tok_per_s']:.0f} output tok/s"
+    )
+    print(
+        f"serial floor (the linears, then attention, each at its own bound): {tally.serial_floor_s:.2f} s, ceiling "
+        f"{result['serial_ceiling_output_tok_per_s']:.0f} output tok/s"
+    )
+    print(
+        "by step kind (as simulate_schedule.py counts them): "
+        + ", ".join(
+            f"{kind} {steps[kind]['steps']} steps, floor {s:.2f} s" for kind, s in tally.floor_s_by_kind.items()
+        )
+    )
+    print("parts, each at its peak: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in tally.parts_s().items()))
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
