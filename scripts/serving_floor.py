@@ -34,7 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_offline import LLAMA3_8B  # noqa: E402
 from scripts.bench_serving import sample_lengths  # noqa: E402
-from scripts.simulate_schedule import build_scheduler, simulate, split_engine_flags, workload_parser  # noqa: E402
+from scripts.simulate_schedule import (  # noqa: E402
+    build_scheduler,
+    simulate,
+    split_engine_flags,
+    step_kind,
+    workload_parser,
+)
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
 
 
@@ -94,7 +100,7 @@ class FloorTally:
         self.serial_floor_s += max(linear / self.gemm_flops_per_s, weights / self.hbm_bytes_per_s) + max(
             attention / self.gemm_flops_per_s, kv / self.hbm_bytes_per_s
         )
-        self.floor_s_by_kind["mixed" if plan.num_decode_rows < len(plan.reqs) else "decode"] += floor
+        self.floor_s_by_kind[step_kind(plan)] += floor
         self.linear_flops += linear
         self.attention_flops += attention
         self.weight_bytes += weights

@@ -50,6 +50,11 @@ def build_scheduler(engine_flags: list[str]) -> tuple[Scheduler, Buckets]:
     return Scheduler(buckets, allocator, args.max_running_requests, budget, args.max_prefill_seqs), buckets
 
 
+def step_kind(plan: ScheduleBatch) -> str:
+    """ "mixed" when the step holds a prefill chunk (a request that is not a decode row), else "decode"."""
+    return "mixed" if plan.num_decode_rows < len(plan.reqs) else "decode"
+
+
 def simulate(
     scheduler: Scheduler,
     buckets: Buckets,
@@ -74,7 +79,7 @@ def simulate(
         if on_step is not None:
             on_step(plan)
         num_tokens = sum(plan.num_new_tokens)
-        kind = kinds["mixed" if plan.num_decode_rows < len(plan.reqs) else "decode"]
+        kind = kinds[step_kind(plan)]
         kind["steps"] += 1
         kind["tokens"] += num_tokens
         kind["decode_rows"] += plan.num_decode_rows
