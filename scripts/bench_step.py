@@ -7,6 +7,8 @@ weights) timed per attention backend, and with 32 LoRA adapters, side by side in
 Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: 32 adapters of rank 16 on all 7
 projections in 33 device slots, the auto LoRA backend, tokens round-robin over the adapters), then runs each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
+  decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
+               rows (padding tokens write slot 0, padding sequences hold no tokens)
   prefill:SxN  S prompts of N new tokens each, no cached prefix (one step of S * N tokens)
 Reported per case: the forward's median time over --repeats calls (the engine's step adds logits and sampling),
 the HBM floor (weights but the embedding table, plus the K/V read, at --hbm-tb-s) and the ratio to it, and the
@@ -46,37 +48,50 @@ PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
 MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
 
 
-def parse_case(text: str) -> tuple[str, int, int]:
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """`kind:SxN[@B]` -> (kind, S, N, bucket B: S rows unpadded when not given)."""
     kind, shape = text.split(":")
-    seqs, length = shape.split("x")
-    if kind == "prefill" and int(seqs) > MAX_PREFILL_SEQS:
+    shape, _, bucket = shape.partition("@")
+    seqs, length = (int(v) for v in shape.split("x"))
+    if kind == "prefill" and seqs > MAX_PREFILL_SEQS:
         raise SystemExit(f"{text}: at most {MAX_PREFILL_SEQS} prompts in a prefill case (the engine's default)")
-    return kind, int(seqs), int(length)
+    if bucket and (kind != "decode" or int(bucket) < seqs):
+        raise SystemExit(f"{text}: a bucket is for decode cases, at least their S rows")
+    return kind, seqs, length, int(bucket or (seqs if kind == "decode" else 0))
 
 
 def case_batch(
-    kind: str, num_seqs: int, length: int, max_pages: int, lora
+    kind: str, num_seqs: int, length: int, bucket: int, max_pages: int, lora
 ) -> tuple[ForwardBatch, list[int], list[int]]:
-    """The step's ForwardBatch (sequence s on pages 1 + s * pages_per_seq ...) -> (batch, q_lens, kv_lens)."""
+    """The step's ForwardBatch (sequence s on pages 1 + s * pages_per_seq ...; decode rows padded to `bucket` tokens
+    and sequences as ScheduleBatch.to_forward_batch pads them) -> (batch, q_lens, kv_lens) of the real sequences."""
     q_len = 1 if kind == "decode" else length
     kv_len = length if kind == "decode" else length
     pages_per_seq = -(-kv_len // PAGE_SIZE)
     num_tokens = num_seqs * q_len
-    page_table = np.zeros((num_seqs, max_pages), np.int32)
-    page_table[:, :pages_per_seq] = 1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+    padded = max(bucket, num_seqs)  # sequences, and tokens of a decode case
+    page_table = np.zeros((padded, max_pages), np.int32)
+    page_table[:num_seqs, :pages_per_seq] = 1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(
+        num_seqs, -1
+    )
     seq = np.repeat(np.arange(num_seqs), q_len)
     positions = (kv_len - q_len + np.tile(np.arange(q_len), num_seqs)).astype(np.int32)
     cache_loc = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-    cu_q_lens = np.arange(num_seqs + 1, dtype=np.int32) * q_len
+    cu_q_lens = np.full(padded + 1, num_tokens, np.int32)
+    cu_q_lens[: num_seqs + 1] = np.arange(num_seqs + 1, dtype=np.int32) * q_len
+    last_token_index = np.zeros(padded, np.int32)
+    last_token_index[:num_seqs] = cu_q_lens[1 : num_seqs + 1] - 1
+    pad_tokens = padded - num_seqs if kind == "decode" else 0
+    ids = np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32)
     batch = ForwardBatch(
-        input_ids=np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32),
-        positions=positions,
-        cache_loc=cache_loc.astype(np.int32),
-        seq_lens=np.full(num_seqs, kv_len, np.int32),
+        input_ids=np.pad(ids, (0, pad_tokens)),
+        positions=np.pad(positions, (0, pad_tokens)),
+        cache_loc=np.pad(cache_loc.astype(np.int32), (0, pad_tokens)),
+        seq_lens=np.pad(np.full(num_seqs, kv_len, np.int32), (0, padded - num_seqs)),
         page_table=page_table,
         cu_q_lens=cu_q_lens,
-        last_token_index=cu_q_lens[1:] - 1,
-        lora=lora(num_tokens) if lora else None,
+        last_token_index=last_token_index,
+        lora=lora(num_tokens + pad_tokens, num_tokens) if lora else None,
         input_from_prev=None,
     )
     return batch, [q_len] * num_seqs, [kv_len] * num_seqs
@@ -132,8 +147,9 @@ def lora_batches(num_slots: int):
     scale[0] = rank[0] = 0
     buckets = segment_buckets(num_slots)
 
-    def make(num_tokens: int):
+    def make(num_tokens: int, live_tokens: int):
         token_slot = 1 + np.arange(num_tokens, dtype=np.int32) % NUM_ADAPTERS
+        token_slot[live_tokens:] = 0  # padding tokens: the base slot, as the engine pads them
         distinct = len(np.unique(token_slot))
         return build_lora_batch(token_slot, next(g for g in buckets if g >= distinct), scale, rank)
 
@@ -152,14 +168,14 @@ def main() -> None:
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
     cases = [parse_case(c) for c in opts.cases]
-    max_pages = max(-(-length // PAGE_SIZE) for _, _, length in cases)
-    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length in cases)
+    max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
+    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     rows = []
     for variant in opts.variants:
         state, kv, forward = build(cfg, variant, num_pages)
         lora = lora_batches(NUM_ADAPTERS + 1) if variant.endswith("+lora") else None
-        for kind, seqs, length in cases:
-            batch, q_lens, kv_lens = case_batch(kind, seqs, length, max_pages, lora)
+        for kind, seqs, length, bucket in cases:
+            batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
             batch = jax.device_put(batch)
             start = time.perf_counter()
             out, kv = forward(state, kv, batch)
@@ -173,7 +189,17 @@ def main() -> None:
                 times.append(time.perf_counter() - start)
             rows.append(
                 report(
-                    cfg, state, variant, kind, seqs, length, q_lens, kv_lens, statistics.median(times), compile_s, opts
+                    cfg,
+                    state,
+                    variant,
+                    kind,
+                    (seqs, bucket),
+                    length,
+                    q_lens,
+                    kv_lens,
+                    statistics.median(times),
+                    compile_s,
+                    opts,
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -192,7 +218,9 @@ def main() -> None:
             )
 
 
-def report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
+def report(cfg, state, variant, kind, sizes, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
+    """One case's row; sizes: (S, the bucket), the HBM floor and FLOPs of the S real rows."""
+    seqs, bucket = sizes
     embed = cfg.vocab_size * cfg.hidden_size * 2
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if x.dtype == jnp.bfloat16) - embed
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
@@ -203,7 +231,7 @@ def report(cfg, state, variant, kind, seqs, length, q_lens, kv_lens, seconds, co
     flops = 2 * tokens * weights / 2 + 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
     return {
         "variant": variant,
-        "case": f"{kind}:{seqs}x{length}",
+        "case": f"{kind}:{seqs}x{length}" + (f"@{bucket}" if kind == "decode" and bucket != seqs else ""),
         "tokens": tokens,
         "forward_ms": seconds * 1e3,
         "hbm_floor_ms": floor_s * 1e3,

@@ -1,0 +1,54 @@
+"""scripts/bench_step.py: the cases it parses and the padded decode batches it builds (no model: the layout is
+checked against the engine's padding rules and through the attention reference)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention.reference import ragged_paged_attention_ref
+from scripts.bench_step import PAGE_SIZE, case_batch, parse_case
+
+
+def test_cases_parse_with_and_without_a_bucket():
+    assert parse_case("decode:64x512") == ("decode", 64, 512, 64)
+    assert parse_case("decode:751x384@1024") == ("decode", 751, 384, 1024)
+    assert parse_case("prefill:8x256") == ("prefill", 8, 256, 0)
+    for bad in ("decode:64x512@32", "prefill:8x256@4096", "prefill:9x256"):
+        with pytest.raises(SystemExit):
+            parse_case(bad)
+
+
+def test_a_padded_decode_case_is_the_unpadded_one_plus_the_engines_padding():
+    """5 decode rows at context 37 in an 8-token bucket: the real rows as in the unpadded case; padding tokens are
+    token 0 at position 0 writing slot 0, padding sequences hold no tokens, keys or pages (ScheduleBatch's rules);
+    attention over the padded layout gives the real rows the unpadded result and the padding rows zeros."""
+    num_seqs, context, bucket, max_pages = 5, 37, 8, 3
+    padded, q_lens, kv_lens = case_batch("decode", num_seqs, context, bucket, max_pages, None)
+    plain, _, _ = case_batch("decode", num_seqs, context, num_seqs, max_pages, None)
+    assert q_lens == [1] * num_seqs and kv_lens == [context] * num_seqs
+    assert padded.input_ids.shape == (bucket,) and padded.page_table.shape == (bucket, max_pages)
+    assert list(padded.cu_q_lens) == [0, 1, 2, 3, 4, 5, 5, 5, 5]
+    assert not padded.input_ids[num_seqs:].any() and not padded.positions[num_seqs:].any()
+    assert not padded.cache_loc[num_seqs:].any() and not padded.seq_lens[num_seqs:].any()
+    assert not padded.page_table[num_seqs:].any()
+    for field in ("input_ids", "positions", "cache_loc", "seq_lens", "page_table", "cu_q_lens", "last_token_index"):
+        np.testing.assert_array_equal(getattr(padded, field)[: len(getattr(plain, field))], getattr(plain, field))
+    assert set(plain.cache_loc // PAGE_SIZE) <= set(plain.page_table.ravel()) - {0}  # each row writes its own pages
+
+    slots = (1 + num_seqs * max_pages) * PAGE_SIZE
+    keys = jax.random.split(jax.random.key(0), 3)
+    k, v = (jax.random.normal(key, (1, 2, slots, 16), jnp.float32) for key in keys[:2])
+    q = jax.random.normal(keys[2], (bucket, 4, 16), jnp.float32)
+
+    def attend(batch, rows):
+        layout = (batch.seq_lens, batch.page_table, batch.cu_q_lens)
+        return np.asarray(
+            ragged_paged_attention_ref(q[:rows], k, v, jnp.int32(0), *layout, page_size=PAGE_SIZE, scale=0.25)
+        )
+
+    out = attend(padded, bucket)
+    np.testing.assert_allclose(out[:num_seqs], attend(plain, num_seqs), rtol=1e-6, atol=1e-6)
+    assert np.abs(out[:num_seqs]).min() > 0 and not out[num_seqs:].any()
