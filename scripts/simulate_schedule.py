@@ -8,8 +8,8 @@ choose `--chunked-prefill-size`, `--max-running-requests`, `--max-prefill-seqs`,
 requests ignore EOS). No model runs: the counts are the scheduler's, the time of a step is not modelled.
 
 Prints, per step kind ("decode": decode rows only; "mixed": prefill chunks, with decode rows beside them), the steps,
-their tokens and decode rows, the mean of each and of the padded bucket, how many steps ran each token bucket; and the
-preemptions (a decode row short of a KV page takes the newest running request's pages, which later recomputes its
+their tokens and decode rows, the mean of each and of the padded bucket, how many steps ran each token bucket and
+their mean tokens there; and the preemptions (a decode row short of a KV page takes the newest running request's pages, which later recomputes its
 prefill).
 
 Usage: python scripts/simulate_schedule.py [--num-requests 1000] [--json out.json] -- --max-running-requests 1024
@@ -63,13 +63,20 @@ def simulate(
     on_step: Callable[[ScheduleBatch], None] | None = None,
 ) -> dict:
     """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
-    the steps that ran each token bucket (`steps_by_bucket`). `on_step` sees each planned step before its tokens land
+    the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens (`mean_tokens_by_bucket`). `on_step` sees each planned step before its tokens land
     (its requests' `num_computed` is then the context before the step)."""
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
         params = SamplingParams(max_new_tokens=int(num_out), ignore_eos=True)
         scheduler.add(Req(f"r{i}", [0] * int(num_in), params, seed=0, arrival_time=float(i)))
     kinds = {
-        kind: dict(steps=0, tokens=0, decode_rows=0, bucket_tokens=0, steps_by_bucket=dict.fromkeys(buckets.tokens, 0))
+        kind: dict(
+            steps=0,
+            tokens=0,
+            decode_rows=0,
+            bucket_tokens=0,
+            steps_by_bucket=dict.fromkeys(buckets.tokens, 0),
+            tokens_by_bucket=dict.fromkeys(buckets.tokens, 0),
+        )
         for kind in ("decode", "mixed")
     }
     while scheduler.num_active:
@@ -86,6 +93,7 @@ def simulate(
         bucket = next(t for t in buckets.tokens if t >= num_tokens)
         kind["bucket_tokens"] += bucket
         kind["steps_by_bucket"][bucket] += 1
+        kind["tokens_by_bucket"][bucket] += num_tokens
         for req, num_new in zip(plan.reqs, plan.num_new_tokens):
             req.num_computed += num_new
             if req.num_computed == req.seq_len:  # a decode row, or the chunk that ends a prefill: one token
@@ -95,7 +103,9 @@ def simulate(
     for kind in kinds.values():
         steps = max(kind["steps"], 1)
         kind.update(mean_tokens=kind["tokens"] / steps, mean_bucket=kind["bucket_tokens"] / steps)
+        tokens_by_bucket = kind.pop("tokens_by_bucket")
         kind["steps_by_bucket"] = {bucket: n for bucket, n in kind["steps_by_bucket"].items() if n}
+        kind["mean_tokens_by_bucket"] = {b: tokens_by_bucket[b] / n for b, n in kind["steps_by_bucket"].items()}
     return dict(kinds, preemptions=scheduler.num_preemptions, token_buckets=list(buckets.tokens))
 
 
@@ -128,7 +138,8 @@ def main() -> None:
         print(
             f"{kind}: {row['steps']} steps, {row['mean_tokens']:.0f} tokens each (bucket {row['mean_bucket']:.0f}), "
             f"{row['decode_rows'] / max(row['steps'], 1):.0f} decode rows each; steps per bucket "
-            f"{row['steps_by_bucket']}"
+            f"{row['steps_by_bucket']}, mean tokens per bucket "
+            + str({bucket: round(mean) for bucket, mean in row["mean_tokens_by_bucket"].items()})
         )
     print(f"preemptions: {result['preemptions']}; token buckets: {result['token_buckets']}")
     if opts.json:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from scripts.simulate_schedule import build_scheduler, simulate
 from tests.support import REPO_ROOT
@@ -34,6 +35,13 @@ def test_every_prompt_and_output_token_is_scheduled_once():
         assert sum(kind["steps_by_bucket"].values()) == kind["steps"]
         assert set(kind["steps_by_bucket"]) <= set(result["token_buckets"])
         assert sum(b * n for b, n in kind["steps_by_bucket"].items()) == kind["bucket_tokens"] >= kind["tokens"]
+        means = kind["mean_tokens_by_bucket"]
+        assert set(means) == set(kind["steps_by_bucket"])
+        assert sum(means[b] * n for b, n in kind["steps_by_bucket"].items()) == pytest.approx(kind["tokens"])
+        buckets = sorted(result["token_buckets"])
+        for bucket, mean in means.items():  # each bucket holds the steps too large for the one below it
+            below = max((b for b in buckets if b < bucket), default=0)
+            assert below < mean <= bucket
 
 
 def test_a_step_budget_above_the_context_length_fills_steps_above_it():
