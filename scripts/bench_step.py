@@ -33,6 +33,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
+from sgl_jax_lora.configs.buckets import pick  # noqa: E402
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
@@ -151,7 +152,7 @@ def lora_batches(num_slots: int):
         token_slot = 1 + np.arange(num_tokens, dtype=np.int32) % NUM_ADAPTERS
         token_slot[live_tokens:] = 0  # padding tokens: the base slot, as the engine pads them
         distinct = len(np.unique(token_slot))
-        return build_lora_batch(token_slot, next(g for g in buckets if g >= distinct), scale, rank)
+        return build_lora_batch(token_slot, pick(buckets, distinct), scale, rank)
 
     return make
 

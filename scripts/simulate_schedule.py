@@ -9,8 +9,8 @@ requests ignore EOS). No model runs: the counts are the scheduler's, the time of
 
 Prints, per step kind ("decode": decode rows only; "mixed": prefill chunks, with decode rows beside them), the steps,
 their tokens and decode rows, the mean of each and of the padded bucket, how many steps ran each token bucket and
-their mean tokens there; and the preemptions (a decode row short of a KV page takes the newest running request's pages, which later recomputes its
-prefill).
+their mean tokens there; and the preemptions (a decode row short of a KV page takes the newest running request's
+pages, which later recomputes its prefill).
 
 Usage: python scripts/simulate_schedule.py [--num-requests 1000] [--json out.json] -- --max-running-requests 1024
     --chunked-prefill-size 4096 --context-length 1536 --max-total-tokens 330000 [--token-buckets ...]
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_serving import sample_lengths  # noqa: E402
-from sgl_jax_lora.configs.buckets import Buckets  # noqa: E402
+from sgl_jax_lora.configs.buckets import Buckets, pick  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.req import Req  # noqa: E402
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
@@ -63,8 +63,9 @@ def simulate(
     on_step: Callable[[ScheduleBatch], None] | None = None,
 ) -> dict:
     """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
-    the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens (`mean_tokens_by_bucket`). `on_step` sees each planned step before its tokens land
-    (its requests' `num_computed` is then the context before the step)."""
+    the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens (`mean_tokens_by_bucket`).
+    `on_step` sees each planned step before its tokens land (its requests' `num_computed` is then the context before
+    the step)."""
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
         params = SamplingParams(max_new_tokens=int(num_out), ignore_eos=True)
         scheduler.add(Req(f"r{i}", [0] * int(num_in), params, seed=0, arrival_time=float(i)))
@@ -90,7 +91,7 @@ def simulate(
         kind["steps"] += 1
         kind["tokens"] += num_tokens
         kind["decode_rows"] += plan.num_decode_rows
-        bucket = next(t for t in buckets.tokens if t >= num_tokens)
+        bucket = pick(buckets.tokens, num_tokens)  # the engine's choice (ScheduleBatch.padded_sizes)
         kind["bucket_tokens"] += bucket
         kind["steps_by_bucket"][bucket] += 1
         kind["tokens_by_bucket"][bucket] += num_tokens
