@@ -9,10 +9,13 @@ and times, side by side in one process:
   `default_k_splits` picks for the GPU's SMs (what the engine runs from `--gpu-gemm-min-tokens`);
 - `unsplit`: the same kernel with one K loop per tile (`k_splits=1`), where the kernel splits.
 
-It also reports the largest absolute difference between the two outputs of the last layer. Needs a Hopper GPU;
-`--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
+It also reports the largest absolute difference between the two outputs of the last layer. `--tilings` adds, per
+row, the kernel with other CTA tiles: `WxK` is W columns per consumer warpgroup (`tile_n`: 128 is the default
+256-column CTA tile, 64 a 128-column one; the deepest pipeline that fits shared memory) and K parts of the K loop.
+Needs a Hopper GPU; `--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
 
 Usage: python scripts/bench_gemm.py --json out.json [--tokens 128,256,512,1024,2048] [--modules qkv,o]
+    [--tilings 64x1,64x2]
 """
 
 from __future__ import annotations
@@ -28,16 +31,52 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.gemm_gpu import default_k_splits, gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 
 # Llama-3-8B modules: in, packed out
 MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
+SMEM_BYTES = 227 * 1024 - 1024  # an H100 block's shared memory, less the barriers' spare
+
+
+def parse_tilings(text: str) -> list[tuple[int, int]]:
+    """ "64x1,64x2" -> [(tile_n, k_splits), ...]; tile_n a multiple of 64 up to 128, k_splits 1, 2, 4 or 8."""
+    tilings = []
+    for item in filter(None, text.split(",")):
+        try:
+            tile_n, k_splits = (int(part) for part in item.split("x"))
+        except ValueError:
+            raise ValueError(f"tiling {item!r}: write WxK, e.g. 64x2 (tile_n 64, the K loop in 2 parts)") from None
+        if tile_n not in (64, 128) or k_splits not in (1, 2, 4, 8):
+            raise ValueError(f"tiling {item!r}: tile_n must be 64 or 128 and the K parts 1, 2, 4 or 8")
+        tilings.append((tile_n, k_splits))
+    return tilings
+
+
+def tiles_for(tile_n: int, k_splits: int) -> GemmLoraTiles:
+    """The deepest pipeline (up to 6 stages) of these tiles that fits shared memory; float32 stores with K parts."""
+    itemsize, epilogue_n = (4, 32) if k_splits > 1 else (2, 64)
+    for stages in (6, 5, 4, 3):
+        tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n)
+        if tiles.smem_bytes(0, itemsize) <= SMEM_BYTES:
+            return tiles
+    raise ValueError(f"no pipeline of tile_n {tile_n} fits shared memory")
+
+
 def measure_row(
-    module: str, in_dim: int, out_dim: int, num_tokens: int, layers: int, min_seconds: float, reference: bool = False
+    module: str,
+    in_dim: int,
+    out_dim: int,
+    num_tokens: int,
+    layers: int,
+    min_seconds: float,
+    reference: bool = False,
+    tilings: tuple[tuple[int, int], ...] = (),
 ) -> dict:
-    """Times both programs over one [layers, in, out] stack; microseconds per layer."""
+    """Times both programs (and the kernel with each of `tilings`) over one [layers, in, out] stack; microseconds
+    per layer."""
     w = jax.jit(
         lambda: (jax.random.normal(jax.random.key(0), (layers, in_dim, out_dim), jnp.float32) * 0.02).astype(
             jnp.bfloat16
@@ -54,6 +93,16 @@ def measure_row(
         unsplit = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), k_splits=1) for layer in range(layers)])
         unsplit_us = time_fn(unsplit, (x, w), min_seconds) / layers * 1e6
     diff = jnp.abs(kernel(x, w)[-1].astype(jnp.float32) - xla(x, w)[-1].astype(jnp.float32))
+    tiled_us = {}
+    for tile_n, parts in tilings:
+        tiles = tiles_for(tile_n, parts)
+        tiled = jax.jit(
+            lambda x, w, tiles=tiles, parts=parts: [
+                gemm_gpu(x, w, jnp.int32(layer), tiles=tiles, k_splits=parts, reference=reference)
+                for layer in range(layers)
+            ]
+        )
+        tiled_us[f"{tile_n}x{parts}"] = time_fn(tiled, (x, w), min_seconds) / layers * 1e6
     return dict(
         module=module,
         in_dim=in_dim,
@@ -66,6 +115,7 @@ def measure_row(
         unsplit_us=unsplit_us,
         ratio=kernel_us / xla_us,
         max_abs_diff=float(jnp.max(diff)),
+        tilings_us=tiled_us,
     )
 
 
@@ -77,20 +127,25 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--min-seconds", type=float, default=0.5, help="time per program (bench_lora_kernels.time_fn)")
     parser.add_argument("--reference", action="store_true", help="time the kernel's pure-JAX reference (no GPU)")
+    parser.add_argument("--tilings", default="", help="comma-separated WxK: the kernel with tile_n W and K parts")
     args = parser.parse_args()
+    tilings = tuple(parse_tilings(args.tilings))
     rows = []
     print("| module | T | xla us/layer | kernel us/layer | K parts | unsplit us/layer | kernel / xla | max abs diff |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for module in args.modules.split(","):
         in_dim, out_dim = MODULES[module]
         for num_tokens in (int(t) for t in args.tokens.split(",")):
-            row = measure_row(module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference)
+            row = measure_row(
+                module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference, tilings
+            )
             unsplit_us = row["unsplit_us"]
             rows.append(row)
             print(
                 f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['k_splits']} | "
                 f"{'-' if unsplit_us is None else f'{unsplit_us:.1f}'} | {row['ratio']:.3f} | "
-                f"{row['max_abs_diff']:.3g} |",
+                f"{row['max_abs_diff']:.3g} |"
+                + "".join(f" {name}: {us:.1f} |" for name, us in row["tilings_us"].items()),
                 flush=True,
             )
     if args.json:

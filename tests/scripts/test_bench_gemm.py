@@ -18,3 +18,31 @@ def test_a_shape_the_kernel_refuses_raises_naming_the_fix():
 
     with pytest.raises(ValueError, match="do not fit tiles"):
         measure_row("o", 128, 384, 128, layers=1, min_seconds=0.01, reference=True)
+
+
+def test_tilings_parse_and_refuse_what_the_kernel_does_not_take():
+    import pytest
+
+    from scripts.bench_gemm import parse_tilings
+
+    assert parse_tilings("64x1,128x2,") == [(64, 1), (128, 2)]
+    with pytest.raises(ValueError, match="write WxK"):
+        parse_tilings("64")
+    with pytest.raises(ValueError, match="tile_n must be 64 or 128"):
+        parse_tilings("96x1")
+    with pytest.raises(ValueError, match="K parts 1, 2, 4 or 8"):
+        parse_tilings("64x3")
+
+
+def test_tilings_take_the_deepest_pipeline_that_fits_shared_memory():
+    from scripts.bench_gemm import SMEM_BYTES, tiles_for
+
+    assert (tiles_for(128, 1).stages, tiles_for(128, 1).epilogue_n) == (4, 64)  # the kernel's default tiles
+    assert (tiles_for(64, 1).stages, tiles_for(64, 2).stages, tiles_for(64, 2).epilogue_n) == (6, 6, 32)
+    for tiles, itemsize in ((tiles_for(64, 1), 2), (tiles_for(64, 4), 4), (tiles_for(128, 2), 4)):
+        assert tiles.smem_bytes(0, itemsize) <= SMEM_BYTES
+
+
+def test_a_row_times_each_tiling():
+    row = measure_row("o", 128, 256, 128, layers=2, min_seconds=0.01, reference=True, tilings=((64, 1), (64, 2)))
+    assert set(row["tilings_us"]) == {"64x1", "64x2"} and all(us > 0 for us in row["tilings_us"].values())
