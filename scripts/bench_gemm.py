@@ -31,18 +31,15 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.gemm_gpu import default_k_splits, gemm_gpu  # noqa: E402
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 
 # Llama-3-8B modules: in, packed out
 MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
-SMEM_BYTES = 227 * 1024 - 1024  # an H100 block's shared memory, less the barriers' spare
-
-
 def parse_tilings(text: str) -> list[tuple[int, int]]:
-    """ "64x1,64x2" -> [(tile_n, k_splits), ...]; tile_n a multiple of 64 up to 128, k_splits 1, 2, 4 or 8."""
+    """ "64x1,64x2" -> [(tile_n, k_splits), ...]; tile_n 64 or 128, k_splits 1, 2, 4 or 8."""
     tilings = []
     for item in filter(None, text.split(",")):
         try:
@@ -57,12 +54,7 @@ def parse_tilings(text: str) -> list[tuple[int, int]]:
 
 def tiles_for(tile_n: int, k_splits: int) -> GemmLoraTiles:
     """The deepest pipeline (up to 6 stages) of these tiles that fits shared memory; float32 stores with K parts."""
-    itemsize, epilogue_n = (4, 32) if k_splits > 1 else (2, 64)
-    for stages in (6, 5, 4, 3):
-        tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n)
-        if tiles.smem_bytes(0, itemsize) <= SMEM_BYTES:
-            return tiles
-    raise ValueError(f"no pipeline of tile_n {tile_n} fits shared memory")
+    return choose_gemm_lora_tiles(0, out_itemsize=4 if k_splits > 1 else 2, tile_n=tile_n, max_stages=6)
 
 
 def measure_row(

@@ -72,13 +72,13 @@ class GemmLoraTiles:
         return pipeline + epilogue + lora
 
 
-def choose_gemm_lora_tiles(rank: int, out_itemsize: int = 2) -> GemmLoraTiles:
-    """The deepest pipeline that fits shared memory with this rank's LoRA tiles (narrower epilogue stores
-    before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32 parts of split
-    K, stored 32 columns (128 bytes) at a time."""
-    for stages in (4, 3, 2):
+def choose_gemm_lora_tiles(rank: int, out_itemsize: int = 2, tile_n: int = 128, max_stages: int = 4) -> GemmLoraTiles:
+    """The deepest pipeline, of at most `max_stages`, that fits shared memory with this rank's LoRA tiles (narrower
+    epilogue stores before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32
+    parts of split K, stored 32 columns (128 bytes) at a time. tile_n: the columns per consumer warpgroup."""
+    for stages in range(max_stages, 1, -1):
         for epilogue_n in (64, 32) if out_itemsize == 2 else (32,):
-            tiles = GemmLoraTiles(stages=stages, epilogue_n=epilogue_n)
+            tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n)
             if tiles.smem_bytes(rank, out_itemsize) + _SMEM_SPARE <= _SMEM_BYTES:
                 return tiles
     raise ValueError(

@@ -35,12 +35,12 @@ def test_tilings_parse_and_refuse_what_the_kernel_does_not_take():
 
 
 def test_tilings_take_the_deepest_pipeline_that_fits_shared_memory():
-    from scripts.bench_gemm import SMEM_BYTES, tiles_for
+    from scripts.bench_gemm import tiles_for
 
     assert (tiles_for(128, 1).stages, tiles_for(128, 1).epilogue_n) == (4, 64)  # the kernel's default tiles
     assert (tiles_for(64, 1).stages, tiles_for(64, 2).stages, tiles_for(64, 2).epilogue_n) == (6, 6, 32)
     for tiles, itemsize in ((tiles_for(64, 1), 2), (tiles_for(64, 4), 4), (tiles_for(128, 2), 4)):
-        assert tiles.smem_bytes(0, itemsize) <= SMEM_BYTES
+        assert tiles.smem_bytes(0, itemsize) + 1024 <= 227 * 1024  # an H100 block's shared memory, less the spare
 
 
 def test_a_row_times_each_tiling():
