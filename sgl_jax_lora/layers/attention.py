@@ -58,6 +58,48 @@ def write_kv(
     return _scatter_rows(k_cache, layer, cache_loc, k), _scatter_rows(v_cache, layer, cache_loc, v)
 
 
+def fuses_rope_kv_write(backend: AttentionBackend, head_dim: int) -> bool:
+    """Whether a layer rotates q and k and writes K/V in one kernel (`rotate_and_write_kv`): on the GPU attention
+    backend, for the head dims that kernel takes; elsewhere `rotate` and `write_kv` run as XLA ops."""
+    from pallas_kernels.attention.kv_write_gpu import fits_head_dim
+
+    return backend.name == "pallas_gpu" and fits_head_dim(head_dim)
+
+
+def rotate_and_write_kv(
+    qkv: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    rotary: tuple[jax.Array, jax.Array],
+    cache_loc: jax.Array,
+    num_heads: int,
+    backend: AttentionBackend,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The packed q|k|v output [T, (H + 2K) * D] (shard-major: each "tensor" shard's columns hold its q, k and v
+    heads) -> (q rotated [T, H, D], the caches with this step's k rotated and v written at cache_loc of layer
+    `layer`), in one GPU kernel (pallas_kernels/attention/kv_write_gpu.py; `interpret`: Pallas interpret mode, for
+    CPU tests). rotary: the forward's (cos, sin) tables (layers/rotary.py `rotary_tables`). The same as `rotate` on
+    q and k, then `write_kv`."""
+    from pallas_kernels.attention.kv_write_gpu import rope_kv_write_gpu
+
+    tp = 1 if backend.mesh is None else backend.mesh.shape["tensor"]
+    num_kv_heads = k_cache.shape[1]
+
+    def local(qkv, k_cache, v_cache, layer, cos, sin, cache_loc):
+        args = (qkv, cos, sin, cache_loc, layer, k_cache, v_cache)
+        return rope_kv_write_gpu(*args, num_heads=num_heads // tp, num_kv_heads=num_kv_heads // tp, interpret=interpret)
+
+    if tp == 1:
+        return local(qkv, k_cache, v_cache, layer, *rotary, cache_loc)
+    heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
+    in_specs = (P(None, "tensor"), caches, caches, P(), P(), P(), P())
+    out_specs = (heads, caches, caches)
+    sharded = jax.shard_map(local, mesh=backend.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return sharded(qkv, k_cache, v_cache, layer, *rotary, cache_loc)
+
+
 def _scatter_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: jax.Array) -> jax.Array:
     """cache[layer, :, cache_loc] = rows ([T, K, D]: the indexed dims come first), in place on GPU and TPU.
 

@@ -1,4 +1,7 @@
-"""Rotary position embedding (HF "rotate half" layout) with default, linear and llama3 frequency rules."""
+"""Rotary position embedding (HF "rotate half" layout) with default, linear and llama3 frequency rules.
+
+`inverse_frequencies` (per model), `rotary_tables` (the cosines and sines of one forward's positions, computed once
+and shared by the layers), `rotate` (x by those tables), `apply_rotary` (both in one call)."""
 
 from __future__ import annotations
 
@@ -30,13 +33,23 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [T, heads, D], positions [T] -> [T, heads, D] rotated (math in float32)."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+def rotary_tables(positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions [T] -> (cos, sin) [T, D/2] float32 of the angles position x inverse frequency: computed once per
+    forward and shared by every layer (the model passes them down)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D] rotated by the tables of `rotary_tables` (math in float32, the result in x's dtype)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray) -> jax.Array:
+    """x [T, heads, D], positions [T] -> [T, heads, D] rotated (math in float32)."""
+    return rotate(x, *rotary_tables(positions, inv_freq))

@@ -20,12 +20,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from sgl_jax_lora.layers.attention import AttentionBackend, paged_attention, write_kv
+from sgl_jax_lora.layers.attention import (
+    AttentionBackend,
+    fuses_rope_kv_write,
+    paged_attention,
+    rotate_and_write_kv,
+    write_kv,
+)
 from sgl_jax_lora.layers.base_gemm import BaseGemm
 from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
-from sgl_jax_lora.layers.rotary import apply_rotary, inverse_frequencies
+from sgl_jax_lora.layers.rotary import inverse_frequencies, rotary_tables, rotate
 from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
 from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.lora_linear import LoRABaseKernel, LoRALinear, LoRAModelSpec, LoRAWeight
@@ -118,22 +124,19 @@ class DecoderLayer(nnx.Module):
         self.down_proj = _make_linear("down_proj", mlp, (hidden,), use_bias=False, **linear)
 
     def __call__(
-        self, hidden: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch, lora: LoRAMeta | None
+        self,
+        hidden: jax.Array,
+        kv: KVCache,
+        layer: jax.Array,
+        batch: ForwardBatch,
+        lora: LoRAMeta | None,
+        rotary: tuple[jax.Array, jax.Array],
     ) -> tuple[jax.Array, KVCache]:
         """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv. lora: the LoRA backend's
-        metadata for the step (None: no token uses an adapter)."""
+        metadata for the step (None: no token uses an adapter); rotary: the forward's (cos, sin) tables."""
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
-        qkv = self.qkv_proj(x, lora)
-        q, k, v = split_packed(qkv, self.qkv_proj.part_sizes, self.tp_size)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, batch.positions, self.inv_freq)
-        k = apply_rotary(k, batch.positions, self.inv_freq)
-        k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
+        q, k_cache, v_cache = self._rotated_q_and_kv_write(self.qkv_proj(x, lora), kv, layer, batch, rotary)
         attn = paged_attention(
             q,
             k_cache,
@@ -151,6 +154,25 @@ class DecoderLayer(nnx.Module):
         gate, up = split_packed(self.gate_up_proj(x, lora), self.gate_up_proj.part_sizes, self.tp_size)
         hidden = self.down_proj(jax.nn.silu(gate) * up, lora, residual=hidden)
         return hidden, KVCache(k=k_cache, v=v_cache)
+
+    def _rotated_q_and_kv_write(
+        self, qkv: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch, rotary: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The packed q|k|v output -> (q rotated [T, H, D], the caches holding this step's k rotated and v): one GPU
+        kernel on the GPU attention backend (models without q/k norms), else XLA's rotary then `write_kv`."""
+        if self.q_norm is None and fuses_rope_kv_write(self.attention_backend, self.head_dim):
+            args = (qkv, kv.k, kv.v, layer, rotary, batch.cache_loc, self.num_heads)
+            return rotate_and_write_kv(*args, self.attention_backend)
+        num_tokens = qkv.shape[0]
+        q, k, v = split_packed(qkv, self.qkv_proj.part_sizes, self.tp_size)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, *rotary), rotate(k, *rotary)
+        k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
+        return q, k_cache, v_cache
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -173,6 +195,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, cfg.head_dim))
 
         # every parameter's declared logical axes gain the leading "layers" axis of the stack
         @nnx.vmap(
@@ -208,12 +231,13 @@ class LlamaForCausalLM(nnx.Module):
         elif lora is not None and lora.runs_base_gemm:
             stacked = (LoRAWeight, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
+        rotary = rotary_tables(batch.positions, self.inv_freq)  # once per forward: every layer rotates by them
 
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
             views = jax.tree.map(lambda stack: LayerStack(stack, layer), stacked_state)
-            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora)
+            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora, rotary)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

@@ -15,7 +15,18 @@ import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from sgl_jax_lora.configs.buckets import Buckets
-from sgl_jax_lora.layers.attention import QUERY_TILE, AttentionBackend, native_query_layout, paged_attention, write_kv
+from sgl_jax_lora.layers.attention import (
+    QUERY_TILE,
+    AttentionBackend,
+    fuses_rope_kv_write,
+    native_query_layout,
+    paged_attention,
+    rotate_and_write_kv,
+    write_kv,
+)
+from sgl_jax_lora.layers.linear import pack_parts
+from sgl_jax_lora.layers.rotary import apply_rotary, rotary_tables
+from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -229,3 +240,34 @@ def test_only_programs_lowered_for_cpu_write_kv_as_raw_bits():
     for platform, as_bits in (("cpu", True), ("cuda", False), ("tpu", False)):
         module = jax.export.export(jax.jit(write_kv), platforms=[platform])(*args).mlir_module()
         assert ("bitcast_convert" in module) == as_bits, platform
+
+
+def test_only_the_gpu_backend_fuses_rotary_and_kv_write():
+    assert fuses_rope_kv_write(AttentionBackend("pallas_gpu"), 128)
+    assert not fuses_rope_kv_write(AttentionBackend("pallas_gpu"), 80)  # a head the kernel does not take: XLA ops
+    for name in ("native", "pallas_tpu", "pallas_interpret"):
+        assert not fuses_rope_kv_write(AttentionBackend(name), 128)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_rotate_and_write_kv_equals_rotary_then_write_kv(tp_size):
+    # the kernel (interpret mode) on each tensor shard's packed q|k|v columns gives what a layer computes without
+    # it: q and k rotated by apply_rotary, k and v written by write_kv
+    heads, kv_heads, head_dim, tokens, inv_freq = 4, 2, 32, 21, tuple(1.0 / 100.0 ** (np.arange(16) / 16))
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.normal(size=(tokens, n, head_dim)), jnp.float32) for n in (heads, kv_heads, kv_heads))
+    positions = jnp.asarray(rng.integers(0, 900, tokens), jnp.int32)
+    loc = jnp.asarray(rng.permutation(np.arange(1, 64))[:tokens], jnp.int32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, kv_heads, 64, head_dim)), jnp.float32) for _ in range(2))
+    want_k, want_v = write_kv(k_cache, v_cache, jnp.int32(1), apply_rotary(k, positions, inv_freq), v, loc)
+    mesh = make_mesh(tp_size)
+    qkv = pack_parts([x.reshape(tokens, -1) for x in (q, k, v)], tp_size)
+    shard = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))  # noqa: E731
+    backend = AttentionBackend("pallas_gpu", mesh)
+    caches = (shard(c, jax.P(None, "tensor", None, None)) for c in (k_cache, v_cache))
+    rotary = rotary_tables(positions, inv_freq)
+    args = (shard(qkv, jax.P(None, "tensor")), *caches, jnp.int32(1), rotary, loc, heads, backend)
+    got_q, got_k, got_v = jax.jit(rotate_and_write_kv, static_argnums=(6, 7, 8))(*args, True)
+    np.testing.assert_allclose(np.asarray(got_q), np.asarray(apply_rotary(q, positions, inv_freq)), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))

@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import json
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
-from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
-from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
-from sgl_jax_lora.models.weight_loader import load_model_state
+from tests.support.model_export import export_forward
 
 pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
 
-PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
 # A Llama-shaped model with TPU-sized heads (head_dim 128, GQA 4/2... 8/4 at tp 4) and few layers.
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -54,47 +43,6 @@ def model_config(tmp_path_factory) -> ModelConfig:
     path = tmp_path_factory.mktemp("tpu-model")
     (path / "config.json").write_text(json.dumps(CONFIG))
     return ModelConfig.from_model_path(str(path))
-
-
-def export_forward(
-    cfg: ModelConfig,
-    tp_size: int,
-    with_lora: bool,
-    num_seqs: int,
-    num_tokens: int,
-    kv_dtype=jnp.bfloat16,
-    page_size: int = PAGE_SIZE,
-):
-    mesh = make_mesh(tp_size)
-    lora = None
-    if with_lora:
-        lora = LoRAModelSpec(
-            num_slots=NUM_SLOTS,
-            max_rank=MAX_RANK,
-            backend=PallasTPUBackend(mesh, interpret=False),
-            target_modules=frozenset(LORA_TARGETS),
-        )
-    graphdef, state = load_model_state(
-        cfg, tp_size, page_size, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend="pallas_tpu"
-    )
-    kv = allocate_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
-    lora_batch = None
-    if with_lora:
-        token_slot = np.arange(num_tokens, dtype=np.int32) % NUM_SLOTS
-        lora_batch = build_lora_batch(
-            token_slot, NUM_SLOTS, np.ones(NUM_SLOTS, np.float32), np.full(NUM_SLOTS, MAX_RANK)
-        )
-    batch = padding_forward_batch(num_seqs, num_tokens, cfg.max_position_embeddings // page_size, lora_batch)
-
-    def forward(state, kv, batch):
-        hidden, kv = nnx.merge(graphdef, state)(kv, batch)
-        return hidden, kv
-
-    def spec(x):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-
-    args = jax.tree.map(spec, (state, kv, batch))
-    return jax.export.export(jax.jit(forward, donate_argnums=1), platforms=["tpu"])(*args)
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +47,21 @@ def test_logprobs_match_hf(tmp_path, arch):
     ids = np.random.default_rng(1).integers(2, 491, size=37)
     ours, ref = log_softmax(our_logits(model_dir, ids)), log_softmax(hf_logits(model_dir, ids))
     assert np.abs(ours - ref).max() < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_gpu_attention_backend_matches_hf(tmp_path):
+    # the GPU path of a layer: q and k rotated and K/V written by one kernel, then the Triton attention kernels
+    model_dir = make_hf_model_dir(
+        tmp_path / "m", "llama", head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+    ids = np.random.default_rng(4).integers(2, 491, size=45)
+    with jax.default_matmul_precision("highest"):
+        ours = log_softmax(model_logits(model_dir, ids, jnp.float32, attention_backend="pallas_gpu"))
+    ref = log_softmax(hf_logits(model_dir, ids))
+    assert np.abs(ours - ref).max() < 1e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 

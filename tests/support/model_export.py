@@ -1,0 +1,77 @@
+"""A whole model forward exported or lowered for an accelerator from this CPU host, for the lowering tests:
+dummy weights on a mesh of fake devices, a padding step of one (S, T) token bucket, LoRA off or on (the Pallas TPU
+SGMV kernels). Nothing runs; the exported module's text shows which kernels the program holds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
+from sgl_jax_lora.lora.lora_batch import build_lora_batch
+from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
+from sgl_jax_lora.models.weight_loader import load_model_state
+
+PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
+
+
+def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: int, num_tokens: int, **options):
+    """The forward of the (num_seqs, num_tokens) bucket exported for TPU (options: those of `forward_program`)."""
+    forward, args = forward_program(cfg, tp_size, with_lora, num_seqs, num_tokens, **options)
+    return jax.export.export(forward, platforms=["tpu"])(*args)
+
+
+def lower_forward_for_cuda(cfg: ModelConfig, tp_size: int, num_seqs: int, num_tokens: int) -> str:
+    """The text of the forward lowered for CUDA with the GPU attention backend (LoRA off). Not exported: Triton
+    custom calls carry no export compatibility guarantee."""
+    forward, args = forward_program(cfg, tp_size, False, num_seqs, num_tokens, attention_backend="pallas_gpu")
+    return forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def forward_program(
+    cfg: ModelConfig,
+    tp_size: int,
+    with_lora: bool,
+    num_seqs: int,
+    num_tokens: int,
+    kv_dtype=jnp.bfloat16,
+    page_size: int = PAGE_SIZE,
+    attention_backend: str = "pallas_tpu",
+):
+    """-> (the jitted forward, its argument shapes with their shardings)."""
+    mesh = make_mesh(tp_size)
+    lora = None
+    if with_lora:
+        lora = LoRAModelSpec(
+            num_slots=NUM_SLOTS,
+            max_rank=MAX_RANK,
+            backend=PallasTPUBackend(mesh, interpret=False),
+            target_modules=frozenset(LORA_TARGETS),
+        )
+    graphdef, state = load_model_state(
+        cfg, tp_size, page_size, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend=attention_backend
+    )
+    kv = allocate_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
+    lora_batch = None
+    if with_lora:
+        token_slot = np.arange(num_tokens, dtype=np.int32) % NUM_SLOTS
+        lora_batch = build_lora_batch(
+            token_slot, NUM_SLOTS, np.ones(NUM_SLOTS, np.float32), np.full(NUM_SLOTS, MAX_RANK)
+        )
+    batch = padding_forward_batch(num_seqs, num_tokens, cfg.max_position_embeddings // page_size, lora_batch)
+
+    def forward(state, kv, batch):
+        hidden, kv = nnx.merge(graphdef, state)(kv, batch)
+        return hidden, kv
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+
+    return jax.jit(forward, donate_argnums=1), jax.tree.map(spec, (state, kv, batch))
