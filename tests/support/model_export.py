@@ -4,6 +4,9 @@ SGMV kernels). Nothing runs; the exported module's text shows which kernels the 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,31 @@ from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.models.weight_loader import load_model_state
 
 PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
+
+# A Llama-shaped model with heads the TPU and GPU kernels take (head_dim 128, 8 query and 4 kv heads) and few layers
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "vocab_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+STEPS = {"decode": (64, 64), "prefill_or_mixed": (16, 256)}  # (S, T): a token bucket's shape serves any mix
+
+
+def kernel_shaped_config(path: Path) -> ModelConfig:
+    """CONFIG written to path/config.json, read back as the model's config."""
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    return ModelConfig.from_model_path(str(path))
 
 
 def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: int, num_tokens: int, **options):

@@ -6,22 +6,17 @@ The GPU tests of the kernels (marked `gpu`) check what they compute."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from tests.sgl_jax_lora.model_executor.test_tpu_export import CONFIG, STEPS
-from tests.support.model_export import lower_forward_for_cuda
+from tests.support.model_export import STEPS, kernel_shaped_config, lower_forward_for_cuda
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory) -> ModelConfig:
-    path = tmp_path_factory.mktemp("gpu-model")
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    return ModelConfig.from_model_path(str(path))
+    return kernel_shaped_config(tmp_path_factory.mktemp("gpu-model"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

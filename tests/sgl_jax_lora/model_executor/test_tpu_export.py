@@ -8,41 +8,18 @@ passes that run inside libtpu (layouts, compilation) and the speed on a TPU are 
 
 from __future__ import annotations
 
-import json
-
 import jax.numpy as jnp
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from tests.support.model_export import export_forward
+from tests.support.model_export import STEPS, export_forward, kernel_shaped_config
 
 pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
-
-# A Llama-shaped model with TPU-sized heads (head_dim 128, GQA 4/2... 8/4 at tp 4) and few layers.
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 1024,
-    "vocab_size": 512,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-STEPS = {"decode": (64, 64), "prefill_or_mixed": (16, 256)}  # (S, T): a token bucket's shape serves any mix
 
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory) -> ModelConfig:
-    path = tmp_path_factory.mktemp("tpu-model")
-    (path / "config.json").write_text(json.dumps(CONFIG))
-    return ModelConfig.from_model_path(str(path))
+    return kernel_shaped_config(tmp_path_factory.mktemp("tpu-model"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])
