@@ -15,8 +15,9 @@ head, and rotates them (q, k) or copies them (v). Rotation is HF's "rotate half"
 k and v saturated to its finite range first, as layers/attention.py `write_kv` does. Padding tokens, whose slot is
 0 (the reserved page 0's scratch slot, which no sequence reads), write nothing.
 
-What exists here: `fits_head_dim`, `check_rope_kv_shapes`, `head_group` (raises, naming the fix, on shapes the kernel does not take) and
-`rope_kv_write_gpu` (the call). `rope_kv_write_ref` is the same in plain JAX (the CPU tests' reference).
+What exists here: `fits_head_dim` (the head dims it takes), `check_rope_kv_shapes` (raises, naming the way out, on
+shapes it does not take), `head_group` (heads per program) and `rope_kv_write_gpu` (the call); `rope_kv_write_ref`
+is the same in plain JAX (the CPU tests' reference).
 """
 
 from __future__ import annotations
