@@ -46,8 +46,8 @@ def check_rope_kv_shapes(num_heads: int, num_kv_heads: int, head_dim: int, qkv_w
     (H + 2K) x D, and D fit (`fits_head_dim`)."""
     if not fits_head_dim(head_dim):
         raise ValueError(
-            f"rope_kv_write_gpu: head_dim {head_dim} is not twice a power of two >= 16; the rotary embedding and K/V "
-            "write run as XLA ops for this model (restart with --attention-backend native to take that path everywhere)"
+            f"rope_kv_write_gpu: head_dim {head_dim} is not twice a power of two >= 16; rotate q and k and write K/V "
+            "with XLA ops for such heads (layers/rotary.py rotate, layers/attention.py write_kv), as the model does"
         )
     if qkv_width != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(

@@ -110,7 +110,6 @@ class DecoderLayer(nnx.Module):
         head_dim, hidden = cfg.head_dim, cfg.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, kv_heads, head_dim
         self.tp_size, self.page_size, self.attention_backend = tp_size, page_size, attention_backend
-        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, head_dim))
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         qkv_sizes = (cfg.num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         linear = dict(tp_size=tp_size, dtype=dtype, lora=lora, base_gemm=base_gemm)
@@ -195,6 +194,7 @@ class LlamaForCausalLM(nnx.Module):
         self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # the rotary inverse frequencies: the forward turns them into tables once and hands those to every layer
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, cfg.head_dim))
 
         # every parameter's declared logical axes gain the leading "layers" axis of the stack

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.linear import split_packed
-from sgl_jax_lora.layers.rotary import apply_rotary
+from sgl_jax_lora.layers.rotary import rotary_tables, rotate
 from sgl_jax_lora.train.lora_params import LoRAParams
 
 
@@ -107,9 +107,10 @@ def _use_cudnn_attention(q: jax.Array) -> bool:
 
 
 def _layer(
-    layer, hidden: jax.Array, positions: jax.Array, lora: dict, scaling: float, batch: int, dot: Dot
+    layer, hidden: jax.Array, rotary: tuple[jax.Array, jax.Array], lora: dict, scaling: float, batch: int, dot: Dot
 ) -> jax.Array:
-    """One decoder layer. hidden [N, E] with N = B * S (row-major), positions [N] -> [N, E]."""
+    """One decoder layer. hidden [N, E] with N = B * S (row-major) -> [N, E]; rotary: the (cos, sin) tables of the
+    N positions (layers/rotary.py rotary_tables, once per forward)."""
     num_tokens = hidden.shape[0]
     x = layer.input_layernorm(hidden)
     q, k, v = _packed(layer.qkv_proj, x, ("q_proj", "k_proj", "v_proj"), lora, scaling, dot)
@@ -118,7 +119,7 @@ def _layer(
     v = v.reshape(num_tokens, layer.num_kv_heads, layer.head_dim)
     if layer.q_norm is not None:
         q, k = layer.q_norm(q), layer.k_norm(k)
-    q, k = apply_rotary(q, positions, layer.inv_freq), apply_rotary(k, positions, layer.inv_freq)
+    q, k = rotate(q, *rotary), rotate(k, *rotary)
     split = lambda t: t.reshape(batch, num_tokens // batch, *t.shape[1:])  # noqa: E731
     attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5).reshape(num_tokens, -1)
     hidden = hidden + _plus(_base(layer.o_proj, attn, dot), _lora_delta(attn, lora, "o_proj", scaling))
@@ -137,12 +138,12 @@ def forward_logits(
     model = nnx.merge(graphdef, base_state)
     batch, seq_len = input_ids.shape
     hidden = model.embed_tokens(input_ids.reshape(-1))
-    positions = jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch)
+    rotary = rotary_tables(jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch), model.inv_freq)
     layer_def, layer_state = nnx.split(model.layers)
 
     def body(h, xs):
         state, layer_lora = xs
-        return _layer(nnx.merge(layer_def, state), h, positions, layer_lora, lora.scaling, batch, dot), None
+        return _layer(nnx.merge(layer_def, state), h, rotary, layer_lora, lora.scaling, batch, dot), None
 
     hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights))
     return _logits(model, model.norm(hidden), dot).reshape(batch, seq_len, -1)
