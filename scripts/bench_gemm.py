@@ -30,9 +30,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels.sgmv.gemm_fp8_gpu import gemm_fp8_gpu  # noqa: E402
 from pallas_kernels.sgmv.gemm_gpu import default_k_splits, gemm_gpu  # noqa: E402
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
+from sgl_jax_lora.layers.fp8 import quantize_activation, quantize_weight  # noqa: E402
 
 # Llama-3-8B modules: in, packed out
 MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -66,9 +68,10 @@ def measure_row(
     min_seconds: float,
     reference: bool = False,
     tilings: tuple[tuple[int, int], ...] = (),
+    fp8: bool = False,
 ) -> dict:
-    """Times both programs (and the kernel with each of `tilings`) over one [layers, in, out] stack; microseconds
-    per layer."""
+    """Times both programs (and the kernel with each of `tilings`, and with `fp8` the 8-bit kernel) over one
+    [layers, in, out] stack; microseconds per layer."""
     w = jax.jit(
         lambda: (jax.random.normal(jax.random.key(0), (layers, in_dim, out_dim), jnp.float32) * 0.02).astype(
             jnp.bfloat16
@@ -95,7 +98,9 @@ def measure_row(
             ]
         )
         tiled_us[f"{tile_n}x{parts}"] = time_fn(tiled, (x, w), min_seconds) / layers * 1e6
+    fp8_row = measure_fp8(x, w, layers, min_seconds, reference, xla(x, w)[-1]) if fp8 else {}
     return dict(
+        **fp8_row,
         module=module,
         in_dim=in_dim,
         out_dim=out_dim,
@@ -111,6 +116,28 @@ def measure_row(
     )
 
 
+def measure_fp8(x: jax.Array, w: jax.Array, layers: int, min_seconds: float, reference: bool, want: jax.Array) -> dict:
+    """The 8-bit kernel (pallas_kernels/sgmv/gemm_fp8_gpu.py) on the same stack quantized as `--quantization fp8`
+    loads it (layers/fp8.py): `fp8_us` with x quantized once outside, `fp8_quant_us` quantizing x in every layer as
+    the engine does; `fp8_rel_err`: the last layer's output against XLA's bf16 product, relative (max-norm)."""
+    wq, w_scale = jax.jit(quantize_weight)(w)
+    xq, x_scale = jax.jit(quantize_activation)(x)
+
+    def gemm(xq, x_scale, wq, w_scale, layer):
+        return gemm_fp8_gpu(xq, wq, x_scale * w_scale[layer], jnp.int32(layer), reference=reference)
+
+    def quantized(x, wq, w_scale):
+        return [gemm(*quantize_activation(x), wq, w_scale, layer) for layer in range(layers)]
+
+    kernel = jax.jit(lambda xq, x_scale, wq, w_scale: [gemm(xq, x_scale, wq, w_scale, i) for i in range(layers)])
+    fp8_us = time_fn(kernel, (xq, x_scale, wq, w_scale), min_seconds) / layers * 1e6
+    fp8_quant_us = time_fn(jax.jit(quantized), (x, wq, w_scale), min_seconds) / layers * 1e6
+    last = jax.jit(quantized)(x, wq, w_scale)[-1].astype(jnp.float32)
+    want = want.astype(jnp.float32)
+    error = float(jnp.max(jnp.abs(last - want)) / jnp.max(jnp.abs(want)))
+    return dict(fp8_us=fp8_us, fp8_quant_us=fp8_quant_us, fp8_rel_err=error)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here")
@@ -120,6 +147,7 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="time per program (bench_lora_kernels.time_fn)")
     parser.add_argument("--reference", action="store_true", help="time the kernel's pure-JAX reference (no GPU)")
     parser.add_argument("--tilings", default="", help="comma-separated WxK: the kernel with tile_n W and K parts")
+    parser.add_argument("--fp8", action="store_true", help="also time the 8-bit kernel of --quantization fp8")
     args = parser.parse_args()
     tilings = tuple(parse_tilings(args.tilings))
     rows = []
@@ -129,7 +157,7 @@ def main() -> None:
         in_dim, out_dim = MODULES[module]
         for num_tokens in (int(t) for t in args.tokens.split(",")):
             row = measure_row(
-                module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference, tilings
+                module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference, tilings, args.fp8
             )
             unsplit_us = row["unsplit_us"]
             rows.append(row)
@@ -137,7 +165,13 @@ def main() -> None:
                 f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['k_splits']} | "
                 f"{'-' if unsplit_us is None else f'{unsplit_us:.1f}'} | {row['ratio']:.3f} | "
                 f"{row['max_abs_diff']:.3g} |"
-                + "".join(f" {name}: {us:.1f} |" for name, us in row["tilings_us"].items()),
+                + "".join(f" {name}: {us:.1f} |" for name, us in row["tilings_us"].items())
+                + (
+                    f" fp8: {row['fp8_us']:.1f}, quantizing x: {row['fp8_quant_us']:.1f} (rel err "
+                    f"{row['fp8_rel_err']:.3f}) |"
+                    if args.fp8
+                    else ""
+                ),
                 flush=True,
             )
     if args.json:

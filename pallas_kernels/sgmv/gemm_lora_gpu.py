@@ -65,8 +65,8 @@ class GemmLoraTiles:
     snake_minor_n: bool = True  # tile order: snake along N (else along M) ...
     snake_width: int = 8  # ... in bands this many tiles wide
 
-    def smem_bytes(self, rank: int, out_itemsize: int = 2) -> int:
-        pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * 2
+    def smem_bytes(self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2) -> int:
+        pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * in_itemsize
         epilogue = 2 * 2 * 64 * self.epilogue_n * out_itemsize  # two warpgroups, two slots
         lora = 2 * (self.tile_m + self.tile_n) * rank * 2  # s and B tiles per warpgroup
         return pipeline + epilogue + lora
@@ -121,12 +121,15 @@ def choose_gemm_lora_split(
     return split_tiles, choose_k_splits(num_tokens, in_dim, out_dim, split_tiles, num_sms)
 
 
-def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1):
+def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1, fp8: bool = False):
     """The kernel body. refs: (w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs, out); with
     has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop.
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
     product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. The first part's tile adds
-    the LoRA entries, the others none."""
+    the LoRA entries, the others none.
+    fp8 (gemm_fp8_gpu.py, no LoRA): refs (w_row, scale, x, w, out) with 8-bit float x [T, in] and W stored K-major,
+    [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W there; the
+    float32 accumulator is multiplied by scale[0] before it is stored."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -134,9 +137,11 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
         w_row_ref, tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref = refs[:8]
         b_refs, out_ref = refs[8:-1], refs[-1]
         rank, num_entries = s_ref.shape[-1], s_ref.shape[0] // len(b_refs)
+    elif fp8:
+        w_row_ref, scale_ref, x_ref, w_ref, out_ref = refs
     else:
         w_row_ref, x_ref, w_ref, out_ref = refs
-    (num_tokens, in_dim), out_dim = x_ref.shape, w_ref.shape[1]
+    (num_tokens, in_dim), out_dim = x_ref.shape, out_ref.shape[1]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
     m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
@@ -148,6 +153,15 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
         swizzle = plgpu.find_swizzle(minor * bits)
         return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
+    if fp8:  # W K-major: a [cta_n, tk] block of its rows (the CTA's output columns)
+        w_block_spec = plgpu.BlockSpec(
+            (cta_n, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM
+        )
+    else:
+        w_block_spec = plgpu.BlockSpec(
+            (tk, cta_n), lambda k: (k, 0), transforms=transforms(tk), memory_space=plgpu.SMEM
+        )
+
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
@@ -155,7 +169,7 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((tk, cta_n), lambda k: (k, 0), transforms=transforms(tk), memory_space=plgpu.SMEM),
+                w_block_spec,
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -175,7 +189,8 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=pipeline(unused, unused).get_allocations(
-            x_ref.at[:, pl.ds(0, k_len)], w_ref.at[pl.ds(0, k_len), :]
+            x_ref.at[:, pl.ds(0, k_len)],
+            w_ref.at[pl.ds(0, cta_n), pl.ds(0, k_len)] if fp8 else w_ref.at[pl.ds(0, k_len), :],
         ),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols, out_ref.dtype)),
         **lora_allocs,
@@ -238,7 +253,10 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
                             def _next():
                                 fetch(entry + 1)
 
-                    acc = acc_ref[...].astype(out_ref.dtype)
+                    acc = acc_ref[...]
+                    if fp8:
+                        acc = acc * scale_ref[0]
+                    acc = acc.astype(out_ref.dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for em in range(tm // em_rows):
                         for en in range(tn // en_cols):
@@ -256,16 +274,21 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
                             )
 
             def mma(_, x_smem, w_smem, acc_ref):
-                plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
+                if fp8:  # this warpgroup's rows of the K-major block, read as a [tk, tn] operand
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[pl.ds(wg * tn, tn), :].transpose((1, 0)))
+                else:
+                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * tn, tn)])
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            # the split's K columns of x, and its rows of the layer's W in the [L * in, out] stack
+            # the split's K columns of x, and the layer's W: its rows of the [L * in, out] stack, or (fp8) the
+            # CTA's output rows of the K-major [L * out, in] stack and the split's K columns
             x_cols = pl.ds(split * k_len, k_len)
-            w_rows = pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len)
-            pipeline(mma, compute_context)(
-                x_ref.at[cta_rows, x_cols], w_ref.at[w_rows, cta_cols], allocations=pipeline_allocs
-            )
+            if fp8:
+                w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + ni * cta_n, cta_n), cta_n), x_cols]
+            else:
+                w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len), cta_cols]
+            pipeline(mma, compute_context)(x_ref.at[cta_rows, x_cols], w_view, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

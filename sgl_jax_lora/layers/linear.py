@@ -11,7 +11,9 @@ definitions); layers/sharding.py turns them into mesh shardings.
 The base weight is a `BaseKernel` parameter. Inside the model's layer loop it arrives as the layer's [in, out]
 slice, or, in prefill buckets that run the base GEMM kernel (`--gpu-gemm-min-tokens`, layers/base_gemm.py), as a
 LayerStack view of the [L, in, out] stack (layers/layer_stack.py), which `base` hands to that kernel when the module
-fits it and slices otherwise.
+fits it and slices otherwise. With `--quantization fp8` (`fp8` given) the base weight is an `Fp8Kernel` instead,
+8-bit [out, in] with an `Fp8Scale` per layer, always handed over as a LayerStack view, and `base` computes
+layers/fp8.py `fp8_product`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm
+from sgl_jax_lora.layers.fp8 import FP8_DTYPE, Fp8Gemm, fp8_product
 from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
 
 
@@ -39,9 +42,19 @@ class BaseKernel(nnx.Param):
     """A linear's base weight [in, out]: the model's layer loop can hand it over as a LayerStack view (see above)."""
 
 
+class Fp8Kernel(nnx.Param):
+    """A linear's 8-bit base weight [out, in] (K-major, float8_e4m3fn; --quantization fp8): the model's layer loop
+    always hands it over as a LayerStack view of the [L, out, in] stack, which the fp8 kernel reads in place."""
+
+
+class Fp8Scale(nnx.Param):
+    """The float32 scale of an Fp8Kernel, [1] per layer: kernel * scale approximates the 16-bit weight, transposed."""
+
+
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias). kernel [in, out]; `part_sizes` are the global widths of packed parts. base_gemm: the
-    model's base-GEMM kernel setting (None: XLA's dot always)."""
+    model's base-GEMM kernel setting (None: XLA's dot always). fp8: the model's fp8 setting (layers/fp8.py; None: the
+    weight in `dtype`)."""
 
     def __init__(
         self,
@@ -52,6 +65,7 @@ class Linear(nnx.Module):
         dtype: jnp.dtype,
         axes: LinearAxes,
         base_gemm: BaseGemm | None = None,
+        fp8: Fp8Gemm | None = None,
     ):
         if len(axes.part_axes) != len(part_sizes):
             raise ValueError(f"{len(part_sizes)} packed parts but {len(axes.part_axes)} part axes in {axes}")
@@ -60,16 +74,27 @@ class Linear(nnx.Module):
         self.tp_size = tp_size
         self.axes = axes
         self.base_gemm = base_gemm
+        self.fp8 = fp8
         out_features = sum(part_sizes)
-        self.kernel = BaseKernel(
-            jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis)
-        )
+        if fp8 is not None:
+            self.kernel = Fp8Kernel(
+                jnp.zeros((out_features, in_features), FP8_DTYPE), logical_axes=(axes.out_axis, axes.in_axis)
+            )
+            # [1], not a scalar: the layer stack's axis is added to a parameter's declared axes, and a scalar has none
+            self.kernel_scale = Fp8Scale(jnp.ones((1,), jnp.float32), logical_axes=(None,))
+        else:
+            self.kernel = BaseKernel(
+                jnp.zeros((in_features, out_features), dtype), logical_axes=(axes.in_axis, axes.out_axis)
+            )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
     def base(self, x: jax.Array) -> jax.Array:
         """x [T, in] -> [T, out] (packed layout): the base GEMM kernel on a LayerStack kernel in the buckets that
         run it, when the module fits it; else XLA's dot."""
         kernel = self.kernel.get_value()
+        if self.fp8 is not None:
+            y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes)
+            return y if self.bias is None else y + self.bias[...]
         if isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
             y = base_gemm(x, kernel, self.base_gemm, self.axes)
             if y is not None:

@@ -10,8 +10,9 @@ buffers (a donated, shape-stable update). At run time:
 with the step's backend metadata (`LoRAMeta`, built once per forward by the backend's `prepare`). When that
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
 in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
-fits it. Where it does not (and in steps without adapter tokens), the base GEMM is `Linear.base`: in buckets
-from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, else XLA's dot.
+fits it. Where it does not (and in steps without adapter tokens, and with an 8-bit base weight,
+`--quantization fp8`), the base GEMM is `Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM
+kernel of layers/base_gemm.py, with fp8 layers/fp8.py's, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.fp8 import Fp8Gemm
 from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
@@ -77,9 +79,11 @@ class LoRALinear(Linear):
         row_parallel: bool,
         axes: LinearAxes,
         base_gemm: BaseGemm | None = None,
+        fp8: Fp8Gemm | None = None,
     ):
-        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm)
-        self.kernel = LoRABaseKernel(self.kernel.get_value(), logical_axes=(axes.in_axis, axes.out_axis))
+        super().__init__(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm, fp8)
+        if fp8 is None:  # an 8-bit base weight stays an Fp8Kernel: the GEMM with the LoRA inside it is 16-bit only
+            self.kernel = LoRABaseKernel(self.kernel.get_value(), logical_axes=(axes.in_axis, axes.out_axis))
         self.part_names = part_names
         self.row_parallel = row_parallel
         self.backend = spec.backend
@@ -106,7 +110,7 @@ class LoRALinear(Linear):
             return super().__call__(x, residual=residual)
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
-        if lora.runs_base_gemm:  # prefill: base GEMM and LoRA in one kernel, where the module fits it
+        if lora.runs_base_gemm and self.fp8 is None:  # base GEMM and LoRA in one kernel, where the module fits it
             y = self.backend.apply_with_base(
                 x,
                 self.kernel.get_value(),

@@ -91,6 +91,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             max_prefill_chunks=args.max_prefill_seqs,
             base_gemm_min_tokens=args.gpu_gemm_min_tokens,
+            quantization=args.quantization,
         )
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)

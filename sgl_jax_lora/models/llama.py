@@ -28,8 +28,9 @@ from sgl_jax_lora.layers.attention import (
     write_kv,
 )
 from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.fp8 import Fp8Gemm
 from sgl_jax_lora.layers.layer_stack import LayerStack
-from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes, split_packed
+from sgl_jax_lora.layers.linear import BaseKernel, Fp8Kernel, Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import inverse_frequencies, rotary_tables, rotate
 from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
@@ -85,14 +86,17 @@ def _make_linear(
     dtype,
     lora: LoRAModelSpec | None,
     base_gemm: BaseGemm | None,
+    fp8: Fp8Gemm | None,
 ) -> Linear:
     axes = LINEAR_AXES[name]
     base_gemm = base_gemm.for_module(name) if base_gemm is not None else None
     if lora is None or name not in lora.target_modules:
-        return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm)
+        return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm, fp8)
     row_parallel = LORA_TARGETS[name][1]
     parts = _PART_NAMES[name]
-    return LoRALinear(in_features, part_sizes, parts, tp_size, use_bias, dtype, lora, row_parallel, axes, base_gemm)
+    return LoRALinear(
+        in_features, part_sizes, parts, tp_size, use_bias, dtype, lora, row_parallel, axes, base_gemm, fp8
+    )
 
 
 class DecoderLayer(nnx.Module):
@@ -105,6 +109,7 @@ class DecoderLayer(nnx.Module):
         lora: LoRAModelSpec | None,
         attention_backend: AttentionBackend,
         base_gemm: BaseGemm | None = None,
+        fp8: Fp8Gemm | None = None,
     ):
         kv_heads = cfg.kv_heads_per_shard(tp_size) * tp_size  # replicated when tp > num_kv_heads
         head_dim, hidden = cfg.head_dim, cfg.hidden_size
@@ -112,7 +117,7 @@ class DecoderLayer(nnx.Module):
         self.tp_size, self.page_size, self.attention_backend = tp_size, page_size, attention_backend
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps, dtype, "embed")
         qkv_sizes = (cfg.num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        linear = dict(tp_size=tp_size, dtype=dtype, lora=lora, base_gemm=base_gemm)
+        linear = dict(tp_size=tp_size, dtype=dtype, lora=lora, base_gemm=base_gemm, fp8=fp8)
         self.qkv_proj = _make_linear("qkv_proj", hidden, qkv_sizes, use_bias=cfg.qkv_bias, **linear)
         self.o_proj = _make_linear("o_proj", cfg.num_heads * head_dim, (hidden,), use_bias=False, **linear)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype, "head_dim") if cfg.qk_norm else None
@@ -187,8 +192,10 @@ class LlamaForCausalLM(nnx.Module):
         layers_per_scan_step: int = 1,
         attention_backend: AttentionBackend = AttentionBackend(),
         base_gemm: BaseGemm | None = None,
+        fp8: Fp8Gemm | None = None,
     ):
-        """base_gemm: the base GEMM kernel's setting (layers/base_gemm.py make_base_gemm; None: XLA's dot always)."""
+        """base_gemm: the base GEMM kernel's setting (layers/base_gemm.py make_base_gemm; None: XLA's dot always).
+        fp8: the decoder layers' linears in 8-bit floats (layers/fp8.py make_fp8_gemm; None: in `dtype`)."""
         self.config = cfg
         self.base_gemm = base_gemm
         self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
@@ -205,7 +212,7 @@ class LlamaForCausalLM(nnx.Module):
             transform_metadata={nnx.PARTITION_NAME: "layers", "logical_axes": "layers"},
         )
         def make_layers(_: int):
-            return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend, base_gemm)
+            return DecoderLayer(cfg, tp_size, page_size, dtype, lora, attention_backend, base_gemm, fp8)
 
         self.layers = make_layers(0)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, "embed")
@@ -225,11 +232,11 @@ class LlamaForCausalLM(nnx.Module):
         # weights; in buckets that run the base GEMM kernel, every layer linear's base weight) stay whole [L, ...]
         # arrays outside the scan: each layer gets LayerStack views (layers/layer_stack.py), so kernels that read the
         # stack in place never copy a layer's slot pool or weight
-        stacked = LoRAWeight
+        stacked = (LoRAWeight, Fp8Kernel)  # 8-bit weights (--quantization fp8): the fp8 kernel reads them in place
         if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):
-            stacked = (LoRAWeight, BaseKernel)  # LoRABaseKernel is a BaseKernel
+            stacked = (LoRAWeight, Fp8Kernel, BaseKernel)  # LoRABaseKernel is a BaseKernel
         elif lora is not None and lora.runs_base_gemm:
-            stacked = (LoRAWeight, LoRABaseKernel)
+            stacked = (LoRAWeight, Fp8Kernel, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
         rotary = rotary_tables(batch.positions, self.inv_freq)  # once per forward: every layer rotates by them
 

@@ -6,12 +6,16 @@ Flow: ModelRunner -> load_model_state(cfg, ...) -> (graphdef, state). The model 
 (NamedSharding from the axes each parameter declares, layers/sharding.py): the model's table of HF weight
 names (`hf_weights`, models/llama.py HF_WEIGHTS) says which HF tensors make each parameter; they are transposed
 to [in, out], packed shard-major (layers/weight_layout.py), stacked over layers and placed with jax.device_put.
-LoRA buffers start as zeros.
+LoRA buffers start as zeros. With `--quantization fp8` each decoder linear's weight is made the same way in the
+model's dtype ([L, in, out]) and quantized on the devices (layers/fp8.py `quantize_weight`: an 8-bit K-major
+[L, out, in] stack and one scale per layer), one parameter at a time, so the 16-bit stack of one module at most
+is ever on the devices beside the 8-bit model.
 Only safetensors are read; pickle checkpoints are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -21,12 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 
 from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.base_gemm import make_base_gemm
+from sgl_jax_lora.layers.fp8 import make_fp8_gemm, quantize_weight
+from sgl_jax_lora.layers.linear import Fp8Kernel, Fp8Scale
 from sgl_jax_lora.layers.sharding import state_shardings
 from sgl_jax_lora.layers.weight_layout import HFWeight
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
@@ -120,32 +126,70 @@ def load_model_state(
     attention_backend: str = "native",
     max_prefill_chunks: int | None = None,
     base_gemm_min_tokens: int | None = 0,
+    quantization: str | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout. max_prefill_chunks: the most prefill
     chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by.
     base_gemm_min_tokens: --gpu-gemm-min-tokens, the least token bucket whose layer linears run the base GEMM
-    kernel (layers/base_gemm.py; 0: never, None: the platform's default)."""
+    kernel (layers/base_gemm.py; 0: never, None: the platform's default). quantization: --quantization ('fp8':
+    the decoder layers' linear weights quantized here; None: every weight in `dtype`)."""
     model_cls = model_class_for(cfg)
     attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
     base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
+    fp8 = make_fp8_gemm(mesh) if quantization == "fp8" else None
     abstract = nnx.eval_shape(
-        lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention, base_gemm)
+        lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention, base_gemm, fp8)
     )
     graphdef, abstract_state = nnx.split(abstract)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
+        if fp8 is not None:
+            raise ModelConfigError(
+                f"'{cfg.model_path}' is a converted checkpoint; --quantization fp8 quantizes the weights of an HF "
+                "model directory as it loads them: serve the HF directory with --quantization fp8, or this "
+                "checkpoint without it"
+            )
         return graphdef, restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     shardings = state_shardings(mesh, abstract_state)
+
+    def weight_value(path: tuple[str, ...], shape: tuple[int, ...], value_dtype, sharding) -> jax.Array:
+        """A parameter of this shape and dtype, from the checkpoint or dummy, placed with `sharding`."""
+        if reader is None:
+            return _dummy_value(path, shape, value_dtype, sharding, seed)
+        host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path, shape)
+        return jax.device_put(host.astype(value_dtype), sharding)
+
+    flat = [(tuple(str(p) for p in path), variable) for path, variable in nnx.to_flat_state(abstract_state)]
+    scales = {}  # the scales of the 8-bit kernels, made with them
     leaves = []
-    for path, variable in nnx.to_flat_state(abstract_state):
-        path = tuple(str(p) for p in path)
+    for path, variable in flat:
         spec, sharding = variable.get_value(), shardings[path]
+        if isinstance(variable, Fp8Scale):
+            continue
         if isinstance(variable, LoRAWeight):
             value = jax.jit(lambda s=spec: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
-        elif reader is None:
-            value = _dummy_value(path, spec.shape, spec.dtype, sharding, seed)
+        elif isinstance(variable, Fp8Kernel):
+            scale_path = path[:-1] + ("kernel_scale",)
+            source = functools.partial(weight_value, path, (spec.shape[0], spec.shape[2], spec.shape[1]), dtype)
+            value, scales[scale_path] = _quantized_kernel(source, sharding, shardings[scale_path])
         else:
-            host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path, spec.shape)
-            value = jax.device_put(host.astype(spec.dtype), sharding)
+            value = weight_value(path, spec.shape, spec.dtype, sharding)
         leaves.append((path, variable.replace(value)))
+    leaves += [(path, variable.replace(scales[path])) for path, variable in flat if isinstance(variable, Fp8Scale)]
     return graphdef, nnx.from_flat_state(leaves)
+
+
+def _quantized_kernel(source, sharding: NamedSharding, scale_sharding: NamedSharding) -> tuple[jax.Array, jax.Array]:
+    """An Fp8Kernel [L, out, in] and its scales [L]: source(sharding) places the 16-bit [L, in, out] stack as the
+    16-bit model holds it (the kernel's axes swapped back); it is quantized on the devices, then freed."""
+    spec = sharding.spec
+    source = source(NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[2], spec[1])))
+    kernel, scale = jax.jit(_quantize_stack, out_shardings=(sharding, scale_sharding))(source)
+    source.delete()
+    return kernel, scale
+
+
+def _quantize_stack(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[L, in, out] -> (the 8-bit [L, out, in] stack, its scales [L, 1]: Fp8Scale's [1] per layer)."""
+    kernel, scale = quantize_weight(w)
+    return kernel, scale[:, None]

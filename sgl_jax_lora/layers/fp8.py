@@ -1,0 +1,128 @@
+"""8-bit float linears (`--quantization fp8`): weights and activations in float8_e4m3fn, one scale per tensor.
+
+Where it sits: between `Linear.base` (layers/linear.py) and pallas_kernels/sgmv/gemm_fp8_gpu.py. The weight loader
+(models/weight_loader.py) quantizes each decoder layer's linear weights once at startup (`quantize_weight`: one
+scale per layer and module, W stored K-major [out, in]); every step quantizes each linear's input
+(`quantize_activation`: one scale for the step's [T, in] tensor, from its largest magnitude) and `fp8_product`
+computes (xq @ Wq.T) * x_scale * w_scale in the input's dtype. This is vLLM's online fp8 scheme for checkpoints of
+16-bit weights (per-tensor weight scales, dynamic per-tensor activation scales). The embeddings, norms, attention,
+KV cache and LM head keep the model's dtype; LoRA adapters stay 16-bit and add their delta beside the 8-bit product.
+
+Paths: on Hopper GPUs the Mosaic GPU kernel reads the layer's rows of the K-major stack in place, in every token
+bucket; elsewhere (CPU, TPU, other GPUs) its pure-JAX reference, XLA's dot of the same 8-bit operands on the layer's
+slice. With tensor parallelism either runs under `jax.shard_map` on each device's shard of W: column-parallel
+modules quantize x replicated, row-parallel ones each quantize their own columns of x (scales differ by device,
+each applied before the all-reduce of the partial products). Layers whose shards do not fit the kernel's tiles
+(in a multiple of 128, out of 256: small models) take XLA's dot under GSPMD.
+
+What exists here: FP8_DTYPE, FP8_MAX, `quantize_weight`, `quantize_activation`, `Fp8Gemm` and `make_fp8_gemm` (the
+model's static setting), `fp8_product`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.sgmv.gemm_fp8_gpu import choose_fp8_tiles, gemm_fp8_gpu
+from pallas_kernels.sgmv.gemm_gpu import is_hopper
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
+from sgl_jax_lora.layers.sharding import logical_to_sharding
+
+if TYPE_CHECKING:  # type only: layers/linear.py imports this module
+    from sgl_jax_lora.layers.linear import LinearAxes
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+_MIN_SCALE = 1e-12  # the scale of an all-zero tensor (its values quantize to zeros either way)
+
+
+def _scale_of(amax: jax.Array) -> jax.Array:
+    return jnp.maximum(amax.astype(jnp.float32) / FP8_MAX, _MIN_SCALE)
+
+
+def _saturate(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """values / scale in float32, clipped to e4m3's finite range (it has no infinity), as 8-bit floats."""
+    return jnp.clip(values.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [..., in, out] -> (q [..., out, in] float8_e4m3fn, K-major; scale [...] f32): one scale per matrix, its
+    largest magnitude mapped to FP8_MAX, so that q * scale approximates w.T."""
+    scale = _scale_of(jnp.max(jnp.abs(w), axis=(-2, -1)))
+    return _saturate(jnp.swapaxes(w, -1, -2), scale[..., None, None]), scale
+
+
+def quantize_activation(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] -> (xq [T, in] float8_e4m3fn, scale f32 scalar), one scale for the tensor (its largest magnitude,
+    padding rows included: they are zeros)."""
+    scale = _scale_of(jnp.max(jnp.abs(x)))
+    return _saturate(x, scale), scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Gemm:
+    """The model's static fp8 setting (a static attribute of the model and of every decoder-layer linear)."""
+
+    mesh: Mesh | None = None  # the ("data", "tensor") mesh the weights are placed on; None: one device
+    reference: bool = True  # the kernel's pure-JAX reference (XLA's dot on the layer's slice) instead of the kernel
+
+
+def make_fp8_gemm(mesh: Mesh | None) -> Fp8Gemm:
+    """The Mosaic GPU kernel on Hopper GPUs, its reference elsewhere."""
+    return Fp8Gemm(mesh, reference=not is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0]))
+
+
+def fp8_product(
+    x: jax.Array,
+    kernel: jax.Array | LayerStack,
+    scale: jax.Array | LayerStack,
+    config: Fp8Gemm,
+    axes: LinearAxes,
+) -> jax.Array:
+    """x [T, in] @ the layer's 8-bit W ([out, in], or a LayerStack of the [L, out, in] stack) times the layer's W
+    scale ([1]), x quantized on the way in; [T, out] in x's dtype, all-reduced for row-parallel modules. Layers whose
+    shards do not fit the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD."""
+    w_scale = as_layer_array(scale)
+    if not _fits_kernel(kernel, config, axes):
+        xq, x_scale = quantize_activation(x)  # a split x's largest magnitude is reduced over its devices
+        y = jax.lax.dot_general(
+            xq, as_layer_array(kernel), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return (y * (x_scale * w_scale)).astype(x.dtype)
+    stack, layer = (kernel.stack, kernel.layer) if isinstance(kernel, LayerStack) else (kernel[None], jnp.int32(0))
+    w_spec = _stack_spec(config.mesh, axes, stack.shape)
+    out_axis, in_axis = w_spec[1], w_spec[2]
+
+    def local(x, stack, layer, w_scale):
+        xq, x_scale = quantize_activation(x)
+        y = gemm_fp8_gpu(xq, stack, x_scale * w_scale, layer, out_dtype=x.dtype, reference=config.reference)
+        return jax.lax.psum(y, in_axis) if in_axis else y
+
+    if config.mesh is None or config.mesh.size == 1:
+        return local(x, stack, layer, w_scale)
+    in_specs = (P(None, in_axis), w_spec, P(), P())
+    sharded = jax.shard_map(local, mesh=config.mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
+    return sharded(x, stack, layer, w_scale)
+
+
+def _stack_spec(mesh: Mesh | None, axes: LinearAxes, shape: tuple[int, ...]) -> P:
+    """Where the weight loader placed the [L, out, in] stack (the layer axis is never split)."""
+    if mesh is None or mesh.size == 1:
+        return P(None, None, None)
+    return logical_to_sharding(mesh, ("layers", axes.out_axis, axes.in_axis), shape).spec
+
+
+def _fits_kernel(kernel: jax.Array | LayerStack, config: Fp8Gemm, axes: LinearAxes) -> bool:
+    """Whether each device's shard of W fits the kernel's tiles (small models' layers may not: XLA's dot then)."""
+    out_dim, in_dim = kernel.shape[-2:] if not isinstance(kernel, LayerStack) else kernel.layer_shape
+    spec = _stack_spec(config.mesh, axes, (1, out_dim, in_dim))
+    out_local = out_dim // (config.mesh.shape[spec[1]] if spec[1] else 1)
+    in_local = in_dim // (config.mesh.shape[spec[2]] if spec[2] else 1)
+    tiles = choose_fp8_tiles()
+    return in_local % tiles.tile_k == 0 and out_local % (2 * tiles.tile_n) == 0
