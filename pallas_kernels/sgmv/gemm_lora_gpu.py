@@ -31,7 +31,8 @@ one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipel
 multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64,
 bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
-B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py.
+B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py, and with `fp8=True` as well the 8-bit
+GEMM of gemm_fp8_gpu.py (8-bit x and a K-major W, the accumulator scaled in the epilogue).
 
 Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and down of Llama-3-8B at 512 tokens:
 64 tiles on 132 SMs), the K loop is cut into parts as in the base GEMM (`choose_k_splits`); each part's CTA writes

@@ -159,6 +159,12 @@ def load_model_state(
         host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path, shape)
         return jax.device_put(host.astype(value_dtype), sharding)
 
+    return graphdef, nnx.from_flat_state(_placed_leaves(abstract_state, shardings, weight_value, dtype))
+
+
+def _placed_leaves(abstract_state: nnx.State, shardings: dict, weight_value, dtype) -> list[tuple]:
+    """(path, variable with its value) for every parameter: LoRA buffers zeros, 8-bit kernels and their scales
+    quantized from weight_value's 16-bit stacks (`_quantized_kernel`), the rest weight_value's."""
     flat = [(tuple(str(p) for p in path), variable) for path, variable in nnx.to_flat_state(abstract_state)]
     scales = {}  # the scales of the 8-bit kernels, made with them
     leaves = []
@@ -175,8 +181,7 @@ def load_model_state(
         else:
             value = weight_value(path, spec.shape, spec.dtype, sharding)
         leaves.append((path, variable.replace(value)))
-    leaves += [(path, variable.replace(scales[path])) for path, variable in flat if isinstance(variable, Fp8Scale)]
-    return graphdef, nnx.from_flat_state(leaves)
+    return leaves + [(path, var.replace(scales[path])) for path, var in flat if isinstance(var, Fp8Scale)]
 
 
 def _quantized_kernel(source, sharding: NamedSharding, scale_sharding: NamedSharding) -> tuple[jax.Array, jax.Array]:

@@ -18,29 +18,26 @@ from flax import nnx
 import sgl_jax_lora.layers.fp8 as fp8_module
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
 from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
-from sgl_jax_lora.layers.fp8 import Fp8Gemm
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.models import weight_loader
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.server_args import ServerArgs
 from tests.sgl_jax_lora.lora.backend.test_pallas_gemm_lora import peft_logprobs
 from tests.sgl_jax_lora.models.test_llama import hf_logits, log_softmax
-from tests.support.kernel_sized_engine import PROMPTS, count_calls, make_kernel_sized_model, serve_logprobs
+from tests.support.kernel_sized_engine import (
+    PROMPTS,
+    count_calls,
+    make_kernel_sized_model_and_adapters,
+    serve_logprobs,
+)
 from tests.support.model_forward import model_logits
-from tests.support.peft_fixtures import write_peft_adapter
 
 pytestmark = pytest.mark.slow  # engines end to end
 
 
 @pytest.fixture(scope="module")
 def model_and_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
-    base = make_kernel_sized_model(root / "base")
-    adapters = [
-        write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
-        for i in range(2)
-    ]
-    return base, adapters
+    return make_kernel_sized_model_and_adapters(tmp_path_factory.mktemp("fp8"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
@@ -100,17 +97,16 @@ def test_unknown_quantization_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not is_hopper(jax.devices()[0]), reason="needs a Hopper-class CUDA device (the fp8 kernel)")
-def test_fp8_kernel_forward_matches_its_reference_and_hf(model_and_adapters, monkeypatch):
-    """One bf16 prefill forward of the kernel-sized model on a Hopper GPU: the fp8 kernel in every layer against the
-    same forward through its pure-JAX reference (the same 8-bit operands: accumulation order and bf16 rounding
-    apart), and against HF transformers in float32 (fp8's error, as on CPU)."""
+def test_fp8_kernel_forward_matches_hf_within_fp8_error(model_and_adapters, monkeypatch):
+    """One bf16 prefill forward of the kernel-sized model on a Hopper GPU, the fp8 kernel in every layer, against
+    HF transformers in float32: fp8's error, as the same forward through the kernel's reference has on CPU (mean
+    0.26 per logprob; bf16 without fp8 0.025)."""
     base, _ = model_and_adapters
     ids = np.array(PROMPTS[2])
     calls = count_calls(monkeypatch, fp8_module, "gemm_fp8_gpu")
     kernel = log_softmax(model_logits(base, ids, jnp.bfloat16, quantization="fp8", attention_backend="pallas_gpu"))
-    assert len(calls) == 4  # q|k|v, o, gate|up, down: traced once in the layer scan
-    monkeypatch.setattr(weight_loader, "make_fp8_gemm", lambda mesh: Fp8Gemm(mesh, reference=True))
-    reference = log_softmax(model_logits(base, ids, jnp.bfloat16, quantization="fp8", attention_backend="pallas_gpu"))
     hf = log_softmax(hf_logits(base, ids))
-    assert float(np.abs(kernel - reference).mean()) < 0.05
-    assert float(np.abs(kernel - hf).mean()) < 0.35
+    error = float(np.abs(kernel - hf).mean())
+    print(f"fp8 kernel forward: {len(calls)} kernel calls traced, mean |logprob - HF| {error:.4f}")
+    assert len(calls) == 4  # q|k|v, o, gate|up, down: traced once in the layer scan
+    assert error < 0.35

@@ -31,6 +31,18 @@ def make_kernel_sized_model(model_dir):
     )
 
 
+def make_kernel_sized_model_and_adapters(root) -> tuple:
+    """The kernel-sized model at root/base and two rank-16 all-linear adapters written by peft (root/a0, root/a1)."""
+    from tests.support.peft_fixtures import write_peft_adapter  # torch and peft: only where adapters are written
+
+    base = make_kernel_sized_model(root / "base")
+    adapters = [
+        write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
+        for i in range(2)
+    ]
+    return base, adapters
+
+
 def serve_logprobs(model_dir, adapters, max_new_tokens: int, **flags) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """PROMPTS (on adapters a0, a1 and base) prefilled in one 256-token bf16 step with the Pallas LoRA backend, then
     greedy decode steps in the 128-token bucket: (each request's prompt logprobs after its first token, its output

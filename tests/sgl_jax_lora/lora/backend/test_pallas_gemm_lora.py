@@ -28,7 +28,12 @@ from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas import make_pallas_backend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend, PallasGPUMeta, entry_table
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
-from tests.support.kernel_sized_engine import PROMPTS, count_calls, make_kernel_sized_model, serve_logprobs
+from tests.support.kernel_sized_engine import (
+    PROMPTS,
+    count_calls,
+    make_kernel_sized_model_and_adapters,
+    serve_logprobs,
+)
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
 
@@ -227,13 +232,7 @@ def test_entry_bound_holds_for_the_worst_prefill_batch():
 def kernel_sized_model(tmp_path_factory):
     """A tiny Llama whose modules fit the kernel's tiles (widths multiples of 256, in of 64), with two rank-16
     all-linear adapters written by peft."""
-    root = tmp_path_factory.mktemp("fused")
-    base = make_kernel_sized_model(root / "base")
-    adapters = [
-        write_peft_adapter(base, root / f"a{i}", seed=30 + i, r=16, lora_alpha=32, target_modules="all-linear")
-        for i in range(2)
-    ]
-    return base, adapters
+    return make_kernel_sized_model_and_adapters(tmp_path_factory.mktemp("fused"))
 
 
 def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
