@@ -72,6 +72,7 @@ def forward_program(
     kv_dtype=jnp.bfloat16,
     page_size: int = PAGE_SIZE,
     attention_backend: str = "pallas_tpu",
+    quantization: str | None = None,
 ):
     """-> (the jitted forward, its argument shapes with their shardings)."""
     mesh = make_mesh(tp_size)
@@ -84,7 +85,15 @@ def forward_program(
             target_modules=frozenset(LORA_TARGETS),
         )
     graphdef, state = load_model_state(
-        cfg, tp_size, page_size, jnp.bfloat16, mesh, lora, load_format="dummy", attention_backend=attention_backend
+        cfg,
+        tp_size,
+        page_size,
+        jnp.bfloat16,
+        mesh,
+        lora,
+        load_format="dummy",
+        attention_backend=attention_backend,
+        quantization=quantization,
     )
     kv = allocate_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
     lora_batch = None

@@ -1,12 +1,14 @@
 """The whole forward lowers for TPU: `jax.export(..., platforms=["tpu"])` on CPU, with the Mosaic attention kernel
 and (LoRA on) the Pallas TPU SGMV kernels, at tp 1 and tp 4 over fake CPU devices, for decode, prefill and mixed
-steps (one program per token bucket serves all three).
+steps (one program per token bucket serves all three); with an 8-bit KV cache and with 8-bit weights too.
 
 No TPU is reachable from CI. This proves that every kernel traces and that Pallas lowers it to Mosaic; the Mosaic
 passes that run inside libtpu (layouts, compilation) and the speed on a TPU are not checked here.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -40,3 +42,14 @@ def test_forward_with_an_fp8_cache_exports_for_tpu(model_config, step):
     exported = export_forward(model_config, 4, False, *STEPS[step], kv_dtype=jnp.float8_e4m3fn, page_size=32)
     module = exported.mlir_module()
     assert "ragged_paged_attention" in module and "f8E4M3FN" in module
+
+
+@pytest.mark.parametrize("tp_size", [1, 4])
+def test_forward_with_fp8_weights_exports_for_tpu(model_config, tp_size):
+    """--quantization fp8 off Hopper GPUs: every layer linear an 8-bit dot of 8-bit operands (the kernel's pure-JAX
+    reference; under tp 4 inside shard_map where the shards fit its tiles, else XLA's dot), with LoRA on."""
+    exported = export_forward(model_config, tp_size, True, *STEPS["decode"], quantization="fp8")
+    module = exported.mlir_module()
+    assert "ragged_paged_attention" in module
+    eight_bit = re.findall(r"dot_general .*: \(tensor<[0-9x]+xf8E4M3FN>, tensor<[0-9x]+xf8E4M3FN>\)", module)
+    assert len(eight_bit) == 4  # q|k|v, o, gate|up and down, once in the scanned layer body
