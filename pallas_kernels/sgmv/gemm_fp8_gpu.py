@@ -13,7 +13,7 @@ sizes (`choose_k_splits`: each part scaled, then summed by XLA). At the same til
 16-bit one's work per cycle and each tile's bytes halve, so prefill-sized products run up to twice as fast and
 decode-sized ones read half the weight bytes.
 
-What exists here: `choose_fp8_tiles`, `gemm_fp8_gpu_rows` (the kernel call) and `gemm_fp8_gpu` (padding of T to the
+What exists here: `choose_fp8_tiles`, `check_fp8_shapes`, `gemm_fp8_gpu_rows` (the kernel call) and `gemm_fp8_gpu` (padding of T to the
 row tile, checks, and the pure-JAX reference for platforms without Mosaic GPU). Needs: in a multiple of tile_k,
 out a multiple of 2 * tile_n.
 """
@@ -36,6 +36,16 @@ def choose_fp8_tiles(k_splits: int = 1) -> GemmLoraTiles:
     tiles = GemmLoraTiles(tile_k=FP8_TILE_K, stages=4, epilogue_n=64 if k_splits == 1 else 32)
     assert tiles.smem_bytes(0, out_itemsize=2 if k_splits == 1 else 4, in_itemsize=1) <= 226 * 1024
     return tiles
+
+
+def check_fp8_shapes(in_dim: int, out_dim: int) -> None:
+    """Raises ValueError, naming the fix, when a W of these sizes does not fit the kernel's tiles."""
+    tiles = choose_fp8_tiles()
+    if in_dim % tiles.tile_k or out_dim % (2 * tiles.tile_n):
+        raise ValueError(
+            f"gemm_fp8_gpu: in={in_dim}, out={out_dim} do not fit tiles {tiles}: in must be a multiple of "
+            f"{tiles.tile_k} and out of {2 * tiles.tile_n}; serve this model without --quantization fp8"
+        )
 
 
 def default_fp8_k_splits(num_tokens: int, in_dim: int, out_dim: int) -> int:
@@ -90,21 +100,16 @@ def gemm_fp8_gpu(
     the kernel's row tile with zero rows (their products are dropped). reference: the same with XLA's dot on the
     layer's slice (platforms without Mosaic GPU); the shapes are checked either way."""
     out_dim, in_dim = w.shape[-2:]
-    tiles = choose_fp8_tiles()
     if xq.shape[1] != in_dim or xq.dtype != w.dtype or w.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gemm_fp8_gpu: x {xq.shape} {xq.dtype} does not match W {w.shape} {w.dtype} (float8_e4m3fn)")
-    if in_dim % tiles.tile_k or out_dim % (2 * tiles.tile_n):
-        raise ValueError(
-            f"gemm_fp8_gpu: in={in_dim}, out={out_dim} do not fit tiles {tiles}: in must be a multiple of "
-            f"{tiles.tile_k} and out of {2 * tiles.tile_n}; serve this model without --quantization fp8"
-        )
+    check_fp8_shapes(in_dim, out_dim)
     scale = jnp.reshape(scale, (1,)).astype(jnp.float32)
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         y = jax.lax.dot_general(xq, w_layer, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return (y * scale[0]).astype(out_dtype)
-    num_tokens = xq.shape[0]
-    padded = -(-num_tokens // tiles.tile_m) * tiles.tile_m
+    num_tokens, tile_m = xq.shape[0], choose_fp8_tiles().tile_m
+    padded = -(-num_tokens // tile_m) * tile_m
     if padded != num_tokens:
         xq = jnp.pad(xq, ((0, padded - num_tokens), (0, 0)))
     if k_splits is None:

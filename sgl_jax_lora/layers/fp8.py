@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.sgmv.gemm_fp8_gpu import choose_fp8_tiles, gemm_fp8_gpu
+from pallas_kernels.sgmv.gemm_fp8_gpu import check_fp8_shapes, gemm_fp8_gpu
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
-from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.layers.sharding import logical_to_sharding
 
 if TYPE_CHECKING:  # type only: layers/linear.py imports this module
@@ -120,9 +120,13 @@ def _stack_spec(mesh: Mesh | None, axes: LinearAxes, shape: tuple[int, ...]) -> 
 
 def _fits_kernel(kernel: jax.Array | LayerStack, config: Fp8Gemm, axes: LinearAxes) -> bool:
     """Whether each device's shard of W fits the kernel's tiles (small models' layers may not: XLA's dot then)."""
-    out_dim, in_dim = kernel.shape[-2:] if not isinstance(kernel, LayerStack) else kernel.layer_shape
+    out_dim, in_dim = layer_shape(kernel)
     spec = _stack_spec(config.mesh, axes, (1, out_dim, in_dim))
-    out_local = out_dim // (config.mesh.shape[spec[1]] if spec[1] else 1)
-    in_local = in_dim // (config.mesh.shape[spec[2]] if spec[2] else 1)
-    tiles = choose_fp8_tiles()
-    return in_local % tiles.tile_k == 0 and out_local % (2 * tiles.tile_n) == 0
+    try:
+        check_fp8_shapes(
+            in_dim // (config.mesh.shape[spec[2]] if spec[2] else 1),
+            out_dim // (config.mesh.shape[spec[1]] if spec[1] else 1),
+        )
+    except ValueError:
+        return False
+    return True

@@ -89,8 +89,8 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
     def base(self, x: jax.Array) -> jax.Array:
-        """x [T, in] -> [T, out] (packed layout): the base GEMM kernel on a LayerStack kernel in the buckets that
-        run it, when the module fits it; else XLA's dot."""
+        """x [T, in] -> [T, out] (packed layout): with fp8, layers/fp8.py's 8-bit product; else the base GEMM kernel
+        on a LayerStack kernel in the buckets that run it, when the module fits it; else XLA's dot."""
         kernel = self.kernel.get_value()
         if self.fp8 is not None:
             y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes)
