@@ -49,8 +49,9 @@ def hf_greedy(model, ids: list[int], eos_id: int) -> list[int]:
     return generated[len(ids) :]
 
 
-def demo_answers(tokenizer, **engine_args) -> dict:
-    """{None | adapter name: [output_ids per question]} from one engine serving base and both adapters (float32)."""
+def demo_answers(tokenizer, logprobs: dict | None = None, **engine_args) -> dict:
+    """{None | adapter name: [output_ids per question]} from one engine serving base and both adapters (float32);
+    with `logprobs` given, it gets the output tokens' logprobs under the same keys."""
     engine = Engine(
         model_path=demo_model_path(),
         dtype="float32",
@@ -65,8 +66,12 @@ def demo_answers(tokenizer, **engine_args) -> dict:
         ids = [chat_ids(tokenizer, q) for q in QUESTIONS]
         outputs = {}
         for name in (None, *ADAPTER_NAMES):
-            outs = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path=[name] * len(ids))
+            outs = engine.generate(
+                input_ids=ids, sampling_params=GREEDY, lora_path=[name] * len(ids), return_logprob=logprobs is not None
+            )
             outputs[name] = [out["output_ids"] for out in outs]
+            if logprobs is not None:
+                logprobs[name] = [[lp for lp, _ in out["meta_info"]["output_token_logprobs"]] for out in outs]
     finally:
         engine.shutdown()
     return outputs
@@ -158,3 +163,18 @@ def test_an_fp8_kv_cache_keeps_the_demo_answers(demo):
     leave the answers' tokens clear winners)."""
     tokenizer, outputs = demo
     assert demo_answers(tokenizer, kv_cache_dtype="fp8_e4m3") == outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_8bit_weights_keep_the_demo_answers(demo, kv_cache_dtype):
+    """--quantization fp8 on the trained demo model, with the model's KV cache and with an 8-bit one: the greedy
+    answers to the corpus questions, base and both adapters (which stay 16-bit beside the 8-bit GEMMs), are those of
+    the full-precision engine, token for token, while their logprobs move (the 8-bit GEMMs ran)."""
+    tokenizer, outputs = demo
+    full, eight_bit = {}, {}
+    assert demo_answers(tokenizer, logprobs=full) == outputs
+    assert demo_answers(tokenizer, logprobs=eight_bit, quantization="fp8", kv_cache_dtype=kv_cache_dtype) == outputs
+    for name in outputs:
+        moved = [abs(a - b) for want, got in zip(full[name], eight_bit[name]) for a, b in zip(want, got)]
+        assert 1e-4 < max(moved) < 0.5, (name, max(moved))
