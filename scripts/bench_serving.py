@@ -214,6 +214,9 @@ LORA_COUNTERS = (
 )
 
 
+GC_COUNTERS = ("collections", "pause_s")
+
+
 def engine_delta(before: dict, after: dict) -> dict:
     """What the engine did during the measured run: step time by kind and phase, LoRA tier traffic, compiles."""
     steps = {}
@@ -226,6 +229,8 @@ def engine_delta(before: dict, after: dict) -> dict:
     }
     if after.get("lora"):
         delta["lora"] = {k: after["lora"][k] - before["lora"][k] for k in LORA_COUNTERS}
+    if after.get("engine_gc"):  # the engine process's garbage collections and their pauses, per generation
+        delta["gc"] = {k: [a - b for a, b in zip(after["engine_gc"][k], before["engine_gc"][k])] for k in GC_COUNTERS}
     return delta
 
 

@@ -13,8 +13,11 @@ step in flight instead of the host.
 The step shapes are those of the flags (running requests, budget, buckets), so the per-request work of the
 scheduler, the batch builder and the finish is what it is at that load; the device's share is not modelled.
 
-The engine compiles its buckets at startup (not timed). `--profile N` also prints the N functions with the most
-own time (cProfile, which slows Python-heavy code about 2x: compare phases without it).
+The engine compiles its buckets at startup (not timed), then freezes its startup objects out of the garbage
+collector's generations as the engine process does (utils/gc_freeze.py; `--no-gc-freeze` leaves them in). The
+collector's pauses during the workload are reported per generation (`gc_pauses`: count and seconds, wherever in
+the loop they fall). `--profile N` also prints the N functions with the most own time (cProfile, which slows
+Python-heavy code about 2x: compare phases without it).
 
 Usage: python scripts/profile_host.py [--num-requests 1000] [--json out.json] [--profile 30] -- --max-running-requests
     1024 --max-prefill-seqs 16 --context-length 1536 --max-total-tokens 330000 --chunked-prefill-size 1536
@@ -41,6 +44,7 @@ from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.managers.io_struct import GenerateRequest  # noqa: E402
 from sgl_jax_lora.sampling.sampling_params import SamplingParams  # noqa: E402
+from sgl_jax_lora.utils.gc_freeze import CollectorPauses, freeze_startup_objects  # noqa: E402
 
 TINY_LLAMA = {
     **LLAMA3_8B,
@@ -110,14 +114,19 @@ def main() -> None:
     own, engine_flags = split_engine_flags(sys.argv[1:])
     parser = workload_parser(__doc__)
     parser.add_argument("--profile", type=int, default=0, help="print this many functions by own time (cProfile)")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="keep the startup objects in the collector (as before the freeze)"
+    )
     opts = parser.parse_args(own)
     inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
     with tempfile.TemporaryDirectory(prefix="profile-host-") as model_dir:
         core = build_engine(engine_flags, make_model_dir(TINY_LLAMA, model_dir))
+        frozen = 0 if opts.no_gc_freeze else freeze_startup_objects()
         profiler = cProfile.Profile() if opts.profile else None
         if profiler:
             profiler.enable()
-        step_calls = run_workload(core, inputs, outputs, opts.seed)
+        with CollectorPauses() as gc_pauses:
+            step_calls = run_workload(core, inputs, outputs, opts.seed)
         if profiler:
             profiler.disable()
         report = host_report(core.step_stats.as_dict())
@@ -127,6 +136,10 @@ def main() -> None:
             f"{kind}: {row['steps']} steps, {row['decode_rows_per_step']:.0f} decode rows each; host ms per step "
             f"{row['host_ms']:.2f} ({phases})"
         )
+    pauses = ", ".join(
+        f"generation {g}: {n} in {s * 1e3:.0f} ms" for g, (n, s) in enumerate(zip(gc_pauses.counts, gc_pauses.seconds))
+    )
+    print(f"garbage collector ({frozen} startup objects frozen): {pauses}")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(opts.profile)
     result = dict(
@@ -135,6 +148,8 @@ def main() -> None:
         compilations_after_warmup=core.server_info()["num_compilations_after_warmup"],
         engine_flags=engine_flags,
         cprofile=bool(opts.profile),
+        gc_frozen_objects=frozen,
+        gc_pauses={"counts": gc_pauses.counts, "seconds": gc_pauses.seconds},
     )
     if opts.json:
         Path(opts.json).write_text(json.dumps(result, indent=1))

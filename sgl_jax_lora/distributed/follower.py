@@ -42,6 +42,7 @@ from sgl_jax_lora.model_executor.compile_counter import CompileCounter
 from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.model_executor.padding_batches import warmup_compile_threads
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 RECEIVE_AHEAD = 64  # commands received and decoded ahead of the one being replayed
@@ -149,6 +150,7 @@ class Follower:
     def _ready(self, command: Ready) -> None:
         self.status.num_compilations_at_ready = self.compile_counter.count
         self.status.is_ready = True
+        freeze_startup_objects()  # as node 0's engine process does before its loop (utils/gc_freeze.py)
 
 
 def run_follower(args: ServerArgs, model_path: str) -> int:

@@ -38,6 +38,7 @@ from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
+from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ async def _start_engine(state: ServerState) -> None:
         return
     tm.start(loop)
     state.tokenizer_manager = tm
+    freeze_startup_objects()  # the app, tokenizer and engine client leave the collector's generations (gc_freeze.py)
     loop.add_reader(tm.process.sentinel, _on_engine_exit, state, loop)
     base = f"http://{state.args.host}:{state.args.port}"
     print(f"sgl_jax_lora ready: serving '{state.served_model_name}' at {base} (OpenAI API: {base}/v1)", flush=True)

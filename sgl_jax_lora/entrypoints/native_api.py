@@ -28,6 +28,7 @@ from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize
+from sgl_jax_lora.utils.gc_freeze import collector_stats
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -120,6 +121,7 @@ async def get_server_info(request: Request) -> JSONResponse:
             "engine_pid": tm.process.pid,
             "frontend_rss_bytes": rss_bytes(os.getpid()),
             "engine_rss_bytes": rss_bytes(tm.process.pid),
+            "frontend_gc": collector_stats(),
             "versions": state.versions,
         }
     )

@@ -48,6 +48,7 @@ from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, LogitRow, pack_logit_rows
 from sgl_jax_lora.sampling.sampling_params import MAX_LOGIT_BIAS_IDS, MAX_STOP_TOKEN_IDS
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.gc_freeze import collector_stats
 from sgl_jax_lora.utils.progress import startup_progress
 
 logger = logging.getLogger(__name__)
@@ -394,5 +395,6 @@ class EngineCore:
             "buckets": {"tokens": list(self.buckets.tokens), "seqs": [s for s, _ in self.buckets.shapes()]},
             "attention_backend": self.runner.attention_backend,
             "kv_cache_dtype": str(self.runner.kv_dtype),  # --kv-cache-dtype as resolved ('auto': the model's)
+            "engine_gc": collector_stats(),  # the engine process's garbage collector (utils/gc_freeze.py)
             "timestamp": time.time(),
         }

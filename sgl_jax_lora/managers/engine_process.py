@@ -5,9 +5,10 @@ Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with 
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
 (server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply,
-ShutdownRequest -> exit. Each step's EngineOutput items go back as one EngineOutputs. When idle the loop blocks on
-the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step; the
-loop keeps serving the others.
+ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
+generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. When idle the loop
+blocks on the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step;
+the loop keeps serving the others.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from sgl_jax_lora.managers.io_struct import (
 )
 from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
         logger.exception("engine failed to start")
         conn.send_bytes(encode(StartupError(f"{type(e).__name__}: {e}")))
         return
+    freeze_startup_objects()  # a full collection while serving then walks only the requests' objects
     conn.send_bytes(encode(Ready(info=core.server_info(), pid=os.getpid())))
     EngineLoop(core, conn).run()
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)

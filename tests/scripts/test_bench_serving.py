@@ -132,6 +132,9 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
         )
         decode_rows = sum(kind["decode_tokens"] for kind in scenario["engine"]["step_stats"].values())
         assert decode_rows >= NUM_REQUESTS * (OUTPUT_LEN - 1)  # the first token comes from the prefill
+        gc_delta = scenario["engine"]["gc"]  # the engine process's collections during the run, per generation
+        assert len(gc_delta["collections"]) == 3 and all(n >= 0 for n in gc_delta["collections"])
+        assert all(s >= 0 for s in gc_delta["pause_s"])
     assert base["engine"]["lora"]["device_misses"] == 0
     # adapters loaded on demand by path into 2 device slots: every request of the distinct scenario names one of 3
     # adapters, so at least one of them was written into a slot inside its measured window

@@ -41,3 +41,5 @@ def test_the_workload_runs_to_the_end_and_reports_each_kind(tmp_path):
         assert kind["host_ms"] == pytest.approx(sum(kind[f"{phase}_ms"] for phase in HOST_PHASES))
         assert all(kind[f"{phase}_ms"] >= 0 for phase in HOST_PHASES)
     assert "decode:" in done.stdout and "host ms per step" in done.stdout
+    assert result["gc_frozen_objects"] > 10_000  # the engine's startup objects, frozen as the engine process does
+    assert "garbage collector (" in done.stdout

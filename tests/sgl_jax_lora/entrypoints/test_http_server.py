@@ -124,6 +124,9 @@ def test_health_and_server_info(server, http):
     assert info["kv_pages_total"] > 0 and info["kv_pages_used"] == 0
     assert info["devices"] and info["versions"]["fastapi"] and info["versions"]["jax"]
     assert process_exists(info["engine_pid"])
+    # both processes froze what startup built out of the garbage collector's generations (utils/gc_freeze.py)
+    assert info["engine_gc"]["frozen_objects"] > 10_000 and info["frontend_gc"]["frozen_objects"] > 10_000
+    assert len(info["engine_gc"]["collections"]) == 3
 
 
 def test_generate_single(http, tokenizer):
