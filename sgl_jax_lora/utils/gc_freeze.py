@@ -9,8 +9,8 @@ warmup is replayed (distributed/follower.py); the HTTP frontend once its engine 
 
 Why: startup leaves hundreds of thousands of objects the collector tracks (JAX's traced and compiled programs, the
 model's pytrees, the tokenizer). A full (generation 2) collection walks them all; in the engine process that stops
-the step loop for a few hundred milliseconds while the device idles (docs/benchmarks.md "The engine loop's host time
-without a GPU"). `gc.freeze()` moves them to the collector's permanent generation. Reference counting still frees
+the step loop for a few hundred milliseconds while the device idles (the garbage collector's pauses in
+docs/benchmarks.md "ShareGPT-like, 1000 requests at once, one ragged step"). `gc.freeze()` moves them to the collector's permanent generation. Reference counting still frees
 any of them that is dropped later; only reference cycles among them would stay, and the collection before the freeze
 takes the cycles startup left behind.
 """
