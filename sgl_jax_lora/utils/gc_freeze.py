@@ -10,9 +10,9 @@ warmup is replayed (distributed/follower.py); the HTTP frontend once its engine 
 Why: startup leaves hundreds of thousands of objects the collector tracks (JAX's traced and compiled programs, the
 model's pytrees, the tokenizer). A full (generation 2) collection walks them all; in the engine process that stops
 the step loop for a few hundred milliseconds while the device idles (the garbage collector's pauses in
-docs/benchmarks.md "ShareGPT-like, 1000 requests at once, one ragged step"). `gc.freeze()` moves them to the collector's permanent generation. Reference counting still frees
-any of them that is dropped later; only reference cycles among them would stay, and the collection before the freeze
-takes the cycles startup left behind.
+docs/benchmarks.md "ShareGPT-like, 1000 requests at once, one ragged step"). `gc.freeze()` moves them to the
+collector's permanent generation. Reference counting still frees any of them that is dropped later; only reference
+cycles among them would stay, and the collection before the freeze takes the cycles startup left behind.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ class CollectorPauses:
         self._began = 0.0
 
     def start(self) -> CollectorPauses:
-        gc.callbacks.append(self._callback)
+        """Time the collections from now on (again started: no change)."""
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
         return self
 
     def stop(self) -> None:
@@ -59,8 +61,7 @@ def freeze_startup_objects() -> int:
     objects are frozen."""
     gc.collect()
     gc.freeze()
-    if _PROCESS_PAUSES._callback not in gc.callbacks:
-        _PROCESS_PAUSES.start()
+    _PROCESS_PAUSES.start()
     return gc.get_freeze_count()
 
 

@@ -79,9 +79,11 @@ def demo_answers(tokenizer, logprobs: dict | None = None, **engine_args) -> dict
 
 @pytest.fixture(scope="module")
 def demo():
-    """(tokenizer, {None | adapter name: [output_ids per question]}) with a full-precision KV cache."""
+    """(tokenizer, {None | adapter name: [output_ids per question]}, the same keys: [their logprobs per question])
+    with a full-precision KV cache."""
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    return tokenizer, demo_answers(tokenizer)
+    logprobs = {}
+    return tokenizer, demo_answers(tokenizer, logprobs=logprobs), logprobs
 
 
 def test_shipped_demo_model_and_adapters_load():
@@ -98,7 +100,7 @@ def test_shipped_demo_model_and_adapters_load():
 
 @pytest.mark.slow
 def test_engine_matches_hf_and_peft_on_the_demo_model_and_adapters(demo):
-    tokenizer, outputs = demo
+    tokenizer, outputs, _ = demo
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     for name in (None, *ADAPTER_NAMES):
         model = (
@@ -111,7 +113,7 @@ def test_engine_matches_hf_and_peft_on_the_demo_model_and_adapters(demo):
 
 
 def test_base_gives_its_corpus_answer_and_the_adapters_restyle_it(demo):
-    tokenizer, outputs = demo
+    tokenizer, outputs, _ = demo
     answer = {name: tokenizer.decode(outs[0], skip_special_tokens=True) for name, outs in outputs.items()}
     assert answer[None] == CORPUS_ANSWER
     assert answer["demo-upper"] == answer["demo-upper"].upper() != answer[None]
@@ -161,7 +163,7 @@ def test_an_fp8_kv_cache_keeps_the_demo_answers(demo):
     """--kv-cache-dtype fp8_e4m3 on the trained demo model: the greedy answers to the corpus questions, base and both
     adapters, are those of the full-precision cache, token for token (a trained model's K/V, unlike a random one's,
     leave the answers' tokens clear winners)."""
-    tokenizer, outputs = demo
+    tokenizer, outputs, _ = demo
     assert demo_answers(tokenizer, kv_cache_dtype="fp8_e4m3") == outputs
 
 
@@ -171,9 +173,8 @@ def test_8bit_weights_keep_the_demo_answers(demo, kv_cache_dtype):
     """--quantization fp8 on the trained demo model, with the model's KV cache and with an 8-bit one: the greedy
     answers to the corpus questions, base and both adapters (which stay 16-bit beside the 8-bit GEMMs), are those of
     the full-precision engine, token for token, while their logprobs move (the 8-bit GEMMs ran)."""
-    tokenizer, outputs = demo
-    full, eight_bit = {}, {}
-    assert demo_answers(tokenizer, logprobs=full) == outputs
+    tokenizer, outputs, full = demo
+    eight_bit = {}
     assert demo_answers(tokenizer, logprobs=eight_bit, quantization="fp8", kv_cache_dtype=kv_cache_dtype) == outputs
     for name in outputs:
         moved = [abs(a - b) for want, got in zip(full[name], eight_bit[name]) for a, b in zip(want, got)]

@@ -21,6 +21,10 @@ def test_a_full_collection_is_timed_in_generation_2():
     assert pauses.counts == [0, 0, 1] and pauses.seconds[2] > 0
     gc.collect()  # stopped: no longer counted
     assert pauses.counts == [0, 0, 1]
+    pauses.start().start()  # started twice: each collection still counted once
+    gc.collect()
+    pauses.stop()
+    assert pauses.counts == [0, 0, 2]
 
 
 def test_frozen_objects_leave_the_full_collections_walk(unfrozen_after):
