@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_k_splits
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_k_splits, zero_rows_from
 
 FP8_TILE_K = 128  # columns of a K tile: 128 bytes of 8-bit values, the widest swizzle
 
@@ -60,6 +60,7 @@ def gemm_fp8_gpu_rows(
     w_rows: jax.Array,  # [L * out, in] float8_e4m3fn: a K-major layer stack flattened (L = 1 for one W)
     w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
     scale: jax.Array,  # [1] f32: x's scale times the layer's W scale
+    num_rows: jax.Array,  # [1] i32: the rows of xq to compute (the rest are padding)
     *,
     out_dim: int,
     tiles: GemmLoraTiles,
@@ -67,7 +68,7 @@ def gemm_fp8_gpu_rows(
     out_dtype: jnp.dtype,
 ) -> jax.Array:
     """(xq @ W.T) * scale in one kernel ([T, out] in out_dtype; with k_splits > 1 the scaled float32 parts summed by
-    XLA)."""
+    XLA); its rows from num_rows[0] on are not computed (any values: `zero_rows_from`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens = xq.shape[0]
@@ -80,7 +81,7 @@ def gemm_fp8_gpu_rows(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(w_row, scale, xq, w_rows)
+    )(w_row, num_rows, scale, xq, w_rows)
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(out_dtype)
@@ -91,13 +92,16 @@ def gemm_fp8_gpu(
     w: jax.Array,  # [out, in] float8_e4m3fn, or the [L, out, in] stack with `layer`
     scale: jax.Array,  # f32 scalar: x's scale times W's
     layer: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
     *,
     out_dtype: jnp.dtype = jnp.bfloat16,
     k_splits: int | None = None,
     reference: bool = False,
 ) -> jax.Array:
     """y = (xq @ W.T) * scale in out_dtype, accumulated in float32, W read in place from its stack. T is padded to
-    the kernel's row tile with zero rows (their products are dropped). reference: the same with XLA's dot on the
+    the kernel's row tile with zero rows (their products are dropped). num_rows ([1] i32): the rows of xq that are
+    real; the kernel skips the row tiles after them and y is zero from row num_rows[0] on (None: every row).
+    reference: the same with XLA's dot on the
     layer's slice (platforms without Mosaic GPU); the shapes are checked either way."""
     out_dim, in_dim = w.shape[-2:]
     if xq.shape[1] != in_dim or xq.dtype != w.dtype or w.dtype != jnp.float8_e4m3fn:
@@ -107,7 +111,7 @@ def gemm_fp8_gpu(
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         y = jax.lax.dot_general(xq, w_layer, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return (y * scale[0]).astype(out_dtype)
+        return zero_rows_from((y * scale[0]).astype(out_dtype), num_rows)
     num_tokens, tile_m = xq.shape[0], choose_fp8_tiles().tile_m
     padded = -(-num_tokens // tile_m) * tile_m
     if padded != num_tokens:
@@ -123,9 +127,10 @@ def gemm_fp8_gpu(
         w.reshape(-1, in_dim),
         w_row,
         scale,
+        jnp.full((1,), num_tokens, jnp.int32) if num_rows is None else num_rows,
         out_dim=out_dim,
         tiles=tiles,
         k_splits=k_splits,
         out_dtype=jnp.dtype(out_dtype),
     )
-    return y[:num_tokens]
+    return zero_rows_from(y[:num_tokens], num_rows)

@@ -8,7 +8,8 @@ the layer's W first (a device-to-device copy per layer and module).
 The kernel is `_kernel` of gemm_lora_gpu.py with `has_lora=False`: the same persistent grid over the SMs, the same
 two consumer warpgroups side by side along N, the same `stages`-deep TMA pipeline of x and W tiles and the same TMA
 epilogue, with no s or B tiles in shared memory, no entry tables among its operands and no LoRA loop after the K
-loop. Its only scalar operand is the first row of the layer's W in the flattened [L * in, out] stack.
+loop. Its scalar operands are the first row of the layer's W in the flattened [L * in, out] stack and the step's
+real row count (the row tiles of a bucket's padding are skipped and their rows zeroed).
 
 Split K, for decode-sized T: with few CTA tiles ((T / tile_m) x (out / 2 tile_n), 32 for the o and down modules
 of Llama-3-8B at 256 tokens) most of the GPU's SMs would idle through a long K loop. `choose_k_splits` then cuts the
@@ -31,7 +32,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_gemm_lora_tiles, choose_k_splits
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    GemmLoraTiles,
+    _kernel,
+    all_rows,
+    choose_gemm_lora_tiles,
+    choose_k_splits,
+    zero_rows_from,
+)
 
 
 def is_hopper(device) -> bool:
@@ -71,12 +79,14 @@ def gemm_gpu_rows(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
     w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
+    num_rows: jax.Array,  # [1] i32: the rows of x to compute (the rest are padding)
     *,
     tiles: GemmLoraTiles,
     k_splits: int = 1,
 ) -> jax.Array:
-    """x @ W in one kernel ([T, out], x's dtype; with k_splits > 1 the kernel's float32 parts summed by XLA); the
-    shapes as `check_gemm_shapes` requires, in / tile_k a multiple of k_splits."""
+    """x @ W in one kernel ([T, out], x's dtype; with k_splits > 1 the kernel's float32 parts summed by XLA); its
+    rows from num_rows[0] on are not computed (any values: `zero_rows_from`). The shapes as `check_gemm_shapes`
+    requires, in / tile_k a multiple of k_splits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
@@ -90,7 +100,7 @@ def gemm_gpu_rows(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(w_row, x, w_rows)
+    )(w_row, num_rows, x, w_rows)
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
@@ -100,6 +110,7 @@ def gemm_gpu(
     x: jax.Array,  # [T, in]
     w: jax.Array,  # [in, out], or the [L, in, out] stack with `layer`
     layer: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
     *,
     tiles: GemmLoraTiles | None = None,
     k_splits: int | None = None,
@@ -107,7 +118,8 @@ def gemm_gpu(
 ) -> jax.Array:
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32.
 
-    k_splits: parts of the K loop (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when
+    num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
+    row tiles after them and y is zero from row num_rows[0] on. None: every row. k_splits: parts of the K loop (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when
     `tiles` are given or off GPUs). reference: compute it with the
     pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU (CPU tests of the code around the
     kernel); the shapes are checked either way."""
@@ -125,6 +137,9 @@ def gemm_gpu(
         )
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-        return jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)
+        return zero_rows_from(jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype), num_rows)
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
-    return gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, tiles=tiles, k_splits=k_splits)
+    rows = all_rows(x) if num_rows is None else num_rows
+    return zero_rows_from(
+        gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, rows, tiles=tiles, k_splits=k_splits), num_rows
+    )

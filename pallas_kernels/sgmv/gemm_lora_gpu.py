@@ -27,7 +27,11 @@ stacks ([L, ...], as the model holds them), read in place at the layer's offset,
 
 The GEMM: persistent over the SMs, two consumer warpgroups side by side along N (each [tile_m, tile_n]),
 one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipeline
-(`emit_pipeline_warp_specialized`), and a TMA epilogue of 64 x `epilogue_n` stores. Needs: T a multiple of tile_m, in a
+(`emit_pipeline_warp_specialized`), and a TMA epilogue of 64 x `epilogue_n` stores. A token bucket's padding costs
+no tile: the kernel takes the step's real row count as data and runs only the row tiles that hold real rows, spread
+over the SMs as if the bucket ended there (a decode step of 345 rows in the 512 bucket runs 3 of 4 row tiles); the
+rows after the real ones are zeroed by `zero_rows_from`, a select XLA fuses into the output's consumer or the split-K
+sum. Needs: T a multiple of tile_m, in a
 multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64,
 bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
@@ -123,8 +127,11 @@ def choose_gemm_lora_split(
 
 
 def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1, fp8: bool = False):
-    """The kernel body. refs: (w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs, out); with
-    has_lora False (gemm_gpu.py) only (w_row, x, w, out): no s or B tiles in shared memory and no LoRA loop.
+    """The kernel body. refs: (w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs,
+    out); with has_lora False (gemm_gpu.py) only (w_row, num_rows, x, w, out): no s or B tiles in shared memory and
+    no LoRA loop. num_rows ([1] i32): the rows of x to compute; the row tiles wholly after them (a bucket's padding)
+    are not run and their rows of out are left unwritten (the callers zero them, `zero_rows_from`), and the tiles
+    that run are spread over the SMs as if the bucket ended at the last of them.
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
     product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. The first part's tile adds
     the LoRA entries, the others none.
@@ -134,18 +141,20 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    w_row_ref, num_rows_ref = refs[:2]
     if has_lora:
-        w_row_ref, tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref = refs[:8]
-        b_refs, out_ref = refs[8:-1], refs[-1]
+        tile_part_ref, tile_part_col_ref, entry_start_ref, entry_slot_ref, x_ref, w_ref, s_ref = refs[2:9]
+        b_refs, out_ref = refs[9:-1], refs[-1]
         rank, num_entries = s_ref.shape[-1], s_ref.shape[0] // len(b_refs)
     elif fp8:
-        w_row_ref, scale_ref, x_ref, w_ref, out_ref = refs
+        scale_ref, x_ref, w_ref, out_ref = refs[2:]
     else:
-        w_row_ref, x_ref, w_ref, out_ref = refs
+        x_ref, w_ref, out_ref = refs[2:]
     (num_tokens, in_dim), out_dim = x_ref.shape, out_ref.shape[1]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
     cta_n = 2 * tn
-    m_tiles, n_tiles, k_steps = num_tokens // tm, out_dim // cta_n, in_dim // tk
+    n_tiles, k_steps = out_dim // cta_n, in_dim // tk
+    m_tiles = jnp.clip((num_rows_ref[0] + tm - 1) // tm, 0, num_tokens // tm)  # the row tiles that run
     k_len = in_dim // k_splits  # the K columns of one split
     em_rows, en_cols = 64, tiles.epilogue_n
 
@@ -294,6 +303,19 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def zero_rows_from(y: jax.Array, num_rows: jax.Array | None) -> jax.Array:
+    """y with its rows from num_rows[0] on set to zero (the rows a kernel given `num_rows` left unwritten); y as it
+    is when num_rows is None (every row computed). XLA fuses the select into y's consumer where it can."""
+    if num_rows is None:
+        return y
+    return jnp.where(jnp.arange(y.shape[0], dtype=jnp.int32)[:, None] < num_rows[0], y, jnp.zeros((), y.dtype))
+
+
+def all_rows(x: jax.Array) -> jax.Array:
+    """The `num_rows` operand that computes every row of x: [1] i32."""
+    return jnp.full((1,), x.shape[0], jnp.int32)
+
+
 def part_tile_tables(part_widths: tuple[int, ...], cta_n: int) -> tuple[np.ndarray, np.ndarray]:
     """For each CTA column tile of a packed output [part 0 | part 1 | ...]: the part it lies in, and the column
     in that part where it starts (each part's width must be a multiple of cta_n)."""
@@ -325,6 +347,7 @@ def gemm_lora_gpu_entries(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
     w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
+    num_rows: jax.Array,  # [1] i32: the rows of x to compute (the rest are padding)
     tile_part: jax.Array,  # [out / (2 * tile_n)] i32: the part of each CTA column tile (part_tile_tables)
     tile_part_col: jax.Array,  # [out / (2 * tile_n)] i32: its first column within the part
     entry_start: jax.Array,  # [T / tile_m + 1] i32
@@ -336,8 +359,8 @@ def gemm_lora_gpu_entries(
     k_splits: int = 1,
 ) -> jax.Array:
     """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype; with
-    k_splits > 1 the kernel's float32 parts summed by XLA); the shapes as `check_gemm_lora_shapes` requires
-    (gemm_lora_gpu checks them)."""
+    k_splits > 1 the kernel's float32 parts summed by XLA); its rows from num_rows[0] on are not computed (any
+    values: `zero_rows_from`). The shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
@@ -351,7 +374,7 @@ def gemm_lora_gpu_entries(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(w_row, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
+    )(w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
@@ -364,6 +387,7 @@ def gemm_lora_gpu(
     table: EntryTable,
     lora_bs: jax.Array | tuple[jax.Array, ...],  # P x [A, out_p, R], or [L, A, out_p, R] stacks with `layer`
     layer: jax.Array | None = None,
+    num_rows: jax.Array | None = None,
     *,
     tiles: GemmLoraTiles | None = None,
     k_splits: int = 1,
@@ -372,8 +396,9 @@ def gemm_lora_gpu(
     """y = x @ W + scale[slot_t] * s_t @ B_p[slot_t].T for every packed part p (its columns of y, which holds the
     parts side by side), in one GEMM kernel; the table from `build_entry_table` with tile_m = tiles.tile_m.
 
-    k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with their tiles; in / tile_k must be a
-    multiple). reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of
+    num_rows ([1] i32): the rows of x that are real; the kernel skips the row tiles after them and y is zero from
+    row num_rows[0] on. None: every row. k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with
+    their tiles; in / tile_k must be a multiple). reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of
     the kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel)."""
     lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
     rank = lora_bs[0].shape[-1]
@@ -404,6 +429,7 @@ def gemm_lora_gpu(
         x,
         w.reshape(-1, w.shape[-1]),
         w_row,
+        all_rows(x) if num_rows is None else num_rows,
         jnp.asarray(tile_part),
         jnp.asarray(tile_part_col),
         table.entry_start,
@@ -414,5 +440,6 @@ def gemm_lora_gpu(
     if reference:
         from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
 
-        return gemm_lora_entries_ref(*operands, tile_m=tiles.tile_m)
-    return gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits)
+        x, w_rows, w_row, _, *tables = operands
+        return zero_rows_from(gemm_lora_entries_ref(x, w_rows, w_row, *tables, tile_m=tiles.tile_m), num_rows)
+    return zero_rows_from(gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits), num_rows)

@@ -77,9 +77,12 @@ def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)
 
 
-def base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes) -> jax.Array | None:
+def base_gemm(
+    x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes, num_rows: jax.Array | None = None
+) -> jax.Array | None:
     """x [T, in] @ the layer's W of `kernel` ([L, in, out] stack) with the kernel, in x's dtype: the packed output
-    [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel."""
+    [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel. num_rows ([1]
+    i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row)."""
     mesh, stack = config.mesh, kernel.stack
     w_spec = P(None, None, None)
     if mesh is not None and mesh.size > 1:  # where the weight loader placed W (the layer axis is never split)
@@ -95,12 +98,14 @@ def base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAx
     except ValueError:
         return None
 
-    def local(x, stack, layer):
-        y = gemm_gpu(x, stack, layer, reference=config.reference)  # the default tiles; split K where it pays
+    rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
+
+    def local(x, stack, layer, rows):
+        y = gemm_gpu(x, stack, layer, rows, reference=config.reference)  # the default tiles; split K where it pays
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if mesh is None or mesh.size == 1:
-        return local(x, stack, kernel.layer)
-    in_specs = (P(None, in_axis), w_spec, P())
+        return local(x, stack, kernel.layer, rows)
+    in_specs = (P(None, in_axis), w_spec, P(), P())
     sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
-    return sharded(x, stack, kernel.layer)
+    return sharded(x, stack, kernel.layer, rows)

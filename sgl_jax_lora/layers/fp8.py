@@ -84,10 +84,12 @@ def fp8_product(
     scale: jax.Array | LayerStack,
     config: Fp8Gemm,
     axes: LinearAxes,
+    num_rows: jax.Array | None = None,
 ) -> jax.Array:
     """x [T, in] @ the layer's 8-bit W ([out, in], or a LayerStack of the [L, out, in] stack) times the layer's W
     scale ([1]), x quantized on the way in; [T, out] in x's dtype, all-reduced for row-parallel modules. Layers whose
-    shards do not fit the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD."""
+    shards do not fit the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD. num_rows
+    ([1] i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row)."""
     w_scale = as_layer_array(scale)
     if not _fits_kernel(kernel, config, axes):
         xq, x_scale = quantize_activation(x)  # a split x's largest magnitude is reduced over its devices
@@ -99,16 +101,18 @@ def fp8_product(
     w_spec = _stack_spec(config.mesh, axes, stack.shape)
     out_axis, in_axis = w_spec[1], w_spec[2]
 
-    def local(x, stack, layer, w_scale):
+    rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
+
+    def local(x, stack, layer, w_scale, rows):
         xq, x_scale = quantize_activation(x)
-        y = gemm_fp8_gpu(xq, stack, x_scale * w_scale, layer, out_dtype=x.dtype, reference=config.reference)
+        y = gemm_fp8_gpu(xq, stack, x_scale * w_scale, layer, rows, out_dtype=x.dtype, reference=config.reference)
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if config.mesh is None or config.mesh.size == 1:
-        return local(x, stack, layer, w_scale)
-    in_specs = (P(None, in_axis), w_spec, P(), P())
+        return local(x, stack, layer, w_scale, rows)
+    in_specs = (P(None, in_axis), w_spec, P(), P(), P())
     sharded = jax.shard_map(local, mesh=config.mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
-    return sharded(x, stack, layer, w_scale)
+    return sharded(x, stack, layer, w_scale, rows)
 
 
 def _stack_spec(mesh: Mesh | None, axes: LinearAxes, shape: tuple[int, ...]) -> P:

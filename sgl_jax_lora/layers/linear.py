@@ -88,22 +88,30 @@ class Linear(nnx.Module):
             )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
-    def base(self, x: jax.Array) -> jax.Array:
+    def base(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """x [T, in] -> [T, out] (packed layout): with fp8, layers/fp8.py's 8-bit product; else the base GEMM kernel
-        on a LayerStack kernel in the buckets that run it, when the module fits it; else XLA's dot."""
+        on a LayerStack kernel in the buckets that run it, when the module fits it; else XLA's dot. num_rows ([1]
+        i32): the step's real tokens; the GEMM kernels skip the padding's row tiles after them, whose outputs are
+        then zero (XLA's dot computes them: padding rows' outputs are never read). None: every row is real."""
         kernel = self.kernel.get_value()
         if self.fp8 is not None:
-            y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes)
+            y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes, num_rows)
             return y if self.bias is None else y + self.bias[...]
         if isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
-            y = base_gemm(x, kernel, self.base_gemm, self.axes)
+            y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows)
             if y is not None:
                 return y if self.bias is None else y + self.bias[...]
         return base_product(x, as_layer_array(kernel), self.bias)
 
-    def __call__(self, x: jax.Array, lora_batch: object = None, residual: jax.Array | None = None) -> jax.Array:
-        """x [T, in] -> [T, out] (+ residual [T, out] when given)."""
-        y = self.base(x)
+    def __call__(
+        self,
+        x: jax.Array,
+        lora_batch: object = None,
+        residual: jax.Array | None = None,
+        num_rows: jax.Array | None = None,
+    ) -> jax.Array:
+        """x [T, in] -> [T, out] (+ residual [T, out] when given); num_rows as in `base`."""
+        y = self.base(x, num_rows)
         return y if residual is None else residual + y
 
 

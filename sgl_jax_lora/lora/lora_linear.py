@@ -99,15 +99,22 @@ class LoRALinear(Linear):
             b = jnp.zeros((spec.num_slots, size, spec.max_rank), dtype)
             setattr(self, lora_b_name(name), LoRAWeight(b, logical_axes=("lora_slots", part_axis, "lora_rank")))
 
-    def __call__(self, x: jax.Array, lora: LoRAMeta | None = None, residual: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        lora: LoRAMeta | None = None,
+        residual: jax.Array | None = None,
+        num_rows: jax.Array | None = None,
+    ) -> jax.Array:
         """x [T, in] -> [T, out] packed (+ residual [T, out]); the LoRA delta is exactly zero for slot-0 tokens.
+        num_rows: the step's real tokens, as in `Linear.base` (the GEMM kernels skip the padding after them).
 
         With `residual`, the delta is added into the residual rather than into the base output, and the
         base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
         result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
         """
         if lora is None:
-            return super().__call__(x, residual=residual)
+            return super().__call__(x, residual=residual, num_rows=num_rows)
         lora_a = self.lora_a.get_value()
         lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
         if lora.runs_base_gemm and self.fp8 is None:  # base GEMM and LoRA in one kernel, where the module fits it
@@ -120,11 +127,12 @@ class LoRALinear(Linear):
                 tp_size=self.tp_size,
                 input_sharded=self.row_parallel,
                 output_sharded=not self.row_parallel,
+                num_rows=num_rows,
             )
             if y is not None:
                 y = y if self.bias is None else y + self.bias[...]
                 return y if residual is None else residual + y
-        y = self.base(x)
+        y = self.base(x, num_rows)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
             x,

@@ -139,8 +139,10 @@ class DecoderLayer(nnx.Module):
         """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv. lora: the LoRA backend's
         metadata for the step (None: no token uses an adapter); rotary: the forward's (cos, sin) tables."""
         num_tokens = hidden.shape[0]
+        rows = batch.cu_q_lens[-1:]  # the step's real tokens: the GEMM kernels skip the padding's row tiles after them
         x = self.input_layernorm(hidden)
-        q, k_cache, v_cache = self._rotated_q_and_kv_write(self.qkv_proj(x, lora), kv, layer, batch, rotary)
+        qkv = self.qkv_proj(x, lora, num_rows=rows)
+        q, k_cache, v_cache = self._rotated_q_and_kv_write(qkv, kv, layer, batch, rotary)
         attn = paged_attention(
             q,
             k_cache,
@@ -153,10 +155,10 @@ class DecoderLayer(nnx.Module):
             self.head_dim**-0.5,
             self.attention_backend,
         )
-        hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden)
+        hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden, num_rows=rows)
         x = self.post_attention_layernorm(hidden)
-        gate, up = split_packed(self.gate_up_proj(x, lora), self.gate_up_proj.part_sizes, self.tp_size)
-        hidden = self.down_proj(jax.nn.silu(gate) * up, lora, residual=hidden)
+        gate, up = split_packed(self.gate_up_proj(x, lora, num_rows=rows), self.gate_up_proj.part_sizes, self.tp_size)
+        hidden = self.down_proj(jax.nn.silu(gate) * up, lora, residual=hidden, num_rows=rows)
         return hidden, KVCache(k=k_cache, v=v_cache)
 
     def _rotated_q_and_kv_write(

@@ -18,14 +18,16 @@ from sgl_jax_lora.models.weight_loader import load_model_state
 PAGE = 4
 
 
-def one_sequence_batch(ids: np.ndarray, page_size: int = PAGE) -> ForwardBatch:
-    """One sequence, all tokens new, in pages 1..ceil(n / page_size) (page 0 is the cache's scratch page)."""
+def one_sequence_batch(ids: np.ndarray, page_size: int = PAGE, bucket: int | None = None) -> ForwardBatch:
+    """One sequence, all tokens new, in pages 1..ceil(n / page_size) (page 0 is the cache's scratch page); with
+    `bucket`, padded to that many tokens as the engine pads a step (padding tokens write scratch slot 0)."""
     n = len(ids)
     num_pages = -(-n // page_size)
+    pad = (bucket or n) - n
     return ForwardBatch(
-        input_ids=np.asarray(ids, np.int32),
-        positions=np.arange(n, dtype=np.int32),
-        cache_loc=np.arange(page_size, page_size + n, dtype=np.int32),
+        input_ids=np.pad(np.asarray(ids, np.int32), (0, pad)),
+        positions=np.pad(np.arange(n, dtype=np.int32), (0, pad)),
+        cache_loc=np.pad(np.arange(page_size, page_size + n, dtype=np.int32), (0, pad)),
         seq_lens=np.array([n], np.int32),
         page_table=np.arange(1, num_pages + 1, dtype=np.int32)[None],
         cu_q_lens=np.array([0, n], np.int32),
@@ -34,9 +36,11 @@ def one_sequence_batch(ids: np.ndarray, page_size: int = PAGE) -> ForwardBatch:
     )
 
 
-def model_logits(model_dir, ids: np.ndarray, dtype=jnp.float32, tp_size: int = 1, **load_options) -> np.ndarray:
-    """Logits [n, V] of one prefill forward over `ids`; load_options go to load_model_state (e.g.
-    base_gemm_min_tokens)."""
+def model_logits(
+    model_dir, ids: np.ndarray, dtype=jnp.float32, tp_size: int = 1, bucket: int | None = None, **load_options
+) -> np.ndarray:
+    """Logits [n, V] of one prefill forward over `ids` (padded to `bucket` tokens when given, the padding's logits
+    dropped); load_options go to load_model_state (e.g. base_gemm_min_tokens)."""
     cfg = ModelConfig.from_model_path(str(model_dir))
     mesh = make_mesh(tp_size)
     graphdef, state = load_model_state(cfg, tp_size, PAGE, dtype, mesh, None, **load_options)
@@ -48,4 +52,4 @@ def model_logits(model_dir, ids: np.ndarray, dtype=jnp.float32, tp_size: int = 1
         hidden, _ = model(kv, batch)
         return model.logits(hidden)
 
-    return np.asarray(run(state, kv, one_sequence_batch(ids)))
+    return np.asarray(run(state, kv, one_sequence_batch(ids, bucket=bucket)))[: len(ids)]

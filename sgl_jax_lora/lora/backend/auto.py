@@ -125,6 +125,7 @@ class AutoBackend(LoRABackend):
         tp_size: int,
         input_sharded: bool = False,
         output_sharded: bool = False,
+        num_rows: jax.Array | None = None,
     ) -> jax.Array | None:
         return self.chosen(x.shape[0], meta.batch.num_segments).apply_with_base(
             x,
@@ -135,4 +136,5 @@ class AutoBackend(LoRABackend):
             tp_size=tp_size,
             input_sharded=input_sharded,
             output_sharded=output_sharded,
+            num_rows=num_rows,
         )

@@ -246,10 +246,12 @@ class PallasGPUBackend(PallasBackend):
         tp_size: int,
         input_sharded: bool = False,
         output_sharded: bool = False,
+        num_rows: jax.Array | None = None,
     ) -> jax.Array | None:
         """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
-        into the GEMM's accumulator. Row-parallel layers (`input_sharded` over several devices) add the delta on
-        the first shard only, before the all-reduce of the partial outputs."""
+        into the GEMM's accumulator, the padding's row tiles after `num_rows` skipped. Row-parallel layers
+        (`input_sharded` over several devices) add the delta on the first shard only, before the all-reduce of the
+        partial outputs."""
         rank = layer_shape(lora_bs[0])[-1]
         in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
         widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
@@ -268,17 +270,16 @@ class PallasGPUBackend(PallasBackend):
             a_layer, a_stack = jnp.zeros((), jnp.int32), as_layer_array(lora_a)[None]
         is_split = self._is_split(input_sharded)
 
-        def local(x, w, lora_a, meta, layers, *lora_bs):
-            layer, a_layer = layers[0], layers[1]
+        def local(x, w, lora_a, meta, scalars, *lora_bs):
+            layer, a_layer, rows = scalars[0], scalars[1], scalars[2:]
             s = self._local_shrink_partials(x, lora_a, meta, rank, a_layer).sum(0)
             table = meta.entries
             if is_split:
                 s = jax.lax.psum(s, TENSOR_AXIS)
                 is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
                 table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
-            y = gemm_lora_gpu(
-                x, w, s, table, lora_bs, layer, tiles=tiles, k_splits=k_splits, reference=self.fused_gemm_reference
-            )
+            options = dict(tiles=tiles, k_splits=k_splits, reference=self.fused_gemm_reference)
+            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, rows, **options)
             return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
 
         x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)
@@ -286,5 +287,6 @@ class PallasGPUBackend(PallasBackend):
         b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
         specs = (x_spec, stacked_spec(w_spec, True), stacked_spec(a_spec, True), REPLICATED, REPLICATED)
         specs += (stacked_spec(b_spec, True),) * len(lora_bs)
-        layers = jnp.stack([layer, a_layer]).astype(jnp.int32)
-        return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, meta, layers, *stacks[1:])
+        rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
+        scalars = jnp.concatenate([jnp.stack([layer, a_layer]).astype(jnp.int32), rows.astype(jnp.int32)])
+        return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, meta, scalars, *stacks[1:])

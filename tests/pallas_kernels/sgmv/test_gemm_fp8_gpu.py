@@ -86,7 +86,7 @@ def test_the_kernel_traces_with_k_major_w_and_a_scale(monkeypatch):
         call = lambda *a, splits=splits: gemm_fp8_gpu_rows(  # noqa: E731
             *a, out_dim=512, tiles=choose_fp8_tiles(splits), k_splits=splits, out_dtype=jnp.bfloat16
         )
-        jaxpr = jax.make_jaxpr(call)(x, w, row, scale)
+        jaxpr = jax.make_jaxpr(call)(x, w, row, scale, row)
         text = str(jaxpr)
         assert "f8_e4m3fn[4,16,1,8,128]" in text and "f8_e4m3fn[4,32,1,8,128]" in text, text[:2000]
         assert jaxpr.out_avals[0].shape == (256, 512) and jaxpr.out_avals[0].dtype == jnp.bfloat16
@@ -113,3 +113,7 @@ def test_gemm_fp8_gpu_matches_reference_at_llama3_8b_sizes(module, num_tokens):
     for splits in (1, 2):
         forced = gemm_fp8_gpu(x, w, scale, jnp.int32(1), k_splits=splits)
         assert relative_error(forced, want) < 2e-2, splits
+    rows = num_tokens * 2 // 3  # the padding's row tiles after the real tokens skipped, their rows zero
+    part = np.asarray(gemm_fp8_gpu(x, w, scale, jnp.int32(1), jnp.full((1,), rows, jnp.int32)).astype(jnp.float32))
+    np.testing.assert_array_equal(part[:rows], np.asarray(y.astype(jnp.float32))[:rows])
+    assert not part[rows:].any()

@@ -48,6 +48,20 @@ def test_reference_is_x_at_the_layers_w():
     )
 
 
+def test_rows_after_num_rows_are_zero_and_the_rest_unchanged():
+    """num_rows names the real tokens of a padded bucket: y is zero from that row on (the kernel leaves the padding's
+    row tiles unwritten and the wrapper zeroes them), equal to the full product before it; traced as one program
+    for every count, so the count is data, not a shape."""
+    x, w = operands(1, 384, 128, 512)
+    full = gemm_gpu(x, w, jnp.int32(1), reference=True)
+    call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, reference=True))
+    for rows in (0, 1, 127, 128, 200, 384):
+        y = np.asarray(call(x, w, jnp.full((1,), rows, jnp.int32)), np.float32)
+        np.testing.assert_array_equal(y[:rows], np.asarray(full, np.float32)[:rows])
+        assert not y[rows:].any(), rows
+    assert call._cache_size() == 1
+
+
 @pytest.mark.parametrize(
     "num_tokens,in_dim,out_dim,why",
     [
@@ -87,7 +101,7 @@ def test_the_kernel_traces_without_lora_operands(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
     x, w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), jax.ShapeDtypeStruct((3 * 256, 512), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
-    jaxpr = str(jax.make_jaxpr(lambda *a: gemm_gpu_rows(*a, tiles=choose_gemm_tiles()))(x, w, row))
+    jaxpr = str(jax.make_jaxpr(lambda *a: gemm_gpu_rows(*a, tiles=choose_gemm_tiles()))(x, w, row, row))
     assert "bf16[4,16,1,8,64]" in jaxpr and "bf16[4,8,4,8,64]" in jaxpr  # 4 stages of x and W tiles
     assert ",16]" not in jaxpr  # no [.., R=16] LoRA tiles (the LoRA kernel at rank 16 has them)
 
@@ -113,6 +127,25 @@ def test_gemm_gpu_matches_reference_at_llama3_8b_sizes(module):
     reference = gemm_gpu(x, w, jnp.int32(1), reference=True).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(y - reference)) / jnp.max(jnp.abs(want))) < 1e-2
     assert float(jnp.max(jnp.abs(y - expected(x, w[0])))) > 0.1 * float(jnp.max(jnp.abs(want)))  # not layer 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize("module", ["qkv", "down"])
+@pytest.mark.parametrize("num_tokens,k_splits", [(512, None), (512, 1), (2048, None)])
+def test_the_padding_row_tiles_are_skipped(module, num_tokens, k_splits):
+    """A bucket with fewer real tokens (a decode step of 345 rows in the 512 bucket, a chunked step of 1,900 in the
+    2048 one, none, one, whole tiles): the real rows equal the full kernel's, bit for bit (the same tiles, only
+    fewer of them), and the rest are zero, with the K loop split (the default at 512) or whole."""
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    x, w = operands(6, num_tokens, in_dim, out_dim)
+    full = np.asarray(gemm_gpu(x, w, jnp.int32(1), k_splits=k_splits), np.float32)
+    call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, k_splits=k_splits))
+    for rows in (0, 1, 128, 345, 1900, num_tokens):
+        rows = min(rows, num_tokens)
+        y = np.asarray(call(x, w, jnp.full((1,), rows, jnp.int32)), np.float32)
+        np.testing.assert_array_equal(y[:rows], full[:rows])
+        assert not y[rows:].any(), rows
 
 
 @pytest.mark.gpu
@@ -160,7 +193,7 @@ def test_split_k_traces_to_float32_parts_summed_once(monkeypatch):
     x, w = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
     call = lambda *a: gemm_gpu_rows(*a, tiles=choose_gemm_tiles(4), k_splits=4)  # noqa: E731
-    jaxpr = jax.make_jaxpr(call)(x, w, row)
+    jaxpr = jax.make_jaxpr(call)(x, w, row, row)
     assert "f32[512,512]" in str(jaxpr) and "reduce_sum" in str(jaxpr)
     assert jaxpr.out_avals[0].shape == (128, 512) and jaxpr.out_avals[0].dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="do not split into 3 equal parts"):

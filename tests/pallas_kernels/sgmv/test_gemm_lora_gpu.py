@@ -134,6 +134,7 @@ def test_split_k_with_lora_lowers_for_cuda(monkeypatch):
         jax.ShapeDtypeStruct((num_tokens, in_dim), jnp.bfloat16),
         jax.ShapeDtypeStruct((in_dim, out_dim), jnp.bfloat16),
         jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
         jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((num_tokens // 128 + 1,), jnp.int32),
@@ -262,3 +263,11 @@ def test_split_k_with_lora_matches_reference(seed, num_tokens, in_dim, widths, r
     scale = float(jnp.max(jnp.abs(ref)))
     assert float(jnp.max(jnp.abs(split - ref))) < 1e-2 * scale  # bf16 output
     assert float(jnp.max(jnp.abs(split - unsplit))) < 1e-2 * scale
+    # a bucket with fewer real tokens: the padding's row tiles skipped, the real rows as in the full bucket, bit for
+    # bit (the same tiles and entries, only fewer), the rest zero
+    for rows in (0, 100, 256, 345):
+        rows = min(rows, num_tokens)
+        part = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), jnp.full((1,), rows, jnp.int32), k_splits=k_splits)
+        part = np.asarray(part.astype(jnp.float32))
+        np.testing.assert_array_equal(part[:rows], np.asarray(split)[:rows])
+        assert not part[rows:].any(), rows

@@ -56,6 +56,25 @@ def test_forward_with_the_base_gemm_kernel_equals_xla_dot(
     assert np.abs(ours - expected).max() <= 4e-2 * np.abs(expected).max()  # bf16 rounding (measured: 0.9-1.7%)
 
 
+def test_a_padded_bucket_gives_the_kernel_its_real_rows(kernel_sized_model, monkeypatch):
+    """200 tokens padded to the 256 bucket: each kernel call is told the step's 200 real rows (the GPU kernel skips
+    the padding's row tiles, zero in its output), and the real tokens' logits are those of XLA's dot over the
+    padded bucket."""
+    rows_seen, real = [], base_gemm_module.gemm_gpu
+
+    def recorded(x, stack, layer, num_rows, **kwargs):
+        jax.debug.callback(lambda rows: rows_seen.append(int(rows[0])), num_rows)
+        return real(x, stack, layer, num_rows, **kwargs)
+
+    monkeypatch.setattr(base_gemm_module, "gemm_gpu", recorded)
+    ids = np.random.default_rng(7).integers(2, 491, 200)
+    expected = model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=256, base_gemm_min_tokens=0)
+    assert not rows_seen
+    ours = model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=256, base_gemm_min_tokens=THRESHOLD)
+    assert rows_seen and set(rows_seen) == {200}  # q|k|v, o, gate|up and down of every layer
+    assert np.abs(ours - expected).max() <= 4e-2 * np.abs(expected).max()
+
+
 def test_flag_default_and_validation():
     assert ServerArgs().gpu_gemm_min_tokens is None
     mesh = make_mesh(1)

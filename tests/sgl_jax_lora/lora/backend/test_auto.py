@@ -157,8 +157,13 @@ def test_calls_go_to_the_backend_chosen_for_the_modules_total_width(monkeypatch)
     _, args, kwargs = recorders["bgmv"].calls[0]
     assert args == (x, lora_a, wide, meta, "base") and kwargs == kw
     # apply_with_base chooses by bucket alone (width 0): sgmv here
-    assert backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw) == "with_base"
-    assert recorders["sgmv"].calls[-1] == ("apply_with_base", (x, "kernel", lora_a, wide, meta), kw)
+    rows = jnp.full((1,), 12, jnp.int32)
+    assert backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw, num_rows=rows) == "with_base"
+    assert recorders["sgmv"].calls[-1] == (
+        "apply_with_base",
+        (x, "kernel", lora_a, wide, meta),
+        kw | {"num_rows": rows},
+    )
 
 
 @pytest.mark.parametrize(("platform", "num_tokens", "expected"), [("cpu", 16, EinsumBackend), ("gpu", 8, BgmvBackend)])
