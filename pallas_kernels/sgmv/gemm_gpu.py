@@ -119,10 +119,10 @@ def gemm_gpu(
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32.
 
     num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
-    row tiles after them and y is zero from row num_rows[0] on. None: every row. k_splits: parts of the K loop (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when
-    `tiles` are given or off GPUs). reference: compute it with the
-    pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU (CPU tests of the code around the
-    kernel); the shapes are checked either way."""
+    row tiles after them and y is zero from row num_rows[0] on. None: every row. k_splits: parts of the K loop
+    (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when `tiles` are given or off GPUs).
+    reference: compute it with the pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU
+    (CPU tests of the code around the kernel); the shapes are checked either way."""
     in_dim, out_dim = w.shape[-2:]
     if k_splits is None:
         k_splits = 1 if tiles is not None or reference else default_k_splits(x.shape[0], in_dim, out_dim)

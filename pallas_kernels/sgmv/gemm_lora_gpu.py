@@ -31,9 +31,8 @@ one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipel
 no tile: the kernel takes the step's real row count as data and runs only the row tiles that hold real rows, spread
 over the SMs as if the bucket ended there (a decode step of 345 rows in the 512 bucket runs 3 of 4 row tiles); the
 rows after the real ones are zeroed by `zero_rows_from`, a select XLA fuses into the output's consumer or the split-K
-sum. Needs: T a multiple of tile_m, in a
-multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64,
-bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
+sum. Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple
+of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
 B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py, and with `fp8=True` as well the 8-bit
 GEMM of gemm_fp8_gpu.py (8-bit x and a K-major W, the accumulator scaled in the epilogue).
@@ -398,8 +397,9 @@ def gemm_lora_gpu(
 
     num_rows ([1] i32): the rows of x that are real; the kernel skips the row tiles after them and y is zero from
     row num_rows[0] on. None: every row. k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with
-    their tiles; in / tile_k must be a multiple). reference: compute the same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of
-    the kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel)."""
+    their tiles; in / tile_k must be a multiple). reference: compute the same entries with the pure-JAX reference
+    (`gemm_lora_entries_ref`) instead of the kernel, on platforms without Mosaic GPU (CPU tests of the code around
+    the kernel)."""
     lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
     rank = lora_bs[0].shape[-1]
     tiles = tiles or choose_gemm_lora_tiles(rank, out_itemsize=2 if k_splits == 1 else 4)
