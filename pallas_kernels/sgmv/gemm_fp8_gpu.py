@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_k_splits, zero_rows_from
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_k_splits, rows_operand, zero_rows_from
 
 FP8_TILE_K = 128  # columns of a K tile: 128 bytes of 8-bit values, the widest swizzle
 
@@ -127,7 +127,7 @@ def gemm_fp8_gpu(
         w.reshape(-1, in_dim),
         w_row,
         scale,
-        jnp.full((1,), num_tokens, jnp.int32) if num_rows is None else num_rows,
+        rows_operand(num_rows, num_tokens),
         out_dim=out_dim,
         tiles=tiles,
         k_splits=k_splits,

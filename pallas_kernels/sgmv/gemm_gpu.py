@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
     _kernel,
-    all_rows,
     choose_gemm_lora_tiles,
     choose_k_splits,
+    rows_operand,
     zero_rows_from,
 )
 
@@ -139,7 +139,7 @@ def gemm_gpu(
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         return zero_rows_from(jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype), num_rows)
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
-    rows = all_rows(x) if num_rows is None else num_rows
+    rows = rows_operand(num_rows, x.shape[0])
     return zero_rows_from(
         gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, rows, tiles=tiles, k_splits=k_splits), num_rows
     )

@@ -310,9 +310,9 @@ def zero_rows_from(y: jax.Array, num_rows: jax.Array | None) -> jax.Array:
     return jnp.where(jnp.arange(y.shape[0], dtype=jnp.int32)[:, None] < num_rows[0], y, jnp.zeros((), y.dtype))
 
 
-def all_rows(x: jax.Array) -> jax.Array:
-    """The `num_rows` operand that computes every row of x: [1] i32."""
-    return jnp.full((1,), x.shape[0], jnp.int32)
+def rows_operand(num_rows: jax.Array | None, num_tokens: int) -> jax.Array:
+    """The kernels' `num_rows` operand ([1] i32): num_rows, or all `num_tokens` rows when it is None."""
+    return jnp.full((1,), num_tokens, jnp.int32) if num_rows is None else num_rows
 
 
 def part_tile_tables(part_widths: tuple[int, ...], cta_n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -429,7 +429,7 @@ def gemm_lora_gpu(
         x,
         w.reshape(-1, w.shape[-1]),
         w_row,
-        all_rows(x) if num_rows is None else num_rows,
+        rows_operand(num_rows, x.shape[0]),
         jnp.asarray(tile_part),
         jnp.asarray(tile_part_col),
         table.entry_start,

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, is_hopper
+from pallas_kernels.sgmv.gemm_lora_gpu import rows_operand
 from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.sharding import logical_to_sharding
 
@@ -98,7 +99,7 @@ def base_gemm(
     except ValueError:
         return None
 
-    rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
+    rows = rows_operand(num_rows, x.shape[0])
 
     def local(x, stack, layer, rows):
         y = gemm_gpu(x, stack, layer, rows, reference=config.reference)  # the default tiles; split K where it pays

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.gemm_fp8_gpu import check_fp8_shapes, gemm_fp8_gpu
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
+from pallas_kernels.sgmv.gemm_lora_gpu import rows_operand
 from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.layers.sharding import logical_to_sharding
 
@@ -101,7 +102,7 @@ def fp8_product(
     w_spec = _stack_spec(config.mesh, axes, stack.shape)
     out_axis, in_axis = w_spec[1], w_spec[2]
 
-    rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
+    rows = rows_operand(num_rows, x.shape[0])
 
     def local(x, stack, layer, w_scale, rows):
         xq, x_scale = quantize_activation(x)

@@ -44,6 +44,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     check_gemm_lora_shapes,
     choose_gemm_lora_split,
     gemm_lora_gpu,
+    rows_operand,
 )
 from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, make_work_list_host, padded_perm
@@ -287,6 +288,6 @@ class PallasGPUBackend(PallasBackend):
         b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
         specs = (x_spec, stacked_spec(w_spec, True), stacked_spec(a_spec, True), REPLICATED, REPLICATED)
         specs += (stacked_spec(b_spec, True),) * len(lora_bs)
-        rows = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else num_rows
-        scalars = jnp.concatenate([jnp.stack([layer, a_layer]).astype(jnp.int32), rows.astype(jnp.int32)])
+        rows = rows_operand(num_rows, x.shape[0]).astype(jnp.int32)
+        scalars = jnp.concatenate([jnp.stack([layer, a_layer]).astype(jnp.int32), rows])
         return self._sharded(local, specs, y_spec)(x, stacks[0], a_stack, meta, scalars, *stacks[1:])
