@@ -14,7 +14,10 @@ Columns:
   cache layer (so no call reads what the one before left in L2), divided by 8; two warm-up runs first.
 - TB/s (decode): K/V bytes read over time, bytes = sum over sequences of kv_len * K * D * 2 (bf16; 1 for fp8) * 2 (K
   and V);
-  the H100's HBM peak is 3.35 TB/s.
+  the H100's HBM peak is 3.35 TB/s, the H200's 4.8 TB/s.
+- kernel ms / kernel rate (decode): the decode kernel alone, the median device time of its launches in a profiler
+  trace of that program (no dispatch, launch gaps or XLA ops around it), and the K/V bytes over it. With key splits
+  (the 8 x 2053 row) the partials' combine, a few XLA ops, is not in it.
 - TFLOP/s (prefill): 4 * H * D * (number of causal (query, key) pairs: sum over sequences of q_len * (q_len + 1) / 2
   with no prefix) over time: two matrix products of 2 FLOPs per multiply-add.
 - max err: max |ours - gather| on the same inputs (the gather computes in bf16 with float32 accumulation).
@@ -43,6 +46,7 @@ import json
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +71,7 @@ PREFILL_ROWS = [(8, 256), (8, 2048), (1, 2048)]  # 1 x 2048: the prefill step of
 ENGINE_MAX_CHUNKS = 8  # the engine's default --max-prefill-seqs, which bounds the q-block grid of its steps
 MIXED_ROWS = [(240, 517, 2, 256), (64, 517, 1, 1024)]  # (decode rows, their context, chunks, chunk tokens)
 CALLS = 8  # back-to-back calls per timed program
+DECODE_KERNEL = "ragged_paged_attention_decode"  # the decode kernel's name in a profiler trace
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as the engine's cache is
 DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
@@ -91,6 +96,25 @@ def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
         jax.block_until_ready(many(arg_sets))
         samples.append((time.perf_counter() - start) / len(arg_sets) * 1e3)
     return statistics.median(samples)
+
+
+def kernel_ms(fn, arg_sets: list[tuple], kernel_name: str, repeats: int = 5) -> float:
+    """Median device time of one launch of the kernel named kernel_name, read from a profiler trace of `repeats` runs
+    of time_ms's program: the kernel alone, without the program's dispatch, the gaps between launches or the XLA ops
+    around it."""
+    from scripts.profile_step import device_ops
+
+    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    jax.block_until_ready(many(arg_sets))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(repeats):
+            jax.block_until_ready(many(arg_sets))
+        jax.profiler.stop_trace()
+        durations = [op["dur"] for op in device_ops(trace_dir) if kernel_name in op["name"]]
+    if not durations:
+        raise RuntimeError(f"the profiler trace holds no {kernel_name} kernel (kernel times need a GPU)")
+    return statistics.median(durations) / 1e3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +280,8 @@ def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) ->
     row["tiles"] = str(tiles)
     run = ours(decode_only, tiles)
     row["ours_ms"] = time_ms(run, arg_sets)
+    if decode_only:
+        row["ours_kernel_ms"] = kernel_ms(run, arg_sets, DECODE_KERNEL)
     row["max_err"] = _max_err(run(*arg_sets[0]), reference)
     return reference
 
@@ -274,6 +300,7 @@ def decode_row(batch_size: int, context: int, sweep: bool, jax_op, cache: CacheS
         row[f"{name}_ms"] = time_ms(fn, _arg_sets(batch))
         row[f"{name}_max_err"] = _max_err(fn(*_arg_sets(batch)[0]), reference)
     row["ours_tbps"] = kv_bytes / row["ours_ms"] / 1e9
+    row["ours_kernel_tbps"] = kv_bytes / row["ours_kernel_ms"] / 1e9
     return row
 
 
@@ -308,8 +335,7 @@ def mixed_row(num_decode: int, context: int, num_chunks: int, chunk: int, cache:
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'row':<22}{'gather ms':>10}{'jax ms':>9}{'ours ms':>9}{'engine':>9}{'general':>9}{'ours rate':>14}"
-        f"{'x gather':>9}"
-        f"{'max err':>9}"
+        f"{'kernel ms':>10}{'kernel rate':>13}{'x gather':>9}{'max err':>9}"
     )
     print(f"\n{header}  tiles")
     for r in rows:
@@ -319,9 +345,11 @@ def print_table(rows: list[dict]) -> None:
         engine_ms = f"{r['engine_ms']:.3f}" if "engine_ms" in r else "-"
         rate = {"decode": f"{r.get('ours_tbps', 0):.2f} TB/s", "prefill": f"{r.get('ours_tflops', 0):.0f} TFLOP/s"}
         rate = rate.get(r["kind"], "-")
+        kernel = f"{r['ours_kernel_ms']:.3f}" if "ours_kernel_ms" in r else "-"
+        kernel_rate = f"{r['ours_kernel_tbps']:.2f} TB/s" if "ours_kernel_tbps" in r else "-"
         print(
             f"{name:<22}{r['gather_ms']:>10.3f}{jax_ms:>9}{r['ours_ms']:>9.3f}{engine_ms:>9}{general_ms:>9}{rate:>14}"
-            f"{r['gather_ms'] / r['ours_ms']:>9.1f}{r['max_err']:>9.4f}  {r['tiles']}"
+            f"{kernel:>10}{kernel_rate:>13}{r['gather_ms'] / r['ours_ms']:>9.1f}{r['max_err']:>9.4f}  {r['tiles']}"
         )
 
 

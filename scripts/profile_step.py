@@ -1,6 +1,7 @@
 """Profile one engine step (decode, prefill/extend or mixed, base or with LoRA): time breakdown + a trace summary.
 
     python scripts/profile_step.py --mode decode --batch 64
+    python scripts/profile_step.py --mode decode --batch 369 --prompt-len 384 --token-bucket 512
     python scripts/profile_step.py --mode extend --batch 8 --prompt-len 256 --lora-adapters 8 --lora-backend pallas
     python scripts/profile_step.py --mode mixed --batch 240 --prompt-len 512 --chunks 2 --chunk-len 256
 Builds the Llama-3-8B-sized dummy engine of bench_offline.py (with `--lora-adapters` random rank-16 adapters on
@@ -158,11 +159,15 @@ def add_forward_xla_options(extra: dict) -> None:
 
 
 def step_bucket(opts) -> tuple[int, int]:
-    """(the engine's one token bucket, its chunked-prefill size) for the profiled step: decode, the batch's rows;
-    extend, the batch's tokens; mixed, the decode rows plus the chunks' tokens; rounded up to a power of two (at
+    """(the engine's one token bucket, its chunked-prefill size) for the profiled step: decode, the batch's rows, or
+    --token-bucket (the rows padded to it, as a serving engine pads a decode step to its bucket); extend, the batch's
+    tokens; mixed, the decode rows plus the chunks' tokens; rounded up to a power of two (at
     least 128 for prefill), as the engine pads them."""
     if opts.mode == "decode":
-        return max(opts.batch, 8), 2048
+        rows = max(opts.batch, 8)
+        if opts.token_bucket and opts.token_bucket < rows:
+            raise SystemExit(f"--token-bucket {opts.token_bucket} holds fewer tokens than the step's {rows} rows")
+        return opts.token_bucket or rows, 2048
     tokens = opts.batch * opts.prompt_len if opts.mode == "extend" else opts.batch + opts.chunks * opts.chunk_len
     bucket = max(128, 1 << (tokens - 1).bit_length())
     return bucket, bucket
@@ -245,6 +250,12 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=2, help="mixed: prompts admitted into the profiled step")
     parser.add_argument("--chunk-len", type=int, default=256, help="mixed: tokens of each admitted prompt")
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--token-bucket",
+        type=int,
+        default=0,
+        help="decode: pad the step's rows to this token bucket, as the engine pads a decode step (default: no padding)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
         "--repeats", type=int, default=10, help="calls per timing, which reports their median (after one warm-up call)"

@@ -23,10 +23,10 @@ cu_q_lens (static bound T // BQ + C + 1 blocks, C the sequences that may hold a 
 limit of the block's last token: blocks wholly below the block's first query position without a mask, the
 diagonal blocks with the causal mask.
 
-A step of any mix runs both in one program, with no branch on the step's kind: the decode kernel over one row a
-sequence (q gathered at each one-token sequence's token; other sequences map to no sequence) and the general
-kernel over the q blocks of the longer sequences and the padding; the decode rows are then scattered into the
-general kernel's output. In a mixed step the general kernel would serve a decode row with a q tile of G real
+A step of any mix runs both in one program, with no branch on the step's kind: the general kernel over the q blocks
+of the longer sequences and the padding (it leaves the decode rows' tokens unwritten), then the decode kernel over
+one row a sequence (other sequences map to no sequence), which reads q at each row's token and writes its result
+into the general kernel's output in place (aliased: no gather of q, no scatter). In a mixed step the general kernel would serve a decode row with a q tile of G real
 rows out of BQ * G, at about twice the decode kernel's time (docs/benchmarks.md); in a decode step it launches
 only the padding's blocks. `decode_only=True` runs the decode kernel over every token instead (no gather).
 
@@ -197,24 +197,28 @@ def _normalize(o: jax.Array, l: jax.Array) -> jax.Array:
 def _decode_kernel(
     token_seq_ref,
     token_kv_len_ref,
-    layer_ref,
-    page_table_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    *out_refs,
+    *refs,
     group,
     group_pad,
     num_splits,
     block_kv,
     page_size,
     scale_log2,
+    in_place,
 ):
-    # token_seq_ref, token_kv_len_ref [T] i32 (-1 and 0: padding); q_ref/out [T, H, D];
-    # partials: o [splits, T, H, D], m and l [splits, T, H]
+    # token_seq_ref, token_kv_len_ref [R] i32 (-1 and 0: no sequence); q_ref/out [R, H, D];
+    # partials: o [splits, R, H, D], m and l [splits, R, H].
+    # in_place: refs start with row_token_ref [R] i32, q_ref/out are the step's [T, H, D] (out aliased to the general
+    # kernel's output, which is refs' `into`), and row r reads and writes token row_token[r]; rows of no sequence
+    # write nothing.
+    if in_place:
+        row_token_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, _into, *out_refs = refs
+    else:
+        layer_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs = refs
     token, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
-    safe_seq = jnp.maximum(token_seq_ref[token], 0)
+    seq = token_seq_ref[token]
+    safe_seq = jnp.maximum(seq, 0)
     kv_len = token_kv_len_ref[token]  # read beside the sequence, not through it: one dependent load less
     layer = layer_ref[0]
     rows = jnp.arange(group_pad, dtype=jnp.int32)
@@ -222,7 +226,13 @@ def _decode_kernel(
     is_head = rows < group
     cols = jnp.arange(head_dim, dtype=jnp.int32)
     row_mask = jnp.broadcast_to(is_head[:, None], (group_pad, head_dim))
-    q_at = (token, heads[:, None], cols[None, :])
+    if in_place:  # a row of no sequence points past the step's tokens: clamped, and its store masked off
+        q_row = jnp.minimum(row_token_ref[token], q_ref.shape[0] - 1)
+        q_at = (q_row, heads[:, None], cols[None, :])
+        store_mask = row_mask & (seq >= 0)
+    else:
+        q_at = (token, heads[:, None], cols[None, :])
+        store_mask = row_mask
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
 
     num_blocks = pl.cdiv(kv_len, block_kv)
@@ -255,7 +265,7 @@ def _decode_kernel(
     o, m, l = jax.lax.fori_loop(first, last, body, init)
     if num_splits == 1:
         (out_ref,) = out_refs
-        plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=row_mask)
+        plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
         return
     o_ref, m_ref, l_ref = out_refs
     plgpu.store(o_ref.at[(split,) + q_at], o, mask=row_mask)
@@ -287,16 +297,40 @@ def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
 
 
 def _decode_attention(
-    q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, *, page_size, scale, tiles, interpret
+    q,
+    row_seq,
+    row_kv_len,
+    k_cache,
+    v_cache,
+    layer,
+    page_table,
+    *,
+    page_size,
+    scale,
+    tiles,
+    interpret,
+    row_token=None,
+    into=None,
 ) -> jax.Array:
-    """q [R, H, D]: one query row each, of sequence row_seq[r] (-1: none) with row_kv_len[r] keys -> [R, H, D]."""
-    num_rows, num_heads, head_dim = q.shape
+    """q [R, H, D]: one query row each, of sequence row_seq[r] (-1: none) with row_kv_len[r] keys -> [R, H, D].
+
+    With row_token ([R] i32) and into ([T, H, D]): q is the step's [T, H, D] and row r is its token row_token[r]; the
+    rows' results are written into `into` at those tokens (rows of no sequence leave it as it is) and `into` is
+    returned. Unsplit, the kernel reads q and writes `into` in place (no gather of q, no scatter of the results)."""
+    num_rows = row_seq.shape[0]
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     group_pad = max(_MIN_DOT, _next_pow2(group))
     max_kv_len = page_table.shape[1] * page_size
     block_kv = tiles.block_kv or choose_decode_block_kv(k_cache.dtype)
     splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, max_kv_len, block_kv)
+    in_place = row_token is not None and splits == 1
+    if row_token is not None and not in_place:  # split keys: gather the rows, combine, then scatter
+        row_q = q[jnp.minimum(row_token, q.shape[0] - 1)]
+        options = dict(page_size=page_size, scale=scale, tiles=tiles, interpret=interpret)
+        rows = _decode_attention(row_q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, **options)
+        return into.at[row_token].set(rows, mode="drop", unique_indices=True)
     kernel = functools.partial(
         _decode_kernel,
         group=group,
@@ -305,6 +339,7 @@ def _decode_attention(
         block_kv=block_kv,
         page_size=page_size,
         scale_log2=scale * _LOG2E,
+        in_place=in_place,
     )
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -314,14 +349,16 @@ def _decode_attention(
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
         )
+    operands = (row_seq, row_kv_len) + ((row_token,) if in_place else ()) + (layer, page_table, q, k_cache, v_cache)
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_rows, num_kv_heads, splits),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
+        input_output_aliases={len(operands): 0} if in_place else {},
         name="ragged_paged_attention_decode",
-    )(row_seq, row_kv_len, layer, page_table, q, k_cache, v_cache)
+    )(*operands, *((into,) if in_place else ()))
     if splits == 1:
         return result
     o, m, l = result
@@ -536,12 +573,9 @@ def ragged_paged_attention_gpu(
 
 
 def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens) -> jax.Array:
-    """Any mix of decode rows and prefill chunks: the decode kernel serves the sequences of one query token (one
-    program row each, gathered from q), the general kernel every other token (it skips those rows), and the decode
-    results are scattered into the general kernel's output."""
-    num_tokens = q.shape[0]
-    row_token, row_seq, row_kv_len = _decode_rows(cu_q_lens, kv_lens, num_tokens)
-    row_q = q[jnp.minimum(row_token, num_tokens - 1)]
-    rows = decode(row_q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table)
+    """Any mix of decode rows and prefill chunks: the general kernel serves every token but those of sequences of one
+    query token (it leaves their rows unwritten), then the decode kernel serves those, one program row a sequence,
+    reading q at each row's token and writing its result into the general kernel's output in place."""
+    row_token, row_seq, row_kv_len = _decode_rows(cu_q_lens, kv_lens, q.shape[0])
     out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True)
-    return out.at[row_token].set(rows, mode="drop", unique_indices=True)
+    return decode(q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, row_token=row_token, into=out)

@@ -265,6 +265,30 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_step_on_gpu_decode_rows_in_place_and_split(num_splits):
+    # decode rows beside chunks and padding: unsplit, the decode kernel reads q and writes the general kernel's
+    # output in place at each row's token; split, its rows are gathered, combined and scattered
+    rng = np.random.default_rng(11)
+    q_lens, kv_lens = [1, 96, 1, 1, 130, 1, 0], [700, 96, 33, 1, 900, 2048, 0]
+    args = make_inputs(
+        q_lens,
+        kv_lens,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        num_tokens=sum(q_lens) + 5,
+        seed=int(rng.integers(1 << 30)),
+    )
+    check(
+        args, page_size=16, decode_only=False, max_chunks=2, interpret=False, decode_tiles=DecodeTiles(32, num_splits)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
 @pytest.mark.parametrize("mode", ["decode", "general"])
 def test_kernels_on_gpu_fp8_cache(cache_dtype, mode):
