@@ -6,8 +6,9 @@ then `EngineLoop` reads the typed messages of io_struct.py and dispatches on the
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
 (server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply,
 ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
-generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. When idle the loop
-blocks on the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step;
+generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
+frontend goes through `Outbox`, a thread that encodes and writes them in order, so a step never waits for the
+frontend to read the pipe. When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step;
 the loop keeps serving the others.
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import signal
+import threading
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
@@ -75,10 +78,48 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
 IDLE_STEP_WAIT_S = 0.002
 
 
+class Outbox:
+    """Messages to the frontend, encoded and written in order by a thread of their own: a step's outputs are handed
+    over and the loop goes on to the next step, while the write waits for the frontend to read (a message larger than
+    the pipe's buffer waits until the frontend has read most of it). A write that fails (the frontend is gone) drops
+    the rest; the loop sees the end of the pipe on its next read. `close` sends what is queued, then stops."""
+
+    _STOP = object()
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._write_loop, name="engine-outbox", daemon=True)
+        self.thread.start()
+
+    def put(self, msg: Message) -> None:
+        self.pending.put(msg)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.pending.put(self._STOP)
+        self.thread.join(timeout)
+
+    def _write_loop(self) -> None:
+        while (msg := self.pending.get()) is not self._STOP:
+            try:
+                data = encode(msg)
+            except Exception:  # a message that cannot be encoded is a bug: logged, the others still go
+                logger.exception("a %s message could not be encoded and is dropped", type(msg).__name__)
+                continue
+            try:
+                self.conn.send_bytes(data)
+            except (EOFError, OSError):
+                logger.warning("the frontend is gone: %s and the messages after it are dropped", type(msg).__name__)
+                while self.pending.get() is not self._STOP:
+                    pass
+                return
+
+
 class EngineLoop:
     def __init__(self, core, conn: Connection):
         self.core = core
         self.conn = conn
+        self.outbox = Outbox(conn)
         self.running = True
         self.handlers = {
             GenerateRequest: self._generate,
@@ -102,6 +143,12 @@ class EngineLoop:
         }
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.outbox.close()  # what the last steps and calls sent reaches the frontend before the process ends
+
+    def _serve(self) -> None:
         while self.running:
             try:
                 # idle: block for a message; a step that found nothing to run waits briefly (prefetch, pages)
@@ -177,4 +224,4 @@ class EngineLoop:
             return CallReply(call.call_id, ok=False, message=str(e))
 
     def _send(self, msg: Message) -> None:
-        self.conn.send_bytes(encode(msg))
+        self.outbox.put(msg)

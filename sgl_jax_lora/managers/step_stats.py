@@ -10,7 +10,8 @@ Flow: EngineCore.step() calls `begin` first, then times its three phases and cal
                 outputs): the previous one under the overlap schedule, this one without; either way it holds the
                 wait for the device
     between_s   from the end of this step to the start of the next one while requests are active: the engine
-                process sends the step's outputs to the frontend and reads new requests (idle time is not counted)
+                process hands the step's outputs to its writer thread (engine_process.py `Outbox`, which sends them
+                while the next step runs) and reads new requests (idle time is not counted)
 and, inside run_s:
     wait_s      the host blocked on the device for a step's sampled ids (the previous step's under the overlap
                 schedule). Near zero, the device waits for the host: host work (schedule, prepare, the rest of run,

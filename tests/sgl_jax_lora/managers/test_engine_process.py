@@ -1,17 +1,19 @@
 """EngineLoop (managers/engine_process.py) dispatches each frontend message on its class, here against a stand-in
 EngineCore and a real pipe: a refused request answers RequestFailed, an abort its last EngineOutput, every call
 its EngineCore method's result (or error) in a CallReply of the same call_id, shutdown ends the loop; bytes of an
-unknown message are dropped, the loop keeps serving."""
+unknown message are dropped, the loop keeps serving. Its Outbox hands messages over without waiting for the
+frontend to read them, keeps their order, sends what is queued on close, and outlives a frontend that is gone."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 
 import msgpack
 
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.managers.engine_process import EngineLoop
+from sgl_jax_lora.managers.engine_process import EngineLoop, Outbox
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
     AdapterLoaded,
@@ -116,3 +118,35 @@ def test_shutdown_and_unknown_messages(caplog):
     assert loop.running
     loop.handle(ShutdownRequest())
     assert not loop.running
+
+
+def big_outputs(index: int) -> EngineOutputs:
+    """An EngineOutputs message of about 100 KB (a step's outputs at many running requests)."""
+    return EngineOutputs([EngineOutput(f"r{index}-{i}", list(range(40)), [], [], 3, 40, 0, None) for i in range(400)])
+
+
+def test_outbox_does_not_wait_for_the_frontend_and_keeps_the_order():
+    frontend, engine = mp.Pipe()
+    outbox = Outbox(engine)
+    messages = [big_outputs(i) for i in range(40)]  # several MB: far more than the pipe holds unread
+    handed_over = threading.Thread(target=lambda: [outbox.put(m) for m in messages])
+    handed_over.start()
+    handed_over.join(5)
+    assert not handed_over.is_alive()  # every put returned while the frontend had read nothing
+    assert [received(frontend).items[0].rid for _ in messages] == [f"r{i}-0" for i in range(40)]
+    outbox.put(RequestFailed("late", "queued before close"))
+    outbox.close()
+    assert received(frontend) == RequestFailed("late", "queued before close")
+    assert not outbox.thread.is_alive()
+
+
+def test_outbox_outlives_a_frontend_that_is_gone(caplog):
+    frontend, engine = mp.Pipe()
+    outbox = Outbox(engine)
+    frontend.close()
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            outbox.put(big_outputs(i))
+        outbox.close()
+    assert not outbox.thread.is_alive()
+    assert "the frontend is gone" in caplog.text
