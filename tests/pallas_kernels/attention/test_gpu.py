@@ -192,6 +192,26 @@ def test_fp8_cache_interpret(cache_dtype, decode_only):
     check(args, page_size=4, decode_only=decode_only, interpret=True, **FP8_TILES)
 
 
+@pytest.mark.parametrize("cache_dtype", FP8_CACHES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fp8_cache_mixed_step_decode_rows_in_place_and_split(cache_dtype, num_splits):
+    # decode rows beside a chunk and a padding sequence in an 8-bit cache: unsplit the decode kernel writes the
+    # general kernel's output in place, split its rows are scattered
+    args = make_inputs(
+        [1, 5, 1, 0],
+        [9, 12, 21, 0],
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=10,
+        cache_dtype=cache_dtype,
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
+    check(args, page_size=4, decode_only=False, interpret=True, **tiles)
+
+
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_fp8_cache_with_bf16_queries_multiplies_in_float16(decode_only):
     # beside bf16 queries an 8-bit cache widens to float16 (one conversion a pair on the GPU): within bf16's tolerance
