@@ -78,17 +78,21 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
 IDLE_STEP_WAIT_S = 0.002
 
 
+MAX_PENDING_MESSAGES = 256  # messages the frontend may lag behind before the loop waits for it (backpressure)
+
+
 class Outbox:
     """Messages to the frontend, encoded and written in order by a thread of their own: a step's outputs are handed
     over and the loop goes on to the next step, while the write waits for the frontend to read (a message larger than
-    the pipe's buffer waits until the frontend has read most of it). A write that fails (the frontend is gone) drops
-    the rest; the loop sees the end of the pipe on its next read. `close` sends what is queued, then stops."""
+    the pipe's buffer waits until the frontend has read most of it). Only a frontend MAX_PENDING_MESSAGES messages
+    behind makes `put` wait. A write that fails (the frontend is gone) drops the rest; the loop sees the end of the
+    pipe on its next read. `close` sends what is queued, then stops."""
 
     _STOP = object()
 
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: Connection, max_pending: int = MAX_PENDING_MESSAGES):
         self.conn = conn
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: queue.Queue = queue.Queue(max_pending)
         self.thread = threading.Thread(target=self._write_loop, name="engine-outbox", daemon=True)
         self.thread.start()
 

@@ -2,7 +2,8 @@
 EngineCore and a real pipe: a refused request answers RequestFailed, an abort its last EngineOutput, every call
 its EngineCore method's result (or error) in a CallReply of the same call_id, shutdown ends the loop; bytes of an
 unknown message are dropped, the loop keeps serving. Its Outbox hands messages over without waiting for the
-frontend to read them, keeps their order, sends what is queued on close, and outlives a frontend that is gone."""
+frontend to read them (up to its bound, then it waits), keeps their order, sends what is queued on close, and
+outlives a frontend that is gone."""
 
 from __future__ import annotations
 
@@ -150,3 +151,17 @@ def test_outbox_outlives_a_frontend_that_is_gone(caplog):
         outbox.close()
     assert not outbox.thread.is_alive()
     assert "the frontend is gone" in caplog.text
+
+
+def test_outbox_waits_for_a_frontend_its_bound_behind():
+    frontend, engine = mp.Pipe()
+    outbox = Outbox(engine, max_pending=2)
+    messages = [big_outputs(i) for i in range(40)]  # more than the pipe's buffer, the one being written and 2 queued
+    handed_over = threading.Thread(target=lambda: [outbox.put(m) for m in messages])
+    handed_over.start()
+    handed_over.join(1)
+    assert handed_over.is_alive()  # backpressure: the loop waits once the frontend is that far behind
+    assert [received(frontend).items[0].rid for _ in messages] == [f"r{i}-0" for i in range(40)]
+    handed_over.join(5)
+    assert not handed_over.is_alive()
+    outbox.close()
