@@ -1,7 +1,7 @@
 """scripts/profile_step.py's trace reading on a hand-made perfetto trace: device ops only, forwards split at the
 host's gaps, and each forward's span (not its summed op time) when ops overlap on two streams; the dispatch
 timing leaves out the wait for a call's result; the layer period is read off the op that runs once per layer; each
-mode's one token bucket holds its profiled step."""
+mode's one token bucket holds its profiled step, and --token-bucket pads a decode step's rows to a larger one."""
 
 from __future__ import annotations
 
@@ -119,5 +119,15 @@ def test_layer_period_follows_the_per_layer_op_with_the_most_time():
     ],
 )
 def test_step_bucket_holds_the_profiled_step(mode, batch, prompt_len, chunks, chunk_len, want):
-    opts = argparse.Namespace(mode=mode, batch=batch, prompt_len=prompt_len, chunks=chunks, chunk_len=chunk_len)
+    opts = argparse.Namespace(
+        mode=mode, batch=batch, prompt_len=prompt_len, chunks=chunks, chunk_len=chunk_len, token_bucket=0
+    )
     assert profile_step.step_bucket(opts) == want
+
+
+def test_token_bucket_pads_a_decode_step_as_the_engine_does():
+    opts = argparse.Namespace(mode="decode", batch=369, prompt_len=384, chunks=0, chunk_len=0, token_bucket=512)
+    assert profile_step.step_bucket(opts) == (512, 2048)  # 369 rows in the 512 bucket
+    opts.token_bucket = 256
+    with pytest.raises(SystemExit, match="--token-bucket 256 holds fewer tokens than the step's 369 rows"):
+        profile_step.step_bucket(opts)
