@@ -8,8 +8,8 @@ then `EngineLoop` reads the typed messages of io_struct.py and dispatches on the
 ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
 generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
 frontend goes through `Outbox`, a thread that encodes and writes them in order, so a step never waits for the
-frontend to read the pipe. When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A failing step fails only the requests of that step;
-the loop keeps serving the others.
+frontend to read the pipe. When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
+failing step fails only the requests of that step; the loop keeps serving the others.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
@@ -100,8 +101,16 @@ class Outbox:
         self.pending.put(msg)
 
     def close(self, timeout: float = 10.0) -> None:
-        self.pending.put(self._STOP)
-        self.thread.join(timeout)
+        """Send what is queued, then stop; a frontend that reads nothing for `timeout` seconds is given up on (what
+        is still queued goes with the process). Called by the thread that puts, after its last put."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.pending.put(self._STOP, timeout=timeout)
+            self.thread.join(max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        if self.thread.is_alive():
+            logger.warning("the frontend read nothing for %.1f s: the messages still queued are dropped", timeout)
 
     def _write_loop(self) -> None:
         while (msg := self.pending.get()) is not self._STOP:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
+import time
 
 import msgpack
 
@@ -165,3 +166,25 @@ def test_outbox_waits_for_a_frontend_its_bound_behind():
     handed_over.join(5)
     assert not handed_over.is_alive()
     outbox.close()
+
+
+def test_outbox_close_gives_up_on_a_frontend_that_stopped_reading(caplog):
+    frontend, engine = mp.Pipe()  # the frontend end stays open and unread
+    outbox = Outbox(engine, max_pending=1)
+    handed_over = []
+
+    def fill():  # far more than the pipe holds: the writer blocks, then the queue's one slot, then this thread
+        for i in range(200):
+            outbox.put(big_outputs(i))
+            handed_over.append(i)
+
+    threading.Thread(target=fill, daemon=True).start()
+    count, since = -1, time.monotonic()
+    while time.monotonic() - since < 1.0:  # until the puts have stopped returning for a second
+        if len(handed_over) != count:
+            count, since = len(handed_over), time.monotonic()
+        time.sleep(0.01)
+    assert len(handed_over) < 200
+    with caplog.at_level(logging.WARNING):
+        outbox.close(timeout=0.5)  # returns: the process may end
+    assert "the frontend read nothing for 0.5 s" in caplog.text
