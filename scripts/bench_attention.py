@@ -84,10 +84,16 @@ PREFILL_SWEEP = (
 )
 
 
+def calls_program(fn):
+    """fn on each of a list of arg sets, unrolled in one jit: one dispatch for back-to-back kernels, each on its own q
+    and cache layer so none is a cached repeat (the program time_ms and kernel_ms time)."""
+    return jax.jit(lambda sets: [fn(*args) for args in sets])
+
+
 def time_ms(fn, arg_sets: list[tuple], repeats: int = 15) -> float:
-    """Median device-bound time of one call: fn on each of the arg sets, unrolled in one jit (one dispatch for
-    len(arg_sets) back-to-back kernels, each on its own q and cache layer so none is a cached repeat)."""
-    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    """Median device-bound time of one call: the wall time of `calls_program(fn)` over the arg sets, divided by their
+    number."""
+    many = calls_program(fn)
     jax.block_until_ready(many(arg_sets))
     jax.block_until_ready(many(arg_sets))
     samples = []
@@ -104,7 +110,7 @@ def kernel_ms(fn, arg_sets: list[tuple], kernel_name: str, repeats: int = 5) -> 
     around it."""
     from scripts.profile_step import device_ops
 
-    many = jax.jit(lambda sets: [fn(*args) for args in sets])
+    many = calls_program(fn)
     jax.block_until_ready(many(arg_sets))
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)

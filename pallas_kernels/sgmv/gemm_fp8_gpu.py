@@ -101,8 +101,8 @@ def gemm_fp8_gpu(
     """y = (xq @ W.T) * scale in out_dtype, accumulated in float32, W read in place from its stack. T is padded to
     the kernel's row tile with zero rows (their products are dropped). num_rows ([1] i32): the rows of xq that are
     real; the kernel skips the row tiles after them and y is zero from row num_rows[0] on (None: every row).
-    reference: the same with XLA's dot on the
-    layer's slice (platforms without Mosaic GPU); the shapes are checked either way."""
+    reference: the same with XLA's dot on the layer's slice (platforms without Mosaic GPU); the shapes are checked
+    either way."""
     out_dim, in_dim = w.shape[-2:]
     if xq.shape[1] != in_dim or xq.dtype != w.dtype or w.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gemm_fp8_gpu: x {xq.shape} {xq.dtype} does not match W {w.shape} {w.dtype} (float8_e4m3fn)")

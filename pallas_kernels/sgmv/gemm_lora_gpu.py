@@ -32,7 +32,8 @@ no tile: the kernel takes the step's real row count as data and runs only the ro
 over the SMs as if the bucket ended there (a decode step of 345 rows in the 512 bucket runs 3 of 4 row tiles); the
 rows after the real ones are zeroed by `zero_rows_from`, a select XLA fuses into the output's consumer or the split-K
 sum. Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple
-of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the same operands in pure JAX.
+of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the
+same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
 B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py, and with `fp8=True` as well the 8-bit
 GEMM of gemm_fp8_gpu.py (8-bit x and a K-major W, the accumulator scaled in the epilogue).
