@@ -12,8 +12,8 @@ under `jax.shard_map`, each device on its shard of W as the weight loader placed
 column-parallel modules (W split on `out`) take x replicated and give y split on its columns; row-parallel ones
 (W split on `in`) take x split on its columns and all-reduce y over "tensor" in x's dtype, as XLA's dot does.
 
-`make_base_gemm` turns the flag into the model's static setting (`for_module` gives each linear its own least
-bucket): default DEFAULT_MIN_TOKENS, per module, on one Hopper GPU (compute capability 9.x), off elsewhere and
+`make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on one Hopper GPU
+(compute capability 9.x), off elsewhere and
 under tensor parallelism (not yet run on GPUs: set the flag to use it there); a positive value off Hopper GPUs (CPU
 tests) computes with the kernel's pure-JAX reference (`gemm_gpu(..., reference=True)`), so the plumbing around the
 kernel is tested on CPU. At decode sizes the kernel splits its K loop over the SMs (gemm_gpu.py `choose_k_splits`).
@@ -37,10 +37,12 @@ from sgl_jax_lora.layers.sharding import logical_to_sharding
 if TYPE_CHECKING:  # type only: layers/linear.py imports this module
     from sgl_jax_lora.layers.linear import LinearAxes
 
-# the least token bucket per module that runs the kernel on Hopper GPUs by default: measured per module on an H100
-# with the K loop split at decode sizes, it is faster than XLA's GEMM from 256 tokens for q|k|v, gate|up and down,
-# and from 512 for o (docs/benchmarks.md "The base GEMM kernel in decode and prefill steps")
-DEFAULT_MIN_TOKENS = {"qkv_proj": 256, "o_proj": 512, "gate_up_proj": 256, "down_proj": 256}
+# the least token bucket that runs the kernel on Hopper GPUs by default, for every module: with the K loop split at
+# decode sizes it is faster than XLA's GEMM from 256 tokens for q|k|v, gate|up and down; o alone is a little slower
+# there, but XLA's dot on o's layer slices also copies o's whole weight stack once a forward, so the 256-token
+# decode step is faster with o in the kernel too; 64-token buckets do not fit the kernel's 128-row tiles
+# (docs/benchmarks.md "The base GEMM kernel in decode and prefill steps")
+DEFAULT_MIN_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,29 +52,19 @@ class BaseGemm:
     min_tokens: int  # the least token bucket in which a module runs the kernel (> 0)
     mesh: Mesh | None = None  # the ("data", "tensor") mesh the weights are placed on; None: one device
     reference: bool = False  # compute with the kernel's pure-JAX reference (platforms without Mosaic GPU)
-    module_min_tokens: tuple[tuple[str, int], ...] = ()  # (module, its least bucket) where it differs from min_tokens
 
     def runs(self, num_tokens: int) -> bool:
-        """Whether a bucket of `num_tokens` tokens runs the kernel for some module (the model's layers then get
-        LayerStack views)."""
+        """Whether a bucket of `num_tokens` tokens runs the kernel (the model's layers then get LayerStack views)."""
         return 0 < self.min_tokens <= num_tokens
-
-    def for_module(self, name: str) -> BaseGemm:
-        """The setting of one layer linear (`qkv_proj`, `o_proj`, ...): its own least bucket."""
-        return dataclasses.replace(
-            self, min_tokens=dict(self.module_min_tokens).get(name, self.min_tokens), module_min_tokens=()
-        )
 
 
 def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
-    """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). A positive value is every
-    module's least bucket. None: DEFAULT_MIN_TOKENS (per module) on one Hopper GPU, off elsewhere (several GPUs: the
-    kernel under shard_map has not run on GPUs yet, so it waits for the flag); a positive value off Hopper GPUs runs
-    the kernel's pure-JAX reference."""
+    """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). None: DEFAULT_MIN_TOKENS on
+    one Hopper GPU, off elsewhere (several GPUs: the kernel under shard_map has not run on GPUs yet, so it waits for
+    the flag); a positive value off Hopper GPUs runs the kernel's pure-JAX reference."""
     has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     if min_tokens is None and has_kernel and (mesh is None or mesh.size == 1):
-        modules = tuple(sorted(DEFAULT_MIN_TOKENS.items()))
-        return BaseGemm(min(DEFAULT_MIN_TOKENS.values()), mesh, reference=False, module_min_tokens=modules)
+        return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False)
     if not min_tokens:
         return None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)

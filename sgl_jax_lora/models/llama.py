@@ -89,7 +89,6 @@ def _make_linear(
     fp8: Fp8Gemm | None,
 ) -> Linear:
     axes = LINEAR_AXES[name]
-    base_gemm = base_gemm.for_module(name) if base_gemm is not None else None
     if lora is None or name not in lora.target_modules:
         return Linear(in_features, part_sizes, tp_size, use_bias, dtype, axes, base_gemm, fp8)
     row_parallel = LORA_TARGETS[name][1]

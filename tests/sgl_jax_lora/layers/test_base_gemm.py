@@ -80,7 +80,7 @@ def test_flag_default_and_validation():
     mesh = make_mesh(1)
     on_hopper = base_gemm_module.is_hopper(jax.devices()[0])
     default = make_base_gemm(None, mesh)
-    assert (default.min_tokens if default else 0) == (min(DEFAULT_MIN_TOKENS.values()) if on_hopper else 0)
+    assert (default.min_tokens if default else 0) == (DEFAULT_MIN_TOKENS if on_hopper else 0)
     assert make_base_gemm(0, mesh) is None
     assert make_base_gemm(256, mesh) == BaseGemm(256, mesh, reference=not on_hopper)  # CPU: the pure-JAX reference
     assert BaseGemm(256).runs(256) and BaseGemm(256).runs(2048) and not BaseGemm(256).runs(128)
@@ -101,14 +101,7 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
     assert make_base_gemm(None, None).mesh is None
     assert make_base_gemm(None, two) is None
     assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
-    # each module's own least bucket: the kernel at decode sizes where it beat XLA's GEMM per module on an H100
-    for module, least in DEFAULT_MIN_TOKENS.items():
-        setting = default.for_module(module)
-        assert setting.runs(least) and not setting.runs(least // 2) and setting.mesh is one
-    assert DEFAULT_MIN_TOKENS["o_proj"] > DEFAULT_MIN_TOKENS["qkv_proj"]
-    assert default.runs(min(DEFAULT_MIN_TOKENS.values()))  # the model keeps the stacks whole where any module runs it
-    # a value given is every module's
-    assert all(make_base_gemm(1024, one).for_module(m).min_tokens == 1024 for m in DEFAULT_MIN_TOKENS)
+    assert default.min_tokens == DEFAULT_MIN_TOKENS and default.runs(256) and not default.runs(128)
 
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
