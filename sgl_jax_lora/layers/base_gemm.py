@@ -13,10 +13,10 @@ column-parallel modules (W split on `out`) take x replicated and give y split on
 (W split on `in`) take x split on its columns and all-reduce y over "tensor" in x's dtype, as XLA's dot does.
 
 `make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on one Hopper GPU
-(compute capability 9.x), off elsewhere and
-under tensor parallelism (not yet run on GPUs: set the flag to use it there); a positive value off Hopper GPUs (CPU
-tests) computes with the kernel's pure-JAX reference (`gemm_gpu(..., reference=True)`), so the plumbing around the
-kernel is tested on CPU. At decode sizes the kernel splits its K loop over the SMs (gemm_gpu.py `choose_k_splits`).
+(compute capability 9.x), off elsewhere and under tensor parallelism (not yet run on GPUs: set the flag to use it
+there); a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX reference
+(`gemm_gpu(..., reference=True)`), so the plumbing around the kernel is tested on CPU. At decode sizes the kernel
+splits its K loop over the SMs (gemm_gpu.py `choose_k_splits`).
 """
 
 from __future__ import annotations
