@@ -18,7 +18,8 @@ also times whole engine steps, with the overlap schedule and without it (each st
 scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 `--gpu-gemm-min-tokens N` (0: off) sets the engine flag, so that XLA's dot and the base GEMM kernel are compared on
-the same prefill step. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
+the same prefill step. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then
+holds every device's ops).
 `--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
 the same step; `bring_up_s` (the engine built, its programs compiled, the requests brought to the step) shows what
 they cost in compile time.
@@ -161,8 +162,8 @@ def add_forward_xla_options(extra: dict) -> None:
 def step_bucket(opts) -> tuple[int, int]:
     """(the engine's one token bucket, its chunked-prefill size) for the profiled step: decode, the batch's rows, or
     --token-bucket (the rows padded to it, as a serving engine pads a decode step to its bucket); extend, the batch's
-    tokens; mixed, the decode rows plus the chunks' tokens; rounded up to a power of two (at
-    least 128 for prefill), as the engine pads them."""
+    tokens; mixed, the decode rows plus the chunks' tokens; rounded up to a power of two (at least 128 for prefill),
+    as the engine pads them."""
     if opts.mode == "decode":
         rows = max(opts.batch, 8)
         if opts.token_bucket and opts.token_bucket < rows:

@@ -28,7 +28,8 @@ of the longer sequences and the padding (it leaves the decode rows' tokens unwri
 one row a sequence (other sequences map to no sequence), which reads q at each row's token and writes its result
 into the general kernel's output in place (aliased: no gather of q, no scatter). In a mixed step the general kernel
 would serve a decode row with a q tile of G real rows out of BQ * G, at about twice the decode kernel's time
-(docs/benchmarks.md); in a decode step it launches only the padding's blocks. `decode_only=True` runs the decode kernel over every token instead (no gather).
+(docs/benchmarks.md); in a decode step it launches only the padding's blocks. `decode_only=True` runs the decode
+kernel over every token instead.
 
 An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened as its rows load, to float16 beside 16-bit queries (q is
 saturated into float16's range) and to q's dtype beside float32 ones, with float32 accumulation as for a 16-bit
