@@ -7,14 +7,19 @@ and times, side by side in one process:
 - `xla`: `x @ w[layer]`, what the engine runs with `--gpu-gemm-min-tokens 0` (XLA may copy the layer's W first);
 - `kernel`: `gemm_gpu(x, w, layer)`, which reads the layer's rows of the stack in place, its K loop split as
   `default_k_splits` picks for the GPU's SMs (what the engine runs from `--gpu-gemm-min-tokens`);
-- `unsplit`: the same kernel with one K loop per tile (`k_splits=1`), where the kernel splits.
+- `unsplit`: the same kernel with one K loop per tile (`k_splits=1`), where the kernel splits;
+- `whole`: the same kernel with every tile whole (`tail_split=False`), where it cuts the last partial wave's tiles
+  in pieces of K (`default_tail_split`).
+
+A token count may name its real rows, `T:R` (a decode step of R rows in the T bucket: the kernel runs only the row
+tiles that hold them, and the tail split's pieces follow from them).
 
 It also reports the largest absolute difference between the two outputs of the last layer. `--tilings` adds, per
 row, the kernel with other CTA tiles: `WxK` is W columns per consumer warpgroup (`tile_n`: 128 is the default
 256-column CTA tile, 64 a 128-column one; the deepest pipeline that fits shared memory) and K parts of the K loop.
 Needs a Hopper GPU; `--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
 
-Usage: python scripts/bench_gemm.py --json out.json [--tokens 128,256,512,1024,2048] [--modules qkv,o]
+Usage: python scripts/bench_gemm.py --json out.json [--tokens 128,256,512,1024:751,2048] [--modules qkv,o]
     [--tilings 64x1,64x2]
 """
 
@@ -31,7 +36,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.gemm_fp8_gpu import gemm_fp8_gpu  # noqa: E402
-from pallas_kernels.sgmv.gemm_gpu import default_k_splits, gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import default_k_splits, default_tail_split, gemm_gpu  # noqa: E402
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 from sgl_jax_lora.layers.fp8 import quantize_activation, quantize_weight  # noqa: E402
@@ -69,6 +74,7 @@ def measure_row(
     reference: bool = False,
     tilings: tuple[tuple[int, int], ...] = (),
     fp8: bool = False,
+    num_rows: int | None = None,
 ) -> dict:
     """Times both programs (and the kernel with each of `tilings`, and with `fp8` the 8-bit kernel) over one
     [layers, in, out] stack; microseconds per layer."""
@@ -78,15 +84,24 @@ def measure_row(
         )
     )()
     x = jax.random.normal(jax.random.key(1), (num_tokens, in_dim), jnp.float32).astype(jnp.bfloat16)
+    rows = jnp.full((1,), num_tokens if num_rows is None else num_rows, jnp.int32)
+    if num_rows is not None:  # the bucket's padding rows are zero, as the engine pads
+        x = jnp.where(jnp.arange(num_tokens)[:, None] < num_rows, x, 0).astype(x.dtype)
     xla = jax.jit(lambda x, w: [x @ w[layer] for layer in range(layers)])
-    kernel = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), reference=reference) for layer in range(layers)])
+
+    def kernel_layers(**kwargs):
+        return jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), rows, **kwargs) for layer in range(layers)])
+
+    kernel = kernel_layers(reference=reference)
     xla_us = time_fn(xla, (x, w), min_seconds) / layers * 1e6
     kernel_us = time_fn(kernel, (x, w), min_seconds) / layers * 1e6
     k_splits = 1 if reference else default_k_splits(num_tokens, in_dim, out_dim)
-    unsplit_us = None
+    tail_split = not reference and default_tail_split(num_tokens, in_dim, out_dim, k_splits)
+    unsplit_us = whole_us = None
     if k_splits > 1:
-        unsplit = jax.jit(lambda x, w: [gemm_gpu(x, w, jnp.int32(layer), k_splits=1) for layer in range(layers)])
-        unsplit_us = time_fn(unsplit, (x, w), min_seconds) / layers * 1e6
+        unsplit_us = time_fn(kernel_layers(k_splits=1), (x, w), min_seconds) / layers * 1e6
+    if tail_split:
+        whole_us = time_fn(kernel_layers(tail_split=False), (x, w), min_seconds) / layers * 1e6
     diff = jnp.abs(kernel(x, w)[-1].astype(jnp.float32) - xla(x, w)[-1].astype(jnp.float32))
     tiled_us = {}
     for tile_n, parts in tilings:
@@ -105,11 +120,14 @@ def measure_row(
         in_dim=in_dim,
         out_dim=out_dim,
         tokens=num_tokens,
+        rows=num_tokens if num_rows is None else num_rows,
         layers=layers,
         xla_us=xla_us,
         kernel_us=kernel_us,
         k_splits=k_splits,
         unsplit_us=unsplit_us,
+        tail_split=tail_split,
+        whole_us=whole_us,
         ratio=kernel_us / xla_us,
         max_abs_diff=float(jnp.max(diff)),
         tilings_us=tiled_us,
@@ -141,7 +159,9 @@ def measure_fp8(x: jax.Array, w: jax.Array, layers: int, min_seconds: float, ref
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--tokens", default="128,256,512,1024,2048", help="comma-separated token counts T")
+    parser.add_argument(
+        "--tokens", default="128,256,512,1024,2048", help="comma-separated token counts T, or T:R (R real rows)"
+    )
     parser.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)}")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--min-seconds", type=float, default=0.5, help="time per program (bench_lora_kernels.time_fn)")
@@ -151,19 +171,34 @@ def main() -> None:
     args = parser.parse_args()
     tilings = tuple(parse_tilings(args.tilings))
     rows = []
-    print("| module | T | xla us/layer | kernel us/layer | K parts | unsplit us/layer | kernel / xla | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| module | T (rows) | xla us/layer | kernel us/layer | K parts | unsplit us/layer | whole us/layer | "
+        "kernel / xla | max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for module in args.modules.split(","):
         in_dim, out_dim = MODULES[module]
-        for num_tokens in (int(t) for t in args.tokens.split(",")):
+        for spec in args.tokens.split(","):
+            num_tokens, _, real = spec.partition(":")
+            num_tokens, num_rows = int(num_tokens), int(real) if real else None
             row = measure_row(
-                module, in_dim, out_dim, num_tokens, args.layers, args.min_seconds, args.reference, tilings, args.fp8
+                module,
+                in_dim,
+                out_dim,
+                num_tokens,
+                args.layers,
+                args.min_seconds,
+                args.reference,
+                tilings,
+                args.fp8,
+                num_rows,
             )
-            unsplit_us = row["unsplit_us"]
+            unsplit_us, whole_us = row["unsplit_us"], row["whole_us"]
             rows.append(row)
             print(
-                f"| {module} | {num_tokens} | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | {row['k_splits']} | "
-                f"{'-' if unsplit_us is None else f'{unsplit_us:.1f}'} | {row['ratio']:.3f} | "
+                f"| {module} | {num_tokens} ({row['rows']}) | {row['xla_us']:.1f} | {row['kernel_us']:.1f} | "
+                f"{row['k_splits']} | {'-' if unsplit_us is None else f'{unsplit_us:.1f}'} | "
+                f"{'-' if whole_us is None else f'{whole_us:.1f}'} | {row['ratio']:.3f} | "
                 f"{row['max_abs_diff']:.3g} |"
                 + "".join(f" {name}: {us:.1f} |" for name, us in row["tilings_us"].items())
                 + (

@@ -17,11 +17,16 @@ K loop into up to 8 equal parts so that tiles x parts still fit one wave over th
 float32 product to a [k_splits * T, out] buffer (32-column epilogue stores: the bytes of 64 bf16 columns) and XLA
 sums the parts and rounds once to x's dtype.
 
+Tail split, for the buckets between: where the tiles make a few whole waves and a partial one (q|k|v of Llama-3-8B
+at 751 real rows: 144 tiles on 132 SMs), the partial wave's tiles run in pieces of their K loop that add into a
+zeroed output (tail_split.py); the real row count decides the pieces inside the kernel (`default_tail_split` says
+where).
+
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
-`default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `check_gemm_shapes`,
-`gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms
-without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k, out a multiple of 2 * tile_n, bf16
-operands (a bf16 WGMMA) of one dtype.
+`default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `default_tail_split`,
+`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX
+reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k, out a multiple
+of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     rows_operand,
     zero_rows_from,
 )
+from pallas_kernels.sgmv.tail_split import modeled_saving
 
 
 def is_hopper(device) -> bool:
@@ -64,6 +70,25 @@ def default_k_splits(num_tokens: int, in_dim: int, out_dim: int) -> int:
     return choose_k_splits(num_tokens, in_dim, out_dim, choose_gemm_tiles(), num_sms) if num_sms else 1
 
 
+TAIL_SPLIT_MAX_TOKENS = 1024  # token buckets up to this size may run the tail split ...
+TAIL_SPLIT_MAX_OUT = 8192  # ... in modules up to this many columns (zeroing a wider output costs what the tail gains)
+TAIL_SPLIT_MIN_SAVING = 0.05  # ... where the tile model saves at least this share of the K steps (`modeled_saving`)
+
+
+def default_tail_split(num_tokens: int, in_dim: int, out_dim: int, k_splits: int, num_sms: int = 0) -> bool:
+    """Whether `gemm_gpu` cuts the last partial wave's tiles in pieces of K when not told (tail_split.py): in
+    decode-sized buckets whose K loop is not split already, for modules of at most TAIL_SPLIT_MAX_OUT columns
+    where `modeled_saving` over the bucket's row counts reaches TAIL_SPLIT_MIN_SAVING. On an H200 that is q|k|v and
+    down of Llama-3-8B in the 1024 bucket and q|k|v in the 512 one; o's tail is one piece at most of its row counts,
+    where zeroing its output only costs time. num_sms: this GPU's (0: read from it; off GPUs, never)."""
+    num_sms = num_sms or getattr(jax.devices()[0], "core_count", 0)
+    if not num_sms or k_splits != 1 or num_tokens > TAIL_SPLIT_MAX_TOKENS or out_dim > TAIL_SPLIT_MAX_OUT:
+        return False
+    tiles = choose_gemm_tiles()
+    saving = modeled_saving(num_tokens, in_dim, out_dim, tiles.tile_m, 2 * tiles.tile_n, tiles.tile_k, num_sms)
+    return saving >= TAIL_SPLIT_MIN_SAVING
+
+
 def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles) -> None:
     """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles."""
     cta_n = 2 * tiles.tile_n
@@ -74,7 +99,7 @@ def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLor
         )
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "k_splits"))
+@functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split"))
 def gemm_gpu_rows(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
@@ -83,14 +108,26 @@ def gemm_gpu_rows(
     *,
     tiles: GemmLoraTiles,
     k_splits: int = 1,
+    tail_split: bool = False,
 ) -> jax.Array:
     """x @ W in one kernel ([T, out], x's dtype; with k_splits > 1 the kernel's float32 parts summed by XLA); its
     rows from num_rows[0] on are not computed (any values: `zero_rows_from`). The shapes as `check_gemm_shapes`
-    requires, in / tile_k a multiple of k_splits."""
+    requires, in / tile_k a multiple of k_splits. tail_split (with k_splits 1): the last partial wave's tiles in
+    pieces of K (tail_split.py), added into a zeroed output."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
+    if tail_split:
+        out = jax.new_ref(jnp.zeros((num_tokens, out_dim), x.dtype), memory_space=plgpu.GMEM)
+        pl.kernel(
+            functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
+            out_type=(),
+            mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        )(w_row, num_rows, x, w_rows, out)
+        return out[...]
     out_dtype = x.dtype if k_splits == 1 else jnp.float32
     y = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits),
@@ -114,6 +151,7 @@ def gemm_gpu(
     *,
     tiles: GemmLoraTiles | None = None,
     k_splits: int | None = None,
+    tail_split: bool | None = None,
     reference: bool = False,
 ) -> jax.Array:
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32.
@@ -121,11 +159,18 @@ def gemm_gpu(
     num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
     row tiles after them and y is zero from row num_rows[0] on. None: every row. k_splits: parts of the K loop
     (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when `tiles` are given or off GPUs).
-    reference: compute it with the pure-JAX `x @ w[layer]` instead of the kernel, on platforms without Mosaic GPU
-    (CPU tests of the code around the kernel); the shapes are checked either way."""
+    tail_split: the last partial wave's tiles in pieces of K (tail_split.py; None: `default_tail_split` when neither
+    tiles nor k_splits are given, else off). reference: compute it with the pure-JAX `x @ w[layer]` instead of the
+    kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel); the shapes are checked either
+    way."""
     in_dim, out_dim = w.shape[-2:]
+    automatic = k_splits is None and tiles is None and not reference
     if k_splits is None:
         k_splits = 1 if tiles is not None or reference else default_k_splits(x.shape[0], in_dim, out_dim)
+    if tail_split is None:
+        tail_split = automatic and default_tail_split(x.shape[0], in_dim, out_dim, k_splits)
+    if tail_split and k_splits != 1:
+        raise ValueError(f"gemm_gpu: the tail split runs one K loop per tile, not {k_splits} parts; pass k_splits=1")
     tiles = tiles or choose_gemm_tiles(k_splits)
     if x.shape[1] != in_dim or x.dtype != w.dtype:
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
@@ -141,5 +186,6 @@ def gemm_gpu(
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     rows = rows_operand(num_rows, x.shape[0])
     return zero_rows_from(
-        gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, rows, tiles=tiles, k_splits=k_splits), num_rows
+        gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, rows, tiles=tiles, k_splits=k_splits, tail_split=tail_split),
+        num_rows,
     )

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.sgmv.entry_table import EntryTable, entry_s_parts
+from pallas_kernels.sgmv.tail_split import tail_pieces, unit_work
 
 _SMEM_BYTES = 227 * 1024  # H100 shared memory per block
 _SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
@@ -126,7 +127,15 @@ def choose_gemm_lora_split(
     return split_tiles, choose_k_splits(num_tokens, in_dim, out_dim, split_tiles, num_sms)
 
 
-def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 1, fp8: bool = False):
+def _kernel(
+    *refs,
+    tiles: GemmLoraTiles,
+    has_lora: bool = True,
+    k_splits: int = 1,
+    fp8: bool = False,
+    tail_split: bool = False,
+    num_sms: int = 0,
+):
     """The kernel body. refs: (w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs,
     out); with has_lora False (gemm_gpu.py) only (w_row, num_rows, x, w, out): no s or B tiles in shared memory and
     no LoRA loop. num_rows ([1] i32): the rows of x to compute; the row tiles wholly after them (a bucket's padding)
@@ -137,7 +146,9 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
     the LoRA entries, the others none.
     fp8 (gemm_fp8_gpu.py, no LoRA): refs (w_row, scale, x, w, out) with 8-bit float x [T, in] and W stored K-major,
     [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W there; the
-    float32 accumulator is multiplied by scale[0] before it is stored."""
+    float32 accumulator is multiplied by scale[0] before it is stored.
+    tail_split (gemm_gpu.py, no LoRA, one K part; `num_sms` the grid's size): the tiles of the last partial wave run
+    in pieces of their K loop (tail_split.py) that add into out with TMA reduce-adds; out must start at zero."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -163,23 +174,24 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
         swizzle = plgpu.find_swizzle(minor * bits)
         return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
-    if fp8:  # W K-major: a [cta_n, tk] block of its rows (the CTA's output columns)
-        w_block_spec = plgpu.BlockSpec(
-            (cta_n, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM
-        )
-    else:
-        w_block_spec = plgpu.BlockSpec(
-            (tk, cta_n), lambda k: (k, 0), transforms=transforms(tk), memory_space=plgpu.SMEM
-        )
+    assert not tail_split or (num_sms and k_splits == 1 and not has_lora and not fp8)
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, num_steps=k_steps // k_splits, k_first=0):
+        """The K loop over `num_steps` steps from step k_first of the views it is called on (a dynamic count and
+        start with tail_split)."""
+        if fp8:  # W K-major: a [cta_n, tk] block of its rows (the CTA's output columns)
+            w_block = ((cta_n, tk), lambda k: (0, k + k_first))
+        else:
+            w_block = ((tk, cta_n), lambda k: (k + k_first, 0))
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_steps // k_splits,),
+            grid=(num_steps,),
             memory_registers=40,
             in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=transforms(tk), memory_space=plgpu.SMEM),
-                w_block_spec,
+                plgpu.BlockSpec(
+                    (tm, tk), lambda k: (0, k + k_first), transforms=transforms(tk), memory_space=plgpu.SMEM
+                ),
+                plgpu.BlockSpec(*w_block, transforms=transforms(tk), memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -211,10 +223,24 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
         if has_lora:
             s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
 
-        @plgpu.nd_loop((k_splits * m_tiles * n_tiles,), collective_axes="sm")
+        num_tiles = m_tiles * n_tiles
+        if tail_split:  # whole waves of tiles, then the rest in pieces of K (tail_split.py)
+            whole_tiles = num_tiles // num_sms * num_sms
+            remaining_tiles = num_tiles - whole_tiles
+            pieces = tail_pieces(remaining_tiles, num_sms, k_steps)
+            num_units = whole_tiles + remaining_tiles * pieces
+        else:
+            num_units = k_splits * num_tiles
+
+        @plgpu.nd_loop((num_units,), collective_axes="sm")
         def tile_loop(loop_info):
             (linear,) = loop_info.index
-            split, linear = linear // (m_tiles * n_tiles), linear % (m_tiles * n_tiles)
+            is_piece, k_first, num_steps = False, 0, k_steps // k_splits
+            if tail_split:
+                linear, k_first, k_end, is_piece = unit_work(linear, whole_tiles, remaining_tiles, pieces, k_steps)
+                split, num_steps = 0, k_end - k_first
+            else:
+                split, linear = linear // num_tiles, linear % num_tiles
             mi, ni = plgpu.planar_snake(linear, (m_tiles, n_tiles), 1 if tiles.snake_minor_n else 0, tiles.snake_width)
             cta_rows = pl.ds(mi * tm, tm)
             out_rows = pl.ds(split * num_tokens + mi * tm, tm)  # = cta_rows without split K
@@ -276,12 +302,18 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
                                 em * em_rows : (em + 1) * em_rows, en * en_cols : (en + 1) * en_cols
                             ]
                             plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
+                            store = functools.partial(
+                                plgpu.copy_smem_to_gmem,
                                 out_smem.at[wg, slot],
                                 out_ref.at[out_rows, wg_cols].at[
                                     pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)
                                 ],
                             )
+                            if not tail_split:
+                                store()
+                                continue
+                            pl.when(is_piece)(lambda store=store: store(reduction_op="add"))
+                            pl.when(jnp.logical_not(is_piece))(store)
 
             def mma(_, x_smem, w_smem, acc_ref):
                 if fp8:  # this warpgroup's rows of the K-major block, read as a [tk, tn] operand
@@ -298,7 +330,9 @@ def _kernel(*refs, tiles: GemmLoraTiles, has_lora: bool = True, k_splits: int = 
                 w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + ni * cta_n, cta_n), cta_n), x_cols]
             else:
                 w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len), cta_cols]
-            pipeline(mma, compute_context)(x_ref.at[cta_rows, x_cols], w_view, allocations=pipeline_allocs)
+            pipeline(mma, compute_context, num_steps, k_first)(
+                x_ref.at[cta_rows, x_cols], w_view, allocations=pipeline_allocs
+            )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

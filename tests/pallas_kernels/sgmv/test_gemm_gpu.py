@@ -136,11 +136,12 @@ def test_gemm_gpu_matches_reference_at_llama3_8b_sizes(module):
 def test_the_padding_row_tiles_are_skipped(module, num_tokens, k_splits):
     """A bucket with fewer real tokens (a decode step of 345 rows in the 512 bucket, a chunked step of 1,900 in the
     2048 one, none, one, whole tiles): the real rows equal the full kernel's, bit for bit (the same tiles, only
-    fewer of them), and the rest are zero, with the K loop split (the default at 512) or whole."""
+    fewer of them), and the rest are zero, with the K loop split (the default at 512) or whole; every tile whole
+    (the tail split's pieces depend on the row count: test_tail_split_matches_reference_at_decode_rows)."""
     in_dim, out_dim = LLAMA3_8B_MODULES[module]
     x, w = operands(6, num_tokens, in_dim, out_dim)
-    full = np.asarray(gemm_gpu(x, w, jnp.int32(1), k_splits=k_splits), np.float32)
-    call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, k_splits=k_splits))
+    full = np.asarray(gemm_gpu(x, w, jnp.int32(1), k_splits=k_splits, tail_split=False), np.float32)
+    call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, k_splits=k_splits, tail_split=False))
     for rows in (0, 1, 128, 345, 1900, num_tokens):
         rows = min(rows, num_tokens)
         y = np.asarray(call(x, w, jnp.full((1,), rows, jnp.int32)), np.float32)
@@ -215,3 +216,25 @@ def test_split_k_matches_reference_at_decode_sizes(module, num_tokens):
     for splits in (2, 8):
         forced = gemm_gpu(x, w, jnp.int32(2), k_splits=splits).astype(jnp.float32)
         assert float(jnp.max(jnp.abs(forced - y)) / jnp.max(jnp.abs(want))) < 1e-2, splits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize("module", sorted(LLAMA3_8B_MODULES))
+def test_tail_split_matches_reference_at_decode_rows(module):
+    """Decode steps of 1024, 751, 600 and 200 rows in the 1024 bucket and 369 in the 512 one, the last partial
+    wave's tiles in pieces of K added into a zeroed output (gate|up forced: its default keeps every tile whole):
+    within bf16 rounding of x @ W[layer] on the real rows (a piece's part is rounded before it is added), zero after
+    them, and the layer read is layer 1's."""
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    for num_tokens, rows_list in ((1024, (1024, 751, 600, 200)), (512, (369,))):
+        x, w = operands(7, num_tokens, in_dim, out_dim)
+        call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, k_splits=1, tail_split=True))
+        want = np.asarray(expected(x, w[1]))
+        scale = np.abs(want).max()
+        for rows in rows_list:
+            y = np.asarray(call(x, w, jnp.full((1,), rows, jnp.int32)), np.float32)
+            assert np.abs(y[:rows] - want[:rows]).max() < 2e-2 * scale, (num_tokens, rows)
+            assert not y[rows:].any(), (num_tokens, rows)
+        other = np.asarray(expected(x, w[0]))
+        assert np.abs(y[:rows] - other[:rows]).max() > 0.1 * scale  # not layer 0
