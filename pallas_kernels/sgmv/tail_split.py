@@ -23,9 +23,9 @@ import jax.numpy as jnp
 
 MAX_PIECES = 8
 MIN_PIECE_STEPS = 2  # a piece runs at least this many K steps
-# what a piece costs beyond its K steps, in K steps: fitted to per-module times on an H200 (docs/benchmarks.md "The
-# tail split"), where pieces of 8-75 steps took about 12 steps more than their share of a whole tile's time (most of
-# it the TMA reduce-add of the piece's [128, 256] product)
+# what a piece costs beyond its K steps, in K steps: fitted to per-module times on an H200, where pieces of 8-75
+# steps took about 12 steps more than their share of a whole tile's time, most of it the TMA reduce-add of the
+# piece's [128, 256] product (docs/benchmarks.md "The tail split: the last partial wave's tiles in pieces of K")
 PIECE_OVERHEAD_STEPS = 12
 
 
