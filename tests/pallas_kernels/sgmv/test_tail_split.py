@@ -1,11 +1,15 @@
 """The tail split's schedule (pallas_kernels/sgmv/tail_split.py) and the base GEMM kernel traced with it.
 
 On CPU: every (tile, K step) of a module's tiles is computed by exactly one work unit for any real row count, the
-pieces are chosen the same traced (inside the kernel) and on Python ints, and the kernel traced as on a GPU adds its
-pieces into a zeroed output with TMA reduce-adds. The kernel's results on a GPU are tested in test_gemm_gpu.py.
+pieces are chosen the same traced (inside the kernel) and on Python ints, the kernel traced as on a GPU adds its
+pieces into a zeroed output with TMA reduce-adds, and the kernel itself runs in JAX's Mosaic GPU interpreter on a
+grid of 5 "SMs" (the interpreter has no TMA reduce-add: the test gives it one, a read, add and write of the target).
+The kernel's results on a GPU are tested in test_gemm_gpu.py.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sgmv.gemm_gpu import choose_gemm_tiles, default_tail_split, gemm_gpu, gemm_gpu_rows
+from pallas_kernels.sgmv.gemm_lora_gpu import _kernel
 from pallas_kernels.sgmv.tail_split import MAX_PIECES, modeled_saving, tail_pieces, unit_work
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -84,3 +89,85 @@ def test_tail_split_traces_to_reduce_adds_into_a_zeroed_output(monkeypatch):
         gemm_gpu(
             jnp.zeros((128, 1024), jnp.bfloat16), jnp.zeros((1024, 512), jnp.bfloat16), k_splits=2, tail_split=True
         )
+
+
+def interpreter_with_reduce_add(monkeypatch):
+    """JAX's Mosaic GPU interpreter params, its smem -> gmem copy given the TMA reduce-add it lacks; None (skip) where
+    this JAX has no such interpreter, or one whose internals the emulated copy does not know."""
+    try:
+        from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        return None
+    used = ("copy_smem_to_gmem", "_get_shared_memory", "HostAllocationKey", "_remove_noop_transforms")
+    if not all(hasattr(gpu_callbacks, name) for name in used) or not all(
+        hasattr(shared_memory.GPUSharedMemory, name) for name in ("get_global_thread_id", "get_buffer_content")
+    ):  # the interpreter's internals differ in this JAX (they did from JAX 0.11)
+        return None
+    copy = gpu_callbacks.copy_smem_to_gmem
+
+    def copy_with_reduce_add(*, reduction_op, **kwargs):
+        if reduction_op is None:
+            return copy(reduction_op=None, **kwargs)
+        assert reduction_op == "add", reduction_op
+        memory = gpu_callbacks._get_shared_memory()
+        thread = memory.get_global_thread_id(int(kwargs["device_id"]), int(kwargs["thread_id"]))
+        info = interpret_utils.GPULoggingInfo(
+            device_id=int(kwargs["device_id"]),
+            grid_point_coords=jax.tree.map(int, kwargs["grid_point_coords"]),
+            thread_id=int(kwargs["thread_id"]),
+            source_info=kwargs["source_info"],
+        )
+
+        def buffer(side):
+            key = gpu_callbacks.HostAllocationKey.from_array(kwargs[f"{side}_allocation_key_as_array"])
+            at = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(kwargs[f"{side}_transforms"]))
+            return key, interpret_utils.to_range(at)
+
+        src, dst = buffer("src"), buffer("dst")
+        value = memory.get_buffer_content(*src, thread, logging_info=info)[0]
+        target = memory.get_buffer_content(*dst, thread, logging_info=info)[0]
+        total = (target.astype(np.float32) + value.astype(np.float32)).astype(target.dtype)
+        memory.store_buffer_content(*dst, total, thread, logging_info=info)
+        return kwargs["token"]
+
+    monkeypatch.setattr(gpu_callbacks, "copy_smem_to_gmem", copy_with_reduce_add)
+    return InterpretGPUParams()
+
+
+@pytest.mark.parametrize(
+    "num_tokens,in_dim,out_dim,num_rows",
+    [(384, 512, 1024, 300), (128, 1024, 256, 100), (256, 832, 256, 256)],
+    ids=["whole-waves-then-2-pieces", "one-tile-in-4-pieces", "uneven-pieces-of-13-steps"],
+)
+def test_the_kernel_in_the_mosaic_gpu_interpreter(monkeypatch, num_tokens, in_dim, out_dim, num_rows):
+    """The tail-split kernel body, run by the interpreter on 5 SMs over layer 1 of a 2-layer stack: whole waves then
+    pieces (12 tiles: 10 whole, 2 in 2 pieces), one tile in 4 pieces, 13 K steps cut 6 + 7; the real rows within
+    bf16 rounding of x @ W[1], the padding's row tiles left at zero."""
+    interpret = interpreter_with_reduce_add(monkeypatch)
+    if interpret is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    num_sms, tiles = 5, choose_gemm_tiles()
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2 * in_dim, out_dim)) / np.sqrt(in_dim), jnp.bfloat16)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @jax.jit
+    def run(x, w):
+        out = jax.new_ref(jnp.zeros((num_tokens, out_dim), x.dtype), memory_space=plgpu.GMEM)
+        pl.kernel(
+            functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
+            out_type=(),
+            mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            interpret=interpret,
+        )(jnp.array([in_dim], jnp.int32), jnp.array([num_rows], jnp.int32), x, w, out)
+        return out[...]
+
+    y = np.asarray(run(x, w), np.float32)
+    want = np.asarray(x, np.float32) @ np.asarray(w[in_dim:], np.float32)
+    assert np.abs(y[:num_rows] - want[:num_rows]).max() < 2e-2 * np.abs(want).max()
+    assert not y[-(-num_rows // 128) * 128 :].any()
