@@ -43,6 +43,10 @@ Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and 
 its float32 product to a [k_splits * T, out] buffer that XLA sums, and only the first part's CTA adds the tile's
 LoRA entries, so the sum holds each entry once. `choose_gemm_lora_split` picks the parts and the tiles with float32
 epilogue stores that fit shared memory beside the LoRA tiles (one pipeline stage fewer at rank 16).
+
+The tail split (`tail_split=True`, the base GEMM of gemm_gpu.py only): the tiles of the last partial wave over the
+SMs run in pieces of their K loop that TMA reduce-add into a zeroed output (tail_split.py); the K loop of a unit then
+has a dynamic start and length.
 """
 
 from __future__ import annotations
