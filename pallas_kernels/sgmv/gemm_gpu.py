@@ -24,9 +24,9 @@ where).
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
 `default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `default_tail_split`,
-`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX
-reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m, in a multiple of tile_k, out a multiple
-of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
+`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call; `tail_split_kernel_call` with the tail split) and `gemm_gpu`
+(checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m,
+in a multiple of tile_k, out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
 from __future__ import annotations
@@ -99,6 +99,32 @@ def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLor
         )
 
 
+def tail_split_kernel_call(
+    x: jax.Array,
+    w_rows: jax.Array,
+    w_row: jax.Array,
+    num_rows: jax.Array,
+    *,
+    tiles: GemmLoraTiles,
+    num_sms: int,
+    interpret=None,
+) -> jax.Array:
+    """`gemm_gpu_rows` with the tail split on a grid of `num_sms` CTAs: the kernel adds its pieces into an output
+    XLA zeroes first (a GMEM ref the kernel reads and writes). interpret: Mosaic GPU interpreter params (CPU tests)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    out = jax.new_ref(jnp.zeros((x.shape[0], w_rows.shape[1]), x.dtype), memory_space=plgpu.GMEM)
+    pl.kernel(
+        functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
+        out_type=(),
+        mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(w_row, num_rows, x, w_rows, out)
+    return out[...]
+
+
 @functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split"))
 def gemm_gpu_rows(
     x: jax.Array,  # [T, in] bf16
@@ -114,20 +140,12 @@ def gemm_gpu_rows(
     rows from num_rows[0] on are not computed (any values: `zero_rows_from`). The shapes as `check_gemm_shapes`
     requires, in / tile_k a multiple of k_splits. tail_split (with k_splits 1): the last partial wave's tiles in
     pieces of K (tail_split.py), added into a zeroed output."""
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
     if tail_split:
-        out = jax.new_ref(jnp.zeros((num_tokens, out_dim), x.dtype), memory_space=plgpu.GMEM)
-        pl.kernel(
-            functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
-            out_type=(),
-            mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        )(w_row, num_rows, x, w_rows, out)
-        return out[...]
+        return tail_split_kernel_call(x, w_rows, w_row, num_rows, tiles=tiles, num_sms=num_sms)
     out_dtype = x.dtype if k_splits == 1 else jnp.float32
     y = plgpu.kernel(
         functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits),

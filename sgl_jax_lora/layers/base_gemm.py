@@ -16,7 +16,8 @@ column-parallel modules (W split on `out`) take x replicated and give y split on
 (compute capability 9.x), off elsewhere and under tensor parallelism (not yet run on GPUs: set the flag to use it
 there); a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX reference
 (`gemm_gpu(..., reference=True)`), so the plumbing around the kernel is tested on CPU. At decode sizes the kernel
-splits its K loop over the SMs (gemm_gpu.py `choose_k_splits`).
+splits its K loop over the SMs (gemm_gpu.py `choose_k_splits`), or cuts only its last partial wave of tiles in pieces of
+K (`default_tail_split`, tail_split.py).
 """
 
 from __future__ import annotations

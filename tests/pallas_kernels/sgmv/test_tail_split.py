@@ -9,15 +9,18 @@ The kernel's results on a GPU are tested in test_gemm_gpu.py.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.gemm_gpu import choose_gemm_tiles, default_tail_split, gemm_gpu, gemm_gpu_rows
-from pallas_kernels.sgmv.gemm_lora_gpu import _kernel
+from pallas_kernels.sgmv.gemm_gpu import (
+    choose_gemm_tiles,
+    default_tail_split,
+    gemm_gpu,
+    gemm_gpu_rows,
+    tail_split_kernel_call,
+)
 from pallas_kernels.sgmv.tail_split import MAX_PIECES, modeled_saving, tail_pieces, unit_work
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -142,9 +145,9 @@ def interpreter_with_reduce_add(monkeypatch):
     ids=["whole-waves-then-2-pieces", "one-tile-in-4-pieces", "uneven-pieces-of-13-steps"],
 )
 def test_the_kernel_in_the_mosaic_gpu_interpreter(monkeypatch, num_tokens, in_dim, out_dim, num_rows):
-    """The tail-split kernel body, run by the interpreter on 5 SMs over layer 1 of a 2-layer stack: whole waves then
-    pieces (12 tiles: 10 whole, 2 in 2 pieces), one tile in 4 pieces, 13 K steps cut 6 + 7; the real rows within
-    bf16 rounding of x @ W[1], the padding's row tiles left at zero."""
+    """The tail-split kernel call (`tail_split_kernel_call`, as gemm_gpu_rows makes it) run by the interpreter on 5
+    SMs over layer 1 of a 2-layer stack: whole waves then pieces (12 tiles: 10 whole, 2 in 2 pieces), one tile in 4
+    pieces, 13 K steps cut 6 + 7; the real rows within bf16 rounding of x @ W[1], the padding's row tiles at zero."""
     interpret = interpreter_with_reduce_add(monkeypatch)
     if interpret is None:
         pytest.skip("this JAX has no Mosaic GPU interpreter")
@@ -152,20 +155,17 @@ def test_the_kernel_in_the_mosaic_gpu_interpreter(monkeypatch, num_tokens, in_di
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2 * in_dim, out_dim)) / np.sqrt(in_dim), jnp.bfloat16)
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @jax.jit
-    def run(x, w):
-        out = jax.new_ref(jnp.zeros((num_tokens, out_dim), x.dtype), memory_space=plgpu.GMEM)
-        pl.kernel(
-            functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
-            out_type=(),
-            mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
-            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    run = jax.jit(
+        lambda x, w: tail_split_kernel_call(
+            x,
+            w,
+            jnp.array([in_dim], jnp.int32),
+            jnp.array([num_rows], jnp.int32),
+            tiles=tiles,
+            num_sms=num_sms,
             interpret=interpret,
-        )(jnp.array([in_dim], jnp.int32), jnp.array([num_rows], jnp.int32), x, w, out)
-        return out[...]
+        )
+    )
 
     y = np.asarray(run(x, w), np.float32)
     want = np.asarray(x, np.float32) @ np.asarray(w[in_dim:], np.float32)
