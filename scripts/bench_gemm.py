@@ -11,6 +11,11 @@ and times, side by side in one process:
 - `whole`: the same kernel with every tile whole (`tail_split=False`), where it cuts the last partial wave's tiles
   in pieces of K (`default_tail_split`).
 
+With `--gated`, the gate|up rows also time the activation after the GEMM: `unfused`, the kernel's [T, 2I] product
+then XLA's silu(gate) * up (what runs with an adapter on the module), against `gated`, the kernel with the
+activation in its epilogue (`gemm_gpu(..., gated=True)`, what a step without adapters runs), and their largest
+difference.
+
 A token count may name its real rows, `T:R` (a decode step of R rows in the T bucket: the kernel runs only the row
 tiles that hold them, and the tail split's pieces follow from them).
 
@@ -20,7 +25,7 @@ row, the kernel with other CTA tiles: `WxK` is W columns per consumer warpgroup 
 Needs a Hopper GPU; `--reference` times the kernel's pure-JAX reference instead (a smoke run anywhere).
 
 Usage: python scripts/bench_gemm.py --json out.json [--tokens 128,256,512,1024:751,2048] [--modules qkv,o]
-    [--tilings 64x1,64x2]
+    [--tilings 64x1,64x2] [--gated]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.gemm_fp8_gpu import gemm_fp8_gpu  # noqa: E402
-from pallas_kernels.sgmv.gemm_gpu import default_k_splits, default_tail_split, gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import default_k_splits, default_tail_split, gemm_gpu, silu_and_mul  # noqa: E402
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 from sgl_jax_lora.layers.fp8 import quantize_activation, quantize_weight  # noqa: E402
@@ -75,6 +80,7 @@ def measure_row(
     tilings: tuple[tuple[int, int], ...] = (),
     fp8: bool = False,
     num_rows: int | None = None,
+    gated: bool = False,
 ) -> dict:
     """Times both programs (and the kernel with each of `tilings`, and with `fp8` the 8-bit kernel) over one
     [layers, in, out] stack; microseconds per layer."""
@@ -114,8 +120,19 @@ def measure_row(
         )
         tiled_us[f"{tile_n}x{parts}"] = time_fn(tiled, (x, w), min_seconds) / layers * 1e6
     fp8_row = measure_fp8(x, w, layers, min_seconds, reference, xla(x, w)[-1]) if fp8 else {}
+    gated_row = {}
+    if gated and module == "gate_up":
+        unfused = jax.jit(lambda x, w: [silu_and_mul(y) for y in kernel(x, w)])
+        fused = kernel_layers(gated=True, reference=reference)
+        gated_diff = jnp.abs(fused(x, w)[-1].astype(jnp.float32) - unfused(x, w)[-1].astype(jnp.float32))
+        gated_row = dict(
+            unfused_us=time_fn(unfused, (x, w), min_seconds) / layers * 1e6,
+            gated_us=time_fn(fused, (x, w), min_seconds) / layers * 1e6,
+            gated_max_abs_diff=float(jnp.max(gated_diff[: rows[0]])),
+        )
     return dict(
         **fp8_row,
+        **gated_row,
         module=module,
         in_dim=in_dim,
         out_dim=out_dim,
@@ -168,6 +185,7 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="time the kernel's pure-JAX reference (no GPU)")
     parser.add_argument("--tilings", default="", help="comma-separated WxK: the kernel with tile_n W and K parts")
     parser.add_argument("--fp8", action="store_true", help="also time the 8-bit kernel of --quantization fp8")
+    parser.add_argument("--gated", action="store_true", help="gate|up: also the activation, fused and after")
     args = parser.parse_args()
     tilings = tuple(parse_tilings(args.tilings))
     rows = []
@@ -192,6 +210,7 @@ def main() -> None:
                 tilings,
                 args.fp8,
                 num_rows,
+                args.gated,
             )
             unsplit_us, whole_us = row["unsplit_us"], row["whole_us"]
             rows.append(row)
@@ -205,6 +224,12 @@ def main() -> None:
                     f" fp8: {row['fp8_us']:.1f}, quantizing x: {row['fp8_quant_us']:.1f} (rel err "
                     f"{row['fp8_rel_err']:.3f}) |"
                     if args.fp8
+                    else ""
+                )
+                + (
+                    f" unfused: {row['unfused_us']:.1f}, gated: {row['gated_us']:.1f} (max abs diff "
+                    f"{row['gated_max_abs_diff']:.3g}) |"
+                    if "gated_us" in row
                     else ""
                 ),
                 flush=True,

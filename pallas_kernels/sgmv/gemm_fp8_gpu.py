@@ -25,7 +25,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, _kernel, choose_k_splits, rows_operand, zero_rows_from
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    GemmLoraTiles,
+    _kernel,
+    choose_k_splits,
+    persistent_kernel,
+    rows_operand,
+    zero_rows_from,
+)
 
 FP8_TILE_K = 128  # columns of a K tile: 128 bytes of 8-bit values, the widest swizzle
 
@@ -69,18 +76,12 @@ def gemm_fp8_gpu_rows(
 ) -> jax.Array:
     """(xq @ W.T) * scale in one kernel ([T, out] in out_dtype; with k_splits > 1 the scaled float32 parts summed by
     XLA); its rows from num_rows[0] on are not computed (any values: `zero_rows_from`)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     num_tokens = xq.shape[0]
     num_sms = jax.devices()[0].core_count
-    y = plgpu.kernel(
+    y = persistent_kernel(
         functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits, fp8=True),
-        out_type=jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype if k_splits == 1 else jnp.float32),
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype if k_splits == 1 else jnp.float32),
+        num_sms,
     )(w_row, num_rows, scale, xq, w_rows)
     if k_splits == 1:
         return y

@@ -22,10 +22,14 @@ at 751 real rows: 144 tiles on 132 SMs), the partial wave's tiles run in pieces 
 zeroed output (tail_split.py); the real row count decides the pieces inside the kernel (`default_tail_split` says
 where).
 
+Gated, for a packed [gate | up] module (`gated=True`): the epilogue computes the MLP's silu(gate) * up and writes
+[T, I], not the [T, 2I] product that XLA's activation would read back (layers/linear.py `silu_and_mul`).
+
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
 `default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `default_tail_split`,
-`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call; `tail_split_kernel_call` with the tail split) and `gemm_gpu`
-(checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of tile_m,
+`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call: `base_kernel_call`, or `tail_split_kernel_call` with the tail
+split), `silu_and_mul` (the unfused activation) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for
+platforms without Mosaic GPU). Needs: T a multiple of tile_m,
 in a multiple of tile_k, out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
@@ -42,6 +46,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     _kernel,
     choose_gemm_lora_tiles,
     choose_k_splits,
+    persistent_kernel,
     rows_operand,
     zero_rows_from,
 )
@@ -89,9 +94,12 @@ def default_tail_split(num_tokens: int, in_dim: int, out_dim: int, k_splits: int
     return saving >= TAIL_SPLIT_MIN_SAVING
 
 
-def check_gemm_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles) -> None:
-    """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles."""
-    cta_n = 2 * tiles.tile_n
+def check_gemm_shapes(
+    num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles, cta_n: int | None = None
+) -> None:
+    """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles. cta_n: the output columns
+    of a CTA tile (2 * tile_n; tile_n for the gated kernel's [T, I] output)."""
+    cta_n = cta_n or 2 * tiles.tile_n
     if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or out_dim % cta_n:
         raise ValueError(
             f"gemm_gpu: T={num_tokens}, in={in_dim}, out={out_dim} do not fit tiles {tiles}: T must be a multiple of "
@@ -125,7 +133,32 @@ def tail_split_kernel_call(
     return out[...]
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split"))
+def base_kernel_call(
+    x: jax.Array,
+    w_rows: jax.Array,
+    w_row: jax.Array,
+    num_rows: jax.Array,
+    *,
+    tiles: GemmLoraTiles,
+    num_sms: int,
+    k_splits: int = 1,
+    gated: bool = False,
+    interpret=None,
+) -> jax.Array:
+    """`gemm_gpu_rows` without the tail split, on a grid of `num_sms` CTAs: the kernel's own output, [k_splits * T,
+    out] (float32 parts with k_splits > 1), or with `gated` [T, out / 2] silu(gate) * up, its padding's row tiles
+    zeroed by the kernel. interpret: Mosaic GPU interpreter params (CPU tests)."""
+    num_tokens, out_dim = x.shape[0], w_rows.shape[1] // (2 if gated else 1)
+    out_dtype = x.dtype if k_splits == 1 else jnp.float32
+    return persistent_kernel(
+        functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits, gated=gated),
+        jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
+        num_sms,
+        interpret,
+    )(w_row, num_rows, x, w_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split", "gated"))
 def gemm_gpu_rows(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
@@ -135,30 +168,36 @@ def gemm_gpu_rows(
     tiles: GemmLoraTiles,
     k_splits: int = 1,
     tail_split: bool = False,
+    gated: bool = False,
 ) -> jax.Array:
     """x @ W in one kernel ([T, out], x's dtype; with k_splits > 1 the kernel's float32 parts summed by XLA); its
     rows from num_rows[0] on are not computed (any values: `zero_rows_from`). The shapes as `check_gemm_shapes`
     requires, in / tile_k a multiple of k_splits. tail_split (with k_splits 1): the last partial wave's tiles in
-    pieces of K (tail_split.py), added into a zeroed output."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
+    pieces of K (tail_split.py), added into a zeroed output. gated (with k_splits 1): W is [gate | up] and the
+    result [T, out / 2] is silu(x @ W_gate) * (x @ W_up), the activation in the kernel's epilogue."""
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
     if tail_split:
         return tail_split_kernel_call(x, w_rows, w_row, num_rows, tiles=tiles, num_sms=num_sms)
-    out_dtype = x.dtype if k_splits == 1 else jnp.float32
-    y = plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits),
-        out_type=jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(w_row, num_rows, x, w_rows)
+    y = base_kernel_call(
+        x,
+        w_rows,
+        w_row,
+        num_rows,
+        tiles=tiles,
+        num_sms=num_sms,
+        k_splits=k_splits,
+        gated=gated,
+    )
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
+
+
+def silu_and_mul(y: jax.Array) -> jax.Array:
+    """[T, 2 * I] = [gate | up] -> silu(gate) * up [T, I] in y's dtype (what the unfused layers compute)."""
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
 
 
 def gemm_gpu(
@@ -170,29 +209,41 @@ def gemm_gpu(
     tiles: GemmLoraTiles | None = None,
     k_splits: int | None = None,
     tail_split: bool | None = None,
+    gated: bool = False,
     reference: bool = False,
 ) -> jax.Array:
-    """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32.
+    """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32; with `gated`, W's
+    columns are [gate | up] (I each) and y = silu(x @ W_gate) * (x @ W_up) [T, I], applied in the kernel's epilogue
+    (one K loop per tile: no split K, no tail split).
 
     num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
-    row tiles after them and y is zero from row num_rows[0] on. None: every row. k_splits: parts of the K loop
+    row tiles after them and y is zero from row num_rows[0] on (gated: zero from the end of its row tile on, the
+    rows before that the padding x's activation, as the next GEMM kernel given num_rows ignores them and no select
+    pass is spent on them). None: every row. k_splits: parts of the K loop
     (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when `tiles` are given or off GPUs).
     tail_split: the last partial wave's tiles in pieces of K (tail_split.py; None: `default_tail_split` when neither
     tiles nor k_splits are given, else off). reference: compute it with the pure-JAX `x @ w[layer]` instead of the
     kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel); the shapes are checked either
     way."""
     in_dim, out_dim = w.shape[-2:]
-    automatic = k_splits is None and tiles is None and not reference
+    automatic = k_splits is None and tiles is None and not reference and not gated
     if k_splits is None:
-        k_splits = 1 if tiles is not None or reference else default_k_splits(x.shape[0], in_dim, out_dim)
+        k_splits = 1 if tiles is not None or reference or gated else default_k_splits(x.shape[0], in_dim, out_dim)
     if tail_split is None:
         tail_split = automatic and default_tail_split(x.shape[0], in_dim, out_dim, k_splits)
-    if tail_split and k_splits != 1:
-        raise ValueError(f"gemm_gpu: the tail split runs one K loop per tile, not {k_splits} parts; pass k_splits=1")
+    if (tail_split or gated) and k_splits != 1:
+        raise ValueError(
+            f"gemm_gpu: the tail split and the gated kernel run one K loop per tile, not {k_splits} parts; "
+            "pass k_splits=1"
+        )
+    if tail_split and gated:
+        raise ValueError("gemm_gpu: gated runs without the tail split; pass tail_split=False")
     tiles = tiles or choose_gemm_tiles(k_splits)
     if x.shape[1] != in_dim or x.dtype != w.dtype:
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
-    check_gemm_shapes(x.shape[0], in_dim, out_dim, tiles)
+    check_gemm_shapes(
+        x.shape[0], in_dim, out_dim // 2 if gated else out_dim, tiles, cta_n=tiles.tile_n if gated else None
+    )
     if (in_dim // tiles.tile_k) % k_splits:
         raise ValueError(
             f"gemm_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts; pass a k_splits "
@@ -200,10 +251,18 @@ def gemm_gpu(
         )
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-        return zero_rows_from(jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype), num_rows)
+        y = jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)
+        return zero_rows_from(silu_and_mul(y) if gated else y, num_rows)
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     rows = rows_operand(num_rows, x.shape[0])
-    return zero_rows_from(
-        gemm_gpu_rows(x, w.reshape(-1, out_dim), w_row, rows, tiles=tiles, k_splits=k_splits, tail_split=tail_split),
-        num_rows,
+    y = gemm_gpu_rows(
+        x,
+        w.reshape(-1, out_dim),
+        w_row,
+        rows,
+        tiles=tiles,
+        k_splits=k_splits,
+        tail_split=tail_split,
+        gated=gated,
     )
+    return y if gated else zero_rows_from(y, num_rows)

@@ -35,8 +35,9 @@ sum. Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a
 of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the
 same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
-B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py, and with `fp8=True` as well the 8-bit
-GEMM of gemm_fp8_gpu.py (8-bit x and a K-major W, the accumulator scaled in the epilogue).
+B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py (with `gated=True`, gate|up with the
+MLP's activation in the epilogue), and with `fp8=True` as well the 8-bit GEMM of gemm_fp8_gpu.py (8-bit x and a
+K-major W, the accumulator scaled in the epilogue). `persistent_kernel` is the one grid every variant launches on.
 
 Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and down of Llama-3-8B at 512 tokens:
 64 tiles on 132 SMs), the K loop is cut into parts as in the base GEMM (`choose_k_splits`); each part's CTA writes
@@ -139,6 +140,7 @@ def _kernel(
     fp8: bool = False,
     tail_split: bool = False,
     num_sms: int = 0,
+    gated: bool = False,
 ):
     """The kernel body. refs: (w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs,
     out); with has_lora False (gemm_gpu.py) only (w_row, num_rows, x, w, out): no s or B tiles in shared memory and
@@ -152,7 +154,16 @@ def _kernel(
     [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W there; the
     float32 accumulator is multiplied by scale[0] before it is stored.
     tail_split (gemm_gpu.py, no LoRA, one K part; `num_sms` the grid's size): the tiles of the last partial wave run
-    in pieces of their K loop (tail_split.py) that add into out with TMA reduce-adds; out must start at zero."""
+    in pieces of their K loop (tail_split.py) that add into out with TMA reduce-adds; out must start at zero.
+    gated (gemm_gpu.py, no LoRA, one K part): W's columns are [gate | up], each I wide, and out [T, I] is
+    silu(x @ W_gate) * (x @ W_up) (each product rounded to x's dtype first, as the unfused layers do): a CTA tile
+    is tile_m rows by tile_n columns of out, whose gate and up columns the producer fetches as two [tile_k, tile_n]
+    blocks; each consumer warpgroup holds half the rows in two accumulators, gate and up (the same registers and
+    shared-memory reads as one [tile_m, tile_n] accumulator), and stores the activated product.
+    The gated output's consumer is the next layer GEMM, a kernel XLA cannot fuse a select into, so the gated kernel
+    zeroes the padding's row tiles itself (after the real tiles, one store a warpgroup each) instead of leaving
+    them to `zero_rows_from`: its rows from num_rows[0] to the end of that row tile hold the padding x's activation,
+    and every row after is zero."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -167,7 +178,7 @@ def _kernel(
         x_ref, w_ref, out_ref = refs[2:]
     (num_tokens, in_dim), out_dim = x_ref.shape, out_ref.shape[1]
     tm, tn, tk = tiles.tile_m, tiles.tile_n, tiles.tile_k
-    cta_n = 2 * tn
+    cta_n = tn if gated else 2 * tn  # the columns of out a CTA tile computes
     n_tiles, k_steps = out_dim // cta_n, in_dim // tk
     m_tiles = jnp.clip((num_rows_ref[0] + tm - 1) // tm, 0, num_tokens // tm)  # the row tiles that run
     k_len = in_dim // k_splits  # the K columns of one split
@@ -179,14 +190,18 @@ def _kernel(
         return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
     assert not tail_split or (num_sms and k_splits == 1 and not has_lora and not fp8)
+    assert not gated or (k_splits == 1 and not has_lora and not fp8 and not tail_split)
+    acc_rows = tm // 2 if gated else tm  # the rows of a consumer warpgroup's accumulator ([acc_rows, tn])
 
     def pipeline(body, compute_context, num_steps=k_steps // k_splits, k_first=0):
         """The K loop over `num_steps` steps from step k_first of the views it is called on (a dynamic count and
         start with tail_split)."""
         if fp8:  # W K-major: a [cta_n, tk] block of its rows (the CTA's output columns)
-            w_block = ((cta_n, tk), lambda k: (0, k + k_first))
+            w_blocks = [((cta_n, tk), lambda k: (0, k + k_first))]
+        elif gated:  # the gate block and the up block
+            w_blocks = [((tk, tn), lambda k: (k + k_first, 0))] * 2
         else:
-            w_block = ((tk, cta_n), lambda k: (k + k_first, 0))
+            w_blocks = [((tk, cta_n), lambda k: (k + k_first, 0))]
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(num_steps,),
@@ -195,7 +210,10 @@ def _kernel(
                 plgpu.BlockSpec(
                     (tm, tk), lambda k: (0, k + k_first), transforms=transforms(tk), memory_space=plgpu.SMEM
                 ),
-                plgpu.BlockSpec(*w_block, transforms=transforms(tk), memory_space=plgpu.SMEM),
+                *(
+                    plgpu.BlockSpec(*w_block, transforms=transforms(tk), memory_space=plgpu.SMEM)
+                    for w_block in w_blocks
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -212,12 +230,16 @@ def _kernel(
             lora_barriers=plgpu.Barrier(num_barriers=4),
         )
 
+    if fp8:
+        w_views_shape = [w_ref.at[pl.ds(0, cta_n), pl.ds(0, k_len)]]
+    elif gated:
+        w_views_shape = [w_ref.at[pl.ds(0, k_len), pl.ds(0, tn)]] * 2
+    else:
+        w_views_shape = [w_ref.at[pl.ds(0, k_len), :]]
+
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(unused, unused).get_allocations(
-            x_ref.at[:, pl.ds(0, k_len)],
-            w_ref.at[pl.ds(0, cta_n), pl.ds(0, k_len)] if fp8 else w_ref.at[pl.ds(0, k_len), :],
-        ),
+        pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref.at[:, pl.ds(0, k_len)], *w_views_shape),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols, out_ref.dtype)),
         **lora_allocs,
         collective_axes="wg",
@@ -235,6 +257,8 @@ def _kernel(
             num_units = whole_tiles + remaining_tiles * pieces
         else:
             num_units = k_splits * num_tiles
+        if gated:  # the padding's row tiles, zeroed after the real ones
+            num_units += (num_tokens // tm - m_tiles) * n_tiles
 
         @plgpu.nd_loop((num_units,), collective_axes="sm")
         def tile_loop(loop_info):
@@ -245,11 +269,20 @@ def _kernel(
                 split, num_steps = 0, k_end - k_first
             else:
                 split, linear = linear // num_tiles, linear % num_tiles
+            is_zero_tile = False
+            if gated:
+                is_zero_tile = loop_info.index[0] >= num_tiles
+                zero_tile = loop_info.index[0] - num_tiles
             mi, ni = plgpu.planar_snake(linear, (m_tiles, n_tiles), 1 if tiles.snake_minor_n else 0, tiles.snake_width)
+            if gated:  # a zero tile's row tile is past the real ones
+                mi = jnp.where(is_zero_tile, m_tiles + zero_tile // n_tiles, mi)
+                ni = jnp.where(is_zero_tile, zero_tile % n_tiles, ni)
             cta_rows = pl.ds(mi * tm, tm)
-            out_rows = pl.ds(split * num_tokens + mi * tm, tm)  # = cta_rows without split K
             cta_cols = pl.ds(ni * cta_n, cta_n)
-            wg_cols = pl.ds(ni * cta_n + wg * tn, tn)
+            if gated:  # a warpgroup's half of the rows, all the CTA's columns
+                wg_out = out_ref.at[pl.ds(mi * tm + wg * acc_rows, acc_rows), cta_cols]
+            else:  # all the rows (at the split's offset with split K), a warpgroup's half of the columns
+                wg_out = out_ref.at[pl.ds(split * num_tokens + mi * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)]
             if has_lora:
                 first, end = entry_start_ref[mi], entry_start_ref[mi + 1]
                 if k_splits > 1:  # the entries go into the first part only: the parts' sum holds each once
@@ -276,6 +309,21 @@ def _kernel(
                     def _prefetch():  # the first entry's operands arrive while the K loop runs
                         fetch(first)
 
+                if gated:
+
+                    @functools.partial(
+                        pl.run_scoped,
+                        gate_ref=plgpu.ACC((acc_rows, tn), jnp.float32),
+                        up_ref=plgpu.ACC((acc_rows, tn), jnp.float32),
+                    )
+                    def gated_scope(gate_ref, up_ref):
+                        eval_pipeline((gate_ref, up_ref))
+                        gate = gate_ref[...].astype(out_ref.dtype).astype(jnp.float32)
+                        up = up_ref[...].astype(out_ref.dtype).astype(jnp.float32)
+                        store_tile((gate * jax.nn.sigmoid(gate) * up).astype(out_ref.dtype))
+
+                    return
+
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
                 def acc_scope(acc_ref):
                     eval_pipeline(acc_ref)
@@ -296,28 +344,34 @@ def _kernel(
                     acc = acc_ref[...]
                     if fp8:
                         acc = acc * scale_ref[0]
-                    acc = acc.astype(out_ref.dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for em in range(tm // em_rows):
-                        for en in range(tn // en_cols):
-                            slot = (em * (tn // en_cols) + en) % 2
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = acc[
-                                em * em_rows : (em + 1) * em_rows, en * en_cols : (en + 1) * en_cols
-                            ]
-                            plgpu.commit_smem()
-                            store = functools.partial(
-                                plgpu.copy_smem_to_gmem,
-                                out_smem.at[wg, slot],
-                                out_ref.at[out_rows, wg_cols].at[
-                                    pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)
-                                ],
-                            )
-                            if not tail_split:
-                                store()
-                                continue
-                            pl.when(is_piece)(lambda store=store: store(reduction_op="add"))
-                            pl.when(jnp.logical_not(is_piece))(store)
+                    store_tile(acc.astype(out_ref.dtype))
+
+            def store_tile(acc):
+                """This warpgroup's [acc_rows, tn] of out, in em_rows x en_cols pieces through two smem slots."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for em in range(acc_rows // em_rows):
+                    for en in range(tn // en_cols):
+                        slot = (em * (tn // en_cols) + en) % 2
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = acc[em * em_rows : (em + 1) * em_rows, en * en_cols : (en + 1) * en_cols]
+                        plgpu.commit_smem()
+                        store = functools.partial(
+                            plgpu.copy_smem_to_gmem,
+                            out_smem.at[wg, slot],
+                            wg_out.at[pl.ds(em * em_rows, em_rows), pl.ds(en * en_cols, en_cols)],
+                        )
+                        if not tail_split:
+                            store()
+                            continue
+                        pl.when(is_piece)(lambda store=store: store(reduction_op="add"))
+                        pl.when(jnp.logical_not(is_piece))(store)
+
+            def mma_gated(_, x_smem, w_gate_smem, w_up_smem, accs):
+                x_rows = x_smem.at[pl.ds(wg * acc_rows, acc_rows)]
+                plgpu.wgmma(accs[0], x_rows, w_gate_smem)
+                plgpu.wgmma(accs[1], x_rows, w_up_smem)
+                plgpu.wgmma_wait(0)
+                return accs
 
             def mma(_, x_smem, w_smem, acc_ref):
                 if fp8:  # this warpgroup's rows of the K-major block, read as a [tk, tn] operand
@@ -330,15 +384,45 @@ def _kernel(
             # the split's K columns of x, and the layer's W: its rows of the [L * in, out] stack, or (fp8) the
             # CTA's output rows of the K-major [L * out, in] stack and the split's K columns
             x_cols = pl.ds(split * k_len, k_len)
+            w_rows = pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len)
             if fp8:
-                w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + ni * cta_n, cta_n), cta_n), x_cols]
+                w_views = [w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + ni * cta_n, cta_n), cta_n), x_cols]]
+            elif gated:  # the tile's gate columns and its up columns, out_dim further on
+                w_views = [w_ref.at[w_rows, cta_cols], w_ref.at[w_rows, pl.ds(out_dim + ni * cta_n, cta_n)]]
             else:
-                w_view = w_ref.at[pl.ds(pl.multiple_of(w_row_ref[0] + split * k_len, tk), k_len), cta_cols]
-            pipeline(mma, compute_context, num_steps, k_first)(
-                x_ref.at[cta_rows, x_cols], w_view, allocations=pipeline_allocs
-            )
+                w_views = [w_ref.at[w_rows, cta_cols]]
+            run_pipeline = pipeline(mma_gated if gated else mma, compute_context, num_steps, k_first)
+            if not gated:
+                run_pipeline(x_ref.at[cta_rows, x_cols], *w_views, allocations=pipeline_allocs)
+                return
+
+            @pl.when(jnp.logical_not(is_zero_tile))
+            def _product():
+                run_pipeline(x_ref.at[cta_rows, x_cols], *w_views, allocations=pipeline_allocs)
+
+            @pl.when(is_zero_tile & (wg < 2))  # the consumer warpgroups store; the producer has nothing to do
+            def _zeros():
+                store_tile(jnp.zeros((acc_rows, tn), out_ref.dtype))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def persistent_kernel(body, out_type: jax.ShapeDtypeStruct, num_sms: int, interpret=None):
+    """`body` (a `_kernel` partial) as a Mosaic GPU kernel of one CTA per SM (`num_sms`), each with two consumer
+    warpgroups and a producer, in warpgroup semantics: the call every GEMM of this family makes. interpret: Mosaic
+    GPU interpreter params (CPU tests)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_sms,),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
 
 
 def zero_rows_from(y: jax.Array, num_rows: jax.Array | None) -> jax.Array:
@@ -399,19 +483,13 @@ def gemm_lora_gpu_entries(
     """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype; with
     k_splits > 1 the kernel's float32 parts summed by XLA); its rows from num_rows[0] on are not computed (any
     values: `zero_rows_from`). The shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
     out_dtype = x.dtype if k_splits == 1 else jnp.float32
-    y = plgpu.kernel(
+    y = persistent_kernel(
         functools.partial(_kernel, tiles=tiles, k_splits=k_splits),
-        out_type=jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
-        grid=(num_sms,),
-        grid_names=("sm",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
+        num_sms,
     )(w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
     if k_splits == 1:
         return y

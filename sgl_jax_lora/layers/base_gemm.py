@@ -72,11 +72,19 @@ def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None
 
 
 def base_gemm(
-    x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes, num_rows: jax.Array | None = None
+    x: jax.Array,
+    kernel: LayerStack,
+    config: BaseGemm,
+    axes: LinearAxes,
+    num_rows: jax.Array | None = None,
+    gated: bool = False,
 ) -> jax.Array | None:
     """x [T, in] @ the layer's W of `kernel` ([L, in, out] stack) with the kernel, in x's dtype: the packed output
     [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel. num_rows ([1]
-    i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row)."""
+    i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row).
+    gated (a column-parallel [gate | up] module): silu(gate) * up [T, out / 2] instead, from the kernel's epilogue;
+    each device's columns are its [gate | up] shard (the shard-major packing), so its output is its columns of the
+    activation."""
     mesh, stack = config.mesh, kernel.stack
     w_spec = P(None, None, None)
     if mesh is not None and mesh.size > 1:  # where the weight loader placed W (the layer axis is never split)
@@ -87,15 +95,20 @@ def base_gemm(
     tiles = choose_gemm_tiles()
     if x.dtype != jnp.bfloat16 or stack.dtype != x.dtype:
         return None
+    if gated and in_axis:
+        raise ValueError("base_gemm: gated is for column-parallel modules (W not split on its input)")
     try:
-        check_gemm_shapes(x.shape[0], in_local, out_local, tiles)
+        check_gemm_shapes(
+            x.shape[0], in_local, out_local // (2 if gated else 1), tiles, tiles.tile_n if gated else None
+        )
     except ValueError:
         return None
 
     rows = rows_operand(num_rows, x.shape[0])
 
     def local(x, stack, layer, rows):
-        y = gemm_gpu(x, stack, layer, rows, reference=config.reference)  # the default tiles; split K where it pays
+        # the default tiles; split K or the tail split where they pay
+        y = gemm_gpu(x, stack, layer, rows, gated=gated, reference=config.reference)
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if mesh is None or mesh.size == 1:

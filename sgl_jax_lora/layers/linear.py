@@ -114,6 +114,26 @@ class Linear(nnx.Module):
         y = self.base(x, num_rows)
         return y if residual is None else residual + y
 
+    def silu_and_mul(self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None) -> jax.Array:
+        """A packed (gate, up) linear's activation silu(x @ W_gate) * (x @ W_up), [T, out / 2]. Where `base`
+        would run the base GEMM kernel (no bias, no 8-bit weight), the kernel's epilogue applies it (gemm_gpu.py
+        `gated`), so the [T, out] product never reaches device memory; else the product, split per part, then the
+        activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters, unfused)."""
+        kernel = self.kernel.get_value()
+        fusable = self.bias is None and self.fp8 is None and isinstance(kernel, LayerStack)
+        if fusable and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
+            y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True)
+            if y is not None:
+                return y
+        return self.unfused_silu_and_mul(x, lora_batch, num_rows)
+
+    def unfused_silu_and_mul(
+        self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None
+    ) -> jax.Array:
+        """`silu_and_mul` from the packed product `self(x, lora_batch)`."""
+        gate, up = split_packed(self(x, lora_batch, num_rows=num_rows), self.part_sizes, self.tp_size)
+        return jax.nn.silu(gate) * up
+
 
 def base_product(x: jax.Array, kernel: jax.Array, bias: nnx.Param | None) -> jax.Array:
     """x [T, in] @ kernel [in, out] (+ bias), in x's dtype (GPU, TPU and CPU accumulate a bfloat16 product in

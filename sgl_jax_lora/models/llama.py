@@ -156,8 +156,8 @@ class DecoderLayer(nnx.Module):
         )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden, num_rows=rows)
         x = self.post_attention_layernorm(hidden)
-        gate, up = split_packed(self.gate_up_proj(x, lora, num_rows=rows), self.gate_up_proj.part_sizes, self.tp_size)
-        hidden = self.down_proj(jax.nn.silu(gate) * up, lora, residual=hidden, num_rows=rows)
+        activation = self.gate_up_proj.silu_and_mul(x, lora, num_rows=rows)
+        hidden = self.down_proj(activation, lora, residual=hidden, num_rows=rows)
         return hidden, KVCache(k=k_cache, v=v_cache)
 
     def _rotated_q_and_kv_write(

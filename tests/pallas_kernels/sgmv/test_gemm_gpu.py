@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sgmv.gemm_gpu import (
+    base_kernel_call,
     check_gemm_shapes,
     choose_gemm_tiles,
     choose_k_splits,
     gemm_gpu,
     gemm_gpu_rows,
     is_hopper,
+    silu_and_mul,
 )
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
 
@@ -238,3 +240,108 @@ def test_tail_split_matches_reference_at_decode_rows(module):
             assert not y[rows:].any(), (num_tokens, rows)
         other = np.asarray(expected(x, w[0]))
         assert np.abs(y[:rows] - other[:rows]).max() > 0.1 * scale  # not layer 0
+
+
+# ---- gated: silu(x @ W_gate) * (x @ W_up) in the kernel's epilogue ------------------------------------------------
+
+
+def expected_gated(x, w_layer, num_rows: int | None = None) -> np.ndarray:
+    """silu(gate) * up from the float32 product, each half rounded to bf16 first as the kernel's epilogue does."""
+    y = np.asarray(expected(x, w_layer).astype(jnp.bfloat16), np.float32)
+    gate, up = np.split(y, 2, axis=1)
+    out = gate / (1 + np.exp(-gate)) * up
+    if num_rows is not None:
+        out[num_rows:] = 0
+    return out
+
+
+def test_gated_reference_is_silu_of_gate_times_up():
+    x, w = operands(11, 256, 128, 512)
+    rows = jnp.array([200], jnp.int32)
+    y = jax.jit(lambda x, w: gemm_gpu(x, w, jnp.int32(1), rows, gated=True, reference=True))(x, w)
+    assert y.shape == (256, 256) and y.dtype == jnp.bfloat16
+    want = expected_gated(x, w[1], 200)
+    assert np.abs(np.asarray(y, np.float32) - want).max() <= 2e-2 * np.abs(want).max()
+    assert not np.asarray(y, np.float32)[200:].any()
+    np.testing.assert_array_equal(  # the reference is what the unfused layers compute
+        np.asarray(y, np.float32)[:200],
+        np.asarray(silu_and_mul(gemm_gpu(x, w, jnp.int32(1), reference=True)), np.float32)[:200],
+    )
+
+
+def test_gated_refuses_what_it_does_not_run():
+    x, w = operands(12, 256, 128, 512)
+    with pytest.raises(ValueError, match="one K loop per tile"):
+        gemm_gpu(x, w, jnp.int32(0), gated=True, k_splits=2)
+    with pytest.raises(ValueError, match="without the tail split"):
+        gemm_gpu(x, w, jnp.int32(0), gated=True, tail_split=True)
+    x, w = operands(12, 256, 128, 384)  # gate and up of 192 columns: not whole 128-column CTA tiles
+    with pytest.raises(ValueError, match="out=192 .* out of 128"):
+        gemm_gpu(x, w, jnp.int32(0), gated=True, reference=True)
+
+
+def mosaic_gpu_interpreter():
+    """JAX's Mosaic GPU interpreter params (runs a kernel body on CPU), or None where this JAX has none."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        return None
+    return InterpretGPUParams()
+
+
+@pytest.mark.parametrize(
+    "num_tokens,in_dim,inter_dim,num_rows",
+    [(384, 256, 256, 200), (512, 128, 384, 100), (128, 128, 640, 128)],
+    ids=["one-padding-row-tile", "three-padding-row-tiles-over-2-waves", "one-row-tile-5-column-tiles"],
+)
+def test_the_gated_kernel_in_the_mosaic_gpu_interpreter(num_tokens, in_dim, inter_dim, num_rows):
+    """The gated kernel call (as gemm_gpu_rows makes it) run by the interpreter on 5 "SMs" over layer 1 of a 2-layer
+    stack: each warpgroup's half of a tile's rows, gate and up fetched from their two column blocks, the activation
+    in the epilogue; the real rows within bf16 rounding of silu(gate) * up (one rounding of the product), and the
+    padding's row tiles zeroed by the kernel (the interpreter fills what a kernel leaves unwritten with NaN)."""
+    interpret = mosaic_gpu_interpreter()
+    if interpret is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2 * in_dim, 2 * inter_dim)) / np.sqrt(in_dim), jnp.bfloat16)
+    run = jax.jit(
+        lambda x, w: base_kernel_call(
+            x,
+            w,
+            jnp.array([in_dim], jnp.int32),
+            jnp.array([num_rows], jnp.int32),
+            tiles=choose_gemm_tiles(),
+            num_sms=5,
+            gated=True,
+            interpret=interpret,
+        )
+    )
+    y = np.asarray(run(x, w), np.float32)
+    assert y.shape == (num_tokens, inter_dim)
+    want = expected_gated(x, w[in_dim:])
+    assert np.abs(y[:num_rows] - want[:num_rows]).max() <= 1e-2 * np.abs(want).max()
+    up_only = np.split(np.asarray(expected(x, w[in_dim:])), 2, axis=1)[1]
+    assert np.abs(y[:num_rows] - up_only[:num_rows]).max() > 0.1 * np.abs(want).max()  # the activation was applied
+    padding_tiles = y[-(-num_rows // 128) * 128 :]
+    assert not np.isnan(y).any() and not padding_tiles.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+def test_gated_matches_reference_at_llama3_8b_gate_up():
+    """gate|up of Llama-3-8B (4096 -> 2 x 14336), layer 1 of a 3-layer stack read in place: 2048 tokens, 256, and
+    decode steps of 751 rows in the 1024 bucket and 369 in the 512 one; silu(gate) * up within bf16 rounding on the
+    real rows, the padding's row tiles zero."""
+    in_dim, out_dim = LLAMA3_8B_MODULES["gate_up"]
+    for num_tokens, num_rows in ((2048, 2048), (256, 256), (1024, 751), (512, 369)):
+        x, w = operands(13, num_tokens, in_dim, out_dim)
+        rows = jnp.full((1,), num_rows, jnp.int32)
+        call = jax.jit(lambda x, w, rows: gemm_gpu(x, w, jnp.int32(1), rows, gated=True))
+        y = np.asarray(call(x, w, rows), np.float32)
+        want = expected_gated(x, w[1])[:num_rows]
+        scale = np.abs(want).max()
+        assert y.shape == (num_tokens, out_dim // 2)
+        assert np.abs(y[:num_rows] - want).max() <= 1e-2 * scale, num_tokens
+        assert not y[-(-num_rows // 128) * 128 :].any()
+        assert np.abs(y[:num_rows] - expected_gated(x, w[0])[:num_rows]).max() > 0.1 * scale  # not layer 0
