@@ -345,3 +345,43 @@ def test_gated_matches_reference_at_llama3_8b_gate_up():
         assert np.abs(y[:num_rows] - want).max() <= 1e-2 * scale, num_tokens
         assert not y[-(-num_rows // 128) * 128 :].any()
         assert np.abs(y[:num_rows] - expected_gated(x, w[0])[:num_rows]).max() > 0.1 * scale  # not layer 0
+
+
+# ---- every variant lowers for Mosaic GPU (on CPU) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant,k_splits",
+    [("plain", 1), ("split-k", 2), ("tail-split", 1), ("gated", 1), ("fp8", 1), ("fp8", 2)],
+)
+def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
+    """The kernel call of each variant at Llama-3-8B sizes (gate|up's 4096 -> 2 x 14336; 1024 rows), lowered for
+    CUDA as a Hopper GPU with 132 SMs would run it (`.lower(lowering_platforms=("cuda",))`: the kernel body through
+    Pallas' Mosaic GPU lowering, which refuses what it cannot lower); its output's shape and dtype."""
+    from pallas_kernels.sgmv.gemm_fp8_gpu import choose_fp8_tiles, gemm_fp8_gpu_rows
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    row = jax.ShapeDtypeStruct((1,), jnp.int32)
+    num_tokens, in_dim, out_dim = 1024, 4096, 28672
+    if variant == "fp8":
+        fp8 = jnp.float8_e4m3fn
+        x, w = jax.ShapeDtypeStruct((num_tokens, in_dim), fp8), jax.ShapeDtypeStruct((2 * out_dim, in_dim), fp8)
+        args = (x, w, row, jax.ShapeDtypeStruct((1,), jnp.float32), row)
+        options = dict(out_dim=out_dim, tiles=choose_fp8_tiles(k_splits), k_splits=k_splits, out_dtype=jnp.bfloat16)
+        lowered = gemm_fp8_gpu_rows.trace(*args, **options).lower(lowering_platforms=("cuda",))
+    else:
+        x = jax.ShapeDtypeStruct((num_tokens, in_dim), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((2 * in_dim, out_dim), jnp.bfloat16)
+        options = dict(
+            tiles=choose_gemm_tiles(k_splits),
+            k_splits=k_splits,
+            tail_split=variant == "tail-split",
+            gated=variant == "gated",
+        )
+        lowered = gemm_gpu_rows.trace(x, w, row, row, **options).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (num_tokens, out_dim // 2 if variant == "gated" else out_dim)
+    assert lowered.out_info.dtype == jnp.bfloat16
