@@ -161,7 +161,7 @@ def _kernel(
     blocks; each consumer warpgroup holds half the rows in two accumulators, gate and up (the same registers and
     shared-memory reads as one [tile_m, tile_n] accumulator), and stores the activated product.
     The gated output's consumer is the next layer GEMM, a kernel XLA cannot fuse a select into, so the gated kernel
-    zeroes the padding's row tiles itself (after the real tiles, one store a warpgroup each) instead of leaving
+    zeroes the padding's row tiles itself (units after the real tiles that only store zeros) instead of leaving
     them to `zero_rows_from`: its rows from num_rows[0] to the end of that row tile hold the padding x's activation,
     and every row after is zero."""
     from jax.experimental import pallas as pl
