@@ -27,8 +27,7 @@ Gated, for a packed [gate | up] module (`gated=True`): the epilogue computes the
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
 `default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `default_tail_split`,
-`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call: `base_kernel_call`, or `tail_split_kernel_call` with the tail
-split), `silu_and_mul` (the unfused activation) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for
+`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call, `base_kernel_call`, and the sum of split K's parts), `silu_and_mul` (the unfused activation) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for
 platforms without Mosaic GPU). Needs: T a multiple of tile_m,
 in a multiple of tile_k, out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
@@ -107,32 +106,6 @@ def check_gemm_shapes(
         )
 
 
-def tail_split_kernel_call(
-    x: jax.Array,
-    w_rows: jax.Array,
-    w_row: jax.Array,
-    num_rows: jax.Array,
-    *,
-    tiles: GemmLoraTiles,
-    num_sms: int,
-    interpret=None,
-) -> jax.Array:
-    """`gemm_gpu_rows` with the tail split on a grid of `num_sms` CTAs: the kernel adds its pieces into an output
-    XLA zeroes first (a GMEM ref the kernel reads and writes). interpret: Mosaic GPU interpreter params (CPU tests)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    out = jax.new_ref(jnp.zeros((x.shape[0], w_rows.shape[1]), x.dtype), memory_space=plgpu.GMEM)
-    pl.kernel(
-        functools.partial(_kernel, tiles=tiles, has_lora=False, tail_split=True, num_sms=num_sms),
-        out_type=(),
-        mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )(w_row, num_rows, x, w_rows, out)
-    return out[...]
-
-
 def base_kernel_call(
     x: jax.Array,
     w_rows: jax.Array,
@@ -142,20 +115,34 @@ def base_kernel_call(
     tiles: GemmLoraTiles,
     num_sms: int,
     k_splits: int = 1,
+    tail_split: bool = False,
     gated: bool = False,
     interpret=None,
 ) -> jax.Array:
-    """`gemm_gpu_rows` without the tail split, on a grid of `num_sms` CTAs: the kernel's own output, [k_splits * T,
-    out] (float32 parts with k_splits > 1), or with `gated` [T, out / 2] silu(gate) * up, its padding's row tiles
-    zeroed by the kernel. interpret: Mosaic GPU interpreter params (CPU tests)."""
+    """`gemm_gpu_rows`' kernel on a grid of `num_sms` CTAs, its own output: [k_splits * T, out] (float32 parts with
+    k_splits > 1); with `gated`, [T, out / 2] silu(gate) * up, its padding's row tiles zeroed by the kernel; with
+    `tail_split`, [T, out], the pieces added into an output XLA zeroes first (a GMEM ref the kernel reads and
+    writes). interpret: Mosaic GPU interpreter params (CPU tests)."""
+    body = functools.partial(
+        _kernel, tiles=tiles, has_lora=False, k_splits=k_splits, tail_split=tail_split, gated=gated, num_sms=num_sms
+    )
+    if tail_split:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        out = jax.new_ref(jnp.zeros((x.shape[0], w_rows.shape[1]), x.dtype), memory_space=plgpu.GMEM)
+        pl.kernel(
+            body,
+            out_type=(),
+            mesh=plgpu.Mesh(grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg"),
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            interpret=interpret,
+        )(w_row, num_rows, x, w_rows, out)
+        return out[...]
     num_tokens, out_dim = x.shape[0], w_rows.shape[1] // (2 if gated else 1)
     out_dtype = x.dtype if k_splits == 1 else jnp.float32
-    return persistent_kernel(
-        functools.partial(_kernel, tiles=tiles, has_lora=False, k_splits=k_splits, gated=gated),
-        jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
-        num_sms,
-        interpret,
-    )(w_row, num_rows, x, w_rows)
+    out_type = jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype)
+    return persistent_kernel(body, out_type, num_sms, interpret)(w_row, num_rows, x, w_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split", "gated"))
@@ -177,18 +164,8 @@ def gemm_gpu_rows(
     result [T, out / 2] is silu(x @ W_gate) * (x @ W_up), the activation in the kernel's epilogue."""
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
-    if tail_split:
-        return tail_split_kernel_call(x, w_rows, w_row, num_rows, tiles=tiles, num_sms=num_sms)
-    y = base_kernel_call(
-        x,
-        w_rows,
-        w_row,
-        num_rows,
-        tiles=tiles,
-        num_sms=num_sms,
-        k_splits=k_splits,
-        gated=gated,
-    )
+    options = dict(tiles=tiles, num_sms=num_sms, k_splits=k_splits, tail_split=tail_split, gated=gated)
+    y = base_kernel_call(x, w_rows, w_row, num_rows, **options)
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)

@@ -97,11 +97,15 @@ class Linear(nnx.Module):
         if self.fp8 is not None:
             y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes, num_rows)
             return y if self.bias is None else y + self.bias[...]
-        if isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
+        if self._runs_base_gemm(kernel, x):
             y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows)
             if y is not None:
                 return y if self.bias is None else y + self.bias[...]
         return base_product(x, as_layer_array(kernel), self.bias)
+
+    def _runs_base_gemm(self, kernel: object, x: jax.Array) -> bool:
+        """Whether x's token bucket runs the base GEMM kernel on this 16-bit weight (a LayerStack view there)."""
+        return isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0])
 
     def __call__(
         self,
@@ -120,8 +124,7 @@ class Linear(nnx.Module):
         `gated`), so the [T, out] product never reaches device memory; else the product, split per part, then the
         activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters, unfused)."""
         kernel = self.kernel.get_value()
-        fusable = self.bias is None and self.fp8 is None and isinstance(kernel, LayerStack)
-        if fusable and self.base_gemm is not None and self.base_gemm.runs(x.shape[0]):
+        if self.bias is None and self.fp8 is None and self._runs_base_gemm(kernel, x):
             y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True)
             if y is not None:
                 return y

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sgmv.gemm_gpu import (
+    base_kernel_call,
     choose_gemm_tiles,
     default_tail_split,
     gemm_gpu,
     gemm_gpu_rows,
-    tail_split_kernel_call,
 )
 from pallas_kernels.sgmv.tail_split import MAX_PIECES, modeled_saving, tail_pieces, unit_work
 
@@ -145,7 +145,7 @@ def interpreter_with_reduce_add(monkeypatch):
     ids=["whole-waves-then-2-pieces", "one-tile-in-4-pieces", "uneven-pieces-of-13-steps"],
 )
 def test_the_kernel_in_the_mosaic_gpu_interpreter(monkeypatch, num_tokens, in_dim, out_dim, num_rows):
-    """The tail-split kernel call (`tail_split_kernel_call`, as gemm_gpu_rows makes it) run by the interpreter on 5
+    """The tail-split kernel call (`base_kernel_call` with tail_split, as gemm_gpu_rows makes it) run by the interpreter on 5
     SMs over layer 1 of a 2-layer stack: whole waves then pieces (12 tiles: 10 whole, 2 in 2 pieces), one tile in 4
     pieces, 13 K steps cut 6 + 7; the real rows within bf16 rounding of x @ W[1], the padding's row tiles at zero."""
     interpret = interpreter_with_reduce_add(monkeypatch)
@@ -156,13 +156,14 @@ def test_the_kernel_in_the_mosaic_gpu_interpreter(monkeypatch, num_tokens, in_di
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2 * in_dim, out_dim)) / np.sqrt(in_dim), jnp.bfloat16)
     run = jax.jit(
-        lambda x, w: tail_split_kernel_call(
+        lambda x, w: base_kernel_call(
             x,
             w,
             jnp.array([in_dim], jnp.int32),
             jnp.array([num_rows], jnp.int32),
             tiles=tiles,
             num_sms=num_sms,
+            tail_split=True,
             interpret=interpret,
         )
     )
