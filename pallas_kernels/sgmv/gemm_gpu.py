@@ -27,9 +27,9 @@ Gated, for a packed [gate | up] module (`gated=True`): the epilogue computes the
 
 What exists here: `choose_gemm_tiles` (the deepest pipeline that fits shared memory without the LoRA tiles),
 `default_k_splits` (gemm_lora_gpu.py's `choose_k_splits` with those tiles on this GPU), `default_tail_split`,
-`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call, `base_kernel_call`, and the sum of split K's parts), `silu_and_mul` (the unfused activation) and `gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for
-platforms without Mosaic GPU). Needs: T a multiple of tile_m,
-in a multiple of tile_k, out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
+`check_gemm_shapes`, `gemm_gpu_rows` (the kernel call, `base_kernel_call`, and the sum of split K's parts) and
+`gemm_gpu` (checks, tiles, splits, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple
+of tile_m, in a multiple of tile_k, out a multiple of 2 * tile_n, bf16 operands (a bf16 WGMMA) of one dtype.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     choose_k_splits,
     persistent_kernel,
     rows_operand,
+    silu_and_mul,
     zero_rows_from,
 )
 from pallas_kernels.sgmv.tail_split import modeled_saving
@@ -169,12 +170,6 @@ def gemm_gpu_rows(
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
-
-
-def silu_and_mul(y: jax.Array) -> jax.Array:
-    """[T, 2 * I] = [gate | up] -> silu(gate) * up [T, I] in y's dtype (what the unfused layers compute)."""
-    gate, up = jnp.split(y, 2, axis=-1)
-    return jax.nn.silu(gate) * up
 
 
 def gemm_gpu(

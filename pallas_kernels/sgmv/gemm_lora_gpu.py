@@ -34,10 +34,14 @@ rows after the real ones are zeroed by `zero_rows_from`, a select XLA fuses into
 sum. Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple
 of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the
 same operands in pure JAX.
-TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `has_lora=False` (no s or
-B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py (with `gated=True`, gate|up with the
-MLP's activation in the epilogue), and with `fp8=True` as well the 8-bit GEMM of gemm_fp8_gpu.py (8-bit x and a
-K-major W, the accumulator scaled in the epilogue). `persistent_kernel` is the one grid every variant launches on.
+TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `gated=True` the module is
+gate|up and the kernel writes the MLP's silu(gate) * up (a CTA tile of 128 rows by tile_n columns, each consumer
+warpgroup 64 rows in a gate and an up accumulator, adding its half of each entry into both before the activation).
+With `has_lora=False` (no s or B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py (gated
+there too without adapters), and with `fp8=True` as well the 8-bit GEMM of gemm_fp8_gpu.py (8-bit x and a
+K-major W, the accumulator scaled in the epilogue). `persistent_kernel` is the one grid every variant launches on;
+`lora_kernel_call` the call of the kernel with LoRA (CPU tests pass it the Mosaic GPU interpreter); `silu_and_mul` the
+unfused activation the gated kernels match.
 
 Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and down of Llama-3-8B at 512 tokens:
 64 tiles on 132 SMs), the K loop is cut into parts as in the base GEMM (`choose_k_splits`); each part's CTA writes
@@ -76,21 +80,28 @@ class GemmLoraTiles:
     snake_minor_n: bool = True  # tile order: snake along N (else along M) ...
     snake_width: int = 8  # ... in bands this many tiles wide
 
-    def smem_bytes(self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2) -> int:
+    def smem_bytes(self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2, gated: bool = False) -> int:
         pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * in_itemsize
         epilogue = 2 * 2 * 64 * self.epilogue_n * out_itemsize  # two warpgroups, two slots
-        lora = 2 * (self.tile_m + self.tile_n) * rank * 2  # s and B tiles per warpgroup
+        if gated:  # per warpgroup: gate's and up's s tiles of its half of the rows, and their B tiles
+            lora = 2 * 2 * (self.tile_m // 2 + self.tile_n) * rank * 2
+        else:  # per warpgroup: an s tile and a B tile
+            lora = 2 * (self.tile_m + self.tile_n) * rank * 2
         return pipeline + epilogue + lora
 
 
-def choose_gemm_lora_tiles(rank: int, out_itemsize: int = 2, tile_n: int = 128, max_stages: int = 4) -> GemmLoraTiles:
+def choose_gemm_lora_tiles(
+    rank: int, out_itemsize: int = 2, tile_n: int = 128, max_stages: int = 4, gated: bool = False
+) -> GemmLoraTiles:
     """The deepest pipeline, of at most `max_stages`, that fits shared memory with this rank's LoRA tiles (narrower
     epilogue stores before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32
-    parts of split K, stored 32 columns (128 bytes) at a time. tile_n: the columns per consumer warpgroup."""
+    parts of split K, stored 32 columns (128 bytes) at a time. tile_n: the columns per consumer warpgroup. gated:
+    the tiles of the gated kernel with LoRA (gate's and up's s and B tiles; at rank 16 four stages with 16-column
+    stores)."""
     for stages in range(max_stages, 1, -1):
-        for epilogue_n in (64, 32) if out_itemsize == 2 else (32,):
+        for epilogue_n in (64, 32, 16) if out_itemsize == 2 else (32,):
             tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n)
-            if tiles.smem_bytes(rank, out_itemsize) + _SMEM_SPARE <= _SMEM_BYTES:
+            if tiles.smem_bytes(rank, out_itemsize, gated=gated) + _SMEM_SPARE <= _SMEM_BYTES:
                 return tiles
     raise ValueError(
         f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}; use the SGMV kernels (ranks above 64) instead"
@@ -155,11 +166,13 @@ def _kernel(
     float32 accumulator is multiplied by scale[0] before it is stored.
     tail_split (gemm_gpu.py, no LoRA, one K part; `num_sms` the grid's size): the tiles of the last partial wave run
     in pieces of their K loop (tail_split.py) that add into out with TMA reduce-adds; out must start at zero.
-    gated (gemm_gpu.py, no LoRA, one K part): W's columns are [gate | up], each I wide, and out [T, I] is
+    gated (one K part, no fp8): W's columns are [gate | up], each I wide, and out [T, I] is
     silu(x @ W_gate) * (x @ W_up) (each product rounded to x's dtype first, as the unfused layers do): a CTA tile
     is tile_m rows by tile_n columns of out, whose gate and up columns the producer fetches as two [tile_k, tile_n]
     blocks; each consumer warpgroup holds half the rows in two accumulators, gate and up (the same registers and
-    shared-memory reads as one [tile_m, tile_n] accumulator), and stores the activated product.
+    shared-memory reads as one [tile_m, tile_n] accumulator), and stores the activated product. With has_lora the
+    module has two parts, gate and up; before the activation each entry adds gate's and up's s rows of the
+    warpgroup's half @ their B columns into the two accumulators (tile_part and tile_part_col are not read).
     The gated output's consumer is the next layer GEMM, a kernel XLA cannot fuse a select into, so the gated kernel
     zeroes the padding's row tiles itself (units after the real tiles that only store zeros) instead of leaving
     them to `zero_rows_from`: its rows from num_rows[0] to the end of that row tile hold the padding x's activation,
@@ -190,7 +203,7 @@ def _kernel(
         return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
     assert not tail_split or (num_sms and k_splits == 1 and not has_lora and not fp8)
-    assert not gated or (k_splits == 1 and not has_lora and not fp8 and not tail_split)
+    assert not gated or (k_splits == 1 and not fp8 and not tail_split and (not has_lora or len(b_refs) == 2))
     acc_rows = tm // 2 if gated else tm  # the rows of a consumer warpgroup's accumulator ([acc_rows, tn])
 
     def pipeline(body, compute_context, num_steps=k_steps // k_splits, k_first=0):
@@ -223,11 +236,12 @@ def _kernel(
 
     unused = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
     lora_allocs = {}
-    if has_lora:  # s and B tiles per warpgroup, and their barriers
+    lora_parts = 2 if gated else 1  # the parts whose entries a warpgroup adds: gate and up, or its columns' part
+    if has_lora:  # per warpgroup and part an s tile of its rows and a B tile of its columns, each with a barrier
         lora_allocs = dict(
-            s_smem=plgpu.SMEM((2, tm, rank), s_ref.dtype, transforms=transforms(rank)),
-            b_smem=plgpu.SMEM((2, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
-            lora_barriers=plgpu.Barrier(num_barriers=4),
+            s_smem=plgpu.SMEM((2, lora_parts, acc_rows, rank), s_ref.dtype, transforms=transforms(rank)),
+            b_smem=plgpu.SMEM((2, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
+            lora_barriers=plgpu.Barrier(num_barriers=2 * 2 * lora_parts),
         )
 
     if fp8:
@@ -246,8 +260,8 @@ def _kernel(
     )
     def scope(pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None):
         wg = jax.lax.axis_index("wg")
-        if has_lora:
-            s_barrier, b_barrier = lora_barriers.at[2 * wg], lora_barriers.at[2 * wg + 1]
+        if has_lora:  # this warpgroup's barriers: the s tiles' (one per part), then the B tiles'
+            wg_barriers = [lora_barriers.at[2 * lora_parts * wg + i] for i in range(2 * lora_parts)]
 
         num_tiles = m_tiles * n_tiles
         if tail_split:  # whole waves of tiles, then the rest in pieces of K (tail_split.py)
@@ -287,20 +301,47 @@ def _kernel(
                 first, end = entry_start_ref[mi], entry_start_ref[mi + 1]
                 if k_splits > 1:  # the entries go into the first part only: the parts' sum holds each once
                     end = jnp.where(split == 0, end, first)
-                part = tile_part_ref[ni]  # the packed part this CTA's columns lie in, and where they start in it
-                part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # for the TMA tiling
+                if gated:  # gate's and up's columns of the tile, the same in both parts; the warpgroup's rows
+                    part_cols = pl.ds(pl.multiple_of(ni * tn, tn), tn)
+                    s_rows = pl.ds(pl.multiple_of(wg * acc_rows, acc_rows), acc_rows)
+                else:  # the packed part this CTA's columns lie in, and where they start in it
+                    part = tile_part_ref[ni]
+                    part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # TMA tiling
 
             def fetch(entry):
-                plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_smem.at[wg], s_barrier)
                 slot = entry_slot_ref[entry]
+                s_barriers, b_barriers = wg_barriers[:lora_parts], wg_barriers[lora_parts:]
+                if gated:
+                    for index, b_ref in enumerate(b_refs):
+                        s_entry = s_ref.at[index * num_entries + entry, s_rows]
+                        plgpu.copy_gmem_to_smem(s_entry, s_smem.at[wg, index], s_barriers[index])
+                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg, index], b_barriers[index])
+                    return
+                plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_smem.at[wg, 0], s_barriers[0])
                 if len(b_refs) == 1:
-                    plgpu.copy_gmem_to_smem(b_refs[0].at[slot, part_cols, :], b_smem.at[wg], b_barrier)
+                    plgpu.copy_gmem_to_smem(b_refs[0].at[slot, part_cols, :], b_smem.at[wg, 0], b_barriers[0])
                     return
                 for index, b_ref in enumerate(b_refs):
 
                     @pl.when(part == index)
                     def _fetch_part(b_ref=b_ref):
-                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg], b_barrier)
+                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg, 0], b_barriers[0])
+
+            def add_entries(accs):
+                """After the K loop: each entry of the row tile adds its s rows @ B columns into the accumulator
+                of its part (gated: gate's and up's); the next entry's tiles are fetched after this one's MMAs."""
+
+                @pl.loop(first, end)
+                def _lora(entry):
+                    for barrier in wg_barriers:
+                        plgpu.barrier_wait(barrier)
+                    for index, acc in enumerate(accs):
+                        plgpu.wgmma(acc, s_smem.at[wg, index], b_smem.at[wg, index].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+
+                    @pl.when(entry + 1 < end)
+                    def _next():
+                        fetch(entry + 1)
 
             def compute_context(eval_pipeline):
                 if has_lora:
@@ -318,6 +359,8 @@ def _kernel(
                     )
                     def gated_scope(gate_ref, up_ref):
                         eval_pipeline((gate_ref, up_ref))
+                        if has_lora:
+                            add_entries((gate_ref, up_ref))
                         gate = gate_ref[...].astype(out_ref.dtype).astype(jnp.float32)
                         up = up_ref[...].astype(out_ref.dtype).astype(jnp.float32)
                         store_tile((gate * jax.nn.sigmoid(gate) * up).astype(out_ref.dtype))
@@ -329,18 +372,7 @@ def _kernel(
                     eval_pipeline(acc_ref)
 
                     if has_lora:
-
-                        @pl.loop(first, end)
-                        def _lora(entry):
-                            plgpu.barrier_wait(s_barrier)
-                            plgpu.barrier_wait(b_barrier)
-                            plgpu.wgmma(acc_ref, s_smem.at[wg], b_smem.at[wg].transpose((1, 0)))
-                            plgpu.wgmma_wait(0)
-
-                            @pl.when(entry + 1 < end)
-                            def _next():
-                                fetch(entry + 1)
-
+                        add_entries((acc_ref,))
                     acc = acc_ref[...]
                     if fp8:
                         acc = acc * scale_ref[0]
@@ -433,6 +465,12 @@ def zero_rows_from(y: jax.Array, num_rows: jax.Array | None) -> jax.Array:
     return jnp.where(jnp.arange(y.shape[0], dtype=jnp.int32)[:, None] < num_rows[0], y, jnp.zeros((), y.dtype))
 
 
+def silu_and_mul(y: jax.Array) -> jax.Array:
+    """[T, 2 * I] = [gate | up] -> silu(gate) * up [T, I] in y's dtype (what the unfused layers compute)."""
+    gate, up = jnp.split(y, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
 def rows_operand(num_rows: jax.Array | None, num_tokens: int) -> jax.Array:
     """The kernels' `num_rows` operand ([1] i32): num_rows, or all `num_tokens` rows when it is None."""
     return jnp.full((1,), num_tokens, jnp.int32) if num_rows is None else num_rows
@@ -452,10 +490,16 @@ def part_tile_tables(part_widths: tuple[int, ...], cta_n: int) -> tuple[np.ndarr
 
 
 def check_gemm_lora_shapes(
-    num_tokens: int, in_dim: int, part_widths: tuple[int, ...], rank: int, tiles: GemmLoraTiles
+    num_tokens: int, in_dim: int, part_widths: tuple[int, ...], rank: int, tiles: GemmLoraTiles, gated: bool = False
 ) -> None:
-    """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles."""
-    cta_n = 2 * tiles.tile_n
+    """Raises ValueError, naming the fix, when the shapes do not fit the kernel's tiles (gated: two parts, gate and
+    up, of one width, a multiple of tile_n)."""
+    cta_n = tiles.tile_n if gated else 2 * tiles.tile_n
+    if gated and (len(part_widths) != 2 or part_widths[0] != part_widths[1]):
+        raise ValueError(
+            f"gemm_lora_gpu: gated needs two parts of one width (gate, up), got widths {part_widths}; run the packed "
+            "product, then the activation"
+        )
     if num_tokens % tiles.tile_m or in_dim % tiles.tile_k or rank % 16 or any(w % cta_n for w in part_widths):
         raise ValueError(
             f"gemm_lora_gpu: T={num_tokens}, in={in_dim}, part widths {part_widths}, R={rank} do not fit tiles {tiles}: "
@@ -464,7 +508,38 @@ def check_gemm_lora_shapes(
         )
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "k_splits"))
+def lora_kernel_call(
+    x: jax.Array,
+    w_rows: jax.Array,
+    w_row: jax.Array,
+    num_rows: jax.Array,
+    tile_part: jax.Array,
+    tile_part_col: jax.Array,
+    entry_start: jax.Array,
+    entry_slot: jax.Array,
+    s_entries: jax.Array,
+    b_rows: tuple[jax.Array, ...],
+    *,
+    tiles: GemmLoraTiles,
+    num_sms: int,
+    k_splits: int = 1,
+    gated: bool = False,
+    interpret=None,
+) -> jax.Array:
+    """`gemm_lora_gpu_entries`' kernel on a grid of `num_sms` CTAs, its own output: [k_splits * T, out] (float32
+    parts with k_splits > 1); with `gated`, [T, out / 2] silu(gate) * up, its padding's row tiles zeroed by the
+    kernel. interpret: Mosaic GPU interpreter params (CPU tests)."""
+    out_dim = w_rows.shape[1] // (2 if gated else 1)
+    out_dtype = x.dtype if k_splits == 1 else jnp.float32
+    return persistent_kernel(
+        functools.partial(_kernel, tiles=tiles, k_splits=k_splits, gated=gated),
+        jax.ShapeDtypeStruct((k_splits * x.shape[0], out_dim), out_dtype),
+        num_sms,
+        interpret,
+    )(w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "gated"))
 def gemm_lora_gpu_entries(
     x: jax.Array,  # [T, in] bf16
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
@@ -479,18 +554,17 @@ def gemm_lora_gpu_entries(
     *,
     tiles: GemmLoraTiles,
     k_splits: int = 1,
+    gated: bool = False,
 ) -> jax.Array:
     """x @ W plus, for every entry, its s rows @ B_part[entry_slot].T, in one kernel ([T, out], x's dtype; with
     k_splits > 1 the kernel's float32 parts summed by XLA); its rows from num_rows[0] on are not computed (any
-    values: `zero_rows_from`). The shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
+    values: `zero_rows_from`). gated (k_splits 1, parts gate and up): silu(gate) * up [T, out / 2], the padding's
+    row tiles zero. The shapes as `check_gemm_lora_shapes` requires (gemm_lora_gpu checks them)."""
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
-    num_sms = jax.devices()[0].core_count
-    out_dtype = x.dtype if k_splits == 1 else jnp.float32
-    y = persistent_kernel(
-        functools.partial(_kernel, tiles=tiles, k_splits=k_splits),
-        jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype),
-        num_sms,
-    )(w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w_rows, s_entries, *b_rows)
+    options = dict(tiles=tiles, num_sms=jax.devices()[0].core_count, k_splits=k_splits, gated=gated)
+    y = lora_kernel_call(
+        x, w_rows, w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, s_entries, b_rows, **options
+    )
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
@@ -507,10 +581,13 @@ def gemm_lora_gpu(
     *,
     tiles: GemmLoraTiles | None = None,
     k_splits: int = 1,
+    gated: bool = False,
     reference: bool = False,
 ) -> jax.Array:
     """y = x @ W + scale[slot_t] * s_t @ B_p[slot_t].T for every packed part p (its columns of y, which holds the
     parts side by side), in one GEMM kernel; the table from `build_entry_table` with tile_m = tiles.tile_m.
+    gated (parts gate and up, one K part): silu(y_gate) * y_up [T, out / 2] instead, the activation in the
+    kernel's epilogue (zero from the end of num_rows' row tile on, as `gemm_gpu`'s gated kernel).
 
     num_rows ([1] i32): the rows of x that are real; the kernel skips the row tiles after them and y is zero from
     row num_rows[0] on. None: every row. k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with
@@ -519,7 +596,9 @@ def gemm_lora_gpu(
     the kernel)."""
     lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
     rank = lora_bs[0].shape[-1]
-    tiles = tiles or choose_gemm_lora_tiles(rank, out_itemsize=2 if k_splits == 1 else 4)
+    if gated and k_splits != 1:
+        raise ValueError(f"gemm_lora_gpu: gated runs one K loop per tile, not {k_splits} parts; pass k_splits=1")
+    tiles = tiles or choose_gemm_lora_tiles(rank, out_itemsize=2 if k_splits == 1 else 4, gated=gated)
     if table.tile_m != tiles.tile_m:
         raise ValueError(
             f"entry table of {table.tile_m}-row tiles for a {tiles.tile_m}-row kernel; build it with tile_m={tiles.tile_m}"
@@ -531,7 +610,7 @@ def gemm_lora_gpu(
             f"s's {s.shape[-1]} columns (P * R)"
         )
     in_dim = w.shape[-2]
-    check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles)
+    check_gemm_lora_shapes(x.shape[0], in_dim, part_widths, rank, tiles, gated)
     if (in_dim // tiles.tile_k) % k_splits:
         raise ValueError(
             f"gemm_lora_gpu: {in_dim // tiles.tile_k} K steps do not split into {k_splits} equal parts; pass the "
@@ -540,7 +619,7 @@ def gemm_lora_gpu(
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     entry_slot = table.entry_slot if layer is None else table.entry_slot + layer * lora_bs[0].shape[-3]
     b_rows = tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs)
-    tile_part, tile_part_col = part_tile_tables(part_widths, 2 * tiles.tile_n)
+    tile_part, tile_part_col = part_tile_tables(part_widths, tiles.tile_n if gated else 2 * tiles.tile_n)
     s_entries = entry_s_parts(s, table, len(lora_bs))
     operands = (
         x,
@@ -558,5 +637,7 @@ def gemm_lora_gpu(
         from pallas_kernels.sgmv.reference import gemm_lora_entries_ref
 
         x, w_rows, w_row, _, *tables = operands
-        return zero_rows_from(gemm_lora_entries_ref(x, w_rows, w_row, *tables, tile_m=tiles.tile_m), num_rows)
-    return zero_rows_from(gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits), num_rows)
+        y = gemm_lora_entries_ref(x, w_rows, w_row, *tables, tile_m=table.tile_m)
+        return zero_rows_from(silu_and_mul(y) if gated else y, num_rows)
+    y = gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits, gated=gated)
+    return y if gated else zero_rows_from(y, num_rows)

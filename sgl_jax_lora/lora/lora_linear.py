@@ -10,9 +10,10 @@ buffers (a donated, shape-stable update). At run time:
 with the step's backend metadata (`LoRAMeta`, built once per forward by the backend's `prepare`). When that
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
 in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
-fits it. Where it does not (and in steps without adapter tokens, and with an 8-bit base weight,
-`--quantization fp8`), the base GEMM is `Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM
-kernel of layers/base_gemm.py, with fp8 layers/fp8.py's, else XLA's dot.
+fits it; for gate|up (`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. Where it does
+not (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
+`Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
+layers/fp8.py's, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
@@ -147,10 +148,26 @@ class LoRALinear(Linear):
         return out if residual is None else out + y
 
     def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:
-        """`Linear.silu_and_mul` with this module's adapters: fused in the base GEMM kernel only in steps where no
-        token uses an adapter (lora None); else the packed product with the LoRA delta, split, then the activation."""
+        """`Linear.silu_and_mul` with this module's adapters. In steps where no token uses an adapter (lora None),
+        the base GEMM kernel's epilogue applies it; where the backend runs the GEMM with the LoRA inside it
+        (`runs_base_gemm`) and the module fits, that kernel's epilogue, after the entries; else the packed product
+        with the LoRA delta, split, then the activation."""
         if lora is None:
             return super().silu_and_mul(x, None, num_rows)
+        if lora.runs_base_gemm and self.fp8 is None and self.bias is None:
+            y = self.backend.apply_with_base(
+                x,
+                self.kernel.get_value(),
+                self.lora_a.get_value(),
+                tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names),
+                lora,
+                tp_size=self.tp_size,
+                output_sharded=True,
+                num_rows=num_rows,
+                gated=True,
+            )
+            if y is not None:
+                return y
         return self.unfused_silu_and_mul(x, lora, num_rows)
 
 

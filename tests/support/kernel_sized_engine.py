@@ -81,12 +81,13 @@ def serve_logprobs(model_dir, adapters, max_new_tokens: int, **flags) -> tuple[l
     return [np.array(prompt[r][1:]) for r in rids], [np.array(output[r]) for r in rids]  # token 0 has no logprob
 
 
-def count_calls(monkeypatch, module, name: str) -> list[int]:
-    """Counts the traced calls of `module.name` (the real function still runs): one entry per call."""
+def count_calls(monkeypatch, module, name: str) -> list[dict]:
+    """Counts the traced calls of `module.name` (the real function still runs): one entry per call, its keyword
+    arguments."""
     calls, real = [], getattr(module, name)
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counted)

@@ -126,6 +126,7 @@ class AutoBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
         num_rows: jax.Array | None = None,
+        gated: bool = False,
     ) -> jax.Array | None:
         return self.chosen(x.shape[0], meta.batch.num_segments).apply_with_base(
             x,
@@ -137,4 +138,5 @@ class AutoBackend(LoRABackend):
             input_sharded=input_sharded,
             output_sharded=output_sharded,
             num_rows=num_rows,
+            gated=gated,
         )

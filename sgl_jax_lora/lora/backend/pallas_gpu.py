@@ -25,6 +25,9 @@ base GEMM and every part's expand in one Mosaic GPU kernel after the SGMV shrink
 leave SMs idle; the model hands over the module's base weight as a layer-stack view. A module
 that kernel cannot take (its tiles, rank or dtype) gets None from `apply_with_base` and runs the base GEMM and
 the SGMV kernels. Elsewhere a positive flag value runs that path with the kernel's pure-JAX reference (CPU tests).
+gate|up (`gated`) takes the kernel with the MLP's activation in its epilogue from GATED_MIN_TOKENS tokens: in
+smaller buckets, decode rows of many adapters, its tiles (half as wide) each run every entry of their rows, and the
+product then XLA's activation is faster.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
     check_gemm_lora_shapes,
     choose_gemm_lora_split,
+    choose_gemm_lora_tiles,
     gemm_lora_gpu,
     rows_operand,
 )
@@ -131,6 +135,9 @@ class PallasGPUBackend(PallasBackend):
     # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; measured from 512
     # (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
     FUSED_GEMM_MIN_TOKENS = 512
+    # gate|up with the activation in the fused kernel from this bucket on (on an H200 with 32 adapters: 0.96 of the
+    # packed kernel + XLA's activation at 4,096 tokens, 1.04 at 512 decode rows; docs/benchmarks.md)
+    GATED_MIN_TOKENS = 2048
 
     def __init__(
         self,
@@ -223,15 +230,19 @@ class PallasGPUBackend(PallasBackend):
     # -- the base GEMM with the LoRA inside it (prefill) ---------------------------------------------------------
 
     def _fused_gemm_tiles(
-        self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, meta: LoRAMeta
+        self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, meta: LoRAMeta, gated: bool
     ) -> tuple[GemmLoraTiles, int] | None:
-        """The kernel's tiles and K parts (`choose_gemm_lora_split` over this GPU's SMs; one part off GPUs) when
-        this module fits the fused GEMM, else None."""
-        if not meta.runs_base_gemm or x.dtype != jnp.bfloat16:
+        """The kernel's tiles and K parts (`choose_gemm_lora_split` over this GPU's SMs; one part off GPUs, and
+        for the gated kernel) when this module fits the fused GEMM, else None."""
+        if not meta.runs_base_gemm or x.dtype != jnp.bfloat16 or (gated and x.shape[0] < self.GATED_MIN_TOKENS):
             return None
         try:
-            tiles, k_splits = choose_gemm_lora_split(x.shape[0], in_local, sum(widths_local), rank, self.fused_gemm_sms)
-            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles)
+            if gated:
+                tiles, k_splits = choose_gemm_lora_tiles(rank, gated=True), 1
+            else:
+                num_sms = self.fused_gemm_sms
+                tiles, k_splits = choose_gemm_lora_split(x.shape[0], in_local, sum(widths_local), rank, num_sms)
+            check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles, gated)
         except ValueError:
             return None
         return (tiles, k_splits) if meta.entries.tile_m == tiles.tile_m else None
@@ -248,15 +259,19 @@ class PallasGPUBackend(PallasBackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
         num_rows: jax.Array | None = None,
+        gated: bool = False,
     ) -> jax.Array | None:
         """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
         into the GEMM's accumulator, the padding's row tiles after `num_rows` skipped. Row-parallel layers
         (`input_sharded` over several devices) add the delta on the first shard only, before the all-reduce of the
-        partial outputs."""
+        partial outputs. gated (gate|up, column-parallel): the kernel applies the MLP's activation in its
+        epilogue and returns silu(gate) * up, each shard its columns of it."""
+        if gated and (input_sharded or len(lora_bs) != 2):
+            raise ValueError("apply_with_base: gated is for a column-parallel module of two parts, gate and up")
         rank = layer_shape(lora_bs[0])[-1]
         in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
         widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
-        chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta)
+        chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta, gated)
         if chosen is None:
             return None
         tiles, k_splits = chosen
@@ -279,7 +294,7 @@ class PallasGPUBackend(PallasBackend):
                 s = jax.lax.psum(s, TENSOR_AXIS)
                 is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
                 table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
-            options = dict(tiles=tiles, k_splits=k_splits, reference=self.fused_gemm_reference)
+            options = dict(tiles=tiles, k_splits=k_splits, gated=gated, reference=self.fused_gemm_reference)
             y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, rows, **options)
             return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
 

@@ -1,8 +1,9 @@
 """The base GEMM with the LoRA expand inside it (pallas_kernels/sgmv/gemm_lora_gpu.py).
 
-On CPU: the entry table and the per-entry s layout against a construction from first principles, and the
-tile choice against the shared-memory budget. Tests marked `gpu` run the Mosaic GPU kernel itself against
-a float32 reference and are skipped without a Hopper-class CUDA device.
+On CPU: the entry table and the per-entry s layout against a construction from first principles, the tile choice
+against the shared-memory budget, the kernel lowered for CUDA, and (with JAX 0.11 or later) the kernel body, plain and
+gated, in JAX's Mosaic GPU interpreter. Tests marked `gpu` run the Mosaic GPU kernel itself against a float32
+reference and are skipped without a Hopper-class CUDA device.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sgmv.entry_table import build_entry_table, entries_needed, entry_s
+from pallas_kernels.sgmv.entry_table import build_entry_table, entries_needed, entry_s, entry_s_parts
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
     choose_gemm_lora_split,
     choose_gemm_lora_tiles,
     gemm_lora_gpu,
     gemm_lora_gpu_entries,
+    lora_kernel_call,
+    part_tile_tables,
+    silu_and_mul,
 )
-from pallas_kernels.sgmv.reference import gemm_lora_ref
+from pallas_kernels.sgmv.reference import gemm_lora_entries_ref, gemm_lora_ref
+from tests.pallas_kernels.sgmv.test_gemm_gpu import mosaic_gpu_interpreter
 
 _GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None
 HAS_HOPPER = _GPU is not None and float(getattr(_GPU, "compute_capability", "0")) >= 9.0
@@ -271,3 +276,164 @@ def test_split_k_with_lora_matches_reference(seed, num_tokens, in_dim, widths, r
         part = np.asarray(part.astype(jnp.float32))
         np.testing.assert_array_equal(part[:rows], np.asarray(split)[:rows])
         assert not part[rows:].any(), rows
+
+
+# ---- gate|up with the MLP's activation in the epilogue ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank,stages,epilogue_n", [(16, 4, 16), (32, 3, 64), (64, 2, 64)])
+def test_gated_tiles_fit_shared_memory(rank, stages, epilogue_n):
+    """Per warpgroup gate's and up's s tiles of its half of the rows and their B tiles: at rank 16 the pipeline
+    keeps its 4 stages with 16-column stores."""
+    tiles = choose_gemm_lora_tiles(rank, gated=True)
+    assert (tiles.stages, tiles.epilogue_n) == (stages, epilogue_n)
+    assert tiles.smem_bytes(rank, gated=True) + 1024 <= 227 * 1024
+    assert tiles.smem_bytes(rank, gated=True) > tiles.smem_bytes(rank)  # two B tiles a warpgroup, not one
+
+
+def gated_operands(seed, num_tokens, in_dim, inter_dim, rank, runs, num_slots=9):
+    """x, a [2, in, 2I] stack of [gate | up] W, gate's and up's B as [2, A, I, R] stacks, s [T, 2R] and the entry
+    table of `runs` runs of adapter tokens."""
+    rng = np.random.default_rng(seed)
+    token_slot = random_runs(rng, num_tokens, runs, num_slots)
+    slot_scale = np.where(np.arange(num_slots) > 0, 0.5, 0.0).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, in_dim, 2 * inter_dim)) / np.sqrt(in_dim), jnp.bfloat16)
+    lora_bs = tuple(jnp.asarray(rng.standard_normal((2, num_slots, inter_dim, rank)) * 0.3, jnp.bfloat16) for _ in "gu")
+    s = jnp.asarray(rng.standard_normal((num_tokens, 2 * rank)), jnp.float32)
+    needed = entries_needed(token_slot, slot_scale, 128)
+    table = build_entry_table(jnp.asarray(token_slot), jnp.asarray(slot_scale), tile_m=128, max_entries=needed)
+    return x, w, lora_bs, s, table
+
+
+def test_gated_reference_is_the_activation_of_the_packed_product():
+    x, w, lora_bs, s, table = gated_operands(20, 256, 128, 256, 16, 5)
+    rows = jnp.array([200], jnp.int32)
+    gated = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), rows, gated=True, reference=True)
+    packed = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), rows, reference=True)
+    assert gated.shape == (256, 256) and gated.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(gated[:200], np.float32), np.asarray(silu_and_mul(packed)[:200], np.float32)
+    )
+    assert not np.asarray(gated, np.float32)[200:].any()
+
+
+def test_gated_refuses_what_it_does_not_run():
+    x, w, lora_bs, s, table = gated_operands(21, 256, 128, 256, 16, 5)
+    with pytest.raises(ValueError, match="one K loop per tile"):
+        gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), gated=True, k_splits=2)
+    three_parts = (lora_bs[0][:, :, :128], lora_bs[0][:, :, 128:], lora_bs[1])
+    with pytest.raises(ValueError, match="two parts of one width"):
+        gemm_lora_gpu(x, w, jnp.tile(s, (1, 2))[:, :48], table, three_parts, jnp.int32(1), gated=True, reference=True)
+    x, w, lora_bs, s, table = gated_operands(21, 256, 128, 192, 16, 5)  # gate and up of 192: not whole 128 tiles
+    with pytest.raises(ValueError, match="each part's width of 128"):
+        gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), gated=True, reference=True)
+
+
+def interpreter_with_transposed_operands():
+    """The Mosaic GPU interpreter's params where it runs a WGMMA on a transposed shared-memory operand (the LoRA
+    loop's B tile; JAX 0.10's interpreter fails on it, 0.11's runs it), else None."""
+    if tuple(int(part) for part in jax.__version__.split(".")[:2]) < (0, 11):
+        return None
+    return mosaic_gpu_interpreter()
+
+
+@pytest.mark.parametrize(
+    "gated,num_tokens,in_dim,inter_dim,rank,num_rows,runs",
+    [
+        (True, 256, 128, 256, 16, 200, 6),
+        (True, 384, 128, 384, 32, 200, 9),
+        (True, 512, 128, 640, 64, 100, 4),
+        (False, 256, 128, 256, 16, 256, 6),
+    ],
+    ids=["gated-rank-16", "gated-rank-32-one-padding-tile", "gated-rank-64-three-padding-tiles", "packed-rank-16"],
+)
+def test_the_lora_kernel_in_the_mosaic_gpu_interpreter(gated, num_tokens, in_dim, inter_dim, rank, num_rows, runs):
+    """The kernel call with LoRA entries (`lora_kernel_call`, as gemm_lora_gpu_entries makes it) run by the
+    interpreter on 3 "SMs" over layer 1 of the stacks, against `gemm_lora_entries_ref` on the same operands: gated,
+    each warpgroup's half of the rows adds gate's and up's entries before the activation, and the padding's row
+    tiles are zeroed (the interpreter fills unwritten output with NaN); packed, [gate | up] as two parts."""
+    interpret = interpreter_with_transposed_operands()
+    if interpret is None:
+        pytest.skip("this JAX's Mosaic GPU interpreter cannot run the LoRA loop's transposed B operand")
+    x, w, lora_bs, s, table = gated_operands(22, num_tokens, in_dim, inter_dim, rank, runs)
+    tiles = choose_gemm_lora_tiles(rank, gated=gated)
+    tile_part, tile_part_col = part_tile_tables((inter_dim, inter_dim), tiles.tile_n if gated else 2 * tiles.tile_n)
+    entry_slot = table.entry_slot + lora_bs[0].shape[1]  # layer 1's slots of the flattened [L * A, I, R] stacks
+    operands = (
+        x,
+        w.reshape(-1, w.shape[-1]),
+        jnp.array([in_dim], jnp.int32),
+        jnp.array([num_rows], jnp.int32),
+        jnp.asarray(tile_part),
+        jnp.asarray(tile_part_col),
+        table.entry_start,
+        entry_slot,
+        entry_s_parts(s, table, 2),
+        tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs),
+    )
+    options = dict(tiles=tiles, num_sms=3, gated=gated, interpret=interpret)
+    y = np.asarray(jax.jit(lambda *ops: lora_kernel_call(*ops, **options))(*operands), np.float32)
+    packed = gemm_lora_entries_ref(*operands[:3], *operands[4:], tile_m=128)
+    no_lora = gemm_lora_entries_ref(*operands[:3], *operands[4:8], operands[8] * 0, operands[9], tile_m=128)
+    want, want_no_lora = (np.asarray(silu_and_mul(v) if gated else v, np.float32) for v in (packed, no_lora))
+    scale = np.abs(want[:num_rows]).max()
+    assert y.shape == want.shape and not np.isnan(y).any()
+    assert np.abs(y[:num_rows] - want[:num_rows]).max() <= 1e-2 * scale
+    assert np.abs(want_no_lora[:num_rows] - want[:num_rows]).max() > 0.2 * scale  # the entries matter
+    if gated:
+        assert not y[-(-num_rows // 128) * 128 :].any()
+
+
+def test_gated_with_lora_lowers_for_cuda(monkeypatch):
+    """The gated kernel with LoRA entries at Llama-3-8B's gate|up (4096 -> 2 x 14336, 512 rows, rank 16), lowered for
+    CUDA as a Hopper GPU with 132 SMs would run it: the body through Pallas' Mosaic GPU lowering; [T, I] bf16."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    num_tokens, (in_dim, out_dim), rank, num_entries = 512, LLAMA3_8B_MODULES["gate_up"], 16, 36
+    i32 = jnp.int32
+    shapes = (
+        jax.ShapeDtypeStruct((num_tokens, in_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2 * in_dim, out_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct((1,), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+        jax.ShapeDtypeStruct((out_dim // 128,), i32),
+        jax.ShapeDtypeStruct((out_dim // 128,), i32),
+        jax.ShapeDtypeStruct((num_tokens // 128 + 1,), i32),
+        jax.ShapeDtypeStruct((num_entries,), i32),
+        jax.ShapeDtypeStruct((2 * num_entries, 128, rank), jnp.bfloat16),
+        (jax.ShapeDtypeStruct((66, out_dim // 2, rank), jnp.bfloat16),) * 2,
+    )
+    tiles = choose_gemm_lora_tiles(rank, gated=True)
+    lowered = gemm_lora_gpu_entries.trace(*shapes, tiles=tiles, gated=True).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (num_tokens, out_dim // 2) and lowered.out_info.dtype == jnp.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+@pytest.mark.parametrize("num_tokens,num_rows,runs", [(2048, 2048, 40), (512, 369, 32), (1024, 751, 32)])
+def test_gated_with_lora_matches_reference_at_llama3_8b_gate_up(num_tokens, num_rows, runs):
+    """gate|up of Llama-3-8B (4096 -> 2 x 14336) with rank-16 entries of 32 adapters, layer 1 of the stacks read in
+    place: silu(gate) * up of the packed product within bf16 rounding on the real rows, the padding's row tiles
+    zero, and the entries' share not negligible."""
+    in_dim, out_dim = LLAMA3_8B_MODULES["gate_up"]
+    x, w, lora_bs, s, table = gated_operands(23, num_tokens, in_dim, out_dim // 2, 16, runs, num_slots=33)
+    x = x * 0.5
+    rows = jnp.full((1,), num_rows, jnp.int32)
+    y = gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), rows, gated=True)
+    y = np.asarray(y, np.float32)
+    want = np.asarray(
+        silu_and_mul(gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), rows, reference=True)), np.float32
+    )
+    no_lora = np.asarray(
+        silu_and_mul(gemm_lora_gpu(x, w, s * 0, table, lora_bs, jnp.int32(1), rows, reference=True)), np.float32
+    )
+    scale = np.abs(want[:num_rows]).max()
+    assert y.shape == (num_tokens, out_dim // 2)
+    assert np.abs(y[:num_rows] - want[:num_rows]).max() <= 1e-2 * scale
+    assert np.abs(no_lora[:num_rows] - want[:num_rows]).max() > 0.1 * scale
+    assert not y[-(-num_rows // 128) * 128 :].any()

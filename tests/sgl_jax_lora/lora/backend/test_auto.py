@@ -158,11 +158,11 @@ def test_calls_go_to_the_backend_chosen_for_the_modules_total_width(monkeypatch)
     assert args == (x, lora_a, wide, meta, "base") and kwargs == kw
     # apply_with_base chooses by bucket alone (width 0): sgmv here
     rows = jnp.full((1,), 12, jnp.int32)
-    assert backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw, num_rows=rows) == "with_base"
+    assert backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw, num_rows=rows, gated=True) == "with_base"
     assert recorders["sgmv"].calls[-1] == (
         "apply_with_base",
         (x, "kernel", lora_a, wide, meta),
-        kw | {"num_rows": rows},
+        kw | {"num_rows": rows, "gated": True},
     )
 
 

@@ -86,8 +86,10 @@ def assert_close(y, expected):
     assert np.abs(y - expected).max() <= 1e-2 * np.abs(expected).max()  # bf16 output, s rounded to bf16
 
 
-def fused_backend(mesh=None) -> PallasGPUBackend:
-    return PallasGPUBackend(mesh, fused_gemm_min_tokens=256)
+def fused_backend(mesh=None, gated_min_tokens=256) -> PallasGPUBackend:
+    backend = PallasGPUBackend(mesh, fused_gemm_min_tokens=256)
+    backend.GATED_MIN_TOKENS = gated_min_tokens
+    return backend
 
 
 @pytest.mark.parametrize("stacked", ["arrays", "layer_stacks", "a_too_large_for_int32_offsets"])
@@ -113,6 +115,35 @@ def as_array(w):
     return w.sliced() if isinstance(w, LayerStack) else w
 
 
+def test_gated_apply_with_base_is_the_activation_of_gate_and_up():
+    """gate|up (two parts of one width): silu(gate) * up of the packed product with both parts' deltas, read from
+    layer 1 of the stacks; the rows after num_rows' row tile zero. A row-parallel or three-part module is refused."""
+    x, w, lora_a, lora_bs, lora = module_inputs(4, widths=(384, 384))
+    gate, up = jnp.split(base_plus_lora(x, w, lora_a, lora_bs, lora), 2, axis=1)
+    expected = jax.nn.silu(gate) * up
+    layer = jnp.int32(1)
+    w, lora_a = LayerStack(jnp.stack([w * 3, w]), layer), LayerStack(jnp.stack([lora_a * 3, lora_a]), layer)
+    lora_bs = tuple(LayerStack(jnp.stack([b * 3, b]), layer) for b in lora_bs)
+    rows = jnp.array([120], jnp.int32)
+    backend = fused_backend()
+    call = jax.jit(
+        lambda x, w, a, bs, meta, rows: backend.apply_with_base(
+            x, w, a, bs, meta, tp_size=1, output_sharded=True, num_rows=rows, gated=True
+        )
+    )
+    y = call(x, w, lora_a, lora_bs, lora, rows)
+    assert y.shape == (256, 384) and y.dtype == jnp.bfloat16
+    assert_close(y[:120], expected[:120])
+    assert not np.asarray(y[128:], np.float32).any()
+    with pytest.raises(ValueError, match="column-parallel module of two parts"):
+        backend.apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1, input_sharded=True, gated=True)
+    # below GATED_MIN_TOKENS (the default's 2048) gate|up runs the packed product, then XLA's activation
+    small_buckets = fused_backend(gated_min_tokens=PallasGPUBackend.GATED_MIN_TOKENS)
+    assert (
+        small_buckets.apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1, output_sharded=True, gated=True) is None
+    )
+
+
 def test_apply_with_base_splits_k_where_the_tiles_leave_sms_idle(monkeypatch):
     """With an H100's 132 SMs, a module of 8 CTA tiles cuts its K loop (8 K steps) in 2 parts, with the float32
     epilogue tiles; the result is the same module's. Off GPUs (no SM count) it stays in one part."""
@@ -125,10 +156,10 @@ def test_apply_with_base_splits_k_where_the_tiles_leave_sms_idle(monkeypatch):
     monkeypatch.setattr(pallas_module, "gemm_lora_gpu", recording)
     x, w, lora_a, lora_bs, lora = module_inputs(1, in_dim=512)
     expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
-    on_h100 = fused_backend()
-    on_h100.fused_gemm_sms = 132
+    on_h100, off_gpus = fused_backend(), fused_backend()
+    on_h100.fused_gemm_sms, off_gpus.fused_gemm_sms = 132, 0
     assert_close(on_h100.apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1), expected)
-    assert_close(fused_backend().apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1), expected)
+    assert_close(off_gpus.apply_with_base(x, w, lora_a, lora_bs, lora, tp_size=1), expected)
     (split, split_tiles), (unsplit, _) = calls
     assert (split, unsplit) == (2, 1)
     assert split_tiles.epilogue_n == 32 and split_tiles.smem_bytes(16, out_itemsize=4) + 1024 <= 227 * 1024
@@ -141,15 +172,19 @@ NEEDS_TWO_DEVICES = pytest.mark.skipif(
 
 
 @NEEDS_TWO_DEVICES
-@pytest.mark.parametrize("layer", ["column", "row"])
+@pytest.mark.parametrize("layer", ["column", "row", "gated"])
 def test_apply_with_base_under_tensor_parallelism(layer):
     """tp 2: a column-parallel module splits W, B and y on `out` (each shard's parts side by side); a row-parallel
     one splits x, W and A on `in`, sums the shrink over the shards, adds the delta on the first shard only and
-    all-reduces y. Both equal the one-device result."""
-    is_row = layer == "row"
-    widths = (256,) if is_row else (1024, 512, 512)  # per shard, every part a multiple of 256 columns
+    all-reduces y; gate|up with the activation in the kernel gives each shard its columns of silu(gate) * up. All
+    equal the one-device result."""
+    is_row, gated = layer == "row", layer == "gated"
+    widths = (256,) if is_row else (256, 256) if gated else (1024, 512, 512)  # per shard, parts of whole CTA tiles
     x, w, lora_a, lora_bs, lora = module_inputs(1, in_dim=256, widths=widths)
     expected = base_plus_lora(x, w, lora_a, lora_bs, lora)
+    if gated:
+        gate, up = jnp.split(expected, 2, axis=1)
+        expected = jax.nn.silu(gate) * up
     mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
     def put(value, spec):
@@ -166,10 +201,9 @@ def test_apply_with_base_under_tensor_parallelism(layer):
     x = put(x, P(None, "tensor") if is_row else P())
     lora = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
     backend = fused_backend(mesh)
-    y = jax.jit(lambda *a: backend.apply_with_base(*a, tp_size=2, input_sharded=is_row, output_sharded=not is_row))(
-        x, w_view, a_view, b_views, lora
-    )
-    if not is_row:
+    sharding = dict(tp_size=2, input_sharded=is_row, output_sharded=not is_row, gated=gated)
+    y = jax.jit(lambda *a: backend.apply_with_base(*a, **sharding))(x, w_view, a_view, b_views, lora)
+    if not is_row and not gated:  # gated: each shard's columns of the activation, in order
         y = jnp.concatenate(split_packed(y, widths, 2), axis=1)
     assert_close(y, expected)
 
@@ -235,9 +269,10 @@ def kernel_sized_model(tmp_path_factory):
     return make_kernel_sized_model_and_adapters(tmp_path_factory.mktemp("fused"))
 
 
-def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1) -> list[np.ndarray]:
+def serve_prefill(model_dir, adapters, fused_min_tokens: int, tp_size: int = 1, **flags) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step: their prompt logprobs."""
-    prompt, _ = serve_logprobs(model_dir, adapters, 1, lora_fused_gemm_min_tokens=fused_min_tokens, tp_size=tp_size)
+    options = dict(lora_fused_gemm_min_tokens=fused_min_tokens, tp_size=tp_size, **flags)
+    prompt, _ = serve_logprobs(model_dir, adapters, 1, **options)
     return prompt
 
 
@@ -255,11 +290,13 @@ def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, m
     within bf16 rounding of HF transformers + PEFT in float32 (measured on CPU: 0.08-0.10 fused, 0.12-0.13 SGMV),
     where leaving an adapter out moves them by more than 1."""
     base, adapters = kernel_sized_model
+    monkeypatch.setattr(PallasGPUBackend, "GATED_MIN_TOKENS", 256)  # gate|up's activation in the 256-token step
     calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
     sgmv = serve_prefill(base, adapters, fused_min_tokens=0)
     assert not calls
     fused = serve_prefill(base, adapters, fused_min_tokens=256)
     assert len(calls) == 4  # q|k|v, o, gate|up and down, traced once in the layer scan
+    assert [call["gated"] for call in calls] == [False, False, True, False]  # gate|up's activation in the kernel
     for ids, adapter, ours_fused, ours_sgmv in zip(PROMPTS, adapters + [None], fused, sgmv):
         expected = peft_logprobs(base, adapter, ids)
         assert np.abs(ours_fused - expected).max() < 0.2
@@ -290,7 +327,7 @@ def test_engine_prefill_of_odd_sizes_falls_back_to_the_sgmv_kernels(tmp_path, mo
         for i in range(2)
     ]
     calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
-    ours = serve_prefill(base, adapters, fused_min_tokens=256)
+    ours = serve_prefill(base, adapters, fused_min_tokens=256, attention_backend="native")  # GPU kernels: head_dim 16+
     assert not calls
     for ids, adapter, logprobs in zip(PROMPTS, adapters + [None], ours):
         expected = peft_logprobs(base, adapter, ids)
