@@ -122,7 +122,7 @@ class Linear(nnx.Module):
         """A packed (gate, up) linear's activation silu(x @ W_gate) * (x @ W_up), [T, out / 2]. Where `base`
         would run the base GEMM kernel (no bias, no 8-bit weight), the kernel's epilogue applies it (gemm_gpu.py
         `gated`), so the [T, out] product never reaches device memory; else the product, split per part, then the
-        activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters, unfused)."""
+        activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters: `LoRALinear.silu_and_mul`)."""
         kernel = self.kernel.get_value()
         if self.bias is None and self.fp8 is None and self._runs_base_gemm(kernel, x):
             y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True)
