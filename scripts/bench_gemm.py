@@ -41,8 +41,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.sgmv.gemm_fp8_gpu import gemm_fp8_gpu  # noqa: E402
-from pallas_kernels.sgmv.gemm_gpu import default_k_splits, default_tail_split, gemm_gpu, silu_and_mul  # noqa: E402
-from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles  # noqa: E402
+from pallas_kernels.sgmv.gemm_gpu import default_k_splits, default_tail_split, gemm_gpu  # noqa: E402
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles, choose_gemm_lora_tiles, silu_and_mul  # noqa: E402
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
 from sgl_jax_lora.layers.fp8 import quantize_activation, quantize_weight  # noqa: E402
 

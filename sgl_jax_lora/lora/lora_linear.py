@@ -116,29 +116,16 @@ class LoRALinear(Linear):
         """
         if lora is None:
             return super().__call__(x, residual=residual, num_rows=num_rows)
-        lora_a = self.lora_a.get_value()
-        lora_bs = tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
-        if lora.runs_base_gemm and self.fp8 is None:  # base GEMM and LoRA in one kernel, where the module fits it
-            y = self.backend.apply_with_base(
-                x,
-                self.kernel.get_value(),
-                lora_a,
-                lora_bs,
-                lora,
-                tp_size=self.tp_size,
-                input_sharded=self.row_parallel,
-                output_sharded=not self.row_parallel,
-                num_rows=num_rows,
-            )
-            if y is not None:
-                y = y if self.bias is None else y + self.bias[...]
-                return y if residual is None else residual + y
+        y = self._with_base(x, lora, num_rows)  # base GEMM and LoRA in one kernel, where the module fits it
+        if y is not None:
+            y = y if self.bias is None else y + self.bias[...]
+            return y if residual is None else residual + y
         y = self.base(x, num_rows)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
             x,
-            lora_a,
-            lora_bs,
+            self.lora_a.get_value(),
+            self._lora_bs(),
             lora,
             target,
             tp_size=self.tp_size,
@@ -154,21 +141,32 @@ class LoRALinear(Linear):
         with the LoRA delta, split, then the activation."""
         if lora is None:
             return super().silu_and_mul(x, None, num_rows)
-        if lora.runs_base_gemm and self.fp8 is None and self.bias is None:
-            y = self.backend.apply_with_base(
-                x,
-                self.kernel.get_value(),
-                self.lora_a.get_value(),
-                tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names),
-                lora,
-                tp_size=self.tp_size,
-                output_sharded=True,
-                num_rows=num_rows,
-                gated=True,
-            )
-            if y is not None:
-                return y
-        return self.unfused_silu_and_mul(x, lora, num_rows)
+        y = self._with_base(x, lora, num_rows, gated=True) if self.bias is None else None
+        return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
+
+    def _with_base(
+        self, x: jax.Array, lora: LoRAMeta, num_rows: jax.Array | None, gated: bool = False
+    ) -> jax.Array | None:
+        """The backend's GEMM with the LoRA inside it (`apply_with_base`, no bias) where the step's metadata runs it
+        and the base weight is 16-bit; None where it does not run or the module does not fit it."""
+        if not lora.runs_base_gemm or self.fp8 is not None:
+            return None
+        return self.backend.apply_with_base(
+            x,
+            self.kernel.get_value(),
+            self.lora_a.get_value(),
+            self._lora_bs(),
+            lora,
+            tp_size=self.tp_size,
+            input_sharded=self.row_parallel,
+            output_sharded=not self.row_parallel,
+            num_rows=num_rows,
+            gated=gated,
+        )
+
+    def _lora_bs(self) -> tuple[jax.Array, ...]:
+        """Each packed part's B buffer, in part order."""
+        return tuple(getattr(self, lora_b_name(name)).get_value() for name in self.part_names)
 
 
 def lora_b_name(part_name: str) -> str:
