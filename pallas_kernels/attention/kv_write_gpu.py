@@ -15,6 +15,13 @@ head, and rotates them (q, k) or copies them (v). Rotation is HF's "rotate half"
 k and v saturated to its finite range first, as layers/attention.py `write_kv` does. Padding tokens, whose slot is
 0 (the reserved page 0's scratch slot, which no sequence reads), write nothing.
 
+The bucket's padding rows: given `num_rows` (the step's real tokens), the kernel reads the rows from num_rows[0] on
+as zeros (a masked load, so whatever they hold, NaN included, never enters the math): their q rows are stored as
+rotate(0) = 0 and their k and v are not written, whatever their slot. So the q|k|v GEMM need not zero those rows
+(the GEMM kernels skip their row tiles and leave them unwritten; models/llama.py calls the projection with
+`zero_padding=False` when this kernel takes its output): the results equal those of the same call on q|k|v with its
+padding rows zeroed.
+
 What exists here: `fits_head_dim` (the head dims it takes), `check_rope_kv_shapes` (raises, naming the way out, on
 shapes it does not take), `head_group` (heads per program) and `rope_kv_write_gpu` (the call); `rope_kv_write_ref`
 is the same in plain JAX (the CPU tests' reference).
@@ -72,6 +79,7 @@ def _saturated(rows: jax.Array, dtype) -> jax.Array:
 
 def _kernel(
     layer_ref,
+    num_rows_ref,
     cache_loc_ref,
     cos_ref,
     sin_ref,
@@ -86,20 +94,23 @@ def _kernel(
     group,
     block_tokens,
 ):
-    """One program: heads group * g .. of the H + 2K, for tokens block * block_tokens .. (rows past T masked off);
-    values are [tokens, heads of the group, D / 2] tiles (one per half of a head)."""
+    """One program: heads group * g .. of the H + 2K, for tokens block * block_tokens .. (rows past T masked off;
+    rows from num_rows[0] on, the bucket's padding, read as zeros and never written to the caches); values are
+    [tokens, heads of the group, D / 2] tiles (one per half of a head)."""
     num_tokens, num_kv_heads, head_dim = q_ref.shape[0], k_ref.shape[1], k_ref.shape[-1]
     half = head_dim // 2
     block, first_head = pl.program_id(0), pl.program_id(1) * group
     tokens = block * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
     is_token = tokens < num_tokens
+    is_real = is_token & (tokens < num_rows_ref[0])
     heads, halves = jnp.arange(group, dtype=jnp.int32), jnp.arange(half, dtype=jnp.int32)
     tile = (block_tokens, group, half)
     mask = jnp.broadcast_to(is_token[:, None, None], tile)
+    real = jnp.broadcast_to(is_real[:, None, None], tile)
     rows, head_cols = tokens[:, None, None], (first_head + heads)[None, :, None] * head_dim + halves[None, None, :]
 
-    def load(start):  # [tokens, group, half]: columns start .. of each head of the group
-        return plgpu.load(qkv_ref.at[rows, head_cols + start], mask=mask, other=0)
+    def load(start):  # [tokens, group, half]: columns start .. of each head of the group; padding rows read as 0
+        return plgpu.load(qkv_ref.at[rows, head_cols + start], mask=real, other=0)
 
     def rotated():
         """Both halves of the group's heads rotated, float32 (the tables' rows past T read as angle 0)."""
@@ -113,8 +124,8 @@ def _kernel(
     def write_cache(cache_ref, kv_head, first, second):
         slots = plgpu.load(cache_loc_ref.at[tokens], mask=is_token, other=0)
         # padding tokens (slot 0, the scratch slot no sequence reads) write nothing: hundreds of stores to one row
-        # would queue behind each other
-        written = jnp.broadcast_to((slots != 0)[:, None, None], tile) & mask
+        # would queue behind each other; nor do the rows from num_rows[0] on, whatever their slot
+        written = jnp.broadcast_to((slots != 0)[:, None, None], tile) & real
         at = (layer_ref[0], (kv_head + heads)[None, :, None], slots[:, None, None])
         plgpu.store(cache_ref.at[(*at, halves[None, None, :])], _saturated(first, cache_ref.dtype), mask=written)
         plgpu.store(
@@ -123,7 +134,7 @@ def _kernel(
 
     @pl.when(first_head < num_heads)
     def _q():
-        r1, r2 = rotated()
+        r1, r2 = rotated()  # zero in the padding rows (read as zeros), stored as such
         plgpu.store(q_ref.at[rows, head_cols], r1.astype(q_ref.dtype), mask=mask)
         plgpu.store(q_ref.at[rows, head_cols + half], r2.astype(q_ref.dtype), mask=mask)
 
@@ -149,10 +160,13 @@ def rope_kv_write_gpu(
     *,
     num_heads: int,
     num_kv_heads: int,
+    num_rows: jax.Array | None = None,  # [1] i32 the step's real tokens (the bucket's padding after them)
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q rotated [T, H, D] in qkv's dtype, k_cache, v_cache with this step's k rotated and v at cache_loc of
-    layer `layer`)."""
+    layer `layer`). num_rows: the rows of qkv from num_rows[0] on may hold anything (the q|k|v GEMM left them
+    unwritten): their q rows come out zero and their k and v are not written, as if those rows were zeros and their
+    slots 0; None: every row is real."""
     num_tokens, width = qkv.shape
     head_dim = k_cache.shape[-1]
     check_rope_kv_shapes(num_heads, num_kv_heads, head_dim, width)
@@ -166,12 +180,13 @@ def rope_kv_write_gpu(
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ),
         grid=(pl.cdiv(num_tokens, BLOCK_TOKENS), (num_heads + 2 * num_kv_heads) // group),
-        input_output_aliases={5: 1, 6: 2},
+        input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="rope_kv_write",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
+        _rows(num_rows, num_tokens),
         cache_loc.astype(jnp.int32),
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
@@ -182,9 +197,22 @@ def rope_kv_write_gpu(
     return q.reshape(num_tokens, num_heads, head_dim), k_cache, v_cache
 
 
-def rope_kv_write_ref(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_heads, num_kv_heads):
-    """The same in plain JAX: rotate q and k (float32 math, rounded to qkv's dtype), write k and v at cache_loc."""
+def _rows(num_rows: jax.Array | None, num_tokens: int) -> jax.Array:
+    """The kernel's num_rows operand ([1] i32): num_rows, or all `num_tokens` rows when it is None."""
+    if num_rows is None:
+        return jnp.full((1,), num_tokens, jnp.int32)
+    return jnp.asarray(num_rows, jnp.int32).reshape(1)
+
+
+def rope_kv_write_ref(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_heads, num_kv_heads, num_rows=None):
+    """The same in plain JAX: rotate q and k (float32 math, rounded to qkv's dtype), write k and v at cache_loc.
+    num_rows ([1] i32, None: every row): qkv's rows from num_rows[0] on are taken as zeros (a select, so NaN there
+    does not leak), so their q rows are zero, and their k and v are not written (dropped from the scatter)."""
     num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    if num_rows is not None:
+        is_real = jnp.arange(num_tokens, dtype=jnp.int32) < _rows(num_rows, num_tokens)[0]
+        qkv = jnp.where(is_real[:, None], qkv, jnp.zeros((), qkv.dtype))
+        cache_loc = jnp.where(is_real, cache_loc, k_cache.shape[2])  # out of range: dropped by mode="drop"
     heads = qkv.reshape(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
     cos, sin = cos[:, None, :], sin[:, None, :]
 
@@ -195,6 +223,6 @@ def rope_kv_write_ref(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_
     q = rotate(heads[:, :num_heads])
     k = rotate(heads[:, num_heads : num_heads + num_kv_heads])
     v = heads[:, num_heads + num_kv_heads :]
-    k_cache = k_cache.at[layer, :, cache_loc].set(_saturated(k, k_cache.dtype), unique_indices=True)
-    v_cache = v_cache.at[layer, :, cache_loc].set(_saturated(v, v_cache.dtype), unique_indices=True)
+    k_cache = k_cache.at[layer, :, cache_loc].set(_saturated(k, k_cache.dtype), unique_indices=True, mode="drop")
+    v_cache = v_cache.at[layer, :, cache_loc].set(_saturated(v, v_cache.dtype), unique_indices=True, mode="drop")
     return q, k_cache, v_cache

@@ -98,12 +98,15 @@ def gemm_fp8_gpu(
     out_dtype: jnp.dtype = jnp.bfloat16,
     k_splits: int | None = None,
     reference: bool = False,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """y = (xq @ W.T) * scale in out_dtype, accumulated in float32, W read in place from its stack. T is padded to
     the kernel's row tile with zero rows (their products are dropped). num_rows ([1] i32): the rows of xq that are
     real; the kernel skips the row tiles after them and y is zero from row num_rows[0] on (None: every row).
-    reference: the same with XLA's dot on the layer's slice (platforms without Mosaic GPU); the shapes are checked
-    either way."""
+    zero_padding: False leaves out the select that zeroes those rows (`zero_rows_from`): they then hold any values
+    (the kernel leaves them unwritten; NaN possible), for a consumer that masks them itself. reference: the same
+    with XLA's dot on the layer's slice (platforms without Mosaic GPU); the shapes are checked either way. The
+    reference computes every row: with zero_padding=False it returns the padding rows' products."""
     out_dim, in_dim = w.shape[-2:]
     if xq.shape[1] != in_dim or xq.dtype != w.dtype or w.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"gemm_fp8_gpu: x {xq.shape} {xq.dtype} does not match W {w.shape} {w.dtype} (float8_e4m3fn)")
@@ -112,7 +115,8 @@ def gemm_fp8_gpu(
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         y = jax.lax.dot_general(xq, w_layer, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        return zero_rows_from((y * scale[0]).astype(out_dtype), num_rows)
+        y = (y * scale[0]).astype(out_dtype)
+        return zero_rows_from(y, num_rows) if zero_padding else y
     num_tokens, tile_m = xq.shape[0], choose_fp8_tiles().tile_m
     padded = -(-num_tokens // tile_m) * tile_m
     if padded != num_tokens:
@@ -134,4 +138,4 @@ def gemm_fp8_gpu(
         k_splits=k_splits,
         out_dtype=jnp.dtype(out_dtype),
     )
-    return zero_rows_from(y[:num_tokens], num_rows)
+    return zero_rows_from(y[:num_tokens], num_rows) if zero_padding else y[:num_tokens]

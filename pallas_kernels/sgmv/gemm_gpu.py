@@ -9,7 +9,8 @@ The kernel is `_kernel` of gemm_lora_gpu.py with `has_lora=False`: the same pers
 two consumer warpgroups side by side along N, the same `stages`-deep TMA pipeline of x and W tiles and the same TMA
 epilogue, with no s or B tiles in shared memory, no entry tables among its operands and no LoRA loop after the K
 loop. Its scalar operands are the first row of the layer's W in the flattened [L * in, out] stack and the step's
-real row count (the row tiles of a bucket's padding are skipped and their rows zeroed).
+real row count (the row tiles of a bucket's padding are skipped and their rows zeroed, by a select after the kernel,
+`zero_rows_from`, which `zero_padding=False` leaves out for a consumer that masks those rows itself).
 
 Split K, for decode-sized T: with few CTA tiles ((T / tile_m) x (out / 2 tile_n), 32 for the o and down modules
 of Llama-3-8B at 256 tokens) most of the GPU's SMs would idle through a long K loop. `choose_k_splits` then cuts the
@@ -183,6 +184,7 @@ def gemm_gpu(
     tail_split: bool | None = None,
     gated: bool = False,
     reference: bool = False,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32; with `gated`, W's
     columns are [gate | up] (I each) and y = silu(x @ W_gate) * (x @ W_up) [T, I], applied in the kernel's epilogue
@@ -191,12 +193,16 @@ def gemm_gpu(
     num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
     row tiles after them and y is zero from row num_rows[0] on (gated: zero from the end of its row tile on, the
     rows before that the padding x's activation, as the next GEMM kernel given num_rows ignores them and no select
-    pass is spent on them). None: every row. k_splits: parts of the K loop
+    pass is spent on them). None: every row. zero_padding (not gated): False leaves out the select that zeroes y's
+    rows from num_rows[0] on (`zero_rows_from`), so they hold any values (the kernel leaves the skipped row tiles
+    unwritten; NaN possible), for a consumer that masks them itself (the rotary + K/V write kernel after q|k|v);
+    gated outputs are as above either way. k_splits: parts of the K loop
     (None: `choose_k_splits` for this GPU's SMs with the default tiles; 1 when `tiles` are given or off GPUs).
     tail_split: the last partial wave's tiles in pieces of K (tail_split.py; None: `default_tail_split` when neither
     tiles nor k_splits are given, else off). reference: compute it with the pure-JAX `x @ w[layer]` instead of the
     kernel, on platforms without Mosaic GPU (CPU tests of the code around the kernel); the shapes are checked either
-    way."""
+    way. The reference computes every row: with zero_padding=False it returns the padding rows' products, as the
+    kernel returns its rows unwritten (so CPU tests of the consumer see non-zero padding)."""
     in_dim, out_dim = w.shape[-2:]
     automatic = k_splits is None and tiles is None and not reference and not gated
     if k_splits is None:
@@ -224,7 +230,8 @@ def gemm_gpu(
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         y = jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)
-        return zero_rows_from(silu_and_mul(y) if gated else y, num_rows)
+        y = silu_and_mul(y) if gated else y
+        return zero_rows_from(y, num_rows) if gated or zero_padding else y
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
     rows = rows_operand(num_rows, x.shape[0])
     y = gemm_gpu_rows(
@@ -237,4 +244,4 @@ def gemm_gpu(
         tail_split=tail_split,
         gated=gated,
     )
-    return y if gated else zero_rows_from(y, num_rows)
+    return zero_rows_from(y, num_rows) if zero_padding and not gated else y

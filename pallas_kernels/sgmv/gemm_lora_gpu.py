@@ -31,9 +31,12 @@ one producer warpgroup streaming x and W tiles through a `stages`-deep TMA pipel
 no tile: the kernel takes the step's real row count as data and runs only the row tiles that hold real rows, spread
 over the SMs as if the bucket ended there (a decode step of 345 rows in the 512 bucket runs 3 of 4 row tiles); the
 rows after the real ones are zeroed by `zero_rows_from`, a select XLA fuses into the output's consumer or the split-K
-sum. Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a multiple of 2 * tile_n, R a multiple
-of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py) computes the same from the
-same operands in pure JAX.
+sum. The q|k|v projection skips it where its consumer is the rotary + K/V write kernel
+(pallas_kernels/attention/kv_write_gpu.py: a Pallas call, into which XLA cannot fuse the select, so it would be a pass
+of its own over [T, out]): that kernel masks the padding rows itself, and the callers pass `zero_padding=False` down
+to here (models/llama.py). Needs: T a multiple of tile_m, in a multiple of tile_k, each part's width a multiple of
+2 * tile_n, R a multiple of 16 (a bf16 WGMMA's K) up to 64, bf16 operands. `gemm_lora_entries_ref` (reference.py)
+computes the same from the same operands in pure JAX.
 TPU has no counterpart yet (the Mosaic TPU SGMV kernels run outside the GEMM there). With `gated=True` the module is
 gate|up and the kernel writes the MLP's silu(gate) * up (a CTA tile of 128 rows by tile_n columns, each consumer
 warpgroup 64 rows in a gate and an up accumulator, adding its half of each entry into both before the activation).
@@ -583,6 +586,7 @@ def gemm_lora_gpu(
     k_splits: int = 1,
     gated: bool = False,
     reference: bool = False,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """y = x @ W + scale[slot_t] * s_t @ B_p[slot_t].T for every packed part p (its columns of y, which holds the
     parts side by side), in one GEMM kernel; the table from `build_entry_table` with tile_m = tiles.tile_m.
@@ -590,10 +594,13 @@ def gemm_lora_gpu(
     kernel's epilogue (zero from the end of num_rows' row tile on, as `gemm_gpu`'s gated kernel).
 
     num_rows ([1] i32): the rows of x that are real; the kernel skips the row tiles after them and y is zero from
-    row num_rows[0] on. None: every row. k_splits: parts of the K loop (`choose_gemm_lora_split` gives them with
-    their tiles; in / tile_k must be a multiple). reference: compute the same entries with the pure-JAX reference
-    (`gemm_lora_entries_ref`) instead of the kernel, on platforms without Mosaic GPU (CPU tests of the code around
-    the kernel)."""
+    row num_rows[0] on. None: every row. zero_padding (not gated): False leaves out that zeroing (`zero_rows_from`),
+    so y's rows from num_rows[0] on hold any values (the kernel leaves the skipped row tiles unwritten; NaN possible),
+    for a consumer that masks them itself; gated outputs are as above either way. k_splits: parts of the K loop
+    (`choose_gemm_lora_split` gives them with their tiles; in / tile_k must be a multiple). reference: compute the
+    same entries with the pure-JAX reference (`gemm_lora_entries_ref`) instead of the kernel, on platforms without
+    Mosaic GPU (CPU tests of the code around the kernel); it computes every row, and zero_padding=False leaves the
+    padding rows' products there, as the kernel leaves its rows unwritten (so CPU tests see non-zero padding)."""
     lora_bs = tuple(lora_bs) if isinstance(lora_bs, (tuple, list)) else (lora_bs,)
     rank = lora_bs[0].shape[-1]
     if gated and k_splits != 1:
@@ -638,6 +645,7 @@ def gemm_lora_gpu(
 
         x, w_rows, w_row, _, *tables = operands
         y = gemm_lora_entries_ref(x, w_rows, w_row, *tables, tile_m=table.tile_m)
-        return zero_rows_from(silu_and_mul(y) if gated else y, num_rows)
+        y = silu_and_mul(y) if gated else y
+        return zero_rows_from(y, num_rows) if gated or zero_padding else y
     y = gemm_lora_gpu_entries(*operands, tiles=tiles, k_splits=k_splits, gated=gated)
-    return y if gated else zero_rows_from(y, num_rows)
+    return zero_rows_from(y, num_rows) if zero_padding and not gated else y

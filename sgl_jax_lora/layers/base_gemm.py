@@ -78,13 +78,15 @@ def base_gemm(
     axes: LinearAxes,
     num_rows: jax.Array | None = None,
     gated: bool = False,
+    zero_padding: bool = True,
 ) -> jax.Array | None:
     """x [T, in] @ the layer's W of `kernel` ([L, in, out] stack) with the kernel, in x's dtype: the packed output
     [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel. num_rows ([1]
-    i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row).
-    gated (a column-parallel [gate | up] module): silu(gate) * up [T, out / 2] instead, from the kernel's epilogue;
-    each device's columns are its [gate | up] shard (the shard-major packing), so its output is its columns of the
-    activation."""
+    i32): the step's real tokens (the kernel skips the row tiles of the padding after them, zero in the output;
+    None: every row). zero_padding=False: those rows may hold any values instead (no select zeroes them; for a
+    consumer that masks them, gemm_gpu.py `gemm_gpu`). gated (a column-parallel [gate | up] module): silu(gate) * up
+    [T, out / 2] instead, from the kernel's epilogue; each device's columns are its [gate | up] shard (the
+    shard-major packing), so its output is its columns of the activation."""
     mesh, stack = config.mesh, kernel.stack
     w_spec = P(None, None, None)
     if mesh is not None and mesh.size > 1:  # where the weight loader placed W (the layer axis is never split)
@@ -108,7 +110,7 @@ def base_gemm(
 
     def local(x, stack, layer, rows):
         # the default tiles; split K or the tail split where they pay
-        y = gemm_gpu(x, stack, layer, rows, gated=gated, reference=config.reference)
+        y = gemm_gpu(x, stack, layer, rows, gated=gated, reference=config.reference, zero_padding=zero_padding)
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if mesh is None or mesh.size == 1:

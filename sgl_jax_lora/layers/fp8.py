@@ -86,11 +86,14 @@ def fp8_product(
     config: Fp8Gemm,
     axes: LinearAxes,
     num_rows: jax.Array | None = None,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """x [T, in] @ the layer's 8-bit W ([out, in], or a LayerStack of the [L, out, in] stack) times the layer's W
     scale ([1]), x quantized on the way in; [T, out] in x's dtype, all-reduced for row-parallel modules. Layers whose
     shards do not fit the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD. num_rows
-    ([1] i32): the step's real tokens (the kernel skips the row tiles of the padding after them; None: every row)."""
+    ([1] i32): the step's real tokens (the kernel skips the row tiles of the padding after them, zero in its output;
+    None: every row). zero_padding=False: the kernel's padding rows may hold any values instead (no select zeroes
+    them; for a consumer that masks them, gemm_fp8_gpu.py `gemm_fp8_gpu`)."""
     w_scale = as_layer_array(scale)
     if not _fits_kernel(kernel, config, axes):
         xq, x_scale = quantize_activation(x)  # a split x's largest magnitude is reduced over its devices
@@ -106,7 +109,16 @@ def fp8_product(
 
     def local(x, stack, layer, w_scale, rows):
         xq, x_scale = quantize_activation(x)
-        y = gemm_fp8_gpu(xq, stack, x_scale * w_scale, layer, rows, out_dtype=x.dtype, reference=config.reference)
+        y = gemm_fp8_gpu(
+            xq,
+            stack,
+            x_scale * w_scale,
+            layer,
+            rows,
+            out_dtype=x.dtype,
+            reference=config.reference,
+            zero_padding=zero_padding,
+        )
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if config.mesh is None or config.mesh.size == 1:

@@ -88,17 +88,21 @@ class Linear(nnx.Module):
             )
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes.out_axis,)) if use_bias else None
 
-    def base(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+    def base(self, x: jax.Array, num_rows: jax.Array | None = None, zero_padding: bool = True) -> jax.Array:
         """x [T, in] -> [T, out] (packed layout): with fp8, layers/fp8.py's 8-bit product; else the base GEMM kernel
         on a LayerStack kernel in the buckets that run it, when the module fits it; else XLA's dot. num_rows ([1]
         i32): the step's real tokens; the GEMM kernels skip the padding's row tiles after them, whose outputs are
-        then zero (XLA's dot computes them: padding rows' outputs are never read). None: every row is real."""
+        then zero (XLA's dot computes them: padding rows' outputs are never read). None: every row is real.
+        zero_padding=False: the GEMM kernels' padding rows may hold any values, NaN included (the select that
+        zeroes them is left out), for a consumer that masks them itself (models/llama.py: q|k|v into the rotary +
+        K/V write kernel); the bias is added either way."""
         kernel = self.kernel.get_value()
         if self.fp8 is not None:
-            y = fp8_product(x, kernel, self.kernel_scale.get_value(), self.fp8, self.axes, num_rows)
+            scale = self.kernel_scale.get_value()
+            y = fp8_product(x, kernel, scale, self.fp8, self.axes, num_rows, zero_padding=zero_padding)
             return y if self.bias is None else y + self.bias[...]
         if self._runs_base_gemm(kernel, x):
-            y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows)
+            y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, zero_padding=zero_padding)
             if y is not None:
                 return y if self.bias is None else y + self.bias[...]
         return base_product(x, as_layer_array(kernel), self.bias)
@@ -113,9 +117,10 @@ class Linear(nnx.Module):
         lora_batch: object = None,
         residual: jax.Array | None = None,
         num_rows: jax.Array | None = None,
+        zero_padding: bool = True,
     ) -> jax.Array:
-        """x [T, in] -> [T, out] (+ residual [T, out] when given); num_rows as in `base`."""
-        y = self.base(x, num_rows)
+        """x [T, in] -> [T, out] (+ residual [T, out] when given); num_rows and zero_padding as in `base`."""
+        y = self.base(x, num_rows, zero_padding)
         return y if residual is None else residual + y
 
     def silu_and_mul(self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None) -> jax.Array:

@@ -106,21 +106,26 @@ class LoRALinear(Linear):
         lora: LoRAMeta | None = None,
         residual: jax.Array | None = None,
         num_rows: jax.Array | None = None,
+        zero_padding: bool = True,
     ) -> jax.Array:
         """x [T, in] -> [T, out] packed (+ residual [T, out]); the LoRA delta is exactly zero for slot-0 tokens.
         num_rows: the step's real tokens, as in `Linear.base` (the GEMM kernels skip the padding after them).
+        zero_padding=False: the rows from num_rows[0] on may hold any values (neither the base GEMM kernel nor the
+        GEMM with the LoRA inside it zeroes them; the delta added to them is the padding tokens' own), for a
+        consumer that masks them itself (models/llama.py: q|k|v into the rotary + K/V write kernel).
 
         With `residual`, the delta is added into the residual rather than into the base output, and the
         base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
         result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
         """
         if lora is None:
-            return super().__call__(x, residual=residual, num_rows=num_rows)
-        y = self._with_base(x, lora, num_rows)  # base GEMM and LoRA in one kernel, where the module fits it
+            return super().__call__(x, residual=residual, num_rows=num_rows, zero_padding=zero_padding)
+        # base GEMM and LoRA in one kernel, where the module fits it
+        y = self._with_base(x, lora, num_rows, zero_padding=zero_padding)
         if y is not None:
             y = y if self.bias is None else y + self.bias[...]
             return y if residual is None else residual + y
-        y = self.base(x, num_rows)
+        y = self.base(x, num_rows, zero_padding)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
             x,
@@ -145,10 +150,16 @@ class LoRALinear(Linear):
         return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
 
     def _with_base(
-        self, x: jax.Array, lora: LoRAMeta, num_rows: jax.Array | None, gated: bool = False
+        self,
+        x: jax.Array,
+        lora: LoRAMeta,
+        num_rows: jax.Array | None,
+        gated: bool = False,
+        zero_padding: bool = True,
     ) -> jax.Array | None:
         """The backend's GEMM with the LoRA inside it (`apply_with_base`, no bias) where the step's metadata runs it
-        and the base weight is 16-bit; None where it does not run or the module does not fit it."""
+        and the base weight is 16-bit; None where it does not run or the module does not fit it. zero_padding as in
+        `__call__` (gated outputs ignore it)."""
         if not lora.runs_base_gemm or self.fp8 is not None:
             return None
         return self.backend.apply_with_base(
@@ -162,6 +173,7 @@ class LoRALinear(Linear):
             output_sharded=not self.row_parallel,
             num_rows=num_rows,
             gated=gated,
+            zero_padding=zero_padding,
         )
 
     def _lora_bs(self) -> tuple[jax.Array, ...]:

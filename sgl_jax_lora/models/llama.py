@@ -140,8 +140,9 @@ class DecoderLayer(nnx.Module):
         num_tokens = hidden.shape[0]
         rows = batch.cu_q_lens[-1:]  # the step's real tokens: the GEMM kernels skip the padding's row tiles after them
         x = self.input_layernorm(hidden)
-        qkv = self.qkv_proj(x, lora, num_rows=rows)
-        q, k_cache, v_cache = self._rotated_q_and_kv_write(qkv, kv, layer, batch, rotary)
+        # the padding rows of q|k|v zeroed by the projection, unless the fused kernel masks them itself
+        qkv = self.qkv_proj(x, lora, num_rows=rows, zero_padding=not self.qkv_to_rope_kv_kernel)
+        q, k_cache, v_cache = self._rotated_q_and_kv_write(qkv, kv, layer, batch, rotary, rows)
         attn = paged_attention(
             q,
             k_cache,
@@ -160,14 +161,31 @@ class DecoderLayer(nnx.Module):
         hidden = self.down_proj(activation, lora, residual=hidden, num_rows=rows)
         return hidden, KVCache(k=k_cache, v=v_cache)
 
+    @property
+    def qkv_to_rope_kv_kernel(self) -> bool:
+        """Whether this layer's q|k|v output goes to the one GPU kernel that rotates q and k and writes K/V
+        (layers/attention.py `rotate_and_write_kv`): on the GPU attention backend, for head dims that kernel takes,
+        in models without q/k norms (they normalize between the GEMM and the rotary). That kernel masks the
+        bucket's padding rows itself, so the q|k|v projection then leaves them unzeroed (`zero_padding=False`),
+        saving the select XLA could not fuse into a Pallas call (a pass over [T, (H + 2K) * D] per layer)."""
+        return self.q_norm is None and fuses_rope_kv_write(self.attention_backend, self.head_dim)
+
     def _rotated_q_and_kv_write(
-        self, qkv: jax.Array, kv: KVCache, layer: jax.Array, batch: ForwardBatch, rotary: tuple[jax.Array, jax.Array]
+        self,
+        qkv: jax.Array,
+        kv: KVCache,
+        layer: jax.Array,
+        batch: ForwardBatch,
+        rotary: tuple[jax.Array, jax.Array],
+        num_rows: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The packed q|k|v output -> (q rotated [T, H, D], the caches holding this step's k rotated and v): one GPU
-        kernel on the GPU attention backend (models without q/k norms), else XLA's rotary then `write_kv`."""
-        if self.q_norm is None and fuses_rope_kv_write(self.attention_backend, self.head_dim):
+        kernel where `qkv_to_rope_kv_kernel` (qkv's rows from num_rows[0] on may then hold any values: the kernel
+        zeroes their q and writes none of their k and v), else XLA's rotary then `write_kv` (qkv's padding rows
+        zero or computed)."""
+        if self.qkv_to_rope_kv_kernel:
             args = (qkv, kv.k, kv.v, layer, rotary, batch.cache_loc, self.num_heads)
-            return rotate_and_write_kv(*args, self.attention_backend)
+            return rotate_and_write_kv(*args, self.attention_backend, num_rows=num_rows)
         num_tokens = qkv.shape[0]
         q, k, v = split_packed(qkv, self.qkv_proj.part_sizes, self.tp_size)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)

@@ -127,6 +127,7 @@ class AutoBackend(LoRABackend):
         output_sharded: bool = False,
         num_rows: jax.Array | None = None,
         gated: bool = False,
+        zero_padding: bool = True,
     ) -> jax.Array | None:
         return self.chosen(x.shape[0], meta.batch.num_segments).apply_with_base(
             x,
@@ -139,4 +140,5 @@ class AutoBackend(LoRABackend):
             output_sharded=output_sharded,
             num_rows=num_rows,
             gated=gated,
+            zero_padding=zero_padding,
         )

@@ -102,13 +102,16 @@ class LoRABackend(abc.ABC):
         output_sharded: bool = False,
         num_rows: jax.Array | None = None,
         gated: bool = False,
+        zero_padding: bool = True,
     ) -> jax.Array | None:
         """x @ kernel plus every part's LoRA delta, from one GEMM kernel (no bias), in the packed layout; None
         when this module does not fit that kernel (or the step's metadata has no `runs_base_gemm`), and
         LoRALinear then runs the base GEMM and `apply_packed`. num_rows ([1] i32): the step's real tokens; the
-        kernel may skip the padding's row tiles after them (their outputs then zero). None: every row. gated (a
-        column-parallel [gate | up] module): silu(gate) * up [T, out / 2] from the kernel's epilogue instead
-        (the rows after num_rows' row tile zero, those inside it any values), or None."""
+        kernel may skip the padding's row tiles after them (their outputs then zero). None: every row.
+        zero_padding=False (not gated): those rows may hold any values instead (no select zeroes them), for a
+        consumer that masks them itself. gated (a column-parallel [gate | up] module): silu(gate) * up [T, out / 2]
+        from the kernel's epilogue instead (the rows after num_rows' row tile zero, those inside it any values), or
+        None."""
         return None
 
 

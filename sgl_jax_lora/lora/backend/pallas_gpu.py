@@ -260,12 +260,13 @@ class PallasGPUBackend(PallasBackend):
         output_sharded: bool = False,
         num_rows: jax.Array | None = None,
         gated: bool = False,
+        zero_padding: bool = True,
     ) -> jax.Array | None:
         """The SGMV shrink kernel, then pallas_kernels/sgmv/gemm_lora_gpu.py: x @ W with each part's expand added
-        into the GEMM's accumulator, the padding's row tiles after `num_rows` skipped. Row-parallel layers
-        (`input_sharded` over several devices) add the delta on the first shard only, before the all-reduce of the
-        partial outputs. gated (gate|up, column-parallel): the kernel applies the MLP's activation in its
-        epilogue and returns silu(gate) * up, each shard its columns of it."""
+        into the GEMM's accumulator, the padding's row tiles after `num_rows` skipped (zero, or any values with
+        zero_padding=False). Row-parallel layers (`input_sharded` over several devices) add the delta on the first
+        shard only, before the all-reduce of the partial outputs. gated (gate|up, column-parallel): the kernel
+        applies the MLP's activation in its epilogue and returns silu(gate) * up, each shard its columns of it."""
         if gated and (input_sharded or len(lora_bs) != 2):
             raise ValueError("apply_with_base: gated is for a column-parallel module of two parts, gate and up")
         rank = layer_shape(lora_bs[0])[-1]
@@ -295,7 +296,7 @@ class PallasGPUBackend(PallasBackend):
                 is_first = jax.lax.axis_index(TENSOR_AXIS) == 0
                 table = dataclasses.replace(table, entry_start=jnp.where(is_first, table.entry_start, 0))
             options = dict(tiles=tiles, k_splits=k_splits, gated=gated, reference=self.fused_gemm_reference)
-            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, rows, **options)
+            y = gemm_lora_gpu(x, w, s, table, lora_bs, layer, rows, zero_padding=zero_padding, **options)
             return jax.lax.psum(y, TENSOR_AXIS) if is_split else y
 
         x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)

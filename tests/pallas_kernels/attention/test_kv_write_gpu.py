@@ -4,7 +4,9 @@ On CPU the kernel runs in Pallas interpret mode; on a CUDA GPU (marked `gpu`) co
 shape. Every case writes layer 1 of a two-layer cache whose other rows hold random values, at shuffled slots, with
 token counts that are not a multiple of the kernel's token block, so a kernel that writes another layer, another
 slot, a row past the step's tokens or the wrong head fails. Padding tokens (slot 0, the scratch slot) write nothing
-in the kernel, while the reference writes them in any order, so slot 0 is not compared.
+in the kernel, while the reference writes them in any order, so slot 0 is not compared. Given the step's real token
+count (`num_rows`), the rows after it are the bucket's padding whatever they hold (NaN included) and wherever their
+slots point: their q is zero and they write nothing, in the kernel and the reference alike.
 """
 
 from __future__ import annotations
@@ -117,6 +119,79 @@ def test_fp8_cache_saturates_as_write_kv(cache_dtype):
     assert_written_as(want, got, tolerance=0)
 
 
+def padded_step(num_tokens, num_real, heads, kv_heads, head_dim, dtype):
+    """A bucket of `num_tokens` rows whose first `num_real` are real: (inputs as the engine has them, the padding
+    rows of q|k|v zero and their slots 0; the same with garbage in the padding rows (NaN, inf, huge values) and
+    their slots pointing at slots no real token writes, one at a real token's slot; [1] i32 num_rows)."""
+    qkv, cos, sin, cache_loc, k_cache, v_cache = make_inputs(
+        num_tokens, heads, kv_heads, head_dim, dtype=dtype, padding=num_tokens - num_real, seed=num_real
+    )
+    is_real = (np.arange(num_tokens) < num_real)[:, None]
+    zeroed = jnp.where(is_real, qkv, 0)
+    rng = np.random.default_rng(num_tokens)
+    garbage = rng.choice([np.nan, np.inf, -np.inf, 1e30, 3.0], size=qkv.shape)
+    dirty = jnp.where(is_real, qkv, jnp.asarray(garbage, dtype))
+    unused = np.setdiff1d(np.arange(1, k_cache.shape[2]), np.asarray(cache_loc)[:num_real])
+    dirty_loc = np.asarray(cache_loc).copy()
+    dirty_loc[num_real:] = unused[: num_tokens - num_real]
+    if 0 < num_real < num_tokens:
+        dirty_loc[-1] = dirty_loc[0]  # a padding row naming a real token's slot
+    rows = jnp.array([num_real], jnp.int32)
+    engine = (zeroed, cos, sin, cache_loc, k_cache, v_cache)
+    return engine, (dirty, cos, sin, jnp.asarray(dirty_loc, jnp.int32), k_cache, v_cache), rows
+
+
+def run_kernel(inputs, heads, kv_heads, num_rows=None, interpret=True):
+    qkv, cos, sin, cache_loc, k_cache, v_cache = inputs
+    out = rope_kv_write_gpu(
+        qkv, cos, sin, cache_loc, jnp.int32(1), jnp.copy(k_cache), jnp.copy(v_cache), num_heads=heads,
+        num_kv_heads=kv_heads, num_rows=num_rows, interpret=interpret,
+    )  # fmt: skip
+    return [np.asarray(a.astype(jnp.float32)) for a in out]
+
+
+def run_ref(inputs, heads, kv_heads, num_rows=None):
+    qkv, cos, sin, cache_loc, k_cache, v_cache = inputs
+    out = rope_kv_write_ref(
+        qkv, cos, sin, cache_loc, jnp.int32(1), k_cache, v_cache, num_heads=heads, num_kv_heads=kv_heads,
+        num_rows=num_rows,
+    )  # fmt: skip
+    return [np.asarray(a.astype(jnp.float32)) for a in out]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_real", [0, 1, BLOCK_TOKENS, 13, 2 * BLOCK_TOKENS + 5])
+def test_rows_from_num_rows_on_read_as_zeros_and_write_nothing(dtype, num_real):
+    """The bucket's padding rows hold garbage (the q|k|v GEMM left them unwritten) and name real slots: the kernel
+    given num_rows gives, bit for bit, what it gives the engine's padded step today (padding rows zero, slot 0), and
+    the reference does too: q zero in the padding rows, and no padding row's k or v in the cache."""
+    heads, kv_heads, head_dim, num_tokens = 4, 2, 32, 2 * BLOCK_TOKENS + 5
+    engine, dirty, rows = padded_step(num_tokens, num_real, heads, kv_heads, head_dim, dtype)
+    today = run_kernel(engine, heads, kv_heads)  # the zeroed rows, without num_rows
+    got = run_kernel(dirty, heads, kv_heads, rows)
+    assert not np.isnan(got[0]).any() and not got[0][num_real:].any()
+    for before, after, name in zip(today, got, "qkv"):
+        np.testing.assert_array_equal(after, before, err_msg=name)
+    assert np.array_equal(run_kernel(engine, heads, kv_heads, rows)[0], today[0])  # zero padding: as today
+    # nothing written at the slots the padding rows name (k and v caches hold what they held there)
+    padding_slots = np.setdiff1d(np.asarray(dirty[3])[num_real:], np.asarray(engine[3])[:num_real])
+    for cache, before in zip(got[1:], engine[4:]):
+        np.testing.assert_array_equal(cache[1][:, padding_slots], np.asarray(before[1][:, padding_slots], np.float32))
+    # the reference: as if the step held its real rows only, and the kernel within rounding of it
+    want = run_ref(dirty, heads, kv_heads, rows)
+    only_real = run_ref(tuple(a[:num_real] for a in engine[:4]) + engine[4:], heads, kv_heads)
+    np.testing.assert_array_equal(want[0][:num_real], only_real[0])
+    assert not want[0][num_real:].any()
+    np.testing.assert_array_equal(want[1], only_real[1])
+    np.testing.assert_array_equal(want[2], only_real[2])
+    tolerance = 1e-5 if dtype == jnp.float32 else 8e-3
+    for got_part, want_part in zip(got, want):  # every slot, the scratch slot 0 included: no row writes it
+        np.testing.assert_allclose(got_part, want_part, atol=tolerance, rtol=tolerance)
+    if num_real < num_tokens:  # the garbage would show: the reference without num_rows writes it
+        unmasked = run_ref(dirty, heads, kv_heads)
+        assert not np.array_equal(np.nan_to_num(unmasked[2]), np.nan_to_num(want[2]))
+
+
 def test_a_head_group_never_spans_two_of_q_k_v():
     assert head_group(32, 8) == 8 and head_group(8, 2) == 2 and head_group(12, 6) == 2 and head_group(4, 1) == 1
     assert head_group(64, 64) == 8  # at most MAX_HEAD_GROUP
@@ -158,3 +233,18 @@ def test_kernel_on_gpu_bf16(cache_dtype, num_tokens):
         num_tokens, 32, 8, 128, dtype=jnp.bfloat16, cache_dtype=cache_dtype, padding=num_tokens // 10, seed=1
     )
     assert_written_as(*run_both(inputs, 32, 8, interpret=False), tolerance=8e-3 if cache_dtype is None else 0.07)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_real", [0, 345, 1000])
+def test_kernel_on_gpu_masks_the_rows_from_num_rows_on(num_real):
+    """Compiled at the Llama-3-8B attention shape, garbage in the padding rows of q|k|v and real slots named by
+    them: bit for bit what the kernel gives the engine's padded step without num_rows (zero rows, slot 0)."""
+    heads, kv_heads = 32, 8
+    engine, dirty, rows = padded_step(1000, num_real, heads, kv_heads, 128, jnp.bfloat16)
+    today = run_kernel(engine, heads, kv_heads, interpret=False)
+    got = run_kernel(dirty, heads, kv_heads, rows, interpret=False)
+    assert not got[0][num_real:].any()
+    for before, after, name in zip(today, got, "qkv"):
+        np.testing.assert_array_equal(after, before, err_msg=name)

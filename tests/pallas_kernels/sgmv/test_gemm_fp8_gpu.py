@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.sgmv.gemm_fp8_gpu import choose_fp8_tiles, gemm_fp8_gpu, gemm_fp8_gpu_rows
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
+from tests.pallas_kernels.sgmv.test_gemm_gpu import kernel_output_is_returned
 
 HAS_HOPPER = is_hopper(jax.devices()[0])
 FP8 = jnp.float8_e4m3fn
@@ -117,3 +118,30 @@ def test_gemm_fp8_gpu_matches_reference_at_llama3_8b_sizes(module, num_tokens):
     part = np.asarray(gemm_fp8_gpu(x, w, scale, jnp.int32(1), jnp.full((1,), rows, jnp.int32)).astype(jnp.float32))
     np.testing.assert_array_equal(part[:rows], np.asarray(y.astype(jnp.float32))[:rows])
     assert not part[rows:].any()
+
+
+def test_zero_padding_false_leaves_the_padding_rows_to_the_consumer(monkeypatch):
+    """The reference: by default zero from num_rows on; zero_padding=False returns every row's product (as the
+    kernel returns its skipped rows unwritten). The kernel path, traced as on a GPU: the select after the kernel
+    is left out with zero_padding=False."""
+    x, w = operands(3, 256, 256, 512)
+    scale, rows = jnp.float32(3e-5), jnp.array([100], jnp.int32)
+    full = np.asarray(gemm_fp8_gpu(x, w, scale, jnp.int32(1), reference=True), np.float32)
+    kept = gemm_fp8_gpu(x, w, scale, jnp.int32(1), rows, reference=True, zero_padding=False)
+    np.testing.assert_array_equal(np.asarray(kept, np.float32), full)
+    assert full[100:].any()
+    zeroed = np.asarray(gemm_fp8_gpu(x, w, scale, jnp.int32(1), rows, reference=True), np.float32)
+    np.testing.assert_array_equal(zeroed[:100], full[:100])
+    assert not zeroed[100:].any()
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    shapes = (jax.ShapeDtypeStruct((256, 256), FP8), jax.ShapeDtypeStruct((3, 512, 256), FP8))
+    for zero_padding in (True, False):
+        call = lambda x, w, zero_padding=zero_padding: gemm_fp8_gpu(  # noqa: E731
+            x, w, scale, jnp.int32(1), rows, k_splits=1, zero_padding=zero_padding
+        )
+        jaxpr = jax.make_jaxpr(call)(*shapes)
+        assert kernel_output_is_returned(jaxpr, "gemm_fp8_gpu_rows") == (not zero_padding), zero_padding

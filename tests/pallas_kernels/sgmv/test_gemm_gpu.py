@@ -385,3 +385,49 @@ def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
     assert "mosaic_gpu" in lowered.as_text()
     assert lowered.out_info.shape == (num_tokens, out_dim // 2 if variant == "gated" else out_dim)
     assert lowered.out_info.dtype == jnp.bfloat16
+
+
+def kernel_output_is_returned(jaxpr, kernel_name: str) -> bool:
+    """Whether a traced program's output is its one call of the jitted kernel entry `kernel_name`, as it is (no
+    select after it)."""
+    calls = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.params.get("name") == kernel_name]
+    assert len(calls) == 1, [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+    return jaxpr.jaxpr.outvars[0] is calls[0].outvars[0]
+
+
+def test_zero_padding_false_leaves_the_padding_rows_to_the_consumer():
+    """zero_padding=False (q|k|v, whose consumer, the rotary + K/V write kernel, masks the padding itself): the
+    reference returns every row's product, the padding's too, as the kernel returns its skipped rows unwritten; by
+    default they are zero; the gated output is zero from num_rows on either way."""
+    x, w = operands(8, 384, 128, 512)
+    rows = jnp.array([200], jnp.int32)
+    full = np.asarray(gemm_gpu(x, w, jnp.int32(1), reference=True), np.float32)
+    kept = np.asarray(gemm_gpu(x, w, jnp.int32(1), rows, reference=True, zero_padding=False), np.float32)
+    np.testing.assert_array_equal(kept, full)
+    assert full[200:].any()
+    zeroed = np.asarray(gemm_gpu(x, w, jnp.int32(1), rows, reference=True), np.float32)
+    np.testing.assert_array_equal(zeroed[:200], full[:200])
+    assert not zeroed[200:].any()
+    gated = np.asarray(gemm_gpu(x, w, jnp.int32(1), rows, gated=True, reference=True, zero_padding=False), np.float32)
+    gated_full = np.asarray(gemm_gpu(x, w, jnp.int32(1), gated=True, reference=True), np.float32)
+    np.testing.assert_array_equal(gated[:200], gated_full[:200])
+    assert gated_full[200:].any() and not gated[200:].any()
+
+
+def test_the_kernel_path_leaves_out_the_select_with_zero_padding_false(monkeypatch):
+    """Traced as on a GPU: by default the kernel's output goes through the select that zeroes the rows from num_rows
+    on; with zero_padding=False the kernel's output is the result (its skipped row tiles as they are)."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    x, w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 512), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1,), jnp.int32)
+    for k_splits in (1, 2):
+        for zero_padding in (True, False):
+            call = lambda x, w, rows, k_splits=k_splits, zero_padding=zero_padding: gemm_gpu(  # noqa: E731
+                x, w, jnp.int32(1), rows, k_splits=k_splits, tail_split=False, zero_padding=zero_padding
+            )
+            jaxpr = jax.make_jaxpr(call)(x, w, rows)
+            assert kernel_output_is_returned(jaxpr, "gemm_gpu_rows") == (not zero_padding), (k_splits, zero_padding)

@@ -25,7 +25,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     silu_and_mul,
 )
 from pallas_kernels.sgmv.reference import gemm_lora_entries_ref, gemm_lora_ref
-from tests.pallas_kernels.sgmv.test_gemm_gpu import mosaic_gpu_interpreter
+from tests.pallas_kernels.sgmv.test_gemm_gpu import kernel_output_is_returned, mosaic_gpu_interpreter
 
 _GPU = jax.devices()[0] if jax.default_backend() == "gpu" else None
 HAS_HOPPER = _GPU is not None and float(getattr(_GPU, "compute_capability", "0")) >= 9.0
@@ -437,3 +437,33 @@ def test_gated_with_lora_matches_reference_at_llama3_8b_gate_up(num_tokens, num_
     assert np.abs(y[:num_rows] - want[:num_rows]).max() <= 1e-2 * scale
     assert np.abs(no_lora[:num_rows] - want[:num_rows]).max() > 0.1 * scale
     assert not y[-(-num_rows // 128) * 128 :].any()
+
+
+def test_zero_padding_false_leaves_the_padding_rows_to_the_consumer(monkeypatch):
+    """The reference: by default zero from num_rows on; zero_padding=False returns every row's product with its
+    entries (as the kernel returns its skipped rows unwritten); gated zero from num_rows on either way. The kernel
+    path, traced as on a GPU: the select after the kernel is left out with zero_padding=False."""
+    x, w, lora_bs, s, table = gated_operands(23, 256, 128, 256, 16, 5)
+    rows = jnp.array([200], jnp.int32)
+    call = lambda **kw: np.asarray(  # noqa: E731
+        gemm_lora_gpu(x, w, s, table, lora_bs, jnp.int32(1), reference=True, **kw), np.float32
+    )
+    full, kept, zeroed = call(), call(num_rows=rows, zero_padding=False), call(num_rows=rows)
+    np.testing.assert_array_equal(kept, full)
+    assert full[200:].any()
+    np.testing.assert_array_equal(zeroed[:200], full[:200])
+    assert not zeroed[200:].any()
+    gated = call(num_rows=rows, gated=True, zero_padding=False)
+    np.testing.assert_array_equal(gated, call(num_rows=rows, gated=True))
+    assert not gated[200:].any()
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    for zero_padding in (True, False):
+        traced = lambda x, zero_padding=zero_padding: gemm_lora_gpu(  # noqa: E731
+            x, w, s, table, lora_bs, jnp.int32(1), rows, zero_padding=zero_padding
+        )
+        jaxpr = jax.make_jaxpr(traced)(x)
+        assert kernel_output_is_returned(jaxpr, "gemm_lora_gpu_entries") == (not zero_padding), zero_padding

@@ -271,3 +271,31 @@ def test_rotate_and_write_kv_equals_rotary_then_write_kv(tp_size):
     np.testing.assert_allclose(np.asarray(got_q), np.asarray(apply_rotary(q, positions, inv_freq)), atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_rotate_and_write_kv_masks_the_rows_from_num_rows_on(tp_size):
+    # the step's last 5 tokens are the bucket's padding, their q|k|v rows NaN (a GEMM that left them unwritten) and
+    # their slots real ones: on every tensor shard q is zero there and the caches get the real tokens' k and v only
+    heads, kv_heads, head_dim, tokens, real, inv_freq = 4, 2, 32, 21, 16, tuple(1.0 / 100.0 ** (np.arange(16) / 16))
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=(tokens, n, head_dim)), jnp.float32) for n in (heads, kv_heads, kv_heads))
+    positions = jnp.asarray(rng.integers(0, 900, tokens), jnp.int32)
+    loc = jnp.asarray(rng.permutation(np.arange(1, 64))[:tokens], jnp.int32)
+    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, kv_heads, 64, head_dim)), jnp.float32) for _ in range(2))
+    rotated_k = apply_rotary(k, positions, inv_freq)[:real]
+    want_k, want_v = write_kv(k_cache, v_cache, jnp.int32(1), rotated_k, v[:real], loc[:real])
+    mesh = make_mesh(tp_size)
+    qkv = pack_parts([x.reshape(tokens, -1) for x in (q, k, v)], tp_size).at[real:].set(jnp.nan)
+    shard = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))  # noqa: E731
+    caches = (shard(c, jax.P(None, "tensor", None, None)) for c in (k_cache, v_cache))
+    rotary = rotary_tables(positions, inv_freq)
+    args = (shard(qkv, jax.P(None, "tensor")), *caches, jnp.int32(1), rotary, loc, heads)
+    run = jax.jit(rotate_and_write_kv, static_argnums=(6, 7, 8))
+    got_q, got_k, got_v = run(*args, AttentionBackend("pallas_gpu", mesh), True, jnp.array([real], jnp.int32))
+    np.testing.assert_allclose(
+        np.asarray(got_q[:real]), np.asarray(apply_rotary(q, positions, inv_freq)[:real]), atol=1e-5
+    )
+    assert not np.asarray(got_q[real:]).any()
+    np.testing.assert_allclose(np.asarray(got_k), np.asarray(want_k), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))

@@ -1,16 +1,20 @@
 """sgl_jax_lora/layers/linear.py: the base product comes out of the GEMM in the activations' dtype (so a row-parallel
-layer all-reduces bfloat16 partials, not float32 ones), equals the float32-accumulated product rounded once, and the
-shard-major packing of split_packed / pack_parts round-trips."""
+layer all-reduces bfloat16 partials, not float32 ones), equals the float32-accumulated product rounded once, the
+shard-major packing of split_packed / pack_parts round-trips, and `zero_padding` reaches the GEMM kernels."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax_lora.layers.linear import base_product, pack_parts, split_packed
+from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.fp8 import Fp8Gemm, quantize_weight
+from sgl_jax_lora.layers.layer_stack import LayerStack
+from sgl_jax_lora.layers.linear import Linear, LinearAxes, base_product, pack_parts, split_packed
 
 
 def _inputs(dtype):
@@ -52,3 +56,28 @@ def test_split_packed_and_pack_parts_round_trip():
     np.testing.assert_array_equal(np.asarray(pack_parts(split, tp)), np.asarray(y))
     # shard-major: device 0 holds the first half of every part
     np.testing.assert_array_equal(np.asarray(split[1][:, :2]), np.asarray(y[:, 4:6]))
+
+
+@pytest.mark.parametrize("setting", ["base_gemm", "fp8"])
+def test_zero_padding_false_leaves_the_gemm_kernels_padding_rows(setting):
+    """The rows from num_rows[0] on, which the GEMM kernels skip: zero by default; with zero_padding=False as the
+    kernel left them (its reference on CPU: the padding rows' own products), for a consumer that masks them."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
+    axes = LinearAxes("embed", "qkv", ("qkv",))
+    if setting == "base_gemm":  # the bucket runs the kernel: the model hands over a LayerStack view
+        linear = Linear(128, (512,), 1, False, jnp.bfloat16, axes, base_gemm=BaseGemm(128, reference=True))
+        linear.kernel.set_value(LayerStack(w, jnp.int32(1)))
+    else:
+        linear = Linear(128, (512,), 1, False, jnp.bfloat16, axes, fp8=Fp8Gemm(None, reference=True))
+        q, scale = quantize_weight(w[1])
+        linear.kernel.set_value(q)
+        linear.kernel_scale.set_value(scale.reshape(1))
+    rows = jnp.array([100], jnp.int32)
+    full = np.asarray(linear(x), np.float32)
+    zeroed = np.asarray(linear(x, num_rows=rows), np.float32)
+    kept = np.asarray(linear(x, num_rows=rows, zero_padding=False), np.float32)
+    assert full[100:].any() and not zeroed[100:].any()
+    np.testing.assert_array_equal(zeroed[:100], full[:100])
+    np.testing.assert_array_equal(kept, full)

@@ -1,7 +1,9 @@
-"""LoRALinear: the residual form (row-parallel o/down) equals adding the residual, and its LoRA kernels do not
-wait for the base GEMM."""
+"""LoRALinear: the residual form (row-parallel o/down) equals adding the residual, its LoRA kernels do not
+wait for the base GEMM, and `zero_padding` reaches the GEMM with the LoRA inside it and the base GEMM kernel."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.extend.core as jax_core
@@ -9,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import LinearAxes
+from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.backend.einsum import EinsumBackend
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend
@@ -105,3 +110,63 @@ def test_row_parallel_lora_kernels_do_not_wait_for_the_base_gemm():
     into_base = jax.make_jaxpr(lambda x: layer(x, prepared(layer, lora)))(x).jaxpr
     assert kernels_after_base_gemm(into_base) >= 1
     assert kernels_after_base_gemm(with_residual) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunsBaseGemm(LoRAMeta):
+    runs_base_gemm = True  # the layers hand the backend their base weight this step
+
+
+class DeclinesTheBaseGemm(EinsumBackend):
+    """Records the zero_padding of each apply_with_base call and declines it (as for a module that does not fit)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.zero_padding = []
+
+    def apply_with_base(self, *args, zero_padding: bool = True, **kwargs):
+        self.zero_padding.append(zero_padding)
+        return None
+
+
+def test_zero_padding_reaches_the_fused_gemm_and_the_base_gemm_kernel():
+    """q|k|v-like (column-parallel, three parts) in a bucket that runs the base GEMM kernel (its reference on CPU):
+    zero_padding goes to apply_with_base; where that declines, to the base GEMM, whose padding rows (from
+    num_rows[0] on, base tokens: no delta) are zero by default and the padding tokens' own products with False."""
+    rng = np.random.default_rng(4)
+    backend = DeclinesTheBaseGemm()
+    spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"qkv"}))
+    layer = LoRALinear(
+        128,
+        (256, 128, 128),
+        ("q", "k", "v"),
+        tp_size=1,
+        use_bias=False,
+        dtype=jnp.bfloat16,
+        spec=spec,
+        row_parallel=False,
+        axes=LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
+        base_gemm=BaseGemm(128, reference=True),
+    )
+    w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
+    layer.kernel.set_value(LayerStack(w, jnp.int32(0)))  # the view the model hands over in such buckets
+    layer.lora_a[...] = jnp.asarray(rng.standard_normal((NUM_SLOTS, 3 * MAX_RANK, 128)) / 12, jnp.bfloat16)
+    for name, width in (("q", 256), ("k", 128), ("v", 128)):
+        getattr(layer, f"lora_b_{name}")[...] = jnp.asarray(
+            rng.standard_normal((NUM_SLOTS, width, MAX_RANK)), jnp.bfloat16
+        )
+    token_slot = np.where(np.arange(256) < 200, rng.integers(1, NUM_SLOTS, 256), 0).astype(np.int32)
+    ranks = np.array([0] + [MAX_RANK] * (NUM_SLOTS - 1), np.int32)
+    scale = np.where(ranks > 0, 0.5, 0.0).astype(np.float32)
+    meta = RunsBaseGemm(jax.tree_util.tree_map(jnp.asarray, build_lora_batch(token_slot, 4, scale, ranks)))
+    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+    rows = jnp.array([200], jnp.int32)
+    full = np.asarray(layer(x, meta), np.float32)
+    zeroed = np.asarray(layer(x, meta, num_rows=rows), np.float32)
+    kept = np.asarray(layer(x, meta, num_rows=rows, zero_padding=False), np.float32)
+    assert backend.zero_padding == [True, True, False]
+    assert full[200:].any() and not zeroed[200:].any()
+    np.testing.assert_array_equal(zeroed[:200], full[:200])
+    np.testing.assert_array_equal(kept, full)
+    without_lora = np.asarray(layer(x, None, num_rows=rows, zero_padding=False), np.float32)  # Linear's path
+    np.testing.assert_array_equal(without_lora[200:], full[200:])

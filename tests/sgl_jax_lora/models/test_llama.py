@@ -1,5 +1,6 @@
 """sgl_jax_lora/models/llama.py (the one Llama-family class behind every architecture): parity with HF transformers
-(torch, fp32) for each architecture, and tensor parallel vs tp=1.
+(torch, fp32) for each architecture, tensor parallel vs tp=1, and the GPU attention backend's layer path (the rotary
++ K/V write kernel masking the padding rows of an unzeroed q|k|v) against the native one.
 
 Runs one extend step of the model in-process (no engine process) on fake CPU devices. Also checks the two
 tables the model declares: every parameter's logical axes (and the shardings they give) and the HF weight
@@ -9,6 +10,7 @@ names every checkpoint tensor is read through.
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +19,17 @@ import pytest
 import torch
 from flax import nnx
 
+import sgl_jax_lora.layers.base_gemm as base_gemm_module
+import sgl_jax_lora.models.llama as llama_module
+from pallas_kernels.sgmv.gemm_gpu import gemm_gpu
 from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.models.registry import model_class_for
 from sgl_jax_lora.models.weight_loader import SafetensorsReader
+from tests.support.kernel_sized_engine import make_kernel_sized_model
 from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
 from tests.support.model_forward import PAGE, model_logits
 
@@ -63,6 +70,49 @@ def test_gpu_attention_backend_matches_hf(tmp_path):
     ref = log_softmax(hf_logits(model_dir, ids))
     assert np.abs(ours - ref).max() < 1e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_fused_rope_kv_write_takes_the_unzeroed_qkv_and_gives_the_native_layers_logits(tmp_path, monkeypatch):
+    """A padded bucket (200 tokens in 256) through a model whose linears run the base GEMM kernel (its reference on
+    CPU), on the GPU attention backend's layer path: q|k|v comes out with its padding rows unzeroed
+    (zero_padding=False, only for q|k|v) and goes to the rotary + K/V write kernel (interpret mode) with the step's
+    200 real rows, whose q comes out zero in the padding rows; the real tokens' logits are those of the native path
+    (XLA's rotary and write_kv over the zeroed q|k|v). The attention itself runs natively (its Triton kernels need a
+    GPU)."""
+    model_dir = make_kernel_sized_model(tmp_path / "m")  # head_dim 128: the kernel takes it
+    real_rotate, real_attention, real_gemm = llama_module.rotate_and_write_kv, llama_module.paged_attention, gemm_gpu
+    seen = collections.defaultdict(list)
+
+    def interpreted(qkv, *args, num_rows):
+        record = lambda name, value: seen[name].append(float(value))  # noqa: E731
+        jax.debug.callback(functools.partial(record, "rows"), num_rows[0])
+        jax.debug.callback(functools.partial(record, "qkv padding"), jnp.abs(qkv[200:]).max())
+        q, k_cache, v_cache = real_rotate(qkv, *args, True, num_rows)  # interpret=True
+        jax.debug.callback(functools.partial(record, "q padding"), jnp.abs(q[200:]).max())
+        return q, k_cache, v_cache
+
+    def native_attention(*args):  # the backend is the last argument
+        return real_attention(*args[:-1], AttentionBackend("native"))
+
+    def recorded_gemm(*args, zero_padding=True, **kwargs):
+        seen["zero_padding"].append(zero_padding)
+        return real_gemm(*args, zero_padding=zero_padding, **kwargs)
+
+    monkeypatch.setattr(llama_module, "rotate_and_write_kv", interpreted)
+    monkeypatch.setattr(llama_module, "paged_attention", native_attention)
+    monkeypatch.setattr(base_gemm_module, "gemm_gpu", recorded_gemm)
+    ids = np.random.default_rng(8).integers(2, 491, 200)
+    forward = functools.partial(model_logits, model_dir, ids, jnp.bfloat16, bucket=256, base_gemm_min_tokens=256)
+    expected = forward(attention_backend="native")
+    assert seen["zero_padding"] == [True] * 4 and "rows" not in seen  # q|k|v, o, gate|up, down: all zeroed
+    seen.clear()
+    ours = forward(attention_backend="pallas_gpu")
+    assert seen["zero_padding"] == [False, True, True, True]  # q|k|v only (traced once in the layer scan)
+    assert set(seen["rows"]) == {200} and len(seen["rows"]) == 2  # both layers
+    assert min(seen["qkv padding"]) > 0  # the padding rows reach the kernel as the GEMM left them
+    assert max(seen["q padding"]) == 0
+    # equal on CPU (measured); a bf16 step of the two rotaries' rounding allowed elsewhere
+    assert np.abs(ours - expected).max() <= 1e-2 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("tp_size", [2, 4, 8])

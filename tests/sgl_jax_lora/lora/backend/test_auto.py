@@ -162,8 +162,10 @@ def test_calls_go_to_the_backend_chosen_for_the_modules_total_width(monkeypatch)
     assert recorders["sgmv"].calls[-1] == (
         "apply_with_base",
         (x, "kernel", lora_a, wide, meta),
-        kw | {"num_rows": rows, "gated": True},
+        kw | {"num_rows": rows, "gated": True, "zero_padding": True},
     )
+    backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw, num_rows=rows, zero_padding=False)
+    assert recorders["sgmv"].calls[-1][2] == kw | {"num_rows": rows, "gated": False, "zero_padding": False}
 
 
 @pytest.mark.parametrize(("platform", "num_tokens", "expected"), [("cpu", 16, EinsumBackend), ("gpu", 8, BgmvBackend)])

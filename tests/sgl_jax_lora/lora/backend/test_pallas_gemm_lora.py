@@ -115,6 +115,24 @@ def as_array(w):
     return w.sliced() if isinstance(w, LayerStack) else w
 
 
+def test_apply_with_base_leaves_the_padding_rows_with_zero_padding_false():
+    """The bucket's padding after its 230 real tokens: zero by default; with zero_padding=False (q|k|v into the
+    rotary + K/V write kernel, which masks them) as the kernel leaves them, here its reference's products of the
+    padding tokens (base tokens: x @ W); the real rows the same either way."""
+    x, w, lora_a, lora_bs, lora = module_inputs(2)
+    rows = jnp.array([230], jnp.int32)
+    run = jax.jit(
+        lambda *a, zero_padding: fused_backend().apply_with_base(
+            *a, tp_size=1, output_sharded=True, num_rows=rows, zero_padding=zero_padding
+        ),
+        static_argnames="zero_padding",
+    )
+    zeroed, kept = (np.asarray(run(x, w, lora_a, lora_bs, lora, zero_padding=z), np.float32) for z in (True, False))
+    np.testing.assert_array_equal(kept[:230], zeroed[:230])
+    assert not zeroed[230:].any() and kept[230:].any()
+    assert_close(jnp.asarray(kept[230:]), base_product(x, w)[230:])
+
+
 def test_gated_apply_with_base_is_the_activation_of_gate_and_up():
     """gate|up (two parts of one width): silu(gate) * up of the packed product with both parts' deltas, read from
     layer 1 of the stacks; the rows after num_rows' row tile zero. A row-parallel or three-part module is refused."""
