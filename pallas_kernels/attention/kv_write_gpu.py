@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.sgmv.gemm_lora_gpu import rows_operand
+
 BLOCK_TOKENS = 8  # tokens per program
 MAX_HEAD_GROUP = 8  # heads per program: 8 tokens x 8 heads x D = 16 KB of bf16 rows at D = 128
 NUM_WARPS = 4
@@ -186,7 +188,7 @@ def rope_kv_write_gpu(
         name="rope_kv_write",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
-        _rows(num_rows, num_tokens),
+        rows_operand(num_rows, num_tokens).astype(jnp.int32),
         cache_loc.astype(jnp.int32),
         cos.astype(jnp.float32),
         sin.astype(jnp.float32),
@@ -197,20 +199,13 @@ def rope_kv_write_gpu(
     return q.reshape(num_tokens, num_heads, head_dim), k_cache, v_cache
 
 
-def _rows(num_rows: jax.Array | None, num_tokens: int) -> jax.Array:
-    """The kernel's num_rows operand ([1] i32): num_rows, or all `num_tokens` rows when it is None."""
-    if num_rows is None:
-        return jnp.full((1,), num_tokens, jnp.int32)
-    return jnp.asarray(num_rows, jnp.int32).reshape(1)
-
-
 def rope_kv_write_ref(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_heads, num_kv_heads, num_rows=None):
     """The same in plain JAX: rotate q and k (float32 math, rounded to qkv's dtype), write k and v at cache_loc.
     num_rows ([1] i32, None: every row): qkv's rows from num_rows[0] on are taken as zeros (a select, so NaN there
     does not leak), so their q rows are zero, and their k and v are not written (dropped from the scatter)."""
     num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     if num_rows is not None:
-        is_real = jnp.arange(num_tokens, dtype=jnp.int32) < _rows(num_rows, num_tokens)[0]
+        is_real = jnp.arange(num_tokens, dtype=jnp.int32) < num_rows[0]
         qkv = jnp.where(is_real[:, None], qkv, jnp.zeros((), qkv.dtype))
         cache_loc = jnp.where(is_real, cache_loc, k_cache.shape[2])  # out of range: dropped by mode="drop"
     heads = qkv.reshape(num_tokens, num_heads + 2 * num_kv_heads, head_dim)
