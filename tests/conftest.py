@@ -1,5 +1,25 @@
-"""Test setup: 8 fake CPU devices for sharding tests (must be set before jax is imported)."""
+"""Test setup, before any test imports jax: 8 fake CPU devices for the sharding tests, and the platform JAX runs on.
+
+The suite is written for the CPU: its tensor-parallel tests need the 8 fake devices and its tolerances the CPU's
+float32 numerics. So a plain run keeps JAX on the CPU (JAX_PLATFORMS=cpu, also for the servers the tests start in
+subprocesses) on a machine with a GPU too. The GPU tests (marked `gpu`) are selected with `-m gpu`, which leaves JAX
+its default platform. A JAX_PLATFORMS the caller set (not empty) is kept as it is.
+"""
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a `-m` expression asks for the GPU tests (`-m gpu`, `-m "gpu and not slow"`; not `-m "not gpu"`)."""
+    return "gpu" in markexpr.replace("not gpu", "")
+
+
+def pytest_configure(config):
+    if selects_gpu_tests(config.getoption("markexpr") or "") or os.environ.get("JAX_PLATFORMS"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax  # noqa: PLC0415 (after XLA_FLAGS; the config covers a jax a plugin imported before this hook)
+
+    jax.config.update("jax_platforms", "cpu")
