@@ -600,4 +600,7 @@ def test_concurrent_gpu_kernels_equal_serialized(setup, backend):
         a = np.array([lp for lp, _ in concurrent["meta_info"]["output_token_logprobs"]])
         b = np.array([lp for lp, _ in serialized["meta_info"]["output_token_logprobs"]])
         assert len(concurrent["output_ids"]) == len(a) == 8, concurrent["meta_info"]
-        assert np.abs(a - b).max() < 1e-2
+        # two programs compiled apart: XLA's autotuner times GEMM configurations and may pick others for each (more
+        # so with other processes on the GPU), so a bf16 model's logprobs may differ by roundings, 0.011 seen; a
+        # kernel reading an output before the one writing it finished would change them by far more
+        assert np.abs(a - b).max() < 5e-2, np.abs(a - b)
