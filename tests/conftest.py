@@ -8,12 +8,9 @@ its default platform. A JAX_PLATFORMS the caller set (not empty) is kept as it i
 
 import os
 
+from tests.support.jax_platform import selects_gpu_tests
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-
-
-def selects_gpu_tests(markexpr: str) -> bool:
-    """Whether a `-m` expression asks for the GPU tests (`-m gpu`, `-m "gpu and not slow"`; not `-m "not gpu"`)."""
-    return "gpu" in markexpr.replace("not gpu", "")
 
 
 def pytest_configure(config):

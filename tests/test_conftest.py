@@ -5,7 +5,7 @@ import os
 import jax
 import pytest
 
-from tests.conftest import selects_gpu_tests
+from tests.support.jax_platform import selects_gpu_tests
 
 
 @pytest.mark.parametrize(
