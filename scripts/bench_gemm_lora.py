@@ -98,6 +98,11 @@ ROWS = [
     ("down", 16, 512, 64),
     ("gate_up", 16, 1024, 32),
     ("down", 16, 1024, 32),
+    # the 256-token decode bucket with 32 adapters (runs of 8 rows), below the default --lora-fused-gemm-min-tokens
+    ("qkv", 16, 256, 32),
+    ("o", 16, 256, 32),
+    ("gate_up", 16, 256, 32),
+    ("down", 16, 256, 32),
 ]
 
 

@@ -5,7 +5,9 @@ weights) timed per attention backend, and with 32 LoRA adapters, side by side in
         prefill:8x256 --num-layers 32 --out step.json
 
 Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: 32 adapters of rank 16 on all 7
-projections in 33 device slots, the auto LoRA backend, tokens round-robin over the adapters), then runs each case:
+projections in 33 device slots, the auto LoRA backend; each sequence one adapter, as the engine batches them: a prompt's
+tokens share their adapter, and decode rows are grouped by adapter, as the scheduler orders a decode step), then runs
+each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
                rows (padding tokens write slot 0, padding sequences hold no tokens)
@@ -92,7 +94,7 @@ def case_batch(
         page_table=page_table,
         cu_q_lens=cu_q_lens,
         last_token_index=last_token_index,
-        lora=lora(num_tokens + pad_tokens, num_tokens) if lora else None,
+        lora=lora(seq, num_seqs, num_tokens + pad_tokens) if lora else None,
         input_from_prev=None,
     )
     return batch, [q_len] * num_seqs, [kv_len] * num_seqs
@@ -143,14 +145,23 @@ def build(cfg: ModelConfig, variant: str, num_pages: int):
     return state, kv, jax.jit(forward, donate_argnums=1)
 
 
+def sequence_slots(num_seqs: int) -> np.ndarray:
+    """[S] adapter slot of each sequence: 1..NUM_ADAPTERS (slot 0 is the base), sequences of one adapter
+    consecutive (as the scheduler orders a decode step's rows), as many adapters as there are sequences, at most
+    NUM_ADAPTERS, each with the same number of sequences give or take one."""
+    return (1 + np.arange(num_seqs) * min(NUM_ADAPTERS, num_seqs) // num_seqs).astype(np.int32)
+
+
 def lora_batches(num_slots: int):
     scale, rank = np.ones(num_slots, np.float32), np.full(num_slots, RANK, np.int32)
     scale[0] = rank[0] = 0
     buckets = segment_buckets(num_slots)
 
-    def make(num_tokens: int, live_tokens: int):
-        token_slot = 1 + np.arange(num_tokens, dtype=np.int32) % NUM_ADAPTERS
-        token_slot[live_tokens:] = 0  # padding tokens: the base slot, as the engine pads them
+    def make(token_seq: np.ndarray, num_seqs: int, num_tokens: int):
+        """token_seq: [live tokens] the sequence of each real token; the rest of the bucket's num_tokens are padding
+        tokens, in the base slot as the engine pads them."""
+        token_slot = np.zeros(num_tokens, np.int32)
+        token_slot[: len(token_seq)] = sequence_slots(num_seqs)[token_seq]
         distinct = len(np.unique(token_slot))
         return build_lora_batch(token_slot, pick(buckets, distinct), scale, rank)
 
