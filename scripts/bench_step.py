@@ -5,9 +5,9 @@ weights) timed per attention backend, and with 32 LoRA adapters, side by side in
         prefill:8x256 --num-layers 32 --out step.json
 
 Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: 32 adapters of rank 16 on all 7
-projections in 33 device slots, the auto LoRA backend; each sequence one adapter, as the engine batches them: a prompt's
-tokens share their adapter, and decode rows are grouped by adapter, as the scheduler orders a decode step), then runs
-each case:
+projections in 33 device slots, the auto LoRA backend, or the one `+lora=NAME` names (a --lora-backend choice); each
+sequence one adapter, as the engine batches them: a prompt's tokens share their adapter, and decode rows are grouped
+by adapter, as the scheduler orders a decode step), then runs each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
                rows (padding tokens write slot 0, padding sequences hold no tokens)
@@ -46,6 +46,7 @@ from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
 from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
+from sgl_jax_lora.server_args import LORA_BACKENDS  # noqa: E402
 
 PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
 MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
@@ -100,15 +101,26 @@ def case_batch(
     return batch, [q_len] * num_seqs, [kv_len] * num_seqs
 
 
+def parse_variant(text: str) -> tuple[str, str | None]:
+    """'pallas', 'pallas+lora' or 'pallas+lora=bgmv' -> (attention backend, LoRA backend or None)."""
+    attention, _, lora = text.partition("+")
+    kind, _, lora_backend = lora.partition("=")
+    if attention not in ("native", "pallas") or kind not in ("", "lora") or (lora_backend and not kind):
+        raise SystemExit(f"variant {text!r}: expected native or pallas, then optionally +lora or +lora=BACKEND")
+    if lora_backend and lora_backend not in LORA_BACKENDS:
+        raise SystemExit(f"variant {text!r}: the LoRA backend must be one of {LORA_BACKENDS}")
+    return attention, (lora_backend or "auto") if kind else None
+
+
 def build(cfg: ModelConfig, variant: str, num_pages: int):
     mesh = make_mesh(1)
-    backend, _, with_lora = variant.partition("+")
+    backend, lora_backend = parse_variant(variant)
     spec = None
-    if with_lora:
+    if lora_backend:
         spec = LoRAModelSpec(
             num_slots=NUM_ADAPTERS + 1,
             max_rank=RANK,
-            backend=make_lora_backend("auto", mesh),
+            backend=make_lora_backend(lora_backend, mesh),
             target_modules=frozenset(LORA_TARGETS),
         )
     attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[
@@ -180,12 +192,14 @@ def main() -> None:
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
     cases = [parse_case(c) for c in opts.cases]
+    for variant in opts.variants:  # a bad name stops the run before any model is built
+        parse_variant(variant)
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     rows = []
     for variant in opts.variants:
         state, kv, forward = build(cfg, variant, num_pages)
-        lora = lora_batches(NUM_ADAPTERS + 1) if variant.endswith("+lora") else None
+        lora = lora_batches(NUM_ADAPTERS + 1) if parse_variant(variant)[1] else None
         for kind, seqs, length, bucket in cases:
             batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
             batch = jax.device_put(batch)

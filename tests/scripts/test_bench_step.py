@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
-from scripts.bench_step import NUM_ADAPTERS, PAGE_SIZE, case_batch, lora_batches, parse_case
+from scripts.bench_step import NUM_ADAPTERS, PAGE_SIZE, case_batch, lora_batches, parse_case, parse_variant
 
 
 def test_cases_parse_with_and_without_a_bucket():
@@ -20,6 +20,15 @@ def test_cases_parse_with_and_without_a_bucket():
     for bad in ("decode:64x512@32", "prefill:8x256@4096", "prefill:9x256"):
         with pytest.raises(SystemExit):
             parse_case(bad)
+
+
+def test_variants_name_the_attention_and_the_lora_backend():
+    assert parse_variant("native") == ("native", None)
+    assert parse_variant("pallas+lora") == ("pallas", "auto")
+    assert parse_variant("pallas+lora=bgmv") == ("pallas", "bgmv")
+    for bad in ("xla", "pallas+lora=fast", "pallas+adapters", "pallas+=bgmv"):
+        with pytest.raises(SystemExit):
+            parse_variant(bad)
 
 
 def test_a_padded_decode_case_is_the_unpadded_one_plus_the_engines_padding():
