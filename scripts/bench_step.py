@@ -112,9 +112,9 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return attention, (lora_backend or "auto") if kind else None
 
 
-def build(cfg: ModelConfig, variant: str, num_pages: int):
+def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: int):
+    """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None."""
     mesh = make_mesh(1)
-    backend, lora_backend = parse_variant(variant)
     spec = None
     if lora_backend:
         spec = LoRAModelSpec(
@@ -192,14 +192,13 @@ def main() -> None:
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
     cases = [parse_case(c) for c in opts.cases]
-    for variant in opts.variants:  # a bad name stops the run before any model is built
-        parse_variant(variant)
+    variants = [parse_variant(v) for v in opts.variants]  # a bad name stops the run before any model is built
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     rows = []
-    for variant in opts.variants:
-        state, kv, forward = build(cfg, variant, num_pages)
-        lora = lora_batches(NUM_ADAPTERS + 1) if parse_variant(variant)[1] else None
+    for variant, (backend, lora_backend) in zip(opts.variants, variants):
+        state, kv, forward = build(cfg, backend, lora_backend, num_pages)
+        lora = lora_batches(NUM_ADAPTERS + 1) if lora_backend else None
         for kind, seqs, length, bucket in cases:
             batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
             batch = jax.device_put(batch)

@@ -10,7 +10,9 @@ import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
+from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
 from scripts.bench_step import NUM_ADAPTERS, PAGE_SIZE, case_batch, lora_batches, parse_case, parse_variant
+from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
 
 
 def test_cases_parse_with_and_without_a_bucket():
@@ -81,6 +83,7 @@ def test_lora_tokens_are_laid_out_as_the_engine_batches_them(case):
     assert len(set(slots)) == min(NUM_ADAPTERS, seqs) and 0 not in slots
     counts = np.bincount(slots)[1:]
     assert counts.max() - counts.min() <= 1
-    tile_m = 128
-    if len(token_slot) % tile_m == 0:
-        assert entries_needed(token_slot, batch.lora.slot_scale, tile_m) <= len(token_slot) // tile_m + seqs - 1
+    tile_m = GemmLoraTiles.tile_m
+    if len(token_slot) % tile_m == 0:  # a bucket the GEMM with the LoRA inside it can take
+        bound = entry_table(batch.lora, tile_m, len(batch.seq_lens)).max_entries
+        assert entries_needed(token_slot, batch.lora.slot_scale, tile_m) <= bound
