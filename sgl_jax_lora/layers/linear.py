@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.sgmv.gemm_lora_gpu import zero_rows_from
 from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm
 from sgl_jax_lora.layers.fp8 import FP8_DTYPE, Fp8Gemm, fp8_product
 from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
@@ -138,8 +139,12 @@ class Linear(nnx.Module):
     def unfused_silu_and_mul(
         self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None
     ) -> jax.Array:
-        """`silu_and_mul` from the packed product `self(x, lora_batch)`."""
-        gate, up = split_packed(self(x, lora_batch, num_rows=num_rows), self.part_sizes, self.tp_size)
+        """`silu_and_mul` from the packed product `self(x, lora_batch)`. The padding rows the GEMM kernels leave
+        unwritten are zeroed in the activation's elementwise pass (XLA fuses the select into it) rather than in a
+        pass of their own over the [T, out] product, which XLA cannot fuse into the LoRA expand kernel that reads
+        the product after the base GEMM kernel."""
+        y = zero_rows_from(self(x, lora_batch, num_rows=num_rows, zero_padding=False), num_rows)
+        gate, up = split_packed(y, self.part_sizes, self.tp_size)
         return jax.nn.silu(gate) * up
 
 

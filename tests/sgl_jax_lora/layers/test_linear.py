@@ -81,3 +81,29 @@ def test_zero_padding_false_leaves_the_gemm_kernels_padding_rows(setting):
     assert full[100:].any() and not zeroed[100:].any()
     np.testing.assert_array_equal(zeroed[:100], full[:100])
     np.testing.assert_array_equal(kept, full)
+
+
+@pytest.mark.parametrize("setting", ["base_gemm", "fp8"])
+def test_unfused_activation_zeroes_the_padding_rows_itself(setting):
+    """The unfused silu_and_mul (a LoRA gate|up in small buckets, 8-bit weights) takes the product with its padding
+    rows as the kernel left them and zeroes them in the activation: real rows as from the whole product, padding
+    rows zero, though the product's own padding rows (the reference's products on CPU) are not."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
+    axes = LinearAxes("embed", "mlp", ("mlp", "mlp"))
+    if setting == "base_gemm":
+        linear = Linear(128, (256, 256), 1, False, jnp.bfloat16, axes, base_gemm=BaseGemm(128, reference=True))
+        linear.kernel.set_value(LayerStack(w, jnp.int32(1)))
+    else:
+        linear = Linear(128, (256, 256), 1, False, jnp.bfloat16, axes, fp8=Fp8Gemm(None, reference=True))
+        q, scale = quantize_weight(w[1])
+        linear.kernel.set_value(q)
+        linear.kernel_scale.set_value(scale.reshape(1))
+    rows = jnp.array([100], jnp.int32)
+    assert np.asarray(linear(x, num_rows=rows, zero_padding=False), np.float32)[100:].any()
+    ours = np.asarray(linear.unfused_silu_and_mul(x, num_rows=rows), np.float32)
+    gate, up = split_packed(linear(x), (256, 256), 1)
+    want = np.asarray(jax.nn.silu(gate) * up, np.float32)
+    assert not ours[100:].any()
+    np.testing.assert_array_equal(ours[:100], want[:100])
