@@ -1,6 +1,6 @@
 """IncrementalDetokenizer: the text grown piece by piece equals decoding the whole output, for byte-level BPE (the
-demo tokenizer) and SentencePiece-style (Llama) tokenizers, whatever the split into pieces and with characters
-whose bytes span several tokens."""
+demo tokenizer), SentencePiece-style (Llama) tokenizers and a WordPiece one whose spaces transformers cleans up,
+whatever the split into pieces and with characters whose bytes span several tokens."""
 
 from __future__ import annotations
 
@@ -31,9 +31,23 @@ def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
 
 
+def cleaned_up_wordpiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A WordPiece (as BERT's) whose Rust decoder leaves a space before punctuation and whose transformers wrapper
+    removes it (`clean_up_tokenization_spaces`): the text is not what the Rust tokenizer alone decodes."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"])
+    tokenizer.train_from_iterator(TEXTS * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]", clean_up_tokenization_spaces=True
+    )
+
+
 def tokenizers_under_test():
     yield AutoTokenizer.from_pretrained(demo_model_path(), local_files_only=True)  # byte-level BPE
     yield sentencepiece_style_tokenizer()
+    yield cleaned_up_wordpiece_tokenizer()
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -61,3 +75,11 @@ def test_random_token_ids_decode_like_the_whole(tmp_path):
     for i, token in enumerate(ids):
         text = detokenizer.append([token], is_last=i == len(ids) - 1)
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_wordpiece_tokenizer_cleans_up_what_its_rust_decoder_leaves():
+    """The cleanup case above is real: transformers' text differs from the Rust tokenizer's on punctuation."""
+    tokenizer = cleaned_up_wordpiece_tokenizer()
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    assert tokenizer.decode(ids) == TEXTS[0]
+    assert tokenizer.backend_tokenizer.decode(ids) != TEXTS[0]
