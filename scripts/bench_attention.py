@@ -34,7 +34,8 @@ sequences. "jax_paged" is jax.experimental.pallas.ops.gpu.paged_attention (decod
 one layer already in its own [K, pages, page, D] layout (a copy made outside the timing) and its default tiles.
 
 `--sweep` also times tile variants of our kernels and prints the best of each row.
-Usage: python scripts/bench_attention.py --json out.json [--sweep] [--rows decode|prefill|all]
+`--decode-rows BxC ...` replaces the decode rows (B sequences of C keys each), e.g. the serving tail's steps.
+Usage: python scripts/bench_attention.py --json out.json [--sweep] [--rows decode|prefill|all] [--decode-rows 147x384]
 """
 
 from __future__ import annotations
@@ -359,6 +360,17 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def parse_decode_row(text: str) -> tuple[int, int]:
+    """'BxC' -> (B sequences, C keys each), both positive."""
+    try:
+        batch_size, context = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"decode row {text!r}: expected BxC, e.g. 147x384") from None
+    if batch_size < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"decode row {text!r}: B and C must be positive")
+    return batch_size, context
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every row (sweeps included) here")
@@ -379,6 +391,14 @@ def main() -> None:
     parser.add_argument(
         "--kv-dtype", choices=tuple(KV_DTYPES), default="bfloat16", help="the caches' dtype (--kv-cache-dtype)"
     )
+    parser.add_argument(
+        "--decode-rows",
+        nargs="+",
+        type=parse_decode_row,
+        default=DECODE_ROWS,
+        metavar="BxC",
+        help="decode rows to time instead of the default ones: B sequences of one query token and C keys each",
+    )
     args = parser.parse_args()
     cache = CacheSpec(int(args.min_cache_gib * 2**30), args.page_order == "shuffled", args.kv_dtype)
     device = jax.devices()[0]
@@ -386,7 +406,7 @@ def main() -> None:
     jax_op = jax_paged_decode() if args.kv_dtype == "bfloat16" else None  # its kernel takes 16-bit caches
     rows = []
     if args.rows in ("decode", "all"):
-        for batch_size, context in DECODE_ROWS:
+        for batch_size, context in args.decode_rows:
             rows.append(decode_row(batch_size, context, args.sweep, jax_op, cache))
             report(rows, args.json, device)
     if args.rows in ("prefill", "all"):
