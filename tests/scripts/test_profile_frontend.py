@@ -4,15 +4,13 @@ is the whole decode of its ids), and the script's report gives one figure per ru
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 from transformers import AutoTokenizer
 
-from scripts.profile_frontend import stream_tokens
+from scripts.profile_frontend import main, stream_tokens
 from sgl_jax_lora.demo_model import demo_model_path
-from tests.support import REPO_ROOT
 
 
 def test_each_request_streams_to_its_whole_decode():
@@ -25,12 +23,11 @@ def test_each_request_streams_to_its_whole_decode():
         assert output.text == tokenizer.decode(token_ids[:, i].tolist(), skip_special_tokens=True)
 
 
-def test_the_report_has_a_figure_per_repeat(tmp_path):
+def test_the_report_has_a_figure_per_repeat(tmp_path, monkeypatch):
     out = tmp_path / "frontend.json"
     args = ["--num-requests", "4", "--steps", "6", "--repeats", "2", "--stop", "xyz", "--json", str(out)]
-    subprocess.run(
-        [sys.executable, "scripts/profile_frontend.py", *args], cwd=REPO_ROOT, check=True, capture_output=True
-    )
+    monkeypatch.setattr(sys, "argv", ["profile_frontend.py", *args])
+    main()
     report = json.loads(out.read_text())
     assert report["num_requests"] == 4 and report["steps"] == 6 and report["stop"] == ["xyz"]
     assert len(report["per_token_us"]) == 2 and all(t > 0 for t in report["per_token_us"])
