@@ -82,14 +82,15 @@ def main() -> None:
     token_ids = rng.integers(0, tokenizer.vocab_size, (opts.steps, opts.num_requests))
     tokens = opts.steps * opts.num_requests
     per_token_us = [stream_tokens(tokenizer, token_ids, opts.stop)[0] / tokens * 1e6 for _ in range(opts.repeats)]
+    median_us = statistics.median(per_token_us)
     report = {
         "num_requests": opts.num_requests,
         "steps": opts.steps,
         "stop": opts.stop,
         "tokenizer": type(tokenizer).__name__,
         "per_token_us": per_token_us,
-        "median_per_token_us": statistics.median(per_token_us),
-        "ms_per_step_of_num_requests": statistics.median(per_token_us) * opts.num_requests / 1e3,
+        "median_per_token_us": median_us,
+        "ms_per_step_of_num_requests": median_us * opts.num_requests / 1e3,
     }
     print(json.dumps(report))
     if opts.json:

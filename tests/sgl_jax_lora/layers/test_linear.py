@@ -58,22 +58,28 @@ def test_split_packed_and_pack_parts_round_trip():
     np.testing.assert_array_equal(np.asarray(split[1][:, :2]), np.asarray(y[:, 4:6]))
 
 
+def kernel_linear(setting: str, part_sizes: tuple[int, ...], axes: LinearAxes, seed: int):
+    """x [256, 128] and a Linear whose bucket runs a GEMM kernel's CPU reference: the base GEMM kernel on a LayerStack
+    view (as the model hands it over), or the 8-bit kernel on the same layer's weight quantized."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2, 128, sum(part_sizes))) / 12, jnp.bfloat16)
+    if setting == "base_gemm":
+        linear = Linear(128, part_sizes, 1, False, jnp.bfloat16, axes, base_gemm=BaseGemm(128, reference=True))
+        linear.kernel.set_value(LayerStack(w, jnp.int32(1)))
+    else:
+        linear = Linear(128, part_sizes, 1, False, jnp.bfloat16, axes, fp8=Fp8Gemm(None, reference=True))
+        q, scale = quantize_weight(w[1])
+        linear.kernel.set_value(q)
+        linear.kernel_scale.set_value(scale.reshape(1))
+    return x, linear
+
+
 @pytest.mark.parametrize("setting", ["base_gemm", "fp8"])
 def test_zero_padding_false_leaves_the_gemm_kernels_padding_rows(setting):
     """The rows from num_rows[0] on, which the GEMM kernels skip: zero by default; with zero_padding=False as the
     kernel left them (its reference on CPU: the padding rows' own products), for a consumer that masks them."""
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
-    axes = LinearAxes("embed", "qkv", ("qkv",))
-    if setting == "base_gemm":  # the bucket runs the kernel: the model hands over a LayerStack view
-        linear = Linear(128, (512,), 1, False, jnp.bfloat16, axes, base_gemm=BaseGemm(128, reference=True))
-        linear.kernel.set_value(LayerStack(w, jnp.int32(1)))
-    else:
-        linear = Linear(128, (512,), 1, False, jnp.bfloat16, axes, fp8=Fp8Gemm(None, reference=True))
-        q, scale = quantize_weight(w[1])
-        linear.kernel.set_value(q)
-        linear.kernel_scale.set_value(scale.reshape(1))
+    x, linear = kernel_linear(setting, (512,), LinearAxes("embed", "qkv", ("qkv",)), seed=3)
     rows = jnp.array([100], jnp.int32)
     full = np.asarray(linear(x), np.float32)
     zeroed = np.asarray(linear(x, num_rows=rows), np.float32)
@@ -88,18 +94,7 @@ def test_unfused_activation_zeroes_the_padding_rows_itself(setting):
     """The unfused silu_and_mul (a LoRA gate|up in small buckets, 8-bit weights) takes the product with its padding
     rows as the kernel left them and zeroes them in the activation: real rows as from the whole product, padding
     rows zero, though the product's own padding rows (the reference's products on CPU) are not."""
-    rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
-    axes = LinearAxes("embed", "mlp", ("mlp", "mlp"))
-    if setting == "base_gemm":
-        linear = Linear(128, (256, 256), 1, False, jnp.bfloat16, axes, base_gemm=BaseGemm(128, reference=True))
-        linear.kernel.set_value(LayerStack(w, jnp.int32(1)))
-    else:
-        linear = Linear(128, (256, 256), 1, False, jnp.bfloat16, axes, fp8=Fp8Gemm(None, reference=True))
-        q, scale = quantize_weight(w[1])
-        linear.kernel.set_value(q)
-        linear.kernel_scale.set_value(scale.reshape(1))
+    x, linear = kernel_linear(setting, (256, 256), LinearAxes("embed", "mlp", ("mlp", "mlp")), seed=4)
     rows = jnp.array([100], jnp.int32)
     assert np.asarray(linear(x, num_rows=rows, zero_padding=False), np.float32)[100:].any()
     ours = np.asarray(linear.unfused_silu_and_mul(x, num_rows=rows), np.float32)
