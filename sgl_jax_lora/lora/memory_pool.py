@@ -69,19 +69,18 @@ class LoRAMemoryPool:
         self.policy.remove(lora_id)
         self.pinned.discard(lora_id)
 
-    def zero_update(self) -> dict[tuple[str, ...], np.ndarray]:
-        """Host arrays that clear one slot: state path -> zeros [L, *buffer.shape[2:]] (float32)."""
-        return {
-            path: np.zeros((shape[0],) + tuple(shape[2:]), np.float32) for path, shape in self.buffer_shapes.items()
-        }
+    def zero_update(self, dtype=np.float32) -> dict[tuple[str, ...], np.ndarray]:
+        """Host arrays that clear one slot: state path -> zeros [L, *buffer.shape[2:]] in `dtype`."""
+        return {path: np.zeros((shape[0],) + tuple(shape[2:]), dtype) for path, shape in self.buffer_shapes.items()}
 
-    def slot_update(self, adapter: LoRAAdapter) -> dict[tuple[str, ...], np.ndarray]:
-        """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] (float32)."""
+    def slot_update(self, adapter: LoRAAdapter, dtype=np.float32) -> dict[tuple[str, ...], np.ndarray]:
+        """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] in `dtype` (the model's, so that the slot
+        write needs no cast: the adapter's float32 weights are rounded once, as they are copied in)."""
         updates = {}
         for path, shape in self.buffer_shapes.items():
             packed, leaf = path[-2], path[-1]
             hf_modules = LORA_TARGETS[packed][0]
-            out = np.zeros((shape[0],) + tuple(shape[2:]), np.float32)
+            out = np.zeros((shape[0],) + tuple(shape[2:]), dtype)
             for layer in range(self.cfg.num_layers):
                 if leaf == "lora_a":
                     for part, module in enumerate(hf_modules):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import weakref
@@ -44,6 +45,14 @@ from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+def prefetch_workers(cpu_count: int | None = None) -> int:
+    """Threads that read adapters from disk and lay out their slot arrays: half the host's cores, 2 to 8. The work is
+    numpy (casts, copies) and file reads, which release the GIL, so a cold start of many adapters (a burst over
+    adapters no cache holds) loads about as many at once as there are threads; the other half of the cores stay with
+    the engine loop and the frontend."""
+    return min(8, max(2, (cpu_count or os.cpu_count() or 2) // 2))
 
 
 class LoRAManager:
@@ -75,7 +84,7 @@ class LoRAManager:
         )
         self._running_ids: frozenset[str] = frozenset()  # adapters of running requests when the last step was planned
         self._unapplied: list[SlotWrite] = []  # reserved by the last plan, not on the device yet
-        self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-prefetch")
+        self._prefetcher = ThreadPoolExecutor(max_workers=prefetch_workers(), thread_name_prefix="lora-prefetch")
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
@@ -173,7 +182,7 @@ class LoRAManager:
         with self._slot_arrays_lock:
             values = self._slot_arrays.get(adapter)
         if values is None:
-            values = self.runner.lora_slot_values(self.pool.slot_update(adapter))
+            values = self.runner.lora_slot_values(self.pool.slot_update(adapter, self.runner.dtype))
             with self._slot_arrays_lock:
                 self._slot_arrays[adapter] = values
         return adapter, values

@@ -5,6 +5,7 @@ B in its first `rank` columns, kv heads replicated when tp exceeds them, absent 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -113,6 +114,17 @@ def test_slot_update_lays_out_a_and_b():
         assert not b_q[:, 2:].any()
     assert not update[("layers", "qkv_proj", "lora_b_v")].any() and not update[("layers", "o_proj", "lora_b")].any()
     assert all(not z.any() and z.shape == update[path].shape for path, z in pool.zero_update().items())
+
+
+def test_slot_update_in_the_model_dtype_rounds_once():
+    """Laid out in bf16 directly, a slot's arrays are bit for bit the float32 layout rounded to bf16 (the write's
+    cast before), and the zeros come in the same dtype."""
+    pool, lora = make_pool(), adapter("a", rank=3)
+    direct = pool.slot_update(lora, jnp.bfloat16)
+    for path, f32 in pool.slot_update(lora).items():
+        assert direct[path].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(direct[path].view(np.uint16), f32.astype(jnp.bfloat16).view(np.uint16))
+    assert all(z.dtype == jnp.bfloat16 for z in pool.zero_update(jnp.bfloat16).values())
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():

@@ -15,7 +15,7 @@ from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
-from sgl_jax_lora.managers.lora_manager import LoRAManager, segment_buckets
+from sgl_jax_lora.managers.lora_manager import LoRAManager, prefetch_workers, segment_buckets
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -183,3 +183,9 @@ def test_segment_buckets_default_and_flag() -> None:
     assert segment_buckets(9, [64]) == (9,)
     with pytest.raises(ValueError, match="--lora-segment-buckets"):
         segment_buckets(9, [0])
+
+
+def test_prefetch_threads_follow_the_host_cores():
+    """Half the cores read adapters from disk, at least 2 (a small machine keeps two loads in flight) and at most 8."""
+    assert [prefetch_workers(cores) for cores in (1, 2, 4, 16, 64)] == [2, 2, 2, 8, 8]
+    assert prefetch_workers(12) == 6
