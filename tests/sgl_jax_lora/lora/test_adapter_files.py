@@ -11,13 +11,15 @@ import os
 import shutil
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.adapter import inspect_peft_adapter, load_peft_adapter
-from sgl_jax_lora.lora.adapter_files import check_adapter_files, confined_dir
+from sgl_jax_lora.lora.adapter_files import check_adapter_files, confined_dir, raw_holds_non_finite
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from tests.support.peft_fixtures import make_tiny_llama_dir, poison_adapter, write_peft_adapter
@@ -49,7 +51,9 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [None, torch.bfloat16, torch.float16, torch.float64], ids=["f32", "bf16", "f16", "f64"]
+)
 def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, shapes, tmp_path, value, dtype):
     bad = shutil.copytree(clean_adapter, tmp_path / "bad")
     key = poison_adapter(bad, value, dtype)
@@ -64,6 +68,22 @@ def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, s
     # the clean original still loads, and header-only registration cannot see values (the weights' read does)
     assert load_peft_adapter("clean", str(clean_adapter), shapes).rank == 4
     assert inspect_peft_adapter("poisoned", str(bad), shapes).rank == 4
+
+
+@pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
+def test_raw_bits_check_agrees_with_isfinite(dtype):
+    """The frontend's check on a file's raw bits finds NaN and Inf of either sign, and nothing else: not the largest
+    finite values, subnormals or zeros, in tensors longer than one pass of the check."""
+    numpy_dtype = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}[dtype]
+    info = ml_dtypes.finfo(numpy_dtype) if dtype == "BF16" else np.finfo(numpy_dtype)
+    edge = np.array([info.max, -info.max, info.smallest_subnormal, -0.0, 0.0, 1.0], numpy_dtype)
+    clean = np.concatenate([edge, np.ones(adapter_files._RAW_CHECK_ELEMENTS + 5, numpy_dtype)])
+    assert not raw_holds_non_finite(dtype, clean.tobytes())
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, clean.size - 1):  # in the first pass and in the last
+            poisoned = clean.copy()
+            poisoned[at] = bad
+            assert raw_holds_non_finite(dtype, poisoned.tobytes()), (bad, at)
 
 
 def test_symlinked_weights_outside_the_allowed_dirs_are_refused(clean_adapter, shapes, dirs):
