@@ -4,8 +4,9 @@ Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with 
 --nnodes > 1 it first joins the other nodes: distributed/runtime.py). The process answers Ready (or StartupError),
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
-(server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply,
-ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
+(server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
+load from a directory first has its header checked on a worker thread, `EngineCore.inspect_lora_ahead`, and is
+answered when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
 generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
 frontend goes through `Outbox`, a thread that encodes and writes them in order, so a step never waits for the
 frontend to read the pipe. When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
@@ -21,6 +22,7 @@ import queue
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
@@ -134,6 +136,7 @@ class EngineLoop:
         self.conn = conn
         self.outbox = Outbox(conn)
         self.running = True
+        self.loads_ahead: list[tuple[LoadLoRACall, Future]] = []  # LoRA loads whose header check is on its way
         self.handlers = {
             GenerateRequest: self._generate,
             AbortRequest: self._abort,
@@ -164,15 +167,17 @@ class EngineLoop:
     def _serve(self) -> None:
         while self.running:
             try:
-                # idle: block for a message; a step that found nothing to run waits briefly (prefetch, pages)
+                # idle: block for a message; a step that found nothing to run, or a load whose header check is on
+                # its way, waits briefly (prefetch, pages, the check)
                 self._drain(
-                    block=self.core.scheduler.num_active == 0,
-                    timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle else 0,
+                    block=self.core.scheduler.num_active == 0 and not self.loads_ahead,
+                    timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle or self.loads_ahead else 0,
                 )
             except (EOFError, OSError):
                 return  # the frontend is gone
             if not self.running:
                 return
+            self._finish_loads_ahead()
             outputs = self._step()
             if outputs:
                 self._send(EngineOutputs(outputs))
@@ -200,7 +205,13 @@ class EngineLoop:
             block, timeout = False, 0
 
     def handle(self, msg: Message) -> None:
-        """Dispatch one message from the frontend on its class."""
+        """Dispatch one message from the frontend on its class. A LoRA load from a directory is answered once its
+        header check, started here on a worker thread, is done (`_finish_loads_ahead`); steps go on meanwhile."""
+        if isinstance(msg, LoadLoRACall):
+            ahead = self.core.inspect_lora_ahead(msg.lora_id, msg.lora_name, msg.lora_path, msg.pinned, msg.confined)
+            if ahead is not None:
+                self.loads_ahead.append((msg, ahead))
+                return
         if isinstance(msg, EngineCall):
             self._send(self._call(msg))
             return
@@ -224,13 +235,39 @@ class EngineLoop:
     def _shutdown(self, msg: ShutdownRequest) -> None:
         self.running = False
 
+    def _finish_loads_ahead(self) -> None:
+        """Register the adapters whose header check is done, in the order their loads came, and answer each load
+        (its error, if the check or the registration failed)."""
+        done = []
+        while self.loads_ahead and self.loads_ahead[0][1].done():
+            done.append(self.loads_ahead.pop(0))
+        for call, ahead in done:
+            self._send(
+                self._reply(
+                    call,
+                    lambda call=call, ahead=ahead: self.core.rpc_load_lora(
+                        call.lora_id,
+                        call.lora_name,
+                        call.lora_path,
+                        pinned=call.pinned,
+                        confined=call.confined,
+                        summary=ahead.result(),
+                    ),
+                )
+            )
+
     def _call(self, call: EngineCall) -> CallReply:
         """Synchronous calls from the frontend: server info, LoRA load/unload."""
         method = self.calls.get(type(call))
         if method is None:
             return CallReply(call.call_id, ok=False, message=f"unknown engine call {type(call).__name__}")
+        return self._reply(call, lambda: method(call))
+
+    @staticmethod
+    def _reply(call: EngineCall, run) -> CallReply:
+        """The CallReply of `run()`: its result as plain data, or its error's message."""
         try:
-            result = method(call)
+            result = run()
             plain = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result
             return CallReply(call.call_id, ok=True, result=plain)
         except Exception as e:

@@ -85,6 +85,7 @@ class LoRAManager:
         self._running_ids: frozenset[str] = frozenset()  # adapters of running requests when the last step was planned
         self._unapplied: list[SlotWrite] = []  # reserved by the last plan, not on the device yet
         self._prefetcher = ThreadPoolExecutor(max_workers=prefetch_workers(), thread_name_prefix="lora-prefetch")
+        self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
@@ -98,15 +99,22 @@ class LoRAManager:
         self.device_misses = 0
 
     # ---- registration (RPCs from the frontend) ----------------------------------------------
-    def register(self, ref: LoRARef) -> AdapterSummary:
-        """Validate from the adapter's config and tensor headers (no weights read); pinned adapters are loaded
-        and take a device slot now, the others are read on first use (prefetch)."""
+    def inspect_ahead(self, ref: LoRARef) -> Future:
+        """The header-only validation `register` starts with, on a worker thread: the engine loop keeps stepping while
+        it reads the adapter's config and tensor headers, then registers with the result (`register(ref, summary)`).
+        The future raises what `inspect` raises."""
+        return self._inspector.submit(self.inspect, ref)
+
+    def register(self, ref: LoRARef, summary: AdapterSummary | None = None) -> AdapterSummary:
+        """Validate from the adapter's config and tensor headers (no weights read; `summary`: that validation's
+        result, done ahead by `inspect_ahead`); pinned adapters are loaded and take a device slot now, the others
+        are read on first use (prefetch)."""
         if ref.pinned and len(self.pool.pinned) >= self.max_per_batch - 1:
             raise LoRAAdapterError(
                 f"adapter '{ref.lora_name}': at most {self.max_per_batch - 1} adapters may be pinned "
                 f"(--max-loras-per-batch {self.max_per_batch} minus one); unpin one or raise --max-loras-per-batch"
             )
-        adapter = self.inspect(ref)
+        adapter = summary if summary is not None else self.inspect(ref)
         self._check_targets(ref, adapter)
         self.refs[ref.lora_id] = ref
         if ref.pinned:

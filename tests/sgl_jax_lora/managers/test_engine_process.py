@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+from concurrent.futures import Future
 
 import msgpack
 
@@ -38,6 +39,7 @@ class FakeCore:
     def __init__(self):
         self.calls: list[tuple] = []
         self.added: list[str] = []
+        self.checks_ahead: dict[str, Future] = {}  # lora_id -> the header check a test completes by hand
 
     def add_request(self, request: GenerateRequest) -> None:
         if request.rid == "too-long":
@@ -52,9 +54,17 @@ class FakeCore:
     def rpc_server_info(self) -> dict:
         return {"context_length": 256}
 
-    def rpc_load_lora(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> AdapterLoaded:
+    def rpc_load_lora(self, lora_id, lora_name, lora_path, pinned=False, confined=False, summary=None):
         self.calls.append(("load_lora", lora_id, lora_name, lora_path, pinned, confined))
+        if summary is not None:
+            self.calls.append(("checked ahead", lora_id, summary))
         return AdapterLoaded(8, ["q_proj"])
+
+    def inspect_lora_ahead(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> Future | None:
+        if pinned:  # as EngineCore: a pinned load runs whole on the loop
+            return None
+        self.checks_ahead[lora_id] = Future()
+        return self.checks_ahead[lora_id]
 
     def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None, checked_finite=False) -> AdapterLoaded:
         self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces, checked_finite))
@@ -108,6 +118,29 @@ def test_calls_reach_their_method_and_reply_with_their_call_id():
         ("load_lora", "id1", "a", "/adapters/a", True, False),
         ("load_lora_tensors", ref, "/dev/shm/a", None, "id1", True),
     ]
+
+
+def test_a_load_is_answered_after_its_header_check_off_the_loop():
+    """A load from a directory starts its header check on a worker thread and returns: other calls are answered
+    meanwhile; the loads are answered in the order they came once their checks are done, a failed check with its
+    error, and the check's result reaches the registration."""
+    loop, core, frontend = make_loop()
+    loop.handle(LoadLoRACall("id1", "a", "/adapters/a", call_id=1))
+    loop.handle(LoadLoRACall("id2", "b", "/adapters/b", confined=True, call_id=2))
+    loop.handle(ServerInfoCall(call_id=3))
+    assert received(frontend) == CallReply(3, ok=True, result={"context_length": 256})
+    core.checks_ahead["id2"].set_result("summary of b")
+    loop._finish_loads_ahead()
+    assert not frontend.poll(0.2) and core.calls == []  # b waits for a, which came first
+    core.checks_ahead["id1"].set_exception(ValueError("adapter 'a': adapter_config.json is missing; save it"))
+    loop._finish_loads_ahead()
+    assert received(frontend) == CallReply(1, ok=False, message="adapter 'a': adapter_config.json is missing; save it")
+    assert received(frontend) == CallReply(2, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})
+    assert core.calls == [
+        ("load_lora", "id2", "b", "/adapters/b", False, True),
+        ("checked ahead", "id2", "summary of b"),
+    ]
+    assert loop.loads_ahead == []
 
 
 def test_shutdown_and_unknown_messages(caplog):

@@ -189,3 +189,21 @@ def test_prefetch_threads_follow_the_host_cores():
     """Half the cores read adapters from disk, at least 2 (a small machine keeps two loads in flight) and at most 8."""
     assert [prefetch_workers(cores) for cores in (1, 2, 4, 16, 64)] == [2, 2, 2, 8, 8]
     assert prefetch_workers(12) == 6
+
+
+def test_a_header_check_done_ahead_is_not_repeated():
+    """`inspect_ahead` runs the header check on a worker thread; registering with its result reads nothing again,
+    and still refuses an adapter whose targets the pool does not cover."""
+    manager, _ = make_manager()
+    checked = []
+    manager.inspect = lambda ref: (
+        checked.append(ref.lora_name) or types.SimpleNamespace(rank=8, target_modules=frozenset())
+    )
+    ref = LoRARef(lora_name="a", lora_path="/adapters/a")
+    summary = manager.inspect_ahead(ref).result(timeout=5)
+    assert checked == ["a"]
+    assert manager.register(ref, summary) is summary and ref.lora_id in manager.refs
+    assert checked == ["a"]  # not read a second time
+    uncovered = types.SimpleNamespace(rank=8, target_modules=frozenset({"q_proj"}))
+    with pytest.raises(LoRAAdapterError, match="does not cover"):
+        manager.register(LoRARef(lora_name="b", lora_path="/adapters/b"), uncovered)
