@@ -208,7 +208,12 @@ class EngineLoop:
         """Dispatch one message from the frontend on its class. A LoRA load from a directory is answered once its
         header check, started here on a worker thread, is done (`_finish_loads_ahead`); steps go on meanwhile."""
         if isinstance(msg, LoadLoRACall):
-            ahead = self.core.inspect_lora_ahead(msg.lora_id, msg.lora_name, msg.lora_path, msg.pinned, msg.confined)
+            try:
+                ahead = self.core.inspect_lora_ahead(
+                    msg.lora_id, msg.lora_name, msg.lora_path, msg.pinned, msg.confined
+                )
+            except Exception:  # the call runs whole below, which answers its error
+                ahead = None
             if ahead is not None:
                 self.loads_ahead.append((msg, ahead))
                 return
