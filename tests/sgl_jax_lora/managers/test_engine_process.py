@@ -221,3 +221,15 @@ def test_outbox_close_gives_up_on_a_frontend_that_stopped_reading(caplog):
     with caplog.at_level(logging.WARNING):
         outbox.close(timeout=0.5)  # returns: the process may end
     assert "the frontend read nothing for 0.5 s" in caplog.text
+
+
+def test_a_load_whose_header_check_cannot_start_runs_whole():
+    loop, core, frontend = make_loop()
+
+    def broken(*args):
+        raise RuntimeError("can't start new thread")
+
+    core.inspect_lora_ahead = broken
+    loop.handle(LoadLoRACall("id1", "a", "/adapters/a", call_id=1))
+    assert received(frontend) == CallReply(1, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})
+    assert loop.loads_ahead == [] and core.calls == [("load_lora", "id1", "a", "/adapters/a", False, False)]
