@@ -23,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
 
 from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed.leader_runner import make_model_runner
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.lora.adapter import AdapterSummary
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
@@ -323,33 +321,14 @@ class EngineCore:
         return self.server_info()
 
     def rpc_load_lora(
-        self,
-        lora_id: str,
-        lora_name: str,
-        lora_path: str,
-        pinned: bool = False,
-        confined: bool = False,
-        summary: AdapterSummary | None = None,
+        self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False, confined: bool = False, summary=None
     ) -> AdapterLoaded:
-        """Register an adapter from its directory; `summary`: its header check, done ahead (`inspect_lora_ahead`)."""
+        """Register an adapter from its directory; `summary`: its header check done ahead (LoRAManager.inspect_ahead)."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        adapter = self.lora.register(
-            LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id, confined=confined),
-            summary,
-        )
-        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
-
-    def inspect_lora_ahead(
-        self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False, confined: bool = False
-    ) -> Future | None:
-        """A load's header check on a worker thread (its future's result goes to `rpc_load_lora`), so that the
-        engine loop keeps stepping while a burst of first-use adapters is checked; None when the load runs whole on
-        the loop: LoRA off (the call fails at once) or a pinned adapter (its weights are read when it registers)."""
-        if self.lora is None or pinned:
-            return None
         ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id, confined=confined)
-        return self.lora.inspect_ahead(ref)
+        adapter = self.lora.register(ref, summary)
+        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
 
     def rpc_load_lora_tensors(
         self,

@@ -5,7 +5,7 @@ Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with 
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
 (server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
-load from a directory first has its header checked on a worker thread, `EngineCore.inspect_lora_ahead`, and is
+load from a directory first has its header checked on a worker thread, `EngineLoop._check_ahead`, and is
 answered when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
 generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
 frontend goes through `Outbox`, a thread that encodes and writes them in order, so a step never waits for the
@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
+from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
     CallReply,
@@ -209,9 +210,7 @@ class EngineLoop:
         header check, started here on a worker thread, is done (`_finish_loads_ahead`); steps go on meanwhile."""
         if isinstance(msg, LoadLoRACall):
             try:
-                ahead = self.core.inspect_lora_ahead(
-                    msg.lora_id, msg.lora_name, msg.lora_path, msg.pinned, msg.confined
-                )
+                ahead = self._check_ahead(msg)
             except Exception:  # the call runs whole below, which answers its error
                 ahead = None
             if ahead is not None:
@@ -239,6 +238,16 @@ class EngineLoop:
 
     def _shutdown(self, msg: ShutdownRequest) -> None:
         self.running = False
+
+    def _check_ahead(self, call: LoadLoRACall) -> Future | None:
+        """The header check of a load's adapter, started on a worker thread (LoRAManager.inspect_ahead); None when
+        the load runs whole on the loop: LoRA off (the call fails at once) or a pinned adapter (its weights are read
+        when it registers)."""
+        lora = self.core.lora
+        if lora is None or call.pinned:
+            return None
+        ref = LoRARef(call.lora_name, call.lora_path, lora_id=call.lora_id, confined=call.confined)
+        return lora.inspect_ahead(ref)
 
     def _finish_loads_ahead(self) -> None:
         """Register the adapters whose header check is done, in the order their loads came, and answer each load

@@ -35,11 +35,24 @@ from sgl_jax_lora.managers.io_struct import (
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 
+class FakeLoRA:
+    """LoRAManager's header check ahead: a future per adapter, which a test completes by hand."""
+
+    def __init__(self):
+        self.checks_ahead: dict[str, Future] = {}  # lora_id -> its check
+        self.checked: list[LoRARef] = []
+
+    def inspect_ahead(self, ref: LoRARef) -> Future:
+        self.checked.append(ref)
+        self.checks_ahead[ref.lora_id] = Future()
+        return self.checks_ahead[ref.lora_id]
+
+
 class FakeCore:
     def __init__(self):
         self.calls: list[tuple] = []
         self.added: list[str] = []
-        self.checks_ahead: dict[str, Future] = {}  # lora_id -> the header check a test completes by hand
+        self.lora = FakeLoRA()
 
     def add_request(self, request: GenerateRequest) -> None:
         if request.rid == "too-long":
@@ -59,12 +72,6 @@ class FakeCore:
         if summary is not None:
             self.calls.append(("checked ahead", lora_id, summary))
         return AdapterLoaded(8, ["q_proj"])
-
-    def inspect_lora_ahead(self, lora_id, lora_name, lora_path, pinned=False, confined=False) -> Future | None:
-        if pinned:  # as EngineCore: a pinned load runs whole on the loop
-            return None
-        self.checks_ahead[lora_id] = Future()
-        return self.checks_ahead[lora_id]
 
     def rpc_load_lora_tensors(self, ref, tensors_paths, config, replaces=None, checked_finite=False) -> AdapterLoaded:
         self.calls.append(("load_lora_tensors", ref, tensors_paths, config, replaces, checked_finite))
@@ -129,10 +136,10 @@ def test_a_load_is_answered_after_its_header_check_off_the_loop():
     loop.handle(LoadLoRACall("id2", "b", "/adapters/b", confined=True, call_id=2))
     loop.handle(ServerInfoCall(call_id=3))
     assert received(frontend) == CallReply(3, ok=True, result={"context_length": 256})
-    core.checks_ahead["id2"].set_result("summary of b")
+    core.lora.checks_ahead["id2"].set_result("summary of b")
     loop._finish_loads_ahead()
     assert not frontend.poll(0.2) and core.calls == []  # b waits for a, which came first
-    core.checks_ahead["id1"].set_exception(ValueError("adapter 'a': adapter_config.json is missing; save it"))
+    core.lora.checks_ahead["id1"].set_exception(ValueError("adapter 'a': adapter_config.json is missing; save it"))
     loop._finish_loads_ahead()
     assert received(frontend) == CallReply(1, ok=False, message="adapter 'a': adapter_config.json is missing; save it")
     assert received(frontend) == CallReply(2, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})
@@ -141,6 +148,10 @@ def test_a_load_is_answered_after_its_header_check_off_the_loop():
         ("checked ahead", "id2", "summary of b"),
     ]
     assert loop.loads_ahead == []
+    assert [(r.lora_name, r.lora_path, r.lora_id, r.confined) for r in core.lora.checked] == [
+        ("a", "/adapters/a", "id1", False),
+        ("b", "/adapters/b", "id2", True),
+    ]
 
 
 def test_shutdown_and_unknown_messages(caplog):
@@ -229,7 +240,7 @@ def test_a_load_whose_header_check_cannot_start_runs_whole():
     def broken(*args):
         raise RuntimeError("can't start new thread")
 
-    core.inspect_lora_ahead = broken
+    core.lora.inspect_ahead = broken
     loop.handle(LoadLoRACall("id1", "a", "/adapters/a", call_id=1))
     assert received(frontend) == CallReply(1, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})
     assert loop.loads_ahead == [] and core.calls == [("load_lora", "id1", "a", "/adapters/a", False, False)]
