@@ -5,9 +5,9 @@ Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with 
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
 (server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
-load from a directory first has its header checked on a worker thread, `EngineLoop._check_ahead`, and is
-answered when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the loop the process freezes its startup objects out of the garbage collector's
-generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
+load from a directory first has its header checked on a worker thread, `EngineLoop._check_ahead`, and is answered
+when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the
+loop the process freezes its startup objects out of the garbage collector's generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
 frontend goes through `Outbox`, a thread that encodes and writes them in order, so a step never waits for the
 frontend to read the pipe. When idle the loop blocks on the pipe; when the frontend goes away (EOF) it exits. A
 failing step fails only the requests of that step; the loop keeps serving the others.
@@ -146,8 +146,8 @@ class EngineLoop:
         # each call's EngineCore method; its result (plain data) is the CallReply's
         self.calls = {
             ServerInfoCall: lambda call: core.rpc_server_info(),
-            LoadLoRACall: lambda call: core.rpc_load_lora(
-                call.lora_id, call.lora_name, call.lora_path, pinned=call.pinned, confined=call.confined
+            LoadLoRACall: lambda call, summary=None: core.rpc_load_lora(
+                call.lora_id, call.lora_name, call.lora_path, call.pinned, call.confined, summary
             ),
             LoadLoRATensorsCall: lambda call: core.rpc_load_lora_tensors(
                 call.ref,
@@ -255,20 +255,9 @@ class EngineLoop:
         done = []
         while self.loads_ahead and self.loads_ahead[0][1].done():
             done.append(self.loads_ahead.pop(0))
+        load = self.calls[LoadLoRACall]
         for call, ahead in done:
-            self._send(
-                self._reply(
-                    call,
-                    lambda call=call, ahead=ahead: self.core.rpc_load_lora(
-                        call.lora_id,
-                        call.lora_name,
-                        call.lora_path,
-                        pinned=call.pinned,
-                        confined=call.confined,
-                        summary=ahead.result(),
-                    ),
-                )
-            )
+            self._send(self._reply(call, lambda call=call, ahead=ahead: load(call, ahead.result())))
 
     def _call(self, call: EngineCall) -> CallReply:
         """Synchronous calls from the frontend: server info, LoRA load/unload."""
