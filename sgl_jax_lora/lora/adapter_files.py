@@ -190,7 +190,7 @@ _RAW_CHECK_ELEMENTS = 1 << 22  # elements per pass of `raw_holds_non_finite` (it
 
 def raw_holds_non_finite(dtype: str, raw) -> bool:
     """Whether a safetensors entry's raw bytes (dtype F16, BF16, F32 or F64) hold a NaN or Inf, from the exponent
-    bits alone (the frontend's check of an 84 MB fp16 adapter file: 135 against 370 ms through float32 copies, on
+    bits alone (the frontend's check of an 84 MB fp16 adapter file: 82 against 237 ms through float32 copies, on
     the 2-core CPU machine)."""
     uint, mask = _EXPONENT_BITS[dtype]
     bits, mask = np.frombuffer(raw, uint), uint(mask)
