@@ -211,6 +211,7 @@ LORA_COUNTERS = (
     "host_misses",
     "host_evictions",
     "slot_load_seconds_total",
+    "staged_slot_writes",
 )
 
 

@@ -127,6 +127,10 @@ class LeaderModelRunner(ReplicaModelRunner):
     def fetch(self, launched: LaunchedSample) -> dict[str, np.ndarray]:
         return _on_all_nodes(ModelRunner.fetch, launched)
 
+    def stage_lora_slot_values(self, values: list[np.ndarray]) -> list[np.ndarray]:
+        """The host arrays themselves: the write sends them to the other nodes, and each node stages its own shards."""
+        return values
+
     def write_lora_slot(self, slot: int, values: list[np.ndarray]) -> None:
         self._send(WriteLoRASlot(slot, list(values)))
         _on_all_nodes(super().write_lora_slot, slot, values)

@@ -204,6 +204,7 @@ LORA_COUNTERS = {
     "host_hits": "adapter found in the host cache",
     "host_misses": "adapter read from disk into the host cache",
     "host_evictions": "adapters evicted from the host cache",
+    "staged_slot_writes": "slot writes whose adapter a prefetch thread had already copied to the device",
 }
 
 

@@ -1,10 +1,11 @@
 """LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
 
 Flow: EngineCore.add_request -> `prefetch(lora_id)`: an adapter that is not on the device is read from disk
-into the host cache and laid out as slot arrays (model dtype) on a background thread, so the engine loop
-never waits on disk for it. Scheduler.schedule() plans a step: `plan_step(running adapters)` then
-`reserve(plan, lora_id, keep)` for each request it considers: the adapter's device slot, or None when the step
-already holds --max-loras-per-batch distinct adapters, no slot can be freed, or its prefetch is still running.
+into the host cache, laid out as slot arrays (model dtype) and staged on the device (a bounded number at a time) on
+a background thread, so the engine loop never waits on disk or on a host-to-device copy for it.
+Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
+request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
+distinct adapters, no slot can be freed, or its prefetch is still running.
 An adapter not on the device takes a free slot or one evicted by the policy in the slot table (host
 bookkeeping: LoRAMemoryPool), and its slot arrays go into the plan's `slot_writes`; reading them (when no
 prefetch did) happens here, so an unreadable adapter rejects its request while planning. Adapters of running
@@ -55,6 +56,20 @@ def prefetch_workers(cpu_count: int | None = None) -> int:
     return min(8, max(2, (cpu_count or os.cpu_count() or 2) // 2))
 
 
+STAGING_BYTES = 1 << 30  # device memory that adapters staged ahead of their slot writes may take at once
+
+
+def staging_budget(slot_bytes: int) -> int:
+    """How many adapters' slot arrays may wait on the device for their slot write at once: those STAGING_BYTES holds,
+    1 to 16 (a backlog of requests beyond them keeps its adapters on the host)."""
+    return min(16, max(1, STAGING_BYTES // max(slot_bytes, 1)))
+
+
+class StagedSlotArrays(list):
+    """One slot's arrays on the device (ModelRunner.stage_lora_slot_values), counted against the staging budget until
+    they are freed."""
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -89,6 +104,10 @@ class LoRAManager:
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
+        slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
+        self.staging_budget = staging_budget(int(slot_bytes))
+        self._num_staged = 0  # StagedSlotArrays alive, under _slot_arrays_lock
+        self.staged_writes = 0  # slot writes whose arrays were on the device before the engine loop wrote them
         self._zero_values: list[np.ndarray] | None = None  # a slot's zeros in the model dtype, made on first release
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
@@ -177,7 +196,7 @@ class LoRAManager:
         if len(self._prefetches) >= 4 * self.pool.num_slots:  # forget finished ones no request came back for
             for done in [i for i, f in self._prefetches.items() if f.done()]:
                 del self._prefetches[done]
-        self._prefetches[lora_id] = self._prefetcher.submit(self._host_slot_arrays, self.refs[lora_id])
+        self._prefetches[lora_id] = self._prefetcher.submit(self._staged_slot_arrays, self.refs[lora_id])
 
     def wait_for_prefetches(self) -> None:
         """Block until every adapter on its way from disk is ready for a slot (scripts that profile one step with
@@ -194,6 +213,28 @@ class LoRAManager:
             with self._slot_arrays_lock:
                 self._slot_arrays[adapter] = values
         return adapter, values
+
+    def _staged_slot_arrays(self, ref: LoRARef) -> tuple[LoRAAdapter, list]:
+        """`_host_slot_arrays`, then copied to the device while the staging budget allows, so that the engine loop's
+        slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
+        them from the host on the engine loop)."""
+        adapter, values = self._host_slot_arrays(ref)
+        with self._slot_arrays_lock:
+            if self._num_staged >= self.staging_budget:
+                return adapter, values
+            self._num_staged += 1
+        try:
+            staged = StagedSlotArrays(self.runner.stage_lora_slot_values(values))
+        except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
+            self._unstaged()
+            logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
+            return adapter, values
+        weakref.finalize(staged, self._unstaged)
+        return adapter, staged
+
+    def _unstaged(self) -> None:
+        with self._slot_arrays_lock:
+            self._num_staged -= 1
 
     def can_evict(self, lora_id: str) -> bool:
         return lora_id not in self.pool.pinned
@@ -250,6 +291,7 @@ class LoRAManager:
                 self._forget_unapplied()  # this write and the ones after it never reached the device
                 raise
             self._unapplied.remove(write)
+            self.staged_writes += isinstance(write.values, StagedSlotArrays)
             elapsed = write.host_s + time.perf_counter() - start
             self.load_latencies_s.append(elapsed)
             self.load_seconds_total += elapsed
@@ -297,6 +339,7 @@ class LoRAManager:
             "misses_by_name": dict(cache.misses_by_name),
             "slot_load_seconds": list(self.load_latencies_s),
             "slot_load_seconds_total": self.load_seconds_total,
+            "staged_slot_writes": self.staged_writes,
         }
 
 

@@ -40,6 +40,7 @@ from sgl_jax_lora.mem_cache.kv_cache import (
     kv_cache_dtype,
 )
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
+from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
 from sgl_jax_lora.model_executor.padding_batches import (
     padding_forward_batch,
     padding_sampling_batch,
@@ -98,7 +99,8 @@ class ModelRunner:
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
-        self._write_lora_slot = jax.jit(_write_slot, donate_argnames=("lora_state",))
+        self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
+        self._lora_value_shardings = slot_value_shardings(self.lora_state)
         self._logits = jax.jit(self._logits_impl)
         # Sampled ids cross to the next forward as one replicated [M] array, M = the most rows a step samples,
         # so that every forward sees the same argument shape and sharding whichever step came before.
@@ -212,10 +214,16 @@ class ModelRunner:
         """
         return [np.asarray(updates[path], dtype=self.dtype) for path in self.lora_paths]
 
-    def write_lora_slot(self, slot: int, values: list[np.ndarray]) -> None:
-        """Overwrite slot `slot` of every LoRA buffer with `lora_slot_values(...)` (one compiled, donated program
-        for any slot)."""
-        self.lora_state = self._write_lora_slot(self.lora_state, np.int32(slot), values)
+    def stage_lora_slot_values(self, values: list[np.ndarray]) -> list:
+        """`lora_slot_values(...)` on the devices as the slot write reads them, copied when this returns (thread-safe:
+        LoRAManager's prefetch threads stage, and the engine loop's write copies device to device)."""
+        return stage_slot_values(values, self._lora_value_shardings, wait=True)
+
+    def write_lora_slot(self, slot: int, values: list) -> None:
+        """Overwrite slot `slot` of every LoRA buffer with `lora_slot_values(...)`, host arrays or staged ones (one
+        compiled, donated program for any slot)."""
+        staged = stage_slot_values(values, self._lora_value_shardings, wait=False)  # staged ones as they are
+        self.lora_state = self._write_lora_slot(self.lora_state, np.int32(slot), staged)
 
     # ---- sizing and warmup ---------------------------------------------------------------------
     def _num_kv_pages(self) -> int:
@@ -389,10 +397,3 @@ def _sample_and_carry(max_rows: int, replicated: NamedSharding, logits: jax.Arra
     out = sample(logits, batch)
     carried = jnp.zeros((max_rows,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
     return out, jax.lax.with_sharding_constraint(carried, replicated)
-
-
-def _write_slot(lora_state: nnx.State, slot: jax.Array, values: list[jax.Array]) -> nnx.State:
-    """Set [:, slot] of every LoRA buffer (flat-state order) to values[i] [L, ...]."""
-    flat = nnx.to_flat_state(lora_state)
-    updated = [(path, var.replace(var.get_value().at[:, slot].set(value))) for (path, var), value in zip(flat, values)]
-    return nnx.from_flat_state(updated)

@@ -330,8 +330,8 @@ def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
 
 
 def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup):
-    """The engine prefetches a request's adapter on a background thread; the step that admits it only writes
-    the slot (no disk read on the engine loop)."""
+    """The engine prefetches a request's adapter on a background thread, up to its slot arrays on the device; the step
+    that admits it only writes the slot (no disk read or host-to-device copy on the engine loop)."""
     from sgl_jax_lora.managers.engine_core import EngineCore
     from sgl_jax_lora.managers.io_struct import GenerateRequest
     from sgl_jax_lora.sampling.sampling_params import SamplingParams
@@ -367,6 +367,7 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     while core.scheduler.num_active:
         outputs += core.step()
     assert core.lora.host_cache.stats.misses == misses  # the steps did not read the disk again
+    assert core.lora.staged_writes == 1  # nor copy it from the host: the prefetch staged it on the device
     tokens = [t for out in outputs for t in out.new_ids]
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
 

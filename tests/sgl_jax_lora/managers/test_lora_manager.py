@@ -15,7 +15,13 @@ from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
-from sgl_jax_lora.managers.lora_manager import LoRAManager, prefetch_workers, segment_buckets
+from sgl_jax_lora.managers.lora_manager import (
+    LoRAManager,
+    StagedSlotArrays,
+    prefetch_workers,
+    segment_buckets,
+    staging_budget,
+)
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -26,9 +32,16 @@ class RecordingRunner:
     """The runner calls the manager makes: slot arrays are tagged with their adapter's name; writes are recorded."""
 
     cfg = None
+    dtype = np.dtype(np.float32)
 
     def __init__(self):
         self.writes: list[tuple[int, str]] = []  # (slot, adapter name)
+        self.stage_failures: set[str] = set()  # adapter names whose staging on the device raises
+
+    def stage_lora_slot_values(self, values: list[np.ndarray]) -> list[np.ndarray]:
+        if values[0].item() in self.stage_failures:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory")
+        return list(values)
 
     def lora_buffer_shapes(self) -> dict:
         return {}
@@ -207,3 +220,35 @@ def test_a_header_check_done_ahead_is_not_repeated():
     uncovered = types.SimpleNamespace(rank=8, target_modules=frozenset({"q_proj"}))
     with pytest.raises(LoRAAdapterError, match="does not cover"):
         manager.register(LoRARef(lora_name="b", lora_path="/adapters/b"), uncovered)
+
+
+def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
+    """A prefetch stages its adapter's slot arrays on the device (the engine loop's write then copies device to
+    device) while fewer than `staging_budget` staged arrays are alive; past it, or when staging fails, the host
+    arrays, which the write copies itself. Staged arrays give their budget back once freed."""
+    manager, runner = make_manager(max_loras_per_batch=4)
+    manager.staging_budget = 2
+    ids = register(manager, "a", "b", "c", "d")
+    runner.stage_failures.add("d")
+    for name in "abc":
+        manager.prefetch(ids[name])
+    manager.wait_for_prefetches()
+    staged = sorted(n for n in "abc" if isinstance(manager._prefetches[ids[n]].result()[1], StagedSlotArrays))
+    assert len(staged) == 2 and manager._num_staged == 2
+    plan = manager.plan_step(set())
+    assert [manager.reserve(plan, ids[n]) for n in "abc"] == [1, 2, 3]
+    manager.apply(plan.slot_writes)
+    assert runner.writes == [(1, "a"), (2, "b"), (3, "c")] and manager.stats()["staged_slot_writes"] == 2
+    del plan  # the step is done: its slot writes and their staged arrays go
+    assert manager._num_staged == 0
+    manager.prefetch(ids["d"])  # staging fails: the host arrays, and no budget kept
+    manager.wait_for_prefetches()
+    assert not isinstance(manager._prefetches[ids["d"]].result()[1], StagedSlotArrays) and manager._num_staged == 0
+    plan = manager.plan_step(set())
+    assert manager.reserve(plan, ids["d"]) == 4
+    manager.apply(plan.slot_writes)
+    assert runner.writes[-1] == (4, "d") and manager.staged_writes == 2
+
+
+def test_staging_budget_is_a_gibibyte_of_slots():
+    assert [staging_budget(size) for size in (0, 1 << 20, 84 << 20, 300 << 20, 2 << 30)] == [16, 16, 12, 3, 1]
