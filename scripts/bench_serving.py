@@ -212,6 +212,9 @@ LORA_COUNTERS = (
     "host_evictions",
     "slot_load_seconds_total",
     "staged_slot_writes",
+    "prefetches",
+    "prefetch_s",
+    "staging_s",
 )
 
 

@@ -108,6 +108,8 @@ class LoRAManager:
         self.staging_budget = staging_budget(int(slot_bytes))
         self._num_staged = 0  # StagedSlotArrays alive, under _slot_arrays_lock
         self.staged_writes = 0  # slot writes whose arrays were on the device before the engine loop wrote them
+        # prefetches done, and their seconds from request to ready (queue, disk, layout, staging) and in staging
+        self.prefetch_times = {"prefetches": 0, "prefetch_s": 0.0, "staging_s": 0.0}
         self._zero_values: list[np.ndarray] | None = None  # a slot's zeros in the model dtype, made on first release
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
@@ -196,7 +198,9 @@ class LoRAManager:
         if len(self._prefetches) >= 4 * self.pool.num_slots:  # forget finished ones no request came back for
             for done in [i for i, f in self._prefetches.items() if f.done()]:
                 del self._prefetches[done]
-        self._prefetches[lora_id] = self._prefetcher.submit(self._staged_slot_arrays, self.refs[lora_id])
+        self._prefetches[lora_id] = self._prefetcher.submit(
+            self._staged_slot_arrays, self.refs[lora_id], time.perf_counter()
+        )
 
     def wait_for_prefetches(self) -> None:
         """Block until every adapter on its way from disk is ready for a slot (scripts that profile one step with
@@ -214,23 +218,31 @@ class LoRAManager:
                 self._slot_arrays[adapter] = values
         return adapter, values
 
-    def _staged_slot_arrays(self, ref: LoRARef) -> tuple[LoRAAdapter, list]:
+    def _staged_slot_arrays(self, ref: LoRARef, submitted: float) -> tuple[LoRAAdapter, list]:
         """`_host_slot_arrays`, then copied to the device while the staging budget allows, so that the engine loop's
         slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
-        them from the host on the engine loop)."""
-        adapter, values = self._host_slot_arrays(ref)
-        with self._slot_arrays_lock:
-            if self._num_staged >= self.staging_budget:
-                return adapter, values
-            self._num_staged += 1
+        them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
         try:
-            staged = StagedSlotArrays(self.runner.stage_lora_slot_values(values))
-        except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
-            self._unstaged()
-            logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
-            return adapter, values
-        weakref.finalize(staged, self._unstaged)
-        return adapter, staged
+            adapter, values = self._host_slot_arrays(ref)
+            with self._slot_arrays_lock:
+                if self._num_staged >= self.staging_budget:
+                    return adapter, values
+                self._num_staged += 1
+            staging = time.perf_counter()
+            try:
+                staged = StagedSlotArrays(self.runner.stage_lora_slot_values(values))
+            except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
+                self._unstaged()
+                logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
+                return adapter, values
+            weakref.finalize(staged, self._unstaged)
+            with self._slot_arrays_lock:
+                self.prefetch_times["staging_s"] += time.perf_counter() - staging
+            return adapter, staged
+        finally:
+            with self._slot_arrays_lock:
+                self.prefetch_times["prefetches"] += 1
+                self.prefetch_times["prefetch_s"] += time.perf_counter() - submitted
 
     def _unstaged(self) -> None:
         with self._slot_arrays_lock:
@@ -340,6 +352,7 @@ class LoRAManager:
             "slot_load_seconds": list(self.load_latencies_s),
             "slot_load_seconds_total": self.load_seconds_total,
             "staged_slot_writes": self.staged_writes,
+            **self.prefetch_times,
         }
 
 

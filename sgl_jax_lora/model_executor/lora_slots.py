@@ -29,17 +29,16 @@ def slot_value_shardings(lora_state: nnx.State) -> list[Sharding]:
 
 def stage_slot_values(values: list, shardings: list[Sharding], wait: bool) -> list[jax.Array]:
     """Host `values` on the devices with `shardings` (every process of a multi-host mesh passes the same values and
-    places its own shards); values staged already, as a plain list. wait: each copy finishes before the next starts,
-    and all before this returns (a prefetch thread: the copies go out one buffer at a time, so the engine loop's own
-    small copies never queue behind a whole adapter)."""
+    places its own shards); values staged already, as a plain list. wait: return once every copy has landed (one wait
+    for all: a copy may queue behind the device's work in flight, so waiting after each would wait for it each time)."""
     if all(isinstance(value, jax.Array) for value in values):
         return list(values)
-    staged = []
-    for value, sharding in zip(values, shardings, strict=True):
-        array = jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
-        if wait:
-            array.block_until_ready()
-        staged.append(array)
+    staged = [
+        jax.make_array_from_callback(value.shape, sharding, lambda index, value=value: value[index])
+        for value, sharding in zip(values, shardings, strict=True)
+    ]
+    if wait:
+        jax.block_until_ready(staged)
     return staged
 
 

@@ -235,6 +235,8 @@ def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     manager.wait_for_prefetches()
     staged = sorted(n for n in "abc" if isinstance(manager._prefetches[ids[n]].result()[1], StagedSlotArrays))
     assert len(staged) == 2 and manager._num_staged == 2
+    stats = manager.stats()
+    assert stats["prefetches"] == 3 and stats["prefetch_s"] >= stats["staging_s"] > 0
     plan = manager.plan_step(set())
     assert [manager.reserve(plan, ids[n]) for n in "abc"] == [1, 2, 3]
     manager.apply(plan.slot_writes)
