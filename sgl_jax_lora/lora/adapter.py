@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from sgl_jax_lora.lora import adapter_files
-from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_shapes, tensor_label
+from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_bytes, read_safetensors_shapes, tensor_label
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
     WEIGHTS_FILE,
@@ -55,8 +55,7 @@ _REFUSED_TENSORS: tuple[tuple[str, str, str], ...] = (
 class LoRAAdapter:
     name: str
     path: str
-    # (layer_index, module) -> (A [r_m, in], B [out, r_m] with s_m / scaling folded in): float32, or float16 /
-    # bfloat16 as the adapter's file stores them (memory_pool.slot_dtype)
+    # (layer_index, module) -> (A [r_m, in] f32, B [out, r_m] f32 with s_m / scaling folded in)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     scaling: float  # one per adapter: lora_alpha / r (or / sqrt(r) with rslora)
     rank: int  # max r_m over present modules; device rows above a module's r_m are zero
@@ -113,7 +112,7 @@ def load_peft_adapter(
     max_lora_rank: int | None = None,
     allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Load a PEFT LoRA directory into host weights (in the file's dtype); raise LoRAAdapterError if not servable (a NaN or
+    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
     Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
     config = load_peft_config(name, path, allowed_dirs)
     tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs)
@@ -147,14 +146,13 @@ def build_adapter(
     target_shapes: LoRATargetShapes,
     max_lora_rank: int | None = None,
 ) -> LoRAAdapter:
-    """Validated config + PEFT-named tensors (float32, float16 or bfloat16) -> host adapter (disk and memory share
-    this). The tensors keep their dtype, but for a B whose module's scale differs from the adapter's (float32)."""
+    """Validated config + PEFT-named float32 tensors -> host adapter (disk and memory share this)."""
     scaling, plan = _validated_plan(name, config, tensors, target_shapes, max_lora_rank)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for key, (lora_a, lora_b, ratio) in plan.items():
-        if ratio != 1.0:
-            lora_b = (np.asarray(lora_b, np.float64) * ratio).astype(np.float32)
-        weights[key] = (np.ascontiguousarray(lora_a), np.ascontiguousarray(lora_b))
+        lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
+        scaled_b = lora_b if ratio == 1.0 else (np.asarray(lora_b, np.float64) * ratio)
+        weights[key] = (lora_a, np.asarray(scaled_b, dtype=np.float32))
     return LoRAAdapter(
         name=name,
         path=path,
@@ -249,11 +247,10 @@ def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) 
 
 
 def _read_tensors(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, np.ndarray]:
-    """All tensors of the file in their stored dtype (float32, float16, bfloat16; float64 as float32), read through
-    the one file object `open_confined` checked."""
+    """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked."""
     with open_confined(name, weights_file, allowed_dirs) as f:
         data = f.read()
-    tensors = adapter_files.read_stored_tensors(name, data)
+    tensors = read_safetensors_bytes(name, data)
     adapter_files.refuse_any_non_finite(name, tensors)
     return tensors
 

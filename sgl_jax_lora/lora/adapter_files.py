@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
-import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, deserialize
 
@@ -159,10 +158,7 @@ def _is_symlink_error(error: OSError) -> bool:
 def refuse_non_finite(name: str, key: str, tensor: np.ndarray, in_memory: bool = False) -> None:
     """Raise if `tensor` holds NaN or Inf: one such value would make every token through its slot NaN. `in_memory`:
     the tensor was handed over as an array (load from tensors, update), not read from an adapter's file."""
-    if tensor.dtype.name in _STORED_DTYPES and tensor.flags.c_contiguous:  # 16-bit: on the bits (no float math)
-        if raw_holds_non_finite(_STORED_DTYPES[tensor.dtype.name], tensor):
-            raise non_finite_error(name, key, in_memory)
-    elif tensor.dtype.kind in "fc" or tensor.dtype.name == "bfloat16":
+    if tensor.dtype.kind in "fc" or tensor.dtype.name == "bfloat16":
         if not np.isfinite(np.sum(tensor)) and not np.isfinite(tensor).all():  # the sum: one pass, no mask
             raise non_finite_error(name, key, in_memory)
 
@@ -193,9 +189,9 @@ _RAW_CHECK_ELEMENTS = 1 << 22  # elements per pass of `raw_holds_non_finite` (it
 
 
 def raw_holds_non_finite(dtype: str, raw) -> bool:
-    """Whether a safetensors entry's raw bytes, or a contiguous array of that dtype (F16, BF16, F32 or F64), hold a
-    NaN or Inf, from the exponent bits alone (the frontend's check of an 84 MB fp16 adapter file: 82 against 237 ms
-    through float32 copies, on the 2-core CPU machine)."""
+    """Whether a safetensors entry's raw bytes (dtype F16, BF16, F32 or F64) hold a NaN or Inf, from the exponent
+    bits alone (the frontend's check of an 84 MB fp16 adapter file: 82 against 237 ms through float32 copies, on
+    the 2-core CPU machine)."""
     uint, mask = _EXPONENT_BITS[dtype]
     bits, mask = np.frombuffer(raw, uint), uint(mask)
     for start in range(0, bits.size, _RAW_CHECK_ELEMENTS):
@@ -215,24 +211,9 @@ def refuse_any_non_finite(name: str, tensors: dict[str, np.ndarray], in_memory: 
         for key, tensor in tensors.items():
             check(name, key, tensor)
         return
-    threads = min(CHECK_THREADS, len(tensors))
-    items = list(enumerate(tensors.items()))
-    with ThreadPoolExecutor(threads, thread_name_prefix="finite-check") as pool:  # a task per thread: few futures
-        failures = [
-            f.result() for f in [pool.submit(_first_failure, check, name, items[i::threads]) for i in range(threads)]
-        ]
-    failures = [failure for failure in failures if failure is not None]
-    if failures:
-        raise min(failures, key=lambda failure: failure[0])[1]  # the first failure, in tensor order
-
-
-def _first_failure(check, name: str, items: list) -> tuple[int, LoRAAdapterError] | None:
-    for index, (key, tensor) in items:
-        try:
-            check(name, key, tensor)
-        except LoRAAdapterError as e:
-            return index, e
-    return None
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(tensors)), thread_name_prefix="finite-check") as pool:
+        for future in [pool.submit(check, name, key, tensor) for key, tensor in tensors.items()]:
+            future.result()  # the first failure, in tensor order
 
 
 def tensor_label(key: str, what: str = "tensor") -> str:
@@ -246,8 +227,6 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-_STORED_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
-_STORED_DTYPES = {"float16": "F16", "bfloat16": "BF16"}  # numpy dtype name -> safetensors name, checked on the bits
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
 
@@ -283,25 +262,6 @@ def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw)
     if dtype in _FLOAT_DTYPES:
         return np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
     raise non_float_error(name, key, dtype)
-
-
-def stored_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
-    """One safetensors entry -> an array in the dtype it is stored in, a read-only view of `raw` (F32, F16, BF16); F64
-    is converted to float32 (the engine computes in float32 at most). The engine's adapter loader keeps 16-bit
-    adapters 16-bit: no float32 copy on the host, and the slot write casts on the device."""
-    if dtype == "F64":
-        return float32_tensor(name, key, dtype, shape, raw)
-    if dtype not in _STORED_NUMPY:
-        raise non_float_error(name, key, dtype)
-    return np.frombuffer(raw, _STORED_NUMPY[dtype]).reshape(shape)
-
-
-def read_stored_tensors(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """A safetensors file's bytes -> name -> array in its stored dtype (`stored_tensor`)."""
-    return {
-        key: stored_tensor(name, key, entry["dtype"], tuple(entry["shape"]), entry["data"])
-        for key, entry in _safetensors_entries(name, data)
-    }
 
 
 def non_float_error(name: str, key: str, dtype: object) -> LoRAAdapterError:

@@ -1,7 +1,7 @@
 """LoRAMemoryPool: the device tier: which adapter sits in which slot, and writing one into a slot.
 
-Flow: LoRAManager picks a slot for an adapter -> `slot_update(adapter, slot_dtype(...))` lays its host weights out
-as the model's LoRA buffers expect (one [L, ...] array per buffer: A parts stacked along rank, B per part, kv
+Flow: LoRAManager picks a slot for an adapter -> `slot_update(adapter)` lays its host weights out as the
+model's LoRA buffers expect (one [L, ...] array per buffer: A parts stacked along rank, B per part, kv
 heads replicated like the base weights, rows above the adapter's rank zero) -> ModelRunner.write_lora_slot
 runs one jitted, donated `.at[:, slot].set(...)` per buffer. The shapes never change, so loading,
 evicting and unloading never compile. Slot 0 is the base model and stays all zeros; a slot whose adapter is
@@ -74,8 +74,8 @@ class LoRAMemoryPool:
         return {path: np.zeros((shape[0],) + tuple(shape[2:]), dtype) for path, shape in self.buffer_shapes.items()}
 
     def slot_update(self, adapter: LoRAAdapter, dtype=np.float32) -> dict[tuple[str, ...], np.ndarray]:
-        """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] in `dtype` (`slot_dtype`: the adapter's
-        16-bit dtype, copied as it is, or the model's, its float32 weights rounded once as they are copied in)."""
+        """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] in `dtype` (the model's, so that the slot
+        write needs no cast: the adapter's float32 weights are rounded once, as they are copied in)."""
         updates = {}
         for path, shape in self.buffer_shapes.items():
             packed, leaf = path[-2], path[-1]
@@ -98,15 +98,6 @@ class LoRAMemoryPool:
                         out[layer, :, : b.shape[1]] = b
             updates[path] = out
         return updates
-
-
-def slot_dtype(adapter: LoRAAdapter, model_dtype) -> np.dtype:
-    """The dtype to lay a slot's host arrays out in: the adapter's own when all its arrays are one 16-bit float dtype
-    (copies, no cast on the host: the slot write casts on the device), else the model's."""
-    dtypes = {array.dtype for pair in adapter.weights.values() for array in pair}
-    if len(dtypes) == 1 and next(iter(dtypes)).name in ("float16", "bfloat16"):
-        return next(iter(dtypes))
-    return np.dtype(model_dtype)
 
 
 def _module_of_b(leaf: str, hf_modules: tuple[str, ...]) -> str:

@@ -39,7 +39,7 @@ from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
-from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool, slot_dtype
+from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
@@ -213,8 +213,7 @@ class LoRAManager:
         with self._slot_arrays_lock:
             values = self._slot_arrays.get(adapter)
         if values is None:
-            layout = self.pool.slot_update(adapter, slot_dtype(adapter, self.runner.dtype))
-            values = self.runner.lora_slot_values(layout)
+            values = self.runner.lora_slot_values(self.pool.slot_update(adapter, self.runner.dtype))
             with self._slot_arrays_lock:
                 self._slot_arrays[adapter] = values
         return adapter, values

@@ -4,16 +4,12 @@ Flow: LoRAManager lays an adapter out for one slot (host arrays [L, ...] in the 
 `stage_slot_values` copies them to the devices in the layout the write reads (`slot_value_shardings`: each LoRA
 buffer's sharding without its slot axis) -> ModelRunner's jitted, donated `write_slot` sets [:, slot] of every buffer.
 The staged arrays always have those shardings, so the write is one compiled program whoever staged them: a
-prefetch thread (the engine loop's write then copies device to device) or the write itself (host arrays). A slot's
-values come in the model dtype, or in float16 / bfloat16 as a 16-bit adapter stores them (`host_slot_value`): the
-write casts them on the device, one program per dtype in `write_dtypes`, all compiled at warmup.
+prefetch thread (the engine loop's write then copies device to device) or the write itself (host arrays).
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
@@ -46,31 +42,8 @@ def stage_slot_values(values: list, shardings: list[Sharding], wait: bool) -> li
     return staged
 
 
-HALF_DTYPES = ("float16", "bfloat16")  # taken as they are, cast by the write on the device
-
-
-def host_slot_value(value: np.ndarray, model_dtype: np.dtype) -> np.ndarray:
-    """One buffer's host values as the write takes them: 16-bit floats as they are, anything else in the model dtype."""
-    return value if value.dtype.name in HALF_DTYPES else np.asarray(value, dtype=model_dtype)
-
-
-def write_dtypes(model_dtype: np.dtype) -> list[np.dtype]:
-    """The dtypes a slot write's values come in: the model's and the 16-bit ones."""
-    return list(dict.fromkeys([np.dtype(model_dtype)] + [jnp.dtype(name) for name in HALF_DTYPES]))
-
-
-def zero_updates(buffer_shapes: dict[tuple[str, ...], tuple[int, ...]], model_dtype: np.dtype) -> list[dict]:
-    """One slot of zeros (state path -> [L, ...]) in each of `write_dtypes`: the warmup writes them into slot 0."""
-    return [
-        {p: np.zeros((s[0],) + s[2:], dtype) for p, s in buffer_shapes.items()} for dtype in write_dtypes(model_dtype)
-    ]
-
-
 def write_slot(lora_state: nnx.State, slot: jax.Array, values: list[jax.Array]) -> nnx.State:
-    """Set [:, slot] of every LoRA buffer (flat-state order) to values[i] [L, ...], cast to the buffer's dtype."""
+    """Set [:, slot] of every LoRA buffer (flat-state order) to values[i] [L, ...]."""
     flat = nnx.to_flat_state(lora_state)
-    updated = [
-        (path, var.replace(var.get_value().at[:, slot].set(value.astype(var.get_value().dtype))))
-        for (path, var), value in zip(flat, values)
-    ]
+    updated = [(path, var.replace(var.get_value().at[:, slot].set(value))) for (path, var), value in zip(flat, values)]
     return nnx.from_flat_state(updated)

@@ -39,8 +39,8 @@ from sgl_jax_lora.mem_cache.kv_cache import (
     kv_bytes_per_token,
     kv_cache_dtype,
 )
-from sgl_jax_lora.model_executor import lora_slots
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
+from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
 from sgl_jax_lora.model_executor.padding_batches import (
     padding_forward_batch,
     padding_sampling_batch,
@@ -99,8 +99,8 @@ class ModelRunner:
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
         self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
-        self._write_lora_slot = jax.jit(lora_slots.write_slot, donate_argnames=("lora_state",))
-        self._lora_value_shardings = lora_slots.slot_value_shardings(self.lora_state)
+        self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
+        self._lora_value_shardings = slot_value_shardings(self.lora_state)
         self._logits = jax.jit(self._logits_impl)
         # Sampled ids cross to the next forward as one replicated [M] array, M = the most rows a step samples,
         # so that every forward sees the same argument shape and sharding whichever step came before.
@@ -208,19 +208,21 @@ class ModelRunner:
         }
 
     def lora_slot_values(self, updates: dict[tuple[str, ...], np.ndarray]) -> list[np.ndarray]:
-        """A slot's host arrays (state path -> [L, ...]) in buffer order, in the model dtype or 16-bit (cast by the
-        write on the device), ready to write. Host work (thread-safe): LoRAManager runs it on its prefetch threads."""
-        return [lora_slots.host_slot_value(updates[path], self.dtype) for path in self.lora_paths]
+        """A slot's host arrays (state path -> [L, ...]) in buffer order and the model dtype, ready to write.
+
+        Pure host work (thread-safe): LoRAManager runs it on its prefetch thread and caches the result.
+        """
+        return [np.asarray(updates[path], dtype=self.dtype) for path in self.lora_paths]
 
     def stage_lora_slot_values(self, values: list[np.ndarray]) -> list:
         """`lora_slot_values(...)` on the devices as the slot write reads them, copied when this returns (thread-safe:
         LoRAManager's prefetch threads stage, and the engine loop's write copies device to device)."""
-        return lora_slots.stage_slot_values(values, self._lora_value_shardings, wait=True)
+        return stage_slot_values(values, self._lora_value_shardings, wait=True)
 
     def write_lora_slot(self, slot: int, values: list) -> None:
         """Overwrite slot `slot` of every LoRA buffer with `lora_slot_values(...)`, host arrays or staged ones (one
         compiled, donated program for any slot)."""
-        staged = lora_slots.stage_slot_values(values, self._lora_value_shardings, wait=False)  # staged ones as they are
+        staged = stage_slot_values(values, self._lora_value_shardings, wait=False)  # staged ones as they are
         self.lora_state = self._write_lora_slot(self.lora_state, np.int32(slot), staged)
 
     # ---- sizing and warmup ---------------------------------------------------------------------
@@ -378,8 +380,10 @@ class ModelRunner:
                         ).block_until_ready()
                         bar.update(1)
             bar.update(1)
-        for zeros in lora_slots.zero_updates(self.lora_buffer_shapes(), self.dtype):  # slot 0 stays zeros
-            self.write_lora_slot(0, self.lora_slot_values(zeros))  # compiles the write once per dtype it takes
+        shapes_of_lora = self.lora_buffer_shapes()
+        if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once
+            zeros = {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()}
+            self.write_lora_slot(0, self.lora_slot_values(zeros))
         bar.close()
 
 

@@ -5,15 +5,13 @@ B in its first `rank` columns, kv heads replicated when tp exceeds them, absent 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig, RopeConfig
 from sgl_jax_lora.lora.adapter import LoRAAdapter
-from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool, slot_dtype
+from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_RANK, SLOTS = 2, 8, 2, 1, 4, 4, 3
 
@@ -127,25 +125,6 @@ def test_slot_update_in_the_model_dtype_rounds_once():
         assert direct[path].dtype == jnp.bfloat16
         np.testing.assert_array_equal(direct[path].view(np.uint16), f32.astype(jnp.bfloat16).view(np.uint16))
     assert all(z.dtype == jnp.bfloat16 for z in pool.zero_update(jnp.bfloat16).values())
-
-
-@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
-def test_a_16_bit_adapter_is_laid_out_in_its_own_dtype(half):
-    """`slot_dtype`: an adapter whose arrays are all one 16-bit dtype (as its file stores them) is laid out in that
-    dtype, bit for bit (no cast on the host: the slot write casts on the device); float32 or mixed arrays are laid
-    out in the model's dtype."""
-    pool, lora = make_pool(), adapter("a", rank=3)
-    half_lora = dataclasses.replace(
-        lora, weights={key: (a.astype(half), b.astype(half)) for key, (a, b) in lora.weights.items()}
-    )
-    assert slot_dtype(half_lora, jnp.bfloat16) == slot_dtype(half_lora, np.float32) == np.dtype(half)
-    assert slot_dtype(lora, jnp.bfloat16) == np.dtype(jnp.bfloat16) and slot_dtype(lora, np.float32) == np.float32
-    mixed = dataclasses.replace(lora, weights={**half_lora.weights, (0, "q_proj"): lora.weights[(0, "q_proj")]})
-    assert slot_dtype(mixed, jnp.bfloat16) == np.dtype(jnp.bfloat16)
-    laid_out = pool.slot_update(half_lora, slot_dtype(half_lora, np.float32))
-    for path, f32 in pool.slot_update(lora).items():
-        assert laid_out[path].dtype == np.dtype(half)
-        np.testing.assert_array_equal(laid_out[path].view(np.uint16), f32.astype(half).view(np.uint16))
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
