@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from sgl_jax_lora.lora import adapter_files
-from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_bytes, read_safetensors_shapes, tensor_label
+from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_shapes, tensor_label
 from sgl_jax_lora.lora.peft_config import (
     EMBEDDING_MODULES,
     WEIGHTS_FILE,
@@ -250,9 +250,7 @@ def _read_tensors(name: str, weights_file: str, allowed_dirs: list[str] | None) 
     """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked."""
     with open_confined(name, weights_file, allowed_dirs) as f:
         data = f.read()
-    tensors = read_safetensors_bytes(name, data)
-    adapter_files.refuse_any_non_finite(name, tensors)
-    return tensors
+    return adapter_files.read_checked_safetensors(name, data)
 
 
 def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -4,8 +4,9 @@ error may show.
 Flow: `/load_lora_adapter` and on-demand loads (TokenizerManager) -> `confined_dir` (the directory, resolved)
 -> `check_adapter_files` on a worker thread (config and weights resolved with os.path.realpath and required
 inside --lora-allowed-dirs; every tensor finite) -> the engine process, whose loader (peft_config.py reads the
-config, adapter.py the weights) opens each file again through `open_confined` and checks each tensor with
-`refuse_non_finite` when it reads the weights (the files may have changed since the frontend looked).
+config, adapter.py the weights) opens each file again through `open_confined` and refuses NaN and Inf when it reads
+the weights (`read_checked_safetensors`; the files may have changed since the frontend looked). The bytes' layout is
+checked by safetensors_layout.py, which returns views and copies nothing.
 
 A symlink is followed when the path is resolved, and what it points to must itself lie inside an allowed
 directory. Between that check and the open, a client with write access to an allowed directory could swap the
@@ -35,7 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
-from safetensors import SafetensorError, deserialize
+
+from sgl_jax_lora.lora.safetensors_layout import (
+    MAX_HEADER_BYTES,
+    SafetensorsLayoutError,
+    safetensors_entries,
+    safetensors_layout,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -228,28 +235,58 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
-MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
 
 
 def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
     """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> float32 array (F32, F16,
     BF16, F64)."""
-    return {
-        key: float32_tensor(name, key, entry["dtype"], tuple(entry["shape"]), entry["data"])
-        for key, entry in _safetensors_entries(name, data)
-    }
+    return _float32_tensors(name, data)[0]
+
+
+def read_checked_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
+    """`read_safetensors_bytes`, every tensor refused if it holds NaN or Inf: the engine's read of an adapter file.
+    Tensors of one dtype are converted in one numpy call and summed in another, and checked one by one
+    (`refuse_any_non_finite`, which names the first bad tensor) only when that sum is not finite. A thread that reads
+    beside a busy engine loop waits for the GIL after every numpy call, so the calls' number matters more than their
+    size (docs/benchmarks.md "Adapter load")."""
+    tensors, whole = _float32_tensors(name, data)
+    if whole is None or not np.isfinite(np.sum(whole)):
+        refuse_any_non_finite(name, tensors)
+    return tensors
+
+
+def _float32_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(name -> float32 array, the one array they are all views of, or None when the file mixes dtypes)."""
+    try:
+        region, entries = safetensors_layout(data)
+    except SafetensorsLayoutError as e:
+        raise _invalid_safetensors(name, e) from e
+    dtypes = {dtype for _, dtype, _, _, _ in entries}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_ITEMSIZES:
+        tensors = {key: float32_tensor(name, key, dtype, shape, region[b:e]) for key, dtype, shape, b, e in entries}
+        return tensors, None
+    dtype = dtypes.pop()
+    size = FLOAT_ITEMSIZES[dtype]
+    whole = float32_tensor(name, entries[0][0], dtype, (len(region) // size,), region)
+    return {key: whole[b // size : e // size].reshape(shape) for key, _, shape, b, e in entries}, whole
 
 
 def _safetensors_entries(name: str, data: bytes) -> list:
-    """A safetensors file's bytes -> [(name, {"dtype", "shape", "data"})], checked by the safetensors library."""
+    """A safetensors file's bytes -> [(name, {"dtype", "shape", "data": a view of `data`})], the layout checked
+    (safetensors_layout.py: no copy, and no GIL held through one)."""
     try:
-        return deserialize(data)
-    except (SafetensorError, ValueError, TypeError) as e:
-        raise adapter_error(
-            name,
-            f"the tensors are not a valid safetensors file ({type(e).__name__})",
-            "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)",
-        ) from e
+        entries = safetensors_entries(data)
+    except SafetensorsLayoutError as e:
+        raise _invalid_safetensors(name, e) from e
+    return [(key, {"dtype": dtype, "shape": shape, "data": raw}) for key, dtype, shape, raw in entries]
+
+
+def _invalid_safetensors(name: str, error: SafetensorsLayoutError) -> LoRAAdapterError:
+    return adapter_error(
+        name,
+        f"the tensors are not a valid safetensors file ({error})",
+        "send or save the bytes of safetensors' save_file/save (e.g. adapter_model.safetensors)",
+    )
 
 
 def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:

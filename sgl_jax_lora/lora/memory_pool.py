@@ -81,23 +81,65 @@ class LoRAMemoryPool:
             packed, leaf = path[-2], path[-1]
             hf_modules = LORA_TARGETS[packed][0]
             out = np.zeros((shape[0],) + tuple(shape[2:]), dtype)
-            for layer in range(self.cfg.num_layers):
-                if leaf == "lora_a":
-                    for part, module in enumerate(hf_modules):
-                        pair = adapter.weights.get((layer, module))
-                        if pair is not None:
-                            rank = pair[0].shape[0]
-                            out[layer, part * self.max_rank : part * self.max_rank + rank] = pair[0]
-                else:
-                    module = _module_of_b(leaf, hf_modules)
-                    pair = adapter.weights.get((layer, module))
-                    if pair is not None:
-                        b = pair[1]
-                        if module in _KV_MODULES:
-                            b = replicate_kv_heads(b, 0, self.cfg, self.tp_size)
-                        out[layer, :, : b.shape[1]] = b
+            if leaf == "lora_a":
+                for part, module in enumerate(hf_modules):
+                    start = part * self.max_rank
+                    by_layer = {layer: a for (layer, m), (a, _) in adapter.weights.items() if m == module}
+                    _copy_layers(out, by_layer, lambda a, start=start: (slice(start, start + a.shape[0]),))
+            else:
+                module = _module_of_b(leaf, hf_modules)
+                by_layer = {layer: b for (layer, m), (_, b) in adapter.weights.items() if m == module}
+                if module in _KV_MODULES:
+                    by_layer = {
+                        layer: replicate_kv_heads(b, 0, self.cfg, self.tp_size) for layer, b in by_layer.items()
+                    }
+                _copy_layers(out, by_layer, lambda b: (slice(None), slice(0, b.shape[1])))
             updates[path] = out
         return updates
+
+
+def _copy_layers(out: np.ndarray, by_layer: dict[int, np.ndarray], index) -> None:
+    """out[layer][index(array)] = array for each layer's array: in one numpy call when the arrays lie evenly spaced in
+    one buffer (an adapter read from one file, whose tensors are views of its data), else one call per layer. A
+    prefetch thread beside a busy engine loop waits for the GIL after every numpy call, so the calls' number matters
+    more than their size."""
+    if not by_layer:
+        return
+    layers = sorted(by_layer, key=lambda layer: _address(by_layer[layer]))  # file order (safetensors sorts by name)
+    arrays = [by_layer[layer] for layer in layers]
+    stacked = _evenly_spaced(arrays)
+    if stacked is None:
+        for layer, array in zip(layers, arrays):
+            out[(layer,) + index(array)] = array
+        return
+    rows = slice(layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else np.array(layers)
+    out[(rows,) + index(arrays[0])] = stacked
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _evenly_spaced(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """The arrays as one read-only [n, ...] view when they are C-contiguous views of one buffer with one shape and
+    dtype, each starting the same number of bytes (at least its size) after the one before; else None."""
+    first = arrays[0]
+    if len(arrays) < 2 or first.base is None or not first.flags.c_contiguous:
+        return None
+    starts = [_address(array) for array in arrays]
+    step = starts[1] - starts[0]
+    if step < first.nbytes or any(
+        array.base is not first.base
+        or array.shape != first.shape
+        or array.dtype != first.dtype
+        or not array.flags.c_contiguous
+        or start != starts[0] + i * step
+        for i, (array, start) in enumerate(zip(arrays, starts))
+    ):
+        return None
+    return np.lib.stride_tricks.as_strided(
+        first, shape=(len(arrays),) + first.shape, strides=(step,) + first.strides, writeable=False
+    )
 
 
 def _module_of_b(leaf: str, hf_modules: tuple[str, ...]) -> str:

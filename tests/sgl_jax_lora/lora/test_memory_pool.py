@@ -5,11 +5,14 @@ B in its first `rank` columns, kv heads replicated when tp exceeds them, absent 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig, RopeConfig
+from sgl_jax_lora.lora import memory_pool
 from sgl_jax_lora.lora.adapter import LoRAAdapter
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 
@@ -125,6 +128,31 @@ def test_slot_update_in_the_model_dtype_rounds_once():
         assert direct[path].dtype == jnp.bfloat16
         np.testing.assert_array_equal(direct[path].view(np.uint16), f32.astype(jnp.bfloat16).view(np.uint16))
     assert all(z.dtype == jnp.bfloat16 for z in pool.zero_update(jnp.bfloat16).values())
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_layers_read_from_one_file_are_copied_in_one_call_a_module(monkeypatch, tp_size):
+    """An adapter read from one file holds its tensors as views of the file's data
+    (adapter_files.read_checked_safetensors); the layout copies each module part's layers at once through a strided
+    view, in the file's order of layers (safetensors sorts names: layer 10 before layer 2), to the same slot arrays as
+    one copy a layer. Replicated kv heads (new arrays) take the per-layer path."""
+    lora = adapter("a", rank=3, modules=("q_proj", "k_proj"))
+    order = [(layer, m) for layer in reversed(range(LAYERS)) for m in ("k_proj", "q_proj")]
+    flat = np.concatenate([lora.weights[key][i].ravel() for key in order for i in (0, 1)])
+    views, offset = {}, 0
+    for key in order:
+        a, b = lora.weights[key]
+        views[key] = tuple(flat[o : o + x.size].reshape(x.shape) for o, x in ((offset, a), (offset + a.size, b)))
+        offset += a.size + b.size
+    from_file = dataclasses.replace(lora, weights=views)
+    strided = []
+    real = memory_pool._evenly_spaced
+    monkeypatch.setattr(memory_pool, "_evenly_spaced", lambda arrays: strided.append(real(arrays)) or strided[-1])
+    pool = make_pool(tp_size)
+    laid_out = pool.slot_update(from_file)
+    assert sum(view is not None for view in strided) == (3 if tp_size > 1 else 4)  # A q, A k, B q (and B k at tp 1)
+    for path, expected in pool.slot_update(lora).items():  # separate arrays: one copy a layer
+        np.testing.assert_array_equal(laid_out[path], expected)
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
