@@ -76,6 +76,9 @@ class LoRAMemoryPool:
     def slot_update(self, adapter: LoRAAdapter, dtype=np.float32) -> dict[tuple[str, ...], np.ndarray]:
         """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] in `dtype` (the model's, so that the slot
         write needs no cast: the adapter's float32 weights are rounded once, as they are copied in)."""
+        by_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # module -> layer -> (A, B)
+        for (layer, module), pair in adapter.weights.items():
+            by_module.setdefault(module, {})[layer] = pair
         updates = {}
         for path, shape in self.buffer_shapes.items():
             packed, leaf = path[-2], path[-1]
@@ -84,11 +87,11 @@ class LoRAMemoryPool:
             if leaf == "lora_a":
                 for part, module in enumerate(hf_modules):
                     start = part * self.max_rank
-                    by_layer = {layer: a for (layer, m), (a, _) in adapter.weights.items() if m == module}
+                    by_layer = {layer: a for layer, (a, _) in by_module.get(module, {}).items()}
                     _copy_layers(out, by_layer, lambda a, start=start: (slice(start, start + a.shape[0]),))
             else:
                 module = _module_of_b(leaf, hf_modules)
-                by_layer = {layer: b for (layer, m), (_, b) in adapter.weights.items() if m == module}
+                by_layer = {layer: b for layer, (_, b) in by_module.get(module, {}).items()}
                 if module in _KV_MODULES:
                     by_layer = {
                         layer: replicate_kv_heads(b, 0, self.cfg, self.tp_size) for layer, b in by_layer.items()

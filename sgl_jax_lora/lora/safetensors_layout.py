@@ -1,11 +1,12 @@
 """The layout of a safetensors file's bytes, checked and returned as views: no tensor is copied.
 
-Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies) and check_adapter_files (the
-frontend) -> `safetensors_layout(data)` (the data region and each tensor's offsets in it) or `safetensors_entries(data)`
-([(name, dtype, shape, memoryview of its bytes)]), or `SafetensorsLayoutError` saying what is wrong. The checks are the safetensors library's: an 8-byte little-endian
-header length, a JSON object of entries (and an optional `__metadata__`), each with a known dtype, a shape of
-non-negative integers and data_offsets whose span is the shape times the dtype's size, the entries back to back from
-the start of the data to its end.
+Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies), check_adapter_files (the
+frontend) and tensor_file.map_tensor_file (the engine mapping a TensorFile) -> `safetensors_layout(data)` (the data
+region and each tensor's offsets in it) or `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its
+bytes)]), or `SafetensorsLayoutError` saying what is wrong. The checks are the safetensors library's: an 8-byte
+little-endian header length, a JSON object of entries (and an optional `__metadata__`), each with a known dtype, a
+shape of non-negative integers and data_offsets whose span is the shape times the dtype's size, the entries back to
+back from the start of the data to its end.
 
 Why not the library's `deserialize`: it copies every tensor into a new bytes object while it holds the GIL (an 84 MB
 adapter: 67 ms on the 2-core CPU machine, in which no other thread of the process runs, the engine loop's included).
@@ -79,15 +80,15 @@ def safetensors_layout(data: bytes | memoryview) -> tuple[memoryview, list[tuple
 
 def _entry(key: str, entry: object, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
     if not isinstance(key, str) or not isinstance(entry, dict) or entry.get("dtype") not in DTYPE_SIZES:
-        raise SafetensorsLayoutError("an entry has no known dtype")
+        raise SafetensorsLayoutError("a tensor has no valid header entry (a known dtype, a shape, data_offsets)")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
-        raise SafetensorsLayoutError("an entry's shape is not a list of non-negative integers")
+        raise SafetensorsLayoutError("a tensor has an invalid shape (a list of non-negative integers)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise SafetensorsLayoutError("an entry's data_offsets are not two non-negative integers")
+        raise SafetensorsLayoutError("a tensor has an invalid shape or data_offsets (two non-negative integers)")
     begin, end = offsets
     if not begin <= end <= data_len or end - begin != math.prod(shape) * DTYPE_SIZES[entry["dtype"]]:
-        raise SafetensorsLayoutError("an entry's data_offsets do not match its shape and dtype")
+        raise SafetensorsLayoutError("a tensor's data_offsets do not match its shape and dtype")
     return entry["dtype"], tuple(shape), begin, end
 
 

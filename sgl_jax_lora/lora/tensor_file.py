@@ -17,7 +17,7 @@ for the write), so arrays of the float dtypes the engine reads exactly (float32,
 HTTP bodies are checked by the engine.
 
 The layout is safetensors' (8-byte little-endian header length, a JSON header of dtype / shape / data offsets,
-the raw data), parsed here with every offset and size checked, since HTTP bodies arrive in it unchanged.
+the raw data), checked by safetensors_layout.py (every offset and size), since HTTP bodies arrive in it unchanged.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from sgl_jax_lora.lora.adapter_files import (
-    FLOAT_ITEMSIZES,
     float32_tensor,
-    non_float_error,
     refuse_non_finite,
     tensor_label,
 )
 from sgl_jax_lora.lora.peft_config import adapter_error
+from sgl_jax_lora.lora.safetensors_layout import SafetensorsLayoutError, safetensors_entries
 
 _SHM_DIR = "/dev/shm"
 WRITE_THREADS = 8  # most shard files of one TensorFile, written on as many threads
@@ -151,42 +150,12 @@ def map_tensor_file(name: str, path: str) -> dict[str, np.ndarray]:
         if size < 8:
             raise adapter_error(name, f"the tensors are not a valid safetensors file ({size} bytes)", _FIX)
         mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    buffer = memoryview(mapping)
-    header_len = int.from_bytes(buffer[:8], "little")
-    if header_len > size - 8:
-        raise adapter_error(name, "the tensors are not a valid safetensors file (header longer than the data)", _FIX)
     try:
-        header = json.loads(bytes(buffer[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise adapter_error(name, f"the tensors are not a valid safetensors file (header: {e})", _FIX) from e
-    if not isinstance(header, dict):
-        raise adapter_error(name, "the tensors are not a valid safetensors file (header is not a JSON object)", _FIX)
-    header.pop("__metadata__", None)
-    data_start = 8 + header_len
-    return {key: _tensor(name, key, entry, buffer, data_start, size) for key, entry in header.items()}
-
-
-def _tensor(name: str, key: str, entry: object, buffer: memoryview, data_start: int, size: int) -> np.ndarray:
-    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
-        raise adapter_error(name, f"{tensor_label(key)} has no valid header entry", _FIX)
-    itemsize = FLOAT_ITEMSIZES.get(entry["dtype"])
-    if itemsize is None:
-        raise non_float_error(name, key, entry["dtype"])
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (
-        isinstance(shape, list)
-        and all(isinstance(d, int) and d >= 0 for d in shape)
-        and isinstance(offsets, list)
-        and len(offsets) == 2
-        and all(isinstance(o, int) for o in offsets)
-    ):
-        raise adapter_error(name, f"{tensor_label(key)} has an invalid shape or data_offsets", _FIX)
-    begin, end = offsets
-    count = int(np.prod(shape, dtype=np.int64))
-    if not 0 <= begin <= end <= size - data_start or end - begin != count * itemsize:
-        raise adapter_error(name, f"{tensor_label(key)}: its data_offsets do not match its shape and dtype", _FIX)
-    # F32: a read-only view of the mapping, which stays alive as long as the array does
-    return float32_tensor(name, key, entry["dtype"], tuple(shape), buffer[data_start + begin : data_start + end])
+        entries = safetensors_entries(memoryview(mapping))
+    except SafetensorsLayoutError as e:
+        raise adapter_error(name, f"the tensors are not a valid safetensors file ({e})", _FIX) from e
+    # F32: read-only views of the mapping, which stays alive as long as the arrays do
+    return {key: float32_tensor(name, key, dtype, shape, raw) for key, dtype, shape, raw in entries}
 
 
 def _write_at(fd: int, value: np.ndarray, start: int) -> None:
