@@ -4,8 +4,8 @@ weights) timed per attention backend, and with 32 LoRA adapters, side by side in
     python scripts/bench_step.py --variants native pallas pallas+lora --cases decode:64x512 decode:256x512 \\
         prefill:8x256 --num-layers 32 --out step.json
 
-Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: 32 adapters of rank 16 on all 7
-projections in 33 device slots, the auto LoRA backend, or the one `+lora=NAME` names (a --lora-backend choice); each
+Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: --num-adapters adapters (32) of
+rank 16 on all 7 projections, one device slot each beside the base's, the auto LoRA backend, or the one `+lora=NAME` names (a --lora-backend choice); each
 sequence one adapter, as the engine batches them: a prompt's tokens share their adapter, and decode rows are grouped
 by adapter, as the scheduler orders a decode step), then runs each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
@@ -48,7 +48,7 @@ from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
 from sgl_jax_lora.server_args import LORA_BACKENDS  # noqa: E402
 
-PAGE_SIZE, NUM_ADAPTERS, RANK = 16, 32, 16
+PAGE_SIZE, RANK = 16, 16
 MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
 
 
@@ -112,15 +112,16 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return attention, (lora_backend or "auto") if kind else None
 
 
-def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: int):
-    """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None."""
+def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: int, opts: argparse.Namespace):
+    """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None, with
+    opts.num_adapters + 1 device slots."""
     mesh = make_mesh(1)
     spec = None
     if lora_backend:
         spec = LoRAModelSpec(
-            num_slots=NUM_ADAPTERS + 1,
+            num_slots=opts.num_adapters + 1,
             max_rank=RANK,
-            backend=make_lora_backend(lora_backend, mesh),
+            backend=make_lora_backend(lora_backend, mesh, opts.lora_fused_gemm_min_tokens),
             target_modules=frozenset(LORA_TARGETS),
         )
     attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[
@@ -138,7 +139,7 @@ def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: i
         attention_backend=attention,
         max_prefill_chunks=MAX_PREFILL_SEQS,
     )
-    if spec is not None:  # random adapters in slots 1..32, slot 0 (base) stays zero
+    if spec is not None:  # random adapters in slots 1..N, slot 0 (base) stays zero
         keys = iter(jax.random.split(jax.random.key(1), 64))
         state = jax.tree_util.tree_map_with_path(
             lambda path, x: (
@@ -157,11 +158,11 @@ def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: i
     return state, kv, jax.jit(forward, donate_argnums=1)
 
 
-def sequence_slots(num_seqs: int) -> np.ndarray:
-    """[S] adapter slot of each sequence: 1..NUM_ADAPTERS (slot 0 is the base), sequences of one adapter
+def sequence_slots(num_seqs: int, num_adapters: int) -> np.ndarray:
+    """[S] adapter slot of each sequence: 1..num_adapters (slot 0 is the base), sequences of one adapter
     consecutive (as the scheduler orders a decode step's rows), as many adapters as there are sequences, at most
-    NUM_ADAPTERS, each with the same number of sequences give or take one."""
-    return (1 + np.arange(num_seqs) * min(NUM_ADAPTERS, num_seqs) // num_seqs).astype(np.int32)
+    num_adapters, each with the same number of sequences give or take one."""
+    return (1 + np.arange(num_seqs) * min(num_adapters, num_seqs) // num_seqs).astype(np.int32)
 
 
 def lora_batches(num_slots: int):
@@ -173,7 +174,7 @@ def lora_batches(num_slots: int):
         """token_seq: [live tokens] the sequence of each real token; the rest of the bucket's num_tokens are padding
         tokens, in the base slot as the engine pads them."""
         token_slot = np.zeros(num_tokens, np.int32)
-        token_slot[: len(token_seq)] = sequence_slots(num_seqs)[token_seq]
+        token_slot[: len(token_seq)] = sequence_slots(num_seqs, num_slots - 1)[token_seq]
         distinct = len(np.unique(token_slot))
         return build_lora_batch(token_slot, pick(buckets, distinct), scale, rank)
 
@@ -188,6 +189,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="3.35 for H100 SXM, 4.8 for H200")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 GEMM peak of the GPU")
+    parser.add_argument("--num-adapters", type=int, default=32, help="adapters of the +lora variants, one slot each")
+    parser.add_argument(
+        "--lora-fused-gemm-min-tokens",
+        type=int,
+        default=None,
+        help="the engine's flag: the least token bucket that runs the GEMM with the LoRA inside it (0: none)",
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
@@ -197,8 +205,8 @@ def main() -> None:
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     rows = []
     for variant, (backend, lora_backend) in zip(opts.variants, variants):
-        state, kv, forward = build(cfg, backend, lora_backend, num_pages)
-        lora = lora_batches(NUM_ADAPTERS + 1) if lora_backend else None
+        state, kv, forward = build(cfg, backend, lora_backend, num_pages, opts)
+        lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
         for kind, seqs, length, bucket in cases:
             batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
             batch = jax.device_put(batch)
@@ -237,6 +245,8 @@ def main() -> None:
                     "jax": jax.__version__,
                     "device": str(jax.devices()[0].device_kind),
                     "num_layers": opts.num_layers,
+                    "num_adapters": opts.num_adapters,
+                    "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
                 },
                 f,
                 indent=2,

@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
-from scripts.bench_step import NUM_ADAPTERS, PAGE_SIZE, case_batch, lora_batches, parse_case, parse_variant
+from scripts.bench_step import PAGE_SIZE, case_batch, lora_batches, parse_case, parse_variant
 from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
 
 
@@ -66,21 +66,22 @@ def test_a_padded_decode_case_is_the_unpadded_one_plus_the_engines_padding():
     assert np.abs(out[:num_seqs]).min() > 0 and not out[num_seqs:].any()
 
 
+@pytest.mark.parametrize("num_adapters", [32, 128])
 @pytest.mark.parametrize("case", ["decode:512x512", "decode:369x384@512", "decode:20x64", "prefill:8x256"])
-def test_lora_tokens_are_laid_out_as_the_engine_batches_them(case):
+def test_lora_tokens_are_laid_out_as_the_engine_batches_them(case, num_adapters):
     """Each sequence has one adapter: a prompt's tokens share it and a decode step's rows are grouped by adapter
-    (the scheduler's order), with as many adapters as sequences up to 32; padding tokens are in the base slot. So the
+    (the scheduler's order), with as many adapters as sequences up to --num-adapters; padding tokens are in the base slot. So the
     runs of one adapter are as few as the engine's, and the GEMM with the LoRA inside it keeps every one of them in
     its entry table (its bound: row tiles + sequences - 1), as it does in the engine."""
     kind, seqs, length, bucket = parse_case(case)
-    batch, q_lens, _ = case_batch(kind, seqs, length, bucket, -(-length // PAGE_SIZE), lora_batches(NUM_ADAPTERS + 1))
+    batch, q_lens, _ = case_batch(kind, seqs, length, bucket, -(-length // PAGE_SIZE), lora_batches(num_adapters + 1))
     token_slot = np.asarray(batch.lora.token_slot)
     live = sum(q_lens)
     per_seq = np.split(token_slot[:live], np.cumsum(q_lens)[:-1])
     assert all(len(set(tokens)) == 1 for tokens in per_seq)
     slots = np.array([tokens[0] for tokens in per_seq])
     assert (np.diff(slots) >= 0).all() and not token_slot[live:].any()
-    assert len(set(slots)) == min(NUM_ADAPTERS, seqs) and 0 not in slots
+    assert len(set(slots)) == min(num_adapters, seqs) and 0 not in slots
     counts = np.bincount(slots)[1:]
     assert counts.max() - counts.min() <= 1
     tile_m = GemmLoraTiles.tile_m
