@@ -271,14 +271,13 @@ def _float32_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.
     return {key: whole[b // size : e // size].reshape(shape) for key, _, shape, b, e in entries}, whole
 
 
-def _safetensors_entries(name: str, data: bytes) -> list:
-    """A safetensors file's bytes -> [(name, {"dtype", "shape", "data": a view of `data`})], the layout checked
+def _safetensors_entries(name: str, data: bytes) -> list[tuple[str, str, tuple[int, ...], memoryview]]:
+    """A safetensors file's bytes -> [(name, dtype, shape, a view of its bytes in `data`)], the layout checked
     (safetensors_layout.py: no copy, and no GIL held through one)."""
     try:
-        entries = safetensors_entries(data)
+        return safetensors_entries(data)
     except SafetensorsLayoutError as e:
         raise _invalid_safetensors(name, e) from e
-    return [(key, {"dtype": dtype, "shape": shape, "data": raw}) for key, dtype, shape, raw in entries]
 
 
 def _invalid_safetensors(name: str, error: SafetensorsLayoutError) -> LoRAAdapterError:
@@ -344,8 +343,8 @@ def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | t
         return  # the engine's loader names what is missing
     with open_confined(name, weights, allowed_dirs) as f:
         data = f.read()
-    for key, entry in _safetensors_entries(name, data):  # on the raw bits: no float32 copy of the adapter
-        if entry["dtype"] not in _EXPONENT_BITS:
-            raise non_float_error(name, key, entry["dtype"])
-        if raw_holds_non_finite(entry["dtype"], entry["data"]):
+    for key, dtype, _, raw in _safetensors_entries(name, data):  # on the raw bits: no float32 copy of the adapter
+        if dtype not in _EXPONENT_BITS:
+            raise non_float_error(name, key, dtype)
+        if raw_holds_non_finite(dtype, raw):
             raise non_finite_error(name, key)
