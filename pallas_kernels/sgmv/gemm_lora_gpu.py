@@ -17,8 +17,10 @@ consecutive tokens with the same adapter slot (a prefill batch holds each sequen
 `entry_s` lays the scaled s out per entry as an [E, tile_m, R] array whose rows outside the entry's run are
 zero (once per layer). After the tile's K loop over
 x and W, the kernel adds, for each entry of its row tile, s_entry [tile_m, R] @ B[slot].T [R, tile_n] into
-the same float32 accumulator: R more K steps per run, with both operands fetched by TMA while the main
-loop runs. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
+the same float32 accumulator: R more K steps per run, with the first entries' operands fetched by TMA while the
+main loop runs. The entries of a tile run one after the other, so with one buffer each waits for its operands' trip
+to memory (about 1 us an entry on an H200 when many adapters' B tiles miss L2); `entry_slots` buffers make a ring
+with that many entries' tiles in flight. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
 masking is needed inside the kernel, and any number of runs per tile is handled (bounded by E, static).
 
 Packed parts and layers: each part's width is a multiple of a CTA's 2 * tile_n columns, so a CTA's columns
@@ -82,6 +84,7 @@ class GemmLoraTiles:
     epilogue_n: int = 64  # columns of an epilogue store (its rows: 64)
     snake_minor_n: bool = True  # tile order: snake along N (else along M) ...
     snake_width: int = 8  # ... in bands this many tiles wide
+    entry_slots: int = 1  # LoRA entries whose s and B tiles are in flight at once: a ring of buffers per warpgroup
 
     def smem_bytes(self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2, gated: bool = False) -> int:
         pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * in_itemsize
@@ -90,22 +93,29 @@ class GemmLoraTiles:
             lora = 2 * 2 * (self.tile_m // 2 + self.tile_n) * rank * 2
         else:  # per warpgroup: an s tile and a B tile
             lora = 2 * (self.tile_m + self.tile_n) * rank * 2
-        return pipeline + epilogue + lora
+        return pipeline + epilogue + lora * self.entry_slots
 
 
 def choose_gemm_lora_tiles(
-    rank: int, out_itemsize: int = 2, tile_n: int = 128, max_stages: int = 4, gated: bool = False
+    rank: int,
+    out_itemsize: int = 2,
+    tile_n: int = 128,
+    max_stages: int = 4,
+    gated: bool = False,
+    entry_slots: int = 1,
 ) -> GemmLoraTiles:
     """The deepest pipeline, of at most `max_stages`, that fits shared memory with this rank's LoRA tiles (narrower
     epilogue stores before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32
     parts of split K, stored 32 columns (128 bytes) at a time. tile_n: the columns per consumer warpgroup. gated:
     the tiles of the gated kernel with LoRA (gate's and up's s and B tiles; at rank 16 four stages with 16-column
-    stores)."""
-    for stages in range(max_stages, 1, -1):
-        for epilogue_n in (64, 32, 16) if out_itemsize == 2 else (32,):
-            tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n)
-            if tiles.smem_bytes(rank, out_itemsize, gated=gated) + _SMEM_SPARE <= _SMEM_BYTES:
-                return tiles
+    stores). entry_slots: the LoRA entries in flight at once, each with its own s and B tiles; a ring that leaves
+    fewer than MIN_RING_STAGES stages gets one slot fewer (at rank 16, two slots take three stages)."""
+    for slots in range(entry_slots, 0, -1):
+        for stages in range(max_stages, 1 if slots == 1 else MIN_RING_STAGES - 1, -1):
+            for epilogue_n in (64, 32, 16) if out_itemsize == 2 else (32,):
+                tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n, entry_slots=slots)
+                if tiles.smem_bytes(rank, out_itemsize, gated=gated) + _SMEM_SPARE <= _SMEM_BYTES:
+                    return tiles
     raise ValueError(
         f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}; use the SGMV kernels (ranks above 64) instead"
     )
@@ -113,6 +123,7 @@ def choose_gemm_lora_tiles(
 
 MAX_K_SPLITS = 8
 MIN_SPLIT_STAGES = 3  # split K with LoRA tiles only where the float32 epilogue leaves this deep a pipeline
+MIN_RING_STAGES = 3  # a ring of LoRA entry buffers only where it leaves this deep a pipeline
 
 
 def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraTiles, num_sms: int) -> int:
@@ -131,16 +142,16 @@ def choose_k_splits(num_tokens: int, in_dim: int, out_dim: int, tiles: GemmLoraT
 
 
 def choose_gemm_lora_split(
-    num_tokens: int, in_dim: int, out_dim: int, rank: int, num_sms: int
+    num_tokens: int, in_dim: int, out_dim: int, rank: int, num_sms: int, entry_slots: int = 1
 ) -> tuple[GemmLoraTiles, int]:
     """The tiles and K parts of the GEMM with the LoRA inside it over `num_sms` SMs: `choose_k_splits` with this
-    rank's tiles; when it splits, the tiles with float32 epilogue stores, unless they leave fewer than
-    MIN_SPLIT_STAGES stages (then one part)."""
-    tiles = choose_gemm_lora_tiles(rank)
+    rank's tiles (with a ring of `entry_slots` entry buffers where it fits); when it splits, the tiles with float32
+    epilogue stores, unless they leave fewer than MIN_SPLIT_STAGES stages (then one part)."""
+    tiles = choose_gemm_lora_tiles(rank, entry_slots=entry_slots)
     k_splits = choose_k_splits(num_tokens, in_dim, out_dim, tiles, num_sms) if num_sms else 1
     if k_splits == 1:
         return tiles, 1
-    split_tiles = choose_gemm_lora_tiles(rank, out_itemsize=4)
+    split_tiles = choose_gemm_lora_tiles(rank, out_itemsize=4, entry_slots=entry_slots)
     if split_tiles.stages < MIN_SPLIT_STAGES:
         return tiles, 1
     return split_tiles, choose_k_splits(num_tokens, in_dim, out_dim, split_tiles, num_sms)
@@ -240,11 +251,12 @@ def _kernel(
     unused = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
     lora_allocs = {}
     lora_parts = 2 if gated else 1  # the parts whose entries a warpgroup adds: gate and up, or its columns' part
-    if has_lora:  # per warpgroup and part an s tile of its rows and a B tile of its columns, each with a barrier
+    slots = tiles.entry_slots  # the ring: entry i of a row tile uses slot i % slots
+    if has_lora:  # per warpgroup, slot and part an s tile of its rows and a B tile of its columns, each with a barrier
         lora_allocs = dict(
-            s_smem=plgpu.SMEM((2, lora_parts, acc_rows, rank), s_ref.dtype, transforms=transforms(rank)),
-            b_smem=plgpu.SMEM((2, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
-            lora_barriers=plgpu.Barrier(num_barriers=2 * 2 * lora_parts),
+            s_smem=plgpu.SMEM((2, slots, lora_parts, acc_rows, rank), s_ref.dtype, transforms=transforms(rank)),
+            b_smem=plgpu.SMEM((2, slots, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
+            lora_barriers=plgpu.Barrier(num_barriers=2 * slots * 2 * lora_parts),
         )
 
     if fp8:
@@ -263,8 +275,10 @@ def _kernel(
     )
     def scope(pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None):
         wg = jax.lax.axis_index("wg")
-        if has_lora:  # this warpgroup's barriers: the s tiles' (one per part), then the B tiles'
-            wg_barriers = [lora_barriers.at[2 * lora_parts * wg + i] for i in range(2 * lora_parts)]
+
+        def slot_barriers(slot):
+            """This warpgroup's barriers of a ring slot: the s tiles' (one per part), then the B tiles'."""
+            return [lora_barriers.at[(wg * slots + slot) * 2 * lora_parts + i] for i in range(2 * lora_parts)]
 
         num_tiles = m_tiles * n_tiles
         if tail_split:  # whole waves of tiles, then the rest in pieces of K (tail_split.py)
@@ -311,47 +325,54 @@ def _kernel(
                     part = tile_part_ref[ni]
                     part_cols = pl.ds(pl.multiple_of(tile_part_col_ref[ni], cta_n) + wg * tn, tn)  # TMA tiling
 
-            def fetch(entry):
-                slot = entry_slot_ref[entry]
-                s_barriers, b_barriers = wg_barriers[:lora_parts], wg_barriers[lora_parts:]
+            def fetch(entry, slot):
+                """The entry's s and B tiles into ring slot `slot`, each arriving on that slot's barrier."""
+                adapter = entry_slot_ref[entry]
+                barriers = slot_barriers(slot)
+                s_barriers, b_barriers = barriers[:lora_parts], barriers[lora_parts:]
+                s_slot, b_slot = s_smem.at[wg, slot], b_smem.at[wg, slot]
                 if gated:
                     for index, b_ref in enumerate(b_refs):
                         s_entry = s_ref.at[index * num_entries + entry, s_rows]
-                        plgpu.copy_gmem_to_smem(s_entry, s_smem.at[wg, index], s_barriers[index])
-                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg, index], b_barriers[index])
+                        plgpu.copy_gmem_to_smem(s_entry, s_slot.at[index], s_barriers[index])
+                        plgpu.copy_gmem_to_smem(b_ref.at[adapter, part_cols, :], b_slot.at[index], b_barriers[index])
                     return
-                plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_smem.at[wg, 0], s_barriers[0])
+                plgpu.copy_gmem_to_smem(s_ref.at[part * num_entries + entry], s_slot.at[0], s_barriers[0])
                 if len(b_refs) == 1:
-                    plgpu.copy_gmem_to_smem(b_refs[0].at[slot, part_cols, :], b_smem.at[wg, 0], b_barriers[0])
+                    plgpu.copy_gmem_to_smem(b_refs[0].at[adapter, part_cols, :], b_slot.at[0], b_barriers[0])
                     return
                 for index, b_ref in enumerate(b_refs):
 
                     @pl.when(part == index)
                     def _fetch_part(b_ref=b_ref):
-                        plgpu.copy_gmem_to_smem(b_ref.at[slot, part_cols, :], b_smem.at[wg, 0], b_barriers[0])
+                        plgpu.copy_gmem_to_smem(b_ref.at[adapter, part_cols, :], b_slot.at[0], b_barriers[0])
 
             def add_entries(accs):
                 """After the K loop: each entry of the row tile adds its s rows @ B columns into the accumulator
-                of its part (gated: gate's and up's); the next entry's tiles are fetched after this one's MMAs."""
+                of its part (gated: gate's and up's). Entry i waits in slot i % slots; once its MMAs are done, the
+                slot takes entry i + slots, so `slots` entries' tiles are in flight while one computes."""
 
                 @pl.loop(first, end)
                 def _lora(entry):
-                    for barrier in wg_barriers:
+                    slot = 0 if slots == 1 else jax.lax.rem(entry - first, slots)
+                    for barrier in slot_barriers(slot):
                         plgpu.barrier_wait(barrier)
                     for index, acc in enumerate(accs):
-                        plgpu.wgmma(acc, s_smem.at[wg, index], b_smem.at[wg, index].transpose((1, 0)))
+                        b_tile = b_smem.at[wg, slot, index].transpose((1, 0))
+                        plgpu.wgmma(acc, s_smem.at[wg, slot, index], b_tile)
                     plgpu.wgmma_wait(0)
 
-                    @pl.when(entry + 1 < end)
+                    @pl.when(entry + slots < end)
                     def _next():
-                        fetch(entry + 1)
+                        fetch(entry + slots, slot)
 
             def compute_context(eval_pipeline):
-                if has_lora:
+                if has_lora:  # the first entries' operands arrive while the K loop runs, one per slot
+                    for ahead in range(slots):
 
-                    @pl.when(first < end)
-                    def _prefetch():  # the first entry's operands arrive while the K loop runs
-                        fetch(first)
+                        @pl.when(first + ahead < end)
+                        def _prefetch(ahead=ahead):
+                            fetch(first + ahead, ahead)
 
                 if gated:
 

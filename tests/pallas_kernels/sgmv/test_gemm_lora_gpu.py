@@ -105,6 +105,24 @@ def test_chosen_tiles_fit_shared_memory(rank):
     assert tiles.stages == 4 or deeper.smem_bytes(rank) + 1024 > 227 * 1024
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rank", [16, 32, 64])
+def test_a_ring_of_entry_buffers_keeps_three_stages_or_shrinks(rank, gated):
+    """Two entry slots where they fit beside a pipeline of at least 3 stages, else one slot with the tiles one slot
+    would get; always within shared memory."""
+    tiles = choose_gemm_lora_tiles(rank, gated=gated, entry_slots=2)
+    assert tiles.smem_bytes(rank, gated=gated) <= 227 * 1024 - 1024
+    if tiles.entry_slots == 2:
+        assert tiles.stages >= 3
+    else:
+        assert tiles == choose_gemm_lora_tiles(rank, gated=gated)
+        three_stages = GemmLoraTiles(stages=3, epilogue_n=16, entry_slots=2)
+        assert three_stages.smem_bytes(rank, gated=gated) + 1024 > 227 * 1024
+    # per slot and warpgroup an s and a B tile, 8 KB at rank 16 (gated: gate's and up's, s of half the rows: 12 KB)
+    expected = {16: (2, 3), 32: (1, 3) if gated else (2, 3), 64: (1, 2) if gated else (1, 3)}
+    assert (tiles.entry_slots, tiles.stages) == expected[rank]
+
+
 LLAMA3_8B_MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
@@ -147,12 +165,14 @@ def test_split_k_with_lora_lowers_for_cuda(monkeypatch):
         jax.ShapeDtypeStruct((num_entries, 128, rank), jnp.bfloat16),
         (jax.ShapeDtypeStruct((3, out_dim, rank), jnp.bfloat16),),
     )
-    tiles = choose_gemm_lora_tiles(rank, out_itemsize=4)
     call = jax.jit(gemm_lora_gpu_entries, static_argnames=("tiles", "k_splits"))
-    lowered = call.trace(*shapes, tiles=tiles, k_splits=2).lower(lowering_platforms=("cuda",))
-    text = lowered.as_text()
-    assert "mosaic_gpu" in text and f"tensor<{2 * num_tokens}x{out_dim}xf32>" in text
-    assert lowered.out_info.shape == (num_tokens, out_dim) and lowered.out_info.dtype == jnp.bfloat16
+    for entry_slots in (1, 2):  # one entry buffer, and a ring of two
+        tiles = choose_gemm_lora_tiles(rank, out_itemsize=4, entry_slots=entry_slots)
+        assert tiles.entry_slots == entry_slots
+        lowered = call.trace(*shapes, tiles=tiles, k_splits=2).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text and f"tensor<{2 * num_tokens}x{out_dim}xf32>" in text
+        assert lowered.out_info.shape == (num_tokens, out_dim) and lowered.out_info.dtype == jnp.bfloat16
 
 
 def test_rank_too_large_for_shared_memory_is_refused():
@@ -172,12 +192,15 @@ def test_rank_too_large_for_shared_memory_is_refused():
         (4, 384, 256, (512,), 32, 3),
         (5, 512, 256, (512, 256, 256), 16, 9),
         (6, 256, 512, (768, 768), 64, 4),
+        (7, 512, 512, (512, 256, 256), 16, 113),
     ],
 )
-def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank, runs):
+@pytest.mark.parametrize("entry_slots", [1, 2])
+def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank, runs, entry_slots):
     """One module (one part) or a packed one (q|k|v- and gate|up-like parts side by side, each with its own B
     and its own R columns of s), against the float32 reference part by part; then the same W and B as layer 1
-    of [L, ...] stacks, which the kernel must read in place."""
+    of [L, ...] stacks, which the kernel must read in place. With one entry buffer and a ring of two (where it fits
+    the rank; 113 runs in 512 rows give the row tiles dozens of entries each, as decode rows of many adapters do)."""
     rng = np.random.default_rng(seed)
     num_slots = 9
     token_slot = random_runs(rng, num_tokens, runs, num_slots)
@@ -186,7 +209,7 @@ def test_gemm_lora_gpu_matches_reference(seed, num_tokens, in_dim, widths, rank,
     w = jnp.asarray(rng.standard_normal((in_dim, sum(widths))) * 0.05, jnp.bfloat16)
     lora_bs = tuple(jnp.asarray(rng.standard_normal((num_slots, width, rank)), jnp.bfloat16) for width in widths)
     s = jnp.asarray(rng.standard_normal((num_tokens, len(widths) * rank)), jnp.float32)
-    tiles = choose_gemm_lora_tiles(rank)
+    tiles = choose_gemm_lora_tiles(rank, entry_slots=entry_slots)
     table = build_entry_table(
         jnp.asarray(token_slot),
         jnp.asarray(slot_scale),
@@ -339,25 +362,42 @@ def interpreter_with_transposed_operands():
 
 
 @pytest.mark.parametrize(
-    "gated,num_tokens,in_dim,inter_dim,rank,num_rows,runs",
+    "gated,num_tokens,in_dim,inter_dim,rank,num_rows,runs,entry_slots",
     [
-        (True, 256, 128, 256, 16, 200, 6),
-        (True, 384, 128, 384, 32, 200, 9),
-        (True, 512, 128, 640, 64, 100, 4),
-        (False, 256, 128, 256, 16, 256, 6),
+        (True, 256, 128, 256, 16, 200, 6, 1),
+        (True, 384, 128, 384, 32, 200, 9, 1),
+        (True, 512, 128, 640, 64, 100, 4, 1),
+        (False, 256, 128, 256, 16, 256, 6, 1),
+        (False, 256, 128, 256, 16, 256, 23, 2),
+        (True, 256, 128, 256, 16, 256, 23, 2),
+        (False, 384, 128, 256, 16, 384, 31, 3),
     ],
-    ids=["gated-rank-16", "gated-rank-32-one-padding-tile", "gated-rank-64-three-padding-tiles", "packed-rank-16"],
+    ids=[
+        "gated-rank-16",
+        "gated-rank-32-one-padding-tile",
+        "gated-rank-64-three-padding-tiles",
+        "packed-rank-16",
+        "packed-ring-of-2",
+        "gated-ring-of-2",
+        "packed-ring-of-3",
+    ],
 )
-def test_the_lora_kernel_in_the_mosaic_gpu_interpreter(gated, num_tokens, in_dim, inter_dim, rank, num_rows, runs):
+def test_the_lora_kernel_in_the_mosaic_gpu_interpreter(
+    gated, num_tokens, in_dim, inter_dim, rank, num_rows, runs, entry_slots
+):
     """The kernel call with LoRA entries (`lora_kernel_call`, as gemm_lora_gpu_entries makes it) run by the
     interpreter on 3 "SMs" over layer 1 of the stacks, against `gemm_lora_entries_ref` on the same operands: gated,
     each warpgroup's half of the rows adds gate's and up's entries before the activation, and the padding's row
-    tiles are zeroed (the interpreter fills unwritten output with NaN); packed, [gate | up] as two parts."""
+    tiles are zeroed (the interpreter fills unwritten output with NaN); packed, [gate | up] as two parts. With a ring
+    of entry slots, row tiles of many entries (more than the slots, and counts that are not multiples of them)."""
     interpret = interpreter_with_transposed_operands()
     if interpret is None:
         pytest.skip("this JAX's Mosaic GPU interpreter cannot run the LoRA loop's transposed B operand")
     x, w, lora_bs, s, table = gated_operands(22, num_tokens, in_dim, inter_dim, rank, runs)
-    tiles = choose_gemm_lora_tiles(rank, gated=gated)
+    tiles = choose_gemm_lora_tiles(rank, gated=gated, entry_slots=entry_slots)
+    assert tiles.entry_slots == entry_slots
+    per_tile = np.diff(np.asarray(table.entry_start))
+    assert entry_slots == 1 or (per_tile.max() > entry_slots and (per_tile % entry_slots).any())
     tile_part, tile_part_col = part_tile_tables((inter_dim, inter_dim), tiles.tile_n if gated else 2 * tiles.tile_n)
     entry_slot = table.entry_slot + lora_bs[0].shape[1]  # layer 1's slots of the flattened [L * A, I, R] stacks
     operands = (
