@@ -1,12 +1,12 @@
 """One model step against its physical floor: decode and prefill forwards of a Llama-3-8B-shaped model (dummy bf16
-weights) timed per attention backend, and with 32 LoRA adapters, side by side in one process.
+weights) timed per attention backend, and with LoRA adapters (32 by default), side by side in one process.
 
     python scripts/bench_step.py --variants native pallas pallas+lora --cases decode:64x512 decode:256x512 \\
         prefill:8x256 --num-layers 32 --out step.json
 
-Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: --num-adapters adapters (32) of
-rank 16 on all 7 projections, one device slot each beside the base's, the auto LoRA backend, or the one `+lora=NAME` names (a --lora-backend choice); each
-sequence one adapter, as the engine batches them: a prompt's tokens share their adapter, and decode rows are grouped
+Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: --num-adapters adapters (32)
+of rank 16 on all 7 projections, one device slot each beside the base's, the auto LoRA backend, or the one
+`+lora=NAME` names (a --lora-backend choice); each sequence one adapter, as the engine batches them: a prompt's tokens share their adapter, and decode rows are grouped
 by adapter, as the scheduler orders a decode step), then runs each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
@@ -112,16 +112,23 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return attention, (lora_backend or "auto") if kind else None
 
 
-def build(cfg: ModelConfig, backend: str, lora_backend: str | None, num_pages: int, opts: argparse.Namespace):
+def build(
+    cfg: ModelConfig,
+    backend: str,
+    lora_backend: str | None,
+    num_pages: int,
+    num_adapters: int,
+    fused_gemm_min_tokens: int | None,
+):
     """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None, with
-    opts.num_adapters + 1 device slots."""
+    num_adapters + 1 device slots and the engine's --lora-fused-gemm-min-tokens (None: its default)."""
     mesh = make_mesh(1)
     spec = None
     if lora_backend:
         spec = LoRAModelSpec(
-            num_slots=opts.num_adapters + 1,
+            num_slots=num_adapters + 1,
             max_rank=RANK,
-            backend=make_lora_backend(lora_backend, mesh, opts.lora_fused_gemm_min_tokens),
+            backend=make_lora_backend(lora_backend, mesh, fused_gemm_min_tokens),
             target_modules=frozenset(LORA_TARGETS),
         )
     attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[
@@ -205,7 +212,9 @@ def main() -> None:
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     rows = []
     for variant, (backend, lora_backend) in zip(opts.variants, variants):
-        state, kv, forward = build(cfg, backend, lora_backend, num_pages, opts)
+        state, kv, forward = build(
+            cfg, backend, lora_backend, num_pages, opts.num_adapters, opts.lora_fused_gemm_min_tokens
+        )
         lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
         for kind, seqs, length, bucket in cases:
             batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)

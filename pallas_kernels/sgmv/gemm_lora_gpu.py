@@ -20,8 +20,9 @@ x and W, the kernel adds, for each entry of its row tile, s_entry [tile_m, R] @ 
 the same float32 accumulator: R more K steps per run, with the first entries' operands fetched by TMA while the
 main loop runs. The entries of a tile run one after the other, so with one buffer each waits for its operands' trip
 to memory (about 1 us an entry on an H200 when many adapters' B tiles miss L2); `entry_slots` buffers make a ring
-with that many entries' tiles in flight. Entries of base tokens (scale 0) are dropped. Rows of a run never meet another run's B, so no
-masking is needed inside the kernel, and any number of runs per tile is handled (bounded by E, static).
+with that many entries' tiles in flight. Entries of base tokens (scale 0) are dropped. Rows of a run never meet
+another run's B, so no masking is needed inside the kernel, and any number of runs per tile is handled (bounded by
+E, static).
 
 Packed parts and layers: each part's width is a multiple of a CTA's 2 * tile_n columns, so a CTA's columns
 lie in one part (`part_tile_tables`) and it fetches that part's B and s columns; W and every B may be layer
