@@ -51,8 +51,9 @@ unfused activation the gated kernels match.
 
 Split K, at decode sizes: where a module's CTA tiles leave most SMs idle (o and down of Llama-3-8B at 512 tokens:
 64 tiles on 132 SMs), the K loop is cut into parts as in the base GEMM (`choose_k_splits`); each part's CTA writes
-its float32 product to a [k_splits * T, out] buffer that XLA sums, and only the first part's CTA adds the tile's
-LoRA entries, so the sum holds each entry once. `choose_gemm_lora_split` picks the parts and the tiles with float32
+its float32 product to a [k_splits * T, out] buffer that XLA sums, and the parts' CTAs share the tile's LoRA
+entries, each adding its own consecutive slice of them, so the sum holds each entry once and a row tile of many
+entries spreads them over its parts. `choose_gemm_lora_split` picks the parts and the tiles with float32
 epilogue stores that fit shared memory beside the LoRA tiles (one pipeline stage fewer at rank 16).
 
 The tail split (`tail_split=True`, the base GEMM of gemm_gpu.py only): the tiles of the last partial wave over the
@@ -174,8 +175,8 @@ def _kernel(
     are not run and their rows of out are left unwritten (the callers zero them, `zero_rows_from`), and the tiles
     that run are spread over the SMs as if the bucket ended at the last of them.
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
-    product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. The first part's tile adds
-    the LoRA entries, the others none.
+    product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. Part i's tile adds the
+    entries first + n * i // k_splits .. first + n * (i + 1) // k_splits of the row tile's n, so each once.
     fp8 (gemm_fp8_gpu.py, no LoRA): refs (w_row, scale, x, w, out) with 8-bit float x [T, in] and W stored K-major,
     [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W there; the
     float32 accumulator is multiplied by scale[0] before it is stored.
@@ -317,8 +318,10 @@ def _kernel(
                 wg_out = out_ref.at[pl.ds(split * num_tokens + mi * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)]
             if has_lora:
                 first, end = entry_start_ref[mi], entry_start_ref[mi + 1]
-                if k_splits > 1:  # the entries go into the first part only: the parts' sum holds each once
-                    end = jnp.where(split == 0, end, first)
+                if k_splits > 1:  # each part adds its own slice of the entries: the parts' sum holds each once
+                    base, count = first, end - first
+                    first = base + jax.lax.div(count * split, k_splits)
+                    end = base + jax.lax.div(count * (split + 1), k_splits)
                 if gated:  # gate's and up's columns of the tile, the same in both parts; the warpgroup's rows
                     part_cols = pl.ds(pl.multiple_of(ni * tn, tn), tn)
                     s_rows = pl.ds(pl.multiple_of(wg * acc_rows, acc_rows), acc_rows)

@@ -362,15 +362,17 @@ def interpreter_with_transposed_operands():
 
 
 @pytest.mark.parametrize(
-    "gated,num_tokens,in_dim,inter_dim,rank,num_rows,runs,entry_slots",
+    "gated,num_tokens,in_dim,inter_dim,rank,num_rows,runs,entry_slots,k_splits",
     [
-        (True, 256, 128, 256, 16, 200, 6, 1),
-        (True, 384, 128, 384, 32, 200, 9, 1),
-        (True, 512, 128, 640, 64, 100, 4, 1),
-        (False, 256, 128, 256, 16, 256, 6, 1),
-        (False, 256, 128, 256, 16, 256, 23, 2),
-        (True, 256, 128, 256, 16, 256, 23, 2),
-        (False, 384, 128, 256, 16, 384, 31, 3),
+        (True, 256, 128, 256, 16, 200, 6, 1, 1),
+        (True, 384, 128, 384, 32, 200, 9, 1, 1),
+        (True, 512, 128, 640, 64, 100, 4, 1, 1),
+        (False, 256, 128, 256, 16, 256, 6, 1, 1),
+        (False, 256, 128, 256, 16, 256, 23, 2, 1),
+        (True, 256, 128, 256, 16, 256, 23, 2, 1),
+        (False, 384, 128, 256, 16, 384, 31, 3, 1),
+        (False, 384, 384, 256, 16, 300, 31, 2, 2),
+        (False, 256, 768, 256, 16, 256, 23, 2, 4),
     ],
     ids=[
         "gated-rank-16",
@@ -380,22 +382,28 @@ def interpreter_with_transposed_operands():
         "packed-ring-of-2",
         "gated-ring-of-2",
         "packed-ring-of-3",
+        "packed-ring-of-2-k-in-2-parts",
+        "packed-ring-of-2-k-in-4-parts",
     ],
 )
 def test_the_lora_kernel_in_the_mosaic_gpu_interpreter(
-    gated, num_tokens, in_dim, inter_dim, rank, num_rows, runs, entry_slots
+    gated, num_tokens, in_dim, inter_dim, rank, num_rows, runs, entry_slots, k_splits
 ):
     """The kernel call with LoRA entries (`lora_kernel_call`, as gemm_lora_gpu_entries makes it) run by the
     interpreter on 3 "SMs" over layer 1 of the stacks, against `gemm_lora_entries_ref` on the same operands: gated,
     each warpgroup's half of the rows adds gate's and up's entries before the activation, and the padding's row
     tiles are zeroed (the interpreter fills unwritten output with NaN); packed, [gate | up] as two parts. With a ring
-    of entry slots, row tiles of many entries (more than the slots, and counts that are not multiples of them)."""
+    of entry slots, row tiles of many entries (more than the slots, and counts that are not multiples of them).
+    With the K loop in parts, the float32 parts' sum: each part adds its own slice of a row tile's entries, so the
+    sum holds each entry once (a slice of fewer entries than the slots too)."""
     interpret = interpreter_with_transposed_operands()
     if interpret is None:
         pytest.skip("this JAX's Mosaic GPU interpreter cannot run the LoRA loop's transposed B operand")
     x, w, lora_bs, s, table = gated_operands(22, num_tokens, in_dim, inter_dim, rank, runs)
-    tiles = choose_gemm_lora_tiles(rank, gated=gated, entry_slots=entry_slots)
+    out_itemsize = 2 if k_splits == 1 else 4
+    tiles = choose_gemm_lora_tiles(rank, out_itemsize=out_itemsize, gated=gated, entry_slots=entry_slots)
     assert tiles.entry_slots == entry_slots
+    assert k_splits == 1 or in_dim // tiles.tile_k == k_splits * tiles.stages  # parts as choose_k_splits makes them
     per_tile = np.diff(np.asarray(table.entry_start))
     assert entry_slots == 1 or (per_tile.max() > entry_slots and (per_tile % entry_slots).any())
     tile_part, tile_part_col = part_tile_tables((inter_dim, inter_dim), tiles.tile_n if gated else 2 * tiles.tile_n)
@@ -412,8 +420,9 @@ def test_the_lora_kernel_in_the_mosaic_gpu_interpreter(
         entry_s_parts(s, table, 2),
         tuple(b.reshape(-1, *b.shape[-2:]) for b in lora_bs),
     )
-    options = dict(tiles=tiles, num_sms=3, gated=gated, interpret=interpret)
+    options = dict(tiles=tiles, num_sms=3, gated=gated, k_splits=k_splits, interpret=interpret)
     y = np.asarray(jax.jit(lambda *ops: lora_kernel_call(*ops, **options))(*operands), np.float32)
+    y = y.reshape(k_splits, num_tokens, -1).sum(axis=0)
     packed = gemm_lora_entries_ref(*operands[:3], *operands[4:], tile_m=128)
     no_lora = gemm_lora_entries_ref(*operands[:3], *operands[4:8], operands[8] * 0, operands[9], tile_m=128)
     want, want_no_lora = (np.asarray(silu_and_mul(v) if gated else v, np.float32) for v in (packed, no_lora))
