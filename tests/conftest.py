@@ -1,4 +1,5 @@
-"""Test setup, before any test imports jax: 8 fake CPU devices for the sharding tests, and the platform JAX runs on.
+"""Test setup, before any test imports jax: 8 fake CPU devices for the sharding tests, and the platform JAX runs on;
+at the session's end, JAX's caches cleared while the session still runs (`pytest_sessionfinish`).
 
 The suite is written for the CPU: its tensor-parallel tests need the 8 fake devices and its tolerances the CPU's
 float32 numerics. So a plain run keeps JAX on the CPU (JAX_PLATFORMS=cpu, also for the servers the tests start in
@@ -6,7 +7,11 @@ subprocesses) on a machine with a GPU too. The GPU tests (marked `gpu`) are sele
 its default platform. A JAX_PLATFORMS the caller set (not empty) is kept as it is.
 """
 
+import gc
 import os
+import sys
+
+import pytest
 
 from tests.support.jax_platform import selects_gpu_tests
 
@@ -20,3 +25,16 @@ def pytest_configure(config):
     import jax  # noqa: PLC0415 (after XLA_FLAGS; the config covers a jax a plugin imported before this hook)
 
     jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """After the session's fixtures are torn down: clear JAX's caches of compiled programs and traces, and collect.
+    A process that ran hundreds of tests holds thousands of them, and collecting them at its exit (pytest's
+    unraisable-exception check collects 5 times, JAX's own exit hook clears them and collects 4 times) took over
+    5 s on the 2-core CI machine. A pytest-xdist worker tells the controller it has finished only after this hook
+    (the controller then interrupts a worker still alive 5 s after asking it to exit), so the work is done here."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    gc.collect()
