@@ -6,8 +6,9 @@ weights) timed per attention backend, and with LoRA adapters (32 by default), si
 
 Each variant builds the model once (`native` / `pallas`: --attention-backend; `+lora`: --num-adapters adapters (32)
 of rank 16 on all 7 projections, one device slot each beside the base's, the auto LoRA backend, or the one
-`+lora=NAME` names (a --lora-backend choice); each sequence one adapter, as the engine batches them: a prompt's tokens share their adapter, and decode rows are grouped
-by adapter, as the scheduler orders a decode step), then runs each case:
+`+lora=NAME` names (a --lora-backend choice); each sequence one adapter, as the engine batches them: a prompt's
+tokens share their adapter, and decode rows are grouped by adapter, as the scheduler orders a decode step), then
+runs each case:
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
                rows (padding tokens write slot 0, padding sequences hold no tokens)

@@ -28,7 +28,7 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session):
+def pytest_sessionfinish():
     """After the session's fixtures are torn down: clear JAX's caches of compiled programs and traces, and collect.
     A process that ran hundreds of tests holds thousands of them, and collecting them at its exit (pytest's
     unraisable-exception check collects 5 times, JAX's own exit hook clears them and collects 4 times) took over
