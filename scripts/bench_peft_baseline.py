@@ -6,7 +6,8 @@ and each group is served with `model.set_adapter(name)` and batched `generate` c
 requests (greedy, exactly --output-len new tokens). HF has no continuous batching and no cross-adapter batching:
 this is how one serves many adapters with PEFT alone. Groups are served until --time-budget seconds have passed;
 throughput is the generated tokens of the groups served over their wall time, and each group's seconds are reported
-beside it (HF `generate` is bound by the host's per-token work, so these follow the machine's CPU).
+beside it (HF `generate` is bound by the host's per-token work, so these follow the machine's CPU). An untimed
+warm-up serves the first group's first batch whole before the clock starts.
 
     python scripts/bench_peft_baseline.py --model DIR --adapter-dir ADAPTERS --num-requests 128 \\
         --num-adapters 32 --popularity distinct --input-len 128 --output-len 256 --out peft.json
@@ -87,10 +88,15 @@ def main() -> None:
             )
         return int(out.shape[0] * (out.shape[1] - ids.shape[1]))
 
+    # Warm-up, not timed: the first group's first batch whole, so the batch size's kernels and the allocator's blocks
+    # for the cache's growth over --output-len tokens are in place before the clock starts (one request for a few
+    # tokens left the first timed group 1.5-2x as slow as the next ones on an H200).
     model.set_adapter(f"a{first}")
-    serve(groups[first][:1])  # warm-up (CUDA kernels, caches); not timed
     synchronize = torch.cuda.synchronize if opts.device.startswith("cuda") else (lambda: None)
+    warmup_start = time.perf_counter()
+    serve(groups[first][: opts.max_batch])
     synchronize()
+    warmup_s = time.perf_counter() - warmup_start
     start = time.perf_counter()
     tokens, served, group_seconds = 0, 0, []
     for adapter, rows in groups.items():
@@ -114,6 +120,7 @@ def main() -> None:
         "output_tokens": tokens,
         "output_tok_per_s": tokens / elapsed,
         "group_seconds": group_seconds,  # each adapter group served, in order: a slow first group shows here
+        "warmup_s": warmup_s,  # the untimed warm-up batch
         "max_batch": opts.max_batch,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if opts.device.startswith("cuda") else opts.device,

@@ -26,4 +26,5 @@ def test_every_group_is_served_and_timed(tmp_path):
     assert result["output_tokens"] == 6 * 3  # exactly --output-len new tokens each
     assert len(result["group_seconds"]) == 2 and all(s > 0 for s in result["group_seconds"])
     assert sum(result["group_seconds"]) <= result["duration_s"]
+    assert result["warmup_s"] > 0  # the untimed warm-up batch ran
     assert abs(result["output_tok_per_s"] - result["output_tokens"] / result["duration_s"]) < 1e-6
