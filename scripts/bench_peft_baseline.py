@@ -1,4 +1,4 @@
-"""The naive baseline of the serving benchmark: HF transformers + PEFT serving the same requests one adapter at a time.
+"""The baseline of the serving benchmark: HF transformers + PEFT serving the same requests with `generate`.
 
 Requests are the ones scripts/bench_serving.py sends for the same flags (same prompts from --seed, same lengths,
 same adapter per request from --popularity over --num-adapters), served by batched `generate` calls of up to
