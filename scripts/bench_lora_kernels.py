@@ -89,15 +89,29 @@ def grid(name: str) -> list[tuple[str, int, int, int]]:
     return ordered
 
 
-def make_lora(num_tokens: int, num_adapters: int, num_slots: int, rank: int, seed: int):
+def make_lora(
+    num_tokens: int,
+    num_adapters: int,
+    num_slots: int,
+    rank: int,
+    seed: int,
+    adapter_rows: int | None = None,
+    num_segments: int | None = None,
+):
+    """A LoRABatch of num_tokens rows over num_adapters slots (1..n, round robin, shuffled). adapter_rows: only
+    this many rows carry an adapter, the rest are the bucket's padding (slot 0, as the engine pads); num_segments:
+    the segment bucket (default: n rounded up to a power of two, plus one for padding)."""
     rng = np.random.default_rng(seed)
-    token_slot = (1 + np.arange(num_tokens) % num_adapters)[rng.permutation(num_tokens)].astype(np.int32)
+    used = num_tokens if adapter_rows is None else adapter_rows
+    token_slot = np.zeros(num_tokens, np.int32)
+    token_slot[:used] = (1 + np.arange(used) % num_adapters)[rng.permutation(used)]
     ranks = np.full(num_slots, rank, np.int32)
     ranks[0] = 0
     scale = np.where(ranks > 0, 2.0, 0.0).astype(np.float32)
-    num_segments = 1 << max(num_adapters - 1, 0).bit_length()
+    if num_segments is None:
+        num_segments = (1 << max(num_adapters - 1, 0).bit_length()) + (used < num_tokens)
     lora = build_lora_batch(token_slot, num_segments, scale, ranks)
-    return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot))
+    return jax.tree_util.tree_map(jnp.asarray, lora), len(np.unique(token_slot[token_slot > 0]))
 
 
 def make_weights(key, num_layers, in_dim, out_dim, num_slots, rank):

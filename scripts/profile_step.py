@@ -43,8 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir, submit  # noqa: E402
 from scripts.tune_gpu_sgmv import VARIANTS as TILE_VARIANTS  # noqa: E402
-from scripts.tune_gpu_sgmv import patched_choose_tiles  # noqa: E402
-from sgl_jax_lora.lora.backend import pallas as pallas_backend  # noqa: E402
+from scripts.tune_gpu_sgmv import apply_variant  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.model_executor import model_runner  # noqa: E402
 from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
@@ -314,7 +313,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="ops (by device time) printed and written to --json")
     opts = parser.parse_args()
     if opts.pallas_variant != "default":  # before the engine traces its forward
-        pallas_backend.choose_tiles = patched_choose_tiles(TILE_VARIANTS[opts.pallas_variant])
+        apply_variant(TILE_VARIANTS[opts.pallas_variant])
     if opts.xla_option:  # before the runner builds its jitted forward
         add_forward_xla_options(dict(parse_xla_option(option) for option in opts.xla_option))
     started = time.perf_counter()

@@ -13,6 +13,7 @@ limit per row; the full results go to --json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -38,8 +39,11 @@ MODULES = {
     "gate_up": (4096, (14336, 14336), False),
     "down": (14336, (4096,), True),
 }
+# (module, rank, token bucket T, distinct adapters n[, rows of the bucket that carry an adapter; the rest pad])
 ROWS = {
     "decode": [(m, 16, 64, 32) for m in MODULES] + [("qkv", 16, 256, 128), ("gate_up", 16, 256, 128)],
+    # the ShareGPT serving tail's mean steps: 147 rows in the 256 bucket, 28 in the 64 bucket, one adapter a row
+    "tail": [(m, 16, 256, 32, 147) for m in MODULES] + [(m, 16, 64, 28, 28) for m in MODULES],
     "prefill": [("o", 16, 4096, 32), ("o", 64, 4096, 32), ("gate_up", 16, 4096, 32)],
     # where `auto` switches between bgmv and pallas at decode: few adapters, small decode buckets
     "small": [("gate_up", 16, t, n) for t in (8, 32, 64) for n in (1, 8)]
@@ -56,15 +60,32 @@ VARIANTS = {
     "splits_x2": {"in_splits": "x2"},
     "splits_half": {"in_splits": "half"},
     "in_128": {"block_in": 128},
+    "steps_1": {"out_steps": 1},
+    "steps_2": {"out_steps": 2},
+    "out_128_steps_1": {"block_out": 128, "out_steps": 1},
+    "rows_16": {"block_rows": 16},
+    "rows_32": {"block_rows": 32},
+    "rows_16_steps_1": {"block_rows": 16, "out_steps": 1},
 }
 
 
 def patched_choose_tiles(overrides: dict):
+    """`choose_tiles` with a variant's fields put on top. A `block_rows` override is chosen through (tiles and
+    program counts follow the new row tile); the engine's work list must use it too (`use_variant`)."""
     original = gpu_kernels.choose_tiles
+    block_rows = overrides.get("block_rows")
 
     def choose(num_tokens, num_segments, in_dim, out_dims):
-        tiles = original(num_tokens, num_segments, in_dim, out_dims)
-        changes = dict(overrides)
+        if block_rows is None:
+            tiles = original(num_tokens, num_segments, in_dim, out_dims)
+        else:
+            default_rows = gpu_kernels.gpu_block_rows
+            gpu_kernels.gpu_block_rows = lambda _: block_rows
+            try:
+                tiles = original(num_tokens, num_segments, in_dim, out_dims)
+            finally:
+                gpu_kernels.gpu_block_rows = default_rows
+        changes = {k: v for k, v in overrides.items() if k != "block_rows"}
         splits = changes.pop("in_splits", None)
         if splits is not None and in_dim is not None:
             k_steps = in_dim // tiles.block_in
@@ -73,6 +94,7 @@ def patched_choose_tiles(overrides: dict):
                 changes["in_splits"] = wanted
         if out_dims is None:
             changes.pop("block_out", None)
+            changes.pop("out_steps", None)
         tiles = dataclasses.replace(tiles, **changes)
         if out_dims is not None:  # keep out_steps valid for the new block_out
             parts = out_dims if isinstance(out_dims, tuple) else (out_dims,)
@@ -83,11 +105,44 @@ def patched_choose_tiles(overrides: dict):
     return choose
 
 
-def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) -> dict:
+def apply_variant(overrides: dict):
+    """From now on every Pallas GPU LoRA call traced runs with the variant's tiles, and the backend's per-step
+    work list with its row tile. Returns the function that puts the defaults back."""
+    saved = pallas_backend.choose_tiles, pallas_backend.gpu_block_rows
+    pallas_backend.choose_tiles = patched_choose_tiles(overrides)
+    if "block_rows" in overrides:
+        pallas_backend.gpu_block_rows = lambda _: overrides["block_rows"]
+
+    def restore() -> None:
+        pallas_backend.choose_tiles, pallas_backend.gpu_block_rows = saved
+
+    return restore
+
+
+@contextlib.contextmanager
+def use_variant(overrides: dict):
+    """`apply_variant` for the calls traced inside the block."""
+    restore = apply_variant(overrides)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def run_row(module, rank, num_tokens, num_adapters, args, variants, backends, adapter_rows=None) -> dict:
     in_dim, widths, row_parallel = MODULES[module]
     num_slots = max(8, num_adapters) + 1
     layers = args.layers
-    lora, num_present = make_lora(num_tokens, num_adapters, num_slots, rank, seed=num_tokens + num_adapters)
+    num_segments = 33 if adapter_rows is not None else None  # the engine's bucket for up to 32 adapters and base rows
+    lora, num_present = make_lora(
+        num_tokens,
+        num_adapters,
+        num_slots,
+        rank,
+        seed=num_tokens + num_adapters,
+        adapter_rows=adapter_rows,
+        num_segments=num_segments,
+    )
     key = jax.random.key(0)
     k_w, k_a, k_b, k_x = jax.random.split(key, 4)
     ws = [
@@ -106,6 +161,7 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
         module=module,
         rank=rank,
         tokens=num_tokens,
+        adapter_rows=num_tokens if adapter_rows is None else adapter_rows,
         distinct=num_present,
         segments=lora.num_segments,
         limit=(w_bytes + lora_bytes) / w_bytes,
@@ -141,12 +197,11 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
         row["ratio"][name] = time_fn(fn, (x, ws, a_stack, b_stacks, lora), args.min_seconds) / t_base
         if name == "bgmv":
             reference = np.asarray(fn(x, ws, a_stack, b_stacks, lora)[-1], np.float32)
-    original = pallas_backend.choose_tiles
     for variant in variants:
-        pallas_backend.choose_tiles = patched_choose_tiles(VARIANTS[variant])
         try:
-            fn = lora_fn_for(make_lora_backend("pallas"))
-            y = np.asarray(fn(x, ws, a_stack, b_stacks, lora)[-1], np.float32)
+            with use_variant(VARIANTS[variant]):
+                fn = lora_fn_for(make_lora_backend("pallas"))
+                y = np.asarray(fn(x, ws, a_stack, b_stacks, lora)[-1], np.float32)
             if reference is not None:
                 err = float(np.abs(y - reference).max() / max(np.abs(reference).max(), 1e-6))
                 if err > 2e-2:
@@ -154,8 +209,6 @@ def run_row(module, rank, num_tokens, num_adapters, args, variants, backends) ->
             row["ratio"]["pallas:" + variant] = time_fn(fn, (x, ws, a_stack, b_stacks, lora), args.min_seconds) / t_base
         except Exception as err:  # noqa: BLE001 - a failed variant is reported, the sweep goes on
             row["errors"][variant] = f"{type(err).__name__}: {str(err)[:200]}"
-        finally:
-            pallas_backend.choose_tiles = original
     return row
 
 
@@ -175,11 +228,11 @@ def main() -> None:
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     results = []
     for group in args.rows:
-        for module, rank, num_tokens, num_adapters in ROWS[group]:
+        for module, rank, num_tokens, num_adapters, *adapter_rows in ROWS[group]:
             if time.perf_counter() > deadline:
                 print(f"not run (time budget): {module} r{rank} T={num_tokens} n={num_adapters}", flush=True)
                 continue
-            row = run_row(module, rank, num_tokens, num_adapters, args, variants, backends)
+            row = run_row(module, rank, num_tokens, num_adapters, args, variants, backends, *adapter_rows)
             results.append(row)
             cells = " ".join(f"{k}={v:.2f}" for k, v in row["ratio"].items())
             print(

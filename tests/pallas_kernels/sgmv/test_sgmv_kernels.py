@@ -174,6 +174,14 @@ def test_one_token(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_decode_rows_of_many_adapters(kernel):
+    # a decode bucket of 200 rows over 32 adapters and base rows: a few rows per adapter, 16-row GPU tiles
+    check_against_reference(
+        kernel, make_case(11, num_tokens=200, max_rank=16, slot_ranks=(0,) + (16, 8) * 16, num_segments=33)
+    )
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_all_base_batch_is_exactly_zero(kernel):
     case = make_case(5, all_base=True)
     s = jnp.ones((case.x.shape[0], case.lora_a.shape[1]), jnp.float32)
@@ -417,12 +425,13 @@ def test_gpu_kernels_read_one_layer_of_stacks_and_expand_all_parts_in_one_launch
         dict(num_tokens=40),
         dict(num_tokens=1, max_rank=16, slot_ranks=(0, 16), num_segments=4),
         dict(num_tokens=300, in_dim=512, out_dim=768, num_segments=16),
+        dict(num_tokens=200, max_rank=16, slot_ranks=(0,) + (16, 8) * 16, num_segments=33),
         dict(num_tokens=2048, in_dim=1024, out_dim=512, max_rank=16, slot_ranks=(0, 8, 16, 16, 16), num_segments=8),
         dict(num_tokens=64, max_rank=8, slot_ranks=(0, 8, 4)),
         dict(num_tokens=300, in_dim=40, out_dim=72, max_rank=8, slot_ranks=(0, 8, 4)),
         dict(num_tokens=40, in_dim=4104, out_dim=88, max_rank=16, slot_ranks=(0, 16, 8)),
     ],
-    ids=["t40", "t1", "t300", "t2048", "r8", "odd_in40_out72", "odd_in4104_out88"],
+    ids=["t40", "t1", "t300", "t200_33_segments", "t2048", "r8", "odd_in40_out72", "odd_in4104_out88"],
 )
 def test_gpu_kernel_on_device(shape, dtype):
     check_against_reference("gpu", make_case(8, dtype=dtype, **shape), interpret=False)
