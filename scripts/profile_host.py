@@ -26,7 +26,9 @@ Usage: python scripts/profile_host.py [--num-requests 1000] [--json out.json] [-
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
+import io
 import json
 import pstats
 import sys
@@ -38,8 +40,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
-from scripts.bench_serving import sample_lengths  # noqa: E402
-from scripts.simulate_schedule import split_engine_flags, workload_parser  # noqa: E402
+from scripts.bench_serving import sample_adapters, sample_lengths  # noqa: E402
+from scripts.make_adapters import main as make_adapters  # noqa: E402
+from scripts.simulate_schedule import add_adapter_options, split_engine_flags, workload_parser  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.managers.io_struct import GenerateRequest  # noqa: E402
@@ -68,15 +71,32 @@ def build_engine(engine_flags: list[str], model_dir: str) -> EngineCore:
     return EngineCore(args, model_dir)
 
 
-def run_workload(core: EngineCore, inputs: np.ndarray, outputs: np.ndarray, seed: int) -> int:
-    """All requests at once, each to its full output (EOS ignored, greedy); -> calls of EngineCore.step()."""
+def adapter_flags(model_dir: str, num_adapters: int) -> list[str]:
+    """`--lora-paths` of num_adapters PEFT adapters (rank 16, every target module) written for the tiny model."""
+    if not num_adapters:
+        return []
+    out_dir = str(Path(model_dir) / "adapters")
+    with contextlib.redirect_stdout(io.StringIO()):  # its list of the directories written
+        dirs = make_adapters(
+            ["--model", model_dir, "--out-dir", out_dir, "--num-adapters", str(num_adapters), "--rank", "16"]
+        )
+    return ["--lora-paths", *(f"a{i}={path}" for i, path in enumerate(dirs))]
+
+
+def run_workload(
+    core: EngineCore, inputs: np.ndarray, outputs: np.ndarray, seed: int, adapters: list[int | None]
+) -> int:
+    """All requests at once, each to its full output (EOS ignored, greedy), request i on adapter `a{adapters[i]}`
+    (None: the base model); -> calls of EngineCore.step()."""
     rng = np.random.default_rng(seed)
-    for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
+    lora_ids = {ref.lora_name: ref.lora_id for ref in core.lora.refs.values()} if core.lora else {}
+    for i, (num_in, num_out, adapter) in enumerate(zip(inputs, outputs, adapters)):
         core.add_request(
             GenerateRequest(
                 rid=f"r{i}",
                 input_ids=rng.integers(2, 400, size=int(num_in)).tolist(),
                 sampling=SamplingParams(max_new_tokens=int(num_out), temperature=0.0, ignore_eos=True),
+                lora_id=None if adapter is None else lora_ids[f"a{adapter}"],
             )
         )
     calls = 0
@@ -117,19 +137,24 @@ def main() -> None:
     parser.add_argument(
         "--no-gc-freeze", action="store_true", help="keep the startup objects in the collector (as before the freeze)"
     )
+    add_adapter_options(parser)
     opts = parser.parse_args(own)
-    inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
+    rng = np.random.default_rng(opts.seed)  # lengths, then adapters: bench_serving.py's order of draws
+    inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
+    adapters = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
     with tempfile.TemporaryDirectory(prefix="profile-host-") as model_dir:
-        core = build_engine(engine_flags, make_model_dir(TINY_LLAMA, model_dir))
+        make_model_dir(TINY_LLAMA, model_dir)
+        core = build_engine([*engine_flags, *adapter_flags(model_dir, opts.num_adapters)], model_dir)
         frozen = 0 if opts.no_gc_freeze else freeze_startup_objects()
         profiler = cProfile.Profile() if opts.profile else None
         if profiler:
             profiler.enable()
         with CollectorPauses() as gc_pauses:
-            step_calls = run_workload(core, inputs, outputs, opts.seed)
+            step_calls = run_workload(core, inputs, outputs, opts.seed, adapters)
         if profiler:
             profiler.disable()
         report = host_report(core.step_stats.as_dict())
+        info = core.server_info()
     for kind, row in report.items():
         phases = " ".join(f"{phase} {row[f'{phase}_ms']:.2f}" for phase in HOST_PHASES)
         print(
@@ -145,8 +170,11 @@ def main() -> None:
     result = dict(
         report,
         step_calls=step_calls,
-        compilations_after_warmup=core.server_info()["num_compilations_after_warmup"],
+        compilations_after_warmup=info["num_compilations_after_warmup"],
+        lora=info["lora"],
         engine_flags=engine_flags,
+        num_adapters=opts.num_adapters,
+        popularity=opts.popularity,
         cprofile=bool(opts.profile),
         gc_frozen_objects=frozen,
         gc_pauses={"counts": gc_pauses.counts, "seconds": gc_pauses.seconds},

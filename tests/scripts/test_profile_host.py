@@ -43,3 +43,19 @@ def test_the_workload_runs_to_the_end_and_reports_each_kind(tmp_path):
     assert "decode:" in done.stdout and "host ms per step" in done.stdout
     assert result["gc_frozen_objects"] > 10_000  # the engine's startup objects, frozen as the engine process does
     assert "garbage collector (" in done.stdout
+
+
+def test_requests_draw_adapters_as_bench_serving_does(tmp_path):
+    """--num-adapters writes that many PEFT adapters for the tiny model and gives request i adapter i mod n
+    (distinct): every request's adapter is in a device slot when its steps run, and nothing compiles after warmup."""
+    out = tmp_path / "host.json"
+    flags = ["--max-running-requests", "8", "--max-prefill-seqs", "4", "--context-length", "256"]
+    flags += ["--max-total-tokens", "20000", "--chunked-prefill-size", "128", "--max-loras-per-batch", "4"]
+    cmd = [sys.executable, "scripts/profile_host.py", "--num-requests", "8", "--input-len", "24", "--output-len", "6"]
+    cmd += ["--num-adapters", "3"]
+    done = subprocess.run([*cmd, "--json", str(out), "--", *flags], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["num_adapters"] == 3 and result["popularity"] == "distinct"
+    assert result["lora"]["device_hits"] + result["lora"]["device_misses"] > 0
+    assert result["compilations_after_warmup"] == 0
