@@ -151,13 +151,9 @@ def main() -> None:
     model_dir = make_model_dir(config, opts.model_dir)
     lora_paths = None
     if opts.lora_adapters:
-        from scripts.make_adapters import main as make_adapters
+        from scripts.make_adapters import named_adapters_beside
 
-        out = os.path.join(model_dir, "adapters")
-        dirs = make_adapters(
-            ["--model", model_dir, "--out-dir", out, "--num-adapters", str(opts.lora_adapters), "--rank", "16"]
-        )
-        lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
+        lora_paths = named_adapters_beside(model_dir, opts.lora_adapters)
     args = ServerArgs(
         model_path=model_dir,
         tp_size=opts.tp_size,

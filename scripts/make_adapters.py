@@ -171,5 +171,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return written
 
 
+def named_adapters_beside(model_dir: str, num_adapters: int, *options: str) -> list[str]:
+    """num_adapters rank-16 adapters for every target module, written under MODEL_DIR/adapters (more
+    make_adapters options after them); -> their `--lora-paths` specs, a0=DIR, a1=DIR, ... (what the benchmarks
+    name requests by)."""
+    out_dir = os.path.join(model_dir, "adapters")
+    argv = ["--model", model_dir, "--out-dir", out_dir, "--num-adapters", str(num_adapters), "--rank", "16", *options]
+    return [f"a{i}={path}" for i, path in enumerate(main(argv))]
+
+
 if __name__ == "__main__":
     main()

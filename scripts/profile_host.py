@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
 from scripts.bench_serving import sample_adapters, sample_lengths  # noqa: E402
-from scripts.make_adapters import main as make_adapters  # noqa: E402
+from scripts.make_adapters import named_adapters_beside  # noqa: E402
 from scripts.simulate_schedule import add_adapter_options, split_engine_flags, workload_parser  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
@@ -75,12 +75,8 @@ def adapter_flags(model_dir: str, num_adapters: int) -> list[str]:
     """`--lora-paths` of num_adapters PEFT adapters (rank 16, every target module) written for the tiny model."""
     if not num_adapters:
         return []
-    out_dir = str(Path(model_dir) / "adapters")
     with contextlib.redirect_stdout(io.StringIO()):  # its list of the directories written
-        dirs = make_adapters(
-            ["--model", model_dir, "--out-dir", out_dir, "--num-adapters", str(num_adapters), "--rank", "16"]
-        )
-    return ["--lora-paths", *(f"a{i}={path}" for i, path in enumerate(dirs))]
+        return ["--lora-paths", *named_adapters_beside(model_dir, num_adapters)]
 
 
 def run_workload(

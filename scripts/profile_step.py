@@ -177,23 +177,9 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
     model_dir = make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers})
     lora_paths = None
     if opts.lora_adapters:
-        from scripts.make_adapters import main as make_adapters
+        from scripts.make_adapters import named_adapters_beside
 
-        dirs = make_adapters(
-            [
-                "--model",
-                model_dir,
-                "--out-dir",
-                os.path.join(model_dir, "adapters"),
-                "--num-adapters",
-                str(opts.lora_adapters),
-                "--rank",
-                "16",
-                "--dtype",
-                "float16",
-            ]
-        )
-        lora_paths = [f"a{i}={d}" for i, d in enumerate(dirs)]
+        lora_paths = named_adapters_beside(model_dir, opts.lora_adapters, "--dtype", "float16")
     step_tokens, prefill_tokens = step_bucket(opts)
     num_chunks = opts.chunks if opts.mode == "mixed" else 0
     args = ServerArgs(

@@ -70,21 +70,13 @@ VARIANTS = {
 
 
 def patched_choose_tiles(overrides: dict):
-    """`choose_tiles` with a variant's fields put on top. A `block_rows` override is chosen through (tiles and
-    program counts follow the new row tile); the engine's work list must use it too (`use_variant`)."""
+    """`choose_tiles` with a variant's fields put on top. A `block_rows` override is passed to it (the other
+    tiles follow the new row tile); the engine's work list must use it too (`apply_variant`)."""
     original = gpu_kernels.choose_tiles
     block_rows = overrides.get("block_rows")
 
     def choose(num_tokens, num_segments, in_dim, out_dims):
-        if block_rows is None:
-            tiles = original(num_tokens, num_segments, in_dim, out_dims)
-        else:
-            default_rows = gpu_kernels.gpu_block_rows
-            gpu_kernels.gpu_block_rows = lambda _: block_rows
-            try:
-                tiles = original(num_tokens, num_segments, in_dim, out_dims)
-            finally:
-                gpu_kernels.gpu_block_rows = default_rows
+        tiles = original(num_tokens, num_segments, in_dim, out_dims, block_rows)
         changes = {k: v for k, v in overrides.items() if k != "block_rows"}
         splits = changes.pop("in_splits", None)
         if splits is not None and in_dim is not None:

@@ -98,14 +98,19 @@ def _num_groups(parts: tuple[int, ...], group_cols: int) -> int:
 
 
 def choose_tiles(
-    num_tokens: int, num_segments: int, in_dim: int | None, out_dims: int | tuple[int, ...] | None
+    num_tokens: int,
+    num_segments: int,
+    in_dim: int | None,
+    out_dims: int | tuple[int, ...] | None,
+    block_rows: int | None = None,
 ) -> GpuTiles:
     """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
 
     in_dim is only needed by shrink and out_dims (one width, or every part's width of a packed module) only
     by expand; pass None for the other. Any sizes: blocks that do not divide a dimension are masked past it.
+    block_rows: the row tile (default `gpu_block_rows(num_tokens)`, the one the backend's work list is built for).
     """
-    block_rows = gpu_block_rows(num_tokens)
+    block_rows = block_rows or gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
     block_in, in_splits = 0, 1
     if in_dim is not None:
