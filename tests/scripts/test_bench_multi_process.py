@@ -59,11 +59,16 @@ def test_nodes_past_the_timeout_are_aborted_with_their_stacks(tmp_path):
     script = os.path.join(REPO_ROOT, "scripts", "bench_multi_process.py")
     flags = ["--platform", "cpu", "--model-config", str(config), "--num-layers", "2", "--two-processes-only"]
     flags += ["--node-timeout", "3"]  # the nodes are still importing JAX or compiling then
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the run's work directory, so that only its nodes are looked for
     started = time.monotonic()
-    done = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, script, *flags], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env
+    )
     assert done.returncode != 0
     assert "did not finish in 3 s" in done.stderr
     assert "most recent call first" in done.stderr  # the fault handler's stack dump of a node
     assert time.monotonic() - started < 120
-    nodes = subprocess.run(["pgrep", "-f", "bench-multi-process-.*/model"], capture_output=True, text=True).stdout
-    assert nodes.strip() == ""  # both nodes' command lines name the run's model directory
+    # both nodes' command lines name the run's model directory (another test's run may be going on beside this one)
+    pattern = f"{tmp_path}/bench-multi-process-.*/model"
+    nodes = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    assert nodes.strip() == ""
