@@ -44,7 +44,7 @@ ROWS = {
     "decode": [(m, 16, 64, 32) for m in MODULES] + [("qkv", 16, 256, 128), ("gate_up", 16, 256, 128)],
     # the ShareGPT serving tail's mean steps: 147 rows in the 256 bucket, 28 in the 64 bucket, one adapter a row
     "tail": [(m, 16, 256, 32, 147) for m in MODULES] + [(m, 16, 64, 28, 28) for m in MODULES],
-    "prefill": [("o", 16, 4096, 32), ("o", 64, 4096, 32), ("gate_up", 16, 4096, 32)],
+    "prefill": [("qkv", 16, 4096, 32), ("o", 16, 4096, 32), ("o", 64, 4096, 32), ("gate_up", 16, 4096, 32)],
     # where `auto` switches between bgmv and pallas at decode: few adapters, small decode buckets
     "small": [("gate_up", 16, t, n) for t in (8, 32, 64) for n in (1, 8)]
     + [(m, 16, 64, 8) for m in ("qkv", "o", "down")],
@@ -60,6 +60,7 @@ VARIANTS = {
     "splits_x2": {"in_splits": "x2"},
     "splits_half": {"in_splits": "half"},
     "in_128": {"block_in": 128},
+    "in_256": {"block_in": 256},
     "steps_1": {"out_steps": 1},
     "steps_2": {"out_steps": 2},
     "out_128_steps_1": {"block_out": 128, "out_steps": 1},
@@ -75,8 +76,8 @@ def patched_choose_tiles(overrides: dict):
     original = gpu_kernels.choose_tiles
     block_rows = overrides.get("block_rows")
 
-    def choose(num_tokens, num_segments, in_dim, out_dims):
-        tiles = original(num_tokens, num_segments, in_dim, out_dims, block_rows)
+    def choose(num_tokens, num_segments, in_dim, out_dims, **kwargs):
+        tiles = original(num_tokens, num_segments, in_dim, out_dims, block_rows, **kwargs)
         changes = {k: v for k, v in overrides.items() if k != "block_rows"}
         splits = changes.pop("in_splits", None)
         if splits is not None and in_dim is not None:

@@ -50,6 +50,7 @@ from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, layer_operan
 
 _MIN_DOT = 16
 _TARGET_PROGRAMS = 264  # two waves on a 132-SM H100
+_MAX_A_TILE = 64 * 128  # elements of the shrink's [rank, `in` block] A tile: 16 KB of bf16 per pipeline stage
 _INT32_MAX = 2**31 - 1
 
 
@@ -78,11 +79,12 @@ def _as_parts(out_dims: int | tuple[int, ...] | None) -> tuple[int, ...] | None:
     return (out_dims,)
 
 
-def _in_block(in_dim: int) -> int:
-    """The shrink's `in` block: the largest candidate dividing in_dim, else one power of two (16-256) whose
-    last step is masked past in_dim."""
-    aligned = next((c for c in (256, 128, 64, 32, 16) if in_dim % c == 0), 0)
-    return aligned or min(256, max(_MIN_DOT, _next_pow2(in_dim)))
+def _in_block(in_dim: int, rank_pad: int) -> int:
+    """The shrink's `in` block: the largest candidate dividing in_dim whose A tile [rank_pad, block] stays within
+    _MAX_A_TILE, else one such power of two (16-256) whose last step is masked past in_dim."""
+    widest = max(_MIN_DOT, min(256, _MAX_A_TILE // rank_pad))
+    aligned = next((c for c in (256, 128, 64, 32, 16) if c <= widest and in_dim % c == 0), 0)
+    return aligned or min(widest, max(_MIN_DOT, _next_pow2(in_dim)))
 
 
 def _out_candidates(parts: tuple[int, ...], max_block_out: int) -> list[int]:
@@ -103,18 +105,21 @@ def choose_tiles(
     in_dim: int | None,
     out_dims: int | tuple[int, ...] | None,
     block_rows: int | None = None,
+    shrink_rank: int = _MIN_DOT,
 ) -> GpuTiles:
     """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
 
     in_dim is only needed by shrink and out_dims (one width, or every part's width of a packed module) only
     by expand; pass None for the other. Any sizes: blocks that do not divide a dimension are masked past it.
     block_rows: the row tile (default `gpu_block_rows(num_tokens)`, the one the backend's work list is built for).
+    shrink_rank: the rows R of the shrink's A buffer (q|k|v stacks its parts' ranks), which bound its `in` block:
+    a wider A tile lowers the programs an SM holds (q|k|v at rank 16 ran its shrink faster with 128 than 256).
     """
     block_rows = block_rows or gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
     block_in, in_splits = 0, 1
     if in_dim is not None:
-        block_in = _in_block(in_dim)
+        block_in = _in_block(in_dim, padded_rank(shrink_rank))
         k_steps = -(-in_dim // block_in)
         for split in range(1, k_steps + 1):
             if k_steps % split == 0:

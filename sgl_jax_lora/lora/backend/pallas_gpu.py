@@ -194,7 +194,7 @@ class PallasGPUBackend(PallasBackend):
     def _local_shrink_partials(
         self, x: jax.Array, lora_a: jax.Array, meta: LoRAMeta, rank_block: int | None, layer: jax.Array | None = None
     ) -> jax.Array:
-        tiles = choose_tiles(x.shape[0], meta.batch.num_segments, x.shape[1], None)
+        tiles = choose_tiles(x.shape[0], meta.batch.num_segments, x.shape[1], None, shrink_rank=lora_a.shape[-2])
         return sgmv_shrink_gpu_partials(
             x,
             lora_a,

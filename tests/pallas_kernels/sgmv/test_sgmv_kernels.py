@@ -265,6 +265,15 @@ def test_gpu_tiles_for_odd_sizes_mask_their_last_block():
     assert aligned.block_in == 256 and all(w % aligned.block_out == 0 for w in (4096, 1024, 1024))
 
 
+def test_gpu_shrink_in_block_narrows_with_the_rank():
+    # the A tile [rank rounded up to a power of two, `in` block] stays within 64 x 128 elements
+    assert choose_tiles(147, 33, 4096, None, shrink_rank=16).block_in == 256
+    assert choose_tiles(147, 33, 4096, None, shrink_rank=32).block_in == 256
+    assert choose_tiles(147, 33, 4096, None, shrink_rank=48).block_in == 128  # q|k|v at rank 16
+    assert choose_tiles(147, 33, 4096, None, shrink_rank=256).block_in == 32
+    assert choose_tiles(40, 8, 4104, None, shrink_rank=64).block_in == 128  # 33 steps, the last one masked
+
+
 @pytest.mark.parametrize("widths", [(48, 24, 24), (8,)], ids=["qkv_48_24_24", "part_8"])
 def test_gpu_expand_odd_parts_into_packed_columns(widths):
     # one launch over every part, each part's last block masked past its width: the delta lands in its own
