@@ -92,7 +92,10 @@ def run_kernels(
         )
         return shrink, expand
     num_tokens, in_dim = case.x.shape
-    tiles = choose_tiles(num_tokens, case.lora.num_segments, in_dim, case.lora_b.shape[1])
+    # as the backend calls it: A's rank rows bound the shrink's `in` block (rank 64 at in 256: two 128-column steps)
+    tiles = choose_tiles(
+        num_tokens, case.lora.num_segments, in_dim, case.lora_b.shape[1], shrink_rank=case.lora_a.shape[1]
+    )
     partials = sgmv_shrink_gpu_partials(
         case.x, case.lora_a, *case.meta, tiles=tiles, rank_block=rank_block, interpret=interpret
     )
