@@ -5,7 +5,9 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   request lengths: ShareGPT-like synthetic: input ~ lognormal(mean ln 220, sigma 0.8) clipped to [8, 1024],
                    output ~ lognormal(mean ln 180, sigma 0.7) clipped to [8, 512] (or fixed --input-len/--output-len);
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
-  popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters.
+  popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters;
+  sampling:        greedy, or --temperature T [--top-p P] for every request (outputs run to their length either way:
+                   ignore_eos).
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
 Every run (warm-up, scenario, round) draws prompt tokens of its own, so the server's prefix cache never serves a
 measured request and the protocol measures compute; lengths and adapters are the same in every run.
@@ -96,12 +98,12 @@ class EngineTarget:
     def server_info(self) -> dict:
         return self.engine.get_server_info()
 
-    async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
+    async def send(self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict) -> None:
         received = time.monotonic()
         ref = await self.manager.resolve_lora(adapter) if adapter else None
         request = self.manager.build_request(
             input_ids=input_ids,
-            sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            sampling_params=sampling_params,
             lora_id=ref.lora_id if ref else None,
             arrival_time=received,
         )
@@ -135,12 +137,12 @@ class HttpTarget:
 
         return httpx.get(self.url + "/get_server_info", headers=self.headers).json()
 
-    async def send(self, input_ids: list[int], max_new_tokens: int, adapter: str | None, record: dict) -> None:
+    async def send(self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict) -> None:
         body = {
             "input_ids": input_ids,
             "stream": True,
             "lora_path": adapter,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "sampling_params": sampling_params,
         }
         async with self.client.stream("POST", self.url + "/generate", json=body) as response:
             response.raise_for_status()
@@ -170,7 +172,10 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         ids = rng_prompt([opts.seed, opts.prompt_round, i], int(inputs[i]))
         adapter = target.adapter_names[adapter_ids[i]] if adapter_ids[i] is not None else None
         records[i]["start"] = time.perf_counter()
-        await target.send(ids, int(outputs[i]), adapter, records[i])
+        sampling = {"max_new_tokens": int(outputs[i]), "temperature": opts.temperature, "ignore_eos": True}
+        if opts.top_p < 1:
+            sampling["top_p"] = opts.top_p
+        await target.send(ids, sampling, adapter, records[i])
         records[i]["end"] = time.perf_counter()
         bar.update(1)
 
@@ -192,6 +197,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         "num_adapters": opts.num_adapters,
         "popularity": opts.popularity,
         "request_rate": opts.request_rate,
+        "temperature": opts.temperature,
+        "top_p": opts.top_p,
         "duration_s": duration,
         "output_tok_per_s": total_out / duration,
         "req_per_s": opts.num_requests / duration,
@@ -314,6 +321,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's temperature (0 = greedy, the default)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1 = no nucleus filter)")
     parser.add_argument(
         "--warmup-requests", type=int, default=0, help="requests run (and discarded) before each scenario"
     )

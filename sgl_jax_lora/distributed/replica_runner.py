@@ -91,7 +91,7 @@ class ReplicaModelRunner(ModelRunner):
 
     def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
         """Sample; the output is replicated so that node 0 can read it."""
-        out, carried_ids = self._sample(logits, sampling)
+        out, carried_ids = self._sample(logits, self.sampling_for_device(sampling))
         return LaunchedSample(self._gather(out), carried_ids)
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:

@@ -160,6 +160,8 @@ class ScheduleBatch:
         # a token in flight counts (Req.num_output_tokens), as without the overlap schedule
         steps[:count] = [len(r.output_ids) + r.num_in_flight for r in rows]
         needs_top = any(r.return_logprob and r.top_logprobs_num > 0 for r in rows)
+        sampled = temperature > 0
+        filters = (top_k > 0) | (top_p < 1) | (min_p > 0)  # (a top_k of the vocabulary or more keeps every token)
         return SamplingBatch(
             temperature=temperature,
             top_p=top_p,
@@ -167,8 +169,9 @@ class ScheduleBatch:
             min_p=min_p,
             seeds=seeds,
             steps=steps,
-            is_greedy=bool(np.all(temperature == 0)),
+            is_greedy=not sampled.any(),
             num_top_logprobs=MAX_TOP_LOGPROBS if needs_top else 0,
+            filters=bool((sampled & filters).any()),
         )
 
 

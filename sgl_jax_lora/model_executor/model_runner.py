@@ -56,7 +56,13 @@ from sgl_jax_lora.model_executor.step_memory import (
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
-from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, chunked_token_logprobs, sample
+from sgl_jax_lora.sampling.sampler import (
+    SampleOutput,
+    SamplingBatch,
+    chunked_token_logprobs,
+    sample,
+    sampling_modes,
+)
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -108,6 +114,10 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sample = jax.jit(functools.partial(_sample_and_carry, self.max_sample_rows, self._replicated))
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
+        # (is_greedy, filters) of the sampling programs: on a GPU the host chooses whether the filter search runs
+        # (no conditional in the program), elsewhere the device does (sampler.py)
+        self.sampling_modes = sampling_modes(mesh.devices.flat[0].platform)
+        self.host_chooses_filters = self.sampling_modes[-1][1] is not None
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
         self.step_memory: StepMemory | None = None  # measured when the KV cache is sized from device memory
         self.num_pages = self._num_kv_pages()
@@ -172,10 +182,15 @@ class ModelRunner:
         logits; prev_ids: the `carried_ids` of the step still in flight, whose tokens the penalties count."""
         prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
         logits = self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
-        out, carried_ids = self._sample(logits, sampling)
+        out, carried_ids = self._sample(logits, self.sampling_for_device(sampling))
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
         return LaunchedSample(out, carried_ids)
+
+    def sampling_for_device(self, sampling: SamplingBatch) -> SamplingBatch:
+        """The batch as this device's sampling programs take it: the host's choice of the filter search kept on a GPU,
+        left to the program elsewhere (`sampling_modes`)."""
+        return sampling if self.host_chooses_filters else dataclasses.replace(sampling, filters=None)
 
     @staticmethod
     def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
@@ -274,7 +289,8 @@ class ModelRunner:
             logits = self._logits.lower(
                 self.state, self.lora_state, abstract((num_rows, hidden_size), dtype), adjustments, self.no_prev_ids
             )
-            sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS)
+            # the sampled mode with the filter search needs the most memory
+            sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS, self.sampling_modes[-1][1])
             return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
 
         return measure_step_memory(
@@ -356,7 +372,12 @@ class ModelRunner:
         batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
         adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
-        total = 2 * len(shapes) + 4 * len(buckets.sample_sizes()) + 2 * len(buckets.tokens) + adjusted
+        total = (
+            2 * len(shapes)
+            + 2 * len(self.sampling_modes) * len(buckets.sample_sizes())
+            + 2 * len(buckets.tokens)
+            + adjusted
+        )
         bar = progress(total=total, desc="compiling buckets")
         self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
         self.place_kv_cache()  # after the forwards compiled: their autotuning had the cache's memory
@@ -369,9 +390,9 @@ class ModelRunner:
                     bar.update(1)
                 if num_seqs not in sampled_sizes:
                     sampled_sizes.add(num_seqs)
-                    for greedy in (True, False):
+                    for greedy, filters in self.sampling_modes:
                         for num_top in (0, MAX_TOP_LOGPROBS):
-                            self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top))
+                            self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top, filters))
                             bar.update(1)
                     for num_entries in buckets.logit_entry_sizes(num_seqs):  # the logits with adjustments
                         adjustments = padding_logit_adjustments(num_seqs, num_entries)

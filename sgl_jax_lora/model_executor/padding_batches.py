@@ -38,7 +38,8 @@ def warmup_compile_threads(requested: int) -> int:
     return requested if requested > 0 else max(1, min(8, os.cpu_count() or 1))
 
 
-def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> SamplingBatch:
+def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int, filters: bool | None = False) -> SamplingBatch:
+    """A batch of num_seqs padding rows that compiles (and runs) the sampling program of its mode (`sampling_modes`)."""
     return SamplingBatch(
         temperature=np.zeros((num_seqs,), np.float32),
         top_p=np.ones((num_seqs,), np.float32),
@@ -48,4 +49,5 @@ def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int) -> Samp
         steps=np.zeros((num_seqs,), np.int32),
         is_greedy=is_greedy,
         num_top_logprobs=num_top,
+        filters=filters,
     )

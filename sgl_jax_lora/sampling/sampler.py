@@ -2,7 +2,12 @@
 
 Flow: ModelRunner computes logits [S, V] for each sequence's last token (with penalties, logit_bias and
 min_new_tokens bans applied on the device, only in steps that ask for them; see logit_adjustments.py) -> `sample`
-(jitted per S bucket and per (is_greedy, num_top_logprobs)) -> EngineCore._finish reads the tokens on the host.
+(jitted per S bucket, per mode of `sampling_modes` and per num_top_logprobs) -> EngineCore._finish reads the tokens on the host.
+On a GPU the program holds no control flow: XLA:GPU runs a conditional by copying its predicate to the host and
+waiting for it, which would hold the engine loop until the forward before it finished and undo the overlap
+schedule. There the host chooses whether the top-k / top-p / min-p search runs (`SamplingBatch.filters`, a meta
+field: one more program per bucket, `GPU_SAMPLING_MODES`); on TPU and CPU, whose conditionals run without the host,
+the device chooses (`filters` None, `lax.cond`).
 
 Randomness is per request: the key of a request's n-th output token is fold_in(key(seed), n), so a
 request's samples do not depend on what else is in its batch. Returned logprobs are those of the
@@ -21,6 +26,8 @@ import jax.numpy as jnp
 # with a 128k vocabulary, more with log-softmax and top-k) never exist at once, so the memory the KV cache must
 # leave them stays small whatever the largest token bucket.
 PROMPT_LOGPROB_ROWS = 512
+# Tokens a block of the draw's two-level cumulative sum (`draw`).
+DRAW_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +40,25 @@ class SamplingBatch:
     steps: jax.Array  # [S] i32         number of output tokens the request already has
     is_greedy: bool  # meta: every row greedy -> argmax only
     num_top_logprobs: int  # meta: 0 or MAX_TOP_LOGPROBS
+    # meta: whether the threshold search runs, chosen on the host (True: some sampled row has top_k, top_p or min_p)
+    # or None: on the device, by a conditional (`sampling_modes`)
+    filters: bool | None
 
 
 jax.tree_util.register_dataclass(
     SamplingBatch,
     data_fields=["temperature", "top_p", "top_k", "min_p", "seeds", "steps"],
-    meta_fields=["is_greedy", "num_top_logprobs"],
+    meta_fields=["is_greedy", "num_top_logprobs", "filters"],
 )
+# (is_greedy, filters) of the sampling programs a sequence bucket compiles: greedy, then sampled with the search
+# chosen on the host (sampled, sampled and filtered) on a GPU, or on the device elsewhere.
+GPU_SAMPLING_MODES = ((True, False), (False, False), (False, True))
+DEVICE_CHOICE_SAMPLING_MODES = ((True, None), (False, None))
+
+
+def sampling_modes(platform: str) -> tuple[tuple[bool, bool | None], ...]:
+    """The (is_greedy, filters) modes the sampler compiles on devices of `platform` ('gpu', 'tpu', 'cpu')."""
+    return GPU_SAMPLING_MODES if platform == "gpu" else DEVICE_CHOICE_SAMPLING_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +94,64 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SampleOutput:
 
 def _sample_filtered(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     """Temperature, then top-k, top-p and min-p filtering, then a draw; no sort of the vocabulary. Each filter keeps
-    the tokens at or above a per-row probability threshold, found by bisection (`_filter_thresholds`); batches where
-    no row filters skip that search (lax.cond)."""
+    the tokens at or above a per-row probability threshold (`_filter_thresholds`); batches where no row filters
+    skip that search (`_thresholds`). The draw takes one uniform number a row (`draw`)."""
     scaled = logits / jnp.maximum(batch.temperature, 1e-6)[:, None]
-    filtered = jnp.where(filter_mask(scaled, batch), scaled, -jnp.inf)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    kept = jnp.where(probs >= _thresholds(probs, batch)[:, None], probs, 0.0)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(batch.seeds, batch.steps)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return draw(keys, kept)
 
 
 def filter_mask(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
     """scaled logits [S, V] (after temperature) -> [S, V] bool: the tokens top-k, top-p and min-p keep."""
     probs = jax.nn.softmax(scaled, axis=-1)
-    vocab = scaled.shape[-1]
+    return probs >= _thresholds(probs, batch)[:, None]
+
+
+def _thresholds(probs: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """probs [S, V] -> [S] each row's filter threshold; zeros (keep all) without a search when no row filters: as the
+    host chose (`batch.filters`), or, when it left the choice to the device (None), by a conditional."""
+
+    def keep_all(p: jax.Array, _: SamplingBatch) -> jax.Array:
+        return jnp.zeros(p.shape[:1], p.dtype)
+
+    if batch.filters is not None:
+        return (_filter_thresholds if batch.filters else keep_all)(probs, batch)
+    vocab = probs.shape[-1]
     filters = jnp.any((batch.top_k > 0) & (batch.top_k < vocab)) | jnp.any(batch.top_p < 1) | jnp.any(batch.min_p > 0)
-    threshold = jax.lax.cond(filters, _filter_thresholds, lambda p, b: jnp.zeros(p.shape[:1], p.dtype), probs, batch)
-    return probs >= threshold[:, None]
+    return jax.lax.cond(filters, _filter_thresholds, keep_all, probs, batch)
+
+
+def draw(keys: jax.Array, weights: jax.Array) -> jax.Array:
+    """keys [S] (one PRNG key a row), weights [S, V] non-negative, each row's sum positive -> [S] i32: index i drawn
+    with probability weights[i] / sum. By the inverse of the cumulative sum at one uniform number a row, found in two
+    levels: the blocks of DRAW_BLOCK tokens (their sums, one pass over the weights), then the tokens of the block
+    that holds it. Never a zero-weight token: where float rounding leaves the number past the last sum, the last
+    token of positive weight is taken."""
+    num_rows, vocab = weights.shape
+    num_blocks = -(-vocab // DRAW_BLOCK)
+    blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * DRAW_BLOCK - vocab))).reshape(num_rows, num_blocks, DRAW_BLOCK)
+    block_sums = jnp.sum(blocks, axis=-1)  # [S, B]
+    cumulative = _cumulative_sum(block_sums)
+    target = jax.vmap(jax.random.uniform)(keys) * cumulative[:, -1]  # [S] in [0, sum)
+    block = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=-1), _last_positive(block_sums))
+    before = jnp.where(block > 0, jnp.take_along_axis(cumulative, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0)
+    tokens = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, DRAW_BLOCK]
+    within = before[:, None] + _cumulative_sum(tokens)
+    index = jnp.minimum(jnp.sum(within <= target[:, None], axis=-1), _last_positive(tokens))
+    return (block * DRAW_BLOCK + index).astype(jnp.int32)
+
+
+def _cumulative_sum(values: jax.Array) -> jax.Array:
+    """[S, N] -> [S, N] running sums along each row, as a parallel scan: no loop in the program (jnp.cumsum lowers
+    to one on some versions)."""
+    return jax.lax.associative_scan(jnp.add, values, axis=-1)
+
+
+def _last_positive(values: jax.Array) -> jax.Array:
+    """[S, N] -> [S] the index of each row's last positive entry."""
+    return values.shape[-1] - 1 - jnp.argmax(values[:, ::-1] > 0, axis=-1)
 
 
 def _filter_thresholds(probs: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -97,15 +159,16 @@ def _filter_thresholds(probs: jax.Array, batch: SamplingBatch) -> jax.Array:
     top_k tokens are more likely (top-k), the tokens more likely than it hold less than top_p of the mass (top-p,
     the nucleus), and its probability is at least min_p times the largest (min-p), as a descending sort would decide
     (ties aside). Probabilities are non-negative floats, whose bit patterns order as integers, so bisecting the
-    threshold's bits finds the exact value in 31 steps of two reductions over the vocabulary each."""
+    threshold's bits finds the exact value in 32 steps of two reductions over the vocabulary each. Each step reads
+    the probabilities alone and takes their bits inside the reduction: a bits array made once beside them would be
+    a second [S, V] array to read every step. The steps are unrolled: no loop for XLA:GPU to run from the host."""
     vocab = probs.shape[-1]
     top_k = jnp.where(batch.top_k > 0, batch.top_k, vocab)
-    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # [S, V], ordered as the probabilities
 
-    def step(_, bounds):
+    def step(bounds):
         lo, hi = bounds  # the threshold lies in (lo, hi]: a token of value hi would be kept, one of value lo not
         mid = lo + (hi - lo) // 2
-        above = bits > mid[:, None]
+        above = jax.lax.bitcast_convert_type(probs, jnp.int32) > mid[:, None]  # bits order as the probabilities
         count = jnp.sum(above, axis=-1)
         mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
         kept = (count < top_k) & ((mass < batch.top_p) | (batch.top_p >= 1))  # would a token of value mid be kept
@@ -114,8 +177,11 @@ def _filter_thresholds(probs: jax.Array, batch: SamplingBatch) -> jax.Array:
 
     num_rows = probs.shape[0]
     lo = jnp.full((num_rows,), -1, jnp.int32)
-    hi = jnp.max(bits, axis=-1)
-    _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    hi = jnp.max(jax.lax.bitcast_convert_type(probs, jnp.int32), axis=-1)
+    bounds = (lo, hi)
+    for _ in range(32):
+        bounds = step(bounds)
+    hi = bounds[1]
     threshold = jax.lax.bitcast_convert_type(hi, jnp.float32)
     return jnp.maximum(threshold, batch.min_p * jnp.max(probs, axis=-1))
 

@@ -143,7 +143,12 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
 
 
 def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
-    baseline = run_bench(server, adapter_root, tmp_path / "base.json", "--num-adapters", "0")
+    baseline = run_bench(
+        server, adapter_root, tmp_path / "base.json", "--num-adapters", "0", "--temperature", "0.8", "--top-p", "0.9"
+    )
+    sampled = baseline["scenarios"][0]  # every request sampled at temperature 0.8 with top_p 0.9, to its full length
+    assert (sampled["temperature"], sampled["top_p"]) == (0.8, 0.9)
+    assert sampled["total_output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
     lora = run_bench(
         server,
         adapter_root,

@@ -340,7 +340,9 @@ def test_no_compilation_after_warmup(engine):
     mix = prompts(8, 3, seed=13)
     engine.generate(
         input_ids=mix,
-        sampling_params=[{"max_new_tokens": 3 + i, "temperature": 0.7 * (i % 2)} for i in range(8)],
+        sampling_params=[
+            {"max_new_tokens": 3 + i, "temperature": 0.7 * (i % 2), "top_p": 0.9 if i == 3 else 1.0} for i in range(8)
+        ],
         return_logprob=True,
         logprob_start_len=1,
         top_logprobs_num=2,

@@ -128,6 +128,19 @@ def test_sampling_batch_rows_follow_the_requests_and_padding_is_greedy():
     np.testing.assert_array_equal(sampling.steps, [2, 0, 0, 0, 0, 0])
     assert sampling.seeds.dtype == np.uint32 and sampling.temperature.dtype == np.float32
     assert not sampling.is_greedy and sampling.num_top_logprobs == MAX_TOP_LOGPROBS
+    assert sampling.filters  # the decode row's top_p, top_k and min_p: the program with the threshold search
+
+
+def test_a_sampled_batch_filters_only_where_a_sampled_row_asks():
+    batch = mixed_batch()
+    decode, middle, whole = batch.reqs
+    decode.sampling = SamplingParams(temperature=0.7)  # sampled, no filter
+    middle.sampling = SamplingParams(temperature=0.0, top_p=0.5)  # greedy: its top_p is never applied
+    whole.sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0)
+    sampling = batch.to_sampling_batch(4)
+    assert not sampling.is_greedy and not sampling.filters  # sampled without the search
+    whole.sampling = SamplingParams(temperature=1.0, min_p=0.05)
+    assert batch.to_sampling_batch(4).filters
 
 
 def test_an_all_greedy_batch_without_top_logprobs():

@@ -35,6 +35,7 @@ def test_a_padding_sampling_batch_is_greedy_or_not_as_asked():
     sampled = padding_sampling_batch(8, False, 5)
     assert not sampled.is_greedy and sampled.num_top_logprobs == 5
     assert (sampled.top_p == 1).all() and not sampled.top_k.any()  # no filter
+    assert not sampled.filters and padding_sampling_batch(8, False, 0, filters=True).filters  # the search's program
 
 
 def test_compile_threads_follow_the_cpu_count_up_to_8(monkeypatch):

@@ -8,13 +8,16 @@ and its probability is at least min_p times the largest, the rules as the OpenAI
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sgl_jax_lora.sampling import sampler
 from sgl_jax_lora.sampling.sampler import (
     SamplingBatch,
     chunked_token_logprobs,
+    draw,
     filter_mask,
     sample,
     token_logprobs,
@@ -38,8 +41,10 @@ def reference_mask(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min
     return keep
 
 
-def batch_of(top_k, top_p, min_p, temperature=1.0) -> SamplingBatch:
+def batch_of(top_k, top_p, min_p, temperature=1.0, host_chooses=True) -> SamplingBatch:
+    """host_chooses: whether the filter search runs is chosen on the host (as on a GPU), else on the device."""
     rows = len(top_k)
+    filters = any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p)
     return SamplingBatch(
         temperature=jnp.full((rows,), temperature, jnp.float32),
         top_p=jnp.asarray(top_p, jnp.float32),
@@ -49,24 +54,28 @@ def batch_of(top_k, top_p, min_p, temperature=1.0) -> SamplingBatch:
         steps=jnp.zeros((rows,), jnp.int32),
         is_greedy=False,
         num_top_logprobs=0,
+        filters=filters if host_chooses else None,
     )
 
 
+@pytest.mark.parametrize("host_chooses", [True, False])
 @pytest.mark.parametrize("vocab", [7, 491, 32000])
-def test_filters_match_a_sort(vocab):
+def test_filters_match_a_sort(vocab, host_chooses):
     rng = np.random.default_rng(vocab)
     top_k = [0, 1, 5, 0, 0, 3, vocab, 40]
     top_p = [1.0, 1.0, 1.0, 0.9, 0.5, 0.3, 0.99, 0.8]
     min_p = [0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.02]
     scaled = (rng.standard_normal((len(top_k), vocab)) * rng.uniform(0.5, 4, (len(top_k), 1))).astype(np.float32)
-    got = np.asarray(filter_mask(jnp.asarray(scaled), batch_of(top_k, top_p, min_p)))
+    got = np.asarray(filter_mask(jnp.asarray(scaled), batch_of(top_k, top_p, min_p, host_chooses=host_chooses)))
     want = reference_mask(scaled, np.array(top_k), np.array(top_p, np.float32), np.array(min_p, np.float32))
     np.testing.assert_array_equal(got, want)
 
 
-def test_no_filter_keeps_every_token():
+@pytest.mark.parametrize("host_chooses", [True, False])
+def test_no_filter_keeps_every_token(host_chooses):
     scaled = np.random.default_rng(1).standard_normal((3, 100)).astype(np.float32)
-    assert np.asarray(filter_mask(jnp.asarray(scaled), batch_of([0] * 3, [1.0] * 3, [0.0] * 3))).all()
+    batch = batch_of([0] * 3, [1.0] * 3, [0.0] * 3, host_chooses=host_chooses)
+    assert np.asarray(filter_mask(jnp.asarray(scaled), batch)).all()
 
 
 def test_draws_stay_in_the_kept_set_and_follow_its_distribution():
@@ -76,6 +85,29 @@ def test_draws_stay_in_the_kept_set_and_follow_its_distribution():
     ids = np.asarray(sample(jnp.asarray(logits), batch).next_ids)
     assert set(ids.tolist()) == {0, 1}
     assert abs((ids == 0).mean() - 0.5 / 0.8) < 0.03  # 0.625 within ~4 standard deviations of 4000 draws
+
+
+@pytest.mark.parametrize("vocab", [5, 128, 1000])
+def test_draw_follows_the_weights_over_blocks_and_never_takes_a_zero_weight(vocab):
+    rng = np.random.default_rng(vocab)
+    weights = np.zeros(vocab, np.float32)
+    positive = rng.choice(vocab, min(vocab, 4), replace=False)  # in several blocks of the two-level sum
+    weights[positive] = [0.4, 0.3, 0.2, 0.1][: len(positive)]
+    rows = 20000
+    keys = jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32))
+    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1)))))
+    assert set(ids.tolist()) <= set(positive.tolist())
+    for index in positive:  # each frequency within ~5 standard deviations of its weight's share
+        share = weights[index] / weights.sum()
+        assert abs((ids == index).mean() - share) < 5 * np.sqrt(share * (1 - share) / rows)
+
+
+def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary():
+    keys = jax.vmap(jax.random.key)(jnp.arange(64, dtype=jnp.uint32))
+    for index in (0, 299):
+        weights = np.zeros((64, 300), np.float32)
+        weights[:, index] = 1e-30  # tiny: the uniform number times the sum rounds to it or past it
+        assert set(np.asarray(draw(keys, jnp.asarray(weights))).tolist()) == {index}
 
 
 def numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -161,3 +193,20 @@ def test_temperature_is_applied_before_the_filters():
     scaled = logits / 0.25
     want = reference_mask(scaled, np.zeros(200, int), np.full(200, 0.6, np.float32), np.zeros(200, np.float32))
     assert want[:, 0].all() and not want[:, 1:].any()
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+@pytest.mark.parametrize("greedy, filters", sampler.GPU_SAMPLING_MODES)
+def test_no_sampling_program_holds_control_flow_the_host_would_run(greedy, filters, num_top):
+    # On a GPU, XLA runs a conditional or a loop by reading its predicate on the host: the engine loop would wait for
+    # the forward before the sampling program, and the overlap schedule would be lost for every sampled step.
+    assert sampler.sampling_modes("gpu") == sampler.GPU_SAMPLING_MODES
+    batch = SamplingBatch(**{**batch_of([0] * 4, [0.9] * 4, [0.0] * 4).__dict__, "is_greedy": greedy})
+    batch = SamplingBatch(**{**batch.__dict__, "filters": filters, "num_top_logprobs": num_top})
+    # lowered for the GPU (on this CPU: the CPU lowering runs the PRNG's rounds in a loop of its own)
+    exported = jax.export.export(jax.jit(sample), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((4, 300), jnp.float32), batch
+    )
+    text = exported.mlir_module()
+    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        assert op not in text, f"{op} in the sampling program of mode {(greedy, filters, num_top)}"
