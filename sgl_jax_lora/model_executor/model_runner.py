@@ -55,14 +55,9 @@ from sgl_jax_lora.model_executor.step_memory import (
 )
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.sampling import sampler
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
-from sgl_jax_lora.sampling.sampler import (
-    SampleOutput,
-    SamplingBatch,
-    chunked_token_logprobs,
-    sample,
-    sampling_modes,
-)
+from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, chunked_token_logprobs
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -112,12 +107,10 @@ class ModelRunner:
         # so that every forward sees the same argument shape and sharding whichever step came before.
         self.max_sample_rows = args.max_running_requests  # a step's sequences (bucket S) are capped at this
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._sample = jax.jit(functools.partial(_sample_and_carry, self.max_sample_rows, self._replicated))
+        self._sample = jax.jit(functools.partial(sampler.sample_and_carry, self.max_sample_rows, self._replicated))
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
-        # (is_greedy, filters) of the sampling programs: on a GPU the host chooses whether the filter search runs
-        # (no conditional in the program), elsewhere the device does (sampler.py)
-        self.sampling_modes = sampling_modes(mesh.devices.flat[0].platform)
-        self.host_chooses_filters = self.sampling_modes[-1][1] is not None
+        self.platform = mesh.devices.flat[0].platform
+        self.sampling_modes = sampler.sampling_modes(self.platform)  # (is_greedy, filters) of the sampling programs
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
         self.step_memory: StepMemory | None = None  # measured when the KV cache is sized from device memory
         self.num_pages = self._num_kv_pages()
@@ -182,15 +175,10 @@ class ModelRunner:
         logits; prev_ids: the `carried_ids` of the step still in flight, whose tokens the penalties count."""
         prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
         logits = self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
-        out, carried_ids = self._sample(logits, self.sampling_for_device(sampling))
+        out, carried_ids = self._sample(logits, sampler.for_platform(sampling, self.platform))
         for leaf in jax.tree_util.tree_leaves(out):
             leaf.copy_to_host_async()
         return LaunchedSample(out, carried_ids)
-
-    def sampling_for_device(self, sampling: SamplingBatch) -> SamplingBatch:
-        """The batch as this device's sampling programs take it: the host's choice of the filter search kept on a GPU,
-        left to the program elsewhere (`sampling_modes`)."""
-        return sampling if self.host_chooses_filters else dataclasses.replace(sampling, filters=None)
 
     @staticmethod
     def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
@@ -289,7 +277,7 @@ class ModelRunner:
             logits = self._logits.lower(
                 self.state, self.lora_state, abstract((num_rows, hidden_size), dtype), adjustments, self.no_prev_ids
             )
-            # the sampled mode with the filter search needs the most memory
+            # the sampled mode with the filter search (where the host chooses it) needs the most memory
             sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS, self.sampling_modes[-1][1])
             return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
 
@@ -372,12 +360,8 @@ class ModelRunner:
         batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
         threads = warmup_compile_threads(self.args.warmup_compile_threads)
         adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
-        total = (
-            2 * len(shapes)
-            + 2 * len(self.sampling_modes) * len(buckets.sample_sizes())
-            + 2 * len(buckets.tokens)
-            + adjusted
-        )
+        sampled = 2 * len(self.sampling_modes) * len(buckets.sample_sizes())  # each mode with top logprobs or not
+        total = 2 * len(shapes) + sampled + 2 * len(buckets.tokens) + adjusted
         bar = progress(total=total, desc="compiling buckets")
         self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
         self.place_kv_cache()  # after the forwards compiled: their autotuning had the cache's memory
@@ -412,9 +396,3 @@ class ModelRunner:
 class LaunchedSample:
     output: SampleOutput  # [S] rows, on the device (copies to the host started)
     carried_ids: jax.Array  # [M] i32 replicated: output.next_ids padded with zeros, the next forward's prev_ids
-
-
-def _sample_and_carry(max_rows: int, replicated: NamedSharding, logits: jax.Array, batch: SamplingBatch):
-    out = sample(logits, batch)
-    carried = jnp.zeros((max_rows,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
-    return out, jax.lax.with_sharding_constraint(carried, replicated)

@@ -2,7 +2,8 @@
 
 Flow: ModelRunner computes logits [S, V] for each sequence's last token (with penalties, logit_bias and
 min_new_tokens bans applied on the device, only in steps that ask for them; see logit_adjustments.py) -> `sample`
-(jitted per S bucket, per mode of `sampling_modes` and per num_top_logprobs) -> EngineCore._finish reads the tokens on the host.
+(as `sample_and_carry`, jitted per S bucket, per mode of `sampling_modes` and per num_top_logprobs) ->
+EngineCore._finish reads the tokens on the host.
 On a GPU the program holds no control flow: XLA:GPU runs a conditional by copying its predicate to the host and
 waiting for it, which would hold the engine loop until the forward before it finished and undo the overlap
 schedule. There the host chooses whether the top-k / top-p / min-p search runs (`SamplingBatch.filters`, a meta
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 # Prompt logprobs take the logits of this many rows at a time: a step's [T, V] float32 logits (2.1 GB at T = 4096
 # with a 128k vocabulary, more with log-softmax and top-k) never exist at once, so the memory the KV cache must
@@ -61,6 +63,12 @@ def sampling_modes(platform: str) -> tuple[tuple[bool, bool | None], ...]:
     return GPU_SAMPLING_MODES if platform == "gpu" else DEVICE_CHOICE_SAMPLING_MODES
 
 
+def for_platform(batch: SamplingBatch, platform: str) -> SamplingBatch:
+    """The batch as the sampling programs of `platform` take it: the host's choice of the filter search kept on a
+    GPU, left to the program (None) elsewhere."""
+    return batch if sampling_modes(platform)[-1][1] is not None else dataclasses.replace(batch, filters=None)
+
+
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
     next_ids: jax.Array  # [S] i32
@@ -90,6 +98,14 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SampleOutput:
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return SampleOutput(next_ids, next_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def sample_and_carry(max_rows: int, replicated: NamedSharding, logits: jax.Array, batch: SamplingBatch):
+    """`sample`, and its ids padded with zeros to [max_rows] under the `replicated` sharding: the next forward reads
+    the tokens in flight from them (ModelRunner's sampling program)."""
+    out = sample(logits, batch)
+    carried = jnp.zeros((max_rows,), jnp.int32).at[: out.next_ids.shape[0]].set(out.next_ids)
+    return out, jax.lax.with_sharding_constraint(carried, replicated)
 
 
 def _sample_filtered(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

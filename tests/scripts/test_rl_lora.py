@@ -45,6 +45,8 @@ def test_reinforce_raises_the_reward_with_updates_in_place(tmp_path):
     with open(tmp_path / "reward.csv") as f:
         rewards = [float(row["mean_reward"]) for row in csv.DictReader(f)]
     assert len(rewards) == 10
-    assert sum(rewards[-3:]) > 2 * sum(rewards[:3]), rewards
+    # the reward (the fraction of target tokens, at most 1) at least doubles from the untrained policy's first step,
+    # and the last three steps are mostly target tokens
+    assert sum(rewards[-3:]) / 3 > max(2 * rewards[0], 0.8), rewards
     assert (tmp_path / "reward.png").stat().st_size > 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
