@@ -24,7 +24,7 @@ from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
-from sgl_jax_lora.sampling.sampler import SamplingBatch, for_platform
+from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.server_args import ServerArgs
 
 KV_PAGES_KEY = "sgl_jax_lora/kv_pages"
@@ -91,8 +91,8 @@ class ReplicaModelRunner(ModelRunner):
 
     def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
         """Sample; the output is replicated so that node 0 can read it."""
-        out, carried_ids = self._sample(logits, for_platform(sampling, self.platform))
-        return LaunchedSample(self._gather(out), carried_ids)
+        launched = super().sample_logits(logits, sampling)
+        return LaunchedSample(self._gather(launched.output), launched.carried_ids)
 
     def prompt_logprobs(self, hidden: jax.Array, targets: np.ndarray, num_top: int) -> dict[str, np.ndarray]:
         out = self._prompt_logprobs(self.state, self.lora_state, hidden, targets, num_top=num_top)

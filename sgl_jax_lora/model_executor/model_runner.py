@@ -109,8 +109,7 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sample = jax.jit(functools.partial(sampler.sample_and_carry, self.max_sample_rows, self._replicated))
         self.no_prev_ids = jax.device_put(np.zeros(self.max_sample_rows, np.int32), self._replicated)
-        self.platform = mesh.devices.flat[0].platform
-        self.sampling_modes = sampler.sampling_modes(self.platform)  # (is_greedy, filters) of the sampling programs
+        self.sampling_modes = sampler.sampling_modes(mesh.devices.flat[0].platform)  # (is_greedy, filters) pairs
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl, static_argnames=("num_top",))
         self.step_memory: StepMemory | None = None  # measured when the KV cache is sized from device memory
         self.num_pages = self._num_kv_pages()
@@ -175,10 +174,14 @@ class ModelRunner:
         logits; prev_ids: the `carried_ids` of the step still in flight, whose tokens the penalties count."""
         prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
         logits = self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
-        out, carried_ids = self._sample(logits, sampler.for_platform(sampling, self.platform))
-        for leaf in jax.tree_util.tree_leaves(out):
+        launched = self.sample_logits(logits, sampling)
+        for leaf in jax.tree_util.tree_leaves(launched.output):
             leaf.copy_to_host_async()
-        return LaunchedSample(out, carried_ids)
+        return launched
+
+    def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
+        """The sampling program on [S, V] logits, the batch as this platform's programs take it (`for_modes`)."""
+        return LaunchedSample(*self._sample(logits, sampler.for_modes(sampling, self.sampling_modes)))
 
     @staticmethod
     def fetch(launched: LaunchedSample) -> dict[str, np.ndarray]:
@@ -269,7 +272,7 @@ class ModelRunner:
             )
 
         def lower_logits_and_sample(num_rows: int) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
-            # the logits program with the largest logit-adjustment entry bucket needs the most memory of its variants
+            # the most memory of their variants: the logits with the largest entry bucket, the sampling with the search
             adjustments = jax.tree.map(
                 lambda a: abstract(a.shape, a.dtype),
                 padding_logit_adjustments(num_rows, self.buckets.logit_entry_sizes(num_rows)[-1]),
@@ -277,7 +280,6 @@ class ModelRunner:
             logits = self._logits.lower(
                 self.state, self.lora_state, abstract((num_rows, hidden_size), dtype), adjustments, self.no_prev_ids
             )
-            # the sampled mode with the filter search (where the host chooses it) needs the most memory
             sampling = padding_sampling_batch(num_rows, False, MAX_TOP_LOGPROBS, self.sampling_modes[-1][1])
             return logits, self._sample.lower(abstract((num_rows, self.cfg.vocab_size), jnp.float32), sampling)
 

@@ -63,10 +63,10 @@ def sampling_modes(platform: str) -> tuple[tuple[bool, bool | None], ...]:
     return GPU_SAMPLING_MODES if platform == "gpu" else DEVICE_CHOICE_SAMPLING_MODES
 
 
-def for_platform(batch: SamplingBatch, platform: str) -> SamplingBatch:
-    """The batch as the sampling programs of `platform` take it: the host's choice of the filter search kept on a
-    GPU, left to the program (None) elsewhere."""
-    return batch if sampling_modes(platform)[-1][1] is not None else dataclasses.replace(batch, filters=None)
+def for_modes(batch: SamplingBatch, modes: tuple[tuple[bool, bool | None], ...]) -> SamplingBatch:
+    """The batch as the sampling programs of `modes` (`sampling_modes`) take it: the host's choice of the filter
+    search kept where the host chooses (a GPU), left to the program (None) elsewhere."""
+    return batch if modes[-1][1] is not None else dataclasses.replace(batch, filters=None)
 
 
 @dataclasses.dataclass(frozen=True)
