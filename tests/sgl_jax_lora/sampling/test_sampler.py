@@ -87,27 +87,40 @@ def test_draws_stay_in_the_kept_set_and_follow_its_distribution():
     assert abs((ids == 0).mean() - 0.5 / 0.8) < 0.03  # 0.625 within ~4 standard deviations of 4000 draws
 
 
+@pytest.mark.parametrize("loops", [False, True])  # the cumulative sums as a parallel scan, or as jnp.cumsum
 @pytest.mark.parametrize("vocab", [5, 128, 1000])
-def test_draw_follows_the_weights_over_blocks_and_never_takes_a_zero_weight(vocab):
+def test_draw_follows_the_weights_over_blocks_and_never_takes_a_zero_weight(vocab, loops):
     rng = np.random.default_rng(vocab)
     weights = np.zeros(vocab, np.float32)
     positive = rng.choice(vocab, min(vocab, 4), replace=False)  # in several blocks of the two-level sum
     weights[positive] = [0.4, 0.3, 0.2, 0.1][: len(positive)]
     rows = 20000
     keys = jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32))
-    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1)))))
+    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1))), loops=loops))
     assert set(ids.tolist()) <= set(positive.tolist())
     for index in positive:  # each frequency within ~5 standard deviations of its weight's share
         share = weights[index] / weights.sum()
         assert abs((ids == index).mean() - share) < 5 * np.sqrt(share * (1 - share) / rows)
 
 
-def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary():
+@pytest.mark.parametrize("loops", [False, True])
+def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary(loops):
     keys = jax.vmap(jax.random.key)(jnp.arange(64, dtype=jnp.uint32))
     for index in (0, 299):
         weights = np.zeros((64, 300), np.float32)
         weights[:, index] = 1e-30  # tiny: the uniform number times the sum rounds to it or past it
-        assert set(np.asarray(draw(keys, jnp.asarray(weights))).tolist()) == {index}
+        assert set(np.asarray(draw(keys, jnp.asarray(weights), loops=loops)).tolist()) == {index}
+
+
+def test_the_search_is_a_loop_where_the_device_chooses_it():
+    """Where the device chooses the filter search (TPU, CPU) the search runs as a loop inside the conditional:
+    XLA:CPU took minutes to compile it unrolled there. (Where the host chose it, a GPU, the program holds no control
+    flow: `test_no_sampling_program_holds_control_flow_the_host_would_run`.)"""
+    probs = jnp.full((4, 300), 1 / 300, jnp.float32)
+    device_chooses = batch_of([0] * 4, [0.9] * 4, [0.0] * 4, host_chooses=False)
+    host_chose = batch_of([0] * 4, [0.9] * 4, [0.0] * 4)
+    assert "stablehlo.while" in jax.jit(sampler._filter_thresholds).lower(probs, device_chooses).as_text()
+    assert "stablehlo.while" not in jax.jit(sampler._filter_thresholds).lower(probs, host_chose).as_text()
 
 
 def numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
