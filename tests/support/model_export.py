@@ -21,6 +21,7 @@ from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.models.weight_loader import load_model_state
+from tests.support.cuda_target import hopper_target
 
 PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
 
@@ -60,7 +61,8 @@ def lower_forward_for_cuda(cfg: ModelConfig, tp_size: int, num_seqs: int, num_to
     """The text of the forward lowered for CUDA with the GPU attention backend (LoRA off). Not exported: Triton
     custom calls carry no export compatibility guarantee."""
     forward, args = forward_program(cfg, tp_size, False, num_seqs, num_tokens, attention_backend="pallas_gpu")
-    return forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with hopper_target():
+        return forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def forward_program(

@@ -24,6 +24,7 @@ from pallas_kernels.attention.gpu import (
     ragged_paged_attention_gpu,
 )
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
+from tests.support.cuda_target import hopper_target
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -233,7 +234,8 @@ def test_fp8_cache_lowers_for_cuda(cache_dtype):
     shapes = (q, cache, cache, i32(()), i32((4,)), i32((4, 16)), i32((5,)))
     for decode_only in (True, False):
         run = functools.partial(ragged_paged_attention_gpu, page_size=16, scale=0.1, decode_only=decode_only)
-        text = jax.jit(run).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        with hopper_target():
+            text = jax.jit(run).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
         assert "ragged_paged_attention_decode" in text
 
 
