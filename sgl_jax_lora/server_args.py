@@ -107,7 +107,8 @@ class ServerArgs:
     )
     skip_precompile: bool = _f(False, "compile buckets on first use instead of at startup")
     warmup_compile_threads: int = _f(
-        0, "forward programs compiled at once at startup; 0 = one per CPU core, at most 8; 1 = one after another"
+        0,
+        "forward and sampling programs compiled at once at startup; 0 = one per CPU core, at most 8; 1 = one after another",
     )
     layers_per_scan_step: int = _f(
         0,

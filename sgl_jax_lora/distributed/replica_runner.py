@@ -23,7 +23,6 @@ from sgl_jax_lora.distributed.compile_barrier import CompileBarrier
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.model_executor.model_runner import LaunchedSample, ModelRunner
 from sgl_jax_lora.models.forward_batch import ForwardBatch
-from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments
 from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -84,11 +83,11 @@ class ReplicaModelRunner(ModelRunner):
         self.channel.send(encode(KVPages(min(sizes))))
         return min(sizes)
 
-    # ---- pieces of launch_sample, run by every node --------------------------------------------
-    def logits(self, last_hidden: jax.Array, adjustments: LogitAdjustments | None, prev_ids: jax.Array) -> jax.Array:
-        """[S, V] logits on the devices, adjusted there when some request asks (penalties, logit_bias)."""
-        return self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
+    def precompile_sampling(self, batches: list[ForwardBatch], threads: int) -> None:
+        """Nothing ahead: every node compiles its sampling programs at their first call, one by one, under the
+        compile barrier (the warmup's calls come in the same order on every node)."""
 
+    # ---- pieces of launch_sample, run by every node (with ModelRunner.logits) ----------------------
     def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
         """Sample; the output is replicated so that node 0 can read it."""
         launched = super().sample_logits(logits, sampling)

@@ -9,7 +9,7 @@ Flow (per step, called by the engine loop):
                                        carried_ids [M] for the next forward
   fetch(launched)                   -> next ids / logprobs on the host (waits for the device)
   prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
-Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup.
+Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup (model_executor/warmup.py).
 """
 
 from __future__ import annotations
@@ -41,11 +41,7 @@ from sgl_jax_lora.mem_cache.kv_cache import (
 )
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
 from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
-from sgl_jax_lora.model_executor.padding_batches import (
-    padding_forward_batch,
-    padding_sampling_batch,
-    warmup_compile_threads,
-)
+from sgl_jax_lora.model_executor.padding_batches import padding_sampling_batch, padding_sampling_batches
 from sgl_jax_lora.model_executor.step_memory import (
     StepMemory,
     check_kv_fits,
@@ -53,6 +49,7 @@ from sgl_jax_lora.model_executor.step_memory import (
     kv_tokens_from_memory,
     measure_step_memory,
 )
+from sgl_jax_lora.model_executor.warmup import warm_up
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.sampling import sampler
@@ -172,12 +169,17 @@ class ModelRunner:
 
         adjustments: the step's logit adjustments (sampling/logit_adjustments.py), None when no request adjusts its
         logits; prev_ids: the `carried_ids` of the step still in flight, whose tokens the penalties count."""
-        prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
-        logits = self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
-        launched = self.sample_logits(logits, sampling)
+        launched = self.sample_logits(self.logits(last_hidden, adjustments, prev_ids), sampling)
         for leaf in jax.tree_util.tree_leaves(launched.output):
             leaf.copy_to_host_async()
         return launched
+
+    def logits(
+        self, last_hidden: jax.Array, adjustments: LogitAdjustments | None = None, prev_ids: jax.Array | None = None
+    ) -> jax.Array:
+        """[S, V] logits on the devices, adjusted there when some request asks (penalties, logit_bias)."""
+        prev_ids = self.no_prev_ids if prev_ids is None else prev_ids
+        return self._logits(self.state, self.lora_state, last_hidden, adjustments, prev_ids)
 
     def sample_logits(self, logits: jax.Array, sampling: SamplingBatch) -> LaunchedSample:
         """The sampling program on [S, V] logits, the batch as this platform's programs take it (`for_modes`)."""
@@ -352,46 +354,23 @@ class ModelRunner:
             for future in futures:
                 future.result()
 
-    def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
-        """Compile every bucket, then run each once on padding (no tokens, cache slot 0).
+    def precompile_sampling(self, batches: list[ForwardBatch], threads: int) -> None:
+        """Compile the sampling programs of each batch's sequence bucket (`padding_sampling_batches`), several at
+        once, as `precompile_forwards` does the forwards: each batch's forward and logits give the programs' argument
+        (the call path's key: its shape and sharding). On a GPU these are a bucket's six programs of 0.1-2 s each."""
+        with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
+            futures = []
+            for batch in batches:
+                logits = self.logits(self.forward(batch)[1])
+                for sampling in padding_sampling_batches(batch.seq_lens.shape[0], self.sampling_modes):
+                    lowered = self._sample.lower(logits, sampler.for_modes(sampling, self.sampling_modes))
+                    futures.append(pool.submit(lowered.compile))
+            for future in futures:
+                future.result()
 
-        lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA). The forward
-        programs, which are nearly all of the compile time, compile on `--warmup-compile-threads` threads first.
-        """
-        shapes = [(s, t, i) for s, t in buckets.shapes() for i in range(len(lora_for(t)))]
-        batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
-        threads = warmup_compile_threads(self.args.warmup_compile_threads)
-        adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
-        sampled = 2 * len(self.sampling_modes) * len(buckets.sample_sizes())  # each mode with top logprobs or not
-        total = 2 * len(shapes) + sampled + 2 * len(buckets.tokens) + adjusted
-        bar = progress(total=total, desc="compiling buckets")
-        self.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
-        self.place_kv_cache()  # after the forwards compiled: their autotuning had the cache's memory
-        sampled_sizes = set()
-        for (num_seqs, num_tokens, lora_index), batch in zip(shapes, batches):
-            hidden, last_hidden = self.forward(batch)
-            if lora_index == 0:
-                for num_top in (0, MAX_TOP_LOGPROBS):
-                    self.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
-                    bar.update(1)
-                if num_seqs not in sampled_sizes:
-                    sampled_sizes.add(num_seqs)
-                    for greedy, filters in self.sampling_modes:
-                        for num_top in (0, MAX_TOP_LOGPROBS):
-                            self.sample(last_hidden, padding_sampling_batch(num_seqs, greedy, num_top, filters))
-                            bar.update(1)
-                    for num_entries in buckets.logit_entry_sizes(num_seqs):  # the logits with adjustments
-                        adjustments = padding_logit_adjustments(num_seqs, num_entries)
-                        self._logits(
-                            self.state, self.lora_state, last_hidden, adjustments, self.no_prev_ids
-                        ).block_until_ready()
-                        bar.update(1)
-            bar.update(1)
-        shapes_of_lora = self.lora_buffer_shapes()
-        if shapes_of_lora:  # slot 0 stays all zeros: this compiles the slot write once
-            zeros = {p: np.zeros((s[0],) + s[2:], np.float32) for p, s in shapes_of_lora.items()}
-            self.write_lora_slot(0, self.lora_slot_values(zeros))
-        bar.close()
+    def warmup(self, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
+        """Compile every bucket, then run each once on padding (model_executor/warmup.py)."""
+        warm_up(self, buckets, lora_for, progress)
 
 
 @dataclasses.dataclass(frozen=True)

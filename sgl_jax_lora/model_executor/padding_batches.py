@@ -14,6 +14,7 @@ import numpy as np
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.sampling.sampler import SamplingBatch
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
 
 def padding_forward_batch(num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
@@ -51,3 +52,13 @@ def padding_sampling_batch(num_seqs: int, is_greedy: bool, num_top: int, filters
         num_top_logprobs=num_top,
         filters=filters,
     )
+
+
+def padding_sampling_batches(num_seqs: int, modes: tuple[tuple[bool, bool | None], ...]) -> list[SamplingBatch]:
+    """The padding batches of every sampling program of a bucket of num_seqs sequences: each (is_greedy, filters) of
+    `modes` (`sampler.sampling_modes`), without top logprobs and with them."""
+    return [
+        padding_sampling_batch(num_seqs, greedy, num_top, filters)
+        for greedy, filters in modes
+        for num_top in (0, MAX_TOP_LOGPROBS)
+    ]

@@ -7,6 +7,7 @@ chunked == unchunked, batch invariance, no compilation after warmup. An Engine i
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from sgl_jax_lora import Engine
 from sgl_jax_lora.managers.engine_core import EngineCore
+from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch, padding_sampling_batches
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 
@@ -368,6 +370,30 @@ def test_parallel_warmup_compiles_each_program_once(model_dir):
     threaded, num_forwards = lowerings_in_warmup(2)
     serial, _ = lowerings_in_warmup(1)
     assert threaded == serial >= num_forwards > 1
+
+
+@pytest.mark.slow
+def test_the_warmups_sampling_runs_find_their_programs_compiled_ahead(model_dir):
+    # precompile_sampling compiles a bucket's sampling programs on a thread pool; the warmup's sampling runs (and the
+    # steps') must find them, neither lowered nor compiled again
+    args = ServerArgs(model_path=str(model_dir), skip_precompile=True, warmup_compile_threads=2, **ENGINE_ARGS)
+    runner = EngineCore(args, str(model_dir)).runner
+    batch = padding_forward_batch(4, 16, runner.buckets.max_pages_per_seq, None)
+    runner.precompile_sampling([batch], threads=2)
+    events: list[str] = []
+    listen = lambda event, duration, **kwargs: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        last_hidden = runner.forward(batch)[1]
+        samplings = padding_sampling_batches(4, runner.sampling_modes)
+        for sampling in samplings:
+            out = runner.sample(last_hidden, sampling)
+            assert out["next_ids"].shape == (4,)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert len(samplings) == 2 * len(runner.sampling_modes) >= 4
+    assert "/jax/core/compile/backend_compile_duration" not in events
+    assert "/jax/core/compile/jaxpr_to_mlir_module_duration" not in events
 
 
 def test_an_engine_on_a_node_other_than_0_is_refused_naming_the_launch_command():

@@ -1,6 +1,6 @@
 """sgl_jax_lora/model_executor/padding_batches.py: a padding step has the bucket's shapes and touches nothing real
 (every token writes the scratch slot 0, no sequence has keys, no token reads an in-flight token); a padding sampling
-batch is greedy or not as asked; the compile-thread count follows the CPU count, at most 8."""
+batch is greedy or not as asked, and a bucket's padding sampling batches cover every program of its modes; the compile-thread count follows the CPU count, at most 8."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.model_executor.padding_batches import (
     padding_forward_batch,
     padding_sampling_batch,
+    padding_sampling_batches,
     warmup_compile_threads,
 )
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
 
 def test_a_padding_step_has_the_bucket_shape_and_writes_only_the_scratch_slot():
@@ -36,6 +38,14 @@ def test_a_padding_sampling_batch_is_greedy_or_not_as_asked():
     assert not sampled.is_greedy and sampled.num_top_logprobs == 5
     assert (sampled.top_p == 1).all() and not sampled.top_k.any()  # no filter
     assert not sampled.filters and padding_sampling_batch(8, False, 0, filters=True).filters  # the search's program
+
+
+def test_a_buckets_padding_sampling_batches_cover_each_mode_with_and_without_top_logprobs():
+    modes = ((True, False), (False, False), (False, True))
+    batches = padding_sampling_batches(8, modes)
+    variants = [(b.is_greedy, b.filters, b.num_top_logprobs) for b in batches]
+    assert variants == [(g, f, top) for g, f in modes for top in (0, MAX_TOP_LOGPROBS)]
+    assert all(b.seeds.shape == (8,) for b in batches)
 
 
 def test_compile_threads_follow_the_cpu_count_up_to_8(monkeypatch):
