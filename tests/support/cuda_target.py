@@ -2,8 +2,11 @@
 
 Where it sits: around the tests' `.lower(lowering_platforms=("cuda",))` calls on CPU (the attention and K/V-write
 kernels, the whole forward in tests/support/model_export.py). From JAX 0.11 the Triton lowering asks which GPU it
-targets (its compute capability) and, with no GPU attached, reads it from the abstract mesh's device; JAX 0.10 takes
-the capability from the lowering alone and needs no target. The Mosaic GPU kernels need none either way.
+targets (its compute capability): the kind of the abstract mesh's device where one names a GPU, else the kind of the
+default device, looked up in the lowering's registry of device kinds. With no GPU attached that kind is the CPU's;
+`hopper_target` registers it as a Hopper GPU while it lasts, which leaves every mesh as it is (an abstract GPU mesh
+as the context would be refused by `shard_map` beside the fake CPU devices' mesh, tp > 1). JAX 0.10 takes the
+capability from the lowering alone and needs no target; the Mosaic GPU kernels need none either way.
 What exists here: `hopper_target`, `needs_a_target`.
 """
 
@@ -14,9 +17,8 @@ from collections.abc import Iterator
 
 import jax
 
-# an H100's name as its CUDA device reports it, and its SMs: what the GPU kernels are tuned for (compute capability 9.0)
-HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
-HOPPER_SMS = 132
+# the compute capability of an H100 (Hopper), what the GPU kernels are tuned for
+HOPPER_ARCH = "9.0"
 
 
 @contextlib.contextmanager
@@ -26,25 +28,32 @@ def hopper_target() -> Iterator[None]:
     if not needs_a_target():
         yield
         return
-    device = jax.sharding.AbstractDevice(device_kind=HOPPER_DEVICE_KIND, num_cores=HOPPER_SMS, platform="gpu")
-    # Auto axes, as the model's meshes have: JAX checks a context mesh against a sharding's mesh only where axes are
-    # explicit, so the forwards' shardings on the fake CPU devices stand beside it
-    mesh = jax.sharding.AbstractMesh((1,), ("target",), (jax.sharding.AxisType.Auto,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
+    from jax._src.pallas.triton import gpu_info  # noqa: PLC0415 (private; only a JAX that asks has it)
+
+    kind = jax.devices()[0].device_kind
+    hopper = gpu_info.GpuInfo(
+        gpu_version=None, arch_name=HOPPER_ARCH, compute_capability=int(HOPPER_ARCH.replace(".", ""))
+    )
+    before = gpu_info.registry.get(kind)
+    gpu_info.registry[kind] = lambda: hopper
+    try:
         yield
+    finally:
+        if before is None:
+            gpu_info.registry.pop(kind, None)
+        else:
+            gpu_info.registry[kind] = before
 
 
 def needs_a_target() -> bool:
-    """Whether CUDA lowering here needs `hopper_target`: no GPU attached, and a JAX whose Triton lowering asks. Under
-    it, a program that shards with `shard_map` on the fake CPU devices (tp > 1) does not lower: shard_map wants the
-    context mesh to be its own."""
+    """Whether CUDA lowering here needs `hopper_target`: no GPU attached, and a JAX whose Triton lowering asks."""
     return not any(device.platform == "gpu" for device in jax.devices()) and _triton_asks_for_a_target()
 
 
 def _triton_asks_for_a_target() -> bool:
-    """Whether this JAX's Triton lowering reads the target GPU from the abstract mesh (JAX 0.11 on)."""
+    """Whether this JAX's Triton lowering looks the target GPU up (JAX 0.11 on)."""
     try:
         from jax._src.pallas.triton import gpu_info  # noqa: PLC0415 (a private module that only newer JAX has)
     except ImportError:
         return False
-    return hasattr(gpu_info, "get_gpu_info")
+    return hasattr(gpu_info, "get_gpu_info") and hasattr(gpu_info, "registry")
