@@ -12,10 +12,14 @@ and the top logprobs when asked). This times, for each S:
 - `both`: the two programs back to back, as a step runs them;
 
 and the HBM floor of `both` in greedy mode: the lm_head's bytes plus the float32 logits written once and read once.
+With --compile, first the compile time of each sampling program the engine's warmup compiles for S (each mode of
+`sampler.sampling_modes` on this platform, with top logprobs and without: `padding_sampling_batches`), one after
+another in this process (`compile_<mode>[_top]_s`, lowering excluded).
 The model's shape (hidden size, vocabulary) is Llama-3-8B's unless `--hidden` / `--vocab` say otherwise; weights
 and hidden states are random. Runs on any backend (a CPU run is a smoke test of the script, not a measurement).
 
-Usage: python scripts/bench_sampling.py --seqs 64,256,512,1024 [--modes greedy,temperature,top_p] [--json out.json]
+Usage: python scripts/bench_sampling.py --seqs 64,256,512,1024 [--modes greedy,temperature,top_p] [--compile]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -32,6 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts.bench_lora_kernels import time_fn  # noqa: E402
+from sgl_jax_lora.model_executor.padding_batches import padding_sampling_batches  # noqa: E402
+from sgl_jax_lora.sampling import sampler  # noqa: E402
 from sgl_jax_lora.sampling.sampler import SamplingBatch, sample  # noqa: E402
 
 MODES = {"greedy": (0.0, 1.0), "temperature": (1.0, 1.0), "top_p": (1.0, 0.9)}  # (temperature, top_p)
@@ -52,6 +59,20 @@ def sampling_batch(num_seqs: int, mode: str) -> SamplingBatch:
     )
 
 
+def compile_times(logits: jax.Array) -> dict[str, float]:
+    """Seconds to compile each sampling program of this platform on `logits` ([S, V]), as the warmup compiles them."""
+    modes = sampler.sampling_modes(jax.devices()[0].platform)
+    times = {}
+    for batch in padding_sampling_batches(logits.shape[0], modes):
+        batch = sampler.for_modes(batch, modes)
+        lowered = jax.jit(sample).lower(logits, batch)
+        start = time.perf_counter()
+        lowered.compile()
+        mode = "greedy" if batch.is_greedy else "sampled+search" if batch.filters else "sampled"
+        times[f"compile_{mode}{'_top' if batch.num_top_logprobs else ''}_s"] = time.perf_counter() - start
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", default="64,256,512,1024", help="sequence buckets S, comma-separated")
@@ -61,6 +82,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth for the floor (H200: 4.8)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="timing budget per measurement")
+    parser.add_argument("--compile", action="store_true", help="also time each sampling program's compile")
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
     modes = [m for m in opts.modes.split(",") if m]
@@ -78,7 +100,8 @@ def main() -> None:
     for num_seqs in (int(s) for s in opts.seqs.split(",") if s):
         hidden = jax.random.normal(jax.random.fold_in(keys[1], num_seqs), (num_seqs, opts.hidden), dtype)
         logits = logits_fn(hidden, lm_head)
-        row = {"seqs": num_seqs, "logits_ms": 1e3 * time_fn(logits_fn, (hidden, lm_head), opts.min_seconds)}
+        row = {"seqs": num_seqs, **(compile_times(logits) if opts.compile else {})}
+        row["logits_ms"] = 1e3 * time_fn(logits_fn, (hidden, lm_head), opts.min_seconds)
         for mode in modes:
             batch = sampling_batch(num_seqs, mode)
             row[f"sample_{mode}_ms"] = 1e3 * time_fn(sample_fn, (logits, batch), opts.min_seconds)

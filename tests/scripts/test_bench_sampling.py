@@ -36,3 +36,15 @@ def test_every_bucket_and_mode_is_timed_beside_its_floor(tmp_path):
 def test_an_unknown_mode_names_the_choices():
     done = run("--modes", "greedy,beam")
     assert done.returncode != 0 and "unknown --modes ['beam']" in done.stderr and "top_p" in done.stderr
+
+
+def test_compile_times_cover_every_sampling_program_of_the_platform(tmp_path):
+    out = tmp_path / "sampling.json"
+    flags = ["--seqs", "4", "--hidden", "32", "--vocab", "300", "--min-seconds", "0.01", "--modes", "greedy"]
+    done = run(*flags, "--compile", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    compiled = {k for k in row if k.startswith("compile_")}
+    # on the CPU the device chooses the search: greedy and sampled, each with top logprobs and without
+    assert compiled == {"compile_greedy_s", "compile_greedy_top_s", "compile_sampled_s", "compile_sampled_top_s"}
+    assert all(row[k] > 0 for k in compiled)
