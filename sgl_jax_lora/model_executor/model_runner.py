@@ -357,7 +357,7 @@ class ModelRunner:
     def precompile_sampling(self, batches: list[ForwardBatch], threads: int) -> None:
         """Compile the sampling programs of each batch's sequence bucket (`padding_sampling_batches`), several at
         once, as `precompile_forwards` does the forwards: each batch's forward and logits give the programs' argument
-        (the call path's key: its shape and sharding). On a GPU these are a bucket's six programs of 0.1-2 s each."""
+        (the call path's key: its shape and sharding). On a GPU these are a bucket's six programs of 0.1-2.6 s each."""
         with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
             futures = []
             for batch in batches:
