@@ -87,27 +87,29 @@ def test_draws_stay_in_the_kept_set_and_follow_its_distribution():
     assert abs((ids == 0).mean() - 0.5 / 0.8) < 0.03  # 0.625 within ~4 standard deviations of 4000 draws
 
 
+@pytest.mark.parametrize("loops", [False, True])  # the running sums as masked reductions (GPU), or jnp.cumsum
 @pytest.mark.parametrize("vocab", [5, 128, 1000, 9000])
-def test_draw_follows_the_weights_over_blocks_and_never_takes_a_zero_weight(vocab):
+def test_draw_follows_the_weights_over_blocks_and_never_takes_a_zero_weight(vocab, loops):
     rng = np.random.default_rng(vocab)
     weights = np.zeros(vocab, np.float32)
     positive = rng.choice(vocab, min(vocab, 4), replace=False)  # in several blocks (and groups) of the draw's levels
     weights[positive] = [0.4, 0.3, 0.2, 0.1][: len(positive)]
     rows = 20000
     keys = jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32))
-    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1)))))
+    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1))), loops=loops))
     assert set(ids.tolist()) <= set(positive.tolist())
     for index in positive:  # each frequency within ~5 standard deviations of its weight's share
         share = weights[index] / weights.sum()
         assert abs((ids == index).mean() - share) < 5 * np.sqrt(share * (1 - share) / rows)
 
 
-def test_draw_follows_many_small_weights_spread_over_every_group():
+@pytest.mark.parametrize("loops", [False, True])
+def test_draw_follows_many_small_weights_spread_over_every_group(loops):
     rows, vocab = 4096, 3 * sampler.DRAW_GROUP * sampler.DRAW_BLOCK - 77  # three groups, the last one partial
     weights = np.random.default_rng(3).uniform(0, 1, vocab).astype(np.float32)
     weights[::7] = 0
     keys = jax.vmap(jax.random.key)(jnp.arange(rows, dtype=jnp.uint32))
-    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1)))))
+    ids = np.asarray(draw(keys, jnp.asarray(np.tile(weights, (rows, 1))), loops=loops))
     assert (weights[ids] > 0).all()
     # the mass of each tenth of the vocabulary, drawn against its share
     edges = np.linspace(0, vocab, 11).astype(int)
@@ -116,19 +118,20 @@ def test_draw_follows_many_small_weights_spread_over_every_group():
     assert np.all(np.abs(drawn - share) < 5 * np.sqrt(share * (1 - share) / rows))
 
 
+@pytest.mark.parametrize("loops", [False, True])
 @pytest.mark.parametrize("vocab", [300, 9000])
-def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary(vocab):
+def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary(vocab, loops):
     keys = jax.vmap(jax.random.key)(jnp.arange(64, dtype=jnp.uint32))
     for index in (0, vocab - 1):
         weights = np.zeros((64, vocab), np.float32)
         weights[:, index] = 1e-30  # tiny: the uniform number times the sum rounds to it or past it
-        assert set(np.asarray(draw(keys, jnp.asarray(weights))).tolist()) == {index}
+        assert set(np.asarray(draw(keys, jnp.asarray(weights), loops=loops)).tolist()) == {index}
 
 
 def test_running_sums_never_decrease_and_stay_level_over_zeros():
     values = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (64, 128)).astype(np.float32) * 1e6)
     values = values.at[:, ::3].set(0)
-    running = np.asarray(sampler._running_sums(values))
+    running = np.asarray(sampler._masked_running_sums(values))
     np.testing.assert_allclose(running, np.cumsum(np.asarray(values, np.float64), axis=-1), rtol=1e-5)
     assert (np.diff(running, axis=-1) >= 0).all()
     zeros = np.zeros(128, bool)
