@@ -11,6 +11,7 @@ all found compiled but the small logits and logprob programs. Last, one LoRA slo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,9 +25,14 @@ from sgl_jax_lora.model_executor.padding_batches import (
 from sgl_jax_lora.sampling.logit_adjustments import padding_logit_adjustments
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
+if TYPE_CHECKING:  # model_runner.py imports this module
+    from sgl_jax_lora.model_executor.model_runner import ModelRunner
 
-def warm_up(runner, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable) -> None:
-    """Compile every bucket of `runner` (a ModelRunner), then run each once on padding (no tokens, cache slot 0).
+
+def warm_up(
+    runner: ModelRunner, buckets: Buckets, lora_for: Callable[[int], list[LoRABatch | None]], progress: Callable
+) -> None:
+    """Compile every bucket of `runner`, then run each once on padding (no tokens, cache slot 0).
 
     lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA)."""
     shapes = [(s, t, i) for s, t in buckets.shapes() for i in range(len(lora_for(t)))]
