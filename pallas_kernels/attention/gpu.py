@@ -8,12 +8,14 @@ Two kernels, both reading K/V in place through the page table (row j of a key bl
 page_table[s, j // page_size] * page_size + j % page_size, so a block needs no whole pages and any page size
 works) with an online softmax in float32:
 
-decode (the decode rows: sequences of one query token): flash-decoding. Grid (row, kv head, kv split). A
-program holds the G query heads of one kv head as the rows of a tile padded to 16 (the smallest `dot`), walks
-its split of the sequence's key blocks and, with one split, writes the normalized result straight into the
-output; with several it writes float32 partials (o, running max, denominator) that a few jnp ops combine.
-The split count comes from the static shapes so that small batches still fill the GPU. Rows mapped to no
-sequence have no keys and come out as zeros.
+decode (the decode rows: sequences of one query token): flash-decoding. Grid (kv head, row, kv split), the kv
+head fastest, so a row's programs launch together. A program holds the G query heads of one kv head as the rows of
+a tile padded to 16 (the smallest `dot`), walks its split of the sequence's key blocks and, with one split, writes
+the normalized result straight into the output; with several it writes float32 partials (o, running max,
+denominator) that a few jnp ops combine. The split count comes from the static shapes so that small batches still
+fill the GPU. Rows mapped to no sequence have no keys and come out as zeros. In a step the rows launch longest
+first (`_longest_first`): a served step's contexts spread 3x and more around their mean, and a long row launched
+last would run alone at the end of the kernel.
 
 general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence;
 the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G + head-in-group), so each
@@ -216,7 +218,7 @@ def _decode_kernel(
         row_token_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, _into, *out_refs = refs
     else:
         layer_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs = refs
-    token, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_head, token, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     seq = token_seq_ref[token]
     safe_seq = jnp.maximum(seq, 0)
@@ -297,6 +299,14 @@ def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
     return token, jnp.where(is_row, seqs, -1), jnp.where(is_row, kv_lens, 0)
 
 
+def _longest_first(row_token: jax.Array, row_seq: jax.Array, row_kv_len: jax.Array) -> tuple[jax.Array, ...]:
+    """`_decode_rows`' arrays reordered by decreasing kv_len (ties in row order): the decode kernel's programs then
+    launch the longest rows first and end on the shortest. Each row still reads and writes its own token; only the
+    launch order changes (one sort of S keys a forward: every layer's is the same, which XLA computes once)."""
+    order = jnp.argsort(-row_kv_len, stable=True)
+    return row_token[order], row_seq[order], row_kv_len[order]
+
+
 def _decode_attention(
     q,
     row_seq,
@@ -354,7 +364,7 @@ def _decode_attention(
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(num_rows, num_kv_heads, splits),
+        grid=(num_kv_heads, num_rows, splits),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         input_output_aliases={len(operands): 0} if in_place else {},
@@ -576,7 +586,8 @@ def ragged_paged_attention_gpu(
 def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens) -> jax.Array:
     """Any mix of decode rows and prefill chunks: the general kernel serves every token but those of sequences of one
     query token (it leaves their rows unwritten), then the decode kernel serves those, one program row a sequence,
-    reading q at each row's token and writing its result into the general kernel's output in place."""
-    row_token, row_seq, row_kv_len = _decode_rows(cu_q_lens, kv_lens, q.shape[0])
+    reading q at each row's token and writing its result into the general kernel's output in place, the longest rows
+    first."""
+    row_token, row_seq, row_kv_len = _longest_first(*_decode_rows(cu_q_lens, kv_lens, q.shape[0]))
     out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True)
     return decode(q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, row_token=row_token, into=out)

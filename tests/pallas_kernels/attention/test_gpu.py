@@ -18,6 +18,8 @@ import pytest
 from pallas_kernels.attention.gpu import (
     DecodeTiles,
     PrefillTiles,
+    _decode_rows,
+    _longest_first,
     _q_block_table,
     choose_decode_block_kv,
     choose_decode_splits,
@@ -129,6 +131,27 @@ def test_mixed_path_with_split_decode_rows_after_chunks(max_chunks):
     )
     tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
     check(args, page_size=4, decode_only=False, max_chunks=max_chunks, interpret=True, **tiles)
+
+
+def test_decode_rows_launch_longest_first():
+    # sequences 0, 1, 3 and 4 are decode rows, 2 a chunk of 7 tokens, 5 padding; the kernel's rows run by decreasing
+    # kv_len, ties (1 and 3) in row order, and each row keeps its own token, sequence and keys
+    cu_q_lens = jnp.asarray([0, 1, 2, 9, 10, 11, 11], jnp.int32)
+    kv_lens = jnp.asarray([5, 40, 9, 40, 17, 0], jnp.int32)
+    token, seq, kv_len = _longest_first(*_decode_rows(cu_q_lens, kv_lens, 12))
+    assert seq.tolist() == [1, 3, 4, 0, -1, -1]
+    assert kv_len.tolist() == [40, 40, 17, 5, 0, 0]
+    assert token.tolist() == [1, 9, 10, 0, 12 + 2, 12 + 5]  # the chunk and the padding point past the step's tokens
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_path_rows_of_rising_contexts(num_splits):
+    # decode rows whose contexts rise with the row, so that the longest-first launch reverses them, beside a chunk
+    q_lens = [1, 1, 1, 6, 1, 1, 1, 1]
+    kv_lens = [2, 5, 9, 14, 17, 24, 31, 31]
+    args = make_inputs(q_lens, kv_lens, heads=8, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=16)
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
+    check(args, page_size=4, decode_only=False, interpret=True, **tiles)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (12, 4, 64)])
