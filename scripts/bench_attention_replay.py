@@ -1,7 +1,7 @@
 """The decode attention kernel on the serving workload's own steps (GPU): device time and K/V rate, step by step.
 
 Where it sits: beside scripts/bench_attention.py, whose decode rows give every sequence one context. A served step's
-decode rows do not share one: in bench_serving.py's ShareGPT-like workload a step's longest context is 2-3x its
+decode rows do not share one: in bench_serving.py's ShareGPT-like workload a step's longest context is 2-3.5x its
 mean, and the order the decode kernel's programs launch in then decides how long the kernel's last programs run
 alone. This script replays the workload through the engine's scheduler (scripts/simulate_schedule.py's `simulate`,
 no device), takes `--steps-per-bucket` steps of each token bucket and step kind, evenly spaced over the run, and

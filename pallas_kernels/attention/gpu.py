@@ -14,8 +14,8 @@ a tile padded to 16 (the smallest `dot`), walks its split of the sequence's key 
 the normalized result straight into the output; with several it writes float32 partials (o, running max,
 denominator) that a few jnp ops combine. The split count comes from the static shapes so that small batches still
 fill the GPU. Rows mapped to no sequence have no keys and come out as zeros. In a step the rows launch longest
-first (`_longest_first`): a served step's contexts spread 3x and more around their mean, and a long row launched
-last would run alone at the end of the kernel.
+first (`_longest_first`): a served step's longest context is 2-3.5x its mean, and a long row launched last would
+run alone at the end of the kernel.
 
 general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence;
 the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G + head-in-group), so each
