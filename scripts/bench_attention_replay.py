@@ -34,15 +34,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.attention.gpu import ragged_paged_attention_gpu  # noqa: E402
-from scripts.bench_attention import DECODE_KERNEL, kernel_ms, time_ms  # noqa: E402
+from scripts.bench_attention import (  # noqa: E402
+    CALLS,
+    DECODE_KERNEL,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MIN_BUFFER_BYTES,
+    kernel_ms,
+    time_ms,
+)
 from scripts.bench_serving import sample_lengths  # noqa: E402
 from scripts.simulate_schedule import build_scheduler, simulate, split_engine_flags, workload_parser  # noqa: E402
 from sgl_jax_lora.configs.buckets import pick  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
-
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B's attention
-CALLS = 8  # calls a timed program, each on its own q and cache layer
-MIN_CACHE_BYTES = 9 << 29  # 4.5 GiB per K or V: past 32-bit offsets, as the engine's cache is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,25 +123,25 @@ def step_layout(step: ReplayStep, max_seqs: int, pages_per_seq: int, page_size: 
     )
 
 
-def decode_kv_bytes(step: ReplayStep, itemsize: int = 2) -> int:
-    """K and V bytes the step's decode rows read."""
-    return sum(step.decode_kv_lens) * KV_HEADS * HEAD_DIM * itemsize * 2
+def decode_kv_bytes(step: ReplayStep) -> int:
+    """K and V bytes (bf16) the step's decode rows read."""
+    return sum(step.decode_kv_lens) * KV_HEADS * HEAD_DIM * 2 * 2
 
 
 def measure(step: ReplayStep, layout: dict, page_size: int, max_chunks: int, seed: int) -> dict:
     """The engine's attention call on the step's layout (bf16): the decode kernel's device time a launch and rate,
     and the whole call's time (`call_ms`: bench_attention.py's `time_ms`, both kernels and the XLA ops around them)."""
     slots = layout["num_pages"] * page_size
-    num_layers = max(2, -(-MIN_CACHE_BYTES // (KV_HEADS * slots * HEAD_DIM * 2)))
+    num_layers = max(2, -(-MIN_BUFFER_BYTES // (KV_HEADS * slots * HEAD_DIM * 2)))
     key_q, key_k, key_v = jax.random.split(jax.random.PRNGKey(seed), 3)
     shape = (num_layers, KV_HEADS, slots, HEAD_DIM)
     caches = (jax.random.normal(key_k, shape, jnp.bfloat16), jax.random.normal(key_v, shape, jnp.bfloat16))
     rest = tuple(jnp.asarray(layout[k]) for k in ("kv_lens", "page_table", "cu_q_lens"))
     qs = jax.random.normal(key_q, (CALLS, layout["num_tokens"], HEADS, HEAD_DIM), jnp.bfloat16)
     arg_sets = [(qs[i], *caches, jnp.int32(i % num_layers), *rest) for i in range(CALLS)]
-    attention = functools.partial(ragged_paged_attention_gpu, page_size=page_size, scale=HEAD_DIM**-0.5)
-    run = jax.jit(functools.partial(attention, max_chunks=max_chunks))
-    kernel = kernel_ms(run, arg_sets, DECODE_KERNEL)
+    options = dict(page_size=page_size, scale=HEAD_DIM**-0.5, max_chunks=max_chunks)
+    run = jax.jit(functools.partial(ragged_paged_attention_gpu, **options))
+    kernel, kv_bytes = kernel_ms(run, arg_sets, DECODE_KERNEL), decode_kv_bytes(step)
     return dict(
         step=step.index,
         bucket=step.bucket,
@@ -145,9 +150,9 @@ def measure(step: ReplayStep, layout: dict, page_size: int, max_chunks: int, see
         chunks=len(step.chunks),
         mean_context=float(np.mean(step.decode_kv_lens)),
         longest_context=max(step.decode_kv_lens),
-        kv_bytes=decode_kv_bytes(step),
+        kv_bytes=kv_bytes,
         kernel_ms=kernel,
-        kernel_tbps=decode_kv_bytes(step) / kernel / 1e9,
+        kernel_tbps=kv_bytes / kernel / 1e9,
         call_ms=time_ms(run, arg_sets),
     )
 
