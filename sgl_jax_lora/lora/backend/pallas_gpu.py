@@ -132,9 +132,11 @@ class PallasGPUBackend(PallasBackend):
     # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
     DELTA_MAX_TOKENS = 128
     DELTA_MAX_WIDTH = 16384
-    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; measured from 512
-    # (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); SGMV below
-    FUSED_GEMM_MIN_TOKENS = 512
+    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; SGMV below. Prefill
+    # rows won from 512 and lost at 256 (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); a 384
+    # bucket of decode rows with 32 adapters served at 0.901 of base fused against 0.873 on the SGMV path
+    # (docs/benchmarks.md "Decode buckets at 128, 384 and 768")
+    FUSED_GEMM_MIN_TOKENS = 384
     # gate|up with the activation in the fused kernel from this bucket on (on an H200 with 32 adapters: 0.96 of the
     # packed kernel + XLA's activation at 4,096 tokens, 1.04 at 512 decode rows; docs/benchmarks.md)
     GATED_MIN_TOKENS = 2048
