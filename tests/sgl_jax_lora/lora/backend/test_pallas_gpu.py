@@ -50,7 +50,8 @@ def test_prepare_adds_the_entry_table_in_fused_gemm_buckets():
 
 
 def test_hopper_default_runs_the_fused_gemm_from_the_384_bucket():
-    """The default threshold on Hopper GPUs (docs/lora_backends.md "When"): the 384 bucket of decode rows runs the
-    LoRA inside the base GEMM, the 256 bucket the SGMV kernels, and a bucket off the 128-row tile never does."""
+    """The default threshold on Hopper GPUs (docs/lora_backends.md "The LoRA inside the base GEMM (prefill, Hopper
+    GPUs)"): the 384 bucket of decode rows runs the LoRA inside the base GEMM, the 256 bucket the SGMV kernels, and a
+    bucket off the 128-row tile never does."""
     backend = PallasGPUBackend(None, interpret=True, fused_gemm_min_tokens=PallasGPUBackend.FUSED_GEMM_MIN_TOKENS)
     assert [backend.fused_gemm_tile_rows(t, 33) for t in (256, 320, 384, 512, 768)] == [0, 0, 128, 128, 128]
