@@ -13,10 +13,15 @@ runs each case:
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
                rows (padding tokens write slot 0, padding sequences hold no tokens)
   prefill:SxN  S prompts of N new tokens each, no cached prefix (one step of S * N tokens)
-Reported per case: the forward's median time over --repeats calls (the engine's step adds logits and sampling),
+Timing: each case's program is compiled and run once, then --rounds rounds run every case's --repeats calls in
+turn, in the given order in even rounds and reversed in odd ones, so a drift of the device's speed (clocks, heat)
+over the run weighs on every case alike; with one round (the default) the cases run one after the other.
+Reported per case: the forward's median time over all its timed calls, with each round's median (`round_ms`)
+(the engine's step adds logits and sampling),
 the HBM floor (weights but the embedding table, plus the K/V read, at --hbm-tb-s) and the ratio to it, and the
 FLOP rate (2 per weight per token for the linears; 4 * head_dim per causal query-key pair and head for attention)
 as a share of --peak-tflops. The forward is the engine's program (ModelRunner's layout: layers unrolled, KV donated).
+--out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +200,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["native", "pallas", "pallas+lora"])
     parser.add_argument("--cases", nargs="+", default=["decode:64x512", "decode:256x512", "prefill:8x256"])
     parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls of a case in each round")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds over the cases, the order reversed every other round"
+    )
     parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="3.35 for H100 SXM, 4.8 for H200")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 GEMM peak of the GPU")
     parser.add_argument("--num-adapters", type=int, default=32, help="adapters of the +lora variants, one slot each")
@@ -209,58 +218,87 @@ def main() -> None:
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
     cases = [parse_case(c) for c in opts.cases]
     variants = [parse_variant(v) for v in opts.variants]  # a bad name stops the run before any model is built
+    rows: list[dict] = []
+    for variant, (backend, lora_backend) in zip(opts.variants, variants):
+        done = len(rows)
+        for variant_rows in measure_variant(cfg, variant, backend, lora_backend, cases, opts):
+            rows[done:] = variant_rows
+            write_out(opts, rows)
+        for row in rows[done:]:
+            print(json.dumps(row), flush=True)
+
+
+def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: str | None, cases: list, opts):
+    """Builds the variant's model, compiles and runs each case once, then times the cases over opts.rounds rounds
+    (`time_cases`); after each round yields the variant's rows (`report`, with each round's median) so far."""
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
-    rows = []
-    for variant, (backend, lora_backend) in zip(opts.variants, variants):
-        state, kv, forward = build(
-            cfg, backend, lora_backend, num_pages, opts.num_adapters, opts.lora_fused_gemm_min_tokens
-        )
-        lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
-        for kind, seqs, length, bucket in cases:
-            batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
-            batch = jax.device_put(batch)
-            start = time.perf_counter()
-            out, kv = forward(state, kv, batch)
-            out.block_until_ready()
-            compile_s = time.perf_counter() - start
-            times = []
-            for _ in range(opts.repeats):
+    state, kv, forward = build(
+        cfg, backend, lora_backend, num_pages, opts.num_adapters, opts.lora_fused_gemm_min_tokens
+    )
+    lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
+    prepared = []  # (case, batch, q_lens, kv_lens, compile_s)
+    for kind, seqs, length, bucket in cases:
+        batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
+        batch = jax.device_put(batch)
+        start = time.perf_counter()
+        out, kv = forward(state, kv, batch)
+        out.block_until_ready()
+        prepared.append(((kind, seqs, length, bucket), batch, q_lens, kv_lens, time.perf_counter() - start))
+    cache = [kv]  # the donated KV cache of the latest call
+
+    def run(index: int) -> None:
+        out, cache[0] = forward(state, cache[0], prepared[index][1])
+        out.block_until_ready()
+
+    for times in time_cases(run, len(prepared), opts.repeats, opts.rounds):
+        rows = []
+        for ((kind, seqs, length, bucket), _, q_lens, kv_lens, compile_s), rounds in zip(prepared, times):
+            seconds = statistics.median(t for calls in rounds for t in calls)
+            row = report(cfg, state, variant, kind, (seqs, bucket), length, q_lens, kv_lens, seconds, compile_s, opts)
+            rows.append({**row, "round_ms": [statistics.median(calls) * 1e3 for calls in rounds]})
+        yield rows
+
+
+def round_order(num_cases: int, round_index: int) -> list[int]:
+    """The cases of one round: in the given order in even rounds, reversed in odd ones."""
+    order = list(range(num_cases))
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+def time_cases(run: Callable[[int], None], num_cases: int, repeats: int, rounds: int):
+    """Times `repeats` calls of run(case) for every case in each round (`round_order`); after each round yields
+    times[case][round] -> the seconds of each call, for the rounds so far."""
+    times: list[list[list[float]]] = [[] for _ in range(num_cases)]
+    for round_index in range(rounds):
+        for case in round_order(num_cases, round_index):
+            calls = []
+            for _ in range(repeats):
                 start = time.perf_counter()
-                out, kv = forward(state, kv, batch)
-                out.block_until_ready()
-                times.append(time.perf_counter() - start)
-            rows.append(
-                report(
-                    cfg,
-                    state,
-                    variant,
-                    kind,
-                    (seqs, bucket),
-                    length,
-                    q_lens,
-                    kv_lens,
-                    statistics.median(times),
-                    compile_s,
-                    opts,
-                )
-            )
-            print(json.dumps(rows[-1]), flush=True)
-        del state, kv
-    if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump(
-                {
-                    "rows": rows,
-                    "jax": jax.__version__,
-                    "device": str(jax.devices()[0].device_kind),
-                    "num_layers": opts.num_layers,
-                    "num_adapters": opts.num_adapters,
-                    "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
-                },
-                f,
-                indent=2,
-            )
+                run(case)
+                calls.append(time.perf_counter() - start)
+            times[case].append(calls)
+        yield times
+
+
+def write_out(opts, rows: list[dict]) -> None:
+    if not opts.out:
+        return
+    with open(opts.out, "w") as f:
+        json.dump(
+            {
+                "rows": rows,
+                "jax": jax.__version__,
+                "device": str(jax.devices()[0].device_kind),
+                "num_layers": opts.num_layers,
+                "num_adapters": opts.num_adapters,
+                "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
+                "repeats": opts.repeats,
+                "rounds": opts.rounds,
+            },
+            f,
+            indent=2,
+        )
 
 
 def report(cfg, state, variant, kind, sizes, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:

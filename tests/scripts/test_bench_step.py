@@ -1,7 +1,10 @@
-"""scripts/bench_step.py: the cases it parses and the padded decode batches it builds (no model: the layout is
-checked against the engine's padding rules and through the attention reference)."""
+"""scripts/bench_step.py: the cases it parses and the padded decode batches it builds (the layout is checked against
+the engine's padding rules and through the attention reference), the order it times the cases in, and one variant
+measured end to end on a tiny model."""
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,18 @@ import pytest
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
-from scripts.bench_step import PAGE_SIZE, case_batch, lora_batches, parse_case, parse_variant
+from scripts.bench_offline import LLAMA3_8B, make_model_dir
+from scripts.bench_step import (
+    PAGE_SIZE,
+    case_batch,
+    lora_batches,
+    measure_variant,
+    parse_case,
+    parse_variant,
+    round_order,
+    time_cases,
+)
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
 
 
@@ -88,3 +102,42 @@ def test_lora_tokens_are_laid_out_as_the_engine_batches_them(case, num_adapters)
     if len(token_slot) % tile_m == 0:  # a bucket the GEMM with the LoRA inside it can take
         bound = entry_table(batch.lora, tile_m, len(batch.seq_lens)).max_entries
         assert entries_needed(token_slot, batch.lora.slot_scale, tile_m) <= bound
+
+
+def test_rounds_alternate_the_order_of_the_cases():
+    """Every case's calls run together within a round, the order reversed every other round (a drift of the device
+    over the run weighs on every case alike); each round yields the times so far, one list of calls per round."""
+    assert round_order(3, 0) == [0, 1, 2] and round_order(3, 1) == [2, 1, 0] and round_order(3, 2) == [0, 1, 2]
+    calls = []
+    snapshots = [[len(rounds) for rounds in times] for times in time_cases(calls.append, 3, 2, 3)]
+    assert calls == [0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0, 1, 1, 2, 2]
+    assert snapshots == [[1, 1, 1], [2, 2, 2], [3, 3, 3]]
+    *_, times = time_cases(lambda case: None, 2, 4, 2)
+    assert all(len(calls) == 4 and min(calls) >= 0 for rounds in times for calls in rounds)
+
+
+def test_a_variant_is_measured_round_by_round():
+    """A two-layer model of small widths, native attention, a decode and a prefill case over two rounds: one row a
+    case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows."""
+    config = {
+        **LLAMA3_8B,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+    }
+    cfg = ModelConfig.from_model_path(make_model_dir(config))
+    opts = argparse.Namespace(
+        repeats=2, rounds=2, num_adapters=2, lora_fused_gemm_min_tokens=None, hbm_tb_s=4.8, peak_tflops=790.0
+    )
+    cases = [parse_case("decode:3x40@8"), parse_case("prefill:2x24")]
+    yielded = list(measure_variant(cfg, "native+lora", "native", "auto", cases, opts))
+    assert [[len(row["round_ms"]) for row in rows] for rows in yielded] == [[1, 1], [2, 2]]
+    last = yielded[-1]
+    assert [row["case"] for row in last] == ["decode:3x40@8", "prefill:2x24"]
+    assert [row["tokens"] for row in last] == [3, 48]
+    assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
+    assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
