@@ -14,7 +14,7 @@ import pytest
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
-from scripts.bench_offline import LLAMA3_8B, make_model_dir
+from scripts.bench_offline import make_model_dir
 from scripts.bench_step import (
     PAGE_SIZE,
     case_batch,
@@ -27,6 +27,7 @@ from scripts.bench_step import (
 )
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
+from tests.support.tiny_configs import TINY_LLAMA_CONFIG
 
 
 def test_cases_parse_with_and_without_a_bucket():
@@ -117,19 +118,9 @@ def test_rounds_alternate_the_order_of_the_cases():
 
 
 def test_a_variant_is_measured_round_by_round():
-    """A two-layer model of small widths, native attention, a decode and a prefill case over two rounds: one row a
+    """The tests' tiny Llama (two layers), native attention, a decode and a prefill case over two rounds: one row a
     case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows."""
-    config = {
-        **LLAMA3_8B,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 512,
-    }
-    cfg = ModelConfig.from_model_path(make_model_dir(config))
+    cfg = ModelConfig.from_model_path(make_model_dir(TINY_LLAMA_CONFIG))
     opts = argparse.Namespace(
         repeats=2, rounds=2, num_adapters=2, lora_fused_gemm_min_tokens=None, hbm_tb_s=4.8, peak_tflops=790.0
     )
