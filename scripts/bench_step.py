@@ -16,11 +16,10 @@ runs each case:
 Timing: each case's program is compiled and run once, then --rounds rounds run every case's --repeats calls in
 turn, in the given order in even rounds and reversed in odd ones, so a drift of the device's speed (clocks, heat)
 over the run weighs on every case alike; with one round (the default) the cases run one after the other.
-Reported per case: the forward's median time over all its timed calls, with each round's median (`round_ms`)
-(the engine's step adds logits and sampling),
-the HBM floor (weights but the embedding table, plus the K/V read, at --hbm-tb-s) and the ratio to it, and the
-FLOP rate (2 per weight per token for the linears; 4 * head_dim per causal query-key pair and head for attention)
-as a share of --peak-tflops. The forward is the engine's program (ModelRunner's layout: layers unrolled, KV donated).
+Reported per case: the forward's median time over all its timed calls and each round's median (`round_ms`; the
+engine's step adds logits and sampling to the forward), the HBM floor (weights but the embedding table, plus the
+K/V read, at --hbm-tb-s) and the ratio to it, and the FLOP rate (2 per weight per token for the linears; 4 *
+head_dim per causal query-key pair and head for attention) as a share of --peak-tflops. The forward is the engine's program (ModelRunner's layout: layers unrolled, KV donated).
 --out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
@@ -245,10 +244,10 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
         out, kv = forward(state, kv, batch)
         out.block_until_ready()
         prepared.append(((kind, seqs, length, bucket), batch, q_lens, kv_lens, time.perf_counter() - start))
-    cache = [kv]  # the donated KV cache of the latest call
 
     def run(index: int) -> None:
-        out, cache[0] = forward(state, cache[0], prepared[index][1])
+        nonlocal kv  # donated: each call takes the cache the call before returned
+        out, kv = forward(state, kv, prepared[index][1])
         out.block_until_ready()
 
     for times in time_cases(run, len(prepared), opts.repeats, opts.rounds):
