@@ -19,7 +19,10 @@ over the run weighs on every case alike; with one round (the default) the cases 
 Reported per case: the forward's median time over all its timed calls and each round's median (`round_ms`; the
 engine's step adds logits and sampling to the forward), the HBM floor (weights but the embedding table, plus the
 K/V read, at --hbm-tb-s) and the ratio to it, and the FLOP rate (2 per weight per token for the linears; 4 *
-head_dim per causal query-key pair and head for attention) as a share of --peak-tflops. The forward is the engine's program (ModelRunner's layout: layers unrolled, KV donated).
+head_dim per causal query-key pair and head for attention) as a share of --peak-tflops. The forward is the engine's
+program: ModelRunner's layout (layers unrolled, KV donated), its base GEMM (the Mosaic GPU kernel from
+--gpu-gemm-min-tokens tokens on one Hopper GPU, XLA's dot below; the engine's flag and default) and its XLA options
+(`forward_compiler_options`: on a GPU concurrent kernel scheduling, off with --disable-gpu-concurrent-kernels).
 --out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
@@ -50,6 +53,7 @@ from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
 from sgl_jax_lora.server_args import LORA_BACKENDS  # noqa: E402
@@ -125,9 +129,12 @@ def build(
     num_pages: int,
     num_adapters: int,
     fused_gemm_min_tokens: int | None,
+    gpu_gemm_min_tokens: int | None = None,
+    disable_gpu_concurrent_kernels: bool = False,
 ):
     """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None, with
-    num_adapters + 1 device slots and the engine's --lora-fused-gemm-min-tokens (None: its default)."""
+    num_adapters + 1 device slots and the engine's --lora-fused-gemm-min-tokens and --gpu-gemm-min-tokens (None: their
+    defaults); its forward compiled with the engine's XLA options (`forward_compiler_options`)."""
     mesh = make_mesh(1)
     spec = None
     if lora_backend:
@@ -151,6 +158,7 @@ def build(
         layers_per_scan_step=cfg.num_layers,
         attention_backend=attention,
         max_prefill_chunks=MAX_PREFILL_SEQS,
+        base_gemm_min_tokens=gpu_gemm_min_tokens,
     )
     if spec is not None:  # random adapters in slots 1..N, slot 0 (base) stays zero
         keys = iter(jax.random.split(jax.random.key(1), 64))
@@ -168,7 +176,8 @@ def build(
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    return state, kv, jax.jit(forward, donate_argnums=1)
+    options = forward_compiler_options(jax.default_backend(), disable_gpu_concurrent_kernels)
+    return state, kv, jax.jit(forward, donate_argnums=1, compiler_options=options)
 
 
 def sequence_slots(num_seqs: int, num_adapters: int) -> np.ndarray:
@@ -212,6 +221,17 @@ def main() -> None:
         default=None,
         help="the engine's flag: the least token bucket that runs the GEMM with the LoRA inside it (0: none)",
     )
+    parser.add_argument(
+        "--gpu-gemm-min-tokens",
+        type=int,
+        default=None,
+        help="the engine's flag: the least token bucket whose layer linears run the base GEMM kernel (0: XLA's dot)",
+    )
+    parser.add_argument(
+        "--disable-gpu-concurrent-kernels",
+        action="store_true",
+        help="the engine's flag: compile the forward with XLA's serialized kernel scheduling",
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
@@ -233,7 +253,14 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     state, kv, forward = build(
-        cfg, backend, lora_backend, num_pages, opts.num_adapters, opts.lora_fused_gemm_min_tokens
+        cfg,
+        backend,
+        lora_backend,
+        num_pages,
+        opts.num_adapters,
+        opts.lora_fused_gemm_min_tokens,
+        opts.gpu_gemm_min_tokens,
+        opts.disable_gpu_concurrent_kernels,
     )
     lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
     prepared = []  # (case, batch, q_lens, kv_lens, compile_s)
@@ -292,6 +319,8 @@ def write_out(opts, rows: list[dict]) -> None:
                 "num_layers": opts.num_layers,
                 "num_adapters": opts.num_adapters,
                 "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
+                "gpu_gemm_min_tokens": opts.gpu_gemm_min_tokens,
+                "disable_gpu_concurrent_kernels": opts.disable_gpu_concurrent_kernels,
                 "repeats": opts.repeats,
                 "rounds": opts.rounds,
             },

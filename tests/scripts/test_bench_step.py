@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.sgmv.entry_table import entries_needed
 from pallas_kernels.sgmv.gemm_lora_gpu import GemmLoraTiles
+from scripts import bench_step
 from scripts.bench_offline import make_model_dir
 from scripts.bench_step import (
     PAGE_SIZE,
@@ -27,6 +28,8 @@ from scripts.bench_step import (
 )
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
+from sgl_jax_lora.models.weight_loader import load_model_state
 from tests.support.tiny_configs import TINY_LLAMA_CONFIG
 
 
@@ -117,12 +120,32 @@ def test_rounds_alternate_the_order_of_the_cases():
     assert all(len(calls) == 4 and min(calls) >= 0 for rounds in times for calls in rounds)
 
 
-def test_a_variant_is_measured_round_by_round():
+def test_a_variant_is_measured_round_by_round(monkeypatch):
     """The tests' tiny Llama (two layers), native attention, a decode and a prefill case over two rounds: one row a
-    case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows."""
+    case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows. The
+    model takes the engine's --gpu-gemm-min-tokens and its forward the engine's XLA options for this platform."""
+    asked = []
+
+    def engine_options(platform: str, disable_gpu_concurrent_kernels: bool):
+        asked.append((platform, disable_gpu_concurrent_kernels))
+        return forward_compiler_options(platform, disable_gpu_concurrent_kernels)
+
+    def engine_model(*args, **kwargs):
+        asked.append(("base_gemm_min_tokens", kwargs["base_gemm_min_tokens"]))
+        return load_model_state(*args, **kwargs)
+
+    monkeypatch.setattr(bench_step, "forward_compiler_options", engine_options)
+    monkeypatch.setattr(bench_step, "load_model_state", engine_model)
     cfg = ModelConfig.from_model_path(make_model_dir(TINY_LLAMA_CONFIG))
     opts = argparse.Namespace(
-        repeats=2, rounds=2, num_adapters=2, lora_fused_gemm_min_tokens=None, hbm_tb_s=4.8, peak_tflops=790.0
+        repeats=2,
+        rounds=2,
+        num_adapters=2,
+        lora_fused_gemm_min_tokens=None,
+        gpu_gemm_min_tokens=8,
+        disable_gpu_concurrent_kernels=True,
+        hbm_tb_s=4.8,
+        peak_tflops=790.0,
     )
     cases = [parse_case("decode:3x40@8"), parse_case("prefill:2x24")]
     yielded = list(measure_variant(cfg, "native+lora", "native", "auto", cases, opts))
@@ -132,3 +155,4 @@ def test_a_variant_is_measured_round_by_round():
     assert [row["tokens"] for row in last] == [3, 48]
     assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
     assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
+    assert asked == [("base_gemm_min_tokens", 8), (jax.default_backend(), True)]
