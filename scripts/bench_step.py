@@ -20,9 +20,10 @@ Reported per case: the forward's median time over all its timed calls and each r
 engine's step adds logits and sampling to the forward), the HBM floor (weights but the embedding table, plus the
 K/V read, at --hbm-tb-s) and the ratio to it, and the FLOP rate (2 per weight per token for the linears; 4 *
 head_dim per causal query-key pair and head for attention) as a share of --peak-tflops. The forward is the engine's
-program: ModelRunner's layout (layers unrolled, KV donated), its base GEMM (the Mosaic GPU kernel from
---gpu-gemm-min-tokens tokens on one Hopper GPU, XLA's dot below; the engine's flag and default) and its XLA options
-(`forward_compiler_options`: on a GPU concurrent kernel scheduling, off with --disable-gpu-concurrent-kernels).
+program: the model ModelRunner builds from the engine's flags (`load_engine_model`: layers unrolled, the base GEMM
+kernel from --gpu-gemm-min-tokens tokens on one Hopper GPU and XLA's dot below, every flag not passed here at its
+default), KV donated, and the engine's XLA options (`forward_compiler_options`: on a GPU concurrent kernel
+scheduling, off with --disable-gpu-concurrent-kernels).
 --out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
@@ -54,9 +55,9 @@ from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
+from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402
 from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
-from sgl_jax_lora.models.weight_loader import load_model_state  # noqa: E402
-from sgl_jax_lora.server_args import LORA_BACKENDS  # noqa: E402
+from sgl_jax_lora.server_args import LORA_BACKENDS, ServerArgs  # noqa: E402
 
 PAGE_SIZE, RANK = 16, 16
 MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
@@ -122,44 +123,37 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return attention, (lora_backend or "auto") if kind else None
 
 
-def build(
-    cfg: ModelConfig,
-    backend: str,
-    lora_backend: str | None,
-    num_pages: int,
-    num_adapters: int,
-    fused_gemm_min_tokens: int | None,
-    gpu_gemm_min_tokens: int | None = None,
-    disable_gpu_concurrent_kernels: bool = False,
-):
-    """The model of one variant, parsed (`parse_variant`): its attention backend, and its LoRA backend or None, with
-    num_adapters + 1 device slots and the engine's --lora-fused-gemm-min-tokens and --gpu-gemm-min-tokens (None: their
-    defaults); its forward compiled with the engine's XLA options (`forward_compiler_options`)."""
+def engine_args(cfg: ModelConfig, backend: str, lora_backend: str | None, opts) -> ServerArgs:
+    """The engine's flags a variant's forward is built and compiled with: its attention backend (native or pallas)
+    and LoRA backend, and the engine flags this script passes on (--gpu-gemm-min-tokens, --lora-fused-gemm-min-tokens,
+    --disable-gpu-concurrent-kernels); every other flag the engine's default."""
+    return ServerArgs(
+        model_path=cfg.model_path,
+        load_format="dummy",
+        dtype="bfloat16",
+        page_size=PAGE_SIZE,
+        max_prefill_seqs=MAX_PREFILL_SEQS,
+        attention_backend=backend,
+        lora_backend=lora_backend or "auto",
+        gpu_gemm_min_tokens=opts.gpu_gemm_min_tokens,
+        lora_fused_gemm_min_tokens=opts.lora_fused_gemm_min_tokens,
+        disable_gpu_concurrent_kernels=opts.disable_gpu_concurrent_kernels,
+    )
+
+
+def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int):
+    """The model of one variant as the engine builds it from `args` (`load_engine_model`), with num_adapters + 1
+    device slots of args.lora_backend when with_lora, and its forward compiled with the engine's XLA options."""
     mesh = make_mesh(1)
     spec = None
-    if lora_backend:
+    if with_lora:
         spec = LoRAModelSpec(
             num_slots=num_adapters + 1,
             max_rank=RANK,
-            backend=make_lora_backend(lora_backend, mesh, fused_gemm_min_tokens),
+            backend=make_lora_backend(args.lora_backend, mesh, args.lora_fused_gemm_min_tokens),
             target_modules=frozenset(LORA_TARGETS),
         )
-    attention = {"native": "native", "pallas": "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_interpret"}[
-        backend
-    ]
-    graphdef, state = load_model_state(
-        cfg,
-        1,
-        PAGE_SIZE,
-        jnp.bfloat16,
-        mesh,
-        spec,
-        load_format="dummy",
-        layers_per_scan_step=cfg.num_layers,
-        attention_backend=attention,
-        max_prefill_chunks=MAX_PREFILL_SEQS,
-        base_gemm_min_tokens=gpu_gemm_min_tokens,
-    )
+    graphdef, state = load_engine_model(args, cfg, mesh, spec)
     if spec is not None:  # random adapters in slots 1..N, slot 0 (base) stays zero
         keys = iter(jax.random.split(jax.random.key(1), 64))
         state = jax.tree_util.tree_map_with_path(
@@ -176,7 +170,7 @@ def build(
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    options = forward_compiler_options(jax.default_backend(), disable_gpu_concurrent_kernels)
+    options = forward_compiler_options(jax.default_backend(), args.disable_gpu_concurrent_kernels)
     return state, kv, jax.jit(forward, donate_argnums=1, compiler_options=options)
 
 
@@ -253,14 +247,7 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
     state, kv, forward = build(
-        cfg,
-        backend,
-        lora_backend,
-        num_pages,
-        opts.num_adapters,
-        opts.lora_fused_gemm_min_tokens,
-        opts.gpu_gemm_min_tokens,
-        opts.disable_gpu_concurrent_kernels,
+        cfg, engine_args(cfg, backend, lora_backend, opts), lora_backend is not None, num_pages, opts.num_adapters
     )
     lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
     prepared = []  # (case, batch, q_lens, kv_lens, compile_s)

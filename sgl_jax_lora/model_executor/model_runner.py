@@ -10,6 +10,7 @@ Flow (per step, called by the engine loop):
   fetch(launched)                   -> next ids / logprobs on the host (waits for the device)
   prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
 Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup (model_executor/warmup.py).
+`load_engine_model` builds the model from the engine's flags (the runner's, and scripts/bench_step.py's).
 """
 
 from __future__ import annotations
@@ -64,6 +65,31 @@ KV_ALLOCATION_ATTEMPTS = 8  # a cache sized from memory shrinks this many times 
 KV_SHRINK_FACTOR = 0.9
 
 
+def load_engine_model(
+    args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model as the engine's flags build it on `mesh` (dtype, attention backend for the mesh's platform, layers per
+    scan step, --max-prefill-seqs, the base GEMM kernel from --gpu-gemm-min-tokens, quantization): ModelRunner's, and
+    that of a benchmark timing the engine's forward without an engine (scripts/bench_step.py)."""
+    return load_model_state(
+        cfg,
+        args.tp_size,
+        args.page_size,
+        jnp.dtype(args.dtype),
+        mesh,
+        lora,
+        args.load_format,
+        args.random_seed,
+        layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
+        if args.layers_per_scan_step > 0
+        else cfg.num_layers,
+        attention_backend=resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform),
+        max_prefill_chunks=args.max_prefill_seqs,
+        base_gemm_min_tokens=args.gpu_gemm_min_tokens,
+        quantization=args.quantization,
+    )
+
+
 class ModelRunner:
     def __init__(
         self, args: ServerArgs, cfg: ModelConfig, mesh: Mesh, buckets: Buckets, lora: LoRAModelSpec | None = None
@@ -75,23 +101,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.page_size = args.page_size
         self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
-        graphdef, state = load_model_state(
-            cfg,
-            args.tp_size,
-            args.page_size,
-            self.dtype,
-            mesh,
-            lora,
-            args.load_format,
-            args.random_seed,
-            layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
-            if args.layers_per_scan_step > 0
-            else cfg.num_layers,
-            attention_backend=self.attention_backend,
-            max_prefill_chunks=args.max_prefill_seqs,
-            base_gemm_min_tokens=args.gpu_gemm_min_tokens,
-            quantization=args.quantization,
-        )
+        graphdef, state = load_engine_model(args, cfg, mesh, lora)
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]

@@ -29,7 +29,8 @@ from scripts.bench_step import (
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.backend.pallas_gpu import entry_table
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
-from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.model_executor.model_runner import load_engine_model
+from sgl_jax_lora.server_args import ServerArgs
 from tests.support.tiny_configs import TINY_LLAMA_CONFIG
 
 
@@ -123,19 +124,20 @@ def test_rounds_alternate_the_order_of_the_cases():
 def test_a_variant_is_measured_round_by_round(monkeypatch):
     """The tests' tiny Llama (two layers), native attention, a decode and a prefill case over two rounds: one row a
     case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows. The
-    model takes the engine's --gpu-gemm-min-tokens and its forward the engine's XLA options for this platform."""
+    model is the engine's for the variant's flags (`load_engine_model`) and its forward takes the engine's XLA options
+    for this platform."""
     asked = []
 
     def engine_options(platform: str, disable_gpu_concurrent_kernels: bool):
         asked.append((platform, disable_gpu_concurrent_kernels))
         return forward_compiler_options(platform, disable_gpu_concurrent_kernels)
 
-    def engine_model(*args, **kwargs):
-        asked.append(("base_gemm_min_tokens", kwargs["base_gemm_min_tokens"]))
-        return load_model_state(*args, **kwargs)
+    def engine_model(args: ServerArgs, *rest):
+        asked.append((args.attention_backend, args.lora_backend, args.gpu_gemm_min_tokens))
+        return load_engine_model(args, *rest)
 
     monkeypatch.setattr(bench_step, "forward_compiler_options", engine_options)
-    monkeypatch.setattr(bench_step, "load_model_state", engine_model)
+    monkeypatch.setattr(bench_step, "load_engine_model", engine_model)
     cfg = ModelConfig.from_model_path(make_model_dir(TINY_LLAMA_CONFIG))
     opts = argparse.Namespace(
         repeats=2,
@@ -155,4 +157,4 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     assert [row["tokens"] for row in last] == [3, 48]
     assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
     assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
-    assert asked == [("base_gemm_min_tokens", 8), (jax.default_backend(), True)]
+    assert asked == [("native", "auto", 8), (jax.default_backend(), True)]

@@ -1,0 +1,47 @@
+"""The model as the engine's flags build it (model_executor/model_runner.py `load_engine_model`): what ModelRunner
+serves, and what scripts/bench_step.py times without an engine, so that a benchmark's forward cannot drift from the
+engine's when a flag changes how the model is built."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.model_executor.model_runner import load_engine_model
+from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model_dir(tmp_path_factory.mktemp("engine_model") / "base", "llama", seed=5)
+
+
+def test_the_flags_reach_the_model(model_dir):
+    """dtype, layers per scan step, the base GEMM kernel's threshold (on CPU its pure-JAX reference) and the attention
+    backend for the mesh's platform come from the flags; the defaults leave XLA's dot on CPU and the native attention."""
+    cfg = ModelConfig.from_model_path(str(model_dir))
+    mesh = make_mesh(1)
+    flags = ServerArgs(
+        model_path=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        gpu_gemm_min_tokens=8,
+        layers_per_scan_step=1,
+        attention_backend="pallas",
+        max_prefill_seqs=3,
+    )
+    model = nnx.merge(*load_engine_model(flags, cfg, mesh, None))
+    assert model.base_gemm == BaseGemm(8, mesh, reference=True)
+    assert model.layers_per_scan_step == 1
+    assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
+    attention = model.layers.attention_backend
+    assert (attention.name, attention.max_chunks) == ("pallas_interpret", 3)
+
+    default = nnx.merge(*load_engine_model(ServerArgs(model_path=str(model_dir), load_format="dummy"), cfg, mesh, None))
+    assert default.base_gemm is None and default.layers_per_scan_step == cfg.num_layers
+    assert default.layers.attention_backend.name == "native"
