@@ -53,7 +53,7 @@ from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_cache_dtype  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402
 from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
@@ -143,7 +143,8 @@ def engine_args(cfg: ModelConfig, backend: str, lora_backend: str | None, opts) 
 
 def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int):
     """The model of one variant as the engine builds it from `args` (`load_engine_model`), with num_adapters + 1
-    device slots of args.lora_backend when with_lora, and its forward compiled with the engine's XLA options."""
+    device slots of args.lora_backend when with_lora, its KV cache in the engine's dtype and its forward compiled with
+    the engine's XLA options for the mesh's platform, as ModelRunner compiles its own."""
     mesh = make_mesh(1)
     spec = None
     if with_lora:
@@ -164,13 +165,15 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
             ),
             state,
         )
-    kv = allocate_kv_cache(cfg, num_pages, PAGE_SIZE, 1, jnp.bfloat16, mesh)
+    kv = allocate_kv_cache(
+        cfg, num_pages, PAGE_SIZE, 1, kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(args.dtype)), mesh
+    )
 
     def forward(state, kv, batch):
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    options = forward_compiler_options(jax.default_backend(), args.disable_gpu_concurrent_kernels)
+    options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
     return state, kv, jax.jit(forward, donate_argnums=1, compiler_options=options)
 
 
