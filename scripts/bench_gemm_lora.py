@@ -75,7 +75,7 @@ ROWS = [
     ("qkv", 16, 1024, 8),
     ("o", 16, 512, 8),
     ("qkv", 16, 512, 8),
-    # the buckets from 512, where the fused GEMM ran first (its default is now 384)
+    # the buckets from 512, where the fused GEMM ran first (its default is now 1024)
     ("gate_up", 16, 1024, 8),
     ("down", 16, 1024, 8),
     ("gate_up", 16, 512, 8),

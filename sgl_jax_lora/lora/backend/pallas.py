@@ -80,7 +80,7 @@ class PallasBackend(LoRABackend):
         reads columns p*R .. (p+1)*R of s ([T, P*R], or [splits, T, P*R] partials to sum). lora_bs are
         [A, out_p, R], or [L, A, out_p, R] stacks with `layer`."""
 
-    def returns_delta(self, num_tokens: int, out_width: int, input_sharded: bool) -> bool:
+    def returns_delta(self, input_sharded: bool) -> bool:
         """Whether `apply_packed` has its expand write the delta alone, for XLA to add to the base output,
         rather than add it into the base output in place."""
         return False
@@ -159,8 +159,7 @@ class PallasBackend(LoRABackend):
             layer = jnp.zeros((), jnp.int32)
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
-        out_width = sum(b.shape[-2] for b in lora_bs)  # all parts, every shard
-        adds_in_place = not self.returns_delta(x.shape[0], out_width, input_sharded)
+        adds_in_place = not self.returns_delta(input_sharded)
 
         def local(x, lora_a, meta, layer, *operands):
             # operands: one B per part, then the base output when the delta is added in place; per shard, the

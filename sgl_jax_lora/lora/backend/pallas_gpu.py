@@ -14,10 +14,10 @@ Rank awareness: the kernels mask A rows above each slot's rank, and B columns fr
 of their loads (those bytes are never read) and read nothing for base segments. Projection sizes: any; the
 kernels mask their last `in` / `out` block past sizes no block divides.
 
-`apply_packed` fuses the whole LoRA: the shrink partials go straight into the expand kernel, which sums them,
-applies the slot scale and adds into the (packed) base output in place; a packed module (q|k|v, gate|up) is one
-shrink launch plus one expand launch for all its parts, with no XLA op between them, except that in decode
-buckets q|k|v's expand writes its delta for XLA to add (`returns_delta`).
+`apply_packed` fuses the whole LoRA: the shrink partials go straight into the expand kernel, which sums them and
+applies the slot scale; a packed module (q|k|v, gate|up) is one shrink launch plus one expand launch for all its
+parts, with no XLA op between them. The expand writes a column-parallel module's delta for XLA to add
+(`returns_delta`), so it runs beside the base GEMM, and adds a row-parallel module's into the residual in place.
 
 Large token buckets on Hopper GPUs (`apply_with_base`; decode rows, prefill chunks or both): from
 `--lora-fused-gemm-min-tokens` tokens (default FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its
@@ -129,14 +129,11 @@ def _segments(meta: LoRAMeta) -> tuple[jax.Array, ...]:
 
 class PallasGPUBackend(PallasBackend):
     native_platforms = ("gpu", "cuda")
-    # returns_delta's limits: q|k|v of Llama-3-8B (6144 columns) measured at 64 tokens; gate|up (28672) stays in place
-    DELTA_MAX_TOKENS = 128
-    DELTA_MAX_WIDTH = 16384
-    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; SGMV below. Prefill
-    # rows won from 512 and lost at 256 (docs/benchmarks.md "Prefill rows, as the engine calls the modules"); a 384
-    # bucket of decode rows with 32 adapters served at 0.901 of base fused against 0.873 on the SGMV path
-    # (docs/benchmarks.md "Decode buckets at 128, 384 and 768")
-    FUSED_GEMM_MIN_TOKENS = 384
+    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; the SGMV kernels beside
+    # the base GEMM below. With 32 adapters the SGMV path was faster at 369 and 512 decode rows in the 512 bucket,
+    # and at 751 rows in the 1024 bucket, the fused GEMM at 1000 rows there and in 2048- and 4096-token prefill steps
+    # (docs/benchmarks.md "The LoRA expand beside the base GEMM")
+    FUSED_GEMM_MIN_TOKENS = 1024
     # gate|up with the activation in the fused kernel from this bucket on (on an H200 with 32 adapters: 0.96 of the
     # packed kernel + XLA's activation at 4,096 tokens, 1.04 at 512 decode rows; docs/benchmarks.md)
     GATED_MIN_TOKENS = 2048
@@ -174,12 +171,13 @@ class PallasGPUBackend(PallasBackend):
         entries = entry_table(lora, tile_rows, num_seqs) if tile_rows else None
         return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows, entries=entries)
 
-    def returns_delta(self, num_tokens: int, out_width: int, input_sharded: bool) -> bool:
-        """Decode buckets (up to DELTA_MAX_TOKENS tokens) of column-parallel modules up to DELTA_MAX_WIDTH output
-        columns (q|k|v): XLA splits these GEMMs along K, and an in-place expand, which needs the GEMM's result,
-        makes XLA finish the split-K sum in a kernel of its own; a delta lets that sum fuse with the add into the
-        consumers (docs/lora_backends.md "Delta or in place")."""
-        return not input_sharded and num_tokens <= self.DELTA_MAX_TOKENS and out_width <= self.DELTA_MAX_WIDTH
+    def returns_delta(self, input_sharded: bool) -> bool:
+        """Column-parallel modules (q|k|v, gate|up): the expand then needs only the shrink's output, not the base
+        GEMM's, so on a GPU it runs beside the GEMM (concurrent kernel scheduling) and XLA folds the add into the ops
+        that read the output (the sum of the GEMM's split-K parts, gate|up's activation); in place it would wait for
+        the GEMM and add a pass over its output. Row-parallel modules add into the residual (LoRALinear), which also
+        lets their expand run beside the GEMM (docs/lora_backends.md "Delta or in place")."""
+        return not input_sharded
 
     def fits_stacks(self, buffers: tuple[LayerStack, ...]) -> bool:
         """Whether the Triton kernels' int32 offsets reach every layer of these stacks."""

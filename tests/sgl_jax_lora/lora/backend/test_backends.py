@@ -195,18 +195,17 @@ def test_apply_packed_adds_every_part_in_place(name, block_rows):
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["delta", "in_place"])
 def test_pallas_gpu_apply_packed_delta_and_in_place_agree(in_place):
-    # decode buckets of narrow column-parallel modules (q|k|v) return the delta for XLA to add; the others add
-    # it into the base output in place; both give base_out + delta, base rows untouched
+    # column-parallel modules (q|k|v, gate|up) return the delta for XLA to add, so the expand runs beside the base
+    # GEMM; the in-place expand (row-parallel modules into the residual) must give the same base_out + delta, base
+    # rows untouched
     backend = PallasGPUBackend(None, interpret=True)
-    assert backend.returns_delta(64, 6144, input_sharded=False)
-    assert not backend.returns_delta(256, 6144, input_sharded=False)  # prefill-sized bucket
-    assert not backend.returns_delta(64, 28672, input_sharded=False)  # gate|up
-    assert not backend.returns_delta(64, 4096, input_sharded=True)  # row-parallel: into the residual
-    assert not PallasTPUBackend(None, interpret=True).returns_delta(64, 6144, input_sharded=False)
+    assert backend.returns_delta(input_sharded=False)
+    assert not backend.returns_delta(input_sharded=True)  # row-parallel: into the residual
+    assert not PallasTPUBackend(None, interpret=True).returns_delta(input_sharded=False)
     if in_place:
-        backend.DELTA_MAX_WIDTH = 0
+        backend.returns_delta = lambda input_sharded: False
     x, lora_a, lora_bs, meta, base_out = packed_inputs(12, num_tokens=24, dtype=jnp.float32, block_rows=16)
-    assert backend.returns_delta(24, 512, input_sharded=False) != in_place
+    assert backend.returns_delta(input_sharded=False) != in_place
     y = jax.jit(lambda *a: backend.apply_packed(*a, tp_size=1))(x, lora_a, lora_bs, meta, base_out)
     expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, meta, base_out, tp_size=1)
     assert_close(y, expected, jnp.float32)

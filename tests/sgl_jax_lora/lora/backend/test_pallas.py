@@ -28,4 +28,4 @@ def test_tpu_backend_needs_no_metadata_beyond_the_batch():
     backend = PallasTPUBackend(None, interpret=True)
     meta = backend.prepare(lora, num_seqs=2)
     assert type(meta) is LoRAMeta and meta.batch is lora and not meta.runs_base_gemm
-    assert backend.fused_gemm_tile_rows(4096, 4) == 0 and not backend.returns_delta(64, 6144, input_sharded=False)
+    assert backend.fused_gemm_tile_rows(4096, 4) == 0 and not backend.returns_delta(input_sharded=False)

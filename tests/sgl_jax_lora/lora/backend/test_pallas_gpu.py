@@ -49,9 +49,11 @@ def test_prepare_adds_the_entry_table_in_fused_gemm_buckets():
     assert not backend.prepare(jax.tree_util.tree_map(jnp.asarray, batch(128)), num_seqs=4).runs_base_gemm
 
 
-def test_hopper_default_runs_the_fused_gemm_from_the_384_bucket():
+def test_hopper_default_runs_the_fused_gemm_from_the_1024_bucket():
     """The default threshold on Hopper GPUs (docs/lora_backends.md "The LoRA inside the base GEMM (prefill, Hopper
-    GPUs)"): the 384 bucket of decode rows runs the LoRA inside the base GEMM, the 256 bucket the SGMV kernels, and a
-    bucket off the 128-row tile never does."""
+    GPUs)"): the 1024 bucket and larger run the LoRA inside the base GEMM, the decode buckets up to 512 (768 and
+    384 too) the SGMV kernels beside the base GEMM, and a bucket off the 128-row tile never does."""
     backend = PallasGPUBackend(None, interpret=True, fused_gemm_min_tokens=PallasGPUBackend.FUSED_GEMM_MIN_TOKENS)
-    assert [backend.fused_gemm_tile_rows(t, 33) for t in (256, 320, 384, 512, 768)] == [0, 0, 128, 128, 128]
+    buckets = (256, 384, 512, 768, 1024, 1152, 2048)
+    assert [backend.fused_gemm_tile_rows(t, 33) for t in buckets] == [0, 0, 0, 0, 128, 128, 128]
+    assert backend.fused_gemm_tile_rows(1000, 33) == 0
