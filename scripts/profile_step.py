@@ -18,7 +18,7 @@ also times whole engine steps, with the overlap schedule and without it (each st
 scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 `--gpu-gemm-min-tokens N` (0: off) sets the engine flag, so that XLA's dot and the base GEMM kernel are compared on
-the same prefill step. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then
+the same prefill step; `--quantization fp8` builds the engine with 8-bit weights. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then
 holds every device's ops).
 `--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
 the same step; `bring_up_s` (the engine built, its programs compiled, the requests brought to the step) shows what
@@ -195,6 +195,7 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
         token_buckets=[step_tokens],
         attention_backend=opts.attention_backend,
         kv_cache_dtype=opts.kv_cache_dtype,
+        quantization=opts.quantization,
         skip_precompile=True,
         layers_per_scan_step=opts.layers_per_scan_step,
         lora_paths=lora_paths,
@@ -252,6 +253,7 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine flag (auto, fp8_e4m3, fp8_e5m2)")
+    parser.add_argument("--quantization", default=None, help="the engine flag (fp8: 8-bit weights; default: none)")
     parser.add_argument(
         "--hbm-tb-s",
         type=float,
@@ -341,6 +343,7 @@ def main() -> None:
         "pallas_variant": opts.pallas_variant,
         "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
         "gpu_gemm_min_tokens": opts.gpu_gemm_min_tokens,
+        "quantization": opts.quantization,
         "attention_backend": runner.attention_backend,
         "xla_options": opts.xla_option,
         "bring_up_s": bring_up_s,
