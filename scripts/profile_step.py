@@ -18,8 +18,8 @@ also times whole engine steps, with the overlap schedule and without it (each st
 scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
 `--gpu-gemm-min-tokens N` (0: off) sets the engine flag, so that XLA's dot and the base GEMM kernel are compared on
-the same prefill step; `--quantization fp8` builds the engine with 8-bit weights. `--tp-size N` shards the model over N devices as `launch --tp-size N` does (the trace then
-holds every device's ops).
+the same prefill step; `--quantization fp8` builds the engine with 8-bit weights. `--tp-size N` shards the model
+over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
 `--xla-option KEY=VALUE` adds an XLA option to the forward's compile options, so that XLA settings are compared on
 the same step; `bring_up_s` (the engine built, its programs compiled, the requests brought to the step) shows what
 they cost in compile time.
