@@ -46,7 +46,7 @@ from scripts.tune_gpu_sgmv import VARIANTS as TILE_VARIANTS  # noqa: E402
 from scripts.tune_gpu_sgmv import apply_variant  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
 from sgl_jax_lora.model_executor import model_runner  # noqa: E402
-from sgl_jax_lora.server_args import ServerArgs  # noqa: E402
+from sgl_jax_lora.server_args import QUANTIZATIONS, ServerArgs  # noqa: E402
 
 
 def timed(fn, repeats: int, wait: bool = True) -> float:
@@ -253,7 +253,12 @@ def main() -> None:
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine flag (auto, fp8_e4m3, fp8_e5m2)")
-    parser.add_argument("--quantization", default=None, help="the engine flag (fp8: 8-bit weights; default: none)")
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="the engine flag (fp8: 8-bit weights; default: none)",
+    )
     parser.add_argument(
         "--hbm-tb-s",
         type=float,
