@@ -177,9 +177,11 @@ def _kernel(
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
     product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. Part i's tile adds the
     entries first + n * i // k_splits .. first + n * (i + 1) // k_splits of the row tile's n, so each once.
-    fp8 (gemm_fp8_gpu.py, no LoRA): refs (w_row, scale, x, w, out) with 8-bit float x [T, in] and W stored K-major,
-    [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W there; the
-    float32 accumulator is multiplied by scale[0] before it is stored.
+    fp8 (gemm_fp8_gpu.py, no LoRA): refs (w_row, num_rows, w_scales, scale, x, w, out) with 8-bit float x [T, in] and
+    W stored K-major, [L * out, in] (an 8-bit WGMMA reads both operands K-major), w_row the first row of the layer's W
+    there; each row of the float32 accumulator is multiplied by its scale (scale [T] f32, the row tile's copied into
+    shared memory while the K loop runs) and by the layer's W scale (w_scales [L] f32, at w_row // out; [1]: the
+    W's whatever the layer) before it is stored.
     tail_split (gemm_gpu.py, no LoRA, one K part; `num_sms` the grid's size): the tiles of the last partial wave run
     in pieces of their K loop (tail_split.py) that add into out with TMA reduce-adds; out must start at zero.
     gated (one K part, no fp8): W's columns are [gate | up], each I wide, and out [T, I] is
@@ -202,7 +204,7 @@ def _kernel(
         b_refs, out_ref = refs[9:-1], refs[-1]
         rank, num_entries = s_ref.shape[-1], s_ref.shape[0] // len(b_refs)
     elif fp8:
-        scale_ref, x_ref, w_ref, out_ref = refs[2:]
+        w_scales_ref, scale_ref, x_ref, w_ref, out_ref = refs[2:]
     else:
         x_ref, w_ref, out_ref = refs[2:]
     (num_tokens, in_dim), out_dim = x_ref.shape, out_ref.shape[1]
@@ -260,6 +262,9 @@ def _kernel(
             b_smem=plgpu.SMEM((2, slots, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
             lora_barriers=plgpu.Barrier(num_barriers=2 * slots * 2 * lora_parts),
         )
+    scale_allocs = {}
+    if fp8:  # per warpgroup the row tile's scales, and the barrier they arrive on
+        scale_allocs = dict(scale_smem=plgpu.SMEM((2, tm), jnp.float32), scale_barriers=plgpu.Barrier(num_barriers=2))
 
     if fp8:
         w_views_shape = [w_ref.at[pl.ds(0, cta_n), pl.ds(0, k_len)]]
@@ -273,9 +278,12 @@ def _kernel(
         pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref.at[:, pl.ds(0, k_len)], *w_views_shape),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols, out_ref.dtype)),
         **lora_allocs,
+        **scale_allocs,
         collective_axes="wg",
     )
-    def scope(pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None):
+    def scope(
+        pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None, scale_smem=None, scale_barriers=None
+    ):
         wg = jax.lax.axis_index("wg")
 
         def slot_barriers(slot):
@@ -371,6 +379,8 @@ def _kernel(
                         fetch(entry + slots, slot)
 
             def compute_context(eval_pipeline):
+                if fp8:  # the row tile's scales arrive while the K loop runs
+                    plgpu.copy_gmem_to_smem(scale_ref.at[cta_rows], scale_smem.at[wg], scale_barriers.at[wg])
                 if has_lora:  # the first entries' operands arrive while the K loop runs, one per slot
                     for ahead in range(slots):
 
@@ -402,8 +412,12 @@ def _kernel(
                     if has_lora:
                         add_entries((acc_ref,))
                     acc = acc_ref[...]
-                    if fp8:
-                        acc = acc * scale_ref[0]
+                    if fp8:  # each row's scale (its x row's), and the layer W's
+                        plgpu.barrier_wait(scale_barriers.at[wg])
+                        w_layer = 0 if w_scales_ref.shape[0] == 1 else jax.lax.div(w_row_ref[0], out_dim)
+                        w_scale = w_scales_ref[w_layer]
+                        row_scales = scale_smem[wg] * w_scale
+                        acc = acc * jax.lax.broadcast_in_dim(row_scales, acc.shape, (0,))
                     store_tile(acc.astype(out_ref.dtype))
 
             def store_tile(acc):

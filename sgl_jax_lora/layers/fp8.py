@@ -1,19 +1,22 @@
-"""8-bit float linears (`--quantization fp8`): weights and activations in float8_e4m3fn, one scale per tensor.
+"""8-bit float linears (`--quantization fp8`): weights and activations in float8_e4m3fn, scaled per matrix and token.
 
 Where it sits: between `Linear.base` (layers/linear.py) and pallas_kernels/sgmv/gemm_fp8_gpu.py. The weight loader
 (models/weight_loader.py) quantizes each decoder layer's linear weights once at startup (`quantize_weight`: one
 scale per layer and module, W stored K-major [out, in]); every step quantizes each linear's input
-(`quantize_activation`: one scale for the step's [T, in] tensor, from its largest magnitude) and `fp8_product`
-computes (xq @ Wq.T) * x_scale * w_scale in the input's dtype. This is vLLM's online fp8 scheme for checkpoints of
-16-bit weights (per-tensor weight scales, dynamic per-tensor activation scales). The embeddings, norms, attention,
-KV cache and LM head keep the model's dtype; LoRA adapters stay 16-bit and add their delta beside the 8-bit product.
+(`quantize_activation`: one scale per token, from the largest magnitude of its row) and `fp8_product` computes
+(xq @ Wq.T) * x_scale[:, None] * w_scale in the input's dtype. This is vLLM's online fp8 scheme for checkpoints of
+16-bit weights (per-tensor weight scales, dynamic activation scales) with per-token activation scales: a row's 8-bit
+input depends on that row alone, so one tenant's large activations never coarsen the quantization of the other rows
+of its step, as one scale for the whole step would. On the kernel path the kernel reads the row scales and the
+stack's W scales in place and applies both in its epilogue. The embeddings, norms, attention, KV cache and LM head
+keep the model's dtype; LoRA adapters stay 16-bit and add their delta beside the 8-bit product.
 
 Paths: on Hopper GPUs the Mosaic GPU kernel reads the layer's rows of the K-major stack in place, in every token
 bucket; elsewhere (CPU, TPU, other GPUs) its pure-JAX reference, XLA's dot of the same 8-bit operands on the layer's
 slice. With tensor parallelism either runs under `jax.shard_map` on each device's shard of W: column-parallel
-modules quantize x replicated, row-parallel ones each quantize their own columns of x (scales differ by device,
-each applied before the all-reduce of the partial products). Layers whose shards do not fit the kernel's tiles
-(in a multiple of 128, out of 256: small models) take XLA's dot under GSPMD.
+modules quantize x replicated, row-parallel ones each quantize their own columns of x (a token's scale differs by
+device, each applied before the all-reduce of the partial products). Layers whose shards do not fit the kernel's
+tiles (in a multiple of 128, out of 256: small models) take XLA's dot under GSPMD.
 
 What exists here: FP8_DTYPE, FP8_MAX, `quantize_weight`, `quantize_activation`, `Fp8Gemm` and `make_fp8_gemm` (the
 model's static setting), `fp8_product`.
@@ -60,10 +63,10 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def quantize_activation(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, in] -> (xq [T, in] float8_e4m3fn, scale f32 scalar), one scale for the tensor (its largest magnitude,
-    padding rows included: they are zeros)."""
-    scale = _scale_of(jnp.max(jnp.abs(x)))
-    return _saturate(x, scale), scale
+    """x [T, in] -> (xq [T, in] float8_e4m3fn, scale [T] f32), one scale per row (token): its largest magnitude
+    mapped to FP8_MAX, so that xq * scale[:, None] approximates x."""
+    scale = _scale_of(jnp.max(jnp.abs(x), axis=-1))
+    return _saturate(x, scale[:, None]), scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,32 +92,35 @@ def fp8_product(
     zero_padding: bool = True,
 ) -> jax.Array:
     """x [T, in] @ the layer's 8-bit W ([out, in], or a LayerStack of the [L, out, in] stack) times the layer's W
-    scale ([1]), x quantized on the way in; [T, out] in x's dtype, all-reduced for row-parallel modules. Layers whose
-    shards do not fit the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD. num_rows
+    scale ([1], or a LayerStack of the [L, 1] scales, which the kernel reads in place), x quantized on the way in (a
+    scale per token); [T, out] in x's dtype, all-reduced for row-parallel modules. Layers whose shards do not fit
+    the kernel's tiles (small models) take XLA's dot on the layer's slice under GSPMD. num_rows
     ([1] i32): the step's real tokens (the kernel skips the row tiles of the padding after them, zero in its output;
     None: every row). zero_padding=False: the kernel's padding rows may hold any values instead (no select zeroes
     them; for a consumer that masks them, gemm_fp8_gpu.py `gemm_fp8_gpu`)."""
-    w_scale = as_layer_array(scale)
     if not _fits_kernel(kernel, config, axes):
-        xq, x_scale = quantize_activation(x)  # a split x's largest magnitude is reduced over its devices
+        w_scale = as_layer_array(scale)
+        xq, x_scale = quantize_activation(x)  # a split x's row magnitudes are reduced over its devices
         y = jax.lax.dot_general(
             xq, as_layer_array(kernel), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        return (y * (x_scale * w_scale)).astype(x.dtype)
+        return (y * (x_scale * w_scale)[:, None]).astype(x.dtype)
     stack, layer = (kernel.stack, kernel.layer) if isinstance(kernel, LayerStack) else (kernel[None], jnp.int32(0))
+    w_scales = jnp.reshape(scale.stack if isinstance(scale, LayerStack) else scale, (-1,))  # [L]: the kernel reads one
     w_spec = _stack_spec(config.mesh, axes, stack.shape)
     out_axis, in_axis = w_spec[1], w_spec[2]
 
     rows = rows_operand(num_rows, x.shape[0])
 
-    def local(x, stack, layer, w_scale, rows):
+    def local(x, stack, layer, w_scales, rows):
         xq, x_scale = quantize_activation(x)
         y = gemm_fp8_gpu(
             xq,
             stack,
-            x_scale * w_scale,
+            x_scale,
             layer,
             rows,
+            w_scales=w_scales,
             out_dtype=x.dtype,
             reference=config.reference,
             zero_padding=zero_padding,
@@ -122,10 +128,10 @@ def fp8_product(
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if config.mesh is None or config.mesh.size == 1:
-        return local(x, stack, layer, w_scale, rows)
+        return local(x, stack, layer, w_scales, rows)
     in_specs = (P(None, in_axis), w_spec, P(), P(), P())
     sharded = jax.shard_map(local, mesh=config.mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
-    return sharded(x, stack, layer, w_scale, rows)
+    return sharded(x, stack, layer, w_scales, rows)
 
 
 def _stack_spec(mesh: Mesh | None, axes: LinearAxes, shape: tuple[int, ...]) -> P:

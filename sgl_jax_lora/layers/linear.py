@@ -12,7 +12,7 @@ The base weight is a `BaseKernel` parameter. Inside the model's layer loop it ar
 slice, or, in prefill buckets that run the base GEMM kernel (`--gpu-gemm-min-tokens`, layers/base_gemm.py), as a
 LayerStack view of the [L, in, out] stack (layers/layer_stack.py), which `base` hands to that kernel when the module
 fits it and slices otherwise. With `--quantization fp8` (`fp8` given) the base weight is an `Fp8Kernel` instead,
-8-bit [out, in] with an `Fp8Scale` per layer, always handed over as a LayerStack view, and `base` computes
+8-bit [out, in] with an `Fp8Scale` per layer, both always handed over as LayerStack views, and `base` computes
 layers/fp8.py `fp8_product`.
 """
 

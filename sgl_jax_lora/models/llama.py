@@ -30,7 +30,7 @@ from sgl_jax_lora.layers.attention import (
 from sgl_jax_lora.layers.base_gemm import BaseGemm
 from sgl_jax_lora.layers.fp8 import Fp8Gemm
 from sgl_jax_lora.layers.layer_stack import LayerStack
-from sgl_jax_lora.layers.linear import BaseKernel, Fp8Kernel, Linear, LinearAxes, split_packed
+from sgl_jax_lora.layers.linear import BaseKernel, Fp8Kernel, Fp8Scale, Linear, LinearAxes, split_packed
 from sgl_jax_lora.layers.norm import RMSNorm
 from sgl_jax_lora.layers.rotary import inverse_frequencies, rotary_tables, rotate
 from sgl_jax_lora.layers.weight_layout import LAYER, HFWeight
@@ -251,11 +251,12 @@ class LlamaForCausalLM(nnx.Module):
         # weights; in buckets that run the base GEMM kernel, every layer linear's base weight) stay whole [L, ...]
         # arrays outside the scan: each layer gets LayerStack views (layers/layer_stack.py), so kernels that read the
         # stack in place never copy a layer's slot pool or weight
-        stacked = (LoRAWeight, Fp8Kernel)  # 8-bit weights (--quantization fp8): the fp8 kernel reads them in place
+        stacked = (LoRAWeight, Fp8Kernel, Fp8Scale)  # 8-bit weights (--quantization fp8) and their scales: the fp8
+        # kernel reads both in place
         if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):
-            stacked = (LoRAWeight, Fp8Kernel, BaseKernel)  # LoRABaseKernel is a BaseKernel
+            stacked = (*stacked, BaseKernel)  # LoRABaseKernel is a BaseKernel
         elif lora is not None and lora.runs_base_gemm:
-            stacked = (LoRAWeight, Fp8Kernel, LoRABaseKernel)
+            stacked = (*stacked, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
         rotary = rotary_tables(batch.positions, self.inv_freq)  # once per forward: every layer rotates by them
 

@@ -369,7 +369,8 @@ def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
     if variant == "fp8":
         fp8 = jnp.float8_e4m3fn
         x, w = jax.ShapeDtypeStruct((num_tokens, in_dim), fp8), jax.ShapeDtypeStruct((2 * out_dim, in_dim), fp8)
-        args = (x, w, row, jax.ShapeDtypeStruct((1,), jnp.float32), row)
+        w_scales, row_scales = jax.ShapeDtypeStruct((2,), jnp.float32), jax.ShapeDtypeStruct((num_tokens,), jnp.float32)
+        args = (x, w, row, w_scales, row_scales, row)
         options = dict(out_dim=out_dim, tiles=choose_fp8_tiles(k_splits), k_splits=k_splits, out_dtype=jnp.bfloat16)
         lowered = gemm_fp8_gpu_rows.trace(*args, **options).lower(lowering_platforms=("cuda",))
     else:

@@ -1,8 +1,8 @@
 """sgl_jax_lora/layers/fp8.py: 8-bit float linears (--quantization fp8).
 
-The quantizers against e4m3's arithmetic (one scale per matrix or tensor, the largest magnitude at 448, saturation,
-all-zero inputs), `fp8_product` against a float32 product of the same 8-bit operands and against the 16-bit product
-it stands for, on both paths: XLA's dot for layers that do not fit the kernel's tiles, and the kernel's reference
+The quantizers against e4m3's arithmetic (one scale per weight matrix and per activation row, the largest
+magnitude at 448, saturation, all-zero inputs), `fp8_product` against a float32 product of the same 8-bit operands and against the 16-bit product
+it stands for, a row's product independent of the other rows of the step, on both paths: XLA's dot for layers that do not fit the kernel's tiles, and the kernel's reference
 under shard_map for those that do, at tp 1 and 2 (fake CPU devices), column- and row-parallel. A `Linear` built with
 the fp8 setting holds an 8-bit K-major kernel and a per-layer scale.
 """
@@ -53,14 +53,18 @@ def test_quantize_weight_is_k_major_with_one_scale_per_matrix():
     assert np.allclose(np.abs(np.asarray(q, np.float32)).max(axis=(1, 2)), FP8_MAX)  # each matrix's largest at 448
 
 
-def test_quantize_activation_saturates_and_survives_zeros():
-    x = jnp.asarray([[1.0, -2.0, 4.0], [0.0, 0.5, -0.25]], jnp.float32)
+def test_quantize_activation_has_one_scale_per_row_and_survives_zeros():
+    """Each row's largest magnitude maps to 448 on its own: a small row keeps its precision beside a large one."""
+    x = jnp.asarray([[1.0, -2.0, 4.0], [0.0, 0.5, -0.25], [1e-3, -3e-3, 2e-3]], jnp.float32)
     xq, scale = quantize_activation(x)
-    assert xq.dtype == FP8_DTYPE and scale.shape == ()
-    np.testing.assert_allclose(float(scale), 4.0 / FP8_MAX)
-    np.testing.assert_allclose(np.asarray(xq, np.float32) * float(scale), np.asarray(x), rtol=E4M3_STEP / 2)
+    assert xq.dtype == FP8_DTYPE and scale.shape == (3,)
+    np.testing.assert_allclose(np.asarray(scale), np.array([4.0, 0.5, 3e-3]) / FP8_MAX, rtol=1e-6)
+    dequantized = np.asarray(xq, np.float32) * np.asarray(scale)[:, None]
+    np.testing.assert_allclose(dequantized, np.asarray(x), rtol=E4M3_STEP / 2)
+    assert np.allclose(np.abs(np.asarray(xq, np.float32)).max(axis=1), FP8_MAX)  # every row's largest at 448
     zq, zero_scale = quantize_activation(jnp.zeros((4, 8), jnp.bfloat16))
-    assert np.all(np.asarray(zq, np.float32) == 0) and np.isfinite(float(zero_scale)) and float(zero_scale) > 0
+    assert np.all(np.asarray(zq, np.float32) == 0)
+    assert np.all(np.isfinite(np.asarray(zero_scale))) and np.all(np.asarray(zero_scale) > 0)
     big = jnp.asarray([[3e38, -3e38, 1.0]], jnp.float32)  # float32 near its max: finite, saturated, never inf or nan
     bq, _ = quantize_activation(big)
     assert np.all(np.isfinite(np.asarray(bq, np.float32)))
@@ -79,7 +83,7 @@ def _exact(x, q, scale, layer):
     """The float32 product of the same 8-bit operands fp8_product computes, scaled."""
     xq, x_scale = quantize_activation(x)
     product = np.asarray(xq, np.float64) @ np.asarray(q[layer], np.float64).T
-    return product * float(x_scale) * float(scale[layer, 0])
+    return product * np.asarray(x_scale, np.float64)[:, None] * float(scale[layer, 0])
 
 
 @pytest.mark.parametrize("in_dim,out_dim", [(48, 80), (256, 512)], ids=["xla-dot", "kernel-reference"])
@@ -99,11 +103,32 @@ def test_fp8_product_is_the_scaled_product_of_the_8_bit_operands(in_dim, out_dim
     assert rel(y, np.asarray(x) @ np.asarray(w[0])) > 0.5  # the other layer's W would be far off
 
 
+@pytest.mark.parametrize("in_dim,out_dim", [(48, 80), (256, 512)], ids=["xla-dot", "kernel-reference"])
+def test_a_rows_fp8_product_does_not_depend_on_the_other_rows_of_the_step(in_dim, out_dim):
+    """Requests share a step: one whose activations are a thousand times larger (another tenant's adapter, a long
+    prompt's outliers) leaves the other rows' 8-bit inputs, and so their outputs, exactly as they are. One scale for
+    the whole step would coarsen every other row's quantization by that factor."""
+    x, w, q, scale = _operands(4, 16, in_dim, out_dim)
+    loud = x.at[8:].multiply(1000.0)
+    run = jax.jit(
+        lambda x, q, scale: fp8_product(
+            x,
+            LayerStack(q, jnp.int32(0)),
+            LayerStack(scale, jnp.int32(0)),
+            Fp8Gemm(None, reference=True),
+            COLUMN_PARALLEL,
+        )
+    )
+    quiet_rows, loud_rows = np.asarray(run(x, q, scale)), np.asarray(run(loud, q, scale))
+    np.testing.assert_array_equal(loud_rows[:8], quiet_rows[:8])
+    assert rel(quiet_rows[:8], np.asarray(x[:8]) @ np.asarray(w[0])) < 0.08
+
+
 @pytest.mark.parametrize("axes", [COLUMN_PARALLEL, ROW_PARALLEL], ids=["column-parallel", "row-parallel"])
 def test_fp8_product_under_tensor_parallelism(axes):
     """tp 2 on fake devices, the weight placed as the loader places it: the kernel's reference under shard_map.
-    Column-parallel shards quantize the same x; row-parallel ones each their own columns of x with their own scale
-    before the all-reduce, so the result differs from tp 1 by quantization error only."""
+    Column-parallel shards quantize the same x; row-parallel ones each their own columns of x with their own row
+    scales before the all-reduce, so the result differs from tp 1 by quantization error only."""
     x, w, q, scale = _operands(2, 64, 512, 512)
     outputs = {}
     for tp in (1, 2):
