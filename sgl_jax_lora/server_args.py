@@ -112,7 +112,11 @@ class ServerArgs:
     )
     layers_per_scan_step: int = _f(
         0,
-        "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU",
+        "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU in buckets that run XLA's dot",
+    )
+    roll_layer_loop_in_place: bool = _f(
+        False,
+        "run the layer loop one layer an iteration in the token buckets that read every decoder linear's weight in place from its stack (on one Hopper GPU the base GEMM kernel's buckets, every bucket with --quantization fp8), as --layers-per-scan-step sets it elsewhere: the host launches a rolled loop faster, the device runs it slightly longer",
     )
     disable_gpu_concurrent_kernels: bool = _f(
         False,

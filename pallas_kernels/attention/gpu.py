@@ -33,6 +33,11 @@ would serve a decode row with a q tile of G real rows out of BQ * G, at about tw
 (docs/benchmarks.md); in a decode step it launches only the padding's blocks. `decode_only=True` runs the decode
 kernel over every token instead.
 
+The step's layout for both kernels (the decode rows longest first, the q block table) is the same in every layer:
+`plan_ragged_attention_gpu` computes it as a `RaggedAttentionPlan`, which the model builds once per forward and hands
+to every layer's call (a rolled layer loop would otherwise sort and scan it again in each iteration); a call given
+no plan builds its own.
+
 An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened as its rows load, to float16 beside 16-bit queries (q is
 saturated into float16's range) and to q's dtype beside float32 ones, with float32 accumulation as for a 16-bit
 cache; the decode kernel then walks 64 keys a step (`choose_decode_block_kv`: the bytes of 32 bf16).
@@ -43,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +76,44 @@ class PrefillTiles:
     block_kv: int = 64  # keys per loop step
     num_warps: int = 8
     num_stages: int = 3
+
+
+class RaggedAttentionPlan(NamedTuple):
+    """The step's row layout for both kernels, from the batch alone (the same in every layer). Decode rows, one a
+    sequence, longest first (`_decode_rows`, `_longest_first`): row_token, row_seq, row_kv_len [S] i32. The general
+    kernel's q blocks (`_q_block_table`): block_seq, block_start, block_count [T // BQ + C + 1] i32."""
+
+    row_token: jax.Array
+    row_seq: jax.Array
+    row_kv_len: jax.Array
+    block_seq: jax.Array
+    block_start: jax.Array
+    block_count: jax.Array
+
+
+def plan_ragged_attention_gpu(
+    kv_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    *,
+    num_tokens: int,
+    group: int,
+    max_chunks: int | None = None,
+    prefill_tiles: PrefillTiles = PrefillTiles(),
+) -> RaggedAttentionPlan:
+    """The layout `ragged_paged_attention_gpu` computes for a step of any mix (not decode_only) of num_tokens
+    tokens and GQA group `group` (query heads per kv head): build it once per forward and pass it as `plan=` to
+    every layer's call, with the same max_chunks and prefill_tiles."""
+    kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
+    rows = _longest_first(*_decode_rows(cu_q_lens, kv_lens, num_tokens))
+    block_tokens = _prefill_block_rows(num_tokens, page_table.shape[0], group, prefill_tiles) // group
+    blocks = _q_block_table(cu_q_lens, num_tokens, block_tokens, skip_decode_rows=True, max_chunks=max_chunks)
+    return RaggedAttentionPlan(*rows, *blocks)
+
+
+def _prefill_block_rows(num_tokens: int, num_seqs: int, group: int, tiles: PrefillTiles) -> int:
+    """The general kernel's q tile rows (tokens * group)."""
+    return max(tiles.block_rows or choose_block_rows(num_tokens, num_seqs), _MIN_DOT, group)
 
 
 def _next_pow2(value: int) -> int:
@@ -302,7 +346,7 @@ def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
 def _longest_first(row_token: jax.Array, row_seq: jax.Array, row_kv_len: jax.Array) -> tuple[jax.Array, ...]:
     """`_decode_rows`' arrays reordered by decreasing kv_len (ties in row order): the decode kernel's programs then
     launch the longest rows first and end on the shortest. Each row still reads and writes its own token; only the
-    launch order changes (one sort of S keys a forward: every layer's is the same, which XLA computes once)."""
+    launch order changes (one sort of S keys a forward: `plan_ragged_attention_gpu` runs it once for every layer)."""
     order = jnp.argsort(-row_kv_len, stable=True)
     return row_token[order], row_seq[order], row_kv_len[order]
 
@@ -503,17 +547,18 @@ def _prefill_attention(
     interpret,
     skip_decode_rows,
     max_chunks=None,
+    blocks=None,
 ) -> jax.Array:
     """The general kernel over every token; with skip_decode_rows, the rows of one-token sequences are left
-    unwritten (the caller fills them) and max_chunks bounds the longer sequences (`_q_block_table`)."""
+    unwritten (the caller fills them) and max_chunks bounds the longer sequences (`_q_block_table`). blocks: that
+    table, built beforehand for these arguments (a `RaggedAttentionPlan`'s), or None to build it here."""
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_rows = max(tiles.block_rows or choose_block_rows(num_tokens, page_table.shape[0]), _MIN_DOT, group)
-    block_tokens = block_rows // group
-    block_seq, block_start, block_count = _q_block_table(
-        cu_q_lens, num_tokens, block_tokens, skip_decode_rows, max_chunks
-    )
+    block_rows = _prefill_block_rows(num_tokens, page_table.shape[0], group, tiles)
+    if blocks is None:
+        blocks = _q_block_table(cu_q_lens, num_tokens, block_rows // group, skip_decode_rows, max_chunks)
+    block_seq, block_start, block_count = blocks
     kernel = functools.partial(
         _prefill_kernel,
         group=group,
@@ -552,6 +597,7 @@ def ragged_paged_attention_gpu(
     interpret: bool = False,
     decode_tiles: DecodeTiles = DecodeTiles(),
     prefill_tiles: PrefillTiles = PrefillTiles(),
+    plan: RaggedAttentionPlan | None = None,
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; products in float32.
 
@@ -563,8 +609,12 @@ def ragged_paged_attention_gpu(
     --max-prefill-seqs); the general kernel's grid then has T // BQ + max_chunks + 1 q blocks instead of
     T // BQ + S + 1, which in a step of decode rows is the launch of hundreds of programs with nothing to do.
     The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
+    plan: the step's layout from `plan_ragged_attention_gpu` (the same kv_lens, page_table, cu_q_lens, max_chunks
+    and prefill_tiles), built once for all layers; None: built here. Not with decode_only.
     """
     check_shapes(q.shape, k_cache.shape, page_size)
+    if plan is not None and decode_only:
+        raise ValueError("ragged_paged_attention_gpu: a plan serves steps of any mix; pass none with decode_only")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kv_lens, page_table, cu_q_lens = (a.astype(jnp.int32) for a in (kv_lens, page_table, cu_q_lens))
     decode = functools.partial(
@@ -580,14 +630,20 @@ def ragged_paged_attention_gpu(
         interpret=interpret,
         max_chunks=max_chunks,
     )
-    return _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
+    if plan is None:
+        group = q.shape[1] // k_cache.shape[1]
+        options = dict(num_tokens=q.shape[0], group=group, max_chunks=max_chunks, prefill_tiles=prefill_tiles)
+        plan = plan_ragged_attention_gpu(kv_lens, page_table, cu_q_lens, **options)
+    return _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, plan)
 
 
-def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens) -> jax.Array:
+def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, plan) -> jax.Array:
     """Any mix of decode rows and prefill chunks: the general kernel serves every token but those of sequences of one
     query token (it leaves their rows unwritten), then the decode kernel serves those, one program row a sequence,
     reading q at each row's token and writing its result into the general kernel's output in place, the longest rows
-    first."""
-    row_token, row_seq, row_kv_len = _longest_first(*_decode_rows(cu_q_lens, kv_lens, q.shape[0]))
-    out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True)
-    return decode(q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, row_token=row_token, into=out)
+    first (the plan's)."""
+    blocks = (plan.block_seq, plan.block_start, plan.block_count)
+    out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True, blocks=blocks)
+    return decode(
+        q, plan.row_seq, plan.row_kv_len, k_cache, v_cache, layer, page_table, row_token=plan.row_token, into=out
+    )

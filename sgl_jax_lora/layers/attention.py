@@ -9,7 +9,9 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
                 flash attention over q blocks for the prefill chunks, both in every step
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
-`AttentionBackend` holds it with the mesh. Pallas kernels do not take part in GSPMD partitioning, so with tensor
+`AttentionBackend` holds it with the mesh. `plan_attention` builds, once per forward, the step's layout that a
+backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; others: None), which the model hands to
+every layer's `paged_attention`. Pallas kernels do not take part in GSPMD partitioning, so with tensor
 parallelism they run under shard_map, each device on its own query heads and KV heads (the caches are sharded on
 kv heads, replicated copies when tp > kv heads, so every shard keeps the model's GQA ratio).
 
@@ -133,6 +135,25 @@ def _set_rows_as_bits(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, 
     return bits(_set_rows(bits(cache, word), layer, cache_loc, bits(rows, word)), cache.dtype)
 
 
+def plan_attention(
+    backend: AttentionBackend,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    cu_q_lens: jax.Array,
+    num_tokens: int,
+    group: int,
+):
+    """The step's layout that the backend's kernels share across layers, built once per forward (the ForwardBatch's
+    seq_lens, page_table, cu_q_lens; num_tokens: the step's bucket; group: query heads per kv head) -> a
+    `RaggedAttentionPlan` for pallas_gpu, None for the other backends (they derive their layout per call)."""
+    if backend.name != "pallas_gpu":
+        return None
+    from pallas_kernels.attention.gpu import plan_ragged_attention_gpu
+
+    options = dict(num_tokens=num_tokens, group=group, max_chunks=backend.max_chunks)
+    return plan_ragged_attention_gpu(seq_lens, page_table, cu_q_lens, **options)
+
+
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -144,23 +165,34 @@ def paged_attention(
     page_size: int,
     scale: float,
     backend: AttentionBackend = AttentionBackend(),
+    plan=None,
 ) -> jax.Array:
     """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]. The step's
-    ragged layout is the ForwardBatch's (models/forward_batch.py): seq_lens [S], page_table [S, P], cu_q_lens [S+1]."""
+    ragged layout is the ForwardBatch's (models/forward_batch.py): seq_lens [S], page_table [S, P], cu_q_lens [S+1].
+    plan: `plan_attention`'s for this step and backend (None: the kernels derive it in this call)."""
     args = (q, k_cache, v_cache, layer, seq_lens, page_table, cu_q_lens)
     if backend.name == "native":  # plain JAX: GSPMD partitions it
         return _native_attention(*args, page_size=page_size, scale=scale)
-    kernel = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks)
+    kernel = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks, plan)
     mesh = backend.mesh
     if mesh is None or mesh.shape["tensor"] == 1:
         return kernel(*args)
     heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
     in_specs = (heads, caches, caches, P(), P(), P(), P())
+    if plan is not None:  # replicated: every shard's heads keep the model's GQA group, so the layout is the same
+        return jax.shard_map(
+            lambda *args_and_plan: kernel(*args_and_plan[:-1], plan=args_and_plan[-1]),
+            mesh=mesh,
+            in_specs=(*in_specs, P()),
+            out_specs=heads,
+            check_vma=False,
+        )(*args, plan)
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
 
-def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None):
-    """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)."""
+def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None, plan=None):
+    """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
+    and, for pallas_gpu, the keyword `plan` (default: the one given here)."""
     if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
@@ -171,7 +203,8 @@ def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | No
 
         # decode rows take the flash-decoding kernel and prefill chunks the q-block kernel, in every step: no branch
         # on the step's kind (pallas_kernels/attention/gpu.py)
-        return lambda *args: ragged_paged_attention_gpu(*args, page_size=page_size, scale=scale, max_chunks=max_chunks)
+        options = dict(page_size=page_size, scale=scale, max_chunks=max_chunks)
+        return lambda *args, plan=plan: ragged_paged_attention_gpu(*args, plan=plan, **options)
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 

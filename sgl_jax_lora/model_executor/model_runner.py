@@ -83,6 +83,7 @@ def load_engine_model(
         layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
         if args.layers_per_scan_step > 0
         else cfg.num_layers,
+        in_place_layers_per_scan_step=1 if args.roll_layer_loop_in_place else None,
         attention_backend=resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform),
         max_prefill_chunks=args.max_prefill_seqs,
         base_gemm_min_tokens=args.gpu_gemm_min_tokens,

@@ -24,6 +24,7 @@ from sgl_jax_lora.layers.attention import (
     AttentionBackend,
     fuses_rope_kv_write,
     paged_attention,
+    plan_attention,
     rotate_and_write_kv,
     write_kv,
 )
@@ -134,9 +135,11 @@ class DecoderLayer(nnx.Module):
         batch: ForwardBatch,
         lora: LoRAMeta | None,
         rotary: tuple[jax.Array, jax.Array],
+        attention_plan=None,
     ) -> tuple[jax.Array, KVCache]:
         """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv. lora: the LoRA backend's
-        metadata for the step (None: no token uses an adapter); rotary: the forward's (cos, sin) tables."""
+        metadata for the step (None: no token uses an adapter); rotary: the forward's (cos, sin) tables;
+        attention_plan: the forward's attention layout (layers/attention.py `plan_attention`; None: per call)."""
         num_tokens = hidden.shape[0]
         rows = batch.cu_q_lens[-1:]  # the step's real tokens: the GEMM kernels skip the padding's row tiles after them
         x = self.input_layernorm(hidden)
@@ -154,6 +157,7 @@ class DecoderLayer(nnx.Module):
             self.page_size,
             self.head_dim**-0.5,
             self.attention_backend,
+            plan=attention_plan,
         )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden, num_rows=rows)
         x = self.post_attention_layernorm(hidden)
@@ -212,13 +216,20 @@ class LlamaForCausalLM(nnx.Module):
         attention_backend: AttentionBackend = AttentionBackend(),
         base_gemm: BaseGemm | None = None,
         fp8: Fp8Gemm | None = None,
+        in_place_layers_per_scan_step: int | None = None,
     ):
         """base_gemm: the base GEMM kernel's setting (layers/base_gemm.py make_base_gemm; None: XLA's dot always).
-        fp8: the decoder layers' linears in 8-bit floats (layers/fp8.py make_fp8_gemm; None: in `dtype`)."""
+        fp8: the decoder layers' linears in 8-bit floats (layers/fp8.py make_fp8_gemm; None: in `dtype`).
+        layers_per_scan_step: the layer loop's unroll; in_place_layers_per_scan_step: its unroll in the token buckets
+        that read every decoder linear's weight in place from its stack (None: layers_per_scan_step)."""
         self.config = cfg
         self.base_gemm = base_gemm
         self.lora_backend = lora.backend if lora is not None else None  # prepares its metadata per forward
+        self.attention_backend = attention_backend  # plans the step's attention layout once per forward
+        self.attention_group = cfg.num_heads // (cfg.kv_heads_per_shard(tp_size) * tp_size)  # q heads per kv head
         self.layers_per_scan_step = layers_per_scan_step  # lax.scan unroll: num_layers = a straight-line program
+        self.in_place_layers_per_scan_step = in_place_layers_per_scan_step or layers_per_scan_step
+        self.weights_always_in_place = fp8 is not None  # the fp8 kernel reads the 8-bit stacks in every bucket
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # the rotary inverse frequencies: the forward turns them into tables once and hands those to every layer
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, cfg.head_dim))
@@ -253,22 +264,37 @@ class LlamaForCausalLM(nnx.Module):
         # stack in place never copy a layer's slot pool or weight
         stacked = (LoRAWeight, Fp8Kernel, Fp8Scale)  # 8-bit weights (--quantization fp8) and their scales: the fp8
         # kernel reads both in place
+        weights_in_place = self.weights_always_in_place
         if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):
             stacked = (*stacked, BaseKernel)  # LoRABaseKernel is a BaseKernel
+            weights_in_place = True
         elif lora is not None and lora.runs_base_gemm:
             stacked = (*stacked, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
         rotary = rotary_tables(batch.positions, self.inv_freq)  # once per forward: every layer rotates by them
+        # once per forward too: every layer's attention runs on the same row layout (a rolled layer loop would
+        # otherwise derive it again in each iteration)
+        attention_plan = plan_attention(
+            self.attention_backend,
+            batch.seq_lens,
+            batch.page_table,
+            batch.cu_q_lens,
+            batch.input_ids.shape[0],
+            self.attention_group,
+        )
 
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
             views = jax.tree.map(lambda stack: LayerStack(stack, layer), stacked_state)
-            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora, rotary)
+            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora, rotary, attention_plan)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_state, layer_ids), unroll=self.layers_per_scan_step)
+        # where no layer slices a large weight out of its stack, a rolled loop (one compiled layer body) can cost the
+        # host less to launch than a straight-line program of every layer's ops (docs/architecture.md "The layer loop")
+        unroll = self.in_place_layers_per_scan_step if weights_in_place else self.layers_per_scan_step
+        (hidden, kv), _ = jax.lax.scan(body, (hidden, kv), (layer_state, layer_ids), unroll=unroll)
         return self.norm(hidden), kv
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -127,18 +127,32 @@ def load_model_state(
     max_prefill_chunks: int | None = None,
     base_gemm_min_tokens: int | None = 0,
     quantization: str | None = None,
+    in_place_layers_per_scan_step: int | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """-> (graphdef, state) with every array placed in its sharded layout. max_prefill_chunks: the most prefill
     chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by.
     base_gemm_min_tokens: --gpu-gemm-min-tokens, the least token bucket whose layer linears run the base GEMM
     kernel (layers/base_gemm.py; 0: never, None: the platform's default). quantization: --quantization ('fp8':
-    the decoder layers' linear weights quantized here; None: every weight in `dtype`)."""
+    the decoder layers' linear weights quantized here; None: every weight in `dtype`). in_place_layers_per_scan_step:
+    the layer loop's unroll in the token buckets that read every decoder linear's weight in place (None:
+    layers_per_scan_step, as in the others)."""
     model_cls = model_class_for(cfg)
     attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
     base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
     fp8 = make_fp8_gemm(mesh) if quantization == "fp8" else None
     abstract = nnx.eval_shape(
-        lambda: model_cls(cfg, tp_size, page_size, dtype, lora, layers_per_scan_step, attention, base_gemm, fp8)
+        lambda: model_cls(
+            cfg,
+            tp_size,
+            page_size,
+            dtype,
+            lora,
+            layers_per_scan_step,
+            attention,
+            base_gemm,
+            fp8,
+            in_place_layers_per_scan_step,
+        )
     )
     graphdef, abstract_state = nnx.split(abstract)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):

@@ -23,6 +23,7 @@ from pallas_kernels.attention.gpu import (
     _q_block_table,
     choose_decode_block_kv,
     choose_decode_splits,
+    plan_ragged_attention_gpu,
     ragged_paged_attention_gpu,
 )
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
@@ -152,6 +153,43 @@ def test_mixed_path_rows_of_rising_contexts(num_splits):
     args = make_inputs(q_lens, kv_lens, heads=8, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=16)
     tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
     check(args, page_size=4, decode_only=False, interpret=True, **tiles)
+
+
+@pytest.mark.parametrize("max_chunks", [None, 2])
+def test_plan_built_once_serves_every_layer(max_chunks):
+    # the model builds the step's layout once and hands it to each layer's call: for both layers of the cache the
+    # output is the reference's, and the same bits as a call that builds its own layout
+    args = make_inputs(
+        [7, 1, 5, 1, 0],
+        [30, 13, 5, 40, 0],
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=17,
+    )
+    q, k_cache, v_cache, _, kv_lens, table, cu_q_lens = args
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+    plan = plan_ragged_attention_gpu(
+        kv_lens,
+        table,
+        cu_q_lens,
+        num_tokens=17,
+        group=4,
+        max_chunks=max_chunks,
+        prefill_tiles=tiles["prefill_tiles"],
+    )
+    options = dict(page_size=4, scale=0.25, max_chunks=max_chunks, interpret=True, **tiles)
+    for layer in (0, 1):
+        layer_args = (q, k_cache, v_cache, jnp.int32(layer), kv_lens, table, cu_q_lens)
+        planned = np.asarray(ragged_paged_attention_gpu(*layer_args, plan=plan, **options))
+        own = np.asarray(ragged_paged_attention_gpu(*layer_args, **options))
+        want = np.asarray(ragged_paged_attention_ref(*layer_args, page_size=4, scale=0.25))
+        np.testing.assert_array_equal(planned, own)
+        np.testing.assert_allclose(planned, want, atol=TOLERANCE[jnp.float32], rtol=0)
+    with pytest.raises(ValueError, match="decode_only"):
+        ragged_paged_attention_gpu(*args, plan=plan, decode_only=True, **options)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (12, 4, 64)])

@@ -1,7 +1,8 @@
 """The whole forward lowers for CUDA with the GPU attention backend (`.lower(lowering_platforms=("cuda",))` on CPU),
 at tp 1 and tp 2 over fake CPU devices: the Triton kernels trace and lower, and each layer rotates q and k and
 writes K/V in the one kernel of pallas_kernels/attention/kv_write_gpu.py (by rotary tables computed once per forward),
-with no rotary or K/V scatter left to XLA in the layers.
+with no rotary or K/V scatter left to XLA in the layers; the attention's row layout (the decode rows' longest-first
+sort, the q block table) is built once per forward, before the layer loop, not again in each layer.
 The GPU tests of the kernels (marked `gpu`) check what they compute."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from tests.support.model_export import STEPS, kernel_shaped_config, lower_forward_for_cuda
+from tests.support.model_export import STEPS, forward_program, kernel_shaped_config, lower_forward_for_cuda
 
 pytestmark = pytest.mark.slow
 
@@ -27,3 +28,25 @@ def test_forward_lowers_for_cuda_with_rotary_inside_the_kv_write(model_config, t
     assert text.count("stablehlo.cosine") == 1  # the rotary tables: once per forward, not once per layer
     # the only scatter left is the attention's: decode rows into the general kernel's output
     assert text.count('"stablehlo.scatter"(') == 1
+
+
+def _primitive_counts(jaxpr, in_loop: bool, counts: dict) -> dict:
+    """{(primitive name, inside a scan): count} over a jaxpr and every jaxpr nested in its equations."""
+    for eqn in jaxpr.eqns:
+        key = (eqn.primitive.name, in_loop)
+        counts[key] = counts.get(key, 0) + 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _primitive_counts(inner, in_loop or eqn.primitive.name == "scan", counts)
+    return counts
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_attention_layout_is_built_once_before_the_layer_loop(model_config, step):
+    forward, args = forward_program(model_config, 1, False, *STEPS[step], attention_backend="pallas_gpu")
+    counts = _primitive_counts(forward.trace(*args).jaxpr.jaxpr, False, {})
+    assert counts.get(("scan", False)) == 1  # the rolled layer loop of forward_program
+    assert counts.get(("sort", False)) == 1  # the decode rows' longest-first order, once per forward
+    assert ("sort", True) not in counts and ("cumsum", True) not in counts  # nor the q block table in the loop

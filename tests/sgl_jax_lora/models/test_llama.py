@@ -91,7 +91,7 @@ def test_fused_rope_kv_write_takes_the_unzeroed_qkv_and_gives_the_native_layers_
         jax.debug.callback(functools.partial(record, "q padding"), jnp.abs(q[200:]).max())
         return q, k_cache, v_cache
 
-    def native_attention(*args):  # the backend is the last argument
+    def native_attention(*args, plan):  # the backend is the last argument; the native path takes no plan
         return real_attention(*args[:-1], AttentionBackend("native"))
 
     def recorded_gemm(*args, zero_padding=True, **kwargs):
