@@ -116,22 +116,20 @@ def test_mixed_path_serves_decode_steps(num_splits):
     check(args, page_size=4, decode_only=False, interpret=True, **tiles)
 
 
+# two chunks with one-token sequences after and between them and a padding sequence; 17 tokens (a padding token)
+SPLIT_TILES = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
+
+
+def chunks_and_split_rows():
+    kinds = dict(heads=8, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=17)
+    return make_inputs([7, 1, 5, 1, 0], [30, 13, 5, 40, 0], **kinds)
+
+
 @pytest.mark.parametrize("max_chunks", [None, 2])
 def test_mixed_path_with_split_decode_rows_after_chunks(max_chunks):
     # one-token sequences after and between two chunks, their keys split over two programs each; with max_chunks
     # 2 the q-block grid is sized for the two chunks (and still covers padding tokens)
-    args = make_inputs(
-        [7, 1, 5, 1, 0],
-        [30, 13, 5, 40, 0],
-        heads=8,
-        kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        dtype=jnp.float32,
-        num_tokens=17,
-    )
-    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
-    check(args, page_size=4, decode_only=False, max_chunks=max_chunks, interpret=True, **tiles)
+    check(chunks_and_split_rows(), page_size=4, decode_only=False, max_chunks=max_chunks, interpret=True, **SPLIT_TILES)
 
 
 def test_decode_rows_launch_longest_first():
@@ -159,28 +157,11 @@ def test_mixed_path_rows_of_rising_contexts(num_splits):
 def test_plan_built_once_serves_every_layer(max_chunks):
     # the model builds the step's layout once and hands it to each layer's call: for both layers of the cache the
     # output is the reference's, and the same bits as a call that builds its own layout
-    args = make_inputs(
-        [7, 1, 5, 1, 0],
-        [30, 13, 5, 40, 0],
-        heads=8,
-        kv_heads=2,
-        head_dim=16,
-        page_size=4,
-        dtype=jnp.float32,
-        num_tokens=17,
-    )
+    args = chunks_and_split_rows()
     q, k_cache, v_cache, _, kv_lens, table, cu_q_lens = args
-    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
-    plan = plan_ragged_attention_gpu(
-        kv_lens,
-        table,
-        cu_q_lens,
-        num_tokens=17,
-        group=4,
-        max_chunks=max_chunks,
-        prefill_tiles=tiles["prefill_tiles"],
-    )
-    options = dict(page_size=4, scale=0.25, max_chunks=max_chunks, interpret=True, **tiles)
+    layout = dict(num_tokens=17, group=4, max_chunks=max_chunks, prefill_tiles=SPLIT_TILES["prefill_tiles"])
+    plan = plan_ragged_attention_gpu(kv_lens, table, cu_q_lens, **layout)
+    options = dict(page_size=4, scale=0.25, max_chunks=max_chunks, interpret=True, **SPLIT_TILES)
     for layer in (0, 1):
         layer_args = (q, k_cache, v_cache, jnp.int32(layer), kv_lens, table, cu_q_lens)
         planned = np.asarray(ragged_paged_attention_gpu(*layer_args, plan=plan, **options))
