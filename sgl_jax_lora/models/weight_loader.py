@@ -140,20 +140,8 @@ def load_model_state(
     attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
     base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
     fp8 = make_fp8_gemm(mesh) if quantization == "fp8" else None
-    abstract = nnx.eval_shape(
-        lambda: model_cls(
-            cfg,
-            tp_size,
-            page_size,
-            dtype,
-            lora,
-            layers_per_scan_step,
-            attention,
-            base_gemm,
-            fp8,
-            in_place_layers_per_scan_step,
-        )
-    )
+    settings = (layers_per_scan_step, attention, base_gemm, fp8, in_place_layers_per_scan_step)
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, *settings))
     graphdef, abstract_state = nnx.split(abstract)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
         if fp8 is not None:
