@@ -173,26 +173,21 @@ def paged_attention(
     args = (q, k_cache, v_cache, layer, seq_lens, page_table, cu_q_lens)
     if backend.name == "native":  # plain JAX: GSPMD partitions it
         return _native_attention(*args, page_size=page_size, scale=scale)
-    kernel = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks, plan)
+    call = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks)
+    kernel = call
+    if plan is not None:  # the plan travels as the last operand (replicated: every shard keeps the model's GQA group)
+        args, kernel = (*args, plan), lambda *operands: call(*operands[:-1], plan=operands[-1])
     mesh = backend.mesh
     if mesh is None or mesh.shape["tensor"] == 1:
         return kernel(*args)
     heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
-    in_specs = (heads, caches, caches, P(), P(), P(), P())
-    if plan is not None:  # replicated: every shard's heads keep the model's GQA group, so the layout is the same
-        return jax.shard_map(
-            lambda *args_and_plan: kernel(*args_and_plan[:-1], plan=args_and_plan[-1]),
-            mesh=mesh,
-            in_specs=(*in_specs, P()),
-            out_specs=heads,
-            check_vma=False,
-        )(*args, plan)
+    in_specs = (heads, caches, caches, P(), P(), P(), P()) + ((P(),) if plan is not None else ())
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
 
-def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None, plan=None):
+def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None):
     """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
-    and, for pallas_gpu, the keyword `plan` (default: the one given here)."""
+    and, for pallas_gpu, the keyword `plan` (`plan_attention`'s)."""
     if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
@@ -204,7 +199,7 @@ def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | No
         # decode rows take the flash-decoding kernel and prefill chunks the q-block kernel, in every step: no branch
         # on the step's kind (pallas_kernels/attention/gpu.py)
         options = dict(page_size=page_size, scale=scale, max_chunks=max_chunks)
-        return lambda *args, plan=plan: ragged_paged_attention_gpu(*args, plan=plan, **options)
+        return lambda *args, plan=None: ragged_paged_attention_gpu(*args, plan=plan, **options)
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 
