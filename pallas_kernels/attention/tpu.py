@@ -10,11 +10,12 @@ t * G + g, so one K/V page block read for kv head k serves all G query heads of 
 (q block, kv head); a q block is a fixed run of `num_queries_per_block` tokens, i.e. a [BQ * G, D] tile.
 
 Ragged queries. A q block may hold tokens of several sequences (many decode rows, or the tail of one chunk and
-the head of the next). The first and last sequence of each block are computed in jit from cu_q_lens and
-scalar-prefetched into SMEM with the layer index, kv_lens, the flattened page table and cu_q_lens. The kernel
-loops over those sequences; for each it runs a flash (online softmax, float32) pass over the sequence's keys up to
-the causal limit of its last row in this block, with the rows of other sequences masked, then writes its rows of
-the output tile. Tokens past cu_q_lens[S] belong to no sequence and stay zero.
+the head of the next). The first and last sequence of each block (tpu_layout.py `block_sequences`) are the same in
+every layer: the model builds them once per forward as a `TpuAttentionPlan` and passes it to each call (`plan=`); a
+call given none computes them in jit from cu_q_lens. They are scalar-prefetched into SMEM with the layer index,
+kv_lens, the flattened page table and cu_q_lens. The kernel loops over those sequences; for each it runs a flash
+(online softmax, float32) pass over the sequence's keys up to the causal limit of its last row in this block, with
+the rows of other sequences masked, then writes its rows of the output tile. Tokens past cu_q_lens[S] belong to no sequence and stay zero.
 
 K/V reads. The caches stay in HBM (`pl.ANY`). For each block of `num_kv_pages_per_block` pages the kernel DMAs
 one [page_size, D] slab per page of this layer and kv head into a VMEM buffer [pages * page_size, D]; two buffers
@@ -36,36 +37,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-_LANES = 128
+from pallas_kernels.attention.tpu_layout import (
+    LANES,
+    Tiling,
+    TpuAttentionPlan,
+    block_sequences,
+    choose_tiling,
+    round_up,
+    sublane_tile,
+)
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: exp(mask - mask) stays 1, never NaN
-_DEFAULT_ROWS_PER_Q_BLOCK = 128
-_DEFAULT_KEYS_PER_KV_BLOCK = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-    """Static block sizes of one call."""
-
-    page_size: int
-    pages_per_seq: int  # P: columns of the page table
-    pages_per_kv_block: int
-    tokens_per_q_block: int  # BQ
-    group: int  # G: query heads per kv head
-
-    @property
-    def keys_per_kv_block(self) -> int:
-        return self.pages_per_kv_block * self.page_size
-
-    @property
-    def rows(self) -> int:
-        return self.tokens_per_q_block * self.group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +76,6 @@ class _KernelRefs:
     acc: jax.Array  # VMEM [BQ * G, D] f32, running numerator
 
 
-def _sublane_tile(dtype: jnp.dtype) -> int:
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _dot(lhs: jax.Array, rhs: jax.Array, contract_rhs: int) -> jax.Array:
     """lhs [M, C] with rhs [N, C] (contract_rhs=1) or [C, N] (contract_rhs=0), float32 result."""
     precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
@@ -104,7 +84,7 @@ def _dot(lhs: jax.Array, rhs: jax.Array, contract_rhs: int) -> jax.Array:
     )
 
 
-def _page_copies(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, page_in_block):
+def _page_copies(refs: _KernelRefs, t: Tiling, seq, kv_block, slot, page_in_block):
     """DMA descriptors (k, v) of one page of the sequence's kv block into buffer `slot`."""
     page_index = kv_block * t.pages_per_kv_block + page_in_block
     page = refs.page_table[seq * t.pages_per_seq + page_index]
@@ -116,7 +96,7 @@ def _page_copies(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, page_in_blo
     return k, v
 
 
-def _for_pages_in_block(refs: _KernelRefs, t: _Tiling, seq, kv_block, slot, num_keys, action: str) -> None:
+def _for_pages_in_block(refs: _KernelRefs, t: Tiling, seq, kv_block, slot, num_keys, action: str) -> None:
     """Start (or wait for) the DMAs of the pages of a kv block that hold keys below num_keys."""
 
     def body(page_in_block, carry):
@@ -153,7 +133,7 @@ def _rows_in_range(shape: tuple[int, int], row_lo, row_hi) -> jax.Array:
     return (row >= row_lo) & (row < row_hi)
 
 
-def _attend_sequence(refs: _KernelRefs, t: _Tiling, seq, scale: float) -> None:
+def _attend_sequence(refs: _KernelRefs, t: Tiling, seq, scale: float) -> None:
     """Flash attention of this q block's rows of sequence `seq` over its keys; writes those rows of the output.
 
     Row r of the tile is token block_start + r // G. Masks compare rows with scalar bounds instead of dividing
@@ -199,7 +179,7 @@ def _attend_sequence(refs: _KernelRefs, t: _Tiling, seq, scale: float) -> None:
         refs.out[...] = jnp.where(_rows_in_range(refs.out.shape, row_lo, row_hi), result, refs.out[...])
 
 
-def _kernel(*refs, tiling: _Tiling, scale: float):
+def _kernel(*refs, tiling: Tiling, scale: float):
     # scalar prefetch: layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq
     layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq = refs[:6]
     kernel_refs = _KernelRefs(layer, kv_lens, page_table, cu_q_lens, *refs[6:])
@@ -211,43 +191,6 @@ def _kernel(*refs, tiling: _Tiling, scale: float):
         return carry
 
     jax.lax.fori_loop(block_first_seq[block], block_last_seq[block] + 1, per_seq, 0)
-
-
-def _block_sequences(cu_q_lens: jax.Array, num_blocks: int, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
-    """[NB] i32 first and last sequence with tokens in each q block; last < first for blocks of padding only."""
-    num_seqs = cu_q_lens.shape[0] - 1
-    first_token = jnp.arange(num_blocks, dtype=jnp.int32) * tokens_per_block
-    num_real = cu_q_lens[-1]
-    last_token = jnp.minimum(first_token + tokens_per_block, num_real) - 1
-    seq_of = lambda token: jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, num_seqs - 1)  # noqa: E731
-    first_seq = seq_of(first_token).astype(jnp.int32)
-    last_seq = jnp.where(first_token < num_real, seq_of(last_token), first_seq - 1).astype(jnp.int32)
-    return first_seq, last_seq
-
-
-def _choose_tiling(
-    q: jax.Array,
-    k_cache: jax.Array,
-    page_table: jax.Array,
-    page_size: int,
-    num_kv_pages_per_block: int | None,
-    num_queries_per_block: int | None,
-) -> _Tiling:
-    num_tokens, num_heads, _ = q.shape
-    group = num_heads // k_cache.shape[1]
-    pages_per_seq = page_table.shape[1]
-    sublane = _sublane_tile(q.dtype)
-    token_align = sublane // math.gcd(group, sublane)  # smallest BQ with BQ * G on the sublane tile
-    if num_queries_per_block is None:
-        wanted = _round_up(max(1, _DEFAULT_ROWS_PER_Q_BLOCK // group), token_align)
-        num_queries_per_block = min(wanted, _round_up(max(num_tokens, 1), token_align))
-    if num_kv_pages_per_block is None:  # short page tables need no 512-key block, but keep it whole lanes
-        lane_pages = max(1, _LANES // page_size)
-        wanted = max(1, _DEFAULT_KEYS_PER_KV_BLOCK // page_size)
-        num_kv_pages_per_block = min(wanted, _round_up(pages_per_seq, lane_pages))
-    if num_queries_per_block < 1 or num_kv_pages_per_block < 1:
-        raise ValueError("ragged_paged_attention_tpu: num_queries_per_block and num_kv_pages_per_block must be >= 1")
-    return _Tiling(page_size, pages_per_seq, num_kv_pages_per_block, num_queries_per_block, group)
 
 
 def _check_inputs(
@@ -280,29 +223,41 @@ def _check_inputs(
         )
 
 
-def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: _Tiling) -> None:
+def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: Tiling) -> None:
     """Shapes Mosaic cannot tile raise here, before lowering, with the fix."""
     head_dim = q.shape[2]
     fix = "serve with --attention-backend native, or a model whose head_dim is a multiple of 128"
-    if head_dim % _LANES:
+    if head_dim % LANES:
         raise ValueError(
             f"TPU ragged paged attention: head_dim {head_dim} is not a multiple of 128 "
             f"(a K/V page slab is [page_size, head_dim] in lanes); {fix}"
         )
-    cache_tile = _sublane_tile(k_cache.dtype)
+    cache_tile = sublane_tile(k_cache.dtype)
     if t.page_size % cache_tile:
         raise ValueError(
             f"TPU ragged paged attention: page_size {t.page_size} is not a multiple of "
             f"{cache_tile} ({k_cache.dtype} sublane tile); restart with --page-size "
-            f"{_round_up(t.page_size, cache_tile)}, or {fix}"
+            f"{round_up(t.page_size, cache_tile)}, or {fix}"
         )
-    q_tile = _sublane_tile(q.dtype)
+    q_tile = sublane_tile(q.dtype)
     if t.rows % q_tile:
         raise ValueError(
             f"TPU ragged paged attention: num_queries_per_block {t.tokens_per_q_block} x "
             f"{t.group} query heads per kv head = {t.rows} rows, not a multiple of {q_tile}; "
             f"pick num_queries_per_block so the product is, or leave it None"
         )
+
+
+def _plan_block_tokens(plan: TpuAttentionPlan, num_queries_per_block: int | None, num_tokens: int) -> int:
+    """The call's BQ from a plan: the plan's, which a given num_queries_per_block must equal."""
+    bq = plan.tokens_per_q_block
+    if num_queries_per_block not in (None, bq) or plan.block_first_seq.shape != (max(1, -(-num_tokens // bq)),):
+        raise ValueError(
+            f"ragged_paged_attention_tpu: the plan holds {plan.block_first_seq.shape} q blocks of {bq} tokens, not "
+            f"the layout of this call ({num_tokens} tokens, num_queries_per_block={num_queries_per_block}); build it "
+            "with plan_ragged_attention_tpu for the same step and q tile"
+        )
+    return bq
 
 
 @functools.partial(
@@ -323,6 +278,7 @@ def ragged_paged_attention_tpu(
     num_kv_pages_per_block: int | None = None,
     num_queries_per_block: int | None = None,
     interpret: bool = False,
+    plan: TpuAttentionPlan | None = None,
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; K/V pages read in place from the caches.
 
@@ -330,9 +286,13 @@ def ragged_paged_attention_tpu(
         pages below a row's causal limit are read, so a block may reach past P.
     num_queries_per_block: tokens per q tile, BQ (default: BQ * G about 128 rows, at most T rounded up).
     interpret: run on CPU with the TPU interpreter (tests).
+    plan: the step's q-block layout from `plan_ragged_attention_tpu` (tpu_layout.py), built once per forward; its
+        BQ is the call's. None: built in this call.
     """
     _check_inputs(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, page_size)
-    tiling = _choose_tiling(q, k_cache, page_table, page_size, num_kv_pages_per_block, num_queries_per_block)
+    if plan is not None:
+        num_queries_per_block = _plan_block_tokens(plan, num_queries_per_block, q.shape[0])
+    tiling = choose_tiling(q, k_cache, page_table, page_size, num_kv_pages_per_block, num_queries_per_block)
     if not interpret:
         _check_tpu_tiling(q, k_cache, tiling)
     num_tokens, num_heads, head_dim = q.shape
@@ -344,7 +304,9 @@ def ragged_paged_attention_tpu(
     q_rows = q.reshape(num_tokens, num_kv_heads, tiling.group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * tiling.group, head_dim)
-    first_seq, last_seq = _block_sequences(cu_q_lens.astype(jnp.int32), num_blocks, bq)
+    if plan is None:
+        plan = TpuAttentionPlan(*block_sequences(cu_q_lens.astype(jnp.int32), num_blocks, bq), bq)
+    first_seq, last_seq = plan.block_first_seq, plan.block_last_seq
     kv_buffer = pltpu.VMEM((2, tiling.keys_per_kv_block, head_dim), k_cache.dtype)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -360,8 +322,8 @@ def ragged_paged_attention_tpu(
             kv_buffer,
             kv_buffer,
             pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, _LANES), jnp.float32),
-            pltpu.VMEM((rows, _LANES), jnp.float32),
+            pltpu.VMEM((rows, LANES), jnp.float32),
+            pltpu.VMEM((rows, LANES), jnp.float32),
             pltpu.VMEM((rows, head_dim), jnp.float32),
         ],
     )

@@ -10,8 +10,8 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
 `AttentionBackend` holds it with the mesh. `plan_attention` builds, once per forward, the step's layout that a
-backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; others: None), which the model hands to
-every layer's `paged_attention`. Pallas kernels do not take part in GSPMD partitioning, so with tensor
+backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; pallas_tpu and pallas_interpret: a
+`TpuAttentionPlan`; native: None), which the model hands to every layer's `paged_attention`. Pallas kernels do not take part in GSPMD partitioning, so with tensor
 parallelism they run under shard_map, each device on its own query heads and KV heads (the caches are sharded on
 kv heads, replicated copies when tp > kv heads, so every shard keeps the model's GQA ratio).
 
@@ -142,10 +142,16 @@ def plan_attention(
     cu_q_lens: jax.Array,
     num_tokens: int,
     group: int,
+    q_dtype=jnp.float32,
 ):
     """The step's layout that the backend's kernels share across layers, built once per forward (the ForwardBatch's
-    seq_lens, page_table, cu_q_lens; num_tokens: the step's bucket; group: query heads per kv head) -> a
-    `RaggedAttentionPlan` for pallas_gpu, None for the other backends (they derive their layout per call)."""
+    seq_lens, page_table, cu_q_lens; num_tokens: the step's bucket; group: query heads per kv head; q_dtype: the
+    queries' dtype, which sets the TPU kernel's q tile) -> a `RaggedAttentionPlan` for pallas_gpu, a
+    `TpuAttentionPlan` for pallas_tpu and pallas_interpret, None for native (it derives its layout per call)."""
+    if backend.name in ("pallas_tpu", "pallas_interpret"):
+        from pallas_kernels.attention.tpu_layout import plan_ragged_attention_tpu
+
+        return plan_ragged_attention_tpu(cu_q_lens, num_tokens=num_tokens, group=group, q_dtype=q_dtype)
     if backend.name != "pallas_gpu":
         return None
     from pallas_kernels.attention.gpu import plan_ragged_attention_gpu
@@ -187,12 +193,12 @@ def paged_attention(
 
 def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None):
     """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
-    and, for pallas_gpu, the keyword `plan` (`plan_attention`'s)."""
+    and the keyword `plan` (`plan_attention`'s)."""
     if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
-        interpret = name == "pallas_interpret"
-        return lambda *args: ragged_paged_attention_tpu(*args, page_size=page_size, scale=scale, interpret=interpret)
+        options = dict(page_size=page_size, scale=scale, interpret=name == "pallas_interpret")
+        return lambda *args, plan=None: ragged_paged_attention_tpu(*args, plan=plan, **options)
     if name == "pallas_gpu":
         from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
 

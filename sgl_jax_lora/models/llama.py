@@ -281,6 +281,7 @@ class LlamaForCausalLM(nnx.Module):
             batch.cu_q_lens,
             batch.input_ids.shape[0],
             self.attention_group,
+            hidden.dtype,  # q's: the projections keep the hidden stream's dtype
         )
 
         def body(carry, xs):

@@ -114,3 +114,21 @@ def forward_program(
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
 
     return jax.jit(forward, donate_argnums=1), jax.tree.map(spec, (state, kv, batch))
+
+
+def primitive_counts(jaxpr, in_loop: bool = False, counts: dict | None = None) -> dict:
+    """{(primitive name, inside a scan): count} over a jaxpr and every jaxpr nested in its equations; a jitted
+    function's call counts as ("jit:" + its name, inside a scan) too (jnp.searchsorted is one)."""
+    counts = {} if counts is None else counts
+    for eqn in jaxpr.eqns:
+        names = [eqn.primitive.name]
+        if eqn.primitive.name in ("jit", "pjit") and "name" in eqn.params:
+            names.append("jit:" + eqn.params["name"])
+        for name in names:
+            counts[(name, in_loop)] = counts.get((name, in_loop), 0) + 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    primitive_counts(inner, in_loop or eqn.primitive.name == "scan", counts)
+    return counts

@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
+from pallas_kernels.attention.tpu_layout import plan_ragged_attention_tpu
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -181,6 +182,61 @@ def test_wrong_layer_would_be_caught():
     out, _ = run_both(case, inputs)
     _, ref_other = run_both(dataclasses.replace(case, layer=1), inputs)
     assert np.abs(out - ref_other).max() > 1e-2
+
+
+@pytest.mark.parametrize("queries_per_block", [4, None], ids=["given-q-tile", "default-q-tile"])
+def test_plan_built_once_serves_every_layer(queries_per_block):
+    # the model builds the step's q-block layout once and hands it to each layer's call: for every layer of the
+    # cache the output is the reference's, and the same bits as a call that builds its own layout
+    case = dataclasses.replace(
+        CASES["long_chunk_split_over_q_blocks"],
+        num_layers=3,
+        num_heads=8,
+        num_kv_heads=1,  # GQA 8: the default q tile is 16 tokens of the 32
+        queries_per_block=queries_per_block,
+    )
+    inputs = make_inputs(case)
+    plan = plan_ragged_attention_tpu(
+        inputs.cu_q_lens,
+        num_tokens=case.num_tokens,
+        group=case.num_heads // case.num_kv_heads,
+        q_dtype=case.dtype,
+        num_queries_per_block=queries_per_block,
+    )
+    assert plan.block_first_seq.shape[0] > 1  # the chunk spans several q blocks
+    for layer in range(case.num_layers):
+        layer_case = dataclasses.replace(case, layer=layer)
+        own, want = run_both(layer_case, inputs)
+        planned = run_planned(layer_case, inputs, plan)
+        np.testing.assert_array_equal(planned, own)
+        np.testing.assert_allclose(planned, want, atol=TOLERANCE[case.dtype], rtol=TOLERANCE[case.dtype])
+
+
+def test_plan_of_another_q_tile_raises():
+    case = CASES["long_chunk_split_over_q_blocks"]
+    inputs = make_inputs(case)
+    plan = plan_ragged_attention_tpu(inputs.cu_q_lens, num_tokens=case.num_tokens, group=2, q_dtype=case.dtype)
+    with pytest.raises(ValueError, match="build it with plan_ragged_attention_tpu"):
+        run_planned(case, inputs, plan)  # the case's q tile of 4 tokens, the plan's of 32
+
+
+def run_planned(case: Case, inputs: Inputs, plan) -> np.ndarray:
+    out = ragged_paged_attention_tpu(
+        inputs.q,
+        inputs.k_cache,
+        inputs.v_cache,
+        jnp.int32(case.layer),
+        inputs.kv_lens,
+        inputs.page_table,
+        inputs.cu_q_lens,
+        page_size=case.page_size,
+        scale=case.head_dim**-0.5,
+        num_kv_pages_per_block=case.kv_pages_per_block,
+        num_queries_per_block=case.queries_per_block,
+        interpret=True,
+        plan=plan,
+    )
+    return np.asarray(out.astype(jnp.float32))
 
 
 def test_untiled_shapes_raise_outside_interpret_mode():

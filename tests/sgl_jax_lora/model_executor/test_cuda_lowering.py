@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from tests.support.model_export import STEPS, forward_program, kernel_shaped_config, lower_forward_for_cuda
+from tests.support.model_export import (
+    STEPS,
+    forward_program,
+    kernel_shaped_config,
+    lower_forward_for_cuda,
+    primitive_counts,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,23 +36,10 @@ def test_forward_lowers_for_cuda_with_rotary_inside_the_kv_write(model_config, t
     assert text.count('"stablehlo.scatter"(') == 1
 
 
-def _primitive_counts(jaxpr, in_loop: bool, counts: dict) -> dict:
-    """{(primitive name, inside a scan): count} over a jaxpr and every jaxpr nested in its equations."""
-    for eqn in jaxpr.eqns:
-        key = (eqn.primitive.name, in_loop)
-        counts[key] = counts.get(key, 0) + 1
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _primitive_counts(inner, in_loop or eqn.primitive.name == "scan", counts)
-    return counts
-
-
 @pytest.mark.parametrize("step", list(STEPS))
 def test_attention_layout_is_built_once_before_the_layer_loop(model_config, step):
     forward, args = forward_program(model_config, 1, False, *STEPS[step], attention_backend="pallas_gpu")
-    counts = _primitive_counts(forward.trace(*args).jaxpr.jaxpr, False, {})
+    counts = primitive_counts(forward.trace(*args).jaxpr.jaxpr)
     assert counts.get(("scan", False)) == 1  # the rolled layer loop of forward_program
     assert counts.get(("sort", False)) == 1  # the decode rows' longest-first order, once per forward
     assert ("sort", True) not in counts and ("cumsum", True) not in counts  # nor the q block table in the loop

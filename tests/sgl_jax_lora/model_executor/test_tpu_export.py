@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from tests.support.model_export import STEPS, export_forward, kernel_shaped_config
+from tests.support.model_export import STEPS, export_forward, forward_program, kernel_shaped_config, primitive_counts
 
 pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
 
@@ -53,3 +53,14 @@ def test_forward_with_fp8_weights_exports_for_tpu(model_config, tp_size):
     assert "ragged_paged_attention" in module
     eight_bit = re.findall(r"dot_general .*: \(tensor<[0-9x]+xf8E4M3FN>, tensor<[0-9x]+xf8E4M3FN>\)", module)
     assert len(eight_bit) == 4  # q|k|v, o, gate|up and down, once in the scanned layer body
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_attention_layout_is_built_once_before_the_layer_loop(model_config, step):
+    """The q-block layout of the TPU kernel (which sequences each q block holds: two searchsorted) comes from the
+    forward's plan, built before the layer loop, not again in each layer of a rolled loop."""
+    forward, args = forward_program(model_config, 1, False, *STEPS[step])
+    counts = primitive_counts(forward.trace(*args).jaxpr.jaxpr)
+    assert ("pallas_call", True) in counts  # the attention kernel in the rolled layer loop of forward_program
+    assert counts.get(("jit:searchsorted", False)) == 2  # first and last sequence of each q block, once per forward
+    assert ("jit:searchsorted", True) not in counts
