@@ -47,8 +47,9 @@ from pallas_kernels.attention.tpu_layout import (
     LANES,
     Tiling,
     TpuAttentionPlan,
-    block_sequences,
     choose_tiling,
+    num_q_blocks,
+    plan_ragged_attention_tpu,
     round_up,
     sublane_tile,
 )
@@ -251,7 +252,7 @@ def _check_tpu_tiling(q: jax.Array, k_cache: jax.Array, t: Tiling) -> None:
 def _plan_block_tokens(plan: TpuAttentionPlan, num_queries_per_block: int | None, num_tokens: int) -> int:
     """The call's BQ from a plan: the plan's, which a given num_queries_per_block must equal."""
     bq = plan.tokens_per_q_block
-    if num_queries_per_block not in (None, bq) or plan.block_first_seq.shape != (max(1, -(-num_tokens // bq)),):
+    if num_queries_per_block not in (None, bq) or plan.block_first_seq.shape != (num_q_blocks(num_tokens, bq),):
         raise ValueError(
             f"ragged_paged_attention_tpu: the plan holds {plan.block_first_seq.shape} q blocks of {bq} tokens, not "
             f"the layout of this call ({num_tokens} tokens, num_queries_per_block={num_queries_per_block}); build it "
@@ -298,14 +299,16 @@ def ragged_paged_attention_tpu(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     bq, rows = tiling.tokens_per_q_block, tiling.rows
-    num_blocks = max(1, pl.cdiv(num_tokens, bq))
+    num_blocks = num_q_blocks(num_tokens, bq)
     padded_tokens = num_blocks * bq
 
     q_rows = q.reshape(num_tokens, num_kv_heads, tiling.group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, padded_tokens - num_tokens), (0, 0), (0, 0), (0, 0)))
     q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * tiling.group, head_dim)
     if plan is None:
-        plan = TpuAttentionPlan(*block_sequences(cu_q_lens.astype(jnp.int32), num_blocks, bq), bq)
+        plan = plan_ragged_attention_tpu(
+            cu_q_lens, num_tokens=num_tokens, group=tiling.group, q_dtype=q.dtype, num_queries_per_block=bq
+        )
     first_seq, last_seq = plan.block_first_seq, plan.block_last_seq
     kv_buffer = pltpu.VMEM((2, tiling.keys_per_kv_block, head_dim), k_cache.dtype)
 

@@ -4,7 +4,7 @@ Where it sits: `tpu.py`'s `ragged_paged_attention_tpu` tiles every call with `ch
 the same in every layer of a step, so the model builds it once per forward (`plan_ragged_attention_tpu`, through
 `sgl_jax_lora.layers.attention.plan_attention`) and hands the `TpuAttentionPlan` to each layer's call; a call given
 none builds its own. What exists here: `Tiling`, `sublane_tile`, `round_up`, `tokens_per_q_block`, `choose_tiling`,
-`block_sequences`, `TpuAttentionPlan` and `plan_ragged_attention_tpu`.
+`num_q_blocks`, `block_sequences`, `TpuAttentionPlan` and `plan_ragged_attention_tpu`.
 """
 
 from __future__ import annotations
@@ -80,6 +80,11 @@ def choose_tiling(
     return Tiling(page_size, pages_per_seq, num_kv_pages_per_block, num_queries_per_block, group)
 
 
+def num_q_blocks(num_tokens: int, tokens_per_block: int) -> int:
+    """The q blocks of a call: T tokens in tiles of BQ (at least one)."""
+    return max(1, -(-num_tokens // tokens_per_block))
+
+
 def block_sequences(cu_q_lens: jax.Array, num_blocks: int, tokens_per_block: int) -> tuple[jax.Array, jax.Array]:
     """[NB] i32 first and last sequence with tokens in each q block; last < first for blocks of padding only."""
     num_seqs = cu_q_lens.shape[0] - 1
@@ -113,5 +118,4 @@ def plan_ragged_attention_tpu(
     """The layout `ragged_paged_attention_tpu` builds for a step of num_tokens tokens of q's dtype and GQA group
     `group` (query heads per kv head): build it once per forward and pass it as `plan=` to every layer's call."""
     bq = tokens_per_q_block(num_tokens, group, q_dtype, num_queries_per_block)
-    num_blocks = max(1, -(-num_tokens // bq))
-    return TpuAttentionPlan(*block_sequences(cu_q_lens.astype(jnp.int32), num_blocks, bq), bq)
+    return TpuAttentionPlan(*block_sequences(cu_q_lens.astype(jnp.int32), num_q_blocks(num_tokens, bq), bq), bq)

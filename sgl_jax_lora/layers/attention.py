@@ -11,9 +11,10 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
 `AttentionBackend` holds it with the mesh. `plan_attention` builds, once per forward, the step's layout that a
 backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; pallas_tpu and pallas_interpret: a
-`TpuAttentionPlan`; native: None), which the model hands to every layer's `paged_attention`. Pallas kernels do not take part in GSPMD partitioning, so with tensor
-parallelism they run under shard_map, each device on its own query heads and KV heads (the caches are sharded on
-kv heads, replicated copies when tp > kv heads, so every shard keeps the model's GQA ratio).
+`TpuAttentionPlan`; native: None), which the model hands to every layer's `paged_attention`. Pallas kernels do not
+take part in GSPMD partitioning, so with tensor parallelism they run under shard_map, each device on its own query
+heads and KV heads (the caches are sharded on kv heads, replicated copies when tp > kv heads, so every shard keeps
+the model's GQA ratio).
 
 What every backend computes is pallas_kernels/attention/reference.py. The KV cache per layer is
 [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0 is a scratch page that padding tokens
@@ -142,7 +143,7 @@ def plan_attention(
     cu_q_lens: jax.Array,
     num_tokens: int,
     group: int,
-    q_dtype=jnp.float32,
+    q_dtype,
 ):
     """The step's layout that the backend's kernels share across layers, built once per forward (the ForwardBatch's
     seq_lens, page_table, cu_q_lens; num_tokens: the step's bucket; group: query heads per kv head; q_dtype: the
