@@ -18,6 +18,7 @@ from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import ENGINE, PromptRefused, build_requests, normalize
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.utils.gather import gather_or_cancel
 
 
 class Engine:
@@ -73,13 +74,15 @@ class Engine:
         return results if batch.answers_list else results[0]
 
     async def _generate_all(self, requests) -> list[dict]:
+        """Every request's last result; the first refused (past --max-queued-requests, say) aborts the others."""
+
         async def one(request):
             result = None
             async for result in self.tokenizer_manager.generate_request(request):  # noqa: B007 - keeps the last
                 pass
             return result
 
-        return list(await asyncio.gather(*(one(r) for r in requests)))
+        return await gather_or_cancel([one(r) for r in requests])
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
         """Register an adapter while the engine runs (the offline caller is the operator: any path)."""

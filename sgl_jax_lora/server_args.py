@@ -182,6 +182,11 @@ class ServerArgs:
         16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read"
     )
     max_requests_per_call: int = _f(512, "engine requests one HTTP call may make (prompts x n)")
+    max_queued_requests: int | None = _f(
+        None,
+        "requests held beyond --max-running-requests (waiting to run); a request past them is refused with 503 "
+        "server_busy until some finish (default: no limit)",
+    )
     max_stop_strings: int = _f(16, "entries in a request's stop (strings) and, separately, in stop_token_ids")
     max_stop_string_chars: int = _f(256, "characters in one stop string")
     shutdown_timeout: float = _f(
@@ -248,11 +253,19 @@ class ServerArgs:
                     f"--{name.replace('_', '-')} must be 0 (off) or a positive token count, got {value!r}; "
                     "leave it unset for the platform's default"
                 )
+        self._validate_queue_limit()
         if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         self._validate_multi_host()
         if self.chunked_prefill_size is not None and self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+
+    def _validate_queue_limit(self) -> None:
+        queued = self.max_queued_requests
+        if queued is not None and (not isinstance(queued, int) or isinstance(queued, bool) or queued < 0):
+            raise ValueError(
+                f"--max-queued-requests must be 0 or a positive integer, got {queued!r}; leave it unset for no limit"
+            )
 
     def step_token_budget(self, context_length: int) -> int:
         """--chunked-prefill-size as given (a step's tokens span many prompts, so the context does not bound it), or

@@ -8,7 +8,8 @@ client sends can take the server down: the exception ends one request, the serve
     400 invalid_request_error   bad input, unknown model or adapter, prompt too long, too many tokens
     401 authentication_error    missing or wrong `Authorization: Bearer KEY` (with --api-key)
     404 not_found_error         no such route
-    503 service_unavailable     the engine is still starting, or its process has exited
+    503 service_unavailable     the engine is still starting, or its process has exited, or the server holds all the
+                                requests --max-queued-requests allows (code server_busy, with Retry-After)
     500 internal_error          a bug; the message says what failed
 """
 
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.request_normalizer import PromptRefused
-from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError
+from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def error_body(status_code: int, message: str, code: str | None = None) -> dict:
 
 def error_response(status_code: int, message: str, code: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
+    if code == "server_busy":
+        headers = {"Retry-After": "1"}
     return JSONResponse(error_body(status_code, message, code), status_code=status_code, headers=headers)
 
 
@@ -68,6 +71,8 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(error.status_code, exc.where + error.message, code)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
+    if isinstance(exc, ServerBusyError):
+        return APIError(503, str(exc), "server_busy")
     if isinstance(exc, (RequestError, LoRAAdapterError)):
         return APIError(400, str(exc), "invalid_request")
     logger.exception("internal error while serving a request", exc_info=exc)

@@ -28,6 +28,7 @@ from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize
+from sgl_jax_lora.utils.gather import gather_or_cancel
 from sgl_jax_lora.utils.gc_freeze import collector_stats
 
 if TYPE_CHECKING:
@@ -189,20 +190,6 @@ async def last_result(results: AsyncIterator[dict]) -> dict:
     async for result in results:  # noqa: B007 - keeps the last
         pass
     return result
-
-
-async def gather_or_cancel(awaitables: list[Awaitable[T]]) -> list[T]:
-    """All results in order; the first failure cancels the others (their engine requests are aborted)."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_as_coroutine(a)) for a in awaitables]
-    except ExceptionGroup as eg:
-        raise eg.exceptions[0] from None
-    return [task.result() for task in tasks]
-
-
-async def _as_coroutine(awaitable: Awaitable[T]) -> T:
-    return await awaitable
 
 
 async def run_unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

@@ -29,7 +29,6 @@ from fastapi.responses import JSONResponse, Response
 from sgl_jax_lora.entrypoints.chat_template import render_chat
 from sgl_jax_lora.entrypoints.errors import APIError, to_api_error
 from sgl_jax_lora.entrypoints.native_api import (
-    gather_or_cancel,
     last_result,
     run_unless_disconnected,
     streaming_response,
@@ -48,6 +47,7 @@ from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, par
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.request_normalizer import PromptRefused, PromptSpec, build_requests, with_samples
 from sgl_jax_lora.sampling.parallel_sampling import repeat_each
+from sgl_jax_lora.utils.gather import gather_or_cancel
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState

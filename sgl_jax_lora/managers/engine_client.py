@@ -46,6 +46,10 @@ class EngineDeadError(RuntimeError):
     """The engine process exited."""
 
 
+class ServerBusyError(RuntimeError):
+    """A request was refused because the server already holds as many as --max-queued-requests allows."""
+
+
 class EngineClient:
     def __init__(self, args: ServerArgs, model_path: str, target: Callable = run_engine_process):
         """Spawn `target(args_dict, model_path, conn)` (the engine process; tests give a stand-in) and wait for
@@ -142,6 +146,11 @@ class EngineClient:
 
     def close_stream(self, rid: str) -> None:
         self._streams.pop(rid, None)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests sent and not yet finished (each holds an open stream)."""
+        return len(self._streams)
 
     def send(self, msg: Message) -> None:
         if self.is_dead:

@@ -30,7 +30,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
-from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError
+from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError, ServerBusyError
 from sgl_jax_lora.managers.io_struct import (
     EngineCall,
     EngineOutput,
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-__all__ = ["EngineDeadError", "RequestError", "TokenizerManager"]
+__all__ = ["EngineDeadError", "RequestError", "ServerBusyError", "TokenizerManager"]
 
 
 class TokenizerManager:
@@ -290,10 +290,13 @@ class TokenizerManager:
 
     async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished. A stop string
-        finishes it here (managers/request_output.py); the engine, which may have decoded past it, is told to abort."""
+        finishes it here (managers/request_output.py); the engine, which may have decoded past it, is told to abort.
+        Raises ServerBusyError, before anything is sent, when the server holds all the requests it may."""
         output = RequestOutput(self.tokenizer, request.sampling.skip_special_tokens, request.sampling.stop)
-        queue = self.client.open_stream(request.rid)
+        queue = None
         try:
+            self._check_capacity()  # no await between the count and the stream that joins it
+            queue = self.client.open_stream(request.rid)
             self.client.send(request)
             while not output.finished:
                 item = await queue.get()
@@ -302,11 +305,25 @@ class TokenizerManager:
                 output.add(item)
                 yield self._result(request, output, item)
         finally:
-            self.client.close_stream(request.rid)
-            if not output.engine_finished and not self.is_dead:  # stopped here, or the client went away
-                self.client.abort(request.rid)
+            if queue is not None:
+                self.client.close_stream(request.rid)
+                if not output.engine_finished and not self.is_dead:  # stopped here, or the client went away
+                    self.client.abort(request.rid)
             if request.lora_id is not None:
                 self.lora_registry.release(request.lora_id)
+
+    def _check_capacity(self) -> None:
+        """--max-queued-requests: the server holds at most that many requests beyond --max-running-requests."""
+        queued = self.args.max_queued_requests
+        if queued is None:
+            return
+        limit = self.args.max_running_requests + queued
+        if self.client.num_streams >= limit:
+            raise ServerBusyError(
+                f"the server is busy: it holds {limit} requests, its limit (--max-running-requests "
+                f"{self.args.max_running_requests} running + --max-queued-requests {queued} waiting); retry when "
+                "some have finished, or ask the operator to raise --max-queued-requests"
+            )
 
     def _result(self, request: GenerateRequest, output: RequestOutput, item: EngineOutput) -> dict:
         result = output.result(request, item)

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from sgl_jax_lora import Engine
+from sgl_jax_lora.managers.engine_client import ServerBusyError
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch, padding_sampling_batches
 from sgl_jax_lora.server_args import ServerArgs
@@ -335,6 +336,22 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(engine, kwargs, messa
         engine.generate(**kwargs)
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, **GREEDY})
     assert len(ok["output_ids"]) == 2
+
+
+def test_a_batch_past_the_queue_limit_is_refused_whole_and_the_engine_keeps_serving(engine):
+    ids = prompts(9)
+    params = {"max_new_tokens": 24, **GREEDY}
+    expected = [r["output_ids"] for r in engine.generate(input_ids=ids[:2], sampling_params=params)]
+    engine.server_args.max_queued_requests = 0  # read at every request: 8 running, none waiting
+    try:
+        with pytest.raises(ServerBusyError, match="--max-running-requests 8 running [+] --max-queued-requests 0"):
+            engine.generate(input_ids=ids, sampling_params=params)  # 9 requests: the ninth is refused
+        info = engine.get_server_info()  # the eight the call sent were aborted with it
+        assert info["num_running"] == info["num_waiting"] == 0, info
+        served = engine.generate(input_ids=ids[:2], sampling_params=params)  # within the limit
+    finally:
+        engine.server_args.max_queued_requests = None
+    assert [r["output_ids"] for r in served] == expected
 
 
 def test_no_compilation_after_warmup(engine):

@@ -131,3 +131,12 @@ def test_the_step_token_budget_is_the_flag_or_the_default_within_the_context():
         ServerArgs(chunked_prefill_size=0)
     with pytest.raises(ValueError, match="--max-prefill-seqs must not exceed --chunked-prefill-size"):
         ServerArgs(chunked_prefill_size=4, max_prefill_seqs=8)
+
+
+def test_the_queue_limit_is_unset_or_a_count_of_requests():
+    assert ServerArgs().max_queued_requests is None  # no limit unless asked for
+    assert parse_args(["--max-queued-requests", "0"]).max_queued_requests == 0
+    assert ServerArgs(max_queued_requests=256).max_queued_requests == 256
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="--max-queued-requests must be 0 or a positive integer"):
+            ServerArgs(max_queued_requests=bad)

@@ -36,6 +36,8 @@ LIMIT_FLAGS = [
     "4",
     "--max-stop-string-chars",
     "32",
+    "--max-queued-requests",  # with SMALL_ENGINE_FLAGS' --max-running-requests 32: 64 requests held at most
+    "32",
 ]
 CHAT = {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -455,6 +457,34 @@ def test_32_concurrent_clients_match_alone(server, http):
     with ThreadPoolExecutor(32) as pool:
         together = list(pool.map(one_client, bodies))
     assert together == alone
+
+
+def test_a_request_past_the_queue_limit_gets_503_and_the_held_ones_keep_running(http):
+    single = {"text": "The queue", "sampling_params": GREEDY}
+    expected = generate(http, **single)["output_ids"]
+    held = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    body = {"text": ["Once upon a time"] * 64, "sampling_params": held, "stream": True}
+    with http.stream("POST", "/generate", json=body) as stream:
+        # the response starts after its first event, when all 64 requests are held: 32 running, 32 waiting
+        assert stream.status_code == 200
+        events = stream.iter_lines()
+        first = sse_events(line for line, _ in zip(events, range(2)))
+        busy = http.post("/generate", json=single)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        error = busy.json()["error"]
+        assert error["code"] == "server_busy" and error["type"] == "service_unavailable"
+        assert "--max-running-requests 32 running + --max-queued-requests 32 waiting" in error["message"]
+        # the held requests still run: their stream goes on past the refusal
+        later = sse_events(line for line, _ in zip(events, range(400)))
+        assert max(e["meta_info"]["completion_tokens"] for e in later) > first[0]["meta_info"]["completion_tokens"]
+
+    # leaving the block disconnects the call: its requests are aborted and the server takes new ones again
+    def served() -> bool:
+        response = http.post("/generate", json=single)
+        assert response.status_code in (200, 503), response.text
+        return response.status_code == 200 and response.json()["output_ids"] == expected
+
+    wait_until(served, 60, "a request to be served after the held ones left")
 
 
 def test_disconnect_mid_stream_frees_pages(http):
