@@ -127,6 +127,9 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
     app.add_exception_handler(RequestError, on_api_error)
     app.add_exception_handler(LoRAAdapterError, on_api_error)
     app.add_exception_handler(EngineDeadError, on_api_error)
+    app.add_exception_handler(ServerBusyError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Anything else is a bug: Starlette answers it with this handler, then re-raises it for the server's log, and
+    # the server drops the connection. So every error a client can cause is registered above, by its type.
     app.add_exception_handler(Exception, on_api_error)

@@ -17,7 +17,8 @@ from sgl_jax_lora.entrypoints.errors import (
     validation_error,
 )
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
-from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError
+from sgl_jax_lora.managers.request_normalizer import PromptRefused
+from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,7 @@ from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestErro
     [
         (APIError(413, "too big", "request_too_large"), 413, "request_too_large"),
         (EngineDeadError("gone"), 503, "engine_dead"),
+        (ServerBusyError("the server is busy"), 503, "server_busy"),
         (RequestError("prompt too long"), 400, "invalid_request"),
         (LoRAAdapterError("rank 128 > 64"), 400, "invalid_request"),
         (KeyError("slot"), 500, "internal_error"),
@@ -99,3 +101,30 @@ def test_handlers_answer_every_failure_with_the_body_and_count_it():
     assert all(set(r.json()["error"]) == {"message", "type", "code"} for r in answers)
     assert "a bug" in answers[1].json()["error"]["message"]
     assert seen == [400, 500, 400, 404, 400]
+
+
+CLIENT_CAUSED = [
+    APIError(413, "too big", "request_too_large"),
+    RequestError("prompt too long"),
+    PromptRefused(RequestError("top_k must be >= 0"), "prompt 1: ", "request"),
+    LoRAAdapterError("rank 128 > 64"),
+    EngineDeadError("gone"),
+    ServerBusyError("the server is busy"),
+]
+
+
+@pytest.mark.parametrize("exc", CLIENT_CAUSED, ids=lambda exc: type(exc).__name__)
+def test_errors_a_client_can_cause_are_answered_not_raised_as_bugs(exc):
+    """Each is handled by its own type: the generic handler's errors are re-raised to the server after the answer
+    (which then drops the connection), as TestClient's default raise_server_exceptions would show here."""
+    app = FastAPI()
+    install_error_handlers(app, on_error=lambda request, error: None)
+
+    @app.get("/fail")
+    def fail() -> dict:
+        raise exc
+
+    response = TestClient(app).get("/fail")
+    assert response.status_code == to_api_error(exc).status_code
+    if isinstance(exc, ServerBusyError):
+        assert response.headers["retry-after"] == "1"
