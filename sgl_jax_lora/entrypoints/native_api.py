@@ -120,6 +120,8 @@ async def get_server_info(request: Request) -> JSONResponse:
             "served_model_name": state.served_model_name,
             "model_path": state.model_path,
             "engine_pid": tm.process.pid,
+            "num_requests_held": tm.num_requests_held,
+            "max_requests_held": tm.max_requests_held,
             "frontend_rss_bytes": rss_bytes(os.getpid()),
             "engine_rss_bytes": rss_bytes(tm.process.pid),
             "frontend_gc": collector_stats(),

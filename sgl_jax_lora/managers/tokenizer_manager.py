@@ -312,17 +312,25 @@ class TokenizerManager:
             if request.lora_id is not None:
                 self.lora_registry.release(request.lora_id)
 
+    @property
+    def num_requests_held(self) -> int:
+        """Requests sent to the engine and not yet finished (what --max-queued-requests bounds)."""
+        return self.client.num_streams
+
+    @property
+    def max_requests_held(self) -> int | None:
+        """--max-running-requests + --max-queued-requests, or None without a queue limit."""
+        queued = self.args.max_queued_requests
+        return None if queued is None else self.args.max_running_requests + queued
+
     def _check_capacity(self) -> None:
         """--max-queued-requests: the server holds at most that many requests beyond --max-running-requests."""
-        queued = self.args.max_queued_requests
-        if queued is None:
-            return
-        limit = self.args.max_running_requests + queued
-        if self.client.num_streams >= limit:
+        limit = self.max_requests_held
+        if limit is not None and self.num_requests_held >= limit:
             raise ServerBusyError(
                 f"the server is busy: it holds {limit} requests, its limit (--max-running-requests "
-                f"{self.args.max_running_requests} running + --max-queued-requests {queued} waiting); retry when "
-                "some have finished, or ask the operator to raise --max-queued-requests"
+                f"{self.args.max_running_requests} running + --max-queued-requests {self.args.max_queued_requests} "
+                "waiting); retry when some have finished, or ask the operator to raise --max-queued-requests"
             )
 
     def _result(self, request: GenerateRequest, output: RequestOutput, item: EngineOutput) -> dict:

@@ -475,6 +475,8 @@ def test_a_request_past_the_queue_limit_gets_503_and_the_held_ones_keep_running(
         assert error["code"] == "server_busy" and error["type"] == "service_unavailable"
         assert "--max-running-requests 32 running + --max-queued-requests 32 waiting" in error["message"]
         assert http.post("/generate", json=single).status_code == 503  # the refusal kept its connection open
+        info = server_info(http)
+        assert (info["num_requests_held"], info["max_requests_held"]) == (64, 64)
         # the held requests still run: their stream goes on past the refusal
         later = sse_events(line for line, _ in zip(events, range(400)))
         assert max(e["meta_info"]["completion_tokens"] for e in later) > first[0]["meta_info"]["completion_tokens"]
