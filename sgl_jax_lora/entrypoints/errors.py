@@ -1,7 +1,7 @@
 """HTTP errors: one OpenAI-style body for every failure, `{"error": {"message", "type", "code"}}`.
 
 Flow: a handler raises (APIError here, RequestError from the TokenizerManager or the request front door,
-PromptRefused naming the refused prompt of a batch with its cause, LoRAAdapterError from the adapter code, pydantic's RequestValidationError for malformed JSON or wrong types) -> the handlers
+PromptRefused naming the refused prompt of a batch with its cause, LoRAAdapterError from the adapter code, pydantic's RequestValidationError for malformed JSON, wrong types or unknown fields, the OpenAI features this server does not serve named as such: UNSUPPORTED_FEATURES) -> the handlers
 installed by `install_error_handlers` turn it into a JSON response with the status below. Nothing a
 client sends can take the server down: the exception ends one request, the server keeps serving.
 
@@ -85,6 +85,32 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError(400, message, code)
 
 
+# OpenAI and SGLang fields a client may send that this server does not implement: the feature each belongs to
+UNSUPPORTED_FEATURES = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "parallel_tool_calls": "tool calling",
+    "tool_calls": "tool calling",
+    "tool_call_id": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "response_format": "structured output (response_format)",
+    "json_schema": "structured output",
+    "regex": "structured output",
+    "ebnf": "structured output",
+    "best_of": "best_of (the best of several samples)",
+    "suffix": "insertion (suffix)",
+    "image_url": "images",
+    "image_data": "images",
+    "audio": "audio",
+    "modalities": "audio",
+    "prediction": "predicted outputs",
+    "reasoning_effort": "reasoning models' settings",
+    "service_tier": "service tiers",
+    "store": "stored completions",
+}
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str]:
     problems = []
     for error in errors:
@@ -94,12 +120,23 @@ def _validation_message(errors: list[dict]) -> tuple[str, str]:
         location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         if error.get("type") in ("model_type", "model_attributes_type") and not location:
             return "the request body must be a JSON object", "invalid_json"
-        problems.append(f"{location or 'body'}: {error.get('msg')}" + _input_suffix(error))
+        problems.append(f"{location or 'body'}: {_problem(error)}")
     return "invalid request: " + "; ".join(problems), "invalid_request"
 
 
+def _problem(error: dict) -> str:
+    """What is wrong with one field, and for a field this server does not know, what to do about it."""
+    if error.get("type") != "extra_forbidden":
+        return f"{error.get('msg')}{_input_suffix(error)}"
+    name = str(error.get("loc", ("",))[-1])
+    feature = UNSUPPORTED_FEATURES.get(name)
+    if feature:
+        return f"this server does not support {feature}; remove the field"
+    return "not a field of this request; remove it (docs/http_api.md lists each endpoint's fields)"
+
+
 def _input_suffix(error: dict) -> str:
-    if error.get("type") in ("missing", "extra_forbidden"):
+    if error.get("type") == "missing":
         return ""
     value = repr(error.get("input"))
     return f" (got {value[:80]})"

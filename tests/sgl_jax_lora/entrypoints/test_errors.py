@@ -7,15 +7,17 @@ from __future__ import annotations
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from sgl_jax_lora.entrypoints.errors import (
+    UNSUPPORTED_FEATURES,
     APIError,
     error_body,
     install_error_handlers,
     to_api_error,
     validation_error,
 )
+from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.request_normalizer import PromptRefused
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
@@ -69,6 +71,36 @@ def test_validation_messages_name_the_field_and_cut_the_value():
         [{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON", "ctx": {"error": "Expecting value"}}]
     )
     assert (bad_json.message, bad_json.code) == ("malformed JSON body: Expecting value", "invalid_json")
+
+
+def _refusal(request_type: type[BaseModel], **body) -> str:
+    with pytest.raises(ValidationError) as caught:
+        request_type.model_validate(body)
+    return validation_error(caught.value.errors()).message
+
+
+def test_unknown_fields_name_the_fix_and_the_features_not_served():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert _refusal(ChatCompletionRequest, **chat, tools=tools) == (
+        "invalid request: tools: this server does not support tool calling; remove the field"
+    )
+    message = _refusal(ChatCompletionRequest, **chat, response_format={"type": "json_object"}, best_of=2)
+    assert message == (
+        "invalid request: response_format: this server does not support structured output (response_format); "
+        "remove the field; best_of: this server does not support best_of (the best of several samples); remove the "
+        "field"
+    )
+    nested = {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
+    assert _refusal(ChatCompletionRequest, **nested).endswith(
+        "tool_calls: this server does not support tool calling; remove the field"
+    )
+    assert _refusal(CompletionRequest, model="m", prompt="Hi", temprature=0.5) == (
+        "invalid request: temprature: not a field of this request; remove it (docs/http_api.md lists each "
+        "endpoint's fields)"
+    )
+    accepted = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    assert not accepted & set(UNSUPPORTED_FEATURES)  # a field served is never called unsupported
 
 
 class Body(BaseModel):
