@@ -7,7 +7,7 @@ client sends can take the server down: the exception ends one request, the serve
 
     400 invalid_request_error   bad input, unknown model or adapter, prompt too long, too many tokens
     401 authentication_error    missing or wrong `Authorization: Bearer KEY` (with --api-key)
-    404 not_found_error         no such route
+    404 not_found_error         no such route (the message lists the routes; a wrong method: 405, naming the right one)
     503 service_unavailable     the engine is still starting, or its process has exited, or the server holds all the
                                 requests --max-queued-requests allows (code server_busy, with Retry-After)
     500 internal_error          a bug; the message says what failed
@@ -142,6 +142,23 @@ def _input_suffix(error: dict) -> str:
     return f" (got {value[:80]})"
 
 
+def routing_message(request: Request, status_code: int) -> str | None:
+    """The message of a request no route takes: a 404 lists the routes this server has, a 405 the methods the path
+    takes (both from the app's OpenAPI schema, built once); None for other statuses, or if the schema fails."""
+    if status_code not in (404, 405):
+        return None
+    try:
+        routes = request.app.openapi()["paths"]
+    except Exception:  # noqa: BLE001 - the plain detail is still an answer
+        logger.exception("could not list the routes for a %d answer", status_code)
+        return None
+    path = request.url.path[:200]
+    if status_code == 404:
+        return f"no route {request.method} {path}; the routes of this server: {', '.join(sorted(routes))}"
+    methods = sorted(method.upper() for method in routes.get(request.url.path, {}))
+    return f"{request.method} is not allowed on {path}; use {' or '.join(methods)}"
+
+
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None]) -> None:
     """Answer every exception with an OpenAI-style body; `on_error(request, error)` counts it."""
 
@@ -156,9 +173,8 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
         return respond(request, validation_error(list(exc.errors())))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return respond(
-            request, APIError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None)
-        )
+        message = routing_message(request, exc.status_code) or str(exc.detail)
+        return respond(request, APIError(exc.status_code, message, "not_found" if exc.status_code == 404 else None))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

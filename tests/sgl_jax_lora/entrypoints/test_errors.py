@@ -135,6 +135,29 @@ def test_handlers_answer_every_failure_with_the_body_and_count_it():
     assert seen == [400, 500, 400, 404, 400]
 
 
+def test_a_request_no_route_takes_is_told_the_routes_or_the_method():
+    app = FastAPI()
+    install_error_handlers(app, on_error=lambda request, error: None)
+
+    @app.post("/n")
+    def take(body: Body) -> dict:
+        return {"n": body.n}
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    client = TestClient(app, raise_server_exceptions=False)
+    missing = client.post("/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.json()["error"]["message"] == "no route POST /v1/embeddings; the routes of this server: /health, /n"
+    wrong_method = client.get("/n")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["message"] == "GET is not allowed on /n; use POST"
+    long_path = client.get("/" + "x" * 5000).json()["error"]["message"]
+    assert len(long_path) < 300  # the path a client sent is cut short
+
+
 CLIENT_CAUSED = [
     APIError(413, "too big", "request_too_large"),
     RequestError("prompt too long"),

@@ -699,7 +699,7 @@ BAD_REQUESTS = [
         "role",
     ),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ("unknown-route", "/v2/nothing", {}, 404, "Not Found"),
+    ("unknown-route", "/v2/nothing", {}, 404, "no route POST /v2/nothing; the routes of this server: /generate, "),
     # numbers: finite, and within the types they travel as (no 500 from msgpack, no engine step failing)
     (
         "temperature-nan",
