@@ -142,6 +142,9 @@ def _input_suffix(error: dict) -> str:
     return f" (got {value[:80]})"
 
 
+ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 def routing_message(request: Request, status_code: int) -> str | None:
     """The message of a request no route takes: a 404 lists the routes this server has, a 405 the methods the path
     takes (both from the app's OpenAPI schema, built once); None for other statuses, or if the schema fails."""
@@ -174,7 +177,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = routing_message(request, exc.status_code) or str(exc.detail)
-        return respond(request, APIError(exc.status_code, message, "not_found" if exc.status_code == 404 else None))
+        return respond(request, APIError(exc.status_code, message, ROUTING_CODES.get(exc.status_code)))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

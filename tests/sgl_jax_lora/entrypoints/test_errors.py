@@ -152,7 +152,7 @@ def test_a_request_no_route_takes_is_told_the_routes_or_the_method():
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert missing.json()["error"]["message"] == "no route POST /v1/embeddings; the routes of this server: /health, /n"
     wrong_method = client.get("/n")
-    assert wrong_method.status_code == 405
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert wrong_method.json()["error"]["message"] == "GET is not allowed on /n; use POST"
     long_path = client.get("/" + "x" * 5000).json()["error"]["message"]
     assert len(long_path) < 300  # the path a client sent is cut short
