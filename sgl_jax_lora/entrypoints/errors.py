@@ -1,9 +1,11 @@
 """HTTP errors: one OpenAI-style body for every failure, `{"error": {"message", "type", "code"}}`.
 
 Flow: a handler raises (APIError here, RequestError from the TokenizerManager or the request front door,
-PromptRefused naming the refused prompt of a batch with its cause, LoRAAdapterError from the adapter code, pydantic's RequestValidationError for malformed JSON, wrong types or unknown fields, the OpenAI features this server does not serve named as such: UNSUPPORTED_FEATURES) -> the handlers
-installed by `install_error_handlers` turn it into a JSON response with the status below. Nothing a
-client sends can take the server down: the exception ends one request, the server keeps serving.
+PromptRefused naming the refused prompt of a batch with its cause, LoRAAdapterError from the adapter code, pydantic's
+RequestValidationError for malformed JSON, wrong types or unknown fields, the OpenAI features this server does not
+serve named as such in UNSUPPORTED_FEATURES) -> the handlers installed by `install_error_handlers` turn it into a
+JSON response with the status below. Nothing a client sends can take the server down: the exception ends one
+request, the server keeps serving.
 
     400 invalid_request_error   bad input, unknown model or adapter, prompt too long, too many tokens
     401 authentication_error    missing or wrong `Authorization: Bearer KEY` (with --api-key)
