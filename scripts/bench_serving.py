@@ -11,6 +11,9 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
 Every run (warm-up, scenario, round) draws prompt tokens of its own, so the server's prefix cache never serves a
 measured request and the protocol measures compute; lengths and adapters are the same in every run.
+`--shared-prefix-len N` puts one N-token prefix (a system prompt) before every prompt of every run, warm-up
+included, so the prefix cache can serve it: what the cache saves shows against the same flags with the server's
+`--disable-prefix-cache`.
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
 (every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed
 over the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA
@@ -166,10 +169,12 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         else np.zeros(opts.num_requests)
     )
     records = [dict() for _ in range(opts.num_requests)]
+    # one prefix for the whole invocation (the warm-up runs under another seed, and must cache this one)
+    shared_prefix = rng_prompt([opts.prefix_seed, 0], opts.shared_prefix_len) if opts.shared_prefix_len else []
     bar = tqdm(total=opts.num_requests, desc="requests")
 
     async def one(i: int) -> None:
-        ids = rng_prompt([opts.seed, opts.prompt_round, i], int(inputs[i]))
+        ids = shared_prefix + rng_prompt([opts.seed, opts.prompt_round, i], int(inputs[i]))
         adapter = target.adapter_names[adapter_ids[i]] if adapter_ids[i] is not None else None
         records[i]["start"] = time.perf_counter()
         sampling = {"max_new_tokens": int(outputs[i]), "temperature": opts.temperature, "ignore_eos": True}
@@ -202,7 +207,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         "duration_s": duration,
         "output_tok_per_s": total_out / duration,
         "req_per_s": opts.num_requests / duration,
-        "total_input_tokens": int(inputs.sum()),
+        "shared_prefix_len": opts.shared_prefix_len,
+        "total_input_tokens": int(inputs.sum()) + opts.num_requests * opts.shared_prefix_len,
         "total_output_tokens": total_out,
         "ttft_s": summarize(ttft),
         "tpot_s": summarize(tpot),
@@ -320,6 +326,12 @@ def main() -> None:
     parser.add_argument("--popularity", default="distinct", choices=POPULARITIES)
     parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
     parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one prefix before every prompt (warm-up and every run alike), which the prefix cache may serve",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="every request's temperature (0 = greedy, the default)"
@@ -340,6 +352,7 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
+    opts.prefix_seed = opts.seed
     if opts.repeats < 1:
         parser.error(f"--repeats {opts.repeats}: must be at least 1")
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)

@@ -171,6 +171,16 @@ def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
     assert [s["num_adapters"] for s in lora["scenarios"]] == [2, 1]
 
 
+def test_a_shared_prefix_is_served_from_the_prefix_cache(server, adapter_root, tmp_path):
+    """--shared-prefix-len 8: two pages of 4 tokens before every prompt, the warm-up's too, so every measured request
+    finds them cached; the prompts count them."""
+    result = run_bench(server, adapter_root, tmp_path / "p.json", "--shared-prefix-len", "8", "--warmup-requests", "2")
+    scenario = result["scenarios"][0]
+    assert scenario["shared_prefix_len"] == 8
+    assert scenario["total_input_tokens"] == NUM_REQUESTS * (8 + INPUT_LEN)
+    assert scenario["engine"]["prefix_cache_hit_tokens"] >= NUM_REQUESTS * 8
+
+
 def test_too_many_adapters_is_a_clear_error(server, adapter_root, tmp_path):
     done = subprocess.run(
         [
