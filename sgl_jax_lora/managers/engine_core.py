@@ -10,12 +10,13 @@ Flow of one step (`step()`), overlap schedule (the default):
                                                           # of the previous step are read on the device
     outputs = _finish(prev, _fetch(prev))                 # its tokens reach the host: token-level stop checks
                                                           # (stop strings are the frontend's), free pages
-    _advance(launched)                                    # the new step's tokens are in flight (in_flight.py)
+    _advance(launched)                                    # the new step's tokens are in flight (in_flight.py), its
+                                                          # chunks' full pages in the prefix cache
 so the host's work for step N+1 overlaps the device's work for step N. With --disable-overlap-schedule a step
-finishes itself before `step()` returns. Penalties keep the overlap: a request's token still in flight is counted
-on the device (sampling/logit_adjustments.py). The tokens in flight live in `tokens_in_flight` (InFlightTokens:
-request -> step and row), never as placeholders in a request's output_ids.
-Requests arrive as GenerateRequest and leave as incremental EngineOutput messages (managers/io_struct.py).
+finishes itself before `step()` returns. Penalties keep the overlap: a request's token still in flight is counted on
+the device (sampling/logit_adjustments.py). The tokens in flight live in `tokens_in_flight` (InFlightTokens: request
+-> step and row), never as placeholders in a request's output_ids. Requests arrive as GenerateRequest and leave as
+incremental EngineOutput messages (managers/io_struct.py).
 """
 
 from __future__ import annotations
@@ -76,11 +77,8 @@ class EngineCore:
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
         self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
         # a request's logit-adjustment entries: distinct prompt and output ids, logit_bias ids, banned ids
-        max_logit_entries = (
-            min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS)
-            + MAX_STOP_TOKEN_IDS
-            + len(self.stop_checker.eos_token_ids)
-        )
+        max_logit_entries = min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS) + MAX_STOP_TOKEN_IDS
+        max_logit_entries += len(self.stop_checker.eos_token_ids)
         step_token_budget = args.step_token_budget(self.context_length)  # the scheduler keeps it (chunk_budget)
         self.buckets = Buckets.build(
             args.max_running_requests,
@@ -129,11 +127,9 @@ class EngineCore:
                 f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
                 "lower max_new_tokens or restart with a larger --max-total-tokens"
             )
-        seed = (
-            request.sampling.seed
-            if request.sampling.seed is not None
-            else self.args.random_seed * 1_000_003 + self.num_requests_served
-        )
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self.args.random_seed * 1_000_003 + self.num_requests_served
         self.num_requests_served += 1
         self.scheduler.add(
             Req(
@@ -239,12 +235,15 @@ class EngineCore:
         return pack_logit_rows(rows, num_seqs, self.buckets.logit_entry_sizes(num_seqs))
 
     def _advance(self, step: LaunchedStep) -> None:
-        """Move the step's requests past its tokens before they reach the host: each sampled token is in flight."""
-        add = self.tokens_in_flight.add
+        """Move the step's requests past its tokens before they reach the host: each sampled token is in flight; a
+        prefill chunk's full pages join the prefix cache now (requests admitted from the next step on share them)."""
+        add, cache = self.tokens_in_flight.add, self.prefix_cache
         for i, (req, n) in enumerate(zip(step.batch.reqs, step.batch.num_new_tokens)):
             if req.finish_reason is not None:  # stopped by the previous step's token, or aborted: token dropped
                 continue
             req.num_computed += n
+            if cache is not None and i >= step.batch.num_decode_rows:
+                cache.insert(req.lora_slot_key, req.all_ids, req.num_computed, req.pages)
             if req.num_computed == req.seq_len:  # a decode row, or a chunk that ends its prefill
                 add(req, step.number, i)
 

@@ -23,9 +23,9 @@ then the soonest to finish; never a pinned one) and goes on admitting the others
 that slot runs dry for the starved request. A starved request short of KV pages blocks admission of others until
 it gets in. So nothing waits forever.
 
-Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request that enters holding no pages
-first takes the cached pages of its longest cached prefix under its adapter and prefills only the rest; released
-requests leave their full pages in the cache, and cached pages no request holds are evicted when pages run short.
+Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
+cached pages of its longest cached prefix under its adapter and prefills only the rest; prefill chunks share their
+full pages once launched (EngineCore), released requests leave theirs, and unheld cached pages go when pages run short.
 
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
 requests are already advanced, their sampled tokens in flight (managers/in_flight.py). A request may then turn out finished (a stop

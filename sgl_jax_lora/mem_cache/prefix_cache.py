@@ -1,8 +1,9 @@
 """PrefixCache: the KV pages of released requests, kept for later requests that start with the same tokens.
 
 Flow: the Scheduler admits a request -> `match` hands it the cached pages of its longest cached prefix, in whole
-pages, and its prefill starts after them -> when the request gives its pages back (finish, abort, preemption)
-`release` keeps its full pages for reuse (or drops its hold on the cached ones it was given) and frees the rest ->
+pages, and its prefill starts after them -> once a step computing a prefill chunk is launched, EngineCore `insert`s
+the request's full pages, which it keeps holding -> when the request gives its pages back (finish, abort,
+preemption) `release` keeps its full pages for reuse (or drops its hold on the cached ones) and frees the rest ->
 cached pages that no request holds are evicted, least recently used first, when the allocator runs short (`evict`).
 
 Keys: a page's key is a SHA-256 chain over the adapter (`LoRARef.lora_id`, a new UUID at every load, None for the
@@ -60,6 +61,17 @@ class PrefixCache:
             self._holders[page] += 1
             self._evictable.pop(page, None)
         return pages
+
+    def insert(self, adapter: str | None, tokens: list[int], num_computed: int, pages: list[int]) -> None:
+        """A running request's full pages join the cache while it holds them (tokens[:num_computed] have their K/V
+        written, or being written by a step already launched, which every later step follows on the device), so
+        requests admitted after it skip that prefix too: a burst of requests sharing a system prompt computes it
+        once, not once per request until the first of them ends. A page whose prefix is cached already (computed
+        beside it) stays the request's own. The request's `release` then gives its hold back."""
+        keys = self.page_keys(adapter, tokens, min(num_computed // self.page_size, len(pages)))
+        for page, key in zip(pages, keys):
+            if page not in self._key_of and key not in self._page_of:
+                self._page_of[key], self._key_of[page], self._holders[page] = page, key, 1
 
     def release(self, adapter: str | None, tokens: list[int], num_computed: int, pages: list[int]) -> None:
         """A request gives back its pages (pages[i] holds tokens i*P .. (i+1)*P - 1; tokens[:num_computed] have

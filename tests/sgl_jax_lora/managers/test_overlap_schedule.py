@@ -318,3 +318,32 @@ def test_penalty_requests_arriving_mid_run_compile_nothing_after_warmup(tmp_path
     assert len(run.finish) == 7
     assert len({a.rows.shape[0] for a in adjustments if a is not None}) > 1
     assert core.compile_counter.count == core.num_compilations_after_warmup_start
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(model_dir):
+    """Four requests sharing a 16-token prefix (a system prompt) arrive together and are admitted one a step
+    (max_prefill_seqs 1): the first one's full pages join the prefix cache once the step computing them is launched,
+    so the three after it skip the prefix while the first still runs (before, its pages were cached only when it
+    ended). Each request gets the tokens and logprobs of an engine without the cache, with the overlap schedule and
+    without it."""
+    prefix = np.random.default_rng(70).integers(2, 491, 16).tolist()
+
+    def burst() -> list[GenerateRequest]:
+        return [
+            GenerateRequest(
+                rid=f"r{i}",
+                input_ids=prefix + np.random.default_rng(71 + i).integers(2, 491, 3 + i).tolist(),
+                sampling=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+                return_logprob=True,
+            )
+            for i in range(4)
+        ]
+
+    plain = serve(model_dir, True, burst(), max_prefill_seqs=1, disable_prefix_cache=True)
+    for overlap in (True, False):
+        core = make_core(model_dir, overlap, max_prefill_seqs=1)
+        for req in burst():
+            core.add_request(req)
+        run = Run(core).until_idle()
+        assert core.scheduler.num_cached_tokens == 3 * 16  # the whole prefix, for each request after the first
+        assert_same(run, plain)

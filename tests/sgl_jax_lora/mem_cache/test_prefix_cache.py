@@ -1,5 +1,6 @@
-"""PrefixCache on the host alone: whole-page matches keyed by adapter and prefix, holders, LRU eviction; and the
-Scheduler's use of it (a request starts after its cached prefix, cached pages make room when pages run short)."""
+"""PrefixCache on the host alone: whole-page matches keyed by adapter and prefix, holders, LRU eviction, a running
+request's pages shared before it ends; and the Scheduler's use of it (a request starts after its cached prefix,
+cached pages make room when pages run short)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,35 @@ def test_a_prefix_cached_twice_keeps_one_copy():
     cache.release(None, TOKENS, num_computed=8, pages=second)  # computed beside the first, not from it
     assert cache.num_cached == 2 and allocator.num_free == 15 - 2
     assert cache.match(None, TOKENS, max_tokens=10) == first
+
+
+def test_a_running_request_shares_its_full_pages_while_it_holds_them():
+    allocator = PageAllocator(16, 4)
+    cache = PrefixCache(allocator)
+    pages = allocator.allocate(3)
+    cache.insert(None, TOKENS, num_computed=11, pages=pages)  # its prefill launched: two whole pages and 3 tokens
+    assert cache.num_cached == 2 and cache.num_evictable == 0  # held by the request: never evicted under it
+    assert cache.evict(5) == 0
+    later = cache.match(None, TOKENS, max_tokens=10)
+    assert later == pages[:2]
+    cache.insert(None, TOKENS, num_computed=11, pages=pages)  # again (its next chunk): nothing changes
+    assert cache.num_cached == 2
+    cache.release(None, TOKENS, num_computed=11, pages=pages)  # it ends: its hold goes, the later request's stays
+    assert cache.num_evictable == 0 and allocator.num_free == 15 - 2  # the partial third page freed
+    cache.release(None, TOKENS, num_computed=11, pages=later)
+    assert cache.num_evictable == 2 and cache.evict(2) == 2 and allocator.num_free == 15
+
+
+def test_a_page_whose_prefix_is_cached_stays_the_requests_own():
+    allocator = PageAllocator(16, 4)
+    cache = PrefixCache(allocator)
+    first, beside = allocator.allocate(2), allocator.allocate(3)  # the same prefix computed twice, side by side
+    cache.insert(None, TOKENS, num_computed=8, pages=first)
+    cache.insert(None, TOKENS + [7, 7, 7, 7], num_computed=12, pages=beside)
+    assert cache.num_cached == 3  # first's two pages, and beside's third (its first two duplicate first's)
+    assert cache.match(None, TOKENS + [7, 7, 7, 7, 0], max_tokens=12) == [*first, beside[2]]
+    cache.release(None, TOKENS + [7, 7, 7, 7], num_computed=12, pages=beside)
+    assert allocator.num_free == 15 - 2 - 3 + 2  # its duplicates freed, its cached third page kept
 
 
 def make_scheduler(num_pages: int) -> Scheduler:
