@@ -1,4 +1,5 @@
-"""PrefixCache: the KV pages of released requests, kept for later requests that start with the same tokens.
+"""PrefixCache: the KV pages of earlier requests' tokens (running or released), for later requests that start with
+the same tokens.
 
 Flow: the Scheduler admits a request -> `match` hands it the cached pages of its longest cached prefix, in whole
 pages, and its prefill starts after them -> once a step computing a prefill chunk is launched, EngineCore `insert`s
