@@ -182,7 +182,7 @@ class LoRAManager:
                 f"restart with --lora-target-modules including them"
             )
 
-    # ---- per step (AdapterSlots protocol of the scheduler) ------------------------------------
+    # ---- per step (the scheduler's AdapterSlots, managers/adapter_slots.py) ---------------------
     def plan_step(self, running: set[str | None] = frozenset()) -> AdapterPlan:
         """A new step's adapter plan. running: adapters of the requests already running; their slots are not
         evicted by this step (nor by a pin before the next one)."""

@@ -9,7 +9,7 @@ tokens arrive; a decode row out of pages preempts the newest running request (pa
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
 
-LoRA: an `AdapterSlots` object (managers/lora_manager.py) decides whether a request's adapter can join the
+LoRA: an `AdapterSlots` object (managers/adapter_slots.py, LoRAManager) decides whether a request's adapter can join the
 step (reserving its slot in the plan); when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
 whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
 outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
@@ -26,6 +26,9 @@ it gets in. So nothing waits forever.
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
 cached pages of its longest cached prefix under its adapter and prefills only the rest; prefill chunks share their
 full pages once launched (EngineCore), released requests leave theirs, and unheld cached pages go when pages run short.
+A waiting request whose first page another admission computes in the same step waits for the next step, where it
+finds that page cached: n samples of one prompt, or a burst sharing a system prompt, prefill it once (SGLang's
+in-batch prefix caching).
 
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
 requests are already advanced, their sampled tokens in flight (managers/in_flight.py). A request may then turn out finished (a stop
@@ -36,45 +39,13 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, deque
-from typing import Protocol
 
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
-from sgl_jax_lora.lora.adapter_plan import AdapterPlan
+from sgl_jax_lora.managers.adapter_slots import AdapterSlots
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
-
-
-class AdapterSlots(Protocol):
-    """What the scheduler needs from the LoRA manager."""
-
-    def plan_step(self, running: set[str | None]) -> AdapterPlan:
-        """The adapter plan of a new step; `running` holds the adapter keys of running requests (their slots stay
-        put)."""
-        ...
-
-    def reserve(
-        self, plan: AdapterPlan, adapter_key: str | None, keep: frozenset[str | None] = frozenset()
-    ) -> int | None:
-        """Device slot for this adapter in the planned step, or None if it cannot join it; adapters in `keep` are
-        not evicted for it. A slot the adapter is not in yet is reserved in host bookkeeping and its write added
-        to `plan.slot_writes`; nothing is written to the device. Raises ValueError (naming the adapter and the
-        fix) if the adapter cannot be served at all."""
-        ...
-
-    def can_evict(self, adapter_key: str) -> bool:
-        """Whether this adapter's slot can ever go to another adapter (False for pinned adapters)."""
-        ...
-
-    @property
-    def max_per_batch(self) -> int:
-        """How many adapters the device holds at once (slots besides the base's)."""
-        ...
-
-    def is_resident(self, adapter_key: str) -> bool:
-        """Whether this adapter is on the device now (taking it needs no load)."""
-        ...
 
 
 class Scheduler:
@@ -100,9 +71,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.num_preemptions = 0
         self.rejected: list[tuple[Req, str]] = []  # requests whose adapter cannot be served, with the reason
-        self.draining: set[str] = (
-            set()
-        )  # adapters admission does not feed, so their slots free up for a starved request
+        # adapters admission does not feed, so their slots free up for a starved request
+        self.draining: set[str] = set()
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -214,6 +184,7 @@ class Scheduler:
         wanted = frozenset(num_wanting)
         self._end_finished_drains()
         order, planned = self._admission_order()
+        computing: set[bytes] = set()  # first pages this step's admissions compute: requests sharing one wait a step
         for req in order:
             if num_chunks == self.max_prefill_seqs or budget <= 0 or blocked:
                 break
@@ -222,6 +193,8 @@ class Scheduler:
             if req.lora_slot_key in self.draining:
                 continue
             starved = self._starved(req)
+            if computing and not starved and self._first_page(req) in computing:
+                continue  # its prefix is computed in this step: the next one finds it cached (no second prefill)
             if starved:
                 keep = frozenset()
             elif req.lora_slot_key in planned:  # its slot was planned: it may evict an unplanned idle adapter
@@ -239,6 +212,8 @@ class Scheduler:
                 continue
             budget -= taken
             num_chunks += 1
+            if req.num_computed == 0 and (first := self._first_page(req)) is not None:
+                computing.add(first)
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
@@ -246,6 +221,16 @@ class Scheduler:
             admitted_times = sorted(r.arrival_time for r in admitted)
             for req in self.waiting:
                 req.times_overtaken += len(admitted_times) - bisect.bisect_right(admitted_times, req.arrival_time)
+
+    def _first_page(self, req: Req) -> bytes | None:
+        """The prefix-cache key of req's first page, where a later request could take that page from the cache: None
+        without the cache, for a request that wants prompt logprobs (it takes no cached pages) or one shorter than a
+        page and a token (a request prefills one token at least)."""
+        if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
+            return None
+        if len(req.all_ids) <= self.allocator.page_size:
+            return None
+        return self.prefix_cache.page_keys(req.lora_slot_key, req.all_ids, 1)[0]
 
     def _starved(self, req: Req) -> bool:
         """Overtaken by more than a full batch of requests that arrived after it: it goes first."""

@@ -347,3 +347,26 @@ def test_a_burst_sharing_a_prefix_computes_it_once(model_dir):
         run = Run(core).until_idle()
         assert core.scheduler.num_cached_tokens == 3 * 16  # the whole prefix, for each request after the first
         assert_same(run, plain)
+
+
+def test_samples_of_one_prompt_prefill_it_once(model_dir):
+    """n = 4 samples of one 21-token prompt are four requests arriving together, all of which fit one step's
+    admissions (max_prefill_seqs 4): the first prefills the prompt, the other three wait a step and take its five
+    full pages from the cache; every sample gets the tokens and logprobs it gets from an engine without the cache."""
+    prompt = np.random.default_rng(80).integers(2, 491, 21).tolist()
+    samples = [
+        GenerateRequest(
+            rid=f"s{j}",
+            input_ids=list(prompt),
+            sampling=SamplingParams(max_new_tokens=5, temperature=0.8, seed=90 + j, ignore_eos=True),
+            return_logprob=True,
+        )
+        for j in range(4)
+    ]
+    plain = serve(model_dir, True, samples, disable_prefix_cache=True)
+    core = make_core(model_dir, True)
+    for req in samples:
+        core.add_request(req)
+    run = Run(core).until_idle()
+    assert core.scheduler.num_cached_tokens == 3 * 20  # five pages of 4: one token is always prefilled
+    assert_same(run, plain)

@@ -1,6 +1,6 @@
 """PrefixCache on the host alone: whole-page matches keyed by adapter and prefix, holders, LRU eviction, a running
-request's pages shared before it ends; and the Scheduler's use of it (a request starts after its cached prefix,
-cached pages make room when pages run short)."""
+request's pages shared before it ends; and the Scheduler's use of it (a request starts after its cached prefix, one
+whose first page another admission computes waits a step for it, cached pages make room when pages run short)."""
 
 from __future__ import annotations
 
@@ -133,6 +133,28 @@ def test_scheduler_starts_a_request_after_its_cached_prefix():
     assert batch.reqs[: batch.num_decode_rows] == [again]  # it decodes in the same step
     assert [r.cached_tokens for r in batch.reqs[batch.num_decode_rows :]] == [0, 0, 4]
     assert batch.num_new_tokens[batch.num_decode_rows :] == [11, 11, 4]
+
+
+def test_a_request_whose_first_page_is_computed_in_the_same_step_waits_for_it():
+    sched = make_scheduler(num_pages=32)
+    first, same, shares_a_page, other = (
+        make_req("first", TOKENS),
+        make_req("same", TOKENS),  # the same prompt (n samples)
+        make_req("shares", TOKENS[:4] + [9] * 6),  # the same first page only
+        make_req("other", list(range(300, 311))),
+    )
+    logprobs = make_req("logprobs", TOKENS, return_logprob=True, logprob_start_len=0)  # takes no cached pages
+    for r in (first, same, shares_a_page, other, logprobs):
+        sched.add(r)
+    batch = sched.schedule()
+    assert batch.reqs == [first, other, logprobs]  # the two that could reuse first's first page wait a step
+    for r, n in zip(batch.reqs, batch.num_new_tokens):  # the step launched: its full pages shared (EngineCore)
+        r.num_computed += n
+        sched.prefix_cache.insert(r.lora_slot_key, r.all_ids, r.num_computed, r.pages)
+    batch = sched.schedule()
+    chunks = batch.reqs[batch.num_decode_rows :]
+    assert chunks == [logprobs, same, shares_a_page]  # the first chunk: the rest of logprobs' prompt (32-token steps)
+    assert [r.cached_tokens for r in chunks[1:]] == [8, 4] and batch.num_new_tokens[-2:] == [3, 6]
 
 
 def test_cached_pages_make_room_when_pages_run_short():
