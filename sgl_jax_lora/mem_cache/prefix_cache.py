@@ -78,15 +78,11 @@ class PrefixCache:
         """A request gives back its pages (pages[i] holds tokens i*P .. (i+1)*P - 1; tokens[:num_computed] have
         their K/V written). Its full pages stay cached, unless the same prefix is cached already; the others
         are freed."""
-        num_full = min(num_computed // self.page_size, len(pages))
-        keys = self.page_keys(adapter, tokens, num_full)
+        self.insert(adapter, tokens, num_computed, pages)  # every page it may keep is now cached and held by it
         to_free, kept = [], []
-        for i, page in enumerate(pages):
-            if page in self._key_of:  # a cached page it was given by `match`
+        for page in pages:
+            if page in self._key_of:  # cached: it drops its hold (from `match` or `insert`)
                 self._holders[page] -= 1
-                kept.append(page)
-            elif i < num_full and keys[i] not in self._page_of:
-                self._page_of[keys[i]], self._key_of[page], self._holders[page] = page, keys[i], 0
                 kept.append(page)
             else:
                 to_free.append(page)
