@@ -113,6 +113,7 @@ class EngineTarget:
         async for result in self.manager.generate_request(request):
             record.setdefault("first", time.perf_counter())
             record["tokens"] = len(result["output_ids"])
+        record["output_ids"], record["cached_tokens"] = result["output_ids"], result["meta_info"]["cached_tokens"]
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -148,12 +149,15 @@ class HttpTarget:
             "sampling_params": sampling_params,
         }
         async with self.client.stream("POST", self.url + "/generate", json=body) as response:
-            response.raise_for_status()
+            if response.status_code != 200:  # the server's own message names what it refused
+                raise RuntimeError(f"/generate {response.status_code}: {(await response.aread()).decode()[:2000]}")
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 record.setdefault("first", time.perf_counter())
-                record["tokens"] = len(json.loads(line[5:])["output_ids"])
+                result = json.loads(line[5:])
+                record["tokens"] = len(result["output_ids"])
+        record["output_ids"], record["cached_tokens"] = result["output_ids"], result["meta_info"]["cached_tokens"]
 
     def close(self) -> None:
         self.run(self.client.aclose())
