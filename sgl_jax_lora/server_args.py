@@ -21,7 +21,6 @@ LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 ATTENTION_FLAGS = ("auto", "native", "pallas")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_cache_dtype
 QUANTIZATIONS = ("fp8",)  # layers/fp8.py
-SCHEDULE_POLICIES = ("fcfs", "lpm")  # managers/admission_order.py
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 
 
@@ -101,11 +100,6 @@ class ServerArgs:
     )
     disable_prefix_cache: bool = _f(
         False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)"
-    )
-    schedule_policy: str = _f(
-        "fcfs",
-        "order of admission among waiting requests: 'fcfs' (arrival), 'lpm' (longest prefix in the prefix cache first, arrival among equals; for chat traffic whose conversations outgrow the KV cache). Starved requests and the adapter packing come first either way",
-        choices=SCHEDULE_POLICIES,
     )
     disable_overlap_schedule: bool = _f(
         False,

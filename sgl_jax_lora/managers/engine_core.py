@@ -108,7 +108,6 @@ class EngineCore:
             args.max_prefill_seqs,
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
-            schedule_policy=args.schedule_policy,
         )
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0

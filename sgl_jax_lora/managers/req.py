@@ -42,7 +42,6 @@ class Req:
     finish_reason: dict | None = None
     times_overtaken: int = 0  # requests that arrived after it and were admitted first (bounded; see scheduler)
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
-    prefix_keys: list[bytes] = dataclasses.field(default_factory=list)  # while waiting: its pages' prefix-cache keys
     # logprobs gathered so far, sent incrementally
     input_token_logprobs: list = dataclasses.field(default_factory=list)
     output_token_logprobs: list = dataclasses.field(default_factory=list)

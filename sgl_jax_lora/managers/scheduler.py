@@ -12,21 +12,20 @@ Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the a
 LoRA: an `AdapterSlots` object (managers/adapter_slots.py, LoRAManager) decides whether a request's adapter can join the
 step (reserving its slot in the plan); when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
 whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
-outnumber the free slots, admission packs the batch (managers/admission_order.py): the adapters with the most waiting
+outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
 requests fill the batch, and each slot left over goes to the adapter with the fewest, so rarely used adapters take
 turns on the spare slots all along instead of queueing up at the end of a backlog, where the slot limit, not the
-running-request limit, would cap the batch (docs/lora.md "Scheduling and fairness"). Within that, admission keeps
-arrival order (`--schedule-policy fcfs`) or takes the longest cached prefix first (`lpm`). The bound: a request overtaken by more than a full batch (`max_running`) of requests that arrived
+running-request limit, would cap the batch (docs/lora.md "Scheduling and fairness"). Otherwise admission keeps
+arrival order. The bound: a request overtaken by more than a full batch (`max_running`) of requests that arrived
 after it is starved; it goes first and may evict any adapter that no running request uses. If every slot is held
 by running requests, it drains one: admission stops feeding that adapter (the one the fewest waiting requests want,
 then the soonest to finish; never a pinned one) and goes on admitting the others, so the batch stays full while
 that slot runs dry for the starved request. A starved request short of KV pages blocks admission of others until
 it gets in. So nothing waits forever.
 
-Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request keys its pages once, as it starts
-to wait (`_key_pages`); entering with no pages, it takes the cached pages of its longest cached prefix under its
-adapter and prefills only the rest; prefill chunks share their full pages once launched (EngineCore), released
-requests leave theirs, and unheld cached pages go when pages run short.
+Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
+cached pages of its longest cached prefix under its adapter and prefills only the rest; prefill chunks share their
+full pages once launched (EngineCore), released requests leave theirs, and unheld cached pages go when pages run short.
 A waiting request whose first page another admission computes in the same step waits for the next step, where it
 finds that page cached: n samples of one prompt, or a burst sharing a system prompt, prefill it once (SGLang's
 in-batch prefix caching).
@@ -43,7 +42,6 @@ from collections import Counter, deque
 
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
-from sgl_jax_lora.managers.admission_order import admission_order
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -60,7 +58,6 @@ class Scheduler:
         max_prefill_seqs: int,
         adapter_slots: AdapterSlots | None = None,
         prefix_cache: PrefixCache | None = None,
-        schedule_policy: str = "fcfs",
     ):
         self.buckets = buckets
         self.allocator = allocator
@@ -69,7 +66,6 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
-        self.schedule_policy = schedule_policy  # the order within admission's groups (admission_order.py)
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -82,19 +78,11 @@ class Scheduler:
     def add(self, req: Req) -> None:
         """Queue req by arrival time: one that reached the engine late (its adapter was being registered) goes
         ahead of requests that arrived after it."""
-        self._key_pages(req)
         if not self.waiting or self.waiting[-1].arrival_time <= req.arrival_time:
             self.waiting.append(req)
             return
         later = next(i for i, r in enumerate(self.waiting) if r.arrival_time > req.arrival_time)
         self.waiting.insert(later, req)
-
-    def _key_pages(self, req: Req) -> None:
-        """A request entering the waiting queue (new or preempted) keys its whole pages for the prefix cache once;
-        admission looks them up (and `lpm` orders by them) while it waits."""
-        if self.prefix_cache is not None and req.prompt_logprob_start == len(req.input_ids):
-            num_pages = (len(req.all_ids) - 1) // self.allocator.page_size
-            req.prefix_keys = self.prefix_cache.page_keys(req.lora_slot_key, req.all_ids, num_pages)
 
     def abort(self, rid: str) -> Req | None:
         req = next((r for queue in (self.waiting, self.running) for r in queue if r.rid == rid), None)
@@ -151,7 +139,7 @@ class Scheduler:
         for requests that want prompt logprobs: those need every position's logits."""
         if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
             return
-        req.pages = self.prefix_cache.match(req.lora_slot_key, req.all_ids, req.remaining_prefill - 1, req.prefix_keys)
+        req.pages = self.prefix_cache.match(req.lora_slot_key, req.all_ids, req.remaining_prefill - 1)
         req.num_computed = len(req.pages) * self.allocator.page_size
         if not self._can_allocate(self._chunk(req, budget)[1]):  # the pages it would have evicted were its prefix
             self._release(req)
@@ -227,7 +215,6 @@ class Scheduler:
             if req.num_computed == 0 and (first := self._first_page(req)) is not None:
                 computing.add(first)
             self.waiting.remove(req)
-            req.prefix_keys = []  # a waiting request's alone
             self.running.append(req)
             admitted.append(req)
         if admitted:  # a waiting request is overtaken by each admitted one that arrived after it
@@ -236,10 +223,14 @@ class Scheduler:
                 req.times_overtaken += len(admitted_times) - bisect.bisect_right(admitted_times, req.arrival_time)
 
     def _first_page(self, req: Req) -> bytes | None:
-        """The prefix-cache key of a waiting req's first page, where a later request could take that page from the
-        cache: None without the cache, for a request that wants prompt logprobs (it takes no cached pages) or one
-        shorter than a page and a token (a request prefills one token at least): those key no pages."""
-        return req.prefix_keys[0] if req.prefix_keys else None
+        """The prefix-cache key of req's first page, where a later request could take that page from the cache: None
+        without the cache, for a request that wants prompt logprobs (it takes no cached pages) or one shorter than a
+        page and a token (a request prefills one token at least)."""
+        if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
+            return None
+        if len(req.all_ids) <= self.allocator.page_size:
+            return None
+        return self.prefix_cache.page_keys(req.lora_slot_key, req.all_ids, 1)[0]
 
     def _starved(self, req: Req) -> bool:
         """Overtaken by more than a full batch of requests that arrived after it: it goes first."""
@@ -275,13 +266,51 @@ class Scheduler:
         return num_new > 0 and self._can_allocate(pages_needed)
 
     def _admission_order(self) -> tuple[list[Req], frozenset]:
-        """The waiting requests in the order admission tries them, and the adapters the packing plan gives slots
-        (managers/admission_order.py)."""
-        lpm = self.schedule_policy == "lpm" and self.prefix_cache is not None
-        cached_pages = (lambda r: self.prefix_cache.num_cached_pages(r.prefix_keys)) if lpm else None
-        return admission_order(
-            self.waiting, self.running, self.max_running, self.adapter_slots, self._starved, cached_pages
-        )
+        """Starved requests first. Then, when waiting requests want adapters that are not running, the batch is
+        packed: the adapters with the most waiting requests get slots until their requests, with those that need no
+        new slot (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with
+        the fewest waiting requests, whose requests go ahead. So rarely used adapters take turns on the spare slots
+        while popular ones keep the batch full, instead of all waiting for the end of a backlog, where the slot limit,
+        not the running-request limit, caps the batch. Everything else follows; within each group, arrival order.
+        -> (the order, the adapters given slots by the plan: an adapter left on the device by earlier requests that
+        the plan did not choose is evicted for them even when requests further back want it, or slots held from a
+        previous backlog would decide the plan)."""
+        starved_first = sorted(self.waiting, key=lambda r: not self._starved(r))  # stable: arrival order in each
+        if self.adapter_slots is None:
+            return starved_first, frozenset()
+        running = {r.lora_slot_key for r in self.running}
+        needs_slot: dict[str, int] = {}  # adapter -> its waiting requests, adapters by first arrival
+        num_ready = 0  # waiting requests that need no new slot
+        for r in self.waiting:
+            if self._starved(r):
+                continue
+            if r.lora_slot_key is None or r.lora_slot_key in running:
+                num_ready += 1
+            else:
+                needs_slot[r.lora_slot_key] = needs_slot.get(r.lora_slot_key, 0) + 1
+        if not needs_slot:
+            return starved_first, frozenset()
+        free_slots = self.adapter_slots.max_per_batch - len(running - {None})
+        room = self.max_running - len(self.running) - num_ready
+        # ties: an adapter on the device first (no load), then by first arrival (the sort is stable)
+        loaded = {key: self.adapter_slots.is_resident(key) for key in needs_slot}
+        largest_first = sorted(needs_slot, key=lambda key: (-needs_slot[key], not loaded[key]))
+        num_fill = 0
+        while room > 0 and num_fill < min(free_slots, len(largest_first)):
+            room -= needs_slot[largest_first[num_fill]]
+            num_fill += 1
+        rarest = sorted(largest_first[num_fill:], key=lambda key: (needs_slot[key], not loaded[key]))
+        rank = {key: (0, i) for i, key in enumerate(rarest[: free_slots - num_fill])}  # each rare adapter's turn
+        rank.update((key, (1, 0)) for key in largest_first[:num_fill])  # the fill, with the requests that need no slot
+
+        def place(r: Req) -> tuple[int, int]:
+            if self._starved(r):
+                return (-1, 0)
+            if r.lora_slot_key not in needs_slot:
+                return (1, 0)
+            return rank.get(r.lora_slot_key, (2, 0))
+
+        return sorted(self.waiting, key=place), frozenset(rank)
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
@@ -353,5 +382,4 @@ class Scheduler:
         self._release(req)
         req.num_computed = 0
         self.waiting.appendleft(req)
-        self._key_pages(req)
         self.num_preemptions += 1

@@ -49,14 +49,11 @@ class PrefixCache:
             keys.append(chain.copy().digest())
         return keys
 
-    def match(
-        self, adapter: str | None, tokens: list[int], max_tokens: int, keys: list[bytes] | None = None
-    ) -> list[int]:
+    def match(self, adapter: str | None, tokens: list[int], max_tokens: int) -> list[int]:
         """Pages holding the K/V of the longest cached prefix of tokens[:max_tokens] (whole pages); the caller
-        holds them until it releases them. `keys`: the keys of tokens' pages (`page_keys`), when the caller has them."""
-        num_pages = max_tokens // self.page_size
+        holds them until it releases them."""
         pages = []
-        for key in keys[:num_pages] if keys is not None else self.page_keys(adapter, tokens, num_pages):
+        for key in self.page_keys(adapter, tokens, max_tokens // self.page_size):
             page = self._page_of.get(key)
             if page is None:
                 break
@@ -65,15 +62,6 @@ class PrefixCache:
             self._holders[page] += 1
             self._evictable.pop(page, None)
         return pages
-
-    def num_cached_pages(self, keys: list[bytes]) -> int:
-        """How many of these page keys (a prefix's, in order) lead a cached prefix: what `match` would hand out."""
-        num = 0
-        for key in keys:
-            if key not in self._page_of:
-                break
-            num += 1
-        return num
 
     def insert(self, adapter: str | None, tokens: list[int], num_computed: int, pages: list[int]) -> None:
         """A running request's full pages join the cache while it holds them (tokens[:num_computed] have their K/V
