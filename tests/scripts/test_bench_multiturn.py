@@ -17,9 +17,8 @@ import sys
 import pytest
 
 from scripts.bench_multiturn import plan_conversations
-from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
-from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
 
 pytestmark = pytest.mark.slow  # a server start and a dozen conversations on a 2-core CPU
 
@@ -61,24 +60,7 @@ def test_the_plan_stops_a_conversation_before_the_turn_that_passes_the_context()
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiturn_adapters")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO_ROOT, "scripts", "make_adapters.py"),
-            "--model",
-            demo_model_path(),
-            "--out-dir",
-            str(root),
-            "--num-adapters",
-            "2",
-            "--rank",
-            "8",
-            "--targets",
-            "q_proj,v_proj",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    write_demo_adapters(str(root), "--num-adapters", "2", "--rank", "8", "--targets", "q_proj,v_proj")
     return root
 
 

@@ -15,9 +15,8 @@ import sys
 
 import pytest
 
-from sgl_jax_lora.demo_model import demo_model_path
 from tests.support import REPO_ROOT
-from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -29,24 +28,7 @@ NUM_REQUESTS, INPUT_LEN, OUTPUT_LEN = 10, 8, 4
 @pytest.fixture(scope="module")
 def adapter_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_adapters")
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "scripts", "make_adapters.py"),
-            "--model",
-            demo_model_path(),
-            "--out-dir",
-            str(root),
-            "--num-adapters",
-            "3",
-            "--rank-mix",
-            "4,8",
-            "--targets",
-            "q_proj,v_proj,down_proj",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    write_demo_adapters(str(root), "--num-adapters", "3", "--rank-mix", "4,8", "--targets", "q_proj,v_proj,down_proj")
     return root
 
 

@@ -1,4 +1,5 @@
-"""Test helpers: run `python -m sgl_jax_lora.launch` in a subprocess on 127.0.0.1 and wait for it.
+"""Test helpers: run `python -m sgl_jax_lora.launch` in a subprocess on 127.0.0.1 and wait for it; adapters for it
+written by scripts/make_adapters.py (`write_demo_adapters`).
 
 Readiness is polled on GET /health with a deadline (no sleeps as synchronization). Subprocess servers
 share a persistent JAX compilation cache (set through the environment, never through the command line),
@@ -140,3 +141,13 @@ def process_exists(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited already
     except FileNotFoundError:
         return False
+
+
+def write_demo_adapters(out_dir: str, *flags: str) -> None:
+    """scripts/make_adapters.py over the demo model into out_dir, with its other flags (count, ranks, targets)."""
+    from sgl_jax_lora.demo_model import demo_model_path
+    from tests.support import REPO_ROOT
+
+    script = os.path.join(REPO_ROOT, "scripts", "make_adapters.py")
+    argv = [sys.executable, script, "--model", demo_model_path(), "--out-dir", out_dir, *flags]
+    subprocess.run(argv, check=True, capture_output=True)
