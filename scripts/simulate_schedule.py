@@ -43,6 +43,7 @@ from sgl_jax_lora.managers.req import Req  # noqa: E402
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
 from sgl_jax_lora.managers.scheduler import Scheduler  # noqa: E402
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator  # noqa: E402
+from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache  # noqa: E402
 from sgl_jax_lora.sampling.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -101,10 +102,13 @@ class SlotTable:
         return key in self.slot_of
 
 
-def build_scheduler(engine_flags: list[str], with_adapters: bool = False) -> tuple[Scheduler, Buckets]:
+def build_scheduler(
+    engine_flags: list[str], with_adapters: bool = False, with_prefix_cache: bool = False
+) -> tuple[Scheduler, Buckets]:
     """The scheduler EngineCore would build from these flags (--context-length and --max-total-tokens required:
     without a model or a device neither has a default here); with_adapters: planning with a `SlotTable` of
-    --max-loras-per-batch slots (the scheduler's `adapter_slots`)."""
+    --max-loras-per-batch slots (the scheduler's `adapter_slots`); with_prefix_cache: with the engine's prefix cache
+    unless the flags disable it (this script's requests are all zeros, so it leaves the cache out)."""
     args = parse_args(engine_flags)
     if not args.context_length or not args.max_total_tokens:
         raise SystemExit("simulate_schedule: give --context-length and --max-total-tokens among the engine flags")
@@ -112,7 +116,8 @@ def build_scheduler(engine_flags: list[str], with_adapters: bool = False) -> tup
     buckets = Buckets.build(args.max_running_requests, budget, args.context_length, args.page_size, args.token_buckets)
     allocator = PageAllocator(args.max_total_tokens // args.page_size, args.page_size)
     slots = SlotTable(args.max_loras_per_batch, args.lora_eviction_policy) if with_adapters else None
-    scheduler = Scheduler(buckets, allocator, args.max_running_requests, budget, args.max_prefill_seqs, slots)
+    cache = PrefixCache(allocator) if with_prefix_cache and not args.disable_prefix_cache else None
+    scheduler = Scheduler(buckets, allocator, args.max_running_requests, budget, args.max_prefill_seqs, slots, cache)
     return scheduler, buckets
 
 
