@@ -43,6 +43,7 @@ class Conversations:
         self.plans, self.seed = plans, seed
         self.history: dict[int, list[int]] = {}
         self.turn_of: dict[str, tuple[int, int]] = {}
+        self.outputs: dict[str, list[int]] = {}  # each turn's output tokens, drawn as it is sent
         self.prompt_tokens = 0
         self.clock = 0
 
@@ -54,12 +55,12 @@ class Conversations:
         self.clock += 1
         req = Req(f"c{i}t{turn}", prompt, params, seed=0, lora_slot_key=key, arrival_time=float(self.clock))
         self.turn_of[req.rid] = (i, turn)
+        self.outputs[req.rid] = rng_prompt([self.seed, 2, i, turn], plan.output_lens[turn])
         self.prompt_tokens += len(prompt)
         return req
 
     def output_token(self, req: Req) -> int:
-        i, turn = self.turn_of[req.rid]
-        return rng_prompt([self.seed, 2, i, turn, len(req.output_ids)], 1)[0]
+        return self.outputs[req.rid][len(req.output_ids)]
 
     def next_turn(self, req: Req) -> tuple[int, int] | None:
         """req ended: its conversation's history grows by it; -> the next turn, if any."""
