@@ -79,6 +79,13 @@ def summarize(values: list[float]) -> dict:
     return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
 
 
+def keep_last_result(record: dict, result: dict | None) -> None:
+    """A request's final output ids and the prompt tokens the prefix cache served, into its record."""
+    if result is None:
+        raise RuntimeError("/generate streamed no result for a request")
+    record["output_ids"], record["cached_tokens"] = result["output_ids"], result["meta_info"]["cached_tokens"]
+
+
 class EngineTarget:
     """Sends requests through an offline Engine's frontend (its TokenizerManager), streaming increments."""
 
@@ -110,10 +117,11 @@ class EngineTarget:
             lora_id=ref.lora_id if ref else None,
             arrival_time=received,
         )
+        result = None
         async for result in self.manager.generate_request(request):
             record.setdefault("first", time.perf_counter())
             record["tokens"] = len(result["output_ids"])
-        record["output_ids"], record["cached_tokens"] = result["output_ids"], result["meta_info"]["cached_tokens"]
+        keep_last_result(record, result)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -148,6 +156,7 @@ class HttpTarget:
             "lora_path": adapter,
             "sampling_params": sampling_params,
         }
+        result = None
         async with self.client.stream("POST", self.url + "/generate", json=body) as response:
             if response.status_code != 200:  # the server's own message names what it refused
                 raise RuntimeError(f"/generate {response.status_code}: {(await response.aread()).decode()[:2000]}")
@@ -157,7 +166,7 @@ class HttpTarget:
                 record.setdefault("first", time.perf_counter())
                 result = json.loads(line[5:])
                 record["tokens"] = len(result["output_ids"])
-        record["output_ids"], record["cached_tokens"] = result["output_ids"], result["meta_info"]["cached_tokens"]
+        keep_last_result(record, result)
 
     def close(self) -> None:
         self.run(self.client.aclose())
