@@ -7,7 +7,6 @@ cache serves exactly the full pages the turn before computed, per adapter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -19,30 +18,26 @@ import pytest
 from scripts.bench_multiturn import plan_conversations
 from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
+from tests.support.multiturn import (
+    FIRST,
+    LATER,
+    OUTPUT,
+    PAGE,
+    PROMPTS,
+    TURNS,
+    cached_per_conversation,
+    conversation_options,
+    full_pages,
+    length_flags,
+)
 
 pytestmark = pytest.mark.slow  # a server start and a dozen conversations on a 2-core CPU
 
-PAGE = 4
-CONVERSATIONS, TURNS, FIRST, LATER, OUTPUT = 4, 3, 9, 5, 6
-
-
-def plan_options(**overrides) -> argparse.Namespace:
-    values = dict(
-        num_conversations=CONVERSATIONS,
-        turns=TURNS,
-        first_len=0,
-        turn_len=0,
-        output_len=0,
-        shared_prefix_len=0,
-        num_adapters=0,
-        popularity="distinct",
-        seed=0,
-    )
-    return argparse.Namespace(**{**values, **overrides})
+CONVERSATIONS = 4
 
 
 def test_the_plan_stops_a_conversation_before_the_turn_that_passes_the_context():
-    opts = plan_options(num_conversations=200, turns=6, shared_prefix_len=16, num_adapters=3)
+    opts = conversation_options(num_conversations=200, turns=6, shared_prefix_len=16, num_adapters=3)
     plans = plan_conversations(opts, max_context=1536)
     assert plans == plan_conversations(opts, max_context=1536)  # drawn from the seed alone
     assert [p.adapter for p in plans[:4]] == [0, 1, 2, 0]
@@ -53,7 +48,7 @@ def test_the_plan_stops_a_conversation_before_the_turn_that_passes_the_context()
         assert all(4 <= m <= 1024 for m in plan.message_lens) and all(8 <= o <= 512 for o in plan.output_lens)
         cut += len(plan.message_lens) < 6
     assert 0 < cut < 200  # lognormal lengths: some conversations reach the context before their sixth turn
-    fixed = plan_conversations(plan_options(first_len=9, turn_len=5, output_len=6), max_context=30)
+    fixed = plan_conversations(conversation_options(first_len=FIRST, turn_len=LATER, output_len=OUTPUT), max_context=30)
     assert {(p.message_lens, p.output_lens) for p in fixed} == {((9, 5), (6, 6))}  # 9+6+5+6 = 26; a third turn: 37
 
 
@@ -79,16 +74,7 @@ def run_bench(server, adapter_root, out, *flags: str) -> dict:
             os.path.join(REPO_ROOT, "scripts", "bench_multiturn.py"),
             "--url",
             server.url,
-            "--num-conversations",
-            str(CONVERSATIONS),
-            "--turns",
-            str(TURNS),
-            "--first-len",
-            str(FIRST),
-            "--turn-len",
-            str(LATER),
-            "--output-len",
-            str(OUTPUT),
+            *length_flags(CONVERSATIONS),
             "--adapter-dir",
             str(adapter_root),
             "--out",
@@ -106,25 +92,18 @@ def run_bench(server, adapter_root, out, *flags: str) -> dict:
         return json.load(f)
 
 
-def full_pages(tokens: int) -> int:
-    return tokens // PAGE * PAGE
-
-
 def test_later_turns_take_the_pages_of_the_turn_before(server, adapter_root, tmp_path):
     result = run_bench(
         server, adapter_root, tmp_path / "r.json", "--num-adapters", "0,2", "--warmup-conversations", "1"
     )
-    prompts = [FIRST + t * (OUTPUT + LATER) for t in range(TURNS)]  # each turn resends the history
-    # a turn computed its prompt and all its output tokens but the last (never fed back): their full pages are cached
-    cached = [0] + [full_pages(prompts[t - 1] + OUTPUT - 1) for t in range(1, TURNS)]
     for scenario in result["scenarios"]:
         assert scenario["all_turns"]["turns"] == CONVERSATIONS * TURNS
         assert scenario["total_output_tokens"] == CONVERSATIONS * TURNS * OUTPUT
         first, later = scenario["first_turns"], scenario["later_turns"]
         assert first["prompt_tokens"] == CONVERSATIONS * FIRST and first["cached_tokens"] == 0
-        assert later["prompt_tokens"] == CONVERSATIONS * sum(prompts[1:])
-        assert later["cached_tokens"] == CONVERSATIONS * sum(cached)
-        assert scenario["engine"]["prefix_cache_hit_tokens"] == CONVERSATIONS * sum(cached)
+        assert later["prompt_tokens"] == CONVERSATIONS * sum(PROMPTS[1:])
+        assert later["cached_tokens"] == CONVERSATIONS * cached_per_conversation()
+        assert scenario["engine"]["prefix_cache_hit_tokens"] == CONVERSATIONS * cached_per_conversation()
         assert scenario["engine"]["compilations"] == 0
     base, lora = result["scenarios"]
     assert base["engine"]["lora"]["device_misses"] == 0

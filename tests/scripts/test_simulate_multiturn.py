@@ -3,7 +3,6 @@ without a device. Fixed lengths, pages of 4 tokens: what the cache serves is kno
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -12,28 +11,31 @@ from scripts.bench_multiturn import plan_conversations
 from scripts.simulate_multiturn import Conversations, replay
 from scripts.simulate_schedule import build_scheduler
 from tests.support import REPO_ROOT
+from tests.support.multiturn import (
+    FIRST,
+    LATER,
+    OUTPUT,
+    PAGE,
+    PROMPTS,
+    cached_per_conversation,
+    conversation_options,
+    length_flags,
+)
 
-PAGE, CONVERSATIONS, TURNS, FIRST, LATER, OUTPUT = 4, 12, 3, 9, 5, 6
+CONVERSATIONS = 12
 FLAGS = ["--max-running-requests", "16", "--max-prefill-seqs", "4", "--context-length", "256"]
 FLAGS += ["--chunked-prefill-size", "128", "--page-size", str(PAGE)]
-PROMPTS = [FIRST + t * (OUTPUT + LATER) for t in range(TURNS)]  # each turn resends the history
-# a turn's prompt and all its output tokens but the last (never fed back) have K/V: their full pages are cached
-CACHED_PER_CONVERSATION = sum((PROMPTS[t - 1] + OUTPUT - 1) // PAGE * PAGE for t in range(1, TURNS))
 
 
 def run(max_total_tokens: int, *extra: str, num_adapters: int = 0, return_steps: int = 1) -> dict:
     flags = [*FLAGS, "--max-total-tokens", str(max_total_tokens), *extra]
     scheduler, _ = build_scheduler(flags, with_adapters=num_adapters > 0, with_prefix_cache=True)
-    opts = argparse.Namespace(
+    opts = conversation_options(
         num_conversations=CONVERSATIONS,
-        turns=TURNS,
         first_len=FIRST,
         turn_len=LATER,
         output_len=OUTPUT,
-        shared_prefix_len=0,
         num_adapters=num_adapters,
-        popularity="distinct",
-        seed=0,
     )
     return replay(scheduler, Conversations(plan_conversations(opts, 256), seed=0), return_steps)
 
@@ -41,7 +43,7 @@ def run(max_total_tokens: int, *extra: str, num_adapters: int = 0, return_steps:
 def test_a_roomy_cache_serves_every_full_page_of_the_turn_before():
     result = run(100_000)
     assert result["prompt_tokens"] == CONVERSATIONS * sum(PROMPTS)
-    assert result["cached_tokens"] == CONVERSATIONS * CACHED_PER_CONVERSATION
+    assert result["cached_tokens"] == CONVERSATIONS * cached_per_conversation()
     assert result["computed_prompt_tokens"] == result["prompt_tokens"] - result["cached_tokens"]
     assert result["preemptions"] == 0
     # however late the next turn comes back, nothing pushes the history out
@@ -70,16 +72,7 @@ def test_the_command_line_runs_each_cache_size(tmp_path):
         [
             sys.executable,
             f"{REPO_ROOT}/scripts/simulate_multiturn.py",
-            "--num-conversations",
-            str(CONVERSATIONS),
-            "--turns",
-            str(TURNS),
-            "--first-len",
-            str(FIRST),
-            "--turn-len",
-            str(LATER),
-            "--output-len",
-            str(OUTPUT),
+            *length_flags(CONVERSATIONS),
             "--max-total-tokens",
             "100000,160",
             "--json",
@@ -94,5 +87,5 @@ def test_the_command_line_runs_each_cache_size(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert [r["max_total_tokens"] for r in runs] == [100_000, 160]
-    assert runs[0]["cached_tokens"] == CONVERSATIONS * CACHED_PER_CONVERSATION
+    assert runs[0]["cached_tokens"] == CONVERSATIONS * cached_per_conversation()
     assert "100000 KV tokens:" in done.stdout and "160 KV tokens:" in done.stdout
