@@ -202,14 +202,28 @@ def _load_q(q_ref, at, mask, cache_dtype):
 
 
 def _load_kv_block(
-    k_ref, v_ref, page_table_ref, layer, kv_head, seq, block, kv_len, *, block_kv, page_size, compute_dtype
+    k_ref,
+    v_ref,
+    page_table_ref,
+    layer,
+    kv_head,
+    seq,
+    block,
+    kv_len,
+    *,
+    block_kv,
+    page_size,
+    compute_dtype,
+    lowest_key=None,
 ):
     """K and V rows [block_kv, D] of key block `block` of sequence `seq`, gathered through the page table; rows at
-    or past kv_len are not read (zeros). An 8-bit cache's rows come widened to compute_dtype (q's, as `_load_q`
-    chose it). Returns (k, v, key positions, key row is valid)."""
+    or past kv_len, or below lowest_key (a sliding window's first key), are not read (zeros). An 8-bit cache's rows
+    come widened to compute_dtype (q's, as `_load_q` chose it). Returns (k, v, key positions, key row is valid)."""
     cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)
     pos = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     is_key = pos < kv_len
+    if lowest_key is not None:
+        is_key &= pos >= lowest_key
     page = plgpu.load(page_table_ref.at[seq, jax.lax.div(pos, page_size)], mask=is_key, other=0)
     slot = page * page_size + jax.lax.rem(pos, page_size)
     at = (layer, kv_head, slot[:, None], cols[None, :])
@@ -252,16 +266,19 @@ def _decode_kernel(
     page_size,
     scale_log2,
     in_place,
+    windowed,
 ):
     # token_seq_ref, token_kv_len_ref [R] i32 (-1 and 0: no sequence); q_ref/out [R, H, D];
     # partials: o [splits, R, H, D], m and l [splits, R, H].
     # in_place: refs start with row_token_ref [R] i32, q_ref/out are the step's [T, H, D] (out aliased to the general
     # kernel's output, which is refs' `into`), and row r reads and writes token row_token[r]; rows of no sequence
-    # write nothing.
-    if in_place:
-        row_token_ref, layer_ref, page_table_ref, q_ref, k_ref, v_ref, _into, *out_refs = refs
-    else:
-        layer_ref, page_table_ref, q_ref, k_ref, v_ref, *out_refs = refs
+    # write nothing. windowed: a window_ref [1] i32 (the sliding window) follows layer_ref.
+    refs = list(refs)
+    row_token_ref = refs.pop(0) if in_place else None
+    layer_ref = refs.pop(0)
+    window_ref = refs.pop(0) if windowed else None
+    page_table_ref, q_ref, k_ref, v_ref = refs[:4]
+    out_refs = refs[5:] if in_place else refs[4:]  # in place: `into` (aliased to the output) comes first
     kv_head, token, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     seq = token_seq_ref[token]
@@ -283,8 +300,17 @@ def _decode_kernel(
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
 
     num_blocks = pl.cdiv(kv_len, block_kv)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    first = split * per_split
+    # the row's query sits at kv_len - 1; with a window W its keys start at kv_len - W, and the blocks below are
+    # not read
+    lowest_key = None
+    if windowed:
+        lowest_key = jnp.maximum(kv_len - window_ref[0], 0)
+        first_block = jax.lax.div(lowest_key, block_kv)
+        per_split = pl.cdiv(num_blocks - first_block, num_splits)
+        first = first_block + split * per_split
+    else:
+        per_split = pl.cdiv(num_blocks, num_splits)
+        first = split * per_split
     last = jnp.minimum(num_blocks, first + per_split)
 
     def body(block, carry):
@@ -300,6 +326,7 @@ def _decode_kernel(
             block_kv=block_kv,
             page_size=page_size,
             compute_dtype=q.dtype,
+            lowest_key=lowest_key,
         )
         mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
         return _softmax_step(carry, q, k, v, mask, scale_log2)
@@ -366,8 +393,10 @@ def _decode_attention(
     interpret,
     row_token=None,
     into=None,
+    window=None,
 ) -> jax.Array:
     """q [R, H, D]: one query row each, of sequence row_seq[r] (-1: none) with row_kv_len[r] keys -> [R, H, D].
+    window: [1] i32, the sliding window (each row reads its last window keys); None: every key.
 
     With row_token ([R] i32) and into ([T, H, D]): q is the step's [T, H, D] and row r is its token row_token[r]; the
     rows' results are written into `into` at those tokens (rows of no sequence leave it as it is) and `into` is
@@ -383,7 +412,7 @@ def _decode_attention(
     in_place = row_token is not None and splits == 1
     if row_token is not None and not in_place:  # split keys: gather the rows, combine, then scatter
         row_q = q[jnp.minimum(row_token, q.shape[0] - 1)]
-        options = dict(page_size=page_size, scale=scale, tiles=tiles, interpret=interpret)
+        options = dict(page_size=page_size, scale=scale, tiles=tiles, interpret=interpret, window=window)
         rows = _decode_attention(row_q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, **options)
         return into.at[row_token].set(rows, mode="drop", unique_indices=True)
     kernel = functools.partial(
@@ -395,6 +424,7 @@ def _decode_attention(
         page_size=page_size,
         scale_log2=scale * _LOG2E,
         in_place=in_place,
+        windowed=window is not None,
     )
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -404,7 +434,13 @@ def _decode_attention(
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
         )
-    operands = (row_seq, row_kv_len) + ((row_token,) if in_place else ()) + (layer, page_table, q, k_cache, v_cache)
+    operands = (
+        (row_seq, row_kv_len)
+        + ((row_token,) if in_place else ())
+        + (layer,)
+        + ((window,) if window is not None else ())
+    )
+    operands += (page_table, q, k_cache, v_cache)
     result = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -428,21 +464,18 @@ def _prefill_kernel(
     block_start_ref,
     block_count_ref,
     layer_ref,
-    kv_lens_ref,
-    cu_q_lens_ref,
-    page_table_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    *,
+    *refs,
     group,
     block_rows,
     block_kv,
     page_size,
     scale_log2,
+    windowed,
 ):
-    # block_* [num_blocks] i32 (seq -1: padding tokens, count 0: unused); q_ref/o_ref [T, H, D]
+    # block_* [num_blocks] i32 (seq -1: padding tokens, count 0: unused); q_ref/o_ref [T, H, D]; windowed: a
+    # window_ref [1] i32 (the sliding window) follows layer_ref
+    window_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
+    kv_lens_ref, cu_q_lens_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref = refs
     block, kv_head = pl.program_id(0), pl.program_id(1)
     head_dim = q_ref.shape[-1]
     seq, start, count = block_seq_ref[block], block_start_ref[block], block_count_ref[block]
@@ -461,6 +494,15 @@ def _prefill_kernel(
     query_pos = first_pos + token_in_block
     num_blocks = jnp.where(seq >= 0, pl.cdiv(first_pos + count, block_kv), 0)  # up to the last query's position
     num_full = jnp.clip(jax.lax.div(jnp.maximum(first_pos + 1, 0), block_kv), 0, num_blocks)
+    # key blocks [first_block, unmasked_from) hold keys below some query's window (masked), [unmasked_from,
+    # num_full) keys every query reads, [num_full, num_blocks) the causal diagonal (masked)
+    first_block, unmasked_from, lowest_key = 0, 0, None
+    if windowed:
+        window = window_ref[0]
+        lowest_key = jnp.maximum(first_pos - window + 1, 0)  # the window's first key for the block's first query
+        first_block = jnp.clip(jax.lax.div(lowest_key, block_kv), 0, num_full)
+        last_pos = first_pos + count - 1
+        unmasked_from = jnp.clip(pl.cdiv(jnp.maximum(last_pos - window + 1, 0), block_kv), first_block, num_full)
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
     load = functools.partial(
         _load_kv_block,
@@ -474,15 +516,18 @@ def _prefill_kernel(
         block_kv=block_kv,
         page_size=page_size,
         compute_dtype=q.dtype,
+        lowest_key=lowest_key,
     )
 
     def full_block(kv_block, carry):  # every key at or below every query of the block
         k, v, _, _ = load(kv_block)
         return _softmax_step(carry, q, k, v, None, scale_log2)
 
-    def diagonal_block(kv_block, carry):
+    def masked_block(kv_block, carry):
         k, v, key_pos, _ = load(kv_block)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if windowed:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         return _softmax_step(carry, q, k, v, mask, scale_log2)
 
     init = (
@@ -490,8 +535,11 @@ def _prefill_kernel(
         jnp.full((block_rows,), _MASK_INIT, jnp.float32),
         jnp.zeros((block_rows,), jnp.float32),
     )
-    carry = jax.lax.fori_loop(0, num_full, full_block, init)
-    o, _, l = jax.lax.fori_loop(num_full, num_blocks, diagonal_block, carry)
+    carry = init
+    if windowed:
+        carry = jax.lax.fori_loop(first_block, unmasked_from, masked_block, carry)
+    carry = jax.lax.fori_loop(unmasked_from, num_full, full_block, carry)
+    o, _, l = jax.lax.fori_loop(num_full, num_blocks, masked_block, carry)
     plgpu.store(o_ref.at[q_at], _normalize(o, l).astype(o_ref.dtype), mask=row_mask)
 
 
@@ -548,10 +596,12 @@ def _prefill_attention(
     skip_decode_rows,
     max_chunks=None,
     blocks=None,
+    window=None,
 ) -> jax.Array:
     """The general kernel over every token; with skip_decode_rows, the rows of one-token sequences are left
     unwritten (the caller fills them) and max_chunks bounds the longer sequences (`_q_block_table`). blocks: that
-    table, built beforehand for these arguments (a `RaggedAttentionPlan`'s), or None to build it here."""
+    table, built beforehand for these arguments (a `RaggedAttentionPlan`'s), or None to build it here. window:
+    [1] i32, the sliding window; None: every key up to each query's own."""
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -566,7 +616,9 @@ def _prefill_attention(
         block_kv=tiles.block_kv,
         page_size=page_size,
         scale_log2=scale * _LOG2E,
+        windowed=window is not None,
     )
+    windows = (window,) if window is not None else ()
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -574,7 +626,7 @@ def _prefill_attention(
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_prefill",
-    )(block_seq, block_start, block_count, layer, kv_lens, cu_q_lens, page_table, q, k_cache, v_cache)
+    )(block_seq, block_start, block_count, layer, *windows, kv_lens, cu_q_lens, page_table, q, k_cache, v_cache)
 
 
 @functools.partial(
@@ -598,6 +650,7 @@ def ragged_paged_attention_gpu(
     decode_tiles: DecodeTiles = DecodeTiles(),
     prefill_tiles: PrefillTiles = PrefillTiles(),
     plan: RaggedAttentionPlan | None = None,
+    sliding_window: jax.Array | int | None = None,
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; products in float32.
 
@@ -611,14 +664,17 @@ def ragged_paged_attention_gpu(
     The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
     plan: the step's layout from `plan_ragged_attention_gpu` (the same kv_lens, page_table, cu_q_lens, max_chunks
     and prefill_tiles), built once for all layers; None: built here. Not with decode_only.
+    sliding_window: the keys a query attends to, its own included ([] i32, traced: a layer's); the key blocks
+    wholly below a query block's window are not read. None: every key up to the query's own.
     """
     check_shapes(q.shape, k_cache.shape, page_size)
     if plan is not None and decode_only:
         raise ValueError("ragged_paged_attention_gpu: a plan serves steps of any mix; pass none with decode_only")
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kv_lens, page_table, cu_q_lens = (a.astype(jnp.int32) for a in (kv_lens, page_table, cu_q_lens))
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32).reshape(1)
     decode = functools.partial(
-        _decode_attention, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret
+        _decode_attention, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret, window=window
     )
     if decode_only:
         return decode(q, *_token_seq(cu_q_lens, kv_lens, q.shape[0]), k_cache, v_cache, layer, page_table)
@@ -629,6 +685,7 @@ def ragged_paged_attention_gpu(
         tiles=prefill_tiles,
         interpret=interpret,
         max_chunks=max_chunks,
+        window=window,
     )
     if plan is None:
         group = q.shape[1] // k_cache.shape[1]

@@ -3,7 +3,8 @@
 One call covers a whole step: sequence s owns the query tokens q[cu_q_lens[s] : cu_q_lens[s+1]] (decode rows of one
 token and prefill chunks of many, in any mix) and, after this step's K/V were written, kv_lens[s] tokens in the cache.
 Its i-th query sits at absolute position kv_lens[s] - q_len + i and attends causally to the keys at positions up to
-its own. Key position j of sequence s lives in cache slot page_table[s, j // page_size] * page_size + j % page_size
+its own, or, with a sliding window W, to the W keys ending at its own (positions q - W + 1 .. q: Mistral's and
+Qwen2's `sliding_window`, as HF transformers masks it). Key position j of sequence s lives in cache slot page_table[s, j // page_size] * page_size + j % page_size
 of layer `layer` of the caches [L, K, N, D] (the engine's layout, mem_cache/kv_cache.py). Query head h reads kv head
 h // (H / K) (GQA). Tokens past cu_q_lens[S] (padding) give zeros.
 
@@ -27,8 +28,10 @@ def ragged_paged_attention_ref(
     *,
     page_size: int,
     scale: float,
+    sliding_window: jax.Array | int | None = None,
 ) -> jax.Array:
-    """-> [T, H, D] in q's dtype; products in float32."""
+    """-> [T, H, D] in q's dtype; products in float32. sliding_window: W ([] or [1] i32, or an int), the keys a
+    query attends to, itself included; None: every key up to its own."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs, pages_per_seq = page_table.shape
@@ -51,6 +54,9 @@ def ragged_paged_attention_ref(
     queries = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,ktld->tkgl", queries, keys, precision=jax.lax.Precision.HIGHEST) * scale
     mask = (key_pos[None, :] <= query_pos[:, None]) & is_real[:, None]  # [T, Lk]
+    if sliding_window is not None:
+        window = jnp.asarray(sliding_window, jnp.int32).reshape(())
+        mask &= key_pos[None, :] > query_pos[:, None] - window
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jnp.where(mask[:, None, None, :], jax.nn.softmax(jnp.where(mask[:, None, None, :], scores, -1e30), -1), 0.0)
     values = jnp.where(mask[None, :, :, None], values, 0.0)  # unread slots may hold stale, non-finite values

@@ -62,6 +62,7 @@ class _KernelRefs:
     """The kernel's refs, bundled so helpers take one argument instead of fifteen."""
 
     layer: jax.Array  # SMEM [1]
+    window: jax.Array | None  # SMEM [1], the sliding window; None: every key up to each query's own
     kv_lens: jax.Array  # SMEM [S]
     page_table: jax.Array  # SMEM [S * P]
     cu_q_lens: jax.Array  # SMEM [S + 1]
@@ -97,13 +98,13 @@ def _page_copies(refs: _KernelRefs, t: Tiling, seq, kv_block, slot, page_in_bloc
     return k, v
 
 
-def _for_pages_in_block(refs: _KernelRefs, t: Tiling, seq, kv_block, slot, num_keys, action: str) -> None:
-    """Start (or wait for) the DMAs of the pages of a kv block that hold keys below num_keys."""
+def _for_pages_in_block(refs: _KernelRefs, t: Tiling, seq, kv_block, slot, num_keys, lowest_key, action: str) -> None:
+    """Start (or wait for) the DMAs of the pages of a kv block that hold keys in [lowest_key, num_keys)."""
 
     def body(page_in_block, carry):
         first_key = (kv_block * t.pages_per_kv_block + page_in_block) * t.page_size
 
-        @pl.when(first_key < num_keys)
+        @pl.when((first_key < num_keys) & (first_key + t.page_size > lowest_key))
         def _():
             for copy in _page_copies(refs, t, seq, kv_block, slot, page_in_block):
                 getattr(copy, action)()
@@ -138,7 +139,9 @@ def _attend_sequence(refs: _KernelRefs, t: Tiling, seq, scale: float) -> None:
     """Flash attention of this q block's rows of sequence `seq` over its keys; writes those rows of the output.
 
     Row r of the tile is token block_start + r // G. Masks compare rows with scalar bounds instead of dividing
-    vectors: key_pos <= first_pos + r // G  <=>  (key_pos - first_pos) * G <= r.
+    vectors: key_pos <= first_pos + r // G  <=>  (key_pos - first_pos) * G <= r, and a sliding window W's
+    key_pos > first_pos + r // G - W  <=>  (key_pos - first_pos + W) * G > r. The kv blocks wholly below the
+    window of the sequence's first row in the block are not read.
     """
     block_start = pl.program_id(0) * t.tokens_per_q_block
     q_start, q_end = refs.cu_q_lens[seq], refs.cu_q_lens[seq + 1]
@@ -150,19 +153,23 @@ def _attend_sequence(refs: _KernelRefs, t: Tiling, seq, scale: float) -> None:
         position_offset = refs.kv_lens[seq] - q_end  # token i of the sequence sits at position offset + i
         num_keys = position_offset + token_hi  # causal limit of the block's last row of this sequence
         num_kv_blocks = jax.lax.div(num_keys + t.keys_per_kv_block - 1, t.keys_per_kv_block)
+        # the first key any row of the block reads: the window's of its first row (0 without a window)
+        lowest_key = 0 if refs.window is None else jnp.maximum(position_offset + token_lo - refs.window[0] + 1, 0)
+        first_kv_block = jax.lax.div(lowest_key, t.keys_per_kv_block)
         row_lo, row_hi = (token_lo - block_start) * t.group, (token_hi - block_start) * t.group
         refs.row_max[...] = jnp.full_like(refs.row_max, _MASK_VALUE)
         refs.row_sum[...] = jnp.zeros_like(refs.row_sum)
         refs.acc[...] = jnp.zeros_like(refs.acc)
-        _for_pages_in_block(refs, t, seq, 0, 0, num_keys, "start")
+        pages = functools.partial(_for_pages_in_block, refs, t, seq, num_keys=num_keys, lowest_key=lowest_key)
+        pages(first_kv_block, jax.lax.rem(first_kv_block, 2), action="start")
 
         def kv_step(kv_block, carry):
             slot = jax.lax.rem(kv_block, 2)
-            _for_pages_in_block(refs, t, seq, kv_block, slot, num_keys, "wait")
+            pages(kv_block, slot, action="wait")
 
             @pl.when(kv_block + 1 < num_kv_blocks)
             def _():
-                _for_pages_in_block(refs, t, seq, kv_block + 1, 1 - slot, num_keys, "start")
+                pages(kv_block + 1, 1 - slot, action="start")
 
             first_key = kv_block * t.keys_per_kv_block
             score_shape = (t.rows, t.keys_per_kv_block)
@@ -170,20 +177,25 @@ def _attend_sequence(refs: _KernelRefs, t: Tiling, seq, scale: float) -> None:
             key_pos_rel = key_from_row0 + jax.lax.broadcasted_iota(jnp.int32, score_shape, 1)
             row = jax.lax.broadcasted_iota(jnp.int32, score_shape, 0)
             mask = _rows_in_range(score_shape, row_lo, row_hi) & (key_pos_rel * t.group <= row)
+            if refs.window is not None:
+                mask &= (key_pos_rel + refs.window[0]) * t.group > row
             value_shape = refs.v_buf.shape[1:]
-            key_is_loaded = first_key + jax.lax.broadcasted_iota(jnp.int32, value_shape, 0) < num_keys
+            key = first_key + jax.lax.broadcasted_iota(jnp.int32, value_shape, 0)
+            key_is_loaded = (key < num_keys) & (key >= lowest_key)
             _flash_update(refs, slot, mask, key_is_loaded, scale)
             return carry
 
-        jax.lax.fori_loop(0, num_kv_blocks, kv_step, 0)
+        jax.lax.fori_loop(first_kv_block, num_kv_blocks, kv_step, 0)
         result = (refs.acc[...] / refs.row_sum[...][:, :1]).astype(refs.out.dtype)  # other rows: 0/0, dropped
         refs.out[...] = jnp.where(_rows_in_range(refs.out.shape, row_lo, row_hi), result, refs.out[...])
 
 
-def _kernel(*refs, tiling: Tiling, scale: float):
-    # scalar prefetch: layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq
-    layer, kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq = refs[:6]
-    kernel_refs = _KernelRefs(layer, kv_lens, page_table, cu_q_lens, *refs[6:])
+def _kernel(*refs, tiling: Tiling, scale: float, windowed: bool):
+    # scalar prefetch: layer, [window,] kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq
+    refs = list(refs)
+    layer, window = refs.pop(0), refs.pop(0) if windowed else None
+    kv_lens, page_table, cu_q_lens, block_first_seq, block_last_seq = refs[:5]
+    kernel_refs = _KernelRefs(layer, window, kv_lens, page_table, cu_q_lens, *refs[5:])
     kernel_refs.out[...] = jnp.zeros_like(kernel_refs.out)  # padding tokens and empty blocks give zeros
     block = pl.program_id(0)
 
@@ -280,6 +292,7 @@ def ragged_paged_attention_tpu(
     num_queries_per_block: int | None = None,
     interpret: bool = False,
     plan: TpuAttentionPlan | None = None,
+    sliding_window: jax.Array | int | None = None,
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; K/V pages read in place from the caches.
 
@@ -289,6 +302,8 @@ def ragged_paged_attention_tpu(
     interpret: run on CPU with the TPU interpreter (tests).
     plan: the step's q-block layout from `plan_ragged_attention_tpu` (tpu_layout.py), built once per forward; its
         BQ is the call's. None: built in this call.
+    sliding_window: the keys a query attends to, its own included ([] i32, traced: a layer's); pages below a
+        q block's window are not read. None: every key up to the query's own.
     """
     _check_inputs(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, page_size)
     if plan is not None:
@@ -312,8 +327,9 @@ def ragged_paged_attention_tpu(
     first_seq, last_seq = plan.block_first_seq, plan.block_last_seq
     kv_buffer = pltpu.VMEM((2, tiling.keys_per_kv_block, head_dim), k_cache.dtype)
 
+    windows = () if sliding_window is None else (jnp.asarray(sliding_window, jnp.int32).reshape(1),)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=6 + len(windows),
         grid=(num_blocks, num_kv_heads),
         in_specs=[
             pl.BlockSpec((None, rows, head_dim), lambda b, h, *_: (h, b, 0)),
@@ -331,13 +347,14 @@ def ragged_paged_attention_tpu(
         ],
     )
     out_rows = pl.pallas_call(
-        functools.partial(_kernel, tiling=tiling, scale=scale),
+        functools.partial(_kernel, tiling=tiling, scale=scale, windowed=bool(windows)),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
+        *windows,
         kv_lens.astype(jnp.int32),
         page_table.astype(jnp.int32).reshape(-1),
         cu_q_lens.astype(jnp.int32),

@@ -63,6 +63,9 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     model_path: str = ""
+    # per layer, the keys a query attends to (its own included) where the layer has a sliding window, 0 where it
+    # attends to every earlier key; () when no layer has one (`sliding_windows_of`)
+    sliding_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_model_path(cls, model_path: str) -> ModelConfig:
@@ -94,15 +97,13 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        if raw.get("sliding_window") and raw.get("use_sliding_window", True) and architecture == "MistralForCausalLM":
-            # Without a sliding-window kernel we serve only the span where full attention is exact.
-            max_pos = min(max_pos, int(raw["sliding_window"]))
+        num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=architecture,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -114,6 +115,7 @@ class ModelConfig:
             qk_norm=qk_norm,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             model_path=model_path,
+            sliding_windows=sliding_windows_of(raw, architecture, num_layers),
         )
 
     def check_tensor_parallel(self, tp_size: int) -> None:
@@ -135,6 +137,31 @@ class ModelConfig:
     def kv_heads_per_shard(self, tp_size: int) -> int:
         """KV heads each tensor shard holds; heads are replicated when tp > num_kv_heads."""
         return max(1, self.num_kv_heads // tp_size)
+
+
+def sliding_windows_of(raw: dict, architecture: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window as HF transformers applies it (0: full attention; () when no layer has one):
+    Mistral's `sliding_window` on every layer (unless `use_sliding_window` is false); Qwen2's and Qwen3's only with
+    `use_sliding_window`, on the layers `layer_types` names "sliding_attention" (by default those from
+    `max_window_layers` on); Llama has none."""
+    window = raw.get("sliding_window")
+    is_mistral = architecture == "MistralForCausalLM"
+    if window is None or architecture == "LlamaForCausalLM" or not raw.get("use_sliding_window", is_mistral):
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelConfigError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    if is_mistral:
+        return (window,) * num_layers
+    first_windowed = int(raw.get("max_window_layers", 28))
+    default_types = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(num_layers)]
+    layer_types = raw.get("layer_types") or default_types
+    kinds = {"sliding_attention", "full_attention"}
+    if len(layer_types) != num_layers or not set(layer_types) <= kinds:
+        raise ModelConfigError(
+            f"config.json: layer_types must name {num_layers} layers, each one of {sorted(kinds)}; got {layer_types!r}"
+        )
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    return windows if any(windows) else ()
 
 
 def _architecture_of(raw: dict) -> str:

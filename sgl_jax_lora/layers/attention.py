@@ -24,6 +24,7 @@ write into and no sequence reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ ATTENTION_BACKENDS = ("native", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 QUERY_TILE = 128  # fewest query tokens per native row when a step has many more tokens than sequences
 NATIVE_GATHER_BYTES = 1 << 28  # the native path's gathered keys per lax.map iteration (bounds its host memory)
 _MASKED = -1e30
+# the window of a full-attention layer in a model that mixes windowed and full layers: wider than any context, and
+# small enough that the kernels' index arithmetic (window * GQA group) stays in int32
+FULL_ATTENTION_WINDOW = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,14 @@ def resolve_attention_backend(flag: str, platform: str) -> str:
     if flag not in ("auto", "pallas"):
         raise ValueError(f"--attention-backend '{flag}' is not supported; choose auto, native or pallas")
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "pallas_interpret")
+
+
+def layer_windows(sliding_windows: tuple[int, ...]) -> jax.Array | None:
+    """ModelConfig.sliding_windows -> [L] i32, each layer's window (FULL_ATTENTION_WINDOW for its full layers),
+    which the layer loop indexes by layer; None for a model without windows (its layers attend to every key)."""
+    if not sliding_windows:
+        return None
+    return jnp.asarray([w or FULL_ATTENTION_WINDOW for w in sliding_windows], jnp.int32)
 
 
 def write_kv(
@@ -173,40 +185,49 @@ def paged_attention(
     scale: float,
     backend: AttentionBackend = AttentionBackend(),
     plan=None,
+    sliding_window: jax.Array | None = None,
 ) -> jax.Array:
     """q [T, H, D], caches [L, K, N, D] (layer `layer` already holding this step's tokens) -> [T, H, D]. The step's
     ragged layout is the ForwardBatch's (models/forward_batch.py): seq_lens [S], page_table [S, P], cu_q_lens [S+1].
-    plan: `plan_attention`'s for this step and backend (None: the kernels derive it in this call)."""
+    plan: `plan_attention`'s for this step and backend (None: the kernels derive it in this call).
+    sliding_window: [] i32, the keys each query attends to, its own included (a traced value: the layer's, so a
+    rolled layer loop can mix windowed and full layers); None: every key up to its own."""
     args = (q, k_cache, v_cache, layer, seq_lens, page_table, cu_q_lens)
     if backend.name == "native":  # plain JAX: GSPMD partitions it
-        return _native_attention(*args, page_size=page_size, scale=scale)
+        return _native_attention(*args, page_size=page_size, scale=scale, sliding_window=sliding_window)
     call = _pallas_kernel(backend.name, page_size, scale, backend.max_chunks)
-    kernel = call
-    if plan is not None:  # the plan travels as the last operand (replicated: every shard keeps the model's GQA group)
-        args, kernel = (*args, plan), lambda *operands: call(*operands[:-1], plan=operands[-1])
+    # the plan and the window travel as trailing operands (replicated: every shard keeps the model's GQA group)
+    extras = {name: value for name, value in (("plan", plan), ("sliding_window", sliding_window)) if value is not None}
+    names = tuple(extras)
+
+    def kernel(*operands):
+        fixed = len(operands) - len(names)
+        return call(*operands[:fixed], **dict(zip(names, operands[fixed:], strict=True)))
+
+    args = (*args, *extras.values())
     mesh = backend.mesh
     if mesh is None or mesh.shape["tensor"] == 1:
         return kernel(*args)
     heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
-    in_specs = (heads, caches, caches, P(), P(), P(), P()) + ((P(),) if plan is not None else ())
+    in_specs = (heads, caches, caches, P(), P(), P(), P()) + (P(),) * len(names)
     return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(*args)
 
 
 def _pallas_kernel(name: str, page_size: int, scale: float, max_chunks: int | None = None):
     """The kernel of a Pallas backend, as a function of (q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens)
-    and the keyword `plan` (`plan_attention`'s)."""
+    and the keywords `plan` (`plan_attention`'s) and `sliding_window`."""
     if name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 
         options = dict(page_size=page_size, scale=scale, interpret=name == "pallas_interpret")
-        return lambda *args, plan=None: ragged_paged_attention_tpu(*args, plan=plan, **options)
+        return functools.partial(ragged_paged_attention_tpu, **options)
     if name == "pallas_gpu":
         from pallas_kernels.attention.gpu import ragged_paged_attention_gpu
 
         # decode rows take the flash-decoding kernel and prefill chunks the q-block kernel, in every step: no branch
         # on the step's kind (pallas_kernels/attention/gpu.py)
         options = dict(page_size=page_size, scale=scale, max_chunks=max_chunks)
-        return lambda *args, plan=None: ragged_paged_attention_gpu(*args, plan=plan, **options)
+        return functools.partial(ragged_paged_attention_gpu, **options)
     raise ValueError(f"unknown attention backend '{name}'; one of {ATTENTION_BACKENDS}")
 
 
@@ -245,10 +266,12 @@ def _row_layout(cu_q_lens: jax.Array, num_rows: int, tile: int, num_tokens: int)
     return row_seq, jnp.minimum(row_index, num_tokens - 1), row_valid, jnp.minimum(token_slot, num_rows * tile - 1)
 
 
-def _native_attention(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size: int, scale: float):
+def _native_attention(
+    q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, *, page_size: int, scale: float, sliding_window=None
+):
     """Pure-JAX ragged paged attention: rows of Q query tokens of one sequence, each row's keys gathered from its
-    pages, a causal mask by absolute position; rows run C at a time (lax.map) so gathers stay under
-    NATIVE_GATHER_BYTES."""
+    pages, a causal mask by absolute position (within the sliding window, if any); rows run C at a time (lax.map)
+    so gathers stay under NATIVE_GATHER_BYTES."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, pages_per_seq = page_table.shape
     num_kv_heads = k_cache.shape[1]
@@ -261,6 +284,8 @@ def _native_attention(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens
     query_pos = (kv_lens - q_lens)[row_seq][:, None] + (row_index - cu_q_lens[row_seq][:, None])  # [R, Q]
     key_pos = jnp.arange(key_len, dtype=jnp.int32)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & row_valid[:, :, None]  # [R, Q, Lk]
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - jnp.asarray(sliding_window, jnp.int32).reshape(())
     key_slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(num_seqs, key_len)
     queries = q[row_index].reshape(num_rows, tile, num_kv_heads, group, head_dim)
     k_layer = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)  # fuses with the gathers below

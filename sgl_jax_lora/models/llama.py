@@ -2,7 +2,8 @@
 
 Flow: ModelRunner calls `model(kv_cache, forward_batch)` inside jit -> embeddings -> a lax.scan over the
 stacked decoder layers (one compiled layer body, weights [L, ...]) -> final norm -> hidden [T, E].
-`model.logits(hidden)` applies the LM head to the rows the sampler needs. In token buckets that run the base GEMM
+`model.logits(hidden)` applies the LM head to the rows the sampler needs. A model with sliding windows (Mistral;
+Qwen2 and Qwen3 with `use_sliding_window`) hands each layer its window, indexed by the loop's layer. In token buckets that run the base GEMM
 kernel (`base_gemm`, layers/base_gemm.py: `--gpu-gemm-min-tokens`), the layers' base weights stay whole [L, ...]
 stacks outside the scan, as the LoRA buffers always do (see `__call__`).
 
@@ -23,6 +24,7 @@ from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import (
     AttentionBackend,
     fuses_rope_kv_write,
+    layer_windows,
     paged_attention,
     plan_attention,
     rotate_and_write_kv,
@@ -136,10 +138,12 @@ class DecoderLayer(nnx.Module):
         lora: LoRAMeta | None,
         rotary: tuple[jax.Array, jax.Array],
         attention_plan=None,
+        sliding_window: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """hidden [T, E] -> [T, E]; writes this step's K/V of layer `layer` into kv. lora: the LoRA backend's
         metadata for the step (None: no token uses an adapter); rotary: the forward's (cos, sin) tables;
-        attention_plan: the forward's attention layout (layers/attention.py `plan_attention`; None: per call)."""
+        attention_plan: the forward's attention layout (layers/attention.py `plan_attention`; None: per call);
+        sliding_window: [] i32, this layer's window (None: the model has none)."""
         num_tokens = hidden.shape[0]
         rows = batch.cu_q_lens[-1:]  # the step's real tokens: the GEMM kernels skip the padding's row tiles after them
         x = self.input_layernorm(hidden)
@@ -158,6 +162,7 @@ class DecoderLayer(nnx.Module):
             self.head_dim**-0.5,
             self.attention_backend,
             plan=attention_plan,
+            sliding_window=sliding_window,
         )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden, num_rows=rows)
         x = self.post_attention_layernorm(hidden)
@@ -284,11 +289,15 @@ class LlamaForCausalLM(nnx.Module):
             hidden.dtype,  # q's: the projections keep the hidden stream's dtype
         )
 
+        windows = layer_windows(self.config.sliding_windows)
+
         def body(carry, xs):
             h, cache = carry
             state, layer = xs
             views = jax.tree.map(lambda stack: LayerStack(stack, layer), stacked_state)
-            h, cache = nnx.merge(layer_def, views, state)(h, cache, layer, batch, lora, rotary, attention_plan)
+            window = None if windows is None else windows[layer]
+            decoder_layer = nnx.merge(layer_def, views, state)
+            h, cache = decoder_layer(h, cache, layer, batch, lora, rotary, attention_plan, sliding_window=window)
             return (h, cache), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

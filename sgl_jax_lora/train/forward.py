@@ -8,8 +8,9 @@ the base weights are arguments, never copied into the trainable state, and get n
 Per layer (a lax.scan over the stacked layers, as the serving model runs them), every projection is the module's
 own base GEMM plus the LoRA delta of each HF module it packs, exactly as PEFT computes it:
     y_m = base_m(x) + (x @ A_m^T) @ B_m^T * scaling          A_m [R, in], B_m [out, R]
-Attention is causal over the whole padded sequence [B, S] (right padding: a pad key is never before a real query);
-on GPU in bf16/fp16 it is cuDNN's flash attention.
+Attention is causal over the whole padded sequence [B, S] (right padding: a pad key is never before a real query),
+within each layer's sliding window where the model has one (ModelConfig.sliding_windows); on GPU in bf16/fp16 it is
+cuDNN's flash attention, unless the model mixes windowed and full layers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sgl_jax_lora.layers.attention import layer_windows
 from sgl_jax_lora.layers.linear import split_packed
 from sgl_jax_lora.layers.rotary import rotary_tables, rotate
 from sgl_jax_lora.train.lora_params import LoRAParams
@@ -86,17 +88,27 @@ def _packed(linear, x: jax.Array, modules: tuple[str, ...], lora: dict, scaling:
     return [_plus(part, _lora_delta(x, lora, m, scaling)) for part, m in zip(parts, modules)]
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float, window: int | jax.Array | None = None
+) -> jax.Array:
     """Causal attention. q [B, S, H, D], k/v [B, S, K, D] (K kv heads, each serving H/K query heads) -> [B, S, H*D].
-    On GPU in 16-bit, cuDNN's fused flash attention (forward and backward, no [S, S] scores in memory); else XLA."""
+    window: the keys a query attends to, its own included (an int for every layer alike, or this layer's [] i32
+    where layers differ); None: all up to its own. On GPU in 16-bit, cuDNN's fused flash attention (forward and
+    backward, no [S, S] scores in memory) unless the window is traced; else XLA."""
     batch, seq_len, num_heads, head_dim = q.shape
-    if _use_cudnn_attention(q):
-        out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+    if _use_cudnn_attention(q) and not isinstance(window, jax.Array):
+        local = None if window is None else (window - 1, 0)  # (keys before the query, keys after it)
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn", local_window_size=local
+        )
         return out.reshape(batch, seq_len, num_heads * head_dim)
     groups = num_heads // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bshd,bthd->bhst", q, k, preferred_element_type=jnp.float32) * scale
     causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+    if window is not None:
+        position = jnp.arange(seq_len)
+        causal &= position[:, None] - position[None, :] < window
     probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhst,bthd->bshd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(batch, seq_len, num_heads * head_dim)
@@ -107,10 +119,17 @@ def _use_cudnn_attention(q: jax.Array) -> bool:
 
 
 def _layer(
-    layer, hidden: jax.Array, rotary: tuple[jax.Array, jax.Array], lora: dict, scaling: float, batch: int, dot: Dot
+    layer,
+    hidden: jax.Array,
+    rotary: tuple[jax.Array, jax.Array],
+    lora: dict,
+    scaling: float,
+    batch: int,
+    dot: Dot,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """One decoder layer. hidden [N, E] with N = B * S (row-major) -> [N, E]; rotary: the (cos, sin) tables of the
-    N positions (layers/rotary.py rotary_tables, once per forward)."""
+    N positions (layers/rotary.py rotary_tables, once per forward); window: its sliding window (`_attention`)."""
     num_tokens = hidden.shape[0]
     x = layer.input_layernorm(hidden)
     q, k, v = _packed(layer.qkv_proj, x, ("q_proj", "k_proj", "v_proj"), lora, scaling, dot)
@@ -121,7 +140,7 @@ def _layer(
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = rotate(q, *rotary), rotate(k, *rotary)
     split = lambda t: t.reshape(batch, num_tokens // batch, *t.shape[1:])  # noqa: E731
-    attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5).reshape(num_tokens, -1)
+    attn = _attention(split(q), split(k), split(v), layer.head_dim**-0.5, window).reshape(num_tokens, -1)
     hidden = hidden + _plus(_base(layer.o_proj, attn, dot), _lora_delta(attn, lora, "o_proj", scaling))
     x = layer.post_attention_layernorm(hidden)
     gate, up = _packed(layer.gate_up_proj, x, ("gate_proj", "up_proj"), lora, scaling, dot)
@@ -140,12 +159,18 @@ def forward_logits(
     hidden = model.embed_tokens(input_ids.reshape(-1))
     rotary = rotary_tables(jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch), model.inv_freq)
     layer_def, layer_state = nnx.split(model.layers)
+    windows = model.config.sliding_windows
+    uniform = windows[0] if windows and len(set(windows)) == 1 else None  # a static window: cuDNN takes it
+    per_layer = layer_windows(windows) if windows and uniform is None else None  # traced, one a layer
 
     def body(h, xs):
-        state, layer_lora = xs
-        return _layer(nnx.merge(layer_def, state), h, rotary, layer_lora, lora.scaling, batch, dot), None
+        state, layer_lora, window = xs
+        layer = nnx.merge(layer_def, state)
+        return _layer(
+            layer, h, rotary, layer_lora, lora.scaling, batch, dot, uniform if window is None else window
+        ), None
 
-    hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights))
+    hidden, _ = jax.lax.scan(body, hidden, (layer_state, lora.weights, per_layer))
     return _logits(model, model.norm(hidden), dot).reshape(batch, seq_len, -1)
 
 

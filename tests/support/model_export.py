@@ -45,9 +45,9 @@ CONFIG = {
 STEPS = {"decode": (64, 64), "prefill_or_mixed": (16, 256)}  # (S, T): a token bucket's shape serves any mix
 
 
-def kernel_shaped_config(path: Path) -> ModelConfig:
-    """CONFIG written to path/config.json, read back as the model's config."""
-    (path / "config.json").write_text(json.dumps(CONFIG))
+def kernel_shaped_config(path: Path, **overrides) -> ModelConfig:
+    """CONFIG (with `overrides`) written to path/config.json, read back as the model's config."""
+    (path / "config.json").write_text(json.dumps({**CONFIG, **overrides}))
     return ModelConfig.from_model_path(str(path))
 
 

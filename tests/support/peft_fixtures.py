@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 TINY_LLAMA_CONFIG: dict = dict(
     vocab_size=128,
@@ -44,8 +44,9 @@ def make_tiny_llama_dir(path: str | Path, seed: int = 0, **config_overrides: obj
     return Path(path)
 
 
-def load_base_model(base_model_dir: str | Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32).eval()
+def load_base_model(base_model_dir: str | Path) -> PreTrainedModel:
+    """The checkpoint's own architecture (config.json's), so that a Mistral keeps its sliding window."""
+    return AutoModelForCausalLM.from_pretrained(str(base_model_dir), dtype=torch.float32).eval()
 
 
 def write_peft_adapter(

@@ -57,11 +57,18 @@ def make_inputs(
     return (q, k_cache, v_cache, jnp.int32(1), kv_lens, table, cu_q_lens)
 
 
-def check(args, *, page_size, decode_only, interpret, **options):
+def check(args, *, page_size, decode_only, interpret, sliding_window=None, **options):
     head_dim = args[0].shape[-1]
-    want = ragged_paged_attention_ref(*args, page_size=page_size, scale=head_dim**-0.5)
+    window = dict(sliding_window=None if sliding_window is None else jnp.int32(sliding_window))
+    want = ragged_paged_attention_ref(*args, page_size=page_size, scale=head_dim**-0.5, **window)
     got = ragged_paged_attention_gpu(
-        *args, page_size=page_size, scale=head_dim**-0.5, decode_only=decode_only, interpret=interpret, **options
+        *args,
+        page_size=page_size,
+        scale=head_dim**-0.5,
+        decode_only=decode_only,
+        interpret=interpret,
+        **window,
+        **options,
     )
     assert got.shape == want.shape and got.dtype == want.dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -130,6 +137,62 @@ def test_mixed_path_with_split_decode_rows_after_chunks(max_chunks):
     # one-token sequences after and between two chunks, their keys split over two programs each; with max_chunks
     # 2 the q-block grid is sized for the two chunks (and still covers padding tokens)
     check(chunks_and_split_rows(), page_size=4, decode_only=False, max_chunks=max_chunks, interpret=True, **SPLIT_TILES)
+
+
+# windows of one key, under a key block, a whole block (16), one past it, and wider than every context
+WINDOWS = [1, 3, 16, 17, 100]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window_mixed_step(window, num_splits):
+    # chunks whose queries span a window's edge inside and across key blocks, split and unsplit decode rows, a
+    # padding sequence and a padding token; GQA 4 in 16-row q tiles (4 tokens a q block)
+    args = make_inputs(
+        [7, 1, 5, 1, 0, 20],
+        [30, 13, 5, 40, 0, 60],
+        heads=8,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=35,
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
+    check(args, page_size=4, decode_only=False, interpret=True, sliding_window=window, **tiles)
+
+
+@pytest.mark.parametrize("window", [1, 17])
+def test_sliding_window_decode_only_and_wide_q_tiles(window):
+    args = make_inputs(
+        [1, 1, 0, 1, 1],
+        [9, 8, 0, 3, 41],
+        heads=2,
+        kv_heads=2,
+        head_dim=16,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=7,
+    )
+    check(args, page_size=4, decode_only=True, interpret=True, sliding_window=window, decode_tiles=DecodeTiles(16, 2))
+    args = make_inputs([24, 9], [40, 9], heads=2, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32)
+    tiles = PrefillTiles(block_rows=32, block_kv=16)  # 32 tokens a q block: one block spans the whole chunk
+    check(args, page_size=4, decode_only=False, interpret=True, sliding_window=window, prefill_tiles=tiles)
+
+
+def test_sliding_window_reads_no_key_below_it():
+    # every key below each query's window is NaN: a kernel that read one (even masked: 0 * NaN) would give NaN
+    q_lens, kv_lens, window = [6, 1, 1], [30, 13, 40], 10
+    args = list(make_inputs(q_lens, kv_lens, heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32))
+    table = np.asarray(args[5])
+    k_cache, v_cache = np.array(args[1]), np.array(args[2])
+    for seq, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+        for pos in range(kv_len - q_len - window + 1):  # below the window of the sequence's first query
+            slot = table[seq, pos // 4] * 4 + pos % 4
+            k_cache[1, :, slot] = v_cache[1, :, slot] = np.nan
+    args[1], args[2] = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 1)}
+    check(tuple(args), page_size=4, decode_only=False, interpret=True, sliding_window=window, **tiles)
 
 
 def test_decode_rows_launch_longest_first():
@@ -325,6 +388,29 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
     )
     max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)  # as the engine bounds its grid
     check(args, page_size=page_size, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["decode", "general"])
+@pytest.mark.parametrize("window", [100, 1000, 4096])
+def test_sliding_window_on_gpu_bf16(mode, window):
+    # contexts of 1 to 4096 keys under windows narrower than most of them, and Mistral's 4096; GQA 4, pages of 16
+    rng = np.random.default_rng(window)
+    q_lens, kv_lens = _gpu_lens(mode, rng)
+    args = make_inputs(
+        q_lens + [0],
+        kv_lens + [0],
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=jnp.bfloat16,
+        num_tokens=sum(q_lens) + 3,
+        seed=int(rng.integers(1 << 30)),
+    )
+    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)
+    check(args, page_size=16, decode_only=False, max_chunks=max_chunks, interpret=False, sliding_window=window)
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ class Case:
     kv_pages_per_block: int | None = 2
     dtype: type = jnp.float32
     cache_dtype: type | None = None  # default: dtype; an 8-bit float is --kv-cache-dtype fp8_*
+    sliding_window: int | None = None  # the keys a query attends to; None: all up to its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,11 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     for seq, count in enumerate(pages_needed):
         page_table[seq, :count] = free_pages[taken : taken + count]
         taken += count
+    page_table_ref = np.where(page_table == _UNUSED_PAGE, 0, page_table)
+    if case.sliding_window is not None:  # pages wholly below every query's window: the kernel must not read them
+        for seq, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            lowest_key = max(kv_len - q_len - case.sliding_window + 1, 0)  # the window's of the first query
+            page_table[seq, : lowest_key // case.page_size] = _UNUSED_PAGE
     cache_shape = (case.num_layers, case.num_kv_heads, case.num_pages * case.page_size, case.head_dim)
     draw = lambda shape, dtype=case.dtype: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     return Inputs(
@@ -83,13 +89,14 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         v_cache=draw(cache_shape, case.cache_dtype or case.dtype),
         kv_lens=jnp.asarray(kv_lens, jnp.int32),
         page_table=jnp.asarray(page_table),
-        page_table_ref=jnp.asarray(np.where(page_table == _UNUSED_PAGE, 0, page_table)),
+        page_table_ref=jnp.asarray(page_table_ref),
         cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
     )
 
 
 def run_both(case: Case, inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
     scale = case.head_dim**-0.5
+    window = None if case.sliding_window is None else jnp.int32(case.sliding_window)
     common = (inputs.q, inputs.k_cache, inputs.v_cache, jnp.int32(case.layer), inputs.kv_lens)
     out = ragged_paged_attention_tpu(
         *common,
@@ -100,9 +107,10 @@ def run_both(case: Case, inputs: Inputs) -> tuple[np.ndarray, np.ndarray]:
         num_kv_pages_per_block=case.kv_pages_per_block,
         num_queries_per_block=case.queries_per_block,
         interpret=True,
+        sliding_window=window,
     )
     ref = ragged_paged_attention_ref(
-        *common, inputs.page_table_ref, inputs.cu_q_lens, page_size=case.page_size, scale=scale
+        *common, inputs.page_table_ref, inputs.cu_q_lens, page_size=case.page_size, scale=scale, sliding_window=window
     )
     return np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
 
@@ -149,6 +157,15 @@ CASES = {
     # 8-bit caches are widened to q's dtype in the kernel: float32 products of the same values as the reference's
     "fp8_e4m3_cache": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), cache_dtype=jnp.float8_e4m3fn),
     "fp8_e5m2_cache_bf16": Case(q_lens=(1, 6, 1), kv_lens=(14, 9, 3), dtype=jnp.bfloat16, cache_dtype=jnp.float8_e5m2),
+    # sliding windows (Mistral's, Qwen2's): of one key, inside a page, across the 8-key kv blocks, wider than
+    # every context; the pages below each sequence's first window hold an out-of-range page index
+    "window_of_one_key": Case(q_lens=(1, 9, 1, 1, 6), kv_lens=(30, 9, 4, 13, 6), sliding_window=1),
+    "window_inside_a_page": Case(q_lens=(1, 9, 1, 1, 6), kv_lens=(30, 9, 4, 13, 6), sliding_window=3),
+    "window_across_kv_blocks": Case(q_lens=(1, 27, 1), kv_lens=(3, 45, 9), sliding_window=11),
+    "window_past_every_context": Case(q_lens=(5, 11), kv_lens=(21, 40), sliding_window=64),
+    "window_gqa_8_q_blocks_of_8": Case(
+        q_lens=(2, 20, 1), kv_lens=(11, 50, 33), num_heads=8, num_kv_heads=1, queries_per_block=8, sliding_window=9
+    ),
 }
 
 

@@ -1,5 +1,5 @@
 """sgl_jax_lora/configs/model_config.py: ModelConfig read from an HF config.json (defaults, per-architecture flags,
-rope scaling in both HF spellings, Mistral's sliding window), tensor-parallel checks, and refusals that name the
+rope scaling in both HF spellings, the sliding windows per layer), tensor-parallel checks, and refusals that name the
 problem and the fix."""
 
 from __future__ import annotations
@@ -47,12 +47,25 @@ def test_rope_scaling_in_either_spelling():
         ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn"}})
 
 
-def test_mistral_serves_only_its_sliding_window():
+def test_sliding_windows_per_layer_as_transformers_applies_them():
     mistral = {**LLAMA, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
-    assert ModelConfig.from_dict({**mistral, "sliding_window": 4096}).max_position_embeddings == 4096
-    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).max_position_embeddings == 32768
-    long_llama = {**LLAMA, "max_position_embeddings": 32768, "sliding_window": 4096}
-    assert ModelConfig.from_dict(long_llama).max_position_embeddings == 32768  # only Mistral's window clips
+    windowed = ModelConfig.from_dict({**mistral, "sliding_window": 4096})
+    assert windowed.sliding_windows == (4096, 4096) and windowed.max_position_embeddings == 32768  # the whole context
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).sliding_windows == ()
+    assert ModelConfig.from_dict({**mistral, "sliding_window": 4096, "use_sliding_window": False}).sliding_windows == ()
+    assert ModelConfig.from_dict({**LLAMA, "sliding_window": 4096}).sliding_windows == ()  # Llama has none
+    qwen2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4, "sliding_window": 64}
+    assert ModelConfig.from_dict(qwen2).sliding_windows == ()  # use_sliding_window defaults to false
+    on = {**qwen2, "use_sliding_window": True}
+    assert ModelConfig.from_dict({**on, "max_window_layers": 1}).sliding_windows == (0, 64, 64, 64)
+    assert ModelConfig.from_dict({**on, "max_window_layers": 28}).sliding_windows == ()  # no layer from 28 on
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    qwen3 = {**on, "architectures": ["Qwen3ForCausalLM"], "layer_types": types}
+    assert ModelConfig.from_dict(qwen3).sliding_windows == (0, 64, 0, 64)
+    with pytest.raises(ModelConfigError, match="layer_types must name 4 layers"):
+        ModelConfig.from_dict({**qwen3, "layer_types": types[:3]})
+    with pytest.raises(ModelConfigError, match="sliding_window must be a positive integer"):
+        ModelConfig.from_dict({**mistral, "sliding_window": 0})
 
 
 def test_refusals_name_the_problem():

@@ -1,6 +1,7 @@
 """The whole forward lowers for TPU: `jax.export(..., platforms=["tpu"])` on CPU, with the Mosaic attention kernel
 and (LoRA on) the Pallas TPU SGMV kernels, at tp 1 and tp 4 over fake CPU devices, for decode, prefill and mixed
-steps (one program per token bucket serves all three); with an 8-bit KV cache and with 8-bit weights too.
+steps (one program per token bucket serves all three); with an 8-bit KV cache, with 8-bit weights, and with sliding
+windows (Qwen2's: windowed and full layers in one rolled loop).
 
 No TPU is reachable from CI. This proves that every kernel traces and that Pallas lowers it to Mosaic; the Mosaic
 passes that run inside libtpu (layouts, compilation) and the speed on a TPU are not checked here.
@@ -42,6 +43,17 @@ def test_forward_with_an_fp8_cache_exports_for_tpu(model_config, step):
     exported = export_forward(model_config, 4, False, *STEPS[step], kv_dtype=jnp.float8_e4m3fn, page_size=32)
     module = exported.mlir_module()
     assert "ragged_paged_attention" in module and "f8E4M3FN" in module
+
+
+@pytest.mark.parametrize("tp_size", [1, 4])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_forward_with_sliding_windows_exports_for_tpu(tmp_path, tp_size, step):
+    # layer 0 full, layer 1 windowed: each layer's window reaches the kernel as a scalar of the scanned loop
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": True}
+    cfg = kernel_shaped_config(tmp_path, max_window_layers=1, **qwen2)
+    assert cfg.sliding_windows == (0, 64)
+    exported = export_forward(cfg, tp_size, True, *STEPS[step])
+    assert "ragged_paged_attention" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])

@@ -83,17 +83,19 @@ def test_lora_delta_is_pefts_product_and_absent_modules_add_nothing():
     np.testing.assert_allclose(np.asarray(_plus(y, delta)), 1.0 + np.asarray(delta), rtol=1e-6)
 
 
-def numpy_causal_attention(q, k, v, scale):
-    """q [B, S, H, D], k/v [B, S, K, D] -> [B, S, H * D]: query head h reads kv head h // (H / K), keys <= query."""
+def numpy_causal_attention(q, k, v, scale, window=None):
+    """q [B, S, H, D], k/v [B, S, K, D] -> [B, S, H * D]: query head h reads kv head h // (H / K), keys <= query (the
+    last `window` of them, if given)."""
     batch, seq_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
     out = np.zeros((batch, seq_len, num_heads, head_dim))
     for bi in range(batch):
         for h in range(num_heads):
             for s in range(seq_len):
-                scores = k[bi, : s + 1, h // group] @ q[bi, s, h] * scale
+                first = 0 if window is None else max(0, s - window + 1)
+                scores = k[bi, first : s + 1, h // group] @ q[bi, s, h] * scale
                 probs = np.exp(scores - scores.max())
-                out[bi, s, h] = (probs / probs.sum()) @ v[bi, : s + 1, h // group]
+                out[bi, s, h] = (probs / probs.sum()) @ v[bi, first : s + 1, h // group]
     return out.reshape(batch, seq_len, num_heads * head_dim)
 
 
@@ -105,6 +107,31 @@ def test_attention_matches_a_causal_numpy_reference(num_kv_heads):
     out = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 8**-0.5)
     assert out.shape == (2, 5, 32) and out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), numpy_causal_attention(q, k, v, 8**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["static-window", "traced-window"])
+def test_attention_within_a_sliding_window_matches_numpy(traced):
+    # a static window (every layer's alike) or a traced one (a layer's, where windowed and full layers mix)
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 7, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 7, 2, 8)).astype(np.float32) for _ in range(2))
+    window, static = (jnp.int32(3), (3,)) if traced else (3, (3, 4))
+    out = jax.jit(_attention, static_argnums=static)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 8**-0.5, window)
+    np.testing.assert_allclose(np.asarray(out), numpy_causal_attention(q, k, v, 8**-0.5, 3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("window", [None, 100], ids=["causal", "window-100"])
+def test_cudnn_attention_in_bf16_matches_numpy(window):
+    # 16-bit on the GPU takes cuDNN's flash attention, a static window as its local window
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 256, 8, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 256, 2, 64)).astype(np.float32) for _ in range(2))
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    out = np.asarray(_attention(bf16(q), bf16(k), bf16(v), 0.125, window), np.float32)
+    want = numpy_causal_attention(*(np.asarray(bf16(x), np.float32) for x in (q, k, v)), 0.125, window)
+    np.testing.assert_allclose(out, want, atol=3e-2, rtol=0)
 
 
 def test_attention_output_does_not_depend_on_later_tokens():

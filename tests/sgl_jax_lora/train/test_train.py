@@ -69,11 +69,19 @@ def test_training_forward_matches_peft_and_leaves_the_base_weights_alone(data_fi
     assert np.abs(ours - expected).max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope"])
+# sliding windows shorter than the 12-token prompt: every layer's (Mistral), or the second layer's only (Qwen2)
+WINDOWED = {
+    "mistral_window_5": ("mistral", dict(sliding_window=5)),
+    "qwen2_window_4_from_layer_1": ("qwen2", dict(sliding_window=4, use_sliding_window=True, max_window_layers=1)),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope", *WINDOWED])
 def test_training_forward_matches_peft_for_each_architecture(arch, tmp_path):
     from tests.support.model_fixtures import make_hf_model_dir
 
-    base = make_hf_model_dir(tmp_path / "base", arch, seed=7)
+    arch, overrides = WINDOWED.get(arch, (arch, {}))
+    base = make_hf_model_dir(tmp_path / "base", arch, seed=7, **overrides)
     trainer = LoRATrainer(str(base), rank=4, lora_alpha=8, seed=1)
     key = jax.random.key(2)  # random B (training starts at B = 0, which would hide a wrong B layout)
     weights = {

@@ -1,0 +1,59 @@
+"""Sliding-window models served end to end vs HF transformers + PEFT (CPU, fp32): a Mistral whose window is shorter
+than the prompts and the outputs, base and adapter requests in one batch, prompts over several prefill chunks and
+pages, decode far past the window, a prompt sharing a cached prefix, with the native attention and the Pallas
+kernels (the TPU kernel in interpret mode on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_jax_lora import Engine
+from tests.sgl_jax_lora.test_engine_lora import GREEDY, assert_matches_peft, prompt, reference
+from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import write_peft_adapter
+
+# slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
+pytestmark = pytest.mark.slow
+
+WINDOW = 11  # keys: under a page of 16, so chunks, pages and the window's edge all fall at different tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("window")
+    base = make_hf_model_dir(root / "mistral", "mistral", seed=5, sliding_window=WINDOW)
+    adapter = write_peft_adapter(base, root / "adapter", seed=7, r=8, lora_alpha=16, target_modules="all-linear")
+    return base, {"adapter": adapter}
+
+
+@pytest.mark.parametrize("attention_backend", ["native", "pallas"])
+def test_windowed_model_matches_hf_and_peft(setup, attention_backend):
+    base, adapters = setup
+    names = ["adapter", None, None, "adapter"]
+    shared = prompt(50, 37)
+    ids = [shared, prompt(51, 45), prompt(52, 9), shared[:30] + prompt(53, 8)]  # the last: the first's cached prefix
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        attention_backend=attention_backend,
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        context_length=128,
+        max_running_requests=8,
+        chunked_prefill_size=16,
+        max_prefill_seqs=4,
+        token_buckets=[16],
+        skip_precompile=True,
+    ) as eng:
+        first = eng.generate(
+            input_ids=ids[:3],
+            sampling_params={"max_new_tokens": 24, **GREEDY},
+            lora_path=names[:3],
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        # no prompt logprobs: a request that asks for them recomputes its whole prompt instead of reusing pages
+        last = eng.generate(input_ids=ids[3], sampling_params={"max_new_tokens": 24, **GREEDY}, lora_path=names[3])
+        assert last["meta_info"]["cached_tokens"] == 16  # the first page of the shared prefix
+    assert_matches_peft(base, adapters, names[:3], ids[:3], first, 24)
+    assert last["output_ids"] == reference(base, adapters[names[3]], ids[3], 24)[0]
