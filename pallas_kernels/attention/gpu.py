@@ -516,15 +516,14 @@ def _prefill_kernel(
         block_kv=block_kv,
         page_size=page_size,
         compute_dtype=q.dtype,
-        lowest_key=lowest_key,
     )
 
-    def full_block(kv_block, carry):  # every key at or below every query of the block
+    def full_block(kv_block, carry):  # every key at or below every query of the block, and inside its window
         k, v, _, _ = load(kv_block)
         return _softmax_step(carry, q, k, v, None, scale_log2)
 
-    def masked_block(kv_block, carry):
-        k, v, key_pos, _ = load(kv_block)
+    def masked_block(kv_block, carry):  # keys below the window of the block's first query are not read
+        k, v, key_pos, _ = load(kv_block, lowest_key=lowest_key)
         mask = key_pos[None, :] <= query_pos[:, None]
         if windowed:
             mask &= key_pos[None, :] > query_pos[:, None] - window
