@@ -313,7 +313,7 @@ def _decode_kernel(
         first = split * per_split
     last = jnp.minimum(num_blocks, first + per_split)
 
-    def body(block, carry, lowest_key=None):
+    def body(block, carry):
         k, v, _, is_key = _load_kv_block(
             k_ref,
             v_ref,
@@ -336,10 +336,6 @@ def _decode_kernel(
         jnp.full((group_pad,), _MASK_INIT, jnp.float32),
         jnp.zeros((group_pad,), jnp.float32),
     )
-    if windowed:  # only a split's first block can hold keys below the window: it alone loads with that mask
-        peeled = jnp.minimum(first + 1, last)
-        init = jax.lax.fori_loop(first, peeled, functools.partial(body, lowest_key=lowest_key), init)
-        first = peeled
     o, m, l = jax.lax.fori_loop(first, last, body, init)
     if num_splits == 1:
         (out_ref,) = out_refs
