@@ -118,6 +118,16 @@ class ModelConfig:
             sliding_windows=sliding_windows_of(raw, architecture, num_layers),
         )
 
+    def context_length(self, requested: int | None) -> int:
+        """The tokens a request may hold (prompt + output): --context-length, at most the model's positions."""
+        return min(requested or self.max_position_embeddings, self.max_position_embeddings)
+
+    def served_within(self, context_length: int) -> ModelConfig:
+        """This config as a server of requests of at most context_length tokens runs it: a window at least that wide
+        leaves out no key of any request, so its layer attends in full (and skips the window's work)."""
+        windows = tuple(w if w < context_length else 0 for w in self.sliding_windows)
+        return dataclasses.replace(self, sliding_windows=windows if any(windows) else ())
+
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise unless the heads and MLP split evenly over `tp_size` devices."""
         problems = []

@@ -70,9 +70,7 @@ class EngineCore:
         self.args = args
         self.cfg = ModelConfig.from_model_path(model_path)
         self.cfg.check_tensor_parallel(args.tp_size)
-        self.context_length = min(
-            args.context_length or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
-        )
+        self.context_length = self.cfg.context_length(args.context_length)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
         self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
@@ -393,6 +391,7 @@ class EngineCore:
             "max_lora_rank": self.lora.max_rank if self.lora else None,
             "buckets": {"tokens": list(self.buckets.tokens), "seqs": [s for s, _ in self.buckets.shapes()]},
             "attention_backend": self.runner.attention_backend,
+            "sliding_windows": list(self.cfg.served_within(self.context_length).sliding_windows),  # 0: full layer
             "kv_cache_dtype": str(self.runner.kv_dtype),  # --kv-cache-dtype as resolved ('auto': the model's)
             "engine_gc": collector_stats(),  # the engine process's garbage collector (utils/gc_freeze.py)
             "timestamp": time.time(),

@@ -70,9 +70,10 @@ def load_engine_model(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model as the engine's flags build it on `mesh` (dtype, attention backend for the mesh's platform, layers per
     scan step, --max-prefill-seqs, the base GEMM kernel from --gpu-gemm-min-tokens, quantization): ModelRunner's, and
-    that of a benchmark timing the engine's forward without an engine (scripts/bench_step.py)."""
+    that of a benchmark timing the engine's forward without an engine (scripts/bench_step.py). Sliding windows at
+    least --context-length wide are served as full attention (ModelConfig.served_within)."""
     return load_model_state(
-        cfg,
+        cfg.served_within(cfg.context_length(args.context_length)),
         args.tp_size,
         args.page_size,
         jnp.dtype(args.dtype),

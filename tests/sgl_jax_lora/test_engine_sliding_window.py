@@ -55,5 +55,6 @@ def test_windowed_model_matches_hf_and_peft(setup, attention_backend):
         # no prompt logprobs: a request that asks for them recomputes its whole prompt instead of reusing pages
         last = eng.generate(input_ids=ids[3], sampling_params={"max_new_tokens": 24, **GREEDY}, lora_path=names[3])
         assert last["meta_info"]["cached_tokens"] == 16  # the first page of the shared prefix
+        assert eng.get_server_info()["sliding_windows"] == [WINDOW, WINDOW]  # narrower than the 128-token context
     assert_matches_peft(base, adapters, names[:3], ids[:3], first, 24)
     assert last["output_ids"] == reference(base, adapters[names[3]], ids[3], 24)[0]

@@ -68,6 +68,19 @@ def test_sliding_windows_per_layer_as_transformers_applies_them():
         ModelConfig.from_dict({**mistral, "sliding_window": 0})
 
 
+def test_windows_as_wide_as_the_context_are_served_as_full_attention():
+    # a query at position p < context_length leaves out keys up to p - W, none when W >= context_length
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"], "max_position_embeddings": 32768}
+    cfg = ModelConfig.from_dict({**mistral, "sliding_window": 4096})
+    assert cfg.context_length(None) == 32768 and cfg.context_length(4096) == 4096 and cfg.context_length(10**6) == 32768
+    assert cfg.served_within(4097).sliding_windows == (4096, 4096)
+    assert cfg.served_within(4096).sliding_windows == ()
+    qwen2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 0}
+    types = ["full_attention", "sliding_attention"]
+    mixed = ModelConfig.from_dict({**qwen2, "sliding_window": 64, "layer_types": types})
+    assert mixed.served_within(65).sliding_windows == (0, 64) and mixed.served_within(64).sliding_windows == ()
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(ModelConfigError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: Llama"):
         ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
