@@ -38,6 +38,10 @@ The step's layout for both kernels (the decode rows longest first, the q block t
 to every layer's call (a rolled layer loop would otherwise sort and scan it again in each iteration); a call given
 no plan builds its own.
 
+A sliding window (`sliding_window`, a traced [] i32: the layer's) moves each kernel's first key block up: a decode
+row starts at its window's first key, a q block at the window of its first query, and only the blocks at the
+window's edge load and mask by it; without one the kernels are the programs they were before windows.
+
 An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened as its rows load, to float16 beside 16-bit queries (q is
 saturated into float16's range) and to q's dtype beside float32 ones, with float32 accumulation as for a 16-bit
 cache; the decode kernel then walks 64 keys a step (`choose_decode_block_kv`: the bytes of 32 bf16).

@@ -2,11 +2,12 @@
 
 One call covers a whole step: sequence s owns the query tokens q[cu_q_lens[s] : cu_q_lens[s+1]] (decode rows of one
 token and prefill chunks of many, in any mix) and, after this step's K/V were written, kv_lens[s] tokens in the cache.
-Its i-th query sits at absolute position kv_lens[s] - q_len + i and attends causally to the keys at positions up to
-its own, or, with a sliding window W, to the W keys ending at its own (positions q - W + 1 .. q: Mistral's and
-Qwen2's `sliding_window`, as HF transformers masks it). Key position j of sequence s lives in cache slot page_table[s, j // page_size] * page_size + j % page_size
-of layer `layer` of the caches [L, K, N, D] (the engine's layout, mem_cache/kv_cache.py). Query head h reads kv head
-h // (H / K) (GQA). Tokens past cu_q_lens[S] (padding) give zeros.
+Its i-th query sits at absolute position p = kv_lens[s] - q_len + i and attends causally to the keys at positions up
+to its own, or, with a sliding window W, to the W keys ending at its own (positions p - W + 1 .. p: Mistral's and
+Qwen2's `sliding_window`, as HF transformers masks it). Key position j of sequence s lives in cache slot
+page_table[s, j // page_size] * page_size + j % page_size of layer `layer` of the caches [L, K, N, D] (the engine's
+layout, mem_cache/kv_cache.py). Query head h reads kv head h // (H / K) (GQA). Tokens past cu_q_lens[S] (padding)
+give zeros.
 
 The reference is written for clarity, not speed: it gathers every key of each token's sequence ([T, P * page_size]).
 """

@@ -20,7 +20,9 @@ the rows of other sequences masked, then writes its rows of the output tile. Tok
 K/V reads. The caches stay in HBM (`pl.ANY`). For each block of `num_kv_pages_per_block` pages the kernel DMAs
 one [page_size, D] slab per page of this layer and kv head into a VMEM buffer [pages * page_size, D]; two buffers
 alternate, so the DMA of the next page block overlaps the math on the current one. Pages past the causal limit
-are not read, so VMEM rows past it hold stale data: scores and values there are masked before use.
+are not read, so VMEM rows past it hold stale data: scores and values there are masked before use. With a sliding
+window (`sliding_window`, scalar-prefetched beside the layer) the kv blocks wholly below the window of a sequence's
+first row in the q block are skipped, and the pages below it in its first kv block are not DMAed.
 
 TPU tiling: a page slab is [page_size, D], so page_size must be a multiple of the cache dtype's sublane tile
 (8 for 32-bit, 16 for bf16, 32 for an 8-bit cache, whose slabs are widened to q's dtype before the products) and D

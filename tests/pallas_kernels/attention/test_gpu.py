@@ -289,13 +289,15 @@ def fp8_inputs(decode_only: bool, q_dtype, cache_dtype):
     )
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["causal", "window-6"])
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_fp8_cache_interpret(cache_dtype, decode_only):
+def test_fp8_cache_interpret(cache_dtype, decode_only, window):
     # an 8-bit cache (--kv-cache-dtype fp8_*): the kernels widen K/V to q's dtype as they load them, so in float32
-    # they match the reference (which widens the same values) to float32 rounding; keys past kv_len stay unread
+    # they match the reference (which widens the same values) to float32 rounding; keys past kv_len (and below a
+    # sliding window) stay unread
     args = fp8_inputs(decode_only, jnp.float32, cache_dtype)
-    check(args, page_size=4, decode_only=decode_only, interpret=True, **FP8_TILES)
+    check(args, page_size=4, decode_only=decode_only, interpret=True, sliding_window=window, **FP8_TILES)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)

@@ -163,6 +163,9 @@ CASES = {
     "window_inside_a_page": Case(q_lens=(1, 9, 1, 1, 6), kv_lens=(30, 9, 4, 13, 6), sliding_window=3),
     "window_across_kv_blocks": Case(q_lens=(1, 27, 1), kv_lens=(3, 45, 9), sliding_window=11),
     "window_past_every_context": Case(q_lens=(5, 11), kv_lens=(21, 40), sliding_window=64),
+    "window_fp8_e4m3_cache": Case(
+        q_lens=(1, 9, 1, 1, 6), kv_lens=(30, 9, 4, 13, 6), sliding_window=5, cache_dtype=jnp.float8_e4m3fn
+    ),
     "window_gqa_8_q_blocks_of_8": Case(
         q_lens=(2, 20, 1), kv_lens=(11, 50, 33), num_heads=8, num_kv_heads=1, queries_per_block=8, sliding_window=9
     ),
