@@ -128,6 +128,12 @@ class ModelConfig:
         windows = tuple(w if w < context_length else 0 for w in self.sliding_windows)
         return dataclasses.replace(self, sliding_windows=windows if any(windows) else ())
 
+    @property
+    def page_release_window(self) -> int | None:
+        """The widest sliding window when every layer has one (a request's KV pages below it are read by no layer:
+        mem_cache/window_pages.py); None when a layer attends to every key."""
+        return max(self.sliding_windows) if self.sliding_windows and all(self.sliding_windows) else None
+
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise unless the heads and MLP split evenly over `tp_size` devices."""
         problems = []

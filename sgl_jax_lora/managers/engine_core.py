@@ -106,6 +106,7 @@ class EngineCore:
             args.max_prefill_seqs,
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
+            sliding_window=self.cfg.served_within(self.context_length).page_release_window,
         )
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0

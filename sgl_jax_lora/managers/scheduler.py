@@ -28,7 +28,8 @@ cached pages of its longest cached prefix under its adapter and prefills only th
 full pages once launched (EngineCore), released requests leave theirs, and unheld cached pages go when pages run short.
 A waiting request whose first page another admission computes in the same step waits for the next step, where it
 finds that page cached: n samples of one prompt, or a burst sharing a system prompt, prefill it once (SGLang's
-in-batch prefix caching).
+in-batch prefix caching). With a sliding window on every layer (`sliding_window`), running requests give back their
+pages below it as each step is planned (mem_cache/window_pages.py).
 
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
 requests are already advanced, their sampled tokens in flight (managers/in_flight.py). A request may then turn out finished (a stop
@@ -45,7 +46,8 @@ from sgl_jax_lora.managers.adapter_slots import AdapterSlots
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
+from sgl_jax_lora.mem_cache.prefix_cache import SCRATCH_PAGE, PrefixCache
+from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
 
 
 class Scheduler:
@@ -58,6 +60,7 @@ class Scheduler:
         max_prefill_seqs: int,
         adapter_slots: AdapterSlots | None = None,
         prefix_cache: PrefixCache | None = None,
+        sliding_window: int | None = None,  # every layer's window, or the widest: pages below it are given back
     ):
         self.buckets = buckets
         self.allocator = allocator
@@ -66,6 +69,7 @@ class Scheduler:
         self.max_prefill_seqs = max_prefill_seqs
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
+        self.sliding_window = sliding_window
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -105,7 +109,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(req.lora_slot_key, req.all_ids, req.num_computed, req.pages)
         else:
-            self.allocator.free(req.pages)
+            self.allocator.free([page for page in req.pages if page != SCRATCH_PAGE])
         req.pages = []
 
     # ---- KV pages ----------------------------------------------------------------------------
@@ -157,6 +161,8 @@ class Scheduler:
         """The plan of the next step: decode rows, then prefill chunks, and the adapter loads they need; None when
         nothing can run. Host bookkeeping only (queues, KV pages, the adapter slot table): no device writes."""
         batch = ScheduleBatch(reqs=[], num_new_tokens=[], token_slots=[])
+        for req in self.running if self.sliding_window is not None else ():
+            drop_pages_below_window(req.pages, req.num_computed, self.sliding_window, self.allocator, self.prefix_cache)
         if self.adapter_slots is not None:
             batch.adapters = self.adapter_slots.plan_step({r.lora_slot_key for r in self.running})
         self._add_decode_rows(batch)

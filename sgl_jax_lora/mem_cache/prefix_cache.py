@@ -6,6 +6,9 @@ pages, and its prefill starts after them -> once a step computing a prefill chun
 the request's full pages, which it keeps holding -> when the request gives its pages back (finish, abort,
 preemption) `release` keeps its full pages for reuse (or drops its hold on the cached ones) and frees the rest ->
 cached pages that no request holds are evicted, least recently used first, when the allocator runs short (`evict`).
+A request of a sliding-window model may give back its pages below the window while it runs (mem_cache/window_pages.py,
+`give_back`); their places in its page list hold SCRATCH_PAGE, and only the pages before the first of those can be
+cached (a prefix is matched from its first page).
 
 Keys: a page's key is a SHA-256 chain over the adapter (`LoRARef.lora_id`, a new UUID at every load, None for the
 base model) and every token up to the page's end, so a page is only reused for the same prefix under the same
@@ -20,6 +23,8 @@ import hashlib
 import numpy as np
 
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+
+SCRATCH_PAGE = 0  # the reserved page (padding tokens write it); in a request's page list, a page it gave back
 
 
 class PrefixCache:
@@ -71,6 +76,8 @@ class PrefixCache:
         beside it) stays the request's own. The request's `release` then gives its hold back."""
         keys = self.page_keys(adapter, tokens, min(num_computed // self.page_size, len(pages)))
         for page, key in zip(pages, keys):
+            if page == SCRATCH_PAGE:  # given back below a sliding window: the pages after it start no prefix
+                break
             if page not in self._key_of and key not in self._page_of:
                 self._page_of[key], self._key_of[page], self._holders[page] = page, key, 1
 
@@ -79,8 +86,15 @@ class PrefixCache:
         their K/V written). Its full pages stay cached, unless the same prefix is cached already; the others
         are freed."""
         self.insert(adapter, tokens, num_computed, pages)  # every page it may keep is now cached and held by it
+        self.give_back(pages)
+
+    def give_back(self, pages: list[int]) -> None:
+        """A request's pages go: from the cached ones it drops its hold (they stay for later requests), the others
+        are freed; SCRATCH_PAGE entries (pages it gave back before) are skipped."""
         to_free, kept = [], []
         for page in pages:
+            if page == SCRATCH_PAGE:
+                continue
             if page in self._key_of:  # cached: it drops its hold (from `match` or `insert`)
                 self._holders[page] -= 1
                 kept.append(page)

@@ -1,7 +1,8 @@
 """Sliding-window models served end to end vs HF transformers + PEFT (CPU, fp32): a Mistral whose window is shorter
 than the prompts and the outputs, base and adapter requests in one batch, prompts over several prefill chunks and
 pages, decode far past the window, a prompt sharing a cached prefix, with the native attention and the Pallas
-kernels (the TPU kernel in interpret mode on CPU)."""
+kernels (the TPU kernel in interpret mode on CPU); and requests that fit a small KV cache side by side only because
+each gives back its pages below the window while it runs."""
 
 from __future__ import annotations
 
@@ -58,3 +59,34 @@ def test_windowed_model_matches_hf_and_peft(setup, attention_backend):
         assert eng.get_server_info()["sliding_windows"] == [WINDOW, WINDOW]  # narrower than the 128-token context
     assert_matches_peft(base, adapters, names[:3], ids[:3], first, 24)
     assert last["output_ids"] == reference(base, adapters[names[3]], ids[3], 24)[0]
+
+
+def test_requests_give_back_pages_below_the_window_and_still_match_peft(setup):
+    # 6 pages of 16 tokens: the three requests need 12 pages for their whole prompts and outputs; holding only the
+    # pages their windows read, they run side by side without preemption, on pages others gave back
+    base, adapters = setup
+    names = ["adapter", None, "adapter"]
+    ids = [prompt(60, 37), prompt(61, 45), prompt(62, 20)]
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        context_length=128,
+        max_running_requests=8,
+        chunked_prefill_size=16,
+        max_prefill_seqs=4,
+        token_buckets=[16],
+        max_total_tokens=96,
+        skip_precompile=True,
+    ) as eng:
+        outs = eng.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 40, **GREEDY},
+            lora_path=names,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        info = eng.get_server_info()
+    assert info["kv_pages_total"] == 6 and info["num_preemptions"] == 0
+    assert_matches_peft(base, adapters, names, ids, outs, 40)
