@@ -127,8 +127,8 @@ def test_fused_rope_kv_write_takes_the_unzeroed_qkv_and_gives_the_native_layers_
         jax.debug.callback(functools.partial(record, "q padding"), jnp.abs(q[200:]).max())
         return q, k_cache, v_cache
 
-    def native_attention(*args, plan):  # the backend is the last argument; the native path takes no plan
-        return real_attention(*args[:-1], AttentionBackend("native"))
+    def native_attention(*args, plan, sliding_window):  # the backend is the last argument; native takes no plan
+        return real_attention(*args[:-1], AttentionBackend("native"), sliding_window=sliding_window)
 
     def recorded_gemm(*args, zero_padding=True, **kwargs):
         seen["zero_padding"].append(zero_padding)
