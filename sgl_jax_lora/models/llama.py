@@ -3,9 +3,9 @@
 Flow: ModelRunner calls `model(kv_cache, forward_batch)` inside jit -> embeddings -> a lax.scan over the
 stacked decoder layers (one compiled layer body, weights [L, ...]) -> final norm -> hidden [T, E].
 `model.logits(hidden)` applies the LM head to the rows the sampler needs. A model with sliding windows (Mistral;
-Qwen2 and Qwen3 with `use_sliding_window`) hands each layer its window, indexed by the loop's layer. In token buckets that run the base GEMM
-kernel (`base_gemm`, layers/base_gemm.py: `--gpu-gemm-min-tokens`), the layers' base weights stay whole [L, ...]
-stacks outside the scan, as the LoRA buffers always do (see `__call__`).
+Qwen2 and Qwen3 with `use_sliding_window`) hands each layer its window, indexed by the loop's layer. In token
+buckets that run the base GEMM kernel (`base_gemm`, layers/base_gemm.py: `--gpu-gemm-min-tokens`), the layers' base
+weights stay whole [L, ...] stacks outside the scan, as the LoRA buffers always do (see `__call__`).
 
 Linears are packed (qkv_proj <- q, k, v; gate_up_proj <- gate, up) in shard-major layout
 (layers/linear.py); which HF modules each packed linear carries is LORA_TARGETS (lora/target_shapes.py). Two
