@@ -3,7 +3,8 @@
 On CPU the kernels run in Pallas interpret mode in float32 on tiny shapes; on a CUDA GPU (marked `gpu`) they run
 compiled in bf16 over contexts up to 4096, GQA 1 and 8, page sizes 16 and 32. Every case draws fresh random
 inputs, shuffles the pages, reads layer 1 of a two-layer cache and leaves garbage pages in the table past each
-sequence's keys, so a kernel that reads another layer, another sequence's pages or keys past kv_len fails.
+sequence's keys, so a kernel that reads another layer, another sequence's pages or keys past kv_len fails. Sliding
+windows run from one key to wider than every context, with NaN keys below the window in one case.
 """
 
 from __future__ import annotations

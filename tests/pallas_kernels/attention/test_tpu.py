@@ -2,7 +2,8 @@
 
 The kernel runs on CPU in Mosaic interpret mode (`pltpu.InterpretParams`: uninitialized VMEM reads as NaN and
 out-of-bounds DMAs raise). Page-table entries a sequence does not use hold an out-of-range page id for the kernel
-(the reference gets page 0 there), so a kernel that DMAs a page it should not read fails. The `tpu_export` tests
+(the reference gets page 0 there), so a kernel that DMAs a page it should not read fails; with a sliding window the
+pages below each sequence's first window hold it too. The `tpu_export` tests
 lower the real (non-interpret) kernel for TPU with jax.export on CPU: proof that Pallas accepts it for Mosaic,
 not that libtpu compiles it (Mosaic's layout passes run only on a TPU host).
 """
