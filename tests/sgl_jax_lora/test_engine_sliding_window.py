@@ -27,25 +27,28 @@ def setup(tmp_path_factory):
     return base, {"adapter": adapter}
 
 
+def windowed_engine(base, adapters: dict, **overrides) -> Engine:
+    """The windowed model with its adapter: 128-token contexts, 16-token steps (prompts over several chunks)."""
+    options = dict(context_length=128, max_running_requests=8, chunked_prefill_size=16, max_prefill_seqs=4)
+    return Engine(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        token_buckets=[16],
+        skip_precompile=True,
+        **options,
+        **overrides,
+    )
+
+
 @pytest.mark.parametrize("attention_backend", ["native", "pallas"])
 def test_windowed_model_matches_hf_and_peft(setup, attention_backend):
     base, adapters = setup
     names = ["adapter", None, None, "adapter"]
     shared = prompt(50, 37)
     ids = [shared, prompt(51, 45), prompt(52, 9), shared[:30] + prompt(53, 8)]  # the last: the first's cached prefix
-    with Engine(
-        model_path=str(base),
-        dtype="float32",
-        attention_backend=attention_backend,
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=2,
-        context_length=128,
-        max_running_requests=8,
-        chunked_prefill_size=16,
-        max_prefill_seqs=4,
-        token_buckets=[16],
-        skip_precompile=True,
-    ) as eng:
+    with windowed_engine(base, adapters, attention_backend=attention_backend) as eng:
         first = eng.generate(
             input_ids=ids[:3],
             sampling_params={"max_new_tokens": 24, **GREEDY},
@@ -67,19 +70,7 @@ def test_requests_give_back_pages_below_the_window_and_still_match_peft(setup):
     base, adapters = setup
     names = ["adapter", None, "adapter"]
     ids = [prompt(60, 37), prompt(61, 45), prompt(62, 20)]
-    with Engine(
-        model_path=str(base),
-        dtype="float32",
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=2,
-        context_length=128,
-        max_running_requests=8,
-        chunked_prefill_size=16,
-        max_prefill_seqs=4,
-        token_buckets=[16],
-        max_total_tokens=96,
-        skip_precompile=True,
-    ) as eng:
+    with windowed_engine(base, adapters, max_total_tokens=96) as eng:
         outs = eng.generate(
             input_ids=ids,
             sampling_params={"max_new_tokens": 40, **GREEDY},
