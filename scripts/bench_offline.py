@@ -46,6 +46,16 @@ LLAMA3_8B = {
     "tie_word_embeddings": False,
     "eos_token_id": 1,
 }
+# Mistral-7B-v0.1's shape: Llama's layers with a 4096-token sliding window on every layer
+MISTRAL_7B = {
+    **LLAMA3_8B,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+}
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
 

@@ -32,3 +32,14 @@ def test_a_window_under_one_key_is_refused():
     run = [sys.executable, "scripts/bench_sliding_window.py", "--windows", "0", "--decode-rows", "--prefill-rows"]
     result = subprocess.run(run, capture_output=True, text=True)
     assert result.returncode == 2 and "each window must be a positive number of keys" in result.stderr
+
+
+def test_the_mistral_shape_windows_every_layer_and_null_serves_full_attention(tmp_path):
+    from scripts.bench_offline import MISTRAL_7B, make_model_dir
+    from sgl_jax_lora.configs.model_config import ModelConfig
+
+    windowed = ModelConfig.from_model_path(make_model_dir(MISTRAL_7B, str(tmp_path / "windowed")))
+    full = ModelConfig.from_model_path(make_model_dir({**MISTRAL_7B, "sliding_window": None}, str(tmp_path / "full")))
+    assert windowed.sliding_windows == (4096,) * 32 and windowed.page_release_window == 4096
+    assert full.sliding_windows == () and full.page_release_window is None
+    assert windowed.served_within(4096).sliding_windows == ()  # a window as wide as the context is full attention
