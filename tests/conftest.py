@@ -4,7 +4,8 @@ at the session's end, JAX's caches cleared while the session still runs (`pytest
 The suite is written for the CPU: its tensor-parallel tests need the 8 fake devices and its tolerances the CPU's
 float32 numerics. So a plain run keeps JAX on the CPU (JAX_PLATFORMS=cpu, also for the servers the tests start in
 subprocesses) on a machine with a GPU too. The GPU tests (marked `gpu`) are selected with `-m gpu`, which leaves JAX
-its default platform. A JAX_PLATFORMS the caller set (not empty) is kept as it is.
+its default platform; run in several pytest-xdist workers, each worker takes its share of the GPU's memory
+(`gpu_worker_memory`). A JAX_PLATFORMS the caller set (not empty) is kept as it is.
 """
 
 import gc
@@ -13,13 +14,16 @@ import sys
 
 import pytest
 
-from tests.support.jax_platform import selects_gpu_tests
+from tests.support.jax_platform import gpu_worker_memory, selects_gpu_tests
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
 def pytest_configure(config):
-    if selects_gpu_tests(config.getoption("markexpr") or "") or os.environ.get("JAX_PLATFORMS"):
+    if selects_gpu_tests(config.getoption("markexpr") or ""):
+        os.environ.update(gpu_worker_memory(os.environ))  # read when JAX starts its GPU client, after this hook
+        return
+    if os.environ.get("JAX_PLATFORMS"):
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax  # noqa: PLC0415 (after XLA_FLAGS; the config covers a jax a plugin imported before this hook)
