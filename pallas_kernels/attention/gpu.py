@@ -10,7 +10,7 @@ works) with an online softmax in float32:
 
 decode (the decode rows: sequences of one query token): flash-decoding. Grid (kv head, row, kv split), the kv
 head fastest, so a row's programs launch together. A program holds the G query heads of one kv head as the rows of
-a tile padded to 16 (the smallest `dot`), walks its split of the sequence's key blocks and, with one split, writes
+a tile padded to a power of two of at least 16 (the smallest `dot`), walks its split of the sequence's key blocks and, with one split, writes
 the normalized result straight into the output; with several it writes float32 partials (o, running max,
 denominator) that a few jnp ops combine. The split count comes from the static shapes so that small batches still
 fill the GPU. Rows mapped to no sequence have no keys and come out as zeros. In a step the rows launch longest
@@ -18,8 +18,9 @@ first (`_longest_first`): a served step's longest context is 2-3.5x its mean, an
 run alone at the end of the kernel.
 
 general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence;
-the GQA group is folded into the rows of the q tile (BQ * G rows, row = token * G + head-in-group), so each
-K/V block loaded serves all G heads. The block -> (sequence, first token, count) table is built in jit from
+the GQA group is folded into the rows of the q tile (row = token * G + head-in-group; BQ whole tokens in a tile of
+a power of two rows, the rows past BQ * G masked when G is not a power of two: Qwen2.5-7B's 7), so each K/V block
+loaded serves all G heads. Any group up to 64 query heads per kv head is served. The block -> (sequence, first token, count) table is built in jit from
 cu_q_lens (static bound T // BQ + C + 1 blocks, C the sequences that may hold a chunk: S, or the caller's
 `max_chunks`); padding tokens get blocks of their own that write zeros. Keys are walked up to the causal
 limit of the block's last token: blocks wholly below the block's first query position without a mask, the
@@ -62,6 +63,7 @@ from jax.experimental.pallas import triton as plgpu
 _LOG2E = math.log2(math.e)
 _MASK_INIT = -1e30  # finite running-max start: fully masked rows give exp2(-inf) = 0, never inf - inf
 _MIN_DOT = 16  # smallest rows/cols/inner dim of a Triton dot
+_MAX_GROUP = 64  # query heads per kv head: a decode program's rows, padded to a power of two
 _TARGET_DECODE_PROGRAMS = 264  # two programs for each of 132 SMs (H100/H200); more splits only add partials
 _FIX_HINT = "restart with --attention-backend native"
 
@@ -76,7 +78,7 @@ class DecodeTiles:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTiles:
-    block_rows: int = 0  # q tile rows: tokens * G (a power of two); 0: chosen from the static shapes
+    block_rows: int = 0  # q tile rows (a power of two), whole tokens of G rows each; 0: chosen from the static shapes
     block_kv: int = 64  # keys per loop step
     num_warps: int = 8
     num_stages: int = 3
@@ -116,8 +118,9 @@ def plan_ragged_attention_gpu(
 
 
 def _prefill_block_rows(num_tokens: int, num_seqs: int, group: int, tiles: PrefillTiles) -> int:
-    """The general kernel's q tile rows (tokens * group)."""
-    return max(tiles.block_rows or choose_block_rows(num_tokens, num_seqs), _MIN_DOT, group)
+    """The general kernel's q tile rows, a power of two holding at least one token's group of heads: a tile holds
+    rows // group whole tokens, and a group of 7 leaves rows % 7 padding rows at its end (masked)."""
+    return max(tiles.block_rows or choose_block_rows(num_tokens, num_seqs), _MIN_DOT, _next_pow2(group))
 
 
 def _next_pow2(value: int) -> int:
@@ -139,8 +142,10 @@ def check_shapes(q_shape: tuple[int, ...], cache_shape: tuple[int, ...], page_si
             f"GPU attention: {num_heads} query heads are not a multiple of {num_kv_heads} kv heads; {_FIX_HINT}"
         )
     group = num_heads // num_kv_heads
-    if group > 64 or group & (group - 1):
-        raise ValueError(f"GPU attention kernels need a power-of-two GQA group <= 64, got {group}; {_FIX_HINT}")
+    if group > _MAX_GROUP:
+        raise ValueError(
+            f"GPU attention kernels take at most {_MAX_GROUP} query heads per kv head, got {group}; {_FIX_HINT}"
+        )
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}; restart with --page-size 16")
 

@@ -1,7 +1,7 @@
 """The GPU ragged paged attention kernels (pallas_kernels/attention/gpu.py) against the reference.
 
 On CPU the kernels run in Pallas interpret mode in float32 on tiny shapes; on a CUDA GPU (marked `gpu`) they run
-compiled in bf16 over contexts up to 4096, GQA 1 and 8, page sizes 16 and 32. Every case draws fresh random
+compiled in bf16 over contexts up to 4096, GQA 1, 7 and 8, page sizes 16 and 32. Every case draws fresh random
 inputs, shuffles the pages, reads layer 1 of a two-layer cache and leaves garbage pages in the table past each
 sequence's keys, so a kernel that reads another layer, another sequence's pages or keys past kv_len fails. Sliding
 windows run from one key to wider than every context, with NaN keys below the window in one case.
@@ -21,6 +21,7 @@ from pallas_kernels.attention.gpu import (
     PrefillTiles,
     _decode_rows,
     _longest_first,
+    _prefill_block_rows,
     _q_block_table,
     choose_decode_block_kv,
     choose_decode_splits,
@@ -93,7 +94,7 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 4, 7])  # 7: Qwen2.5-7B's 28 query heads over 4 kv heads
 @pytest.mark.parametrize("q_lens,kv_lens,num_tokens", DECODE_CASES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_interpret_f32(q_lens, kv_lens, num_tokens, group, num_splits):
@@ -104,10 +105,11 @@ def test_decode_interpret_f32(q_lens, kv_lens, num_tokens, group, num_splits):
     check(args, page_size=4, decode_only=True, interpret=True, decode_tiles=tiles)
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("q_lens,kv_lens,num_tokens", PREFILL_CASES)
 def test_general_interpret_f32(q_lens, kv_lens, num_tokens, group):
-    # 16-row q tiles: 16 tokens at GQA 1, 4 at GQA 4, so the longer chunks span several q blocks
+    # 16-row q tiles: 16 tokens at GQA 1, 4 at GQA 4, 2 at GQA 7 (and 2 padding rows), so the longer chunks span
+    # several q blocks
     args = make_inputs(
         q_lens, kv_lens, heads=2 * group, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=num_tokens
     )
@@ -160,6 +162,16 @@ def test_sliding_window_mixed_step(window, num_splits):
         num_tokens=35,
     )
     tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, num_splits)}
+    check(args, page_size=4, decode_only=False, interpret=True, sliding_window=window, **tiles)
+
+
+@pytest.mark.parametrize("window", [3, 17])
+def test_sliding_window_at_a_group_of_seven(window):
+    # GQA 7 (Qwen2.5-7B's): 2 tokens and 2 masked padding rows a 16-row q tile, 7 of a decode tile's 16 rows
+    args = make_inputs(
+        [7, 1, 5, 1], [30, 13, 5, 40], heads=14, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=16
+    )
+    tiles = {"prefill_tiles": PrefillTiles(block_rows=16, block_kv=16), "decode_tiles": DecodeTiles(16, 2)}
     check(args, page_size=4, decode_only=False, interpret=True, sliding_window=window, **tiles)
 
 
@@ -237,9 +249,9 @@ def test_plan_built_once_serves_every_layer(max_chunks):
         ragged_paged_attention_gpu(*args, plan=plan, decode_only=True, **options)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (12, 4, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (130, 2, 16)])
 def test_unsupported_shapes_name_the_flag(heads, kv_heads, head_dim):
-    # head_dim not a power of two; query heads not a multiple of kv heads; GQA group 3
+    # head_dim not a power of two; query heads not a multiple of kv heads; GQA group 65
     args = make_inputs([1], [4], heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=4, dtype=jnp.float32)
     with pytest.raises(ValueError, match="--attention-backend native"):
         ragged_paged_attention_gpu(*args, page_size=4, scale=1.0, decode_only=True, interpret=True)
@@ -347,6 +359,28 @@ def test_fp8_cache_lowers_for_cuda(cache_dtype):
         assert "ragged_paged_attention_decode" in text
 
 
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_a_group_of_seven_lowers_for_cuda(decode_only):
+    # Triton takes only power-of-two tiles: at Qwen2.5-7B's attention shape (28 query heads over 4 kv heads, head
+    # 128) both kernels pad the group's rows to one (16 decode rows; q tiles of whole tokens, 18 of them in 128 rows)
+    q = jax.ShapeDtypeStruct((40, 28, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 4, 64 * 16, 128), jnp.bfloat16)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    shapes = (q, cache, cache, i32(()), i32((4,)), i32((4, 16)), i32((5,)))
+    run = functools.partial(ragged_paged_attention_gpu, page_size=16, scale=0.1, decode_only=decode_only)
+    with hopper_target():
+        text = jax.jit(run).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention_decode" in text
+    assert ("ragged_paged_attention_prefill" in text) is not decode_only
+
+
+def test_q_tiles_are_a_power_of_two_rows_of_whole_tokens():
+    tiles = PrefillTiles(block_rows=16)
+    assert _prefill_block_rows(64, 4, 7, tiles) == 16  # 2 tokens of 7 rows, 2 padding rows
+    assert _prefill_block_rows(64, 4, 40, tiles) == 64  # one token's 40 rows in a 64-row tile
+    assert _prefill_block_rows(4096, 4, 7, PrefillTiles()) == 256
+
+
 def test_decode_block_holds_the_same_bytes_for_any_cache_dtype():
     assert choose_decode_block_kv(jnp.bfloat16) == 32
     assert choose_decode_block_kv(jnp.float8_e4m3fn) == choose_decode_block_kv(jnp.float8_e5m2) == 64
@@ -372,7 +406,7 @@ def _gpu_lens(mode: str, rng: np.random.Generator) -> tuple[list[int], list[int]
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["decode", "general"])
 @pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("group", [1, 7, 8])
 def test_kernels_on_gpu_bf16(mode, page_size, group):
     rng = np.random.default_rng(page_size * 10 + group)
     q_lens, kv_lens = _gpu_lens(mode, rng)

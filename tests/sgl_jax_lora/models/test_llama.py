@@ -80,10 +80,17 @@ def test_sliding_window_logprobs_match_hf(tmp_path, arch, backend, tp_size):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-def test_gpu_attention_backend_matches_hf(tmp_path):
-    # the GPU path of a layer: q and k rotated and K/V written by one kernel, then the Triton attention kernels
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 128), (14, 2, 224)])
+def test_gpu_attention_backend_matches_hf(tmp_path, heads, kv_heads, hidden):
+    # the GPU path of a layer: q and k rotated and K/V written by one kernel, then the Triton attention kernels; at
+    # GQA 2 and at GQA 7 (Qwen2.5-7B's: not a power of two)
     model_dir = make_hf_model_dir(
-        tmp_path / "m", "llama", head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+        tmp_path / "m",
+        "llama",
+        head_dim=32,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
     )
     ids = np.random.default_rng(4).integers(2, 491, size=45)
     with jax.default_matmul_precision("highest"):
