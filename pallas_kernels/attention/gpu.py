@@ -8,23 +8,23 @@ Two kernels, both reading K/V in place through the page table (row j of a key bl
 page_table[s, j // page_size] * page_size + j % page_size, so a block needs no whole pages and any page size
 works) with an online softmax in float32:
 
-decode (the decode rows: sequences of one query token): flash-decoding. Grid (kv head, row, kv split), the kv
-head fastest, so a row's programs launch together. A program holds the G query heads of one kv head as the rows of
-a tile padded to a power of two of at least 16 (the smallest `dot`), walks its split of the sequence's key blocks and, with one split, writes
-the normalized result straight into the output; with several it writes float32 partials (o, running max,
-denominator) that a few jnp ops combine. The split count comes from the static shapes so that small batches still
-fill the GPU. Rows mapped to no sequence have no keys and come out as zeros. In a step the rows launch longest
-first (`_longest_first`): a served step's longest context is 2-3.5x its mean, and a long row launched last would
-run alone at the end of the kernel.
+decode (the decode rows: sequences of one query token): flash-decoding. Grid (kv head, row, kv split), the kv head
+fastest, so a row's programs launch together. A program holds the G query heads of one kv head as the rows of a tile
+padded to a power of two of at least 16 (the smallest `dot`), walks its split of the sequence's key blocks and, with
+one split, writes the normalized result straight into the output; with several it writes float32 partials (o,
+running max, denominator) that a few jnp ops combine. The split count comes from the static shapes so that small
+batches still fill the GPU. Rows mapped to no sequence have no keys and come out as zeros. In a step the rows launch
+longest first (`_longest_first`): a served step's longest context is 2-3.5x its mean, and a long row launched last
+would run alone at the end of the kernel.
 
-general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence;
-the GQA group is folded into the rows of the q tile (row = token * G + head-in-group; BQ whole tokens in a tile of
-a power of two rows, the rows past BQ * G masked when G is not a power of two: Qwen2.5-7B's 7), so each K/V block
-loaded serves all G heads. Any group up to 64 query heads per kv head is served. The block -> (sequence, first token, count) table is built in jit from
-cu_q_lens (static bound T // BQ + C + 1 blocks, C the sequences that may hold a chunk: S, or the caller's
-`max_chunks`); padding tokens get blocks of their own that write zeros. Keys are walked up to the causal
-limit of the block's last token: blocks wholly below the block's first query position without a mask, the
-diagonal blocks with the causal mask.
+general (prefill chunks): flash attention over q blocks. A q block holds up to BQ tokens of ONE sequence; the GQA
+group is folded into the rows of the q tile (row = token * G + head-in-group; BQ whole tokens in a tile of a power
+of two rows, the rows past BQ * G masked when G is not a power of two: Qwen2.5-7B's 7), so each K/V block loaded
+serves all G heads; any group up to 64 query heads per kv head is served. The block -> (sequence, first token,
+count) table is built in jit from cu_q_lens (static bound T // BQ + C + 1 blocks, C the sequences that may hold a
+chunk: S, or the caller's `max_chunks`); padding tokens get blocks of their own that write zeros. Keys are walked up
+to the causal limit of the block's last token: blocks wholly below the block's first query position without a mask,
+the diagonal blocks with the causal mask.
 
 A step of any mix runs both in one program, with no branch on the step's kind: the general kernel over the q blocks
 of the longer sequences and the padding (it leaves the decode rows' tokens unwritten), then the decode kernel over
