@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 # HF architecture name -> (qkv bias, per-head q/k RMSNorm). Llama covers Llama-2/3 and Mistral.
@@ -38,11 +39,18 @@ class ModelConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str  # "default" | "linear" | "llama3"
+    rope_type: str  # one of ROPE_TYPES
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3 and yarn: the context the model was pretrained on
+    beta_fast: float = 32.0  # yarn: rotations past which a frequency is kept as pretrained
+    beta_slow: float = 1.0  # yarn: rotations below which it is interpolated by the factor
+    truncate: bool = True  # yarn: the correction range rounded out to whole dimensions
+    attention_factor: float = 1.0  # yarn: the cosines and sines are scaled by it (HF's attention_scaling)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +204,39 @@ def _rope_of(raw: dict) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ModelConfigError(f"unsupported rope type '{rope_type}'; supported: default, linear, llama3")
+    if rope_type not in ROPE_TYPES:
+        raise ModelConfigError(f"unsupported rope type '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
+    # as HF transformers reads it: a config without the pretrained context means max_position_embeddings
+    original = int(params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 8192))
+    factor = params.get("factor")
+    if factor is None and rope_type == "yarn":
+        factor = int(raw.get("max_position_embeddings", original)) / original
+    factor = float(1.0 if factor is None else factor)
+    if rope_type in ("linear", "llama3", "yarn") and factor <= 0:
+        raise ModelConfigError(f"config.json: rope scaling factor must be positive, got {factor}")
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(params, factor) if rope_type == "yarn" else 1.0,
     )
+
+
+def _yarn_attention_factor(params: dict, factor: float) -> float:
+    """YaRN's scale of the cosines and sines: the config's attention_factor, else 0.1 ln(factor) + 1 (a ratio of
+    two such terms with DeepSeek's mscale and mscale_all_dim), 1 for a factor up to 1; as HF transformers."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)

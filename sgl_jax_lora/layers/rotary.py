@@ -1,7 +1,8 @@
-"""Rotary position embedding (HF "rotate half" layout) with default, linear and llama3 frequency rules.
+"""Rotary position embedding (HF "rotate half" layout) with default, linear, llama3 and yarn frequency rules.
 
 `inverse_frequencies` (per model), `rotary_tables` (the cosines and sines of one forward's positions, computed once
-and shared by the layers), `rotate` (x by those tables), `apply_rotary` (both in one call)."""
+and shared by the layers, scaled by YaRN's attention factor where the model has one), `rotate` (x by those tables),
+`apply_rotary` (both in one call)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,42 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
         is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = np.where(is_mid, mid, scaled)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_frequencies(rope, inv_freq, head_dim)
     return inv_freq.astype(np.float32)
 
 
-def rotary_tables(positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions [T] -> (cos, sin) [T, D/2] float32 of the angles position x inverse frequency: computed once per
-    forward and shared by every layer (the model passes them down)."""
+def _yarn_frequencies(rope: RopeConfig, inv_freq: np.ndarray, head_dim: int) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) as HF transformers computes it: the frequencies that turn fewer than beta_slow times
+    over the pretrained context are interpolated (divided by the factor), those that turn more than beta_fast times
+    are kept, and a linear ramp over the dimensions between blends the two."""
+
+    def dimension_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        turns = rope.original_max_position / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dimension_of(rope.beta_fast), dimension_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    kept = 1.0 - ramp  # 1: the pretrained frequency, 0: interpolated
+    return inv_freq / rope.factor * (1.0 - kept) + inv_freq * kept
+
+
+def rotary_tables(
+    positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """positions [T] -> (cos, sin) [T, D/2] float32 of the angles position x inverse frequency, times `scale`
+    (YaRN's attention factor, `RopeConfig.attention_factor`: q and k both rotate by the scaled tables, so scores
+    grow by its square): computed once per forward and shared by every layer (the model passes them down)."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -50,6 +79,8 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray) -> jax.Array:
+def apply_rotary(
+    x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray, scale: float = 1.0
+) -> jax.Array:
     """x [T, heads, D], positions [T] -> [T, heads, D] rotated (math in float32)."""
-    return rotate(x, *rotary_tables(positions, inv_freq))
+    return rotate(x, *rotary_tables(positions, inv_freq, scale))

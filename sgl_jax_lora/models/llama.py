@@ -238,6 +238,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # the rotary inverse frequencies: the forward turns them into tables once and hands those to every layer
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, cfg.head_dim))
+        self.rotary_scale = cfg.rope.attention_factor
 
         # every parameter's declared logical axes gain the leading "layers" axis of the stack
         @nnx.vmap(
@@ -276,7 +277,7 @@ class LlamaForCausalLM(nnx.Module):
         elif lora is not None and lora.runs_base_gemm:
             stacked = (*stacked, LoRABaseKernel)
         layer_def, stacked_state, layer_state = nnx.split(self.layers, stacked, ...)
-        rotary = rotary_tables(batch.positions, self.inv_freq)  # once per forward: every layer rotates by them
+        rotary = rotary_tables(batch.positions, self.inv_freq, self.rotary_scale)  # once per forward, for every layer
         # once per forward too: every layer's attention runs on the same row layout (a rolled layer loop would
         # otherwise derive it again in each iteration)
         attention_plan = plan_attention(

@@ -157,7 +157,7 @@ def forward_logits(
     model = nnx.merge(graphdef, base_state)
     batch, seq_len = input_ids.shape
     hidden = model.embed_tokens(input_ids.reshape(-1))
-    rotary = rotary_tables(jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch), model.inv_freq)
+    rotary = rotary_tables(jnp.tile(jnp.arange(seq_len, dtype=jnp.int32), batch), model.inv_freq, model.rotary_scale)
     layer_def, layer_state = nnx.split(model.layers)
     windows = model.config.sliding_windows
     uniform = windows[0] if windows and len(set(windows)) == 1 else None  # a static window: cuDNN takes it

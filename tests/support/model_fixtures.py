@@ -45,6 +45,11 @@ ARCH_CONFIGS = {
         ),
     ),
     "mistral": (MistralConfig, dict(sliding_window=None)),
+    # YaRN as Qwen2.5's model card sets it for long contexts (here over a 128-token pretrained context)
+    "qwen2_yarn": (
+        Qwen2Config,
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ),
     "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, dict(tie_word_embeddings=False)),
 }

@@ -5,6 +5,7 @@ problem and the fix."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,8 +44,37 @@ def test_rope_scaling_in_either_spelling():
     assert old.rope == new.rope
     assert (new.rope.rope_type, new.rope.theta, new.rope.factor) == ("llama3", 500000.0, 8.0)
     assert ModelConfig.from_dict({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope.factor == 2.0
-    with pytest.raises(ModelConfigError, match="unsupported rope type 'yarn'; supported: default, linear, llama3"):
-        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "yarn"}})
+    with pytest.raises(
+        ModelConfigError, match="unsupported rope type 'dynamic'; supported: default, linear, llama3, yarn"
+    ):
+        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def test_yarn_reads_as_transformers_does():
+    # Qwen2.5's long-context setting, as its model card writes it
+    qwen = {**LLAMA, "max_position_embeddings": 32768}
+    yarn = ModelConfig.from_dict(
+        {**qwen, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    ).rope
+    assert (yarn.rope_type, yarn.factor, yarn.original_max_position) == ("yarn", 4.0, 32768)
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.truncate) == (32.0, 1.0, True)
+    assert yarn.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    # no factor: the ratio of the two contexts; no pretrained context: max_position_embeddings
+    implied = ModelConfig.from_dict(
+        {**qwen, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 8192}}
+    )
+    assert implied.rope.factor == 4.0
+    assert (
+        ModelConfig.from_dict({**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}).rope.original_max_position
+        == 32768
+    )
+    # an explicit attention factor, and DeepSeek's mscale pair
+    given = {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.5}
+    assert ModelConfig.from_dict({**qwen, "rope_scaling": given}).rope.attention_factor == 1.5
+    pair = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707}
+    want = (0.1 * math.log(40.0) + 1.0) / (0.1 * 0.707 * math.log(40.0) + 1.0)
+    assert ModelConfig.from_dict({**qwen, "rope_scaling": pair}).rope.attention_factor == pytest.approx(want)
+    assert ModelConfig.from_dict(LLAMA).rope.attention_factor == 1.0  # no rope scaling: tables unscaled
 
 
 def test_sliding_windows_per_layer_as_transformers_applies_them():

@@ -76,7 +76,7 @@ WINDOWED = {
 }
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope", *WINDOWED])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_rope", "qwen2_yarn", *WINDOWED])
 def test_training_forward_matches_peft_for_each_architecture(arch, tmp_path):
     from tests.support.model_fixtures import make_hf_model_dir
 
