@@ -105,6 +105,9 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         max_pos = int(raw.get("max_position_embeddings", 4096))
+        rope = _rope_of(raw, max_pos)
+        if rope.rope_type == "yarn":  # YaRN extends the pretrained context by its factor (vLLM's reading too)
+            max_pos = max(max_pos, int(rope.original_max_position * rope.factor))
         num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=architecture,
@@ -116,7 +119,7 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_of(raw),
+            rope=rope,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", qkv_bias)) or qkv_bias,
@@ -198,7 +201,7 @@ def _architecture_of(raw: dict) -> str:
     raise ModelConfigError(f"unsupported architecture {found}; supported: {supported}")
 
 
-def _rope_of(raw: dict) -> RopeConfig:
+def _rope_of(raw: dict, max_position_embeddings: int) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -207,10 +210,10 @@ def _rope_of(raw: dict) -> RopeConfig:
     if rope_type not in ROPE_TYPES:
         raise ModelConfigError(f"unsupported rope type '{rope_type}'; supported: {', '.join(ROPE_TYPES)}")
     # as HF transformers reads it: a config without the pretrained context means max_position_embeddings
-    original = int(params.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 8192))
+    original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
     factor = params.get("factor")
     if factor is None and rope_type == "yarn":
-        factor = int(raw.get("max_position_embeddings", original)) / original
+        factor = max_position_embeddings / original
     factor = float(1.0 if factor is None else factor)
     if rope_type in ("linear", "llama3", "yarn") and factor <= 0:
         raise ModelConfigError(f"config.json: rope scaling factor must be positive, got {factor}")

@@ -59,6 +59,10 @@ def test_yarn_reads_as_transformers_does():
     assert (yarn.rope_type, yarn.factor, yarn.original_max_position) == ("yarn", 4.0, 32768)
     assert (yarn.beta_fast, yarn.beta_slow, yarn.truncate) == (32.0, 1.0, True)
     assert yarn.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    extended = ModelConfig.from_dict(
+        {**qwen, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    )
+    assert extended.max_position_embeddings == 131072 and extended.context_length(None) == 131072  # 4 x 32k
     # no factor: the ratio of the two contexts; no pretrained context: max_position_embeddings
     implied = ModelConfig.from_dict(
         {**qwen, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 8192}}
