@@ -90,7 +90,9 @@ class ModelConfig:
                 raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{config_file} is not valid JSON: {e}") from e
-        return cls.from_dict(raw, model_path=model_path)
+        cfg = cls.from_dict(raw, model_path=model_path)
+        extra = [e for e in _generation_eos_ids(model_path) if e not in cfg.eos_token_ids]
+        return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra)) if extra else cfg
 
     @classmethod
     def from_dict(cls, raw: dict, model_path: str = "") -> ModelConfig:
@@ -189,6 +191,24 @@ def sliding_windows_of(raw: dict, architecture: str, num_layers: int) -> tuple[i
         )
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     return windows if any(windows) else ()
+
+
+def _generation_eos_ids(model_path: str) -> tuple[int, ...]:
+    """The EOS ids of the model's generation_config.json (none without one): HF `generate`, vLLM and SGLang stop at
+    these too, and an instruct model may name its end-of-turn token only there (Llama-3-Instruct's first release,
+    Qwen2.5-Instruct's base EOS beside <|im_end|>)."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ModelConfigError(f"{path} is not a JSON object: {e}; fix or remove it") from e
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def _architecture_of(raw: dict) -> str:

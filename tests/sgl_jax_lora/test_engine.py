@@ -416,3 +416,21 @@ def test_the_warmups_sampling_runs_find_their_programs_compiled_ahead(model_dir)
 def test_an_engine_on_a_node_other_than_0_is_refused_naming_the_launch_command():
     with pytest.raises(ValueError, match="python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1"):
         Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
+
+
+def test_generation_config_eos_ends_requests(engine, model_dir, tmp_path):
+    # generation_config.json's EOS ids end requests as config.json's do (HF generate, vLLM and SGLang read it)
+    import json
+    import shutil
+
+    ids = prompts(1, 10, seed=31)[0]
+    plain = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, **GREEDY})["output_ids"]
+    end = plain[2]
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    assert end != eos
+    copy = shutil.copytree(model_dir, tmp_path / "model")
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+    with Engine(model_path=str(copy), skip_precompile=True, **ENGINE_ARGS) as eng:
+        out = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0.0})
+    assert out["output_ids"] == plain[: plain.index(end) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": end}

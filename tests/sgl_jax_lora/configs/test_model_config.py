@@ -134,6 +134,21 @@ def test_model_path_checks(tmp_path):
     assert ModelConfig.from_model_path(str(tmp_path)).model_path == str(tmp_path)
 
 
+def test_generation_config_adds_its_eos_ids(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "eos_token_id": 151645}))
+    assert ModelConfig.from_model_path(str(tmp_path)).eos_token_ids == (151645,)  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643], "top_p": 0.8}))
+    assert ModelConfig.from_model_path(str(tmp_path)).eos_token_ids == (151645, 151643)  # Qwen2.5-Instruct's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert ModelConfig.from_model_path(str(tmp_path)).eos_token_ids == (151645, 7)
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="generation_config.json is not a JSON object"):
+        ModelConfig.from_model_path(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ModelConfigError, match="eos_token_id must be a token id or a list of them"):
+        ModelConfig.from_model_path(str(tmp_path))
+
+
 def test_tensor_parallel_splits_and_replicated_kv_heads():
     cfg = ModelConfig.from_dict({**LLAMA, "num_key_value_heads": 2})
     cfg.check_tensor_parallel(8)  # 8 heads over 8; 2 KV heads replicated (8 is a multiple of 2)
