@@ -21,6 +21,7 @@ LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 ATTENTION_FLAGS = ("auto", "native", "pallas")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_cache_dtype
 QUANTIZATIONS = ("fp8",)  # layers/fp8.py
+SAMPLING_DEFAULTS = ("model", "openai")  # configs/generation_config.py
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 
 
@@ -97,6 +98,11 @@ class ServerArgs:
         "auto",
         "attention over the paged KV cache: 'pallas' (the Mosaic kernel on TPU, the Pallas GPU kernels on GPU, interpret mode on CPU), 'native' (pure JAX), 'auto' (pallas on TPU and GPU, native on CPU)",
         choices=ATTENTION_FLAGS,
+    )
+    sampling_defaults: str = _f(
+        "model",
+        "what a request's unset temperature, top_p, top_k, min_p and repetition_penalty are: 'model' (the model's generation_config.json, where it sets them), 'openai' (1, 1, off, 0, 1)",
+        choices=SAMPLING_DEFAULTS,
     )
     disable_prefix_cache: bool = _f(
         False, "do not keep finished requests' KV pages for later requests with the same prefix (same adapter)"
@@ -210,6 +216,10 @@ class ServerArgs:
         if self.attention_backend not in ATTENTION_FLAGS:
             raise ValueError(
                 f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}"
+            )
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(
+                f"--sampling-defaults '{self.sampling_defaults}' is not supported; choose one of {SAMPLING_DEFAULTS}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(

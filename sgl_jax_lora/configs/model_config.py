@@ -5,7 +5,8 @@ weight loader, KV cache sizing and LoRA target shapes. All validation of the con
 boundary, with errors that name the field and the fix.
 
 Where it sits: configs, at the bottom of the package with the compiled buckets; every layer above reads it (rotary,
-the KV cache, the models, the runner, the engine core) and it imports no other module of the package.
+the KV cache, the models, the runner, the engine core) and it imports no module of the package outside configs/
+(generation_config.py adds generation_config.json's EOS ids).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import dataclasses
 import json
 import math
 import os
+
+from sgl_jax_lora.configs.generation_config import GenerationConfigError, read_generation_config
 
 # HF architecture name -> (qkv bias, per-head q/k RMSNorm). Llama covers Llama-2/3 and Mistral.
 ARCHITECTURE_FLAGS: dict[str, tuple[bool, bool]] = {
@@ -91,7 +94,12 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{config_file} is not valid JSON: {e}") from e
         cfg = cls.from_dict(raw, model_path=model_path)
-        extra = [e for e in _generation_eos_ids(model_path) if e not in cfg.eos_token_ids]
+        try:  # HF generate, vLLM and SGLang stop at generation_config.json's EOS ids too: an instruct model may name
+            # its end-of-turn token only there (Llama-3-Instruct's first release; Qwen2.5-Instruct's base EOS)
+            generation = read_generation_config(model_path)
+        except GenerationConfigError as e:
+            raise ModelConfigError(str(e)) from e
+        extra = [e for e in generation.eos_token_ids if e not in cfg.eos_token_ids]
         return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra)) if extra else cfg
 
     @classmethod
@@ -191,24 +199,6 @@ def sliding_windows_of(raw: dict, architecture: str, num_layers: int) -> tuple[i
         )
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
     return windows if any(windows) else ()
-
-
-def _generation_eos_ids(model_path: str) -> tuple[int, ...]:
-    """The EOS ids of the model's generation_config.json (none without one): HF `generate`, vLLM and SGLang stop at
-    these too, and an instruct model may name its end-of-turn token only there (Llama-3-Instruct's first release,
-    Qwen2.5-Instruct's base EOS beside <|im_end|>)."""
-    path = os.path.join(model_path, "generation_config.json")
-    if not os.path.isfile(path):
-        return ()
-    try:
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ModelConfigError(f"{path} is not a JSON object: {e}; fix or remove it") from e
-    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ModelConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return tuple(ids)
 
 
 def _architecture_of(raw: dict) -> str:

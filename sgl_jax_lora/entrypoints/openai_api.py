@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from sgl_jax_lora.configs.generation_config import SAMPLING_DEFAULT_FIELDS
 from sgl_jax_lora.entrypoints.chat_template import render_chat
 from sgl_jax_lora.entrypoints.errors import APIError, to_api_error
 from sgl_jax_lora.entrypoints.native_api import (
@@ -274,6 +275,10 @@ def _prompt_spec(
         "seed": body.seed,
         "logit_bias": body.logit_bias,
     }
+    # the fields the client left unset take the server's defaults (the model's, with --sampling-defaults model)
+    for name in SAMPLING_DEFAULT_FIELDS:
+        if name not in body.model_fields_set:
+            del sampling[name]
     return PromptSpec(
         text=text,
         input_ids=input_ids,

@@ -41,7 +41,7 @@ from sgl_jax_lora.managers.io_struct import (
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
-from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, model_sampling_defaults
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.keyed_locks import KeyedLocks
 
@@ -57,6 +57,8 @@ class TokenizerManager:
         self.args = args
         self.model_path = model_path
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
+        # under each request's own sampling params; read (and checked) before the engine starts compiling
+        self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}
         self.client = EngineClient(args, model_path)  # spawns the engine; returns once it has compiled
         self.server_info = self.client.server_info
         self.context_length = self.server_info["context_length"]
@@ -150,7 +152,7 @@ class TokenizerManager:
         """Validate and tokenize one request (raises RequestError naming the problem). `arrival_time`: when the
         client's request came in (time.monotonic(), taken before its adapter was resolved); default now."""
         try:
-            sampling = SamplingParams.from_dict(sampling_params)
+            sampling = SamplingParams.from_dict({**self.sampling_defaults, **(sampling_params or {})})
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
         self._check_stops(sampling)

@@ -1,12 +1,15 @@
 """SamplingParams: one request's sampling settings, validated where the request enters (SGLang names).
 
-Flow: /generate JSON or Engine.generate(sampling_params=...) -> SamplingParams.from_dict (errors name the
-field and the valid range) -> carried on the request to the engine process -> sampler arrays per step.
+Flow: /generate JSON or Engine.generate(sampling_params=...) -> over the model's defaults (`model_sampling_defaults`,
+from its generation_config.json) -> SamplingParams.from_dict (errors name the field and the valid range) -> carried
+on the request to the engine process -> sampler arrays per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from sgl_jax_lora.configs.generation_config import read_generation_config
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num may ask for at most this many alternatives per position
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
@@ -135,6 +138,20 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def model_sampling_defaults(model_path: str) -> dict:
+    """The sampling params a request of this model gets where it sets none (`--sampling-defaults model`): those
+    its generation_config.json sets (configs/generation_config.py), checked as a request's are; {} without any.
+    Raises ValueError naming the file and the flag that turns them off."""
+    defaults = read_generation_config(model_path).sampling_defaults
+    try:
+        SamplingParams.from_dict(defaults)
+    except (SamplingParamsError, TypeError) as e:
+        raise ValueError(
+            f"generation_config.json of '{model_path}': {e}; fix it, or start with --sampling-defaults openai"
+        ) from e
+    return defaults
 
 
 def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> None:

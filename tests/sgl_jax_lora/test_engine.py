@@ -418,8 +418,10 @@ def test_an_engine_on_a_node_other_than_0_is_refused_naming_the_launch_command()
         Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
 
 
-def test_generation_config_eos_ends_requests(engine, model_dir, tmp_path):
-    # generation_config.json's EOS ids end requests as config.json's do (HF generate, vLLM and SGLang read it)
+def test_generation_config_names_eos_ids_and_sampling_defaults(engine, model_dir, tmp_path):
+    # generation_config.json's EOS ids end requests as config.json's do, and its sampling fields are the defaults of
+    # the requests that leave them unset (HF generate, vLLM and SGLang read both); --sampling-defaults openai
+    # ignores the latter
     import json
     import shutil
 
@@ -429,8 +431,13 @@ def test_generation_config_eos_ends_requests(engine, model_dir, tmp_path):
     eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
     assert end != eos
     copy = shutil.copytree(model_dir, tmp_path / "model")
-    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end], "temperature": 0.0}))
+    unset = {"max_new_tokens": 8, "seed": 5}  # no temperature: the model's 0 (greedy), or the API's 1
     with Engine(model_path=str(copy), skip_precompile=True, **ENGINE_ARGS) as eng:
-        out = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0.0})
+        out = eng.generate(input_ids=ids, sampling_params=unset)
+        sampled = eng.generate(input_ids=ids, sampling_params={**unset, "temperature": 1.0})["output_ids"]
     assert out["output_ids"] == plain[: plain.index(end) + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": end}
+    with Engine(model_path=str(copy), skip_precompile=True, sampling_defaults="openai", **ENGINE_ARGS) as eng:
+        assert eng.generate(input_ids=ids, sampling_params=unset)["output_ids"] == sampled
+    assert sampled != out["output_ids"]  # temperature 1 drew other tokens: the default was the model's
