@@ -209,22 +209,17 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype '{self.dtype}' is not supported; choose one of {DTYPES}")
-        if self.lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"--lora-backend '{self.lora_backend}' is not supported; choose one of {LORA_BACKENDS}")
-        if self.attention_backend not in ATTENTION_FLAGS:
-            raise ValueError(
-                f"--attention-backend '{self.attention_backend}' is not supported; choose one of {ATTENTION_FLAGS}"
-            )
-        if self.sampling_defaults not in SAMPLING_DEFAULTS:
-            raise ValueError(
-                f"--sampling-defaults '{self.sampling_defaults}' is not supported; choose one of {SAMPLING_DEFAULTS}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype '{self.kv_cache_dtype}' is not supported; choose one of {KV_CACHE_DTYPES}"
-            )
+        choices = {
+            "dtype": DTYPES,
+            "lora_backend": LORA_BACKENDS,
+            "attention_backend": ATTENTION_FLAGS,
+            "sampling_defaults": SAMPLING_DEFAULTS,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} '{getattr(self, name)}' is not supported; choose one of {allowed}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"--quantization '{self.quantization}' is not supported; choose one of {QUANTIZATIONS} or leave it unset"
