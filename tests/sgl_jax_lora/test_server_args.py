@@ -140,3 +140,13 @@ def test_the_queue_limit_is_unset_or_a_count_of_requests():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="--max-queued-requests must be 0 or a positive integer"):
             ServerArgs(max_queued_requests=bad)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("dtype", "float16"), ("attention_backend", "flash"), ("sampling_defaults", "vllm")]
+)
+def test_a_choice_outside_its_flags_choices_names_the_flag(field, value):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag} '{value}' is not supported; choose one of"):
+        ServerArgs(**{field: value})
+    assert ServerArgs(sampling_defaults="openai").sampling_defaults == "openai"
