@@ -402,28 +402,33 @@ def _gpu_lens(mode: str, rng: np.random.Generator) -> tuple[list[int], list[int]
     return q_lens, kv_lens
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["decode", "general"])
-@pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 7, 8])
-def test_kernels_on_gpu_bf16(mode, page_size, group):
-    rng = np.random.default_rng(page_size * 10 + group)
+def _gpu_batch(mode: str, seed: int, heads: int, kv_heads: int, page_size: int = 16, cache_dtype=None):
+    """(the reference's arguments, max_chunks) for a bf16 `_gpu_lens` batch with head dim 128, a padding sequence and
+    3 padding tokens; max_chunks bounds the general kernel's grid as the engine does (None for decode rows)."""
+    rng = np.random.default_rng(seed)
     q_lens, kv_lens = _gpu_lens(mode, rng)
-    q_lens, kv_lens = q_lens + [0], kv_lens + [0]  # a padding sequence
-    kv_heads = 2
     args = make_inputs(
-        q_lens,
-        kv_lens,
-        heads=kv_heads * group,
+        q_lens + [0],
+        kv_lens + [0],
+        heads=heads,
         kv_heads=kv_heads,
         head_dim=128,
         page_size=page_size,
         dtype=jnp.bfloat16,
         num_tokens=sum(q_lens) + 3,
         seed=int(rng.integers(1 << 30)),
+        cache_dtype=cache_dtype,
     )
-    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)  # as the engine bounds its grid
+    return args, None if mode == "decode" else sum(n > 1 for n in q_lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["decode", "general"])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 7, 8])
+def test_kernels_on_gpu_bf16(mode, page_size, group):
+    args, max_chunks = _gpu_batch(mode, page_size * 10 + group, heads=2 * group, kv_heads=2, page_size=page_size)
     check(args, page_size=page_size, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)
 
 
@@ -433,20 +438,7 @@ def test_kernels_on_gpu_bf16(mode, page_size, group):
 @pytest.mark.parametrize("window", [100, 1000, 4096])
 def test_sliding_window_on_gpu_bf16(mode, window):
     # contexts of 1 to 4096 keys under windows narrower than most of them, and Mistral's 4096; GQA 4, pages of 16
-    rng = np.random.default_rng(window)
-    q_lens, kv_lens = _gpu_lens(mode, rng)
-    args = make_inputs(
-        q_lens + [0],
-        kv_lens + [0],
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        dtype=jnp.bfloat16,
-        num_tokens=sum(q_lens) + 3,
-        seed=int(rng.integers(1 << 30)),
-    )
-    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)
+    args, max_chunks = _gpu_batch(mode, window, heads=32, kv_heads=8)
     check(args, page_size=16, decode_only=False, max_chunks=max_chunks, interpret=False, sliding_window=window)
 
 
@@ -479,19 +471,5 @@ def test_mixed_step_on_gpu_decode_rows_in_place_and_split(num_splits):
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
 @pytest.mark.parametrize("mode", ["decode", "general"])
 def test_kernels_on_gpu_fp8_cache(cache_dtype, mode):
-    rng = np.random.default_rng(7)
-    q_lens, kv_lens = _gpu_lens(mode, rng)
-    args = make_inputs(
-        q_lens + [0],
-        kv_lens + [0],
-        heads=16,
-        kv_heads=2,
-        head_dim=128,
-        page_size=16,
-        dtype=jnp.bfloat16,
-        num_tokens=sum(q_lens) + 3,
-        seed=int(rng.integers(1 << 30)),
-        cache_dtype=cache_dtype,
-    )
-    max_chunks = None if mode == "decode" else sum(n > 1 for n in q_lens)
+    args, max_chunks = _gpu_batch(mode, 7, heads=16, kv_heads=2, cache_dtype=cache_dtype)
     check(args, page_size=16, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)

@@ -78,6 +78,16 @@ def test_sliding_window_logprobs_match_hf(tmp_path, arch, backend, tp_size):
     assert np.abs(full - ref)[10:].max() > 1e-2  # the window changes the later tokens: the check above means something
 
 
+def assert_gpu_backend_matches_hf(model_dir, seed: int) -> None:
+    """The model's logprobs over 45 random tokens through the GPU attention backend are HF's (float32 products)."""
+    ids = np.random.default_rng(seed).integers(2, 491, size=45)
+    with jax.default_matmul_precision("highest"):
+        ours = log_softmax(model_logits(model_dir, ids, jnp.float32, attention_backend="pallas_gpu"))
+    ref = log_softmax(hf_logits(model_dir, ids))
+    assert np.abs(ours - ref).max() < 1e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 2, 128), (14, 2, 224)])
@@ -92,12 +102,7 @@ def test_gpu_attention_backend_matches_hf(tmp_path, heads, kv_heads, hidden):
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
     )
-    ids = np.random.default_rng(4).integers(2, 491, size=45)
-    with jax.default_matmul_precision("highest"):
-        ours = log_softmax(model_logits(model_dir, ids, jnp.float32, attention_backend="pallas_gpu"))
-    ref = log_softmax(hf_logits(model_dir, ids))
-    assert np.abs(ours - ref).max() < 1e-3
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert_gpu_backend_matches_hf(model_dir, seed=4)
 
 
 @pytest.mark.gpu
@@ -107,12 +112,7 @@ def test_gpu_attention_backend_with_sliding_windows_matches_hf(tmp_path):
     overrides = dict(sliding_window=9, use_sliding_window=True, max_window_layers=1)
     shape = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     model_dir = make_hf_model_dir(tmp_path / "m", "qwen2", **overrides, **shape)
-    ids = np.random.default_rng(5).integers(2, 491, size=45)
-    with jax.default_matmul_precision("highest"):
-        ours = log_softmax(model_logits(model_dir, ids, jnp.float32, attention_backend="pallas_gpu"))
-    ref = log_softmax(hf_logits(model_dir, ids))
-    assert np.abs(ours - ref).max() < 1e-3
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert_gpu_backend_matches_hf(model_dir, seed=5)
 
 
 def test_fused_rope_kv_write_takes_the_unzeroed_qkv_and_gives_the_native_layers_logits(tmp_path, monkeypatch):
