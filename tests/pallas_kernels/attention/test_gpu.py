@@ -59,10 +59,75 @@ def make_inputs(
     return (q, k_cache, v_cache, jnp.int32(1), kv_lens, table, cu_q_lens)
 
 
+REFERENCE_KEYS_AT_ONCE = 1 << 20  # query rows x table keys of one reference call; past it, `reference_in_pieces`
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale"))
+def _reference_call(q, k_cache, v_cache, layer, kv_lens, table, cu_q_lens, sliding_window, *, page_size, scale):
+    return ragged_paged_attention_ref(
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        kv_lens,
+        table,
+        cu_q_lens,
+        page_size=page_size,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
+
+
+def reference_in_pieces(
+    q, k_cache, v_cache, layer, kv_lens, table, cu_q_lens, *, page_size, scale, sliding_window=None, max_rows=64
+):
+    """The reference's [T, H, D] computed max_rows query rows at a time: each sequence's rows cut into pieces of at
+    most max_rows, the pieces packed into calls of max_rows rows (a piece is a sequence of its own there, its kv_len
+    cut to its last row's position, so its rows keep their positions and masks), the results put back in place.
+    One call gathers every key of the table for each of its rows, [K, rows, keys, D] in float32: a whole general
+    step at 4096 keys needs about 9 GB, more than a GPU test worker's share."""
+    cu, kv = np.asarray(cu_q_lens), np.asarray(kv_lens)
+    pieces = [
+        (s, start, min(start + max_rows, cu[s + 1]))
+        for s in range(len(kv))
+        for start in range(cu[s], cu[s + 1], max_rows)
+    ]
+    calls, rows = [[]], 0
+    for piece in pieces:
+        if rows + piece[2] - piece[1] > max_rows:
+            calls, rows = calls + [[]], 0
+        calls[-1].append(piece)
+        rows += piece[2] - piece[1]
+    out = np.zeros(q.shape, np.float32)
+    for call in filter(None, calls):
+        seqs = np.array([s for s, _, _ in call] + [0] * (max_rows - len(call)))
+        lens = np.array([end - start for _, start, end in call] + [0] * (max_rows - len(call)))
+        piece_kv = np.array([kv[s] - (cu[s + 1] - end) for s, _, end in call] + [0] * (max_rows - len(call)))
+        token_rows = np.concatenate([np.arange(start, end) for _, start, end in call])
+        call_q = jnp.zeros((max_rows,) + q.shape[1:], q.dtype).at[: len(token_rows)].set(q[token_rows])
+        call_cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        got = _reference_call(
+            call_q,
+            k_cache,
+            v_cache,
+            layer,
+            jnp.asarray(piece_kv, jnp.int32),
+            table[seqs],
+            call_cu,
+            sliding_window,
+            page_size=page_size,
+            scale=scale,
+        )
+        out[token_rows] = np.asarray(got[: len(token_rows)], np.float32)
+    return jnp.asarray(out, q.dtype)
+
+
 def check(args, *, page_size, decode_only, interpret, sliding_window=None, **options):
     head_dim = args[0].shape[-1]
     window = dict(sliding_window=None if sliding_window is None else jnp.int32(sliding_window))
-    want = ragged_paged_attention_ref(*args, page_size=page_size, scale=head_dim**-0.5, **window)
+    keys_at_once = args[0].shape[0] * args[5].shape[1] * page_size
+    reference = reference_in_pieces if keys_at_once > REFERENCE_KEYS_AT_ONCE else ragged_paged_attention_ref
+    want = reference(*args, page_size=page_size, scale=head_dim**-0.5, **window)
     got = ragged_paged_attention_gpu(
         *args,
         page_size=page_size,
@@ -473,3 +538,22 @@ def test_mixed_step_on_gpu_decode_rows_in_place_and_split(num_splits):
 def test_kernels_on_gpu_fp8_cache(cache_dtype, mode):
     args, max_chunks = _gpu_batch(mode, 7, heads=16, kv_heads=2, cache_dtype=cache_dtype)
     check(args, page_size=16, decode_only=mode == "decode", max_chunks=max_chunks, interpret=False)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_in_pieces_equals_one_call(window):
+    # chunks longer than a piece, decode rows, an empty sequence and padding tokens, cut into 4-row pieces
+    args = make_inputs(
+        [9, 1, 0, 6, 1],
+        [20, 7, 0, 6, 33],
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        page_size=4,
+        dtype=jnp.float32,
+        num_tokens=20,
+    )
+    options = dict(page_size=4, scale=8**-0.5, sliding_window=None if window is None else jnp.int32(window))
+    want = ragged_paged_attention_ref(*args, **options)
+    got = reference_in_pieces(*args, max_rows=4, **options)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
