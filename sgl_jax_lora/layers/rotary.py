@@ -79,8 +79,6 @@ def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def apply_rotary(
-    x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray, scale: float = 1.0
-) -> jax.Array:
+def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: tuple[float, ...] | np.ndarray) -> jax.Array:
     """x [T, heads, D], positions [T] -> [T, heads, D] rotated (math in float32)."""
-    return rotate(x, *rotary_tables(positions, inv_freq, scale))
+    return rotate(x, *rotary_tables(positions, inv_freq))
