@@ -107,6 +107,16 @@ def test_gpu_attention_backend_matches_hf(tmp_path, heads, kv_heads, hidden):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_gpu_attention_backend_matches_hf_for_every_architecture(tmp_path, arch):
+    # each architecture's rope (Llama-3's, YaRN's with its attention factor) and q/k norms (Qwen3's) through the fused
+    # rotary + K/V write kernel and the Triton attention kernels, at a head size those kernels take
+    shape = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert_gpu_backend_matches_hf(make_hf_model_dir(tmp_path / arch, arch, **shape), seed=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_gpu_attention_backend_with_sliding_windows_matches_hf(tmp_path):
     # Qwen2 with its second layer windowed: the Triton kernels take each layer's window from the rolled loop
     overrides = dict(sliding_window=9, use_sliding_window=True, max_window_layers=1)
