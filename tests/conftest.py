@@ -1,5 +1,6 @@
 """Test setup, before any test imports jax: 8 fake CPU devices for the sharding tests, and the platform JAX runs on;
-at the session's end, JAX's caches cleared while the session still runs (`pytest_sessionfinish`).
+temporary files under pytest's base temp (`session_temp_dir`); at the session's end, JAX's caches cleared while
+the session still runs (`pytest_sessionfinish`).
 
 The suite is written for the CPU: its tensor-parallel tests need the 8 fake devices and its tolerances the CPU's
 float32 numerics. So a plain run keeps JAX on the CPU (JAX_PLATFORMS=cpu, also for the servers the tests start in
@@ -11,6 +12,7 @@ its default platform; run in several pytest-xdist workers, each worker takes its
 import gc
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -29,6 +31,22 @@ def pytest_configure(config):
     import jax  # noqa: PLC0415 (after XLA_FLAGS; the config covers a jax a plugin imported before this hook)
 
     jax.config.update("jax_platforms", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_temp_dir(tmp_path_factory):
+    """tempfile's directory, and TMPDIR for the processes the tests start, under pytest's base temp: the server logs,
+    benchmark work directories and model directories that tests leave behind go with pytest's older base temps
+    (it keeps the last three), not into /tmp for good."""
+    path = str(tmp_path_factory.mktemp("tempfile"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = path, path
+    yield path
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
 
 
 @pytest.hookimpl(trylast=True)

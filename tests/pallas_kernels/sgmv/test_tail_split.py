@@ -29,12 +29,16 @@ LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "
 @pytest.mark.parametrize("num_sms", [132, 5])
 @pytest.mark.parametrize("k_steps", [64, 224, 13, 3])
 def test_every_tile_and_k_step_is_computed_once(num_sms, k_steps):
-    for num_tiles in sorted({*range(1, 12), *range(num_sms - 5, num_sms + 6), 2 * num_sms + 1, 6 * 24, 6 * 112}):
+    tile_counts = sorted({*range(1, 12), *range(num_sms - 5, num_sms + 6), 2 * num_sms + 1, 6 * 24, 6 * 112})
+    # one program for every count (the units padded to the most any count has), as the kernel traces it
+    work = jax.jit(lambda units, whole, remaining, pieces: unit_work(units, whole, remaining, pieces, k_steps))
+    all_units = np.arange(max(tile_counts) * MAX_PIECES, dtype=np.int32)
+    for num_tiles in tile_counts:
         whole = num_tiles // num_sms * num_sms
         remaining = num_tiles - whole
         pieces = tail_pieces(remaining, num_sms, k_steps)
-        units = np.arange(whole + remaining * pieces)
-        tile, k_first, k_end, is_piece = (np.asarray(a) for a in unit_work(units, whole, remaining, pieces, k_steps))
+        num_units = whole + remaining * pieces
+        tile, k_first, k_end, is_piece = (np.asarray(a)[:num_units] for a in work(all_units, whole, remaining, pieces))
         covered = np.zeros((num_tiles, k_steps), np.int32)
         for t, first, end in zip(tile, k_first, k_end):
             assert end > first, (num_tiles, t)

@@ -24,6 +24,14 @@ pytestmark = pytest.mark.slow
 LONG = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
 
 
+@pytest.fixture(scope="module")
+def refusing_server():
+    """One server for the tests whose requests are all refused (it serves on as it was)."""
+    srv = start_server(SMALL_ENGINE_FLAGS)
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
 @pytest.fixture
 def server():
     srv = start_server([*SMALL_ENGINE_FLAGS, "--shutdown-timeout", "120"])
@@ -71,24 +79,26 @@ def health_during_a_large_prompt(url: str) -> list[tuple[float, int]]:
     return [(at, status) for at, status in answered if at < done_at]
 
 
-def test_health_answers_while_a_large_prompt_is_handled(server):
+def test_health_answers_while_a_large_prompt_is_handled(refusing_server):
     # a loop blocked by the parse answers no /health between the upload's end and the large answer, in any attempt;
     # on a loaded machine a fast parse can leave one attempt's window empty by chance
     for _ in range(HEALTH_ATTEMPTS):
-        if health_during_a_large_prompt(server.url):
+        if health_during_a_large_prompt(refusing_server.url):
             return
     raise AssertionError(f"no /health answer while the large prompt was handled, in {HEALTH_ATTEMPTS} attempts")
 
 
-def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server):
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(refusing_server):
     # 2 MB of text: more characters than context_length x the longest vocabulary entry (x 4), so it is refused
     # without running the tokenizer (which took minutes on 50 MB)
     text = "hello world, this is a sentence. " * 60_000
-    response = httpx.post(server.url + "/generate", json={"text": text}, timeout=120)
+    response = httpx.post(refusing_server.url + "/generate", json={"text": text}, timeout=120)
     message = response.json()["error"]["message"]
     assert response.status_code == 400 and f"text has {len(text)} characters" in message and "context length" in message
     short = httpx.post(
-        server.url + "/generate", json={"text": "hi " * 2000, "sampling_params": {"max_new_tokens": 1}}, timeout=120
+        refusing_server.url + "/generate",
+        json={"text": "hi " * 2000, "sampling_params": {"max_new_tokens": 1}},
+        timeout=120,
     )  # under the bound: tokenized, then refused by its exact token count
     assert short.status_code == 400 and "prompt has" in short.json()["error"]["message"]
 
