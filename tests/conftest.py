@@ -39,14 +39,10 @@ def session_temp_dir(tmp_path_factory):
     benchmark work directories and model directories that tests leave behind go with pytest's older base temps
     (it keeps the last three), not into /tmp for good."""
     path = str(tmp_path_factory.mktemp("tempfile"))
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = path, path
-    yield path
-    if saved[0] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved[0]
-    tempfile.tempdir = saved[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", path)
+        patch.setattr(tempfile, "tempdir", path)
+        yield path
 
 
 @pytest.hookimpl(trylast=True)

@@ -121,7 +121,7 @@ def test_rounds_alternate_the_order_of_the_cases():
     assert all(len(calls) == 4 and min(calls) >= 0 for rounds in times for calls in rounds)
 
 
-def test_a_variant_is_measured_round_by_round(monkeypatch, tmp_path):
+def test_a_variant_is_measured_round_by_round(monkeypatch):
     """The tests' tiny Llama (two layers), native attention, a decode and a prefill case over two rounds: one row a
     case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows. The
     model is the engine's for the variant's flags (`load_engine_model`) and its forward takes the engine's XLA options
@@ -138,7 +138,7 @@ def test_a_variant_is_measured_round_by_round(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench_step, "forward_compiler_options", engine_options)
     monkeypatch.setattr(bench_step, "load_engine_model", engine_model)
-    cfg = ModelConfig.from_model_path(make_model_dir(TINY_LLAMA_CONFIG, str(tmp_path / "model")))
+    cfg = ModelConfig.from_model_path(make_model_dir(TINY_LLAMA_CONFIG))
     opts = argparse.Namespace(
         repeats=2,
         rounds=2,
