@@ -45,8 +45,8 @@ from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
-from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.mem_cache.prefix_cache import SCRATCH_PAGE, PrefixCache
+from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
+from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
 
 
@@ -143,7 +143,9 @@ class Scheduler:
         for requests that want prompt logprobs: those need every position's logits."""
         if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
             return
-        req.pages = self.prefix_cache.match(req.lora_slot_key, req.all_ids, req.remaining_prefill - 1)
+        req.pages = self.prefix_cache.match(
+            req.lora_slot_key, req.all_ids, req.remaining_prefill - 1, window=self.sliding_window
+        )
         req.num_computed = len(req.pages) * self.allocator.page_size
         if not self._can_allocate(self._chunk(req, budget)[1]):  # the pages it would have evicted were its prefix
             self._release(req)

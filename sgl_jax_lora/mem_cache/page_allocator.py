@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
+SCRATCH_PAGE = 0  # the reserved page (padding tokens write it); in a request's page list, a page it gave back
+
 
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
@@ -15,7 +17,7 @@ class PageAllocator:
             raise ValueError(f"KV cache needs at least 2 pages (1 scratch + 1 usable), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))
+        self._free: deque[int] = deque(range(SCRATCH_PAGE + 1, num_pages))
 
     @property
     def num_free(self) -> int:

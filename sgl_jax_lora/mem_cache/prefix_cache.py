@@ -7,8 +7,9 @@ the request's full pages, which it keeps holding -> when the request gives its p
 preemption) `release` keeps its full pages for reuse (or drops its hold on the cached ones) and frees the rest ->
 cached pages that no request holds are evicted, least recently used first, when the allocator runs short (`evict`).
 A request of a sliding-window model may give back its pages below the window while it runs (mem_cache/window_pages.py,
-`give_back`); their places in its page list hold SCRATCH_PAGE, and only the pages before the first of those can be
-cached (a prefix is matched from its first page).
+`give_back`); their places in its page list hold SCRATCH_PAGE. Its other full pages are cached as any request's, and
+`match` with the window hands a later request the pages of its prefix's last window (the ones below it as
+SCRATCH_PAGE), so a prefix longer than the window is reused whichever of its earlier pages are gone.
 
 Keys: a page's key is a SHA-256 chain over the adapter (`LoRARef.lora_id`, a new UUID at every load, None for the
 base model) and every token up to the page's end, so a page is only reused for the same prefix under the same
@@ -22,9 +23,8 @@ import hashlib
 
 import numpy as np
 
-from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-
-SCRATCH_PAGE = 0  # the reserved page (padding tokens write it); in a request's page list, a page it gave back
+from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
+from sgl_jax_lora.mem_cache.window_pages import pages_below_window
 
 
 class PrefixCache:
@@ -54,19 +54,28 @@ class PrefixCache:
             keys.append(chain.copy().digest())
         return keys
 
-    def match(self, adapter: str | None, tokens: list[int], max_tokens: int) -> list[int]:
+    def match(self, adapter: str | None, tokens: list[int], max_tokens: int, window: int | None = None) -> list[int]:
         """Pages holding the K/V of the longest cached prefix of tokens[:max_tokens] (whole pages); the caller
-        holds them until it releases them."""
-        pages = []
-        for key in self.page_keys(adapter, tokens, max_tokens // self.page_size):
-            page = self._page_of.get(key)
-            if page is None:
+        holds them until it releases them. With `window` (a sliding window on every layer, the widest of them;
+        mem_cache/window_pages.py), a prefix needs cached only the pages its next query's window reads: the pages
+        below that are SCRATCH_PAGE in the result, as a running request's given-back pages are. So the next turn of
+        a conversation longer than the window reuses its history's last window, wherever its earlier pages went."""
+        pages: list[int | None] = [
+            self._page_of.get(key) for key in self.page_keys(adapter, tokens, max_tokens // self.page_size)
+        ]
+        num_pages, num_below, cached_run = 0, 0, 0  # cached_run: cached pages up to and including page i
+        for i, page in enumerate(pages):
+            cached_run = cached_run + 1 if page is not None else 0
+            below = pages_below_window((i + 1) * self.page_size, window, self.page_size) if window else 0
+            if cached_run >= i + 1 - below:  # every page the query after page i reads is cached
+                num_pages, num_below = i + 1, below
+            elif window is None:
                 break
-            pages.append(page)
-        for page in pages:
+        matched = [SCRATCH_PAGE] * num_below + pages[num_below:num_pages]
+        for page in matched[num_below:]:
             self._holders[page] += 1
             self._evictable.pop(page, None)
-        return pages
+        return matched
 
     def insert(self, adapter: str | None, tokens: list[int], num_computed: int, pages: list[int]) -> None:
         """A running request's full pages join the cache while it holds them (tokens[:num_computed] have their K/V
@@ -76,8 +85,8 @@ class PrefixCache:
         beside it) stays the request's own. The request's `release` then gives its hold back."""
         keys = self.page_keys(adapter, tokens, min(num_computed // self.page_size, len(pages)))
         for page, key in zip(pages, keys):
-            if page == SCRATCH_PAGE:  # given back below a sliding window: the pages after it start no prefix
-                break
+            if page == SCRATCH_PAGE:  # given back below a sliding window: the pages after it are matched by window
+                continue
             if page not in self._key_of and key not in self._page_of:
                 self._page_of[key], self._key_of[page], self._holders[page] = page, key, 1
 

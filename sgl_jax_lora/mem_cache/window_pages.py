@@ -14,8 +14,12 @@ allocator.
 
 from __future__ import annotations
 
-from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.mem_cache.prefix_cache import SCRATCH_PAGE, PrefixCache
+from typing import TYPE_CHECKING
+
+from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 
 
 def pages_below_window(num_computed: int, window: int, page_size: int) -> int:

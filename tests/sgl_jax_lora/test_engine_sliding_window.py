@@ -1,6 +1,7 @@
 """Sliding-window models served end to end vs HF transformers + PEFT (CPU, fp32): a Mistral whose window is shorter
 than the prompts and the outputs, base and adapter requests in one batch, prompts over several prefill chunks and
-pages, decode far past the window, a prompt sharing a cached prefix, with the native attention and the Pallas
+pages, decode far past the window, a prompt sharing a cached prefix, a conversation's next turn reusing the last
+window of its history, with the native attention and the Pallas
 kernels (the TPU kernel in interpret mode on CPU); and requests that fit a small KV cache side by side only because
 each gives back its pages below the window while it runs."""
 
@@ -62,6 +63,19 @@ def test_windowed_model_matches_hf_and_peft(setup, attention_backend):
         assert eng.get_server_info()["sliding_windows"] == [WINDOW, WINDOW]  # narrower than the 128-token context
     assert_matches_peft(base, adapters, names[:3], ids[:3], first, 24)
     assert last["output_ids"] == reference(base, adapters[names[3]], ids[3], 24)[0]
+
+
+def test_a_conversations_next_turn_reuses_its_last_window_and_matches_peft(setup):
+    # turn one computes 37 + 27 = 64 tokens: its pages below the window go while it decodes, and the last of its four
+    # pages is cached when it ends; the next turn resends that history and needs only that page (keys 54.. from 64)
+    base, adapters = setup
+    history = prompt(70, 37)
+    with windowed_engine(base, adapters) as eng:
+        first = eng.generate(input_ids=history, sampling_params={"max_new_tokens": 28, **GREEDY}, lora_path="adapter")
+        turn = history + first["output_ids"] + prompt(71, 8)
+        second = eng.generate(input_ids=turn, sampling_params={"max_new_tokens": 16, **GREEDY}, lora_path="adapter")
+    assert second["meta_info"]["cached_tokens"] == 64
+    assert second["output_ids"] == reference(base, adapters["adapter"], turn, 16)[0]
 
 
 def test_requests_give_back_pages_below_the_window_and_still_match_peft(setup):
