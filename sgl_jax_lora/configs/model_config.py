@@ -53,7 +53,9 @@ class RopeConfig:
     attention_factor: float = 1.0  # yarn: the cosines and sines are scaled by it (HF's attention_scaling)
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# dynamic: HF's dynamic NTK scaling, whose frequencies are the default ones up to max_position_embeddings and past it
+# change with each sequence's length (keys cached at one length would not match); served within it
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,13 @@ class ModelConfig:
 
     def context_length(self, requested: int | None) -> int:
         """The tokens a request may hold (prompt + output): --context-length, at most the model's positions."""
+        if self.rope.rope_type == "dynamic" and (requested or 0) > self.max_position_embeddings:
+            raise ModelConfigError(
+                f"--context-length {requested} is past this model's max_position_embeddings "
+                f"({self.max_position_embeddings}): its rope type 'dynamic' (dynamic NTK) rescales the frequencies "
+                "for each sequence length past it, which keys cached at other lengths cannot follow; pass "
+                f"--context-length {self.max_position_embeddings} or less"
+            )
         return min(requested or self.max_position_embeddings, self.max_position_embeddings)
 
     def served_within(self, context_length: int) -> ModelConfig:
@@ -225,7 +234,7 @@ def _rope_of(raw: dict, max_position_embeddings: int) -> RopeConfig:
     if factor is None and rope_type == "yarn":
         factor = max_position_embeddings / original
     factor = float(1.0 if factor is None else factor)
-    if rope_type in ("linear", "llama3", "yarn") and factor <= 0:
+    if rope_type in ("linear", "llama3", "yarn", "dynamic") and factor <= 0:
         raise ModelConfigError(f"config.json: rope scaling factor must be positive, got {factor}")
     return RopeConfig(
         theta=theta,

@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF "rotate half" layout) with default, linear, llama3 and yarn frequency rules.
+"""Rotary position embedding (HF "rotate half" layout) with default, linear, llama3 and yarn frequency rules (and
+dynamic NTK, whose frequencies are the default ones within the context it is served at: ModelConfig.context_length).
 
 `inverse_frequencies` (per model), `rotary_tables` (the cosines and sines of one forward's positions, computed once
 and shared by the layers, scaled by YaRN's attention factor where the model has one), `rotate` (x by those tables),
@@ -16,7 +17,8 @@ from sgl_jax_lora.configs.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """[D/2] float32 inverse frequencies, with the rope type's scaling applied."""
+    """[D/2] float32 inverse frequencies, with the rope type's scaling applied (none for dynamic NTK, which scales
+    only past max_position_embeddings, where it is not served)."""
     inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor

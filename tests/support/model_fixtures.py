@@ -44,6 +44,11 @@ ARCH_CONFIGS = {
             rope_theta=500000.0,
         ),
     ),
+    # dynamic NTK, served within max_position_embeddings (the 37-token prompts of the parity tests fit its 64)
+    "llama_dynamic": (
+        LlamaConfig,
+        dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=64),
+    ),
     "mistral": (MistralConfig, dict(sliding_window=None)),
     # YaRN as Qwen2.5's model card sets it for long contexts (here over a 128-token pretrained context)
     "qwen2_yarn": (

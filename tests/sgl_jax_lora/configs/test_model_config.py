@@ -45,9 +45,21 @@ def test_rope_scaling_in_either_spelling():
     assert (new.rope.rope_type, new.rope.theta, new.rope.factor) == ("llama3", 500000.0, 8.0)
     assert ModelConfig.from_dict({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope.factor == 2.0
     with pytest.raises(
-        ModelConfigError, match="unsupported rope type 'dynamic'; supported: default, linear, llama3, yarn"
+        ModelConfigError, match="unsupported rope type 'longrope'; supported: default, linear, llama3, yarn, dynamic"
     ):
-        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+        ModelConfig.from_dict({**LLAMA, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+
+
+def test_dynamic_ntk_is_served_within_its_positions_only():
+    # past max_position_embeddings HF recomputes the frequencies for each sequence length: not servable from a cache
+    dynamic = {"type": "dynamic", "factor": 2.0}
+    cfg = ModelConfig.from_dict({**LLAMA, "max_position_embeddings": 2048, "rope_scaling": dynamic})
+    assert (cfg.rope.rope_type, cfg.rope.factor, cfg.max_position_embeddings) == ("dynamic", 2.0, 2048)
+    assert cfg.context_length(None) == cfg.context_length(2048) == 2048 and cfg.context_length(100) == 100
+    with pytest.raises(ModelConfigError, match=r"--context-length 4096 is past .*pass --context-length 2048 or less"):
+        cfg.context_length(4096)
+    plain = ModelConfig.from_dict({**LLAMA, "max_position_embeddings": 2048})
+    assert plain.context_length(4096) == 2048  # other rope types: capped at their positions
 
 
 def test_yarn_reads_as_transformers_does():
