@@ -29,7 +29,8 @@ full pages once launched (EngineCore), released requests leave theirs, and unhel
 A waiting request whose first page another admission computes in the same step waits for the next step, where it
 finds that page cached: n samples of one prompt, or a burst sharing a system prompt, prefill it once (SGLang's
 in-batch prefix caching). With a sliding window on every layer (`sliding_window`), running requests give back their
-pages below it as each step is planned (mem_cache/window_pages.py).
+pages below it as each step is planned (mem_cache/window_pages.py), and a prefix match needs only the pages of its
+last window.
 
 Under the overlap schedule (engine_core.py) `schedule()` runs while the previous step is in flight: its
 requests are already advanced, their sampled tokens in flight (managers/in_flight.py). A request may then turn out finished (a stop
