@@ -1,9 +1,9 @@
 """Sliding-window models served end to end vs HF transformers + PEFT (CPU, fp32): a Mistral whose window is shorter
 than the prompts and the outputs, base and adapter requests in one batch, prompts over several prefill chunks and
-pages, decode far past the window, a prompt sharing a cached prefix, a conversation's next turn reusing the last
-window of its history, with the native attention and the Pallas
-kernels (the TPU kernel in interpret mode on CPU); and requests that fit a small KV cache side by side only because
-each gives back its pages below the window while it runs."""
+pages, decode far past the window, a prompt sharing a cached prefix, with the native attention and the Pallas kernels
+(the TPU kernel in interpret mode on CPU); a conversation's next turn reusing the last window of its history; and
+requests that fit a small KV cache side by side only because each gives back its pages below the window while it
+runs."""
 
 from __future__ import annotations
 
