@@ -309,43 +309,54 @@ def _decode_kernel(
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
 
     num_blocks = pl.cdiv(kv_len, block_kv)
-    # the row's query sits at kv_len - 1; with a window W its keys start at kv_len - W, and the blocks below are
-    # not read
-    lowest_key = None
-    if windowed:
-        lowest_key = jnp.maximum(kv_len - window_ref[0], 0)
-        first_block = jax.lax.div(lowest_key, block_kv)
-        per_split = pl.cdiv(num_blocks - first_block, num_splits)
-        first = first_block + split * per_split
-    else:
-        per_split = pl.cdiv(num_blocks, num_splits)
-        first = split * per_split
-    last = jnp.minimum(num_blocks, first + per_split)
-
-    def body(block, carry):
-        k, v, _, is_key = _load_kv_block(
-            k_ref,
-            v_ref,
-            page_table_ref,
-            layer,
-            kv_head,
-            safe_seq,
-            block,
-            kv_len,
-            block_kv=block_kv,
-            page_size=page_size,
-            compute_dtype=q.dtype,
-            lowest_key=lowest_key,
-        )
-        mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
-        return _softmax_step(carry, q, k, v, mask, scale_log2)
-
     init = (
         jnp.zeros((group_pad, head_dim), jnp.float32),
         jnp.full((group_pad,), _MASK_INIT, jnp.float32),
         jnp.zeros((group_pad,), jnp.float32),
     )
-    o, m, l = jax.lax.fori_loop(first, last, body, init)
+
+    def walk(first_block, lowest_key):
+        """This split's share of the key blocks from first_block (None: 0) on; keys below lowest_key (None: none)
+        are not read."""
+
+        def body(block, carry):
+            k, v, _, is_key = _load_kv_block(
+                k_ref,
+                v_ref,
+                page_table_ref,
+                layer,
+                kv_head,
+                safe_seq,
+                block,
+                kv_len,
+                block_kv=block_kv,
+                page_size=page_size,
+                compute_dtype=q.dtype,
+                lowest_key=lowest_key,
+            )
+            mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
+            return _softmax_step(carry, q, k, v, mask, scale_log2)
+
+        if first_block is None:
+            per_split = pl.cdiv(num_blocks, num_splits)
+            first = split * per_split
+        else:
+            per_split = pl.cdiv(num_blocks - first_block, num_splits)
+            first = first_block + split * per_split
+        return jax.lax.fori_loop(first, jnp.minimum(num_blocks, first + per_split), body, init)
+
+    if windowed:
+        # the row's query sits at kv_len - 1, so a window W starts at key kv_len - W; the blocks below are not read.
+        # A row its window covers walks every block as the full kernel does: the walk from the window's first block
+        # (a value the compiler cannot see) ran 1.11x as long where that block is 0 (docs/benchmarks.md)
+        lowest_key = jnp.maximum(kv_len - window_ref[0], 0)
+        o, m, l = jax.lax.cond(
+            lowest_key == 0,
+            lambda: walk(None, None),
+            lambda: walk(jax.lax.div(lowest_key, block_kv), lowest_key),
+        )
+    else:
+        o, m, l = walk(None, None)
     if num_splits == 1:
         (out_ref,) = out_refs
         plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
