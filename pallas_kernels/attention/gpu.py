@@ -40,8 +40,9 @@ to every layer's call (a rolled layer loop would otherwise sort and scan it agai
 no plan builds its own.
 
 A sliding window (`sliding_window`, a traced [] i32: the layer's) moves each kernel's first key block up: a decode
-row starts at its window's first key, a q block at the window of its first query, and only the blocks at the
-window's edge load and mask by it; without one the kernels are the programs they were before windows.
+row starts at its window's first key (a row its window covers runs the full kernel's loop), a q block at the window
+of its first query, and only the blocks at the window's edge load and mask by it; without one the kernels are the
+programs they were before windows.
 
 An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened as its rows load, to float16 beside 16-bit queries (q is
 saturated into float16's range) and to q's dtype beside float32 ones, with float32 accumulation as for a 16-bit
@@ -347,8 +348,8 @@ def _decode_kernel(
 
     if windowed:
         # the row's query sits at kv_len - 1, so a window W starts at key kv_len - W; the blocks below are not read.
-        # A row its window covers walks every block as the full kernel does: the walk from the window's first block
-        # (a value the compiler cannot see) ran 1.11x as long where that block is 0 (docs/benchmarks.md)
+        # A row its window covers walks every block as the full kernel does, from a block the compiler knows: walked
+        # from the window's first block, known only at run time, it took 1.11x as long (docs/benchmarks.md)
         lowest_key = jnp.maximum(kv_len - window_ref[0], 0)
         o, m, l = jax.lax.cond(
             lowest_key == 0,
