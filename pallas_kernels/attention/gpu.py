@@ -517,6 +517,13 @@ def _prefill_kernel(
     num_full = jnp.clip(jax.lax.div(jnp.maximum(first_pos + 1, 0), block_kv), 0, num_blocks)
     # key blocks [first_block, unmasked_from) hold keys below some query's window (masked), [unmasked_from,
     # num_full) keys every query reads, [num_full, num_blocks) the causal diagonal (masked)
+    first_block, unmasked_from, lowest_key = 0, 0, None
+    if windowed:
+        window = window_ref[0]
+        lowest_key = jnp.maximum(first_pos - window + 1, 0)  # the window's first key for the block's first query
+        first_block = jnp.clip(jax.lax.div(lowest_key, block_kv), 0, num_full)
+        last_pos = first_pos + count - 1
+        unmasked_from = jnp.clip(pl.cdiv(jnp.maximum(last_pos - window + 1, 0), block_kv), first_block, num_full)
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
     load = functools.partial(
         _load_kv_block,
@@ -536,43 +543,23 @@ def _prefill_kernel(
         k, v, _, _ = load(kv_block)
         return _softmax_step(carry, q, k, v, None, scale_log2)
 
-    def masked_block(window, lowest_key):
-        def step(kv_block, carry):  # keys below the window of the block's first query are not read
-            k, v, key_pos, _ = load(kv_block, lowest_key=lowest_key)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            if window is not None:
-                mask &= key_pos[None, :] > query_pos[:, None] - window
-            return _softmax_step(carry, q, k, v, mask, scale_log2)
-
-        return step
+    def masked_block(kv_block, carry):  # keys below the window of the block's first query are not read
+        k, v, key_pos, _ = load(kv_block, lowest_key=lowest_key)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        if windowed:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
+        return _softmax_step(carry, q, k, v, mask, scale_log2)
 
     init = (
         jnp.zeros((block_rows, head_dim), jnp.float32),
         jnp.full((block_rows,), _MASK_INIT, jnp.float32),
         jnp.zeros((block_rows,), jnp.float32),
     )
-
-    def every_key():
-        carry = jax.lax.fori_loop(0, num_full, full_block, init)
-        return jax.lax.fori_loop(num_full, num_blocks, masked_block(None, None), carry)
-
+    carry = init
     if windowed:
-        window = window_ref[0]
-        last_pos = first_pos + count - 1
-
-        def from_window():
-            lowest_key = jnp.maximum(first_pos - window + 1, 0)  # the window's first key for the block's first query
-            first_block = jnp.clip(jax.lax.div(lowest_key, block_kv), 0, num_full)
-            unmasked_from = jnp.clip(pl.cdiv(jnp.maximum(last_pos - window + 1, 0), block_kv), first_block, num_full)
-            step = masked_block(window, lowest_key)
-            carry = jax.lax.fori_loop(first_block, unmasked_from, step, init)
-            carry = jax.lax.fori_loop(unmasked_from, num_full, full_block, carry)
-            return jax.lax.fori_loop(num_full, num_blocks, step, carry)
-
-        # a block whose every query's window covers all its keys runs the full kernel's loops (see the decode kernel)
-        o, _, l = jax.lax.cond(last_pos < window, every_key, from_window)
-    else:
-        o, _, l = every_key()
+        carry = jax.lax.fori_loop(first_block, unmasked_from, masked_block, carry)
+    carry = jax.lax.fori_loop(unmasked_from, num_full, full_block, carry)
+    o, _, l = jax.lax.fori_loop(num_full, num_blocks, masked_block, carry)
     plgpu.store(o_ref.at[q_at], _normalize(o, l).astype(o_ref.dtype), mask=row_mask)
 
 
