@@ -316,9 +316,9 @@ def _decode_kernel(
         jnp.zeros((group_pad,), jnp.float32),
     )
 
-    def walk(first_block, lowest_key):
-        """This split's share of the key blocks from first_block (None: 0) on; keys below lowest_key (None: none)
-        are not read."""
+    def walk(lowest_key):
+        """This split's share of the key blocks from the one holding lowest_key on, the keys below it not read; None:
+        every block, as the full kernel walks them."""
 
         def body(block, carry):
             k, v, _, is_key = _load_kv_block(
@@ -338,10 +338,11 @@ def _decode_kernel(
             mask = jnp.broadcast_to(is_key[None, :], (group_pad, block_kv))
             return _softmax_step(carry, q, k, v, mask, scale_log2)
 
-        if first_block is None:
+        if lowest_key is None:
             per_split = pl.cdiv(num_blocks, num_splits)
             first = split * per_split
         else:
+            first_block = jax.lax.div(lowest_key, block_kv)
             per_split = pl.cdiv(num_blocks - first_block, num_splits)
             first = first_block + split * per_split
         return jax.lax.fori_loop(first, jnp.minimum(num_blocks, first + per_split), body, init)
@@ -351,13 +352,9 @@ def _decode_kernel(
         # A row its window covers walks every block as the full kernel does, from a block the compiler knows: walked
         # from the window's first block, known only at run time, it took 1.11x as long (docs/benchmarks.md)
         lowest_key = jnp.maximum(kv_len - window_ref[0], 0)
-        o, m, l = jax.lax.cond(
-            lowest_key == 0,
-            lambda: walk(None, None),
-            lambda: walk(jax.lax.div(lowest_key, block_kv), lowest_key),
-        )
+        o, m, l = jax.lax.cond(lowest_key == 0, lambda: walk(None), lambda: walk(lowest_key))
     else:
-        o, m, l = walk(None, None)
+        o, m, l = walk(None)
     if num_splits == 1:
         (out_ref,) = out_refs
         plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
