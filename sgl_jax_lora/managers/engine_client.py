@@ -51,12 +51,20 @@ class ServerBusyError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, args: ServerArgs, model_path: str, target: Callable = run_engine_process):
-        """Spawn `target(args_dict, model_path, conn)` (the engine process; tests give a stand-in) and wait for
-        it to be ready."""
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        tokenizer_eos: tuple[int, ...],
+        target: Callable = run_engine_process,
+    ):
+        """Spawn `target(args_dict, model_path, conn, tokenizer_eos)` (the engine process; tests give a
+        stand-in) and wait for it to be ready. `tokenizer_eos`: the frontend's tokenizer's EOS id
+        (managers/stop_checker.py), so that the engine process need not load the tokenizer."""
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=target, args=(args.to_dict(), model_path, child_conn), daemon=True)
+        spawn_args = (args.to_dict(), model_path, child_conn, tokenizer_eos)
+        self.process = context.Process(target=target, args=spawn_args, daemon=True)
         self.process.start()
         child_conn.close()
         ready = self._wait_ready()

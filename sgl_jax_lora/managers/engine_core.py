@@ -65,7 +65,8 @@ class LaunchedStep:
 
 
 class EngineCore:
-    def __init__(self, args: ServerArgs, model_path: str):
+    def __init__(self, args: ServerArgs, model_path: str, tokenizer_eos: tuple[int, ...] | None = None):
+        """`tokenizer_eos`: the tokenizer's EOS id as the frontend read it; None: read here (stop_checker.py)."""
         self.compile_counter = CompileCounter()
         self.args = args
         self.cfg = ModelConfig.from_model_path(model_path)
@@ -73,7 +74,7 @@ class EngineCore:
         self.context_length = self.cfg.context_length(args.context_length)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
-        self.stop_checker = StopChecker(eos_token_ids(args.tokenizer_path or model_path, self.cfg.eos_token_ids))
+        self.stop_checker = StopChecker(eos_token_ids(self.cfg, tokenizer_eos, args.tokenizer_path or model_path))
         # a request's logit-adjustment entries: distinct prompt and output ids, logit_bias ids, banned ids
         max_logit_entries = min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS) + MAX_STOP_TOKEN_IDS
         max_logit_entries += len(self.stop_checker.eos_token_ids)
@@ -151,8 +152,7 @@ class EngineCore:
         return [(req.rid, message) for req, message in self.scheduler.pop_rejected()]
 
     def abort(self, rid: str) -> EngineOutput | None:
-        req = self.scheduler.abort(rid)
-        if req is None:
+        if (req := self.scheduler.abort(rid)) is None:
             return None
         req.finish_reason = {"type": "abort", "message": "aborted by the client"}
         return self._output_of(req)
@@ -370,6 +370,7 @@ class EngineCore:
             "model_path": self.cfg.model_path,
             "architecture": self.cfg.architecture,
             "vocab_size": self.cfg.vocab_size,
+            "eos_token_ids": sorted(self.stop_checker.eos_token_ids),  # the model config's and the tokenizer's
             "context_length": self.context_length,
             "step_token_budget": self.scheduler.chunk_budget,  # --chunked-prefill-size as the steps get it
             "token_buckets": list(self.buckets.tokens),

@@ -1,6 +1,7 @@
 """The engine process: builds EngineCore, then loops: read messages, run a step, send outputs.
 
-Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with one end of a Pipe (with
+Flow: EngineClient (managers/engine_client.py) spawns `run_engine_process` with one end of a Pipe and the
+tokenizer's EOS id as the frontend read it, so this process never loads the tokenizer or imports transformers (with
 --nnodes > 1 it first joins the other nodes: distributed/runtime.py). The process answers Ready (or StartupError),
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
@@ -55,7 +56,7 @@ from sgl_jax_lora.utils.quiet import quiet_platform_probes
 logger = logging.getLogger(__name__)
 
 
-def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> None:
+def run_engine_process(args_dict: dict, model_path: str, conn: Connection, tokenizer_eos: tuple[int, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
     enable_compilation_cache(args_dict.get("compilation_cache_dir"))
@@ -68,7 +69,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection) -> No
             initialize(args)
         from sgl_jax_lora.managers.engine_core import EngineCore
 
-        core = EngineCore(args, model_path)
+        core = EngineCore(args, model_path, tokenizer_eos)
     except Exception as e:  # startup errors go back to the frontend, which raises them
         logger.exception("engine failed to start")
         conn.send_bytes(encode(StartupError(f"{type(e).__name__}: {e}")))

@@ -41,6 +41,7 @@ from sgl_jax_lora.managers.io_struct import (
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
+from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, model_sampling_defaults
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.keyed_locks import KeyedLocks
@@ -59,7 +60,8 @@ class TokenizerManager:
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
         # under each request's own sampling params; read (and checked) before the engine starts compiling
         self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}
-        self.client = EngineClient(args, model_path)  # spawns the engine; returns once it has compiled
+        # spawns the engine; returns once it has compiled
+        self.client = EngineClient(args, model_path, tokenizer_eos_ids(self.tokenizer))
         self.server_info = self.client.server_info
         self.context_length = self.server_info["context_length"]
         self.max_total_tokens = self.server_info["max_total_tokens"]

@@ -1,10 +1,10 @@
 """A stand-in engine process for EngineClient tests: speaks io_struct.py's messages over the pipe, no JAX.
 
-`run_fake_engine(args_dict, model_path, conn)` is spawned like managers/engine_process.run_engine_process; the
-model path picks its behaviour: "fail" answers StartupError, "crash" exits before answering, anything else
-answers Ready and then serves: a GenerateRequest gets one finished EngineOutput (its prompt echoed), or a
-RequestFailed when its rid starts with "refuse"; rid "die" makes the process exit at once; ServerInfoCall is
-answered with FAKE_INFO, UnloadLoRACall with an error; ShutdownRequest ends it.
+`run_fake_engine(args_dict, model_path, conn, tokenizer_eos)` is spawned like
+managers/engine_process.run_engine_process; the model path picks its behaviour: "fail" answers StartupError,
+"crash" exits before answering, anything else answers Ready and then serves: a GenerateRequest gets one finished
+EngineOutput (its prompt echoed), or a RequestFailed when its rid starts with "refuse"; rid "die" makes the process
+exit at once; ServerInfoCall is answered with FAKE_INFO, UnloadLoRACall with an error; ShutdownRequest ends it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sgl_jax_lora.managers.io_struct import (
 FAKE_INFO = {"context_length": 64, "max_total_tokens": 128, "vocab_size": 100, "loras": []}
 
 
-def run_fake_engine(args_dict: dict, model_path: str, conn: Connection) -> None:
+def run_fake_engine(args_dict: dict, model_path: str, conn: Connection, tokenizer_eos: tuple[int, ...]) -> None:
     if model_path == "crash":
         os._exit(3)
     if model_path == "fail":

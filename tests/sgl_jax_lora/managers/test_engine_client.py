@@ -23,7 +23,7 @@ from tests.support.fake_engine import FAKE_INFO, run_fake_engine
 
 
 def make_client(model_path: str = "ok") -> EngineClient:
-    return EngineClient(ServerArgs(), model_path, target=run_fake_engine)
+    return EngineClient(ServerArgs(), model_path, (), target=run_fake_engine)
 
 
 def request(rid: str, ids: list[int] | None = None) -> GenerateRequest:

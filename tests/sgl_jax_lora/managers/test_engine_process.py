@@ -3,12 +3,16 @@ EngineCore and a real pipe: a refused request answers RequestFailed, an abort it
 its EngineCore method's result (or error) in a CallReply of the same call_id, shutdown ends the loop; bytes of an
 unknown message are dropped, the loop keeps serving. Its Outbox hands messages over without waiting for the
 frontend to read them (up to its bound, then it waits), keeps their order, sends what is queued on close, and
-outlives a frontend that is gone."""
+outlives a frontend that is gone. The real engine process, started in a fresh interpreter, stops on the EOS id the
+frontend handed it and never imports transformers (nor torch with it)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -33,6 +37,8 @@ from sgl_jax_lora.managers.io_struct import (
     decode,
 )
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from sgl_jax_lora.server_args import ServerArgs
+from tests.support.model_fixtures import make_hf_model_dir
 
 
 class FakeLoRA:
@@ -244,3 +250,47 @@ def test_a_load_whose_header_check_cannot_start_runs_whole():
     loop.handle(LoadLoRACall("id1", "a", "/adapters/a", call_id=1))
     assert received(frontend) == CallReply(1, ok=True, result={"rank": 8, "target_modules": ["q_proj"]})
     assert loop.loads_ahead == [] and core.calls == [("load_lora", "id1", "a", "/adapters/a", False, False)]
+
+
+ENGINE_PROCESS_SCRIPT = """
+import json, sys, threading, multiprocessing as mp
+from sgl_jax_lora.managers.engine_process import run_engine_process
+from sgl_jax_lora.managers.io_struct import Ready, ShutdownRequest, decode, encode
+
+args_dict, model_path = json.loads(sys.argv[1]), sys.argv[2]
+frontend, engine = mp.Pipe()
+ready = []
+
+def frontend_side():
+    ready.append(decode(frontend.recv_bytes()))
+    frontend.send_bytes(encode(ShutdownRequest()))
+
+threading.Thread(target=frontend_side).start()
+run_engine_process(args_dict, model_path, engine, (7,))  # the signal handler it sets needs the main thread
+assert isinstance(ready[0], Ready), ready
+print(json.dumps({"eos_token_ids": ready[0].info["eos_token_ids"], "imported": [
+    name for name in ("transformers", "torch") if name in sys.modules]}))
+"""
+
+
+def test_the_engine_process_takes_the_frontends_eos_id_and_never_imports_transformers(tmp_path):
+    model_dir = make_hf_model_dir(tmp_path / "llama", "llama", seed=5)  # its config's EOS id is 1
+    args = ServerArgs(
+        model_path=str(model_dir),
+        dtype="float32",
+        context_length=64,
+        max_running_requests=2,
+        chunked_prefill_size=16,
+        max_prefill_seqs=2,
+        token_buckets=[16],
+        skip_precompile=True,
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROCESS_SCRIPT, json.dumps(args.to_dict()), str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report == {"eos_token_ids": [1, 7], "imported": []}
