@@ -369,6 +369,7 @@ def test_no_compilation_after_warmup(engine):
     info = engine.get_server_info()
     assert info["num_compilations_after_warmup"] == 0
     assert info["kv_pages_used"] == 0
+    assert info["eos_token_ids"] == [1, 3]  # config.json's, and the tokenizer's that the frontend handed the engine
 
 
 @pytest.mark.slow
