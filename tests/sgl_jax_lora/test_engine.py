@@ -369,7 +369,12 @@ def test_no_compilation_after_warmup(engine):
     info = engine.get_server_info()
     assert info["num_compilations_after_warmup"] == 0
     assert info["kv_pages_used"] == 0
-    assert info["eos_token_ids"] == [1, 3]  # config.json's, and the tokenizer's that the frontend handed the engine
+
+
+def test_server_info_names_the_config_and_tokenizer_eos_ids(engine):
+    """config.json's EOS id and the tokenizer's, which the frontend handed the engine process (it loads no
+    tokenizer of its own)."""
+    assert engine.get_server_info()["eos_token_ids"] == [1, 3]
 
 
 @pytest.mark.slow
