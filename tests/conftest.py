@@ -7,6 +7,12 @@ float32 numerics. So a plain run keeps JAX on the CPU (JAX_PLATFORMS=cpu, also f
 subprocesses) on a machine with a GPU too. The GPU tests (marked `gpu`) are selected with `-m gpu`, which leaves JAX
 its default platform; run in several pytest-xdist workers, each worker takes its share of the GPU's memory
 (`gpu_worker_memory`). A JAX_PLATFORMS the caller set (not empty) is kept as it is.
+
+Every program the tests compile, in the pytest processes and in the servers and engine processes they start, goes
+through one persistent compilation cache (`use_the_tests_compilation_cache`): many tests build engines of the same
+tiny models and buckets, and a program compiled once is read back by the next test that lowers it (the engine's
+compile counter counts lowerings, so its checks see cache hits too). It lies beside the product's own cache, not in
+it, and a directory the caller names in JAX_COMPILATION_CACHE_DIR wins.
 """
 
 import gc
@@ -21,7 +27,26 @@ from tests.support.jax_platform import gpu_worker_memory, selects_gpu_tests
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
+def use_the_tests_compilation_cache() -> None:
+    """JAX's persistent compilation cache for every program of the session, at any compile time or size: set in the
+    environment (read by the processes the tests start) and in this process's JAX config."""
+    cache_root = os.environ.get("SGL_JAX_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax_lora")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache_root, "jax-compilation-cache-tests"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    import jax  # noqa: PLC0415 (after XLA_FLAGS; a plugin may have imported jax before the environment was set)
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes", int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"])
+    )
+
+
 def pytest_configure(config):
+    use_the_tests_compilation_cache()
     if selects_gpu_tests(config.getoption("markexpr") or ""):
         os.environ.update(gpu_worker_memory(os.environ))  # read when JAX starts its GPU client, after this hook
         return

@@ -47,10 +47,6 @@ def free_port() -> int:
 
 def server_env() -> dict:
     env = dict(os.environ)
-    cache_root = os.environ.get("SGL_JAX_LORA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax_lora")
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache_root, "jax-compilation-cache-tests"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT from `abort_with_stacks` prints every thread's Python stack to the log
     return env
