@@ -148,6 +148,11 @@ class LoRAFrontend:
             raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         if not isinstance(lora_name, str):
             raise LoRAAdapterError("unload_lora_adapter needs 'lora_name' (a string)")
+        if lora_name in self.reserved_names:
+            raise LoRAAdapterError(
+                f"'{shown(lora_name)}' is the base model, not an adapter; it cannot be unloaded "
+                "(unload one of the adapters GET /v1/models lists with a parent)"
+            )
         ref = await self.registry.unregister(lora_name)
         await self._call(UnloadLoRACall(ref.lora_id))
         return {"lora_name": lora_name, "lora_id": ref.lora_id}

@@ -1,7 +1,8 @@
 """Hostile adapter loads over HTTP, against a real server on 127.0.0.1 (demo model, LoRA on, one allowed
 directory): a poisoned adapter (NaN in its safetensors) is refused with 400; files that escape the allowed
 directory through symlinks are refused without quoting them; one directory is one adapter however its path is
-spelled; names are checked (length, characters, the base model's name); --max-loras-registered holds.
+spelled; names are checked (length, characters, the base model's name, which is never unloaded);
+--max-loras-registered holds.
 """
 
 from __future__ import annotations
@@ -147,7 +148,11 @@ def test_adapter_names_are_checked_and_never_echoed_whole(http, root):
     message = error_of(load(http, huge, str(root / "spare1")))
     assert "--max-lora-name-length 512" in message and len(message) < 500
     assert "control or non-printable" in error_of(load(http, "evil\nname", str(root / "spare1")))
-    assert "the base model's name" in error_of(load(http, model_ids(http)[0], str(root / "spare1")))
+    base = model_ids(http)[0]
+    assert "the base model's name" in error_of(load(http, base, str(root / "spare1")))
+    refused = http.post("/unload_lora_adapter", json={"lora_name": base})
+    assert refused.status_code == 400 and "is the base model, not an adapter" in error_of(refused)
+    assert model_ids(http)[0] == base and generate(http, None).status_code == 200
     unknown = error_of(generate(http, "u" * 300))
     assert "no LoRA adapter with this name" in unknown and "u" * 65 not in unknown  # the name is cut
     deep = error_of(generate(http, "a/" * 500_000))  # refused before any path work on a million characters
