@@ -51,11 +51,13 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         lora_path: str | list[str | None] | None = None,
+        priority: int = 0,
     ) -> dict | list[dict]:
         """One prompt -> one result dict; a list of prompts -> a list of result dicts, in order.
 
         `n` in the sampling params (the same for every prompt) samples each prompt n times: a list of
-        results, prompt-major (sampling/parallel_sampling.py)."""
+        results, prompt-major (sampling/parallel_sampling.py). `priority`: lower is admitted first, with
+        `scheduling_policy="priority"`."""
         batch = normalize(
             prompt,
             input_ids,
@@ -65,6 +67,7 @@ class Engine:
             logprob_start_len,
             top_logprobs_num,
             dialect=ENGINE,
+            priority=priority,
         )
         try:
             requests = self._run(build_requests(self.tokenizer_manager, batch))

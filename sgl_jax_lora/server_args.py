@@ -22,6 +22,7 @@ ATTENTION_FLAGS = ("auto", "native", "pallas")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_cache_dtype
 QUANTIZATIONS = ("fp8",)  # layers/fp8.py
 SAMPLING_DEFAULTS = ("model", "openai")  # configs/generation_config.py
+SCHEDULING_POLICIES = ("fcfs", "priority")  # managers/request_priority.py checks each request under them
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 
 
@@ -88,6 +89,11 @@ class ServerArgs:
         type=int,
     )
     max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")
+    scheduling_policy: str = _f(
+        "fcfs",
+        "which waiting requests are admitted first: 'fcfs' (arrival order; adapter packing may reorder within a bound, docs/lora.md), 'priority' (each request's `priority`, lower first, then as fcfs; docs/tuning.md)",
+        choices=SCHEDULING_POLICIES,
+    )
     token_buckets: list[int] | None = _f(
         None,
         "compiled step sizes in tokens (decode rows + prefill chunks); default: powers of two from 8 to the largest step",
@@ -215,6 +221,7 @@ class ServerArgs:
             "attention_backend": ATTENTION_FLAGS,
             "sampling_defaults": SAMPLING_DEFAULTS,
             "kv_cache_dtype": KV_CACHE_DTYPES,
+            "scheduling_policy": SCHEDULING_POLICIES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -56,6 +56,7 @@ class GenerateReqInput(BaseModel):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     lora_path: str | list[str | None] | None = None
+    priority: int = 0  # lower is served first (--scheduling-policy priority)
 
 
 class LoadLoRAAdapterReqInput(BaseModel):
@@ -95,6 +96,7 @@ async def generate(request: Request) -> Response:
         body.logprob_start_len,
         body.top_logprobs_num,
         dialect=HTTP,
+        priority=body.priority,
     )
     check_requests_per_call(state, batch.num_prompts, batch.copies_per_prompt)
     requests = await build_requests(tm, batch)  # all validated before any is sent

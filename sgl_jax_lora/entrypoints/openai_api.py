@@ -286,6 +286,7 @@ def _prompt_spec(
         return_logprob=top_logprobs is not None,
         logprob_start_len=0 if prompt_logprobs else -1,
         top_logprobs_num=top_logprobs or 0,
+        priority=body.priority,
     )
 
 

@@ -43,6 +43,7 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower is served first (--scheduling-policy priority)
 
 
 class CompletionRequest(SamplingFields):

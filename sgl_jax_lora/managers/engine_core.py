@@ -128,8 +128,7 @@ class EngineCore:
                 "lower max_new_tokens or restart with a larger --max-total-tokens"
             )
         seed = request.sampling.seed
-        if seed is None:
-            seed = self.args.random_seed * 1_000_003 + self.num_requests_served
+        seed = self.args.random_seed * 1_000_003 + self.num_requests_served if seed is None else seed
         self.num_requests_served += 1
         self.scheduler.add(
             Req(
@@ -141,6 +140,7 @@ class EngineCore:
                 logprob_start_len=request.logprob_start_len,
                 top_logprobs_num=request.top_logprobs_num,
                 lora_slot_key=request.lora_id,
+                priority=request.priority,
                 arrival_time=request.arrival_time,
             )
         )

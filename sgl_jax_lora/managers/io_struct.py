@@ -51,6 +51,7 @@ class GenerateRequest(Message):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     lora_id: str | None = None  # LoRARef.lora_id, or None for the base model
+    priority: int = 0  # lower is admitted first (--scheduling-policy priority; always 0 under fcfs)
     # time.monotonic() when the frontend received it (one clock for every process of the host): the scheduler
     # queues by it, so a request that waited for its adapter to be registered keeps its place in line
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)

@@ -33,6 +33,7 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     lora_slot_key: str | None = None  # adapter id (LoRARef.lora_id) or None for base
+    priority: int = 0  # the scheduler admits lower values first (--scheduling-policy priority); 0 under fcfs
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     # progress
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host

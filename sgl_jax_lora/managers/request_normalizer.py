@@ -71,6 +71,7 @@ class PromptSpec:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    priority: int = 0  # lower is admitted first under --scheduling-policy priority
 
 
 @dataclasses.dataclass
@@ -106,6 +107,7 @@ def normalize(
     logprob_start_len: int = -1,
     top_logprobs_num: int = 0,
     dialect: Dialect = HTTP,
+    priority: int = 0,
 ) -> RequestBatch:
     """One prompt or a batch, with values given once or per prompt -> its RequestBatch (`n` in the sampling
     params, the same for every prompt, gives n samples per prompt). Raises RequestError."""
@@ -120,7 +122,9 @@ def normalize(
     except SamplingParamsError as e:
         raise RequestError(str(e)) from e
     specs = [
-        PromptSpec(texts[i], ids[i], sample_params, loras[i], return_logprob, logprob_start_len, top_logprobs_num)
+        PromptSpec(
+            texts[i], ids[i], sample_params, loras[i], return_logprob, logprob_start_len, top_logprobs_num, priority
+        )
         for i in range(count)
         for sample_params in expand_samples(params[i], n)
     ]
@@ -203,6 +207,7 @@ def _build_one(tm: TokenizerManager, spec: PromptSpec, ref: LoRARef | None, rece
         return_logprob=spec.return_logprob,
         logprob_start_len=spec.logprob_start_len,
         top_logprobs_num=spec.top_logprobs_num,
+        priority=spec.priority,
         lora_id=ref.lora_id if ref is not None else None,
         arrival_time=received,
     )

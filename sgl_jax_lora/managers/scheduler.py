@@ -12,7 +12,7 @@ Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the a
 LoRA: an `AdapterSlots` object (managers/adapter_slots.py, LoRAManager) decides whether a request's adapter can join the
 step (reserving its slot in the plan); when it cannot, the scheduler skips ahead to requests that can (no head-of-line blocking), and a request
 whose adapter is not on the device may not evict one that other waiting requests want (no thrash). When adapters
-outnumber the free slots, admission packs the batch (`_admission_order`): the adapters with the most waiting
+outnumber the free slots, admission packs the batch (managers/adapter_packing.py): the adapters with the most waiting
 requests fill the batch, and each slot left over goes to the adapter with the fewest, so rarely used adapters take
 turns on the spare slots all along instead of queueing up at the end of a backlog, where the slot limit, not the
 running-request limit, would cap the batch (docs/lora.md "Scheduling and fairness"). Otherwise admission keeps
@@ -22,6 +22,12 @@ by running requests, it drains one: admission stops feeding that adapter (the on
 then the soonest to finish; never a pinned one) and goes on admitting the others, so the batch stays full while
 that slot runs dry for the starved request. A starved request short of KV pages blocks admission of others until
 it gets in. So nothing waits forever.
+
+Priority (--scheduling-policy priority; every request's priority is 0 under fcfs): the waiting queue is kept by
+priority class, the lowest value first, and admission goes through the classes in that order, each as above; a
+request's starvation bound counts only requests of its own class (a better class always goes first, as in vLLM), and
+a request of a later class does not evict an adapter that a better class waits for. A decode row out of pages
+preempts the running request of the least urgent class, the newest of it.
 
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
 cached pages of its longest cached prefix under its adapter and prefills only the rest; prefill chunks share their
@@ -40,15 +46,38 @@ token) after the next step took it; that step's token for it is dropped.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
 from collections import Counter, deque
 
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
+from sgl_jax_lora.managers.adapter_packing import admission_order
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
+
+
+@dataclasses.dataclass
+class AdmissionPass:
+    """What one step's admission has left and has done, across the priority classes it goes through."""
+
+    budget: int  # prefill tokens left in the step
+    num_chunks: int  # prefill chunks in the step so far
+    wanted: frozenset  # adapters that waiting requests want (of every class)
+    better_wanted: frozenset = frozenset()  # adapters that the waiting requests of the classes before want
+    computing: set = dataclasses.field(default_factory=set)  # first pages this step's admissions compute
+    blocked: bool = False  # a starved request short of KV pages holds back every request behind it
+
+    def stopped(self, scheduler: Scheduler) -> bool:
+        return (
+            self.blocked
+            or self.budget <= 0
+            or self.num_chunks == scheduler.max_prefill_seqs
+            or len(scheduler.running) >= scheduler.max_running
+        )
 
 
 class Scheduler:
@@ -81,12 +110,13 @@ class Scheduler:
 
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        """Queue req by arrival time: one that reached the engine late (its adapter was being registered) goes
-        ahead of requests that arrived after it."""
-        if not self.waiting or self.waiting[-1].arrival_time <= req.arrival_time:
+        """Queue req by priority class, then arrival time: one that reached the engine late (its adapter was being
+        registered) goes ahead of requests of its class that arrived after it."""
+        key = (req.priority, req.arrival_time)
+        if not self.waiting or (self.waiting[-1].priority, self.waiting[-1].arrival_time) <= key:
             self.waiting.append(req)
             return
-        later = next(i for i, r in enumerate(self.waiting) if r.arrival_time > req.arrival_time)
+        later = next(i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key)
         self.waiting.insert(later, req)
 
     def abort(self, rid: str) -> Req | None:
@@ -187,48 +217,61 @@ class Scheduler:
             num_chunks += taken > 0
         if not self.waiting or len(self.running) >= self.max_running:  # no admission: skip the O(waiting) work below
             return
-        blocked, admitted = False, []
         # adapters waiting requests want: not evicted for another (non-starved) request, drained last
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
-        wanted = frozenset(num_wanting)
         self._end_finished_drains()
-        order, planned = self._admission_order()
-        computing: set[bytes] = set()  # first pages this step's admissions compute: requests sharing one wait a step
-        for req in order:
-            if num_chunks == self.max_prefill_seqs or budget <= 0 or blocked:
+        admission = AdmissionPass(budget, num_chunks, wanted=frozenset(num_wanting))
+        for candidates in self._priority_classes():
+            self._admit(batch, candidates, admission, num_wanting)
+            if admission.stopped(self):
                 break
-            if len(self.running) >= self.max_running:
+            admission.better_wanted |= {r.lora_slot_key for r in candidates}
+
+    def _priority_classes(self) -> list[list[Req]]:
+        """The waiting requests by priority class, the most urgent (lowest value) first; one class when every
+        request has the same priority (always under --scheduling-policy fcfs). The queue is kept in class order."""
+        return [list(group) for _, group in itertools.groupby(self.waiting, key=lambda r: r.priority)]
+
+    def _admit(
+        self, batch: ScheduleBatch, candidates: list[Req], admission: AdmissionPass, num_wanting: Counter
+    ) -> None:
+        """Admit waiting requests of one priority class, in the order adapter packing gives them, while the pass has
+        room. A request of a better class has gone before, and its adapter is not evicted for this class's."""
+        admitted = []
+        order, planned = admission_order(candidates, self.running, self.adapter_slots, self.max_running, self._starved)
+        for req in order:
+            if admission.stopped(self):
                 break
             if req.lora_slot_key in self.draining:
                 continue
             starved = self._starved(req)
-            if computing and not starved and self._first_page(req) in computing:
+            if admission.computing and not starved and self._first_page(req) in admission.computing:
                 continue  # its prefix is computed in this step: the next one finds it cached (no second prefill)
             if starved:
-                keep = frozenset()
+                keep = admission.better_wanted
             elif req.lora_slot_key in planned:  # its slot was planned: it may evict an unplanned idle adapter
-                keep = planned
+                keep = planned | admission.better_wanted
             else:
-                keep = wanted | planned
-            taken = self._try_add_chunk(batch, req, budget, keep=keep)
+                keep = admission.wanted | planned
+            taken = self._try_add_chunk(batch, req, admission.budget, keep=keep)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
                 # pages blocks the requests behind it.
-                if starved and self._fits_pages(req, budget):
+                if starved and self._fits_pages(req, admission.budget):
                     self._drain_a_slot(num_wanting)
                 else:
-                    blocked = starved
+                    admission.blocked = starved
                 continue
-            budget -= taken
-            num_chunks += 1
+            admission.budget -= taken
+            admission.num_chunks += 1
             if req.num_computed == 0 and (first := self._first_page(req)) is not None:
-                computing.add(first)
+                admission.computing.add(first)
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append(req)
-        if admitted:  # a waiting request is overtaken by each admitted one that arrived after it
+        if admitted:  # a waiting request is overtaken by each admitted one of its class that arrived after it
             admitted_times = sorted(r.arrival_time for r in admitted)
-            for req in self.waiting:
+            for req in set(candidates) - set(admitted):
                 req.times_overtaken += len(admitted_times) - bisect.bisect_right(admitted_times, req.arrival_time)
 
     def _first_page(self, req: Req) -> bytes | None:
@@ -273,53 +316,6 @@ class Scheduler:
     def _fits_pages(self, req: Req, budget: int) -> bool:
         num_new, pages_needed = self._chunk(req, budget)
         return num_new > 0 and self._can_allocate(pages_needed)
-
-    def _admission_order(self) -> tuple[list[Req], frozenset]:
-        """Starved requests first. Then, when waiting requests want adapters that are not running, the batch is
-        packed: the adapters with the most waiting requests get slots until their requests, with those that need no
-        new slot (base, or a running adapter), fill the rest of the batch; each slot left over goes to an adapter with
-        the fewest waiting requests, whose requests go ahead. So rarely used adapters take turns on the spare slots
-        while popular ones keep the batch full, instead of all waiting for the end of a backlog, where the slot limit,
-        not the running-request limit, caps the batch. Everything else follows; within each group, arrival order.
-        -> (the order, the adapters given slots by the plan: an adapter left on the device by earlier requests that
-        the plan did not choose is evicted for them even when requests further back want it, or slots held from a
-        previous backlog would decide the plan)."""
-        starved_first = sorted(self.waiting, key=lambda r: not self._starved(r))  # stable: arrival order in each
-        if self.adapter_slots is None:
-            return starved_first, frozenset()
-        running = {r.lora_slot_key for r in self.running}
-        needs_slot: dict[str, int] = {}  # adapter -> its waiting requests, adapters by first arrival
-        num_ready = 0  # waiting requests that need no new slot
-        for r in self.waiting:
-            if self._starved(r):
-                continue
-            if r.lora_slot_key is None or r.lora_slot_key in running:
-                num_ready += 1
-            else:
-                needs_slot[r.lora_slot_key] = needs_slot.get(r.lora_slot_key, 0) + 1
-        if not needs_slot:
-            return starved_first, frozenset()
-        free_slots = self.adapter_slots.max_per_batch - len(running - {None})
-        room = self.max_running - len(self.running) - num_ready
-        # ties: an adapter on the device first (no load), then by first arrival (the sort is stable)
-        loaded = {key: self.adapter_slots.is_resident(key) for key in needs_slot}
-        largest_first = sorted(needs_slot, key=lambda key: (-needs_slot[key], not loaded[key]))
-        num_fill = 0
-        while room > 0 and num_fill < min(free_slots, len(largest_first)):
-            room -= needs_slot[largest_first[num_fill]]
-            num_fill += 1
-        rarest = sorted(largest_first[num_fill:], key=lambda key: (needs_slot[key], not loaded[key]))
-        rank = {key: (0, i) for i, key in enumerate(rarest[: free_slots - num_fill])}  # each rare adapter's turn
-        rank.update((key, (1, 0)) for key in largest_first[:num_fill])  # the fill, with the requests that need no slot
-
-        def place(r: Req) -> tuple[int, int]:
-            if self._starved(r):
-                return (-1, 0)
-            if r.lora_slot_key not in needs_slot:
-                return (1, 0)
-            return rank.get(r.lora_slot_key, (2, 0))
-
-        return sorted(self.waiting, key=place), frozenset(rank)
 
     def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
@@ -384,11 +380,13 @@ class Scheduler:
 
     def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:
         excluded = set(exclude)  # requests hash by identity
-        return max((r for r in self.running if r not in excluded), key=lambda r: r.arrival_time, default=None)
+        candidates = (r for r in self.running if r not in excluded)
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)  # least urgent, newest
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
         self._release(req)
         req.num_computed = 0
-        self.waiting.appendleft(req)
+        first_of_class = next((i for i, r in enumerate(self.waiting) if r.priority >= req.priority), len(self.waiting))
+        self.waiting.insert(first_of_class, req)  # first of its class: it was running before any of them
         self.num_preemptions += 1

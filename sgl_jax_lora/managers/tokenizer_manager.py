@@ -41,6 +41,7 @@ from sgl_jax_lora.managers.io_struct import (
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
 from sgl_jax_lora.managers.request_output import RequestOutput
+from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, model_sampling_defaults
 from sgl_jax_lora.server_args import ServerArgs
@@ -150,6 +151,7 @@ class TokenizerManager:
         top_logprobs_num: int = 0,
         lora_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> GenerateRequest:
         """Validate and tokenize one request (raises RequestError naming the problem). `arrival_time`: when the
         client's request came in (time.monotonic(), taken before its adapter was resolved); default now."""
@@ -176,6 +178,7 @@ class TokenizerManager:
                 f"logprob_start_len must be an integer in [-1, {self.context_length}), got "
                 f"{repr(logprob_start_len)[:40]}"
             )
+        check_priority(priority, self.args.scheduling_policy)
         return GenerateRequest(
             rid=uuid.uuid4().hex,
             input_ids=ids,
@@ -185,6 +188,7 @@ class TokenizerManager:
             top_logprobs_num=top_logprobs_num,
             lora_id=lora_id,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
         )
 
     # ---- LoRA adapters (managers/lora_frontend.py) ---------------------------------------------

@@ -329,6 +329,8 @@ def test_n_samples_are_the_seeded_single_requests(engine):
             r"min_new_tokens must be in \[0, max_new_tokens = 4\]",
         ),
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
+        (dict(input_ids=[5], priority=3), "start it with --scheduling-policy priority"),
+        (dict(input_ids=[5], priority=2**31), r"priority must be an integer in \[-2147483648, 2147483647\]"),
     ],
 )
 def test_bad_requests_are_refused_and_engine_keeps_serving(engine, kwargs, message):
