@@ -26,7 +26,7 @@ it gets in. So nothing waits forever.
 Priority (--scheduling-policy priority; every request's priority is 0 under fcfs): the waiting queue is kept by
 priority class, the lowest value first, and admission goes through the classes in that order, each as above; a
 request's starvation bound counts only requests of its own class (a better class always goes first, as in vLLM), and
-a request of a later class does not evict an adapter that a better class waits for. A decode row out of pages
+a request of a later class neither evicts nor drains an adapter that a better class waits for. A decode row out of pages
 preempts the running request of the least urgent class, the newest of it.
 
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
@@ -255,10 +255,11 @@ class Scheduler:
                 keep = admission.wanted | planned
             taken = self._try_add_chunk(batch, req, admission.budget, keep=keep)
             if taken == 0:
-                # Could not join: skip ahead. A starved request whose adapter found no slot drains one; one short of
-                # pages blocks the requests behind it.
+                # Could not join: skip ahead. A starved request whose adapter found no slot drains one (unless a
+                # better class waits: draining would hold that class back); one short of pages blocks the rest.
                 if starved and self._fits_pages(req, admission.budget):
-                    self._drain_a_slot(num_wanting)
+                    if not admission.better_wanted:
+                        self._drain_a_slot(num_wanting)
                 else:
                     admission.blocked = starved
                 continue
