@@ -847,6 +847,9 @@ BAD_REQUESTS = [
     ("chat-n-over-limit", "/v1/chat/completions", {**CHAT, "n": 65}, 400, "1 prompts x n=65"),
     ("body-too-large", "/generate", b'{"text": "' + b"x" * 400_000 + b'"}', 413, "--max-request-body-bytes 300000"),
     ("lora-path-wrong-type", "/generate", {"text": "hi", "lora_path": 5}, 400, "lora_path"),
+    ("priority-under-fcfs", "/generate", {"text": "hi", "priority": 1}, 400, "--scheduling-policy priority"),
+    ("priority-not-an-int", "/generate", {"text": "hi", "priority": "1"}, 400, "priority"),
+    ("chat-priority-under-fcfs", "/v1/chat/completions", {**CHAT, "priority": -1}, 400, "--scheduling-policy priority"),
 ]
 ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error"}
 

@@ -1,9 +1,10 @@
-"""Request priority: the frontend's check under each --scheduling-policy, the field on its way to the engine, and the
-scheduler's admission and preemption by priority class (host only)."""
+"""Request priority: the frontend's check under each --scheduling-policy, the field on its way to the engine, the
+scheduler's admission and preemption by priority class (host only), and one EngineCore serving by it (CPU, fp32)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -15,7 +16,9 @@ from sgl_jax_lora.managers.request_normalizer import normalize
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
+from tests.sgl_jax_lora.managers.test_overlap_schedule import request, serve
 from tests.sgl_jax_lora.managers.test_scheduler import DeviceSlots, chunks, finish_prefill, make_scheduler, req
+from tests.support.model_fixtures import make_hf_model_dir
 
 
 def with_priority(r, priority: int):
@@ -148,3 +151,19 @@ def test_a_starved_request_of_a_later_class_drains_no_slot_while_a_better_class_
     batch = sched.schedule()
     assert set(chunks(batch)) == {more_a, more_b}
     assert not sched.draining and list(sched.waiting) == [starved]
+
+
+@pytest.mark.slow
+def test_an_engine_serves_the_urgent_request_first_with_the_tokens_it_gets_in_arrival_order(tmp_path_factory):
+    model_dir = make_hf_model_dir(tmp_path_factory.mktemp("llama"), "llama", seed=21)
+
+    def requests(lazy_priority: int) -> list[GenerateRequest]:  # one at a time (max_running_requests=1)
+        lazy = [request(f"lazy{i}", i, 9, max_new_tokens=5, temperature=0.0) for i in range(3)]
+        lazy = [dataclasses.replace(r, priority=lazy_priority) for r in lazy]
+        return lazy + [request("urgent", 9, 9, max_new_tokens=5, temperature=0.0)]
+
+    by_priority = serve(model_dir, True, requests(4), max_running_requests=1, scheduling_policy="priority")
+    in_arrival = serve(model_dir, True, requests(0), max_running_requests=1)
+    assert list(by_priority.finish) == ["urgent", "lazy0", "lazy1", "lazy2"]
+    assert list(in_arrival.finish) == ["lazy0", "lazy1", "lazy2", "urgent"]
+    assert by_priority.tokens == in_arrival.tokens
