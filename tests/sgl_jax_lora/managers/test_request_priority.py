@@ -17,7 +17,14 @@ from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.sgl_jax_lora.managers.test_overlap_schedule import request, serve
-from tests.sgl_jax_lora.managers.test_scheduler import DeviceSlots, chunks, finish_prefill, make_scheduler, req
+from tests.sgl_jax_lora.managers.test_scheduler import (
+    DeviceSlots,
+    chunks,
+    finish_prefill,
+    make_scheduler,
+    req,
+    starved_behind_two_running_adapters,
+)
 from tests.support.model_fixtures import make_hf_model_dir
 
 
@@ -136,18 +143,7 @@ def test_decode_out_of_pages_preempts_the_least_urgent_class_first():
 def test_a_starved_request_of_a_later_class_drains_no_slot_while_a_better_class_waits():
     # as test_scheduler's draining case, with the starved request in a later class: draining b would hold back the
     # urgent class's request for b, so both urgent requests join and nothing drains
-    slots = DeviceSlots(num_slots=2)
-    sched = make_scheduler(slots=slots)
-    running_a = req("run-a", adapter="a", max_new_tokens=8)
-    running_b = req("run-b", adapter="b", max_new_tokens=4)
-    for r in (running_a, running_b):
-        sched.add(r)
-    finish_prefill(sched.schedule())
-    starved = with_priority(req("starved-c", adapter="c", t=1), 1)
-    starved.times_overtaken = sched.max_running + 1
-    more_a, more_b = req("more-a", adapter="a", t=2), req("more-b", adapter="b", t=3)
-    for r in (starved, more_a, more_b):
-        sched.add(r)
+    sched, _, _, starved, more_a, more_b = starved_behind_two_running_adapters(starved_priority=1)
     batch = sched.schedule()
     assert set(chunks(batch)) == {more_a, more_b}
     assert not sched.draining and list(sched.waiting) == [starved]

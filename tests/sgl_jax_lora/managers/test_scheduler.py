@@ -319,10 +319,9 @@ def test_a_request_overtaken_by_more_than_a_batch_goes_first():
     assert starving.times_overtaken == sched.max_running + 1
 
 
-def test_a_starved_request_drains_one_slot_while_others_keep_joining():
-    # Both slots are held by running requests and both adapters are wanted by waiting requests. The starved request
-    # drains the adapter that can finish first (b); a's waiting request still joins, b's waits. Blocking all
-    # admission instead would leave the batch to empty while the starved request waits for a slot.
+def starved_behind_two_running_adapters(starved_priority: int = 0):
+    """Two slots held by running requests of adapters a and b (b's finishes first), a starved request for c waiting,
+    and a waiting request for each of a and b. -> (scheduler, slots, running b, the starved request, more a, more b)"""
     slots = DeviceSlots(num_slots=2)
     sched = make_scheduler(slots=slots)
     running_a = req("run-a", adapter="a", max_new_tokens=8)
@@ -331,11 +330,19 @@ def test_a_starved_request_drains_one_slot_while_others_keep_joining():
         sched.add(r)
     finish_prefill(sched.schedule())
     starved = req("starved-c", adapter="c", t=1)
+    starved.priority = starved_priority
     starved.times_overtaken = sched.max_running + 1
     more_a, more_b = req("more-a", adapter="a", t=2), req("more-b", adapter="b", t=3)
     for r in (starved, more_a, more_b):
         sched.add(r)
+    return sched, slots, running_b, starved, more_a, more_b
 
+
+def test_a_starved_request_drains_one_slot_while_others_keep_joining():
+    # Both slots are held by running requests and both adapters are wanted by waiting requests. The starved request
+    # drains the adapter that can finish first (b); a's waiting request still joins, b's waits. Blocking all
+    # admission instead would leave the batch to empty while the starved request waits for a slot.
+    sched, slots, running_b, starved, more_a, more_b = starved_behind_two_running_adapters()
     batch = sched.schedule()
     assert chunks(batch) == [more_a]
     assert sched.draining == {"b"} and list(sched.waiting) == [starved, more_b]
