@@ -1,8 +1,8 @@
 """The order in which the scheduler admits waiting requests when their adapters outnumber the free device slots.
 
-Where it sits: `Scheduler._add_prefill_chunks` (managers/scheduler.py) asks for the order of the waiting requests it
-may admit in this step (one priority class at a time under `--scheduling-policy priority`), then admits down that
-order under the step's token budget. Host only. What exists here: `admission_order`.
+Where it sits: the scheduler's admission pass (`Scheduler._admit`, managers/scheduler.py) asks for the order of the
+waiting requests it may admit in this step (one priority class at a time under `--scheduling-policy priority`), then
+admits down that order under the step's token budget. Host only. What exists here: `admission_order`.
 """
 
 from __future__ import annotations

@@ -66,18 +66,15 @@ class AdmissionPass:
 
     budget: int  # prefill tokens left in the step
     num_chunks: int  # prefill chunks in the step so far
+    max_chunks: int  # --max-prefill-seqs
+    max_running: int  # running requests the step may hold
     wanted: frozenset  # adapters that waiting requests want (of every class)
     better_wanted: frozenset = frozenset()  # adapters that the waiting requests of the classes before want
     computing: set = dataclasses.field(default_factory=set)  # first pages this step's admissions compute
     blocked: bool = False  # a starved request short of KV pages holds back every request behind it
 
-    def stopped(self, scheduler: Scheduler) -> bool:
-        return (
-            self.blocked
-            or self.budget <= 0
-            or self.num_chunks == scheduler.max_prefill_seqs
-            or len(scheduler.running) >= scheduler.max_running
-        )
+    def stopped(self, num_running: int) -> bool:
+        return self.blocked or self.budget <= 0 or self.num_chunks == self.max_chunks or num_running >= self.max_running
 
 
 class Scheduler:
@@ -220,10 +217,10 @@ class Scheduler:
         # adapters waiting requests want: not evicted for another (non-starved) request, drained last
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
         self._end_finished_drains()
-        admission = AdmissionPass(budget, num_chunks, wanted=frozenset(num_wanting))
+        admission = AdmissionPass(budget, num_chunks, self.max_prefill_seqs, self.max_running, frozenset(num_wanting))
         for candidates in self._priority_classes():
             self._admit(batch, candidates, admission, num_wanting)
-            if admission.stopped(self):
+            if admission.stopped(len(self.running)):
                 break
             admission.better_wanted |= {r.lora_slot_key for r in candidates}
 
@@ -240,7 +237,7 @@ class Scheduler:
         admitted = []
         order, planned = admission_order(candidates, self.running, self.adapter_slots, self.max_running, self._starved)
         for req in order:
-            if admission.stopped(self):
+            if admission.stopped(len(self.running)):
                 break
             if req.lora_slot_key in self.draining:
                 continue
