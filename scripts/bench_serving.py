@@ -7,7 +7,10 @@ Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters;
   sampling:        greedy, or --temperature T [--top-p P] for every request (outputs run to their length either way:
-                   ignore_eos).
+                   ignore_eos);
+  priority:        --urgent-share F marks a random F of the requests urgent (the same ones in every run) and reports
+                   TTFT, TPOT and latency by class; they are sent with --urgent-priority when the engine runs
+                   `--scheduling-policy priority`, and without one under fcfs, which is what fcfs gives them.
 `--num-adapters 0,1,8,32` runs one scenario per count on the same server (each after its own warm-up requests).
 Every run (warm-up, scenario, round) draws prompt tokens of its own, so the server's prefix cache never serves a
 measured request and the protocol measures compute; lengths and adapters are the same in every run.
@@ -108,7 +111,9 @@ class EngineTarget:
     def server_info(self) -> dict:
         return self.engine.get_server_info()
 
-    async def send(self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict) -> None:
+    async def send(
+        self, input_ids: list[int], sampling_params: dict, adapter: str | None, priority: int, record: dict
+    ) -> None:
         received = time.monotonic()
         ref = await self.manager.resolve_lora(adapter) if adapter else None
         request = self.manager.build_request(
@@ -116,6 +121,7 @@ class EngineTarget:
             sampling_params=sampling_params,
             lora_id=ref.lora_id if ref else None,
             arrival_time=received,
+            priority=priority,
         )
         result = None
         async for result in self.manager.generate_request(request):
@@ -149,13 +155,17 @@ class HttpTarget:
 
         return httpx.get(self.url + "/get_server_info", headers=self.headers).json()
 
-    async def send(self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict) -> None:
+    async def send(
+        self, input_ids: list[int], sampling_params: dict, adapter: str | None, priority: int, record: dict
+    ) -> None:
         body = {
             "input_ids": input_ids,
             "stream": True,
             "lora_path": adapter,
             "sampling_params": sampling_params,
         }
+        if priority:
+            body["priority"] = priority
         result = None
         async with self.client.stream("POST", self.url + "/generate", json=body) as response:
             if response.status_code != 200:  # the server's own message names what it refused
@@ -172,10 +182,32 @@ class HttpTarget:
         self.run(self.client.aclose())
 
 
+def sample_urgent(seed: int, count: int, share: float) -> np.ndarray:
+    """Which requests are urgent: a generator of their own, so the lengths and adapters stay those of a run
+    without --urgent-share."""
+    return np.random.default_rng([seed, 1]).random(count) < share
+
+
+def latency_by_class(records: list[dict], urgent: np.ndarray) -> dict:
+    """TTFT, TPOT and end-to-end latency of the urgent requests and of the others."""
+    by_class = {}
+    for name, members in (("urgent", urgent), ("normal", ~urgent)):
+        chosen = [r for r, member in zip(records, members) if member]
+        by_class[name] = {
+            "count": len(chosen),
+            "ttft_s": summarize([r["first"] - r["start"] for r in chosen]),
+            "tpot_s": summarize([(r["end"] - r["first"]) / max(r["tokens"] - 1, 1) for r in chosen]),
+            "e2e_s": summarize([r["end"] - r["start"] for r in chosen]),
+        }
+    return by_class
+
+
 async def drive(target, opts: argparse.Namespace) -> dict:
     rng = np.random.default_rng(opts.seed)
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
     adapter_ids = sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity)
+    urgent = sample_urgent(opts.seed, opts.num_requests, opts.urgent_share)
+    send_priority = opts.scheduling_policy == "priority"
     gaps = (
         rng.exponential(1.0 / opts.request_rate, opts.num_requests)
         if math.isfinite(opts.request_rate)
@@ -193,7 +225,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         sampling = {"max_new_tokens": int(outputs[i]), "temperature": opts.temperature, "ignore_eos": True}
         if opts.top_p < 1:
             sampling["top_p"] = opts.top_p
-        await target.send(ids, sampling, adapter, records[i])
+        priority = opts.urgent_priority if urgent[i] and send_priority else 0
+        await target.send(ids, sampling, adapter, priority, records[i])
         records[i]["end"] = time.perf_counter()
         bar.update(1)
 
@@ -210,7 +243,7 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     ttft = [r["first"] - r["start"] for r in records]
     tpot = [(r["end"] - r["first"]) / max(r["tokens"] - 1, 1) for r in records]
     e2e = [r["end"] - r["start"] for r in records]
-    return {
+    result = {
         "num_requests": opts.num_requests,
         "num_adapters": opts.num_adapters,
         "popularity": opts.popularity,
@@ -227,6 +260,11 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         "tpot_s": summarize(tpot),
         "e2e_s": summarize(e2e),
     }
+    if opts.urgent_share:
+        result["urgent_share"] = opts.urgent_share
+        result["urgent_priority_sent"] = opts.urgent_priority if send_priority else None
+        result["by_class"] = latency_by_class(records, urgent)
+    return result
 
 
 LORA_COUNTERS = (
@@ -310,6 +348,14 @@ def print_table(results: list[dict]) -> None:
             f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p99']:.2f} | {1e3 * r['tpot_s']['mean']:.1f} | "
             f"{r['e2e_s']['mean']:.2f} | {f'{ratio:.3f}' if ratio else '-'} |"
         )
+    for r in results:
+        for name, cls in r.get("by_class", {}).items():
+            print(
+                f"  {r['num_adapters']} adapters, {name} ({cls['count']} requests, priority "
+                f"{r['urgent_priority_sent'] if name == 'urgent' and r['urgent_priority_sent'] is not None else 0}): "
+                f"TTFT mean / p99 {cls['ttft_s']['mean']:.2f} / {cls['ttft_s']['p99']:.2f} s, "
+                f"TPOT mean / p99 {1e3 * cls['tpot_s']['mean']:.1f} / {1e3 * cls['tpot_s']['p99']:.1f} ms"
+            )
 
 
 def main() -> None:
@@ -345,6 +391,16 @@ def main() -> None:
         default=0,
         help="tokens of one prefix before every prompt (warm-up and every run alike), which the prefix cache may serve",
     )
+    parser.add_argument(
+        "--urgent-share",
+        type=float,
+        default=0.0,
+        help="share of the requests marked urgent (reported by class; sent with --urgent-priority when the engine "
+        "runs --scheduling-policy priority)",
+    )
+    parser.add_argument(
+        "--urgent-priority", type=int, default=-1, help="the urgent requests' priority (lower is served first)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--temperature", type=float, default=0.0, help="every request's temperature (0 = greedy, the default)"
@@ -368,6 +424,8 @@ def main() -> None:
     opts.prefix_seed = opts.seed
     if opts.repeats < 1:
         parser.error(f"--repeats {opts.repeats}: must be at least 1")
+    if not 0 <= opts.urgent_share <= 1:
+        parser.error(f"--urgent-share {opts.urgent_share}: must be in [0, 1]")
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)
     if opts.adapter_dir:
         target.adapter_names = adapter_dirs_under(opts.adapter_dir)
@@ -378,6 +436,7 @@ def main() -> None:
     results, runs = [], [[] for _ in opts.num_adapters]
     info = target.server_info()
     warmup_s = info.get("warmup_s")
+    opts.scheduling_policy = info.get("server_args", {}).get("scheduling_policy", "fcfs")
     # the step shape the engine runs, as it took the flags (a budget the engine cut shows here)
     engine_shape = {
         key: info.get(key) for key in ("step_token_budget", "token_buckets", "context_length", "max_total_tokens")
@@ -424,6 +483,7 @@ def main() -> None:
                             "argv": argv,
                             "engine_warmup_s": warmup_s,
                             "engine": engine_shape,
+                            "scheduling_policy": opts.scheduling_policy,
                             "scenarios": results,
                         }
                         json.dump(record, f, indent=2)

@@ -163,6 +163,20 @@ def test_a_shared_prefix_is_served_from_the_prefix_cache(server, adapter_root, t
     assert scenario["engine"]["prefix_cache_hit_tokens"] >= NUM_REQUESTS * 8
 
 
+def test_urgent_share_under_fcfs_reports_classes_without_priorities(server, adapter_root, tmp_path):
+    """The server runs fcfs: the urgent requests go out without a priority (a non-zero one would be refused) and
+    the report gives each class's latencies."""
+    result = run_bench(server, adapter_root, tmp_path / "u.json", "--urgent-share", "0.5")
+    assert result["scheduling_policy"] == "fcfs"
+    scenario = result["scenarios"][0]
+    assert scenario["urgent_share"] == 0.5 and scenario["urgent_priority_sent"] is None
+    classes = scenario["by_class"]
+    assert classes["urgent"]["count"] + classes["normal"]["count"] == NUM_REQUESTS
+    assert classes["urgent"]["count"] > 0 and classes["normal"]["count"] > 0
+    for cls in classes.values():
+        assert 0 < cls["ttft_s"]["mean"] <= cls["e2e_s"]["mean"]
+
+
 def test_too_many_adapters_is_a_clear_error(server, adapter_root, tmp_path):
     done = subprocess.run(
         [
@@ -221,3 +235,46 @@ def test_offline_engine_mode(adapter_root, tmp_path):
         base, lora = json.load(f)["scenarios"]
     assert base["total_output_tokens"] == lora["total_output_tokens"] == 4 * OUTPUT_LEN
     assert lora["engine"]["lora"]["device_misses"] == 2 and base["engine"]["lora"]["device_misses"] == 0
+
+
+def test_urgent_requests_first_under_the_priority_policy(tmp_path):
+    """An offline engine with `--scheduling-policy priority` and one running request at a time: the urgent
+    requests, sent with priority -1, are admitted before the others queued beside them, so they reach their first
+    token sooner."""
+    out = tmp_path / "priority.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_serving.py"),
+            "--num-requests",
+            "12",
+            "--input-len",
+            str(INPUT_LEN),
+            "--output-len",
+            str(OUTPUT_LEN),
+            "--urgent-share",
+            "0.34",
+            "--out",
+            str(out),
+            "--",
+            *SMALL_ENGINE_FLAGS,
+            "--scheduling-policy",
+            "priority",
+            "--max-running-requests",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=server_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "urgent (" in done.stdout  # the printed lines by class
+    with open(out) as f:
+        result = json.load(f)
+    assert result["scheduling_policy"] == "priority"
+    scenario = result["scenarios"][0]
+    assert scenario["urgent_priority_sent"] == -1 and scenario["total_output_tokens"] == 12 * OUTPUT_LEN
+    urgent, normal = scenario["by_class"]["urgent"], scenario["by_class"]["normal"]
+    assert urgent["count"] > 0 and normal["count"] > 0
+    assert urgent["ttft_s"]["mean"] < normal["ttft_s"]["mean"]
