@@ -112,7 +112,7 @@ class EngineTarget:
         return self.engine.get_server_info()
 
     async def send(
-        self, input_ids: list[int], sampling_params: dict, adapter: str | None, priority: int, record: dict
+        self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict, priority: int = 0
     ) -> None:
         received = time.monotonic()
         ref = await self.manager.resolve_lora(adapter) if adapter else None
@@ -156,7 +156,7 @@ class HttpTarget:
         return httpx.get(self.url + "/get_server_info", headers=self.headers).json()
 
     async def send(
-        self, input_ids: list[int], sampling_params: dict, adapter: str | None, priority: int, record: dict
+        self, input_ids: list[int], sampling_params: dict, adapter: str | None, record: dict, priority: int = 0
     ) -> None:
         body = {
             "input_ids": input_ids,
@@ -226,7 +226,7 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         if opts.top_p < 1:
             sampling["top_p"] = opts.top_p
         priority = opts.urgent_priority if urgent[i] and send_priority else 0
-        await target.send(ids, sampling, adapter, priority, records[i])
+        await target.send(ids, sampling, adapter, records[i], priority)
         records[i]["end"] = time.perf_counter()
         bar.update(1)
 
