@@ -6,7 +6,8 @@ must be answered 4xx). Meanwhile one task loads an adapter from --adapter-dirs e
 must lie inside the server's --lora-allowed-dirs) and unloads the one before, and another samples both
 processes' RSS every --rss-period-s. /health is polled by scripts/health_probe.py, a process of its own with its own
 connection: timed from this script's event loop, which drives every client, it would include the client's own lag.
-Requests naming an adapter being unloaded may be refused (400): expected. Anything else is unexpected: a 5xx,
+With --priorities each good request carries a priority drawn from that list (the server must run
+`--scheduling-policy priority`). Requests naming an adapter being unloaded may be refused (400): expected. Anything else is unexpected: a 5xx,
 a dropped connection, a 4xx to a good request, an error event inside a stream, a bad request not refused.
 
 Reports requests, errors by class, latency p50/p99, /health p50/p99/max, KV pages at start and end, compilations
@@ -59,6 +60,7 @@ class Tally:
     latencies: list[float] = dataclasses.field(default_factory=list)
     rss: list[tuple[float, int | None, int | None]] = dataclasses.field(default_factory=list)  # (s, frontend, engine)
     churn: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    priorities: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # good requests by value
 
     def fail(self, kind: str, detail: str) -> None:
         self.unexpected[kind] += 1
@@ -89,12 +91,21 @@ class Soak:
     def prompt(self, rng: random.Random) -> str:
         return f"Request {rng.randrange(10**6)}: tell me about the number {rng.randrange(1000)}"
 
+    def with_priority(self, rng: random.Random, body: dict) -> dict:
+        """The body with a priority from --priorities (counted by value), or as it is without the flag."""
+        if not self.opts.priorities:
+            return body
+        priority = rng.choice(self.opts.priorities)
+        self.tally.priorities[priority] += 1
+        return {**body, "priority": priority}
+
     async def base(self, rng: random.Random, i: int) -> None:
-        await self.timed("base", "/generate", {"text": self.prompt(rng), "sampling_params": GOOD_PARAMS})
+        body = self.with_priority(rng, {"text": self.prompt(rng), "sampling_params": GOOD_PARAMS})
+        await self.timed("base", "/generate", body)
 
     async def completion(self, rng: random.Random, i: int) -> None:
         body = {"model": self.model, "prompt": self.prompt(rng), "max_tokens": 12, "temperature": 0.5}
-        await self.timed("completion", "/v1/completions", body)
+        await self.timed("completion", "/v1/completions", self.with_priority(rng, body))
 
     async def timed(self, kind: str, path: str, body: dict, adapter: str | None = None) -> None:
         self.tally.requests[kind] += 1
@@ -114,6 +125,7 @@ class Soak:
         kind = "cancel" if cancel else "adapter_stream"
         self.tally.requests[kind] += 1
         body = {"text": self.prompt(rng), "lora_path": adapter, "stream": True, "sampling_params": GOOD_PARAMS}
+        body = self.with_priority(rng, body)
         start = time.monotonic()
         async with self.client.stream("POST", "/generate", json=body) as response:
             if response.status_code != 200:
@@ -195,6 +207,7 @@ async def server_stats(client: httpx.AsyncClient) -> dict:
         "num_running",
         "num_waiting",
         "num_compilations_after_warmup",
+        "num_preemptions",
         "frontend_rss_bytes",
         "engine_rss_bytes",
     )
@@ -307,6 +320,8 @@ async def run(opts: argparse.Namespace) -> dict:
         "health_max_s": health["max_s"],
         "health_checks": health["checks"],
         "churn": dict(tally.churn),
+        "priorities": {str(k): v for k, v in sorted(tally.priorities.items())},
+        "preemptions": (end["num_preemptions"] or 0) - (start["num_preemptions"] or 0),
         "start": start,
         "end": end,
         "rss_samples": tally.rss,
@@ -339,6 +354,8 @@ def print_report(report: dict) -> None:
             f"{report['health_p50_s']} / {report['health_p99_s']} / {report['health_max_s']}",
         ),
         ("adapter churn", report["churn"]),
+        ("requests by priority", report["priorities"] or "-"),
+        ("preemptions", report["preemptions"]),
     ]
     for key in (
         "kv_pages_used",
@@ -376,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         help="adapter dirs inside the server's --lora-allowed-dirs, loaded and unloaded in turn",
+    )
+    parser.add_argument(
+        "--priorities",
+        type=int,
+        nargs="*",
+        default=[],
+        help="give each good request a priority drawn from these (the server must run --scheduling-policy priority)",
     )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)

@@ -1,7 +1,8 @@
-"""scripts/soak.py against a real server on 127.0.0.1 (demo model, LoRA on): a short bounded soak with mixed
-base/adapter traffic, streams, cancellations, bad requests and load/unload churn ends with no unexpected error,
-no KV page held, no compilation, and exit code 0; its report carries every number it promises (/health timed by
-scripts/health_probe.py, RSS samples with a baseline after the warm-up)."""
+"""scripts/soak.py against a real server on 127.0.0.1 (demo model, LoRA on, the priority policy, a KV cache of 160
+tokens so that running requests are preempted): a short bounded soak with mixed base/adapter traffic at three
+priorities, streams, cancellations, bad requests and load/unload churn ends with no unexpected error, no KV page
+held, no compilation, and exit code 0; its report carries every number it promises (/health timed by
+scripts/health_probe.py, RSS samples with a baseline after the warm-up, requests by priority, preemptions)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def lora_server(tmp_path_factory):
             str(root),
             "--max-loras-per-batch",
             "2",
+            "--scheduling-policy",
+            "priority",
+            "--context-length",
+            "128",
+            "--max-total-tokens",
+            "160",
         ]
     )
     yield srv, dirs
@@ -71,6 +78,10 @@ def test_short_soak_passes(lora_server, tmp_path):
             "4",
             "--churn-period-s",
             "3",
+            "--priorities",
+            "-2",
+            "0",
+            "1",
             "--adapter-dirs",
             *dirs[1:],
             "--out",
@@ -96,6 +107,8 @@ def test_short_soak_passes(lora_server, tmp_path):
     assert report["expected_errors"].get("cancelled", 0) > 0
     assert sum(v for k, v in report["expected_errors"].items() if k.startswith("bad_")) == report["requests"]["bad"]
     assert report["churn"]["loads"] >= 3 and report["churn"]["unloads"] == report["churn"]["loads"]
+    assert set(report["priorities"]) == {"-2", "0", "1"}
+    assert report["preemptions"] > 0  # 4 clients' requests outgrow the 160-token cache: the least urgent give way
     assert report["latency_p99_s"] is not None and report["health_p99_s"] is not None and report["health_checks"] > 10
     assert len(report["rss_samples"]) >= 3 and report["rss_growth"]["frontend"]["baseline_at_s"] >= 5
     assert report["rss_growth"]["engine"]["slope_mib_per_min"] is not None
