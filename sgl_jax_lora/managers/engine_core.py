@@ -145,7 +145,7 @@ class EngineCore:
             )
         )
         if self.lora is not None:
-            self.lora.prefetch(request.lora_id)
+            self.lora.prefetch(request.lora_id, request.priority)
 
     def pop_request_errors(self) -> list[tuple[str, str]]:
         """(rid, message) of requests the scheduler rejected since the last call (their adapter cannot be read)."""

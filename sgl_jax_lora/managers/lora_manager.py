@@ -1,8 +1,9 @@
 """LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
 
-Flow: EngineCore.add_request -> `prefetch(lora_id)`: an adapter that is not on the device is read from disk
+Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk
 into the host cache, laid out as slot arrays (model dtype) and staged on the device (a bounded number at a time) on
-a background thread, so the engine loop never waits on disk or on a host-to-device copy for it.
+a background thread (lora/prefetch_queue.py: the most urgent request's adapter first), so the engine loop never
+waits on disk or on a host-to-device copy for it.
 Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
 request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
 distinct adapters, no slot can be freed, or its prefetch is still running.
@@ -41,6 +42,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
@@ -99,7 +101,7 @@ class LoRAManager:
         )
         self._running_ids: frozenset[str] = frozenset()  # adapters of running requests when the last step was planned
         self._unapplied: list[SlotWrite] = []  # reserved by the last plan, not on the device yet
-        self._prefetcher = ThreadPoolExecutor(max_workers=prefetch_workers(), thread_name_prefix="lora-prefetch")
+        self._prefetcher = PrefetchQueue(max_workers=prefetch_workers())  # by the requests' priority
         self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
@@ -190,16 +192,20 @@ class LoRAManager:
         self._running_ids = frozenset(lora_id for lora_id in running if lora_id is not None)
         return AdapterPlan(running=self._running_ids)
 
-    def prefetch(self, lora_id: str | None) -> None:
-        """Start reading `lora_id` from disk and laying it out for a slot off the engine thread (no-op if it is
-        on the device or already on its way)."""
-        if lora_id is None or lora_id in self.pool.slot_of or lora_id in self._prefetches or lora_id not in self.refs:
+    def prefetch(self, lora_id: str | None, priority: int = 0) -> None:
+        """Start reading `lora_id` from disk and laying it out for a slot off the engine thread, after the reads asked
+        for by more urgent requests (`priority`: the request's, lower first); no-op if it is on the device, and only a
+        move forward if it is already on its way for a less urgent request."""
+        if lora_id is None or lora_id in self.pool.slot_of or lora_id not in self.refs:
+            return
+        if lora_id in self._prefetches:
+            self._prefetcher.hasten(lora_id, priority)
             return
         if len(self._prefetches) >= 4 * self.pool.num_slots:  # forget finished ones no request came back for
             for done in [i for i, f in self._prefetches.items() if f.done()]:
                 del self._prefetches[done]
         self._prefetches[lora_id] = self._prefetcher.submit(
-            self._staged_slot_arrays, self.refs[lora_id], time.perf_counter()
+            lora_id, priority, self._staged_slot_arrays, self.refs[lora_id], time.perf_counter()
         )
 
     def wait_for_prefetches(self) -> None:

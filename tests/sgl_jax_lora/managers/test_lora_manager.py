@@ -6,6 +6,7 @@ writes (no model, no device), alone and under Scheduler.schedule(). Last, the co
 
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -15,6 +16,7 @@ from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
 from sgl_jax_lora.managers.lora_manager import (
     LoRAManager,
     StagedSlotArrays,
@@ -250,6 +252,40 @@ def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     assert manager.reserve(plan, ids["d"]) == 4
     manager.apply(plan.slot_writes)
     assert runner.writes[-1] == (4, "d") and manager.staged_writes == 2
+
+
+def test_adapters_are_read_in_the_order_of_their_requests_priority():
+    """With one prefetch thread busy, the adapters asked for next are read most urgent request first; a more urgent
+    request for an adapter still waiting moves its read forward; one on the device is not read again."""
+    manager, _ = make_manager(max_loras_per_batch=4)
+    manager._prefetcher = PrefetchQueue(max_workers=1)
+    ids = register(manager, "hold", "a", "b", "c", "d")
+    read, started, release = [], threading.Event(), threading.Event()
+    arrays_of = manager._host_slot_arrays
+
+    def slow_read(ref):
+        read.append(ref.lora_name)
+        if ref.lora_name == "hold":
+            started.set()
+            assert release.wait(10)
+        return arrays_of(ref)
+
+    manager._host_slot_arrays = slow_read
+    manager.prefetch(ids["hold"])
+    assert started.wait(10)
+    manager.prefetch(ids["a"], 0)
+    manager.prefetch(ids["b"], 0)
+    manager.prefetch(ids["c"], -1)
+    manager.prefetch(ids["b"], -2)  # an urgent request for b, whose read still waits
+    manager.prefetch(ids["d"])  # fcfs requests carry 0
+    release.set()
+    manager.wait_for_prefetches()
+    assert read == ["hold", "b", "c", "a", "d"]
+    plan = manager.plan_step(set())
+    assert manager.reserve(plan, ids["b"]) is not None
+    manager.prefetch(ids["b"], -9)  # on the device now: nothing to read
+    manager.wait_for_prefetches()
+    assert read == ["hold", "b", "c", "a", "d"]
 
 
 def test_staging_budget_is_a_gibibyte_of_slots():

@@ -16,7 +16,7 @@ from sgl_jax_lora.managers.request_normalizer import normalize
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
-from tests.sgl_jax_lora.managers.test_overlap_schedule import request, serve
+from tests.sgl_jax_lora.managers.test_overlap_schedule import make_core, request, serve
 from tests.sgl_jax_lora.managers.test_scheduler import (
     DeviceSlots,
     chunks,
@@ -26,6 +26,7 @@ from tests.sgl_jax_lora.managers.test_scheduler import (
     starved_behind_two_running_adapters,
 )
 from tests.support.model_fixtures import make_hf_model_dir
+from tests.support.peft_fixtures import write_peft_adapter
 
 
 def with_priority(r, priority: int):
@@ -163,3 +164,20 @@ def test_an_engine_serves_the_urgent_request_first_with_the_tokens_it_gets_in_ar
     assert list(by_priority.finish) == ["urgent", "lazy0", "lazy1", "lazy2"]
     assert list(in_arrival.finish) == ["lazy0", "lazy1", "lazy2", "urgent"]
     assert by_priority.tokens == in_arrival.tokens
+
+
+@pytest.mark.slow
+def test_an_engine_asks_for_each_requests_adapter_with_its_priority(tmp_path_factory):
+    """EngineCore hands a request's priority to the adapter read it starts on arrival, so that a cold adapter of an
+    urgent request is read before those of less urgent ones (lora/prefetch_queue.py)."""
+    root = tmp_path_factory.mktemp("priority_lora")
+    model_dir = make_hf_model_dir(root / "llama", "llama", seed=21)
+    adapter = write_peft_adapter(model_dir, root / "a", seed=1)
+    core = make_core(model_dir, True, scheduling_policy="priority", lora_paths=[f"a={adapter}"])
+    asked, prefetch = [], core.lora.prefetch
+    core.lora.prefetch = lambda lora_id, priority=0: asked.append((lora_id, priority)) or prefetch(lora_id, priority)
+    (lora_id,) = core.lora.refs
+    for rid, priority in (("lazy", 3), ("urgent", -2), ("base", -1)):
+        r = dataclasses.replace(request(rid, 1, 9, max_new_tokens=2), priority=priority)
+        core.add_request(dataclasses.replace(r, lora_id=None if rid == "base" else lora_id))
+    assert asked == [(lora_id, 3), (lora_id, -2), (None, -1)]
