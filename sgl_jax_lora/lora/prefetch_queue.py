@@ -16,7 +16,7 @@ import heapq
 import itertools
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 @dataclasses.dataclass
@@ -29,39 +29,37 @@ class _Job:
 
 
 class PrefetchQueue:
+    """Jobs wait in a heap by (priority, arrival); each job submits one "run the most urgent waiting job" task to a
+    thread pool, so a worker picks its job when it becomes free, not when the job came (the pool's threads, their
+    start on demand and their join at exit are ThreadPoolExecutor's)."""
+
     def __init__(self, max_workers: int, thread_name_prefix: str = "lora-prefetch"):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
-        self.max_workers = max_workers
-        self.thread_name_prefix = thread_name_prefix
-        self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, Hashable]] = []  # (priority, seq, key)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._lock = threading.Lock()
+        self._heap: list[tuple[int, int, Hashable]] = []  # (priority, seq, key); stale entries are skipped
         self._waiting: dict[Hashable, _Job] = {}  # submitted, not yet taken by a worker
         self._seq = itertools.count()
-        self._threads: list[threading.Thread] = []
-        self._idle = 0  # workers waiting for a job
 
     def submit(self, key: Hashable, priority: int, fn: Callable, *args) -> Future:
         """Run fn(*args) on a worker, after the waiting jobs of lower priority values and of the same one; the future
         holds its result or its exception. One waiting job per key: for a key already waiting, that job is hastened
         to `priority` and its future returned."""
-        with self._cond:
+        with self._lock:
             if key in self._waiting:
                 self._hasten(key, priority)
                 return self._waiting[key].future
-            future: Future = Future()
             seq = next(self._seq)
-            self._waiting[key] = _Job(fn, args, future, priority, seq)
+            job = self._waiting[key] = _Job(fn, args, Future(), priority, seq)
             heapq.heappush(self._heap, (priority, seq, key))
-            if len(self._waiting) > self._idle and len(self._threads) < self.max_workers:
-                self._start_worker()
-            self._cond.notify()
-        return future
+        self._pool.submit(self._run_most_urgent)
+        return job.future
 
     def hasten(self, key: Hashable, priority: int) -> None:
         """Give the waiting job of `key` this priority if it is more urgent than its own (no-op for a job that is
         running or done, or already as urgent); it then runs after the waiting jobs of that priority."""
-        with self._cond:
+        with self._lock:
             self._hasten(key, priority)
 
     def _hasten(self, key: Hashable, priority: int) -> None:
@@ -71,33 +69,22 @@ class PrefetchQueue:
         job.priority, job.seq = priority, next(self._seq)
         heapq.heappush(self._heap, (job.priority, job.seq, key))
 
-    def _start_worker(self) -> None:
-        thread = threading.Thread(
-            target=self._work, name=f"{self.thread_name_prefix}_{len(self._threads)}", daemon=True
-        )
-        self._threads.append(thread)
-        thread.start()
-
-    def _next_job(self) -> _Job:
-        with self._cond:
+    def _take_most_urgent(self) -> _Job:
+        """The most urgent waiting job, off the heap (one exists: every job submitted one task, and a job is taken
+        once)."""
+        with self._lock:
             while True:
-                while not self._heap:
-                    self._idle += 1
-                    self._cond.wait()
-                    self._idle -= 1
                 _, seq, key = heapq.heappop(self._heap)
                 job = self._waiting.get(key)
                 if job is not None and job.seq == seq:
                     del self._waiting[key]
                     return job
 
-    def _work(self) -> None:
-        while True:
-            job = self._next_job()
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            try:
-                job.future.set_result(job.fn(*job.args))
-            except BaseException as e:  # the caller's future carries it
-                job.future.set_exception(e)
-            del job  # an idle worker keeps no result alive (staged arrays give their budget back when freed)
+    def _run_most_urgent(self) -> None:
+        job = self._take_most_urgent()
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(job.fn(*job.args))
+        except BaseException as e:  # the caller's future carries it
+            job.future.set_exception(e)
