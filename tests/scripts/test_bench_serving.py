@@ -199,31 +199,23 @@ def test_too_many_adapters_is_a_clear_error(server, adapter_root, tmp_path):
     assert done.returncode != 0 and "--num-adapters 5: the server has only 3 adapters" in done.stderr
 
 
-def test_offline_engine_mode(adapter_root, tmp_path):
-    """Without --url the benchmark builds an offline Engine from the flags after `--` (what the GPU runs use)."""
-    out = tmp_path / "offline.json"
+def run_offline(out, *flags: str, engine_flags: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """bench_serving.py without --url: an offline Engine from SMALL_ENGINE_FLAGS and `engine_flags` after `--`;
+    (the --out JSON, the printed output)."""
     done = subprocess.run(
         [
             sys.executable,
             os.path.join(ROOT, "scripts", "bench_serving.py"),
-            "--num-requests",
-            "4",
             "--input-len",
             str(INPUT_LEN),
             "--output-len",
             str(OUTPUT_LEN),
-            "--num-adapters",
-            "0,2",
-            "--adapter-dir",
-            str(adapter_root),
             "--out",
             str(out),
+            *flags,
             "--",
             *SMALL_ENGINE_FLAGS,
-            "--lora-allowed-dirs",
-            str(adapter_root),
-            "--max-loras-per-batch",
-            "2",
+            *engine_flags,
         ],
         capture_output=True,
         text=True,
@@ -232,7 +224,22 @@ def test_offline_engine_mode(adapter_root, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out) as f:
-        base, lora = json.load(f)["scenarios"]
+        return json.load(f), done.stdout
+
+
+def test_offline_engine_mode(adapter_root, tmp_path):
+    """Without --url the benchmark builds an offline Engine from the flags after `--` (what the GPU runs use)."""
+    result, _ = run_offline(
+        tmp_path / "offline.json",
+        "--num-requests",
+        "4",
+        "--num-adapters",
+        "0,2",
+        "--adapter-dir",
+        str(adapter_root),
+        engine_flags=("--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2"),
+    )
+    base, lora = result["scenarios"]
     assert base["total_output_tokens"] == lora["total_output_tokens"] == 4 * OUTPUT_LEN
     assert lora["engine"]["lora"]["device_misses"] == 2 and base["engine"]["lora"]["device_misses"] == 0
 
@@ -241,37 +248,15 @@ def test_urgent_requests_first_under_the_priority_policy(tmp_path):
     """An offline engine with `--scheduling-policy priority` and one running request at a time: the urgent
     requests, sent with priority -1, are admitted before the others queued beside them, so they reach their first
     token sooner."""
-    out = tmp_path / "priority.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "scripts", "bench_serving.py"),
-            "--num-requests",
-            "12",
-            "--input-len",
-            str(INPUT_LEN),
-            "--output-len",
-            str(OUTPUT_LEN),
-            "--urgent-share",
-            "0.34",
-            "--out",
-            str(out),
-            "--",
-            *SMALL_ENGINE_FLAGS,
-            "--scheduling-policy",
-            "priority",
-            "--max-running-requests",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=server_env(),
+    result, printed = run_offline(
+        tmp_path / "priority.json",
+        "--num-requests",
+        "12",
+        "--urgent-share",
+        "0.34",
+        engine_flags=("--scheduling-policy", "priority", "--max-running-requests", "1"),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "urgent (" in done.stdout  # the printed lines by class
-    with open(out) as f:
-        result = json.load(f)
+    assert "urgent (" in printed  # the printed lines by class
     assert result["scheduling_policy"] == "priority"
     scenario = result["scenarios"][0]
     assert scenario["urgent_priority_sent"] == -1 and scenario["total_output_tokens"] == 12 * OUTPUT_LEN
