@@ -45,14 +45,13 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
-from sgl_jax_lora.configs.buckets import pick  # noqa: E402
+from sgl_jax_lora.configs.buckets import pick, segment_buckets  # noqa: E402
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
-from sgl_jax_lora.managers.lora_manager import segment_buckets  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_cache_dtype  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402

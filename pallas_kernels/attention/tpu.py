@@ -2,7 +2,7 @@
 
 Where it sits: `sgl_jax_lora.layers.attention.paged_attention` calls it once per layer per step (backend
 `pallas_tpu`; `pallas_interpret` on CPU) with the whole K/V caches [L, K, N, D] and the layer index, after the
-step's K/V were written; it computes what `reference.ragged_paged_attention_ref` computes. On CPU it runs in
+step's K/V were written (kv_write_tpu.py on a TPU); it computes what `reference.ragged_paged_attention_ref` computes. On CPU it runs in
 interpret mode (`pltpu.InterpretParams`), which is how the tests check it.
 
 Layout. The query heads of one GQA group are folded into rows: q [T, H, D] becomes [K, T * G, D] with row
@@ -31,8 +31,9 @@ These are checked when not interpreting. D cannot be padded here: padding the ca
 
 Not done: the first page block of the next sequence is not prefetched while the current one finishes, and a
 decode-heavy q block computes BQ * G score rows per sequence where only G are used (memory, not compute, bounds
-decode). The whole page table sits in SMEM (S * P int32), which bounds S * P by the chip's SMEM. Only the
-lowering for TPU is tested (jax.export on CPU); Mosaic compilation and speed on a TPU are unmeasured (no TPU here).
+decode). The whole page table sits in SMEM (S * P int32), which bounds S * P by the chip's SMEM. On CPU the
+kernel is tested in interpret mode and compiled by libtpu for TPU slices (no TPU needed: the tpu_compile tests); its
+speed on a TPU is unmeasured (no TPU here).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ min_new_tokens) sends one entry per (row, token id) a rule touches, padded to an
 budget from `logit_entries_per_row` (sampling/logit_adjustments.py).
 
 Where it sits: configs, at the bottom of the package: the scheduler and EngineCore pad each step to these shapes,
-the LoRA manager and the logit adjustments pick their buckets with `pick` and `checked_buckets`, and the model runner
-compiles one program per bucket.
+the LoRA manager and the logit adjustments pick their buckets with `pick` and `checked_buckets` (the LoRA segment
+buckets from `segment_buckets`), and the model runner compiles one program per bucket.
 """
 
 from __future__ import annotations
@@ -105,3 +105,20 @@ def checked_buckets(flag: str, values: list[int] | None, limit: int) -> tuple[in
         raise ValueError(f"{flag} must be positive integers, got {values}")
     # sizes above the limit become the limit (e.g. --token-buckets 4096 with a 2048-token budget)
     return tuple(sorted({min(v, limit) for v in values} | {limit}))
+
+
+SMALL_SEGMENT_BUCKET_MIN_SLOTS = 16
+
+
+def segment_buckets(num_slots: int, requested: list[int] | None = None) -> tuple[int, ...]:
+    """Compiled segment counts G (distinct slots in a step, base included): `--lora-segment-buckets`, else all
+    slots, plus a bucket of 4 when the pool has more than SMALL_SEGMENT_BUCKET_MIN_SLOTS slots; all slots
+    (num_slots) is always one of them.
+
+    Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items; sgmv gathers G
+    adapters; einsum ignores G), so with a large pool, batches with few adapters run a small bucket. Each bucket adds
+    one compiled program per token bucket; with a small pool the small bucket saves little and costs those programs
+    at startup.
+    """
+    default = {min(4, num_slots), num_slots} if num_slots > SMALL_SEGMENT_BUCKET_MIN_SLOTS else {num_slots}
+    return checked_buckets("--lora-segment-buckets", requested, num_slots) or tuple(sorted(default))

@@ -66,11 +66,35 @@ def layer_windows(sliding_windows: tuple[int, ...]) -> jax.Array | None:
 
 
 def write_kv(
-    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, cache_loc: jax.Array
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache_loc: jax.Array,
+    backend: AttentionBackend = AttentionBackend(),
+    page_size: int = 0,
+    num_seqs: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's k/v [T, K, D] into layer `layer` of the caches [L, K, N, D] (in place: the caches are
-    donated to the step)."""
-    return _scatter_rows(k_cache, layer, cache_loc, k), _scatter_rows(v_cache, layer, cache_loc, v)
+    """This step's k/v [T, K, D] into layer `layer` of the caches [L, K, N, D] at cache_loc (in place: the caches
+    are donated to the step). On the pallas_tpu backend a Mosaic kernel writes whole sublane tiles of the layout the
+    attention kernel reads (pallas_kernels/attention/kv_write_tpu.py; page_size and num_seqs, the step's sequence
+    bucket, bound its blocks): XLA's row scatter there copied the whole cache into another layout and back around
+    each layer's write. Elsewhere XLA's scatter (`_scatter_rows`)."""
+    if backend.name != "pallas_tpu":
+        return _scatter_rows(k_cache, layer, cache_loc, k), _scatter_rows(v_cache, layer, cache_loc, v)
+    from pallas_kernels.attention.kv_write_tpu import write_kv_tpu
+
+    def local(k_cache, v_cache, layer, k, v, cache_loc):
+        k, v = _cache_rows(k, k_cache.dtype), _cache_rows(v, v_cache.dtype)
+        return write_kv_tpu(k_cache, v_cache, layer, k, v, cache_loc, page_size=page_size, num_seqs=num_seqs)
+
+    if backend.mesh is None or backend.mesh.shape["tensor"] == 1:
+        return local(k_cache, v_cache, layer, k, v, cache_loc)
+    heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
+    in_specs = (caches, caches, P(), heads, heads, P())
+    sharded = jax.shard_map(local, mesh=backend.mesh, in_specs=in_specs, out_specs=(caches, caches), check_vma=False)
+    return sharded(k_cache, v_cache, layer, k, v, cache_loc)
 
 
 def fuses_rope_kv_write(backend: AttentionBackend, head_dim: int) -> bool:
@@ -126,13 +150,19 @@ def _scatter_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows
     back for each layer's write. A program lowered for CPU scatters the cache as raw bits instead, which still copies it
     but converts nothing: a demo-model decode step is 1.8-3.5x faster (docs/benchmarks.md "CPU: the demo model's
     decode step"). Programs lowered for GPU or TPU (a TPU export on a CPU host included) keep the plain write."""
-    if cache.dtype.itemsize == 1:  # an 8-bit float cache (--kv-cache-dtype fp8_*): saturate, float8_e4m3fn has no inf
-        limit = float(jnp.finfo(cache.dtype).max)
-        rows = jnp.clip(rows, -limit, limit)
-    rows = rows.astype(cache.dtype)
+    rows = _cache_rows(rows, cache.dtype)
     if cache.dtype.itemsize > 2 or not jnp.issubdtype(cache.dtype, jnp.floating):
         return _set_rows(cache, layer, cache_loc, rows)
     return jax.lax.platform_dependent(cache, layer, cache_loc, rows, cpu=_set_rows_as_bits, default=_set_rows)
+
+
+def _cache_rows(rows: jax.Array, dtype) -> jax.Array:
+    """K/V rows as the cache stores them: an 8-bit float cache (--kv-cache-dtype fp8_*) saturates them first
+    (float8_e4m3fn has no inf)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        limit = float(jnp.finfo(dtype).max)
+        rows = jnp.clip(rows, -limit, limit)
+    return rows.astype(dtype)
 
 
 def _set_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from sgl_jax_lora.configs.buckets import checked_buckets
+from sgl_jax_lora.configs.buckets import segment_buckets
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
@@ -370,20 +370,3 @@ def build_lora_manager(setup: LoRASetup, runner: ModelRunner) -> LoRAManager:
     for ref in setup.initial_refs:
         manager.register(ref)
     return manager
-
-
-def segment_buckets(num_slots: int, requested: list[int] | None = None) -> tuple[int, ...]:
-    """Compiled segment counts G (distinct slots in a step, base included): `--lora-segment-buckets`, else all
-    slots, plus a bucket of 4 when the pool has more than SMALL_SEGMENT_BUCKET_MIN_SLOTS slots; all slots
-    (num_slots) is always one of them.
-
-    Kernels walk G segments (the Pallas kernels' work list is tokens / tile + G - 1 items; sgmv gathers G
-    adapters; einsum ignores G), so with a large pool, batches with few adapters run a small bucket. Each bucket adds
-    one compiled program per token bucket; with a small pool the small bucket saves little and costs those programs
-    at startup.
-    """
-    default = {min(4, num_slots), num_slots} if num_slots > SMALL_SEGMENT_BUCKET_MIN_SLOTS else {num_slots}
-    return checked_buckets("--lora-segment-buckets", requested, num_slots) or tuple(sorted(default))
-
-
-SMALL_SEGMENT_BUCKET_MIN_SLOTS = 16

@@ -10,7 +10,8 @@ Flow (per step, called by the engine loop):
   fetch(launched)                   -> next ids / logprobs on the host (waits for the device)
   prompt_logprobs(hidden, targets)  -> per-token prompt logprobs on the host (only when asked)
 Every function is compiled per bucket shape; `warmup()` compiles all buckets at startup (model_executor/warmup.py).
-`load_engine_model` builds the model from the engine's flags (the runner's, and scripts/bench_step.py's).
+`load_engine_model` builds the model from the engine's flags (the runner's, and scripts/bench_step.py's), and
+`forward_step` is the forward program the runner jits per bucket (model_executor/tpu_aot.py compiles the same).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from sgl_jax_lora.model_executor.step_memory import (
 )
 from sgl_jax_lora.model_executor.warmup import warm_up
 from sgl_jax_lora.models.forward_batch import ForwardBatch
-from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.models.weight_loader import abstract_model_state, load_model_state
 from sgl_jax_lora.sampling import sampler
 from sgl_jax_lora.sampling.logit_adjustments import LogitAdjustments, apply_logit_adjustments, padding_logit_adjustments
 from sgl_jax_lora.sampling.sampler import SampleOutput, SamplingBatch, chunked_token_logprobs
@@ -66,21 +67,14 @@ KV_SHRINK_FACTOR = 0.9
 
 
 def load_engine_model(
-    args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None
+    args: ServerArgs, cfg: ModelConfig, mesh: Mesh, lora: LoRAModelSpec | None, abstract: bool = False
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model as the engine's flags build it on `mesh` (dtype, attention backend for the mesh's platform, layers per
     scan step, --max-prefill-seqs, the base GEMM kernel from --gpu-gemm-min-tokens, quantization): ModelRunner's, and
     that of a benchmark timing the engine's forward without an engine (scripts/bench_step.py). Sliding windows at
-    least --context-length wide are served as full attention (ModelConfig.served_within)."""
-    return load_model_state(
-        cfg.served_within(cfg.context_length(args.context_length)),
-        args.tp_size,
-        args.page_size,
-        jnp.dtype(args.dtype),
-        mesh,
-        lora,
-        args.load_format,
-        args.random_seed,
+    least --context-length wide are served as full attention (ModelConfig.served_within). abstract: shapes with their
+    shardings and no weights (`abstract_model_state`), for compiling ahead of time (model_executor/tpu_aot.py)."""
+    settings = dict(
         layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
         if args.layers_per_scan_step > 0
         else cfg.num_layers,
@@ -90,6 +84,24 @@ def load_engine_model(
         base_gemm_min_tokens=args.gpu_gemm_min_tokens,
         quantization=args.quantization,
     )
+    served = cfg.served_within(cfg.context_length(args.context_length))
+    shape = (served, args.tp_size, args.page_size, jnp.dtype(args.dtype), mesh, lora)
+    if abstract:
+        return abstract_model_state(*shape, **settings)
+    return load_model_state(*shape, args.load_format, args.random_seed, **settings)
+
+
+def forward_step(
+    graphdef: nnx.GraphDef, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch, prev_ids: jax.Array
+) -> tuple[jax.Array, jax.Array, object]:
+    """The engine's forward program (ModelRunner jits it once per bucket shape): the tokens in flight substituted
+    from the sampled ids of the step before (`batch.input_from_prev` into prev_ids), then the model -> (hidden
+    [T, E], the hidden state of each sequence's last token [S, E], the updated KV cache)."""
+    if batch.input_from_prev is not None:
+        from_prev = prev_ids[jnp.maximum(batch.input_from_prev, 0)]
+        batch = dataclasses.replace(batch, input_ids=jnp.where(batch.input_from_prev >= 0, from_prev, batch.input_ids))
+    hidden, kv = nnx.merge(graphdef, lora_state, state)(kv, batch)
+    return hidden, hidden[batch.last_token_index], kv
 
 
 class ModelRunner:
@@ -108,7 +120,9 @@ class ModelRunner:
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
-        self._forward = jax.jit(self._forward_impl, donate_argnames=("kv",), compiler_options=forward_options)
+        self._forward = jax.jit(
+            functools.partial(forward_step, self.graphdef), donate_argnames=("kv",), compiler_options=forward_options
+        )
         self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
         self._lora_value_shardings = slot_value_shardings(self.lora_state)
         self._logits = jax.jit(self._logits_impl)
@@ -131,15 +145,6 @@ class ModelRunner:
     # ---- jitted bodies -------------------------------------------------------------------------
     def _model(self, state: nnx.State, lora_state: nnx.State):
         return nnx.merge(self.graphdef, lora_state, state)
-
-    def _forward_impl(self, state: nnx.State, lora_state: nnx.State, kv, batch: ForwardBatch, prev_ids: jax.Array):
-        if batch.input_from_prev is not None:
-            from_prev = prev_ids[jnp.maximum(batch.input_from_prev, 0)]
-            batch = dataclasses.replace(
-                batch, input_ids=jnp.where(batch.input_from_prev >= 0, from_prev, batch.input_ids)
-            )
-        hidden, kv = self._model(state, lora_state)(kv, batch)
-        return hidden, hidden[batch.last_token_index], kv
 
     def _logits_impl(
         self,

@@ -203,7 +203,10 @@ class DecoderLayer(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, *rotary), rotate(k, *rotary)
-        k_cache, v_cache = write_kv(kv.k, kv.v, layer, k, v, batch.cache_loc)
+        num_seqs = batch.seq_lens.shape[0]
+        k_cache, v_cache = write_kv(
+            kv.k, kv.v, layer, k, v, batch.cache_loc, self.attention_backend, self.page_size, num_seqs
+        )
         return q, k_cache, v_cache
 
 

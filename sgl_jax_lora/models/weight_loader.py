@@ -10,7 +10,8 @@ LoRA buffers start as zeros. With `--quantization fp8` each decoder linear's wei
 model's dtype ([L, in, out]) and quantized on the devices (layers/fp8.py `quantize_weight`: an 8-bit K-major
 [L, out, in] stack and one scale per layer), one parameter at a time, so the 16-bit stack of one module at most
 is ever on the devices beside the 8-bit model.
-Only safetensors are read; pickle checkpoints are refused.
+Only safetensors are read; pickle checkpoints are refused. `abstract_model_state` gives the same state as shapes with
+their shardings and no weights, for compiling ahead of time (model_executor/tpu_aot.py).
 """
 
 from __future__ import annotations
@@ -122,27 +123,11 @@ def load_model_state(
     lora: LoRAModelSpec | None,
     load_format: str = "auto",
     seed: int = 0,
-    layers_per_scan_step: int = 1,
-    attention_backend: str = "native",
-    max_prefill_chunks: int | None = None,
-    base_gemm_min_tokens: int | None = 0,
-    quantization: str | None = None,
-    in_place_layers_per_scan_step: int | None = None,
+    **settings,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """-> (graphdef, state) with every array placed in its sharded layout. max_prefill_chunks: the most prefill
-    chunks a step holds (the scheduler's --max-prefill-seqs), which the attention kernels may size their grid by.
-    base_gemm_min_tokens: --gpu-gemm-min-tokens, the least token bucket whose layer linears run the base GEMM
-    kernel (layers/base_gemm.py; 0: never, None: the platform's default). quantization: --quantization ('fp8':
-    the decoder layers' linear weights quantized here; None: every weight in `dtype`). in_place_layers_per_scan_step:
-    the layer loop's unroll in the token buckets that read every decoder linear's weight in place (None:
-    layers_per_scan_step, as in the others)."""
-    model_cls = model_class_for(cfg)
-    attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
-    base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
-    fp8 = make_fp8_gemm(mesh) if quantization == "fp8" else None
-    settings = (layers_per_scan_step, attention, base_gemm, fp8, in_place_layers_per_scan_step)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, *settings))
-    graphdef, abstract_state = nnx.split(abstract)
+    """-> (graphdef, state) with every array placed in its sharded layout. settings: how the model is built
+    (`_abstract_model`'s keywords: layers per scan step, attention backend, base GEMM kernel, quantization)."""
+    model_cls, fp8, graphdef, abstract_state = _abstract_model(cfg, tp_size, page_size, dtype, mesh, lora, **settings)
     if load_format != "dummy" and is_converted_checkpoint(cfg.model_path):
         if fp8 is not None:
             raise ModelConfigError(
@@ -162,6 +147,53 @@ def load_model_state(
         return jax.device_put(host.astype(value_dtype), sharding)
 
     return graphdef, nnx.from_flat_state(_placed_leaves(abstract_state, shardings, weight_value, dtype))
+
+
+def abstract_model_state(
+    cfg: ModelConfig, tp_size: int, page_size: int, dtype: jnp.dtype, mesh: Mesh, lora: LoRAModelSpec | None, **settings
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """`load_model_state`'s (graphdef, state) with no weights: every leaf a jax.ShapeDtypeStruct carrying the
+    sharding load_model_state would place it with (settings: its keywords from layers_per_scan_step on). For compiling
+    the forward ahead of time on devices that hold no memory of this process (a TPU slice described on a CPU host:
+    model_executor/tpu_aot.py)."""
+    _, _, graphdef, abstract_state = _abstract_model(cfg, tp_size, page_size, dtype, mesh, lora, **settings)
+    shardings = state_shardings(mesh, abstract_state)
+    leaves = []
+    for path, variable in nnx.to_flat_state(abstract_state):
+        spec, key = variable.get_value(), tuple(str(p) for p in path)
+        leaves.append((key, variable.replace(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[key]))))
+    return graphdef, nnx.from_flat_state(leaves)
+
+
+def _abstract_model(
+    cfg: ModelConfig,
+    tp_size: int,
+    page_size: int,
+    dtype: jnp.dtype,
+    mesh: Mesh,
+    lora: LoRAModelSpec | None,
+    layers_per_scan_step: int = 1,
+    attention_backend: str = "native",
+    max_prefill_chunks: int | None = None,
+    base_gemm_min_tokens: int | None = 0,
+    quantization: str | None = None,
+    in_place_layers_per_scan_step: int | None = None,
+) -> tuple[type, object, nnx.GraphDef, nnx.State]:
+    """(model class, the fp8 GEMM setting or None, graphdef, abstract state): the model built with nnx.eval_shape.
+    max_prefill_chunks: the most prefill chunks a step holds (the scheduler's --max-prefill-seqs), which the attention
+    kernels may size their grid by. base_gemm_min_tokens: --gpu-gemm-min-tokens, the least token bucket whose layer
+    linears run the base GEMM kernel (layers/base_gemm.py; 0: never, None: the platform's default). quantization:
+    --quantization ('fp8': the decoder layers' linear weights quantized by load_model_state; None: every weight in
+    `dtype`). in_place_layers_per_scan_step: the layer loop's unroll in the token buckets that read every decoder
+    linear's weight in place (None: layers_per_scan_step, as in the others)."""
+    model_cls = model_class_for(cfg)
+    attention = AttentionBackend(attention_backend, mesh, max_prefill_chunks)
+    base_gemm = make_base_gemm(base_gemm_min_tokens, mesh)
+    fp8 = make_fp8_gemm(mesh) if quantization == "fp8" else None
+    settings = (layers_per_scan_step, attention, base_gemm, fp8, in_place_layers_per_scan_step)
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, tp_size, page_size, dtype, lora, *settings))
+    graphdef, abstract_state = nnx.split(abstract)
+    return model_cls, fp8, graphdef, abstract_state
 
 
 def _placed_leaves(abstract_state: nnx.State, shardings: dict, weight_value, dtype) -> list[tuple]:

@@ -1,9 +1,12 @@
-"""A whole model forward exported or lowered for an accelerator from this CPU host, for the lowering tests:
-dummy weights on a mesh of fake devices, a padding step of one (S, T) token bucket, LoRA off or on (the Pallas TPU
-SGMV kernels). Nothing runs; the exported module's text shows which kernels the program holds."""
+"""A whole model forward exported, lowered or compiled for an accelerator from this CPU host, for the lowering and
+TPU compile tests: the model's state and KV cache as shapes with their shardings (no memory), on a mesh of fake CPU
+devices or of the devices of a TPU slice that libtpu describes without a TPU (model_executor/tpu_aot.py), a padding
+step of one (S, T) token bucket, LoRA off or on (the Pallas TPU SGMV kernels). Nothing runs; the exported module's
+text shows which kernels the program holds, and a compiled program says that libtpu compiled every kernel."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import make_mesh
@@ -18,9 +22,10 @@ from sgl_jax_lora.lora.backend.pallas_tpu import PallasTPUBackend
 from sgl_jax_lora.lora.lora_batch import build_lora_batch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax_lora.mem_cache.kv_cache import abstract_kv_cache
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
-from sgl_jax_lora.models.weight_loader import load_model_state
+from sgl_jax_lora.model_executor.tpu_aot import compile_for_tpu, tpu_slice_devices
+from sgl_jax_lora.models.weight_loader import abstract_model_state
 from tests.support.cuda_target import hopper_target
 
 PAGE_SIZE, NUM_SLOTS, MAX_RANK = 16, 5, 16
@@ -57,6 +62,22 @@ def export_forward(cfg: ModelConfig, tp_size: int, with_lora: bool, num_seqs: in
     return jax.export.export(forward, platforms=["tpu"])(*args)
 
 
+def has_libtpu() -> bool:
+    """Whether libtpu is installed (the test extra installs it on Linux x86_64): the TPU compiler, usable without a
+    TPU."""
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def compile_forward_for_tpu(
+    cfg: ModelConfig, topology: str, tp_size: int, with_lora: bool, num_seqs: int, num_tokens: int, **options
+) -> jax.stages.Compiled:
+    """The forward of the (num_seqs, num_tokens) bucket compiled by libtpu for tp_size chips of `topology` (options:
+    those of `forward_program`): XLA's TPU compiler and Mosaic's passes over every Pallas kernel, as on a TPU host."""
+    devices = tpu_slice_devices(topology)
+    forward, args = forward_program(cfg, tp_size, with_lora, num_seqs, num_tokens, devices=devices, **options)
+    return compile_for_tpu(forward.lower(*args))
+
+
 def lower_forward_for_cuda(cfg: ModelConfig, tp_size: int, num_seqs: int, num_tokens: int) -> str:
     """The text of the forward lowered for CUDA with the GPU attention backend (LoRA off). Not exported: Triton
     custom calls carry no export compatibility guarantee."""
@@ -75,9 +96,11 @@ def forward_program(
     page_size: int = PAGE_SIZE,
     attention_backend: str = "pallas_tpu",
     quantization: str | None = None,
+    devices=None,
 ):
-    """-> (the jitted forward, its argument shapes with their shardings)."""
-    mesh = make_mesh(tp_size)
+    """-> (the jitted forward, its argument shapes with their shardings). devices: the mesh's (default: this
+    process's, the fake CPU devices in tests)."""
+    mesh = make_mesh(tp_size, None if devices is None else list(devices))
     lora = None
     if with_lora:
         lora = LoRAModelSpec(
@@ -86,18 +109,17 @@ def forward_program(
             backend=PallasTPUBackend(mesh, interpret=False),
             target_modules=frozenset(LORA_TARGETS),
         )
-    graphdef, state = load_model_state(
+    graphdef, state = abstract_model_state(
         cfg,
         tp_size,
         page_size,
         jnp.bfloat16,
         mesh,
         lora,
-        load_format="dummy",
         attention_backend=attention_backend,
         quantization=quantization,
     )
-    kv = allocate_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
+    kv = abstract_kv_cache(cfg, 64, page_size, tp_size, kv_dtype, mesh)
     lora_batch = None
     if with_lora:
         token_slot = np.arange(num_tokens, dtype=np.int32) % NUM_SLOTS
@@ -110,10 +132,9 @@ def forward_program(
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden, kv
 
-    def spec(x):
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-
-    return jax.jit(forward, donate_argnums=1), jax.tree.map(spec, (state, kv, batch))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated), batch)
+    return jax.jit(forward, donate_argnums=1), (state, kv, batch)
 
 
 def primitive_counts(jaxpr, in_loop: bool = False, counts: dict | None = None) -> dict:

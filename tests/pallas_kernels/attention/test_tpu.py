@@ -3,9 +3,13 @@
 The kernel runs on CPU in Mosaic interpret mode (`pltpu.InterpretParams`: uninitialized VMEM reads as NaN and
 out-of-bounds DMAs raise). Page-table entries a sequence does not use hold an out-of-range page id for the kernel
 (the reference gets page 0 there), so a kernel that DMAs a page it should not read fails; with a sliding window the
-pages below each sequence's first window hold it too. The `tpu_export` tests
-lower the real (non-interpret) kernel for TPU with jax.export on CPU: proof that Pallas accepts it for Mosaic,
-not that libtpu compiles it (Mosaic's layout passes run only on a TPU host).
+pages below each sequence's first window hold it too.
+
+The `tpu_export` tests lower the real (non-interpret) kernel for TPU with jax.export on CPU: proof that Pallas
+accepts it for Mosaic. The `tpu_compile` tests go on to compile it with libtpu for a TPU slice that libtpu describes
+on this host (no TPU needed; skipped where libtpu is not installed), so Mosaic's passes (layouts, alignment, VMEM)
+run over it as on a TPU host, for the shapes the engine hands it. Nothing runs on a TPU: the numbers are checked in
+interpret mode only.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.attention.reference import ragged_paged_attention_ref
 from pallas_kernels.attention.tpu import ragged_paged_attention_tpu
 from pallas_kernels.attention.tpu_layout import plan_ragged_attention_tpu
+from sgl_jax_lora.model_executor.tpu_aot import compile_for_tpu, mosaic_kernels, tpu_slice_devices
+from tests.support.model_export import has_libtpu
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -285,10 +292,18 @@ def test_bf16_page_size_off_the_sublane_tile_raises():
 
 
 def _tpu_export_args(
-    num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, page_size: int, cache_dtype=jnp.bfloat16
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    cache_dtype=jnp.bfloat16,
+    head_dim: int = 128,
+    sharding: NamedSharding | None = None,
 ):
-    num_layers, head_dim, pages_per_seq, num_pages = 4, 128, 64, 2048
-    struct = jax.ShapeDtypeStruct
+    """The kernel's positional arguments as shapes (on `sharding` when given): bf16 q, 4 layers of 2048 pages."""
+    num_layers, pages_per_seq, num_pages = 4, 64, 2048
+    struct = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
     cache = struct((num_layers, num_kv_heads, num_pages * page_size, head_dim), cache_dtype)
     return (
         struct((num_tokens, num_heads, head_dim), jnp.bfloat16),
@@ -330,3 +345,140 @@ def test_fp8_page_size_off_the_sublane_tile_raises():
     kernel = functools.partial(ragged_paged_attention_tpu, page_size=16, scale=1.0)
     with pytest.raises(ValueError, match="page_size 16 is not a multiple of 32.*--page-size 32"):
         jax.eval_shape(kernel, *args)
+
+
+# The tpu_compile tests: the real kernel compiled by libtpu for one chip of a TPU slice, over what the engine can hand
+# it: page sizes 16, 32 and 64; the heads of Llama-3-8B (32 query, 8 kv), Qwen2-7B (28, 4: a GQA group of 7), an
+# MHA model (8, 8) and a group of 16 (16, 1); head_dim 128 and 256; the decode and mixed token buckets. Each value of
+# each dimension appears in some case, not their product (a compile takes seconds).
+SLICES = {"v5e": "v5e:2x2", "v6e": "v6e:2x4"}
+BUCKETS = {"decode": (64, 64), "mixed": (512, 16)}  # (T, S)
+LLAMA3_8B, QWEN2_7B, MHA, GROUP_16 = (32, 8), (28, 4), (8, 8), (16, 1)
+needs_libtpu = pytest.mark.skipif(
+    not has_libtpu(), reason="libtpu is not installed: pip install -e '.[test]' on Linux x86_64"
+)
+
+V5E_CASES = {
+    "page16-llama3-decode": (16, LLAMA3_8B, 128, "decode"),
+    "page32-llama3-mixed": (32, LLAMA3_8B, 128, "mixed"),
+    "page32-qwen2-decode": (32, QWEN2_7B, 128, "decode"),
+    "page64-qwen2-mixed": (64, QWEN2_7B, 128, "mixed"),
+    "page16-mha-mixed": (16, MHA, 128, "mixed"),
+    "page64-mha-d256-decode": (64, MHA, 256, "decode"),
+    "page16-group16-decode": (16, GROUP_16, 128, "decode"),
+    "page32-group16-d256-mixed": (32, GROUP_16, 256, "mixed"),
+}
+V6E_CASES = {
+    "page16-llama3-mixed": (16, LLAMA3_8B, 128, "mixed"),
+    "page32-qwen2-decode": (32, QWEN2_7B, 128, "decode"),
+    "page64-mha-decode": (64, MHA, 128, "decode"),
+    "page64-group16-d256-mixed": (64, GROUP_16, 256, "mixed"),
+}
+COMPILE_CASES = [pytest.param("v5e", *case, id=f"v5e-{name}") for name, case in V5E_CASES.items()]
+COMPILE_CASES += [pytest.param("v6e", *case, id=f"v6e-{name}") for name, case in V6E_CASES.items()]
+
+
+def _compile_for_one_chip(program, chip: str, args_of_sharding) -> jax.stages.Compiled:
+    """program lowered with the shapes args_of_sharding(sharding) gives, on one chip of the slice, and compiled by
+    libtpu: XLA's TPU passes and Mosaic's over the kernel, as on a TPU host."""
+    device = tpu_slice_devices(SLICES[chip])[0]
+    one_chip = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    return compile_for_tpu(jax.jit(program).lower(*args_of_sharding(one_chip)))
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+@pytest.mark.parametrize("chip,page_size,heads,head_dim,bucket", COMPILE_CASES)
+def test_compiles_for_tpu(chip: str, page_size: int, heads: tuple[int, int], head_dim: int, bucket: str):
+    """Mosaic compiles the kernel at each page size, GQA group, head_dim and bucket (exporting does not run its
+    layout and VMEM passes)."""
+    num_tokens, num_seqs = BUCKETS[bucket]
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=page_size, scale=head_dim**-0.5)
+    compiled = _compile_for_one_chip(
+        kernel,
+        chip,
+        lambda sharding: _tpu_export_args(
+            num_tokens, num_seqs, *heads, page_size, head_dim=head_dim, sharding=sharding
+        ),
+    )
+    assert mosaic_kernels(compiled) >= 1
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+@pytest.mark.parametrize(
+    "chip,heads,bucket",
+    [("v5e", LLAMA3_8B, "decode"), ("v5e", QWEN2_7B, "mixed"), ("v6e", GROUP_16, "mixed")],
+    ids=["v5e-llama3-decode", "v5e-qwen2-mixed", "v6e-group16-mixed"],
+)
+def test_fp8_cache_compiles_for_tpu(chip: str, heads: tuple[int, int], bucket: str):
+    """An 8-bit cache (pages of 32, its sublane tile) compiles: its slabs are widened to q's dtype in the kernel."""
+    num_tokens, num_seqs = BUCKETS[bucket]
+    kernel = functools.partial(ragged_paged_attention_tpu, page_size=32, scale=128**-0.5)
+    compiled = _compile_for_one_chip(
+        kernel,
+        chip,
+        lambda sharding: _tpu_export_args(
+            num_tokens, num_seqs, *heads, 32, cache_dtype=jnp.float8_e4m3fn, sharding=sharding
+        ),
+    )
+    assert mosaic_kernels(compiled) >= 1
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+@pytest.mark.parametrize(
+    "page_size,heads,cache_dtype,bucket",
+    [
+        (16, QWEN2_7B, jnp.bfloat16, "decode"),
+        (64, GROUP_16, jnp.bfloat16, "mixed"),
+        (32, LLAMA3_8B, jnp.float8_e4m3fn, "mixed"),
+    ],
+    ids=["page16-qwen2-decode", "page64-group16-mixed", "page32-llama3-fp8-mixed"],
+)
+def test_sliding_window_compiles_for_tpu(page_size: int, heads: tuple[int, int], cache_dtype, bucket: str):
+    """A traced sliding window (a layer's, as Qwen2's and Mistral's models pass it) compiles: the window is
+    scalar-prefetched and bounds the kv blocks and page DMAs."""
+    num_tokens, num_seqs = BUCKETS[bucket]
+
+    def windowed(*args):
+        *kernel_args, window = args
+        return ragged_paged_attention_tpu(*kernel_args, page_size=page_size, scale=128**-0.5, sliding_window=window)
+
+    def args_of_sharding(sharding):
+        args = _tpu_export_args(num_tokens, num_seqs, *heads, page_size, cache_dtype=cache_dtype, sharding=sharding)
+        return (*args, jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding))
+
+    compiled = _compile_for_one_chip(windowed, "v5e", args_of_sharding)
+    assert mosaic_kernels(compiled) >= 1
+
+
+@pytest.mark.tpu_compile
+@needs_libtpu
+@pytest.mark.parametrize(
+    "heads,bucket", [(LLAMA3_8B, "decode"), (QWEN2_7B, "mixed")], ids=["llama3-decode", "qwen2-mixed"]
+)
+def test_plan_built_once_compiles_for_tpu(heads: tuple[int, int], bucket: str):
+    """The model's path: the step's q-block plan built once in the program and handed to each layer's call, every
+    layer's kernel compiled."""
+    num_tokens, num_seqs = BUCKETS[bucket]
+    num_heads, num_kv_heads = heads
+    num_layers = 4  # _tpu_export_args's cache
+
+    def every_layer(q, k_cache, v_cache, kv_lens, page_table, cu_q_lens):
+        plan = plan_ragged_attention_tpu(
+            cu_q_lens, num_tokens=num_tokens, group=num_heads // num_kv_heads, q_dtype=q.dtype
+        )
+        kernel = functools.partial(ragged_paged_attention_tpu, page_size=16, scale=128**-0.5, plan=plan)
+        return [
+            kernel(q, k_cache, v_cache, jnp.int32(layer), kv_lens, page_table, cu_q_lens) for layer in range(num_layers)
+        ]
+
+    def args_of_sharding(sharding):
+        q, k_cache, v_cache, _, kv_lens, page_table, cu_q_lens = _tpu_export_args(
+            num_tokens, num_seqs, *heads, 16, sharding=sharding
+        )
+        return q, k_cache, v_cache, kv_lens, page_table, cu_q_lens
+
+    compiled = _compile_for_one_chip(every_layer, "v5e", args_of_sharding)
+    assert mosaic_kernels(compiled) == num_layers

@@ -1,7 +1,10 @@
 """SGMV Pallas kernels (TPU Mosaic and GPU Triton) against their pure-JAX reference.
 
 On CPU both kernels run in interpret mode (TPU: `pltpu.InterpretParams`, GPU: `interpret=True`); tests
-marked `gpu` run the Triton kernel for real and are skipped without CUDA.
+marked `gpu` run the Triton kernel for real and are skipped without CUDA. The `tpu_export` test lowers the real TPU
+kernels with jax.export on CPU (Pallas accepts them for Mosaic); the `tpu_compile` test goes on to compile them with
+libtpu for a TPU slice it describes on this host (no TPU needed; skipped where libtpu is not installed), so
+Mosaic's passes (layouts, alignment, VMEM) run over them at a real model's sizes as on a TPU host.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
@@ -19,6 +23,8 @@ from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import make_work_list, padded_perm
 from sgl_jax_lora.lora.backend.pallas_gpu import prepare_on_host
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+from sgl_jax_lora.model_executor.tpu_aot import compile_for_tpu, mosaic_kernels, tpu_slice_devices
+from tests.support.model_export import has_libtpu
 
 # slow: over a minute of the suite on a 2-core CPU; `pytest -m "not slow"` leaves it out
 pytestmark = pytest.mark.slow
@@ -257,6 +263,55 @@ def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
     exported = jax.export.export(jax.jit(shrink_expand), platforms=["tpu"])(case.x, *stacks, case.meta, jnp.int32(1))
     assert exported.mlir_module().count("tpu_custom_call") == 2
     assert exported.out_avals[0].shape == (40, 72)
+
+
+# Llama-3-8B's LoRA target modules, (in, out): q_proj and o_proj, k_proj and v_proj (8 kv heads of 128), gate_proj
+# and up_proj, down_proj; at ranks 8, 16 and 64, in the decode and mixed token buckets. Each module, rank and bucket
+# appears in some case, not their product: a compile at 512 tokens takes up to ten seconds.
+LLAMA3_8B_MODULES = {"q_o": (4096, 4096), "k_v": (4096, 1024), "gate_up": (4096, 14336), "down": (14336, 4096)}
+SGMV_COMPILE_CASES = [
+    ("q_o", 8, 64),
+    ("k_v", 16, 512),
+    ("gate_up", 64, 512),
+    ("gate_up", 16, 64),
+    ("down", 64, 64),
+]
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not has_libtpu(), reason="libtpu is not installed: pip install -e '.[test]' on Linux x86_64")
+@pytest.mark.parametrize(
+    "module,rank,num_tokens", SGMV_COMPILE_CASES, ids=[f"{m}-rank{r}-tokens{t}" for m, r, t in SGMV_COMPILE_CASES]
+)
+def test_tpu_kernels_compile_for_tpu(module: str, rank: int, num_tokens: int):
+    """libtpu compiles the shrink and expand kernels as the Pallas TPU backend calls them (default blocks, the
+    model's layer-stacked bf16 buffers, the layer scalar-prefetched) at Llama-3-8B's projection sizes on one v5e
+    chip: Mosaic's passes, which exporting does not run."""
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    num_layers, num_slots, num_segments = 2, 5, 6
+    device = tpu_slice_devices("v5e:2x2")[0]
+    one_chip = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one_chip)  # noqa: E731
+    meta = (
+        spec((num_tokens,), jnp.int32),  # sort_perm
+        spec((num_segments + 1,), jnp.int32),  # seg_start
+        spec((num_segments,), jnp.int32),  # seg_slot
+        spec((num_slots,), jnp.int32),  # slot_rank
+    )
+
+    def shrink_expand(x, a_stack, b_stack, meta, layer):
+        s = sgmv_shrink_tpu(x, a_stack, *meta, layer, rank_block=rank)
+        return sgmv_expand_tpu(s, b_stack, *meta, layer, out_dtype=x.dtype)
+
+    lowered = jax.jit(shrink_expand).lower(
+        spec((num_tokens, in_dim), jnp.bfloat16),
+        spec((num_layers, num_slots, rank, in_dim), jnp.bfloat16),
+        spec((num_layers, num_slots, out_dim, rank), jnp.bfloat16),
+        meta,
+        spec((), jnp.int32),
+    )
+    compiled = compile_for_tpu(lowered)
+    assert mosaic_kernels(compiled) == 2
 
 
 def test_gpu_tiles_for_odd_sizes_mask_their_last_block():

@@ -3,8 +3,9 @@ and (LoRA on) the Pallas TPU SGMV kernels, at tp 1 and tp 4 over fake CPU device
 steps (one program per token bucket serves all three); with an 8-bit KV cache, with 8-bit weights, and with sliding
 windows (Qwen2's: windowed and full layers in one rolled loop).
 
-No TPU is reachable from CI. This proves that every kernel traces and that Pallas lowers it to Mosaic; the Mosaic
-passes that run inside libtpu (layouts, compilation) and the speed on a TPU are not checked here.
+No TPU is reachable from CI. This proves that every kernel traces and that Pallas lowers it to Mosaic; libtpu's
+compilation of the same programs (Mosaic's passes included) is test_tpu_compile.py's, and the speed on a TPU is not
+checked anywhere.
 """
 
 from __future__ import annotations
