@@ -90,3 +90,15 @@ def build_lora_batch(
         slot_scale=np.array(slot_scale, np.float32),
         slot_rank=slot_rank,
     )
+
+
+def padding_lora_batches(
+    num_tokens: int, segment_buckets: tuple[int, ...], slot_scale: np.ndarray, slot_rank: np.ndarray, base_program: bool
+) -> list[LoRABatch | None]:
+    """One all-base LoRABatch of num_tokens per segment bucket (and None first for the LoRA-free program when
+    base_program): the batches that compile every LoRA program of a token bucket (the warmup's, and the ahead-of-time
+    compile's, model_executor/tpu_aot.py)."""
+    zeros = np.zeros(num_tokens, np.int32)
+    return ([None] if base_program else []) + [
+        build_lora_batch(zeros, g, slot_scale, slot_rank) for g in segment_buckets
+    ]

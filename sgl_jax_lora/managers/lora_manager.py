@@ -37,7 +37,7 @@ from sgl_jax_lora.configs.buckets import segment_buckets
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
-from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch, padding_lora_batches
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
@@ -334,10 +334,10 @@ class LoRAManager:
     def padding_batches(self, num_tokens: int) -> list[LoRABatch | None]:
         """One all-base LoRABatch per segment bucket (and None for the LoRA-free program), for compiling every
         bucket at warmup."""
-        zeros = np.zeros(num_tokens, np.int32)
-        return ([None] if self.base_program else []) + [
-            build_lora_batch(zeros, g, self.pool.slot_scale, self.pool.slot_rank) for g in self.segment_buckets
-        ]
+        pool = self.pool
+        return padding_lora_batches(
+            num_tokens, self.segment_buckets, pool.slot_scale, pool.slot_rank, self.base_program
+        )
 
     def stats(self) -> dict:
         cache = self.host_cache.stats

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sgl_jax_lora.configs.buckets import Buckets, segment_buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.sharding import make_mesh
-from sgl_jax_lora.lora.lora_batch import build_lora_batch
+from sgl_jax_lora.lora.lora_batch import padding_lora_batches
 from sgl_jax_lora.lora.lora_linear import LoRAWeight
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.mem_cache.kv_cache import abstract_kv_cache, kv_cache_dtype
@@ -136,9 +136,16 @@ def compile_forward_programs(
         compiler_options=forward_compiler_options("tpu", args.disable_gpu_concurrent_kernels),
     )
 
+    def lora_batches(num_tokens: int) -> list:
+        if lora is None:
+            return [None]
+        groups = segment_buckets(lora.num_slots, args.lora_segment_buckets)
+        ones, base = np.ones(lora.num_slots), not args.disable_lora_base_program
+        return padding_lora_batches(num_tokens, groups, ones, ones.astype(np.int32), base)
+
     records = []
     for num_seqs, num_tokens in buckets.shapes():
-        for lora_batch in _padding_lora_batches(args, lora, num_tokens):
+        for lora_batch in lora_batches(num_tokens):
             batch = padding_forward_batch(num_seqs, num_tokens, buckets.max_pages_per_seq, lora_batch)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated), batch)
             records.append(
@@ -153,17 +160,6 @@ def compile_forward_programs(
         kv_bytes_per_token=bytes_per_chip(kv) // (num_kv_pages * args.page_size),
         programs=records,
     )
-
-
-def _padding_lora_batches(args: ServerArgs, lora, num_tokens: int) -> list:
-    """LoRAManager.padding_batches without a manager: one all-base LoRABatch per segment bucket, and None for the
-    LoRA-free program ([None] without LoRA)."""
-    if lora is None:
-        return [None]
-    zeros, scales, ranks = np.zeros(num_tokens, np.int32), np.ones(lora.num_slots), np.full(lora.num_slots, 1)
-    base = [None] if not args.disable_lora_base_program else []
-    groups = segment_buckets(lora.num_slots, args.lora_segment_buckets)
-    return base + [build_lora_batch(zeros, g, scales, ranks) for g in groups]
 
 
 def bytes_per_chip(tree) -> int:
