@@ -14,6 +14,9 @@ size: an `in` or `out` that is not a multiple of 128 is zero-padded to one at tr
 the same op that sorts its rows; the weights from one layer's slice, so a layer-stacked buffer is not
 copied whole) and the result is sliced back; sizes already aligned trace no padding.
 
+B's layout: the expand reads B as the TPU runtime holds it (`expand_weights_view`): out-minor ([.., R, out] in
+memory) for a rank under 128 lanes, row-major for ranks of whole lanes; so no step relays the slot pool out.
+
 Layer-stacked buffers: given `layer` (an int32 scalar), A / B may be the model's whole [L, A, ...] stacks;
 the layer index is scalar-prefetched with the work list and the weight index maps pick block
 (layer, slot, ...), so no per-layer copy of the slot pool is made (a kernel's operands are whole buffers:
@@ -114,10 +117,31 @@ def _shrink_kernel(
         o_ref[...] += jnp.where(keep, partial, 0.0)
 
 
+def _dot_nn(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    """lhs [M, K] @ rhs[K, N] in float32 (full f32 precision when both are f32)."""
+    precision = jax.lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        lhs, rhs, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
 def _expand_kernel(
-    tile_ref, slot_ref, lo_ref, hi_ref, rank_ref, first_ref, layer_ref, s_ref, b_ref, o_ref, acc_ref, *, block_rows
+    tile_ref,
+    slot_ref,
+    lo_ref,
+    hi_ref,
+    rank_ref,
+    first_ref,
+    layer_ref,
+    s_ref,
+    b_ref,
+    o_ref,
+    acc_ref,
+    *,
+    block_rows,
+    rank_major,
 ):
-    # s_ref [tm, R] f32, b_ref [tn, R], o_ref [tm, tn], acc_ref [tm, tn] f32 scratch
+    # s_ref [tm, R] f32, b_ref [tn, R] ([R, tn] rank_major), o_ref [tm, tn], acc_ref [tm, tn] f32 scratch
     del slot_ref, layer_ref
     item = pl.program_id(1)
 
@@ -129,7 +153,7 @@ def _expand_kernel(
     def _accumulate():
         b = b_ref[...]
         s = jnp.where(_rank_mask(s_ref.shape, rank_ref[item], 1), s_ref[...], 0.0)
-        partial = _dot_nt(s.astype(b.dtype), b)  # [tm, tn]
+        partial = (_dot_nn if rank_major else _dot_nt)(s.astype(b.dtype), b)  # [tm, tn]
         keep = _row_mask(partial.shape, tile_ref[item], lo_ref[item], hi_ref[item], block_rows)
         acc_ref[...] += jnp.where(keep, partial, 0.0)
 
@@ -212,10 +236,21 @@ def sgmv_shrink_tpu(
     return _unsort_rows(out_sorted, sort_perm)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_out", "interpret"))
+def expand_weights_view(lora_b: jax.Array) -> tuple[jax.Array, bool]:
+    """(lora_b as `sgmv_expand_tpu` should read it, rank_major). The TPU runtime lays out an array whose minor dim
+    is not a multiple of 128 lanes with its two minor dims swapped (no lane padding), so a [.., out, R] B of rank
+    under 128 sits in HBM as [.., R, out]: its swapaxes is a bitcast, where the kernel's [tn, R] blocks of the
+    array as given would make XLA copy the whole (layer-stacked) B into a lane-padded row-major layout every step.
+    A rank that is a multiple of 128 is row-major already and read as given."""
+    if lora_b.shape[-1] % _LANES == 0:
+        return lora_b, False
+    return jnp.swapaxes(lora_b, -1, -2), True
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "rank_major", "block_rows", "block_out", "interpret"))
 def sgmv_expand_tpu(
     s: jax.Array,  # [T, R] f32
-    lora_b: jax.Array,  # [A, out, R], or [L, A, out, R] with `layer`
+    lora_b: jax.Array,  # [A, out, R] ([A, R, out] rank_major), or [L, A, ...] with `layer`
     sort_perm: jax.Array,  # [T] i32
     seg_start: jax.Array,  # [G+1] i32
     seg_slot: jax.Array,  # [G] i32
@@ -223,16 +258,20 @@ def sgmv_expand_tpu(
     layer: jax.Array | None = None,  # i32 scalar: which layer of a stacked lora_b
     *,
     out_dtype: jnp.dtype,
+    rank_major: bool = False,
     block_rows: int = 128,
     block_out: int = 512,
     interpret: bool = False,
 ) -> jax.Array:
-    """[T, out] out_dtype: s_t @ B[slot_t].T for every token, reading only the adapters in the segments."""
+    """[T, out] out_dtype: s_t @ B[slot_t].T for every token, reading only the adapters in the segments.
+
+    rank_major: lora_b is given as B transposed, [.., R, out] (`expand_weights_view`), the out dim in lanes."""
     num_tokens, max_rank = s.shape
     is_stacked, layer_arg = layer_operand(lora_b, layer)
-    out_dim = lora_b.shape[-2]
+    out_axis = -1 if rank_major else -2
+    out_dim = lora_b.shape[out_axis]
     out_padded = _round_up(out_dim, _LANES)
-    lora_b, is_stacked, layer_arg = _lane_padded(lora_b, is_stacked, layer_arg, -2, out_padded)
+    lora_b, is_stacked, layer_arg = _lane_padded(lora_b, is_stacked, layer_arg, out_axis, out_padded)
     tm = _row_block(num_tokens, block_rows)
     tn = _lane_block(out_padded, block_out)
     rows_padded = _round_up(max(num_tokens, 1), tm)
@@ -244,13 +283,15 @@ def sgmv_expand_tpu(
         grid=(out_padded // tn, work.num_items),
         in_specs=[
             pl.BlockSpec((tm, max_rank), lambda n, w, tile, slot, *_: (tile[w], 0)),
-            _weight_spec(is_stacked, (tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
+            _weight_spec(is_stacked, (max_rank, tn), lambda n, w, tile, slot, *_: (slot[w], 0, n))
+            if rank_major
+            else _weight_spec(is_stacked, (tn, max_rank), lambda n, w, tile, slot, *_: (slot[w], n, 0)),
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda n, w, tile, slot, *_: (tile[w], n)),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
     )
     out_sorted = pl.pallas_call(
-        functools.partial(_expand_kernel, block_rows=tm),
+        functools.partial(_expand_kernel, block_rows=tm, rank_major=rank_major),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((rows_padded, out_padded), out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
+from pallas_kernels.sgmv.tpu import expand_weights_view, sgmv_expand_tpu, sgmv_shrink_tpu
 from sgl_jax_lora.lora.backend.base import LoRAMeta
 from sgl_jax_lora.lora.backend.pallas import PallasBackend
 
@@ -53,17 +53,20 @@ class PallasTPUBackend(PallasBackend):
         if scale is not None:
             s2 = s2 * scale[meta.batch.token_slot][:, None]
         max_rank = lora_bs[0].shape[-1]
-        deltas = [
-            sgmv_expand_tpu(
-                s2[:, i * max_rank : (i + 1) * max_rank],
-                b,
-                *_segments(meta),
-                layer,
-                out_dtype=out_dtype,
-                interpret=self.interpret,
+        deltas = []
+        for i, b in enumerate(lora_bs):
+            b, rank_major = expand_weights_view(b)  # B as the TPU holds it: no relayout of the pool a step
+            deltas.append(
+                sgmv_expand_tpu(
+                    s2[:, i * max_rank : (i + 1) * max_rank],
+                    b,
+                    *_segments(meta),
+                    layer,
+                    out_dtype=out_dtype,
+                    rank_major=rank_major,
+                    interpret=self.interpret,
+                )
             )
-            for i, b in enumerate(lora_bs)
-        ]
         delta = deltas[0] if len(deltas) == 1 else jnp.concatenate(deltas, axis=1)
         if base_out is None:
             return delta

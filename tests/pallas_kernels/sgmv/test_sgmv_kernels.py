@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels.sgmv.gpu import choose_tiles, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.reference import sgmv_expand_ref, sgmv_shrink_ref, token_slot_from_segments
-from pallas_kernels.sgmv.tpu import sgmv_expand_tpu, sgmv_shrink_tpu
+from pallas_kernels.sgmv.tpu import expand_weights_view, sgmv_expand_tpu, sgmv_shrink_tpu
 from pallas_kernels.sgmv.work_list import make_work_list, padded_perm
 from sgl_jax_lora.lora.backend.pallas_gpu import prepare_on_host
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
@@ -93,8 +93,16 @@ def run_kernels(
         shrink = sgmv_shrink_tpu(
             case.x, case.lora_a, *case.meta, rank_block=rank_block, block_rows=16, block_in=128, interpret=interpret
         )
+        lora_b, rank_major = expand_weights_view(case.lora_b)  # as the backend hands B over
         expand = sgmv_expand_tpu(
-            s, case.lora_b, *case.meta, out_dtype=out_dtype, block_rows=16, block_out=128, interpret=interpret
+            s,
+            lora_b,
+            *case.meta,
+            out_dtype=out_dtype,
+            rank_major=rank_major,
+            block_rows=16,
+            block_out=128,
+            interpret=interpret,
         )
         return shrink, expand
     num_tokens, in_dim = case.x.shape
@@ -235,8 +243,17 @@ def test_odd_sizes_of_a_layer_stack(kernel):
     layer = jnp.int32(1)
     if kernel == "tpu":
         shrink = sgmv_shrink_tpu(case.x, a_stack, *case.meta, layer, rank_block=8, block_rows=16, interpret=True)
+        b_view, rank_major = expand_weights_view(b_stack)  # rank 8: [L, A, R, out], `out` padded in lanes
+        assert rank_major
         expand = sgmv_expand_tpu(
-            s_ref, b_stack, *case.meta, layer, out_dtype=jnp.float32, block_rows=16, interpret=True
+            s_ref,
+            b_view,
+            *case.meta,
+            layer,
+            out_dtype=jnp.float32,
+            rank_major=rank_major,
+            block_rows=16,
+            interpret=True,
         )
     else:
         tiles = choose_tiles(case.x.shape[0], case.lora.num_segments, 40, 24)
@@ -250,6 +267,27 @@ def test_odd_sizes_of_a_layer_stack(kernel):
     assert_close(expand, y_ref, jnp.float32)
 
 
+@pytest.mark.parametrize("max_rank", [16, 128])
+def test_tpu_expand_reads_b_in_either_layout(max_rank):
+    # B as given ([A, out, R]) and transposed ([A, R, out], how the TPU holds a rank under 128 lanes): one result
+    case = make_case(20, max_rank=max_rank, slot_ranks=(0, max_rank, max_rank // 2, 4))
+    s_ref = sgmv_shrink_ref(case.x, case.lora_a, *case.meta)
+    y_ref = sgmv_expand_ref(s_ref, case.lora_b, *case.meta, jnp.float32)
+    assert expand_weights_view(case.lora_b)[1] == (max_rank % 128 != 0)
+    for lora_b, rank_major in ((case.lora_b, False), (jnp.swapaxes(case.lora_b, 1, 2), True)):
+        expand = sgmv_expand_tpu(
+            s_ref,
+            lora_b,
+            *case.meta,
+            out_dtype=jnp.float32,
+            rank_major=rank_major,
+            block_rows=16,
+            block_out=128,
+            interpret=True,
+        )
+        assert_close(expand, y_ref, jnp.float32)
+
+
 @pytest.mark.tpu_export
 def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
     # interpret mode does not check block shapes against Mosaic's rules; lowering for TPU (on CPU) does
@@ -257,7 +295,8 @@ def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
 
     def shrink_expand(x, a_stack, b_stack, meta, layer):
         s = sgmv_shrink_tpu(x, a_stack, *meta, layer, rank_block=8)
-        return sgmv_expand_tpu(s, b_stack, *meta, layer, out_dtype=x.dtype)
+        b_view, rank_major = expand_weights_view(b_stack)
+        return sgmv_expand_tpu(s, b_view, *meta, layer, out_dtype=x.dtype, rank_major=rank_major)
 
     stacks = (jnp.stack([case.lora_a] * 2), jnp.stack([case.lora_b] * 2))
     exported = jax.export.export(jax.jit(shrink_expand), platforms=["tpu"])(case.x, *stacks, case.meta, jnp.int32(1))
@@ -266,8 +305,9 @@ def test_tpu_kernels_at_odd_sizes_lower_for_tpu():
 
 
 # Llama-3-8B's LoRA target modules, (in, out): q_proj and o_proj, k_proj and v_proj (8 kv heads of 128), gate_proj
-# and up_proj, down_proj; at ranks 8, 16 and 64, in the decode and mixed token buckets. Each module, rank and bucket
-# appears in some case, not their product: a compile at 512 tokens takes up to ten seconds.
+# and up_proj, down_proj; at ranks 8, 16, 64 and 128 (B read transposed below 128, as given at 128), in the decode and
+# mixed token buckets. Each module, rank and bucket appears in some case, not their product: a compile at 512 tokens
+# takes up to ten seconds.
 LLAMA3_8B_MODULES = {"q_o": (4096, 4096), "k_v": (4096, 1024), "gate_up": (4096, 14336), "down": (14336, 4096)}
 SGMV_COMPILE_CASES = [
     ("q_o", 8, 64),
@@ -275,6 +315,7 @@ SGMV_COMPILE_CASES = [
     ("gate_up", 64, 512),
     ("gate_up", 16, 64),
     ("down", 64, 64),
+    ("q_o", 128, 64),
 ]
 
 
@@ -286,7 +327,9 @@ SGMV_COMPILE_CASES = [
 def test_tpu_kernels_compile_for_tpu(module: str, rank: int, num_tokens: int):
     """libtpu compiles the shrink and expand kernels as the Pallas TPU backend calls them (default blocks, the
     model's layer-stacked bf16 buffers, the layer scalar-prefetched) at Llama-3-8B's projection sizes on one v5e
-    chip: Mosaic's passes, which exporting does not run."""
+    chip: Mosaic's passes, which exporting does not run. The kernels read the stacks in the layouts the TPU holds
+    them in: the program copies neither (a B of rank under 128 read as [.., out, R] was copied whole into a
+    lane-padded layout)."""
     in_dim, out_dim = LLAMA3_8B_MODULES[module]
     num_layers, num_slots, num_segments = 2, 5, 6
     device = tpu_slice_devices("v5e:2x2")[0]
@@ -301,7 +344,8 @@ def test_tpu_kernels_compile_for_tpu(module: str, rank: int, num_tokens: int):
 
     def shrink_expand(x, a_stack, b_stack, meta, layer):
         s = sgmv_shrink_tpu(x, a_stack, *meta, layer, rank_block=rank)
-        return sgmv_expand_tpu(s, b_stack, *meta, layer, out_dtype=x.dtype)
+        b_view, rank_major = expand_weights_view(b_stack)
+        return sgmv_expand_tpu(s, b_view, *meta, layer, out_dtype=x.dtype, rank_major=rank_major)
 
     lowered = jax.jit(shrink_expand).lower(
         spec((num_tokens, in_dim), jnp.bfloat16),
@@ -312,6 +356,9 @@ def test_tpu_kernels_compile_for_tpu(module: str, rank: int, num_tokens: int):
     )
     compiled = compile_for_tpu(lowered)
     assert mosaic_kernels(compiled) == 2
+    stack = f"[{num_layers},{num_slots},"
+    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line and stack in line]
+    assert not copies, copies[:2]
 
 
 def test_gpu_tiles_for_odd_sizes_mask_their_last_block():

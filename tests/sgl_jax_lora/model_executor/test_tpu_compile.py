@@ -25,7 +25,7 @@ from sgl_jax_lora.model_executor.tpu_aot import (
     mosaic_kernels,
     tpu_slice_devices,
 )
-from tests.support.model_export import STEPS, compile_forward_for_tpu, has_libtpu, kernel_shaped_config
+from tests.support.model_export import NUM_SLOTS, STEPS, compile_forward_for_tpu, has_libtpu, kernel_shaped_config
 
 pytestmark = [
     pytest.mark.tpu_compile,
@@ -118,12 +118,16 @@ def test_the_engines_programs_compile_for_a_tpu_preset(model_config):
 
 @pytest.mark.parametrize("tp_size", [1, 4])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_the_forward_writes_kv_without_copying_the_cache(model_config, tp_size, step):
-    """Each layer's K/V write leaves the caches in the layout the attention kernel reads: no copy of a cache in the
-    compiled program (XLA's row scatter there had the whole cache copied into another layout and back, per layer)."""
+def test_the_forward_copies_neither_the_kv_cache_nor_the_adapter_pool(model_config, tp_size, step):
+    """Each layer's K/V write leaves the caches in the layout the attention kernel reads, and the SGMV kernels read
+    the adapter slot pool's layer stacks in the layouts the TPU holds them in: the compiled program copies neither.
+    (XLA's row scatter had the whole cache copied into another layout and back, per layer; the expand reading a
+    rank-16 B as [.., out, R] had every B stack copied into a lane-padded layout, every step.)"""
     compiled = compile_forward_for_tpu(model_config, SLICES["v5e"], tp_size, True, *STEPS[step])
     layers, kv_heads = model_config.num_layers, model_config.num_kv_heads // tp_size
     cache_shape = f"[{layers},{kv_heads},{64 * 16},{model_config.head_dim}]"  # forward_program's 64 pages of 16
-    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line and cache_shape in line]
-    assert not copies, copies[:2]
+    pool_stack = f"[{layers},{NUM_SLOTS},"  # every LoRA A and B stack: [layers, slots, ...]
+    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line]
+    assert not [line for line in copies if cache_shape in line], copies[:2]
+    assert not [line for line in copies if pool_stack in line], copies[:2]
     assert mosaic_kernels(compiled) >= 3 + 2 * layers  # attention, SGMV, and each layer's K/V write
