@@ -15,7 +15,8 @@ the same op that sorts its rows; the weights from one layer's slice, so a layer-
 copied whole) and the result is sliced back; sizes already aligned trace no padding.
 
 B's layout: the expand reads B as the TPU runtime holds it (`expand_weights_view`): out-minor ([.., R, out] in
-memory) for a rank under 128 lanes, row-major for ranks of whole lanes; so no step relays the slot pool out.
+memory) for a rank that is not a multiple of 128 lanes, row-major for ranks of whole lanes; so no step copies the
+slot pool.
 
 Layer-stacked buffers: given `layer` (an int32 scalar), A / B may be the model's whole [L, A, ...] stacks;
 the layer index is scalar-prefetched with the work list and the weight index maps pick block
@@ -237,11 +238,12 @@ def sgmv_shrink_tpu(
 
 
 def expand_weights_view(lora_b: jax.Array) -> tuple[jax.Array, bool]:
-    """(lora_b as `sgmv_expand_tpu` should read it, rank_major). The TPU runtime lays out an array whose minor dim
-    is not a multiple of 128 lanes with its two minor dims swapped (no lane padding), so a [.., out, R] B of rank
-    under 128 sits in HBM as [.., R, out]: its swapaxes is a bitcast, where the kernel's [tn, R] blocks of the
-    array as given would make XLA copy the whole (layer-stacked) B into a lane-padded row-major layout every step.
-    A rank that is a multiple of 128 is row-major already and read as given."""
+    """(lora_b as `sgmv_expand_tpu` should read it, rank_major). The TPU runtime swaps an array's two minor dims in
+    its layout when that pads fewer lanes (128 a tile), so a [.., out, R] B whose rank is not a multiple of 128 sits
+    in HBM as [.., R, out]: its swapaxes is a bitcast, where the kernel's [tn, R] blocks of the array as given would
+    make XLA copy the whole (layer-stacked) B into a lane-padded row-major layout every step. A rank that is a
+    multiple of 128 is row-major already and read as given. (libtpu's choices for these shapes are asserted in the
+    `tpu_compile` tests: no copy of a B stack at ranks 8 to 128.)"""
     if lora_b.shape[-1] % _LANES == 0:
         return lora_b, False
     return jnp.swapaxes(lora_b, -1, -2), True
