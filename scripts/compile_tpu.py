@@ -9,8 +9,9 @@ Mosaic refuses, or a program past a chip's memory, fails here as it would on the
 extra installs it on Linux x86_64).
 
 Prints one line per program (compile seconds, Mosaic kernels, per chip: arguments, scratch, code) and per chip: the
-weights, the KV bytes a token, and the KV tokens that fit in --mem-fraction-static of the chip's HBM beside the weights
-and the largest program. Speed on a TPU is not measured: nothing runs.
+weights, the KV bytes a token, and the KV tokens that fit in --mem-fraction-static of the chip's HBM beside the weights,
+every program's code (a TPU holds each loaded program in HBM) and the largest program's scratch. Speed on a TPU is not
+measured: nothing runs.
 
 Usage: python scripts/compile_tpu.py --topology v5e:2x2 [--kv-tokens 65536] [--json out.json] --
     --config tpu_configs/v5e-4.json --model-path DIR [engine flags]
@@ -74,6 +75,7 @@ def main() -> None:
         "weights_gib_per_chip": report.weight_bytes / GIB,
         "kv_bytes_per_token_per_chip": report.kv_bytes_per_token,
         "largest_program_temp_gib": max(p.temp_bytes for p in report.programs) / GIB,
+        "code_gib_all_programs": report.code_bytes / GIB,
         "mem_fraction_static": args.mem_fraction_static,
         "kv_tokens_that_fit": fit,
     }

@@ -124,7 +124,7 @@ class ServerArgs:
     )
     layers_per_scan_step: int = _f(
         0,
-        "decoder layers per lax.scan iteration; 0 = all (a straight-line program: fastest to run, slowest to compile); 1 compiles several times faster but copies each layer's weights on GPU in buckets that run XLA's dot",
+        "decoder layers per lax.scan iteration; 0 = the platform's default: all on GPU and CPU (a straight-line program: fastest to run on GPU, slowest to compile), 1 on TPU (a TPU holds every program's code in HBM, and an unrolled loop repeats each kernel per layer); 1 compiles several times faster but copies each layer's weights on GPU in buckets that run XLA's dot",
     )
     roll_layer_loop_in_place: bool = _f(
         False,

@@ -74,12 +74,11 @@ def load_engine_model(
     that of a benchmark timing the engine's forward without an engine (scripts/bench_step.py). Sliding windows at
     least --context-length wide are served as full attention (ModelConfig.served_within). abstract: shapes with their
     shardings and no weights (`abstract_model_state`), for compiling ahead of time (model_executor/tpu_aot.py)."""
+    platform = mesh.devices.flat[0].platform
     settings = dict(
-        layers_per_scan_step=min(args.layers_per_scan_step, cfg.num_layers)
-        if args.layers_per_scan_step > 0
-        else cfg.num_layers,
+        layers_per_scan_step=layers_per_scan_step(args.layers_per_scan_step, cfg.num_layers, platform),
         in_place_layers_per_scan_step=1 if args.roll_layer_loop_in_place else None,
-        attention_backend=resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform),
+        attention_backend=resolve_attention_backend(args.attention_backend, platform),
         max_prefill_chunks=args.max_prefill_seqs,
         base_gemm_min_tokens=args.gpu_gemm_min_tokens,
         quantization=args.quantization,
@@ -89,6 +88,16 @@ def load_engine_model(
     if abstract:
         return abstract_model_state(*shape, **settings)
     return load_model_state(*shape, args.load_format, args.random_seed, **settings)
+
+
+def layers_per_scan_step(flag: int, num_layers: int, platform: str) -> int:
+    """--layers-per-scan-step on `platform`: a positive flag (at most num_layers); 0 = the platform's default, a
+    straight-line program of every layer on GPU and CPU (on GPU a rolled loop copies each layer's weight slices for
+    XLA's dot), one layer an iteration on TPU, which keeps every loaded program's code in HBM: unrolled, each layer
+    carries its own copy of every Mosaic kernel (docs/architecture.md "The layer loop")."""
+    if flag > 0:
+        return min(flag, num_layers)
+    return 1 if platform == "tpu" else num_layers
 
 
 def forward_step(

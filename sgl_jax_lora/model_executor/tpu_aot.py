@@ -91,13 +91,18 @@ class SliceCompile:
     kv_bytes_per_token: int  # per chip
     programs: list[CompiledForward]
 
+    @property
+    def code_bytes(self) -> int:
+        """Per chip, the code of every program: the warmup loads them all, and a TPU holds its programs in HBM."""
+        return sum(p.code_bytes for p in self.programs)
+
     def kv_tokens_that_fit(self, mem_fraction: float) -> int | None:
-        """KV tokens a chip holds within mem_fraction of its HBM beside the weights and the largest program's scratch
-        and code (None: HBM unknown)."""
+        """KV tokens a chip holds within mem_fraction of its HBM beside the weights, every program's code and the
+        largest program's scratch (one program runs at a time). None: HBM unknown."""
         if self.hbm_bytes is None:
             return None
-        largest = max(p.temp_bytes + p.code_bytes for p in self.programs)
-        return max(0, int(self.hbm_bytes * mem_fraction) - self.weight_bytes - largest) // self.kv_bytes_per_token
+        beside = self.weight_bytes + self.code_bytes + max(p.temp_bytes for p in self.programs)
+        return max(0, int(self.hbm_bytes * mem_fraction) - beside) // self.kv_bytes_per_token
 
 
 def compile_forward_programs(

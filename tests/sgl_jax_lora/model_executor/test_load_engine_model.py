@@ -13,7 +13,7 @@ from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.base_gemm import BaseGemm
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.model_runner import load_engine_model
+from sgl_jax_lora.model_executor.model_runner import layers_per_scan_step, load_engine_model
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
@@ -72,3 +72,12 @@ def test_layer_loop_rolled_in_the_buckets_that_read_weights_in_place(model_dir, 
 
     assert scan_unroll(4) == cfg.num_layers  # below the kernel's 8 tokens: XLA's dot on each layer's slice
     assert scan_unroll(8) == (unroll_in_place or cfg.num_layers)
+
+
+def test_layers_per_scan_step_default_by_platform():
+    """0 = the platform's default: a straight-line program on GPU and CPU, one layer an iteration on TPU (whose HBM
+    holds every program's code); a positive flag is taken as given, at most the model's layers."""
+    assert layers_per_scan_step(0, 32, "gpu") == layers_per_scan_step(0, 32, "cpu") == 32
+    assert layers_per_scan_step(0, 32, "tpu") == 1
+    assert layers_per_scan_step(4, 32, "tpu") == layers_per_scan_step(4, 32, "gpu") == 4
+    assert layers_per_scan_step(64, 32, "tpu") == 32  # unrolled on TPU when asked
