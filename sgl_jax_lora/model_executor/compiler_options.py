@@ -1,5 +1,6 @@
 """XLA compile options of the forward program (ModelRunner's jitted forward; scripts/bench_lora_kernels.py
-compiles its timed functions the same way with --concurrent), and JAX's persistent compilation cache
+compiles its timed functions the same way with --concurrent), the layer loop's unroll by platform
+(`layers_per_scan_step`, which load_engine_model hands the model), and JAX's persistent compilation cache
 (`enable_compilation_cache`, set by the engine process and by each multi-host follower before they compile).
 
 On GPU, XLA runs a step as CUDA graphs whose kernels it serializes by default. CONCURRENT scheduling keeps only
@@ -19,6 +20,16 @@ def forward_compiler_options(platform: str, disable_gpu_concurrent_kernels: bool
     if platform not in ("gpu", "cuda") or disable_gpu_concurrent_kernels:
         return None
     return dict(CONCURRENT_GPU_KERNELS)
+
+
+def layers_per_scan_step(flag: int, num_layers: int, platform: str) -> int:
+    """--layers-per-scan-step on `platform`: a positive flag (at most num_layers); 0 = the platform's default, a
+    straight-line program of every layer on GPU and CPU (on GPU a rolled loop copies each layer's weight slices for
+    XLA's dot), one layer an iteration on TPU, which keeps every loaded program's code in HBM: unrolled, each layer
+    carries its own copy of every Mosaic kernel (docs/architecture.md "The layer loop")."""
+    if flag > 0:
+        return min(flag, num_layers)
+    return 1 if platform == "tpu" else num_layers
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:

@@ -41,7 +41,7 @@ from sgl_jax_lora.mem_cache.kv_cache import (
     kv_bytes_per_token,
     kv_cache_dtype,
 )
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options, layers_per_scan_step
 from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
 from sgl_jax_lora.model_executor.padding_batches import padding_sampling_batch, padding_sampling_batches
 from sgl_jax_lora.model_executor.step_memory import (
@@ -88,16 +88,6 @@ def load_engine_model(
     if abstract:
         return abstract_model_state(*shape, **settings)
     return load_model_state(*shape, args.load_format, args.random_seed, **settings)
-
-
-def layers_per_scan_step(flag: int, num_layers: int, platform: str) -> int:
-    """--layers-per-scan-step on `platform`: a positive flag (at most num_layers); 0 = the platform's default, a
-    straight-line program of every layer on GPU and CPU (on GPU a rolled loop copies each layer's weight slices for
-    XLA's dot), one layer an iteration on TPU, which keeps every loaded program's code in HBM: unrolled, each layer
-    carries its own copy of every Mosaic kernel (docs/architecture.md "The layer loop")."""
-    if flag > 0:
-        return min(flag, num_layers)
-    return 1 if platform == "tpu" else num_layers
 
 
 def forward_step(

@@ -13,7 +13,8 @@ from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.base_gemm import BaseGemm
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
-from sgl_jax_lora.model_executor.model_runner import layers_per_scan_step, load_engine_model
+from sgl_jax_lora.model_executor.compiler_options import layers_per_scan_step
+from sgl_jax_lora.model_executor.model_runner import load_engine_model
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
