@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_jax_lora.configs.model_config import ModelConfig
 from tests.support.model_export import (
     STEPS,
     forward_program,
@@ -20,11 +19,6 @@ from tests.support.model_export import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory) -> ModelConfig:
-    return kernel_shaped_config(tmp_path_factory.mktemp("gpu-model"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

@@ -17,7 +17,6 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.launch import parse_args
 from sgl_jax_lora.model_executor.tpu_aot import (
     compile_for_tpu,
@@ -34,11 +33,6 @@ pytestmark = [
 ]
 
 SLICES = {"v5e": "v5e:2x2", "v6e": "v6e:2x4"}
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory) -> ModelConfig:
-    return kernel_shaped_config(tmp_path_factory.mktemp("tpu-model"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])

@@ -15,15 +15,9 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from sgl_jax_lora.configs.model_config import ModelConfig
 from tests.support.model_export import STEPS, export_forward, forward_program, kernel_shaped_config, primitive_counts
 
 pytestmark = [pytest.mark.tpu_export, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def model_config(tmp_path_factory) -> ModelConfig:
-    return kernel_shaped_config(tmp_path_factory.mktemp("tpu-model"))
 
 
 @pytest.mark.parametrize("tp_size", [1, 4])
