@@ -42,6 +42,14 @@ def render_chat(tm: TokenizerManager, template_override: str | None, messages: l
     """Messages -> prompt token ids through the chat template (with the assistant turn opened)."""
     template = template_override or tm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
+    chars = sum(len(turn["content"]) for turn in conversation)
+    if chars > tm.max_prompt_chars:  # refused before the template and the tokenizer spend time on it
+        raise APIError(
+            400,
+            f"the messages hold {chars} characters, more than the {tm.max_prompt_chars} that could fit the "
+            f"context length {tm.context_length}; shorten the conversation",
+            "invalid_request",
+        )
     try:
         text = tm.tokenizer.apply_chat_template(
             conversation, chat_template=template, add_generation_prompt=True, tokenize=False

@@ -128,6 +128,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str]:
 
 def _problem(error: dict) -> str:
     """What is wrong with one field, and for a field this server does not know, what to do about it."""
+    if error.get("type") == "value_error" and not [part for part in error.get("loc", ()) if part != "body"]:
+        return str(error.get("msg")).removeprefix("Value error, ")  # a check across fields: no one value to show
     if error.get("type") != "extra_forbidden":
         return f"{error.get('msg')}{_input_suffix(error)}"
     name = str(error.get("loc", ("",))[-1])

@@ -135,7 +135,10 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
             await asyncio.to_thread(state.tokenizer_manager.shutdown)
         _stop_unfinished_children()
 
-    app = FastAPI(title="sgl_jax_lora", lifespan=lifespan)
+    # The interactive docs and the OpenAPI schema are served without a key only on a server that asks for none
+    # (a browser's docs page cannot send the key with its schema request).
+    docs = {} if not args.api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="sgl_jax_lora", lifespan=lifespan, **docs)
     app.state.server = state
     app.add_middleware(InFlightRequests, state=state)
     app.add_middleware(

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
-from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize
+from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize, prompt_count
 from sgl_jax_lora.utils.gather import gather_or_cancel
 from sgl_jax_lora.utils.gc_freeze import collector_stats
 
@@ -87,6 +87,7 @@ async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateReqInput)
     state: ServerState = request.app.state.server
     tm = state.engine()
+    check_requests_per_call(state, prompt_count(body.text, body.input_ids), 1)  # before any per-prompt work
     batch = normalize(
         body.text,
         body.input_ids,

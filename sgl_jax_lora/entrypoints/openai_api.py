@@ -45,6 +45,7 @@ from sgl_jax_lora.entrypoints.openai_responses import (
 )
 from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_chunks
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
+from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.request_normalizer import PromptRefused, PromptSpec, build_requests, with_samples
 from sgl_jax_lora.sampling.parallel_sampling import repeat_each
@@ -84,9 +85,10 @@ async def completions(request: Request) -> Response:
             "max_tokens must be >= 1, got 0 (max_tokens 0 is for echo=true, which scores the prompt)",
             "invalid_request",
         )
+    n = body.n if isinstance(body.n, int) and body.n > 0 else 1
+    check_requests_per_call(state, _num_completion_prompts(body.prompt), n)  # before any per-prompt work
     prompt_parts = _completion_prompts(body.prompt)
     scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
-    check_requests_per_call(state, len(prompt_parts), body.n if isinstance(body.n, int) and body.n > 0 else 1)
 
     # tokenizer work: on the CPU pool, off the event loop
     prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts, scoring)
@@ -128,7 +130,7 @@ async def chat_completions(request: Request) -> Response:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt = _prompt_spec(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
-    requests = await _build_requests(state, tm, body.model, [prompt], body.n)
+    requests = await _build_requests(state, tm, body.model, [prompt], body.n, logprobs_field="top_logprobs")
     streams = [state.metrics.track(tm.generate_request(r), "chat_completions") for r in requests]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
@@ -166,16 +168,22 @@ def model_adapter(state: ServerState, model: str) -> str | None:
     if not state.args.enable_lora:
         raise APIError(
             400,
-            f"model '{model}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)",
+            f"model '{shown(model)}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)",
             "model_not_found",
         )
     return model[len(base) + 1 :] if model.startswith(base + ":") else model
 
 
 async def _build_requests(
-    state: ServerState, tm: TokenizerManager, model: str, prompts: list[PromptSpec], n: int
+    state: ServerState,
+    tm: TokenizerManager,
+    model: str,
+    prompts: list[PromptSpec],
+    n: int,
+    logprobs_field: str = "logprobs",
 ) -> list[GenerateRequest]:
-    """The engine requests of `prompts` with n choices each (prompt-major), through the request front door."""
+    """The engine requests of `prompts` with n choices each (prompt-major), through the request front door.
+    logprobs_field: the OpenAI field that asks for top logprobs (completions' logprobs, chat's top_logprobs)."""
     adapter = model_adapter(state, model)
     batch = with_samples([dataclasses.replace(p, lora_path=adapter) for p in prompts], n, is_batch=len(prompts) > 1)
     check_requests_per_call(state, len(prompts), n)
@@ -184,10 +192,10 @@ async def _build_requests(
     except PromptRefused as refused:
         e = to_api_error(refused)
         if e.code != "lora_not_found":
-            raise APIError(e.status_code, _openai_names(e.message), e.code) from e
+            raise APIError(e.status_code, _openai_names(e.message, logprobs_field), e.code) from e
         raise APIError(
             400,
-            f"model '{model}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
+            f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
             "model_not_found",
         ) from e
 
@@ -205,6 +213,11 @@ def _model_card(model_id: str, root: str, parent: str | None, created: int, cont
 
 
 # ---- requests ----------------------------------------------------------------------------------
+def _num_completion_prompts(prompt: str | list) -> int:
+    """The prompts `_completion_prompts` makes of `prompt`, counted without making them."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+
+
 def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] | None]]:
     if isinstance(prompt, str):
         return [(prompt, None)]
@@ -234,8 +247,10 @@ def _completion_specs(
         )
         for text, ids in prompt_parts
     ]
-    echoes = [
-        Echo(text if text is not None else tm.tokenizer.decode(ids), scoring) if body.echo else NO_ECHO
+    echoes = [  # token ids are checked (in the vocabulary) before they are decoded
+        Echo(text if text is not None else tm.tokenizer.decode(tm.tokenize(None, ids)), scoring)
+        if body.echo
+        else NO_ECHO
         for text, ids in prompt_parts
     ]
     return specs, echoes
@@ -255,9 +270,12 @@ def _prompt_spec(
 
     prompt_logprobs: also the prompt's logprobs (echo); max_tokens: in place of the body's."""
     max_tokens = body.max_tokens if max_tokens is None else max_tokens
-    if max_tokens is None:
-        prompt_len = len(input_ids) if input_ids is not None else len(tm.tokenizer.encode(text))
-        max_tokens = default_max_tokens or max(tm.context_length - prompt_len, 1)
+    if max_tokens is None and not default_max_tokens:  # the rest of the context: the prompt's length is needed
+        if input_ids is None:
+            input_ids, text = tm.tokenize(text, None), None  # refuses a text too long to fit before tokenizing it
+        max_tokens = max(tm.context_length - len(input_ids), 1)
+    elif max_tokens is None:
+        max_tokens = default_max_tokens
     sampling = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": body.min_tokens,
@@ -290,10 +308,10 @@ def _prompt_spec(
     )
 
 
-def _openai_names(message: str) -> str:
+def _openai_names(message: str, logprobs_field: str) -> str:
     """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
     return (
         message.replace("min_new_tokens", "min_tokens")
         .replace("max_new_tokens", "max_tokens")
-        .replace("top_logprobs_num", "logprobs")
+        .replace("top_logprobs_num", logprobs_field)
     )

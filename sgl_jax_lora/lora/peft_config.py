@@ -44,6 +44,8 @@ __all__ = [
     "resolve_weights_file",
 ]
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
+MAX_CONFIG_INT = 2**31 - 1  # ranks and layer indices
+MAX_CONFIG_NUMBER = 3.4028234663852886e38  # alphas become float32 scalings; NaN and Infinity fail `<=`
 ALL_LINEAR = "all-linear"
 # Modules whose adaptation changes the vocabulary rows or the output head: never served.
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
@@ -147,10 +149,10 @@ def parse_peft_config(name: str, raw: dict) -> PeftLoRAConfig:
                 name, f"{CONFIG_FILE} has no '{key}'", "save the adapter with peft's save_pretrained (LoraConfig)"
             )
     r, alpha = raw["r"], raw["lora_alpha"]
-    if not _is_int(r) or r <= 0:
-        raise _field_error(name, "r", "a positive integer", r)
+    if not _is_int(r) or not 0 < r <= MAX_CONFIG_INT:
+        raise _field_error(name, "r", f"a positive integer up to {MAX_CONFIG_INT}", r)
     if not _is_number(alpha) or alpha < 0:
-        raise _field_error(name, "lora_alpha", "a non-negative number", alpha)
+        raise _field_error(name, "lora_alpha", "a non-negative finite number", alpha)
     config = PeftLoRAConfig(
         adapter_name=name,
         r=r,
@@ -323,7 +325,7 @@ def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
                     f"{field} has a key that is not a valid regular expression",
                     f"fix {field} in adapter_config.json",
                 ) from None
-            if field == "rank_pattern" and not (_is_int(value) and value > 0):
+            if field == "rank_pattern" and not (_is_int(value) and 0 < value <= MAX_CONFIG_INT):
                 raise _field_error(name, "rank_pattern", "a dict of positive integers (ranks)", value)
             if field == "alpha_pattern" and not (_is_number(value) and value >= 0):
                 raise _field_error(name, "alpha_pattern", "a dict of non-negative numbers (alphas)", value)
@@ -334,7 +336,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A JSON number a float32 holds (an integer of 400 digits is not: math.isfinite would overflow on it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_CONFIG_NUMBER
 
 
 def _field_error(name: str, field: str, expected: str, value: object) -> LoRAAdapterError:
@@ -376,9 +379,9 @@ def _as_str_or_set(name: str, field: str, value: object) -> str | frozenset[str]
 def _as_int_tuple(name: str, value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
-    if _is_int(value):
+    if _is_int(value) and 0 <= value <= MAX_CONFIG_INT:
         return (value,)
-    if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+    if not isinstance(value, list) or not all(_is_int(v) and 0 <= v <= MAX_CONFIG_INT for v in value):
         raise _field_error(
             name, "layers_to_transform", "a layer index or a list of layer indices (integers >= 0)", value
         )

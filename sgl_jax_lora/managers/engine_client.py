@@ -30,6 +30,7 @@ from sgl_jax_lora.managers.io_struct import (
     RequestFailed,
     ShutdownRequest,
     StartupError,
+    UnsendableValueError,
     decode,
     encode,
 )
@@ -163,7 +164,10 @@ class EngineClient:
     def send(self, msg: Message) -> None:
         if self.is_dead:
             raise EngineDeadError("engine process exited")
-        data = encode(msg)
+        try:
+            data = encode(msg)
+        except UnsendableValueError as e:  # a client's value past 64 bits: the request's fault, not the server's
+            raise RequestError(str(e)) from None
         with self._send_lock:
             self._conn.send_bytes(data)
 

@@ -7,7 +7,9 @@ EngineOutput per request that advanced in a step), RequestFailed (a request refu
 Both sides dispatch on the message's class (managers/engine_process.py, managers/engine_client.py).
 
 On the wire: msgpack of plain data, {"type": TAG, **fields} (nested dataclasses become maps); `decode` rebuilds
-the dataclass of TAG and refuses an unknown one (UnknownMessageError). No pickle crosses the process boundary.
+the dataclass of TAG and refuses an unknown one (UnknownMessageError). msgpack carries integers of 64 bits; a
+larger one in a client's value (an adapter config's field, say) raises UnsendableValueError, which the frontend
+answers as a bad request. No pickle crosses the process boundary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 class UnknownMessageError(ValueError):
     """Bytes from the other process that are not a message of this module."""
+
+
+class UnsendableValueError(TypeError):
+    """A message holds an integer outside msgpack's 64 bits (from a client's value)."""
 
 
 @dataclasses.dataclass
@@ -236,6 +242,12 @@ def _plain(value: object) -> dict:
     """msgpack's hook for a dataclass inside a message (fields as a map, one level; msgpack recurses)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return value.__dict__  # the fields (class variables such as TAG live on the class); read, not copied
+    if isinstance(value, int) and not isinstance(value, bool):  # msgpack hands over only those past 64 bits
+        digits = str(value) if abs(value) < 10**40 else f"{str(value)[:20]}... ({len(str(abs(value)))} digits)"
+        raise UnsendableValueError(
+            f"the request holds the integer {digits}, outside the 64-bit range [-2**63, 2**64 - 1] the engine "
+            "takes; send smaller numbers"
+        )
     raise TypeError(f"cannot send a {type(value).__name__} to the other process: send plain data or a dataclass")
 
 

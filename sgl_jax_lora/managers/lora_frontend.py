@@ -3,7 +3,8 @@
 Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter -> here:
   a request's `lora_path` -> a registered name, or the same directory under any spelling (`find_by_path`), or
   a directory inside --lora-allowed-dirs loaded on demand under its resolved path -> `LoRARegistry.acquire`;
-  a load -> name checked (length, printable, not the base model's name), --max-loras-registered, the directory
+  a load -> name checked (`check_name`: length, printable, not the base model's name, not taken; a load from
+  tensors, TokenizerManager.load_lora_adapter_from_tensors, runs it too), --max-loras-registered, the directory
   resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
   operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
   on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
@@ -55,6 +56,10 @@ class LoRAFrontend:
                 f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
                 f"{self.args.max_lora_name_length}; no adapter has such a name"
             )
+        if "\0" in lora_path:  # before any path work on it (the OS refuses a path with a NUL)
+            raise LoRAAdapterError(
+                f"lora_path {shown(repr(lora_path))} holds a NUL character; no adapter has such a name or path"
+            )
         name = lora_path
         if name not in self.registry:
             ref = self.registry.find_by_path(lora_path)
@@ -91,9 +96,14 @@ class LoRAFrontend:
             raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         if not isinstance(lora_name, str) or not lora_name or not isinstance(lora_path, str) or not lora_path:
             raise LoRAAdapterError("load_lora_adapter needs 'lora_name' and 'lora_path' (non-empty strings)")
-        self._check_name(lora_name)
+        self.check_name(lora_name)
         if len(lora_path) > os.pathconf("/", "PC_PATH_MAX"):
             raise LoRAAdapterError(f"lora_path has {len(lora_path)} characters, longer than any path; check the path")
+        if "\0" in lora_path:
+            raise LoRAAdapterError(
+                f"adapter '{shown(lora_name)}': lora_path {shown(repr(lora_path))} holds a NUL character, which no "
+                "path holds; check the path"
+            )
         allowed = None if trusted else list(self.args.lora_allowed_dirs or [])
         real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
@@ -117,7 +127,9 @@ class LoRAFrontend:
         summary = {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id}
         return {**summary, **dataclasses.asdict(result)}
 
-    def _check_name(self, name: str) -> None:
+    def check_name(self, name: str) -> None:
+        """A new adapter's name: not too long, printable, not the base model's, not taken, and room for it under
+        --max-loras-registered (loads from a directory and from tensors alike)."""
         limit = self.args.max_lora_name_length
         if len(name) > limit:
             raise LoRAAdapterError(

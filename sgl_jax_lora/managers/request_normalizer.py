@@ -160,6 +160,16 @@ def split_prompts(text: object, input_ids: object, dialect: Dialect) -> tuple[li
     return [None], [input_ids], False  # one prompt (its ids are checked when the request is built)
 
 
+def prompt_count(text: object, input_ids: object) -> int:
+    """The prompts a call holds, as `split_prompts` counts them, without building anything per prompt: the per-call
+    limit is checked on it before a call of millions of prompts costs the event loop anything."""
+    if isinstance(text, list):
+        return len(text)
+    if text is None and isinstance(input_ids, list) and input_ids and all(isinstance(x, list) for x in input_ids):
+        return len(input_ids)
+    return 1
+
+
 def per_prompt(name: str, value: object, count: int, item_type: type, dialect: Dialect) -> list:
     """A value given once, or one per prompt -> one per prompt."""
     if isinstance(value, list):

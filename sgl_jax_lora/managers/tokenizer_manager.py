@@ -26,8 +26,9 @@ from typing import TypeVar
 
 from transformers import AutoTokenizer
 
+from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError, parse_peft_config
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError, ServerBusyError
@@ -232,15 +233,24 @@ class TokenizerManager:
         self._check_lora_call(lora_name)
         if lora_name in self.lora_registry:
             raise RequestError(
-                f"adapter '{lora_name}' is already loaded; unload it first, update it "
+                f"adapter '{shown(lora_name)}' is already loaded; unload it first, update it "
                 "(update_lora_adapter) or choose another lora_name"
             )
+        try:
+            self.lora_frontend.check_name(lora_name)
+            parse_peft_config(lora_name, config)  # its fields named before the engine reads them
+        except LoRAAdapterError as e:
+            raise RequestError(str(e)) from e
         ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
         call = LoadLoRATensorsCall(
             ref=ref, tensors_paths=tensors.paths, config=config, tensors_checked_finite=tensors.checked_finite
         )
         result = await self.call(call)
-        self.lora_registry.register(ref)
+        try:
+            self.lora_registry.register(ref)
+        except LoRAAdapterError as e:  # a concurrent load took the name meanwhile
+            await self.call(UnloadLoRACall(ref.lora_id))
+            raise RequestError(str(e)) from e
         return {**self._lora_summary(ref), **dataclasses.asdict(result)}
 
     async def update_lora_adapter(self, lora_name: str, tensors: TensorFile, config: dict | None = None) -> dict:
@@ -255,6 +265,11 @@ class TokenizerManager:
                     f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
                     "load_lora_adapter_from_tensors)"
                 )
+            if config is not None:
+                try:
+                    parse_peft_config(lora_name, config)  # its fields named before the engine reads them
+                except LoRAAdapterError as e:
+                    raise RequestError(str(e)) from e
             ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
             result = await self.call(
                 LoadLoRATensorsCall(

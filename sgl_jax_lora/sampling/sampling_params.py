@@ -75,6 +75,7 @@ class SamplingParams:
             )
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             _check_type(name, getattr(self, name), (int, float))
+            setattr(self, name, float(getattr(self, name)))  # JSON's 1 is 1.0 (and an integer's digits stay here)
         _check_type("top_k", self.top_k, int)
         if self.temperature < 0:
             raise SamplingParamsError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -89,6 +90,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(f"{name} must be true or false, got {_short(getattr(self, name))}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingParamsError("stop must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
@@ -106,21 +110,7 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}"
                 )
-        if not isinstance(self.logit_bias, dict):
-            raise SamplingParamsError('logit_bias must map token ids to numbers, e.g. {"50256": -100}')
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_IDS:
-            raise SamplingParamsError(
-                f"logit_bias may name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(self.logit_bias)}; "
-                "keep the largest biases"
-            )
-        for token_id, bias in self.logit_bias.items():
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
-            _check_type(f"logit_bias[{token_id}]", bias, (int, float))
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise SamplingParamsError(
-                    f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
-                )
+        _check_logit_bias(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -158,8 +148,28 @@ def _check_type(name: str, value: object, types: type | tuple[type, ...]) -> Non
     if isinstance(value, bool) or not isinstance(value, types):
         kind = "an integer" if types is int else "a number"
         raise SamplingParamsError(f"{name} must be {kind}, got {_short(value)}")
-    if isinstance(value, float) and not abs(value) <= MAX_FLOAT32:  # NaN fails every comparison
-        raise SamplingParamsError(f"{name} must be a finite number (no NaN or Infinity, |x| <= 3.4e38), got {value!r}")
+    if types is not int and not abs(value) <= MAX_FLOAT32:  # NaN fails every comparison; so do ints past float32
+        raise SamplingParamsError(
+            f"{name} must be a finite number (no NaN or Infinity, |x| <= 3.4e38), got {_short(value)}"
+        )
+
+
+def _check_logit_bias(logit_bias: object) -> None:
+    if not isinstance(logit_bias, dict):
+        raise SamplingParamsError('logit_bias must map token ids to numbers, e.g. {"50256": -100}')
+    if len(logit_bias) > MAX_LOGIT_BIAS_IDS:
+        raise SamplingParamsError(
+            f"logit_bias may name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(logit_bias)}; "
+            "keep the largest biases"
+        )
+    for token_id, bias in logit_bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {_short(token_id)}")
+        _check_type(f"logit_bias[{token_id}]", bias, (int, float))
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise SamplingParamsError(
+                f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}"
+            )
 
 
 def _short(value: object) -> str:
@@ -178,6 +188,6 @@ def _token_id_keys(logit_bias: object) -> object:
             try:
                 key = int(key)
             except ValueError:
-                raise SamplingParamsError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers), got {_short(key)}") from None
         converted[key] = value
     return converted

@@ -1,5 +1,6 @@
 """sgl_jax_lora/entrypoints/chat_template.py: render_chat uses the tokenizer's own template, a template from a file or
-given inline, or a plain "role: content" fallback when the tokenizer has none; a missing template file is refused.
+given inline, or a plain "role: content" fallback when the tokenizer has none; a missing template file is refused;
+messages too long to fit the context are refused before the template renders them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ def test_chat_template_sources(tmp_path):
 
     from sgl_jax_lora.demo_model import demo_model_path
     from sgl_jax_lora.entrypoints.chat_template import load_chat_template, render_chat
+    from sgl_jax_lora.entrypoints.errors import APIError
     from sgl_jax_lora.entrypoints.openai_protocol import ChatMessage
 
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
-    tm = types.SimpleNamespace(tokenizer=tokenizer)
+    tm = types.SimpleNamespace(tokenizer=tokenizer, max_prompt_chars=1000, context_length=256)
     messages = [ChatMessage(role="user", content="hi")]
     assert (
         tokenizer.decode(render_chat(tm, None, messages)) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -31,3 +33,6 @@ def test_chat_template_sources(tmp_path):
     assert tokenizer.decode(render_chat(tm, None, messages)) == "user: hi\nassistant:"
     with pytest.raises(ValueError, match="no such file"):
         load_chat_template("/no/such/template.jinja")
+    long = [ChatMessage(role="user", content="a" * 600), ChatMessage(role="assistant", content="b" * 401)]
+    with pytest.raises(APIError, match="the messages hold 1001 characters, more than the 1000"):
+        render_chat(tm, None, long)

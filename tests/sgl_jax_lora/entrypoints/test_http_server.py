@@ -850,6 +850,81 @@ BAD_REQUESTS = [
     ("priority-under-fcfs", "/generate", {"text": "hi", "priority": 1}, 400, "--scheduling-policy priority"),
     ("priority-not-an-int", "/generate", {"text": "hi", "priority": "1"}, 400, "priority"),
     ("chat-priority-under-fcfs", "/v1/chat/completions", {**CHAT, "priority": -1}, 400, "--scheduling-policy priority"),
+    (
+        "skip-special-tokens-not-a-bool",
+        "/generate",
+        {"text": "hi", "sampling_params": {"skip_special_tokens": None}},
+        400,
+        "skip_special_tokens must be true or false",
+    ),
+    ("ignore-eos-not-a-bool", "/generate", {"text": "hi", "sampling_params": {"ignore_eos": []}}, 400, "ignore_eos"),
+    (
+        "temperature-an-integer-past-float32",
+        "/generate",
+        {"text": "hi", "sampling_params": {"temperature": 10**39}},
+        400,
+        "temperature must be a finite number",
+    ),
+    (
+        "echo-of-a-negative-token-id",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": [-1], "max_tokens": 2, "echo": True},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "echo-of-a-token-id-past-64-bits",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": [[1], [2**64]], "max_tokens": 2, "echo": True},
+        400,
+        "outside the vocabulary",
+    ),
+    (
+        "chat-top-logprobs-over-the-limit",
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 25},
+        400,
+        "top_logprobs must be an integer in [0, 20]",
+    ),
+    # refused by length before tokenizing: a text past context length x the longest vocabulary entry x 4 (12,288
+    # characters here), where the tokenizer used to run first and the context length refuse it afterwards
+    (
+        "completion-text-too-long-without-max-tokens",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "a " * 10_000},
+        400,
+        "that could fit the context length 256",
+    ),
+    (
+        "chat-text-too-long",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "a " * 5_000}, {"role": "user", "content": "b " * 5_000}]},
+        400,
+        "the messages hold 20000 characters",
+    ),
+    (
+        "chat-top-logprobs-without-logprobs",
+        "/v1/chat/completions",
+        {**CHAT, "top_logprobs": 2},
+        400,
+        "top_logprobs needs logprobs set to true",
+    ),
+    (
+        "stream-options-without-stream",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options is for streamed responses",
+    ),
+    (
+        "completion-prompts-counted-first",
+        "/v1/completions",
+        {"model": "demo-model-v2", "prompt": [[1]] * 65},
+        400,
+        "65 prompts x n=1",
+    ),
+    # the per-call limit comes before any per-prompt work (here: before lora_path's count is compared)
+    ("too-many-prompts-counted-first", "/generate", {"text": ["a"] * 65, "lora_path": ["x"]}, 400, "65 prompts x n=1"),
 ]
 ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error", 404: "not_found_error"}
 
@@ -905,6 +980,27 @@ def test_a_chunked_body_over_the_limit_is_cut_off_with_413(http):
     assert not server_error_growth(errors_before, errors_after)
 
 
+def test_client_values_are_cut_in_error_messages(http):
+    for path, body in [
+        ("/v1/completions", {"model": "m" * 100_000, "prompt": "hi"}),
+        ("/generate", {"text": "hi", "sampling_params": {"n": 10**400}}),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": -(10**400)}}),
+        ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"7" * 5000: 1}}}),
+    ]:
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and len(response.json()["error"]["message"]) < 300, response.text[:300]
+
+
+def test_n_samples_at_the_top_of_the_seed_range(http):
+    """seed 2**63 - 1 with n = 2: the second sample's seed wraps to -2**63 (not 2**63, which a request may not send)."""
+    top = 2**63 - 1
+    params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    pair = generate(http, text="hi", sampling_params={**params, "n": 2, "seed": top})
+    assert [a["output_ids"] for a in pair] == [
+        generate(http, text="hi", sampling_params={**params, "seed": seed})["output_ids"] for seed in (top, -(2**63))
+    ]
+
+
 def test_bad_input_through_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as excinfo:
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
@@ -930,6 +1026,9 @@ def test_api_key_required(server, headers):
         assert response.status_code == 401, (path, response.text)
         assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health", headers=headers).status_code == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):  # not served behind a key (a browser cannot send it)
+        assert httpx.get(server.url + path, headers=headers).status_code == 404, path
+        assert httpx.get(server.url + path, headers=AUTH).status_code == 404, path
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 

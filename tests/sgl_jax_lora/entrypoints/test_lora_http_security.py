@@ -1,12 +1,14 @@
 """Hostile adapter loads over HTTP, against a real server on 127.0.0.1 (demo model, LoRA on, one allowed
 directory): a poisoned adapter (NaN in its safetensors) is refused with 400; files that escape the allowed
 directory through symlinks are refused without quoting them; one directory is one adapter however its path is
-spelled; names are checked (length, characters, the base model's name, which is never unloaded);
---max-loras-registered holds.
+spelled; names are checked (length, characters, the base model's name, which is never unloaded), for loads from
+tensors too; a NUL in a name or path is a 400, not a path error; --max-loras-registered holds.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
 import signal
@@ -174,3 +176,51 @@ def test_registered_adapters_are_bounded(http, root):
         for name in ["spare1", "spare2", "spare3", "one-more"]:
             http.post("/unload_lora_adapter", json={"lora_name": name})
     assert len(model_ids(http)) == 2
+
+
+def test_a_nul_in_an_adapter_name_or_path_is_refused(http, root):
+    assert "NUL character" in error_of(generate(http, "a0\0"))
+    assert "NUL character" in error_of(load(http, "nul", f"{root / 'good'}\0x"))
+    for path, model in [("/v1/completions", "x\0y"), ("/v1/chat/completions", f"{model_ids(http)[0]}:\0")]:
+        body = {"model": model, "max_tokens": 2, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+        if path.endswith("chat/completions"):
+            del body["prompt"]
+        else:
+            del body["messages"]
+        refused = http.post(path, json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_found", refused.text
+    assert generate(http, "a0").status_code == 200 and len(model_ids(http)) == 2
+
+
+def tensors_body(root, name: str, **config) -> dict:
+    tensors = base64.b64encode((root / "good" / "adapter_model.safetensors").read_bytes()).decode()
+    return {
+        "lora_name": name,
+        "tensors": tensors,
+        "config": {**json.loads((root / "good" / "adapter_config.json").read_text()), **config},
+    }
+
+
+def test_loads_from_tensors_get_the_same_checks(http, root):
+    def load_tensors(name: str, **config) -> httpx.Response:
+        return http.post("/load_lora_adapter_from_tensors", json=tensors_body(root, name, **config))
+
+    base = model_ids(http)[0]
+    assert "the base model's name" in error_of(load_tensors(base))
+    assert "--max-lora-name-length 512" in error_of(load_tensors("n" * 5000))
+    assert "control or non-printable" in error_of(load_tensors("line\nbreak"))
+    assert "already loaded" in error_of(load_tensors("a0"))
+    assert "r must be a positive integer" in error_of(load_tensors("big-r", r=2**64))
+    assert "lora_alpha must be a non-negative finite number" in error_of(load_tensors("big-alpha", lora_alpha=10**400))
+    assert "outside the 64-bit range" in error_of(load_tensors("big-extra", some_field={"deep": [2**70]}))
+    assert len(model_ids(http)) == 2  # the base model and a0
+    try:
+        for name in ["t1", "t2", "t3"]:
+            loaded = load_tensors(name)
+            assert loaded.status_code == 200, loaded.text
+        assert "--max-loras-registered" in error_of(load_tensors("t4"))
+        assert "--max-loras-registered" in error_of(load(http, "one-more", str(root / "spare1")))
+    finally:
+        for name in ["t1", "t2", "t3"]:
+            http.post("/unload_lora_adapter", json={"lora_name": name})
+    assert len(model_ids(http)) == 2 and generate(http, None).status_code == 200

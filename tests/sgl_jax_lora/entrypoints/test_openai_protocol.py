@@ -1,6 +1,7 @@
 """sgl_jax_lora/entrypoints/openai_protocol.py: the OpenAI request bodies, parsed from JSON as the server parses them
 (model_validate_json): defaults, every accepted prompt and message form, and the refusals: unknown fields (named),
-wrong types with no coercion (strict), unknown roles and content parts, an empty message list."""
+wrong types with no coercion (strict), unknown roles and content parts, an empty message list, fields sent without
+the field they need (stream_options, top_logprobs)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,25 @@ def test_chat_refusals():
     assert extra["type"] == "extra_forbidden" and extra["loc"][-1] == "tool_calls"
     assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x"}], logprobs=1)
     assert error_of(ChatCompletionRequest, model="m", prompt="Hi", messages=[{"role": "user"}])["loc"] == ("prompt",)
+
+
+def test_fields_that_need_another_are_refused_without_it():
+    hi = [{"role": "user", "content": "hi"}]
+    assert (
+        "top_logprobs needs logprobs" in error_of(ChatCompletionRequest, model="m", messages=hi, top_logprobs=2)["msg"]
+    )
+    assert parse(ChatCompletionRequest, model="m", messages=hi, logprobs=True, top_logprobs=2).top_logprobs == 2
+    options = {"include_usage": True}
+    refused = error_of(CompletionRequest, model="m", prompt="Hi", stream_options=options)
+    assert "stream_options is for streamed responses" in refused["msg"]
+    assert parse(CompletionRequest, model="m", prompt="Hi", stream=True, stream_options=options).stream_options
+
+
+def test_a_batch_of_token_id_lists_is_matched_before_the_other_prompt_forms():
+    """The prompt union is tried left to right (a batch of id lists first, the costliest to try and fail); types are
+    strict, so no form is taken for another: strings of digits stay strings, ids stay ints."""
+    assert parse(CompletionRequest, model="m", prompt=["1", "2"]).prompt == ["1", "2"]
+    assert parse(CompletionRequest, model="m", prompt=[1, 2]).prompt == [1, 2]
+    assert parse(CompletionRequest, model="m", prompt=[[1], [2]]).prompt == [[1], [2]]
+    assert error_of(CompletionRequest, model="m", prompt=[[1], "a"])
+    assert error_of(CompletionRequest, model="m", prompt=[True])

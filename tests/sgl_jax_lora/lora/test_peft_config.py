@@ -59,7 +59,14 @@ def test_rank_and_alpha_patterns_and_rslora_set_each_modules_scaling():
         ([1], "not a dict of adapter_config.json fields"),
         ({"lora_alpha": 8, "target_modules": ["q_proj"]}, "has no 'r'"),
         ({"r": 0, "lora_alpha": 8, "target_modules": ["q_proj"]}, "'s r must be a positive integer"),
-        ({"r": 4, "lora_alpha": -1, "target_modules": ["q_proj"]}, "lora_alpha must be a non-negative number"),
+        ({"r": 4, "lora_alpha": -1, "target_modules": ["q_proj"]}, "lora_alpha must be a non-negative finite number"),
+        ({"r": 2**64, "lora_alpha": 8, "target_modules": ["q_proj"]}, "r must be a positive integer up to 2147483647"),
+        ({"r": 4, "lora_alpha": 10**400, "target_modules": ["q_proj"]}, "lora_alpha must be a non-negative finite"),
+        ({"r": 4, "lora_alpha": float("inf"), "target_modules": ["q_proj"]}, "lora_alpha must be a non-negative"),
+        (
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_to_transform": 2**70},
+            "layers_to_transform must be a layer index",
+        ),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "IA3"}, "peft_type is not LORA"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]}, r"embedding/output layer \(lm_head\)"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ".*embed_tokens"}, r"embedding/output layer \(embed_tokens\)"),
@@ -68,6 +75,14 @@ def test_rank_and_alpha_patterns_and_rslora_set_each_modules_scaling():
         (
             {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": 0}},
             r"rank_pattern must be a dict of positive integers \(ranks\)",
+        ),
+        (
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": 2**64}},
+            "rank_pattern must be a dict of positive integers",
+        ),
+        (
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "alpha_pattern": {"q_proj": -(10**400)}},
+            "alpha_pattern must be a dict of non-negative numbers",
         ),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "alpha_pattern": {"[": 1}}, "alpha_pattern has a key"),
     ],

@@ -27,6 +27,7 @@ from sgl_jax_lora.managers.io_struct import (
     StartupError,
     UnknownMessageError,
     UnloadLoRACall,
+    UnsendableValueError,
     decode,
     encode,
 )
@@ -128,3 +129,14 @@ def test_only_messages_and_plain_data_are_sent():
         encode(NotAMessage())
     with pytest.raises(TypeError, match="cannot send a object"):
         encode(CallReply(1, ok=True, result=object()))
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**400])
+def test_an_integer_past_64_bits_is_a_clients_unsendable_value(value):
+    """msgpack carries [-2**63, 2**64 - 1]; a client's larger integer (an adapter config's field, say) is named as
+    the request's fault (the frontend answers it 400), never a dataclass's, and its digits are cut."""
+    assert decode(encode(CallReply(1, ok=True, result={"edge": 2**64 - 1})))  # the range's ends travel
+    call = LoadLoRATensorsCall(ref=LoRARef("x", ""), tensors_paths=["/dev/shm/x"], config={"extra": {"deep": [value]}})
+    with pytest.raises(UnsendableValueError, match=r"outside the 64-bit range") as err:
+        encode(call)
+    assert len(str(err.value)) < 200

@@ -20,6 +20,7 @@ from sgl_jax_lora.managers.request_normalizer import (
     PromptSpec,
     build_requests,
     normalize,
+    prompt_count,
     with_samples,
 )
 
@@ -39,6 +40,20 @@ def test_one_token_prompt_and_a_batch_of_them():
     assert [s.input_ids for s in many.specs] == [[1], [2, 3]]
     assert all(s.return_logprob and s.logprob_start_len == 0 and s.text is None for s in many.specs)
     assert many.is_batch and many.answers_list
+
+
+@pytest.mark.parametrize(
+    "text, input_ids",
+    [("hi", None), (["a", "b", "c"], None), (None, [1, 2]), (None, [[1], [2, 3]]), (None, [[1], 2]), (5, None)],
+)
+def test_prompt_count_is_what_normalize_counts(text, input_ids):
+    """The per-call limit is checked on prompt_count before normalize builds anything per prompt; the two agree
+    (a malformed prompt counts as one, and normalize names its problem)."""
+    try:
+        expected = normalize(text, input_ids).num_prompts
+    except RequestError:
+        expected = 1
+    assert prompt_count(text, input_ids) == expected
 
 
 def test_values_given_once_or_per_prompt():

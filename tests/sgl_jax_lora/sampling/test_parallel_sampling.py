@@ -1,5 +1,5 @@
 """Parallel sampling (sampling/parallel_sampling.py): `n` is checked, shared by every prompt of a batch, and
-expands prompt-major into n requests whose seeds are seed + j."""
+expands prompt-major into n requests whose seeds are seed + j (wrapped within 64 bits)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sgl_jax_lora.sampling.parallel_sampling import (
     repeat_each,
     samples_per_prompt,
 )
-from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
+from sgl_jax_lora.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize("n", [0, MAX_SAMPLES + 1, 2.0, "2", True, None])
@@ -35,3 +35,11 @@ def test_copies_are_prompt_major_and_seeded_apart():
     assert expand_samples({"n": 2, "top_p": 0.5}, 2) == [{"top_p": 0.5}, {"top_p": 0.5}]
     assert expand_samples(None, 2) == [None, None]
     assert expand_samples({"seed": True}, 2) == [{"seed": True}, {"seed": True}]  # left for validation to name
+    assert expand_samples({"seed": 2**63}, 2) == [{"seed": 2**63}] * 2  # out of range: left for validation too
+
+
+def test_seeds_at_the_top_of_64_bits_wrap_to_the_bottom():
+    top = 2**63 - 1
+    assert [c["seed"] for c in expand_samples({"seed": top - 1}, 3)] == [top - 1, top, -(2**63)]
+    for copy in expand_samples({"seed": top}, 2):
+        SamplingParams.from_dict(copy)  # each copy is a seed a single request may send

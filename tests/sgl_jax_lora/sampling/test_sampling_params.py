@@ -37,6 +37,11 @@ def test_from_dict_normalizes_stop_logit_bias_and_nulls():
         ({"temperature": -0.1}, "temperature must be >= 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
         ({"temperature": 1e39}, "temperature must be a finite number"),
+        ({"temperature": 10**39}, "temperature must be a finite number"),  # an integer past float32
+        ({"repetition_penalty": -(10**400)}, r"repetition_penalty must be a finite number .* got -1000000000"),
+        ({"skip_special_tokens": None}, "skip_special_tokens must be true or false, got None"),
+        ({"ignore_eos": "x"}, "ignore_eos must be true or false, got 'x'"),
+        ({"ignore_eos": 1}, "ignore_eos must be true or false, got 1"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
         ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
         ({"top_k": -2}, "top_k must be -1"),
@@ -58,10 +63,20 @@ def test_a_bad_value_is_refused_naming_the_field_and_its_range(raw, message):
         SamplingParams.from_dict(raw)
 
 
-def test_a_huge_value_is_cut_in_the_message():
+@pytest.mark.parametrize(
+    "raw",
+    [{"seed": 10**1000}, {"temperature": -(10**400)}, {"logit_bias": {"7" * 5000: 1}}, {"ignore_eos": "x" * 9999}],
+)
+def test_a_huge_value_is_cut_in_the_message(raw):
     with pytest.raises(SamplingParamsError) as err:
-        SamplingParams.from_dict({"seed": 10**1000})
-    assert len(str(err.value)) < 120 and str(err.value).endswith("...")
+        SamplingParams.from_dict(raw)
+    assert len(str(err.value)) < 160 and str(err.value).endswith("...")
+
+
+def test_integers_in_float_fields_become_floats():
+    params = SamplingParams.from_dict({"temperature": 10**20, "top_p": 1, "repetition_penalty": 2})
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (1e20, 1.0, 2.0)
+    assert all(type(v) is float for v in (params.temperature, params.top_p, params.repetition_penalty))
 
 
 def test_greedy_and_logit_adjustment_properties():
