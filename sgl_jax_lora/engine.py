@@ -81,7 +81,7 @@ class Engine:
 
         async def one(request):
             result = None
-            async for result in self.tokenizer_manager.generate_request(request):  # noqa: B007 - keeps the last
+            async for result in self.tokenizer_manager.generate_request(request, every_increment=False):  # noqa: B007
                 pass
             return result
 

@@ -193,6 +193,9 @@ class ServerArgs:
     max_request_body_bytes: int = _f(
         16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read"
     )
+    request_body_timeout: float = _f(
+        60.0, "seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed"
+    )
     max_requests_per_call: int = _f(512, "engine requests one HTTP call may make (prompts x n)")
     max_queued_requests: int | None = _f(
         None,
@@ -253,6 +256,9 @@ class ServerArgs:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        timeout = self.request_body_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"--request-body-timeout must be a positive number of seconds, got {timeout!r}")
         threads = self.warmup_compile_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(

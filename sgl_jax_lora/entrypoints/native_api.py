@@ -101,7 +101,7 @@ async def generate(request: Request) -> Response:
     )
     check_requests_per_call(state, batch.num_prompts, batch.copies_per_prompt)
     requests = await build_requests(tm, batch)  # all validated before any is sent
-    streams = [state.metrics.track(tm.generate_request(r), "generate") for r in requests]
+    streams = [state.metrics.track(tm.generate_request(r, every_increment=body.stream), "generate") for r in requests]
     if body.stream:
         return await streaming_response(request, _generate_events(streams, batch.answers_list))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
@@ -255,23 +255,26 @@ async def streaming_response(request: Request, events: AsyncIterator[str]) -> Re
 
 
 async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """(index, item) from several async iterators as items arrive; closing this cancels them all."""
+    """(index, item) from several async iterators as items arrive, each waiting while its last item is not taken;
+    closing this cancels them all."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]):
             async for item in streams[0]:
                 yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a stream whose items are not taken waits (and its results coalesce in generate_request) rather than
+    # piling up here for a client that does not read
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:
-                    queue.put_nowait((index, item))
-            queue.put_nowait((index, done))
+                    await queue.put((index, item))
+            await queue.put((index, done))
         except Exception as e:
-            queue.put_nowait((index, e))
+            await queue.put((index, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)

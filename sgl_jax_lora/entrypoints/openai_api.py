@@ -94,7 +94,9 @@ async def completions(request: Request) -> Response:
     prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts, scoring)
     echoes = repeat_each(prompt_echoes, body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
-    streams = [state.metrics.track(tm.generate_request(r), "completions") for r in requests]
+    streams = [
+        state.metrics.track(tm.generate_request(r, every_increment=body.stream), "completions") for r in requests
+    ]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         return await streaming_response(request, completion_chunks(tm, body, requests, echoes, streams, response_id))
@@ -131,7 +133,9 @@ async def chat_completions(request: Request) -> Response:
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt = _prompt_spec(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
     requests = await _build_requests(state, tm, body.model, [prompt], body.n, logprobs_field="top_logprobs")
-    streams = [state.metrics.track(tm.generate_request(r), "chat_completions") for r in requests]
+    streams = [
+        state.metrics.track(tm.generate_request(r, every_increment=body.stream), "chat_completions") for r in requests
+    ]
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         return await streaming_response(request, chat_chunks(tm, body, requests, streams, response_id))

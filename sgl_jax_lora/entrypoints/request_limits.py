@@ -2,8 +2,9 @@
 
 Flow: uvicorn -> `BodySizeLimit` (ASGI middleware: a Content-Length over --max-request-body-bytes is answered
 413 before any of the body is read) -> a route -> `parse_body` (reads the body counting bytes, so a chunked
-body over the limit is cut off at the limit too; parses JSON larger than INLINE_PARSE_BYTES on a worker
-thread) -> `check_requests_per_call` (--max-requests-per-call: prompts x n) before anything is tokenized.
+body over the limit is cut off at the limit too; a body slower than --request-body-timeout is answered 408, a
+client gone mid-body is a quiet 400; parses JSON larger than INLINE_PARSE_BYTES on a worker thread) ->
+`check_requests_per_call` (--max-requests-per-call: prompts x n) before anything is tokenized.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, validation_error
@@ -46,13 +48,25 @@ INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a worker thread, n
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type); a body over
     --max-request-body-bytes is refused with 413 as soon as that many bytes have arrived."""
-    limit = request.app.state.server.args.max_request_body_bytes
+    args = request.app.state.server.args
+    limit, timeout = args.max_request_body_bytes, args.request_body_timeout
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within --request-body-timeout {timeout:g} s ({size} bytes came); "
+            "send it at once, or ask the operator to raise the limit",
+            "request_timeout",
+        ) from None
+    except ClientDisconnect:  # the client left mid-body: nothing to answer, and no server fault
+        raise APIError(400, "the client disconnected before its request body arrived", "client_disconnected") from None
     body = b"".join(chunks)
     try:
         if len(body) <= INLINE_PARSE_BYTES:

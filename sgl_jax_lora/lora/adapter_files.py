@@ -233,6 +233,7 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 
 
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 
@@ -333,7 +334,8 @@ def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]
 
 def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> None:
     """Frontend check before an adapter is registered: its config and weights are inside the allowed directories
-    (after resolving symlinks, opened without following any) and every tensor is finite."""
+    (after resolving symlinks, opened without following any) and every tensor is finite (float64 ones within float32's
+    range, which serving casts them to)."""
     config = os.path.join(adapter_dir, CONFIG_FILE)
     if os.path.isfile(config):  # else the engine's loader names what is missing
         with open_confined(name, config, allowed_dirs):
@@ -348,3 +350,9 @@ def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | t
             raise non_float_error(name, key, dtype)
         if raw_holds_non_finite(dtype, raw):
             raise non_finite_error(name, key)
+        if dtype == "F64" and np.abs(np.frombuffer(raw, "<f8")).max(initial=0.0) > FLOAT32_MAX:
+            raise adapter_error(  # finite in float64, Inf once served (LoRA runs in 32 bits at most)
+                name,
+                f"{tensor_label(key)} in {WEIGHTS_FILE} holds values beyond float32's range (|x| > 3.4e38)",
+                "re-save the adapter in float32, float16 or bfloat16 with its values in range",
+            )

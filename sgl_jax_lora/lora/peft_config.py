@@ -31,6 +31,7 @@ from sgl_jax_lora.lora.adapter_files import (
     confined_file,
     open_confined,
     shown,
+    tensor_label,
 )
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
 
@@ -300,9 +301,8 @@ def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
         if short in EMBEDDING_MODULES:
             raise _embedding_error(name, short)
         if short not in LORA_TARGET_MODULES:
-            raise adapter_error(
-                name, "target_modules names a module LoRA cannot target", f"LoRA can target only: {supported}"
-            )
+            problem = f"target_modules names {tensor_label(target, 'module')}, which LoRA cannot target"
+            raise adapter_error(name, problem, f"LoRA can target only: {supported}")
 
 
 def _embedding_error(name: str, module: str) -> LoRAAdapterError:

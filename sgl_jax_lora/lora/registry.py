@@ -6,7 +6,8 @@ sends `lora_id` to the engine, and calls `release(lora_id)` when the request fin
 then it waits until the adapter's in-flight requests are done before the engine frees host/device copies.
 
 An adapter's identity is its resolved directory (os.path.realpath): one directory is registered once, however
-its path is spelled; `find_by_path` finds it by any spelling. Adapters from memory have no directory.
+its path is spelled; `find_by_path` finds it by any spelling. Adapters from memory have no directory, and a
+directory's adapter updated from memory (`replace`) is no longer found by its directory.
 
 Runs inside one asyncio event loop; no method awaits between reading and updating the tables, so the
 loop itself serializes them and no lock is needed.
@@ -60,6 +61,8 @@ class LoRARegistry:
         """Serve `ref` (a new version) under its name from now on; return the version it replaces, which its
         in-flight requests keep using (`wait_drained`, then unload it in the engine)."""
         old = self._lookup(ref.lora_name)
+        if _identity(ref) != _identity(old):  # weights from memory now: the directory no longer holds what it serves
+            self._forget_path(old)
         self._refs[ref.lora_name] = ref
         self._by_id[ref.lora_id] = ref
         self._in_flight.setdefault(ref.lora_id, 0)
@@ -96,19 +99,27 @@ class LoRARegistry:
         """Remove `name` now; return its ref once no request is using it any more."""
         ref = self._lookup(name)
         del self._refs[name]
-        real = _identity(ref)
-        if real is not None and self._names_by_path.get(real) == name:
-            del self._names_by_path[real]
-            alias = next((r.lora_name for r in self._refs.values() if _identity(r) == real), None)
-            if alias is not None:
-                self._names_by_path[real] = alias
+        self._forget_path(ref)
         await self.wait_drained(ref.lora_id)
         return ref
+
+    def _forget_path(self, ref: LoRARef) -> None:
+        """`ref`'s directory stops naming it (ref no longer registered under its name, or its weights replaced from
+        memory); another name registered for the same directory, if any, answers for it instead."""
+        real = _identity(ref)
+        if real is None or self._names_by_path.get(real) != ref.lora_name:
+            return
+        del self._names_by_path[real]
+        alias = next(
+            (r.lora_name for r in self._refs.values() if r.lora_name != ref.lora_name and _identity(r) == real), None
+        )
+        if alias is not None:
+            self._names_by_path[real] = alias
 
     def find_by_path(self, path: str) -> LoRARef | None:
         """The adapter registered for `path`'s resolved directory, whatever its name."""
         name = self._names_by_path.get(os.path.realpath(path))
-        return None if name is None else self._refs[name]
+        return None if name is None else self._refs.get(name)
 
     def get(self, name: str) -> LoRARef | None:
         return self._refs.get(name)

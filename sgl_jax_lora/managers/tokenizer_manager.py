@@ -6,7 +6,9 @@ Flow:
     -> `generate_request(request)` (async generator): EngineClient.send(GenerateRequest) over the pipe
     <- EngineOutput items, routed by the EngineClient's reader thread to the request's asyncio queue
     -> cumulative result dicts ({"text", "output_ids", "meta_info"}) yielded per increment (request_output.py:
-       detokenization and stop strings, which finish the request here and abort it in the engine).
+       detokenization and stop strings, which finish the request here and abort it in the engine); increments that
+       arrive while the consumer is busy (a slow client) go into one result, and a caller that needs only the last
+       (`every_increment=False`) gets the first with a token and the last, not a result built per token.
 The EngineClient (managers/engine_client.py) spawns the engine process and owns its pipe; this process never
 imports JAX, so HTTP and tokenization never stall the device loop. Cancelling the generator (client disconnect)
 aborts the request in the engine. Adapters: names resolved and loaded on demand by managers/lora_frontend.py.
@@ -311,22 +313,33 @@ class TokenizerManager:
             "version": ref.version,
         }
 
-    async def generate_request(self, request: GenerateRequest) -> AsyncIterator[dict]:
-        """Send one request; yield its cumulative result after every increment, the last one finished. A stop string
-        finishes it here (managers/request_output.py); the engine, which may have decoded past it, is told to abort.
-        Raises ServerBusyError, before anything is sent, when the server holds all the requests it may."""
+    async def generate_request(self, request: GenerateRequest, every_increment: bool = True) -> AsyncIterator[dict]:
+        """Send one request; yield its cumulative result after every increment, the last one finished. The increments
+        that arrived while the caller was away (a slow stream reader) make one result: a result is cumulative, and one
+        built per increment for a reader that cannot keep up would cost time and memory growing with the square of the
+        output (its logprobs). every_increment=False (a caller that keeps the last): the first result that holds a
+        token, then the last. A stop string finishes the request here (managers/request_output.py); the engine, which
+        may have decoded past it, is told to abort. Raises ServerBusyError, before anything is sent, when the server
+        holds all the requests it may."""
         output = RequestOutput(self.tokenizer, request.sampling.skip_special_tokens, request.sampling.stop)
         queue = None
+        first_token_sent = False
         try:
             self._check_capacity()  # no await between the count and the stream that joins it
             queue = self.client.open_stream(request.rid)
             self.client.send(request)
             while not output.finished:
                 item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                output.add(item)
-                yield self._result(request, output, item)
+                while True:
+                    if isinstance(item, Exception):
+                        raise item
+                    output.add(item)
+                    if output.finished or queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if every_increment or output.finished or (output.output_ids and not first_token_sent):
+                    first_token_sent = first_token_sent or bool(output.output_ids)
+                    yield self._result(request, output, item)
         finally:
             if queue is not None:
                 self.client.close_stream(request.rid)

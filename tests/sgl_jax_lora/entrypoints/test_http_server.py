@@ -7,12 +7,16 @@ the LoRA tests start their own server. Engine death is in test_server_faults.py,
 
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
 
 import httpx
 import openai
@@ -38,6 +42,8 @@ LIMIT_FLAGS = [
     "32",
     "--max-queued-requests",  # with SMALL_ENGINE_FLAGS' --max-running-requests 32: 64 requests held at most
     "32",
+    "--request-body-timeout",
+    "2",
 ]
 CHAT = {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -512,6 +518,34 @@ def test_disconnect_mid_stream_frees_pages(http):
     wait_until(lambda: aborted() == aborted_before + 1, 30, "the server to abort the disconnected request")
     wait_until(lambda: server_info(http)["kv_pages_used"] == 0, 30, "kv_pages_used to return to 0")
     assert server_info(http)["num_running"] == 0
+
+
+def test_a_stream_read_slowly_coalesces_its_cumulative_events(server, http):
+    """Each /generate event is cumulative: one per increment would grow with the square of the output for a reader
+    that cannot keep up (here the logprobs of 240 tokens, 20 alternatives each: about 21 MB as 240 events). A reader
+    that takes nothing until the engine has finished gets what the socket buffers held, then one event with all of
+    it, and the same result as a request that does not stream."""
+    sampling = {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True}
+    request = {"text": "Hello", "return_logprob": True, "top_logprobs_num": 20, "sampling_params": sampling}
+    conn = http_client.HTTPConnection(urlparse(server.url).hostname, urlparse(server.url).port, timeout=120)
+    conn.sock = socket.socket()
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader whose buffer is small
+    conn.sock.connect((conn.host, conn.port))
+    conn.request(
+        "POST", "/generate", json.dumps({**request, "stream": True}), {**AUTH, "Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    wait_until(lambda: server_info(http)["num_running"] == 0, 120, "the engine to finish the request")
+    body = response.read()
+    conn.close()
+    events = sse_events(body.decode().splitlines())
+    assert events[-1] == "[DONE]" and len(body) < 10_000_000, (len(events), len(body))
+    last = events[-2]
+    assert last["meta_info"]["completion_tokens"] == 240 and len(last["meta_info"]["output_top_logprobs"]) == 240
+    alone = generate(http, **request)
+    assert last["output_ids"] == alone["output_ids"] and last["text"] == alone["text"]
+    assert last["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -999,6 +1033,24 @@ def test_n_samples_at_the_top_of_the_seed_range(http):
     assert [a["output_ids"] for a in pair] == [
         generate(http, text="hi", sampling_params={**params, "seed": seed})["output_ids"] for seed in (top, -(2**63))
     ]
+
+
+def test_a_body_that_stops_arriving_gets_408_and_one_cut_off_is_no_server_error(server, http):
+    url = urlparse(server.url)
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    ).encode()
+    errors_before = server_errors(http)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head + b'{"text"')  # then nothing: --request-body-timeout 2
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 408") and b"--request-body-timeout 2 s (7 bytes came)" in reply, reply
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(head + b'{"text"')  # and the client goes away mid-body
+    wait_until(lambda: server_errors(http).get("400", 0) > errors_before.get("400", 0), 30, "the 400 to be counted")
+    assert not server_error_growth(errors_before, server_errors(http))
+    assert len(generate(http, text="hi", sampling_params={"max_new_tokens": 2})["output_ids"]) <= 2
 
 
 def test_bad_input_through_openai_client(oai):

@@ -224,3 +224,23 @@ def test_loads_from_tensors_get_the_same_checks(http, root):
         for name in ["t1", "t2", "t3"]:
             http.post("/unload_lora_adapter", json={"lora_name": name})
     assert len(model_ids(http)) == 2 and generate(http, None).status_code == 200
+
+
+def test_a_directory_updated_from_tensors_is_its_files_again_and_loads_after_unload(http, root):
+    """An update replaces a directory's adapter with weights from memory: the directory's path then names the files
+    on disk (a request for it loads them on demand), and after the unload it loads again, as any directory does."""
+    spare = str(root / "spare2")
+    assert load(http, "upd", spare).status_code == 200
+    from_disk = generate(http, "upd").json()["text"]
+    good = tensors_body(root, "upd")
+    assert http.post("/update_lora_adapter", json={"lora_name": "upd", "tensors": good["tensors"]}).status_code == 200
+    updated = generate(http, "upd")
+    assert updated.json()["meta_info"]["lora_version"] == 2 and updated.json()["text"] != from_disk
+    by_path = generate(http, spare)  # the directory itself, loaded on demand under its resolved path
+    assert by_path.status_code == 200 and by_path.json()["text"] == from_disk
+    for name in ("upd", os.path.realpath(spare)):
+        assert http.post("/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert load(http, "upd-again", spare).status_code == 200
+    assert generate(http, "upd-again").json()["text"] == from_disk
+    assert http.post("/unload_lora_adapter", json={"lora_name": "upd-again"}).status_code == 200
+    assert len(model_ids(http)) == 2

@@ -28,7 +28,8 @@ class Body(BaseModel):
 
 def make_client() -> tuple[TestClient, list[int]]:
     app = FastAPI()
-    app.state.server = types.SimpleNamespace(args=types.SimpleNamespace(max_request_body_bytes=LIMIT))
+    args = types.SimpleNamespace(max_request_body_bytes=LIMIT, request_body_timeout=60.0)
+    app.state.server = types.SimpleNamespace(args=args)
     refused: list[int] = []
     install_error_handlers(app, on_error=lambda request, error: None)
 

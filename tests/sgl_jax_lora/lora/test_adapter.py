@@ -195,7 +195,7 @@ def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes
     refused(
         "unknown",
         unknown,
-        "target_modules names a module LoRA cannot target",
+        "target_modules names module 'c_attn', which LoRA cannot target",
         "q_proj, k_proj, v_proj, o_proj, gate_proj",
     )
     rank_lies = write_peft_adapter(base_dir, tmp_path / "rank_lies", seed=1, r=8)

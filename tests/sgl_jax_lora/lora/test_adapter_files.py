@@ -70,6 +70,19 @@ def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, s
     assert inspect_peft_adapter("poisoned", str(bad), shapes).rank == 4
 
 
+def test_float64_values_beyond_float32_are_refused_at_the_check(clean_adapter, tmp_path):
+    """Finite in float64, Inf once served in 32 bits or fewer: the frontend's check refuses the adapter, where it
+    used to register and then fail every request."""
+    big = shutil.copytree(clean_adapter, tmp_path / "big")
+    weights = big / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v.to(torch.float64) * (1e300 if "lora_B" in k else 1.0) for k, v in tensors.items()}, weights)
+    with pytest.raises(LoRAAdapterError, match=r"adapter 'big'.*lora_B.*beyond float32's range"):
+        check_adapter_files("big", str(big), None)
+    save_file({k: v.to(torch.float64) for k, v in tensors.items()}, weights)  # float64 in range passes
+    check_adapter_files("big", str(big), None)
+
+
 @pytest.mark.parametrize("dtype", ["F16", "BF16", "F32", "F64"])
 def test_raw_bits_check_agrees_with_isfinite(dtype):
     """The frontend's check on a file's raw bits finds NaN and Inf of either sign, and nothing else: not the largest

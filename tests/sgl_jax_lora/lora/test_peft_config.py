@@ -70,7 +70,7 @@ def test_rank_and_alpha_patterns_and_rslora_set_each_modules_scaling():
         ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "IA3"}, "peft_type is not LORA"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]}, r"embedding/output layer \(lm_head\)"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ".*embed_tokens"}, r"embedding/output layer \(embed_tokens\)"),
-        ({"r": 4, "lora_alpha": 8, "target_modules": ["conv"]}, "names a module LoRA cannot target"),
+        ({"r": 4, "lora_alpha": 8, "target_modules": ["conv"]}, "names module .conv., which LoRA cannot target"),
         ({"r": 4, "lora_alpha": 8, "target_modules": "("}, "not a valid regular expression"),
         (
             {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "rank_pattern": {"q_proj": 0}},

@@ -115,3 +115,25 @@ def test_unknown_adapter_errors_cut_the_name_and_the_list() -> None:
         assert len(message) < 1000 and "(1000000 chars)" in message and "and 20 more" in message
 
     asyncio.run(scenario())
+
+
+def test_a_directory_updated_from_memory_is_no_longer_found_by_its_path(tmp_path) -> None:
+    """After `replace` swaps a directory's adapter for weights sent from memory, its path names the files on disk
+    again: a load of that directory is not refused as already loaded, and unloading the name leaves nothing behind."""
+
+    async def scenario() -> None:
+        registry = LoRARegistry()
+        (tmp_path / "a2").mkdir()
+        registry.register(LoRARef("a2", str(tmp_path / "a2")))
+        assert registry.find_by_path(str(tmp_path / "a2")).lora_name == "a2"
+        registry.replace(LoRARef("a2", "", version=2))
+        assert registry.find_by_path(str(tmp_path / "a2")) is None
+        registry.register(LoRARef("a2-disk", str(tmp_path / "a2")))  # the directory again, under another name
+        assert registry.find_by_path(f"{tmp_path}/./a2").lora_name == "a2-disk"
+        await registry.unregister("a2")
+        assert registry.find_by_path(str(tmp_path / "a2")).lora_name == "a2-disk"
+        await registry.unregister("a2-disk")
+        assert registry.find_by_path(str(tmp_path / "a2")) is None
+        registry.register(LoRARef("again", str(tmp_path / "a2")))
+
+    asyncio.run(scenario())
