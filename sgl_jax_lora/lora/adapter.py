@@ -232,6 +232,15 @@ def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes
             "use an adapter trained for this base model",
         )
     if not any(config.targets(p) for _, _, p in target_shapes.all_module_paths()):
+        unrestricted = dataclasses.replace(config, layers_to_transform=None)
+        if config.layers_to_transform and any(unrestricted.targets(p) for _, _, p in target_shapes.all_module_paths()):
+            raise adapter_error(
+                name,
+                "target_modules matches the base model's projections, but layers_to_transform with layers_pattern "
+                "selects none of their layers",
+                f"set layers_pattern to the segment before the layer index in paths like "
+                f"{target_shapes.module_path(0, 'q_proj')!r}, or leave it unset",
+            )
         raise adapter_error(
             name,
             "target_modules in adapter_config.json matches none of the base model's projections",
@@ -346,8 +355,9 @@ def _check_pair_shapes(name: str, module_path: str, lora_a, lora_b, rank: int, s
             raise adapter_error(
                 name,
                 f"{tensor_label(f'{module_path}.{kind}.weight')} has shape {tuple(tensor.shape)}, expected {expected} "
-                f"(rank {rank} from adapter_config.json, base model {shape[0]}->{shape[1]})",
-                "use an adapter trained for this base model, with r/rank_pattern matching its tensors",
+                f"(rank {rank} from the adapter's config, base model {shape[0]}->{shape[1]})",
+                "use an adapter trained for this base model, with r/rank_pattern matching its tensors (an update "
+                "sent without a config keeps the current version's)",
             )
 
 

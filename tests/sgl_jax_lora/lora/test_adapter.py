@@ -198,6 +198,9 @@ def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes
         "target_modules names module 'c_attn', which LoRA cannot target",
         "q_proj, k_proj, v_proj, o_proj, gate_proj",
     )
+    wrong_layers = write_peft_adapter(base_dir, tmp_path / "wrong_layers", seed=1)
+    _edit_config(wrong_layers, layers_to_transform=[0], layers_pattern="blocks")
+    refused("wrong_layers", wrong_layers, "layers_pattern selects none of their layers", "set layers_pattern")
     rank_lies = write_peft_adapter(base_dir, tmp_path / "rank_lies", seed=1, r=8)
     _edit_config(rank_lies, rank_pattern={"v_proj": 4})
     refused("rank_lies", rank_lies, "self_attn.v_proj.lora_A.weight", "(8, 32)", "expected (4, 32)")
