@@ -10,6 +10,8 @@ result dicts.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
 import threading
 
 from sgl_jax_lora.demo_model import demo_model_path
@@ -33,14 +35,28 @@ class Engine:
                 f"--node-rank {self.server_args.node_rank} --dist-init-addr {self.server_args.dist_init_addr} ...`"
             )
         model_path = self.server_args.model_path or demo_model_path()
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-frontend", daemon=True)
         self._thread.start()
         self.tokenizer_manager = TokenizerManager(self.server_args, model_path)
         self.tokenizer_manager.start(self._loop)
+        # an Engine not shut down is shut down at exit, before multiprocessing terminates its process (atexit runs
+        # the last registered first)
+        atexit.register(self.shutdown)
 
     def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Run `coroutine` on the engine's loop and wait for it; an interrupt (Ctrl-C) cancels it there, which
+        aborts the requests it sent."""
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("this Engine was shut down; create a new Engine to generate again")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     def generate(
         self,
@@ -58,21 +74,19 @@ class Engine:
         `n` in the sampling params (the same for every prompt) samples each prompt n times: a list of
         results, prompt-major (sampling/parallel_sampling.py). `priority`: lower is admitted first, with
         `scheduling_policy="priority"`."""
+        _check_flag("return_logprob", return_logprob)
         batch = normalize(
-            prompt,
-            input_ids,
-            sampling_params,
-            lora_path,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
+            *map(_plain, (prompt, input_ids, sampling_params, lora_path, return_logprob)),
+            *map(_plain, (logprob_start_len, top_logprobs_num)),
             dialect=ENGINE,
-            priority=priority,
+            priority=_plain(priority),
         )
         try:
             requests = self._run(build_requests(self.tokenizer_manager, batch))
-        except PromptRefused as e:
-            raise e.cause from None  # the offline caller gets the error itself (ValueError, EngineDeadError, ...)
+        except PromptRefused as e:  # the offline caller gets the error itself (ValueError, EngineDeadError, ...)
+            if e.where:
+                e.cause.args = (e.where + str(e.cause),)  # which prompt of the batch
+            raise e.cause from None
         results = self._run(self._generate_all(requests))
         return results if batch.answers_list else results[0]
 
@@ -87,18 +101,21 @@ class Engine:
 
         return await gather_or_cancel([one(r) for r in requests])
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+    def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike, pinned: bool = False) -> dict:
         """Register an adapter while the engine runs (the offline caller is the operator: any path)."""
-        return self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path, pinned, trusted=True))
+        _check_flag("pinned", pinned)
+        path = os.fspath(lora_path) if isinstance(lora_path, os.PathLike) else lora_path
+        return self._run(self.tokenizer_manager.load_lora_adapter(lora_name, path, bool(pinned), trusted=True))
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict, pinned: bool = False) -> dict:
-        """Register an adapter held in memory: `tensors` maps PEFT tensor names ("...q_proj.lora_A.weight") to numpy
-        or JAX arrays, `config` holds adapter_config.json's fields (r, lora_alpha, target_modules, ...). Same checks
+        """Register an adapter held in memory: `tensors` maps PEFT tensor names ("...q_proj.lora_A.weight") to numpy,
+        JAX or torch arrays, `config` holds adapter_config.json's fields (r, lora_alpha, target_modules, ...). Same checks
         and device path as a load from disk; nothing is compiled."""
+        _check_flag("pinned", pinned)
         with TensorFile.from_arrays(lora_name, tensors) as tensor_file:
             return self._run(
                 self.tokenizer_manager.load_lora_adapter_from_tensors(
-                    lora_name, tensor_file, _plain_config(config), pinned
+                    lora_name, tensor_file, _plain_config(config), bool(pinned)
                 )
             )
 
@@ -118,6 +135,11 @@ class Engine:
         return {"server_args": self.server_args.to_dict(), **info}
 
     def shutdown(self) -> None:
+        """Stop the engine process and the engine's loop; calls after it raise RuntimeError. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
         self.tokenizer_manager.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -127,6 +149,23 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _plain(value: object) -> object:
+    """numpy and JAX arrays and scalars (prompt token ids, sampling values) as the Python lists and numbers the
+    request front door takes; lists, tuples and dicts converted inside; anything else as given (checked there)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if not isinstance(value, (str, bytes)) and type(value).__module__.split(".")[0] in ("numpy", "jax", "jaxlib"):
+        return value.tolist()
+    return value
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(_plain(value), bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _plain_config(config: dict) -> dict:

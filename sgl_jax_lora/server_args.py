@@ -207,8 +207,13 @@ class ServerArgs:
     shutdown_timeout: float = _f(
         30.0, "seconds SIGTERM waits for running requests to finish (new ones get 503) before the server exits"
     )
+    health_check_timeout: float = _f(
+        20.0, "seconds GET /health_generate waits for the engine to send anything before it answers 503 (stuck)"
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_paths, (str, os.PathLike)):  # Engine(lora_paths="name=path"): one entry
+            self.lora_paths = [os.fspath(self.lora_paths)]
         if isinstance(self.lora_paths, dict):  # Engine(lora_paths={name: path})
             self.lora_paths = [f"{name}={path}" for name, path in self.lora_paths.items()]
         if self.lora_paths:
@@ -256,9 +261,10 @@ class ServerArgs:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        timeout = self.request_body_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ValueError(f"--request-body-timeout must be a positive number of seconds, got {timeout!r}")
+        for name in ("request_body_timeout", "health_check_timeout"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {timeout!r}")
         threads = self.warmup_compile_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(

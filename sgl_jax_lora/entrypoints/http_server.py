@@ -8,9 +8,9 @@ handlers) stop accepting, then the lifespan shutdown stops the engine process, l
 first drains (DrainingServer: new requests 503, running ones finish up to --shutdown-timeout). Bodies over
 --max-request-body-bytes are refused before they are read (request_limits.py).
 
-Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload) and openai_api.py
-(/v1/...); errors.py shapes every error; metrics.py counts. Every route but /health requires the API key
-when --api-key is set.
+Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload), health_check.py
+(/health_generate: the engine still makes progress) and openai_api.py (/v1/...); errors.py shapes every error;
+metrics.py counts. Every route but /health and /health_generate requires the API key when --api-key is set.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import logging
 import multiprocessing as mp
 import secrets
 import signal
+import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +32,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from sgl_jax_lora.entrypoints import lora_tensors_api, native_api, openai_api
+from sgl_jax_lora.entrypoints import health_check, lora_tensors_api, native_api, openai_api
 from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
@@ -75,6 +77,7 @@ class ServerState:
     exit_code: int = 0
     request_exit: Callable[[int], None] = lambda code: None  # set by run_server: stops uvicorn
     is_exiting: Callable[[], bool] = lambda: False  # set by run_server: uvicorn got SIGINT/SIGTERM
+    progress_check: asyncio.Future | None = None  # GET /health_generate's check in progress (health_check.py)
 
     @property
     def is_ready(self) -> bool:
@@ -146,6 +149,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     )
     install_error_handlers(app, on_error=state.metrics.count_error)
     app.include_router(native_api.public_router)
+    app.add_api_route("/health_generate", health_check.health_generate, methods=["GET"])  # public, as /health
     protected = [Depends(require_api_key)]
     app.include_router(native_api.router, dependencies=protected)
     app.include_router(openai_api.router, dependencies=protected)
@@ -306,8 +310,35 @@ KEEP_ALIVE_S = 65  # idle HTTP keep-alive, seconds (uvicorn's default, 5, equals
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the running requests are done
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), before anything else starts; OSError naming the flags to change."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise OSError(f"--host {host!r} is not an address of this machine ({e.strerror}); use e.g. 127.0.0.1") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {e.strerror}; stop what serves there or choose another --port"
+        ) from None
+    return sock
+
+
 def run_server(args: ServerArgs, model_path: str) -> int:
-    """Serve until SIGINT/SIGTERM (exit code 0, SIGTERM after draining) or until the engine dies (exit code 1)."""
+    """Serve until SIGINT/SIGTERM (exit code 0, SIGTERM after draining) or until the engine dies (exit code 1).
+    A port that cannot be bound: exit code 1 with the reason, before the engine starts."""
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
     app = create_app(args, model_path)
     # Idle keep-alive connections stay open longer than clients keep them (httpx: 5 s), so a client never sends a
     # request on a connection the server is closing at that moment (the request would fail with a dropped read).
@@ -334,7 +365,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     print(
-        f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)",
+        f"sgl_jax_lora listening on http://{args.host}:{port} (engine starting; GET /health turns 200 when ready)",
         flush=True,
     )
     if args.model_path is None:
@@ -343,7 +374,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
             "a small corpus (see README); pass --model-path DIR to serve a real model",
             flush=True,
         )
-    server.run()
+    server.run(sockets=[sock])
     if not server.started and state.exit_code == 0:
-        return 1  # could not bind the port (uvicorn logged why)
+        return 1  # uvicorn could not start (it logged why)
     return state.exit_code

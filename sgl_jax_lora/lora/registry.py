@@ -147,8 +147,8 @@ class LoRARegistry:
             name = shown(name)
             raise UnknownLoRAError(
                 f"adapter '{name}': no LoRA adapter with this name is loaded (loaded: {loaded}); load it with "
-                f'POST /load_lora_adapter {{"lora_name": "{name}", "lora_path": PATH}} or start the '
-                f"server with --lora-paths {name}=PATH"
+                f'POST /load_lora_adapter {{"lora_name": "{name}", "lora_path": PATH}} (offline: '
+                f"Engine.load_lora_adapter) or start with --lora-paths {name}=PATH"
             )
         return ref
 

@@ -170,7 +170,7 @@ def _float_arrays(name: str, tensors: dict) -> dict[str, np.ndarray]:
         raise adapter_error(name, "no tensors given", "pass a non-empty dict of PEFT tensor names to arrays")
     arrays = {}
     for key, value in tensors.items():
-        array = np.asarray(value)
+        array = _host_array(value)
         is_float = array.dtype.name == "bfloat16" or (array.dtype.kind == "f" and array.dtype.itemsize in (2, 4, 8))
         if not isinstance(key, str) or not is_float:
             raise adapter_error(
@@ -178,8 +178,18 @@ def _float_arrays(name: str, tensors: dict) -> dict[str, np.ndarray]:
                 f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
                 "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')",
             )
-        arrays[key] = array
+        arrays[key] = array.astype(array.dtype.newbyteorder("<"), copy=False)  # safetensors data is little-endian
     return arrays
+
+
+def _host_array(value: object) -> np.ndarray:
+    """A numpy view of a numpy, JAX or torch array (torch: detached, on the host; bfloat16, which numpy cannot take
+    from torch, as float32), anything else as numpy reads it."""
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        value = value.float() if str(value.dtype) == "torch.bfloat16" else value
+        return value.numpy()
+    return np.asarray(value)
 
 
 def _new_file() -> tuple[int, str]:

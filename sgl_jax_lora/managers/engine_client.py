@@ -68,7 +68,11 @@ class EngineClient:
         self.process = context.Process(target=target, args=spawn_args, daemon=True)
         self.process.start()
         child_conn.close()
-        ready = self._wait_ready()
+        try:
+            ready = self._wait_ready()
+        except BaseException:  # an interrupt (Ctrl-C) or a failed start: no engine process outlives its client
+            self._stop_process()
+            raise
         self.server_info: dict = ready.info  # as the engine reported it at startup
         self.is_dead = False
         self._streams: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
@@ -77,6 +81,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._send_lock = threading.Lock()
         self.handlers = {EngineOutputs: self._on_outputs, RequestFailed: self._on_failed, CallReply: self._on_reply}
+        self._message_waiters: list[asyncio.Future] = []  # `next_message` callers, resolved by the next message
 
     def _wait_ready(self) -> Ready:
         try:
@@ -116,6 +121,10 @@ class EngineClient:
 
     def dispatch(self, msg: Message) -> None:
         """Route one engine message (on the loop); a message the frontend does not take is logged and dropped."""
+        for waiter in self._message_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._message_waiters.clear()
         handler = self.handlers.get(type(msg))
         if handler is None:
             logger.error("the engine sent a %s message, which the frontend does not take", type(msg).__name__)
@@ -142,9 +151,16 @@ class EngineClient:
         self.is_dead = True
         for queue in self._streams.values():
             queue.put_nowait(EngineDeadError("engine process exited"))
-        for future in self._calls.values():
+        for future in [*self._calls.values(), *self._message_waiters]:
             if not future.done():
                 future.set_exception(EngineDeadError("engine process exited"))
+
+    def next_message(self) -> asyncio.Future:
+        """A future that completes when the engine sends its next message, whatever it is (the engine's loop is
+        alive: GET /health_generate). Call on the serving loop."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._message_waiters.append(waiter)
+        return waiter
 
     # ---- frontend -> engine ------------------------------------------------------------------
     def open_stream(self, rid: str) -> asyncio.Queue:
@@ -197,7 +213,14 @@ class EngineClient:
             except (EngineDeadError, OSError):
                 pass
             self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout=5)
+        self._stop_process()
+
+    def _stop_process(self) -> None:
+        """Terminate the engine process if it still runs (then kill it), and close the pipe."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
         self._conn.close()

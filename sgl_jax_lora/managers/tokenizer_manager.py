@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from transformers import AutoTokenizer
 
+from sgl_jax_lora.configs.model_config import check_model_dir
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError, parse_peft_config
@@ -61,6 +62,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
         self.model_path = model_path
+        check_model_dir(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
         # under each request's own sampling params; read (and checked) before the engine starts compiling
         self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}
@@ -103,7 +105,9 @@ class TokenizerManager:
     def tokenize(self, text: str | None, input_ids: list[int] | None) -> list[int]:
         if input_ids is None:
             if not isinstance(text, str):
-                raise RequestError("give the prompt as 'text' (a string) or 'input_ids' (a list of token ids)")
+                raise RequestError(
+                    f"a prompt must be a string (or given as token ids), got {type(text).__name__}; check the prompts"
+                )
             if len(text) > self.max_prompt_chars:
                 raise RequestError(
                     f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "

@@ -11,8 +11,10 @@ OUT/loss.csv (+ OUT/loss.png with matplotlib).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import tempfile
 
 import optax
 from tqdm import tqdm
@@ -41,7 +43,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps <= 0 or args.batch_size <= 0:
         parser.error("--steps and --batch-size must be positive")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.alpha is not None and not math.isfinite(args.alpha):
+        parser.error(f"--alpha must be a finite number, got {args.alpha}")
+    if args.max_len < 2:
+        parser.error(f"--max-len must be at least 2 (a prompt token and a completion token), got {args.max_len}")
     return args
+
+
+def prepare_output_dir(path: str) -> None:
+    """Create the output directory and check it takes files, before any training (OSError names the problem)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OSError(f"--output-dir {path} is a file; name a directory")
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
 
 
 def train(args: argparse.Namespace) -> list[float]:
@@ -53,6 +70,7 @@ def train(args: argparse.Namespace) -> list[float]:
     from sgl_jax_lora.train.lora_params import save_peft_adapter
     from sgl_jax_lora.train.trainer import LoRATrainer
 
+    prepare_output_dir(args.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
     examples = read_examples(args.data, tokenizer, args.max_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -72,6 +90,11 @@ def train(args: argparse.Namespace) -> list[float]:
             input_ids, loss_mask = next(stream)
             losses.append(trainer.step({"input_ids": input_ids, "loss_mask": loss_mask}))
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if not math.isfinite(losses[-1]):
+                raise ValueError(
+                    f"the loss became {losses[-1]} at step {len(losses)} (it started at {losses[0]:.4f}); no adapter "
+                    "written: lower --lr, or train in float32 (--dtype)"
+                )
     save_peft_adapter(trainer.lora, args.output_dir, os.path.abspath(args.model_path))
     written = save_curve(os.path.join(args.output_dir, "loss"), "loss", losses)
     print(
@@ -82,7 +105,12 @@ def train(args: argparse.Namespace) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    train(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (ValueError, OSError) as e:  # bad data, a diverged run, an unusable directory: a message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

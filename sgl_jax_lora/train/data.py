@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +29,14 @@ class Example:
 def read_examples(path: str, tokenizer, max_len: int) -> list[Example]:
     """Every line of the JSONL file as an Example (truncated to max_len tokens); errors name the line."""
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_no}: not UTF-8 text ({e.reason}); write one JSON object per line"
+                ) from e
             if not line.strip():
                 continue
             try:
@@ -37,15 +46,39 @@ def read_examples(path: str, tokenizer, max_len: int) -> list[Example]:
             examples.append(_example(tokenizer, record, f"{path}:{line_no}", max_len))
     if not examples:
         raise ValueError(f"{path} holds no examples; write one JSON object per line")
-    return examples
+    return _with_loss_tokens(examples, path, max_len)
 
 
 def examples_from_records(records: list[dict], tokenizer, max_len: int, source: str) -> list[Example]:
     """Records already in memory (the same two forms as a JSONL line) -> Examples; errors name source and index."""
-    return [_example(tokenizer, record, f"{source}[{i}]", max_len) for i, record in enumerate(records)]
+    examples = [_example(tokenizer, record, f"{source}[{i}]", max_len) for i, record in enumerate(records)]
+    return _with_loss_tokens(examples, source, max_len)
 
 
-def _example(tokenizer, record: object, where: str, max_len: int) -> Example:
+def _with_loss_tokens(examples: list[Example | str], source: str, max_len: int) -> list[Example]:
+    """The examples that keep a completion token after truncation; the others (given as the place they came from)
+    are left out with a warning, and a ValueError if none is left."""
+    kept = [e for e in examples if isinstance(e, Example)]
+    dropped = [e for e in examples if not isinstance(e, Example)]
+    if not kept:
+        raise ValueError(
+            f"{source}: every example's prompt fills --max-len ({max_len} tokens), so no completion token is left "
+            "to learn from; raise --max-len or shorten the prompts"
+        )
+    if dropped:
+        logger.warning(
+            "%d of %d examples left out (first: %s): the prompt fills --max-len (%d tokens), leaving no completion "
+            "token to learn from; raise --max-len to train on them",
+            len(dropped),
+            len(examples),
+            dropped[0],
+            max_len,
+        )
+    return kept
+
+
+def _example(tokenizer, record: object, where: str, max_len: int) -> Example | str:
+    """The record as an Example, or `where` when truncation to max_len leaves none of its completion."""
     if isinstance(record, dict) and isinstance(record.get("messages"), list) and record["messages"]:
         prompt_ids, completion_ids = _chat_ids(tokenizer, record["messages"], where)
     elif (
@@ -61,7 +94,7 @@ def _example(tokenizer, record: object, where: str, max_len: int) -> Example:
         raise ValueError(f"{where}: the prompt and the completion must each have at least one token")
     ids = (prompt_ids + completion_ids)[:max_len]
     mask = ([0] * len(prompt_ids) + [1] * len(completion_ids))[:max_len]
-    return Example(ids, mask)
+    return Example(ids, mask) if any(mask) else where
 
 
 def _chat_ids(tokenizer, messages: list, where: str) -> tuple[list[int], list[int]]:

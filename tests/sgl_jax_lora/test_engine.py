@@ -331,6 +331,8 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], lora_path="x"), "LoRA is not enabled"),
         (dict(input_ids=[5], priority=3), "start it with --scheduling-policy priority"),
         (dict(input_ids=[5], priority=2**31), r"priority must be an integer in \[-2147483648, 2147483647\]"),
+        (dict(input_ids=[5], return_logprob="no"), "return_logprob must be True or False, got 'no'"),
+        (dict(prompt=["hi", None]), "prompt 1: a prompt must be a string .*got NoneType"),
     ],
 )
 def test_bad_requests_are_refused_and_engine_keeps_serving(engine, kwargs, message):
@@ -338,6 +340,22 @@ def test_bad_requests_are_refused_and_engine_keeps_serving(engine, kwargs, messa
         engine.generate(**kwargs)
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, **GREEDY})
     assert len(ok["output_ids"]) == 2
+
+
+def test_numpy_and_jax_values_are_taken_as_the_python_values_they_hold(engine):
+    ids = prompts(2)
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    expected = engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    as_arrays = engine.generate(
+        input_ids=[np.array(ids[0]), jax.numpy.array(ids[1])],
+        sampling_params={"max_new_tokens": np.int64(3), "temperature": np.float32(0.0), "ignore_eos": np.bool_(True)},
+        return_logprob=np.bool_(True),
+        top_logprobs_num=np.int32(2),
+    )
+    assert [r["output_ids"] for r in as_arrays] == [r["output_ids"] for r in expected]
+    assert [r["meta_info"]["output_top_logprobs"] for r in as_arrays] == [
+        r["meta_info"]["output_top_logprobs"] for r in expected
+    ]
 
 
 def test_a_batch_past_the_queue_limit_is_refused_whole_and_the_engine_keeps_serving(engine):
@@ -424,6 +442,11 @@ def test_the_warmups_sampling_runs_find_their_programs_compiled_ahead(model_dir)
 def test_an_engine_on_a_node_other_than_0_is_refused_naming_the_launch_command():
     with pytest.raises(ValueError, match="python -m sgl_jax_lora.launch --nnodes 2 --node-rank 1"):
         Engine(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000")
+
+
+def test_a_model_path_that_is_no_directory_is_named_before_anything_loads(tmp_path):
+    with pytest.raises(ValueError, match=f"model path '{tmp_path / 'missing'}' is not a directory; pass --model-path"):
+        Engine(model_path=str(tmp_path / "missing"))  # not taken for a model hub id by the tokenizer's loader
 
 
 def test_generation_config_names_eos_ids_and_sampling_defaults(engine, model_dir, tmp_path):

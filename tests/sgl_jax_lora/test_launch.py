@@ -1,6 +1,7 @@
 """`python -m sgl_jax_lora.launch`: the README's run command, executed as written (default flags, the
 embedded demo model and its two adapters), serves requests and gives the answers the README shows; SIGTERM shuts it down with exit code 0 and no orphan engine
-process; --help lists every ServerArgs flag; a bad flag exits 2 naming the fix.
+process; --help lists every ServerArgs flag; a bad flag exits 2 naming the fix; a port it cannot bind exits 1 naming
+it, before the engine starts.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -59,6 +61,21 @@ def test_bad_flag_exits_2_naming_it():
     result = run_launch("--chat-template", "/no/such/file.jinja")
     assert result.returncode == 2
     assert "--chat-template" in result.stderr
+
+
+def test_a_port_in_use_exits_1_naming_it_before_the_engine_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_launch("--port", str(port), "--skip-precompile")
+    assert result.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use; stop what serves there or choose " in (
+        result.stderr
+    )
+    assert "listening on" not in result.stdout  # nothing claims to listen, no engine was spawned
+    result = run_launch("--host", "no-such-host.invalid")
+    assert result.returncode == 1 and "error: --host 'no-such-host.invalid' is not an address" in result.stderr
 
 
 @pytest.mark.slow

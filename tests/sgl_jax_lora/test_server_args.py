@@ -150,3 +150,15 @@ def test_a_choice_outside_its_flags_choices_names_the_flag(field, value):
     with pytest.raises(ValueError, match=f"{flag} '{value}' is not supported; choose one of"):
         ServerArgs(**{field: value})
     assert ServerArgs(sampling_defaults="openai").sampling_defaults == "openai"
+
+
+def test_lora_paths_as_one_string_is_one_entry():
+    assert ServerArgs(lora_paths="a=/adapters/a").lora_paths == ["a=/adapters/a"]  # not one entry per character
+    assert ServerArgs(lora_paths=["a=/adapters/a", "b=/adapters/b"]).lora_paths == ["a=/adapters/a", "b=/adapters/b"]
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), True, "20"])
+def test_the_health_check_timeout_is_a_positive_number_of_seconds(value):
+    assert ServerArgs().health_check_timeout == 20.0
+    with pytest.raises(ValueError, match="--health-check-timeout must be a positive number of seconds"):
+        ServerArgs(health_check_timeout=value)

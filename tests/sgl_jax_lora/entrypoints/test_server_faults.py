@@ -172,3 +172,34 @@ def test_engine_death_fails_every_request_at_once(doomed_server):
     except subprocess.TimeoutExpired:
         pytest.fail("the server did not exit after its engine died")
     assert "engine process exited unexpectedly" in doomed_server.log_text()
+
+
+@pytest.fixture
+def probed_server():
+    srv = start_server([*SMALL_ENGINE_FLAGS, "--health-check-timeout", "3", "--api-key", "secret"])
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+def test_health_generate_tells_a_stuck_engine_from_a_busy_one(probed_server):
+    url, key = probed_server.url, {"Authorization": "Bearer secret"}
+    assert httpx.get(url + "/health_generate", timeout=60).json() == {"status": "ok"}  # idle: its own token; no key
+    pid = httpx.get(url + "/get_server_info", headers=key, timeout=30).json()["engine_pid"]
+    body = {"text": "Once upon a time", "sampling_params": LONG, "stream": True}
+    with httpx.stream("POST", url + "/generate", json=body, headers=key, timeout=300) as response:
+        lines = response.iter_lines()
+        assert sse_events(line for line, _ in zip(lines, range(2)))  # running
+        assert httpx.get(url + "/health_generate", timeout=60).status_code == 200  # busy: its tokens answer
+        events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    os.kill(pid, signal.SIGSTOP)  # idle and stopped: nothing is left in the pipe to arrive
+    try:
+        assert httpx.get(url + "/health", timeout=60).status_code == 200  # the processes are alive
+        stuck = httpx.get(url + "/health_generate", timeout=60)
+        assert stuck.status_code == 503 and stuck.json()["error"]["code"] == "engine_unresponsive"
+        assert "the engine sent nothing for 3 s" in stuck.json()["error"]["message"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(url + "/get_server_info", headers=key, timeout=30).json()
+    assert info["num_running"] == info["num_waiting"] == 0  # the probes were answered or aborted

@@ -53,6 +53,23 @@ def test_arrays_written_by_the_frontend_read_back_unchanged_in_their_dtype():
     assert not tensors["a"].flags.writeable  # a view of the shared mapping, not a copy
 
 
+def test_big_endian_and_torch_arrays_read_back_as_their_values():
+    import torch
+
+    values = np.array([[1.5, -2.25], [0.0, 3.0]], np.float32)
+    arrays = {
+        "big_f4": values.astype(">f4"),
+        "big_f8": values.astype(">f8"),
+        "big_f2": values.astype(">f2"),
+        "torch_bf16": torch.tensor(values).to(torch.bfloat16),
+        "torch_grad": torch.tensor(values, requires_grad=True),
+    }
+    with TensorFile.from_arrays("x", arrays) as tensor_file:
+        tensors = map_tensor_files("x", tensor_file.paths)
+    for key in arrays:
+        assert np.array_equal(tensors[key], values), key
+
+
 def test_large_arrays_are_written_as_shards_on_threads_and_read_back_whole(monkeypatch):
     import sgl_jax_lora.lora.tensor_file as tensor_file_module
     from sgl_jax_lora.lora.peft_config import LoRAAdapterError

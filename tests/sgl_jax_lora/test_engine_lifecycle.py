@@ -1,0 +1,98 @@
+"""The offline Engine's life (sgl_jax_lora/engine.py and managers/engine_client.py): calls after shutdown() raise at
+once instead of waiting on a stopped loop, Ctrl-C during a call cancels what the call sent, Ctrl-C during start-up
+leaves no engine process behind, and an Engine never shut down is shut down at exit without a signal's crash dump.
+
+Ctrl-C is sent as SIGINT to the main thread (`signal.pthread_kill`), which is how a terminal's interrupt reaches a
+Python program blocked in a wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sgl_jax_lora import Engine
+from sgl_jax_lora.demo_model import demo_model_path
+
+ENGINE_ARGS = dict(
+    model_path=demo_model_path(), skip_precompile=True, context_length=128, max_running_requests=4, token_buckets=[16]
+)
+
+
+def interrupt_main_when(condition, timeout: float = 120.0) -> threading.Thread:
+    """SIGINT to the main thread once `condition()` holds (polled); nothing if it never does within `timeout`."""
+    main = threading.main_thread().ident
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(**ENGINE_ARGS) as eng:
+        yield eng
+
+
+def test_an_interrupted_call_cancels_its_work_on_the_engines_loop(engine):
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def long_call():
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    watcher = interrupt_main_when(started.is_set)
+    with pytest.raises(KeyboardInterrupt):
+        engine._run(long_call())
+    watcher.join()
+    assert cancelled.wait(60)  # the call's task was cancelled on the loop (for generate: its requests aborted)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0.0})
+    assert len(out["output_ids"]) >= 1
+
+
+def test_calls_after_shutdown_raise_instead_of_waiting():
+    eng = Engine(**ENGINE_ARGS)
+    eng.shutdown()
+    eng.shutdown()  # twice is fine
+    for call in (lambda: eng.generate(prompt="hi"), eng.get_server_info, lambda: eng.unload_lora_adapter("x")):
+        with pytest.raises(RuntimeError, match="this Engine was shut down; create a new Engine"):
+            call()
+
+
+def test_an_interrupt_during_startup_leaves_no_engine_process():
+    before = set(multiprocessing.active_children())  # other engines of this test process
+    watcher = interrupt_main_when(lambda: bool(set(multiprocessing.active_children()) - before))
+    with pytest.raises(KeyboardInterrupt):
+        Engine(**ENGINE_ARGS)
+    watcher.join()
+    assert set(multiprocessing.active_children()) <= before  # terminated and joined, not left to finish start-up
+
+
+def test_an_engine_never_shut_down_is_shut_down_at_exit(tmp_path):
+    script = "from sgl_jax_lora import Engine\nEngine(skip_precompile=True, context_length=128, token_buckets=[16])\n"
+    # JAX_PLATFORMS unset, as a user runs it: where libtpu is installed, JAX then loads it, and libtpu's signal
+    # handler prints a crash dump for a process ended by SIGTERM (what multiprocessing does to a child at exit)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SIGTERM" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
