@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 from sgl_jax_lora.utils.config_file import read_config_file
@@ -261,10 +262,7 @@ class ServerArgs:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        for name in ("request_body_timeout", "health_check_timeout"):
-            timeout = getattr(self, name)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {timeout!r}")
+        self._validate_timeouts()
         threads = self.warmup_compile_threads
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
             raise ValueError(
@@ -278,11 +276,21 @@ class ServerArgs:
                     "leave it unset for the platform's default"
                 )
         self._validate_queue_limit()
-        if not isinstance(self.shutdown_timeout, (int, float)) or not 0 <= self.shutdown_timeout < float("inf"):
-            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         self._validate_multi_host()
         if self.chunked_prefill_size is not None and self.max_prefill_seqs > self.chunked_prefill_size:
             raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+
+    def _validate_timeouts(self) -> None:
+        for name, zero_ok in (
+            ("request_body_timeout", False),
+            ("health_check_timeout", False),
+            ("shutdown_timeout", True),
+        ):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and not zero_ok):
+                kind = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
+                raise ValueError(f"--{name.replace('_', '-')} must be {kind}, got {value!r}")
 
     def _validate_queue_limit(self) -> None:
         queued = self.max_queued_requests
