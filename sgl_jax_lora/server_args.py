@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 
 from sgl_jax_lora.utils.config_file import read_config_file
@@ -224,100 +223,15 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        choices = {
-            "dtype": DTYPES,
-            "lora_backend": LORA_BACKENDS,
-            "attention_backend": ATTENTION_FLAGS,
-            "sampling_defaults": SAMPLING_DEFAULTS,
-            "kv_cache_dtype": KV_CACHE_DTYPES,
-            "scheduling_policy": SCHEDULING_POLICIES,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} '{getattr(self, name)}' is not supported; choose one of {allowed}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"--quantization '{self.quantization}' is not supported; choose one of {QUANTIZATIONS} or leave it unset"
-            )
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"--load-format '{self.load_format}' is not supported; choose auto or dummy")
-        positive = (
-            "tp_size",
-            "page_size",
-            "max_running_requests",
-            "chunked_prefill_size",
-            "max_prefill_seqs",
-            "max_loras_per_batch",
-            "max_loras_registered",
-            "max_lora_name_length",
-            "max_request_body_bytes",
-            "max_requests_per_call",
-            "max_stop_strings",
-            "max_stop_string_chars",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if name == "chunked_prefill_size" and value is None:  # the default: step_token_budget
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        self._validate_timeouts()
-        threads = self.warmup_compile_threads
-        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
-            raise ValueError(
-                f"--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got {threads!r}"
-            )
-        for name in ("lora_fused_gemm_min_tokens", "gpu_gemm_min_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be 0 (off) or a positive token count, got {value!r}; "
-                    "leave it unset for the platform's default"
-                )
-        self._validate_queue_limit()
-        self._validate_multi_host()
-        if self.chunked_prefill_size is not None and self.max_prefill_seqs > self.chunked_prefill_size:
-            raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+        """ValueError naming the flag and the fix for any setting that cannot work (server_args_checks.py)."""
+        from sgl_jax_lora.server_args_checks import check_server_args
 
-    def _validate_timeouts(self) -> None:
-        for name, zero_ok in (
-            ("request_body_timeout", False),
-            ("health_check_timeout", False),
-            ("shutdown_timeout", True),
-        ):
-            value = getattr(self, name)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not number or value < 0 or (value == 0 and not zero_ok):
-                kind = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
-                raise ValueError(f"--{name.replace('_', '-')} must be {kind}, got {value!r}")
-
-    def _validate_queue_limit(self) -> None:
-        queued = self.max_queued_requests
-        if queued is not None and (not isinstance(queued, int) or isinstance(queued, bool) or queued < 0):
-            raise ValueError(
-                f"--max-queued-requests must be 0 or a positive integer, got {queued!r}; leave it unset for no limit"
-            )
+        check_server_args(self)
 
     def step_token_budget(self, context_length: int) -> int:
         """--chunked-prefill-size as given (a step's tokens span many prompts, so the context does not bound it), or
         by default DEFAULT_CHUNKED_PREFILL_SIZE capped at the context length (small models keep small programs)."""
         return self.chunked_prefill_size or min(DEFAULT_CHUNKED_PREFILL_SIZE, context_length)
-
-    def _validate_multi_host(self) -> None:
-        for name in ("nnodes", "dist_heartbeat_timeout", "dist_init_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, --nnodes {self.nnodes}), got {self.node_rank!r}")
-        if self.nnodes > 1:
-            host, _, port = (self.dist_init_addr or "").rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(
-                    f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's address and a free port, "
-                    f"the same on every node), got {self.dist_init_addr!r}"
-                )
 
     @classmethod
     def from_kwargs(cls, config: str | None = None, **kwargs) -> ServerArgs:

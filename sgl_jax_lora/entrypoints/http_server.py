@@ -37,6 +37,7 @@ from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
+from sgl_jax_lora.managers.engine_client import EngineStartupError
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
@@ -187,7 +188,7 @@ async def _start_engine(state: ServerState) -> None:
     try:
         tm = await built
     except Exception as e:
-        state.startup_error = f"{type(e).__name__}: {e}"
+        state.startup_error = e.reason if isinstance(e, EngineStartupError) else f"{type(e).__name__}: {e}"
         logger.error("engine failed to start: %s", state.startup_error)
         _exit_after_engine_failure(state, delay=0.0)
         return

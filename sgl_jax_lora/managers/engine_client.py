@@ -47,6 +47,14 @@ class EngineDeadError(RuntimeError):
     """The engine process exited."""
 
 
+class EngineStartupError(RuntimeError):
+    """The engine process reported that it could not start; `reason` is its error, as "Type: message"."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"engine failed to start: {reason}")
+        self.reason = reason
+
+
 class ServerBusyError(RuntimeError):
     """A request was refused because the server already holds as many as --max-queued-requests allows."""
 
@@ -91,7 +99,7 @@ class EngineClient:
             raise EngineDeadError(f"engine process exited during startup (exit code {self.process.exitcode})") from None
         if isinstance(msg, StartupError):
             self.process.join(timeout=10)
-            raise RuntimeError(f"engine failed to start: {msg.message}")
+            raise EngineStartupError(msg.message)
         if not isinstance(msg, Ready):
             raise RuntimeError(f"engine failed to start: it sent {type(msg).__name__} before Ready")
         return msg

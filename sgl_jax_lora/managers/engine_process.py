@@ -71,7 +71,10 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
 
         core = EngineCore(args, model_path, tokenizer_eos)
     except Exception as e:  # startup errors go back to the frontend, which raises them
-        logger.exception("engine failed to start")
+        if isinstance(e, (ValueError, OSError)):  # a setting, a model or adapter file: the message says it all
+            logger.error("engine failed to start: %s: %s", type(e).__name__, e)
+        else:
+            logger.exception("engine failed to start")
         conn.send_bytes(encode(StartupError(f"{type(e).__name__}: {e}")))
         return
     freeze_startup_objects()  # a full collection while serving then walks only the requests' objects

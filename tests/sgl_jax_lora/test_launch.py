@@ -78,6 +78,13 @@ def test_a_port_in_use_exits_1_naming_it_before_the_engine_starts():
     assert result.returncode == 1 and "error: --host 'no-such-host.invalid' is not an address" in result.stderr
 
 
+def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alone():
+    result = run_launch("--lora-paths", "a=/no/such/adapter", "--skip-precompile")
+    assert result.returncode == 1
+    assert "engine failed to start: LoRAAdapterError: adapter 'a'" in result.stderr
+    assert "Traceback" not in result.stderr  # a setting's error, not a crash
+
+
 @pytest.mark.slow
 def test_readme_command_serves_then_sigterm_leaves_no_orphan():
     server = start_server([], timeout_s=STARTUP_TIMEOUT_S)  # only --port is added

@@ -22,6 +22,7 @@ LAYERS = [
     "demo",  # the embedded demo corpus and tokenizer (data shipped in the package)
     "demo_model",  # the embedded demo model's files
     "server_args",  # every setting, one dataclass
+    "server_args_checks",  # the settings' checks (ServerArgs.validate calls them)
     "configs",  # ModelConfig, the compiled buckets
     "layers",  # sharding, linears, norm, rotary, paged attention, weight layout
     "mem_cache",  # KV cache, page allocator, prefix cache

@@ -162,3 +162,39 @@ def test_the_health_check_timeout_is_a_positive_number_of_seconds(value):
     assert ServerArgs().health_check_timeout == 20.0
     with pytest.raises(ValueError, match="--health-check-timeout must be a positive number of seconds"):
         ServerArgs(health_check_timeout=value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(port=70000), r"--port must be in \[0, 65535\]"),
+        (dict(port=-1), r"--port must be in \[0, 65535\]"),
+        (dict(host=" "), "--host must be an address to listen on"),
+        (dict(api_key=""), "--api-key is empty, which would leave the server open to anyone"),
+        (dict(served_model_name=""), "--served-model-name is empty"),
+        (dict(context_length=0), "--context-length must be a positive integer, got 0; leave it unset"),
+        (dict(context_length=-1), "--context-length must be a positive integer"),
+        (dict(max_total_tokens=-5), "--max-total-tokens must be a positive integer"),
+        (dict(max_lora_rank=0), "--max-lora-rank must be a positive integer"),
+        (dict(mem_fraction_static=float("nan")), r"--mem-fraction-static must be a fraction in \(0, 1\]"),
+        (dict(mem_fraction_static=1.5), r"--mem-fraction-static must be a fraction in \(0, 1\]"),
+        (dict(layers_per_scan_step=-1), "--layers-per-scan-step must be 0 or a positive integer"),
+        (dict(token_buckets=[16, 0]), "--token-buckets must be positive integers"),
+        (dict(lora_segment_buckets=[-1]), "--lora-segment-buckets must be positive integers"),
+        (dict(lora_paths=["=/adapters/a"]), "needs a name and a path"),
+        (dict(lora_paths=["a="]), "needs a name and a path"),
+        (dict(lora_paths=["a=/x", "a=/y"]), "--lora-paths names 'a' more than once"),
+        (dict(model_path="/models/m", lora_paths=["/models/m=/x"]), "takes the base model's name"),
+        (dict(lora_allowed_dirs=["/no/such/dir"]), "--lora-allowed-dirs entry '/no/such/dir' is not an existing dir"),
+    ],
+)
+def test_settings_that_cannot_work_are_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_an_allowed_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        ServerArgs(lora_allowed_dirs=[str(tmp_path / "file")])
+    assert ServerArgs(lora_allowed_dirs=[str(tmp_path)]).enable_lora

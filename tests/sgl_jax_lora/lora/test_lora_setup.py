@@ -107,7 +107,7 @@ def test_max_lora_rank_caps_the_adapters(model_dir, tmp_path):
 
 def test_duplicate_names_and_unknown_target_modules_are_refused(model_dir, tmp_path):
     a, b = write_adapter(tmp_path / "a", rank=4), write_adapter(tmp_path / "b", rank=4)
-    with pytest.raises(ValueError, match=r"names \['x'\] more than once"):
+    with pytest.raises(ValueError, match=r"--lora-paths names 'x' more than once"):  # by ServerArgs
         setup(model_dir, lora_paths=[f"x={a}", f"x={b}"])
     with pytest.raises(ValueError, match=r"\['embed_tokens'\] are not supported"):
         setup(model_dir, lora_target_modules=["q_proj", "embed_tokens"])
