@@ -97,13 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp_size}".strip()
+    from safetensors import SafetensorError
+
     from sgl_jax_lora.configs.model_config import ModelConfigError
 
     start = time.perf_counter()
     try:
         convert(args.model_path, args.output_dir, args.tp_size, args.dtype)
-    except ModelConfigError as e:
-        sys.exit(f"error: {e}")
+    except (ModelConfigError, OSError, SafetensorError) as e:  # a model file or the output directory: no traceback
+        sys.exit(f"error: {type(e).__name__}: {e}" if not isinstance(e, ModelConfigError) else f"error: {e}")
     print(
         f"wrote {args.output_dir} ({args.dtype}, tp {args.tp_size}) in {time.perf_counter() - start:.1f} s; serve it with\n"
         f"  python -m sgl_jax_lora.launch --model-path {args.output_dir} --tp-size {args.tp_size} --dtype {args.dtype}"

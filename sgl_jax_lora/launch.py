@@ -75,7 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so that `--help` and flag errors answer at once, without loading transformers.
     from sgl_jax_lora.entrypoints.http_server import run_server
 
-    args, model_path = with_demo_defaults(args)
+    try:
+        args, model_path = with_demo_defaults(args)
+    except OSError as e:  # the demo model's files are written to a cache directory first
+        print(
+            f"error: cannot write the demo model's files ({e}); set SGL_JAX_LORA_CACHE to a writable directory, or "
+            "pass --model-path DIR",
+            file=sys.stderr,
+        )
+        return 1
     if args.node_rank > 0:  # multi-host: this node replays node 0's steps and answers /health only
         from sgl_jax_lora.distributed.follower import run_follower
 

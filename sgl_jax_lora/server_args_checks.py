@@ -64,6 +64,7 @@ def check_server_args(args: ServerArgs) -> None:
     if args.chunked_prefill_size is not None and args.max_prefill_seqs > args.chunked_prefill_size:
         raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
     _check_network(args)
+    _check_paths(args)
     _check_lora(args)
     _check_multi_host(args)
 
@@ -145,9 +146,19 @@ def _check_network(args: ServerArgs) -> None:
         raise ValueError("--served-model-name is empty; give the name clients send as `model`, or leave it unset")
 
 
+def _check_paths(args: ServerArgs) -> None:
+    """--tokenizer-path names a directory (a missing one would be taken for a model hub id by the tokenizer's loader;
+    --model-path is checked where the model is read, configs/model_config.py `check_model_dir`)."""
+    path = args.tokenizer_path
+    if path is not None and args.node_rank == 0 and not os.path.isdir(path):
+        raise ValueError(f"--tokenizer-path '{path}' is not a directory; give the directory of the tokenizer's files")
+
+
 def _check_lora(args: ServerArgs) -> None:
+    from sgl_jax_lora.demo_model import DEMO_VERSION
     from sgl_jax_lora.server_args import parse_lora_path_spec, served_model_name
 
+    base_name = served_model_name(args, args.model_path or f"demo-model-{DEMO_VERSION}")  # launch's demo directory
     names: set[str] = set()
     for spec in args.lora_paths or []:
         entry = parse_lora_path_spec(spec)
@@ -156,7 +167,7 @@ def _check_lora(args: ServerArgs) -> None:
             raise ValueError(f"--lora-paths entry {spec!r} needs a name and a path: NAME=PATH, PATH or JSON")
         if name in names:
             raise ValueError(f"--lora-paths names '{name}' more than once; give each adapter its own name")
-        if args.model_path is not None and name == served_model_name(args, args.model_path):
+        if name == base_name:
             raise ValueError(
                 f"--lora-paths entry '{name}' takes the base model's name, which requests use for the base model; "
                 "name the adapter otherwise"
@@ -174,7 +185,7 @@ def _check_multi_host(args: ServerArgs) -> None:
         raise ValueError(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {args.node_rank!r}")
     if args.nnodes > 1:
         host, _, port = (args.dist_init_addr or "").rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(
                 f"--nnodes {args.nnodes} needs --dist-init-addr HOST:PORT (node 0's address and a free port, the "
                 f"same on every node), got {args.dist_init_addr!r}"

@@ -339,7 +339,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    args.port = sock.getsockname()[1]  # --port 0: the one the system chose, in every line and in server info
     app = create_app(args, model_path)
     # Idle keep-alive connections stay open longer than clients keep them (httpx: 5 s), so a client never sends a
     # request on a connection the server is closing at that moment (the request would fail with a dropped read).
@@ -366,7 +366,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     print(
-        f"sgl_jax_lora listening on http://{args.host}:{port} (engine starting; GET /health turns 200 when ready)",
+        f"sgl_jax_lora listening on http://{args.host}:{args.port} (engine starting; GET /health turns 200 when ready)",
         flush=True,
     )
     if args.model_path is None:

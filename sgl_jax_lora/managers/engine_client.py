@@ -96,7 +96,9 @@ class EngineClient:
             msg = decode(self._conn.recv_bytes())
         except EOFError:
             self.process.join(timeout=5)
-            raise EngineDeadError(f"engine process exited during startup (exit code {self.process.exitcode})") from None
+            code = self.process.exitcode
+            hint = "; killed by SIGKILL: out of host memory? (lower the sizes it allocates)" if code == -9 else ""
+            raise EngineDeadError(f"engine process exited during startup (exit code {code}){hint}") from None
         if isinstance(msg, StartupError):
             self.process.join(timeout=10)
             raise EngineStartupError(msg.message)

@@ -61,6 +61,9 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
     enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
+    from safetensors import SafetensorError
+
+    refusals = (ValueError, OSError, MemoryError, SafetensorError)
     try:
         args = ServerArgs(**args_dict)
         if args.nnodes > 1:  # node 0 of a multi-host engine: join the other nodes before touching a device
@@ -71,7 +74,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
 
         core = EngineCore(args, model_path, tokenizer_eos)
     except Exception as e:  # startup errors go back to the frontend, which raises them
-        if isinstance(e, (ValueError, OSError)):  # a setting, a model or adapter file: the message says it all
+        if isinstance(e, refusals):  # a setting, a model or adapter file, memory: the message says it all
             logger.error("engine failed to start: %s: %s", type(e).__name__, e)
         else:
             logger.exception("engine failed to start")

@@ -200,3 +200,9 @@ def test_bad_conversion_inputs_fail_before_writing_anything(converted, tmp_path,
         convert(demo_model_path(), str(tmp_path / "out"), tp_size=3)
     assert not (tmp_path / "out").exists()
     assert os.listdir(tmp_path / "busy") == ["keep.txt"]
+    truncated = tmp_path / "truncated"
+    shutil.copytree(demo_model_path(), truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(SystemExit, match=r"error: SafetensorError: "):  # a message, not a traceback
+        main(["--model-path", str(truncated), "--output-dir", str(tmp_path / "out")])

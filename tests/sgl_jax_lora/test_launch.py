@@ -85,6 +85,26 @@ def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alon
     assert "Traceback" not in result.stderr  # a setting's error, not a crash
 
 
+def test_an_unwritable_cache_for_the_demo_model_is_named():
+    env = {**os.environ, "SGL_JAX_LORA_CACHE": "/proc/no-such-cache"}
+    result = subprocess.run(
+        [sys.executable, "-m", "sgl_jax_lora.launch", "--skip-precompile"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: cannot write the demo model's files" in result.stderr and "SGL_JAX_LORA_CACHE" in result.stderr
+
+
+def test_the_listening_socket_takes_a_free_port_for_port_0():
+    from sgl_jax_lora.entrypoints.http_server import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as sock:
+        assert sock.getsockname()[1] > 0  # run_server prints and serves this port, not 0
+
+
 @pytest.mark.slow
 def test_readme_command_serves_then_sigterm_leaves_no_orphan():
     server = start_server([], timeout_s=STARTUP_TIMEOUT_S)  # only --port is added

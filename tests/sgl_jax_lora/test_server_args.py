@@ -185,6 +185,7 @@ def test_the_health_check_timeout_is_a_positive_number_of_seconds(value):
         (dict(lora_paths=["a="]), "needs a name and a path"),
         (dict(lora_paths=["a=/x", "a=/y"]), "--lora-paths names 'a' more than once"),
         (dict(model_path="/models/m", lora_paths=["/models/m=/x"]), "takes the base model's name"),
+        (dict(lora_paths=["demo-model-v2=/x"]), "takes the base model's name"),  # the demo's
         (dict(lora_allowed_dirs=["/no/such/dir"]), "--lora-allowed-dirs entry '/no/such/dir' is not an existing dir"),
     ],
 )
@@ -198,3 +199,11 @@ def test_an_allowed_dir_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is not an existing directory"):
         ServerArgs(lora_allowed_dirs=[str(tmp_path / "file")])
     assert ServerArgs(lora_allowed_dirs=[str(tmp_path)]).enable_lora
+
+
+def test_a_tokenizer_path_and_a_node_0_address_that_cannot_work_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-path '/no/such/dir' is not a directory"):
+        ServerArgs(tokenizer_path="/no/such/dir")
+    assert ServerArgs(tokenizer_path=str(tmp_path)).tokenizer_path == str(tmp_path)
+    with pytest.raises(ValueError, match="needs --dist-init-addr HOST:PORT"):
+        ServerArgs(nnodes=2, dist_init_addr="host:99999")

@@ -2,7 +2,7 @@
 
 `run_fake_engine(args_dict, model_path, conn, tokenizer_eos)` is spawned like
 managers/engine_process.run_engine_process; the model path picks its behaviour: "fail" answers StartupError,
-"crash" exits before answering, anything else answers Ready and then serves: a GenerateRequest gets one finished
+"crash" exits before answering, "oom" is killed by SIGKILL before answering, anything else answers Ready and then serves: a GenerateRequest gets one finished
 EngineOutput (its prompt echoed), or a RequestFailed when its rid starts with "refuse"; rid "die" makes the process
 exit at once; ServerInfoCall is answered with FAKE_INFO, UnloadLoRACall with an error; ShutdownRequest ends it.
 """
@@ -10,6 +10,7 @@ exit at once; ServerInfoCall is answered with FAKE_INFO, UnloadLoRACall with an 
 from __future__ import annotations
 
 import os
+import signal
 from multiprocessing.connection import Connection
 
 from sgl_jax_lora.managers.io_struct import (
@@ -34,6 +35,8 @@ FAKE_INFO = {"context_length": 64, "max_total_tokens": 128, "vocab_size": 100, "
 def run_fake_engine(args_dict: dict, model_path: str, conn: Connection, tokenizer_eos: tuple[int, ...]) -> None:
     if model_path == "crash":
         os._exit(3)
+    if model_path == "oom":  # what the kernel's OOM killer does
+        os.kill(os.getpid(), signal.SIGKILL)
     if model_path == "fail":
         conn.send_bytes(encode(StartupError("ValueError: no such model")))
         return

@@ -55,6 +55,11 @@ def test_an_engine_that_dies_during_startup_is_reported():
         make_client("crash")
 
 
+def test_an_engine_killed_during_startup_is_reported_with_the_likely_cause():
+    with pytest.raises(EngineDeadError, match=r"exit code -9\); killed by SIGKILL: out of host memory\?"):
+        make_client("oom")
+
+
 def test_calls_get_their_replies_and_outputs_reach_their_request():
     async def scenario(client: EngineClient) -> None:
         await started(client)
