@@ -39,6 +39,32 @@ class ModelConfigError(ValueError):
     """A model directory or its config.json cannot be served."""
 
 
+_POSITIVE_INTS = (*_REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_numbers(raw: dict, model_path: str) -> None:
+    """ModelConfigError naming the field of config.json whose number no model can have: sizes and counts positive
+    integers, rms_norm_eps a positive finite number, the heads a multiple of the key-value heads."""
+    where = f"config.json of '{model_path}'"
+    for name in _POSITIVE_INTS:
+        value = raw.get(name)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ModelConfigError(f"{where}: {name} must be a positive integer, got {value!r}; fix the config")
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ModelConfigError(f"{where}: rms_norm_eps must be a positive finite number, got {eps!r}; fix the config")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    if not raw.get("head_dim") and raw["hidden_size"] % heads:
+        raise ModelConfigError(
+            f"{where}: hidden_size {raw['hidden_size']} is not a multiple of num_attention_heads {heads} (and no "
+            "head_dim is given); fix the config"
+        )
+
+
 def check_model_dir(model_path: str) -> None:
     """ModelConfigError unless `model_path` is a directory (checked before anything reads it: the tokenizer's
     loader would take a missing path for a model hub id)."""
@@ -112,10 +138,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, model_path: str = "") -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"config.json of '{model_path}' holds a {type(raw).__name__}, not a JSON object")
         architecture = _architecture_of(raw)
         missing = [k for k in _REQUIRED_FIELDS if k not in raw]
         if missing:
             raise ModelConfigError(f"config.json of '{model_path}' lacks required field(s) {missing}")
+        _check_numbers(raw, model_path)
         qkv_bias, qk_norm = ARCHITECTURE_FLAGS[architecture]
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])

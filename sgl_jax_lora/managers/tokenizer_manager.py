@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from transformers import AutoTokenizer
 
-from sgl_jax_lora.configs.model_config import check_model_dir
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError, parse_peft_config
@@ -62,7 +62,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
         self.model_path = model_path
-        check_model_dir(model_path)
+        ModelConfig.from_model_path(model_path)  # its errors before the tokenizer's loader reads config.json its way
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
         # under each request's own sampling params; read (and checked) before the engine starts compiling
         self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}

@@ -134,6 +134,24 @@ def test_refusals_name_the_problem():
         ModelConfig.from_dict({k: v for k, v in LLAMA.items() if k != "intermediate_size"})
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_hidden_layers": -2}, "num_hidden_layers must be a positive integer, got -2"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a positive finite number, got nan"),
+        ({"num_key_value_heads": 3}, "num_attention_heads 8 is not a multiple of num_key_value_heads 3"),
+        ({"hidden_size": 250}, "hidden_size 250 is not a multiple of num_attention_heads 8"),
+    ],
+)
+def test_numbers_no_model_can_have_are_named(change, message):
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict({**LLAMA, **change})
+
+
 def test_model_path_checks(tmp_path):
     with pytest.raises(ModelConfigError, match="is not a directory; pass --model-path DIR"):
         ModelConfig.from_model_path(str(tmp_path / "absent"))
@@ -141,6 +159,9 @@ def test_model_path_checks(tmp_path):
         ModelConfig.from_model_path(str(tmp_path))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelConfigError, match="is not valid JSON"):
+        ModelConfig.from_model_path(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match="holds a list, not a JSON object"):
         ModelConfig.from_model_path(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     assert ModelConfig.from_model_path(str(tmp_path)).model_path == str(tmp_path)
