@@ -1,7 +1,7 @@
 """GET /health_generate: whether the engine still makes progress, for a liveness probe that must tell a stuck engine
 from a busy one (GET /health answers for the processes alone: a wedged engine process still passes it).
 
-Flow: the route -> `check_engine_progress(state)`: one check at a time (checks that arrive meanwhile share it). It
+Flow: the route -> `check_engine_progress(tm, timeout)`: one check at a time (checks that arrive meanwhile share it). It
 sends a 1-token greedy request on the base model and passes as soon as the engine sends anything (that request's
 token, or any other request's output or any call's reply: a busy engine answers with its running requests' tokens
 long before a new request would be admitted) within --health-check-timeout seconds; the request is aborted when the

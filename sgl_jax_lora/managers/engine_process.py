@@ -82,6 +82,9 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
         return
     freeze_startup_objects()  # a full collection while serving then walks only the requests' objects
     conn.send_bytes(encode(Ready(info=core.server_info(), pid=os.getpid())))
+    # A service manager's stop signals the whole group: the frontend drains and then shuts us down, so SIGTERM must
+    # not end the engine under its running requests (or print libtpu's crash dump); a dead frontend closes the pipe
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     EngineLoop(core, conn).run()
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 

@@ -120,6 +120,24 @@ def test_sigterm_drains_then_exits_zero(server):
         pytest.fail("the server did not exit after draining")
 
 
+def test_sigterm_to_the_whole_group_drains_too(server):
+    """What a service manager's stop does (systemd signals every process of the unit): the engine ignores it and
+    keeps serving while the frontend drains."""
+    body = {"text": "Once upon a time", "sampling_params": LONG, "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as response:
+        lines = response.iter_lines()
+        assert sse_events(line for line, _ in zip(lines, range(2)))  # running
+        os.kill(engine_pid(server.url), signal.SIGTERM)
+        server.process.send_signal(signal.SIGTERM)
+        events = sse_events(lines)
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    try:
+        assert server.process.wait(timeout=120) == 0
+    except subprocess.TimeoutExpired:
+        pytest.fail("the server did not exit after draining")
+    assert "SIGTERM received" not in server.log_text()
+
+
 @pytest.fixture
 def doomed_server():
     # a longer context, so that its requests are still decoding when the engine is killed
