@@ -103,38 +103,41 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(refus
     assert short.status_code == 400 and "prompt has" in short.json()["error"]["message"]
 
 
-def test_sigterm_drains_then_exits_zero(server):
+def drain_a_running_stream(server, stop, while_draining=lambda: None) -> None:
+    """Start a 200-token stream, call `stop()` once it runs and `while_draining()` after; the stream must finish whole
+    and the server exit 0."""
     body = {"text": "Once upon a time", "sampling_params": LONG, "stream": True}
     with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as response:
         lines = response.iter_lines()
         assert sse_events(line for line, _ in zip(lines, range(2)))  # running
-        server.process.send_signal(signal.SIGTERM)
-        refused = httpx.post(server.url + "/generate", json={"text": "hi"}, timeout=60)
-        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        assert httpx.get(server.url + "/health", timeout=60).status_code == 503
+        stop()
+        while_draining()
         events = sse_events(lines)
     assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
     try:
         assert server.process.wait(timeout=120) == 0
     except subprocess.TimeoutExpired:
         pytest.fail("the server did not exit after draining")
+
+
+def test_sigterm_drains_then_exits_zero(server):
+    def refused_meanwhile():
+        refused = httpx.post(server.url + "/generate", json={"text": "hi"}, timeout=60)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 503
+
+    drain_a_running_stream(server, lambda: server.process.send_signal(signal.SIGTERM), refused_meanwhile)
 
 
 def test_sigterm_to_the_whole_group_drains_too(server):
     """What a service manager's stop does (systemd signals every process of the unit): the engine ignores it and
     keeps serving while the frontend drains."""
-    body = {"text": "Once upon a time", "sampling_params": LONG, "stream": True}
-    with httpx.stream("POST", server.url + "/generate", json=body, timeout=300) as response:
-        lines = response.iter_lines()
-        assert sse_events(line for line, _ in zip(lines, range(2)))  # running
+
+    def stop_every_process():
         os.kill(engine_pid(server.url), signal.SIGTERM)
         server.process.send_signal(signal.SIGTERM)
-        events = sse_events(lines)
-    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
-    try:
-        assert server.process.wait(timeout=120) == 0
-    except subprocess.TimeoutExpired:
-        pytest.fail("the server did not exit after draining")
+
+    drain_a_running_stream(server, stop_every_process)
     assert "SIGTERM received" not in server.log_text()
 
 
