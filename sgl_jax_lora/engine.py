@@ -74,9 +74,9 @@ class Engine:
         `n` in the sampling params (the same for every prompt) samples each prompt n times: a list of
         results, prompt-major (sampling/parallel_sampling.py). `priority`: lower is admitted first, with
         `scheduling_policy="priority"`."""
-        _check_flag("return_logprob", return_logprob)
         batch = normalize(
-            *map(_plain, (prompt, input_ids, sampling_params, lora_path, return_logprob)),
+            *map(_plain, (prompt, input_ids, sampling_params, lora_path)),
+            _flag("return_logprob", return_logprob),
             *map(_plain, (logprob_start_len, top_logprobs_num)),
             dialect=ENGINE,
             priority=_plain(priority),
@@ -103,19 +103,20 @@ class Engine:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str | os.PathLike, pinned: bool = False) -> dict:
         """Register an adapter while the engine runs (the offline caller is the operator: any path)."""
-        _check_flag("pinned", pinned)
         path = os.fspath(lora_path) if isinstance(lora_path, os.PathLike) else lora_path
-        return self._run(self.tokenizer_manager.load_lora_adapter(lora_name, path, bool(pinned), trusted=True))
+        return self._run(
+            self.tokenizer_manager.load_lora_adapter(lora_name, path, _flag("pinned", pinned), trusted=True)
+        )
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict, config: dict, pinned: bool = False) -> dict:
         """Register an adapter held in memory: `tensors` maps PEFT tensor names ("...q_proj.lora_A.weight") to numpy,
         JAX or torch arrays, `config` holds adapter_config.json's fields (r, lora_alpha, target_modules, ...). Same checks
         and device path as a load from disk; nothing is compiled."""
-        _check_flag("pinned", pinned)
+        pinned = _flag("pinned", pinned)
         with TensorFile.from_arrays(lora_name, tensors) as tensor_file:
             return self._run(
                 self.tokenizer_manager.load_lora_adapter_from_tensors(
-                    lora_name, tensor_file, _plain_config(config), bool(pinned)
+                    lora_name, tensor_file, _plain_config(config), pinned
                 )
             )
 
@@ -163,9 +164,12 @@ def _plain(value: object) -> object:
     return value
 
 
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(_plain(value), bool):
+def _flag(name: str, value: object) -> bool:
+    """A True/False argument (numpy's bool too) as a bool; ValueError for anything else ("no" is not False)."""
+    plain = _plain(value)
+    if not isinstance(plain, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
+    return plain
 
 
 def _plain_config(config: dict) -> dict:

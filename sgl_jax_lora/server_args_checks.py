@@ -148,7 +148,7 @@ def _check_network(args: ServerArgs) -> None:
 
 def _check_paths(args: ServerArgs) -> None:
     """--tokenizer-path names a directory (a missing one would be taken for a model hub id by the tokenizer's loader;
-    --model-path is checked where the model is read, configs/model_config.py `check_model_dir`)."""
+    --model-path is checked where the model's config is read, `ModelConfig.from_model_path`, by the frontend first)."""
     path = args.tokenizer_path
     if path is not None and args.node_rank == 0 and not os.path.isdir(path):
         raise ValueError(f"--tokenizer-path '{path}' is not a directory; give the directory of the tokenizer's files")

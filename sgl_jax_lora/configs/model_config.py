@@ -65,16 +65,6 @@ def _check_numbers(raw: dict, model_path: str) -> None:
         )
 
 
-def check_model_dir(model_path: str) -> None:
-    """ModelConfigError unless `model_path` is a directory (checked before anything reads it: the tokenizer's
-    loader would take a missing path for a model hub id)."""
-    if not os.path.isdir(model_path):
-        raise ModelConfigError(
-            f"model path '{model_path}' is not a directory; pass --model-path DIR with an HF model "
-            "(config.json + *.safetensors + tokenizer files), or omit it to serve the demo model"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float
@@ -118,7 +108,11 @@ class ModelConfig:
 
     @classmethod
     def from_model_path(cls, model_path: str) -> ModelConfig:
-        check_model_dir(model_path)
+        if not os.path.isdir(model_path):
+            raise ModelConfigError(
+                f"model path '{model_path}' is not a directory; pass --model-path DIR with an HF model "
+                "(config.json + *.safetensors + tokenizer files), or omit it to serve the demo model"
+            )
         config_file = os.path.join(model_path, "config.json")
         if not os.path.isfile(config_file):
             raise ModelConfigError(f"model path '{model_path}' has no config.json; it must be an HF model directory")

@@ -44,11 +44,8 @@ class LoRASetup:
         with open(os.path.join(model_path, "config.json")) as f:
             self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
         self.target_modules = _target_modules(args.lora_target_modules)
+        # entries parsed and names unique: ServerArgs checked them (server_args_checks.py)
         self.initial_refs = [LoRARef(**parse_lora_path_spec(spec)) for spec in args.lora_paths or []]
-        names = [r.lora_name for r in self.initial_refs]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"--lora-paths names {duplicates} more than once; give each adapter a distinct NAME=PATH")
         self.loader_max_rank: int | None = args.max_lora_rank
         self.in_memory: dict[str, tuple[LoRAAdapter, dict]] = {}  # lora_id -> (host adapter, its config dict)
         self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
