@@ -24,6 +24,7 @@ from sgl_jax_lora.utils.quiet import quiet_platform_probes
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sgl_jax_lora.launch",
+        allow_abbrev=False,  # `--conf` or `--max-run 8` is an unknown flag, not a guess at one
         description="Serve one base model and many LoRA adapters over HTTP (SGLang /generate and the OpenAI API).",
     )
     parser.add_argument(
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """argv (with an optional --config FILE) -> validated ServerArgs; exits 2 naming the problem."""
     parser = build_parser()
-    config_only = argparse.ArgumentParser(add_help=False)
+    config_only = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     config_only.add_argument("--config")
     known, _ = config_only.parse_known_args(argv)
     if known.config:

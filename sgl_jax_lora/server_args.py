@@ -24,6 +24,7 @@ QUANTIZATIONS = ("fp8",)  # layers/fp8.py
 SAMPLING_DEFAULTS = ("model", "openai")  # configs/generation_config.py
 SCHEDULING_POLICIES = ("fcfs", "priority")  # managers/request_priority.py checks each request under them
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/sgl_jax_lora/xla-cache"
 
 
 def _f(default, help: str, **kwargs):  # noqa: A002 - mirrors argparse's own name
@@ -139,7 +140,9 @@ class ServerArgs:
         "token buckets (decode, prefill or mixed steps) of at least this many tokens compute every decoder layer linear's base GEMM (q|k|v, o, gate|up, down) with a Mosaic GPU kernel that reads the layer's weight in place, instead of XLA's dot (modules that do not fit its tiles, and non-bfloat16 models, keep XLA's dot); 0 turns it off; default on one Hopper GPU: 256 (where the step is faster than with XLA's GEMMs), off elsewhere and with --tp-size above 1 (the kernel under tensor parallelism has not run on GPUs yet; set it to use it there); other GPUs and CPU compute that path with the kernel's pure-JAX reference when set",
     )
     compilation_cache_dir: str = _f(
-        "~/.cache/sgl_jax_lora/xla-cache", "persistent XLA compilation cache, so restarts skip compiling ('' disables)"
+        DEFAULT_COMPILATION_CACHE_DIR,
+        "persistent XLA compilation cache, so restarts skip compiling ('' disables; the default is skipped with a "
+        "warning where it cannot be written)",
     )
     # LoRA
     enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")
@@ -254,7 +257,8 @@ class ServerArgs:
             meta = dict(field.metadata)
             help_text = meta.pop("help")
             if field.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=field.default, help=help_text)
+                # --X / --no-X: a flag a --config file turns on can be turned off on the command line
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
                 continue
             arg_type = meta.pop("type", None) or _scalar_type(field.type)
             parser.add_argument(

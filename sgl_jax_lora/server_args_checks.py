@@ -4,9 +4,10 @@ the fix.
 
 Flow: ServerArgs.__post_init__ -> `check_server_args(args)` -> the checks by kind: choices, counts, optional counts
 and bucket lists, seconds, fractions, the network settings, the LoRA settings (each --lora-paths entry parsed, names
-unique and not the served model's, --lora-allowed-dirs existing directories) and the multi-host settings. What
-depends on the model (a bucket past the context, an adapter's rank past --max-lora-rank) is checked where the model
-is read.
+unique and not the served model's, --lora-allowed-dirs existing directories), a --compilation-cache-dir that can
+be written, and the multi-host settings. What depends on the model (a bucket past the context, an adapter's rank past
+--max-lora-rank) is checked where the model is read. `sizes_set` names the sizing settings a user changed, for a
+startup that ran out of memory.
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ OPTIONAL_POSITIVE_COUNTS = (
 OPTIONAL_COUNTS = ("lora_fused_gemm_min_tokens", "gpu_gemm_min_tokens")  # 0: off; unset: the platform's default
 BUCKET_LISTS = ("token_buckets", "lora_segment_buckets")
 SECONDS = (("request_body_timeout", False), ("health_check_timeout", False), ("shutdown_timeout", True))  # 0 ok?
+
+
+SIZES = (  # the settings that size what the engine allocates at startup (memory errors name those set)
+    "max_running_requests",
+    "chunked_prefill_size",
+    "token_buckets",
+    "context_length",
+    "max_total_tokens",
+    "page_size",
+    "max_loras_per_batch",
+    "max_lora_rank",
+    "max_loaded_loras",
+    "mem_fraction_static",
+)
+
+
+def sizes_set(args_dict: dict) -> str:
+    """'--max-running-requests 4096, --max-lora-rank 512': the sizing settings given other values than their
+    defaults, for a startup that ran out of memory to name ('' when all are the defaults)."""
+    from sgl_jax_lora.server_args import ServerArgs
+
+    defaults = ServerArgs.__dataclass_fields__
+    changed = [name for name in SIZES if name in args_dict and args_dict[name] != defaults[name].default]
+    return ", ".join(f"{flag(name)} {args_dict[name]}" for name in changed)
 
 
 def flag(name: str) -> str:
@@ -152,6 +177,28 @@ def _check_paths(args: ServerArgs) -> None:
     path = args.tokenizer_path
     if path is not None and args.node_rank == 0 and not os.path.isdir(path):
         raise ValueError(f"--tokenizer-path '{path}' is not a directory; give the directory of the tokenizer's files")
+    _check_compilation_cache_dir(args.compilation_cache_dir)
+
+
+def _check_compilation_cache_dir(cache_dir: object) -> None:
+    """A --compilation-cache-dir given on purpose must be usable (JAX would only warn at each compile); the default
+    is not checked here: where it cannot be written the engine compiles without it (`enable_compilation_cache`)."""
+    from sgl_jax_lora.server_args import DEFAULT_COMPILATION_CACHE_DIR
+
+    if not cache_dir or cache_dir == DEFAULT_COMPILATION_CACHE_DIR or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    if not isinstance(cache_dir, str):
+        raise ValueError(f"--compilation-cache-dir must be a path, got {cache_dir!r}")
+    path = os.path.abspath(os.path.expanduser(cache_dir))
+    existing = path
+    while not os.path.exists(existing):  # a directory to be created: its nearest existing ancestor must allow it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+        raise ValueError(
+            f"--compilation-cache-dir {cache_dir}: {existing} {what}; give a writable directory, or '' to compile "
+            "without the cache"
+        )
 
 
 def _check_lora(args: ServerArgs) -> None:

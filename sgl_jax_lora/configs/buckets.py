@@ -51,6 +51,11 @@ class Buckets:
         """Token buckets from MIN_TOKEN_BUCKET up to the most tokens a step holds: the chunk budget, or every running
         request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise.
         max_logit_entries_per_row: the most logit-adjustment entries one request can have (the top entry budget)."""
+        if page_size > context_length:
+            raise ValueError(
+                f"--page-size {page_size} is larger than the context length {context_length}: every request would "
+                f"hold a page of mostly unused KV memory; use a page size of at most {context_length} (16 is usual)"
+            )
         max_pages = -(-context_length // page_size)
         max_tokens = max(chunked_prefill_size, max_running_requests + min(chunked_prefill_size, MIN_PREFILL_TOKENS))
         tokens = checked_buckets("--token-buckets", token_buckets, max_tokens) or powers_of_two(

@@ -2,7 +2,8 @@
 
 Flow: run_engine_process (node 0) or follower.run_follower (nodes 1..N-1) -> `initialize(args)`: each node's own GPU
 autotuning (`tune_each_node_alone`), SIGTERM left to end the process (JAX's preemption service off), gloo
-collectives on CPU, `jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it),
+collectives on CPU, nodes 1..N-1 waiting for node 0's coordinator to listen (`wait_for_coordinator`),
+`jax.distributed.initialize` with the coordinator at --dist-init-addr (node 0 hosts it),
 heartbeats that make every node exit within about --dist-heartbeat-timeout seconds of another's death ->
 `check_mesh_spans_all_devices`.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 
 from sgl_jax_lora.server_args import ServerArgs
 
@@ -29,6 +32,8 @@ def initialize(args: ServerArgs) -> None:
     # would keep running when an operator or a supervisor stops it. Off, SIGTERM ends the node; the others follow
     # within --dist-heartbeat-timeout.
     jax.config.update("jax_enable_preemption_service", False)
+    if args.node_rank > 0:  # JAX aborts the process (no Python error) when it cannot reach the coordinator in time
+        wait_for_coordinator(args)
     try:
         jax.distributed.initialize(
             coordinator_address=args.dist_init_addr,
@@ -45,6 +50,27 @@ def initialize(args: ServerArgs) -> None:
             "distinct --node-rank, within --dist-init-timeout seconds of each other"
         ) from e
     check_mesh_spans_all_devices(args)
+
+
+def wait_for_coordinator(args: ServerArgs, poll_s: float = 0.5) -> None:
+    """Wait (up to --dist-init-timeout seconds) until node 0's coordination service accepts connections at
+    --dist-init-addr, so that a follower started without node 0, or given a wrong address, fails with a message
+    naming it rather than in JAX's abort."""
+    host, _, port = args.dist_init_addr.rpartition(":")
+    host = host.strip("[]")  # [::1]:PORT
+    deadline = time.monotonic() + args.dist_init_timeout
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, args.dist_init_timeout)):
+                return
+        except OSError as e:
+            if time.monotonic() + poll_s > deadline:
+                raise DistributedEngineError(
+                    f"node {args.node_rank} of {args.nnodes}: node 0's coordinator at {args.dist_init_addr} did not "
+                    f"answer within --dist-init-timeout {args.dist_init_timeout}s ({e.strerror or e}); start node 0 "
+                    "(--node-rank 0) with the same --nnodes and --dist-init-addr, or fix the address"
+                ) from None
+        time.sleep(poll_s)
 
 
 def tune_each_node_alone() -> None:

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import signal
 import threading
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ from sgl_jax_lora.managers.io_struct import (
     encode,
 )
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.server_args_checks import sizes_set
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,21 @@ class ServerBusyError(RuntimeError):
     """A request was refused because the server already holds as many as --max-queued-requests allows."""
 
 
+def startup_death_hint(exit_code: int | None, args: ServerArgs) -> str:
+    """What an engine process that died without a word during startup most likely met: the kernel's OOM killer
+    (SIGKILL), or, for a multi-host engine, JAX's abort when the nodes did not all join in time (SIGABRT)."""
+    if exit_code == -signal.SIGKILL:
+        sizes = sizes_set(args.to_dict())
+        return f"; killed by SIGKILL: out of host memory? (lower the sizes it allocates{': ' + sizes if sizes else ''})"
+    if exit_code == -signal.SIGABRT and args.nnodes > 1:
+        return (
+            f"; with --nnodes {args.nnodes}, JAX aborts when not every node joins {args.dist_init_addr} within "
+            f"--dist-init-timeout {args.dist_init_timeout}s: start nodes 1..{args.nnodes - 1} with the same --nnodes "
+            "and --dist-init-addr (its messages above say more)"
+        )
+    return ""
+
+
 class EngineClient:
     def __init__(
         self,
@@ -77,7 +94,7 @@ class EngineClient:
         self.process.start()
         child_conn.close()
         try:
-            ready = self._wait_ready()
+            ready = self._wait_ready(args)
         except BaseException:  # an interrupt (Ctrl-C) or a failed start: no engine process outlives its client
             self._stop_process()
             raise
@@ -91,14 +108,15 @@ class EngineClient:
         self.handlers = {EngineOutputs: self._on_outputs, RequestFailed: self._on_failed, CallReply: self._on_reply}
         self._message_waiters: list[asyncio.Future] = []  # `next_message` callers, resolved by the next message
 
-    def _wait_ready(self) -> Ready:
+    def _wait_ready(self, args: ServerArgs) -> Ready:
         try:
             msg = decode(self._conn.recv_bytes())
         except EOFError:
             self.process.join(timeout=5)
             code = self.process.exitcode
-            hint = "; killed by SIGKILL: out of host memory? (lower the sizes it allocates)" if code == -9 else ""
-            raise EngineDeadError(f"engine process exited during startup (exit code {code}){hint}") from None
+            raise EngineDeadError(
+                f"engine process exited during startup (exit code {code}){startup_death_hint(code, args)}"
+            ) from None
         if isinstance(msg, StartupError):
             self.process.join(timeout=10)
             raise EngineStartupError(msg.message)

@@ -50,6 +50,7 @@ from sgl_jax_lora.managers.io_struct import (
 )
 from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.server_args import ServerArgs
+from sgl_jax_lora.server_args_checks import sizes_set
 from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
@@ -59,8 +60,8 @@ logger = logging.getLogger(__name__)
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection, tokenizer_eos: tuple[int, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
-    enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
+    enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     from safetensors import SafetensorError
 
     refusals = (ValueError, OSError, MemoryError, SafetensorError)
@@ -74,11 +75,14 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
 
         core = EngineCore(args, model_path, tokenizer_eos)
     except Exception as e:  # startup errors go back to the frontend, which raises them
+        message = f"{type(e).__name__}: {e}"
+        if isinstance(e, MemoryError) and sizes_set(args_dict):
+            message += f" (sizes set: {sizes_set(args_dict)}; lower them)"
         if isinstance(e, refusals):  # a setting, a model or adapter file, memory: the message says it all
-            logger.error("engine failed to start: %s: %s", type(e).__name__, e)
+            logger.error("engine failed to start: %s", message)
         else:
             logger.exception("engine failed to start")
-        conn.send_bytes(encode(StartupError(f"{type(e).__name__}: {e}")))
+        conn.send_bytes(encode(StartupError(message)))
         return
     freeze_startup_objects()  # a full collection while serving then walks only the requests' objects
     conn.send_bytes(encode(Ready(info=core.server_info(), pid=os.getpid())))

@@ -10,8 +10,10 @@ on the SMs the GEMM leaves idle at decode sizes (docs/architecture.md, "GPU kern
 
 from __future__ import annotations
 
+import logging
 import os
 
+logger = logging.getLogger(__name__)
 CONCURRENT_GPU_KERNELS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 
 
@@ -33,10 +35,25 @@ def layers_per_scan_step(flag: int, num_layers: int, platform: str) -> int:
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set)."""
+    """Persist compiled buckets across restarts (JAX's own cache; JAX_COMPILATION_CACHE_DIR wins if set). A directory
+    that cannot be created or written (the default one under a read-only home; a given one is refused when the
+    arguments are checked) leaves the cache off, with one warning instead of JAX's at every compile."""
     if not cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    path = os.path.expanduser(cache_dir)
+    try:
+        os.makedirs(path, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        logger.warning(
+            "--compilation-cache-dir %s cannot be written: compiling without the cache (restarts compile again); "
+            "give a writable directory, or '' to turn it off",
+            cache_dir,
+        )
         return
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -335,14 +335,14 @@ class ModelRunner:
                     raise
                 tokens = (num_pages - 1) * args.page_size
                 gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.kv_dtype) / 1e9
-                if not shrinks_left:
+                smaller = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
+                if not shrinks_left or smaller >= num_pages:  # the user's size, or no page left to give up
                     raise MemoryError(
                         f"the KV cache of {tokens} tokens ({gigabytes:.1f} GB over {args.tp_size} device(s)) does not "
                         f"fit in device memory ({str(err).splitlines()[0][:200]}); lower --max-total-tokens or "
                         "--mem-fraction-static"
                     ) from None
-            shrinks_left -= 1
-            num_pages = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
+            shrinks_left, num_pages = shrinks_left - 1, smaller
             logger.warning(
                 "KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d tokens (the "
                 "forward programs compile again for its shape)",

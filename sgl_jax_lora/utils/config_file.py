@@ -39,6 +39,8 @@ def read_config_file(path: str, fields: tuple[dataclasses.Field, ...]) -> dict:
                 f"did you mean '{close[0]}'?" if close else "see `python -m sgl_jax_lora.launch --help` for the fields"
             )
             raise ValueError(f"--config {path}: unknown key '{key}'; {hint}")
+        if name in config:
+            raise ValueError(f"--config {path}: '{key}' sets '{name}' again; keep one spelling of each key")
         config[name] = _check_config_value(path, name, str(fields[name].type), value)
         choices = fields[name].metadata.get("choices")
         if choices and config[name] not in choices:

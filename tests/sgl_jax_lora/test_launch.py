@@ -85,6 +85,26 @@ def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alon
     assert "Traceback" not in result.stderr  # a setting's error, not a crash
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (  # a step of that many rows cannot be allocated: the size set is named
+            ["--max-running-requests", "1000000000000"],
+            "(sizes set: --max-running-requests 1000000000000; lower them)",
+        ),
+        (  # the demo model's context is 1024 tokens
+            ["--page-size", "1000000000"],
+            "--page-size 1000000000 is larger than the context length 1024",
+        ),
+    ],
+)
+def test_sizes_that_cannot_work_fail_the_start_naming_the_flag(flags, message):
+    result = run_launch(*flags, "--skip-precompile")
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_an_unwritable_cache_for_the_demo_model_is_named():
     env = {**os.environ, "SGL_JAX_LORA_CACHE": "/proc/no-such-cache"}
     result = subprocess.run(

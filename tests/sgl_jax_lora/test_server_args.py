@@ -194,6 +194,36 @@ def test_settings_that_cannot_work_are_refused_naming_the_flag(kwargs, message):
         ServerArgs(**kwargs)
 
 
+def test_a_key_given_twice_in_two_spellings_is_refused(tmp_path):
+    path = write(tmp_path, "c.json", json.dumps({"max_running_requests": 8, "max-running-requests": 16}))
+    with pytest.raises(ValueError, match="'max-running-requests' sets 'max_running_requests' again"):
+        load_config_file(path)
+
+
+def test_a_flag_the_file_turns_on_is_turned_off_on_the_command_line(tmp_path):
+    path = write(tmp_path, "c.json", json.dumps({"disable_prefix_cache": True, "skip_precompile": True}))
+    args = parse_args(["--config", path, "--no-disable-prefix-cache"])
+    assert args.disable_prefix_cache is False
+    assert args.skip_precompile is True  # from the file
+
+
+def test_an_abbreviated_flag_is_not_taken_for_a_whole_one(capsys):
+    for argv in (["--conf", "x.json"], ["--max-running", "8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert f"unrecognized arguments: {argv[0]}" in capsys.readouterr().err
+
+
+def test_a_compilation_cache_dir_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--compilation-cache-dir .*file/cache: .*file is not a directory"):
+        ServerArgs(compilation_cache_dir=str(tmp_path / "file" / "cache"))
+    assert ServerArgs(compilation_cache_dir=str(tmp_path / "new" / "cache")).compilation_cache_dir  # to be created
+    assert ServerArgs(compilation_cache_dir="").compilation_cache_dir == ""  # off
+
+
 def test_an_allowed_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not an existing directory"):

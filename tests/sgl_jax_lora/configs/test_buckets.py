@@ -38,6 +38,12 @@ def test_a_step_budget_above_the_context_is_kept():
     assert given.tokens == (64, 256, 512, 1024, 2048, 4096, 8192)  # nothing of the flag's buckets is dropped
 
 
+def test_a_page_larger_than_the_context_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--page-size 4096 is larger than the context length 2048"):
+        Buckets.build(8, 512, 2048, 4096)
+    assert Buckets.build(8, 512, 2048, 2048).max_pages_per_seq == 1  # one page of the whole context
+
+
 def test_sequences_follow_the_tokens_up_to_max_seqs():
     buckets = Buckets.build(max_running_requests=12, chunked_prefill_size=64, context_length=256, page_size=16)
     assert [buckets.seqs_for(t) for t in buckets.tokens] == [8, 12, 12, 12]

@@ -22,8 +22,8 @@ from sgl_jax_lora.server_args import ServerArgs
 from tests.support.fake_engine import FAKE_INFO, run_fake_engine
 
 
-def make_client(model_path: str = "ok") -> EngineClient:
-    return EngineClient(ServerArgs(), model_path, (), target=run_fake_engine)
+def make_client(model_path: str = "ok", args: ServerArgs | None = None) -> EngineClient:
+    return EngineClient(args or ServerArgs(), model_path, (), target=run_fake_engine)
 
 
 def request(rid: str, ids: list[int] | None = None) -> GenerateRequest:
@@ -58,6 +58,8 @@ def test_an_engine_that_dies_during_startup_is_reported():
 def test_an_engine_killed_during_startup_is_reported_with_the_likely_cause():
     with pytest.raises(EngineDeadError, match=r"exit code -9\); killed by SIGKILL: out of host memory\?"):
         make_client("oom")
+    with pytest.raises(EngineDeadError, match=r"lower the sizes it allocates: --max-lora-rank 100000\)"):
+        make_client("oom", ServerArgs(max_lora_rank=100000))
 
 
 def test_calls_get_their_replies_and_outputs_reach_their_request():

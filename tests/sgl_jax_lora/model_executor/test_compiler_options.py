@@ -46,3 +46,17 @@ def test_the_compilation_cache_goes_where_the_flag_says_unless_the_environment_n
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     enable_compilation_cache(None)  # no flag: nothing changes
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+
+
+def test_a_cache_dir_that_cannot_be_created_leaves_the_cache_off_with_one_warning(
+    tmp_path, monkeypatch, restore_cache_config, caplog
+):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    enable_compilation_cache(str(tmp_path / "xla"))
+    (tmp_path / "file").write_text("")
+    enable_compilation_cache(str(tmp_path / "file" / "cache"))  # under a file: makedirs fails, even for root
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")  # unchanged
+    assert [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()] == [
+        f"--compilation-cache-dir {tmp_path / 'file' / 'cache'} cannot be written: compiling without the cache "
+        "(restarts compile again); give a writable directory, or '' to turn it off"
+    ]

@@ -114,6 +114,14 @@ def test_a_cache_that_never_fits_fails_with_the_fix_named(model_dir, monkeypatch
     assert len(asked) == model_runner.KV_ALLOCATION_ATTEMPTS
 
 
+def test_a_cache_too_small_to_shrink_fails_at_once(model_dir, monkeypatch):
+    monkeypatch.setattr(model_runner, "device_memory", device_memory_for(model_dir, 2 * PAGE))
+    asked = refuse_above(monkeypatch, 0)
+    with pytest.raises(MemoryError, match="does not fit in device memory"):
+        make_core(model_dir)
+    assert asked == [2 * PAGE]  # two pages: nothing left to give up, so no retry of the same size
+
+
 def test_other_device_errors_are_not_taken_for_a_full_memory(model_dir, monkeypatch):
     def broken(*args):
         raise jax.errors.JaxRuntimeError("INTERNAL: the device is gone")
