@@ -196,6 +196,11 @@ class ServerArgs:
     max_request_body_bytes: int = _f(
         16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read"
     )
+    request_header_timeout: float = _f(
+        30.0,
+        "seconds an HTTP request's line and headers may take to arrive (from the connection's opening, or a kept-alive "
+        "connection's next request's first byte); a slower one is answered 408 and closed",
+    )
     request_body_timeout: float = _f(
         60.0, "seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed"
     )

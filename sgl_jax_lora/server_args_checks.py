@@ -44,7 +44,12 @@ OPTIONAL_POSITIVE_COUNTS = (
 )
 OPTIONAL_COUNTS = ("lora_fused_gemm_min_tokens", "gpu_gemm_min_tokens")  # 0: off; unset: the platform's default
 BUCKET_LISTS = ("token_buckets", "lora_segment_buckets")
-SECONDS = (("request_body_timeout", False), ("health_check_timeout", False), ("shutdown_timeout", True))  # 0 ok?
+SECONDS = (
+    ("request_header_timeout", False),
+    ("request_body_timeout", False),
+    ("health_check_timeout", False),
+    ("shutdown_timeout", True),
+)  # 0 ok?
 
 
 SIZES = (  # the settings that size what the engine allocates at startup (memory errors name those set)

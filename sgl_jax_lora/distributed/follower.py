@@ -192,5 +192,8 @@ def _start_health_server(args: ServerArgs, status: FollowerStatus) -> None:
         }
         return JSONResponse(body, status_code=200 if status.is_ready else 503)
 
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    from sgl_jax_lora.entrypoints.header_timeout import protocol_with_header_timeout
+
+    http = protocol_with_header_timeout(args.request_header_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=http))
     threading.Thread(target=server.run, name="health", daemon=True).start()

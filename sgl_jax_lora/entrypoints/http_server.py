@@ -6,7 +6,8 @@ starts the engine process on a background thread, so `/health` answers 503 while
 in-flight requests fail with 503, and the server exits with a non-zero code. SIGINT/SIGTERM (uvicorn's
 handlers) stop accepting, then the lifespan shutdown stops the engine process, leaving no orphan; SIGTERM
 first drains (DrainingServer: new requests 503, running ones finish up to --shutdown-timeout). Bodies over
---max-request-body-bytes are refused before they are read (request_limits.py).
+--max-request-body-bytes are refused before they are read (request_limits.py), request heads slower than
+--request-header-timeout get 408 (header_timeout.py).
 
 Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload), health_check.py
 (/health_generate: the engine still makes progress) and openai_api.py (/v1/...); errors.py shapes every error;
@@ -35,6 +36,7 @@ from fastapi.responses import Response
 from sgl_jax_lora.entrypoints import health_check, lora_tensors_api, native_api, openai_api
 from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
+from sgl_jax_lora.entrypoints.header_timeout import protocol_with_header_timeout
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
 from sgl_jax_lora.managers.engine_client import EngineStartupError
@@ -350,6 +352,7 @@ def run_server(args: ServerArgs, model_path: str) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=KEEP_ALIVE_S,
+        http=protocol_with_header_timeout(args.request_header_timeout),
     )
     state: ServerState = app.state.server
     server = DrainingServer(config, state)

@@ -44,6 +44,8 @@ LIMIT_FLAGS = [
     "32",
     "--request-body-timeout",
     "2",
+    "--request-header-timeout",
+    "2",
 ]
 CHAT = {"model": "demo-model-v2", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -1055,6 +1057,41 @@ def test_a_body_that_stops_arriving_gets_408_and_one_cut_off_is_no_server_error(
     wait_until(lambda: server_errors(http).get("400", 0) > errors_before.get("400", 0), 30, "the 400 to be counted")
     assert not server_error_growth(errors_before, server_errors(http))
     assert len(generate(http, text="hi", sampling_params={"max_new_tokens": 2})["output_ids"]) <= 2
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    return reply
+
+
+def test_a_request_head_that_stops_arriving_gets_408_and_the_connection_closes(server, http):
+    url = urlparse(server.url)
+    timed_out = b"did not arrive within --request-header-timeout 2 s"
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # then nothing: the head never ends
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 408") and timed_out in reply, reply
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:  # a connection that sends nothing
+        assert timed_out in read_until_closed(sock)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # a kept-alive connection's first request
+        reply = b""
+        while not reply.endswith(b"}"):  # the head and the JSON body may come in separate segments
+            reply += sock.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        time.sleep(3)  # idle past the head deadline: the keep-alive timeout (65 s) governs an idle connection
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # its next request's head stops halfway
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 408") and timed_out in reply, reply  # not left open
+    head = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:  # a slow head within the deadline
+        for piece in (head[:10], head[10:]):
+            sock.sendall(piece.encode())
+            time.sleep(0.5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the status line comes first
+    assert http.get("/health").status_code == 200
 
 
 def test_bad_input_through_openai_client(oai):
