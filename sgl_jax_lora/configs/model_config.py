@@ -26,6 +26,13 @@ ARCHITECTURE_FLAGS: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
 }
 
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 _REQUIRED_FIELDS = (
     "vocab_size",
     "hidden_size",
@@ -240,13 +247,22 @@ def sliding_windows_of(raw: dict, architecture: str, num_layers: int) -> tuple[i
 
 
 def _architecture_of(raw: dict) -> str:
+    """config.json's supported architecture; without `architectures`, the one of its `model_type` (as transformers'
+    AutoModelForCausalLM reads such a config)."""
     archs = raw.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURE_FLAGS:
             return arch
     supported = ", ".join(sorted(ARCHITECTURE_FLAGS))
-    found = archs or raw.get("model_type", "none")
-    raise ModelConfigError(f"unsupported architecture {found}; supported: {supported}")
+    if archs:
+        raise ModelConfigError(f"unsupported architecture {archs}; supported: {supported}")
+    model_type = raw.get("model_type")
+    if model_type in ARCHITECTURE_OF_MODEL_TYPE:
+        return ARCHITECTURE_OF_MODEL_TYPE[model_type]
+    raise ModelConfigError(
+        f"config.json has no 'architectures' and its model_type {model_type!r} is not one this engine serves "
+        f"(supported: {supported}, model types {sorted(ARCHITECTURE_OF_MODEL_TYPE)})"
+    )
 
 
 def _rope_of(raw: dict, max_position_embeddings: int) -> RopeConfig:

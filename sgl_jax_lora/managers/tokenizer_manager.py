@@ -26,8 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from transformers import AutoTokenizer
-
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
@@ -47,6 +45,7 @@ from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
+from sgl_jax_lora.managers.tokenizer_files import load_tokenizer
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, model_sampling_defaults
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.keyed_locks import KeyedLocks
@@ -63,7 +62,8 @@ class TokenizerManager:
         self.args = args
         self.model_path = model_path
         ModelConfig.from_model_path(model_path)  # its errors before the tokenizer's loader reads config.json its way
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path, local_files_only=True)
+        flag = "--tokenizer-path" if args.tokenizer_path else "--model-path"
+        self.tokenizer = load_tokenizer(args.tokenizer_path or model_path, flag)
         # under each request's own sampling params; read (and checked) before the engine starts compiling
         self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}
         # spawns the engine; returns once it has compiled

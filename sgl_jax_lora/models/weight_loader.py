@@ -10,7 +10,9 @@ LoRA buffers start as zeros. With `--quantization fp8` each decoder linear's wei
 model's dtype ([L, in, out]) and quantized on the devices (layers/fp8.py `quantize_weight`: an 8-bit K-major
 [L, out, in] stack and one scale per layer), one parameter at a time, so the 16-bit stack of one module at most
 is ever on the devices beside the 8-bit model.
-Only safetensors are read; pickle checkpoints are refused. `abstract_model_state` gives the same state as shapes with
+Only safetensors are read; pickle checkpoints are refused. `SafetensorsReader` names each file or tensor it cannot
+use (unreadable, not a 16- or 32-bit float, an index path outside the directory); `check_finite` refuses weights
+that hold NaN or infinity once placed. `abstract_model_state` gives the same state as shapes with
 their shardings and no weights, for compiling ahead of time (model_executor/tpu_aot.py).
 """
 
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from sgl_jax_lora.configs.model_config import ModelConfig, ModelConfigError
 from sgl_jax_lora.layers.attention import AttentionBackend
@@ -40,20 +42,25 @@ from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.models.orbax_checkpoint import is_converted_checkpoint, restore_model_state
 from sgl_jax_lora.models.registry import model_class_for
 
+INDEX_FILE = "model.safetensors.index.json"
+# the dtypes a checkpoint's weights may have: an 8-bit or integer tensor needs scales this loader does not read
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names
+
 
 class SafetensorsReader:
-    """Name -> tensor over the safetensors files of a model directory (with or without an index)."""
+    """Name -> tensor over the safetensors files of a model directory (with or without an index). Every problem of
+    a file (unreadable, not safetensors, a tensor of another dtype than a float) raises ModelConfigError naming it.
+    The files are those in the directory (symlinks followed, as in the HF hub cache, whose snapshot files link to
+    its blobs); an index may name only files there, never a path that leaves the directory."""
 
     def __init__(self, model_path: str):
-        index_file = os.path.join(model_path, "model.safetensors.index.json")
-        if os.path.isfile(index_file):
-            with open(index_file) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.file_of = {name: os.path.join(model_path, fname) for name, fname in weight_map.items()}
+        self.model_path = model_path
+        if os.path.isfile(os.path.join(model_path, INDEX_FILE)):
+            self.file_of = {name: self._indexed_file(fname, name) for name, fname in _read_index(model_path).items()}
         else:
             self.file_of = {}
             for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-                with safe_open(path, framework="numpy") as f:
+                with _open_safetensors(path) as f:
                     for name in f.keys():
                         self.file_of[name] = path
         if not self.file_of:
@@ -67,13 +74,63 @@ class SafetensorsReader:
     def has(self, name: str) -> bool:
         return name in self.file_of
 
+    def _indexed_file(self, fname: object, name: str) -> str:
+        relative = os.path.normpath(fname) if isinstance(fname, str) and fname else ""
+        if not relative or os.path.isabs(relative) or relative.split(os.sep)[0] in (os.curdir, os.pardir):
+            raise ModelConfigError(
+                f"{INDEX_FILE} of '{self.model_path}' names {fname!r} for '{name}': name a file of the model "
+                "directory, relative to it"
+            )
+        path = os.path.join(self.model_path, relative)
+        if not os.path.isfile(path):
+            raise ModelConfigError(
+                f"{INDEX_FILE} of '{self.model_path}' names '{relative}' for '{name}', which "
+                "is not a file there; re-download the checkpoint's files"
+            )
+        return path
+
     def get(self, name: str) -> np.ndarray:
         if name not in self.file_of:
             raise ModelConfigError(f"weight '{name}' is missing from the model's safetensors files")
         path = self.file_of[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="numpy")
-        return self._handles[path].get_tensor(name)
+            self._handles[path] = _open_safetensors(path)
+        handle = self._handles[path]
+        try:
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in WEIGHT_DTYPES:
+                raise ModelConfigError(
+                    f"{path}: tensor '{name}' is {dtype}; this engine reads 16- and 32-bit float checkpoints (an "
+                    "8-bit or integer one needs scales it does not read: serve its 16-bit original, with "
+                    "--quantization fp8 for 8-bit weights)"
+                )
+            return handle.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelConfigError(f"{path}: tensor '{name}' cannot be read ({e}); re-download the file") from None
+
+
+def _read_index(model_path: str) -> dict:
+    path = os.path.join(model_path, INDEX_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelConfigError(f"{path} cannot be read as a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise ModelConfigError(f"{path}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _open_safetensors(path: str):
+    """safe_open(path), or ModelConfigError naming the file and what is wrong with it."""
+    if not os.path.isfile(path):
+        raise ModelConfigError(f"{path} is not a file (a directory?); the model's weights are *.safetensors files")
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise ModelConfigError(
+            f"{path} is not a readable safetensors file ({e}); re-download or re-convert the checkpoint"
+        ) from None
 
 
 def _hf_value(
@@ -91,7 +148,7 @@ def _hf_value(
         raise KeyError(f"no HF weight names for parameter {name}; add it to the model's HF weight table")
     weight = hf_weights[name]
     names_per_layer = weight.tensor_names(cfg.num_layers)
-    layers = [weight.to_ours([reader.get(n) for n in names], cfg, tp_size) for names in names_per_layer]
+    layers = [_hf_layer(weight, [reader.get(n) for n in names], names, cfg, tp_size) for names in names_per_layer]
     layer_shape = shape[1:] if weight.per_layer else shape
     for index, (names, layer) in enumerate(zip(names_per_layer, layers, strict=True)):
         if layer.shape != layer_shape:
@@ -101,6 +158,19 @@ def _hf_value(
                 f"{layer_shape}; config.json and the safetensors files disagree"
             )
     return np.stack(layers) if weight.per_layer else layers[0]
+
+
+def _hf_layer(weight: HFWeight, tensors: list[np.ndarray], names: list[str], cfg: ModelConfig, tp_size: int):
+    """The HF tensors of one layer in our layout; ModelConfigError naming them when their shapes cannot be packed
+    (a transposed tensor, a config that disagrees with the files)."""
+    try:
+        return weight.to_ours(tensors, cfg, tp_size)
+    except ValueError as e:
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
+        raise ModelConfigError(
+            f"the tensors {shapes} do not fit together or with config.json ({e}); config.json and the safetensors "
+            "files disagree"
+        ) from None
 
 
 def _dummy_value(path: tuple[str, ...], shape: tuple[int, ...], dtype, sharding, seed: int) -> jax.Array:
@@ -135,7 +205,9 @@ def load_model_state(
                 "model directory as it loads them: serve the HF directory with --quantization fp8, or this "
                 "checkpoint without it"
             )
-        return graphdef, restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)
+        state = restore_model_state(cfg.model_path, tp_size, dtype, abstract_state, mesh)
+        check_finite(state, model_cls.hf_weights, cfg.num_layers, converted=True)
+        return graphdef, state
     reader = SafetensorsReader(cfg.model_path) if load_format != "dummy" else None
     shardings = state_shardings(mesh, abstract_state)
 
@@ -146,7 +218,45 @@ def load_model_state(
         host = _hf_value(reader, model_cls.hf_weights, cfg, tp_size, path, shape)
         return jax.device_put(host.astype(value_dtype), sharding)
 
-    return graphdef, nnx.from_flat_state(_placed_leaves(abstract_state, shardings, weight_value, dtype))
+    state = nnx.from_flat_state(_placed_leaves(abstract_state, shardings, weight_value, dtype))
+    if reader is not None:
+        check_finite(state, model_cls.hf_weights, cfg.num_layers, converted=False)
+    return graphdef, state
+
+
+def check_finite(state: nnx.State, hf_weights: dict[str, HFWeight], num_layers: int, converted: bool) -> None:
+    """ModelConfigError naming the weights that hold a NaN or an infinity (a corrupt or badly converted checkpoint
+    would otherwise serve garbage): one program over every placed parameter, a stacked one reduced per layer. Named
+    by their HF tensors, or for a converted checkpoint by parameter and layer."""
+    flat = [
+        (".".join(str(p) for p in path), variable.get_value())
+        for path, variable in nnx.to_flat_state(state)
+        if not isinstance(variable, (LoRAWeight, Fp8Scale))
+    ]
+    stacked = [hf_weights[name].per_layer for name, _ in flat]
+
+    def finite(values):
+        return [
+            jnp.isfinite(v).reshape(v.shape[0], -1).all(axis=1) if per_layer else jnp.isfinite(v).all()[None]
+            for v, per_layer in zip(values, stacked, strict=True)
+        ]
+
+    flags = jax.jit(finite)([value for _, value in flat])
+    bad = []
+    for (name, _), per_layer, ok in zip(flat, stacked, flags, strict=True):
+        layers = np.flatnonzero(~np.asarray(ok.addressable_data(0))).tolist()  # replicated: each process has it all
+        if not layers:
+            continue
+        if converted:
+            bad.append(f"{name} (layer {', '.join(map(str, layers))})" if per_layer else name)
+        else:
+            tensor_names = hf_weights[name].tensor_names(num_layers)
+            bad.append(", ".join(n for index in layers for n in tensor_names[index]))
+    if bad:
+        raise ModelConfigError(
+            f"weights with NaN or infinite values: {'; '.join(bad)[:600]}; the checkpoint is corrupt: re-download "
+            f"or {'re-convert' if converted else 'fix'} it"
+        )
 
 
 def abstract_model_state(

@@ -63,15 +63,14 @@ def prepare_output_dir(path: str) -> None:
 
 def train(args: argparse.Namespace) -> list[float]:
     """Run the training the flags describe; -> the loss of every step."""
-    from transformers import AutoTokenizer
-
+    from sgl_jax_lora.managers.tokenizer_files import load_tokenizer
     from sgl_jax_lora.train.curves import save_curve
     from sgl_jax_lora.train.data import batches, padded_length, read_examples
     from sgl_jax_lora.train.lora_params import save_peft_adapter
     from sgl_jax_lora.train.trainer import LoRATrainer
 
     prepare_output_dir(args.output_dir)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+    tokenizer = load_tokenizer(args.model_path, "--model-path")
     examples = read_examples(args.data, tokenizer, args.max_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = LoRATrainer(

@@ -204,5 +204,5 @@ def test_bad_conversion_inputs_fail_before_writing_anything(converted, tmp_path,
     shutil.copytree(demo_model_path(), truncated)
     weights = next(truncated.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(SystemExit, match=r"error: SafetensorError: "):  # a message, not a traceback
+    with pytest.raises(SystemExit, match=r"error: .*model\.safetensors is not a readable safetensors file \("):
         main(["--model-path", str(truncated), "--output-dir", str(tmp_path / "out")])

@@ -132,6 +132,15 @@ def test_refusals_name_the_problem():
         ModelConfig.from_dict({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ModelConfigError, match=r"lacks required field\(s\) \['intermediate_size'\]"):
         ModelConfig.from_dict({k: v for k, v in LLAMA.items() if k != "intermediate_size"})
+    without_architectures = {k: v for k, v in LLAMA.items() if k != "architectures"}
+    with pytest.raises(ModelConfigError, match="has no 'architectures' and its model_type 'gpt2' is not one"):
+        ModelConfig.from_dict({**without_architectures, "model_type": "gpt2"})
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type():
+    without_architectures = {k: v for k, v in LLAMA.items() if k != "architectures"}
+    assert ModelConfig.from_dict({**without_architectures, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    assert ModelConfig.from_dict({**without_architectures, "model_type": "llama"}).architecture == "LlamaForCausalLM"
 
 
 @pytest.mark.parametrize(
