@@ -241,10 +241,11 @@ def check_finite(state: nnx.State, hf_weights: dict[str, HFWeight], num_layers: 
             for v, per_layer in zip(values, stacked, strict=True)
         ]
 
-    flags = jax.jit(finite)([value for _, value in flat])
+    replicated = NamedSharding(flat[0][1].sharding.mesh, PartitionSpec())  # every process reads all the flags
+    flags = jax.jit(finite, out_shardings=replicated)([value for _, value in flat])
     bad = []
     for (name, _), per_layer, ok in zip(flat, stacked, flags, strict=True):
-        layers = np.flatnonzero(~np.asarray(ok.addressable_data(0))).tolist()  # replicated: each process has it all
+        layers = np.flatnonzero(~np.asarray(ok.addressable_data(0))).tolist()
         if not layers:
             continue
         if converted:
