@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         convert(args.model_path, args.output_dir, args.tp_size, args.dtype)
     except (ModelConfigError, OSError, SafetensorError) as e:  # a model file or the output directory: no traceback
         sys.exit(f"error: {type(e).__name__}: {e}" if not isinstance(e, ModelConfigError) else f"error: {e}")
+    except KeyboardInterrupt:  # the metadata file is written last: what was written is known as unfinished
+        print(f"interrupted: {args.output_dir} is incomplete (not servable); remove it", file=sys.stderr)
+        sys.exit(130)
     print(
         f"wrote {args.output_dir} ({args.dtype}, tp {args.tp_size}) in {time.perf_counter() - start:.1f} s; serve it with\n"
         f"  python -m sgl_jax_lora.launch --model-path {args.output_dir} --tp-size {args.tp_size} --dtype {args.dtype}"

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from sgl_jax_lora.configs.model_config import ModelConfigError
 from sgl_jax_lora.layers.sharding import state_shardings
+from sgl_jax_lora.server_args import DTYPES
 
 METADATA_FILE = "sgl_jax_lora_checkpoint.json"
 WEIGHTS_DIR = "weights"
@@ -75,7 +76,8 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
         raise ModelConfigError(f"{path} is not a {FORMAT_NAME} checkpoint description; {redo}")
     if raw.get("format_version") != FORMAT_VERSION:
         raise ModelConfigError(
-            f"'{model_path}' is format version {raw.get('format_version')!r}; this engine reads version {FORMAT_VERSION}: {redo}"
+            f"'{model_path}' is format version {raw.get('format_version')!r}; this engine reads version "
+            f"{FORMAT_VERSION!r}: {redo}"
         )
     try:
         meta = CheckpointMetadata(
@@ -84,8 +86,10 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
         valid = (
             isinstance(meta.tp_size, int)
             and meta.tp_size > 0
+            and meta.dtype in DTYPES
             and isinstance(meta.param_shapes, dict)
             and bool(meta.param_shapes)
+            and all(_is_shape(shape) for shape in meta.param_shapes.values())
         )
     except TypeError:
         valid = False
@@ -98,7 +102,22 @@ def read_metadata(model_path: str) -> CheckpointMetadata:
             f"'{model_path}' has {METADATA_FILE} but its {WEIGHTS_DIR}/ directory is unfinished (no "
             f"{ORBAX_COMMIT_FILE}); {redo}"
         )
+    _check_regular_files(os.path.join(model_path, WEIGHTS_DIR), redo)
     return meta
+
+
+def _is_shape(shape: object) -> bool:
+    return isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+
+
+def _check_regular_files(weights_dir: str, redo: str) -> None:
+    """Every entry of the orbax directory is a directory or a regular file (symlinks followed): a FIFO or a device
+    there would block the restore, or feed it endless bytes."""
+    for root, dirs, files in os.walk(weights_dir):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            if not os.path.isfile(path) and not os.path.isdir(path):
+                raise ModelConfigError(f"{path} is not a regular file (a pipe, a device, a broken link?); {redo}")
 
 
 def check_compatible(
@@ -184,8 +203,16 @@ def restore_model_state(
         if not _is_lora(path):
             targets[path] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[path])
     check_compatible(meta, model_path, tp_size, dtype, {".".join(p): tuple(t.shape) for p, t in targets.items()})
-    with ocp.StandardCheckpointer() as checkpointer:
-        restored = checkpointer.restore(os.path.join(os.path.abspath(model_path), WEIGHTS_DIR), _nested(targets))
+    weights_dir = os.path.join(os.path.abspath(model_path), WEIGHTS_DIR)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(weights_dir, _nested(targets))
+    except Exception as e:  # noqa: BLE001 - orbax and TensorStore raise bare Exceptions with pages of spec attached
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0]
+        raise ModelConfigError(
+            f"{weights_dir} cannot be restored, its files are damaged or incomplete ({type(e).__name__}: "
+            f"{cause[:300]}); convert the HF model again: {convert_command(meta.source, tp_size, meta.dtype)}"
+        ) from None
     leaves = []
     for path, variable in flat:
         if _is_lora(path):

@@ -65,8 +65,13 @@ class SafetensorsReader:
                         self.file_of[name] = path
         if not self.file_of:
             pickled = glob.glob(os.path.join(model_path, "*.bin")) + glob.glob(os.path.join(model_path, "*.pt"))
+            unfinished = [p for p in glob.glob(os.path.join(model_path, "weights*")) if os.path.isdir(p)]
             hint = (
-                " (found pickle .bin/.pt files: convert them to safetensors; pickle is never loaded)" if pickled else ""
+                " (found pickle .bin/.pt files: convert them to safetensors; pickle is never loaded)"
+                if pickled
+                else f" (found {os.path.basename(unfinished[0])}/ of a conversion that did not finish: convert again)"
+                if unfinished
+                else ""
             )
             raise ModelConfigError(f"model path '{model_path}' has no *.safetensors weights{hint}")
         self._handles: dict[str, object] = {}

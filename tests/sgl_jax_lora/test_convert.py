@@ -206,3 +206,16 @@ def test_bad_conversion_inputs_fail_before_writing_anything(converted, tmp_path,
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(SystemExit, match=r"error: .*model\.safetensors is not a readable safetensors file \("):
         main(["--model-path", str(truncated), "--output-dir", str(tmp_path / "out")])
+
+
+def test_ctrl_c_during_a_conversion_exits_130_saying_the_output_is_incomplete(tmp_path, monkeypatch, capsys):
+    import sgl_jax_lora.convert as convert_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "convert", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-path", demo_model_path(), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 130
+    assert f"interrupted: {tmp_path / 'out'} is incomplete (not servable); remove it" in capsys.readouterr().err

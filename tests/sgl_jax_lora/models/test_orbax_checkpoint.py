@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -177,8 +178,14 @@ def test_valid_metadata_is_read_with_its_fields(tmp_path):
         ({**GOOD, "tp_size": "2"}, r"lacks or garbles dtype, tp_size"),
         ({**GOOD, "param_shapes": {}}, r"lacks or garbles dtype, tp_size"),
         ({k: v for k, v in GOOD.items() if k != "dtype"}, r"lacks or garbles dtype, tp_size"),
+        ({**GOOD, "dtype": "nonsense"}, r"lacks or garbles dtype, tp_size"),
+        ({**GOOD, "dtype": None}, r"lacks or garbles dtype, tp_size"),
+        ({**GOOD, "param_shapes": {"norm.scale": 5}}, r"lacks or garbles dtype, tp_size"),
+        ({**GOOD, "param_shapes": {"norm.scale": None}}, r"lacks or garbles dtype, tp_size"),
+        ({**GOOD, "param_shapes": {"norm.scale": [-1]}}, r"lacks or garbles dtype, tp_size"),
     ],
-    ids=["list", "format", "version_str", "tp0", "tp_str", "no_shapes", "no_dtype"],
+    ids=["list", "format", "version_str", "tp0", "tp_str", "no_shapes", "no_dtype", "dtype_unknown", "dtype_null"]
+    + ["shape_int", "shape_null", "shape_negative"],
 )
 def test_wrong_metadata_is_refused_with_the_command(tmp_path, raw, message):
     with pytest.raises(ModelConfigError, match=message + r".*python -m sgl_jax_lora\.convert"):
@@ -197,6 +204,50 @@ def test_metadata_beside_unfinished_weights_is_refused_with_the_command(saved, t
     cfg = ModelConfig.from_dict(TINY_LLAMA_CONFIG, path)
     with pytest.raises(ModelConfigError, match=r"python -m sgl_jax_lora\.convert"):
         restore_model_state(path, TP, jnp.float32, abstract_state(cfg, TP), make_mesh(TP))
+
+
+def a_copy_of(saved, tmp_path) -> str:
+    path = tmp_path / "copy"
+    shutil.copytree(saved[0], path)
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
+    return str(path)
+
+
+def restore(path: str) -> None:
+    cfg = ModelConfig.from_dict(TINY_LLAMA_CONFIG, path)
+    restore_model_state(path, TP, jnp.float32, abstract_state(cfg, TP), make_mesh(TP))
+
+
+def largest_data_file(path: str) -> str:
+    files = [os.path.join(root, f) for root, _, names in os.walk(os.path.join(path, WEIGHTS_DIR)) for f in names]
+    return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda f: open(f, "r+b").truncate(os.path.getsize(f) // 2),
+        lambda f: os.remove(f),
+        lambda f: open(os.path.join(os.path.dirname(f), "..", "..", "_METADATA"), "w").write("{garbage"),
+    ],
+    ids=["truncated", "deleted", "orbax_metadata_garbage"],
+)
+def test_damaged_weight_files_are_refused_naming_the_directory_and_the_command(saved, tmp_path, damage):
+    path = a_copy_of(saved, tmp_path)
+    damage(largest_data_file(path))
+    with pytest.raises(ModelConfigError, match=r"weights cannot be restored, its files are damaged") as refused:
+        restore(path)
+    assert "python -m sgl_jax_lora.convert --model-path /models/tiny" in str(refused.value)
+    assert "tensorstore_spec" not in str(refused.value) and len(str(refused.value)) < 800
+
+
+def test_a_pipe_among_the_weight_files_is_refused_before_the_restore_reads_it(saved, tmp_path):
+    path = a_copy_of(saved, tmp_path)
+    data = largest_data_file(path)
+    os.remove(data)
+    os.mkfifo(data)  # a read of it would block forever
+    with pytest.raises(ModelConfigError, match=r"is not a regular file \(a pipe, a device, a broken link\?\)"):
+        read_metadata(path)
 
 
 META = CheckpointMetadata(1, "float32", 2, "LlamaForCausalLM", {"a": [2, 3], "b": [4]}, source="/hf/tiny")

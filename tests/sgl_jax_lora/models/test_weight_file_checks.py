@@ -132,3 +132,10 @@ def test_weights_holding_nan_or_infinity_are_refused_naming_the_tensors(model_di
     message = str(refused.value)
     assert Q_PROJ in message and "lm_head.weight" in message
     assert "model.layers.0.self_attn.q_proj.weight" not in message  # only the layer that holds it
+
+
+def test_a_directory_left_by_an_unfinished_conversion_says_so(model_dir, tmp_path):
+    path = copy_model(model_dir, tmp_path / "m")
+    (path / "weights.orbax-checkpoint-tmp-1234").mkdir()  # orbax's folder before it renames it to weights/
+    with pytest.raises(ModelConfigError, match=r"found weights\.orbax-checkpoint-tmp-1234/ of a conversion that did"):
+        SafetensorsReader(str(path))
