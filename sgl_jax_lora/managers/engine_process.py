@@ -52,6 +52,7 @@ from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cach
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.server_args_checks import sizes_set
 from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
+from sgl_jax_lora.utils.parent_watch import exit_when_parent_dies
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 def run_engine_process(args_dict: dict, model_path: str, conn: Connection, tokenizer_eos: tuple[int, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
+    exit_when_parent_dies()  # a SIGKILLed frontend leaves no engine behind, even one still starting
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     enable_compilation_cache(args_dict.get("compilation_cache_dir"))

@@ -1,6 +1,7 @@
 """The offline Engine's life (sgl_jax_lora/engine.py and managers/engine_client.py): calls after shutdown() raise at
 once instead of waiting on a stopped loop, Ctrl-C during a call cancels what the call sent, Ctrl-C during start-up
-leaves no engine process behind, and an Engine never shut down is shut down at exit without a signal's crash dump.
+leaves no engine process behind, an Engine never shut down is shut down at exit without a signal's crash dump, and
+an engine whose caller is SIGKILLed while it starts exits by itself.
 
 Ctrl-C is sent as SIGINT to the main thread (`signal.pthread_kill`), which is how a terminal's interrupt reaches a
 Python program blocked in a wait.
@@ -96,3 +97,46 @@ def test_an_engine_never_shut_down_is_shut_down_at_exit(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SIGTERM" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.isdigit() and int(fields[1]) == pid:  # fields: state, ppid, ...
+            children.append(int(entry))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for whoever adopted it to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process table from /proc")
+def test_an_engine_whose_caller_is_killed_during_startup_exits():
+    # the engine compiles every bucket of the demo model (tens of seconds), while its caller is SIGKILLed
+    script = "from sgl_jax_lora import Engine\nEngine(compilation_cache_dir='')\n"
+    caller = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (engines := children_of(caller.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engines, "the engine process never started"
+    time.sleep(3)  # into its start-up
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 15
+    while any(is_running(pid) for pid in engines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in engines if is_running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the engine process outlived its SIGKILLed caller"
