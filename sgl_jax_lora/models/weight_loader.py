@@ -79,6 +79,19 @@ class SafetensorsReader:
     def has(self, name: str) -> bool:
         return name in self.file_of
 
+    def _layers_held(self, missing: str) -> str:
+        """A hint when `missing` is a layer past those the files hold (config.json asks for more layers)."""
+
+        def layer_of(name: str) -> int | None:
+            parts = name.split(".")
+            return int(parts[2]) if name.startswith("model.layers.") and parts[2].isdigit() else None
+
+        held = [layer for layer in map(layer_of, self.file_of) if layer is not None]
+        index = layer_of(missing)
+        if index is None or not held or index <= max(held):
+            return ""
+        return f" (they hold layers 0..{max(held)}: is config.json's num_hidden_layers right?)"
+
     def _indexed_file(self, fname: object, name: str) -> str:
         relative = os.path.normpath(fname) if isinstance(fname, str) and fname else ""
         if not relative or os.path.isabs(relative) or relative.split(os.sep)[0] in (os.curdir, os.pardir):
@@ -96,7 +109,9 @@ class SafetensorsReader:
 
     def get(self, name: str) -> np.ndarray:
         if name not in self.file_of:
-            raise ModelConfigError(f"weight '{name}' is missing from the model's safetensors files")
+            raise ModelConfigError(
+                f"weight '{name}' is missing from the model's safetensors files{self._layers_held(name)}"
+            )
         path = self.file_of[name]
         if path not in self._handles:
             self._handles[path] = _open_safetensors(path)

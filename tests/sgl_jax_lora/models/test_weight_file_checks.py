@@ -139,3 +139,12 @@ def test_a_directory_left_by_an_unfinished_conversion_says_so(model_dir, tmp_pat
     (path / "weights.orbax-checkpoint-tmp-1234").mkdir()  # orbax's folder before it renames it to weights/
     with pytest.raises(ModelConfigError, match=r"found weights\.orbax-checkpoint-tmp-1234/ of a conversion that did"):
         SafetensorsReader(str(path))
+
+
+def test_a_config_asking_for_more_layers_than_the_files_hold_says_so(model_dir, hf, tmp_path):
+    path = copy_model(model_dir, tmp_path / "m", hf)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 3}))
+    layers = config["num_hidden_layers"]
+    with pytest.raises(ModelConfigError, match=rf"\(they hold layers 0\.\.{layers - 1}: is config\.json's num_hidden"):
+        load(path)
