@@ -144,7 +144,9 @@ def _read_index(model_path: str) -> dict:
 def _open_safetensors(path: str):
     """safe_open(path), or ModelConfigError naming the file and what is wrong with it."""
     if not os.path.isfile(path):
-        raise ModelConfigError(f"{path} is not a file (a directory?); the model's weights are *.safetensors files")
+        raise ModelConfigError(
+            f"{path} is not a regular file (a directory, a pipe?); the model's weights are *.safetensors files"
+        )
     try:
         return safe_open(path, framework="numpy")
     except (SafetensorError, OSError) as e:

@@ -54,9 +54,10 @@ def load(path) -> None:
             r"model\.safetensors is not a readable safetensors file \(.*re-",
         ),
         (lambda f: f.write_bytes(b""), r"model\.safetensors is not a readable safetensors file \(.*re-download"),
-        (lambda f: (f.unlink(), f.mkdir()), r"model\.safetensors is not a file \(a directory\?\); the model's weights"),
+        (lambda f: (f.unlink(), f.mkdir()), r"model\.safetensors is not a regular file \(a directory, a pipe\?\)"),
+        (lambda f: (f.unlink(), os.mkfifo(f)), r"model\.safetensors is not a regular file \(a directory, a pipe\?\)"),
     ],
-    ids=["truncated", "empty", "a directory"],
+    ids=["truncated", "empty", "a directory", "a pipe"],
 )
 def test_a_weight_file_that_cannot_be_read_is_named(model_dir, tmp_path, damage, message):
     path = copy_model(model_dir, tmp_path / "m")
