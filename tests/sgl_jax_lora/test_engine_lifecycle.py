@@ -28,6 +28,15 @@ ENGINE_ARGS = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def sigint_raises_keyboard_interrupt():
+    """Python's own SIGINT handler for each test: a shell starts a background job (`.ci/run &`) with SIGINT ignored,
+    which Python then leaves ignored, and the interrupt these tests send would never arrive."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def interrupt_main_when(condition, timeout: float = 120.0) -> threading.Thread:
     """SIGINT to the main thread once `condition()` holds (polled); nothing if it never does within `timeout`."""
     main = threading.main_thread().ident
