@@ -169,7 +169,8 @@ def draw(keys: jax.Array, weights: jax.Array, loops: bool = False) -> jax.Array:
     block = first_block + block
     tokens = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, DRAW_BLOCK]
     index, _ = _choose(tokens, target, running_sums)
-    return (block * DRAW_BLOCK + index).astype(jnp.int32)
+    # a row with no positive weight (NaN logits) would end on the padding past the vocabulary: keep it inside
+    return jnp.minimum(block * DRAW_BLOCK + index, vocab - 1).astype(jnp.int32)
 
 
 def _choose(

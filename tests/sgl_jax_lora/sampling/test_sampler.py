@@ -128,6 +128,15 @@ def test_draw_takes_the_only_positive_weight_at_either_end_of_the_vocabulary(voc
         assert set(np.asarray(draw(keys, jnp.asarray(weights), loops=loops)).tolist()) == {index}
 
 
+@pytest.mark.parametrize("loops", [False, True])
+@pytest.mark.parametrize("fill", [np.nan, 0.0])
+def test_a_row_without_a_positive_weight_still_draws_a_token_of_the_vocabulary(fill, loops):
+    keys = jax.vmap(jax.random.key)(jnp.arange(8, dtype=jnp.uint32))
+    weights = jnp.full((8, 300), fill, jnp.float32)  # NaN logits give NaN weights; 300 is not a whole block
+    drawn = np.asarray(draw(keys, weights, loops=loops))
+    assert ((drawn >= 0) & (drawn < 300)).all(), drawn
+
+
 def test_running_sums_never_decrease_and_stay_level_over_zeros():
     values = jnp.asarray(np.random.default_rng(0).uniform(0, 1, (64, 128)).astype(np.float32) * 1e6)
     values = values.at[:, ::3].set(0)
