@@ -78,8 +78,9 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
         core = EngineCore(args, model_path, tokenizer_eos)
     except Exception as e:  # startup errors go back to the frontend, which raises them
         message = f"{type(e).__name__}: {e}"
-        if isinstance(e, MemoryError) and sizes_set(args_dict):
-            message += f" (sizes set: {sizes_set(args_dict)}; lower them)"
+        sizes = sizes_set(args_dict) if isinstance(e, MemoryError) else ""
+        if sizes:
+            message += f" (sizes set: {sizes}; lower them)"
         if isinstance(e, refusals):  # a setting, a model or adapter file, memory: the message says it all
             logger.error("engine failed to start: %s", message)
         else:
