@@ -3,7 +3,8 @@
 Node 0 (`launch --nnodes 2 --node-rank 0`) serves HTTP on 127.0.0.1; node 1 replays its steps. Greedy tokens and
 logprobs must equal a single-process tp-4 engine and HF transformers + PEFT, with adapters mixed with base requests,
 adapters loaded and unloaded while the nodes run, and no compilation after warmup on either node. Killing one node
-must make the other exit non-zero, and node 0's pending request must get an error.
+must make the other exit non-zero, and node 0's pending request must get an error. Two nodes serving a checkpoint
+converted with orbax (each restoring its own shards) give the single engine's tokens too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from sgl_jax_lora import Engine
+from sgl_jax_lora.convert import convert
 from tests.support.http_helpers import ServerProcess, free_port, server_env
 from tests.support.model_fixtures import load_hf_model, make_hf_model_dir
 from tests.support.peft_fixtures import load_peft_model, write_peft_adapter
@@ -303,12 +305,24 @@ def test_stopped_follower_exits_and_makes_node_0_exit_and_fail_its_request(clust
 
 
 @pytest.mark.slow  # a second pair of nodes: their start takes most of a minute on two cores
-def test_killed_node_0_makes_the_follower_exit_non_zero(setup):
+def test_two_nodes_serve_a_converted_checkpoint_and_a_killed_node_0_ends_the_follower(setup, single):
+    """Each node restores its own shards of an orbax checkpoint converted for tp 4; then node 0 dies."""
     root, base, adapters = setup
-    nodes = Cluster(base, adapters, root, skip_precompile=True)
+    converted = convert(str(base), str(root / "converted-tp4"), tp_size=4, dtype="float32")
+    nodes = Cluster(converted, adapters, root, skip_precompile=True)
     try:
         nodes.wait_healthy()
         leader, follower = nodes.nodes
+        loras = ["a", None, "b"]
+        ids = [prompt(70 + i, 7 + 4 * i) for i in range(len(loras))]
+        expected = single.generate(
+            input_ids=ids,
+            lora_path=loras,
+            return_logprob=True,
+            logprob_start_len=0,
+            sampling_params={"max_new_tokens": 5, **GREEDY},
+        )
+        assert_same_as(generate(leader, ids, loras, 5), expected)
         _kill_with_children(leader.process)
         assert follower.process.wait(timeout=EXIT_DEADLINE_S) != 0
     finally:
