@@ -43,6 +43,7 @@ from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cach
 from sgl_jax_lora.model_executor.padding_batches import warmup_compile_threads
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
+from sgl_jax_lora.utils.quiet import skip_tpu_probe_without_chips
 
 logger = logging.getLogger(__name__)
 RECEIVE_AHEAD = 64  # commands received and decoded ahead of the one being replayed
@@ -163,6 +164,7 @@ def run_follower(args: ServerArgs, model_path: str) -> int:
         flush=True,
     )
     enable_compilation_cache(args.compilation_cache_dir)  # this node's own flag: restarts skip compiling
+    skip_tpu_probe_without_chips(args.log_level)
     try:
         runtime.initialize(args)
         channel = CommandChannel(args.node_rank, args.nnodes)

@@ -53,7 +53,7 @@ from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.server_args_checks import sizes_set
 from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 from sgl_jax_lora.utils.parent_watch import exit_when_parent_dies
-from sgl_jax_lora.utils.quiet import quiet_platform_probes
+from sgl_jax_lora.utils.quiet import quiet_platform_probes, skip_tpu_probe_without_chips
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the frontend shuts us down
     exit_when_parent_dies()  # a SIGKILLed frontend leaves no engine behind, even one still starting
     quiet_platform_probes(args_dict.get("log_level", "info"))  # before JAX picks its platform
+    skip_tpu_probe_without_chips(args_dict.get("log_level", "info"))
     logging.basicConfig(level=args_dict.get("log_level", "info").upper(), format="[engine %(process)d] %(message)s")
     enable_compilation_cache(args_dict.get("compilation_cache_dir"))
     from safetensors import SafetensorError
@@ -81,10 +82,8 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
         sizes = sizes_set(args_dict) if isinstance(e, MemoryError) else ""
         if sizes:
             message += f" (sizes set: {sizes}; lower them)"
-        if isinstance(e, refusals):  # a setting, a model or adapter file, memory: the message says it all
-            logger.error("engine failed to start: %s", message)
-        else:
-            logger.exception("engine failed to start")
+        if not isinstance(e, refusals):  # a setting, a model or adapter file, memory: the frontend's line says it all
+            logger.exception("engine failed to start")  # else the traceback, which only this process has
         conn.send_bytes(encode(StartupError(message)))
         return
     freeze_startup_objects()  # a full collection while serving then walks only the requests' objects

@@ -105,6 +105,10 @@ def train(args: argparse.Namespace) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from sgl_jax_lora.utils.quiet import quiet_platform_probes, skip_tpu_probe_without_chips
+
+    quiet_platform_probes()  # before transformers and JAX's devices
+    skip_tpu_probe_without_chips()
     try:
         train(args)
     except (ValueError, OSError) as e:  # bad data, a diverged run, an unusable directory: a message, no traceback

@@ -8,11 +8,19 @@ Flow: `quiet_platform_probes()` runs first thing in each process that imports tr
 - JAX's INFO lines "Unable to initialize backend 'tpu' / 'cuda' ...", logged while JAX looks for each
   platform it was built for. JAX's warnings (e.g. "An NVIDIA GPU may be present on this machine, but a
   CUDA-enabled jaxlib is not installed") stay: those a user should act on.
+
+`skip_tpu_probe_without_chips()` runs in each process that starts JAX's devices (the engine process, a multi-host
+follower), before it does: libtpu, installed on a host without a TPU (the test extra installs it, to compile for TPU
+slices), prints lines of errors from C++ while JAX probes the 'tpu' platform ("Failed to find host bounds",
+"unexpected worker hostname"), which no logging filter reaches. Without a TPU chip on the host the probe is
+skipped, as JAX itself skips 'cuda' without a visible NVIDIA GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 TRANSFORMERS_NO_TORCH = "PyTorch was not found"
 
@@ -39,3 +47,34 @@ def quiet_platform_probes(log_level: str = "info") -> None:
     bridge = logging.getLogger("jax._src.xla_bridge")
     if bridge.level == logging.NOTSET or bridge.level < logging.WARNING:
         bridge.setLevel(logging.WARNING)
+
+
+def skip_tpu_probe_without_chips(log_level: str = "info") -> bool:
+    """Leave the 'tpu' platform out of JAX's probe when this host has no TPU chip; True when it was left out.
+
+    Nothing changes when JAX_PLATFORMS names the platforms, with JAX_FORCE_TPU_INIT, with --log-level debug, once
+    JAX's devices have started, or where JAX's internals differ (the names read here are private to JAX: the
+    probe then runs as before). Compiling for a TPU slice (model_executor/tpu_aot.py) loads libtpu by itself and
+    still works."""
+    if log_level.lower() == "debug" or os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+        return False
+    try:
+        from jax._src import hardware_utils, xla_bridge  # noqa: PLC0415 (JAX's import, only where devices start)
+
+        if xla_bridge.config.jax_platforms.value or xla_bridge._backends:
+            return False
+        if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
+            return False
+        registration = xla_bridge._backend_factories.get("tpu")
+        if registration is None:
+            return False
+        # the platform stays registered (the TPU kernels' lowering rules name it); its probe finds nothing
+        xla_bridge._backend_factories["tpu"] = dataclasses.replace(registration, factory=_no_tpu_chip)
+        return True
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
+def _no_tpu_chip() -> None:
+    """The 'tpu' probe on a host without a TPU chip: no client (JAX then goes on to the other platforms)."""
+    return None

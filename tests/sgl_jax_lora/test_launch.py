@@ -82,6 +82,7 @@ def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alon
     result = run_launch("--lora-paths", "a=/no/such/adapter", "--skip-precompile")
     assert result.returncode == 1
     assert "engine failed to start: LoRAAdapterError: adapter 'a'" in result.stderr
+    assert result.stderr.count("engine failed to start") == 1  # the frontend's line; the engine does not repeat it
     assert "Traceback" not in result.stderr  # a setting's error, not a crash
 
 
