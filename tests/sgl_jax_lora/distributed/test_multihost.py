@@ -350,9 +350,13 @@ BF16_LOGPROB_ATOL = 0.05  # two bf16 programs whose all-reduces run in different
 
 @pytest.mark.gpu
 @pytest.mark.skipif(num_cuda_devices() < 2, reason="needs two CUDA devices")
-def test_two_gpu_processes_equal_one_process_tp2(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", ["hf", "converted"])
+def test_two_gpu_processes_equal_one_process_tp2(tmp_path, monkeypatch, source):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the engines of this test share the two GPUs
     base = make_hf_model_dir(tmp_path / "base", "llama", seed=7, **GPU_MODEL)
+    served = base  # the nodes serve the HF directory, or its orbax conversion for tp 2 (each node restores its shards)
+    if source == "converted":
+        served = convert(str(base), str(tmp_path / "converted"), tp_size=2, dtype=GPU_SETTINGS["dtype"])
     adapters = {
         "a": write_peft_adapter(base, tmp_path / "a", seed=1, r=8, lora_alpha=16, target_modules="all-linear"),
         "b": write_peft_adapter(base, tmp_path / "b", seed=2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -366,7 +370,7 @@ def test_two_gpu_processes_equal_one_process_tp2(tmp_path, monkeypatch):
             input_ids=ids, lora_path=loras, return_logprob=True, logprob_start_len=0, sampling_params=params
         )
         assert len(single.get_server_info()["devices"]) == 2
-    nodes = Cluster(base, adapters, tmp_path, node_devices=one_gpu_each, settings=GPU_SETTINGS)
+    nodes = Cluster(served, adapters, tmp_path, node_devices=one_gpu_each, settings=GPU_SETTINGS)
     try:
         nodes.wait_healthy()
         outs = generate(nodes.nodes[0], ids, loras, 8)
