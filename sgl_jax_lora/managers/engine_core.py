@@ -35,7 +35,7 @@ from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
 from sgl_jax_lora.managers.lora_manager import build_lora_manager
 from sgl_jax_lora.managers.prompt_limits import check_context_length
-from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, top_list
+from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, finite_logprob, top_list
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.managers.scheduler import Scheduler
@@ -272,7 +272,7 @@ class EngineCore:
                 req.output_ids.append(token)
                 if req.return_logprob:
                     top = top_list(sampled["top_ids"][i], sampled["top_logprobs"][i], req.top_logprobs_num)
-                    req.output_token_logprobs.append((float(sampled["next_logprobs"][i]), token, top))
+                    req.output_token_logprobs.append((finite_logprob(sampled["next_logprobs"][i]), token, top))
                 req.finish_reason = self.stop_checker.check(req, self.context_length)
                 if req.finish_reason is not None:
                     self.scheduler.finish(req)

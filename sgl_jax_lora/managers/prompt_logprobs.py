@@ -1,5 +1,7 @@
 """Prompt logprobs: the logprob of each prompt token (and the top alternatives) for requests that ask for them.
 
+`top_list` and `finite_logprob` give the logprobs as Python values (None where not finite), here and for sampled tokens.
+
 Flow: EngineCore._launch runs the forward of a step with prefill chunks -> `collect_prompt_logprobs` gives the
 runner each row's next prompt token as target and waits for their logprobs (the one device wait of a launch, for
 the rare requests that ask) -> each request's `input_token_logprobs` grows by the positions of its chunk, from
@@ -7,6 +9,8 @@ logprob_start_len on; positions collected before a preemption are not collected 
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -42,7 +46,7 @@ def collect_prompt_logprobs(runner, batch: ScheduleBatch, hidden, num_tokens: in
                 continue  # before logprob_start_len, or already collected before a preemption
             row = starts[i] + j
             top = top_list(result["top_ids"][row], result["top_logprobs"][row], req.top_logprobs_num)
-            req.input_token_logprobs.append((float(result["logprobs"][row]), req.input_ids[position], top))
+            req.input_token_logprobs.append((finite_logprob(result["logprobs"][row]), req.input_ids[position], top))
             req.next_prompt_logprob_pos += 1
 
 
@@ -50,4 +54,11 @@ def top_list(ids: np.ndarray, logprobs: np.ndarray, num: int) -> list | None:
     """The first `num` (logprob, token id) pairs of a row's top logprobs; None when none were asked for."""
     if num <= 0:
         return None
-    return [(float(lp), int(t)) for lp, t in zip(logprobs[:num], ids[:num])]
+    return [(finite_logprob(lp), int(t)) for lp, t in zip(logprobs[:num], ids[:num])]
+
+
+def finite_logprob(value) -> float | None:
+    """A logprob as a Python float, or None where the logits were not finite (weights or an adapter whose values
+    overflow the model's activations): JSON has no NaN or infinity, and a response must stay valid JSON."""
+    value = float(value)
+    return value if math.isfinite(value) else None

@@ -120,3 +120,42 @@ def test_bad_bodies_get_400_naming_the_problem(lora_server, path, body, fragment
     response = httpx.post(srv.url + path, json=body, headers=AUTH, timeout=60)
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as strict JSON clients do."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in a response: not JSON"))
+
+
+def test_an_adapter_that_overflows_the_activations_gives_null_logprobs_not_errors(lora_server):
+    """Finite weights with an absurd scale pass the loader's finiteness check, and the logits of its requests are
+    NaN: their logprobs are null, every response stays valid JSON, and base requests are unchanged."""
+    srv, adapters = lora_server
+    prompt = {"text": "Hello, world!", "return_logprob": True, "logprob_start_len": 0, "sampling_params": GREEDY}
+    base_before = generate(srv.url, None)
+    tensors, config = body_of(adapters["a0"])
+    body = {"lora_name": "overflow", "tensors": tensors, "config": {**config, "lora_alpha": 3e38}}
+    loaded = httpx.post(srv.url + "/load_lora_adapter_from_tensors", json=body, headers=AUTH, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    response = httpx.post(srv.url + "/generate", headers=AUTH, timeout=60, json={**prompt, "lora_path": "overflow"})
+    assert response.status_code == 200, response.text
+    meta = strict_json(response.text)["meta_info"]
+    assert None in [lp for lp, _ in meta["output_token_logprobs"]]  # the logits were not finite
+    with httpx.stream(
+        "POST",
+        srv.url + "/generate",
+        headers=AUTH,
+        timeout=60,
+        json={**prompt, "lora_path": "overflow", "stream": True},
+    ) as stream:
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events and all(strict_json(event)["meta_info"] for event in events)
+    completion = httpx.post(
+        srv.url + "/v1/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"model": "overflow", "prompt": "Hello", "max_tokens": 4, "logprobs": 2, "echo": True},
+    )
+    assert completion.status_code == 200, completion.text
+    assert strict_json(completion.text)["choices"][0]["logprobs"]["token_logprobs"]
+    assert generate(srv.url, None)["output_ids"] == base_before["output_ids"]
