@@ -23,6 +23,7 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
@@ -82,10 +83,29 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
+MAX_NAMED_PROBLEMS = 10  # a 400 names a body's first problems and counts the rest
+MAX_LISTED_PROBLEMS = 1000  # past this many, pydantic's list of them is not built (seconds, holding the GIL)
+MAX_FIELD_NAME_CHARS = 64  # a client-sent field name is cut to this in a message
+
+
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 for pydantic's errors: names each bad field and what was wrong with it."""
+    """A 400 for pydantic's errors: names each bad field (the first MAX_NAMED_PROBLEMS) and what was wrong with it."""
     message, code = _validation_message(errors)
     return APIError(400, message, code)
+
+
+def validation_error_of(error: ValidationError) -> APIError:
+    """validation_error for a ValidationError, whose list of problems is built only when it is short: a body of a
+    million unknown fields would otherwise cost seconds and an answer ten times the body's size."""
+    count = error.error_count()
+    if count > MAX_LISTED_PROBLEMS:
+        return APIError(
+            400,
+            f"invalid request: {count} problems (unknown fields, wrong types), too many to name; send only the "
+            "endpoint's fields (docs/http_api.md lists each endpoint's fields)",
+            "invalid_request",
+        )
+    return validation_error(error.errors(include_url=False))
 
 
 # OpenAI and SGLang fields a client may send that this server does not implement: the feature each belongs to
@@ -123,8 +143,15 @@ def _validation_message(errors: list[dict]) -> tuple[str, str]:
         location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         if error.get("type") in ("model_type", "model_attributes_type") and not location:
             return "the request body must be a JSON object", "invalid_json"
-        problems.append(f"{location or 'body'}: {_problem(error)}")
-    return "invalid request: " + "; ".join(problems), "invalid_request"
+        if len(problems) < MAX_NAMED_PROBLEMS:
+            problems.append(f"{_cut(location) or 'body'}: {_problem(error)}")
+    unnamed = len(errors) - len(problems)
+    more = f"; and {unnamed} more problem{'s' * (unnamed > 1)}" if unnamed else ""
+    return "invalid request: " + "; ".join(problems) + more, "invalid_request"
+
+
+def _cut(name: str) -> str:
+    return name if len(name) <= MAX_FIELD_NAME_CHARS else name[: MAX_FIELD_NAME_CHARS - 3] + "..."
 
 
 def _problem(error: dict) -> str:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sgl_jax_lora.entrypoints.errors import APIError, error_response, validation_error
+from sgl_jax_lora.entrypoints.errors import APIError, error_response, validation_error_of
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -73,7 +73,7 @@ async def parse_body(request: Request, model: type[M]) -> M:
             return model.model_validate_json(body)
         return await asyncio.to_thread(model.model_validate_json, body)
     except ValidationError as e:
-        raise validation_error(e.errors()) from None
+        raise validation_error_of(e) from None
 
 
 def body_too_large(limit: int) -> APIError:

@@ -17,6 +17,7 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 # largest compiled entry bucket (configs/buckets.py)
 MAX_LOGIT_BIAS_IDS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_NAMED_UNKNOWN = 10  # an error names the first unknown parameters and counts the rest
 MAX_INT32 = 2**31 - 1  # token ids, top_k and token counts travel as int32 arrays
 MAX_FLOAT32 = 3.4028234663852886e38  # float fields travel as float32: anything larger would become Inf
 INT64_RANGE = (-(2**63), 2**63 - 1)  # seed travels as a 64-bit integer over IPC
@@ -48,9 +49,11 @@ class SamplingParams:
     def from_dict(cls, raw: dict | None) -> SamplingParams:
         raw = dict(raw or {})
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = [name for name in raw if name not in known]
         if unknown:
-            raise SamplingParamsError(f"unknown sampling parameter(s) {unknown}; valid: {sorted(known)}")
+            named = ", ".join(_short(name) for name in unknown[:MAX_NAMED_UNKNOWN])
+            more = f" and {len(unknown) - MAX_NAMED_UNKNOWN} more" if len(unknown) > MAX_NAMED_UNKNOWN else ""
+            raise SamplingParamsError(f"unknown sampling parameter(s) {named}{more}; valid: {sorted(known)}")
         if isinstance(raw.get("stop"), str):
             raw["stop"] = [raw["stop"]]
         for key in ("stop", "stop_token_ids", "logit_bias"):

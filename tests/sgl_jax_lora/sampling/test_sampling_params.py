@@ -27,7 +27,9 @@ def test_from_dict_normalizes_stop_logit_bias_and_nulls():
 @pytest.mark.parametrize(
     "raw, message",
     [
-        ({"max_tokens": 5}, r"unknown sampling parameter\(s\) \['max_tokens'\]"),
+        ({"max_tokens": 5}, r"unknown sampling parameter\(s\) 'max_tokens'; valid: "),
+        ({f"p{i}": 0 for i in range(25)}, r"unknown sampling parameter\(s\) 'p0', .*, 'p9' and 15 more; valid: "),
+        ({"x" * 1000: 0}, r"unknown sampling parameter\(s\) 'x{39}\.\.\.; valid: "),
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"max_new_tokens": MAX_INT32 + 1}, f"max_new_tokens must be <= {MAX_INT32}"),
         ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
