@@ -40,7 +40,7 @@ def stream_tokens(tokenizer, token_ids: np.ndarray, stop: list[str]) -> tuple[fl
     requests = [
         GenerateRequest(rid=str(i), input_ids=[0], sampling=SamplingParams(stop=stop)) for i in range(num_requests)
     ]
-    outputs = [RequestOutput(tokenizer, True, stop) for _ in range(num_requests)]
+    outputs = [RequestOutput(tokenizer, True, stop, request.input_ids) for request in requests]
     length = {"type": "length", "length": num_steps}
     increments = [
         [

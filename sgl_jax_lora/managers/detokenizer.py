@@ -5,7 +5,9 @@ reads the cumulative text. Each call decodes only a short window: the tokens sin
 (`prefix_offset`) with the new ones, minus the same window without them, so a streamed piece costs O(window), not
 O(output). A piece that ends inside a multi-byte character (decoded as U+FFFD) waits for the next token. The window
 starts a few tokens back so that tokenizers whose decoding of a token depends on what precedes it (SentencePiece's
-leading space) decode it as they would in the whole text.
+leading space) decode it as they would in the whole text; the first window starts in the prompt's last tokens, so
+an output's first word keeps the space that separates it from the prompt (decoding the output alone drops it), as
+vLLM and SGLang give it.
 
 `window_decoder` picks how a window becomes text, always what `tokenizer.decode(ids, skip_special_tokens=...)` gives:
 transformers' `decode` spends most of a short window's time converting and checking its arguments (about 10 us a
@@ -23,12 +25,12 @@ WINDOW_CONTEXT_TOKENS = 5  # tokens decoded before the unread ones, for context-
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, prompt_ids: list[int] = ()):
         self._decode = window_decoder(tokenizer, skip_special_tokens)
-        self.ids: list[int] = []
+        self.ids: list[int] = list(prompt_ids[-WINDOW_CONTEXT_TOKENS:])  # context only: its text is the prompt's
         self.text = ""
         self.prefix_offset = 0  # first token of the decoded window
-        self.read_offset = 0  # tokens whose text is in self.text
+        self.read_offset = len(self.ids)  # tokens whose text is in self.text (or the prompt's)
 
     def append(self, new_ids: list[int], is_last: bool = False) -> str:
         """Add the new token ids -> the cumulative text. is_last: the output ends here, so a trailing incomplete

@@ -23,8 +23,10 @@ from sgl_jax_lora.managers.stop_strings import StopStrings
 
 
 class RequestOutput:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, stop: list[str]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, stop: list[str], prompt_ids: list[int]
+    ):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self.stop_strings = StopStrings(stop)
         self.output_ids: list[int] = []
         self.input_logprobs: list = []

@@ -325,7 +325,8 @@ class TokenizerManager:
         token, then the last. A stop string finishes the request here (managers/request_output.py); the engine, which
         may have decoded past it, is told to abort. Raises ServerBusyError, before anything is sent, when the server
         holds all the requests it may."""
-        output = RequestOutput(self.tokenizer, request.sampling.skip_special_tokens, request.sampling.stop)
+        sampling = request.sampling
+        output = RequestOutput(self.tokenizer, sampling.skip_special_tokens, sampling.stop, request.input_ids)
         queue = None
         first_token_sent = False
         try:

@@ -45,7 +45,7 @@ async def engine_stream(
     """What TokenizerManager.generate_request yields for `req` when the engine (managers/engine_core.py _output_of)
     sends `increments` of token ids, the last with `finish`: one cumulative result per increment, ending when the
     result is finished. Token t has logprob -(t + 1) / 4; the prompt's logprobs come with the first increment."""
-    output = RequestOutput(TM.tokenizer, req.sampling.skip_special_tokens, req.sampling.stop)
+    output = RequestOutput(TM.tokenizer, req.sampling.skip_special_tokens, req.sampling.stop, req.input_ids)
     top = (lambda lp, t: [(lp, t)]) if req.top_logprobs_num else (lambda lp, t: None)
     num_ids = 0
     for k, new_ids in enumerate(increments):

@@ -83,3 +83,30 @@ def test_the_wordpiece_tokenizer_cleans_up_what_its_rust_decoder_leaves():
     ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
     assert tokenizer.decode(ids) == TEXTS[0]
     assert tokenizer.backend_tokenizer.decode(ids) != TEXTS[0]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_an_output_reads_as_the_rest_of_its_prompt(text):
+    """Seeded with the prompt's last tokens, the output's text is what decoding prompt + output adds to the prompt's
+    text; on a SentencePiece tokenizer its first word keeps the space that decoding the output alone drops."""
+    rng = np.random.default_rng(len(text))
+    for tokenizer in tokenizers_under_test():
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        cut = len(ids) // 2
+        prompt, output = ids[:cut], ids[cut:]
+        detokenizer = IncrementalDetokenizer(tokenizer, True, prompt)
+        i = 0
+        while i < len(output):
+            n = int(rng.integers(1, 4))
+            streamed = detokenizer.append(output[i : i + n], is_last=i + n >= len(output))
+            i += n
+        whole, head = tokenizer.decode(prompt + output), tokenizer.decode(prompt)
+        assert whole.startswith(head) and streamed == whole[len(head) :]
+
+
+def test_the_first_word_keeps_its_space_on_a_sentencepiece_tokenizer():
+    tokenizer = sentencepiece_style_tokenizer()
+    prompt = tokenizer.encode("The quick brown", add_special_tokens=False)
+    output = tokenizer.encode(" fox.", add_special_tokens=False)
+    assert tokenizer.decode(output) == "fox."  # alone, the space is dropped: the case this test is about
+    assert IncrementalDetokenizer(tokenizer, True, prompt).append(output, is_last=True) == " fox."

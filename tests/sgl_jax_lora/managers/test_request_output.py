@@ -42,7 +42,7 @@ def completing_token(tokenizer, ids: list[int], stop: str) -> int:
 def run(tokenizer, ids: list[int], stop: list[str], pieces: list[int], last_finish: dict | None = None):
     """Feed ids in increments of the given sizes until the output finishes -> (output, last result)."""
     request = GenerateRequest(rid="r", input_ids=[1, 2, 3], sampling=SamplingParams(stop=stop), return_logprob=True)
-    output = RequestOutput(tokenizer, True, stop)
+    output = RequestOutput(tokenizer, True, stop, request.input_ids)
     start, result = 0, None
     for size in pieces:
         end = start + size
