@@ -158,8 +158,10 @@ def _problem(error: dict) -> str:
     """What is wrong with one field, and for a field this server does not know, what to do about it."""
     if error.get("type") == "value_error" and not [part for part in error.get("loc", ()) if part != "body"]:
         return str(error.get("msg")).removeprefix("Value error, ")  # a check across fields: no one value to show
-    if error.get("type") != "extra_forbidden":
-        return f"{error.get('msg')}{_input_suffix(error)}"
+    if error.get("type") != "extra_forbidden":  # a wrong value; for a feature's field, the value that asks for it
+        feature = next((UNSUPPORTED_FEATURES[p] for p in error.get("loc", ()) if p in UNSUPPORTED_FEATURES), None)
+        served = f" (this server does not support {feature}; leave the field out)" if feature else ""
+        return f"{error.get('msg')}{_input_suffix(error)}{served}"
     name = str(error.get("loc", ("",))[-1])
     feature = UNSUPPORTED_FEATURES.get(name)
     if feature:

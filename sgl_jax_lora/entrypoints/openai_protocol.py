@@ -3,6 +3,9 @@
 Flow: openai_api.py's routes parse each body into CompletionRequest or ChatCompletionRequest (request_limits.parse_body),
 then map the shared SamplingFields onto SGLang's sampling names. Fields that only mean something beside another are
 refused without it, as OpenAI's API does: stream_options without stream, chat's top_logprobs without logprobs.
+`null` is a field left out; the fields popular clients send by default are accepted where their values ask for
+nothing this server lacks (`tool_choice: "none"`, `response_format: {"type": "text"}`, an assistant message's null
+`tool_calls`), and refused naming the feature otherwise.
 """
 
 from __future__ import annotations
@@ -10,14 +13,32 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticUndefined
 
 
 class _Strict(BaseModel):
+    """Strict types and no unknown fields; `null` for a field with a default is that field left out (clients send
+    `"temperature": null` for "not set"), so the server's default applies, the model's included."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="after")
+    def _null_is_unset(self) -> _Strict:
+        for name in [name for name in self.model_fields_set if getattr(self, name) is None]:
+            default = type(self).model_fields[name].default
+            if default is not None and default is not PydanticUndefined:
+                object.__setattr__(self, name, default)
+                self.model_fields_set.discard(name)
+        return self
+
+
+class TextResponseFormat(_Strict):
+    type: Literal["text"]  # plain text, what every response is; JSON modes are structured output, not served
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: Literal[False] | None = None  # vLLM's: usage in every chunk, not served; false accepted
 
 
 class SamplingFields(_Strict):
@@ -25,26 +46,33 @@ class SamplingFields(_Strict):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, in [-100, 100]
+    # what clients send by default, with values that ask for nothing this server lacks: accepted, nothing to do
+    tool_choice: Literal["none"] | None = None  # no tools: "none" is what happens
+    parallel_tool_calls: bool | None = None  # no tools to call
+    response_format: TextResponseFormat | None = None  # {"type": "text"}
+    store: Literal[False] | None = None  # nothing is stored
+    metadata: dict[str, str] | None = None  # tags for stored completions: none are stored
+    service_tier: Literal["auto", "default"] | None = None  # one tier
     # extensions
-    min_tokens: int = 0  # vLLM's name for min_new_tokens
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
+    min_tokens: int | None = 0  # vLLM's name for min_new_tokens
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    priority: int = 0  # vLLM's: lower is served first (--scheduling-policy priority)
+    skip_special_tokens: bool | None = True
+    priority: int | None = 0  # vLLM's: lower is served first (--scheduling-policy priority)
 
     @model_validator(mode="after")
     def _stream_options_only_when_streamed(self) -> SamplingFields:
@@ -58,7 +86,7 @@ class CompletionRequest(SamplingFields):
     # costliest to try and fail, is matched first (2 million of them parsed in 1.8 s against 4.8 s in smart mode)
     prompt: Annotated[str | list[list[int]] | list[int] | list[str], Field(union_mode="left_to_right")]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
 
 
 class TextContentPart(_Strict):
@@ -70,12 +98,18 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # an assistant message as the OpenAI client returns it, sent back as history: these fields null or empty
+    refusal: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: Annotated[list, Field(max_length=0)] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
 
     @model_validator(mode="after")

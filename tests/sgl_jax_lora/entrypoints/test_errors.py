@@ -17,7 +17,7 @@ from sgl_jax_lora.entrypoints.errors import (
     to_api_error,
     validation_error,
 )
-from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.request_normalizer import PromptRefused
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
@@ -87,20 +87,32 @@ def test_unknown_fields_name_the_fix_and_the_features_not_served():
     )
     message = _refusal(ChatCompletionRequest, **chat, response_format={"type": "json_object"}, best_of=2)
     assert message == (
-        "invalid request: response_format: this server does not support structured output (response_format); "
-        "remove the field; best_of: this server does not support best_of (the best of several samples); remove the "
-        "field"
+        "invalid request: response_format.type: Input should be 'text' (got 'json_object') (this server does not "
+        "support structured output (response_format); leave the field out); best_of: this server does not support "
+        "best_of (the best of several samples); remove the field"
     )
-    nested = {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    nested = {"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": [call]}]}
     assert _refusal(ChatCompletionRequest, **nested).endswith(
-        "tool_calls: this server does not support tool calling; remove the field"
+        "(this server does not support tool calling; leave the field out)"
     )
     assert _refusal(CompletionRequest, model="m", prompt="Hi", temprature=0.5) == (
         "invalid request: temprature: not a field of this request; remove it (docs/http_api.md lists each "
         "endpoint's fields)"
     )
     accepted = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-    assert not accepted & set(UNSUPPORTED_FEATURES)  # a field served is never called unsupported
+    accepted |= set(ChatMessage.model_fields)
+    # the features' fields a request may hold, with the values that ask for nothing (tool_choice "none", ...)
+    assert accepted & set(UNSUPPORTED_FEATURES) == {
+        "tool_choice",
+        "parallel_tool_calls",
+        "tool_calls",
+        "function_call",
+        "response_format",
+        "audio",
+        "service_tier",
+        "store",
+    }
 
 
 class Body(BaseModel):

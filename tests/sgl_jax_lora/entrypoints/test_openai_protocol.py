@@ -99,8 +99,11 @@ def test_chat_refusals():
     assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "robot", "content": "x"}])
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": [image]}])
-    extra = error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x", "tool_calls": []}])
-    assert extra["type"] == "extra_forbidden" and extra["loc"][-1] == "tool_calls"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    called = error_of(ChatCompletionRequest, model="m", messages=[{"role": "assistant", "tool_calls": [call]}])
+    assert called["type"] == "too_long" and called["loc"][-1] == "tool_calls"
+    extra = error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x", "tools": []}])
+    assert extra["type"] == "extra_forbidden" and extra["loc"][-1] == "tools"
     assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x"}], logprobs=1)
     assert error_of(ChatCompletionRequest, model="m", prompt="Hi", messages=[{"role": "user"}])["loc"] == ("prompt",)
 
@@ -125,3 +128,46 @@ def test_a_batch_of_token_id_lists_is_matched_before_the_other_prompt_forms():
     assert parse(CompletionRequest, model="m", prompt=[[1], [2]]).prompt == [[1], [2]]
     assert error_of(CompletionRequest, model="m", prompt=[[1], "a"])
     assert error_of(CompletionRequest, model="m", prompt=[True])
+
+
+def test_null_is_a_field_left_out_so_the_server_default_applies():
+    body = parse(
+        CompletionRequest, model="m", prompt="Hi", temperature=None, n=None, stream=None, echo=None, top_k=None
+    )
+    assert (body.temperature, body.n, body.stream, body.echo, body.top_k) == (1.0, 1, False, False, -1)
+    assert not {"temperature", "n", "stream", "echo", "top_k"} & body.model_fields_set  # the model's defaults apply
+    chat = parse(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x"}], logprobs=None)
+    assert chat.logprobs is False
+    assert error_of(CompletionRequest, model=None, prompt="Hi")["loc"] == ("model",)  # a required field stays so
+
+
+def test_what_clients_send_by_default_is_accepted_and_a_feature_it_asks_for_refused():
+    defaults = dict(
+        tool_choice="none",
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+        store=False,
+        metadata={"run": "1"},
+        service_tier="auto",
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": False},
+    )
+    assert parse(CompletionRequest, model="m", prompt="Hi", **defaults).tool_choice == "none"
+    reply = {  # an assistant message as the openai client's model_dump() gives it, sent back as history
+        "role": "assistant",
+        "content": "Hi!",
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    assert parse(ChatCompletionRequest, model="m", messages=[reply]).messages[0].content == "Hi!"
+    for field, value in [
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("store", True),
+        ("service_tier", "flex"),
+    ]:
+        error = error_of(CompletionRequest, model="m", prompt="Hi", **{field: value})
+        assert error["loc"][0] == field, error
