@@ -348,7 +348,7 @@ class EngineCore:
             ref, tensors_paths, config if config is not None else self.lora_setup.config_of(old), checked_finite
         )
         if old is not None:
-            self.lora.pool.pinned.discard(old.lora_id)
+            self.lora.unpin(old.lora_id)
         try:
             self.lora.register(ref)
         except Exception:

@@ -14,7 +14,8 @@ requests are never evicted (no reload thrash between a prefill and the next deco
 (the scheduler passes the adapters other waiting requests want). EngineCore then `apply`s the plan's slot writes
 (ModelRunner.write_lora_slot), the only device writes of a step's adapters, and `lora_batch(token_slots)`
 builds the step's LoRABatch. Frontend calls (`register`, `unregister`) arrive as RPCs through the engine loop;
-a pinned adapter is written into its slot by `register`.
+a pinned adapter is written into its slot by `register`, or, when running requests hold every slot, waits
+(`_waiting_pins`) and is pinned in the first slot a step frees (`plan_step`, before the step's requests take any).
 
 Where it sits: a manager of the engine process, above the model runner whose LoRA buffers it writes; built by
 `build_lora_manager` from the engine's LoRASetup (lora/lora_setup.py: adapters, max rank, covered modules).
@@ -120,6 +121,7 @@ class LoRAManager:
         self.load_seconds_total = 0.0
         self.device_hits = 0
         self.device_misses = 0
+        self._waiting_pins: set[str] = set()  # pinned adapters waiting for a slot that running requests hold
 
     # ---- registration (RPCs from the frontend) ----------------------------------------------
     def inspect_ahead(self, ref: LoRARef) -> Future:
@@ -132,7 +134,7 @@ class LoRAManager:
         """Validate from the adapter's config and tensor headers (no weights read; `summary`: that validation's
         result, done ahead by `inspect_ahead`); pinned adapters are loaded and take a device slot now, the others
         are read on first use (prefetch)."""
-        if ref.pinned and len(self.pool.pinned) >= self.max_per_batch - 1:
+        if ref.pinned and len(self.pool.pinned) + len(self._waiting_pins) >= self.max_per_batch - 1:
             raise LoRAAdapterError(
                 f"adapter '{ref.lora_name}': at most {self.max_per_batch - 1} adapters may be pinned "
                 f"(--max-loras-per-batch {self.max_per_batch} minus one); unpin one or raise --max-loras-per-batch"
@@ -149,18 +151,26 @@ class LoRAManager:
         return adapter
 
     def _pin(self, ref: LoRARef) -> None:
+        """Write the adapter into a slot and keep it there; when running requests use every slot (an update of a
+        pinned adapter under load), it waits for the first slot a step frees."""
         slot = self.pool.slot_of.get(ref.lora_id) or self.pool.free_slot() or self.pool.victim(busy=self._running_ids)
         if slot is None:
-            raise LoRAAdapterError(
-                f"adapter '{ref.lora_name}': every device slot holds an adapter that running requests use; "
-                "retry the pinned load when they finish, or raise --max-loras-per-batch"
-            )
-        self.apply([self._reserve_slot(slot, ref.lora_id)])
+            self._waiting_pins.add(ref.lora_id)
+            return
+        self._waiting_pins.discard(ref.lora_id)
+        if ref.lora_id not in self.pool.slot_of:
+            self.apply([self._reserve_slot(slot, ref.lora_id)])
         self.pool.pinned.add(ref.lora_id)
+
+    def unpin(self, lora_id: str) -> None:
+        """The adapter may leave its slot (or stops waiting for one): an update's old version."""
+        self.pool.pinned.discard(lora_id)
+        self._waiting_pins.discard(lora_id)
 
     def unregister(self, lora_id: str) -> None:
         """Forget an adapter; its device slot, if it held one, is zeroed so that nothing of it stays on the device."""
         ref = self.refs.pop(lora_id, None)
+        self._waiting_pins.discard(lora_id)
         if ref is not None and all(other.lora_name != ref.lora_name for other in self.refs.values()):
             self.host_cache.forget_name(ref.lora_name)  # an update's new version keeps the name's counters
         self._prefetches.pop(lora_id, None)
@@ -190,6 +200,8 @@ class LoRAManager:
         evicted by this step (nor by a pin before the next one)."""
         self._forget_unapplied()
         self._running_ids = frozenset(lora_id for lora_id in running if lora_id is not None)
+        for lora_id in list(self._waiting_pins):  # a slot the last step freed
+            self._pin(self.refs[lora_id])
         return AdapterPlan(running=self._running_ids)
 
     def prefetch(self, lora_id: str | None, priority: int = 0) -> None:
@@ -345,7 +357,7 @@ class LoRAManager:
             "registered": len(self.refs),
             "resident_on_device": sum(o is not None for o in self.pool.slot_owner[1:]),
             "device_slots": self.pool.num_slots - 1,
-            "pinned": len(self.pool.pinned),
+            "pinned": len(self.pool.pinned) + len(self._waiting_pins),  # placed, or waiting for a slot
             "in_host_cache": len(self.host_cache),
             "device_hits": self.device_hits,
             "device_misses": self.device_misses,

@@ -290,3 +290,26 @@ def test_adapters_are_read_in_the_order_of_their_requests_priority():
 
 def test_staging_budget_is_a_gibibyte_of_slots():
     assert [staging_budget(size) for size in (0, 1 << 20, 84 << 20, 300 << 20, 2 << 30)] == [16, 16, 12, 3, 1]
+
+
+def test_a_pin_waits_for_a_slot_that_running_requests_hold_and_takes_the_first_freed():
+    # an update of a pinned adapter while requests of every other slot's adapter run: refused before, now it waits
+    manager, runner = make_manager(max_loras_per_batch=2)
+    ids = register(manager, "a", "b")
+    plan = manager.plan_step(set())
+    manager.reserve(plan, ids["a"])
+    manager.reserve(plan, ids["b"])
+    manager.apply(plan.slot_writes)
+    manager.plan_step({ids["a"], ids["b"]})  # both running
+    pinned = LoRARef(lora_name="p", lora_path="/adapters/p", pinned=True)
+    manager.register(pinned)
+    assert pinned.lora_id not in manager.pool.slot_of and manager.stats()["pinned"] == 1
+    with pytest.raises(LoRAAdapterError, match="at most 1 adapters may be pinned"):  # the waiting pin counts
+        manager.register(LoRARef(lora_name="q", lora_path="/adapters/q", pinned=True))
+    manager.plan_step({ids["a"]})  # "b" finished: its slot goes to the waiting pin at once
+    assert manager.pool.slot_of[pinned.lora_id] == 2 and pinned.lora_id in manager.pool.pinned
+    assert runner.writes[-1] == (2, "p")
+    plan = manager.plan_step(set())
+    assert manager.reserve(plan, ids["b"]) == 1  # evicts "a", never the pinned adapter
+    manager.unregister(pinned.lora_id)
+    assert manager.stats()["pinned"] == 0
