@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
+from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize, prompt_count
 from sgl_jax_lora.utils.gather import gather_or_cancel
@@ -103,6 +104,7 @@ async def generate(request: Request) -> Response:
     requests = await build_requests(tm, batch)  # all validated before any is sent
     streams = [state.metrics.track(tm.generate_request(r, every_increment=body.stream), "generate") for r in requests]
     if body.stream:
+        streams = [_text_never_taken_back(s, r.sampling.stop) for s, r in zip(streams, requests, strict=True)]
         return await streaming_response(request, _generate_events(streams, batch.answers_list))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
     return JSONResponse(results if batch.answers_list else results[0])
@@ -291,6 +293,17 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _text_never_taken_back(results: AsyncIterator[dict], stop: list[str]) -> AsyncIterator[dict]:
+    """A stream's cumulative results, each unfinished one's text cut where TextDeltas cuts it: a later event's text
+    always extends an earlier one's (a tail that may begin a stop string waits until it is certain)."""
+    deltas = TextDeltas(stop)
+    async with contextlib.aclosing(results):
+        async for result in results:
+            finished = result["meta_info"]["finish_reason"] is not None
+            deltas.delta(result["text"], finished)
+            yield result if finished else {**result, "text": result["text"][: deltas.num_sent]}
 
 
 async def _generate_events(streams: list[AsyncIterator[dict]], is_batch: bool) -> AsyncIterator[str]:

@@ -16,42 +16,11 @@ from typing import TYPE_CHECKING
 from sgl_jax_lora.entrypoints.native_api import merge_streams, sse
 from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax_lora.entrypoints.openai_responses import Echo, chat_logprobs, completion_logprobs, finish_reason, usage_of
+from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 
 if TYPE_CHECKING:
     from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
-
-
-class TextDeltas:
-    """Turns cumulative texts into deltas that are never taken back.
-
-    Until the request finishes, hold back a trailing U+FFFD (the rest of a multi-byte character has
-    not arrived) and any tail that could be the start of a stop string (the final text omits it).
-    """
-
-    def __init__(self, stop: list[str]):
-        self.stop = stop
-        self.num_sent = 0
-
-    def delta(self, text: str, is_finished: bool) -> str:
-        end = len(text) if is_finished else self._stable_len(text)
-        if end <= self.num_sent:
-            return ""
-        piece = text[self.num_sent : end]
-        self.num_sent = end
-        return piece
-
-    def _stable_len(self, text: str) -> int:
-        end = len(text)
-        while end > self.num_sent and text[end - 1] == "\ufffd":
-            end -= 1
-        held = 0
-        for stop in self.stop:
-            for k in range(len(stop) - 1, held, -1):
-                if text[:end].endswith(stop[:k]):
-                    held = k
-                    break
-        return max(end - held, self.num_sent)
 
 
 async def completion_chunks(

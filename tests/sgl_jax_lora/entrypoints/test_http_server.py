@@ -217,6 +217,27 @@ def test_stop_string(http):
     assert result["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+def test_a_streamed_stop_string_never_takes_text_back(http, tokenizer):
+    prompt, params = "Once upon a time", {**GREEDY, "max_new_tokens": 16}
+    full = generate(http, text=prompt, sampling_params=params)
+    text, ids = full["text"], full["output_ids"]
+    ends = [len(tokenizer.decode(ids[: k + 1])) for k in range(len(ids))]  # the text's length after each token
+    # a stop string across two tokens: its first character arrives one event before the rest
+    k = next(
+        k
+        for k in range(1, len(ids) - 1)
+        if ends[k - 1] < ends[k] < ends[k + 1]
+        and text[ends[k] - 1 : ends[k] + 1].strip()
+        and text.find(text[ends[k] - 1 : ends[k] + 1]) == ends[k] - 1
+    )
+    stop = text[ends[k] - 1 : ends[k] + 1]
+    texts = [
+        event["text"] for event in stream_generate(http, text=prompt, sampling_params={**params, "stop": stop})[:-1]
+    ]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])), texts
+    assert texts[-1] == text[: text.find(stop)]
+
+
 # ---- OpenAI API --------------------------------------------------------------------------------
 def test_openai_models(oai, server, model_name):
     models = oai.models.list().data

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from sgl_jax_lora.entrypoints.openai_responses import NO_ECHO, Echo
-from sgl_jax_lora.entrypoints.openai_streaming import TextDeltas, chat_chunks, completion_chunks
+from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_chunks
+from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
