@@ -3,7 +3,8 @@
 Flow: the frontend's RequestOutput (managers/request_output.py) feeds it the cumulative text after each token; the
 first text in which a stop string appears ends the request there. Each call searches the text added since the last
 call plus the len(longest stop) - 1 characters before it (a stop string may straddle two pieces), so a request
-costs O(its text), not O(text x tokens). Where several stop strings complete at once, the first listed wins.
+costs O(its text), not O(text x tokens). Where several stop strings complete at once, the one that starts first
+wins (the text is cut there, so it holds none of them, as OpenAI's API cuts it); at one position, the first listed.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ class StopStrings:
         return bool(self.stop)
 
     def find(self, text: str) -> tuple[str, int] | None:
-        """(stop string, its position in text) of the first stop string in `text`, or None."""
+        """(stop string, its position in text) of the stop string that starts first in `text`, or None."""
         start = max(0, self.num_searched - self.overlap)
         self.num_searched = len(text)
+        found = None
         for stop in self.stop:
             position = text.find(stop, start)
-            if position >= 0:
-                return stop, position
-        return None
+            if position >= 0 and (found is None or position < found[1]):
+                found = (stop, position)
+        return found
