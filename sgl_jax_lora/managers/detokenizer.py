@@ -7,7 +7,7 @@ O(output). A piece that ends inside a multi-byte character (decoded as U+FFFD) w
 starts a few tokens back so that tokenizers whose decoding of a token depends on what precedes it (SentencePiece's
 leading space) decode it as they would in the whole text; the first window starts in the prompt's last tokens, so
 an output's first word keeps the space that separates it from the prompt (decoding the output alone drops it), as
-vLLM and SGLang give it.
+vLLM gives it.
 
 `window_decoder` picks how a window becomes text, always what `tokenizer.decode(ids, skip_special_tokens=...)` gives:
 transformers' `decode` spends most of a short window's time converting and checking its arguments (about 10 us a
@@ -17,7 +17,7 @@ request per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +25,7 @@ WINDOW_CONTEXT_TOKENS = 5  # tokens decoded before the unread ones, for context-
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, prompt_ids: Sequence[int] = ()):
         self._decode = window_decoder(tokenizer, skip_special_tokens)
         self.ids: list[int] = list(prompt_ids[-WINDOW_CONTEXT_TOKENS:])  # context only: its text is the prompt's
         self.text = ""

@@ -82,8 +82,10 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
         sizes = sizes_set(args_dict) if isinstance(e, MemoryError) else ""
         if sizes:
             message += f" (sizes set: {sizes}; lower them)"
-        if not isinstance(e, refusals):  # a setting, a model or adapter file, memory: the frontend's line says it all
-            logger.exception("engine failed to start")  # else the traceback, which only this process has
+        # a refusal (a setting, a model or adapter file, memory) is reported by the frontend's line alone; anything
+        # else also logs its traceback here, the one process that has it
+        if not isinstance(e, refusals):
+            logger.exception("engine failed to start")
         conn.send_bytes(encode(StartupError(message)))
         return
     freeze_startup_objects()  # a full collection while serving then walks only the requests' objects
