@@ -148,6 +148,17 @@ def generate(node: ServerProcess, ids: list, loras: list, max_new_tokens: int) -
     return response.json()
 
 
+def single_engine(single: Engine, ids: list, loras: list, max_new_tokens: int) -> list[dict]:
+    """The single-process engine's greedy results for the same prompts, with every logprob."""
+    return single.generate(
+        input_ids=ids,
+        lora_path=loras,
+        return_logprob=True,
+        logprob_start_len=0,
+        sampling_params={"max_new_tokens": max_new_tokens, **GREEDY},
+    )
+
+
 def reference(base, adapter_dir, ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
     """HF (+ PEFT) greedy tokens and prompt logprobs."""
     model = load_peft_model(base, adapter_dir) if adapter_dir else load_hf_model(base)
@@ -192,13 +203,7 @@ def test_two_nodes_equal_one_process_and_peft_with_adapters_mixed_with_base(clus
     loras = ["a", None, "b", None, "a"]
     ids = [prompt(i, 9 + 3 * i) for i in range(len(loras))]
     outs = generate(cluster.nodes[0], ids, loras, 6)
-    expected = single.generate(
-        input_ids=ids,
-        lora_path=loras,
-        return_logprob=True,
-        logprob_start_len=0,
-        sampling_params={"max_new_tokens": 6, **GREEDY},
-    )
+    expected = single_engine(single, ids, loras, 6)
     assert_same_as(outs, expected)
     assert_matches_peft(base, adapters, loras, ids, outs, 6)
     info = httpx.get(cluster.nodes[0].url + "/get_server_info", timeout=30).json()
@@ -251,13 +256,7 @@ def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
     loras = ["c", "a", None, "b", "c"]
     ids = [prompt(40 + i, 8 + 2 * i) for i in range(len(loras))]
     outs = generate(cluster.nodes[0], ids, loras, 5)
-    expected = single.generate(
-        input_ids=ids,
-        lora_path=loras,
-        return_logprob=True,
-        logprob_start_len=0,
-        sampling_params={"max_new_tokens": 5, **GREEDY},
-    )
+    expected = single_engine(single, ids, loras, 5)
     assert_same_as(outs, expected)
     assert_matches_peft(base, adapters, loras[:1], ids[:1], outs[:1], 5)
     response = httpx.post(leader + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=120)
@@ -315,13 +314,7 @@ def test_two_nodes_serve_a_converted_checkpoint_and_a_killed_node_0_ends_the_fol
         leader, follower = nodes.nodes
         loras = ["a", None, "b"]
         ids = [prompt(70 + i, 7 + 4 * i) for i in range(len(loras))]
-        expected = single.generate(
-            input_ids=ids,
-            lora_path=loras,
-            return_logprob=True,
-            logprob_start_len=0,
-            sampling_params={"max_new_tokens": 5, **GREEDY},
-        )
+        expected = single_engine(single, ids, loras, 5)
         assert_same_as(generate(leader, ids, loras, 5), expected)
         _kill_with_children(leader.process)
         assert follower.process.wait(timeout=EXIT_DEADLINE_S) != 0
