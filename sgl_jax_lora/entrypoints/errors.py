@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.managers.request_normalizer import PromptRefused
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
@@ -85,7 +86,6 @@ def to_api_error(exc: Exception) -> APIError:
 
 MAX_NAMED_PROBLEMS = 10  # a 400 names a body's first problems and counts the rest
 MAX_LISTED_PROBLEMS = 1000  # past this many, pydantic's list of them is not built (seconds, holding the GIL)
-MAX_FIELD_NAME_CHARS = 64  # a client-sent field name is cut to this in a message
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -144,14 +144,10 @@ def _validation_message(errors: list[dict]) -> tuple[str, str]:
         if error.get("type") in ("model_type", "model_attributes_type") and not location:
             return "the request body must be a JSON object", "invalid_json"
         if len(problems) < MAX_NAMED_PROBLEMS:
-            problems.append(f"{_cut(location) or 'body'}: {_problem(error)}")
+            problems.append(f"{shown(location) or 'body'}: {_problem(error)}")  # a client's name, cut
     unnamed = len(errors) - len(problems)
     more = f"; and {unnamed} more problem{'s' * (unnamed > 1)}" if unnamed else ""
     return "invalid request: " + "; ".join(problems) + more, "invalid_request"
-
-
-def _cut(name: str) -> str:
-    return name if len(name) <= MAX_FIELD_NAME_CHARS else name[: MAX_FIELD_NAME_CHARS - 3] + "..."
 
 
 def _problem(error: dict) -> str:

@@ -34,7 +34,7 @@ class TextDeltas:
         held = 0
         for stop in self.stop:
             for k in range(len(stop) - 1, held, -1):
-                if text[:end].endswith(stop[:k]):
+                if text.endswith(stop[:k], 0, end):  # no copy of the text: it grows with the output
                     held = k
                     break
         return max(end - held, self.num_sent)
