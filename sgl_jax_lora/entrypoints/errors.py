@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.registry import UnknownLoRAError
 from sgl_jax_lora.managers.request_normalizer import PromptRefused
 from sgl_jax_lora.managers.tokenizer_manager import EngineDeadError, RequestError, ServerBusyError
 
@@ -79,7 +80,8 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, ServerBusyError):
         return APIError(503, str(exc), "server_busy")
     if isinstance(exc, (RequestError, LoRAAdapterError)):
-        return APIError(400, str(exc), "invalid_request")
+        unknown = isinstance(exc, UnknownLoRAError) or isinstance(exc.__cause__, UnknownLoRAError)
+        return APIError(400, str(exc), "lora_not_found" if unknown else "invalid_request")
     logger.exception("internal error while serving a request", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 

@@ -88,10 +88,8 @@ async def completions(request: Request) -> Response:
     n = body.n if isinstance(body.n, int) and body.n > 0 else 1
     check_requests_per_call(state, _num_completion_prompts(body.prompt), n)  # before any per-prompt work
     prompt_parts = _completion_prompts(body.prompt)
-    scoring = body.echo and body.max_tokens == 0  # the prompt alone, with its logprobs (one token is generated, unsent)
-
     # tokenizer work: on the CPU pool, off the event loop
-    prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts, scoring)
+    prompts, prompt_echoes = await tm.run_cpu(_completion_specs, tm, body, prompt_parts)
     echoes = repeat_each(prompt_echoes, body.n)
     requests = await _build_requests(state, tm, body.model, prompts, body.n)
     streams = [
@@ -104,9 +102,9 @@ async def completions(request: Request) -> Response:
     choices = [
         {
             "index": i,
-            "text": echo.text + ("" if echo.scoring else result["text"]),
+            "text": echo.text + result["text"],
             "logprobs": completion_logprobs(tm, result["meta_info"], echo) if body.logprobs is not None else None,
-            "finish_reason": "length" if echo.scoring else finish_reason(result),
+            "finish_reason": finish_reason(result),
         }
         for i, (result, echo) in enumerate(zip(results, echoes))
     ]
@@ -117,7 +115,7 @@ async def completions(request: Request) -> Response:
             "created": int(time.time()),
             "model": body.model,
             "choices": choices,
-            "usage": usage_of(results, body.n, scoring),
+            "usage": usage_of(results, body.n),
         }
     )
 
@@ -235,9 +233,10 @@ def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] 
 
 
 def _completion_specs(
-    tm: TokenizerManager, body: CompletionRequest, prompt_parts: list, scoring: bool
+    tm: TokenizerManager, body: CompletionRequest, prompt_parts: list
 ) -> tuple[list[PromptSpec], list[Echo]]:
-    """Each completion prompt's PromptSpec and what its choices echo."""
+    """Each completion prompt's PromptSpec and what its choices echo. echo with max_tokens 0 scores the prompt: a
+    prompt-only request (managers/io_struct.py), whose choice is the prompt with its logprobs and nothing completed."""
     specs = [
         _prompt_spec(
             tm,
@@ -247,14 +246,11 @@ def _completion_specs(
             top_logprobs=body.logprobs,
             default_max_tokens=16,
             prompt_logprobs=body.echo and body.logprobs is not None,
-            max_tokens=1 if scoring else None,
         )
         for text, ids in prompt_parts
     ]
     echoes = [  # token ids are checked (in the vocabulary) before they are decoded
-        Echo(text if text is not None else tm.tokenizer.decode(tm.tokenize(None, ids)), scoring)
-        if body.echo
-        else NO_ECHO
+        Echo(text if text is not None else tm.tokenizer.decode(tm.tokenize(None, ids))) if body.echo else NO_ECHO
         for text, ids in prompt_parts
     ]
     return specs, echoes

@@ -23,12 +23,12 @@ def finish_reason(result: dict) -> str | None:
     return FINISH_REASONS.get(finish["type"], finish["type"])
 
 
-def usage_of(results: list[dict], n: int, scoring: bool = False) -> dict:
+def usage_of(results: list[dict], n: int) -> dict:
     """Token counts of the choices (prompt-major, n per prompt): each prompt counted once (with the prompt tokens
-    its first choice took from the prefix cache); a scoring request (echo, max_tokens 0) completes none."""
+    its first choice took from the prefix cache)."""
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
-    completion = 0 if scoring else sum(r["meta_info"]["completion_tokens"] for r in results)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -43,11 +43,9 @@ def token_text(tm: TokenizerManager, token_id: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Echo:
-    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens), and whether the
-    choice is the prompt alone (echo with max_tokens 0: the generated token is not sent)."""
+    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens)."""
 
     text: str
-    scoring: bool = False
     enabled: bool = True
 
 
@@ -58,16 +56,15 @@ def completion_logprobs(
     tm: TokenizerManager, meta: dict, echo: Echo, input_start: int = 0, output_start: int = 0, text_offset: int = 0
 ) -> dict:
     """OpenAI legacy logprobs: the prompt's tokens [input_start:] when echoed (the first has no logprob),
-    then the output tokens [output_start:] unless the choice is scoring only; offsets from `text_offset`."""
+    then the output tokens [output_start:]; offsets from `text_offset`."""
     pairs, tops = [], []
     if echo.enabled:
         new_inputs = meta.get("input_token_logprobs", [])[input_start:]
         pairs += new_inputs
         tops += meta.get("input_top_logprobs", [])[input_start:] or [[]] * len(new_inputs)
-    if not echo.scoring:
-        new_outputs = meta.get("output_token_logprobs", [])[output_start:]
-        pairs += new_outputs
-        tops += meta.get("output_top_logprobs", [])[output_start:] or [[]] * len(new_outputs)
+    new_outputs = meta.get("output_token_logprobs", [])[output_start:]
+    pairs += new_outputs
+    tops += meta.get("output_top_logprobs", [])[output_start:] or [[]] * len(new_outputs)
     tokens = [token_text(tm, tid) for _, tid in pairs]
     offsets, offset = [], text_offset
     for token in tokens:

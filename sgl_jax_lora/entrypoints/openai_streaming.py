@@ -44,11 +44,9 @@ async def completion_chunks(
             echo = echoes[index]
             finish = finish_reason(result)
             meta = result["meta_info"]
-            text = "" if echo.scoring else deltas[index].delta(result["text"], finish is not None)
+            text = deltas[index].delta(result["text"], finish is not None)
             if num_chars_sent[index] == 0:  # the choice's first chunk starts with the echoed prompt
                 text = echo.text + text
-            if echo.scoring and finish is not None:
-                finish = "length"
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
                 choice["logprobs"] = logprobs = completion_logprobs(
@@ -71,7 +69,7 @@ async def completion_chunks(
                     }
                 )
     if body.stream_options and body.stream_options.include_usage:
-        usage = usage_of([finals[i] for i in sorted(finals)], body.n, any(echo.scoring for echo in echoes))
+        usage = usage_of([finals[i] for i in sorted(finals)], body.n)
         yield sse(
             {
                 "id": response_id,

@@ -28,6 +28,10 @@ class UnknownLoRAError(LoRAAdapterError):
     """A request or unload named an adapter that is not registered."""
 
 
+class DirectoryTakenError(LoRAAdapterError):
+    """A load named a directory that is registered under another name."""
+
+
 class LoRARegistry:
     def __init__(self) -> None:
         self._refs: dict[str, LoRARef] = {}  # lora_name -> ref
@@ -47,7 +51,7 @@ class LoRARegistry:
             )
         real = _identity(ref)
         if real is not None and real in self._names_by_path and not alias_ok:
-            raise LoRAAdapterError(
+            raise DirectoryTakenError(
                 f"adapter '{shown(ref.lora_name)}': its directory is already loaded as "
                 f"'{shown(self._names_by_path[real])}'; use that name, or unload it first"
             )
@@ -60,7 +64,7 @@ class LoRARegistry:
     def replace(self, ref: LoRARef) -> LoRARef:
         """Serve `ref` (a new version) under its name from now on; return the version it replaces, which its
         in-flight requests keep using (`wait_drained`, then unload it in the engine)."""
-        old = self._lookup(ref.lora_name)
+        old = self.lookup(ref.lora_name)
         if _identity(ref) != _identity(old):  # weights from memory now: the directory no longer holds what it serves
             self._forget_path(old)
         self._refs[ref.lora_name] = ref
@@ -82,7 +86,7 @@ class LoRARegistry:
 
     async def acquire(self, name: str) -> LoRARef:
         """The ref registered as `name`, counted as in flight until `release(ref.lora_id)`."""
-        ref = self._lookup(name)
+        ref = self.lookup(name)
         self._in_flight[ref.lora_id] += 1
         return ref
 
@@ -97,7 +101,7 @@ class LoRARegistry:
 
     async def unregister(self, name: str) -> LoRARef:
         """Remove `name` now; return its ref once no request is using it any more."""
-        ref = self._lookup(name)
+        ref = self.lookup(name)
         del self._refs[name]
         self._forget_path(ref)
         await self.wait_drained(ref.lora_id)
@@ -137,7 +141,8 @@ class LoRARegistry:
     def __len__(self) -> int:
         return len(self._refs)
 
-    def _lookup(self, name: str) -> LoRARef:
+    def lookup(self, name: str) -> LoRARef:
+        """The ref registered as `name`; UnknownLoRAError naming the loaded adapters and how to load it."""
         ref = self._refs.get(name)
         if ref is None:
             names = sorted(self._refs)

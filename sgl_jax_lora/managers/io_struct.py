@@ -66,6 +66,18 @@ class GenerateRequest(Message):
     def from_fields(cls, fields: dict) -> GenerateRequest:
         return cls(**{**fields, "sampling": SamplingParams(**fields["sampling"])})
 
+    @property
+    def prompt_only(self) -> bool:
+        """max_new_tokens 0: the prompt alone (its logprobs), nothing generated."""
+        return self.sampling.max_new_tokens == 0
+
+    def for_engine(self) -> GenerateRequest:
+        """What the engine process runs: a prompt-only request samples one token after its prompt, as every request
+        does, and the frontend drops it (managers/request_output.py); any other request as it is."""
+        if not self.prompt_only:
+            return self
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, max_new_tokens=1))
+
 
 @dataclasses.dataclass
 class AbortRequest(Message):

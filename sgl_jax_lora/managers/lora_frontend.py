@@ -15,6 +15,7 @@ Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 from collections.abc import Awaitable, Callable
@@ -22,11 +23,13 @@ from concurrent.futures import Executor
 
 from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, check_adapter_files, confined_dir, is_within, shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.registry import LoRARegistry
+from sgl_jax_lora.lora.registry import DirectoryTakenError, LoRARegistry
 from sgl_jax_lora.managers.io_struct import EngineCall, LoadLoRACall, UnloadLoRACall
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
 
 CallEngine = Callable[[EngineCall], Awaitable[object]]  # TokenizerManager.call
+# a request's directory loaded and unloaded again under another name while its own load ran: load it again
+ON_DEMAND_ATTEMPTS = 3
 
 
 class LoRAFrontend:
@@ -76,19 +79,24 @@ class LoRAFrontend:
 
     async def _load_on_demand(self, real: str) -> LoRARef:
         """Register the allowed directory `real` under its resolved path as name. Requests for one directory share
-        one load; loads of different directories run at once, so a burst for new adapters does not queue."""
-        loading = self._loads_in_flight.get(real)
-        if loading is None:
-            loading = asyncio.ensure_future(self.load(real, real))
-            self._loads_in_flight[real] = loading
-            loading.add_done_callback(lambda _: self._loads_in_flight.pop(real, None))
-        try:
-            await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
-        except LoRAAdapterError:
-            ref = self.registry.find_by_path(real)  # a load under another name got there first
-            if ref is None:
-                raise
-        return self.registry.find_by_path(real)
+        one load; loads of different directories run at once, so a burst for new adapters does not queue. A load
+        under another name that takes the directory first serves the request; if that one is unloaded again before
+        the request gets it, the directory is loaded again."""
+        for _ in range(ON_DEMAND_ATTEMPTS):
+            loading = self._loads_in_flight.get(real)
+            if loading is None or loading.done():
+                loading = asyncio.ensure_future(self.load(real, real))
+                self._loads_in_flight[real] = loading
+                loading.add_done_callback(lambda _: self._loads_in_flight.pop(real, None))
+            with contextlib.suppress(DirectoryTakenError):  # a load under another name got there first
+                await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
+            ref = self.registry.find_by_path(real)
+            if ref is not None:
+                return ref
+        raise LoRAAdapterError(
+            f"adapter directory '{shown(real)}' was loaded and unloaded again under other names {ON_DEMAND_ATTEMPTS} "
+            "times while this request waited for it; retry the request"
+        )
 
     async def load(self, lora_name: object, lora_path: object, pinned: bool = False, trusted: bool = False) -> dict:
         """Register and load an adapter. Untrusted (client) loads read only inside --lora-allowed-dirs."""
@@ -108,7 +116,7 @@ class LoRAFrontend:
         real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
         if existing is not None and not trusted:
-            raise LoRAAdapterError(
+            raise DirectoryTakenError(
                 f"adapter '{shown(lora_name)}': its directory is already loaded as "
                 f"'{shown(existing.lora_name)}'; use that name, or unload it first"
             )
@@ -154,17 +162,21 @@ class LoRAFrontend:
                 "--max-loras-registered"
             )
 
+    def check_not_base(self, lora_name: str, action: str) -> None:
+        """Refuse an adapter call (unload, update) that names the base model."""
+        if lora_name in self.reserved_names:
+            raise LoRAAdapterError(
+                f"'{shown(lora_name)}' is the base model, not an adapter; it cannot be {action} "
+                "(GET /v1/models lists the adapters: the models with a parent)"
+            )
+
     async def unload(self, lora_name: object) -> dict:
         """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""
         if not self.args.enable_lora:
             raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         if not isinstance(lora_name, str):
             raise LoRAAdapterError("unload_lora_adapter needs 'lora_name' (a string)")
-        if lora_name in self.reserved_names:
-            raise LoRAAdapterError(
-                f"'{shown(lora_name)}' is the base model, not an adapter; it cannot be unloaded "
-                "(unload one of the adapters GET /v1/models lists with a parent)"
-            )
+        self.check_not_base(lora_name, "unloaded")
         ref = await self.registry.unregister(lora_name)
         await self._call(UnloadLoRACall(ref.lora_id))
         return {"lora_name": lora_name, "lora_id": ref.lora_id}

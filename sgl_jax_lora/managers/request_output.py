@@ -10,7 +10,8 @@ request finishes here at the token that completed it: text cut before the stop s
 decoding until the abort reaches it) dropped, so output ids, logprobs and completion_tokens all end at that token.
 The caller then aborts the request in the engine (`engine_finished` is False), which frees its pages. The finish reason is the
 one the engine would give: a stop token id or EOS that is the increment's last token wins over a stop string it
-completes, a stop string wins over the length limit.
+completes, a stop string wins over the length limit. A prompt-only request (max_new_tokens 0, SGLang's way to score a
+prompt) keeps its prompt logprobs and drops the one token the engine samples: no text, finish reason length 0.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from sgl_jax_lora.managers.stop_strings import StopStrings
 
 class RequestOutput:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, stop: list[str], prompt_ids: list[int]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool,
+        stop: list[str],
+        prompt_ids: list[int],
+        prompt_only: bool = False,
     ):
+        self.prompt_only = prompt_only  # max_new_tokens 0: the token the engine samples is dropped
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_ids)
         self.stop_strings = StopStrings(stop)
         self.output_ids: list[int] = []
@@ -45,6 +52,9 @@ class RequestOutput:
         finish = item.finish_reason
         self.engine_finished = finish is not None
         self.input_logprobs += item.new_input_logprobs
+        if self.prompt_only:
+            self.finish_reason = None if finish is None else {"type": "length", "length": 0}
+            return
         if not self.stop_strings:
             self.output_ids += item.new_ids
             self.output_logprobs += item.new_output_logprobs

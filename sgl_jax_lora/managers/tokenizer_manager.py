@@ -173,7 +173,8 @@ class TokenizerManager:
         if outside:
             raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         try:
-            check_context_length(len(ids), sampling.max_new_tokens, self.context_length)
+            # a prompt-only request (max_new_tokens 0) still samples the token after its prompt
+            check_context_length(len(ids), max(sampling.max_new_tokens, 1), self.context_length)
         except ValueError as e:
             raise RequestError(str(e)) from None
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
@@ -265,12 +266,11 @@ class TokenizerManager:
         that version is unloaded once they are done. Returns as soon as new requests get the new version."""
         self._check_lora_call(lora_name)
         async with self._update_locks.hold(lora_name):
-            old = self.lora_registry.get(lora_name)
-            if old is None:
-                raise RequestError(
-                    f"adapter '{lora_name}' is not loaded; load it first (load_lora_adapter or "
-                    "load_lora_adapter_from_tensors)"
-                )
+            try:
+                self.lora_frontend.check_not_base(lora_name, "updated")
+                old = self.lora_registry.lookup(lora_name)  # unknown: names what is loaded and how to load it
+            except LoRAAdapterError as e:
+                raise RequestError(str(e)) from e
             if config is not None:
                 try:
                     parse_peft_config(lora_name, config)  # its fields named before the engine reads them
@@ -326,13 +326,15 @@ class TokenizerManager:
         may have decoded past it, is told to abort. Raises ServerBusyError, before anything is sent, when the server
         holds all the requests it may."""
         sampling = request.sampling
-        output = RequestOutput(self.tokenizer, sampling.skip_special_tokens, sampling.stop, request.input_ids)
+        output = RequestOutput(
+            self.tokenizer, sampling.skip_special_tokens, sampling.stop, request.input_ids, request.prompt_only
+        )
         queue = None
         first_token_sent = False
         try:
             self._check_capacity()  # no await between the count and the stream that joins it
             queue = self.client.open_stream(request.rid)
-            self.client.send(request)
+            self.client.send(request.for_engine())
             while not output.finished:
                 item = await queue.get()
                 while True:

@@ -29,7 +29,7 @@ class SamplingParamsError(ValueError):
 
 @dataclasses.dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: the prompt alone (its logprobs), nothing generated
     min_new_tokens: int = 0  # stop_token_ids and EOS cannot be sampled before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
@@ -67,8 +67,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         _check_type("max_new_tokens", self.max_new_tokens, int)
-        if self.max_new_tokens <= 0:
-            raise SamplingParamsError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise SamplingParamsError(
+                f"max_new_tokens must be >= 0 (0: the prompt alone, for its logprobs), got {_short(self.max_new_tokens)}"
+            )
         if self.max_new_tokens > MAX_INT32:
             raise SamplingParamsError(f"max_new_tokens must be <= {MAX_INT32}, got {_short(self.max_new_tokens)}")
         _check_type("min_new_tokens", self.min_new_tokens, int)

@@ -303,7 +303,7 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[]), "prompt is empty"),
         (dict(input_ids=[5] * 300), "context length is 256"),
         (dict(input_ids=[5] * 200, sampling_params={"max_new_tokens": 100}), "lower max_new_tokens"),
-        (dict(input_ids=[5], sampling_params={"max_new_tokens": 0}), "max_new_tokens must be >= 1"),
+        (dict(input_ids=[5], sampling_params={"max_new_tokens": -1}), "max_new_tokens must be >= 0"),
         (dict(input_ids=[5], sampling_params={"max_new_token": 3}), "unknown sampling parameter"),
         (dict(input_ids=[5], sampling_params={"temperature": -1.0}), "temperature must be >= 0"),
         (dict(input_ids=[5], sampling_params={"top_p": 0.0}), "top_p must be in"),

@@ -118,7 +118,7 @@ def test_bad_tensors_or_config_are_refused_with_the_problem_named(setup):
     for i, (tensors, config, message) in enumerate(_bad_inputs(first)):
         with pytest.raises(ValueError, match=message):
             engine.load_lora_adapter_from_tensors(f"bad{i}", tensors, config)
-    with pytest.raises(ValueError, match="not loaded"):
+    with pytest.raises(ValueError, match="'never_loaded': no LoRA adapter with this name is loaded"):
         engine.update_lora_adapter("never_loaded", read_adapter(first)[0])
     loaded = {ref["lora_name"] for ref in engine.get_server_info()["loras"]}
     assert not any(name.startswith("bad") for name in loaded)

@@ -348,6 +348,27 @@ def test_openai_streaming(oai, model_name):
     assert chat_chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_generate_with_max_new_tokens_0_scores_the_prompt(http, tokenizer):
+    # SGLang's scoring call: the prompt's own logprobs, nothing generated, whole or streamed
+    ids = tokenizer.encode("The capital of France is Paris")
+    body = dict(input_ids=ids, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    reference = generate(http, **body, sampling_params={"max_new_tokens": 1})["meta_info"]
+    whole = generate(http, **body, sampling_params={"max_new_tokens": 0, "stop": ["Paris"]})
+    events = stream_generate(http, **body, sampling_params={"max_new_tokens": 0})
+    assert len(events) == 2 and events[1] == "[DONE]"  # the prompt alone: one event with the finish reason
+    for scored in (whole, events[0]):
+        meta = scored["meta_info"]
+        assert (scored["text"], scored["output_ids"], meta["completion_tokens"]) == ("", [], 0)
+        assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["prompt_tokens"] == len(ids)
+        assert meta["input_token_logprobs"] == reference["input_token_logprobs"]
+        assert meta["input_top_logprobs"] == reference["input_top_logprobs"]
+        assert meta["output_token_logprobs"] == [] and meta["output_top_logprobs"] == []
+    # the prompt may fill the context but for the one token the engine samples after it
+    context = server_info(http)["context_length"]
+    too_long = http.post("/generate", json={"input_ids": [5] * context, "sampling_params": {"max_new_tokens": 0}})
+    assert too_long.status_code == 400 and "shorten the prompt" in too_long.json()["error"]["message"]
+
+
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")
@@ -597,11 +618,11 @@ BAD_REQUESTS = [
         "top_p must be in (0, 1]",
     ),
     (
-        "zero-max-new-tokens",
+        "negative-max-new-tokens",
         "/generate",
-        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+        {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
         400,
-        "max_new_tokens must be >= 1",
+        "max_new_tokens must be >= 0 (0: the prompt alone, for its logprobs), got -1",
     ),
     (
         "unknown-sampling-param",

@@ -111,7 +111,6 @@ def test_load_from_tensors_then_update_over_http(lora_server):
             },
             "not a valid safetensors file",
         ),
-        ("/update_lora_adapter", {"lora_name": "nope", "tensors": ""}, "not loaded"),
         ("/load_lora_adapter_from_tensors", {"lora_name": "x", "tensors": ""}, "config"),
     ],
 )
@@ -120,6 +119,24 @@ def test_bad_bodies_get_400_naming_the_problem(lora_server, path, body, fragment
     response = httpx.post(srv.url + path, json=body, headers=AUTH, timeout=60)
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
+
+
+def test_adapter_calls_on_an_unknown_name_say_lora_not_found(lora_server):
+    srv, adapters = lora_server
+    tensors, _ = body_of(adapters["a0"])
+    calls = [("/update_lora_adapter", {"tensors": tensors}), ("/unload_lora_adapter", {})]
+    for path, body in calls:
+        response = httpx.post(srv.url + path, json={"lora_name": "nope", **body}, headers=AUTH, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["code"] == "lora_not_found", error
+        assert "'nope': no LoRA adapter with this name is loaded (loaded: a0, a1" in error["message"]
+    base = httpx.get(srv.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    for path, body in calls:  # the base model is no adapter: named as such, not as unknown
+        response = httpx.post(srv.url + path, json={"lora_name": base, **body}, headers=AUTH, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "invalid_request"
+        assert "is the base model, not an adapter" in response.json()["error"]["message"]
 
 
 def strict_json(text: str):

@@ -1,5 +1,5 @@
 """sgl_jax_lora/entrypoints/openai_responses.py: the OpenAI fields built from engine results: finish reasons, usage
-(each prompt counted once over its n choices, nothing completed when scoring) and logprobs in the legacy completions
+(each prompt counted once over its n choices) and logprobs in the legacy completions
 form (echoed prompt tokens, slices for streaming, text offsets) and the chat form (token bytes, top logprobs).
 
 Token texts come from a stand-in tokenizer whose ids are the indices of a table of byte strings.
@@ -62,11 +62,6 @@ def test_usage_counts_each_prompt_once_over_its_choices():
     assert usage_of(results, 1)["prompt_tokens"] == 34
 
 
-def test_usage_of_a_scoring_request_completes_nothing():
-    usage = usage_of([result(None, 6, 1, 0)], 1, scoring=True)
-    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (6, 0, 6)
-
-
 META = {
     "input_token_logprobs": [[None, 0], [-0.5, 1]],
     "input_top_logprobs": [None, [[-0.5, 1], [-1.5, 3]]],
@@ -84,11 +79,9 @@ def test_completion_logprobs_echo_the_prompt_then_the_output():
     assert out["top_logprobs"] == [None, {"Hi": -0.5, "!": -1.5}, {" there": -0.1}, {"é": -0.2}, {"!": -0.3}]
 
 
-def test_completion_logprobs_without_echo_or_when_scoring():
+def test_completion_logprobs_without_echo():
     plain = completion_logprobs(TM, META, NO_ECHO)
     assert (plain["tokens"], plain["text_offset"]) == ([" there", "é", "!"], [0, 6, 7])
-    scoring = completion_logprobs(TM, META, Echo("<s>Hi", scoring=True))
-    assert (scoring["tokens"], scoring["token_logprobs"]) == (["<s>", "Hi"], [None, -0.5])
 
 
 def test_completion_logprobs_slices_for_a_stream_chunk():

@@ -35,8 +35,10 @@ class TableTokenizer:
 TM = SimpleNamespace(tokenizer=TableTokenizer())
 
 
-def request(rid: str = "r0", stop: tuple[str, ...] = (), logprobs: bool = False, top: int = 0) -> GenerateRequest:
-    sampling = SamplingParams(stop=list(stop))
+def request(
+    rid: str = "r0", stop: tuple[str, ...] = (), logprobs: bool = False, top: int = 0, max_new_tokens: int = 128
+) -> GenerateRequest:
+    sampling = SamplingParams(stop=list(stop), max_new_tokens=max_new_tokens)
     return GenerateRequest(rid, [0, 1], sampling, return_logprob=logprobs, top_logprobs_num=top)
 
 
@@ -46,7 +48,9 @@ async def engine_stream(
     """What TokenizerManager.generate_request yields for `req` when the engine (managers/engine_core.py _output_of)
     sends `increments` of token ids, the last with `finish`: one cumulative result per increment, ending when the
     result is finished. Token t has logprob -(t + 1) / 4; the prompt's logprobs come with the first increment."""
-    output = RequestOutput(TM.tokenizer, req.sampling.skip_special_tokens, req.sampling.stop, req.input_ids)
+    output = RequestOutput(
+        TM.tokenizer, req.sampling.skip_special_tokens, req.sampling.stop, req.input_ids, req.prompt_only
+    )
     top = (lambda lp, t: [(lp, t)]) if req.top_logprobs_num else (lambda lp, t: None)
     num_ids = 0
     for k, new_ids in enumerate(increments):
@@ -167,11 +171,12 @@ def test_the_echoed_prompt_leads_the_first_chunk_only():
 
 
 def test_a_scoring_choice_sends_the_prompt_alone_and_completes_nothing():
-    req = request()
+    req = request(max_new_tokens=0, logprobs=True)  # echo with max_tokens 0: a prompt-only request
     stream = engine_stream(req, [ids("Hel")], STOP_EOS, prompt_tokens=5)
-    body = {"echo": True, "max_tokens": 0, "stream_options": {"include_usage": True}}
-    choice, usage = run_completion(body, [req], [Echo("prompt", scoring=True)], [stream])
-    assert (choice["choices"][0]["text"], choice["choices"][0]["finish_reason"]) == ("prompt", "length")
+    body = {"echo": True, "max_tokens": 0, "logprobs": 0, "stream_options": {"include_usage": True}}
+    choice, usage = run_completion(body, [req], [Echo("<s>Hel")], [stream])
+    assert choice["choices"][0]["logprobs"]["tokens"] == ["<s>", "Hel"]  # the prompt's, not the sampled token's
+    assert (choice["choices"][0]["text"], choice["choices"][0]["finish_reason"]) == ("<s>Hel", "length")
     assert usage["choices"] == []
     assert usage["usage"]["prompt_tokens"] == 5 and usage["usage"]["completion_tokens"] == 0
 

@@ -100,3 +100,27 @@ def test_without_stop_strings_the_output_is_the_whole_decode(tokenizer):
     output, result = run(tokenizer, ids, [], [2] * len(ids), last_finish={"type": "length", "length": len(ids)})
     assert result["text"] == TEXT and result["output_ids"] == ids and output.engine_finished
     assert result["meta_info"]["completion_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("engine_finish", [{"type": "stop", "matched": 2}, {"type": "length", "length": 1}])
+def test_a_prompt_only_request_keeps_its_prompt_logprobs_and_drops_the_sampled_token(tokenizer, engine_finish):
+    # max_new_tokens 0 (SGLang's scoring call): the engine samples one token after the prompt, which is not sent
+    sampling = SamplingParams(max_new_tokens=0, stop=["Hello"])
+    request = GenerateRequest(rid="r", input_ids=[1, 2, 3], sampling=sampling, return_logprob=True, logprob_start_len=0)
+    assert request.for_engine().sampling.max_new_tokens == 1 and request.sampling.max_new_tokens == 0
+    output = RequestOutput(tokenizer, True, sampling.stop, request.input_ids, request.prompt_only)
+    first = tokenizer.encode("Hello")[0]
+    prompt_logprobs = [(None, 1, None), (-0.25, 2, None), (-0.75, 3, None)]
+    increment = EngineOutput("r", [first], [(-0.1, first, None)], prompt_logprobs, 3, 1, 0, engine_finish)
+    output.add(increment)
+    result = output.result(request, increment)
+    assert (result["text"], result["output_ids"]) == ("", [])
+    meta = result["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["completion_tokens"] == 0
+    assert meta["input_token_logprobs"] == [[None, 1], [-0.25, 2], [-0.75, 3]] and meta["output_token_logprobs"] == []
+    assert output.engine_finished  # nothing to abort
+
+
+def test_a_generating_request_runs_in_the_engine_as_it_is():
+    request = GenerateRequest(rid="r", input_ids=[1], sampling=SamplingParams(max_new_tokens=4))
+    assert not request.prompt_only and request.for_engine() is request

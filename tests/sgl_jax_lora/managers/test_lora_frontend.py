@@ -1,0 +1,111 @@
+"""LoRAFrontend (managers/lora_frontend.py): a request's adapter path loaded on demand from --lora-allowed-dirs while
+loads and unloads of the same directory under a name run beside it.
+
+The adapters are real PEFT directories (written by `peft`) and the file checks are the real ones; the engine process
+is replaced by an async function that answers its calls (AdapterLoaded, Unloaded) and holds chosen ones at events,
+so that each interleaving is reached on purpose rather than by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.managers.engine_client import RequestError
+from sgl_jax_lora.managers.io_struct import AdapterLoaded, LoadLoRACall, Unloaded
+from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
+from sgl_jax_lora.server_args import ServerArgs
+from tests.support.peft_fixtures import write_peft_adapter
+
+
+@pytest.fixture(scope="module")
+def allowed_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("allowed")
+    write_peft_adapter(demo_model_path(), root / "sql", seed=1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    (root / "empty").mkdir()
+    return root
+
+
+class EngineCalls:
+    """Answers the frontend's engine calls; a load or an unload whose lora_id is in `held` waits for its event."""
+
+    def __init__(self, refused: str | None = None) -> None:
+        self.refused = refused  # a directory whose loads fail, as the engine's loader fails an adapter it cannot read
+        self.calls: list = []
+        self.held: dict[str, asyncio.Event] = {}
+        self.arrived: dict[str, asyncio.Event] = {}
+
+    def hold(self, key: str) -> None:
+        self.held[key], self.arrived[key] = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, call):
+        self.calls.append(call)
+        key = f"{type(call).__name__}:{len([c for c in self.calls if type(c) is type(call)])}"
+        if key in self.held:
+            self.arrived[key].set()
+            await self.held[key].wait()
+        if isinstance(call, LoadLoRACall) and call.lora_path == self.refused:
+            raise RequestError(f"adapter '{call.lora_name}': {call.lora_path} has no adapter_config.json")
+        return AdapterLoaded(rank=4, target_modules=["q_proj"]) if isinstance(call, LoadLoRACall) else Unloaded()
+
+
+def frontend_of(allowed_dir, engine: EngineCalls) -> LoRAFrontend:
+    args = ServerArgs(lora_allowed_dirs=[str(allowed_dir)])
+    return LoRAFrontend(args, demo_model_path(), engine, ThreadPoolExecutor(max_workers=2))
+
+
+def test_a_path_loaded_and_unloaded_under_a_name_meanwhile_is_loaded_again(allowed_dir):
+    async def scenario():
+        engine = EngineCalls()
+        frontend = frontend_of(allowed_dir, engine)
+        path = str(allowed_dir / "sql")
+        engine.hold("LoadLoRACall:1")  # the request's on-demand load, until the named load has registered
+        engine.hold("UnloadLoRACall:1")  # its copy given back (the directory is taken), until the name is gone
+        request = asyncio.ensure_future(frontend.resolve(path))
+        await engine.arrived["LoadLoRACall:1"].wait()
+        await frontend.load("named", path)
+        engine.held["LoadLoRACall:1"].set()
+        await engine.arrived["UnloadLoRACall:1"].wait()
+        await frontend.unload("named")  # the name that took the directory leaves before the request resumes
+        engine.held["UnloadLoRACall:1"].set()
+        ref = await request
+        assert (ref.lora_name, ref.lora_path) == (os.path.realpath(path), os.path.realpath(path))
+        assert frontend.registry.num_in_flight(ref.lora_id) == 1
+        loads = [c.lora_name for c in engine.calls if isinstance(c, LoadLoRACall)]
+        assert loads == [ref.lora_name, "named", ref.lora_name]  # the on-demand load ran again
+
+    asyncio.run(scenario())
+
+
+def test_a_name_that_takes_the_directory_first_serves_the_request(allowed_dir):
+    async def scenario():
+        engine = EngineCalls()
+        frontend = frontend_of(allowed_dir, engine)
+        path = str(allowed_dir / "sql")
+        engine.hold("LoadLoRACall:1")
+        requests = [asyncio.ensure_future(frontend.resolve(path)) for _ in range(3)]
+        await engine.arrived["LoadLoRACall:1"].wait()
+        await frontend.load("named", path)
+        engine.held["LoadLoRACall:1"].set()
+        refs = await asyncio.gather(*requests)
+        assert {ref.lora_name for ref in refs} == {"named"}
+        assert frontend.registry.num_in_flight(refs[0].lora_id) == 3
+        assert len([c for c in engine.calls if isinstance(c, LoadLoRACall)]) == 2  # one shared on-demand load
+
+    asyncio.run(scenario())
+
+
+def test_an_allowed_directory_the_engine_cannot_load_is_refused_once(allowed_dir):
+    async def scenario():
+        engine = EngineCalls(refused=os.path.realpath(allowed_dir / "empty"))
+        frontend = frontend_of(allowed_dir, engine)
+        with pytest.raises(RequestError, match="has no adapter_config.json"):
+            await frontend.resolve(str(allowed_dir / "empty"))
+        assert len(engine.calls) == 1  # not tried again: only a directory taken by another name is
+        assert len(frontend.registry) == 0
+
+    asyncio.run(scenario())
