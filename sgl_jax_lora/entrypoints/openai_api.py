@@ -37,9 +37,9 @@ from sgl_jax_lora.entrypoints.native_api import (
 from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from sgl_jax_lora.entrypoints.openai_responses import (
     NO_ECHO,
+    CompletionLogprobs,
     Echo,
     chat_logprobs,
-    completion_logprobs,
     finish_reason,
     usage_of,
 )
@@ -99,15 +99,7 @@ async def completions(request: Request) -> Response:
     if body.stream:
         return await streaming_response(request, completion_chunks(tm, body, requests, echoes, streams, response_id))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
-    choices = [
-        {
-            "index": i,
-            "text": echo.text + result["text"],
-            "logprobs": completion_logprobs(tm, result["meta_info"], echo) if body.logprobs is not None else None,
-            "finish_reason": finish_reason(result),
-        }
-        for i, (result, echo) in enumerate(zip(results, echoes))
-    ]
+    choices = await tm.run_cpu(_completion_choices, tm, body, requests, echoes, results)  # logprobs: off the loop
     return JSONResponse(
         {
             "id": response_id,
@@ -232,6 +224,23 @@ def _completion_prompts(prompt: str | list) -> list[tuple[str | None, list[int] 
     return [(None, ids) for ids in prompt]
 
 
+def _completion_choices(
+    tm: TokenizerManager, body: CompletionRequest, requests: list, echoes: list[Echo], results: list[dict]
+) -> list[dict]:
+    def logprobs(request: GenerateRequest, echo: Echo, result: dict) -> dict | None:
+        return None if body.logprobs is None else CompletionLogprobs(tm, request, echo).next(result["meta_info"])
+
+    return [
+        {
+            "index": i,
+            "text": echo.text + result["text"],
+            "logprobs": logprobs(request, echo, result),
+            "finish_reason": finish_reason(result),
+        }
+        for i, (request, echo, result) in enumerate(zip(requests, echoes, results, strict=True))
+    ]
+
+
 def _completion_specs(
     tm: TokenizerManager, body: CompletionRequest, prompt_parts: list
 ) -> tuple[list[PromptSpec], list[Echo]]:
@@ -250,7 +259,13 @@ def _completion_specs(
         for text, ids in prompt_parts
     ]
     echoes = [  # token ids are checked (in the vocabulary) before they are decoded
-        Echo(text if text is not None else tm.tokenizer.decode(tm.tokenize(None, ids))) if body.echo else NO_ECHO
+        (
+            Echo(text)
+            if text is not None
+            else Echo(tm.tokenizer.decode(tm.tokenize(None, ids)), with_special_tokens=True)
+        )
+        if body.echo
+        else NO_ECHO
         for text, ids in prompt_parts
     ]
     return specs, echoes

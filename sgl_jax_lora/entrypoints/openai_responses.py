@@ -1,5 +1,5 @@
 """The pieces of an OpenAI response built from the engine's results: finish reasons, usage, and logprobs in
-the legacy completions form and the chat form.
+the legacy completions form (CompletionLogprobs, one per choice) and the chat form (chat_logprobs).
 
 Flow: openai_api.py's routes (whole responses) and openai_streaming.py (SSE chunks) turn each result's
 `meta_info` into these fields; token ids become text through the tokenizer.
@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, token_bytes_reader
+
 if TYPE_CHECKING:
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
     from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -43,48 +46,58 @@ def token_text(tm: TokenizerManager, token_id: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Echo:
-    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens)."""
+    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens). `with_special_tokens`:
+    the text is the prompt's ids decoded with their special tokens (a prompt sent as ids), not the client's text."""
 
     text: str
     enabled: bool = True
+    with_special_tokens: bool = False
 
 
 NO_ECHO = Echo("", enabled=False)
 
 
-def completion_logprobs(
-    tm: TokenizerManager, meta: dict, echo: Echo, input_start: int = 0, output_start: int = 0, text_offset: int = 0
-) -> dict:
-    """OpenAI legacy logprobs: the prompt's tokens [input_start:] when echoed (the first has no logprob),
-    then the output tokens [output_start:]; offsets from `text_offset`."""
-    pairs, tops = [], []
-    if echo.enabled:
-        new_inputs = meta.get("input_token_logprobs", [])[input_start:]
-        pairs += new_inputs
-        tops += meta.get("input_top_logprobs", [])[input_start:] or [[]] * len(new_inputs)
-    new_outputs = meta.get("output_token_logprobs", [])[output_start:]
-    pairs += new_outputs
-    tops += meta.get("output_top_logprobs", [])[output_start:] or [[]] * len(new_outputs)
-    tokens = [token_text(tm, tid) for _, tid in pairs]
-    offsets, offset = [], text_offset
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp for lp, _ in pairs],
-        "top_logprobs": [None if top is None else {token_text(tm, tid): lp for lp, tid in top} for top in tops] or None,
-        "text_offset": offsets,
-    }
+class CompletionLogprobs:
+    """One completion choice's legacy logprobs, built as its tokens arrive: `next(meta)` gives those of the tokens
+    not given before (the echoed prompt's, whose first has no logprob, then the output's); a whole response calls
+    it once. Offsets index the choice's text: the echoed prompt, then the output (entrypoints/token_pieces.py)."""
+
+    def __init__(self, tm: TokenizerManager, request: GenerateRequest, echo: Echo):
+        self.tm = tm
+        self.echo = echo
+        self.prompt_offsets = TextOffsets(tm.tokenizer, skip_special_tokens=not echo.with_special_tokens)
+        skip = request.sampling.skip_special_tokens
+        self.output_offsets = TextOffsets(tm.tokenizer, skip, request.input_ids, start=len(echo.text))
+        self.num_inputs = self.num_outputs = 0
+
+    def next(self, meta: dict) -> dict:
+        inputs, input_tops = [], []
+        if self.echo.enabled:
+            inputs = meta.get("input_token_logprobs", [])[self.num_inputs :]
+            input_tops = meta.get("input_top_logprobs", [])[self.num_inputs :] or [[]] * len(inputs)
+        outputs = meta.get("output_token_logprobs", [])[self.num_outputs :]
+        output_tops = meta.get("output_top_logprobs", [])[self.num_outputs :] or [[]] * len(outputs)
+        self.num_inputs += len(inputs)
+        self.num_outputs += len(outputs)
+        pairs, tops = inputs + outputs, input_tops + output_tops
+        offsets = self.prompt_offsets.add([t for _, t in inputs]) + self.output_offsets.add([t for _, t in outputs])
+        return {
+            "tokens": [token_text(self.tm, tid) for _, tid in pairs],
+            "token_logprobs": [lp for lp, _ in pairs],
+            "top_logprobs": [None if top is None else {token_text(self.tm, t): lp for lp, t in top} for top in tops]
+            or None,
+            "text_offset": offsets,
+        }
 
 
 def chat_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:
     pairs = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs", [])[start:] or [None] * len(pairs)
 
+    bytes_of = token_bytes_reader(tm.tokenizer)
+
     def entry(logprob: float, token_id: int) -> dict:
-        token = token_text(tm, token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        return {"token": token_text(tm, token_id), "logprob": logprob, "bytes": list(bytes_of(token_id))}
 
     return {
         "content": [

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 
 from sgl_jax_lora.entrypoints.native_api import merge_streams, sse
 from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from sgl_jax_lora.entrypoints.openai_responses import Echo, chat_logprobs, completion_logprobs, finish_reason, usage_of
+from sgl_jax_lora.entrypoints.openai_responses import (
+    CompletionLogprobs,
+    Echo,
+    chat_logprobs,
+    finish_reason,
+    usage_of,
+)
 from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 
@@ -33,10 +39,10 @@ async def completion_chunks(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     deltas = [TextDeltas(r.sampling.stop) for r in requests]
-    num_inputs_sent = [0] * len(requests)
-    num_tokens_sent = [0] * len(requests)
+    logprobs = [
+        CompletionLogprobs(tm, r, echo) for r, echo in zip(requests, echoes, strict=True) if body.logprobs is not None
+    ]
     num_chars_sent = [0] * len(requests)
-    num_token_chars_sent = [0] * len(requests)  # text of the tokens whose logprobs went out (held-back text included)
     finals: dict[int, dict] = {}
     merged = merge_streams(streams)
     async with contextlib.aclosing(merged):
@@ -49,12 +55,7 @@ async def completion_chunks(
                 text = echo.text + text
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if body.logprobs is not None:
-                choice["logprobs"] = logprobs = completion_logprobs(
-                    tm, meta, echo, num_inputs_sent[index], num_tokens_sent[index], num_token_chars_sent[index]
-                )
-                num_token_chars_sent[index] += sum(len(token) for token in logprobs["tokens"])
-                num_inputs_sent[index] = len(meta.get("input_token_logprobs", []))
-                num_tokens_sent[index] = meta["completion_tokens"]
+                choice["logprobs"] = logprobs[index].next(meta)
             num_chars_sent[index] += len(text)
             if finish is not None:
                 finals[index] = result

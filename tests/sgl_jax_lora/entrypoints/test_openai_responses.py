@@ -13,14 +13,16 @@ import pytest
 
 from sgl_jax_lora.entrypoints.openai_responses import (
     NO_ECHO,
+    CompletionLogprobs,
     Echo,
     chat_logprobs,
-    completion_logprobs,
     finish_reason,
     usage_of,
 )
+from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
-PIECES = [b"<s>", b"Hi", b" there", b"!", b"\xc3\xa9", b" ok"]
+PIECES = [b"<s>", b"Hi", b" there", b"!", b"\xc3\xa9", b" ok", b"\xc3", b"\xa9"]
 
 
 class TableTokenizer:
@@ -71,8 +73,15 @@ META = {
 }
 
 
+def request() -> GenerateRequest:
+    return GenerateRequest("r", [0, 1], SamplingParams())  # "<s>Hi"
+
+
+ECHO = Echo("<s>Hi", with_special_tokens=True)  # a prompt sent as ids, decoded with its special tokens
+
+
 def test_completion_logprobs_echo_the_prompt_then_the_output():
-    out = completion_logprobs(TM, META, Echo("<s>Hi"))
+    out = CompletionLogprobs(TM, request(), ECHO).next(META)
     assert out["tokens"] == ["<s>", "Hi", " there", "é", "!"]
     assert out["token_logprobs"] == [None, -0.5, -0.1, -0.2, -0.3]
     assert out["text_offset"] == [0, 3, 5, 11, 12]
@@ -80,21 +89,31 @@ def test_completion_logprobs_echo_the_prompt_then_the_output():
 
 
 def test_completion_logprobs_without_echo():
-    plain = completion_logprobs(TM, META, NO_ECHO)
+    plain = CompletionLogprobs(TM, request(), NO_ECHO).next(META)
     assert (plain["tokens"], plain["text_offset"]) == ([" there", "é", "!"], [0, 6, 7])
 
 
-def test_completion_logprobs_slices_for_a_stream_chunk():
-    out = completion_logprobs(TM, META, Echo("<s>Hi"), input_start=2, output_start=1, text_offset=11)
-    assert out["tokens"] == ["é", "!"]
-    assert out["text_offset"] == [11, 12]
-    assert out["top_logprobs"] == [{"é": -0.2}, {"!": -0.3}]
-    assert completion_logprobs(TM, META, NO_ECHO, output_start=3)["top_logprobs"] is None
+def test_completion_logprobs_continue_where_the_last_chunk_ended():
+    logprobs = CompletionLogprobs(TM, request(), ECHO)
+    first = logprobs.next({**META, "output_token_logprobs": META["output_token_logprobs"][:1]})
+    assert (first["tokens"], first["text_offset"]) == (["<s>", "Hi", " there"], [0, 3, 5])
+    rest = logprobs.next(META)
+    assert (rest["tokens"], rest["text_offset"]) == (["é", "!"], [11, 12])
+    assert rest["top_logprobs"] == [{"é": -0.2}, {"!": -0.3}]
+    assert logprobs.next(META)["top_logprobs"] is None  # nothing new
+
+
+def test_a_token_inside_a_character_points_at_the_character():
+    # "é" in two tokens: the second starts inside the character, so both point at it; the offsets stay in the text
+    meta = {"output_token_logprobs": [[-0.1, 2], [-0.2, 6], [-0.3, 7], [-0.4, 3]]}
+    out = CompletionLogprobs(TM, request(), NO_ECHO).next(meta)
+    assert out["tokens"] == [" there", "\ufffd", "\ufffd", "!"]
+    assert out["text_offset"] == [0, 6, 6, 7]  # the text: " thereé!"
 
 
 def test_completion_logprobs_without_top_logprobs_give_empty_dicts():
     meta = {"output_token_logprobs": [[-0.1, 2], [-0.2, 5]]}
-    out = completion_logprobs(TM, meta, NO_ECHO)
+    out = CompletionLogprobs(TM, request(), NO_ECHO).next(meta)
     assert out["top_logprobs"] == [{}, {}]
     assert out["text_offset"] == [0, 6]
 

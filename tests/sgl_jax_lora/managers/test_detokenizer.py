@@ -1,53 +1,20 @@
 """IncrementalDetokenizer: the text grown piece by piece equals decoding the whole output, for byte-level BPE (the
-demo tokenizer), SentencePiece-style (Llama) tokenizers and a WordPiece one whose spaces transformers cleans up,
-whatever the split into pieces and with characters whose bytes span several tokens."""
+demo tokenizer), SentencePiece-style (Llama) tokenizers with and without byte fallback and a WordPiece one whose
+spaces transformers cleans up (tests/support/tokenizer_fixtures.py), whatever the split into pieces and with
+characters whose bytes span several tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
-
-TEXTS = [
-    "Hello, world! The quick brown fox.",
-    "  leading spaces and  double  spaces",
-    "naïve café — 東京 🚀 done",
-    "def add(a, b): return a + b\n\n# end",
-]
-
-
-def sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
-    """A Metaspace BPE (as Llama-2's and Mistral's): a word's leading space is part of its first token, and decoding
-    drops the space at the start of a text, so a token's text depends on what comes before it."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
-    tokenizer.train_from_iterator(TEXTS * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
-
-
-def cleaned_up_wordpiece_tokenizer() -> PreTrainedTokenizerFast:
-    """A WordPiece (as BERT's) whose Rust decoder leaves a space before punctuation and whose transformers wrapper
-    removes it (`clean_up_tokenization_spaces`): the text is not what the Rust tokenizer alone decodes."""
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece(cleanup=False)
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"])
-    tokenizer.train_from_iterator(TEXTS * 20, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]", clean_up_tokenization_spaces=True
-    )
-
-
-def tokenizers_under_test():
-    yield AutoTokenizer.from_pretrained(demo_model_path(), local_files_only=True)  # byte-level BPE
-    yield sentencepiece_style_tokenizer()
-    yield cleaned_up_wordpiece_tokenizer()
+from tests.support.tokenizer_fixtures import (
+    TEXTS,
+    cleaned_up_wordpiece_tokenizer,
+    sentencepiece_style_tokenizer,
+    tokenizers_under_test,
+)
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -1,0 +1,100 @@
+"""What each token of an OpenAI logprobs list adds to its choice's text: its bytes (the chat form's `bytes`) and
+where its text starts (the completions form's `text_offset`).
+
+Flow: openai_responses.py builds each choice's logprobs with `token_bytes_reader(tokenizer)` and one `TextOffsets`
+per part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks.
+
+A token that holds part of a character (byte-level BPE splits a CJK character or an emoji over tokens; SentencePiece
+falls back to byte tokens `<0xE2>`) decodes alone to U+FFFD. Its `bytes` are then its own bytes, read from the
+vocabulary, so that a client joining the bytes of consecutive tokens gets the character, as OpenAI's field intends;
+every other token's bytes are its text's UTF-8. A token's offset is the length of the text decoded before it, in
+the context the choice's text was decoded in (managers/detokenizer.py), so offsets index the text the client gets:
+a token inside a character points at that character's start, and SentencePiece's leading spaces count where the
+text has them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
+
+BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which Llama-3, Qwen and most byte-level tokenizers share): the printable
+    character that stands for each byte in a token's vocabulary entry -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], bytes]:
+    """token id -> the bytes it adds to a text (cached per id)."""
+    decoder = ""
+    if getattr(tokenizer, "is_fast", False) and tokenizer.backend_tokenizer.decoder is not None:
+        decoder = tokenizer.backend_tokenizer.decoder.__getstate__().decode("utf-8", errors="replace")
+    byte_level, byte_fallback = '"ByteLevel"' in decoder, '"ByteFallback"' in decoder
+    added = {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    alphabet = byte_of_char()
+
+    def own_bytes(token_id: int) -> bytes | None:
+        """The token's bytes as its vocabulary entry stores them, where the tokenizer's decoder says how."""
+        if token_id in added:
+            return added[token_id].encode("utf-8")
+        if not (byte_level or byte_fallback):
+            return None
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if byte_level and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        match = BYTE_FALLBACK_TOKEN.fullmatch(piece) if byte_fallback else None
+        return bytes([int(match.group(1), 16)]) if match else None
+
+    @functools.lru_cache(maxsize=65536)
+    def bytes_of(token_id: int) -> bytes:
+        text = tokenizer.decode([token_id])
+        if "\ufffd" in text:  # part of a character: the text lost the bytes
+            own = own_bytes(token_id)
+            if own is not None:
+                return own
+        return text.encode("utf-8")
+
+    return bytes_of
+
+
+class TextOffsets:
+    """Where each token's text starts in one part of a choice's text, decoded as that part was: `skip_special_tokens`
+    and the tokens before the part (`context_ids`, whose text is not part of it) as the part's text had them; `start`
+    is the part's offset in the whole text."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        skip_special_tokens: bool,
+        context_ids: Sequence[int] = (),
+        start: int = 0,
+    ):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, context_ids)
+        self.start = start
+
+    def add(self, token_ids: Sequence[int]) -> list[int]:
+        """The offsets of the part's next tokens."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self.start + len(self.detokenizer.text))
+            self.detokenizer.append([token_id])
+        return offsets
