@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response, to_api_error
+from sgl_jax_lora.entrypoints.openai_protocol import WholeNumber
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import ServerInfoCall
@@ -54,10 +55,10 @@ class GenerateReqInput(BaseModel):
     sampling_params: dict | list[dict] | None = None
     stream: bool = False
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: WholeNumber = -1
+    top_logprobs_num: WholeNumber = 0
     lora_path: str | list[str | None] | None = None
-    priority: int = 0  # lower is served first (--scheduling-policy priority)
+    priority: WholeNumber = 0  # lower is served first (--scheduling-policy priority)
 
 
 class LoadLoRAAdapterReqInput(BaseModel):

@@ -1,4 +1,5 @@
-"""The OpenAI request bodies as pydantic models: strict types, unknown fields refused (-> 400 naming them).
+"""The OpenAI request bodies as pydantic models: strict types (but for a whole float as an integer), unknown fields
+refused (-> 400 naming them).
 
 Flow: openai_api.py's routes parse each body into CompletionRequest or ChatCompletionRequest (request_limits.parse_body),
 then map the shared SamplingFields onto SGLang's sampling names. Fields that only mean something beside another are
@@ -12,8 +13,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticUndefined
+
+from sgl_jax_lora.sampling.sampling_params import as_whole_number
+
+# an integer field: JSON's 16.0 is 16 (16.5, "16" and true are refused, as strict types refuse them)
+WholeNumber = Annotated[int, BeforeValidator(as_whole_number)]
 
 
 class _Strict(BaseModel):
@@ -45,14 +51,14 @@ class SamplingFields(_Strict):
     """Fields shared by completions and chat completions (OpenAI names, plus SGLang/vLLM extras)."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: WholeNumber | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    n: int | None = 1
+    n: WholeNumber | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: WholeNumber | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None
@@ -65,14 +71,14 @@ class SamplingFields(_Strict):
     metadata: dict[str, str] | None = None  # tags for stored completions: none are stored
     service_tier: Literal["auto", "default"] | None = None  # one tier
     # extensions
-    min_tokens: int | None = 0  # vLLM's name for min_new_tokens
-    top_k: int | None = -1
+    min_tokens: WholeNumber | None = 0  # vLLM's name for min_new_tokens
+    top_k: WholeNumber | None = -1
     min_p: float | None = 0.0
     repetition_penalty: float | None = 1.0
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[WholeNumber] | None = None
     skip_special_tokens: bool | None = True
-    priority: int | None = 0  # vLLM's: lower is served first (--scheduling-policy priority)
+    priority: WholeNumber | None = 0  # vLLM's: lower is served first (--scheduling-policy priority)
 
     @model_validator(mode="after")
     def _stream_options_only_when_streamed(self) -> SamplingFields:
@@ -85,7 +91,7 @@ class CompletionRequest(SamplingFields):
     # tried in this order (types are strict, so the order changes no result): a batch of token id lists, the
     # costliest to try and fail, is matched first (2 million of them parsed in 1.8 s against 4.8 s in smart mode)
     prompt: Annotated[str | list[list[int]] | list[int] | list[str], Field(union_mode="left_to_right")]
-    logprobs: int | None = None
+    logprobs: WholeNumber | None = None
     echo: bool | None = False
 
 
@@ -108,9 +114,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: WholeNumber | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: WholeNumber | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_only_with_logprobs(self) -> ChatCompletionRequest:

@@ -8,13 +8,14 @@ single request with that seed returns. Copies are prompt-major: prompt i's sampl
 
 from __future__ import annotations
 
-from sgl_jax_lora.sampling.sampling_params import INT64_RANGE, SamplingParamsError
+from sgl_jax_lora.sampling.sampling_params import INT64_RANGE, SamplingParamsError, as_whole_number
 
 MAX_SAMPLES = 128  # n per prompt: each sample is an engine request of its own
 
 
 def check_num_samples(n: object) -> int:
-    """n itself, if it is an integer in 1..MAX_SAMPLES."""
+    """n itself, if it is an integer in 1..MAX_SAMPLES (a float with no fraction taken as its integer)."""
+    n = as_whole_number(n)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
         raise SamplingParamsError(f"n must be an integer between 1 and {MAX_SAMPLES}, got {repr(n)[:40]}")
     return n

@@ -23,6 +23,17 @@ MAX_FLOAT32 = 3.4028234663852886e38  # float fields travel as float32: anything 
 INT64_RANGE = (-(2**63), 2**63 - 1)  # seed travels as a 64-bit integer over IPC
 
 
+INTEGER_FIELDS = frozenset({"max_new_tokens", "min_new_tokens", "top_k", "seed"})
+
+
+def as_whole_number(value: object) -> object:
+    """A float with no fraction as the integer it is (JSON's 16.0, from a client that computed the number as a float,
+    is 16, as vLLM's and OpenAI's parsers take it); anything else as it is, for the integer checks to judge."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is unknown or out of range."""
 
@@ -61,6 +72,10 @@ class SamplingParams:
                 raw.pop(key, None)
         if "logit_bias" in raw:
             raw["logit_bias"] = _token_id_keys(raw["logit_bias"])
+        for name in INTEGER_FIELDS & raw.keys():
+            raw[name] = as_whole_number(raw[name])
+        if isinstance(raw.get("stop_token_ids"), list):
+            raw["stop_token_ids"] = [as_whole_number(t) for t in raw["stop_token_ids"]]
         params = cls(**raw)
         params.validate()
         return params

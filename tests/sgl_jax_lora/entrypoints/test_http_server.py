@@ -369,6 +369,20 @@ def test_generate_with_max_new_tokens_0_scores_the_prompt(http, tokenizer):
     assert too_long.status_code == 400 and "shorten the prompt" in too_long.json()["error"]["message"]
 
 
+def test_whole_floats_in_integer_fields_are_their_integers(http, model_name):
+    # a client that computed its counts as floats: 4.0 tokens, 2.0 choices, as vLLM and OpenAI take them
+    body = {"model": model_name, "prompt": "Once upon a time", "temperature": 0, "ignore_eos": True}
+    floats = http.post("/v1/completions", json={**body, "max_tokens": 4.0, "n": 2.0, "logprobs": 1.0})
+    ints = http.post("/v1/completions", json={**body, "max_tokens": 4, "n": 2, "logprobs": 1})
+    assert floats.status_code == ints.status_code == 200, floats.text
+    texts = [[c["text"] for c in r.json()["choices"]] for r in (floats, ints)]
+    assert texts[0] == texts[1] and len(texts[0]) == 2 and floats.json()["usage"]["completion_tokens"] == 8
+    native = generate(http, text="Once upon a time", sampling_params={**GREEDY, "max_new_tokens": 3.0, "n": 1.0})
+    assert native["meta_info"]["completion_tokens"] == 3
+    half = http.post("/v1/completions", json={**body, "max_tokens": 4.5})
+    assert half.status_code == 400 and "max_tokens" in half.json()["error"]["message"]
+
+
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")

@@ -55,12 +55,30 @@ def test_unknown_fields_are_refused_by_name():
 
 def test_strict_types_are_not_coerced():
     assert error_of(CompletionRequest, model="m", prompt="Hi", n="2")["loc"] == ("n",)
-    assert error_of(CompletionRequest, model="m", prompt="Hi", max_tokens=1.0)["loc"] == ("max_tokens",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", max_tokens=1.5)["loc"] == ("max_tokens",)
+    assert error_of(CompletionRequest, model="m", prompt="Hi", max_tokens=True)["loc"] == ("max_tokens",)
     assert error_of(CompletionRequest, model="m", prompt="Hi", stream="true")["loc"] == ("stream",)
     assert error_of(CompletionRequest, model="m", prompt="Hi", temperature="0.5")["loc"] == ("temperature",)
     assert error_of(CompletionRequest, model="m", prompt="Hi", stop_token_ids=["1"])["loc"][0] == "stop_token_ids"
     # an integer is a valid float (JSON writes 1.0 as 1 in many clients)
     assert parse(CompletionRequest, model="m", prompt="Hi", temperature=0).temperature == 0.0
+
+
+def test_a_float_with_no_fraction_is_its_integer():
+    # a client that computed a count as a float sends 16.0; vLLM's and OpenAI's parsers take it as 16
+    whole = dict(max_tokens=16.0, n=2.0, seed=7.0, min_tokens=1.0, top_k=-1.0, priority=0.0, stop_token_ids=[5.0])
+    body = parse(CompletionRequest, model="m", prompt="Hi", logprobs=2.0, **whole)
+    assert (body.max_tokens, body.n, body.seed, body.min_tokens, body.top_k, body.priority) == (16, 2, 7, 1, -1, 0)
+    assert body.stop_token_ids == [5] and body.logprobs == 2 and type(body.max_tokens) is int
+    chat = parse(
+        ChatCompletionRequest,
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}],
+        logprobs=True,
+        top_logprobs=3.0,
+        max_completion_tokens=8.0,
+    )
+    assert (chat.top_logprobs, chat.max_completion_tokens) == (3, 8)
 
 
 def test_sampling_extras_are_carried():

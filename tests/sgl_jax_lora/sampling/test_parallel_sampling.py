@@ -15,10 +15,14 @@ from sgl_jax_lora.sampling.parallel_sampling import (
 from sgl_jax_lora.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 
-@pytest.mark.parametrize("n", [0, MAX_SAMPLES + 1, 2.0, "2", True, None])
+@pytest.mark.parametrize("n", [0, MAX_SAMPLES + 1, 2.5, "2", True, None, float("nan")])
 def test_bad_n_is_refused(n):
     with pytest.raises(SamplingParamsError, match=f"between 1 and {MAX_SAMPLES}"):
         check_num_samples(n)
+
+
+def test_a_float_n_with_no_fraction_is_its_integer():
+    assert check_num_samples(2.0) == 2 and type(check_num_samples(2.0)) is int
 
 
 def test_n_is_shared_by_every_prompt():

@@ -82,6 +82,16 @@ def test_integers_in_float_fields_become_floats():
     assert all(type(v) is float for v in (params.temperature, params.top_p, params.repetition_penalty))
 
 
+def test_floats_with_no_fraction_in_integer_fields_become_integers():
+    params = SamplingParams.from_dict(
+        {"max_new_tokens": 16.0, "min_new_tokens": 2.0, "top_k": 5.0, "seed": -3.0, "stop_token_ids": [7.0, 8]}
+    )
+    assert (params.max_new_tokens, params.min_new_tokens, params.top_k, params.seed) == (16, 2, 5, -3)
+    assert params.stop_token_ids == [7, 8] and type(params.max_new_tokens) is int
+    with pytest.raises(SamplingParamsError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams.from_dict({"stop_token_ids": [7.5]})
+
+
 def test_greedy_and_logit_adjustment_properties():
     assert SamplingParams(temperature=0).is_greedy and SamplingParams(top_k=1).is_greedy
     assert not SamplingParams(temperature=0.7, top_k=5).is_greedy
