@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import os
 import threading
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.lora.tensor_file import TensorFile
-from sgl_jax_lora.managers.io_struct import ServerInfoCall
+from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import ENGINE, PromptRefused, build_requests, normalize
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs
@@ -130,6 +131,11 @@ class Engine:
     def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unregister; waits for the adapter's in-flight requests, then frees its host and device copies."""
         return self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
+
+    def flush_cache(self) -> dict:
+        """Free the prefix cache's pages that no request holds (a benchmark's next run starts cold) ->
+        {"kv_pages_freed": N}; pages that running requests hold stay."""
+        return dataclasses.asdict(self._run(self.tokenizer_manager.call(FlushCacheCall())))
 
     def get_server_info(self) -> dict:
         info = self._run(self.tokenizer_manager.call(ServerInfoCall()))

@@ -38,8 +38,14 @@ def load_chat_template(value: str | None) -> str | None:
     )
 
 
-def render_chat(tm: TokenizerManager, template_override: str | None, messages: list[ChatMessage]) -> list[int]:
-    """Messages -> prompt token ids through the chat template (with the assistant turn opened)."""
+def render_chat(
+    tm: TokenizerManager,
+    template_override: str | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Messages -> prompt token ids through the chat template (with the assistant turn opened, unless not
+    `add_generation_prompt`)."""
     template = template_override or tm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
     conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
     chars = sum(len(turn["content"]) for turn in conversation)
@@ -52,7 +58,7 @@ def render_chat(tm: TokenizerManager, template_override: str | None, messages: l
         )
     try:
         text = tm.tokenizer.apply_chat_template(
-            conversation, chat_template=template, add_generation_prompt=True, tokenize=False
+            conversation, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except jinja2.TemplateError as e:
         raise APIError(400, f"the chat template could not render these messages: {e}", "invalid_request") from e

@@ -9,9 +9,10 @@ first drains (DrainingServer: new requests 503, running ones finish up to --shut
 --max-request-body-bytes are refused before they are read (request_limits.py), request heads slower than
 --request-header-timeout get 408 (header_timeout.py).
 
-Routes live in native_api.py (/generate, /health, /get_server_info, LoRA load/unload), health_check.py
-(/health_generate: the engine still makes progress) and openai_api.py (/v1/...); errors.py shapes every error;
-metrics.py counts. Every route but /health and /health_generate requires the API key when --api-key is set.
+Routes live in native_api.py (/generate, /health, /get_server_info, /flush_cache, LoRA load/unload),
+health_check.py (/health_generate: the engine still makes progress), openai_api.py (/v1/...), lora_tensors_api.py
+(adapters sent as tensors) and tokenize_api.py (/tokenize, /detokenize); errors.py shapes every error; metrics.py
+counts. Every route but /health and /health_generate requires the API key when --api-key is set.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from sgl_jax_lora.entrypoints import health_check, lora_tensors_api, native_api, openai_api
+from sgl_jax_lora.entrypoints import health_check, lora_tensors_api, native_api, openai_api, tokenize_api
 from sgl_jax_lora.entrypoints.chat_template import load_chat_template
 from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
 from sgl_jax_lora.entrypoints.header_timeout import protocol_with_header_timeout
@@ -157,6 +158,7 @@ def create_app(args: ServerArgs, model_path: str) -> FastAPI:
     app.include_router(native_api.router, dependencies=protected)
     app.include_router(openai_api.router, dependencies=protected)
     app.include_router(lora_tensors_api.router, dependencies=protected)
+    app.include_router(tokenize_api.router, dependencies=protected)
 
     @app.get("/metrics", dependencies=protected)
     async def metrics(request: Request) -> Response:

@@ -1,5 +1,5 @@
 """The SGLang-style native API: POST /generate, GET /health, GET /get_server_info, GET /get_model_info,
-POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
+POST /flush_cache, POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
 
 Flow: JSON body -> pydantic model (wrong types -> 400) -> the request front door (managers/request_normalizer.py:
 `normalize`, then --max-requests-per-call, then `build_requests`: one `GenerateRequest` per prompt and sample, all
@@ -28,7 +28,7 @@ from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response
 from sgl_jax_lora.entrypoints.openai_protocol import WholeNumber
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
-from sgl_jax_lora.managers.io_struct import ServerInfoCall
+from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize, prompt_count
 from sgl_jax_lora.utils.gather import gather_or_cancel
 from sgl_jax_lora.utils.gc_freeze import collector_stats
@@ -109,6 +109,14 @@ async def generate(request: Request) -> Response:
         return await streaming_response(request, _generate_events(streams, batch.answers_list))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
     return JSONResponse(results if batch.answers_list else results[0])
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    """SGLang's /flush_cache: the prefix cache's pages that no request holds are freed (a benchmark starts cold)."""
+    tm = request.app.state.server.engine()
+    flushed = await tm.call(FlushCacheCall())
+    return JSONResponse({"success": True, "kv_pages_freed": flushed.kv_pages_freed})
 
 
 @router.get("/get_server_info")

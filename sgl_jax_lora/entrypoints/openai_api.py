@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""The OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and /v1/models/{id}).
 
 Flow: JSON body -> pydantic model (wrong types, unknown fields -> 400) -> `model` resolved (the served
 model name = base; an adapter name or `BASE:ADAPTER` = that adapter; anything else -> 400 naming it) ->
@@ -61,17 +61,18 @@ router = APIRouter()
 # ---- routes ------------------------------------------------------------------------------------
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.server
-    tm = state.engine()
-    created = int(time.time())
-    base = state.served_model_name
-    models = [_model_card(base, state.model_path, None, created, tm.context_length)]
-    if state.args.enable_lora:
-        for ref in tm.list_loras():
-            models.append(
-                {**_model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length), "version": ref.version}
-            )
-    return JSONResponse({"object": "list", "data": models})
+    return JSONResponse({"object": "list", "data": _model_cards(request.app.state.server)})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> JSONResponse:
+    """One model card (the OpenAI client's `models.retrieve`): the base model or a loaded adapter, else 404."""
+    for card in _model_cards(request.app.state.server):
+        if card["id"] == model:
+            return JSONResponse(card)
+    raise APIError(
+        404, f"model '{shown(model)}' does not exist; GET /v1/models lists the models served", "model_not_found"
+    )
 
 
 @router.post("/v1/completions", response_model=None)
@@ -192,6 +193,19 @@ async def _build_requests(
             f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
             "model_not_found",
         ) from e
+
+
+def _model_cards(state: ServerState) -> list[dict]:
+    """The base model's card, then each loaded adapter's (its parent the base model, with its version)."""
+    tm = state.engine()
+    created = int(time.time())
+    base = state.served_model_name
+    cards = [_model_card(base, state.model_path, None, created, tm.context_length)]
+    if state.args.enable_lora:
+        for ref in tm.list_loras():
+            card = _model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length)
+            cards.append({**card, "version": ref.version})
+    return cards
 
 
 def _model_card(model_id: str, root: str, parent: str | None, created: int, context_length: int) -> dict:

@@ -22,14 +22,14 @@ from sgl_jax_lora.sampling.sampling_params import as_whole_number
 WholeNumber = Annotated[int, BeforeValidator(as_whole_number)]
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     """Strict types and no unknown fields; `null` for a field with a default is that field left out (clients send
     `"temperature": null` for "not set"), so the server's default applies, the model's included."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="after")
-    def _null_is_unset(self) -> _Strict:
+    def _null_is_unset(self) -> StrictBody:
         for name in [name for name in self.model_fields_set if getattr(self, name) is None]:
             default = type(self).model_fields[name].default
             if default is not None and default is not PydanticUndefined:
@@ -38,16 +38,16 @@ class _Strict(BaseModel):
         return self
 
 
-class TextResponseFormat(_Strict):
+class TextResponseFormat(StrictBody):
     type: Literal["text"]  # plain text, what every response is; JSON modes are structured output, not served
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool | None = False
     continuous_usage_stats: Literal[False] | None = None  # vLLM's: usage in every chunk, not served; false accepted
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictBody):
     """Fields shared by completions and chat completions (OpenAI names, plus SGLang/vLLM extras)."""
 
     model: str
@@ -95,12 +95,12 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
 
 
-class TextContentPart(_Strict):
+class TextContentPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None

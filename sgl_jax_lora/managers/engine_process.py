@@ -5,7 +5,7 @@ tokenizer's EOS id as the frontend read it, so this process never loads the toke
 --nnodes > 1 it first joins the other nodes: distributed/runtime.py). The process answers Ready (or StartupError),
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
-(server info, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
+(server info, the prefix cache's flush, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
 load from a directory first has its header checked on a worker thread, `EngineLoop._check_ahead`, and is answered
 when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the
 loop the process freezes its startup objects out of the garbage collector's generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
@@ -25,15 +25,18 @@ import threading
 import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
+    CacheFlushed,
     CallReply,
     EngineCall,
     EngineOutput,
     EngineOutputs,
+    FlushCacheCall,
     GenerateRequest,
     LoadLoRACall,
     LoadLoRATensorsCall,
@@ -54,6 +57,9 @@ from sgl_jax_lora.server_args_checks import sizes_set
 from sgl_jax_lora.utils.gc_freeze import freeze_startup_objects
 from sgl_jax_lora.utils.parent_watch import exit_when_parent_dies
 from sgl_jax_lora.utils.quiet import quiet_platform_probes, skip_tpu_probe_without_chips
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +155,11 @@ class Outbox:
                 return
 
 
+def flush_prefix_cache(cache: PrefixCache | None) -> int:
+    """Free every cached page no request holds (the held ones stay, as their requests need them); -> pages freed."""
+    return 0 if cache is None else cache.evict(cache.num_evictable)
+
+
 class EngineLoop:
     def __init__(self, core, conn: Connection):
         self.core = core
@@ -164,6 +175,7 @@ class EngineLoop:
         # each call's EngineCore method; its result (plain data) is the CallReply's
         self.calls = {
             ServerInfoCall: lambda call: core.rpc_server_info(),
+            FlushCacheCall: lambda call: CacheFlushed(flush_prefix_cache(core.prefix_cache)),
             LoadLoRACall: lambda call, summary=None: core.rpc_load_lora(
                 call.lora_id, call.lora_name, call.lora_path, call.pinned, call.confined, summary
             ),

@@ -1,7 +1,7 @@
 """Messages between the frontend (EngineClient) and the engine process, and their wire encoding.
 
 Flow: every message is a dataclass here. The frontend sends GenerateRequest, AbortRequest, ShutdownRequest and
-the calls (EngineCall subclasses: ServerInfoCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall), each with
+the calls (EngineCall subclasses: ServerInfoCall, FlushCacheCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall), each with
 the `call_id` its CallReply names; the engine process sends Ready or StartupError once, then EngineOutputs (one
 EngineOutput per request that advanced in a step), RequestFailed (a request refused or rejected) and CallReply.
 Both sides dispatch on the message's class (managers/engine_process.py, managers/engine_client.py).
@@ -115,6 +115,21 @@ class AdapterLoaded:
 @dataclasses.dataclass
 class Unloaded:
     """The result of UnloadLoRACall."""
+
+
+@dataclasses.dataclass
+class CacheFlushed:
+    """The result of FlushCacheCall."""
+
+    kv_pages_freed: int  # prefix-cache pages no request held, now free
+
+
+@dataclasses.dataclass
+class FlushCacheCall(EngineCall):
+    """Drop the prefix cache's pages that no request holds (a benchmark starts cold; SGLang's /flush_cache)."""
+
+    TAG: ClassVar[str] = "flush_cache"
+    REPLY: ClassVar[type] = CacheFlushed
 
 
 @dataclasses.dataclass
@@ -238,6 +253,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         AbortRequest,
         ShutdownRequest,
         ServerInfoCall,
+        FlushCacheCall,
         LoadLoRACall,
         LoadLoRATensorsCall,
         UnloadLoRACall,

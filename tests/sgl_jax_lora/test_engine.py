@@ -359,6 +359,16 @@ def test_numpy_and_jax_values_are_taken_as_the_python_values_they_hold(engine):
         assert np.allclose([[lp for lp, _ in top] for top in got_top], [[lp for lp, _ in top] for top in want_top])
 
 
+def test_flush_cache_frees_what_no_request_holds(engine):
+    ids = prompts(1)[0] * 8  # several whole pages
+    params = {"max_new_tokens": 1, **GREEDY}
+    engine.flush_cache()
+    assert engine.generate(input_ids=ids, sampling_params=params)["meta_info"]["cached_tokens"] == 0
+    cached = engine.get_server_info()["kv_pages_cached"]
+    assert cached > 0 and engine.flush_cache() == {"kv_pages_freed": cached}
+    assert engine.get_server_info()["kv_pages_cached"] == 0 and engine.flush_cache() == {"kv_pages_freed": 0}
+
+
 def test_a_batch_past_the_queue_limit_is_refused_whole_and_the_engine_keeps_serving(engine):
     ids = prompts(9)
     params = {"max_new_tokens": 24, **GREEDY}

@@ -383,6 +383,58 @@ def test_whole_floats_in_integer_fields_are_their_integers(http, model_name):
     assert half.status_code == 400 and "max_tokens" in half.json()["error"]["message"]
 
 
+def test_tokenize_and_detokenize_as_vllm_and_sglang_serve_them(http, oai, model_name, tokenizer):
+    text = "Once upon a time, naïve café 東京"
+    for path in ("/tokenize", "/v1/tokenize"):
+        out = http.post(path, json={"model": model_name, "prompt": text, "return_token_strs": True}).json()
+        assert out["tokens"] == tokenizer.encode(text) and out["count"] == len(out["tokens"])
+        assert out["max_model_len"] == 256 and out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
+    bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False) and bare["token_strs"] is None
+    for path in ("/detokenize", "/v1/detokenize"):
+        assert http.post(path, json={"tokens": bare["tokens"]}).json() == {"prompt": text, "text": text}
+    # chat messages count what a chat completion's prompt counts
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    completion = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+    assert chat["count"] == completion.usage.prompt_tokens
+    no_turn = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_turn["count"] < chat["count"] and chat["tokens"][: no_turn["count"]] == no_turn["tokens"]
+    refused = [
+        ({"prompt": "hi", "messages": messages}, "/tokenize", "exactly one of 'prompt'", "invalid_request"),
+        ({"model": "nope", "prompt": "hi"}, "/tokenize", "model 'nope' does not exist", "model_not_found"),
+        ({"tokens": [0, 10**6]}, "/detokenize", "outside the vocabulary", "invalid_request"),
+        ({"tokens": ["1"]}, "/detokenize", "tokens", "invalid_request"),
+    ]
+    for body, path, fragment, code in refused:
+        response = http.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["code"] == code, response.text
+        assert fragment in response.json()["error"]["message"]
+
+
+def test_one_model_card_by_its_id(http, oai, model_name):
+    retrieved = oai.models.retrieve(model_name)
+    assert (retrieved.id, retrieved.object, retrieved.owned_by) == (model_name, "model", "sgl_jax_lora")
+    card = http.get(f"/v1/models/{model_name}").json()
+    listed = http.get("/v1/models").json()["data"][0]
+    assert {**card, "created": 0} == {**listed, "created": 0}  # the same card, but for the second it was made
+    with pytest.raises(openai.NotFoundError, match="model 'nope' does not exist"):
+        oai.models.retrieve("nope")
+
+
+def test_flush_cache_frees_the_cached_prefixes(http, tokenizer):
+    ids = tokenizer.encode("Once upon a time " * 30)[:120]  # several whole pages
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}
+    http.post("/flush_cache")
+    assert generate(http, **body)["meta_info"]["cached_tokens"] == 0
+    assert generate(http, **body)["meta_info"]["cached_tokens"] > 0  # its pages were cached
+    cached = server_info(http)["kv_pages_cached"]
+    flushed = http.post("/flush_cache")
+    assert flushed.status_code == 200 and flushed.json() == {"success": True, "kv_pages_freed": cached}
+    assert server_info(http)["kv_pages_cached"] == 0
+    assert generate(http, **body)["meta_info"]["cached_tokens"] == 0  # cold again
+
+
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")

@@ -16,6 +16,7 @@ from sgl_jax_lora.managers.io_struct import (
     CallReply,
     EngineOutput,
     EngineOutputs,
+    FlushCacheCall,
     GenerateRequest,
     LoadLoRACall,
     LoadLoRATensorsCall,
@@ -72,6 +73,7 @@ EXAMPLES = [
     RequestFailed("r1", "adapter cannot be read"),
     CallReply(4, ok=True, result={"rank": 8}),
     CallReply(5, ok=False, message="no such adapter"),
+    FlushCacheCall(call_id=8),
 ]
 
 
