@@ -1,5 +1,5 @@
 """The SGLang-style native API: POST /generate, GET /health, GET /get_server_info, GET /get_model_info,
-POST /flush_cache, POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
+POST /abort_request, POST /flush_cache, POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
 
 Flow: JSON body -> pydantic model (wrong types -> 400) -> the request front door (managers/request_normalizer.py:
 `normalize`, then --max-requests-per-call, then `build_requests`: one `GenerateRequest` per prompt and sample, all
@@ -59,6 +59,13 @@ class GenerateReqInput(BaseModel):
     top_logprobs_num: WholeNumber = 0
     lora_path: str | list[str | None] | None = None
     priority: WholeNumber = 0  # lower is served first (--scheduling-policy priority)
+    rid: str | list[str] | None = None  # the client's name for each request: its meta_info.id, /abort_request's
+
+
+class AbortReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rid: str
 
 
 class LoadLoRAAdapterReqInput(BaseModel):
@@ -100,6 +107,7 @@ async def generate(request: Request) -> Response:
         body.top_logprobs_num,
         dialect=HTTP,
         priority=body.priority,
+        rid=body.rid,
     )
     check_requests_per_call(state, batch.num_prompts, batch.copies_per_prompt)
     requests = await build_requests(tm, batch)  # all validated before any is sent
@@ -109,6 +117,19 @@ async def generate(request: Request) -> Response:
         return await streaming_response(request, _generate_events(streams, batch.answers_list))
     results = await run_unless_disconnected(request, gather_or_cancel([last_result(s) for s in streams]))
     return JSONResponse(results if batch.answers_list else results[0])
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> JSONResponse:
+    """SGLang's /abort_request: stop the running request named by its rid (the client's, or the meta_info.id the
+    server gave it); it finishes with finish_reason abort and frees its pages. `aborted`: whether one was running."""
+    body = await parse_body(request, AbortReqInput)
+    tm = request.app.state.server.engine()
+    engine_rid = tm.request_ids.engine_rid(body.rid)
+    running = tm.client.has_stream(engine_rid)
+    if running:
+        tm.abort(engine_rid)
+    return JSONResponse({"success": True, "aborted": running})
 
 
 @router.post("/flush_cache")

@@ -200,6 +200,10 @@ class EngineClient:
     def close_stream(self, rid: str) -> None:
         self._streams.pop(rid, None)
 
+    def has_stream(self, rid: str) -> bool:
+        """Whether request `rid` is running: sent, and its stream not closed."""
+        return rid in self._streams
+
     @property
     def num_streams(self) -> int:
         """Requests sent and not yet finished (each holds an open stream)."""

@@ -61,6 +61,7 @@ class GenerateRequest(Message):
     # time.monotonic() when the frontend received it (one clock for every process of the host): the scheduler
     # queues by it, so a request that waited for its adapter to be registered keeps its place in line
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    client_rid: str | None = None  # the client's name for it (POST /generate's rid): the frontend's alone
 
     @classmethod
     def from_fields(cls, fields: dict) -> GenerateRequest:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from sgl_jax_lora.managers.engine_client import RequestError
 from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.request_ids import check_client_rid
 from sgl_jax_lora.sampling.parallel_sampling import check_num_samples, expand_samples, samples_per_prompt
 from sgl_jax_lora.sampling.sampling_params import SamplingParamsError
 
@@ -72,6 +73,7 @@ class PromptSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     priority: int = 0  # lower is admitted first under --scheduling-policy priority
+    rid: str | None = None  # the client's name for the request (its meta_info.id, POST /abort_request)
 
 
 @dataclasses.dataclass
@@ -108,9 +110,11 @@ def normalize(
     top_logprobs_num: int = 0,
     dialect: Dialect = HTTP,
     priority: int = 0,
+    rid: str | list[str] | None = None,
 ) -> RequestBatch:
     """One prompt or a batch, with values given once or per prompt -> its RequestBatch (`n` in the sampling
-    params, the same for every prompt, gives n samples per prompt). Raises RequestError."""
+    params, the same for every prompt, gives n samples per prompt; a `rid` names one request: one per prompt,
+    none with n > 1). Raises RequestError."""
     texts, ids, is_batch = split_prompts(text, input_ids, dialect)
     count = len(texts)
     params = per_prompt("sampling_params", sampling_params, count, dict, dialect)
@@ -121,14 +125,39 @@ def normalize(
         n = samples_per_prompt(params)
     except SamplingParamsError as e:
         raise RequestError(str(e)) from e
+    rids = client_rids(rid, count, n, dialect)
     specs = [
         PromptSpec(
-            texts[i], ids[i], sample_params, loras[i], return_logprob, logprob_start_len, top_logprobs_num, priority
+            texts[i],
+            ids[i],
+            sample_params,
+            loras[i],
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            priority,
+            rids[i],
         )
         for i in range(count)
         for sample_params in expand_samples(params[i], n)
     ]
     return RequestBatch(specs, count, n, is_batch)
+
+
+def client_rids(rid: object, count: int, n: int, dialect: Dialect) -> list[str | None]:
+    """One client rid per prompt (or None each): each names one request, so none with n > 1, and no two alike."""
+    if rid is None:
+        return [None] * count
+    if count > 1 and not isinstance(rid, list):
+        raise RequestError("rid names one request: give a list of them, one per prompt of the batch")
+    rids = per_prompt("rid", rid, count, str, dialect)
+    for value in rids:
+        check_client_rid(value)
+    if n > 1:
+        raise RequestError("rid names one request, and n > 1 makes several; leave it out (each meta_info.id names one)")
+    if len(set(rids)) < len(rids):
+        raise RequestError("rid has the same name twice; give each prompt its own")
+    return rids
 
 
 def with_samples(prompts: list[PromptSpec], n: object, is_batch: bool) -> RequestBatch:
@@ -210,7 +239,7 @@ async def build_requests(tm: TokenizerManager, batch: RequestBatch) -> list[Gene
 
 
 def _build_one(tm: TokenizerManager, spec: PromptSpec, ref: LoRARef | None, received: float) -> GenerateRequest:
-    return tm.build_request(
+    request = tm.build_request(
         text=spec.text,
         input_ids=spec.input_ids,
         sampling_params=spec.sampling_params,
@@ -221,3 +250,4 @@ def _build_one(tm: TokenizerManager, spec: PromptSpec, ref: LoRARef | None, rece
         lora_id=ref.lora_id if ref is not None else None,
         arrival_time=received,
     )
+    return dataclasses.replace(request, client_rid=spec.rid) if spec.rid is not None else request

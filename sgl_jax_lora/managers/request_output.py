@@ -86,7 +86,7 @@ class RequestOutput:
         """The cumulative result dict of `request` after `item`; token counts and logprobs are those of the (maybe
         cut) output."""
         meta = {
-            "id": request.rid,
+            "id": request.client_rid or request.rid,
             "prompt_tokens": item.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": item.cached_tokens,

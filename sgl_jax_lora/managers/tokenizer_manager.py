@@ -42,6 +42,7 @@ from sgl_jax_lora.managers.io_struct import (
 )
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
+from sgl_jax_lora.managers.request_ids import RequestIds
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
@@ -79,6 +80,7 @@ class TokenizerManager:
             self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
         self._update_locks = KeyedLocks()  # one update of an adapter at a time
         self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
+        self.request_ids = RequestIds()  # clients' names of their running requests (rid)
 
     @property
     def process(self):
@@ -333,6 +335,7 @@ class TokenizerManager:
         first_token_sent = False
         try:
             self._check_capacity()  # no await between the count and the stream that joins it
+            self.request_ids.hold(request)
             queue = self.client.open_stream(request.rid)
             self.client.send(request.for_engine())
             while not output.finished:
@@ -349,6 +352,7 @@ class TokenizerManager:
                     yield self._result(request, output, item)
         finally:
             if queue is not None:
+                self.request_ids.release(request)
                 self.client.close_stream(request.rid)
                 if not output.engine_finished and not self.is_dead:  # stopped here, or the client went away
                     self.client.abort(request.rid)

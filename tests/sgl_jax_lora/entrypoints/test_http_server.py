@@ -435,6 +435,47 @@ def test_flush_cache_frees_the_cached_prefixes(http, tokenizer):
     assert generate(http, **body)["meta_info"]["cached_tokens"] == 0  # cold again
 
 
+def first_event_then_rest(http: httpx.Client, body: dict):
+    """Open a /generate stream -> (its first event, an iterator over the rest, the response to close)."""
+    response = http.send(http.build_request("POST", "/generate", json={**body, "stream": True}), stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    events = (json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]")
+    return next(events), events, response
+
+
+def test_abort_request_stops_a_running_request_by_its_rid(http):
+    long = {
+        "text": "Once upon a time",
+        "sampling_params": {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
+    }
+    named = generate(
+        http, **{**long, "sampling_params": {**long["sampling_params"], "max_new_tokens": 2}}, rid="mine-1"
+    )
+    assert named["meta_info"]["id"] == "mine-1"
+    for rid in ("long-1", None):  # the client's name, or the id the server gave it
+        first, rest, response = first_event_then_rest(http, {**long, "rid": rid} if rid else long)
+        try:
+            name = first["meta_info"]["id"]
+            assert name == rid or rid is None
+            if rid is not None:  # a running request's name is its own
+                taken = http.post("/generate", json={**long, "rid": rid})
+                assert taken.status_code == 400 and "still running" in taken.json()["error"]["message"]
+            assert http.post("/abort_request", json={"rid": name}).json() == {"success": True, "aborted": True}
+            last = list(rest)[-1]
+        finally:
+            response.close()
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        assert last["meta_info"]["completion_tokens"] < 200 and last["meta_info"]["id"] == name
+        assert http.post("/abort_request", json={"rid": name}).json() == {"success": True, "aborted": False}
+    again = generate(
+        http, **{**long, "sampling_params": {**long["sampling_params"], "max_new_tokens": 2}}, rid="long-1"
+    )
+    assert again["meta_info"]["id"] == "long-1"  # the name is free once its request is done
+    batch = generate(http, text=["a", "b"], sampling_params={"max_new_tokens": 1}, rid=["b-0", "b-1"])
+    assert [r["meta_info"]["id"] for r in batch] == ["b-0", "b-1"]
+
+
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")

@@ -187,3 +187,22 @@ def test_http_maps_a_refused_prompt_by_its_cause():
         build(tm, normalize("a", lora_path="dead"))
     assert (to_api_error(dead.value).status_code, to_api_error(dead.value).code) == (503, "engine_dead")
     assert isinstance(dead.value.cause, EngineDeadError)
+
+
+def test_a_client_rid_names_one_request_per_prompt():
+    assert [s.rid for s in normalize(["a", "b"], rid=["r1", "r2"]).specs] == ["r1", "r2"]
+    assert [s.rid for s in normalize("a", rid="r1").specs] == ["r1"]
+    assert [s.rid for s in normalize("a", sampling_params={"n": 2}).specs] == [None, None]
+    refused = [
+        (dict(text=["a", "b"], rid="r1"), "give a list of them, one per prompt"),
+        (dict(text=["a", "b"], rid=["r1"]), "'rid' has 1 entries but there are 2 prompts"),
+        (dict(text=["a", "b"], rid=["r1", "r1"]), "the same name twice"),
+        (dict(text="a", rid="r1", sampling_params={"n": 2}), "n > 1 makes several"),
+        (dict(text="a", rid=""), "non-empty string of at most 128 printable characters, got ''"),
+        (dict(text="a", rid="x" * 129), "at most 128 printable characters"),
+        (dict(text="a", rid="a\nb"), "printable characters, got 'a\\\\nb'"),
+        (dict(text="a", rid=5), "'rid' must be a str or a list of them, got int"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(RequestError, match=message):
+            normalize(**kwargs)
