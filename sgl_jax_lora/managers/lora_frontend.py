@@ -87,7 +87,7 @@ class LoRAFrontend:
             if loading is None or loading.done():
                 loading = asyncio.ensure_future(self.load(real, real))
                 self._loads_in_flight[real] = loading
-                loading.add_done_callback(lambda _: self._loads_in_flight.pop(real, None))
+                loading.add_done_callback(self._forget_load)
             with contextlib.suppress(DirectoryTakenError):  # a load under another name got there first
                 await asyncio.shield(loading)  # a client that goes away does not cancel the load for the others
             ref = self.registry.find_by_path(real)
@@ -97,6 +97,13 @@ class LoRAFrontend:
             f"adapter directory '{shown(real)}' was loaded and unloaded again under other names {ON_DEMAND_ATTEMPTS} "
             "times while this request waited for it; retry the request"
         )
+
+    def _forget_load(self, done: asyncio.Future) -> None:
+        """A finished on-demand load leaves the table, unless a newer load of its directory took its place there
+        (one that started after it was done, before this callback ran)."""
+        for real, loading in list(self._loads_in_flight.items()):
+            if loading is done:
+                del self._loads_in_flight[real]
 
     async def load(self, lora_name: object, lora_path: object, pinned: bool = False, trusted: bool = False) -> dict:
         """Register and load an adapter. Untrusted (client) loads read only inside --lora-allowed-dirs."""

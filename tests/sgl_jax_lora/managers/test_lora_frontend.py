@@ -81,6 +81,32 @@ def test_a_path_loaded_and_unloaded_under_a_name_meanwhile_is_loaded_again(allow
     asyncio.run(scenario())
 
 
+def test_a_request_that_comes_as_a_failed_load_ends_starts_the_one_load_that_follows(allowed_dir):
+    """The failed load's bookkeeping must not drop the load a request started in the same loop turn: two loads of
+    the directory at once would race to register it, and one of their requests would fail."""
+
+    async def scenario():
+        engine = EngineCalls()
+        frontend = frontend_of(allowed_dir, engine)
+        path = str(allowed_dir / "sql")
+        engine.hold("LoadLoRACall:1")
+        engine.hold("UnloadLoRACall:1")
+        first = asyncio.ensure_future(frontend.resolve(path))
+        await engine.arrived["LoadLoRACall:1"].wait()
+        await frontend.load("named", path)
+        engine.held["LoadLoRACall:1"].set()
+        await engine.arrived["UnloadLoRACall:1"].wait()
+        await frontend.unload("named")
+        engine.held["UnloadLoRACall:1"].set()  # the first load now fails (its directory was taken) ...
+        second = asyncio.ensure_future(frontend.resolve(path))  # ... as another request arrives
+        refs = await asyncio.gather(first, second)
+        assert refs[0] is refs[1] and refs[0].lora_name == os.path.realpath(path)
+        on_demand = [c for c in engine.calls if isinstance(c, LoadLoRACall) and c.lora_name == refs[0].lora_name]
+        assert len(on_demand) == 2  # the failed one and the one both requests share
+
+    asyncio.run(scenario())
+
+
 def test_a_name_that_takes_the_directory_first_serves_the_request(allowed_dir):
     async def scenario():
         engine = EngineCalls()
