@@ -123,7 +123,8 @@ async def chat_completions(request: Request) -> Response:
         body.max_tokens = body.max_completion_tokens
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt = _prompt_spec(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
-    requests = await _build_requests(state, tm, body.model, [prompt], body.n, logprobs_field="top_logprobs")
+    max_tokens_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    requests = await _build_requests(state, tm, body.model, [prompt], body.n, "top_logprobs", max_tokens_field)
     streams = [
         state.metrics.track(tm.generate_request(r, every_increment=body.stream), "chat_completions") for r in requests
     ]
@@ -176,9 +177,11 @@ async def _build_requests(
     prompts: list[PromptSpec],
     n: int,
     logprobs_field: str = "logprobs",
+    max_tokens_field: str = "max_tokens",
 ) -> list[GenerateRequest]:
     """The engine requests of `prompts` with n choices each (prompt-major), through the request front door.
-    logprobs_field: the OpenAI field that asks for top logprobs (completions' logprobs, chat's top_logprobs)."""
+    logprobs_field, max_tokens_field: the OpenAI fields the client sent for top logprobs (completions' logprobs,
+    chat's top_logprobs) and the token limit (chat's max_completion_tokens or max_tokens), named in errors."""
     adapter = model_adapter(state, model)
     batch = with_samples([dataclasses.replace(p, lora_path=adapter) for p in prompts], n, is_batch=len(prompts) > 1)
     check_requests_per_call(state, len(prompts), n)
@@ -187,7 +190,7 @@ async def _build_requests(
     except PromptRefused as refused:
         e = to_api_error(refused)
         if e.code != "lora_not_found":
-            raise APIError(e.status_code, _openai_names(e.message, logprobs_field), e.code) from e
+            raise APIError(e.status_code, _openai_names(e.message, logprobs_field, max_tokens_field), e.code) from e
         raise APIError(
             400,
             f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
@@ -272,17 +275,20 @@ def _completion_specs(
         )
         for text, ids in prompt_parts
     ]
-    echoes = [  # token ids are checked (in the vocabulary) before they are decoded
-        (
-            Echo(text)
-            if text is not None
-            else Echo(tm.tokenizer.decode(tm.tokenize(None, ids)), with_special_tokens=True)
-        )
-        if body.echo
-        else NO_ECHO
-        for text, ids in prompt_parts
-    ]
+    echoes = [_echo(tm, text, ids, body.logprobs is not None) if body.echo else NO_ECHO for text, ids in prompt_parts]
     return specs, echoes
+
+
+def _echo(tm: TokenizerManager, text: str | None, ids: list[int] | None, with_logprobs: bool) -> Echo:
+    """A text prompt echoes as sent, ids as they decode with their special tokens (checked in the vocabulary first).
+    With logprobs, the tokens the tokenizer adds before a text (a BOS) are counted: they are not in it."""
+    if text is None:
+        return Echo(tm.tokenizer.decode(tm.tokenize(None, ids)))
+    if not with_logprobs:
+        return Echo(text)
+    tokens, bare = tm.tokenize(text, None), tm.tokenizer.encode(text, add_special_tokens=False)
+    added = len(tokens) - len(bare) if len(tokens) >= len(bare) and tokens[len(tokens) - len(bare) :] == bare else 0
+    return Echo(text, num_added_tokens=added)
 
 
 def _prompt_spec(
@@ -337,10 +343,10 @@ def _prompt_spec(
     )
 
 
-def _openai_names(message: str, logprobs_field: str) -> str:
+def _openai_names(message: str, logprobs_field: str, max_tokens_field: str) -> str:
     """The engine's messages use SGLang's field names; name the OpenAI fields the client sent."""
     return (
         message.replace("min_new_tokens", "min_tokens")
-        .replace("max_new_tokens", "max_tokens")
+        .replace("max_new_tokens", max_tokens_field)
         .replace("top_logprobs_num", logprobs_field)
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, token_bytes_reader
+from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, token_bytes_reader, token_text_reader
 
 if TYPE_CHECKING:
     from sgl_jax_lora.managers.io_struct import GenerateRequest
@@ -41,17 +41,17 @@ def usage_of(results: list[dict], n: int) -> dict:
 
 
 def token_text(tm: TokenizerManager, token_id: int) -> str:
-    return tm.tokenizer.decode([token_id])
+    return token_text_reader(tm.tokenizer)(token_id)
 
 
 @dataclasses.dataclass(frozen=True)
 class Echo:
-    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens). `with_special_tokens`:
-    the text is the prompt's ids decoded with their special tokens (a prompt sent as ids), not the client's text."""
+    """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens). `num_added_tokens`: the
+    tokens the tokenizer put before the prompt's text (a BOS), which are not in the text."""
 
     text: str
     enabled: bool = True
-    with_special_tokens: bool = False
+    num_added_tokens: int = 0
 
 
 NO_ECHO = Echo("", enabled=False)
@@ -65,7 +65,7 @@ class CompletionLogprobs:
     def __init__(self, tm: TokenizerManager, request: GenerateRequest, echo: Echo):
         self.tm = tm
         self.echo = echo
-        self.prompt_offsets = TextOffsets(tm.tokenizer, skip_special_tokens=not echo.with_special_tokens)
+        self.prompt_offsets = TextOffsets(tm.tokenizer, False, num_outside=echo.num_added_tokens)
         skip = request.sampling.skip_special_tokens
         self.output_offsets = TextOffsets(tm.tokenizer, skip, request.input_ids, start=len(echo.text))
         self.num_inputs = self.num_outputs = 0

@@ -1,5 +1,5 @@
-"""What each token of an OpenAI logprobs list adds to its choice's text: its bytes (the chat form's `bytes`) and
-where its text starts (the completions form's `text_offset`).
+"""What each token of an OpenAI logprobs list adds to its choice's text: its text alone (`token_text_reader`), its
+bytes (the chat form's `bytes`) and where its text starts (the completions form's `text_offset`).
 
 Flow: openai_responses.py builds each choice's logprobs with `token_bytes_reader(tokenizer)` and one `TextOffsets`
 per part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks.
@@ -7,10 +7,10 @@ per part of the choice's text (the echoed prompt, the output); a stream keeps th
 A token that holds part of a character (byte-level BPE splits a CJK character or an emoji over tokens; SentencePiece
 falls back to byte tokens `<0xE2>`) decodes alone to U+FFFD. Its `bytes` are then its own bytes, read from the
 vocabulary, so that a client joining the bytes of consecutive tokens gets the character, as OpenAI's field intends;
-every other token's bytes are its text's UTF-8. A token's offset is the length of the text decoded before it, in
-the context the choice's text was decoded in (managers/detokenizer.py), so offsets index the text the client gets:
-a token inside a character points at that character's start, and SentencePiece's leading spaces count where the
-text has them.
+every other token's bytes are its text's UTF-8. Offsets come from decoding the choice's text as it was decoded
+(managers/detokenizer.py), so they index the text the client gets: a token points where its own text ends what it
+added (after a broken character's U+FFFD that it completed as invalid, after the space a SentencePiece token's text
+alone leaves out), and a token inside a character at that character's start.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], by
 class TextOffsets:
     """Where each token's text starts in one part of a choice's text, decoded as that part was: `skip_special_tokens`
     and the tokens before the part (`context_ids`, whose text is not part of it) as the part's text had them; `start`
-    is the part's offset in the whole text."""
+    is the part's offset in the whole text. The first `num_outside` tokens given are not in the text (the BOS a
+    tokenizer puts before a prompt's text): they point at its start."""
 
     def __init__(
         self,
@@ -87,14 +88,31 @@ class TextOffsets:
         skip_special_tokens: bool,
         context_ids: Sequence[int] = (),
         start: int = 0,
+        num_outside: int = 0,
     ):
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, context_ids)
+        self.text_of = token_text_reader(tokenizer)
         self.start = start
+        self.num_outside = num_outside
 
     def add(self, token_ids: Sequence[int]) -> list[int]:
-        """The offsets of the part's next tokens."""
+        """The offsets of the part's next tokens: where the token's own text ends the text it added, else (a token
+        inside a character, or one whose text reads otherwise in context) where that text begins."""
         offsets = []
         for token_id in token_ids:
-            offsets.append(self.start + len(self.detokenizer.text))
-            self.detokenizer.append([token_id])
+            before = len(self.detokenizer.text)
+            if self.num_outside > 0:
+                self.num_outside -= 1
+                offsets.append(self.start + before)
+                continue
+            text = self.detokenizer.append([token_id])
+            own = self.text_of(token_id)
+            whole = own and "\ufffd" not in own and len(text) - before >= len(own) and text.endswith(own)
+            offsets.append(self.start + (len(text) - len(own) if whole else before))
         return offsets
+
+
+@functools.lru_cache(maxsize=8)
+def token_text_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
+    """token id -> its text decoded alone, special tokens kept (cached per id)."""
+    return functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))

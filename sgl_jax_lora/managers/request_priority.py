@@ -10,19 +10,21 @@ What exists here: `PRIORITY_RANGE`, `check_priority` (the policies: server_args.
 from __future__ import annotations
 
 from sgl_jax_lora.managers.engine_client import RequestError
+from sgl_jax_lora.sampling.sampling_params import SamplingParamsError, checked_int
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a signed 32-bit integer, as clients send it
 
 
-def check_priority(priority: object, scheduling_policy: str) -> None:
-    """Raise RequestError naming the fix unless `priority` is an integer in PRIORITY_RANGE that the policy allows."""
-    low, high = PRIORITY_RANGE
-    if isinstance(priority, bool) or not isinstance(priority, int) or not low <= priority <= high:
-        raise RequestError(
-            f"priority must be an integer in [{low}, {high}] (lower is served first), got {priority!r:.40}"
-        )
+def check_priority(priority: object, scheduling_policy: str) -> int:
+    """`priority` as an integer (a float with no fraction taken as its integer); RequestError naming the fix unless
+    it is in PRIORITY_RANGE and the policy allows it."""
+    try:
+        priority = checked_int("priority", priority, *PRIORITY_RANGE, " (lower is served first)")
+    except SamplingParamsError as e:
+        raise RequestError(str(e)) from None
     if priority != 0 and scheduling_policy != "priority":
         raise RequestError(
             f"priority {priority} was given but this server schedules first come, first served; start it with "
             "--scheduling-policy priority, or leave priority out"
         )
+    return priority

@@ -47,7 +47,13 @@ from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
 from sgl_jax_lora.managers.tokenizer_files import load_tokenizer
-from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, model_sampling_defaults
+from sgl_jax_lora.sampling.sampling_params import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    checked_int,
+    model_sampling_defaults,
+)
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.utils.keyed_locks import KeyedLocks
 
@@ -179,16 +185,12 @@ class TokenizerManager:
             check_context_length(len(ids), max(sampling.max_new_tokens, 1), self.context_length)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}"
-            )
-        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < self.context_length:
-            raise RequestError(
-                f"logprob_start_len must be an integer in [-1, {self.context_length}), got "
-                f"{repr(logprob_start_len)[:40]}"
-            )
-        check_priority(priority, self.args.scheduling_policy)
+        try:
+            top_logprobs_num = checked_int("top_logprobs_num", top_logprobs_num, 0, MAX_TOP_LOGPROBS)
+            logprob_start_len = checked_int("logprob_start_len", logprob_start_len, -1, self.context_length - 1)
+        except SamplingParamsError as e:
+            raise RequestError(str(e)) from None
+        priority = check_priority(priority, self.args.scheduling_policy)
         return GenerateRequest(
             rid=uuid.uuid4().hex,
             input_ids=ids,

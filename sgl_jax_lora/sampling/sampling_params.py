@@ -38,6 +38,15 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is unknown or out of range."""
 
 
+def checked_int(name: str, value: object, low: int, high: int, meaning: str = "") -> int:
+    """`value` as an integer in [low, high] (a float with no fraction taken as its integer, a bool refused);
+    SamplingParamsError naming the field, its range and (cut) the value otherwise."""
+    value = as_whole_number(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SamplingParamsError(f"{name} must be an integer in [{low}, {high}]{meaning}, got {_short(value)}")
+    return value
+
+
 @dataclasses.dataclass
 class SamplingParams:
     max_new_tokens: int = 128  # 0: the prompt alone (its logprobs), nothing generated

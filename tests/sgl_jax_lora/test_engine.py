@@ -309,6 +309,7 @@ def test_n_samples_are_the_seeded_single_requests(engine):
         (dict(input_ids=[5], sampling_params={"top_p": 0.0}), "top_p must be in"),
         (dict(input_ids=[99999]), "outside the vocabulary"),
         (dict(input_ids=[5], top_logprobs_num=50), "top_logprobs_num"),
+        (dict(input_ids=[5], top_logprobs_num=True), "top_logprobs_num must be an integer in \\[0, 20\\], got True"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"7": 101}}), r"logit_bias\[7\] must be in \[-100, 100\]"),
         (dict(input_ids=[5], sampling_params={"logit_bias": {"seven": 1}}), "logit_bias keys must be token ids"),
         (
@@ -357,6 +358,23 @@ def test_numpy_and_jax_values_are_taken_as_the_python_values_they_hold(engine):
         got_top, want_top = got["meta_info"]["output_top_logprobs"], want["meta_info"]["output_top_logprobs"]
         assert [[t for _, t in top] for top in got_top] == [[t for _, t in top] for top in want_top]
         assert np.allclose([[lp for lp, _ in top] for top in got_top], [[lp for lp, _ in top] for top in want_top])
+
+
+def test_whole_floats_are_the_integers_they_hold(engine):
+    ids, params = prompts(1)[0], {"max_new_tokens": 2, **GREEDY}
+    ints = engine.generate(
+        input_ids=ids, sampling_params=params, return_logprob=True, logprob_start_len=1, top_logprobs_num=2
+    )
+    floats = engine.generate(
+        input_ids=ids,
+        sampling_params={**params, "max_new_tokens": 2.0},
+        return_logprob=True,
+        logprob_start_len=1.0,
+        top_logprobs_num=2.0,
+        priority=0.0,
+    )
+    assert floats["output_ids"] == ints["output_ids"]
+    assert len(floats["meta_info"]["input_token_logprobs"]) == len(ints["meta_info"]["input_token_logprobs"])
 
 
 def test_flush_cache_frees_what_no_request_holds(engine):

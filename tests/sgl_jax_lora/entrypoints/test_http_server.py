@@ -476,6 +476,18 @@ def test_abort_request_stops_a_running_request_by_its_rid(http):
     assert [r["meta_info"]["id"] for r in batch] == ["b-0", "b-1"]
 
 
+def test_echoed_offsets_index_the_text_as_sent(oai, model_name, tokenizer):
+    # special-token text in a prompt becomes those tokens, and the echo keeps the text as sent
+    prompt = "<|im_start|>user\nhi, café<|im_end|>\n"
+    for form in (prompt, tokenizer.encode(prompt)):
+        choice = oai.completions.create(model=model_name, prompt=form, max_tokens=0, echo=True, logprobs=1).choices[0]
+        assert choice.text == prompt
+        logprobs = choice.logprobs
+        assert logprobs.tokens[0] == "<|im_start|>" and len(logprobs.text_offset) == len(logprobs.tokens)
+        for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+            assert "\ufffd" in token or prompt[offset:].startswith(token), (token, offset)
+
+
 def test_openai_completion_echo_scores_the_prompt(oai, http, model_name, tokenizer):
     # lm-eval's loglikelihood request: echo, max_tokens 0, logprobs -> the prompt's own token logprobs
     ids = tokenizer.encode("The capital of France is Paris")
@@ -877,6 +889,20 @@ BAD_REQUESTS = [
     ),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v2", "messages": []}, 400, "messages"),
     (
+        "chat-max-completion-tokens-past-the-context",
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 10**6},
+        400,
+        "+ max_completion_tokens (1000000) = ",
+    ),
+    (
+        "huge-top-logprobs-num",
+        "/generate",
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": -(10**300)},
+        400,
+        "top_logprobs_num must be an integer in [0, 20], got -100000000000000000000000000000000000000...",
+    ),
+    (
         "chat-bad-role",
         "/v1/chat/completions",
         {"model": "demo-model-v2", "messages": [{"role": "wizard", "content": "hi"}]},
@@ -884,7 +910,13 @@ BAD_REQUESTS = [
         "role",
     ),
     ("chat-missing-model", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ("unknown-route", "/v2/nothing", {}, 404, "no route POST /v2/nothing; the routes of this server: /generate, "),
+    (
+        "unknown-route",
+        "/v2/nothing",
+        {},
+        404,
+        "no route POST /v2/nothing; the routes of this server: /abort_request, /detokenize, /flush_cache, /generate, ",
+    ),
     # numbers: finite, and within the types they travel as (no 500 from msgpack, no engine step failing)
     (
         "temperature-nan",
@@ -954,7 +986,7 @@ BAD_REQUESTS = [
         "/generate",
         {"text": "hi", "return_logprob": True, "logprob_start_len": 2**70},
         400,
-        "logprob_start_len must be an integer in [-1, 256)",
+        "logprob_start_len must be an integer in [-1, 255]",
     ),
     (
         "max-new-tokens-beyond-64-bits",

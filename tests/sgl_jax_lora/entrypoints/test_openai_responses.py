@@ -77,7 +77,7 @@ def request() -> GenerateRequest:
     return GenerateRequest("r", [0, 1], SamplingParams())  # "<s>Hi"
 
 
-ECHO = Echo("<s>Hi", with_special_tokens=True)  # a prompt sent as ids, decoded with its special tokens
+ECHO = Echo("<s>Hi")  # a prompt sent as ids, decoded with its special tokens
 
 
 def test_completion_logprobs_echo_the_prompt_then_the_output():
@@ -109,6 +109,20 @@ def test_a_token_inside_a_character_points_at_the_character():
     out = CompletionLogprobs(TM, request(), NO_ECHO).next(meta)
     assert out["tokens"] == [" there", "\ufffd", "\ufffd", "!"]
     assert out["text_offset"] == [0, 6, 6, 7]  # the text: " thereé!"
+
+
+def test_the_tokens_a_tokenizer_adds_before_a_text_prompt_point_at_its_start():
+    # the text "Hi there" as sent, its tokens a BOS the tokenizer added, then "Hi" and " there"
+    meta = {"input_token_logprobs": [[None, 0], [-0.5, 1], [-0.6, 2]]}
+    out = CompletionLogprobs(TM, request(), Echo("Hi there", num_added_tokens=1)).next(meta)
+    assert (out["tokens"], out["text_offset"]) == (["<s>", "Hi", " there"], [0, 0, 2])
+
+
+def test_a_whole_token_after_a_broken_character_points_at_its_own_text():
+    # a lone lead byte (no continuation follows) decodes as U+FFFD with the next token: "!" still points at "!"
+    meta = {"output_token_logprobs": [[-0.1, 6], [-0.2, 3], [-0.3, 2]]}
+    out = CompletionLogprobs(TM, request(), NO_ECHO).next(meta)
+    assert out["text_offset"] == [0, 1, 2]  # the text: "\ufffd! there"
 
 
 def test_completion_logprobs_without_top_logprobs_give_empty_dicts():

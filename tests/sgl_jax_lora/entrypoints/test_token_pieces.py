@@ -48,9 +48,9 @@ def test_a_token_whose_text_is_whole_has_its_texts_bytes(text):
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_offsets_index_the_decoded_text(text, skip_special_tokens):
-    """Each token's offset is the length of the text decoded before it, less a character it has begun (the text as it
-    stood where it last ended on a whole character): a token inside a character points at that character, and every
-    offset lies within the text."""
+    """Against decoding the whole text so far, token by token: a token whose own text ends what it added points at
+    that text; any other (inside a character, or reading otherwise in context) points where its addition begins,
+    the text as it stood where it last ended on a whole character. Every offset lies within the text."""
     for tokenizer in tokenizers_under_test():
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         cut = next(k for k in range(3, len(ids)) if not tokenizer.decode(ids[:k]).endswith("\ufffd"))  # a whole prompt
@@ -59,13 +59,18 @@ def test_offsets_index_the_decoded_text(text, skip_special_tokens):
         output_offsets = TextOffsets(tokenizer, skip_special_tokens, ids[:cut], start=7 + len(prompt_text))
         offsets = prompt_offsets.add(ids[:cut]) + output_offsets.add(ids[cut:])  # the output's seeded with the prompt
         whole = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        whole_before = 0  # the text before token i, up to the last point where it ended on a whole character
+        whole_before = 0
         for i, offset in enumerate(offsets):
-            before = tokenizer.decode(ids[:i], skip_special_tokens=skip_special_tokens)
-            if not before.endswith("\ufffd"):
-                whole_before = len(before)
-            assert offset == 7 + whole_before, (tokenizer, i)
+            after = tokenizer.decode(ids[: i + 1], skip_special_tokens=skip_special_tokens)
+            own = tokenizer.decode([ids[i]])
+            if own and "\ufffd" not in own and not after.endswith("\ufffd") and after[whole_before:].endswith(own):
+                assert offset == 7 + len(after) - len(own), (tokenizer, i)
+                assert whole[offset - 7 :].startswith(own)
+            else:
+                assert offset == 7 + whole_before, (tokenizer, i)
             assert offset <= 7 + len(whole)
+            if not after.endswith("\ufffd"):
+                whole_before = len(after)
 
 
 def test_chat_logprobs_give_the_split_characters_bytes():

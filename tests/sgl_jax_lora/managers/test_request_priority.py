@@ -39,10 +39,14 @@ def test_any_32_bit_priority_passes_under_the_priority_policy(priority):
     check_priority(priority, "priority")
 
 
-@pytest.mark.parametrize("priority", [True, 1.0, "1", None, 2**31, -(2**31) - 1])
+@pytest.mark.parametrize("priority", [True, 1.5, "1", None, 2**31, -(2**31) - 1, float("nan")])
 def test_a_priority_that_is_no_32_bit_integer_is_refused(priority):
     with pytest.raises(RequestError, match=r"priority must be an integer in \[-2147483648, 2147483647\]"):
         check_priority(priority, "priority")
+
+
+def test_a_float_priority_with_no_fraction_is_its_integer():
+    assert check_priority(3.0, "priority") == 3 and type(check_priority(3.0, "priority")) is int
 
 
 def test_fcfs_refuses_a_priority_naming_the_flag_and_takes_zero():
