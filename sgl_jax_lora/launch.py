@@ -55,14 +55,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def with_demo_defaults(args: ServerArgs) -> tuple[ServerArgs, str]:
-    """-> (args, model path): the demo model when no --model-path is given, plus its adapters when no --lora-paths
-    is given either. They are registered like --lora-paths (trusted, from the package), so clients still load
-    nothing else unless --lora-allowed-dirs says so."""
+    """-> (args, model path): the demo model when no --model-path is given, plus its adapters when neither
+    --lora-paths nor --no-enable-lora is given. They are registered like --lora-paths (trusted, from the package),
+    so clients still load nothing else unless --lora-allowed-dirs says so."""
     from sgl_jax_lora.demo_model import demo_adapter_paths, demo_model_path
 
     if args.model_path is not None:
         return args, args.model_path
-    if args.lora_paths is None:
+    if args.lora_paths is None and args.enable_lora is not False:
         args = dataclasses.replace(args, lora_paths=[f"{name}={path}" for name, path in demo_adapter_paths().items()])
     return args, demo_model_path()
 

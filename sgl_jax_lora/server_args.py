@@ -48,7 +48,7 @@ class ServerArgs:
     )
     quantization: str | None = _f(
         None,
-        "'fp8': the decoder layers' linear weights in 8-bit floats (float8_e4m3fn, one scale per layer and module, quantized at load) and their inputs quantized per step (one scale per tensor); about half the weight memory and up to twice the GEMM speed on Hopper GPUs, outputs within a few percent of the model's (docs/tuning.md); adapters stay 16-bit; default: the model's --dtype",
+        "'fp8': the decoder layers' linear weights in 8-bit floats (float8_e4m3fn, one scale per layer and module, quantized at load) and their inputs quantized per token (one scale per row); about half the weight memory and up to twice the GEMM speed on Hopper GPUs, outputs within a few percent of the model's (docs/tuning.md); adapters stay 16-bit; default: the model's --dtype",
         choices=QUANTIZATIONS,
     )
     context_length: int | None = _f(
@@ -145,7 +145,11 @@ class ServerArgs:
         "warning where it cannot be written)",
     )
     # LoRA
-    enable_lora: bool = _f(False, "serve LoRA adapters (implied by --lora-paths and --lora-allowed-dirs)")
+    enable_lora: bool | None = _f(
+        None,
+        "serve LoRA adapters (default: when --lora-paths or --lora-allowed-dirs is given; on the demo model, "
+        "--no-enable-lora serves it without its two adapters)",
+    )
     lora_paths: list[str] | None = _f(
         None, 'adapters to register at start: PATH, NAME=PATH, or JSON {"lora_name","lora_path","pinned"}', nargs="+"
     )
@@ -188,7 +192,9 @@ class ServerArgs:
     # HTTP server
     host: str = _f("127.0.0.1", "HTTP host to bind")
     port: int = _f(30000, "HTTP port")
-    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    api_key: str | None = _f(
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health and /health_generate"
+    )
     chat_template: str | None = _f(
         None, "chat template (a Jinja file path or the template string) overriding the tokenizer's"
     )
@@ -227,6 +233,11 @@ class ServerArgs:
         if self.lora_paths:
             self.lora_paths = [json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths]
         if self.lora_paths or self.lora_allowed_dirs:
+            if self.enable_lora is False:
+                raise ValueError(
+                    "--no-enable-lora contradicts --lora-paths and --lora-allowed-dirs, which serve adapters; "
+                    "leave out one or the other"
+                )
             self.enable_lora = True
         self.validate()
 
@@ -261,7 +272,7 @@ class ServerArgs:
             flag = "--" + field.name.replace("_", "-")
             meta = dict(field.metadata)
             help_text = meta.pop("help")
-            if field.type in ("bool", bool):
+            if field.type in ("bool", bool, "bool | None"):
                 # --X / --no-X: a flag a --config file turns on can be turned off on the command line
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
                 continue

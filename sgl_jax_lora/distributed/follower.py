@@ -181,16 +181,22 @@ def _start_health_server(args: ServerArgs, status: FollowerStatus) -> None:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    app = FastAPI()
+    from sgl_jax_lora.entrypoints.errors import install_error_handlers
 
-    @app.get("/health")
-    def health() -> JSONResponse:
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, on_error=lambda request, error: None)  # a 404 in the server's error body
+
+    @app.get("/health", response_model=None)
+    def health():  # no return annotation: a string naming a local import would break the route schema (404 listing)
         body = {
             "status": "ok" if status.is_ready else "starting",
             "node_rank": status.node_rank,
             "num_commands": status.num_commands,
             "num_compilations": status.num_compilations,
-            "num_compilations_after_warmup": status.num_compilations - status.num_compilations_at_ready,
+            # counted from the replayed warmup's end: none before it
+            "num_compilations_after_warmup": (
+                status.num_compilations - status.num_compilations_at_ready if status.is_ready else None
+            ),
         }
         return JSONResponse(body, status_code=200 if status.is_ready else 503)
 

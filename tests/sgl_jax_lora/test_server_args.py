@@ -237,3 +237,22 @@ def test_a_tokenizer_path_and_a_node_0_address_that_cannot_work_are_refused(tmp_
     assert ServerArgs(tokenizer_path=str(tmp_path)).tokenizer_path == str(tmp_path)
     with pytest.raises(ValueError, match="needs --dist-init-addr HOST:PORT"):
         ServerArgs(nnodes=2, dist_init_addr="host:99999")
+
+
+def test_lora_is_on_when_adapters_are_named_and_off_when_asked(tmp_path):
+    assert parse_args([]).enable_lora is None  # unset: no adapters named, so off, and the demo's are added
+    assert parse_args(["--lora-allowed-dirs", str(tmp_path)]).enable_lora is True
+    with pytest.raises(ValueError, match="--no-enable-lora contradicts --lora-paths and --lora-allowed-dirs"):
+        ServerArgs(enable_lora=False, lora_allowed_dirs=[str(tmp_path)])
+
+
+def test_the_demo_model_comes_with_its_adapters_unless_others_or_none_are_asked_for():
+    from sgl_jax_lora.launch import with_demo_defaults
+
+    names = [spec.split("=")[0] for spec in with_demo_defaults(parse_args([]))[0].lora_paths]
+    assert names == ["demo-upper", "demo-pirate"]
+    assert with_demo_defaults(parse_args([]))[0].enable_lora is True
+    bare, _ = with_demo_defaults(parse_args(["--no-enable-lora"]))
+    assert (bare.lora_paths, bare.enable_lora) == (None, False)
+    own, _ = with_demo_defaults(parse_args(["--lora-paths", "mine=/adapters/mine"]))
+    assert own.lora_paths == ["mine=/adapters/mine"]

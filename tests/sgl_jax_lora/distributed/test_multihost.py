@@ -241,7 +241,9 @@ def test_logit_adjustments_reach_every_node(cluster, single):
 def test_follower_answers_health_only(cluster):
     follower = cluster.nodes[1].url
     assert httpx.get(follower + "/health", timeout=30).json()["status"] == "ok"
-    assert httpx.post(follower + "/generate", json={"text": "hi"}, timeout=30).status_code == 404
+    refused = httpx.post(follower + "/generate", json={"text": "hi"}, timeout=30)
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found"  # the server's error body
+    assert "the routes of this server: /health" in refused.json()["error"]["message"]
 
 
 def test_adapter_load_and_unload_while_the_nodes_run(cluster, single, setup):
