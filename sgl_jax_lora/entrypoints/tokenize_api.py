@@ -9,7 +9,7 @@ frontend's tokenizer on its CPU pool (a prompt by `tokenizer.encode`, chat messa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -53,13 +53,13 @@ class DetokenizeReqInput(StrictBody):
     tokens: list[int]
 
 
+Body = TypeVar("Body", TokenizeReqInput, DetokenizeReqInput)
+
+
 @router.post("/tokenize")
 @router.post("/v1/tokenize")
 async def tokenize(request: Request) -> JSONResponse:
-    body = await parse_body(request, TokenizeReqInput)
-    state: ServerState = request.app.state.server
-    tm = state.engine()
-    _check_model(state, tm, body.model)
+    body, state, tm = await _parse(request, TokenizeReqInput)
     ids = await tm.run_cpu(_tokenize, state, tm, body)
     token_strs = tm.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return JSONResponse(
@@ -70,16 +70,22 @@ async def tokenize(request: Request) -> JSONResponse:
 @router.post("/detokenize")
 @router.post("/v1/detokenize")
 async def detokenize(request: Request) -> JSONResponse:
-    body = await parse_body(request, DetokenizeReqInput)
-    state: ServerState = request.app.state.server
-    tm = state.engine()
-    _check_model(state, tm, body.model)
+    body, _, tm = await _parse(request, DetokenizeReqInput)
     vocab = tm.server_info["vocab_size"]
     outside = [t for t in body.tokens if not 0 <= t < vocab]
     if outside:
         raise APIError(400, f"tokens holds ids outside the vocabulary [0, {vocab}): {outside[:5]}", "invalid_request")
     text = await tm.run_cpu(tm.tokenizer.decode, body.tokens)
     return JSONResponse({"prompt": text, "text": text})
+
+
+async def _parse(request: Request, body_type: type[Body]) -> tuple[Body, ServerState, TokenizerManager]:
+    """The body, the server and its tokenizer's manager, once the body's `model` (if any) is found served."""
+    body = await parse_body(request, body_type)
+    state: ServerState = request.app.state.server
+    tm = state.engine()
+    _check_model(state, tm, body.model)
+    return body, state, tm
 
 
 def _tokenize(state: ServerState, tm: TokenizerManager, body: TokenizeReqInput) -> list[int]:
