@@ -1,6 +1,8 @@
-"""LoRAFrontend: the frontend's adapter admission: names, identities, limits and the files' checks.
+"""LoRAFrontend: the frontend's adapter admission and lifecycle: names, identities, limits, the files' checks,
+loads from memory and in-place updates.
 
-Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter -> here:
+Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter / load_lora_adapter_from_tensors /
+update_lora_adapter -> here:
   a request's `lora_path` -> a registered name, or the same directory under any spelling (`find_by_path`), or
   a directory inside --lora-allowed-dirs loaded on demand under its resolved path -> `LoRARegistry.acquire`;
   a load -> name checked (`check_name`: length, printable, not the base model's name, not taken; a load from
@@ -8,7 +10,10 @@ Flow: TokenizerManager.resolve_lora / load_lora_adapter / unload_lora_adapter ->
   resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
   operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
   on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
-  LoadLoRACall to the engine -> registered.
+  LoadLoRACall to the engine -> registered;
+  a load from memory (`load_from_tensors`) -> the name and the config checked here, the tensors by the engine
+  (LoadLoRATensorsCall) -> registered; an update (`update`, one at a time per name) -> a new version under the
+  name at once, the old one unloaded when its running requests are done (`wait_for_retired_versions`).
 Errors are LoRAAdapterError (HTTP 400) naming the adapter (cut to a few dozen characters) and the fix.
 """
 
@@ -20,12 +25,19 @@ import dataclasses
 import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, check_adapter_files, confined_dir, is_within, shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import parse_peft_config
 from sgl_jax_lora.lora.registry import DirectoryTakenError, LoRARegistry
-from sgl_jax_lora.managers.io_struct import EngineCall, LoadLoRACall, UnloadLoRACall
+from sgl_jax_lora.managers.engine_client import EngineDeadError
+from sgl_jax_lora.managers.io_struct import EngineCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
+from sgl_jax_lora.utils.keyed_locks import KeyedLocks
+
+if TYPE_CHECKING:
+    from sgl_jax_lora.lora.tensor_file import TensorFile
 
 CallEngine = Callable[[EngineCall], Awaitable[object]]  # TokenizerManager.call
 # a request's directory loaded and unloaded again under another name while its own load ran: load it again
@@ -40,6 +52,8 @@ class LoRAFrontend:
         self._call = call
         self._executor = executor  # file checks run here, off the event loop
         self._loads_in_flight: dict[str, asyncio.Future] = {}  # on-demand loads by resolved directory
+        self._update_locks = KeyedLocks()  # one update of an adapter at a time
+        self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
 
     async def resolve(self, lora_path: object) -> LoRARef | None:
         """A request's adapter (a name, or a path) -> its LoRARef, counted in flight until released."""
@@ -142,6 +156,69 @@ class LoRAFrontend:
         summary = {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id}
         return {**summary, **dataclasses.asdict(result)}
 
+    async def load_from_tensors(self, lora_name: object, tensors: TensorFile, config: dict, pinned: bool) -> dict:
+        """Register an adapter from memory (TokenizerManager.load_lora_adapter_from_tensors): its name and config
+        checked here, its tensors by the engine, as a load from disk."""
+        self._check_lora_call(lora_name)
+        if lora_name in self.registry:
+            raise LoRAAdapterError(
+                f"adapter '{shown(lora_name)}' is already loaded; unload it first, update it "
+                "(update_lora_adapter) or choose another lora_name"
+            )
+        self.check_name(lora_name)
+        parse_peft_config(lora_name, config)  # its fields named before the engine reads them
+        ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
+        call = LoadLoRATensorsCall(
+            ref=ref, tensors_paths=tensors.paths, config=config, tensors_checked_finite=tensors.checked_finite
+        )
+        result = await self._call(call)
+        try:
+            self.registry.register(ref)
+        except LoRAAdapterError:  # a concurrent load took the name meanwhile
+            await self._call(UnloadLoRACall(ref.lora_id))
+            raise
+        return {**_summary(ref), **dataclasses.asdict(result)}
+
+    async def update(self, lora_name: object, tensors: TensorFile, config: dict | None) -> dict:
+        """Serve new weights under `lora_name` as its next version (a new lora_id: the prefix cache keeps them
+        apart). Requests already running finish on the version they started with, which their meta_info names;
+        that version is unloaded once they are done. Returns as soon as new requests get the new version."""
+        self._check_lora_call(lora_name)
+        async with self._update_locks.hold(lora_name):
+            self.check_not_base(lora_name, "updated")
+            old = self.registry.lookup(lora_name)  # unknown: names what is loaded and how to load it
+            if config is not None:
+                parse_peft_config(lora_name, config)  # its fields named before the engine reads them
+            ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
+            call = LoadLoRATensorsCall(
+                ref=ref,
+                tensors_paths=tensors.paths,
+                config=config,
+                replaces=old.lora_id,
+                tensors_checked_finite=tensors.checked_finite,
+            )
+            result = await self._call(call)
+            self.registry.replace(ref)
+        task = asyncio.ensure_future(self._unload_when_drained(old))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return {**_summary(ref), "replaced_lora_id": old.lora_id, **dataclasses.asdict(result)}
+
+    async def wait_for_retired_versions(self) -> None:
+        """Return once every replaced adapter version has finished its requests and been unloaded."""
+        await asyncio.gather(*self._retiring)
+
+    async def _unload_when_drained(self, old: LoRARef) -> None:
+        await self.registry.wait_drained(old.lora_id)
+        with contextlib.suppress(EngineDeadError):  # a dead engine holds nothing to free
+            await self._call(UnloadLoRACall(old.lora_id))
+
+    def _check_lora_call(self, lora_name: object) -> None:
+        if not self.args.enable_lora:
+            raise LoRAAdapterError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
+        if not isinstance(lora_name, str) or not lora_name:
+            raise LoRAAdapterError("give the adapter a 'lora_name' (a non-empty string)")
+
     def check_name(self, name: str) -> None:
         """A new adapter's name: not too long, printable, not the base model's, not taken, and room for it under
         --max-loras-registered (loads from a directory and from tensors alike)."""
@@ -187,3 +264,13 @@ class LoRAFrontend:
         ref = await self.registry.unregister(lora_name)
         await self._call(UnloadLoRACall(ref.lora_id))
         return {"lora_name": lora_name, "lora_id": ref.lora_id}
+
+
+def _summary(ref: LoRARef) -> dict:
+    return {
+        "lora_name": ref.lora_name,
+        "lora_path": ref.lora_path,
+        "pinned": ref.pinned,
+        "lora_id": ref.lora_id,
+        "version": ref.version,
+    }

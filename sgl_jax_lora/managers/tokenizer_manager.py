@@ -17,19 +17,18 @@ aborts the request in the engine. Adapters: names resolved and loaded on demand 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from sgl_jax_lora.configs.model_config import ModelConfig
-from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.peft_config import LoRAAdapterError, parse_peft_config
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.registry import LoRARegistry
 from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.engine_client import EngineClient, EngineDeadError, RequestError, ServerBusyError
@@ -37,8 +36,6 @@ from sgl_jax_lora.managers.io_struct import (
     EngineCall,
     EngineOutput,
     GenerateRequest,
-    LoadLoRATensorsCall,
-    UnloadLoRACall,
 )
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.managers.prompt_limits import check_context_length, max_prompt_chars
@@ -55,13 +52,21 @@ from sgl_jax_lora.sampling.sampling_params import (
     model_sampling_defaults,
 )
 from sgl_jax_lora.server_args import ServerArgs
-from sgl_jax_lora.utils.keyed_locks import KeyedLocks
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 __all__ = ["EngineDeadError", "RequestError", "ServerBusyError", "TokenizerManager"]
+
+
+@contextlib.contextmanager
+def adapter_errors_refuse_the_request() -> Iterator[None]:
+    """An adapter's problem (LoRAAdapterError) refuses the request that met it: RequestError, the cause kept."""
+    try:
+        yield
+    except LoRAAdapterError as e:
+        raise RequestError(str(e)) from e
 
 
 class TokenizerManager:
@@ -84,8 +89,6 @@ class TokenizerManager:
         self.lora_frontend = LoRAFrontend(args, model_path, self.call, self.cpu_pool)
         for ref in self.server_info.get("loras", []):
             self.lora_registry.register(LoRARef(**ref), alias_ok=True)  # --lora-paths: the operator's names
-        self._update_locks = KeyedLocks()  # one update of an adapter at a time
-        self._retiring: set[asyncio.Task] = set()  # replaced versions waiting for their requests to finish
         self.request_ids = RequestIds()  # clients' names of their running requests (rid)
 
     @property
@@ -214,26 +217,20 @@ class TokenizerManager:
     async def resolve_lora(self, lora_path: str | None) -> LoRARef | None:
         """Adapter name (or path, however spelled) -> its LoRARef, counted in flight until the request ends.
         An unregistered path is loaded on demand only if it lies inside --lora-allowed-dirs."""
-        try:
+        with adapter_errors_refuse_the_request():
             return await self.lora_frontend.resolve(lora_path)
-        except LoRAAdapterError as e:
-            raise RequestError(str(e)) from e
 
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, pinned: bool = False, trusted: bool = False
     ) -> dict:
         """Register and load an adapter. Untrusted (HTTP) calls may only read inside --lora-allowed-dirs."""
-        try:
+        with adapter_errors_refuse_the_request():
             return await self.lora_frontend.load(lora_name, lora_path, pinned=pinned, trusted=trusted)
-        except LoRAAdapterError as e:
-            raise RequestError(str(e)) from e
 
     async def unload_lora_adapter(self, lora_name: str) -> dict:
         """Unregister at once, wait for the adapter's in-flight requests, then free host and device copies."""
-        try:
+        with adapter_errors_refuse_the_request():
             return await self.lora_frontend.unload(lora_name)
-        except LoRAAdapterError as e:
-            raise RequestError(str(e)) from e
 
     async def load_lora_adapter_from_tensors(
         self, lora_name: str, tensors: TensorFile, config: dict, pinned: bool = False
@@ -241,85 +238,18 @@ class TokenizerManager:
         """Register an adapter from memory: `tensors` a safetensors-layout file in shared memory (PEFT names, the
         caller removes it once this returns), `config` the fields of its adapter_config.json. The engine runs the
         checks of a load from disk."""
-        self._check_lora_call(lora_name)
-        if lora_name in self.lora_registry:
-            raise RequestError(
-                f"adapter '{shown(lora_name)}' is already loaded; unload it first, update it "
-                "(update_lora_adapter) or choose another lora_name"
-            )
-        try:
-            self.lora_frontend.check_name(lora_name)
-            parse_peft_config(lora_name, config)  # its fields named before the engine reads them
-        except LoRAAdapterError as e:
-            raise RequestError(str(e)) from e
-        ref = LoRARef(lora_name=lora_name, lora_path="", pinned=bool(pinned))
-        call = LoadLoRATensorsCall(
-            ref=ref, tensors_paths=tensors.paths, config=config, tensors_checked_finite=tensors.checked_finite
-        )
-        result = await self.call(call)
-        try:
-            self.lora_registry.register(ref)
-        except LoRAAdapterError as e:  # a concurrent load took the name meanwhile
-            await self.call(UnloadLoRACall(ref.lora_id))
-            raise RequestError(str(e)) from e
-        return {**self._lora_summary(ref), **dataclasses.asdict(result)}
+        with adapter_errors_refuse_the_request():
+            return await self.lora_frontend.load_from_tensors(lora_name, tensors, config, pinned)
 
     async def update_lora_adapter(self, lora_name: str, tensors: TensorFile, config: dict | None = None) -> dict:
-        """Serve new weights under `lora_name` as its next version (a new lora_id: the prefix cache keeps them
-        apart). Requests already running finish on the version they started with, which their meta_info names;
-        that version is unloaded once they are done. Returns as soon as new requests get the new version."""
-        self._check_lora_call(lora_name)
-        async with self._update_locks.hold(lora_name):
-            try:
-                self.lora_frontend.check_not_base(lora_name, "updated")
-                old = self.lora_registry.lookup(lora_name)  # unknown: names what is loaded and how to load it
-            except LoRAAdapterError as e:
-                raise RequestError(str(e)) from e
-            if config is not None:
-                try:
-                    parse_peft_config(lora_name, config)  # its fields named before the engine reads them
-                except LoRAAdapterError as e:
-                    raise RequestError(str(e)) from e
-            ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
-            result = await self.call(
-                LoadLoRATensorsCall(
-                    ref=ref,
-                    tensors_paths=tensors.paths,
-                    config=config,
-                    replaces=old.lora_id,
-                    tensors_checked_finite=tensors.checked_finite,
-                )
-            )
-            self.lora_registry.replace(ref)
-        task = asyncio.ensure_future(self._unload_when_drained(old))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-        return {**self._lora_summary(ref), "replaced_lora_id": old.lora_id, **dataclasses.asdict(result)}
+        """Serve new weights under `lora_name` as its next version (LoRAFrontend.update): running requests finish on
+        the version they started with, which is unloaded once they are done."""
+        with adapter_errors_refuse_the_request():
+            return await self.lora_frontend.update(lora_name, tensors, config)
 
     async def wait_for_retired_versions(self) -> None:
         """Return once every replaced adapter version has finished its requests and been unloaded."""
-        await asyncio.gather(*self._retiring)
-
-    async def _unload_when_drained(self, old: LoRARef) -> None:
-        await self.lora_registry.wait_drained(old.lora_id)
-        if not self.is_dead:
-            await self.call(UnloadLoRACall(old.lora_id))
-
-    def _check_lora_call(self, lora_name: str) -> None:
-        if not self.args.enable_lora:
-            raise RequestError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        if not isinstance(lora_name, str) or not lora_name:
-            raise RequestError("give the adapter a 'lora_name' (a non-empty string)")
-
-    @staticmethod
-    def _lora_summary(ref: LoRARef) -> dict:
-        return {
-            "lora_name": ref.lora_name,
-            "lora_path": ref.lora_path,
-            "pinned": ref.pinned,
-            "lora_id": ref.lora_id,
-            "version": ref.version,
-        }
+        await self.lora_frontend.wait_for_retired_versions()
 
     async def generate_request(self, request: GenerateRequest, every_increment: bool = True) -> AsyncIterator[dict]:
         """Send one request; yield its cumulative result after every increment, the last one finished. The increments
