@@ -264,7 +264,8 @@ class ServerArgs:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as plain data; `enable_lora` as in effect (unset is off once the demo's adapters are decided)."""
+        return {**dataclasses.asdict(self), "enable_lora": bool(self.enable_lora)}
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,7 @@ from sgl_jax_lora.entrypoints.openai_responses import (
 )
 from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_chunks
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
+from sgl_jax_lora.entrypoints.token_pieces import offsets_in_text
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.request_normalizer import PromptRefused, PromptSpec, build_requests, with_samples
@@ -118,12 +119,14 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state: ServerState = request.app.state.server
     tm = state.engine()
-    input_ids = await tm.run_cpu(render_chat, tm, state.chat_template, body.messages)
     if body.max_completion_tokens is not None:
         body.max_tokens = body.max_completion_tokens
+    max_tokens_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    if body.max_tokens == 0:  # a chat answer of no tokens; completions score a prompt this way (echo)
+        raise APIError(400, f"{max_tokens_field} must be >= 1, got 0", "invalid_request")
+    input_ids = await tm.run_cpu(render_chat, tm, state.chat_template, body.messages)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prompt = _prompt_spec(tm, body, text=None, input_ids=input_ids, top_logprobs=top_logprobs, default_max_tokens=None)
-    max_tokens_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     requests = await _build_requests(state, tm, body.model, [prompt], body.n, "top_logprobs", max_tokens_field)
     streams = [
         state.metrics.track(tm.generate_request(r, every_increment=body.stream), "chat_completions") for r in requests
@@ -191,11 +194,17 @@ async def _build_requests(
         e = to_api_error(refused)
         if e.code != "lora_not_found":
             raise APIError(e.status_code, _openai_names(e.message, logprobs_field, max_tokens_field), e.code) from e
-        raise APIError(
-            400,
-            f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a loaded LoRA adapter ({e.message})",
-            "model_not_found",
-        ) from e
+        raise model_not_found(state, model, e.message) from e
+
+
+def model_not_found(state: ServerState, model: str, detail: str) -> APIError:
+    """The 400 for a `model` that names neither the served model nor a loaded adapter."""
+    return APIError(
+        400,
+        f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a "
+        f"loaded LoRA adapter ({detail})",
+        "model_not_found",
+    )
 
 
 def _model_cards(state: ServerState) -> list[dict]:
@@ -281,14 +290,17 @@ def _completion_specs(
 
 def _echo(tm: TokenizerManager, text: str | None, ids: list[int] | None, with_logprobs: bool) -> Echo:
     """A text prompt echoes as sent, ids as they decode with their special tokens (checked in the vocabulary first).
-    With logprobs, the tokens the tokenizer adds before a text (a BOS) are counted: they are not in it."""
+    With logprobs, the tokens the tokenizer adds before a text (a BOS) are counted: they are not in it; a text its
+    tokens do not decode back to is indexed by the tokenizer's offsets."""
     if text is None:
         return Echo(tm.tokenizer.decode(tm.tokenize(None, ids)))
     if not with_logprobs:
         return Echo(text)
     tokens, bare = tm.tokenize(text, None), tm.tokenizer.encode(text, add_special_tokens=False)
     added = len(tokens) - len(bare) if len(tokens) >= len(bare) and tokens[len(tokens) - len(bare) :] == bare else 0
-    return Echo(text, num_added_tokens=added)
+    if tm.tokenizer.decode(tokens[added:]) == text:
+        return Echo(text, num_added_tokens=added)
+    return Echo(text, num_added_tokens=added, prompt_offsets=offsets_in_text(tm.tokenizer, text))
 
 
 def _prompt_spec(
@@ -299,12 +311,11 @@ def _prompt_spec(
     top_logprobs: int | None,
     default_max_tokens: int | None,
     prompt_logprobs: bool = False,
-    max_tokens: int | None = None,
 ) -> PromptSpec:
     """OpenAI fields -> the front door's PromptSpec (validated when the request is built).
 
-    prompt_logprobs: also the prompt's logprobs (echo); max_tokens: in place of the body's."""
-    max_tokens = body.max_tokens if max_tokens is None else max_tokens
+    prompt_logprobs: also the prompt's logprobs (echo)."""
+    max_tokens = body.max_tokens
     if max_tokens is None and not default_max_tokens:  # the rest of the context: the prompt's length is needed
         if input_ids is None:
             input_ids, text = tm.tokenize(text, None), None  # refuses a text too long to fit before tokenizing it

@@ -47,11 +47,14 @@ def token_text(tm: TokenizerManager, token_id: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Echo:
     """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens). `num_added_tokens`: the
-    tokens the tokenizer put before the prompt's text (a BOS), which are not in the text."""
+    tokens the tokenizer put before the prompt's text (a BOS), which are not in the text; `prompt_offsets`: its
+    tokens' offsets in a text they do not decode back to (token_pieces.offsets_in_text), else None: found by
+    decoding."""
 
     text: str
     enabled: bool = True
     num_added_tokens: int = 0
+    prompt_offsets: tuple[int, ...] | None = None
 
 
 NO_ECHO = Echo("", enabled=False)
@@ -80,7 +83,7 @@ class CompletionLogprobs:
         self.num_inputs += len(inputs)
         self.num_outputs += len(outputs)
         pairs, tops = inputs + outputs, input_tops + output_tops
-        offsets = self.prompt_offsets.add([t for _, t in inputs]) + self.output_offsets.add([t for _, t in outputs])
+        offsets = self._offsets_in_prompt([t for _, t in inputs]) + self.output_offsets.add([t for _, t in outputs])
         return {
             "tokens": [token_text(self.tm, tid) for _, tid in pairs],
             "token_logprobs": [lp for lp, _ in pairs],
@@ -88,6 +91,16 @@ class CompletionLogprobs:
             or None,
             "text_offset": offsets,
         }
+
+    def _offsets_in_prompt(self, token_ids: list[int]) -> list[int]:
+        """The echoed prompt's next tokens' offsets, never past its text."""
+        if self.echo.prompt_offsets is None:
+            offsets = self.prompt_offsets.add(token_ids)
+        else:
+            done = self.num_inputs - len(token_ids)
+            offsets = list(self.echo.prompt_offsets[done : done + len(token_ids)])
+            offsets += [len(self.echo.text)] * (len(token_ids) - len(offsets))
+        return [min(offset, len(self.echo.text)) for offset in offsets]
 
 
 def chat_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:

@@ -112,6 +112,21 @@ class TextOffsets:
         return offsets
 
 
+def offsets_in_text(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...] | None:
+    """Where each token of `text`'s tokenization (with the special tokens the tokenizer adds) starts in `text` itself,
+    from a fast tokenizer's offset mapping: for a text its tokens do not decode back to (spaces a normalizer folds,
+    characters outside the vocabulary), which decoding cannot index. An added token (a BOS) points where the text
+    stands when it comes. None for a tokenizer that keeps no offsets."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    offsets, end = [], 0
+    for start, stop in tokenizer(text, return_offsets_mapping=True)["offset_mapping"]:
+        if stop > start:
+            end = stop
+        offsets.append(start if stop > start else end)
+    return tuple(offsets)
+
+
 @functools.lru_cache(maxsize=8)
 def token_text_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
     """token id -> its text decoded alone, special tokens kept (cached per id)."""

@@ -17,10 +17,9 @@ from pydantic import Field, model_validator
 
 from sgl_jax_lora.entrypoints.chat_template import render_chat
 from sgl_jax_lora.entrypoints.errors import APIError
-from sgl_jax_lora.entrypoints.openai_api import model_adapter
+from sgl_jax_lora.entrypoints.openai_api import model_adapter, model_not_found
 from sgl_jax_lora.entrypoints.openai_protocol import ChatMessage, StrictBody
 from sgl_jax_lora.entrypoints.request_limits import parse_body
-from sgl_jax_lora.lora.adapter_files import shown
 
 if TYPE_CHECKING:
     from sgl_jax_lora.entrypoints.http_server import ServerState
@@ -91,13 +90,7 @@ async def _parse(request: Request, body_type: type[Body]) -> tuple[Body, ServerS
 def _tokenize(state: ServerState, tm: TokenizerManager, body: TokenizeReqInput) -> list[int]:
     if body.messages is not None:
         return render_chat(tm, state.chat_template, body.messages, body.add_generation_prompt)
-    if len(body.prompt) > tm.max_prompt_chars:  # before the tokenizer spends time on it
-        raise APIError(
-            400,
-            f"prompt has {len(body.prompt)} characters, more than the {tm.max_prompt_chars} that could fit the "
-            f"context length {tm.context_length}; no tokenization of it could be served",
-            "invalid_request",
-        )
+    tm.check_prompt_chars(body.prompt)  # before the tokenizer spends time on it
     add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
     return tm.tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens)
 
@@ -107,10 +100,5 @@ def _check_model(state: ServerState, tm: TokenizerManager, model: str | None) ->
     if model is None:
         return
     adapter = model_adapter(state, model)
-    if adapter is not None and adapter not in tm.lora_registry:
-        raise APIError(
-            400,
-            f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' "
-            "nor a loaded LoRA adapter (GET /v1/models lists them)",
-            "model_not_found",
-        )
+    if adapter is not None and adapter not in tm.lora_registry and tm.lora_registry.find_by_path(adapter) is None:
+        raise model_not_found(state, model, "GET /v1/models lists them")

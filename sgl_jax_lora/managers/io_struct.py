@@ -74,10 +74,11 @@ class GenerateRequest(Message):
 
     def for_engine(self) -> GenerateRequest:
         """What the engine process runs: a prompt-only request samples one token after its prompt, as every request
-        does, and the frontend drops it (managers/request_output.py); any other request as it is."""
-        if not self.prompt_only:
-            return self
-        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, max_new_tokens=1))
+        does, and the frontend drops it (managers/request_output.py); the client's name stays in the frontend."""
+        changes: dict = {"client_rid": None} if self.client_rid is not None else {}
+        if self.prompt_only:
+            changes["sampling"] = dataclasses.replace(self.sampling, max_new_tokens=1)
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 @dataclasses.dataclass

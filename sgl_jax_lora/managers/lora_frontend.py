@@ -198,7 +198,11 @@ class LoRAFrontend:
                 tensors_checked_finite=tensors.checked_finite,
             )
             result = await self._call(call)
-            self.registry.replace(ref)
+            try:
+                self.registry.replace(ref)
+            except LoRAAdapterError:  # unloaded while the new version loaded: nothing may serve that one either
+                await self._call(UnloadLoRACall(ref.lora_id))
+                raise
         task = asyncio.ensure_future(self._unload_when_drained(old))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)

@@ -52,8 +52,10 @@ class RequestOutput:
         finish = item.finish_reason
         self.engine_finished = finish is not None
         self.input_logprobs += item.new_input_logprobs
-        if self.prompt_only:
-            self.finish_reason = None if finish is None else {"type": "length", "length": 0}
+        if self.prompt_only:  # an abort (the client's, or an engine error) stays one: its logprobs may be cut short
+            self.finish_reason = (
+                finish if finish is None or finish["type"] == "abort" else {"type": "length", "length": 0}
+            )
             return
         if not self.stop_strings:
             self.output_ids += item.new_ids

@@ -119,11 +119,7 @@ class TokenizerManager:
                 raise RequestError(
                     f"a prompt must be a string (or given as token ids), got {type(text).__name__}; check the prompts"
                 )
-            if len(text) > self.max_prompt_chars:
-                raise RequestError(
-                    f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "
-                    f"fit the context length {self.context_length}; shorten the prompt"
-                )
+            self.check_prompt_chars(text)
             input_ids = self.tokenizer.encode(text)
         if not isinstance(input_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in input_ids
@@ -136,6 +132,15 @@ class TokenizerManager:
         if bad:
             raise RequestError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return input_ids
+
+    def check_prompt_chars(self, text: str) -> None:
+        """RequestError for a text longer than any tokenization that fits the context (refused before it is
+        tokenized: a 50 MB text would hold a worker for minutes only to be refused after)."""
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"text has {len(text)} characters, more than the {self.max_prompt_chars} that could "
+                f"fit the context length {self.context_length}; shorten the prompt"
+            )
 
     async def run_cpu(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """`fn(*args, **kwargs)` on the frontend's CPU pool: the event loop keeps answering meanwhile."""

@@ -374,7 +374,11 @@ def test_whole_floats_are_the_integers_they_hold(engine):
         priority=0.0,
     )
     assert floats["output_ids"] == ints["output_ids"]
-    assert len(floats["meta_info"]["input_token_logprobs"]) == len(ints["meta_info"]["input_token_logprobs"])
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs"):  # the same positions
+        assert len(floats["meta_info"][key]) == len(ints["meta_info"][key]), key
+    got, want = floats["meta_info"]["input_token_logprobs"], ints["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in got] == [t for _, t in want]
+    assert np.allclose([lp for lp, _ in got[1:]], [lp for lp, _ in want[1:]])
 
 
 def test_flush_cache_frees_what_no_request_holds(engine):

@@ -41,7 +41,7 @@ class CharTokenizer:
 
 
 def char_tokenizer_manager(max_prompt_chars: int) -> types.SimpleNamespace:
-    """The TokenizerManager fields `_prompt_spec` reads, with its real `tokenize` (the length check)."""
+    """The TokenizerManager fields `_prompt_spec` reads, with its real `tokenize` and length check."""
     tm = types.SimpleNamespace(
         tokenizer=CharTokenizer(max_prompt_chars),
         max_prompt_chars=max_prompt_chars,
@@ -49,6 +49,7 @@ def char_tokenizer_manager(max_prompt_chars: int) -> types.SimpleNamespace:
         server_info={"vocab_size": 100},
     )
     tm.tokenize = functools.partial(TokenizerManager.tokenize, tm)
+    tm.check_prompt_chars = functools.partial(TokenizerManager.check_prompt_chars, tm)
     return tm
 
 

@@ -118,6 +118,13 @@ def test_the_tokens_a_tokenizer_adds_before_a_text_prompt_point_at_its_start():
     assert (out["tokens"], out["text_offset"]) == (["<s>", "Hi", " there"], [0, 0, 2])
 
 
+def test_offsets_given_for_a_prompt_that_does_not_decode_back_are_used_and_kept_inside_the_text():
+    meta = {"input_token_logprobs": [[None, 0], [-0.5, 1], [-0.6, 2]], "output_token_logprobs": [[-0.1, 3]]}
+    echo = Echo("Hi  there", num_added_tokens=1, prompt_offsets=(0, 0, 40))  # 40: past the text, as a bad map might
+    out = CompletionLogprobs(TM, request(), echo).next(meta)
+    assert out["text_offset"] == [0, 0, 9, 9]  # the output's first token starts where the echoed text ends
+
+
 def test_a_whole_token_after_a_broken_character_points_at_its_own_text():
     # a lone lead byte (no continuation follows) decodes as U+FFFD with the next token: "!" still points at "!"
     meta = {"output_token_logprobs": [[-0.1, 6], [-0.2, 3], [-0.3, 2]]}

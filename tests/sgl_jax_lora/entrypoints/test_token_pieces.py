@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.entrypoints.openai_responses import chat_logprobs
-from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, token_bytes_reader
+from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, offsets_in_text, token_bytes_reader
 from tests.support.tokenizer_fixtures import TEXTS, byte_fallback_tokenizer, tokenizers_under_test
 
 MULTI_BYTE = "naïve café — 東京 🚀 done"
@@ -81,3 +81,15 @@ def test_chat_logprobs_give_the_split_characters_bytes():
     assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8") == "東京 🚀"
     assert [entry["top_logprobs"][0]["bytes"] for entry in content] == [entry["bytes"] for entry in content]
     assert any(entry["token"] == "\ufffd" for entry in content)  # the token text alone cannot carry them
+
+
+@pytest.mark.parametrize("text", ["  leading spaces and  double  spaces", "Hello , world!", "a\n\nb", "don't stop"])
+def test_a_text_its_tokens_do_not_decode_back_to_is_indexed_by_the_tokenizers_offsets(text):
+    for tokenizer in tokenizers_under_test():
+        ids = tokenizer(text)["input_ids"]
+        offsets = offsets_in_text(tokenizer, text)
+        assert len(offsets) == len(ids) and list(offsets) == sorted(offsets) and offsets[-1] <= len(text)
+        for token_id, offset in zip(ids, offsets, strict=True):  # a token starts at its offset (its space first)
+            piece = tokenizer.decode([token_id]).strip().removeprefix("##")
+            if piece and piece.isascii() and piece in text and tokenizer.decode(ids) != text:
+                assert text[offset:].lstrip().lower().startswith(piece[0].lower()), (tokenizer, piece, offset)

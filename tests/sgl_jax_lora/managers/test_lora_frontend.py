@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
 from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.lora.registry import UnknownLoRAError
 from sgl_jax_lora.managers.engine_client import RequestError
-from sgl_jax_lora.managers.io_struct import AdapterLoaded, LoadLoRACall, Unloaded
+from sgl_jax_lora.managers.io_struct import AdapterLoaded, LoadLoRACall, LoadLoRATensorsCall, Unloaded, UnloadLoRACall
 from sgl_jax_lora.managers.lora_frontend import LoRAFrontend
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.peft_fixtures import write_peft_adapter
@@ -50,7 +52,8 @@ class EngineCalls:
             await self.held[key].wait()
         if isinstance(call, LoadLoRACall) and call.lora_path == self.refused:
             raise RequestError(f"adapter '{call.lora_name}': {call.lora_path} has no adapter_config.json")
-        return AdapterLoaded(rank=4, target_modules=["q_proj"]) if isinstance(call, LoadLoRACall) else Unloaded()
+        loads = (LoadLoRACall, LoadLoRATensorsCall)
+        return AdapterLoaded(rank=4, target_modules=["q_proj"]) if isinstance(call, loads) else Unloaded()
 
 
 def frontend_of(allowed_dir, engine: EngineCalls) -> LoRAFrontend:
@@ -103,6 +106,26 @@ def test_a_request_that_comes_as_a_failed_load_ends_starts_the_one_load_that_fol
         assert refs[0] is refs[1] and refs[0].lora_name == os.path.realpath(path)
         on_demand = [c for c in engine.calls if isinstance(c, LoadLoRACall) and c.lora_name == refs[0].lora_name]
         assert len(on_demand) == 2  # the failed one and the one both requests share
+
+    asyncio.run(scenario())
+
+
+def test_an_update_that_loses_its_name_to_an_unload_gives_back_its_version(allowed_dir):
+    async def scenario():
+        engine = EngineCalls()
+        frontend = frontend_of(allowed_dir, engine)
+        await frontend.load("named", str(allowed_dir / "sql"))
+        engine.hold("LoadLoRATensorsCall:1")  # the new version loads while the name is unloaded
+        tensors = SimpleNamespace(paths="/dev/shm/unused", checked_finite=True)  # the stand-in engine reads nothing
+        update = asyncio.ensure_future(frontend.update("named", tensors, None))
+        await engine.arrived["LoadLoRATensorsCall:1"].wait()
+        await frontend.unload("named")
+        engine.held["LoadLoRATensorsCall:1"].set()
+        with pytest.raises(UnknownLoRAError, match="'named': no LoRA adapter with this name is loaded"):
+            await update
+        new_version = next(c for c in engine.calls if isinstance(c, LoadLoRATensorsCall)).ref.lora_id
+        assert any(isinstance(c, UnloadLoRACall) and c.lora_id == new_version for c in engine.calls)
+        assert len(frontend.registry) == 0
 
     asyncio.run(scenario())
 

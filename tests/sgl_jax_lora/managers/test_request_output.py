@@ -124,3 +124,14 @@ def test_a_prompt_only_request_keeps_its_prompt_logprobs_and_drops_the_sampled_t
 def test_a_generating_request_runs_in_the_engine_as_it_is():
     request = GenerateRequest(rid="r", input_ids=[1], sampling=SamplingParams(max_new_tokens=4))
     assert not request.prompt_only and request.for_engine() is request
+    named = GenerateRequest(rid="r", input_ids=[1], sampling=SamplingParams(max_new_tokens=4), client_rid="mine")
+    assert named.for_engine().client_rid is None and named.for_engine().rid == "r"  # the client's name stays here
+
+
+def test_an_aborted_prompt_only_request_says_so(tokenizer):
+    # its prompt logprobs may be cut short (an abort during a chunked prefill): a scorer must not take them as whole
+    request = GenerateRequest(rid="r", input_ids=[1, 2, 3, 4], sampling=SamplingParams(max_new_tokens=0))
+    output = RequestOutput(tokenizer, True, [], request.input_ids, request.prompt_only)
+    abort = {"type": "abort", "message": "aborted by the client"}
+    output.add(EngineOutput("r", [], [], [(None, 1, None), (-0.5, 2, None)], 4, 0, 0, abort))
+    assert output.finish_reason == abort
