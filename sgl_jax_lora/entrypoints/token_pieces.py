@@ -2,7 +2,8 @@
 bytes (the chat form's `bytes`) and where its text starts (the completions form's `text_offset`).
 
 Flow: openai_responses.py builds each choice's logprobs with `token_bytes_reader(tokenizer)` and one `TextOffsets`
-per part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks.
+per part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks. An echoed
+text prompt that its tokens do not decode back to is indexed by the tokenizer's own offsets (`offsets_in_text`).
 
 A token that holds part of a character (byte-level BPE splits a CJK character or an emoji over tokens; SentencePiece
 falls back to byte tokens `<0xE2>`) decodes alone to U+FFFD. Its `bytes` are then its own bytes, read from the
