@@ -381,6 +381,16 @@ def run_server(args: ServerArgs, model_path: str) -> int:
             flush=True,
         )
     server.run(sockets=[sock])
+    _stop_engine_if_still_up(state)
     if not server.started and state.exit_code == 0:
         return 1  # uvicorn could not start (it logged why)
     return state.exit_code
+
+
+def _stop_engine_if_still_up(state: ServerState) -> None:
+    """The lifespan's shutdown stops the engine, but uvicorn skips it on a second SIGINT (its forced exit): then the
+    engine process, waiting on a pipe this process still holds, and Python's join of it at exit would wait for each
+    other for ever. Stop it here (once the lifespan ran, the engine is stopped already and this does nothing)."""
+    if state.tokenizer_manager is not None:
+        state.tokenizer_manager.shutdown()
+    _stop_unfinished_children()

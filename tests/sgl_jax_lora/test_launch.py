@@ -21,7 +21,7 @@ import pytest
 
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support import REPO_ROOT
-from tests.support.http_helpers import process_exists, start_server
+from tests.support.http_helpers import SMALL_ENGINE_FLAGS, process_exists, start_server
 
 # Default buckets compile for minutes on a 2-core CPU the first time (then the compilation cache
 # shared by the tests makes it seconds); the deadline only bounds a hung start.
@@ -155,6 +155,26 @@ def test_readme_command_serves_then_sigterm_leaves_no_orphan():
     finally:
         exit_code = server.stop(signal.SIGTERM)
     assert exit_code == 0, server.log_text()[-3000:]
+    deadline = time.monotonic() + 15
+    while process_exists(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval of a bounded wait
+    assert not process_exists(engine_pid), "the engine process outlived the server"
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_still_stops_the_engine_and_exits():
+    """A second SIGINT makes uvicorn skip the lifespan's shutdown (its forced exit); the server still stops its
+    engine and exits, rather than waiting at exit on an engine that waits on it."""
+    server = start_server([*SMALL_ENGINE_FLAGS, "--no-enable-lora"], timeout_s=STARTUP_TIMEOUT_S)
+    engine_pid = httpx.get(server.url + "/get_server_info").json()["engine_pid"]
+    server.process.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # two presses, not one signal: back to back, the kernel may deliver them as one
+    server.process.send_signal(signal.SIGINT)
+    try:
+        server.process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.stop(signal.SIGKILL)
+        pytest.fail("the server hung after two SIGINTs: " + server.log_text()[-2000:])
     deadline = time.monotonic() + 15
     while process_exists(engine_pid) and time.monotonic() < deadline:
         time.sleep(0.05)  # poll interval of a bounded wait
