@@ -47,6 +47,13 @@ def render_chat(
     """Messages -> prompt token ids through the chat template (with the assistant turn opened, unless not
     `add_generation_prompt`)."""
     template = template_override or tm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+    if len(messages) > tm.context_length:  # each turn's markers take a token at least: refused before rendering
+        raise APIError(
+            400,
+            f"the conversation has {len(messages)} messages, more than the context length {tm.context_length} "
+            "could hold (each message takes a token at least); shorten the conversation",
+            "invalid_request",
+        )
     conversation = [{"role": m.role, "content": _message_text(m)} for m in messages]
     chars = sum(len(turn["content"]) for turn in conversation)
     if chars > tm.max_prompt_chars:  # refused before the template and the tokenizer spend time on it

@@ -67,13 +67,21 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
-    """One model card (the OpenAI client's `models.retrieve`): the base model or a loaded adapter, else 404."""
-    for card in _model_cards(request.app.state.server):
-        if card["id"] == model:
-            return JSONResponse(card)
-    raise APIError(
-        404, f"model '{shown(model)}' does not exist; GET /v1/models lists the models served", "model_not_found"
-    )
+    """One model card (the OpenAI client's `models.retrieve`): the base model or a loaded adapter, by its id or by
+    any name a request's `model` takes for it (the base model's path, `BASE:ADAPTER`, an adapter's path), else 404."""
+    state: ServerState = request.app.state.server
+    cards = {card["id"]: card for card in _model_cards(state)}
+    card = cards.get(model)
+    if card is None and (model in (state.served_model_name, state.model_path) or state.args.enable_lora):
+        adapter = model_adapter(state, model)
+        registry = state.engine().lora_registry
+        ref = None if adapter is None else registry.get(adapter) or registry.find_by_path(adapter)
+        card = cards[state.served_model_name] if adapter is None else cards.get(ref.lora_name) if ref else None
+    if card is None:
+        raise APIError(
+            404, f"model '{shown(model)}' does not exist; GET /v1/models lists the models served", "model_not_found"
+        )
+    return JSONResponse(card)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -100,5 +100,7 @@ def _check_model(state: ServerState, tm: TokenizerManager, model: str | None) ->
     if model is None:
         return
     adapter = model_adapter(state, model)
-    if adapter is not None and adapter not in tm.lora_registry and tm.lora_registry.find_by_path(adapter) is None:
+    if adapter is None or adapter in tm.lora_registry or tm.lora_registry.find_by_path(adapter) is not None:
+        return
+    if not tm.lora_frontend.is_allowed_dir(adapter):  # one a request may load on demand tokenizes as the base too
         raise model_not_found(state, model, "GET /v1/models lists them")

@@ -121,7 +121,10 @@ class LoRARegistry:
             self._names_by_path[real] = alias
 
     def find_by_path(self, path: str) -> LoRARef | None:
-        """The adapter registered for `path`'s resolved directory, whatever its name."""
+        """The adapter registered for `path`'s resolved directory, whatever its name (None for no path at all: one
+        holding a NUL, which the OS refuses)."""
+        if "\0" in path:
+            return None
         name = self._names_by_path.get(os.path.realpath(path))
         return None if name is None else self._refs.get(name)
 

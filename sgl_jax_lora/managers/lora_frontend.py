@@ -80,12 +80,15 @@ class LoRAFrontend:
         name = lora_path
         if name not in self.registry:
             ref = self.registry.find_by_path(lora_path)
-            if ref is None and self._is_allowed_dir(lora_path):
+            if ref is None and self.is_allowed_dir(lora_path):
                 ref = await self._load_on_demand(os.path.realpath(lora_path))
             name = ref.lora_name if ref is not None else name
         return await self.registry.acquire(name)
 
-    def _is_allowed_dir(self, path: str) -> bool:
+    def is_allowed_dir(self, path: str) -> bool:
+        """Whether `path` resolves to a directory inside --lora-allowed-dirs (a request may load it on demand)."""
+        if "\0" in path:  # no path: the OS refuses it
+            return False
         real = os.path.realpath(path)
         return (
             bool(self.args.lora_allowed_dirs) and is_within(real, self.args.lora_allowed_dirs) and os.path.isdir(real)

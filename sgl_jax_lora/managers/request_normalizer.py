@@ -221,6 +221,11 @@ async def build_requests(tm: TokenizerManager, batch: RequestBatch) -> list[Gene
     try:
         for i, spec in enumerate(batch.specs):
             where = f"prompt {i // batch.copies_per_prompt}: " if batch.is_batch else ""
+            if spec.rid is not None:  # a name in use refuses the call before any of it runs
+                try:
+                    tm.request_ids.check_free(spec.rid, tm.client.has_stream)
+                except RequestError as e:
+                    raise PromptRefused(e, where, "request") from e
             try:
                 ref = await tm.resolve_lora(spec.lora_path) if spec.lora_path is not None else None
             except Exception as e:

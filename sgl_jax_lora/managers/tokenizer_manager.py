@@ -272,7 +272,7 @@ class TokenizerManager:
         first_token_sent = False
         try:
             self._check_capacity()  # no await between the count and the stream that joins it
-            self.request_ids.hold(request)
+            self.request_ids.hold(request, self.client.has_stream)
             queue = self.client.open_stream(request.rid)
             self.client.send(request.for_engine())
             while not output.finished:

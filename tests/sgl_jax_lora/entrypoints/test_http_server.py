@@ -420,6 +420,9 @@ def test_one_model_card_by_its_id(http, oai, model_name):
     assert {**card, "created": 0} == {**listed, "created": 0}  # the same card, but for the second it was made
     with pytest.raises(openai.NotFoundError, match="model 'nope' does not exist"):
         oai.models.retrieve("nope")
+    base_path = http.get("/get_model_info").json()["model_path"]
+    assert http.get(f"/v1/models/{base_path}").json()["id"] == model_name  # any name a request's model takes
+    assert http.get("/v1/models/%00").status_code == 404
 
 
 def test_flush_cache_frees_the_cached_prefixes(http, tokenizer):
@@ -460,6 +463,12 @@ def test_abort_request_stops_a_running_request_by_its_rid(http):
             assert name == rid or rid is None
             if rid is not None:  # a running request's name is its own
                 taken = http.post("/generate", json={**long, "rid": rid})
+                assert taken.status_code == 400 and "still running" in taken.json()["error"]["message"]
+                batch = http.post("/generate", json={**long, "text": ["a", "b"], "rid": ["free-x", rid]})
+                assert batch.status_code == 400, batch.text  # refused before any prompt of it runs
+                assert batch.json()["error"]["message"].startswith(f"prompt 1: rid '{rid}' names a request")
+            else:  # the server's id of a running request is no name for another
+                taken = http.post("/generate", json={**long, "rid": name})
                 assert taken.status_code == 400 and "still running" in taken.json()["error"]["message"]
             assert http.post("/abort_request", json={"rid": name}).json() == {"success": True, "aborted": True}
             last = list(rest)[-1]
@@ -888,6 +897,20 @@ BAD_REQUESTS = [
         "prompt 1: ",
     ),
     ("chat-no-messages", "/v1/chat/completions", {"model": "demo-model-v2", "messages": []}, 400, "messages"),
+    (
+        "chat-more-messages-than-the-context",  # each turn takes a token at least: refused before rendering
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user"}] * 257},
+        400,
+        "the conversation has 257 messages, more than the context length 256 could hold",
+    ),
+    (
+        "tokenize-more-messages-than-the-context",
+        "/tokenize",
+        {"messages": [{"role": "user"}] * 257},
+        400,
+        "the conversation has 257 messages",
+    ),
     ("chat-max-tokens-0", "/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0"),
     (
         "chat-max-completion-tokens-0",

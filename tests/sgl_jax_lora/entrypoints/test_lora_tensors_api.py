@@ -139,6 +139,17 @@ def test_adapter_calls_on_an_unknown_name_say_lora_not_found(lora_server):
         assert "is the base model, not an adapter" in response.json()["error"]["message"]
 
 
+def test_a_model_card_answers_to_every_name_a_request_takes(lora_server):
+    srv, adapters = lora_server
+    base = httpx.get(srv.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    for name in ("a0", f"{base}:a0", str(adapters["a0"]), str(adapters["a0"]) + "/"):
+        card = httpx.get(f"{srv.url}/v1/models/{name}", headers=AUTH)
+        assert card.status_code == 200 and card.json()["id"] == "a0", (name, card.text)
+        tokenized = httpx.post(srv.url + "/tokenize", headers=AUTH, json={"model": name, "prompt": "hi"})
+        assert tokenized.status_code == 200, (name, tokenized.text)
+    assert httpx.get(f"{srv.url}/v1/models/{base}:nope", headers=AUTH).status_code == 404
+
+
 def strict_json(text: str):
     """json.loads that refuses NaN and Infinity, as strict JSON clients do."""
     return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in a response: not JSON"))

@@ -198,9 +198,14 @@ def test_a_client_rid_names_one_request_per_prompt():
         (dict(text=["a", "b"], rid=["r1"]), "'rid' has 1 entries but there are 2 prompts"),
         (dict(text=["a", "b"], rid=["r1", "r1"]), "the same name twice"),
         (dict(text="a", rid="r1", sampling_params={"n": 2}), "n > 1 makes several"),
-        (dict(text="a", rid=""), "non-empty string of at most 128 printable characters, got ''"),
+        (
+            dict(text="a", rid=""),
+            "non-empty string of at most 128 printable characters, with no space at either end, got ''",
+        ),
         (dict(text="a", rid="x" * 129), "at most 128 printable characters"),
-        (dict(text="a", rid="a\nb"), "printable characters, got 'a\\\\nb'"),
+        (dict(text="a", rid="a\nb"), "printable characters, with no space at either end, got 'a\\\\nb'"),
+        (dict(text="a", rid=" a"), "no space at either end, got ' a'"),
+        (dict(text="a", rid=" "), "no space at either end"),
         (dict(text="a", rid=5), "'rid' must be a str or a list of them, got int"),
     ]
     for kwargs, message in refused:
