@@ -45,10 +45,10 @@ from sgl_jax_lora.entrypoints.openai_responses import (
 )
 from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_chunks
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
-from sgl_jax_lora.entrypoints.token_pieces import offsets_in_text
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.managers.io_struct import GenerateRequest
 from sgl_jax_lora.managers.request_normalizer import PromptRefused, PromptSpec, build_requests, with_samples
+from sgl_jax_lora.managers.token_pieces import offsets_in_text
 from sgl_jax_lora.sampling.parallel_sampling import repeat_each
 from sgl_jax_lora.utils.gather import gather_or_cancel
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, token_bytes_reader, token_text_reader
+from sgl_jax_lora.managers.token_pieces import TextOffsets
 
 if TYPE_CHECKING:
     from sgl_jax_lora.managers.io_struct import GenerateRequest
@@ -41,7 +41,7 @@ def usage_of(results: list[dict], n: int) -> dict:
 
 
 def token_text(tm: TokenizerManager, token_id: int) -> str:
-    return token_text_reader(tm.tokenizer)(token_id)
+    return tm.token_pieces.text(token_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +63,14 @@ NO_ECHO = Echo("", enabled=False)
 class CompletionLogprobs:
     """One completion choice's legacy logprobs, built as its tokens arrive: `next(meta)` gives those of the tokens
     not given before (the echoed prompt's, whose first has no logprob, then the output's); a whole response calls
-    it once. Offsets index the choice's text: the echoed prompt, then the output (entrypoints/token_pieces.py)."""
+    it once. Offsets index the choice's text: the echoed prompt, then the output (managers/token_pieces.py)."""
 
     def __init__(self, tm: TokenizerManager, request: GenerateRequest, echo: Echo):
         self.tm = tm
         self.echo = echo
-        self.prompt_offsets = TextOffsets(tm.tokenizer, False, num_outside=echo.num_added_tokens)
+        self.prompt_offsets = TextOffsets(tm.token_pieces, False, num_outside=echo.num_added_tokens)
         skip = request.sampling.skip_special_tokens
-        self.output_offsets = TextOffsets(tm.tokenizer, skip, request.input_ids, start=len(echo.text))
+        self.output_offsets = TextOffsets(tm.token_pieces, skip, request.input_ids, start=len(echo.text))
         self.num_inputs = self.num_outputs = 0
 
     def next(self, meta: dict) -> dict:
@@ -107,10 +107,8 @@ def chat_logprobs(tm: TokenizerManager, meta: dict, start: int) -> dict:
     pairs = meta.get("output_token_logprobs", [])[start:]
     tops = meta.get("output_top_logprobs", [])[start:] or [None] * len(pairs)
 
-    bytes_of = token_bytes_reader(tm.tokenizer)
-
     def entry(logprob: float, token_id: int) -> dict:
-        return {"token": token_text(tm, token_id), "logprob": logprob, "bytes": list(bytes_of(token_id))}
+        return {"token": token_text(tm, token_id), "logprob": logprob, "bytes": list(tm.token_pieces.bytes(token_id))}
 
     return {
         "content": [

@@ -43,6 +43,7 @@ from sgl_jax_lora.managers.request_ids import RequestIds
 from sgl_jax_lora.managers.request_output import RequestOutput
 from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.managers.stop_checker import tokenizer_eos_ids
+from sgl_jax_lora.managers.token_pieces import TokenPieces
 from sgl_jax_lora.managers.tokenizer_files import load_tokenizer
 from sgl_jax_lora.sampling.sampling_params import (
     MAX_TOP_LOGPROBS,
@@ -76,6 +77,7 @@ class TokenizerManager:
         ModelConfig.from_model_path(model_path)  # its errors before the tokenizer's loader reads config.json its way
         flag = "--tokenizer-path" if args.tokenizer_path else "--model-path"
         self.tokenizer = load_tokenizer(args.tokenizer_path or model_path, flag)
+        self.token_pieces = TokenPieces(self.tokenizer)  # logprobs' token texts and bytes, decoded once per id
         # under each request's own sampling params; read (and checked) before the engine starts compiling
         self.sampling_defaults = model_sampling_defaults(model_path) if args.sampling_defaults == "model" else {}
         # spawns the engine; returns once it has compiled

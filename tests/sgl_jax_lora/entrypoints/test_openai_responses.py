@@ -20,6 +20,7 @@ from sgl_jax_lora.entrypoints.openai_responses import (
     usage_of,
 )
 from sgl_jax_lora.managers.io_struct import GenerateRequest
+from sgl_jax_lora.managers.token_pieces import TokenPieces
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 PIECES = [b"<s>", b"Hi", b" there", b"!", b"\xc3\xa9", b" ok", b"\xc3", b"\xa9"]
@@ -30,7 +31,8 @@ class TableTokenizer:
         return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-TM = SimpleNamespace(tokenizer=TableTokenizer())
+TABLE_TOKENIZER = TableTokenizer()
+TM = SimpleNamespace(tokenizer=TABLE_TOKENIZER, token_pieces=TokenPieces(TABLE_TOKENIZER))
 
 
 def result(finish=None, prompt=0, completion=0, cached=0) -> dict:

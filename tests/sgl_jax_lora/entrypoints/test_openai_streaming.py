@@ -20,6 +20,7 @@ from sgl_jax_lora.entrypoints.openai_streaming import chat_chunks, completion_ch
 from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
 from sgl_jax_lora.managers.io_struct import EngineOutput, GenerateRequest
 from sgl_jax_lora.managers.request_output import RequestOutput
+from sgl_jax_lora.managers.token_pieces import TokenPieces
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 
 PIECES = [b"<s>", b"Hel", b"lo", b" wor", b"ld", b"ab", b"EN", b"D", b"X", b"caf", b"\xc3", b"\xa9", b"!"]
@@ -32,7 +33,8 @@ class TableTokenizer:
         return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-TM = SimpleNamespace(tokenizer=TableTokenizer())
+TABLE_TOKENIZER = TableTokenizer()
+TM = SimpleNamespace(tokenizer=TABLE_TOKENIZER, token_pieces=TokenPieces(TABLE_TOKENIZER))
 
 
 def request(

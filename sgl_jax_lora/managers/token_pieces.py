@@ -1,8 +1,9 @@
-"""What each token of an OpenAI logprobs list adds to its choice's text: its text alone (`token_text_reader`), its
-bytes (the chat form's `bytes`) and where its text starts (the completions form's `text_offset`).
+"""What each token of an OpenAI logprobs list adds to its choice's text: its text alone and its bytes (the chat
+form's `bytes`; `TokenPieces`, one per TokenizerManager) and where its text starts (the completions form's
+`text_offset`; `TextOffsets`).
 
-Flow: openai_responses.py builds each choice's logprobs with `token_bytes_reader(tokenizer)` and one `TextOffsets`
-per part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks. An echoed
+Flow: openai_responses.py builds each choice's logprobs with the manager's `TokenPieces` and one `TextOffsets` per
+part of the choice's text (the echoed prompt, the output); a stream keeps them across its chunks. An echoed
 text prompt that its tokens do not decode back to is indexed by the tokenizer's own offsets (`offsets_in_text`).
 
 A token that holds part of a character (byte-level BPE splits a CJK character or an emoji over tokens; SentencePiece
@@ -27,8 +28,7 @@ from sgl_jax_lora.managers.detokenizer import IncrementalDetokenizer
 BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-@functools.cache
-def byte_of_char() -> dict[str, int]:
+def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's, which Llama-3, Qwen and most byte-level tokenizers share): the printable
     character that stands for each byte in a token's vocabulary entry -> that byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -41,40 +41,47 @@ def byte_of_char() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
-@functools.lru_cache(maxsize=8)
-def token_bytes_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], bytes]:
-    """token id -> the bytes it adds to a text (cached per id)."""
-    decoder = ""
-    if getattr(tokenizer, "is_fast", False) and tokenizer.backend_tokenizer.decoder is not None:
-        decoder = tokenizer.backend_tokenizer.decoder.__getstate__().decode("utf-8", errors="replace")
-    byte_level, byte_fallback = '"ByteLevel"' in decoder, '"ByteFallback"' in decoder
-    added = {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
-    alphabet = byte_of_char()
+BYTE_OF_CHAR = _byte_level_alphabet()
 
-    def own_bytes(token_id: int) -> bytes | None:
-        """The token's bytes as its vocabulary entry stores them, where the tokenizer's decoder says how."""
-        if token_id in added:
-            return added[token_id].encode("utf-8")
-        if not (byte_level or byte_fallback):
-            return None
-        piece = tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
-            return None
-        if byte_level and all(c in alphabet for c in piece):
-            return bytes(alphabet[c] for c in piece)
-        match = BYTE_FALLBACK_TOKEN.fullmatch(piece) if byte_fallback else None
-        return bytes([int(match.group(1), 16)]) if match else None
 
-    @functools.lru_cache(maxsize=65536)
-    def bytes_of(token_id: int) -> bytes:
-        text = tokenizer.decode([token_id])
+class TokenPieces:
+    """One tokenizer's tokens as logprobs show them, each decoded once per id (TokenizerManager holds one):
+    `text(id)`, the token decoded alone with its special tokens; `bytes(id)`, what it adds to a text."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        decoder = ""
+        if getattr(tokenizer, "is_fast", False) and tokenizer.backend_tokenizer.decoder is not None:
+            decoder = tokenizer.backend_tokenizer.decoder.__getstate__().decode("utf-8", errors="replace")
+        self._byte_level, self._byte_fallback = '"ByteLevel"' in decoder, '"ByteFallback"' in decoder
+        self._added = {i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        self.text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(self._text)
+        self.bytes: Callable[[int], bytes] = functools.lru_cache(maxsize=65536)(self._bytes)
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _bytes(self, token_id: int) -> bytes:
+        text = self.text(token_id)
         if "\ufffd" in text:  # part of a character: the text lost the bytes
-            own = own_bytes(token_id)
+            own = self._own_bytes(token_id)
             if own is not None:
                 return own
         return text.encode("utf-8")
 
-    return bytes_of
+    def _own_bytes(self, token_id: int) -> bytes | None:
+        """The token's bytes as its vocabulary entry stores them, where the tokenizer's decoder says how."""
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        if not (self._byte_level or self._byte_fallback):
+            return None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if self._byte_level and all(c in BYTE_OF_CHAR for c in piece):
+            return bytes(BYTE_OF_CHAR[c] for c in piece)
+        match = BYTE_FALLBACK_TOKEN.fullmatch(piece) if self._byte_fallback else None
+        return bytes([int(match.group(1), 16)]) if match else None
 
 
 class TextOffsets:
@@ -85,14 +92,14 @@ class TextOffsets:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        pieces: TokenPieces,
         skip_special_tokens: bool,
         context_ids: Sequence[int] = (),
         start: int = 0,
         num_outside: int = 0,
     ):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, context_ids)
-        self.text_of = token_text_reader(tokenizer)
+        self.detokenizer = IncrementalDetokenizer(pieces.tokenizer, skip_special_tokens, context_ids)
+        self.text_of = pieces.text
         self.start = start
         self.num_outside = num_outside
 
@@ -126,9 +133,3 @@ def offsets_in_text(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int,
             end = stop
         offsets.append(start if stop > start else end)
     return tuple(offsets)
-
-
-@functools.lru_cache(maxsize=8)
-def token_text_reader(tokenizer: PreTrainedTokenizerBase) -> Callable[[int], str]:
-    """token id -> its text decoded alone, special tokens kept (cached per id)."""
-    return functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))

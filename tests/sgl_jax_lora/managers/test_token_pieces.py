@@ -1,5 +1,5 @@
-"""entrypoints/token_pieces.py: a token's bytes (chat logprobs' `bytes`) and where its text starts (completions'
-`text_offset`), on real tokenizers of each kind (tests/support/tokenizer_fixtures.py) and texts whose characters
+"""managers/token_pieces.py: a token's bytes (chat logprobs' `bytes`) and where its text starts (completions'
+`text_offset`; managers/token_pieces.py), on real tokenizers of each kind (tests/support/tokenizer_fixtures.py) and texts whose characters
 span several tokens (byte-level BPE's CJK and emoji, SentencePiece's byte-fallback tokens)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.entrypoints.openai_responses import chat_logprobs
-from sgl_jax_lora.entrypoints.token_pieces import TextOffsets, offsets_in_text, token_bytes_reader
+from sgl_jax_lora.managers.token_pieces import TextOffsets, TokenPieces, offsets_in_text
 from tests.support.tokenizer_fixtures import TEXTS, byte_fallback_tokenizer, tokenizers_under_test
 
 MULTI_BYTE = "naïve café — 東京 🚀 done"
@@ -26,7 +26,7 @@ def split_characters(tokenizer, ids: list[int]) -> list[int]:
 def test_the_bytes_of_split_characters_join_into_the_characters(tokenizer):
     ids = tokenizer.encode(MULTI_BYTE, add_special_tokens=False)
     assert split_characters(tokenizer, ids)  # the case this test is about
-    bytes_of = token_bytes_reader(tokenizer)
+    bytes_of = TokenPieces(tokenizer).bytes
     joined = b"".join(bytes_of(t) for t in ids).decode("utf-8")  # strict: every byte of every character is there
     if "ByteLevel" in str(tokenizer.backend_tokenizer.decoder.__getstate__()):
         assert joined == MULTI_BYTE  # byte-level BPE: the tokens' bytes are the text's
@@ -38,7 +38,7 @@ def test_the_bytes_of_split_characters_join_into_the_characters(tokenizer):
 @pytest.mark.parametrize("text", TEXTS)
 def test_a_token_whose_text_is_whole_has_its_texts_bytes(text):
     for tokenizer in tokenizers_under_test():
-        bytes_of = token_bytes_reader(tokenizer)
+        bytes_of = TokenPieces(tokenizer).bytes
         for token in tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]:
             token_text = tokenizer.decode([token])
             if "\ufffd" not in token_text:
@@ -54,9 +54,9 @@ def test_offsets_index_the_decoded_text(text, skip_special_tokens):
     for tokenizer in tokenizers_under_test():
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         cut = next(k for k in range(3, len(ids)) if not tokenizer.decode(ids[:k]).endswith("\ufffd"))  # a whole prompt
-        prompt_offsets = TextOffsets(tokenizer, skip_special_tokens, start=7)
+        prompt_offsets = TextOffsets(TokenPieces(tokenizer), skip_special_tokens, start=7)
         prompt_text = tokenizer.decode(ids[:cut], skip_special_tokens=skip_special_tokens)
-        output_offsets = TextOffsets(tokenizer, skip_special_tokens, ids[:cut], start=7 + len(prompt_text))
+        output_offsets = TextOffsets(TokenPieces(tokenizer), skip_special_tokens, ids[:cut], start=7 + len(prompt_text))
         offsets = prompt_offsets.add(ids[:cut]) + output_offsets.add(ids[cut:])  # the output's seeded with the prompt
         whole = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         whole_before = 0
@@ -77,7 +77,9 @@ def test_chat_logprobs_give_the_split_characters_bytes():
     tokenizer = AutoTokenizer.from_pretrained(demo_model_path())
     ids = tokenizer.encode("東京 🚀", add_special_tokens=False)
     meta = {"output_token_logprobs": [[-1.0, t] for t in ids], "output_top_logprobs": [[[-1.0, t]] for t in ids]}
-    content = chat_logprobs(SimpleNamespace(tokenizer=tokenizer), meta, 0)["content"]
+    content = chat_logprobs(SimpleNamespace(tokenizer=tokenizer, token_pieces=TokenPieces(tokenizer)), meta, 0)[
+        "content"
+    ]
     assert bytes(b for entry in content for b in entry["bytes"]).decode("utf-8") == "東京 🚀"
     assert [entry["top_logprobs"][0]["bytes"] for entry in content] == [entry["bytes"] for entry in content]
     assert any(entry["token"] == "\ufffd" for entry in content)  # the token text alone cannot carry them
