@@ -12,6 +12,7 @@ startup that ran out of memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -206,9 +207,34 @@ def _check_compilation_cache_dir(cache_dir: object) -> None:
         )
 
 
+# Flags that shape how adapters are served; each means nothing with --no-enable-lora.
+LORA_SETTINGS = (
+    "max_loras_per_batch",
+    "max_lora_rank",
+    "max_loaded_loras",
+    "lora_backend",
+    "lora_fused_gemm_min_tokens",
+    "lora_segment_buckets",
+    "disable_lora_base_program",
+    "lora_eviction_policy",
+    "lora_target_modules",
+    "max_loras_registered",
+    "max_lora_name_length",
+)
+
+
 def _check_lora(args: ServerArgs) -> None:
     from sgl_jax_lora.demo_model import DEMO_VERSION
     from sgl_jax_lora.server_args import parse_lora_path_spec, served_model_name
+
+    if args.enable_lora is False:
+        defaults = {f.name: f.default for f in dataclasses.fields(args)}
+        changed = [flag(name) for name in LORA_SETTINGS if getattr(args, name) != defaults[name]]
+        if changed:
+            raise ValueError(
+                f"--no-enable-lora serves no adapters, so {', '.join(changed)} would do nothing; leave "
+                f"{'them' if len(changed) > 1 else 'it'} out, or serve adapters (--lora-paths or --lora-allowed-dirs)"
+            )
 
     base_name = served_model_name(args, args.model_path or f"demo-model-{DEMO_VERSION}")  # launch's demo directory
     names: set[str] = set()

@@ -246,6 +246,16 @@ def test_lora_is_on_when_adapters_are_named_and_off_when_asked(tmp_path):
         ServerArgs(enable_lora=False, lora_allowed_dirs=[str(tmp_path)])
 
 
+def test_no_enable_lora_refuses_the_flags_that_shape_adapter_serving(capsys):
+    assert ServerArgs(enable_lora=False).enable_lora is False
+    with pytest.raises(SystemExit):
+        parse_args(["--no-enable-lora", "--max-lora-rank", "8"])
+    assert "so --max-lora-rank would do nothing; leave it out" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"so --max-loras-per-batch, --lora-backend would do nothing; leave them out"):
+        ServerArgs(enable_lora=False, max_loras_per_batch=4, lora_backend="einsum")
+    assert ServerArgs(max_loras_per_batch=4).enable_lora is None  # unset: decided once the adapters are known
+
+
 def test_the_demo_model_comes_with_its_adapters_unless_others_or_none_are_asked_for():
     from sgl_jax_lora.launch import with_demo_defaults
 

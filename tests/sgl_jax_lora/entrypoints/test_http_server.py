@@ -1306,6 +1306,32 @@ def test_a_request_head_that_stops_arriving_gets_408_and_the_connection_closes(s
     assert http.get("/health").status_code == 200
 
 
+def test_a_request_http_cannot_parse_gets_the_api_error_shape_and_the_server_serves_on(server, http):
+    url = urlparse(server.url)
+
+    def reply_to(raw: bytes) -> tuple[bytes, dict]:
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(raw)
+            reply = read_until_closed(sock)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert b"content-type: application/json" in head, reply
+        return head, json.loads(body)["error"]
+
+    head, error = reply_to(b"GET /v1/models?q=" + b"a" * 20_000)  # past the limit while the head is incomplete
+    assert head.startswith(b"HTTP/1.1 431") and error["code"] == "request_head_too_large", (head, error)
+    assert "exceed 16384 bytes; send a shorter URL" in error["message"]
+    head, error = reply_to(b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and error["code"] == "bad_http_request", (head, error)
+    assert error["message"].startswith("the HTTP request could not be parsed (")
+    chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"  # no chunk size
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(chunked)
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 400") and b"illegal chunk header" in reply, reply
+    assert reply.count(b"\r\n\r\n") == 1, reply  # one response while /generate awaited the body; then closed
+    assert http.get("/health").status_code == 200
+
+
 def test_bad_input_through_openai_client(oai):
     with pytest.raises(openai.BadRequestError) as excinfo:
         oai.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
