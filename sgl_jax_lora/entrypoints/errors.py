@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from sgl_jax_lora.lora.adapter_files import shown
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
@@ -133,6 +134,8 @@ UNSUPPORTED_FEATURES = {
     "reasoning_effort": "reasoning models' settings",
     "service_tier": "service tiers",
     "store": "stored completions",
+    "verbosity": "reasoning models' settings (verbosity)",
+    "web_search_options": "web search",
 }
 
 
@@ -177,21 +180,52 @@ def _input_suffix(error: dict) -> str:
 ROUTING_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
+# OpenAI routes a client may try that this server does not serve: what each is for
+UNSERVED_OPENAI_ROUTES = {
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "the Responses API",
+    "/v1/moderations": "moderation",
+    "/v1/files": "files",
+    "/v1/batches": "batches",
+    "/v1/images/generations": "images",
+    "/v1/audio/speech": "audio",
+    "/v1/audio/transcriptions": "audio",
+    "/v1/fine_tuning/jobs": "fine-tuning jobs",
+}
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods the app's routes take on the request's path (templated routes included): each tried through
+    the routes' own matching, as routing tried the request's."""
+    scope = {key: value for key, value in request.scope.items() if key != "path_params"}
+    return [
+        method
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE")
+        if any(route.matches({**scope, "method": method})[0] == Match.FULL for route in request.app.routes)
+    ]
+
+
 def routing_message(request: Request, status_code: int) -> str | None:
-    """The message of a request no route takes: a 404 lists the routes this server has, a 405 the methods the path
-    takes (both from the app's OpenAPI schema, built once); None for other statuses, or if the schema fails."""
-    if status_code not in (404, 405):
+    """The message of a request no route takes: a 404 lists the routes this server has (from the app's OpenAPI
+    schema, built once) or says which OpenAI feature the path belongs to, a 405 the methods the path takes; None
+    for other statuses, or if the schema fails."""
+    path = request.url.path[:200]
+    if status_code == 405:
+        return f"{request.method} is not allowed on {path}; use {' or '.join(allowed_methods(request))}"
+    if status_code != 404:
         return None
+    unserved = next((what for route, what in UNSERVED_OPENAI_ROUTES.items() if path.startswith(route)), None)
+    if unserved:
+        return (
+            f"this server does not serve {unserved} ({path}); it generates text: /v1/completions and "
+            "/v1/chat/completions (GET /v1/models lists the models)"
+        )
     try:
         routes = request.app.openapi()["paths"]
     except Exception:  # noqa: BLE001 - the plain detail is still an answer
         logger.exception("could not list the routes for a %d answer", status_code)
         return None
-    path = request.url.path[:200]
-    if status_code == 404:
-        return f"no route {request.method} {path}; the routes of this server: {', '.join(sorted(routes))}"
-    methods = sorted(method.upper() for method in routes.get(request.url.path, {}))
-    return f"{request.method} is not allowed on {path}; use {' or '.join(methods)}"
+    return f"no route {request.method} {path}; the routes of this server: {', '.join(sorted(routes))}"
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError], None]) -> None:
@@ -209,7 +243,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = routing_message(request, exc.status_code) or str(exc.detail)
-        return respond(request, APIError(exc.status_code, message, ROUTING_CODES.get(exc.status_code)))
+        response = respond(request, APIError(exc.status_code, message, ROUTING_CODES.get(exc.status_code)))
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
+        return response
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestError, on_api_error)

@@ -74,6 +74,7 @@ class ServerState:
     versions: dict = dataclasses.field(default_factory=dict)  # Python and package versions, for /get_server_info
     tokenizer_manager: TokenizerManager | None = None  # None until the engine is up
     startup_error: str | None = None
+    started_at: int = dataclasses.field(default_factory=lambda: int(time.time()))  # the base model card's `created`
     is_shutting_down: bool = False
     is_draining: bool = False  # SIGTERM: new requests get 503 while the running ones finish
     num_in_flight: int = 0  # HTTP requests being served (/health excluded)

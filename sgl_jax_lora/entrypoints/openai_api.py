@@ -172,9 +172,15 @@ def model_adapter(state: ServerState, model: str) -> str | None:
     base = state.served_model_name
     if model in (base, state.model_path):
         return None
-    if not state.args.enable_lora:
+    if not model:
         raise APIError(
             400,
+            f"model is empty; name the served model '{base}' or a loaded adapter (GET /v1/models)",
+            "invalid_request",
+        )
+    if not state.args.enable_lora:
+        raise APIError(
+            404,
             f"model '{shown(model)}' does not exist: this server serves '{base}' (LoRA adapters are not enabled)",
             "model_not_found",
         )
@@ -206,9 +212,9 @@ async def _build_requests(
 
 
 def model_not_found(state: ServerState, model: str, detail: str) -> APIError:
-    """The 400 for a `model` that names neither the served model nor a loaded adapter."""
+    """The 404 for a `model` that names neither the served model nor a loaded adapter (OpenAI's status for it)."""
     return APIError(
-        400,
+        404,
         f"model '{shown(model)}' does not exist: it is neither the served model '{state.served_model_name}' nor a "
         f"loaded LoRA adapter ({detail})",
         "model_not_found",
@@ -218,12 +224,11 @@ def model_not_found(state: ServerState, model: str, detail: str) -> APIError:
 def _model_cards(state: ServerState) -> list[dict]:
     """The base model's card, then each loaded adapter's (its parent the base model, with its version)."""
     tm = state.engine()
-    created = int(time.time())
     base = state.served_model_name
-    cards = [_model_card(base, state.model_path, None, created, tm.context_length)]
+    cards = [_model_card(base, state.model_path, None, state.started_at, tm.context_length)]
     if state.args.enable_lora:
         for ref in tm.list_loras():
-            card = _model_card(ref.lora_name, ref.lora_path, base, created, tm.context_length)
+            card = _model_card(ref.lora_name, ref.lora_path, base, ref.created, tm.context_length)
             cards.append({**card, "version": ref.version})
     return cards
 

@@ -45,6 +45,7 @@ class TextResponseFormat(StrictBody):
 class StreamOptions(StrictBody):
     include_usage: bool | None = False
     continuous_usage_stats: Literal[False] | None = None  # vLLM's: usage in every chunk, not served; false accepted
+    include_obfuscation: bool | None = None  # OpenAI's random padding against length side channels: none is added
 
 
 class SamplingFields(StrictBody):
@@ -62,6 +63,8 @@ class SamplingFields(StrictBody):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None
+    safety_identifier: str | None = None  # the end user's id, for OpenAI's abuse checks (`user`'s successor)
+    prompt_cache_key: str | None = None  # OpenAI's cache routing hint; the prefix cache matches prompts by content
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit, in [-100, 100]
     # what clients send by default, with values that ask for nothing this server lacks: accepted, nothing to do
     tool_choice: Literal["none"] | None = None  # no tools: "none" is what happens

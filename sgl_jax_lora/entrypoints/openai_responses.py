@@ -44,6 +44,28 @@ def token_text(tm: TokenizerManager, token_id: int) -> str:
     return tm.token_pieces.text(token_id)
 
 
+def legacy_token(tm: TokenizerManager, token_id: int) -> str:
+    """A token as the legacy completions logprobs name it: its text, or, for a token holding part of a character
+    (its text alone is U+FFFD), `bytes:` and its bytes escaped (`bytes:\\xe4\\xbd`), as OpenAI's legacy API writes
+    them; so the tokens of one position's top_logprobs stay apart."""
+    text = tm.token_pieces.text(token_id)
+    if "\ufffd" not in text:
+        return text
+    raw = tm.token_pieces.bytes(token_id)
+    if raw == text.encode("utf-8"):  # the vocabulary does not say the token's own bytes
+        return text
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def top_logprobs_by_token(tm: TokenizerManager, top: list) -> dict[str, float]:
+    """One position's (logprob, id) alternatives, most likely first, as the legacy form's {token: logprob}; two ids
+    with one name keep the likelier's logprob."""
+    named: dict[str, float] = {}
+    for logprob, token_id in top:
+        named.setdefault(legacy_token(tm, token_id), logprob)
+    return named
+
+
 @dataclasses.dataclass(frozen=True)
 class Echo:
     """What a completion choice echoes: the prompt's text (and, with logprobs, its tokens). `num_added_tokens`: the
@@ -77,7 +99,10 @@ class CompletionLogprobs:
         inputs, input_tops = [], []
         if self.echo.enabled:
             inputs = meta.get("input_token_logprobs", [])[self.num_inputs :]
-            input_tops = meta.get("input_top_logprobs", [])[self.num_inputs :] or [[]] * len(inputs)
+            first = self.num_inputs  # the prompt's first token has no logprob, nor alternatives: None
+            input_tops = meta.get("input_top_logprobs", [])[first:] or [
+                None if first + i == 0 else [] for i in range(len(inputs))
+            ]
         outputs = meta.get("output_token_logprobs", [])[self.num_outputs :]
         output_tops = meta.get("output_top_logprobs", [])[self.num_outputs :] or [[]] * len(outputs)
         self.num_inputs += len(inputs)
@@ -85,10 +110,9 @@ class CompletionLogprobs:
         pairs, tops = inputs + outputs, input_tops + output_tops
         offsets = self._offsets_in_prompt([t for _, t in inputs]) + self.output_offsets.add([t for _, t in outputs])
         return {
-            "tokens": [token_text(self.tm, tid) for _, tid in pairs],
+            "tokens": [legacy_token(self.tm, tid) for _, tid in pairs],
             "token_logprobs": [lp for lp, _ in pairs],
-            "top_logprobs": [None if top is None else {token_text(self.tm, t): lp for lp, t in top} for top in tops]
-            or None,
+            "top_logprobs": [None if top is None else top_logprobs_by_token(self.tm, top) for top in tops] or None,
             "text_offset": offsets,
         }
 

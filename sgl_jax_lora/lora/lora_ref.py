@@ -10,6 +10,7 @@ prefix cache) never mistakes an adapter reloaded under the same name or path for
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 
@@ -21,3 +22,5 @@ class LoRARef:
     confined: bool = False  # loaded by a client: every file it opens must lie inside --lora-allowed-dirs
     lora_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     version: int = 1  # 1 at load; each update_lora_adapter registers the next version under a new lora_id
+    # when the name was first registered (Unix seconds; an update keeps it): the OpenAI model card's `created`
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()), compare=False)

@@ -192,7 +192,7 @@ class LoRAFrontend:
             old = self.registry.lookup(lora_name)  # unknown: names what is loaded and how to load it
             if config is not None:
                 parse_peft_config(lora_name, config)  # its fields named before the engine reads them
-            ref = LoRARef(lora_name=lora_name, lora_path="", pinned=old.pinned, version=old.version + 1)
+            ref = LoRARef(lora_name, "", pinned=old.pinned, version=old.version + 1, created=old.created)
             call = LoadLoRATensorsCall(
                 ref=ref,
                 tensors_paths=tensors.paths,

@@ -5,7 +5,7 @@ sees each answered error."""
 from __future__ import annotations
 
 import pytest
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ValidationError
 
@@ -159,13 +159,30 @@ def test_a_request_no_route_takes_is_told_the_routes_or_the_method():
     def health() -> dict:
         return {}
 
+    router = APIRouter()
+
+    @router.get("/v1/models/{model:path}")
+    def card(model: str) -> dict:
+        return {}
+
+    app.include_router(router)
     client = TestClient(app, raise_server_exceptions=False)
-    missing = client.post("/v1/embeddings", json={})
+    missing = client.post("/v1/nothing", json={})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
-    assert missing.json()["error"]["message"] == "no route POST /v1/embeddings; the routes of this server: /health, /n"
+    assert missing.json()["error"]["message"] == (
+        "no route POST /v1/nothing; the routes of this server: /health, /n, /v1/models/{model}"
+    )
+    unserved = client.post("/v1/embeddings", json={}).json()["error"]  # an OpenAI feature: named, not listed
+    assert unserved["code"] == "not_found" and unserved["message"].startswith(
+        "this server does not serve embeddings (/v1/embeddings); it generates text: /v1/completions and"
+    )
     wrong_method = client.get("/n")
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert wrong_method.json()["error"]["message"] == "GET is not allowed on /n; use POST"
+    assert wrong_method.headers["allow"] == "POST"
+    templated = client.delete("/v1/models/a/b")  # a route of an included router, its path templated
+    assert (templated.status_code, templated.headers["allow"]) == (405, "GET")
+    assert templated.json()["error"]["message"] == "DELETE is not allowed on /v1/models/a/b; use GET"
     long_path = client.get("/" + "x" * 5000).json()["error"]["message"]
     assert len(long_path) < 300  # the path a client sent is cut short
 

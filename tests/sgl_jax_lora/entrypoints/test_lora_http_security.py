@@ -188,7 +188,7 @@ def test_a_nul_in_an_adapter_name_or_path_is_refused(http, root):
         else:
             del body["messages"]
         refused = http.post(path, json=body)
-        assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_not_found", refused.text
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
     assert generate(http, "a0").status_code == 200 and len(model_ids(http)) == 2
 
 

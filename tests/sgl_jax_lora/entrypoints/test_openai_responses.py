@@ -10,7 +10,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from transformers import AutoTokenizer
 
+from sgl_jax_lora.demo_model import demo_model_path
 from sgl_jax_lora.entrypoints.openai_responses import (
     NO_ECHO,
     CompletionLogprobs,
@@ -139,6 +141,35 @@ def test_completion_logprobs_without_top_logprobs_give_empty_dicts():
     out = CompletionLogprobs(TM, request(), NO_ECHO).next(meta)
     assert out["top_logprobs"] == [{}, {}]
     assert out["text_offset"] == [0, 6]
+    echoed = CompletionLogprobs(TM, request(), ECHO).next({**meta, "input_token_logprobs": [[None, 0], [-0.5, 1]]})
+    assert echoed["top_logprobs"] == [None, {}, {}, {}]  # the prompt's first token has no alternatives: null
+
+
+def test_tokens_inside_a_character_are_named_by_their_bytes_so_alternatives_stay_apart():
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_path())  # byte-level BPE
+    tm = SimpleNamespace(tokenizer=tokenizer, token_pieces=TokenPieces(tokenizer))
+    text = "東京 🚀"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    split = list(dict.fromkeys(t for t in ids if "\ufffd" in tokenizer.decode([t])))
+    assert len(split) >= 3  # the case this test is about
+    top = [[-0.1 * (k + 1), t] for k, t in enumerate(split)]
+    meta = {"output_token_logprobs": [[lp, t] for lp, t in top], "output_top_logprobs": [top] * len(top)}
+    out = CompletionLogprobs(tm, request(), NO_ECHO).next(meta)
+    assert list(out["top_logprobs"][0].values()) == [lp for lp, _ in top]  # one entry each, none lost
+    assert all(name.startswith("bytes:\\x") for name in out["tokens"]) and out["tokens"] == list(out["top_logprobs"][0])
+    named = {t: name for t, name in zip(split, out["tokens"])}
+    raw = b"".join(
+        bytes(int(h, 16) for h in named[t][len("bytes:\\x") :].split("\\x"))
+        if t in named
+        else tokenizer.decode([t]).encode()
+        for t in ids
+    )
+    assert raw.decode("utf-8") == text  # the names hold the tokens' own bytes
+    # two alternatives the vocabulary cannot tell apart (no own bytes): the likelier's logprob is kept
+    table = CompletionLogprobs(TM, request(), NO_ECHO).next(
+        {"output_token_logprobs": [[-0.1, 6]], "output_top_logprobs": [[[-0.1, 6], [-0.7, 7]]]}
+    )
+    assert table["top_logprobs"] == [{"\ufffd": -0.1}]
 
 
 def test_chat_logprobs_give_token_bytes_and_top_logprobs_from_start():
