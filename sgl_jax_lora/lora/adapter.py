@@ -16,39 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
+from collections.abc import Callable
 
 import numpy as np
 
 from sgl_jax_lora.lora import adapter_files
 from sgl_jax_lora.lora.adapter_files import open_confined, read_safetensors_shapes, tensor_label
+from sgl_jax_lora.lora.module_settings import module_settings
 from sgl_jax_lora.lora.peft_config import (
-    EMBEDDING_MODULES,
+    EMBEDDING_PATHS,
     WEIGHTS_FILE,
-    LoRAAdapterError,
     PeftLoRAConfig,
     adapter_error,
+    embedding_error,
     load_peft_config,
     parse_peft_config,
     resolve_weights_file,
+    scaling_of,
 )
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
+from sgl_jax_lora.lora.tensor_names import group_lora_pairs, locate
 
 logger = logging.getLogger(__name__)
-
-# "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally "...lora_A.default.weight".
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$")
-# "model.layers.3.self_attn.q_proj" -> layer 3, module q_proj.
-_LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<module>[^.]+)$")
-
-# Tensor name fragments that mark unsupported adapter forms: (fragment, problem, fix).
-_REFUSED_TENSORS: tuple[tuple[str, str, str], ...] = (
-    ("lora_embedding_", "has LoRA tensors on the embedding layer", "retrain without embed_tokens in target_modules"),
-    ("lora_magnitude_vector", "is a DoRA adapter (lora_magnitude_vector)", "retrain with use_dora=false"),
-    ("modules_to_save", "saves fully trained modules (modules_to_save)", "retrain without modules_to_save"),
-    ("trainable_tokens", "adds or retrains token embeddings", "serve a base model that contains those tokens"),
-    ("token_adapter", "adds or retrains token embeddings", "serve a base model that contains those tokens"),
-)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity equality: weights are arrays
@@ -115,7 +104,12 @@ def load_peft_adapter(
     """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
     Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
     config = load_peft_config(name, path, allowed_dirs)
-    tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs)
+
+    def check_shapes(shapes: dict[str, tuple[int, ...]]) -> None:  # before the tensors are read
+        headers = {key: _Header(shape) for key, shape in shapes.items()}
+        _validated_plan(name, config, headers, target_shapes, max_lora_rank, warn=False)
+
+    tensors = _read_tensors(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs, check_shapes)
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
 
 
@@ -182,35 +176,43 @@ def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
 
 
 def _validated_plan(
-    name: str, config: PeftLoRAConfig, tensors: dict, target_shapes: LoRATargetShapes, max_lora_rank: int | None
+    name: str,
+    config: PeftLoRAConfig,
+    tensors: dict,
+    target_shapes: LoRATargetShapes,
+    max_lora_rank: int | None,
+    warn: bool = True,
 ) -> tuple:
     """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `tensors` are arrays,
-    or headers that carry only a shape."""
-    _check_config_matches_model(name, config, target_shapes)
-    pairs = _group_lora_pairs(name, tensors)
+    or headers that carry only a shape. `warn`: log the tensors ignored and the targeted modules without any."""
+    settings = _targeted_modules(name, config, target_shapes)
+    pairs = group_lora_pairs(name, tensors)
     scaling = config.scaling if config.scaling > 0 else 1.0
     plan = {}
-    for module_path, (lora_a, lora_b) in sorted(pairs.items()):
-        layer_index, module = _locate(name, module_path, target_shapes)
-        if not config.targets(module_path):
+    for module_path, pair in sorted(pairs.items()):
+        layer_index, module = locate(name, module_path, target_shapes)
+        if module_path not in settings:
+            if not warn:
+                continue
             logger.warning(
                 "adapter '%s': ignoring tensors of %s, which adapter_config.json does not target "
                 "(PEFT ignores them too)",
                 name,
-                module_path,
+                module_path,  # the base model's own path (tensor_names.locate), not the file's text
             )
             continue
-        _check_pair_shapes(
-            name, module_path, lora_a, lora_b, config.rank_for(module_path), target_shapes.module_shapes[module]
-        )
-        plan[(layer_index, module)] = (lora_a, lora_b, config.scaling_for(module_path) / scaling)
+        rank, alpha = settings[module_path]
+        _check_pair_shapes(name, pair, rank, target_shapes.module_shapes[module])
+        ratio = scaling_of(alpha, rank, config.use_rslora) / scaling
+        plan[(layer_index, module)] = (pair["lora_A"][1], pair["lora_B"][1], ratio)
     if not plan:
         raise adapter_error(
             name,
             f"{WEIGHTS_FILE} holds no LoRA tensors for the modules it targets",
             "re-save the adapter with peft's save_pretrained",
         )
-    _warn_missing_modules(name, config, target_shapes, plan)
+    if warn:
+        _warn_missing_modules(name, settings, target_shapes, plan)
     rank = _plan_rank(plan)
     if max_lora_rank is not None and rank > max_lora_rank:
         raise adapter_error(
@@ -223,7 +225,11 @@ def _plan_rank(plan: dict) -> int:
     return int(max(lora_a.shape[0] for lora_a, _, _ in plan.values()))
 
 
-def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes) -> None:
+def _targeted_modules(
+    name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes
+) -> dict[str, tuple[int, float]]:
+    """The base model's module paths the config targets -> (rank, alpha); refuses a config that targets the
+    embedding layers or none of the model's projections."""
     beyond = [i for i in config.layers_to_transform or () if i >= target_shapes.num_layers]
     if beyond:
         raise adapter_error(
@@ -231,22 +237,28 @@ def _check_config_matches_model(name: str, config: PeftLoRAConfig, target_shapes
             f"layers_to_transform names layer {beyond[0]}, but the base model has {target_shapes.num_layers} layers",
             "use an adapter trained for this base model",
         )
-    if not any(config.targets(p) for _, _, p in target_shapes.all_module_paths()):
-        unrestricted = dataclasses.replace(config, layers_to_transform=None)
-        if config.layers_to_transform and any(unrestricted.targets(p) for _, _, p in target_shapes.all_module_paths()):
-            raise adapter_error(
-                name,
-                "target_modules matches the base model's projections, but layers_to_transform with layers_pattern "
-                "selects none of their layers",
-                f"set layers_pattern to the segment before the layer index in paths like "
-                f"{target_shapes.module_path(0, 'q_proj')!r}, or leave it unset",
-            )
+    module_paths = [path for _, _, path in target_shapes.all_module_paths()]
+    settings = module_settings(name, config, [*module_paths, *EMBEDDING_PATHS])
+    hit = [path for path in EMBEDDING_PATHS if path in settings]
+    if hit:
+        raise embedding_error(name, hit[0].rsplit(".", 1)[-1])
+    if settings:
+        return settings
+    unrestricted = dataclasses.replace(config, layers_to_transform=None)
+    if config.layers_to_transform and module_settings(name, unrestricted, module_paths):
         raise adapter_error(
             name,
-            "target_modules in adapter_config.json matches none of the base model's projections",
-            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)} (paths like "
-            f"{target_shapes.module_path(0, 'q_proj')!r})",
+            "target_modules matches the base model's projections, but layers_to_transform with layers_pattern "
+            "selects none of their layers",
+            f"set layers_pattern to the segment before the layer index in paths like "
+            f"{target_shapes.module_path(0, 'q_proj')!r}, or leave it unset",
         )
+    raise adapter_error(
+        name,
+        "target_modules in adapter_config.json matches none of the base model's projections",
+        f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)} (paths like "
+        f"{target_shapes.module_path(0, 'q_proj')!r})",
+    )
 
 
 def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, _Header]:
@@ -255,117 +267,37 @@ def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) 
         return {key: _Header(shape) for key, shape in read_safetensors_shapes(name, f).items()}
 
 
-def _read_tensors(name: str, weights_file: str, allowed_dirs: list[str] | None) -> dict[str, np.ndarray]:
-    """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked."""
+def _read_tensors(
+    name: str, weights_file: str, allowed_dirs: list[str] | None, check_shapes: Callable[[dict], None]
+) -> dict[str, np.ndarray]:
+    """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked,
+    once its header's shapes passed `check_shapes` (so no more is read than a valid adapter holds)."""
     with open_confined(name, weights_file, allowed_dirs) as f:
-        data = f.read()
+        data = adapter_files.read_weights_file(name, f, check_shapes)
     return adapter_files.read_checked_safetensors(name, data)
 
 
-def _group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """module path -> (lora_A, lora_B); refuses tensors of unsupported forms and half-present pairs."""
-    halves: dict[str, dict[str, np.ndarray]] = {}
-    tags: set[str] = set()
-    for key, tensor in tensors.items():
-        match = _LORA_KEY.match(key)
-        if match is None:
-            raise _unexpected_tensor_error(name, key)
-        if match["tag"]:
-            tags.add(match["tag"])
-        halves.setdefault(match["path"], {})[match["kind"]] = tensor
-    if len(tags) > 1:
-        raise adapter_error(
-            name,
-            f"{WEIGHTS_FILE} holds {len(tags)} adapters (tensor names carry {len(tags)} different adapter tags)",
-            "save each adapter into its own directory",
-        )
-    pairs = {}
-    for module_path, half in halves.items():
-        if set(half) != {"lora_A", "lora_B"}:
-            present = next(iter(half))
-            missing = "lora_B" if present == "lora_A" else "lora_A"
-            raise adapter_error(
-                name, f"{tensor_label(module_path, 'module')} has {present} but no {missing}", "re-save the adapter"
-            )
-        pairs[module_path] = (half["lora_A"], half["lora_B"])
-    return pairs
-
-
-def _unexpected_tensor_error(name: str, key: str) -> LoRAAdapterError:
-    for fragment, problem, fix in _REFUSED_TENSORS:
-        if fragment in key:
-            return adapter_error(name, problem, fix)
-    if any(key.endswith(f"{m}.weight") for m in EMBEDDING_MODULES):
-        return adapter_error(
-            name,
-            "saves embedding/output weights: the adapter adds tokens or resized the vocabulary",
-            "serve a base model that contains those tokens",
-        )
-    if key.endswith(".bias"):
-        return adapter_error(
-            name,
-            f"has a bias tensor, {tensor_label(key)} (bias/lora_bias training)",
-            "retrain with bias='none' and lora_bias=false",
-        )
-    return adapter_error(
-        name,
-        f"unexpected tensor in {WEIGHTS_FILE}: {tensor_label(key)}",
-        "serve a plain LoRA adapter saved by peft's save_pretrained",
-    )
-
-
-def _locate(name: str, module_path: str, target_shapes: LoRATargetShapes) -> tuple[int, str]:
-    """(layer_index, module) of a tensor's module path, validated against the base model."""
-    match = _LAYER_MODULE.match(module_path)
-    short = module_path.rsplit(".", 1)[-1]
-    if short in EMBEDDING_MODULES:
-        raise adapter_error(
-            name,
-            f"targets the embedding/output layer ({tensor_label(module_path, 'module')}), which is not supported",
-            "retrain without embed_tokens/lm_head in target_modules",
-        )
-    if match is None or match["module"] not in LORA_TARGET_MODULES:
-        raise adapter_error(
-            name,
-            f"LoRA tensors for an unsupported {tensor_label(module_path, 'module')}",
-            f"LoRA can target only: {', '.join(LORA_TARGET_MODULES)}",
-        )
-    layer_index, module = int(match["layer"]), match["module"]
-    if layer_index >= target_shapes.num_layers:
-        raise adapter_error(
-            name,
-            f"{tensor_label(module_path, 'module')} is in layer {layer_index}, but the base model has "
-            f"{target_shapes.num_layers} layers",
-            "use an adapter trained for this base model",
-        )
-    if module not in target_shapes.module_shapes:
-        raise adapter_error(
-            name,
-            f"the base model has no {module}",
-            f"LoRA on this model can target only: {', '.join(target_shapes.module_shapes)}",
-        )
-    return layer_index, module
-
-
-def _check_pair_shapes(name: str, module_path: str, lora_a, lora_b, rank: int, shape: tuple[int, int]) -> None:
-    """A [r_m, in], B [out, r_m] checked against the base model and the config's rank."""
+def _check_pair_shapes(name: str, pair: dict, rank: int, shape: tuple[int, int]) -> None:
+    """A [r_m, in], B [out, r_m] checked against the base model and the config's rank; named as the file names
+    them."""
     in_features, out_features = shape
-    for kind, tensor, expected in (("lora_A", lora_a, (rank, in_features)), ("lora_B", lora_b, (out_features, rank))):
+    for kind, expected in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank))):
+        key, tensor = pair[kind]
         if tuple(tensor.shape) != expected:
             raise adapter_error(
                 name,
-                f"{tensor_label(f'{module_path}.{kind}.weight')} has shape {tuple(tensor.shape)}, expected {expected} "
+                f"{tensor_label(key)} has shape {tuple(tensor.shape)}, expected {expected} "
                 f"(rank {rank} from the adapter's config, base model {shape[0]}->{shape[1]})",
                 "use an adapter trained for this base model, with r/rank_pattern matching its tensors (an update "
                 "sent without a config keeps the current version's)",
             )
 
 
-def _warn_missing_modules(name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes, present: dict) -> None:
+def _warn_missing_modules(
+    name: str, settings: dict[str, tuple[int, float]], target_shapes: LoRATargetShapes, present: dict
+) -> None:
     missing = [
-        p
-        for layer, module, p in target_shapes.all_module_paths()
-        if config.targets(p) and (layer, module) not in present
+        p for layer, module, p in target_shapes.all_module_paths() if p in settings and (layer, module) not in present
     ]
     if missing:
         logger.warning(

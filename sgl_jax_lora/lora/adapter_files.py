@@ -27,20 +27,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import numpy as np
 
 from sgl_jax_lora.lora.safetensors_layout import (
-    MAX_HEADER_BYTES,
     SafetensorsLayoutError,
-    safetensors_entries,
+    read_header,
     safetensors_layout,
 )
 
@@ -73,9 +71,22 @@ def is_within(path: str, allowed_dirs: list[str] | tuple[str, ...]) -> bool:
     return False
 
 
+def real_path(name: str, path: str) -> str:
+    """`path` resolved (os.path.realpath); an adapter error where it changed while it was resolved (a component
+    swapped between a symlink and a file: realpath's readlink fails)."""
+    try:
+        return os.path.realpath(path)
+    except OSError:
+        raise adapter_error(
+            name,
+            f"path '{shown(path)}' changed while it was resolved (a symlink in it was replaced)",
+            "load the adapter again once its files are no longer being changed",
+        ) from None
+
+
 def confined_dir(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...]) -> str:
     """The resolved adapter directory, refused unless it lies inside an allowed directory."""
-    real = os.path.realpath(path)
+    real = real_path(name, path)
     if not is_within(real, allowed_dirs) or not os.path.isdir(real):
         raise adapter_error(
             name,
@@ -87,7 +98,7 @@ def confined_dir(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...]
 
 def confined_file(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> str:
     """`path` resolved (symlinks followed); with `allowed_dirs`, refused unless the target lies inside one."""
-    real = os.path.realpath(path)
+    real = real_path(name, path)
     if allowed_dirs is not None and not is_within(real, allowed_dirs):
         raise adapter_error(
             name,
@@ -272,15 +283,6 @@ def _float32_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.
     return {key: whole[b // size : e // size].reshape(shape) for key, _, shape, b, e in entries}, whole
 
 
-def _safetensors_entries(name: str, data: bytes) -> list[tuple[str, str, tuple[int, ...], memoryview]]:
-    """A safetensors file's bytes -> [(name, dtype, shape, a view of its bytes in `data`)], the layout checked
-    (safetensors_layout.py: no copy, and no GIL held through one)."""
-    try:
-        return safetensors_entries(data)
-    except SafetensorsLayoutError as e:
-        raise _invalid_safetensors(name, e) from e
-
-
 def _invalid_safetensors(name: str, error: SafetensorsLayoutError) -> LoRAAdapterError:
     return adapter_error(
         name,
@@ -310,26 +312,42 @@ def non_float_error(name: str, key: str, dtype: object) -> LoRAAdapterError:
 
 
 def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors file's header (8-byte little-endian length, then JSON), reading no
-    tensor data: registration validates shapes in milliseconds however large the adapter. The data is checked by
-    the library when it is read."""
-    invalid = adapter_error(
-        name,
-        f"{WEIGHTS_FILE} does not start with a valid safetensors header",
-        "re-save the adapter with peft's save_pretrained (safe_serialization=True)",
-    )
-    prefix = f.read(8)
-    if len(prefix) != 8 or int.from_bytes(prefix, "little") > MAX_HEADER_BYTES:
-        raise invalid
-    raw = f.read(int.from_bytes(prefix, "little"))
+    """Tensor name -> shape from a safetensors file's header, reading no tensor data: registration validates shapes in
+    milliseconds however large the adapter. The file's size must be what the header describes."""
+    return {key: shape for key, _, shape, _, _ in _read_header(name, f)[1]}
+
+
+def read_weights_file(
+    name: str, f: BinaryIO, check_shapes: Callable[[dict[str, tuple[int, ...]]], None] | None = None
+) -> bytearray:
+    """A safetensors file's whole bytes, read header first: the file's size checked against the header, then
+    `check_shapes(name -> shape)` (the caller's validation against the model), and only then the tensors, so a file
+    of more bytes than a valid adapter holds is refused before they are read."""
+    head, entries = _read_header(name, f)
+    if check_shapes is not None:
+        check_shapes({key: shape for key, _, shape, _, _ in entries})
+    data_len = max((end for *_, end in entries), default=0)
+    data = bytearray(len(head) + data_len)
+    data[: len(head)] = head
+    if f.readinto(memoryview(data)[len(head) :]) != data_len:
+        raise adapter_error(
+            name, f"{WEIGHTS_FILE} ended early (it changed while it was read)", "load the adapter again later"
+        )
+    return data
+
+
+def _read_header(name: str, f: BinaryIO) -> tuple[bytes, list[tuple[str, str, tuple[int, ...], int, int]]]:
     try:
-        header = json.loads(raw)
-        shapes = {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise invalid from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for shape in shapes.values() for d in shape):
-        raise invalid
-    return shapes
+        return read_header(f)
+    except SafetensorsLayoutError as e:
+        raise adapter_error(
+            name,
+            f"{WEIGHTS_FILE} is not a valid safetensors file ({e})",
+            "re-save the adapter with peft's save_pretrained (safe_serialization=True)",
+        ) from None
+
+
+CHECK_CHUNK_BYTES = 16 << 20  # the frontend reads an adapter's tensors this many bytes at a time
 
 
 def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> None:
@@ -344,15 +362,27 @@ def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | t
     if not os.path.isfile(weights):
         return  # the engine's loader names what is missing
     with open_confined(name, weights, allowed_dirs) as f:
-        data = f.read()
-    for key, dtype, _, raw in _safetensors_entries(name, data):  # on the raw bits: no float32 copy of the adapter
-        if dtype not in _EXPONENT_BITS:
-            raise non_float_error(name, key, dtype)
-        if raw_holds_non_finite(dtype, raw):
-            raise non_finite_error(name, key)
-        if dtype == "F64" and np.abs(np.frombuffer(raw, "<f8")).max(initial=0.0) > FLOAT32_MAX:
-            raise adapter_error(  # finite in float64, Inf once served (LoRA runs in 32 bits at most)
-                name,
-                f"{tensor_label(key)} in {WEIGHTS_FILE} holds values beyond float32's range (|x| > 3.4e38)",
-                "re-save the adapter in float32, float16 or bfloat16 with its values in range",
-            )
+        head, entries = _read_header(name, f)
+        for key, dtype, _, begin, end in sorted(entries, key=lambda e: e[3]):  # back to back, in the file's order
+            if dtype not in _EXPONENT_BITS:
+                raise non_float_error(name, key, dtype)
+            f.seek(len(head) + begin)
+            for start in range(begin, end, CHECK_CHUNK_BYTES):  # a bounded piece at a time: never the whole file
+                raw = f.read(min(CHECK_CHUNK_BYTES, end - start))  # a multiple of the dtype's size
+                if len(raw) != min(CHECK_CHUNK_BYTES, end - start):
+                    raise adapter_error(
+                        name, f"{WEIGHTS_FILE} ended early (it changed while it was read)", "load the adapter again"
+                    )
+                _check_raw_values(name, key, dtype, raw)
+
+
+def _check_raw_values(name: str, key: str, dtype: str, raw: bytes) -> None:
+    """A piece of a tensor's bytes, on the raw bits (no float32 copy): no NaN or Inf, float64 within float32's range."""
+    if raw_holds_non_finite(dtype, raw):
+        raise non_finite_error(name, key)
+    if dtype == "F64" and np.abs(np.frombuffer(raw, "<f8")).max(initial=0.0) > FLOAT32_MAX:
+        raise adapter_error(  # finite in float64, Inf once served (LoRA runs in 32 bits at most)
+            name,
+            f"{tensor_label(key)} in {WEIGHTS_FILE} holds values beyond float32's range (|x| > 3.4e38)",
+            "re-save the adapter in float32, float16 or bfloat16 with its values in range",
+        )

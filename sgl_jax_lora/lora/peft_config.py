@@ -5,13 +5,9 @@ reads `adapter_config.json`, refuses unsupported forms) -> `resolve_weights_file
 (adapter.py: tensors, shapes, scaling) -> host cache -> device slot. Adapters from memory
 (`/load_lora_adapter_from_tensors`, `/update_lora_adapter`) enter at `parse_peft_config(name, dict)`.
 
-Module targeting, rank_pattern and alpha_pattern mirror the `peft` library's own rules so that the
-same module gets the same rank, alpha and scaling here as in `PeftModel`:
-  - target_modules as a string: `re.fullmatch(pattern, module_path)`;
-  - as a list: exact full path, or path ending in `.{name}`; only then `layers_to_transform` applies,
-    the layer index being the first number after a `{layers_pattern}.` segment (any segment if unset);
-  - rank_pattern / alpha_pattern: the first key (in file order) with `re.match(rf"(.*\\.)?({key})$", path)`.
-Paths are relative to the HF `*ForCausalLM` model, e.g. `model.layers.3.self_attn.q_proj`.
+Module targeting, rank_pattern and alpha_pattern follow the `peft` library's own rules (peft_targets.py), evaluated
+once per adapter over the base model's module paths (module_settings.py). Paths are relative to the HF
+`*ForCausalLM` model, e.g. `model.layers.3.self_attn.q_proj`.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import os
 import re
 from collections.abc import Callable
 
+from sgl_jax_lora.lora import peft_targets
 from sgl_jax_lora.lora.adapter_files import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -50,7 +47,7 @@ MAX_CONFIG_NUMBER = 3.4028234663852886e38  # alphas become float32 scalings; NaN
 ALL_LINEAR = "all-linear"
 # Modules whose adaptation changes the vocabulary rows or the output head: never served.
 EMBEDDING_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
-_EMBEDDING_PATHS: tuple[str, ...] = ("model.embed_tokens", "lm_head")
+EMBEDDING_PATHS: tuple[str, ...] = ("model.embed_tokens", "lm_head")
 MAX_CONFIG_BYTES = 2**20  # a PEFT adapter_config.json is a few KB
 
 
@@ -70,62 +67,50 @@ class PeftLoRAConfig:
     @property
     def scaling(self) -> float:
         """Adapter-level scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rslora."""
-        return _scaling(self.lora_alpha, self.r, self.use_rslora)
+        return scaling_of(self.lora_alpha, self.r, self.use_rslora)
+
+    def pattern_fields(self) -> dict:
+        """The fields that decide which modules are targeted, and with which rank and alpha, as JSON data."""
+        return {
+            "target_modules": _json_form(self.target_modules),
+            "exclude_modules": _json_form(self.exclude_modules),
+            "rank_pattern": self.rank_pattern,
+            "alpha_pattern": self.alpha_pattern,
+            "layers_to_transform": list(self.layers_to_transform) if self.layers_to_transform else None,
+            "layers_pattern": list(self.layers_pattern) if self.layers_pattern else None,
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+        }
+
+    @property
+    def has_client_patterns(self) -> bool:
+        """Whether matching runs regular expressions the config wrote (else only fixed ones and string tests)."""
+        return (
+            isinstance(self.target_modules, str)
+            or isinstance(self.exclude_modules, str)
+            or bool(self.rank_pattern or self.alpha_pattern)
+            or bool(self.layers_to_transform and self.layers_pattern)
+        )
 
     def targets(self, module_path: str) -> bool:
-        """Whether PEFT would put a LoRA layer on `module_path` (its check_target_module_exists rule)."""
-        if self._is_excluded(module_path):
-            return False
-        if isinstance(self.target_modules, str):
-            return re.fullmatch(self.target_modules, module_path) is not None
-        if module_path in self.target_modules:
-            return True
-        if not any(module_path.endswith(f".{t}") for t in self.target_modules):
-            return False
-        if not self.layers_to_transform:
-            return True
-        layer_index = _layer_index_of(module_path, self.layers_pattern)
-        return layer_index is not None and layer_index in self.layers_to_transform
-
-    def rank_for(self, module_path: str) -> int:
-        return int(_pattern_value(self.rank_pattern, module_path, self.r))
-
-    def alpha_for(self, module_path: str) -> float:
-        return float(_pattern_value(self.alpha_pattern, module_path, self.lora_alpha))
+        """Whether PEFT would put a LoRA layer on `module_path` (in this process: trusted configs and tests)."""
+        return peft_targets.targets(self.pattern_fields(), module_path)
 
     def scaling_for(self, module_path: str) -> float:
-        """Per-module scaling exactly as PEFT's LoraLayer.update_layer computes it."""
-        return _scaling(self.alpha_for(module_path), self.rank_for(module_path), self.use_rslora)
+        """Per-module scaling exactly as PEFT's LoraLayer.update_layer computes it (in this process, as `targets`)."""
+        rank, alpha = peft_targets.rank_and_alpha(self.pattern_fields(), module_path)
+        return scaling_of(alpha, rank, self.use_rslora)
 
-    def _is_excluded(self, module_path: str) -> bool:
-        if not self.exclude_modules:
-            return False
-        if isinstance(self.exclude_modules, str):
-            return re.fullmatch(self.exclude_modules, module_path) is not None
-        return module_path in self.exclude_modules or any(module_path.endswith(f".{e}") for e in self.exclude_modules)
+    def rank_for(self, module_path: str) -> int:
+        return peft_targets.rank_and_alpha(self.pattern_fields(), module_path)[0]
 
 
-def _scaling(alpha: float, r: int, use_rslora: bool) -> float:
+def scaling_of(alpha: float, r: int, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-def _pattern_value(patterns: dict, module_path: str, default: float) -> float:
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_path):
-            return patterns[key]
-    return default
-
-
-def _layer_index_of(module_path: str, layers_pattern: tuple[str, ...] | None) -> int | None:
-    if not layers_pattern:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_path)
-    else:
-        match = None
-        for pattern in layers_pattern:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_path)
-            if match is not None:
-                break
-    return int(match.group("idx")) if match else None
+def _json_form(value: str | frozenset[str] | None) -> str | list[str] | None:
+    return sorted(value) if isinstance(value, frozenset) else value
 
 
 def load_peft_config(name: str, adapter_dir: str, allowed_dirs: list[str] | None = None) -> PeftLoRAConfig:
@@ -220,6 +205,10 @@ def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | Non
         ) from None
     except UnicodeDecodeError:
         raise adapter_error(name, f"{CONFIG_FILE} is not UTF-8 text", "fix or re-save the adapter") from None
+    except RecursionError:  # lists or objects nested deeper than the JSON parser goes
+        raise adapter_error(
+            name, f"{CONFIG_FILE} is nested too deeply to be a PEFT config", "re-save the adapter"
+        ) from None
     if not isinstance(raw, dict):
         raise adapter_error(name, f"{CONFIG_FILE} is not a JSON object", "fix or re-save the adapter")
     return raw
@@ -281,31 +270,41 @@ def _refuse_unsupported(name: str, raw: dict) -> None:
 
 
 def _check_target_modules(name: str, config: PeftLoRAConfig) -> None:
+    """A list names only modules LoRA can target; a string (a regular expression) compiles: which modules it matches
+    is known once the base model's paths are (module_settings.py, which also refuses the embedding layers)."""
     supported = ", ".join(LORA_TARGET_MODULES)
     targets = config.target_modules
     if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error:
-            raise adapter_error(
-                name,
-                "target_modules (a string) is not a valid regular expression",
-                "fix target_modules in adapter_config.json",
-            ) from None
-        hit = [p for p in _EMBEDDING_PATHS if config.targets(p)]
-        if hit:
-            raise _embedding_error(name, hit[0].rsplit(".", 1)[-1])
+        _check_regex(name, "target_modules", targets)
         return
     for target in sorted(targets):
         short = target.rsplit(".", 1)[-1]
         if short in EMBEDDING_MODULES:
-            raise _embedding_error(name, short)
+            raise embedding_error(name, short)
         if short not in LORA_TARGET_MODULES:
             problem = f"target_modules names {tensor_label(target, 'module')}, which LoRA cannot target"
             raise adapter_error(name, problem, f"LoRA can target only: {supported}")
 
 
-def _embedding_error(name: str, module: str) -> LoRAAdapterError:
+MAX_PATTERN_CHARS = 4096  # one regular expression of a config; PEFT's are tens of characters
+
+
+def _check_regex(name: str, field: str, pattern: str, template: str = "{}") -> None:
+    """`pattern` (the config's `field`, or one of its keys) is of a sane length and compiles, placed in `template`
+    as PEFT places it; it is never shown."""
+    problem = None
+    if len(pattern) > MAX_PATTERN_CHARS:
+        problem = f"{field} has a regular expression of {len(pattern)} characters (at most {MAX_PATTERN_CHARS})"
+    else:
+        try:
+            re.compile(template.format(pattern))
+        except (re.error, RecursionError, OverflowError):
+            problem = f"{field} has a string that is not a valid regular expression"
+    if problem:
+        raise adapter_error(name, problem, f"fix {field} in {CONFIG_FILE}")
+
+
+def embedding_error(name: str, module: str) -> LoRAAdapterError:
     """`module`: one of EMBEDDING_MODULES (this file's own names, never the config's text)."""
     return adapter_error(
         name,
@@ -315,16 +314,13 @@ def _embedding_error(name: str, module: str) -> LoRAAdapterError:
 
 
 def _check_patterns(name: str, config: PeftLoRAConfig) -> None:
+    if isinstance(config.exclude_modules, str):
+        _check_regex(name, "exclude_modules", config.exclude_modules)
+    for pattern in config.layers_pattern or ():  # each becomes part of a regular expression, as in PEFT
+        _check_regex(name, "layers_pattern", pattern, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
     for field, patterns in (("rank_pattern", config.rank_pattern), ("alpha_pattern", config.alpha_pattern)):
         for key, value in patterns.items():
-            try:
-                re.compile(key)
-            except re.error:
-                raise adapter_error(
-                    name,
-                    f"{field} has a key that is not a valid regular expression",
-                    f"fix {field} in adapter_config.json",
-                ) from None
+            _check_regex(name, field, key, r"(.*\.)?({})$")
             if field == "rank_pattern" and not (_is_int(value) and 0 < value <= MAX_CONFIG_INT):
                 raise _field_error(name, "rank_pattern", "a dict of positive integers (ranks)", value)
             if field == "alpha_pattern" and not (_is_number(value) and value >= 0):

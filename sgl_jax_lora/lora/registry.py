@@ -125,7 +125,10 @@ class LoRARegistry:
         holding a NUL, which the OS refuses)."""
         if "\0" in path:
             return None
-        name = self._names_by_path.get(os.path.realpath(path))
+        try:
+            name = self._names_by_path.get(os.path.realpath(path))
+        except OSError:  # a component swapped between a symlink and a file while it was resolved: no directory
+            return None
         return None if name is None else self._refs.get(name)
 
     def get(self, name: str) -> LoRARef | None:

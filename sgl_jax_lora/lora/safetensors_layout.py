@@ -3,7 +3,8 @@
 Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies), check_adapter_files (the
 frontend) and tensor_file.map_tensor_file (the engine mapping a TensorFile) -> `safetensors_layout(data)` (the data
 region and each tensor's offsets in it) or `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its
-bytes)]), or `SafetensorsLayoutError` saying what is wrong. The checks are the safetensors library's: an 8-byte
+bytes)]), or `SafetensorsLayoutError` saying what is wrong. A file is read header first (`read_header`, checked
+against the file's size), so that no more bytes are read than its header names. The checks are the safetensors library's: an 8-byte
 little-endian header length, a JSON object of entries (and an optional `__metadata__`), each with a known dtype, a
 shape of non-negative integers and data_offsets whose span is the shape times the dtype's size, the entries back to
 back from the start of the data to its end.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from typing import BinaryIO
 
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit on a header
 
@@ -56,26 +59,52 @@ def safetensors_layout(data: bytes | memoryview) -> tuple[memoryview, list[tuple
     view = memoryview(data)
     if len(view) < 8:
         raise SafetensorsLayoutError(f"{len(view)} bytes, shorter than a header")
-    header_len = int.from_bytes(view[:8], "little")
-    if header_len > MAX_HEADER_BYTES or header_len > len(view) - 8:
+    header_len = _header_length(view[:8], len(view))
+    region = view[8 + header_len :]
+    return region, header_entries(bytes(view[8 : 8 + header_len]), len(region))
+
+
+def read_header(f: BinaryIO) -> tuple[bytes, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """(the file's first bytes up to the end of its header, its entries as `safetensors_layout` gives them), read
+    from `f` at its start and checked against the file's size before any tensor is read: a file larger or smaller
+    than its header describes is refused here, so a caller reads no more than the tensors the header names."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise SafetensorsLayoutError(f"{len(prefix)} bytes, shorter than a header")
+    header_len = _header_length(prefix, size)
+    raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise SafetensorsLayoutError("the file ended inside its header (it changed while it was read)")
+    return prefix + raw, header_entries(raw, size - 8 - header_len)
+
+
+def _header_length(prefix: bytes | memoryview, total: int) -> int:
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > MAX_HEADER_BYTES or header_len > total - 8:
         raise SafetensorsLayoutError("header longer than the data")
+    return header_len
+
+
+def header_entries(raw: bytes, data_len: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """The entries of a header's JSON bytes, checked against a data region of `data_len` bytes: each a known dtype,
+    its shape's size, all back to back from the region's start to its end."""
     try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep for json
         raise SafetensorsLayoutError("header is not JSON") from None
     if not isinstance(header, dict):
         raise SafetensorsLayoutError("header is not a JSON object")
     header.pop("__metadata__", None)
-    region = view[8 + header_len :]
-    entries = [(key, *_entry(key, entry, len(region))) for key, entry in header.items()]
+    entries = [(key, *_entry(key, entry, data_len)) for key, entry in header.items()]
     position = 0
     for *_, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
         if begin != position:
             raise SafetensorsLayoutError("tensors overlap or leave a gap in the data")
         position = end
-    if position != len(region):
-        raise SafetensorsLayoutError("the data is longer than its tensors")
-    return region, entries
+    if position != data_len:
+        raise SafetensorsLayoutError(f"the data is {data_len} bytes, but its tensors take {position}")
+    return entries
 
 
 def _entry(key: str, entry: object, data_len: int) -> tuple[str, tuple[int, ...], int, int]:

@@ -27,10 +27,17 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
-from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, check_adapter_files, confined_dir, is_within, shown
+from sgl_jax_lora.lora.adapter_files import (
+    LoRAAdapterError,
+    check_adapter_files,
+    confined_dir,
+    is_within,
+    real_path,
+    shown,
+)
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import parse_peft_config
-from sgl_jax_lora.lora.registry import DirectoryTakenError, LoRARegistry
+from sgl_jax_lora.lora.registry import DirectoryTakenError, LoRARegistry, UnknownLoRAError
 from sgl_jax_lora.managers.engine_client import EngineDeadError
 from sgl_jax_lora.managers.io_struct import EngineCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall
 from sgl_jax_lora.server_args import ServerArgs, served_model_name
@@ -81,7 +88,18 @@ class LoRAFrontend:
         if name not in self.registry:
             ref = self.registry.find_by_path(lora_path)
             if ref is None and self.is_allowed_dir(lora_path):
-                ref = await self._load_on_demand(os.path.realpath(lora_path))
+                ref = await self._load_on_demand(real_path(lora_path, lora_path))
+            if ref is None and os.sep in lora_path:  # a path that is neither loaded nor loadable: say both
+                loadable = (
+                    "it is not an adapter directory inside --lora-allowed-dirs (a request may load only those)"
+                    if self.args.lora_allowed_dirs
+                    else "this server lets requests load no directory (no --lora-allowed-dirs)"
+                )
+                raise UnknownLoRAError(
+                    f"adapter '{shown(lora_path)}': no adapter is loaded from this path, and {loadable}; load it "
+                    "with POST /load_lora_adapter under a name (offline: Engine.load_lora_adapter), or ask the "
+                    "operator to allow its directory"
+                )
             name = ref.lora_name if ref is not None else name
         return await self.registry.acquire(name)
 
@@ -89,7 +107,10 @@ class LoRAFrontend:
         """Whether `path` resolves to a directory inside --lora-allowed-dirs (a request may load it on demand)."""
         if "\0" in path:  # no path: the OS refuses it
             return False
-        real = os.path.realpath(path)
+        try:
+            real = os.path.realpath(path)
+        except OSError:  # a component swapped between a symlink and a file while it was resolved
+            return False
         return (
             bool(self.args.lora_allowed_dirs) and is_within(real, self.args.lora_allowed_dirs) and os.path.isdir(real)
         )
@@ -137,7 +158,7 @@ class LoRAFrontend:
                 "path holds; check the path"
             )
         allowed = None if trusted else list(self.args.lora_allowed_dirs or [])
-        real = os.path.realpath(lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
+        real = real_path(lora_name, lora_path) if trusted else confined_dir(lora_name, lora_path, allowed)
         existing = self.registry.find_by_path(real)
         if existing is not None and not trusted:
             raise DirectoryTakenError(

@@ -325,7 +325,7 @@ def test_refused_adapter_forms_keep_the_engine_serving(engine, setup, tmp_path, 
 
 
 def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
-    with pytest.raises(ValueError, match="no LoRA adapter with this name is loaded"):
+    with pytest.raises(ValueError, match=r"no adapter is loaded from this path, and this server lets requests load"):
         engine.generate(input_ids=prompt(91), lora_path=str(tmp_path))
 
 

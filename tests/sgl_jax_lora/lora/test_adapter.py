@@ -224,6 +224,35 @@ def test_adapter_for_another_model_is_refused(read, shapes: LoRATargetShapes, tm
         read("deep", str(adapter_dir), shapes)
 
 
+@READERS
+def test_tensors_must_name_the_base_models_own_modules_once(read, base_dir, shapes, tmp_path) -> None:
+    """PEFT loads a tensor only into the module its name is (after `base_model.model.`); a name of another layout
+    would be ignored by PEFT, and two names for one module would be two weights: both refused, naming them."""
+    good = write_peft_adapter(base_dir, tmp_path / "good", seed=1, target_modules=["q_proj", "v_proj"])
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert q_a in tensors
+    for case, renamed, words in [
+        ("decoder", "base_model.model.model.decoder.layers.0.self_attn.q_proj.lora_A.weight", ["not a module path"]),
+        ("moved", "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", ["not a module path"]),
+        ("padded", "base_model.model.model.layers.00.self_attn.q_proj.lora_A.weight", ["not a module path"]),
+        ("twice", "model.layers.0.self_attn.q_proj.lora_A.weight", ["holds two tensors", "q_proj'", "lora_A"]),
+    ]:
+        if case == "twice":  # the same module's lora_A under a second name (no prefix), beside the first
+            edited = {**tensors, renamed: tensors[q_a]}
+        else:  # the module's pair under another path
+            moved = {q_a: renamed, q_a.replace("lora_A", "lora_B"): renamed.replace("lora_A", "lora_B")}
+            edited = {moved.get(key, key): value for key, value in tensors.items()}
+        adapter_dir = tmp_path / case
+        adapter_dir.mkdir()
+        (adapter_dir / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
+        save_file(edited, str(adapter_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(LoRAAdapterError) as err:
+            read(case, str(adapter_dir), shapes)
+        for word in words:
+            assert word in str(err.value), (case, str(err.value))
+
+
 def _make_adapters_main() -> object:
     spec = importlib.util.spec_from_file_location("make_adapters", Path(REPO_ROOT) / "scripts" / "make_adapters.py")
     module = importlib.util.module_from_spec(spec)

@@ -291,3 +291,62 @@ def test_a_large_adapter_is_checked_on_threads_with_the_first_bad_tensor_named(m
         tensors[f"layers.{bad}.q_proj.lora_A.weight"] = np.full((4, 16), np.nan, np.float32)
     with pytest.raises(LoRAAdapterError, match=r"adapter 'big'.*layers\.3\.q_proj\.lora_A\.weight.*NaN or Inf"):
         adapter_files.refuse_any_non_finite("big", tensors)
+
+
+READS = {  # each way the server reads an adapter's weights: the frontend's check, registration, the first use
+    "check": lambda name, path, shapes: check_adapter_files(name, path, None),
+    "inspect": inspect_peft_adapter,
+    "load": load_peft_adapter,
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_file_larger_than_its_header_describes_is_refused_before_its_data_is_read(
+    clean_adapter, shapes, tmp_path, read
+):
+    """A sparse file of 4 GiB (a few KB on disk) whose header names a few KB of tensors: refused from the header and
+    the file's size, where reading it whole first took the frontend to 6.4 GB."""
+    sparse = shutil.copytree(clean_adapter, tmp_path / "sparse")
+    os.truncate(sparse / "adapter_model.safetensors", 4 << 30)
+    with pytest.raises(LoRAAdapterError, match=r"adapter 'sparse': adapter_model.safetensors is not a valid") as err:
+        READS[read]("sparse", str(sparse), shapes)
+    assert "the data is 42" in str(err.value) and "but its tensors take" in str(err.value)
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_header_nested_too_deeply_for_json_is_refused_as_not_json(clean_adapter, shapes, tmp_path, read):
+    deep = shutil.copytree(clean_adapter, tmp_path / "deep")
+    header = b"[" * 100_000 + b"]" * 100_000
+    (deep / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(LoRAAdapterError, match="header is not JSON"):
+        READS[read]("deep", str(deep), shapes)
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json is nested too deeply"):
+        inspect_peft_adapter("deep", str(deep), shapes)
+
+
+def test_the_engine_checks_the_headers_shapes_before_reading_the_tensors(clean_adapter, shapes):
+    """read_weights_file hands the shapes to the caller's check first: a refused header leaves the data unread."""
+    checked = []
+
+    def refuse(found):
+        checked.append(found)
+        raise LoRAAdapterError("refused")
+
+    with open(clean_adapter / "adapter_model.safetensors", "rb") as f:
+        with pytest.raises(LoRAAdapterError, match="refused"):
+            adapter_files.read_weights_file("a", f, refuse)
+        header_end = 8 + int.from_bytes((clean_adapter / "adapter_model.safetensors").read_bytes()[:8], "little")
+        assert f.tell() == header_end  # nothing past the header was read
+    assert checked and all(isinstance(shape, tuple) for shape in checked[0].values())
+
+
+def test_a_path_that_changes_while_it_is_resolved_is_an_adapter_error(dirs, monkeypatch):
+    allowed, _ = dirs
+
+    def flipping(path, *args, **kwargs):  # what realpath's readlink raises when a symlink became a file meanwhile
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os.path, "realpath", flipping)
+    with pytest.raises(LoRAAdapterError, match="changed while it was resolved"):
+        confined_dir("racy", str(allowed / "a"), [str(allowed)])

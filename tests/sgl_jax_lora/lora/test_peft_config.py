@@ -69,7 +69,12 @@ def test_rank_and_alpha_patterns_and_rslora_set_each_modules_scaling():
         ),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "peft_type": "IA3"}, "peft_type is not LORA"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["lm_head"]}, r"embedding/output layer \(lm_head\)"),
-        ({"r": 4, "lora_alpha": 8, "target_modules": ".*embed_tokens"}, r"embedding/output layer \(embed_tokens\)"),
+        ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "exclude_modules": "(("}, "exclude_modules has a"),
+        (
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "(("},
+            "layers_pattern has a string that is not a valid regular expression",
+        ),
+        ({"r": 4, "lora_alpha": 8, "target_modules": "q" * 5000}, "regular expression of 5000 characters"),
         ({"r": 4, "lora_alpha": 8, "target_modules": ["conv"]}, "names module .conv., which LoRA cannot target"),
         ({"r": 4, "lora_alpha": 8, "target_modules": "("}, "not a valid regular expression"),
         (
@@ -84,7 +89,10 @@ def test_rank_and_alpha_patterns_and_rslora_set_each_modules_scaling():
             {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "alpha_pattern": {"q_proj": -(10**400)}},
             "alpha_pattern must be a dict of non-negative numbers",
         ),
-        ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "alpha_pattern": {"[": 1}}, "alpha_pattern has a key"),
+        (
+            {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "alpha_pattern": {"[": 1}},
+            "alpha_pattern has a string",
+        ),
     ],
 )
 def test_a_config_that_cannot_be_served_is_refused_naming_the_problem(raw, message):
