@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import threading
@@ -55,6 +57,10 @@ class Engine:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if self._closed:  # shutdown() cancelled it
+                raise RuntimeError("this Engine was shut down while the call ran; its requests were aborted") from None
+            raise
         except BaseException:
             future.cancel()
             raise
@@ -147,6 +153,10 @@ class Engine:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        if self._thread.is_alive():  # calls still running (on other threads) end with RuntimeError, not for ever
+            cancelled = asyncio.run_coroutine_threadsafe(_cancel_other_tasks(), self._loop)
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                cancelled.result(timeout=SHUTDOWN_CANCEL_S)
         self.tokenizer_manager.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -156,6 +166,17 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+SHUTDOWN_CANCEL_S = 10.0  # how long shutdown() waits for the calls still running to end
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel every task on the running loop but this one (each call's, which aborts its requests) and wait for them."""
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def _plain(value: object) -> object:

@@ -89,6 +89,30 @@ def test_calls_after_shutdown_raise_instead_of_waiting():
             call()
 
 
+def test_a_call_running_on_another_thread_ends_when_the_engine_shuts_down():
+    """shutdown() while generate() runs on another thread: the call raises (its requests aborted) instead of waiting
+    for ever on a loop that stopped."""
+    eng = Engine(**ENGINE_ARGS)
+    outcome: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 100, "ignore_eos": True})
+        except BaseException as e:  # noqa: BLE001 - what the call raised is the result
+            outcome.append(e)
+
+    caller = threading.Thread(target=generate)
+    caller.start()
+    deadline = time.monotonic() + 120
+    while eng.get_server_info()["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # poll interval of a bounded wait: until the request runs
+    eng.shutdown()
+    caller.join(60)
+    assert not caller.is_alive(), "generate() still waits on a shut-down engine"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "shut down while the call ran" in str(outcome[0])
+
+
 def test_an_interrupt_during_startup_leaves_no_engine_process():
     before = set(multiprocessing.active_children())  # other engines of this test process
     watcher = interrupt_main_when(lambda: bool(set(multiprocessing.active_children()) - before))
