@@ -80,10 +80,19 @@ class LoRASetup:
         return list(self.args.lora_allowed_dirs or []) if ref.confined else None
 
     def from_memory(
-        self, ref: LoRARef, tensors_paths: list[str], config: dict, checked_finite: bool = False
+        self,
+        ref: LoRARef,
+        tensors_paths: list[str],
+        config: dict | None,
+        checked_finite: bool = False,
+        replaces: LoRARef | None = None,
     ) -> LoRAAdapter:
         """Validate a TensorFile's tensors + adapter_config.json fields and keep the host adapter for `ref.lora_id`
-        (`checked_finite`: the frontend already refused NaN and Inf as it wrote the files)."""
+        (`checked_finite`: the frontend already refused NaN and Inf as it wrote the files). An update (`replaces`:
+        the current version) without a config keeps that version's, and must then hold every module it has."""
+        kept_config = config is None
+        if kept_config:
+            config = self.config_of(replaces)
         adapter = adapter_from_tensors(
             ref.lora_name,
             map_tensor_files(ref.lora_name, tensors_paths),
@@ -93,8 +102,28 @@ class LoRASetup:
             path=ref.lora_path,
             checked_finite=checked_finite,
         )
+        if kept_config and replaces is not None:
+            self._refuse_partial_update(ref.lora_name, replaces, adapter)
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter
+
+    def _refuse_partial_update(self, name: str, current: LoRARef, update: LoRAAdapter) -> None:
+        """An update under the current config that leaves out modules the current version has would serve them as
+        zero, silently: refused, naming how many and one of them."""
+        if current.lora_id in self.in_memory:
+            had = set(self.in_memory[current.lora_id][0].weights)
+            missing = sorted(had - set(update.weights))
+            example = f"layer {missing[0][0]} {missing[0][1]}" if missing else ""
+        else:  # a directory: its modules by name, from the headers
+            missing = sorted(self.inspect(current).target_modules - update.target_modules)
+            example = missing[0] if missing else ""
+        if missing:
+            raise adapter_error(
+                name,
+                f"the update leaves out {len(missing)} module(s) the current version has (e.g. {example}), which "
+                "would serve as zero",
+                "send every module's tensors, or send a config whose target_modules names only those sent",
+            )
 
     def config_of(self, ref: LoRARef) -> dict:
         """The adapter_config.json fields of a registered adapter (an update keeps them unless it gives new ones)."""

@@ -179,7 +179,8 @@ def _read_config_json(name: str, adapter_dir: str, allowed_dirs: list[str] | Non
     if not os.path.isdir(adapter_dir):
         raise adapter_error(
             name,
-            f"adapter directory {shown(adapter_dir)!r} does not exist",
+            f"adapter directory {shown(adapter_dir)!r} "
+            f"{'is a file, not a directory' if os.path.exists(adapter_dir) else 'does not exist'}",
             "check the adapter path (a directory written by peft's save_pretrained)",
         )
     path = os.path.join(adapter_dir, CONFIG_FILE)

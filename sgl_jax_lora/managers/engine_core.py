@@ -344,9 +344,7 @@ class EngineCore:
         old = self.lora.refs.get(replaces) if replaces is not None else None
         if replaces is not None and old is None:
             raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
-        adapter = self.lora_setup.from_memory(
-            ref, tensors_paths, config if config is not None else self.lora_setup.config_of(old), checked_finite
-        )
+        adapter = self.lora_setup.from_memory(ref, tensors_paths, config, checked_finite, replaces=old)
         if old is not None:
             self.lora.unpin(old.lora_id)
         try:

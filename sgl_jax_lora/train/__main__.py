@@ -56,9 +56,12 @@ def prepare_output_dir(path: str) -> None:
     """Create the output directory and check it takes files, before any training (OSError names the problem)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise OSError(f"--output-dir {path} is a file; name a directory")
-    os.makedirs(path, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):
-        pass
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise OSError(f"--output-dir {path} cannot take files ({e.strerror}); name a writable directory") from None
 
 
 def train(args: argparse.Namespace) -> list[float]:
@@ -71,7 +74,10 @@ def train(args: argparse.Namespace) -> list[float]:
 
     prepare_output_dir(args.output_dir)
     tokenizer = load_tokenizer(args.model_path, "--model-path")
-    examples = read_examples(args.data, tokenizer, args.max_len)
+    try:
+        examples = read_examples(args.data, tokenizer, args.max_len)
+    except OSError as e:
+        raise OSError(f"--data {args.data} cannot be read ({e.strerror}); name a JSONL file of examples") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = LoRATrainer(
         args.model_path,
@@ -87,13 +93,15 @@ def train(args: argparse.Namespace) -> list[float]:
     with tqdm(range(args.steps), desc="training", unit="step") as bar:
         for _ in bar:
             input_ids, loss_mask = next(stream)
-            losses.append(trainer.step({"input_ids": input_ids, "loss_mask": loss_mask}))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if not math.isfinite(losses[-1]):
+            try:
+                losses.append(trainer.step({"input_ids": input_ids, "loss_mask": loss_mask}))
+            except ValueError as e:  # a step the trainer refused: a non-finite loss or update (train/step_guard.py)
+                started = f" (it started at {losses[0]:.4f})" if losses else ""
                 raise ValueError(
-                    f"the loss became {losses[-1]} at step {len(losses)} (it started at {losses[0]:.4f}); no adapter "
-                    "written: lower --lr, or train in float32 (--dtype)"
-                )
+                    f"step {len(losses) + 1} failed{started}: {e}; no adapter written: lower --lr, or train in "
+                    "float32 (--dtype)"
+                ) from None
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
     save_peft_adapter(trainer.lora, args.output_dir, os.path.abspath(args.model_path))
     written = save_curve(os.path.join(args.output_dir, "loss"), "loss", losses)
     print(

@@ -25,6 +25,7 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams
+from sgl_jax_lora.train.step_guard import checked_batch, finite_or_previous, raise_if_refused
 from sgl_jax_lora.train.trainer import Loss, sft_loss
 
 NO_ADAPTER = LoRAParams(weights={}, scaling=0.0, rank=0, lora_alpha=0.0)
@@ -50,12 +51,18 @@ class FullTrainer:
             )
 
         value, grads = jax.value_and_grad(loss_of)(state)
-        updates, opt_state = self.optimizer.update(grads, opt_state, state)
-        return optax.apply_updates(state, updates), opt_state, value
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, state)
+        new = (optax.apply_updates(state, updates), new_opt_state)
+        (state, opt_state), kept = finite_or_previous(new, (state, opt_state), value)
+        return state, opt_state, value, kept
 
     def step(self, batch: dict[str, np.ndarray]) -> float:
-        """One optax update on batch (input_ids [B, S] i32 plus what the loss reads); -> the loss before it."""
-        self.state, self.opt_state, value = self._step(self.state, self.opt_state, batch)
+        """One optax update on batch (input_ids [B, S] integer token ids plus what the loss reads); -> the loss
+        before it. A malformed batch, or a step whose loss or weights turn non-finite, raise ValueError (the weights
+        stay as they were: train/step_guard.py)."""
+        batch = checked_batch(batch, self.cfg.vocab_size)
+        self.state, self.opt_state, value, kept = self._step(self.state, self.opt_state, batch)
+        raise_if_refused(float(value), bool(kept))
         return float(value)
 
     def hf_tensors(self) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ tokens) for fine-tuning; scripts/rl_lora.py passes a policy-gradient loss.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams, init_lora_params
+from sgl_jax_lora.train.step_guard import checked_batch, finite_or_previous, raise_if_refused
 
 Loss = Callable[[jax.Array, dict], jax.Array]
 
@@ -52,8 +54,12 @@ class LoRATrainer:
         load_format: str = "auto",
     ):
         """load_format "dummy": random base weights of the config's shapes (benchmarks), as the engine's flag."""
+        if isinstance(target_modules, str):
+            target_modules = (target_modules,)
+        _check_settings(rank, lora_alpha, dtype)
         self.model_path = model_path
         cfg = ModelConfig.from_model_path(model_path)
+        self.vocab_size = cfg.vocab_size
         with open(os.path.join(model_path, "config.json")) as f:
             self.target_shapes = LoRATargetShapes.from_hf_config(json.load(f))
         mesh = make_mesh(1)
@@ -76,14 +82,36 @@ class LoRATrainer:
             return self.loss(token_logprobs(self.graphdef, base_state, params, batch["input_ids"]), batch)
 
         value, grads = jax.value_and_grad(loss_of)(lora)
-        updates, opt_state = self.optimizer.update(grads, opt_state, lora)
-        return optax.apply_updates(lora, updates), opt_state, value
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, lora)
+        new = (optax.apply_updates(lora, updates), new_opt_state)
+        (lora, opt_state), kept = finite_or_previous(new, (lora, opt_state), value)
+        return lora, opt_state, value, kept
 
     def step(self, batch: dict[str, np.ndarray]) -> float:
-        """One optax update on batch (input_ids [B, S] i32 plus what the loss reads); -> the loss before it."""
-        self.lora, self.opt_state, value = self._step(self.base_state, self.lora, self.opt_state, batch)
+        """One optax update on batch (input_ids [B, S] integer token ids plus what the loss reads); -> the loss
+        before it. ValueError for a malformed batch, and for a step whose loss or updated adapter is not finite (then
+        the adapter stays as it was: train/step_guard.py)."""
+        batch = checked_batch(batch, self.vocab_size)
+        self.lora, self.opt_state, value, kept = self._step(self.base_state, self.lora, self.opt_state, batch)
+        raise_if_refused(float(value), bool(kept))
         return float(value)
 
     def token_logprobs(self, input_ids: np.ndarray) -> np.ndarray:
         """input_ids [B, S] -> [B, S-1] log-probabilities of each next token under the current adapter."""
-        return np.asarray(self._logprobs(self.base_state, self.lora, jnp.asarray(input_ids, jnp.int32)))
+        ids = checked_batch({"input_ids": input_ids}, self.vocab_size)["input_ids"]
+        return np.asarray(self._logprobs(self.base_state, self.lora, jnp.asarray(ids)))
+
+
+def _check_settings(rank: object, lora_alpha: object, dtype: object) -> None:
+    """LoRATrainer's arguments, named as the Python API names them."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank <= 0:
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float, np.number)):
+        raise ValueError(f"lora_alpha must be a number, got {lora_alpha!r}")
+    if not math.isfinite(lora_alpha) or lora_alpha < 0:
+        raise ValueError(f"lora_alpha must be finite and >= 0, got {lora_alpha!r}")
+    if dtype not in TRAINABLE_BASE_DTYPES:
+        raise ValueError(f"dtype must be one of {TRAINABLE_BASE_DTYPES} (the base weights' type), got {dtype!r}")
+
+
+TRAINABLE_BASE_DTYPES = ("float32", "bfloat16")

@@ -156,6 +156,11 @@ def test_update_keeps_the_config_and_refuses_tensors_it_does_not_fit(setup):
     assert engine.update_lora_adapter("keep", rescaled)["version"] == 2  # config of version 1 kept
     with pytest.raises(ValueError, match=r"has shape .* \(rank 8 from the adapter's config.*keeps the current"):
         engine.update_lora_adapter("keep", read_adapter(second)[0])  # rank 4 tensors under the r=8 config
+    partial = {k: v for k, v in rescaled.items() if "layers.0.self_attn.q_proj" in k}  # one module of 14
+    with pytest.raises(
+        ValueError, match=r"the update leaves out 13 module\(s\) the current version has \(e\.g\. layer"
+    ):
+        engine.update_lora_adapter("keep", partial)
     ids = prompt(4, 10)
     out = run(engine, ids, "keep")
     assert out["meta_info"]["lora_version"] == 2
@@ -174,6 +179,12 @@ def test_an_adapter_loaded_from_disk_is_updated_under_its_own_config(setup):
     assert logprobs(updated) == logprobs(run(engine, ids, "rescaled"))
     assert logprobs(updated) != logprobs(run(engine, ids, "first_disk"))
     assert {r["lora_name"]: r["lora_path"] for r in engine.get_server_info()["loras"]}["from_disk"] == ""
+    engine.load_lora_adapter("from_disk_again", str(first))  # a directory's modules are known by name
+    q_proj = {k: v for k, v in tensors.items() if ".q_proj." in k}
+    with pytest.raises(ValueError, match=r"leaves out 6 module\(s\) the current version has \(e\.g\. down_proj\)"):
+        engine.update_lora_adapter("from_disk_again", q_proj)
+    q_only = {**config, "target_modules": ["q_proj"]}  # a config naming what is sent: a smaller adapter, on purpose
+    assert engine.update_lora_adapter("from_disk_again", q_proj, q_only)["version"] == 2
 
 
 def test_a_running_request_finishes_on_the_version_it_started_with(setup):

@@ -177,6 +177,8 @@ def test_refused_files_and_shapes(read, base_dir: Path, shapes: LoRATargetShapes
             assert word in str(err.value), str(err.value)
 
     refused("nodir", tmp_path / "nope", "does not exist")
+    (tmp_path / "a_file").write_text("x")
+    refused("file", tmp_path / "a_file", "is a file, not a directory")
     good = write_peft_adapter(base_dir, tmp_path / "good", seed=1, r=16, lora_alpha=16)
     refused("big", good, "rank 16 > --max-lora-rank 8", "restart with --max-lora-rank 16", max_lora_rank=8)
     assert read("fits", str(good), shapes, max_lora_rank=16).rank == 16
