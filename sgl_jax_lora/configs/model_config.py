@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 
 from sgl_jax_lora.configs.generation_config import GenerationConfigError, read_generation_config
+
+logger = logging.getLogger(__name__)
 
 # HF architecture name -> (qkv bias, per-head q/k RMSNorm). Llama covers Llama-2/3 and Mistral.
 ARCHITECTURE_FLAGS: dict[str, tuple[bool, bool]] = {
@@ -177,14 +180,24 @@ class ModelConfig:
             sliding_windows=sliding_windows_of(raw, architecture, num_layers),
         )
 
-    def context_length(self, requested: int | None) -> int:
-        """The tokens a request may hold (prompt + output): --context-length, at most the model's positions."""
+    def context_length(self, requested: int | None, warn: bool = False) -> int:
+        """The tokens a request may hold (prompt + output): --context-length, at most the model's positions (`warn`:
+        log that a larger one was cut; the engine's own call says it once)."""
         if self.rope.rope_type == "dynamic" and (requested or 0) > self.max_position_embeddings:
             raise ModelConfigError(
                 f"--context-length {requested} is past this model's max_position_embeddings "
                 f"({self.max_position_embeddings}): its rope type 'dynamic' (dynamic NTK) rescales the frequencies "
                 "for each sequence length past it, which keys cached at other lengths cannot follow; pass "
                 f"--context-length {self.max_position_embeddings} or less"
+            )
+        if warn and (requested or 0) > self.max_position_embeddings:
+            logger.warning(
+                "--context-length %d is past this model's max_position_embeddings (%d): serving %d tokens a request "
+                "(pass --context-length %d or less, or leave it unset, to silence this)",
+                requested,
+                self.max_position_embeddings,
+                self.max_position_embeddings,
+                self.max_position_embeddings,
             )
         return min(requested or self.max_position_embeddings, self.max_position_embeddings)
 

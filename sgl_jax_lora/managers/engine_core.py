@@ -71,7 +71,7 @@ class EngineCore:
         self.args = args
         self.cfg = ModelConfig.from_model_path(model_path)
         self.cfg.check_tensor_parallel(args.tp_size)
-        self.context_length = self.cfg.context_length(args.context_length)
+        self.context_length = self.cfg.context_length(args.context_length, warn=True)
         self.mesh = make_mesh(args.tp_size)
         self.lora_setup = LoRASetup(args, model_path, self.mesh) if args.enable_lora else None
         self.stop_checker = StopChecker(eos_token_ids(self.cfg, tokenizer_eos, args.tokenizer_path or model_path))

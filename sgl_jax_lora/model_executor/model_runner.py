@@ -48,6 +48,7 @@ from sgl_jax_lora.model_executor.step_memory import (
     StepMemory,
     check_kv_fits,
     device_memory,
+    host_memory_available,
     kv_tokens_from_memory,
     measure_step_memory,
 )
@@ -262,6 +263,8 @@ class ModelRunner:
             tokens = args.max_total_tokens
             if memory is not None:
                 check_kv_fits(args, tokens, *memory, reserve, per_token)
+            elif (available := host_memory_available()) is not None:  # CPU: the cache lives in the host's memory
+                check_kv_fits(args, tokens, available, 0, 0, self._kv_bytes_per_device_token)
         elif memory is None:
             tokens = CPU_DEFAULT_KV_TOKENS
         else:

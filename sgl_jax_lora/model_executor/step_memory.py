@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 
 import jax
@@ -101,6 +102,14 @@ def device_memory() -> tuple[int, int] | None:
         return None
     stats = device.memory_stats() or {}
     return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if stats.get("bytes_limit") else None
+
+
+def host_memory_available() -> int | None:
+    """Bytes of physical memory free for new allocations on this host (Linux, macOS); None where unknown."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def kv_tokens_from_memory(args: ServerArgs, limit: int, used: int, reserve: int, bytes_per_token: float) -> int:

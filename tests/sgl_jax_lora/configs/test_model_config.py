@@ -62,6 +62,18 @@ def test_dynamic_ntk_is_served_within_its_positions_only():
     assert plain.context_length(4096) == 2048  # other rope types: capped at their positions
 
 
+def test_a_context_length_past_the_models_positions_is_cut_and_the_engine_says_so(caplog):
+    plain = ModelConfig.from_dict({**LLAMA, "max_position_embeddings": 2048})
+    with caplog.at_level("WARNING"):
+        assert plain.context_length(4096) == 2048 and not caplog.records  # only the engine's own call warns
+        assert plain.context_length(4096, warn=True) == 2048
+        assert plain.context_length(2048, warn=True) == 2048
+    assert [r.getMessage() for r in caplog.records] == [
+        "--context-length 4096 is past this model's max_position_embeddings (2048): serving 2048 tokens a request "
+        "(pass --context-length 2048 or less, or leave it unset, to silence this)"
+    ]
+
+
 def test_yarn_reads_as_transformers_does():
     # Qwen2.5's long-context setting, as its model card writes it
     qwen = {**LLAMA, "max_position_embeddings": 32768}

@@ -199,3 +199,13 @@ def test_memory_the_largest_step_takes_whole_fails_with_the_fix_named(model_dir,
     monkeypatch.setattr(model_runner, "device_memory", lambda: (int(reserve / 0.85), 0))
     with pytest.raises(MemoryError, match="the largest step needs .* lower --chunked-prefill-size"):
         make_core(model_dir)
+
+
+def test_on_cpu_a_cache_past_the_hosts_free_memory_is_refused_before_compiling(model_dir, monkeypatch):
+    """CPU devices report no memory: the host's free memory bounds a --max-total-tokens cache, named when the cache is
+    sized (it was refused only once the cache was placed, after the step programs compiled)."""
+    per_token = kv_bytes_per_token(make_core(model_dir, max_total_tokens=64).runner.cfg, 1, np.float32)
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: int(1000 * per_token))
+    with pytest.raises(MemoryError, match=r"--max-total-tokens 4096 needs .* lower --max-total-tokens to 992 or less"):
+        make_core(model_dir, max_total_tokens=4096)
+    assert make_core(model_dir, max_total_tokens=512).runner.num_pages == 512 // PAGE + 1
