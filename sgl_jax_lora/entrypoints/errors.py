@@ -18,6 +18,7 @@ request, the server keeps serving.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -50,22 +51,24 @@ ERROR_TYPES = {
 class APIError(Exception):
     """An error to answer with `status_code` and an OpenAI-style body."""
 
-    def __init__(self, status_code: int, message: str, code: str | None = None):
+    def __init__(self, status_code: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.code = code
+        self.param = param  # the request field at fault, where one is (OpenAI's `param`)
 
 
-def error_body(status_code: int, message: str, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status_code, "invalid_request_error"), "code": code}}
+def error_body(status_code: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    error_type = ERROR_TYPES.get(status_code, "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(status_code: int, message: str, code: str | None = None) -> JSONResponse:
+def error_response(status_code: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status_code == 401 else None
     if code == "server_busy":
         headers = {"Retry-After": "1"}
-    return JSONResponse(error_body(status_code, message, code), status_code=status_code, headers=headers)
+    return JSONResponse(error_body(status_code, message, code, param), status_code=status_code, headers=headers)
 
 
 def to_api_error(exc: Exception) -> APIError:
@@ -92,9 +95,15 @@ MAX_LISTED_PROBLEMS = 1000  # past this many, pydantic's list of them is not bui
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 for pydantic's errors: names each bad field (the first MAX_NAMED_PROBLEMS) and what was wrong with it."""
+    """A 400 for pydantic's errors: names each bad field (the first MAX_NAMED_PROBLEMS) and what was wrong with it;
+    `param` the first one's location."""
     message, code = _validation_message(errors)
-    return APIError(400, message, code)
+    fields = [_location(error) for error in _one_problem_per_union(errors) if _location(error)]
+    return APIError(400, message, code, param=shown(fields[0]) if fields and code != "invalid_json" else None)
+
+
+def _location(error: dict) -> str:
+    return ".".join(str(part) for part in error.get("loc", ()) if part != "body")
 
 
 def validation_error_of(error: ValidationError) -> APIError:
@@ -141,11 +150,12 @@ UNSUPPORTED_FEATURES = {
 
 def _validation_message(errors: list[dict]) -> tuple[str, str]:
     problems = []
+    errors = _one_problem_per_union(errors)
     for error in errors:
         if error.get("type") == "json_invalid":
             detail = error.get("ctx", {}).get("error", "invalid JSON")
             return f"malformed JSON body: {detail}", "invalid_json"
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        location = _location(error)
         if error.get("type") in ("model_type", "model_attributes_type") and not location:
             return "the request body must be a JSON object", "invalid_json"
         if len(problems) < MAX_NAMED_PROBLEMS:
@@ -153,6 +163,55 @@ def _validation_message(errors: list[dict]) -> tuple[str, str]:
     unnamed = len(errors) - len(problems)
     more = f"; and {unnamed} more problem{'s' * (unnamed > 1)}" if unnamed else ""
     return "invalid request: " + "; ".join(problems) + more, "invalid_request"
+
+
+# How a union's branches read to a client (pydantic names each branch it tried in the error's location)
+UNION_FORMS = {
+    "str": "a string",
+    "list[str]": "a list of strings",
+    "list[int]": "a list of token ids",
+    "list[list[int]]": "a list of token id lists",
+    "list[TextContentPart]": 'a list of text parts ({"type": "text", "text": ...})',
+}
+
+
+def _one_problem_per_union(errors: list[dict]) -> list[dict]:
+    """pydantic reports a value that fits no branch of a union once per branch, each location holding the branch's
+    tag (`prompt.list[int].0`); one problem per field instead: the branch's own problem where one names a feature this
+    server lacks (an image part), else the forms the field takes and the value it got."""
+    merged: list[dict | tuple] = []
+    branches: dict[tuple, list[tuple[str, dict]]] = {}
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        cut = next((i for i, part in enumerate(loc) if _is_branch_tag(part)), None)
+        if cut is None:
+            merged.append(error)
+            continue
+        if loc[:cut] not in branches:
+            branches[loc[:cut]] = []
+            merged.append(loc[:cut])
+        branches[loc[:cut]].append((loc[cut], {**error, "loc": loc[:cut] + loc[cut + 1 :]}))
+    return [item if isinstance(item, dict) else _union_problem(item, branches[item]) for item in merged]
+
+
+def _is_branch_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _union_problem(loc: tuple, members: list[tuple[str, dict]]) -> dict:
+    for _, error in members:
+        if "this server does not support" in _problem(error):
+            return error
+    forms = list(dict.fromkeys(UNION_FORMS.get(_plain_tag(tag), _plain_tag(tag)) for tag, _ in members))
+    whole = next((error for _, error in members if tuple(error["loc"]) == loc), members[0][1])  # the field's value
+    listed = forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
+    return {"type": "union", "loc": loc, "msg": f"must be {listed}", "input": whole.get("input")}
+
+
+def _plain_tag(tag: str) -> str:
+    """A branch tag without pydantic's validator wrappers: 'list[function-after[f(), TextContentPart]]' ->
+    'list[TextContentPart]'."""
+    return re.sub(r"function-(?:after|before|wrap|plain)\[[^,\]]*, (\w+)\]", r"\1", tag)
 
 
 def _problem(error: dict) -> str:
@@ -233,7 +292,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, APIError],
 
     def respond(request: Request, error: APIError) -> JSONResponse:
         on_error(request, error)
-        return error_response(error.status_code, error.message, error.code)
+        return error_response(error.status_code, error.message, error.code, error.param)
 
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         return respond(request, to_api_error(exc))

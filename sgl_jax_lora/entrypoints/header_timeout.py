@@ -28,7 +28,8 @@ H11_HEAD_LIMIT_BYTES = 16 * 1024  # h11's default limit on a request head, which
 
 def error_then_close(status: HTTPStatus, message: str, code: str) -> bytes:
     """A whole HTTP response in the API's error shape, written as is before the connection closes."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code}}).encode()
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    body = json.dumps({"error": error}).encode()
     head = (
         f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\nconnection: close\r\n"
         f"content-length: {len(body)}\r\n\r\n"

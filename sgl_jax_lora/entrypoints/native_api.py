@@ -269,7 +269,7 @@ async def streaming_response(request: Request, events: AsyncIterator[str]) -> Re
     except Exception as e:
         await events.aclose()
         error = to_api_error(e)
-        return error_response(error.status_code, error.message, error.code)
+        return error_response(error.status_code, error.message, error.code, error.param)
 
     async def body() -> AsyncIterator[str]:
         try:
@@ -280,7 +280,7 @@ async def streaming_response(request: Request, events: AsyncIterator[str]) -> Re
                         yield event
         except Exception as e:
             error = to_api_error(e)
-            yield sse(error_body(error.status_code, error.message, error.code))
+            yield sse(error_body(error.status_code, error.message, error.code, error.param))
         yield sse("[DONE]")
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from sgl_jax_lora.entrypoints.errors import APIError
 from sgl_jax_lora.managers.token_pieces import TextOffsets
 
 if TYPE_CHECKING:
@@ -20,9 +21,19 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 def finish_reason(result: dict) -> str | None:
+    """OpenAI's finish_reason of a result: "stop" or "length" (None while it runs). A request the engine aborted (a
+    step that failed, a shutdown past its timeout) has no OpenAI reason: an APIError, which a stream sends as its
+    error event and a whole response as its status, rather than a 200 whose text was cut short."""
     finish = result["meta_info"]["finish_reason"]
     if finish is None:
         return None
+    if finish["type"] == "abort":
+        raise APIError(
+            500,
+            f"generation stopped before it finished ({finish.get('message', 'aborted')}); no partial answer is "
+            "returned: retry the request",
+            "request_aborted",
+        )
     return FINISH_REASONS.get(finish["type"], finish["type"])
 
 

@@ -16,6 +16,7 @@ from sgl_jax_lora.entrypoints.errors import (
     install_error_handlers,
     to_api_error,
     validation_error,
+    validation_error_of,
 )
 from sgl_jax_lora.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
@@ -46,8 +47,11 @@ def test_internal_errors_name_the_exception():
     )
 
 
-def test_body_has_message_type_and_code():
-    assert error_body(401, "no key") == {"error": {"message": "no key", "type": "authentication_error", "code": None}}
+def test_body_has_message_type_param_and_code():
+    assert error_body(401, "no key") == {
+        "error": {"message": "no key", "type": "authentication_error", "param": None, "code": None}
+    }
+    assert error_body(400, "bad", "invalid_request", "prompt")["error"]["param"] == "prompt"
     assert error_body(418, "odd")["error"]["type"] == "invalid_request_error"  # statuses outside the table
 
 
@@ -142,7 +146,9 @@ def test_handlers_answer_every_failure_with_the_body_and_count_it():
         client.post("/n", content=b"{"),
     ]
     assert [r.status_code for r in answers] == [400, 500, 400, 404, 400]
-    assert all(set(r.json()["error"]) == {"message", "type", "code"} for r in answers)
+    assert all(set(r.json()["error"]) == {"message", "type", "param", "code"} for r in answers)
+    params = [r.json()["error"]["param"] for r in answers]
+    assert params == [None, None, "n", None, None]  # the field of a body's wrong shape; JSON itself has none
     assert "a bug" in answers[1].json()["error"]["message"]
     assert seen == [400, 500, 400, 404, 400]
 
@@ -212,3 +218,32 @@ def test_errors_a_client_can_cause_are_answered_not_raised_as_bugs(exc):
     assert response.status_code == to_api_error(exc).status_code
     if isinstance(exc, ServerBusyError):
         assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    "model, body, message",
+    [
+        (
+            CompletionRequest,
+            {"model": "m", "prompt": ["a", 1]},
+            "invalid request: prompt: must be a string, a list of token id lists, a list of token ids or a list of "
+            "strings (got ['a', 1])",
+        ),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": 5}]},
+            'invalid request: messages.0.content: must be a string or a list of text parts ({"type": "text", "text": '
+            "...}) (got 5)",
+        ),
+        (
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "invalid request: messages.0.content.0.image_url: this server does not support images; remove the field",
+        ),
+    ],
+)
+def test_a_value_that_fits_no_form_of_a_field_is_one_problem_naming_the_forms(model, body, message):
+    """pydantic reports one error per branch of a union, each located by the branch's tag; the client reads one."""
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(body)
+    assert validation_error_of(raised.value).message == message

@@ -1207,7 +1207,7 @@ def test_bad_input(http, path, body, status, fragment):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert fragment in error["message"], error
-    assert set(error) == {"message", "type", "code"}
+    assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == ERROR_TYPE[status]
     assert not server_error_growth(errors_before, server_errors(http))  # no bad input is answered with a 5xx
     # the server keeps serving
@@ -1343,6 +1343,9 @@ def test_bad_input_through_openai_client(oai):
         oai.completions.create(model="gpt-4o", prompt="hi")
     with pytest.raises(openai.BadRequestError, match="top_p"):
         oai.completions.create(model="demo-model-v2", prompt="hi", top_p=2.0)
+    with pytest.raises(openai.BadRequestError, match="prompt: must be a string, a list of token id lists") as e:
+        oai.completions.create(model="demo-model-v2", prompt=["a", 1])
+    assert e.value.param == "prompt"  # the field, as OpenAI's errors name it
     with pytest.raises(openai.BadRequestError, match=r"verbosity: this server does not support reasoning models'"):
         oai.chat.completions.create(
             model="demo-model-v2", messages=[{"role": "user", "content": "hi"}], verbosity="low"

@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.entrypoints.errors import APIError
 from sgl_jax_lora.entrypoints.openai_responses import (
     NO_ECHO,
     CompletionLogprobs,
@@ -49,11 +50,16 @@ def result(finish=None, prompt=0, completion=0, cached=0) -> dict:
         ({"type": "stop", "matched": 1}, "stop"),
         ({"type": "stop", "matched": "END"}, "stop"),
         ({"type": "length", "length": 5}, "length"),
-        ({"type": "abort"}, "abort"),
     ],
 )
 def test_finish_reason(finish, expected):
     assert finish_reason(result(finish)) == expected
+
+
+def test_an_aborted_request_is_an_error_not_a_finish_reason():
+    with pytest.raises(APIError, match=r"generation stopped before it finished \(engine error: device fault\)") as e:
+        finish_reason(result({"type": "abort", "message": "engine error: device fault"}))
+    assert (e.value.status_code, e.value.code) == (500, "request_aborted")
 
 
 def test_usage_counts_each_prompt_once_over_its_choices():
