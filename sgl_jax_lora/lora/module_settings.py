@@ -30,7 +30,14 @@ def module_settings(name: str, config: PeftLoRAConfig, module_paths: list[str]) 
     fields = config.pattern_fields()
     if not config.has_client_patterns:
         return peft_targets.settings_of(fields, module_paths)
-    settings = _settings_in_child(json.dumps({"fields": fields, "module_paths": module_paths}))
+    try:
+        settings = _settings_in_child(json.dumps({"fields": fields, "module_paths": module_paths}))
+    except (OSError, RuntimeError) as e:  # no Python to run it (an embedded interpreter), or the child failed
+        raise adapter_error(
+            name,
+            f"its regular expressions could not be matched in a child process ({e})",
+            "name the modules in target_modules as a list instead of a regular expression",
+        ) from None
     if settings is None:
         raise adapter_error(
             name,

@@ -78,3 +78,10 @@ def test_a_pattern_that_backtracks_for_ever_is_refused_while_the_process_runs_on
         hits = settings_module._settings_in_child.cache_info().hits
         module_settings("slow", config, PATHS)
     assert settings_module._settings_in_child.cache_info().hits == hits + 1
+
+
+def test_a_child_that_cannot_run_is_an_adapter_error(monkeypatch):
+    monkeypatch.setattr(settings_module.sys, "executable", "/nonexistent/python")
+    config = parse_peft_config("nochild", {"r": 4, "lora_alpha": 8, "target_modules": r".*\.q_proj"})
+    with pytest.raises(LoRAAdapterError, match="could not be matched in a child process"):
+        module_settings("nochild", config, ["model.layers.7.self_attn.q_proj.not_cached"])
