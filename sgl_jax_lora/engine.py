@@ -145,7 +145,7 @@ class Engine:
 
     def get_server_info(self) -> dict:
         info = self._run(self.tokenizer_manager.call(ServerInfoCall()))
-        return {"server_args": self.server_args.to_dict(), **info}
+        return {"server_args": self.server_args.info_dict(), **info}
 
     def shutdown(self) -> None:
         """Stop the engine process and the engine's loop; calls after it raise RuntimeError. Idempotent."""

@@ -57,12 +57,19 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def with_demo_defaults(args: ServerArgs) -> tuple[ServerArgs, str]:
     """-> (args, model path): the demo model when no --model-path is given, plus its adapters when neither
     --lora-paths nor --no-enable-lora is given. They are registered like --lora-paths (trusted, from the package),
-    so clients still load nothing else unless --lora-allowed-dirs says so."""
-    from sgl_jax_lora.demo_model import demo_adapter_paths, demo_model_path
+    so clients still load nothing else unless --lora-allowed-dirs says so. ValueError where --served-model-name takes
+    one of those adapters' names."""
+    from sgl_jax_lora.demo_model import ADAPTER_NAMES, demo_adapter_paths, demo_model_path
 
     if args.model_path is not None:
         return args, args.model_path
     if args.lora_paths is None and args.enable_lora is not False:
+        if args.served_model_name in ADAPTER_NAMES:
+            raise ValueError(
+                f"--served-model-name '{args.served_model_name}' clashes with the name of one of the demo model's "
+                f"adapters ({', '.join(ADAPTER_NAMES)}), served by default; pick another --served-model-name, or pass "
+                "--lora-paths (adapters of your own) or --no-enable-lora (none)"
+            )
         args = dataclasses.replace(args, lora_paths=[f"{name}={path}" for name, path in demo_adapter_paths().items()])
     return args, demo_model_path()
 
@@ -78,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         args, model_path = with_demo_defaults(args)
+    except ValueError as e:  # --served-model-name takes a demo adapter's name
+        parser.error(str(e))
     except OSError as e:  # the demo model's files are written to a cache directory first
         print(
             f"error: cannot write the demo model's files ({e}); set SGL_JAX_LORA_CACHE to a writable directory, or "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import numbers
 import os
 
 from sgl_jax_lora.utils.config_file import read_config_file
@@ -23,6 +24,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_c
 QUANTIZATIONS = ("fp8",)  # layers/fp8.py
 SAMPLING_DEFAULTS = ("model", "openai")  # configs/generation_config.py
 SCHEDULING_POLICIES = ("fcfs", "priority")  # managers/request_priority.py checks each request under them
+LORA_EVICTION_POLICIES = ("lru", "fifo")  # lora/eviction.py
+LOG_LEVELS = ("debug", "info", "warning", "error")  # uvicorn takes them too (lowercase)
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # a step's token budget unless --chunked-prefill-size says otherwise
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/sgl_jax_lora/xla-cache"
 
@@ -89,7 +92,9 @@ class ServerArgs:
         "token budget of a step: its decode rows, then prefill chunks up to this many tokens in all, over any number of prompts (longer prompts are chunked; at least 32 prefill tokens per step); default: 2048, or the context length when shorter; lower it to keep time per output token steady under a burst of prompts, raise it for throughput",
         type=int,
     )
-    max_prefill_seqs: int = _f(8, "max prompts prefilled (chunks) in one step")
+    max_prefill_seqs: int = _f(
+        8, "max prompts prefilled (chunks) in one step; at most the step's token budget (--chunked-prefill-size)"
+    )
     scheduling_policy: str = _f(
         "fcfs",
         "which waiting requests are admitted first: 'fcfs' (arrival order; adapter packing may reorder within a bound, docs/lora.md), 'priority' (each request's `priority`, lower first, then as fcfs; docs/tuning.md)",
@@ -174,7 +179,7 @@ class ServerArgs:
         "run steps without adapter tokens through the LoRA kernels (zero weights) instead of a LoRA-free compiled program; saves that program's startup compilation",
     )
     lora_eviction_policy: str = _f(
-        "lru", "which device slot to evict when a new adapter needs one", choices=("lru", "fifo")
+        "lru", "which device slot to evict when a new adapter needs one", choices=LORA_EVICTION_POLICIES
     )
     lora_target_modules: list[str] | None = _f(
         None, "modules the LoRA pool covers; default: all of q,k,v,o,gate,up,down_proj", nargs="+"
@@ -198,7 +203,7 @@ class ServerArgs:
     chat_template: str | None = _f(
         None, "chat template (a Jinja file path or the template string) overriding the tokenizer's"
     )
-    log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+    log_level: str = _f("info", "logging level", choices=LOG_LEVELS)
     max_request_body_bytes: int = _f(
         16 * 1024 * 1024, "largest HTTP request body; a larger one is refused with 413 before it is read"
     )
@@ -226,12 +231,15 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_paths, (str, os.PathLike)):  # Engine(lora_paths="name=path"): one entry
-            self.lora_paths = [os.fspath(self.lora_paths)]
         if isinstance(self.lora_paths, dict):  # Engine(lora_paths={name: path})
             self.lora_paths = [f"{name}={path}" for name, path in self.lora_paths.items()]
-        if self.lora_paths:
+        for field in dataclasses.fields(self):  # Engine(tp_size=np.int64(2), lora_allowed_dirs="/adapters")
+            setattr(self, field.name, _plain_value(str(field.type), getattr(self, field.name)))
+        if isinstance(self.lora_paths, list):
             self.lora_paths = [json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths]
+        from sgl_jax_lora.server_args_checks import check_field_types  # the checks sit above the settings
+
+        check_field_types(self)  # before enable_lora is decided from them
         if self.lora_paths or self.lora_allowed_dirs:
             if self.enable_lora is False:
                 raise ValueError(
@@ -255,8 +263,10 @@ class ServerArgs:
     @classmethod
     def from_kwargs(cls, config: str | None = None, **kwargs) -> ServerArgs:
         """Engine(...)'s keywords; `config` names a JSON or YAML file of fields, which the keywords override."""
+        if config is not None and not isinstance(config, (str, os.PathLike)):
+            raise TypeError(f"config must be the path of a JSON or YAML file of settings, got {type(config).__name__}")
         if config:
-            kwargs = {**load_config_file(config), **kwargs}
+            kwargs = {**load_config_file(os.fspath(config)), **kwargs}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -264,8 +274,17 @@ class ServerArgs:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        """The fields as plain data; `enable_lora` as in effect (unset is off once the demo's adapters are decided)."""
-        return {**dataclasses.asdict(self), "enable_lora": bool(self.enable_lora)}
+        """The fields as plain data, as given: ServerArgs(**to_dict()) is these settings again (the engine process's,
+        a follower's)."""
+        return dataclasses.asdict(self)
+
+    def info_dict(self) -> dict:
+        """The fields as server info shows them: `enable_lora` as in effect (unset is off once the demo's adapters are
+        decided) and the API key redacted."""
+        info = {**self.to_dict(), "enable_lora": bool(self.enable_lora)}
+        if info.get("api_key"):
+            info["api_key"] = "<redacted>"
+        return info
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +317,25 @@ def served_model_name(args: ServerArgs, model_path: str) -> str:
     return args.served_model_name or args.model_path or os.path.basename(model_path.rstrip("/"))
 
 
+def _plain_value(type_name: str, value: object) -> object:
+    """A setting as the engine reads it: numpy numbers as int or float, a path as str, a lone string (or path)
+    where a list is expected as a one-entry list (not one entry per character), a tuple as a list."""
+    if type_name.startswith("list["):
+        if isinstance(value, (str, os.PathLike)):
+            value = [value]
+        item_type = type_name.removeprefix("list[")
+        return [_plain_value(item_type, item) for item in value] if isinstance(value, (list, tuple)) else value
+    if isinstance(value, bool):
+        return value
+    if type_name.startswith("int") and isinstance(value, numbers.Integral) and type(value) is not int:
+        return int(value)
+    if type_name.startswith("float") and isinstance(value, numbers.Real) and type(value) not in (int, float):
+        return float(value)
+    if type_name.startswith("str") and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
 def _scalar_type(type_name: object) -> type:
     text = str(type_name)
     if text.startswith("int"):
@@ -309,18 +347,26 @@ def _scalar_type(type_name: object) -> type:
 
 def parse_lora_path_spec(spec: str) -> dict:
     """'PATH' | 'NAME=PATH' | JSON {"lora_name", "lora_path", "pinned"} -> {"lora_name", "lora_path", "pinned"}."""
+    from sgl_jax_lora.server_args_checks import shown
+
     spec = spec.strip()
     if spec.startswith("{"):
         try:
             raw = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--lora-paths entry {spec!r} is not valid JSON: {e}") from e
+            raise ValueError(f"--lora-paths entry {shown(spec)} is not valid JSON: {e}") from e
         if "lora_path" not in raw:
-            raise ValueError(f"--lora-paths entry {spec!r} needs a 'lora_path'")
+            raise ValueError(f"--lora-paths entry {shown(spec)} needs a 'lora_path'")
+        pinned = raw.get("pinned")
+        if pinned is not None and not isinstance(pinned, bool):
+            raise ValueError(
+                f"--lora-paths entry {shown(spec)}: 'pinned' must be true or false, got {shown(pinned)}; "
+                "give a JSON boolean, or leave it out (not pinned)"
+            )
         return {
             "lora_name": raw.get("lora_name") or raw["lora_path"],
             "lora_path": raw["lora_path"],
-            "pinned": bool(raw.get("pinned", False)),
+            "pinned": bool(pinned),
         }
     if "=" in spec:
         name, path = spec.split("=", 1)

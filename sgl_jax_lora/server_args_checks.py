@@ -2,12 +2,13 @@
 exits 2, Engine(...) raises), before any model, tokenizer or device is touched, with an error naming the flag and
 the fix.
 
-Flow: ServerArgs.__post_init__ -> `check_server_args(args)` -> the checks by kind: choices, counts, optional counts
-and bucket lists, seconds, fractions, the network settings, the LoRA settings (each --lora-paths entry parsed, names
+Flow: ServerArgs.__post_init__ -> `check_field_types` (bools, strings and lists of strings by the fields' types) ->
+`check_server_args(args)` -> the checks by kind: choices, counts (none past MAX_COUNT), optional counts and bucket
+lists, the seed, seconds, fractions, the network settings, the LoRA settings (each --lora-paths entry parsed, names
 unique and not the served model's, --lora-allowed-dirs existing directories), a --compilation-cache-dir that can
-be written, and the multi-host settings. What depends on the model (a bucket past the context, an adapter's rank past
---max-lora-rank) is checked where the model is read. `sizes_set` names the sizing settings a user changed, for a
-startup that ran out of memory.
+be written, and the multi-host settings (refused on one host). What depends on the model (a bucket past the
+context, an adapter's rank past --max-lora-rank) is checked where the model is read. `sizes_set` names the sizing
+settings a user changed, for a startup that ran out of memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,6 +47,9 @@ OPTIONAL_POSITIVE_COUNTS = (
 )
 OPTIONAL_COUNTS = ("lora_fused_gemm_min_tokens", "gpu_gemm_min_tokens")  # 0: off; unset: the platform's default
 BUCKET_LISTS = ("token_buckets", "lora_segment_buckets")
+MAX_COUNT = 2**30  # token counts are int32 on the device; this bound leaves room to round them up to pages
+SEED_RANGE = (-(2**63), 2**63 - 1)  # jax.random.key's (dummy weights); request seeds derived from it wrap in 32 bits
+MAX_SHOWN_CHARS = 200  # a value quoted in an error is cut to this many characters (most paths stay whole)
 SECONDS = (
     ("request_header_timeout", False),
     ("request_body_timeout", False),
@@ -85,15 +90,39 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def shown(value: object) -> str:
+    """repr of a setting's value, cut for an error message (an integer of a thousand digits stays out of it)."""
+    if is_int(value) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + f"...({len(text)} chars)"
+
+
+def check_field_types(args: ServerArgs) -> None:
+    """Bools, strings and lists of strings of the types their fields declare (None where a field is optional), so
+    that Engine(skip_precompile="false") or Engine(api_key=123) is refused, not taken for another value."""
+    for field in dataclasses.fields(args):
+        name, type_name, value = field.name, str(field.type), getattr(args, field.name)
+        optional = type_name.endswith("| None")
+        if value is None and optional:
+            continue
+        unset = " or None (unset)" if optional else ""
+        if type_name.startswith("bool") and not isinstance(value, bool):
+            raise ValueError(f"{flag(name)} must be True or False{unset}, got {shown(value)}")
+        if type_name.startswith("str") and not isinstance(value, str):
+            raise ValueError(f"{flag(name)} must be a string{unset}, got {shown(value)}")
+        strings = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        if type_name.startswith("list[str]") and not strings:
+            raise ValueError(f"{flag(name)} must be a list of strings (or one string){unset}, got {shown(value)}")
+
+
 def check_server_args(args: ServerArgs) -> None:
+    check_field_types(args)
     _check_choices(args)
     _check_counts(args)
+    _check_count_bounds(args)
     _check_seconds(args)
-    fraction = args.mem_fraction_static
-    if isinstance(fraction, bool) or not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-        raise ValueError(f"--mem-fraction-static must be a fraction in (0, 1], got {args.mem_fraction_static!r}")
-    if args.chunked_prefill_size is not None and args.max_prefill_seqs > args.chunked_prefill_size:
-        raise ValueError("--max-prefill-seqs must not exceed --chunked-prefill-size")
+    _check_step_settings(args)
     _check_network(args)
     _check_paths(args)
     _check_lora(args)
@@ -102,6 +131,7 @@ def check_server_args(args: ServerArgs) -> None:
 
 def _check_choices(args: ServerArgs) -> None:
     from sgl_jax_lora import server_args as sa
+    from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES
 
     choices = {
         "dtype": sa.DTYPES,
@@ -111,10 +141,15 @@ def _check_choices(args: ServerArgs) -> None:
         "kv_cache_dtype": sa.KV_CACHE_DTYPES,
         "scheduling_policy": sa.SCHEDULING_POLICIES,
         "load_format": ("auto", "dummy"),
+        "lora_eviction_policy": sa.LORA_EVICTION_POLICIES,
+        "log_level": sa.LOG_LEVELS,
     }
     for name, allowed in choices.items():
         if getattr(args, name) not in allowed:
-            raise ValueError(f"{flag(name)} '{getattr(args, name)}' is not supported; choose one of {allowed}")
+            raise ValueError(f"{flag(name)} {shown(getattr(args, name))} is not supported; choose one of {allowed}")
+    unknown = sorted(set(args.lora_target_modules or ()) - set(LORA_TARGET_MODULES))
+    if unknown:  # the message of lora_setup.py's own check, which the engine process would meet
+        raise ValueError(f"--lora-target-modules {unknown} are not supported; choose among {list(LORA_TARGET_MODULES)}")
     if args.quantization is not None and args.quantization not in sa.QUANTIZATIONS:
         raise ValueError(
             f"--quantization '{args.quantization}' is not supported; choose one of {sa.QUANTIZATIONS} or leave it unset"
@@ -126,31 +161,65 @@ def _check_counts(args: ServerArgs) -> None:
         value = getattr(args, name)
         if not (value is None and name in OPTIONAL_POSITIVE_COUNTS) and not (is_int(value) and value >= 1):
             unset = "; leave it unset for the default" if name in OPTIONAL_POSITIVE_COUNTS else ""
-            raise ValueError(f"{flag(name)} must be a positive integer, got {value!r}{unset}")
+            raise ValueError(f"{flag(name)} must be a positive integer, got {shown(value)}{unset}")
     for name in OPTIONAL_COUNTS:
         value = getattr(args, name)
         if value is not None and not (is_int(value) and value >= 0):
             raise ValueError(
-                f"{flag(name)} must be 0 (off) or a positive token count, got {value!r}; leave it unset for the "
+                f"{flag(name)} must be 0 (off) or a positive token count, got {shown(value)}; leave it unset for the "
                 "platform's default"
             )
     for name in BUCKET_LISTS:
         value = getattr(args, name)
         if value is not None and not (isinstance(value, (list, tuple)) and all(is_int(v) and v >= 1 for v in value)):
-            raise ValueError(f"{flag(name)} must be positive integers, got {value!r}")
+            raise ValueError(f"{flag(name)} must be positive integers, got {shown(value)}")
     if not (is_int(args.warmup_compile_threads) and args.warmup_compile_threads >= 0):
         raise ValueError(
             "--warmup-compile-threads must be 0 (one per CPU core) or a positive integer, got "
-            f"{args.warmup_compile_threads!r}"
+            f"{shown(args.warmup_compile_threads)}"
         )
     if not (is_int(args.layers_per_scan_step) and args.layers_per_scan_step >= 0):
         raise ValueError(
-            f"--layers-per-scan-step must be 0 or a positive integer of layers, got {args.layers_per_scan_step!r}"
+            f"--layers-per-scan-step must be 0 or a positive integer of layers, got {shown(args.layers_per_scan_step)}"
         )
     queued = args.max_queued_requests
     if queued is not None and not (is_int(queued) and queued >= 0):
         raise ValueError(
-            f"--max-queued-requests must be 0 or a positive integer, got {queued!r}; leave it unset for no limit"
+            f"--max-queued-requests must be 0 or a positive integer, got {shown(queued)}; leave it unset for no limit"
+        )
+    seed = args.random_seed
+    if not (is_int(seed) and SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise ValueError(f"--random-seed must be an integer in [-2**63, 2**63 - 1] (a 64-bit seed), got {shown(seed)}")
+
+
+def _check_count_bounds(args: ServerArgs) -> None:
+    """No count past MAX_COUNT: token counts and positions are int32 on the device, so a larger one would fail the
+    start mid-compile (OverflowError); no other count comes near it."""
+    names = (*POSITIVE_COUNTS, *OPTIONAL_POSITIVE_COUNTS, *OPTIONAL_COUNTS, *BUCKET_LISTS)
+    for name in (*names, "warmup_compile_threads", "layers_per_scan_step", "max_queued_requests"):
+        value = getattr(args, name)
+        largest = max(value, default=0) if isinstance(value, list) else value or 0
+        if largest > MAX_COUNT:
+            raise ValueError(
+                f"{flag(name)} {shown(largest)} is too large: counts go up to 2**30 = {MAX_COUNT} (token counts are "
+                "32-bit integers on the device); lower it"
+            )
+
+
+def _check_step_settings(args: ServerArgs) -> None:
+    from sgl_jax_lora.server_args import DEFAULT_CHUNKED_PREFILL_SIZE
+
+    fraction = args.mem_fraction_static
+    if isinstance(fraction, bool) or not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        raise ValueError(f"--mem-fraction-static must be a fraction in (0, 1], got {shown(fraction)}")
+    # the step token budget in effect (ServerArgs.step_token_budget) is the flag, or at most the default
+    budget = args.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL_SIZE
+    if args.max_prefill_seqs > budget:
+        given = f"{budget}" if args.chunked_prefill_size else f"(unset: {budget}, or the context length when shorter)"
+        raise ValueError(
+            f"--max-prefill-seqs {args.max_prefill_seqs} must not exceed --chunked-prefill-size {given}: a step "
+            f"prefills at most that many tokens, at least one per prompt; lower --max-prefill-seqs to {budget} or "
+            "less, or raise --chunked-prefill-size"
         )
 
 
@@ -186,25 +255,24 @@ def _check_paths(args: ServerArgs) -> None:
     _check_compilation_cache_dir(args.compilation_cache_dir)
 
 
-def _check_compilation_cache_dir(cache_dir: object) -> None:
-    """A --compilation-cache-dir given on purpose must be usable (JAX would only warn at each compile); the default
-    is not checked here: where it cannot be written the engine compiles without it (`enable_compilation_cache`)."""
+def _check_compilation_cache_dir(cache_dir: str) -> None:
+    """A --compilation-cache-dir given on purpose must be usable (JAX would only warn at each compile): it is created
+    and a file written in it and removed (os.access says yes to root anywhere, /proc included). The default is not
+    checked here: where it cannot be written the engine compiles without it (`enable_compilation_cache`)."""
     from sgl_jax_lora.server_args import DEFAULT_COMPILATION_CACHE_DIR
 
     if not cache_dir or cache_dir == DEFAULT_COMPILATION_CACHE_DIR or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
-    if not isinstance(cache_dir, str):
-        raise ValueError(f"--compilation-cache-dir must be a path, got {cache_dir!r}")
     path = os.path.abspath(os.path.expanduser(cache_dir))
-    existing = path
-    while not os.path.exists(existing):  # a directory to be created: its nearest existing ancestor must allow it
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass  # removed on closing
+    except OSError as e:
         raise ValueError(
-            f"--compilation-cache-dir {cache_dir}: {existing} {what}; give a writable directory, or '' to compile "
-            "without the cache"
-        )
+            f"--compilation-cache-dir {shown(cache_dir)}: cannot create it or write a file in it ({e.strerror}); "
+            "give a writable directory, or '' to compile without the cache"
+        ) from None
 
 
 # Flags that shape how adapters are served; each means nothing with --no-enable-lora.
@@ -236,6 +304,12 @@ def _check_lora(args: ServerArgs) -> None:
                 f"{'them' if len(changed) > 1 else 'it'} out, or serve adapters (--lora-paths or --lora-allowed-dirs)"
             )
 
+    if args.max_loras_per_batch > args.max_loras_registered:
+        raise ValueError(
+            f"--max-loras-per-batch {args.max_loras_per_batch} exceeds --max-loras-registered "
+            f"{args.max_loras_registered}: a batch cannot hold more adapters than may be registered; lower "
+            "--max-loras-per-batch or raise --max-loras-registered"
+        )
     base_name = served_model_name(args, args.model_path or f"demo-model-{DEMO_VERSION}")  # launch's demo directory
     names: set[str] = set()
     for spec in args.lora_paths or []:
@@ -258,9 +332,21 @@ def _check_lora(args: ServerArgs) -> None:
             )
 
 
+# Flags that only a multi-host engine reads; each means nothing with --nnodes 1.
+MULTI_HOST_SETTINGS = ("node_rank", "dist_init_addr", "dist_heartbeat_timeout", "dist_init_timeout")
+
+
 def _check_multi_host(args: ServerArgs) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(args)}
+    changed = [flag(name) for name in MULTI_HOST_SETTINGS if getattr(args, name) != defaults[name]]
+    if args.nnodes == 1 and changed:
+        raise ValueError(
+            f"{', '.join(changed)} only {'apply' if len(changed) > 1 else 'applies'} to an engine over several hosts, "
+            f"and --nnodes is 1; leave {'them' if len(changed) > 1 else 'it'} out, or set --nnodes to the number of "
+            "hosts (docs/multi_host.md)"
+        )
     if not is_int(args.node_rank) or not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {args.node_rank!r}")
+        raise ValueError(f"--node-rank must be in [0, --nnodes {args.nnodes}), got {shown(args.node_rank)}")
     if args.nnodes > 1:
         host, _, port = (args.dist_init_addr or "").rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:

@@ -145,9 +145,7 @@ async def get_server_info(request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     tm = state.engine()
     engine_info = await tm.call(ServerInfoCall())
-    server_args = state.args.to_dict()
-    if server_args.get("api_key"):
-        server_args["api_key"] = "<redacted>"
+    server_args = state.args.info_dict()
     return JSONResponse(
         {
             **engine_info,

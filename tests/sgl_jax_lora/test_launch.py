@@ -89,9 +89,9 @@ def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alon
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (  # a step of that many rows cannot be allocated: the size set is named
-            ["--max-running-requests", "1000000000000"],
-            "(sizes set: --max-running-requests 1000000000000; lower them)",
+        (  # a KV cache of 2**30 tokens (the largest count a flag takes) is 275 GB: the size set is named
+            ["--max-total-tokens", "1073741824"],
+            "(sizes set: --max-total-tokens 1073741824; lower them)",
         ),
         (  # the demo model's context is 1024 tokens
             ["--page-size", "1000000000"],
@@ -103,6 +103,16 @@ def test_sizes_that_cannot_work_fail_the_start_naming_the_flag(flags, message):
     result = run_launch(*flags, "--skip-precompile")
     assert result.returncode == 1
     assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_served_model_name_that_takes_a_demo_adapters_name_exits_2_naming_the_clash():
+    result = run_launch("--served-model-name", "demo-upper", "--port", "0", "--skip-precompile")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "--served-model-name 'demo-upper' clashes with the name of one of the demo model's adapters (demo-upper, "
+        "demo-pirate), served by default; pick another --served-model-name, or pass --lora-paths"
+    ) in result.stderr
     assert "Traceback" not in result.stderr
 
 

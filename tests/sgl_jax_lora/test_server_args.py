@@ -1,21 +1,26 @@
 """`--config FILE` (launch.py) and `load_config_file` (server_args.py): a JSON or YAML file of ServerArgs
 fields sets the defaults, flags on the command line override it, the shipped tpu_configs/ presets load as
 they are, and a bad key or value exits 2 naming the key and the closest field. Multi-host settings that cannot
-work (no --dist-init-addr, a node rank out of range) are refused naming the fix.
+work (no --dist-init-addr, a node rank out of range, any of them on one host) are refused naming the fix. Values
+given through the Python API are checked as the flags are: a bool is a bool, a string a string, numpy numbers are
+plain numbers, a lone string where a list goes is one entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sgl_jax_lora.launch import parse_args
-from sgl_jax_lora.server_args import ServerArgs, load_config_file
+from sgl_jax_lora.server_args import ServerArgs, load_config_file, parse_lora_path_spec
 from tests.support import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -129,8 +134,24 @@ def test_the_step_token_budget_is_the_flag_or_the_default_within_the_context():
     assert parse_args(["--chunked-prefill-size", "4096"]).step_token_budget(1536) == 4096
     with pytest.raises(ValueError, match="--chunked-prefill-size must be a positive integer"):
         ServerArgs(chunked_prefill_size=0)
-    with pytest.raises(ValueError, match="--max-prefill-seqs must not exceed --chunked-prefill-size"):
+    with pytest.raises(ValueError, match="--max-prefill-seqs 8 must not exceed --chunked-prefill-size 4: .* lower "):
         ServerArgs(chunked_prefill_size=4, max_prefill_seqs=8)
+
+
+def test_more_prefill_seqs_than_the_step_token_budget_names_both_values_and_the_fix(capsys):
+    """A step prefills at most its token budget (the flag, or unset at most 2048), at least one token a prompt."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--chunked-prefill-size", "7"])  # --max-prefill-seqs defaults to 8
+    assert exit_info.value.code == 2
+    assert (
+        "--max-prefill-seqs 8 must not exceed --chunked-prefill-size 7: a step prefills at most that many tokens, at "
+        "least one per prompt; lower --max-prefill-seqs to 7 or less, or raise --chunked-prefill-size"
+    ) in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=r"--max-prefill-seqs 4096 must not exceed --chunked-prefill-size \(unset: 2048"
+    ):
+        ServerArgs(max_prefill_seqs=4096)
+    assert ServerArgs(chunked_prefill_size=8, max_prefill_seqs=8).max_prefill_seqs == 8
 
 
 def test_the_queue_limit_is_unset_or_a_count_of_requests():
@@ -218,9 +239,10 @@ def test_an_abbreviated_flag_is_not_taken_for_a_whole_one(capsys):
 def test_a_compilation_cache_dir_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match=r"--compilation-cache-dir .*file/cache: .*file is not a directory"):
+    with pytest.raises(ValueError, match=r"--compilation-cache-dir .*file/cache': cannot create it .*Not a directory"):
         ServerArgs(compilation_cache_dir=str(tmp_path / "file" / "cache"))
-    assert ServerArgs(compilation_cache_dir=str(tmp_path / "new" / "cache")).compilation_cache_dir  # to be created
+    assert ServerArgs(compilation_cache_dir=str(tmp_path / "new" / "cache")).compilation_cache_dir
+    assert os.listdir(tmp_path / "new" / "cache") == []  # created, its test file written and removed
     assert ServerArgs(compilation_cache_dir="").compilation_cache_dir == ""  # off
 
 
@@ -253,7 +275,10 @@ def test_no_enable_lora_refuses_the_flags_that_shape_adapter_serving(capsys):
     assert "so --max-lora-rank would do nothing; leave it out" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"so --max-loras-per-batch, --lora-backend would do nothing; leave them out"):
         ServerArgs(enable_lora=False, max_loras_per_batch=4, lora_backend="einsum")
-    assert ServerArgs(max_loras_per_batch=4).enable_lora is None  # unset: decided once the adapters are known
+    unset = ServerArgs(max_loras_per_batch=4)
+    assert unset.enable_lora is None  # unset: decided once the adapters are known
+    assert ServerArgs(**unset.to_dict()) == unset  # the engine process's and a follower's copy: not "--no-enable-lora"
+    assert unset.info_dict()["enable_lora"] is False  # what server info shows: in effect, off
 
 
 def test_the_demo_model_comes_with_its_adapters_unless_others_or_none_are_asked_for():
@@ -266,3 +291,177 @@ def test_the_demo_model_comes_with_its_adapters_unless_others_or_none_are_asked_
     assert (bare.lora_paths, bare.enable_lora) == (None, False)
     own, _ = with_demo_defaults(parse_args(["--lora-paths", "mine=/adapters/mine"]))
     assert own.lora_paths == ["mine=/adapters/mine"]
+    with pytest.raises(ValueError, match="--served-model-name 'demo-upper' clashes with the name of one of the demo"):
+        with_demo_defaults(parse_args(["--served-model-name", "demo-upper"]))
+    for flags in (["--no-enable-lora"], ["--lora-paths", "mine=/adapters/mine"]):  # the fixes the message names
+        assert with_demo_defaults(parse_args(["--served-model-name", "demo-upper", *flags]))[0].served_model_name
+
+
+def test_pinned_must_be_a_json_bool():
+    assert parse_lora_path_spec('{"lora_path": "/a", "pinned": true}')["pinned"] is True
+    assert parse_lora_path_spec('{"lora_path": "/a", "pinned": null}')["pinned"] is False
+    assert parse_lora_path_spec('{"lora_path": "/a"}')["pinned"] is False
+    for pinned in ("no", 0, "false"):
+        with pytest.raises(ValueError, match=f"--lora-paths entry .*: 'pinned' must be true or false, got {pinned!r}"):
+            parse_lora_path_spec(json.dumps({"lora_path": "/a", "pinned": pinned}))
+    with pytest.raises(ValueError, match="'pinned' must be true or false, got 'no'"):
+        ServerArgs(lora_paths=[{"lora_name": "a", "lora_path": "/a", "pinned": "no"}])
+
+
+BOOL_FIELDS = [f.name for f in dataclasses.fields(ServerArgs) if str(f.type).startswith("bool")]
+
+
+def test_every_bool_setting_is_found_by_its_type():
+    named = {"skip_precompile", "enable_lora", "disable_prefix_cache", "disable_overlap_schedule"}
+    named |= {"roll_layer_loop_in_place", "disable_gpu_concurrent_kernels", "disable_lora_base_program"}
+    assert named <= set(BOOL_FIELDS)
+
+
+@pytest.mark.parametrize("name", BOOL_FIELDS)
+def test_a_bool_setting_given_another_value_is_refused(name):
+    flag = "--" + name.replace("_", "-")
+    for value in ("false", "yes", 0, 1):
+        with pytest.raises(ValueError, match=f"{flag} must be True or False.*, got {value!r}"):
+            ServerArgs(**{name: value})
+    assert getattr(ServerArgs(**{name: False}), name) is False
+    assert ServerArgs(enable_lora=None).enable_lora is None
+
+
+@pytest.mark.parametrize("seed", [10**30, 2**63, -(2**63) - 1, "1", True, 1.0])
+def test_the_random_seed_is_a_64_bit_integer(seed):
+    with pytest.raises(ValueError, match=r"--random-seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+        ServerArgs(random_seed=seed)
+    assert ServerArgs(random_seed=2**63 - 1).random_seed == 2**63 - 1
+    assert ServerArgs(random_seed=-(2**63)).random_seed == -(2**63)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_total_tokens=99999999999999), "--max-total-tokens 99999999999999"),
+        (dict(context_length=2**31), "--context-length 2147483648"),
+        (dict(chunked_prefill_size=2**31, max_prefill_seqs=1), "--chunked-prefill-size 2147483648"),
+        (dict(max_running_requests=10**12), "--max-running-requests 1000000000000"),
+        (dict(token_buckets=[8, 2**40]), "--token-buckets 1099511627776"),
+        (dict(gpu_gemm_min_tokens=2**31), "--gpu-gemm-min-tokens 2147483648"),
+        (dict(max_total_tokens=10**400), "--max-total-tokens an integer of 1329 bits"),
+    ],
+)
+def test_a_count_past_int32_is_refused_before_any_compile(kwargs, name):
+    with pytest.raises(ValueError, match=rf"{name} is too large: counts go up to 2\*\*30 = 1073741824 .*; lower it"):
+        ServerArgs(**kwargs)
+    assert ServerArgs(max_total_tokens=2**30).max_total_tokens == 2**30
+
+
+def test_the_cli_refuses_a_count_past_int32_with_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--max-total-tokens", "99999999999999"])
+    assert exit_info.value.code == 2
+    assert "--max-total-tokens 99999999999999 is too large" in capsys.readouterr().err
+
+
+def test_more_adapters_per_batch_than_may_be_registered_is_refused():
+    with pytest.raises(ValueError, match="--max-loras-per-batch 16 exceeds --max-loras-registered 8: .* lower"):
+        ServerArgs(max_loras_per_batch=16, max_loras_registered=8)
+    with pytest.raises(ValueError, match="--max-loras-per-batch 8 exceeds --max-loras-registered 4"):
+        ServerArgs(max_loras_registered=4)  # the default of --max-loras-per-batch
+    assert ServerArgs(max_loras_per_batch=8, max_loras_registered=8).max_loras_registered == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(lora_target_modules=["q_proj", "qkv"]),
+            r"--lora-target-modules \['qkv'\] are not supported; choose among",
+        ),
+        (dict(lora_eviction_policy="mru"), r"--lora-eviction-policy 'mru' is not supported; choose one of \('lru', "),
+        (dict(log_level="verbose"), r"--log-level 'verbose' is not supported; choose one of \('debug', "),
+        (dict(log_level="DEBUG"), "--log-level 'DEBUG' is not supported"),
+    ],
+)
+def test_the_python_api_refuses_what_the_cli_choices_refuse(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_the_python_api_takes_the_cli_choices():
+    args = ServerArgs(lora_target_modules=["q_proj", "v_proj"], lora_eviction_policy="fifo", log_level="debug")
+    assert (args.lora_target_modules, args.lora_eviction_policy, args.log_level) == (
+        ["q_proj", "v_proj"],
+        "fifo",
+        "debug",
+    )
+
+
+def test_a_lone_string_where_a_list_goes_is_one_entry(tmp_path):
+    assert ServerArgs(lora_allowed_dirs=str(tmp_path)).lora_allowed_dirs == [str(tmp_path)]
+    assert ServerArgs(lora_allowed_dirs=tmp_path).lora_allowed_dirs == [str(tmp_path)]  # a pathlib.Path too
+    assert ServerArgs(lora_target_modules="q_proj").lora_target_modules == ["q_proj"]
+    assert ServerArgs(lora_paths=pathlib.Path("/adapters/a")).lora_paths == ["/adapters/a"]
+    assert ServerArgs(token_buckets=(8, 16)).token_buckets == [8, 16]
+
+
+def test_numpy_numbers_are_taken_as_plain_numbers():
+    args = ServerArgs(
+        tp_size=np.int64(2), page_size=np.int32(16), mem_fraction_static=np.float32(0.5), token_buckets=[np.int64(8)]
+    )
+    assert (args.tp_size, args.page_size, args.mem_fraction_static, args.token_buckets) == (2, 16, 0.5, [8])
+    assert (type(args.tp_size), type(args.page_size), type(args.mem_fraction_static)) == (int, int, float)
+    assert type(args.token_buckets[0]) is int
+    assert type(ServerArgs(shutdown_timeout=np.float64(5)).shutdown_timeout) is float
+    with pytest.raises(ValueError, match=r"--tp-size must be a positive integer, got np.float64\(2.0\)"):
+        ServerArgs(tp_size=np.float64(2.0))
+    with pytest.raises(ValueError, match="--skip-precompile must be True or False"):
+        ServerArgs(skip_precompile=np.int64(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lora_paths=5), "--lora-paths must be a list of strings .*, got 5"),
+        (dict(lora_paths=["a=/a", 5]), r"--lora-paths must be a list of strings .*, got \['a=/a', 5\]"),
+        (dict(nnodes=2, dist_init_addr=5), r"--dist-init-addr must be a string or None \(unset\), got 5"),
+        (dict(api_key=123), "--api-key must be a string or None"),
+        (dict(served_model_name=5), "--served-model-name must be a string or None"),
+        (dict(chat_template=5), "--chat-template must be a string or None"),
+        (dict(host=None), "--host must be a string, got None"),
+        (dict(compilation_cache_dir=5), "--compilation-cache-dir must be a string, got 5"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_refused_naming_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_an_engine_config_that_is_not_a_path_is_refused(tmp_path):
+    with pytest.raises(TypeError, match="config must be the path of a JSON or YAML file of settings, got int"):
+        ServerArgs.from_kwargs(config=5)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"page_size": 32}))
+    assert ServerArgs.from_kwargs(config=path).page_size == 32  # a pathlib.Path is a path
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(dist_init_addr="10.0.0.1:5000"), "--dist-init-addr only applies"),
+        (dict(dist_heartbeat_timeout=30), "--dist-heartbeat-timeout only applies"),
+        (dict(dist_init_timeout=60, dist_init_addr="h:1"), "--dist-init-addr, --dist-init-timeout only apply"),
+        (dict(node_rank=1), "--node-rank only applies"),
+    ],
+)
+def test_multi_host_settings_on_one_host_are_refused(kwargs, named):
+    with pytest.raises(ValueError, match=f"{named} to an engine over several hosts, and --nnodes is 1; leave"):
+        ServerArgs(**kwargs)
+    assert ServerArgs(nnodes=2, **{"dist_init_addr": "h:1", **kwargs}).nnodes == 2
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc")
+def test_a_compilation_cache_dir_no_file_can_be_written_in_is_refused(monkeypatch):
+    """os.access says root may write anywhere, /proc included; a file actually written there says otherwise."""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    with pytest.raises(ValueError, match="--compilation-cache-dir '/proc/foo': cannot create it or write a file in it"):
+        ServerArgs(compilation_cache_dir="/proc/foo")
+    monkeypatch.setenv("HOME", "/proc")  # the default (under ~) is not checked: the engine skips it with a warning
+    assert ServerArgs().compilation_cache_dir == "~/.cache/sgl_jax_lora/xla-cache"
