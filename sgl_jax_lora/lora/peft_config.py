@@ -19,7 +19,6 @@ import os
 import re
 from collections.abc import Callable
 
-from sgl_jax_lora.lora import peft_targets
 from sgl_jax_lora.lora.adapter_files import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -91,18 +90,6 @@ class PeftLoRAConfig:
             or bool(self.rank_pattern or self.alpha_pattern)
             or bool(self.layers_to_transform and self.layers_pattern)
         )
-
-    def targets(self, module_path: str) -> bool:
-        """Whether PEFT would put a LoRA layer on `module_path` (in this process: trusted configs and tests)."""
-        return peft_targets.targets(self.pattern_fields(), module_path)
-
-    def scaling_for(self, module_path: str) -> float:
-        """Per-module scaling exactly as PEFT's LoraLayer.update_layer computes it (in this process, as `targets`)."""
-        rank, alpha = peft_targets.rank_and_alpha(self.pattern_fields(), module_path)
-        return scaling_of(alpha, rank, self.use_rslora)
-
-    def rank_for(self, module_path: str) -> int:
-        return peft_targets.rank_and_alpha(self.pattern_fields(), module_path)[0]
 
 
 def scaling_of(alpha: float, r: int, use_rslora: bool) -> float:
