@@ -69,6 +69,7 @@ class AdapterSummary:
     path: str
     rank: int
     target_modules: frozenset[str]
+    modules: frozenset[tuple[int, str]]  # (layer index, module) of each module with tensors
 
 
 class _Header:
@@ -91,7 +92,7 @@ def inspect_peft_adapter(
     config = load_peft_config(name, path, allowed_dirs)
     headers = _read_headers(name, resolve_weights_file(name, path, allowed_dirs), allowed_dirs)
     _, plan = _validated_plan(name, config, headers, target_shapes, max_lora_rank)
-    return AdapterSummary(name=name, path=path, rank=_plan_rank(plan), target_modules=frozenset(m for _, m in plan))
+    return AdapterSummary(name, path, _plan_rank(plan), frozenset(m for _, m in plan), frozenset(plan))
 
 
 def load_peft_adapter(
@@ -185,7 +186,7 @@ def _validated_plan(
 ) -> tuple:
     """(adapter scaling, {(layer, module): (A, B, B's scale ratio)}) after every check; `tensors` are arrays,
     or headers that carry only a shape. `warn`: log the tensors ignored and the targeted modules without any."""
-    settings = _targeted_modules(name, config, target_shapes)
+    settings = targeted_modules(name, config, target_shapes)
     pairs = group_lora_pairs(name, tensors)
     scaling = config.scaling if config.scaling > 0 else 1.0
     plan = {}
@@ -225,7 +226,7 @@ def _plan_rank(plan: dict) -> int:
     return int(max(lora_a.shape[0] for lora_a, _, _ in plan.values()))
 
 
-def _targeted_modules(
+def targeted_modules(
     name: str, config: PeftLoRAConfig, target_shapes: LoRATargetShapes
 ) -> dict[str, tuple[int, float]]:
     """The base model's module paths the config targets -> (rank, alpha); refuses a config that targets the

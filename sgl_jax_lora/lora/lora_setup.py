@@ -25,12 +25,13 @@ from sgl_jax_lora.lora.adapter import (
     adapter_from_tensors,
     inspect_peft_adapter,
     load_peft_adapter,
+    targeted_modules,
 )
 from sgl_jax_lora.lora.backend import make_lora_backend
 from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error
+from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error, parse_peft_config
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LORA_TARGETS, LoRATargetShapes
 from sgl_jax_lora.lora.tensor_file import map_tensor_files
 from sgl_jax_lora.server_args import ServerArgs, parse_lora_path_spec
@@ -70,7 +71,9 @@ class LoRASetup:
     def inspect(self, ref: LoRARef) -> AdapterSummary:
         if ref.lora_id in self.in_memory:
             adapter = self.in_memory[ref.lora_id][0]
-            return AdapterSummary(ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules)
+            return AdapterSummary(
+                ref.lora_name, ref.lora_path, adapter.rank, adapter.target_modules, frozenset(adapter.weights)
+            )
         return inspect_peft_adapter(
             ref.lora_name, ref.lora_path, self.target_shapes, self.loader_max_rank, self._allowed_dirs(ref)
         )
@@ -107,21 +110,22 @@ class LoRASetup:
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter
 
+    def match_config(self, name: str, config: dict | None, replaces: LoRARef | None) -> None:
+        """A tensors load's config (or, for an update without one, the current version's) matched against the model
+        (adapter.targeted_modules), so that the load on the engine loop finds the match in module_settings' cache: a
+        config's own regular expressions run in a child process for up to 2 s. Raises what the match raises."""
+        config = config if config is not None else self.config_of(replaces)
+        targeted_modules(name, parse_peft_config(name, config), self.target_shapes)
+
     def _refuse_partial_update(self, name: str, current: LoRARef, update: LoRAAdapter) -> None:
-        """An update under the current config that leaves out modules the current version has would serve them as
-        zero, silently: refused, naming how many and one of them."""
-        if current.lora_id in self.in_memory:
-            had = set(self.in_memory[current.lora_id][0].weights)
-            missing = sorted(had - set(update.weights))
-            example = f"layer {missing[0][0]} {missing[0][1]}" if missing else ""
-        else:  # a directory: its modules by name, from the headers
-            missing = sorted(self.inspect(current).target_modules - update.target_modules)
-            example = missing[0] if missing else ""
+        """An update under the current config that leaves out modules the current version has (a module of any one
+        layer) would serve them as zero, silently: refused, naming how many and one of them."""
+        missing = sorted(self.inspect(current).modules - set(update.weights))
         if missing:
             raise adapter_error(
                 name,
-                f"the update leaves out {len(missing)} module(s) the current version has (e.g. {example}), which "
-                "would serve as zero",
+                f"the update leaves out {len(missing)} module(s) the current version has (e.g. layer "
+                f"{missing[0][0]} {missing[0][1]}), which would serve as zero",
                 "send every module's tensors, or send a config whose target_modules names only those sent",
             )
 

@@ -166,7 +166,7 @@ class EngineLoop:
         self.conn = conn
         self.outbox = Outbox(conn)
         self.running = True
-        self.loads_ahead: list[tuple[LoadLoRACall, Future]] = []  # LoRA loads whose header check is on its way
+        self.loads_ahead: list[tuple[EngineCall, Future]] = []  # LoRA loads whose check ahead is on its way
         self.handlers = {
             GenerateRequest: self._generate,
             AbortRequest: self._abort,
@@ -238,7 +238,7 @@ class EngineLoop:
     def handle(self, msg: Message) -> None:
         """Dispatch one message from the frontend on its class. A LoRA load from a directory is answered once its
         header check, started here on a worker thread, is done (`_finish_loads_ahead`); steps go on meanwhile."""
-        if isinstance(msg, LoadLoRACall):
+        if isinstance(msg, (LoadLoRACall, LoadLoRATensorsCall)):
             try:
                 ahead = self._check_ahead(msg)
             except Exception:  # the call runs whole below, which answers its error
@@ -269,12 +269,18 @@ class EngineLoop:
     def _shutdown(self, msg: ShutdownRequest) -> None:
         self.running = False
 
-    def _check_ahead(self, call: LoadLoRACall) -> Future | None:
-        """The header check of a load's adapter, started on a worker thread (LoRAManager.inspect_ahead); None when
-        the load runs whole on the loop: LoRA off (the call fails at once) or a pinned adapter (its weights are read
-        when it registers)."""
+    def _check_ahead(self, call: LoadLoRACall | LoadLoRATensorsCall) -> Future | None:
+        """The header check of a load's adapter, or a tensors load's config matched against the model, started on a
+        worker thread (LoRAManager.inspect_ahead, run_ahead); None when the load runs whole on the loop: LoRA off
+        (the call fails at once) or a pinned adapter from a directory (its weights are read when it registers)."""
         lora = self.core.lora
-        if lora is None or call.pinned:
+        if lora is None:
+            return None
+        if isinstance(call, LoadLoRATensorsCall):
+            replaces = lora.refs.get(call.replaces) if call.replaces is not None else None
+            setup = self.core.lora_setup
+            return lora.run_ahead(lambda: setup.match_config(call.ref.lora_name, call.config, replaces))
+        if call.pinned:
             return None
         ref = LoRARef(call.lora_name, call.lora_path, lora_id=call.lora_id, confined=call.confined)
         return lora.inspect_ahead(ref)
@@ -287,6 +293,9 @@ class EngineLoop:
             done.append(self.loads_ahead.pop(0))
         load = self.calls[LoadLoRACall]
         for call, ahead in done:
+            if isinstance(call, LoadLoRATensorsCall):  # its match is cached now (or its error is met again)
+                self._send(self._call(call))
+                continue
             self._send(self._reply(call, lambda call=call, ahead=ahead: load(call, ahead.result())))
 
     def _call(self, call: EngineCall) -> CallReply:

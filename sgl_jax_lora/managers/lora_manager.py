@@ -130,6 +130,11 @@ class LoRAManager:
         The future raises what `inspect` raises."""
         return self._inspector.submit(self.inspect, ref)
 
+    def run_ahead(self, work: Callable[[], object]) -> Future:
+        """Other work of a LoRA call done on the same worker thread first, off the engine loop (a tensors load's
+        config matched against the model: LoRASetup.match_config)."""
+        return self._inspector.submit(work)
+
     def register(self, ref: LoRARef, summary: AdapterSummary | None = None) -> AdapterSummary:
         """Validate from the adapter's config and tensor headers (no weights read; `summary`: that validation's
         result, done ahead by `inspect_ahead`); pinned adapters are loaded and take a device slot now, the others

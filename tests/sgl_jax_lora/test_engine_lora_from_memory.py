@@ -179,10 +179,13 @@ def test_an_adapter_loaded_from_disk_is_updated_under_its_own_config(setup):
     assert logprobs(updated) == logprobs(run(engine, ids, "rescaled"))
     assert logprobs(updated) != logprobs(run(engine, ids, "first_disk"))
     assert {r["lora_name"]: r["lora_path"] for r in engine.get_server_info()["loras"]}["from_disk"] == ""
-    engine.load_lora_adapter("from_disk_again", str(first))  # a directory's modules are known by name
+    engine.load_lora_adapter("from_disk_again", str(first))  # a directory's modules, by layer, from its headers
     q_proj = {k: v for k, v in tensors.items() if ".q_proj." in k}
-    with pytest.raises(ValueError, match=r"leaves out 6 module\(s\) the current version has \(e\.g\. down_proj\)"):
+    with pytest.raises(ValueError, match=r"leaves out 12 module\(s\) the current version has \(e\.g\. layer 0 down"):
         engine.update_lora_adapter("from_disk_again", q_proj)
+    one_layer = {k: v for k, v in tensors.items() if ".layers.0." in k}  # every module, but of one layer
+    with pytest.raises(ValueError, match=r"leaves out 7 module\(s\) the current version has \(e\.g\. layer 1 down"):
+        engine.update_lora_adapter("from_disk_again", one_layer)
     q_only = {**config, "target_modules": ["q_proj"]}  # a config naming what is sent: a smaller adapter, on purpose
     assert engine.update_lora_adapter("from_disk_again", q_proj, q_only)["version"] == 2
 
