@@ -79,8 +79,16 @@ def _layer_index_of(module_path: str, layers_pattern: list[str] | None) -> int |
 
 
 def main() -> None:
-    """stdin {"fields", "module_paths"} -> stdout {module path: [rank, alpha]} of the targeted ones."""
+    """stdin {"fields", "module_paths", "cpu_seconds"} -> stdout {module path: [rank, alpha]} of the targeted ones;
+    the kernel stops this process (SIGXCPU) once it has used cpu_seconds of CPU (where the platform can say so)."""
     request = json.load(sys.stdin)
+    try:
+        import resource
+
+        limit = int(request["cpu_seconds"])
+        resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 1))
+    except (ImportError, ValueError, OSError):  # no CPU limits here: the parent's wall-time limit alone bounds it
+        pass
     json.dump(settings_of(request["fields"], request["module_paths"]), sys.stdout)
 
 

@@ -72,12 +72,24 @@ def test_a_pattern_that_backtracks_for_ever_is_refused_while_the_process_runs_on
     assert ticks > 10
     assert len(outcome) == 1
     message = str(outcome[0])
-    assert "adapter 'slow'" in message and f"took over {settings_module.PATTERN_MATCH_TIMEOUT_S:g} s" in message
+    assert "adapter 'slow'" in message and f"took over {settings_module.PATTERN_MATCH_CPU_S} s of CPU" in message
     assert "simplify them" in message
     with pytest.raises(LoRAAdapterError, match="took over"):  # the same config again: refused from memory
         hits = settings_module._settings_in_child.cache_info().hits
         module_settings("slow", config, PATHS)
     assert settings_module._settings_in_child.cache_info().hits == hits + 1
+
+
+def test_a_child_a_busy_host_kept_past_the_wall_time_is_not_remembered(monkeypatch):
+    """Its CPU limit refuses a pattern for good; the wall-time limit, which a busy host may hit for a benign one, does
+    not: the next load of the same config tries again."""
+    config = parse_peft_config("busy", {"r": 4, "lora_alpha": 8, "target_modules": r".*\.v_proj"})
+    paths = ["model.layers.0.self_attn.v_proj", "model.layers.0.busy_marker"]
+    monkeypatch.setattr(settings_module, "PATTERN_MATCH_WALL_S", 0.001)
+    with pytest.raises(LoRAAdapterError, match=r"did not finish within 0.001 s \(the host is busy\); load it again"):
+        module_settings("busy", config, paths)
+    monkeypatch.setattr(settings_module, "PATTERN_MATCH_WALL_S", 20.0)
+    assert module_settings("busy", config, paths) == {"model.layers.0.self_attn.v_proj": (4, 8.0)}
 
 
 def test_a_child_that_cannot_run_is_an_adapter_error(monkeypatch):
