@@ -25,7 +25,7 @@ from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams
-from sgl_jax_lora.train.step_guard import checked_batch, finite_or_previous, raise_if_refused
+from sgl_jax_lora.train.step_guard import checked_batch, guarded_update, raise_if_refused
 from sgl_jax_lora.train.trainer import Loss, sft_loss
 
 NO_ADAPTER = LoRAParams(weights={}, scaling=0.0, rank=0, lora_alpha=0.0)
@@ -51,9 +51,7 @@ class FullTrainer:
             )
 
         value, grads = jax.value_and_grad(loss_of)(state)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, state)
-        new = (optax.apply_updates(state, updates), new_opt_state)
-        (state, opt_state), kept = finite_or_previous(new, (state, opt_state), value)
+        state, opt_state, kept = guarded_update(self.optimizer, state, opt_state, grads, value)
         return state, opt_state, value, kept
 
     def step(self, batch: dict[str, np.ndarray]) -> float:

@@ -1,12 +1,13 @@
 """What a training step takes and what it may change: the batch checked before the jitted update (`checked_batch`),
-and an update kept only when it leaves the trained weights finite (`finite_or_previous` inside the update, then
-`raise_if_refused` on the host).
+and an update kept only when it is finite (`guarded_update` inside the jitted step, then `raise_if_refused` on the
+host).
 
 Flow: LoRATrainer.step and FullTrainer.step -> `checked_batch(batch, vocab_size)` (2-D integer ids in the
-vocabulary, a loss mask of their shape, finite) -> the jitted update, which ends in `finite_or_previous(new, old,
-loss)`: a NaN loss (a diverged run, a mask of NaN) or a non-finite weight after the update (a NaN learning rate)
-gives back the weights and optimizer state it started from -> `raise_if_refused(loss, kept)` raises ValueError
-naming which, so one bad step never corrupts the adapter the later steps (and the engine it is pushed to) use.
+vocabulary, a loss mask of their shape, finite) -> the jitted update, whose optax step is `guarded_update`: a NaN
+loss (a diverged run), a non-finite update (a NaN learning rate) or a non-finite optimizer state (a gradient that
+overflows Adam's second moment) leaves the weights and the optimizer state as they were -> `raise_if_refused(loss,
+kept)` raises ValueError naming which, so one bad step never corrupts the adapter the later steps (and the engine it
+is pushed to) use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def checked_batch(batch: object, vocab_size: int) -> dict:
@@ -42,16 +44,26 @@ def checked_batch(batch: object, vocab_size: int) -> dict:
     return checked
 
 
-def finite_or_previous(new: object, previous: object, loss: jax.Array) -> tuple[object, jax.Array]:
-    """(the update's pytree, or `previous` where the loss or any updated leaf is not finite; whether it was kept).
-    `new` and `previous` are (weights, optimizer state) pairs of the same structure."""
-    weights = jax.tree.leaves(new[0])
-    kept = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in weights]))
-    return jax.tree.map(lambda n, p: jnp.where(kept, n, p), new, previous), kept
+def guarded_update(
+    optimizer: optax.GradientTransformation, params: object, opt_state: object, grads: object, loss: jax.Array
+) -> tuple[object, object, jax.Array]:
+    """(new params, new optimizer state, whether the update was kept): one optax update, applied only where the loss,
+    the updates and the new optimizer state are all finite; else the params stay as they were (a zero update, so the
+    add still runs in place on the donated params) and the optimizer state is the previous one."""
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    checked = [*jax.tree.leaves(updates), *_float_leaves(new_opt_state)]
+    kept = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in checked]))
+    updates = jax.tree.map(lambda u: jnp.where(kept, u, jnp.zeros_like(u)), updates)
+    opt_state = jax.tree.map(lambda n, p: jnp.where(kept, n, p), new_opt_state, opt_state)
+    return optax.apply_updates(params, updates), opt_state, kept
+
+
+def _float_leaves(tree: object) -> list:
+    return [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact)]
 
 
 def raise_if_refused(loss: float, kept: bool) -> None:
-    """ValueError after an update that `finite_or_previous` refused (the weights are those from before it)."""
+    """ValueError after an update that `guarded_update` refused (the weights are those from before it)."""
     if kept:
         return
     if not math.isfinite(loss):
@@ -60,6 +72,6 @@ def raise_if_refused(loss: float, kept: bool) -> None:
             "(a loss_mask of all zeros gives 0, not NaN) and the loss function"
         )
     raise ValueError(
-        "the update made a weight NaN or Inf (the loss was finite); it was not applied (the weights are as before "
-        "this step): check the optimizer's learning rate and schedule"
+        "the update (or the optimizer's state) held NaN or Inf though the loss was finite; it was not applied (the "
+        "weights are as before this step): check the optimizer's learning rate and schedule, and the gradients' size"
     )

@@ -29,7 +29,7 @@ from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from sgl_jax_lora.models.weight_loader import load_model_state
 from sgl_jax_lora.train.forward import token_logprobs
 from sgl_jax_lora.train.lora_params import LoRAParams, init_lora_params
-from sgl_jax_lora.train.step_guard import checked_batch, finite_or_previous, raise_if_refused
+from sgl_jax_lora.train.step_guard import checked_batch, guarded_update, raise_if_refused
 
 Loss = Callable[[jax.Array, dict], jax.Array]
 
@@ -82,9 +82,7 @@ class LoRATrainer:
             return self.loss(token_logprobs(self.graphdef, base_state, params, batch["input_ids"]), batch)
 
         value, grads = jax.value_and_grad(loss_of)(lora)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, lora)
-        new = (optax.apply_updates(lora, updates), new_opt_state)
-        (lora, opt_state), kept = finite_or_previous(new, (lora, opt_state), value)
+        lora, opt_state, kept = guarded_update(self.optimizer, lora, opt_state, grads, value)
         return lora, opt_state, value, kept
 
     def step(self, batch: dict[str, np.ndarray]) -> float:
@@ -110,7 +108,11 @@ def _check_settings(rank: object, lora_alpha: object, dtype: object) -> None:
         raise ValueError(f"lora_alpha must be a number, got {lora_alpha!r}")
     if not math.isfinite(lora_alpha) or lora_alpha < 0:
         raise ValueError(f"lora_alpha must be finite and >= 0, got {lora_alpha!r}")
-    if dtype not in TRAINABLE_BASE_DTYPES:
+    try:
+        name = jnp.dtype(dtype).name  # "bfloat16", jnp.bfloat16 and np.float32 alike
+    except TypeError:
+        name = None
+    if name not in TRAINABLE_BASE_DTYPES:
         raise ValueError(f"dtype must be one of {TRAINABLE_BASE_DTYPES} (the base weights' type), got {dtype!r}")
 
 

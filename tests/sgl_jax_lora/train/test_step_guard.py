@@ -4,11 +4,13 @@ finite, else refused with the weights as they were."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from sgl_jax_lora.train.step_guard import checked_batch, finite_or_previous, raise_if_refused
+from sgl_jax_lora.train.step_guard import checked_batch, guarded_update, raise_if_refused
 
 IDS = np.array([[1, 2, 3], [4, 5, 6]])
 
@@ -39,16 +41,23 @@ def test_a_good_batch_passes_as_int32_and_float32_with_its_other_arrays():
     assert batch["advantages"] is advantages  # what the loss reads passes through
 
 
-def test_an_update_that_is_not_finite_gives_back_the_previous_state():
-    previous = ({"a": jnp.ones(3)}, {"m": jnp.zeros(3)})
-    good = ({"a": jnp.full(3, 2.0)}, {"m": jnp.ones(3)})
-    kept_state, kept = finite_or_previous(good, previous, jnp.float32(0.5))
-    assert bool(kept) and float(kept_state[0]["a"][0]) == 2.0 and float(kept_state[1]["m"][0]) == 1.0
-    bad_weights = ({"a": jnp.array([2.0, jnp.nan, 2.0])}, {"m": jnp.ones(3)})
-    for new, loss in ((bad_weights, jnp.float32(0.5)), (good, jnp.float32(jnp.nan))):
-        state, kept = finite_or_previous(new, previous, loss)
+def test_an_update_that_is_not_finite_leaves_params_and_optimizer_state_as_they_were():
+    optimizer = optax.adam(0.1)
+    params = {"a": jnp.ones(3)}
+    state = optimizer.init(params)
+    grads = {"a": jnp.ones(3)}
+    new_params, new_state, kept = guarded_update(optimizer, params, state, grads, jnp.float32(0.5))
+    assert bool(kept) and float(new_params["a"][0]) < 1.0
+    refused = [
+        (optimizer, grads, jnp.float32(jnp.nan)),  # a diverged loss
+        (optax.adam(float("nan")), grads, jnp.float32(0.5)),  # a NaN learning rate: NaN updates
+        (optimizer, {"a": jnp.full(3, 1e30)}, jnp.float32(0.5)),  # Adam's second moment overflows, the update not
+    ]
+    for opt, bad_grads, loss in refused:
+        kept_params, kept_state, kept = guarded_update(opt, params, opt.init(params), bad_grads, loss)
         assert not bool(kept)
-        assert float(state[0]["a"][0]) == 1.0 and float(state[1]["m"][0]) == 0.0  # both halves as before
+        np.testing.assert_array_equal(kept_params["a"], params["a"])
+        assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(kept_state))
     with pytest.raises(ValueError, match="the loss is nan; the update was not applied"):
         raise_if_refused(float("nan"), False)
     with pytest.raises(ValueError, match="check the optimizer's learning rate"):
