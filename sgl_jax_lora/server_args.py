@@ -237,6 +237,8 @@ class ServerArgs:
             setattr(self, field.name, _plain_value(str(field.type), getattr(self, field.name)))
         if isinstance(self.lora_paths, list):
             self.lora_paths = [json.dumps(p) if isinstance(p, dict) else p for p in self.lora_paths]
+        if isinstance(self.log_level, str):  # Engine(log_level="INFO"), as logging and uvicorn take it
+            self.log_level = self.log_level.lower()
         from sgl_jax_lora.server_args_checks import check_field_types  # the checks sit above the settings
 
         check_field_types(self)  # before enable_lora is decided from them

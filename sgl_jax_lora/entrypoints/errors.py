@@ -191,11 +191,22 @@ def _one_problem_per_union(errors: list[dict]) -> list[dict]:
             branches[loc[:cut]] = []
             merged.append(loc[:cut])
         branches[loc[:cut]].append((loc[cut], {**error, "loc": loc[:cut] + loc[cut + 1 :]}))
-    return [item if isinstance(item, dict) else _union_problem(item, branches[item]) for item in merged]
+    problems: list[dict] = []
+    for item in merged:
+        if isinstance(item, dict):
+            problems.append(item)
+        elif len({tag for tag, _ in branches[item]}) > 1:  # a union: one problem
+            problems.append(_union_problem(item, branches[item]))
+        else:  # one "tag" alone is a client's dict key that reads like one (metadata {"int": 5}): as pydantic said
+            problems.extend({**error, "loc": (*item, tag, *error["loc"][len(item) :])} for tag, error in branches[item])
+    return problems
 
 
 def _is_branch_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+    return isinstance(part, str) and bool(BRANCH_TAG.fullmatch(part))
+
+
+BRANCH_TAG = re.compile(r"str|int|float|bool|[a-z-]+\[.+\]")  # pydantic's names of the union branches it tried
 
 
 def _union_problem(loc: tuple, members: list[tuple[str, dict]]) -> dict:

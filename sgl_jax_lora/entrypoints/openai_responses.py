@@ -28,11 +28,15 @@ def finish_reason(result: dict) -> str | None:
     if finish is None:
         return None
     if finish["type"] == "abort":
-        raise APIError(
-            500,
-            f"generation stopped before it finished ({finish.get('message', 'aborted')}); no partial answer is "
-            "returned: retry the request",
-            "request_aborted",
+        message = finish.get("message", "aborted")
+        if message.startswith("engine error"):  # a step failed: the request may well succeed again
+            raise APIError(
+                500,
+                f"generation stopped before it finished ({message}); no partial answer is returned: retry the request",
+                "request_aborted",
+            )
+        raise APIError(  # POST /abort_request, or a shutdown past its timeout
+            400, f"the request was aborted before it finished ({message}); no partial answer is returned", "aborted"
         )
     return FINISH_REASONS.get(finish["type"], finish["type"])
 

@@ -89,7 +89,7 @@ class LoRAFrontend:
             ref = self.registry.find_by_path(lora_path)
             if ref is None and self.is_allowed_dir(lora_path):
                 ref = await self._load_on_demand(real_path(lora_path, lora_path))
-            if ref is None and os.sep in lora_path:  # a path that is neither loaded nor loadable: say both
+            if ref is None and os.path.isabs(os.path.expanduser(lora_path)):  # a path neither loaded nor loadable
                 loadable = (
                     "it is not an adapter directory inside --lora-allowed-dirs (a request may load only those)"
                     if self.args.lora_allowed_dirs

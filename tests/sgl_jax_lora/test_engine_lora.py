@@ -327,6 +327,8 @@ def test_refused_adapter_forms_keep_the_engine_serving(engine, setup, tmp_path, 
 def test_request_paths_outside_allowed_dirs_are_refused(engine, tmp_path):
     with pytest.raises(ValueError, match=r"no adapter is loaded from this path, and this server lets requests load"):
         engine.generate(input_ids=prompt(91), lora_path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"'org/adapter': no LoRA adapter with this name is loaded \(loaded: "):
+        engine.generate(input_ids=prompt(91), lora_path="org/adapter")  # a hub-style name: the loaded ones listed
 
 
 def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup):

@@ -240,6 +240,11 @@ def test_errors_a_client_can_cause_are_answered_not_raised_as_bugs(exc):
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "invalid request: messages.0.content.0.image_url: this server does not support images; remove the field",
         ),
+        (  # a client's dict key that reads like a branch tag is a key, not a union
+            CompletionRequest,
+            {"model": "m", "prompt": "a", "metadata": {"int": 5}},
+            "invalid request: metadata.int: Input should be a valid string (got 5)",
+        ),
     ],
 )
 def test_a_value_that_fits_no_form_of_a_field_is_one_problem_naming_the_forms(model, body, message):

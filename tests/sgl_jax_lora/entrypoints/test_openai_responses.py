@@ -60,6 +60,9 @@ def test_an_aborted_request_is_an_error_not_a_finish_reason():
     with pytest.raises(APIError, match=r"generation stopped before it finished \(engine error: device fault\)") as e:
         finish_reason(result({"type": "abort", "message": "engine error: device fault"}))
     assert (e.value.status_code, e.value.code) == (500, "request_aborted")
+    with pytest.raises(APIError, match=r"the request was aborted before it finished \(aborted by the client\)") as e:
+        finish_reason(result({"type": "abort", "message": "aborted by the client"}))
+    assert (e.value.status_code, e.value.code) == (400, "aborted")  # /abort_request: no retry advice
 
 
 def test_usage_counts_each_prompt_once_over_its_choices():
