@@ -263,8 +263,8 @@ class ModelRunner:
             tokens = args.max_total_tokens
             if memory is not None:
                 check_kv_fits(args, tokens, *memory, reserve, per_token)
-            elif (available := host_memory_available()) is not None:  # CPU: the cache lives in the host's memory
-                check_kv_fits(args, tokens, available, 0, 0, self._kv_bytes_per_device_token)
+            elif (available := host_memory_available()) is not None:  # CPU: every device's share in host memory
+                check_kv_fits(args, tokens, available, 0, 0, self._kv_bytes_per_device_token * args.tp_size)
         elif memory is None:
             tokens = CPU_DEFAULT_KV_TOKENS
         else:

@@ -105,7 +105,15 @@ def device_memory() -> tuple[int, int] | None:
 
 
 def host_memory_available() -> int | None:
-    """Bytes of physical memory free for new allocations on this host (Linux, macOS); None where unknown."""
+    """Bytes of memory new allocations may take on this host: Linux's MemAvailable (free memory plus the page cache
+    it can reclaim, such as the weights just read), else the free pages; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
