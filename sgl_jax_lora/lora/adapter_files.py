@@ -293,7 +293,8 @@ def _invalid_safetensors(name: str, error: SafetensorsLayoutError) -> LoRAAdapte
 
 def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
     """One safetensors entry (its dtype name, shape and raw bytes or buffer slice) -> a float32 array; F32 is a
-    read-only view of `raw`, the other float dtypes are converted. Disk, HTTP bodies and TensorFiles share it."""
+    view of `raw` (read-only over bytes, writable over a file read into a bytearray), the other float dtypes are
+    converted. Disk, HTTP bodies and TensorFiles share it."""
     if dtype == "F32":
         return np.frombuffer(raw, np.float32).reshape(shape)
     if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32

@@ -77,6 +77,11 @@ FORMS = {
         r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], layers_to_transform=[1]
     ),
     "layers_to_transform_int": dict(r=4, lora_alpha=8, target_modules=["k_proj", "up_proj"], layers_to_transform=0),
+    "layers_pattern": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1], layers_pattern="layers"
+    ),
+    "exclude_list": dict(r=4, lora_alpha=8, target_modules=ALL_7, exclude_modules=["v_proj", "gate_proj"]),
+    "exclude_regex": dict(r=4, lora_alpha=8, target_modules=ALL_7, exclude_modules=r".*layers\.1\.mlp\..*"),
 }
 
 

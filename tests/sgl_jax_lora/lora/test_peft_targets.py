@@ -18,15 +18,15 @@ def module_scaling(config_fields: dict, path: str) -> float:
     return scaling_of(alpha, rank, use_rslora=False)
 
 
-Q = "base_model.model.model.layers.{}.self_attn.q_proj"
-V = "base_model.model.model.layers.{}.self_attn.v_proj"
+Q = "model.layers.{}.self_attn.q_proj"  # the base model's own paths, as module_settings matches them
+V = "model.layers.{}.self_attn.v_proj"
 
 
 def test_short_names_exclusions_and_layers_select_the_modules():
     config = fields({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1, 3]})
     assert targets(config, Q.format(1)) and targets(config, V.format(3))
     assert not targets(config, Q.format(0)) and not targets(config, Q.format(2))
-    assert not targets(config, "base_model.model.model.layers.1.mlp.down_proj")
+    assert not targets(config, "model.layers.1.mlp.down_proj")
     excluded = fields({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["v_proj"]})
     assert targets(excluded, Q.format(0)) and not targets(excluded, V.format(0))
 
