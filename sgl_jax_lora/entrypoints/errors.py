@@ -76,9 +76,8 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, PromptRefused):  # a prompt of the call could not be built: name it, keep its cause's status
-        error = to_api_error(exc.cause)
-        code = "lora_not_found" if exc.stage == "lora" and error.status_code == 400 else error.code
-        return APIError(error.status_code, exc.where + error.message, code)
+        error = to_api_error(exc.cause)  # an adapter that is not there: lora_not_found; one that cannot load: its own
+        return APIError(error.status_code, exc.where + error.message, error.code)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine process has exited; the server is shutting down", "engine_dead")
     if isinstance(exc, ServerBusyError):

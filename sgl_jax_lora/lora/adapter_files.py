@@ -349,6 +349,11 @@ def _read_header(name: str, f: BinaryIO) -> tuple[bytes, list[tuple[str, str, tu
 
 
 CHECK_CHUNK_BYTES = 16 << 20  # the frontend reads an adapter's tensors this many bytes at a time
+# PEFT's name of a LoRA half: "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally with the
+# adapter's tag ("...lora_A.default.weight"); lora/tensor_names.py takes the module path from it
+LORA_TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$"
+)
 
 
 def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> None:
@@ -365,6 +370,8 @@ def check_adapter_files(name: str, adapter_dir: str, allowed_dirs: list[str] | t
     with open_confined(name, weights, allowed_dirs) as f:
         head, entries = _read_header(name, f)
         for key, dtype, _, begin, end in sorted(entries, key=lambda e: e[3]):  # back to back, in the file's order
+            if not LORA_TENSOR_NAME.match(key):  # not a LoRA half: the engine refuses its name from the header alone
+                continue
             if dtype not in _EXPONENT_BITS:
                 raise non_float_error(name, key, dtype)
             f.seek(len(head) + begin)

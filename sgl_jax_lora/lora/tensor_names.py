@@ -12,12 +12,10 @@ import re
 
 import numpy as np
 
-from sgl_jax_lora.lora.adapter_files import tensor_label
+from sgl_jax_lora.lora.adapter_files import LORA_TENSOR_NAME, tensor_label
 from sgl_jax_lora.lora.peft_config import EMBEDDING_MODULES, WEIGHTS_FILE, LoRAAdapterError, adapter_error
 from sgl_jax_lora.lora.target_shapes import LORA_TARGET_MODULES, LoRATargetShapes
 
-# "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", optionally "...lora_A.default.weight".
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<tag>[^.]+))?\.weight$")
 # "model.layers.3.self_attn.q_proj" -> layer 3, module q_proj (then the whole path must be the base model's own).
 _LAYER_MODULE = re.compile(r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<module>[^.]+)$")
 
@@ -37,7 +35,7 @@ def group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, dic
     halves: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     tags: set[str] = set()
     for key, tensor in tensors.items():
-        match = _LORA_KEY.match(key)
+        match = LORA_TENSOR_NAME.match(key)
         if match is None:
             raise _unexpected_tensor_error(name, key)
         if match["tag"]:
@@ -46,7 +44,7 @@ def group_lora_pairs(name: str, tensors: dict[str, np.ndarray]) -> dict[str, dic
         if match["kind"] in half:
             raise adapter_error(
                 name,
-                f"{WEIGHTS_FILE} holds two tensors for {tensor_label(match['path'], 'module')}'s {match['kind']}, "
+                f"two tensors are the {match['kind']} of {tensor_label(match['path'], 'module')}: "
                 f"{tensor_label(half[match['kind']][0])} and {tensor_label(key)}",
                 "keep one tensor per module and half, as peft's save_pretrained writes them",
             )

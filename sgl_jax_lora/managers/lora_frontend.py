@@ -70,18 +70,18 @@ class LoRAFrontend:
             raise LoRAAdapterError(
                 f"lora_path must be an adapter name or path (a string) or null, got {shown(repr(lora_path))}"
             )
-        if not self.args.enable_lora:
-            raise LoRAAdapterError(
+        if not self.args.enable_lora:  # no adapter is there to find
+            raise UnknownLoRAError(
                 f"request names adapter '{shown(lora_path)}' but LoRA is not enabled; restart with "
                 "--enable-lora or --lora-paths"
             )
         if len(lora_path) > self.args.max_lora_name_length:  # before any path work on it (realpath walks each part)
-            raise LoRAAdapterError(
+            raise UnknownLoRAError(
                 f"lora_path has {len(lora_path)} characters, more than --max-lora-name-length "
                 f"{self.args.max_lora_name_length}; no adapter has such a name"
             )
         if "\0" in lora_path:  # before any path work on it (the OS refuses a path with a NUL)
-            raise LoRAAdapterError(
+            raise UnknownLoRAError(
                 f"lora_path {shown(repr(lora_path))} holds a NUL character; no adapter has such a name or path"
             )
         name = lora_path

@@ -99,8 +99,10 @@ def generate(http: httpx.Client, lora_path: str | None) -> httpx.Response:
 def test_a_poisoned_adapter_is_refused_at_load(http, root):
     message = error_of(load(http, "bad", str(root / "bad")))
     assert "adapter 'bad'" in message and "lora_B" in message and "NaN or Inf" in message
-    on_demand = error_of(generate(http, str(root / "bad")))  # a request naming its path loads it on demand
-    assert "NaN or Inf" in on_demand
+    on_demand = generate(http, str(root / "bad"))  # a request naming its path loads it on demand
+    assert "NaN or Inf" in error_of(on_demand) and on_demand.json()["error"]["code"] == "invalid_request"  # not missing
+    as_model = http.post("/v1/completions", json={"model": str(root / "bad"), "prompt": "Hello", "max_tokens": 2})
+    assert "NaN or Inf" in error_of(as_model) and as_model.json()["error"]["code"] == "invalid_request"  # 400, not 404
     assert "bad" not in model_ids(http) and str(root / "bad") not in model_ids(http)
     assert generate(http, None).status_code == 200 and generate(http, "a0").status_code == 200
 

@@ -243,7 +243,7 @@ def test_tensors_must_name_the_base_models_own_modules_once(read, base_dir, shap
         ("decoder", "base_model.model.model.decoder.layers.0.self_attn.q_proj.lora_A.weight", ["not a module path"]),
         ("moved", "base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", ["not a module path"]),
         ("padded", "base_model.model.model.layers.00.self_attn.q_proj.lora_A.weight", ["not a module path"]),
-        ("twice", "model.layers.0.self_attn.q_proj.lora_A.weight", ["holds two tensors", "q_proj'", "lora_A"]),
+        ("twice", "model.layers.0.self_attn.q_proj.lora_A.weight", ["two tensors are the lora_A of module", "q_proj'"]),
     ]:
         if case == "twice":  # the same module's lora_A under a second name (no prefix), beside the first
             edited = {**tensors, renamed: tensors[q_a]}

@@ -350,3 +350,16 @@ def test_a_path_that_changes_while_it_is_resolved_is_an_adapter_error(dirs, monk
     monkeypatch.setattr(os.path, "realpath", flipping)
     with pytest.raises(LoRAAdapterError, match="changed while it was resolved"):
         confined_dir("racy", str(allowed / "a"), [str(allowed)])
+
+
+def test_the_frontend_reads_only_the_lora_halves_values(clean_adapter, shapes, tmp_path):
+    """A tensor not named as a LoRA half is refused by its name from the header (registration); the frontend's check of
+    values does not read it, however large its header says it is."""
+    extra = shutil.copytree(clean_adapter, tmp_path / "extra")
+    tensors = load_file(str(extra / "adapter_model.safetensors"))
+    save_file({**tensors, "notes.weight": torch.full((4,), float("nan"))}, str(extra / "adapter_model.safetensors"))
+    check_adapter_files("extra", str(extra), None)  # its NaN values are never read
+    with pytest.raises(
+        LoRAAdapterError, match=r"unexpected tensor in adapter_model.safetensors: tensor 'notes.weight'"
+    ):
+        inspect_peft_adapter("extra", str(extra), shapes)

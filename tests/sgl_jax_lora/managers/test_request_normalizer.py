@@ -12,6 +12,8 @@ import pytest
 
 from sgl_jax_lora.entrypoints.errors import to_api_error
 from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import LoRAAdapterError
+from sgl_jax_lora.lora.registry import UnknownLoRAError
 from sgl_jax_lora.managers.engine_client import EngineDeadError, RequestError
 from sgl_jax_lora.managers.request_normalizer import (
     ENGINE,
@@ -135,9 +137,11 @@ class FakeManager:
 
     async def resolve_lora(self, name: str) -> LoRARef:
         if name == "missing":
-            raise RequestError("no LoRA adapter with this name is loaded")
+            raise UnknownLoRAError("no LoRA adapter with this name is loaded")
         if name == "dead":
             raise EngineDeadError("engine process exited")
+        if name == "unreadable":
+            raise LoRAAdapterError("adapter 'unreadable': adapter_config.json is not valid JSON (line 1, column 2)")
         ref = LoRARef(lora_name=name, lora_path="", lora_id=f"id-{name}")
         self.acquired.append(ref.lora_id)
         return ref
@@ -183,6 +187,9 @@ def test_http_maps_a_refused_prompt_by_its_cause():
     with pytest.raises(PromptRefused) as bad:
         build(tm, normalize(["bad", "b"]))
     assert (to_api_error(bad.value).status_code, to_api_error(bad.value).code) == (400, "invalid_request")
+    with pytest.raises(PromptRefused) as unreadable:  # an adapter that is there but cannot load: not "not found"
+        build(tm, normalize(["a"], lora_path=["unreadable"]))
+    assert (to_api_error(unreadable.value).status_code, to_api_error(unreadable.value).code) == (400, "invalid_request")
     with pytest.raises(PromptRefused) as dead:
         build(tm, normalize("a", lora_path="dead"))
     assert (to_api_error(dead.value).status_code, to_api_error(dead.value).code) == (503, "engine_dead")
