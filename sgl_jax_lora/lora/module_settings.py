@@ -73,7 +73,8 @@ def _settings_in_child(request: str) -> dict | None:
         done = subprocess.run(command, input=request, capture_output=True, text=True, timeout=PATTERN_MATCH_WALL_S)
     except subprocess.TimeoutExpired:
         raise PatternMatchUnfinished from None
-    if done.returncode == -getattr(signal, "SIGXCPU", -1):  # the kernel stopped it at its CPU limit
+    cpu_limit_signal = getattr(signal, "SIGXCPU", None)  # where the platform has CPU limits
+    if cpu_limit_signal is not None and done.returncode == -cpu_limit_signal:  # stopped at its CPU limit
         return None
     if done.returncode != 0:
         raise RuntimeError(f"matching an adapter config's patterns failed: {done.stderr.strip()[-500:]}")
