@@ -1,11 +1,12 @@
 """Adapter files as untrusted input: where they may lie, how they are opened, what their tensors may hold, what an
 error may show.
 
-Flow: `/load_lora_adapter` and on-demand loads (TokenizerManager) -> `confined_dir` (the directory, resolved)
--> `check_adapter_files` on a worker thread (config and weights resolved with os.path.realpath and required
-inside --lora-allowed-dirs; every tensor finite) -> the engine process, whose loader (peft_config.py reads the
-config, adapter.py the weights) opens each file again through `open_confined` and refuses NaN and Inf when it reads
-the weights (`read_checked_safetensors`; the files may have changed since the frontend looked). The bytes' layout is
+Flow: `/load_lora_adapter` and on-demand loads (LoRAFrontend) -> `confined_dir` (the directory, resolved) -> the
+engine process registers it from its config and tensor headers (adapter.inspect_peft_adapter: names, shapes and rank
+against the model, each file opened through `open_confined`) -> `check_adapter_files` on a frontend worker thread
+(config and weights resolved with os.path.realpath and required inside --lora-allowed-dirs; every LoRA tensor
+finite; a refusal unloads it again) -> requests may name it; the engine's loader opens each file again when it reads
+the weights and refuses NaN and Inf there too (`read_checked_safetensors`; the files may have changed since). The bytes' layout is
 checked by safetensors_layout.py, which returns views and copies nothing.
 
 A symlink is followed when the path is resolved, and what it points to must itself lie inside an allowed

@@ -165,16 +165,20 @@ class LoRAFrontend:
                 f"adapter '{shown(lora_name)}': its directory is already loaded as "
                 f"'{shown(existing.lora_name)}'; use that name, or unload it first"
             )
-        await asyncio.get_running_loop().run_in_executor(self._executor, check_adapter_files, lora_name, real, allowed)
         ref = LoRARef(lora_name=lora_name, lora_path=real, pinned=bool(pinned), confined=not trusted)
+        # the engine checks the config, the tensors' names, shapes and rank from the headers, then the values are
+        # checked here (so no more is read than a valid adapter holds); only then may requests name it
         result = await self._call(
             LoadLoRACall(
                 lora_id=ref.lora_id, lora_name=lora_name, lora_path=real, pinned=ref.pinned, confined=ref.confined
             )
         )
         try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, check_adapter_files, lora_name, real, allowed
+            )
             self.registry.register(ref, alias_ok=trusted)
-        except LoRAAdapterError:  # a concurrent load took the name or the directory meanwhile
+        except LoRAAdapterError:  # bad values, or a concurrent load took the name or the directory meanwhile
             await self._call(UnloadLoRACall(ref.lora_id))
             raise
         summary = {"lora_name": lora_name, "lora_path": real, "pinned": ref.pinned, "lora_id": ref.lora_id}

@@ -14,6 +14,7 @@ import shutil
 import signal
 
 import httpx
+import numpy as np
 import pytest
 
 from sgl_jax_lora.demo_model import demo_model_path
@@ -105,6 +106,27 @@ def test_a_poisoned_adapter_is_refused_at_load(http, root):
     assert "NaN or Inf" in error_of(as_model) and as_model.json()["error"]["code"] == "invalid_request"  # 400, not 404
     assert "bad" not in model_ids(http) and str(root / "bad") not in model_ids(http)
     assert generate(http, None).status_code == 200 and generate(http, "a0").status_code == 200
+
+
+def test_a_tensor_claiming_gigabytes_is_refused_by_its_shape_before_its_values_are_read(http, root):
+    """A LoRA half whose header claims 1 GiB (a sparse file, NaN at its start): the engine refuses its shape from the
+    header before the frontend reads any value, so the error is the shape's, not the NaN's."""
+    huge = root / "huge"
+    huge.mkdir()
+    shutil.copy(root / "good" / "adapter_config.json", huge)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    a_bytes, b_bytes = 4 * 2**26 * 4, 4 * 4 * 4  # lora_A (4, 2**26) claims 1 GiB; lora_B's shape does not matter
+    header = {
+        f"{key}.lora_A.weight": {"dtype": "F32", "shape": [4, 2**26], "data_offsets": [0, a_bytes]},
+        f"{key}.lora_B.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [a_bytes, a_bytes + b_bytes]},
+    }
+    raw = json.dumps(header).encode()
+    weights = huge / "adapter_model.safetensors"
+    weights.write_bytes(len(raw).to_bytes(8, "little") + raw + np.full(4, np.nan, np.float32).tobytes())
+    os.truncate(weights, 8 + len(raw) + a_bytes + b_bytes)
+    message = error_of(load(http, "huge", str(huge)))
+    assert "has shape (4, 67108864), expected" in message and "NaN" not in message, message
+    assert "huge" not in model_ids(http) and generate(http, "a0").status_code == 200
 
 
 @pytest.mark.parametrize(
