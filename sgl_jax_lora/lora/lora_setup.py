@@ -110,11 +110,10 @@ class LoRASetup:
         self.in_memory[ref.lora_id] = (adapter, config)
         return adapter
 
-    def match_config(self, name: str, config: dict | None, replaces: LoRARef | None) -> None:
-        """A tensors load's config (or, for an update without one, the current version's) matched against the model
-        (adapter.targeted_modules), so that the load on the engine loop finds the match in module_settings' cache: a
-        config's own regular expressions run in a child process for up to 2 s. Raises what the match raises."""
-        config = config if config is not None else self.config_of(replaces)
+    def match_config(self, name: str, config: dict) -> None:
+        """A tensors load's config matched against the model (adapter.targeted_modules) ahead of the load, on a
+        worker thread, so that the load on the engine loop finds the match in module_settings' cache: a config's own
+        regular expressions run in a child process for up to 2 s of CPU. Raises what the match raises."""
         targeted_modules(name, parse_peft_config(name, config), self.target_shapes)
 
     def _refuse_partial_update(self, name: str, current: LoRARef, update: LoRAAdapter) -> None:

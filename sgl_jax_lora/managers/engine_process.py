@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from sgl_jax_lora.distributed.runtime import DistributedEngineError
 from sgl_jax_lora.lora.lora_ref import LoRARef
+from sgl_jax_lora.lora.peft_config import parse_peft_config
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
     CacheFlushed,
@@ -270,16 +271,18 @@ class EngineLoop:
         self.running = False
 
     def _check_ahead(self, call: LoadLoRACall | LoadLoRATensorsCall) -> Future | None:
-        """The header check of a load's adapter, or a tensors load's config matched against the model, started on a
-        worker thread (LoRAManager.inspect_ahead, run_ahead); None when the load runs whole on the loop: LoRA off
-        (the call fails at once) or a pinned adapter from a directory (its weights are read when it registers)."""
+        """The header check of a load's adapter, or a tensors load's config with regular expressions of its own
+        matched against the model, started on a worker thread (LoRAManager.inspect_ahead, run_ahead); None when the
+        load runs whole on the loop: LoRA off (the call fails at once), a pinned adapter from a directory (its weights
+        are read when it registers), a tensors load with nothing to match in a child process."""
         lora = self.core.lora
         if lora is None:
             return None
         if isinstance(call, LoadLoRATensorsCall):
-            replaces = lora.refs.get(call.replaces) if call.replaces is not None else None
+            if call.config is None or not parse_peft_config(call.ref.lora_name, call.config).has_client_patterns:
+                return None  # matched in process, or (an update keeping its config) found in module_settings' cache
             setup = self.core.lora_setup
-            return lora.run_ahead(lambda: setup.match_config(call.ref.lora_name, call.config, replaces))
+            return lora.run_ahead(lambda: setup.match_config(call.ref.lora_name, call.config))
         if call.pinned:
             return None
         ref = LoRARef(call.lora_name, call.lora_path, lora_id=call.lora_id, confined=call.confined)

@@ -47,7 +47,6 @@ class FakeLoRA:
     def __init__(self):
         self.checks_ahead: dict[str, Future] = {}  # lora_id -> its check
         self.checked: list[LoRARef] = []
-        self.refs: dict[str, LoRARef] = {}
         self.work_ahead: list[tuple] = []  # (work, its future): run by the test, as the worker thread would
 
     def inspect_ahead(self, ref: LoRARef) -> Future:
@@ -73,9 +72,9 @@ class FakeSetup:
     def __init__(self):
         self.matched: list[tuple] = []
 
-    def match_config(self, name: str, config: dict | None, replaces: LoRARef | None) -> None:
-        self.matched.append((name, config, replaces))
-        if config == {"target_modules": "(a|a)*b"}:
+    def match_config(self, name: str, config: dict) -> None:
+        self.matched.append((name, config))
+        if config["target_modules"] == "(a|a)*b":
             raise ValueError("adapter 'slow': its regular expressions took over 2 s")
 
 
@@ -146,10 +145,7 @@ def test_calls_reach_their_method_and_reply_with_their_call_id():
     loop.handle(LoadLoRACall("id1", "a", "/adapters/a", pinned=True, call_id=2))
     loop.handle(LoadLoRATensorsCall(ref, "/dev/shm/a", None, replaces="id1", tensors_checked_finite=True, call_id=3))
     loop.handle(UnloadLoRACall("id9", call_id=4))
-    core.lora.run_work_ahead()
-    loop._finish_loads_ahead()
     replies = [received(frontend) for _ in range(4)]
-    replies = [replies[0], replies[1], replies[3], replies[2]]  # the tensors load answered after its match ahead
     assert replies == [
         CallReply(1, ok=True, result={"context_length": 256}),
         CallReply(2, ok=True, result={"rank": 8, "target_modules": ["q_proj"]}),
@@ -190,25 +186,25 @@ def test_a_load_is_answered_after_its_header_check_off_the_loop():
 
 
 def test_a_tensors_load_is_answered_after_its_config_is_matched_off_the_loop():
-    """A tensors load's config (a client's regular expressions may take up to 2 s to match in a child process) is
-    matched on the worker first (an update without a config: the current version's); the load runs on the loop once
-    that is done, where module_settings' cache holds the match or its refusal (test_module_settings.py)."""
+    """A tensors load whose config has regular expressions of its own (which may take up to 2 s of CPU to match, in a
+    child process) is matched on the worker first, and runs on the loop once that is done, where module_settings'
+    cache holds the match or its refusal (test_module_settings.py); a config of module names runs at once."""
     loop, core, frontend = make_loop()
-    current = LoRARef(lora_name="p", lora_path="", lora_id="id1")
-    core.lora.refs["id1"] = current
     slow = LoRARef(lora_name="slow", lora_path="", lora_id="id2")
-    loop.handle(LoadLoRATensorsCall(slow, "/dev/shm/s", {"target_modules": "(a|a)*b"}, call_id=1))
-    loop.handle(LoadLoRATensorsCall(LoRARef("p", "", lora_id="id3", version=2), "/dev/shm/p", None, "id1", call_id=2))
+    slow_config = {"r": 4, "lora_alpha": 8, "target_modules": "(a|a)*b"}
+    loop.handle(LoadLoRATensorsCall(slow, "/dev/shm/s", slow_config, call_id=1))
+    plain = LoRARef(lora_name="plain", lora_path="", lora_id="id3")
+    loop.handle(LoadLoRATensorsCall(plain, "/dev/shm/p", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    assert received(frontend).call_id == 0 and core.calls[0][1] == plain  # names only: no wait
     loop.handle(ServerInfoCall(call_id=3))
     assert received(frontend) == CallReply(3, ok=True, result={"context_length": 256})
     loop._finish_loads_ahead()
-    assert not frontend.poll(0.2) and core.calls == []  # neither ran on the loop before its match
+    assert not frontend.poll(0.2) and len(core.calls) == 1  # the slow one did not run on the loop before its match
     core.lora.run_work_ahead()
     loop._finish_loads_ahead()
-    assert [received(frontend).call_id for _ in range(2)] == [1, 2]  # in the order they came
-    assert core.lora_setup.matched == [("slow", {"target_modules": "(a|a)*b"}, None), ("p", None, current)]
-    assert [call[0] for call in core.calls] == ["load_lora_tensors", "load_lora_tensors"]
-    assert loop.loads_ahead == []
+    assert received(frontend).call_id == 1
+    assert core.lora_setup.matched == [("slow", slow_config)]
+    assert [call[1] for call in core.calls] == [plain, slow] and loop.loads_ahead == []
 
 
 def test_shutdown_and_unknown_messages(caplog):
