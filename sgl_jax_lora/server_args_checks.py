@@ -19,6 +19,8 @@ import os
 import tempfile
 from typing import TYPE_CHECKING
 
+from sgl_jax_lora.utils.shown_text import cut
+
 if TYPE_CHECKING:
     from sgl_jax_lora.server_args import ServerArgs
 
@@ -94,8 +96,7 @@ def shown(value: object) -> str:
     """repr of a setting's value, cut for an error message (an integer of a thousand digits stays out of it)."""
     if is_int(value) and value.bit_length() > 128:
         return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + f"...({len(text)} chars)"
+    return cut(repr(value), MAX_SHOWN_CHARS)
 
 
 def check_field_types(args: ServerArgs) -> None:
@@ -117,7 +118,7 @@ def check_field_types(args: ServerArgs) -> None:
 
 
 def check_server_args(args: ServerArgs) -> None:
-    check_field_types(args)
+    """Every check but the fields' types, which __post_init__ ran first (check_field_types)."""
     _check_choices(args)
     _check_counts(args)
     _check_count_bounds(args)

@@ -42,6 +42,7 @@ from sgl_jax_lora.lora.safetensors_layout import (
     read_header,
     safetensors_layout,
 )
+from sgl_jax_lora.utils.shown_text import cut
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -60,7 +61,7 @@ def adapter_error(name: str, problem: str, fix: str) -> LoRAAdapterError:
 
 def shown(text: str) -> str:
     """`text` cut for an error message (a client may send a megabyte-long name)."""
-    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + f"...({len(text)} chars)"
+    return cut(text, MAX_SHOWN_CHARS)
 
 
 def is_within(path: str, allowed_dirs: list[str] | tuple[str, ...]) -> bool:
