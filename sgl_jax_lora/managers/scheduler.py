@@ -4,7 +4,8 @@ Each step is one ragged batch: first a decode row (one token) for every running 
 by adapter slot, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
 --chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
 batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
-tokens arrive; a decode row out of pages preempts the newest running request (pages freed, recomputed later).
+tokens arrive; a decode row out of pages preempts the newest running request, itself if it is the newest (pages freed,
+recomputed later).
 
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
@@ -27,7 +28,8 @@ Priority (--scheduling-policy priority; every request's priority is 0 under fcfs
 priority class, the lowest value first, and admission goes through the classes in that order, each as above; a
 request's starvation bound counts only requests of its own class (a better class always goes first, as in vLLM), and
 a request of a later class neither evicts nor drains an adapter that a better class waits for. A decode row out of pages
-preempts the running request of the least urgent class, the newest of it.
+preempts the running request of the least urgent class, the newest of it, the row itself included (decode rows take
+their pages most urgent first).
 
 Prefix cache (mem_cache/prefix_cache.py, unless --disable-prefix-cache): a request entering with no pages takes the
 cached pages of its longest cached prefix under its adapter and prefills only the rest; prefill chunks share their
@@ -48,6 +50,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import operator
 from collections import Counter, deque
 
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
@@ -58,6 +61,8 @@ from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
+
+URGENCY = operator.attrgetter("priority", "arrival_time")  # a request's place: the lowest value is the most urgent
 
 
 @dataclasses.dataclass
@@ -195,16 +200,18 @@ class Scheduler:
             drop_pages_below_window(req.pages, req.num_computed, self.sliding_window, self.allocator, self.prefix_cache)
         if self.adapter_slots is not None:
             batch.adapters = self.adapter_slots.plan_step({r.lora_slot_key for r in self.running})
+        preemptions_before = self.num_preemptions
         self._add_decode_rows(batch)
         batch.num_decode_rows = len(batch.reqs)
         budget = min(max(self.chunk_budget - batch.num_decode_rows, MIN_PREFILL_TOKENS), self.chunk_budget)
         budget = min(budget, self.buckets.tokens[-1] - batch.num_decode_rows)
-        self._add_prefill_chunks(batch, budget)
+        self._add_prefill_chunks(batch, budget, admit=self.num_preemptions == preemptions_before)
         return batch if batch.reqs else None
 
-    def _add_prefill_chunks(self, batch: ScheduleBatch, budget: int) -> None:
+    def _add_prefill_chunks(self, batch: ScheduleBatch, budget: int, admit: bool) -> None:
         """Continue chunked prefills, then admit waiting requests, up to `budget` tokens and max_prefill_seqs
-        chunks."""
+        chunks. A step that preempted admits no one (as vLLM's): the pages it freed are for the running requests'
+        next tokens, not for a prompt that the next step would preempt again."""
         num_chunks = 0
         for req in [r for r in self.running if r.is_prefilling]:  # continue chunked prefills first
             if num_chunks == self.max_prefill_seqs or budget <= 0:
@@ -212,7 +219,7 @@ class Scheduler:
             taken = self._try_add_chunk(batch, req, budget)
             budget -= taken
             num_chunks += taken > 0
-        if not self.waiting or len(self.running) >= self.max_running:  # no admission: skip the O(waiting) work below
+        if not admit or not self.waiting or len(self.running) >= self.max_running:  # skip the O(waiting) work below
             return
         # adapters waiting requests want: not evicted for another (non-starved) request, drained last
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
@@ -335,9 +342,12 @@ class Scheduler:
 
     def _add_decode_rows(self, batch: ScheduleBatch) -> None:
         """A decode row for every running request past its prefill that may still sample (one whose last allowed
-        token is in flight under the overlap schedule finishes when it lands)."""
-        for req in [r for r in self.running if not r.is_prefilling and not r.out_of_new_tokens]:
-            if req.num_computed == 0:  # preempted while making room for an earlier one (a decode row has K/V)
+        token is in flight under the overlap schedule finishes when it lands). Rows take their pages most urgent
+        first, so a row short of a page preempts the least urgent request left, which may be the row itself."""
+        rows = [r for r in self.running if not r.is_prefilling and not r.out_of_new_tokens]
+        rows.sort(key=URGENCY)  # a re-admitted request is running again in its arrival's place
+        for req in rows:
+            if req.num_computed == 0:  # preempted while making room for a more urgent one (a decode row has K/V)
                 continue
             if not self._ensure_decode_page(req, batch):
                 continue
@@ -368,18 +378,14 @@ class Scheduler:
     def _ensure_decode_page(self, req: Req, batch: ScheduleBatch) -> bool:
         needed = self.allocator.pages_for(req.seq_len) - len(req.pages)
         while needed > 0 and not self._can_allocate(needed):
-            victim = self._pick_preemption_victim(exclude=[req] + batch.reqs)
-            if victim is None:
-                return False
+            placed = set(batch.reqs)  # the rows placed so far are more urgent (requests hash by identity)
+            victim = max((r for r in self.running if r not in placed), key=URGENCY)  # the least urgent, its newest
             self._preempt(victim)
+            if victim is req:
+                return False
         if needed > 0:
             req.pages += self._allocate(needed)
         return True
-
-    def _pick_preemption_victim(self, exclude: list[Req]) -> Req | None:
-        excluded = set(exclude)  # requests hash by identity
-        candidates = (r for r in self.running if r not in excluded)
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)  # least urgent, newest
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)

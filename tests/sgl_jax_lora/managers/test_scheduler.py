@@ -426,6 +426,36 @@ def test_decode_out_of_pages_preempts_the_newest_request():
     assert sched.num_preemptions == 1
 
 
+def test_the_newest_request_out_of_pages_preempts_itself_not_an_older_one():
+    sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
+    old, new = req("old", length=7, t=0), req("new", length=8, t=1)
+    sched.add(old)
+    sched.add(new)
+    finish_prefill(sched.schedule())  # both prefilled: 2 pages each, every page used
+    batch = sched.schedule()  # "new" needs a third page for its 9th token; "old" still fits its two
+    assert batch.reqs == [old]  # and "new" is not admitted again in the step that preempted it
+    assert list(sched.waiting) == [new] and new.pages == [] and len(old.pages) == 2
+
+
+@pytest.mark.parametrize(
+    "lazy_first, lazy_length, urgent_length",
+    # the one that prefills first decodes a token while the other prefills; then one of them needs a third page
+    [(True, 7, 7), (True, 6, 8), (False, 8, 6), (False, 6, 7)],
+)
+def test_out_of_pages_the_lazy_request_is_preempted_whichever_needs_the_page(lazy_first, lazy_length, urgent_length):
+    sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
+    lazy, urgent = req("lazy", length=lazy_length, t=0), req("urgent", length=urgent_length, t=1)
+    lazy.priority = 10
+    for r in (lazy, urgent) if lazy_first else (urgent, lazy):
+        sched.add(r)
+        finish_prefill(sched.schedule())
+    assert sched.allocator.num_free == 0 and not sched.waiting
+    assert sched.running == ([lazy, urgent] if lazy_first else [urgent, lazy])
+    batch = sched.schedule()
+    assert batch.reqs == [urgent]
+    assert list(sched.waiting) == [lazy] and lazy.pages == [] and sched.num_preemptions == 1
+
+
 def test_token_buckets_cover_every_step_and_refuse_nonpositive_sizes():
     buckets = Buckets.build(64, 2048, 1024, 16, token_buckets=[64, 4096])
     assert buckets.tokens == (64, 2048)  # 4096 is capped at the largest step (the step's budget), not dropped
