@@ -10,7 +10,9 @@ protocol class: uvicorn's h11 protocol, plus a timer armed when the connection o
 a later request arrives, cancelled once h11 has parsed the whole request head. If it fires first, the client gets
 a 408 `request_timeout` (the API's error shape) and the connection is closed. What h11 cannot parse gets the API's
 error shape too, with h11's reason, where uvicorn answers plain text without one: a head past uvicorn's 16 KiB limit
-(an over-long URL) a 431 `request_head_too_large`, anything else malformed a 400 `bad_http_request`.
+(an over-long URL) a 431 `request_head_too_large`, anything else malformed a 400 `bad_http_request`. A response
+sent before its request's body ended (the body timeout's 408, a 413, a route that reads no body) closes the
+connection: uvicorn would wait for the rest of the body with no timer running, so one byte now and then held it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,11 @@ def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # the whole head was parsed: the app has the request
                 self._cancel_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                self.transport.close()  # answered before its body ended (a 408, 413, 404): no timer bounds the rest
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()

@@ -101,6 +101,7 @@ class EngineClient:
         self.server_info: dict = ready.info  # as the engine reported it at startup
         self.is_dead = False
         self._streams: dict[str, asyncio.Queue] = {}  # engine increments of each running request, by rid
+        self._unfinished: set[str] = set()  # rids of open streams whose request the engine has not finished
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -164,11 +165,14 @@ class EngineClient:
             queue = self._streams.get(item.rid)
             if queue is not None:
                 queue.put_nowait(item)
+                if item.finish_reason is not None:
+                    self._unfinished.discard(item.rid)
 
     def _on_failed(self, msg: RequestFailed) -> None:
         queue = self._streams.get(msg.rid)
         if queue is not None:
             queue.put_nowait(RequestError(msg.message))
+            self._unfinished.discard(msg.rid)
 
     def _on_reply(self, msg: CallReply) -> None:
         future = self._calls.pop(msg.call_id, None)
@@ -195,19 +199,22 @@ class EngineClient:
         """The queue that receives request `rid`'s EngineOutput items (or the exception that ends it)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
+        self._unfinished.add(rid)
         return queue
 
     def close_stream(self, rid: str) -> None:
         self._streams.pop(rid, None)
+        self._unfinished.discard(rid)
 
     def has_stream(self, rid: str) -> bool:
         """Whether request `rid` is running: sent, and its stream not closed."""
         return rid in self._streams
 
     @property
-    def num_streams(self) -> int:
-        """Requests sent and not yet finished (each holds an open stream)."""
-        return len(self._streams)
+    def num_unfinished(self) -> int:
+        """Requests sent that the engine has not finished (a finished one whose reader has not taken its last
+        result keeps its stream open, but holds nothing of the engine's)."""
+        return len(self._unfinished)
 
     def send(self, msg: Message) -> None:
         if self.is_dead:

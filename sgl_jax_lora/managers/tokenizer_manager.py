@@ -300,8 +300,9 @@ class TokenizerManager:
 
     @property
     def num_requests_held(self) -> int:
-        """Requests sent to the engine and not yet finished (what --max-queued-requests bounds)."""
-        return self.client.num_streams
+        """Requests sent to the engine and not yet finished there (what --max-queued-requests bounds): streams whose
+        client stopped reading after the engine finished them do not keep other clients out."""
+        return self.client.num_unfinished
 
     @property
     def max_requests_held(self) -> int | None:

@@ -7,6 +7,7 @@ the LoRA tests start their own server. Engine death is in test_server_faults.py,
 
 from __future__ import annotations
 
+import contextlib
 import http.client as http_client
 import json
 import os
@@ -693,7 +694,7 @@ def test_disconnect_mid_stream_frees_pages(http):
     assert server_info(http)["num_running"] == 0
 
 
-def test_a_stream_read_slowly_coalesces_its_cumulative_events(server, http):
+def test_a_stream_read_slowly_coalesces_its_cumulative_events_and_is_not_held_once_finished(server, http):
     """Each /generate event is cumulative: one per increment would grow with the square of the output for a reader
     that cannot keep up (here the logprobs of 240 tokens, 20 alternatives each: about 21 MB as 240 events). A reader
     that takes nothing until the engine has finished gets what the socket buffers held, then one event with all of
@@ -710,6 +711,9 @@ def test_a_stream_read_slowly_coalesces_its_cumulative_events(server, http):
     response = conn.getresponse()
     assert response.status == 200
     wait_until(lambda: server_info(http)["num_running"] == 0, 120, "the engine to finish the request")
+    # finished in the engine, its result unread: it holds no place under --max-queued-requests (stalled readers
+    # would keep every other client out)
+    assert server_info(http)["num_requests_held"] == 0
     body = response.read()
     conn.close()
     events = sse_events(body.decode().splitlines())
@@ -1266,7 +1270,14 @@ def test_a_body_that_stops_arriving_gets_408_and_one_cut_off_is_no_server_error(
             chunk = sock.recv(65536)
             assert chunk, reply
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 408") and b"--request-body-timeout 2 s (7 bytes came)" in reply, reply
+        assert reply.startswith(b"HTTP/1.1 408") and b"--request-body-timeout 2 s (7 bytes came)" in reply, reply
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # a reset is the connection closed too
+            sock.sendall(b"x")  # a byte of the body now and then after the answer does not hold the connection open
+            assert read_until_closed(sock) == b""
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:  # a route that reads no body
+        sock.sendall(head.replace(b"/generate", b"/no-such-route") + b'{"text"')
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 404") and reply.count(b"HTTP/1.1") == 1, reply  # answered, then closed
     with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
         sock.sendall(head + b'{"text"')  # and the client goes away mid-body
     wait_until(lambda: server_errors(http).get("400", 0) > errors_before.get("400", 0), 30, "the 400 to be counted")
