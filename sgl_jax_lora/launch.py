@@ -18,6 +18,7 @@ import logging
 import sys
 
 from sgl_jax_lora.server_args import ServerArgs, load_config_file
+from sgl_jax_lora.utils.open_files import raise_open_file_limit
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
 
 
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     quiet_platform_probes(args.log_level)  # before transformers and JAX are imported
+    raise_open_file_limit()  # each connection holds a file: a few hundred clients must not exhaust 1,024
     # Imported here so that `--help` and flag errors answer at once, without loading transformers.
     from sgl_jax_lora.entrypoints.http_server import run_server
 

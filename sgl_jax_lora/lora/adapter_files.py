@@ -6,8 +6,8 @@ engine process registers it from its config and tensor headers (adapter.inspect_
 against the model, each file opened through `open_confined`) -> `check_adapter_files` on a frontend worker thread
 (config and weights resolved with os.path.realpath and required inside --lora-allowed-dirs; every LoRA tensor
 finite; a refusal unloads it again) -> requests may name it; the engine's loader opens each file again when it reads
-the weights and refuses NaN and Inf there too (`read_checked_safetensors`; the files may have changed since). The bytes' layout is
-checked by safetensors_layout.py, which returns views and copies nothing.
+the weights and refuses NaN and Inf there too (`read_checked_safetensors`; the files may have changed since).
+safetensors_layout.py checks the bytes' layout, returning views, copying nothing.
 
 A symlink is followed when the path is resolved, and what it points to must itself lie inside an allowed
 directory. Between that check and the open, a client with write access to an allowed directory could swap the
@@ -111,6 +111,7 @@ def confined_file(name: str, path: str, allowed_dirs: list[str] | tuple[str, ...
     return real
 
 
+SYMLINK_ERRNOS = (errno.ELOOP, errno.ENOTDIR, getattr(errno, "EMLINK", -1))  # O_NOFOLLOW met a symlink
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -163,16 +164,15 @@ def _root_of(real: str, allowed_dirs: list[str] | tuple[str, ...] | None) -> str
 
 
 def _changed_error(name: str, shown_name: str, error: OSError) -> LoRAAdapterError:
+    if error.errno in (errno.EMFILE, errno.ENFILE):  # the server's fault, not the files'
+        problem = f"{shown_name} could not be opened: the server has no open file left ({errno.errorcode[error.errno]})"
+        return adapter_error(name, problem, "retry when fewer connections are open, or raise the open-file limit")
     return adapter_error(
         name,
         f"{shown_name} could not be opened as the file that was checked ({type(error).__name__}"
-        f"{': a symlink appeared in its path' if _is_symlink_error(error) else ''})",
+        f"{': a symlink appeared in its path' if error.errno in SYMLINK_ERRNOS else ''})",
         "load the adapter again once its files are no longer being changed",
     )
-
-
-def _is_symlink_error(error: OSError) -> bool:
-    return error.errno in (errno.ELOOP, errno.ENOTDIR, getattr(errno, "EMLINK", -1))
 
 
 def refuse_non_finite(name: str, key: str, tensor: np.ndarray, in_memory: bool = False) -> None:

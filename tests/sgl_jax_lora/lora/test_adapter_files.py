@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -363,3 +365,32 @@ def test_the_frontend_reads_only_the_lora_halves_values(clean_adapter, shapes, t
         LoRAAdapterError, match=r"unexpected tensor in adapter_model.safetensors: tensor 'notes.weight'"
     ):
         inspect_peft_adapter("extra", str(extra), shapes)
+
+
+OUT_OF_FILES_CHILD = """
+import os, resource, sys
+from sgl_jax_lora.lora.adapter_files import LoRAAdapterError, open_confined
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    with open_confined("a", sys.argv[1], [os.path.dirname(sys.argv[1])]):
+        print("opened")
+except LoRAAdapterError as e:
+    print(e)
+"""
+
+
+def test_a_server_out_of_open_files_says_so_not_that_the_files_changed(tmp_path):
+    pytest.importorskip("resource")
+    path = tmp_path / "adapter_config.json"
+    path.write_text("{}")
+    out = subprocess.run(
+        [sys.executable, "-c", OUT_OF_FILES_CHILD, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "the server has no open file left (EMFILE)" in out and "open-file limit" in out, out
+    assert "being changed" not in out
