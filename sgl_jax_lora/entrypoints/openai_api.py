@@ -332,7 +332,7 @@ def _prompt_spec(
     if max_tokens is None and not default_max_tokens:  # the rest of the context: the prompt's length is needed
         if input_ids is None:
             input_ids, text = tm.tokenize(text, None), None  # refuses a text too long to fit before tokenizing it
-        max_tokens = max(tm.context_length - len(input_ids), 1)
+        max_tokens = max(min(tm.context_length, tm.max_total_tokens) - len(input_ids), 1)  # what the KV cache holds
     elif max_tokens is None:
         max_tokens = default_max_tokens
     sampling = {

@@ -33,6 +33,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
+from sgl_jax_lora.managers.kv_capacity import warn_kv_capacity
 from sgl_jax_lora.managers.lora_manager import build_lora_manager
 from sgl_jax_lora.managers.prompt_limits import check_context_length
 from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, finite_logprob, top_list
@@ -98,6 +99,7 @@ class EngineCore:
         self.warmup_s = time.monotonic() - warmup_start
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.max_total_tokens = self.allocator.num_usable * args.page_size
+        warn_kv_capacity(self.context_length, args.max_running_requests, self.max_total_tokens, args.page_size)
         self.prefix_cache = None if args.disable_prefix_cache else PrefixCache(self.allocator)
         self.scheduler = Scheduler(
             self.buckets,
@@ -125,7 +127,7 @@ class EngineCore:
         if max_len > self.max_total_tokens:
             raise ValueError(
                 f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
-                "lower max_new_tokens or restart with a larger --max-total-tokens"
+                "lower max_new_tokens (or shorten the prompt) or restart with a larger --max-total-tokens"
             )
         seed = request.sampling.seed
         seed = self.args.random_seed * 1_000_003 + self.num_requests_served if seed is None else seed

@@ -1,6 +1,6 @@
 """entrypoints/openai_api.py's mapping of OpenAI fields to sampling params: the sampling fields a client leaves
 unset are left out, so the server's defaults (the model's generation_config.json) fill them, not the API's; a
-completion without max_tokens gets the rest of the context, from a prompt tokenized only if its length can fit."""
+completion without max_tokens gets the rest of the context (of the KV cache, where that holds fewer tokens), from a prompt tokenized only if its length can fit."""
 
 from __future__ import annotations
 
@@ -40,12 +40,13 @@ class CharTokenizer:
         return [ord(c) % 100 for c in text]
 
 
-def char_tokenizer_manager(max_prompt_chars: int) -> types.SimpleNamespace:
+def char_tokenizer_manager(max_prompt_chars: int, max_total_tokens: int = 4096) -> types.SimpleNamespace:
     """The TokenizerManager fields `_prompt_spec` reads, with its real `tokenize` and length check."""
     tm = types.SimpleNamespace(
         tokenizer=CharTokenizer(max_prompt_chars),
         max_prompt_chars=max_prompt_chars,
         context_length=32,
+        max_total_tokens=max_total_tokens,
         server_info={"vocab_size": 100},
     )
     tm.tokenize = functools.partial(TokenizerManager.tokenize, tm)
@@ -58,6 +59,12 @@ def test_without_max_tokens_a_prompt_gets_the_rest_of_the_context():
     spec = _prompt_spec(tm, CompletionRequest(model="m", prompt="abc"), "abc", None, None, default_max_tokens=None)
     assert spec.sampling_params["max_new_tokens"] == 29 and spec.input_ids == tm.tokenizer.encode("abc")
     assert spec.text is None  # tokenized once, here
+
+
+def test_without_max_tokens_a_kv_cache_smaller_than_the_context_bounds_the_reply():
+    tm = char_tokenizer_manager(max_prompt_chars=100, max_total_tokens=16)  # the cache holds 16 of the 32 tokens
+    spec = _prompt_spec(tm, CompletionRequest(model="m", prompt="abc"), "abc", None, None, default_max_tokens=None)
+    assert spec.sampling_params["max_new_tokens"] == 13  # the engine refuses 3 + 29 tokens: the cache holds 16
 
 
 def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized():

@@ -209,3 +209,24 @@ def test_on_cpu_a_cache_past_the_hosts_free_memory_is_refused_before_compiling(m
     with pytest.raises(MemoryError, match=r"--max-total-tokens 4096 needs .* lower --max-total-tokens to 992 or less"):
         make_core(model_dir, max_total_tokens=4096)
     assert make_core(model_dir, max_total_tokens=512).runner.num_pages == 512 // PAGE + 1
+
+
+def test_a_cache_smaller_than_the_settings_assume_is_named_at_startup(model_dir, caplog):
+    with caplog.at_level(logging.WARNING, logger="sgl_jax_lora.managers.kv_capacity"):
+        make_core(model_dir, max_total_tokens=64)  # 4 pages of 16: a context of 128, 4 running requests
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sgl_jax_lora.managers.kv_capacity"]
+    assert len(warnings) == 1 and "holds 64 tokens, fewer than the context length 128" in warnings[0], warnings
+    assert "raise --max-total-tokens" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgl_jax_lora.managers.kv_capacity"):
+        make_core(model_dir, max_total_tokens=48, context_length=32)  # 3 pages for 4 running requests
+    warnings = [r.getMessage() for r in caplog.records if r.name == "sgl_jax_lora.managers.kv_capacity"]
+    assert warnings == [
+        "--max-running-requests 4, but the KV cache has 3 pages of 16 tokens and each running request holds one at "
+        "least: at most 3 run at once; lower --max-running-requests (fewer programs to compile) or raise "
+        "--max-total-tokens"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sgl_jax_lora.managers.kv_capacity"):
+        make_core(model_dir, max_total_tokens=128)  # the whole context, a page for each running request
+    assert not [r for r in caplog.records if r.name == "sgl_jax_lora.managers.kv_capacity"]
