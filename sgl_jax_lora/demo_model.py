@@ -10,9 +10,14 @@ start-up. DEMO_VERSION names the cache directory, so a cache written by an older
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the settings sit a layer above: the demo's defaults only read and replace their fields
+    from sgl_jax_lora.server_args import ServerArgs
 
 DEMO_VERSION = "v2"
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo", "weights")
@@ -78,3 +83,21 @@ def write_demo_model(out_dir: str, shipped_dir: str = SHIPPED_DIR) -> None:
     for name in MODEL_FILES:
         shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
     shutil.copytree(os.path.join(shipped_dir, ADAPTERS_SUBDIR), os.path.join(out_dir, ADAPTERS_SUBDIR))
+
+
+def with_demo_defaults(args: ServerArgs) -> tuple[ServerArgs, str]:
+    """-> (args, model path): the demo model when no --model-path is given, plus its adapters when neither
+    --lora-paths nor --no-enable-lora is given (launch and the offline Engine alike). They are registered like
+    --lora-paths (trusted, from the package), so clients still load nothing else unless --lora-allowed-dirs says so.
+    ValueError where --served-model-name takes one of those adapters' names."""
+    if args.model_path is not None:
+        return args, args.model_path
+    if args.lora_paths is None and args.enable_lora is not False:
+        if args.served_model_name in ADAPTER_NAMES:
+            raise ValueError(
+                f"--served-model-name '{args.served_model_name}' clashes with the name of one of the demo model's "
+                f"adapters ({', '.join(ADAPTER_NAMES)}), served by default; pick another --served-model-name, or pass "
+                "--lora-paths (adapters of your own) or --no-enable-lora (none)"
+            )
+        args = dataclasses.replace(args, lora_paths=[f"{name}={path}" for name, path in demo_adapter_paths().items()])
+    return args, demo_model_path()

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import threading
 
-from sgl_jax_lora.demo_model import demo_model_path
+from sgl_jax_lora.demo_model import with_demo_defaults
 from sgl_jax_lora.lora.tensor_file import TensorFile
 from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall
 from sgl_jax_lora.managers.request_normalizer import ENGINE, PromptRefused, build_requests, normalize
@@ -37,7 +37,7 @@ class Engine:
                 f"{self.server_args.node_rank} with `python -m sgl_jax_lora.launch --nnodes {self.server_args.nnodes} "
                 f"--node-rank {self.server_args.node_rank} --dist-init-addr {self.server_args.dist_init_addr} ...`"
             )
-        model_path = self.server_args.model_path or demo_model_path()
+        self.server_args, model_path = with_demo_defaults(self.server_args)  # no model path: the demo and its adapters
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-frontend", daemon=True)

@@ -7,16 +7,16 @@ a bad flag exits with code 2 and names the fix) -> http_server.run_server, which
 process and serves until SIGINT/SIGTERM (exit 0) or until the engine process dies (exit 1). With --node-rank > 0
 (multi-host) it runs distributed/follower.py instead: no HTTP API, /health only. With no --model-path it serves the
 embedded demo model, so it works on a fresh machine with no download; with no --lora-paths either, the demo's two
-adapters (demo-upper, demo-pirate) are registered too (`with_demo_defaults`).
+adapters (demo-upper, demo-pirate) are registered too (demo_model.with_demo_defaults, as for the offline Engine).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
+from sgl_jax_lora.demo_model import with_demo_defaults
 from sgl_jax_lora.server_args import ServerArgs, load_config_file
 from sgl_jax_lora.utils.open_files import raise_open_file_limit
 from sgl_jax_lora.utils.quiet import quiet_platform_probes
@@ -53,26 +53,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         return ServerArgs.from_cli_args(namespace)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-
-
-def with_demo_defaults(args: ServerArgs) -> tuple[ServerArgs, str]:
-    """-> (args, model path): the demo model when no --model-path is given, plus its adapters when neither
-    --lora-paths nor --no-enable-lora is given. They are registered like --lora-paths (trusted, from the package),
-    so clients still load nothing else unless --lora-allowed-dirs says so. ValueError where --served-model-name takes
-    one of those adapters' names."""
-    from sgl_jax_lora.demo_model import ADAPTER_NAMES, demo_adapter_paths, demo_model_path
-
-    if args.model_path is not None:
-        return args, args.model_path
-    if args.lora_paths is None and args.enable_lora is not False:
-        if args.served_model_name in ADAPTER_NAMES:
-            raise ValueError(
-                f"--served-model-name '{args.served_model_name}' clashes with the name of one of the demo model's "
-                f"adapters ({', '.join(ADAPTER_NAMES)}), served by default; pick another --served-model-name, or pass "
-                "--lora-paths (adapters of your own) or --no-enable-lora (none)"
-            )
-        args = dataclasses.replace(args, lora_paths=[f"{name}={path}" for name, path in demo_adapter_paths().items()])
-    return args, demo_model_path()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,11 +51,10 @@ def hf_greedy(model, ids: list[int], eos_id: int) -> list[int]:
 
 def demo_answers(tokenizer, logprobs: dict | None = None, **engine_args) -> dict:
     """{None | adapter name: [output_ids per question]} from one engine serving base and both adapters (float32);
-    with `logprobs` given, it gets the output tokens' logprobs under the same keys."""
+    with `logprobs` given, it gets the output tokens' logprobs under the same keys. The Engine is given no model
+    path and no adapters: the demo model comes with its two, as `launch` serves them."""
     engine = Engine(
-        model_path=demo_model_path(),
         dtype="float32",
-        lora_paths=demo_adapter_paths(),
         skip_precompile=True,
         context_length=128,
         max_running_requests=8,

@@ -282,7 +282,7 @@ def test_no_enable_lora_refuses_the_flags_that_shape_adapter_serving(capsys):
 
 
 def test_the_demo_model_comes_with_its_adapters_unless_others_or_none_are_asked_for():
-    from sgl_jax_lora.launch import with_demo_defaults
+    from sgl_jax_lora.demo_model import with_demo_defaults
 
     names = [spec.split("=")[0] for spec in with_demo_defaults(parse_args([]))[0].lora_paths]
     assert names == ["demo-upper", "demo-pirate"]
