@@ -12,7 +12,8 @@ a 408 `request_timeout` (the API's error shape) and the connection is closed. Wh
 error shape too, with h11's reason, where uvicorn answers plain text without one: a head past uvicorn's 16 KiB limit
 (an over-long URL) a 431 `request_head_too_large`, anything else malformed a 400 `bad_http_request`. A response
 sent before its request's body ended (the body timeout's 408, a 413, a route that reads no body) closes the
-connection: uvicorn would wait for the rest of the body with no timer running, so one byte now and then held it.
+connection if the rest of that body has not come within the same `seconds`: uvicorn would wait for it with no timer
+running, so one byte now and then held the connection for ever.
 """
 
 from __future__ import annotations
@@ -111,8 +112,11 @@ def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                self.transport.close()  # answered before its body ended (a 408, 413, 404): no timer bounds the rest
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():  # answered before its body
+                # ended (a 408, 413, 404): the rest may come for `seconds`, then the connection closes (closing at once
+                # would reset it under the answer while the client still sends)
+                cycle = self.cycle
+                self.loop.call_later(seconds, lambda: self._close_if_body_unread(cycle))
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
@@ -126,6 +130,10 @@ def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
             if self.header_timer is not None:
                 self.header_timer.cancel()
                 self.header_timer = None
+
+        def _close_if_body_unread(self, cycle: object) -> None:
+            if self.cycle is cycle and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                self.transport.close()
 
         def _on_header_timeout(self) -> None:
             self.header_timer = None
