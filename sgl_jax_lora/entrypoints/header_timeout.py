@@ -13,7 +13,8 @@ error shape too, with h11's reason, where uvicorn answers plain text without one
 (an over-long URL) a 431 `request_head_too_large`, anything else malformed a 400 `bad_http_request`. A response
 sent before its request's body ended (the body timeout's 408, a 413, a route that reads no body) closes the
 connection if the rest of that body has not come within the same `seconds`: uvicorn would wait for it with no timer
-running, so one byte now and then held the connection for ever.
+running, so one byte now and then held the connection for ever (closing at once would reset the connection under
+the answer while the client still sends).
 """
 
 from __future__ import annotations
@@ -112,11 +113,8 @@ def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():  # answered before its body
-                # ended (a 408, 413, 404): the rest may come for `seconds`, then the connection closes (closing at once
-                # would reset it under the answer while the client still sends)
-                cycle = self.cycle
-                self.loop.call_later(seconds, lambda: self._close_if_body_unread(cycle))
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():  # the body goes on
+                self.loop.call_later(seconds, self._close_if_body_unread, self.cycle)  # (module docstring)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
