@@ -81,62 +81,68 @@ class ParseErrorRecordingConnection(h11.Connection):
             raise
 
 
-def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with a `seconds` deadline on each request's line and headers."""
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline of `header_timeout_s` on each request's line and headers."""
 
-    class HeaderTimeoutProtocol(H11Protocol):
-        header_timer: asyncio.TimerHandle | None = None
+    header_timeout_s: float = 30.0  # set per server by protocol_with_header_timeout
+    header_timer: asyncio.TimerHandle | None = None
 
-        def __init__(self, config: uvicorn.Config, *args, **kwargs) -> None:
-            super().__init__(config, *args, **kwargs)
-            self.max_head_bytes = config.h11_max_incomplete_event_size or H11_HEAD_LIMIT_BYTES
-            self.conn = ParseErrorRecordingConnection(h11.SERVER, self.max_head_bytes)
+    def __init__(self, config: uvicorn.Config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.max_head_bytes = config.h11_max_incomplete_event_size or H11_HEAD_LIMIT_BYTES
+        self.conn = ParseErrorRecordingConnection(h11.SERVER, self.max_head_bytes)
 
-        def send_400_response(self, msg: str) -> None:  # uvicorn's answer to a request h11 cannot parse
+    def send_400_response(self, msg: str) -> None:  # uvicorn's answer to a request h11 cannot parse
+        self._cancel_header_timer()
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # a response is under way: no second one
+            self.transport.close()
+        elif not self.transport.is_closing():
+            self.transport.write(unparsable_request_response(self.conn.protocol_error, self.max_head_bytes))
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # a request head begins (or goes on): its deadline runs
+            self._arm_header_timer()
+        discarding = self.conn.their_state is h11.SEND_BODY and self.conn.our_state is h11.DONE
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the whole head was parsed: the app has the request
             self._cancel_header_timer()
-            if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # a response is under way: no second one
-                self.transport.close()
-            elif not self.transport.is_closing():
-                self.transport.write(unparsable_request_response(self.conn.protocol_error, self.max_head_bytes))
-                self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+        elif discarding:  # an answered request's body ended: uvicorn re-arms no timer (its bytes cancelled them)
             self._arm_header_timer()
 
-        def data_received(self, data: bytes) -> None:
-            if self.conn.their_state is h11.IDLE:  # a request head begins (or goes on): its deadline runs
-                self._arm_header_timer()
-            super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the whole head was parsed: the app has the request
-                self._cancel_header_timer()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():  # the body goes on
+            self.loop.call_later(self.header_timeout_s, self._close_if_body_unread, self.cycle)  # (module docstring)
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():  # the body goes on
-                self.loop.call_later(seconds, self._close_if_body_unread, self.cycle)  # (module docstring)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            super().connection_lost(exc)
+    def _arm_header_timer(self) -> None:
+        if self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.header_timeout_s, self._on_header_timeout)
 
-        def _arm_header_timer(self) -> None:
-            if self.header_timer is None:
-                self.header_timer = self.loop.call_later(seconds, self._on_header_timeout)
-
-        def _cancel_header_timer(self) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-                self.header_timer = None
-
-        def _close_if_body_unread(self, cycle: object) -> None:
-            if self.cycle is cycle and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-                self.transport.close()
-
-        def _on_header_timeout(self) -> None:
+    def _cancel_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
             self.header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.write(timeout_response(seconds))
-                self.transport.close()
 
-    return HeaderTimeoutProtocol
+    def _close_if_body_unread(self, cycle: object) -> None:
+        if self.cycle is cycle and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
+
+    def _on_header_timeout(self) -> None:
+        self.header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.write(timeout_response(self.header_timeout_s))
+            self.transport.close()
+
+
+def protocol_with_header_timeout(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with a `seconds` deadline on each request's line and headers."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": seconds})

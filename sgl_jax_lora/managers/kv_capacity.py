@@ -20,7 +20,7 @@ def warn_kv_capacity(context_length: int, max_running_requests: int, kv_tokens: 
     if kv_tokens < context_length:
         warnings.append(
             f"the KV cache holds {kv_tokens} tokens, fewer than the context length {context_length}: a request's "
-            "prompt and output must fit in the cache (a chat completion without max_tokens gets what is left of it); "
+            "prompt and output must fit in the cache (a chat or text completion without max_tokens gets what is left of it); "
             "raise --max-total-tokens or --mem-fraction-static, or lower --context-length"
         )
     num_pages = kv_tokens // page_size

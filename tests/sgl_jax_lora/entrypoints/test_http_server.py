@@ -1278,6 +1278,14 @@ def test_a_body_that_stops_arriving_gets_408_and_one_cut_off_is_no_server_error(
         sock.sendall(head.replace(b"/generate", b"/no-such-route") + b'{"text"')
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 404") and reply.count(b"HTTP/1.1") == 1, reply  # answered, then closed
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:  # its body ends after the answer
+        sock.sendall(head.replace(b"/generate", b"/no-such-route") + b'{"text"')
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += sock.recv(65536)
+        sock.sendall(b" " * 993)  # then the client goes quiet: the head deadline runs again, not nothing
+        reply = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 404") and b"--request-header-timeout 2 s" in reply, (answer, reply)
     with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
         sock.sendall(head + b'{"text"')  # and the client goes away mid-body
     wait_until(lambda: server_errors(http).get("400", 0) > errors_before.get("400", 0), 30, "the 400 to be counted")
