@@ -414,27 +414,17 @@ def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
     assert sched.running == [more]
 
 
-def test_decode_out_of_pages_preempts_the_newest_request():
+@pytest.mark.parametrize("old_length, new_length", [(8, 7), (7, 8)])  # the old or the new one needs the page
+def test_decode_out_of_pages_preempts_the_newest_request_itself_included(old_length, new_length):
     sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
-    old, new = req("old", length=8, t=0), req("new", length=7, t=1)
+    old, new = req("old", length=old_length, t=0), req("new", length=new_length, t=1)
     sched.add(old)
     sched.add(new)
     finish_prefill(sched.schedule())  # both prefilled: 2 pages each, every page used
-    batch = sched.schedule()  # "old" needs a third page for its 9th token
-    assert batch.kind == "decode" and batch.reqs == [old]
+    batch = sched.schedule()  # the one of 8 tokens needs a third page for its 9th token
+    assert batch.kind == "decode" and batch.reqs == [old]  # "new" is not admitted again in the step that preempted it
     assert list(sched.waiting) == [new] and new.num_computed == 0 and new.pages == []
-    assert sched.num_preemptions == 1
-
-
-def test_the_newest_request_out_of_pages_preempts_itself_not_an_older_one():
-    sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
-    old, new = req("old", length=7, t=0), req("new", length=8, t=1)
-    sched.add(old)
-    sched.add(new)
-    finish_prefill(sched.schedule())  # both prefilled: 2 pages each, every page used
-    batch = sched.schedule()  # "new" needs a third page for its 9th token; "old" still fits its two
-    assert batch.reqs == [old]  # and "new" is not admitted again in the step that preempted it
-    assert list(sched.waiting) == [new] and new.pages == [] and len(old.pages) == 2
+    assert sched.num_preemptions == 1 and len(old.pages) == old_length // 4 + 1
 
 
 @pytest.mark.parametrize(
