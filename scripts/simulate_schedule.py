@@ -117,7 +117,16 @@ def build_scheduler(
     allocator = PageAllocator(args.max_total_tokens // args.page_size, args.page_size)
     slots = SlotTable(args.max_loras_per_batch, args.lora_eviction_policy) if with_adapters else None
     cache = PrefixCache(allocator) if with_prefix_cache and not args.disable_prefix_cache else None
-    scheduler = Scheduler(buckets, allocator, args.max_running_requests, budget, args.max_prefill_seqs, slots, cache)
+    scheduler = Scheduler(
+        buckets,
+        allocator,
+        args.max_running_requests,
+        budget,
+        args.max_prefill_seqs,
+        slots,
+        cache,
+        kv_headroom_rise=args.kv_headroom_rise,
+    )
     return scheduler, buckets
 
 

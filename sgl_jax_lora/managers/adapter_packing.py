@@ -2,11 +2,13 @@
 
 Where it sits: the scheduler's admission pass (`Scheduler._admit`, managers/scheduler.py) asks for the order of the
 waiting requests it may admit in this step (one priority class at a time under `--scheduling-policy priority`), then
-admits down that order under the step's token budget. Host only. What exists here: `admission_order`.
+admits down that order under the step's token budget; a starved request whose adapter finds no slot has one drained
+(`adapter_to_drain`). Host only. What exists here: `admission_order`, `adapter_to_drain`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
@@ -65,3 +67,18 @@ def admission_order(
         return rank.get(r.lora_slot_key, (2, 0))
 
     return sorted(waiting, key=place), frozenset(rank)
+
+
+def adapter_to_drain(running: Sequence[Req], adapter_slots: AdapterSlots, num_wanting: Counter) -> str | None:
+    """The running adapter whose slot should run dry for a starved request: the one the fewest waiting requests want,
+    then the one whose running requests can finish soonest; never a pinned one. None when an adapter no waiting
+    request wants is running (it runs dry by itself). `num_wanting`: waiting requests per adapter."""
+    steps_left: dict[str, int] = {}
+    for r in running:
+        key = r.lora_slot_key
+        if key is not None and adapter_slots.can_evict(key):
+            steps_left[key] = max(steps_left.get(key, 0), r.sampling.max_new_tokens - r.num_output_tokens)
+    if not steps_left:
+        return None
+    victim = min(steps_left, key=lambda key: (num_wanting[key], steps_left[key]))
+    return victim if num_wanting[victim] else None

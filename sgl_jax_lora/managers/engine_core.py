@@ -33,7 +33,7 @@ from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
-from sgl_jax_lora.managers.kv_capacity import warn_kv_capacity
+from sgl_jax_lora.managers.kv_capacity import check_fits_kv_cache, warn_kv_capacity
 from sgl_jax_lora.managers.lora_manager import build_lora_manager
 from sgl_jax_lora.managers.prompt_limits import check_context_length
 from sgl_jax_lora.managers.prompt_logprobs import collect_prompt_logprobs, finite_logprob, top_list
@@ -110,6 +110,7 @@ class EngineCore:
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
             sliding_window=self.cfg.served_within(self.context_length).page_release_window,
+            kv_headroom_rise=args.kv_headroom_rise,
         )
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0
@@ -123,12 +124,7 @@ class EngineCore:
     def add_request(self, request: GenerateRequest) -> None:
         """Admit a tokenized request; raises ValueError (sent back as that request's error) if it can never fit."""
         check_context_length(len(request.input_ids), request.sampling.max_new_tokens, self.context_length)
-        max_len = len(request.input_ids) + request.sampling.max_new_tokens
-        if max_len > self.max_total_tokens:
-            raise ValueError(
-                f"request needs {max_len} KV tokens but the KV cache holds {self.max_total_tokens}; "
-                "lower max_new_tokens (or shorten the prompt) or restart with a larger --max-total-tokens"
-            )
+        check_fits_kv_cache(len(request.input_ids) + request.sampling.max_new_tokens, self.max_total_tokens)
         seed = request.sampling.seed
         seed = self.args.random_seed * 1_000_003 + self.num_requests_served if seed is None else seed
         self.num_requests_served += 1
@@ -383,6 +379,7 @@ class EngineCore:
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
+            "kv_headroom_ratio": self.scheduler.headroom.ratio,  # managers/kv_headroom.py: 0 until the cache ran short
             "num_compilations": self.compile_counter.count,
             "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
             "warmup_s": self.warmup_s,

@@ -4,7 +4,8 @@ The cache is sized after the programs compile (from device memory, or --max-tota
 --max-running-requests are set before anyone knows what it holds. `warn_kv_capacity` logs a warning naming the
 setting to change where a request can never use its whole context length (the cache holds fewer tokens) or where
 more requests may run than the cache has pages (each running request holds a page of its own at least), so the
-larger sequence buckets were compiled for steps that never come.
+larger sequence buckets were compiled for steps that never come. `check_fits_kv_cache` refuses, on arrival, a
+request that the cache could never hold whole.
 """
 
 from __future__ import annotations
@@ -33,3 +34,13 @@ def warn_kv_capacity(context_length: int, max_running_requests: int, kv_tokens: 
     for warning in warnings:
         logger.warning(warning)
     return warnings
+
+
+def check_fits_kv_cache(max_len: int, kv_tokens: int) -> None:
+    """ValueError (the request's error) where a request's prompt and max_new_tokens, `max_len` tokens, outgrow a
+    cache of `kv_tokens` tokens: it would be preempted for ever once it outgrew it."""
+    if max_len > kv_tokens:
+        raise ValueError(
+            f"request needs {max_len} KV tokens but the KV cache holds {kv_tokens}; "
+            "lower max_new_tokens (or shorten the prompt) or restart with a larger --max-total-tokens"
+        )

@@ -5,7 +5,7 @@ by adapter slot, then prefill chunks (continuing chunked prefills, then admissio
 --chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
 batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
 tokens arrive; a decode row out of pages preempts the newest running request, itself if it is the newest (pages freed,
-recomputed later).
+recomputed later). After preemptions admission leaves headroom for the running requests' next tokens (kv_headroom.py).
 
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
@@ -50,12 +50,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 import operator
 from collections import Counter, deque
 
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
-from sgl_jax_lora.managers.adapter_packing import admission_order
+from sgl_jax_lora.managers.adapter_packing import adapter_to_drain, admission_order
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
+from sgl_jax_lora.managers.kv_headroom import HEADROOM_RISE, KVHeadroom
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
@@ -77,6 +79,7 @@ class AdmissionPass:
     better_wanted: frozenset = frozenset()  # adapters that the waiting requests of the classes before want
     computing: set = dataclasses.field(default_factory=set)  # first pages this step's admissions compute
     blocked: bool = False  # a starved request short of KV pages holds back every request behind it
+    headroom_tokens: float = 0.0  # KV tokens kept free for running and admitted requests' output (KVHeadroom)
 
     def stopped(self, num_running: int) -> bool:
         return self.blocked or self.budget <= 0 or self.num_chunks == self.max_chunks or num_running >= self.max_running
@@ -93,6 +96,7 @@ class Scheduler:
         adapter_slots: AdapterSlots | None = None,
         prefix_cache: PrefixCache | None = None,
         sliding_window: int | None = None,  # every layer's window, or the widest: pages below it are given back
+        kv_headroom_rise: float = HEADROOM_RISE,  # KVHeadroom's rise per preempting step (0: no headroom)
     ):
         self.buckets = buckets
         self.allocator = allocator
@@ -102,6 +106,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
         self.sliding_window = sliding_window
+        self.headroom = KVHeadroom(rise=kv_headroom_rise)
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -203,6 +208,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         self._add_decode_rows(batch)
         batch.num_decode_rows = len(batch.reqs)
+        self.headroom.after_step(preempted=self.num_preemptions > preemptions_before)
         budget = min(max(self.chunk_budget - batch.num_decode_rows, MIN_PREFILL_TOKENS), self.chunk_budget)
         budget = min(budget, self.buckets.tokens[-1] - batch.num_decode_rows)
         self._add_prefill_chunks(batch, budget, admit=self.num_preemptions == preemptions_before)
@@ -225,6 +231,7 @@ class Scheduler:
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
         self._end_finished_drains()
         admission = AdmissionPass(budget, num_chunks, self.max_prefill_seqs, self.max_running, frozenset(num_wanting))
+        admission.headroom_tokens = self.headroom.tokens_for(self.running)
         for candidates in self._priority_classes():
             self._admit(batch, candidates, admission, num_wanting)
             if admission.stopped(len(self.running)):
@@ -257,11 +264,12 @@ class Scheduler:
                 keep = planned | admission.better_wanted
             else:
                 keep = admission.wanted | planned
-            taken = self._try_add_chunk(batch, req, admission.budget, keep=keep)
+            reserve = self.allocator.pages_for(math.ceil(admission.headroom_tokens))
+            taken = self._try_add_chunk(batch, req, admission.budget, keep=keep, reserve=reserve)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one (unless a
                 # better class waits: draining would hold that class back); one short of pages blocks the rest.
-                if starved and self._fits_pages(req, admission.budget):
+                if starved and self._fits_pages(req, admission.budget, reserve):
                     if not admission.better_wanted:
                         self._drain_a_slot(num_wanting)
                 else:
@@ -269,6 +277,7 @@ class Scheduler:
                 continue
             admission.budget -= taken
             admission.num_chunks += 1
+            admission.headroom_tokens += self.headroom.tokens_for([req])
             if req.num_computed == 0 and (first := self._first_page(req)) is not None:
                 admission.computing.add(first)
             self.waiting.remove(req)
@@ -301,32 +310,22 @@ class Scheduler:
         self.draining &= {r.lora_slot_key for r in self.running}
 
     def _drain_a_slot(self, num_wanting: Counter) -> None:
-        """Stop feeding one running adapter, so that its slot runs dry for a starved request: the adapter that the
-        fewest waiting requests want, then the one whose running requests can finish soonest. One at a time, so
-        the batch stays full; none when an adapter no waiting request wants is running (it runs dry by itself).
-        `num_wanting`: waiting requests per adapter at the start of this admission pass."""
-        if self.draining:
-            return
-        steps_left: dict[str, int] = {}
-        for r in self.running:
-            key = r.lora_slot_key
-            if key is not None and self.adapter_slots.can_evict(key):
-                steps_left[key] = max(steps_left.get(key, 0), r.sampling.max_new_tokens - r.num_output_tokens)
-        if not steps_left:
-            return
-        victim = min(steps_left, key=lambda key: (num_wanting[key], steps_left[key]))
-        if num_wanting[victim]:
+        """Stop feeding one running adapter (`adapter_to_drain`), so that its slot runs dry for a starved request; one
+        at a time, so the batch stays full. `num_wanting`: waiting requests per adapter at the pass's start."""
+        if not self.draining and (victim := adapter_to_drain(self.running, self.adapter_slots, num_wanting)):
             self.draining.add(victim)
 
-    def _fits_pages(self, req: Req, budget: int) -> bool:
+    def _fits_pages(self, req: Req, budget: int, reserve: int) -> bool:
         num_new, pages_needed = self._chunk(req, budget)
-        return num_new > 0 and self._can_allocate(pages_needed)
+        return num_new > 0 and self._can_allocate(pages_needed + reserve)
 
-    def _try_add_chunk(self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset()) -> int:
+    def _try_add_chunk(
+        self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset(), reserve: int = 0
+    ) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
-        `keep` are not evicted to make room for req's."""
+        `keep` are not evicted to make room for req's; `reserve` pages must stay free beside its own (KV headroom)."""
         num_new, pages_needed = self._chunk(req, budget)
-        if num_new <= 0 or not self._can_allocate(pages_needed):
+        if num_new <= 0 or not self._can_allocate(pages_needed + reserve):
             return 0
         slot = self._adapter_slot(batch, req, keep)
         if slot is None:

@@ -199,6 +199,8 @@ def test_the_health_check_timeout_is_a_positive_number_of_seconds(value):
         (dict(max_lora_rank=0), "--max-lora-rank must be a positive integer"),
         (dict(mem_fraction_static=float("nan")), r"--mem-fraction-static must be a fraction in \(0, 1\]"),
         (dict(mem_fraction_static=1.5), r"--mem-fraction-static must be a fraction in \(0, 1\]"),
+        (dict(kv_headroom_rise=1.5), r"--kv-headroom-rise must be a fraction in \[0, 1\] \(0: no KV headroom\)"),
+        (dict(kv_headroom_rise=-0.1), r"--kv-headroom-rise must be a fraction in \[0, 1\]"),
         (dict(layers_per_scan_step=-1), "--layers-per-scan-step must be 0 or a positive integer"),
         (dict(token_buckets=[16, 0]), "--token-buckets must be positive integers"),
         (dict(lora_segment_buckets=[-1]), "--lora-segment-buckets must be positive integers"),

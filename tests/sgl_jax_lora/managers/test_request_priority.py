@@ -17,16 +17,10 @@ from sgl_jax_lora.managers.request_priority import check_priority
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.sgl_jax_lora.managers.test_overlap_schedule import make_core, request, serve
-from tests.sgl_jax_lora.managers.test_scheduler import (
-    DeviceSlots,
-    chunks,
-    finish_prefill,
-    make_scheduler,
-    req,
-    starved_behind_two_running_adapters,
-)
+from tests.sgl_jax_lora.managers.test_scheduler import DeviceSlots, make_scheduler, starved_behind_two_running_adapters
 from tests.support.model_fixtures import make_hf_model_dir
 from tests.support.peft_fixtures import write_peft_adapter
+from tests.support.scheduler_steps import chunks, finish_prefill, req
 
 
 def with_priority(r, priority: int):

@@ -17,10 +17,9 @@ from pallas_kernels.sgmv.entry_table import entries_needed
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan
 from sgl_jax_lora.managers.in_flight import InFlightTokens
-from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
-from sgl_jax_lora.sampling.sampling_params import SamplingParams
+from tests.support.scheduler_steps import chunks, finish_prefill, req
 
 
 class OneSlotPerStep:
@@ -101,30 +100,6 @@ class FixedSlots(DeviceSlots):
 def make_scheduler(num_pages: int = 64, slots=None, max_prefill_seqs: int = 4) -> Scheduler:
     buckets = Buckets.build(8, 32, 256, 4)
     return Scheduler(buckets, PageAllocator(num_pages, 4), 8, 32, max_prefill_seqs, adapter_slots=slots)
-
-
-def req(rid: str, length: int = 5, adapter: str | None = None, t: float = 0.0, max_new_tokens: int = 4) -> Req:
-    return Req(
-        rid=rid,
-        input_ids=list(range(2, 2 + length)),
-        sampling=SamplingParams(max_new_tokens=max_new_tokens),
-        seed=0,
-        lora_slot_key=adapter,
-        arrival_time=t,
-    )
-
-
-def finish_prefill(batch) -> None:
-    """The step's tokens are computed: decode rows and chunks that end their prefill sample a token."""
-    for r, n in zip(batch.reqs, batch.num_new_tokens):
-        r.num_computed += n
-        if r.num_computed == r.seq_len:
-            r.output_ids.append(7)
-
-
-def chunks(batch) -> list[Req]:
-    """The requests of a step's prefill chunks (decode rows come first)."""
-    return batch.reqs[batch.num_decode_rows :]
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():

@@ -1,0 +1,108 @@
+"""KV headroom: after a decode row found no free page, admission keeps room for the running requests' next tokens.
+
+The scheduler on the host alone (as in test_scheduler.py): a cache of a few pages of 4 tokens, requests driven step
+by step as the engine loop drives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_jax_lora.configs.buckets import Buckets
+from sgl_jax_lora.managers.kv_headroom import KVHeadroom
+from sgl_jax_lora.managers.scheduler import Scheduler
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
+from tests.support.scheduler_steps import chunks, finish_prefill, req
+
+
+def make_scheduler(num_pages: int, kv_headroom_rise: float, max_running: int = 16) -> Scheduler:
+    buckets = Buckets.build(max_running, 64, 256, 4)
+    allocator = PageAllocator(num_pages, 4)
+    return Scheduler(buckets, allocator, max_running, 64, 8, kv_headroom_rise=kv_headroom_rise)
+
+
+def test_the_ratio_rises_with_each_preempting_step_and_decays_without():
+    headroom = KVHeadroom(rise=0.3, decay=0.1)
+    headroom.after_step(preempted=False)
+    assert headroom.ratio == 0.0  # never below 0
+    headroom.after_step(preempted=True)
+    headroom.after_step(preempted=True)
+    assert headroom.ratio == pytest.approx(0.6)
+    for _ in range(3):
+        headroom.after_step(preempted=True)
+    assert headroom.ratio == 1.0  # never above all of the running requests' remaining output
+    headroom.after_step(preempted=False)
+    assert headroom.ratio == pytest.approx(0.9)
+    off = KVHeadroom(rise=0.0)
+    off.after_step(preempted=True)
+    assert off.ratio == 0.0 and off.tokens_for([req("r", max_new_tokens=100)]) == 0.0
+
+
+def test_headroom_counts_the_tokens_each_request_may_still_sample():
+    headroom = KVHeadroom(ratio=0.5)
+    fresh, halfway, done = req("fresh", max_new_tokens=40), req("halfway", max_new_tokens=40), req("done")
+    halfway.output_ids = [7] * 20
+    done.output_ids = [7] * 5  # past its max_new_tokens of 4: nothing left, not a negative share
+    assert headroom.tokens_for([fresh, halfway, done]) == 0.5 * (40 + 20)
+
+
+@pytest.mark.parametrize("ratio, admitted", [(0.0, True), (0.25, True), (0.5, False)])
+def test_a_prompt_is_admitted_only_where_it_leaves_the_headroom_free(ratio, admitted):
+    sched = make_scheduler(num_pages=11, kv_headroom_rise=0.2)  # 10 usable pages of 4 tokens
+    running = req("running", length=4, t=0, max_new_tokens=33)
+    sched.add(running)
+    finish_prefill(sched.schedule())  # 1 page; its first token sampled, 32 more to come
+    waiting = req("waiting", length=20, t=1)  # 5 pages
+    sched.add(waiting)
+    sched.headroom.ratio = ratio
+    batch = sched.schedule()  # the decode row takes a second page: 8 free
+    # 32 tokens x 0.25 = 2 pages kept free beside the prompt's 5 of 8; x 0.5 = 4 pages, which do not fit
+    assert batch.reqs[0] is running and batch.num_decode_rows == 1
+    assert (chunks(batch) == [waiting]) is admitted
+    assert sched.allocator.num_free == (3 if admitted else 8)
+
+
+def run_backlog(kv_headroom_rise: float) -> tuple[Scheduler, dict[str, list[int]], int]:
+    """24 prompts of 8 tokens, 24 output tokens each, 16 may run, a cache of 40 pages of 4 tokens (the 160 tokens of
+    5 whole requests) -> (the scheduler, each request's output, the prefill tokens computed)."""
+    sched = make_scheduler(num_pages=41, kv_headroom_rise=kv_headroom_rise)
+    reqs = [req(f"r{i}", length=8, t=i, max_new_tokens=24) for i in range(24)]
+    for r in reqs:
+        sched.add(r)
+    prefill_tokens = 0
+    while sched.waiting or sched.running:
+        batch = sched.schedule()
+        assert batch is not None, "nothing runnable while requests remain"
+        prefill_tokens += sum(batch.num_new_tokens) - batch.num_decode_rows
+        finish_prefill(batch)
+        for r in batch.reqs:
+            if len(r.output_ids) == r.sampling.max_new_tokens:
+                sched.finish(r)
+    return sched, {r.rid: r.output_ids for r in reqs}, prefill_tokens
+
+
+def test_a_cache_that_ran_short_preempts_and_recomputes_less_with_headroom():
+    # Admitted as their prompts fit, 16 requests outgrow the 40 pages as they decode, and decode rows preempt. Without
+    # headroom the preempted prompts are admitted again as soon as pages free up, and outgrow the cache again (34
+    # preemptions, 615 prefill tokens for prompts of 192); with it, admission waits for room (10, 335).
+    without, outputs_without, prefill_without = run_backlog(kv_headroom_rise=0.0)
+    with_headroom, outputs_with, prefill_with = run_backlog(kv_headroom_rise=0.2)
+    assert without.num_preemptions > 0 and without.headroom.ratio == 0.0
+    assert with_headroom.headroom.ratio > 0  # the shortage raised it
+    assert with_headroom.num_preemptions < without.num_preemptions / 2, (
+        with_headroom.num_preemptions,
+        without.num_preemptions,
+    )
+    assert prefill_with < prefill_without, (prefill_with, prefill_without)
+    assert outputs_with == outputs_without  # every request ran its whole output either way
+    assert all(len(output) == 24 for output in outputs_with.values())
+    assert with_headroom.num_pages_held == 0 and without.num_pages_held == 0
+
+
+def test_a_cache_that_never_runs_short_keeps_no_headroom():
+    sched = make_scheduler(num_pages=4096, kv_headroom_rise=0.2)
+    for i in range(24):
+        sched.add(req(f"r{i}", length=8, t=i, max_new_tokens=24))
+    first = sched.schedule()
+    assert len(chunks(first)) == 8  # --max-prefill-seqs: as many as the step allows, nothing held back
+    assert sched.num_preemptions == 0 and sched.headroom.ratio == 0.0
