@@ -35,6 +35,7 @@ class Req:
     lora_slot_key: str | None = None  # adapter id (LoRARef.lora_id) or None for base
     priority: int = 0  # the scheduler admits lower values first (--scheduling-policy priority); 0 under fcfs
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # the scheduler's order of receipt: a call's prompts and samples share an arrival_time
     # progress
     output_ids: list[int] = dataclasses.field(default_factory=list)  # tokens that reached the host
     num_in_flight: int = 0  # output tokens sampled but not on the host yet (0 or 1; written by InFlightTokens)

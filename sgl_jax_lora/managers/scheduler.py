@@ -64,7 +64,7 @@ from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
 
-URGENCY = operator.attrgetter("priority", "arrival_time")  # a request's place: the lowest value is the most urgent
+URGENCY = operator.attrgetter("priority", "arrival_time", "arrival_seq")  # the lowest is the most urgent
 
 
 @dataclasses.dataclass
@@ -111,6 +111,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        self.arrivals = itertools.count(1)  # each added request's arrival_seq
         self.rejected: list[tuple[Req, str]] = []  # requests whose adapter cannot be served, with the reason
         # adapters admission does not feed, so their slots free up for a starved request
         self.draining: set[str] = set()
@@ -118,7 +119,8 @@ class Scheduler:
     # ---- queue operations --------------------------------------------------------------------
     def add(self, req: Req) -> None:
         """Queue req by priority class, then arrival time: one that reached the engine late (its adapter was being
-        registered) goes ahead of requests of its class that arrived after it."""
+        registered) goes ahead of requests of its class that arrived after it; those of one time keep their order."""
+        req.arrival_seq = next(self.arrivals)
         key = (req.priority, req.arrival_time)
         if not self.waiting or (self.waiting[-1].priority, self.waiting[-1].arrival_time) <= key:
             self.waiting.append(req)

@@ -402,6 +402,18 @@ def test_decode_out_of_pages_preempts_the_newest_request_itself_included(old_len
     assert sched.num_preemptions == 1 and len(old.pages) == old_length // 4 + 1
 
 
+def test_among_requests_of_one_arrival_time_the_last_received_is_preempted():
+    # The prompts (and n samples) of one call share an arrival time; the scheduler's order of receipt breaks the tie.
+    sched = make_scheduler(num_pages=7)  # 6 usable pages of 4 tokens
+    first, second, third = req("first", length=8), req("second", length=7), req("third", length=7)
+    for r in (first, second, third):
+        sched.add(r)
+    finish_prefill(sched.schedule())  # 2 pages each, every page used
+    assert [r.arrival_time for r in (first, second)] == [third.arrival_time] * 2
+    batch = sched.schedule()  # "first" needs a third page for its 9th token
+    assert batch.reqs == [first, second] and list(sched.waiting) == [third] and sched.num_preemptions == 1
+
+
 @pytest.mark.parametrize(
     "lazy_first, lazy_length, urgent_length",
     # the one that prefills first decodes a token while the other prefills; then one of them needs a third page
