@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_offline import LLAMA3_8B  # noqa: E402
 from scripts.bench_serving import sample_lengths  # noqa: E402
 from scripts.simulate_schedule import (  # noqa: E402
+    add_max_new_tokens_option,
     build_scheduler,
+    max_new_tokens_of,
     simulate,
     split_engine_flags,
     step_kind,
@@ -119,6 +121,7 @@ class FloorTally:
 def main() -> None:
     own, engine_flags = split_engine_flags(sys.argv[1:])
     parser = workload_parser(__doc__)
+    add_max_new_tokens_option(parser)
     parser.add_argument(
         "--gemm-tflops", type=float, default=790.0, help="bf16 GEMM rate, TFLOP/s (790: H100, measured)"
     )
@@ -128,7 +131,8 @@ def main() -> None:
     inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
     scheduler, buckets = build_scheduler(engine_flags)
     tally = FloorTally(ModelWork.from_config(LLAMA3_8B), opts.gemm_tflops * 1e12, opts.hbm_tb_s * 1e12, opts.kv_bytes)
-    steps = simulate(scheduler, buckets, inputs, outputs, on_step=tally.add_step)
+    max_new_tokens = max_new_tokens_of(opts.max_new_tokens, inputs, outputs, engine_flags)
+    steps = simulate(scheduler, buckets, inputs, outputs, on_step=tally.add_step, max_new_tokens=max_new_tokens)
     output_tokens = int(outputs.sum())
     result = {
         "input_tokens": int(inputs.sum()),
@@ -145,6 +149,7 @@ def main() -> None:
         "hbm_tb_s": opts.hbm_tb_s,
         "kv_bytes": opts.kv_bytes,
         "engine_flags": engine_flags,
+        "max_new_tokens": opts.max_new_tokens,
     }
     print(
         f"{result['steps']} steps, {output_tokens} output tokens: floor {tally.floor_s:.2f} s, ceiling "

@@ -125,7 +125,7 @@ def build_scheduler(
         args.max_prefill_seqs,
         slots,
         cache,
-        kv_headroom_rise=args.kv_headroom_rise,
+        kv_headroom=args.kv_headroom,
     )
     return scheduler, buckets
 
@@ -142,16 +142,22 @@ def simulate(
     outputs: np.ndarray,
     on_step: Callable[[ScheduleBatch], None] | None = None,
     adapters: list[int | None] | None = None,
+    max_new_tokens: np.ndarray | None = None,
 ) -> dict:
-    """Runs every request to its full output; -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
+    """Runs every request to its full output (max_new_tokens: each request's, at least its output, which then ends
+    as at an EOS; None: its output length, as bench_serving.py's requests); -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
     the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens (`mean_tokens_by_bucket`).
     `on_step` sees each planned step before its tokens land (its requests' `num_computed` is then the context before
     the step). adapters: each request's adapter index (None: base), for a scheduler built with adapters; the result
     then has `adapters` (distinct adapters, slots, loads, evictions, the most in one step)."""
+    output_len: dict[Req, int] = {}
     for i, (num_in, num_out) in enumerate(zip(inputs, outputs)):
-        params = SamplingParams(max_new_tokens=int(num_out), ignore_eos=True)
+        limit = int(num_out if max_new_tokens is None else max_new_tokens[i])
+        params = SamplingParams(max_new_tokens=limit, ignore_eos=True)
         key = None if adapters is None or adapters[i] is None else f"adapter_{adapters[i]:03d}"
-        scheduler.add(Req(f"r{i}", [0] * int(num_in), params, seed=0, lora_slot_key=key, arrival_time=float(i)))
+        req = Req(f"r{i}", [0] * int(num_in), params, seed=0, lora_slot_key=key, arrival_time=float(i))
+        output_len[req] = int(num_out)
+        scheduler.add(req)
     kinds = {
         kind: dict(
             steps=0,
@@ -182,7 +188,7 @@ def simulate(
             req.num_computed += num_new
             if req.num_computed == req.seq_len:  # a decode row, or the chunk that ends a prefill: one token
                 req.output_ids.append(0)
-                if req.out_of_new_tokens:
+                if len(req.output_ids) == output_len[req]:
                     scheduler.finish(req)
     for kind in kinds.values():
         steps = max(kind["steps"], 1)
@@ -221,6 +227,28 @@ def add_adapter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--popularity", default="distinct", choices=POPULARITIES, help="as bench_serving.py's")
 
 
+def add_max_new_tokens_option(parser: argparse.ArgumentParser) -> None:
+    """--max-new-tokens, for the scripts that replay the requests through `simulate`."""
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=0,
+        help="each request's max_new_tokens (at least its output, which then ends early as at an EOS; at most the "
+        "context length less its prompt, as the engine allows): what the scheduler keeps KV headroom for; "
+        "0: its output length; the context length: every request as an OpenAI call without max_tokens",
+    )
+
+
+def max_new_tokens_of(
+    max_new_tokens: int, inputs: np.ndarray, outputs: np.ndarray, engine_flags: list[str]
+) -> np.ndarray | None:
+    """Each request's max_new_tokens under --max-new-tokens (None for 0: its output length)."""
+    if not max_new_tokens:
+        return None
+    context_length = parse_args(engine_flags).context_length
+    return np.maximum(outputs, np.minimum(max_new_tokens, context_length - inputs))
+
+
 def split_engine_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     """argv -> (the script's own options, the engine flags after `--`)."""
     split = argv.index("--") if "--" in argv else len(argv)
@@ -231,6 +259,7 @@ def main() -> None:
     own, engine_flags = split_engine_flags(sys.argv[1:])
     parser = workload_parser(__doc__)
     add_adapter_options(parser)
+    add_max_new_tokens_option(parser)
     opts = parser.parse_args(own)
     rng = np.random.default_rng(opts.seed)  # lengths, then adapters: bench_serving.py's order of draws
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
@@ -238,8 +267,10 @@ def main() -> None:
         sample_adapters(rng, opts.num_requests, opts.num_adapters, opts.popularity) if opts.num_adapters else None
     )
     scheduler, buckets = build_scheduler(engine_flags, with_adapters=adapters is not None)
-    result = simulate(scheduler, buckets, inputs, outputs, adapters=adapters)
+    max_new_tokens = max_new_tokens_of(opts.max_new_tokens, inputs, outputs, engine_flags)
+    result = simulate(scheduler, buckets, inputs, outputs, adapters=adapters, max_new_tokens=max_new_tokens)
     result.update(input_tokens=int(inputs.sum()), output_tokens=int(outputs.sum()), engine_flags=engine_flags)
+    result.update(max_new_tokens=opts.max_new_tokens)
     for kind in ("mixed", "decode"):
         row = result[kind]
         print(

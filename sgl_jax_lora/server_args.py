@@ -100,9 +100,9 @@ class ServerArgs:
         "which waiting requests are admitted first: 'fcfs' (arrival order; adapter packing may reorder within a bound, docs/lora.md), 'priority' (each request's `priority`, lower first, then as fcfs; docs/tuning.md)",
         choices=SCHEDULING_POLICIES,
     )
-    kv_headroom_rise: float = _f(
-        0.2,
-        "after a step in which a decode row found no free KV page and preempted a request, admission keeps free a share of the KV the running requests may still write, 0.2 more per such step (up to all of it), 0.002 less per step without one; so prompts the cache cannot hold are not admitted only to be preempted again; 0: never (docs/tuning.md)",
+    kv_headroom: float = _f(
+        0.3,
+        "after a step in which a decode row found no free KV page and preempted a request, admission keeps free at least this share of the KV the running requests may still write (their max_new_tokens less their outputs), a share that then falls by 0.002 a step without preemption; so prompts the cache cannot hold are not admitted only to be preempted again; 0: never (docs/tuning.md)",
     )
     token_buckets: list[int] | None = _f(
         None,

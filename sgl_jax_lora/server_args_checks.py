@@ -213,9 +213,9 @@ def _check_step_settings(args: ServerArgs) -> None:
     fraction = args.mem_fraction_static
     if isinstance(fraction, bool) or not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(f"--mem-fraction-static must be a fraction in (0, 1], got {shown(fraction)}")
-    rise = args.kv_headroom_rise
-    if isinstance(rise, bool) or not (isinstance(rise, (int, float)) and 0 <= rise <= 1):
-        raise ValueError(f"--kv-headroom-rise must be a fraction in [0, 1] (0: no KV headroom), got {shown(rise)}")
+    headroom = args.kv_headroom
+    if isinstance(headroom, bool) or not (isinstance(headroom, (int, float)) and 0 <= headroom <= 1):
+        raise ValueError(f"--kv-headroom must be a fraction in [0, 1] (0: no KV headroom), got {shown(headroom)}")
     # the step token budget in effect (ServerArgs.step_token_budget) is the flag, or at most the default
     budget = args.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL_SIZE
     if args.max_prefill_seqs > budget:

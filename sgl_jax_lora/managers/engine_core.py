@@ -110,7 +110,7 @@ class EngineCore:
             adapter_slots=self.lora,
             prefix_cache=self.prefix_cache,
             sliding_window=self.cfg.served_within(self.context_length).page_release_window,
-            kv_headroom_rise=args.kv_headroom_rise,
+            kv_headroom=args.kv_headroom,
         )
         self.num_compilations_after_warmup_start = self.compile_counter.count
         self.num_requests_served = 0

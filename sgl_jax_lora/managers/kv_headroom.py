@@ -2,12 +2,12 @@
 
 Where it sits: managers/scheduler.py's admission. Pages are allocated as tokens arrive, so admission sees only what a
 prompt needs now; when the running requests' outputs then outgrow the cache, a decode row preempts a request, whose
-prefill is computed again later. `KVHeadroom` learns from those preemptions: each step that preempted raises its
-ratio by `rise` (at most 1), each step that did not lowers it by `decay` (at least 0), and a waiting request is
-admitted only where the pages it needs leave free, beside them, ratio x the tokens the running requests (and the
-ones admitted before it in the step) may still sample. A cache that never runs short keeps the ratio at 0 and admits
-as before; one that does stops re-admitting the prompts it would preempt again (SGLang's new-token ratio, which
-starts high and decays; this one starts at 0, so the first shortage costs a step's preemptions).
+prefill is computed again later. `KVHeadroom` learns from those preemptions: a step that preempted sets its ratio to
+`after_preemption` at least, each step that did not lowers it by `decay` (to 0), and a waiting request is admitted
+only where the pages it needs leave free, beside them, ratio x the tokens the running requests (and the ones admitted
+before it in the step) may still sample. A cache that never runs short keeps the ratio at 0 and admits as before; one
+that does stops re-admitting the prompts it would preempt again (SGLang's new-token ratio, which starts high and
+decays; this one starts at 0, so the first shortage costs a step's preemptions).
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from collections.abc import Iterable
 
 from sgl_jax_lora.managers.req import Req
 
-HEADROOM_RISE = 0.2  # the ratio's rise for each step that preempted
-HEADROOM_DECAY = 0.002  # its fall for each step that did not: 100 steps undo a rise
+HEADROOM_AFTER_PREEMPTION = 0.3  # the ratio a step that preempted sets (--kv-headroom)
+HEADROOM_DECAY = 0.002  # its fall for each step that did not: 150 steps from 0.3 to 0
 
 
 @dataclasses.dataclass
 class KVHeadroom:
-    rise: float = HEADROOM_RISE  # 0: no headroom is ever kept (admission as if the cache never ran short)
+    after_preemption: float = HEADROOM_AFTER_PREEMPTION  # 0: no headroom is ever kept
     decay: float = HEADROOM_DECAY
     ratio: float = 0.0  # the share of the tokens that requests may still sample that admission keeps room for
 
     def after_step(self, preempted: bool) -> None:
         """Called once a step's decode rows are planned: whether they preempted a request."""
         if preempted:
-            self.ratio = min(1.0, self.ratio + self.rise)
+            self.ratio = max(self.ratio, self.after_preemption)
         else:
             self.ratio = max(0.0, self.ratio - self.decay)
 

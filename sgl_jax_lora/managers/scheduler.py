@@ -57,7 +57,7 @@ from collections import Counter, deque
 from sgl_jax_lora.configs.buckets import MIN_PREFILL_TOKENS, Buckets
 from sgl_jax_lora.managers.adapter_packing import adapter_to_drain, admission_order
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
-from sgl_jax_lora.managers.kv_headroom import HEADROOM_RISE, KVHeadroom
+from sgl_jax_lora.managers.kv_headroom import HEADROOM_AFTER_PREEMPTION, KVHeadroom
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
 from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
@@ -96,7 +96,7 @@ class Scheduler:
         adapter_slots: AdapterSlots | None = None,
         prefix_cache: PrefixCache | None = None,
         sliding_window: int | None = None,  # every layer's window, or the widest: pages below it are given back
-        kv_headroom_rise: float = HEADROOM_RISE,  # KVHeadroom's rise per preempting step (0: no headroom)
+        kv_headroom: float = HEADROOM_AFTER_PREEMPTION,  # KVHeadroom's ratio after a preemption (0: none)
     ):
         self.buckets = buckets
         self.allocator = allocator
@@ -106,7 +106,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
         self.sliding_window = sliding_window
-        self.headroom = KVHeadroom(rise=kv_headroom_rise)
+        self.headroom = KVHeadroom(after_preemption=kv_headroom)
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from scripts.simulate_schedule import build_scheduler, simulate
+from scripts.simulate_schedule import build_scheduler, max_new_tokens_of, simulate
 from tests.support import REPO_ROOT
 
 FLAGS = ["--max-running-requests", "16", "--max-prefill-seqs", "4", "--context-length", "256"]
@@ -58,6 +58,29 @@ def test_a_small_cache_preempts_and_recomputes():
     assert roomy["preemptions"] == 0 < tight["preemptions"]
     recomputed = sum(kind["tokens"] - kind["decode_rows"] for kind in (tight["mixed"], tight["decode"]))
     assert recomputed > inputs.sum()  # preempted requests prefill again
+
+
+def test_requests_that_may_run_longer_end_at_their_output_and_raise_only_the_headroom():
+    """--max-new-tokens: each request's limit is at least its output and at most what the context leaves; outputs still
+    end at their sampled length (as at an EOS), so a roomy cache runs the same steps, and under a short cache only the
+    KV headroom, which counts the tokens a request may still sample, sees the difference."""
+    rng = np.random.default_rng(3)
+    inputs, outputs = rng.integers(8, 200, 40), rng.integers(2, 50, 40)
+    limits = max_new_tokens_of(256, inputs, outputs, FLAGS)
+    assert (limits >= outputs).all() and (limits <= 256 - inputs).all() and (limits > outputs).any()
+    assert max_new_tokens_of(0, inputs, outputs, FLAGS) is None
+
+    def replay(extra, max_new_tokens):
+        scheduler, buckets = build_scheduler(FLAGS + ["--chunked-prefill-size", "128", *extra])
+        return simulate(scheduler, buckets, inputs, outputs, max_new_tokens=max_new_tokens)
+
+    roomy = ["--max-total-tokens", "100000"]
+    assert replay(roomy, limits) == replay(roomy, None)
+    tight = ["--max-total-tokens", "1024"]
+    assert replay(tight + ["--kv-headroom", "0"], limits) == replay(tight + ["--kv-headroom", "0"], None)
+    with_headroom, without = replay(tight, None), replay(tight + ["--kv-headroom", "0"], None)
+    assert 0 < with_headroom["preemptions"] < without["preemptions"]
+    assert replay(tight, limits) != with_headroom  # the headroom counts the longer limits
 
 
 def test_command_line_writes_json(tmp_path):

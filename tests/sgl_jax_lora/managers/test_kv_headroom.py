@@ -15,25 +15,27 @@ from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from tests.support.scheduler_steps import chunks, finish_prefill, req
 
 
-def make_scheduler(num_pages: int, kv_headroom_rise: float, max_running: int = 16) -> Scheduler:
+def make_scheduler(num_pages: int, kv_headroom: float, max_running: int = 16) -> Scheduler:
     buckets = Buckets.build(max_running, 64, 256, 4)
     allocator = PageAllocator(num_pages, 4)
-    return Scheduler(buckets, allocator, max_running, 64, 8, kv_headroom_rise=kv_headroom_rise)
+    return Scheduler(buckets, allocator, max_running, 64, 8, kv_headroom=kv_headroom)
 
 
-def test_the_ratio_rises_with_each_preempting_step_and_decays_without():
-    headroom = KVHeadroom(rise=0.3, decay=0.1)
+def test_a_preempting_step_sets_the_ratio_and_steps_without_one_lower_it():
+    headroom = KVHeadroom(after_preemption=0.3, decay=0.1)
     headroom.after_step(preempted=False)
     assert headroom.ratio == 0.0  # never below 0
     headroom.after_step(preempted=True)
     headroom.after_step(preempted=True)
-    assert headroom.ratio == pytest.approx(0.6)
-    for _ in range(3):
-        headroom.after_step(preempted=True)
-    assert headroom.ratio == 1.0  # never above all of the running requests' remaining output
+    assert headroom.ratio == pytest.approx(0.3)  # set, not added: a run of preempting steps keeps it there
     headroom.after_step(preempted=False)
-    assert headroom.ratio == pytest.approx(0.9)
-    off = KVHeadroom(rise=0.0)
+    assert headroom.ratio == pytest.approx(0.2)
+    headroom.after_step(preempted=True)
+    assert headroom.ratio == pytest.approx(0.3)
+    for _ in range(5):
+        headroom.after_step(preempted=False)
+    assert headroom.ratio == 0.0
+    off = KVHeadroom(after_preemption=0.0)
     off.after_step(preempted=True)
     assert off.ratio == 0.0 and off.tokens_for([req("r", max_new_tokens=100)]) == 0.0
 
@@ -48,7 +50,7 @@ def test_headroom_counts_the_tokens_each_request_may_still_sample():
 
 @pytest.mark.parametrize("ratio, admitted", [(0.0, True), (0.25, True), (0.5, False)])
 def test_a_prompt_is_admitted_only_where_it_leaves_the_headroom_free(ratio, admitted):
-    sched = make_scheduler(num_pages=11, kv_headroom_rise=0.2)  # 10 usable pages of 4 tokens
+    sched = make_scheduler(num_pages=11, kv_headroom=0.3)  # 10 usable pages of 4 tokens
     running = req("running", length=4, t=0, max_new_tokens=33)
     sched.add(running)
     finish_prefill(sched.schedule())  # 1 page; its first token sampled, 32 more to come
@@ -62,10 +64,10 @@ def test_a_prompt_is_admitted_only_where_it_leaves_the_headroom_free(ratio, admi
     assert sched.allocator.num_free == (3 if admitted else 8)
 
 
-def run_backlog(kv_headroom_rise: float) -> tuple[Scheduler, dict[str, list[int]], int]:
+def run_backlog(kv_headroom: float) -> tuple[Scheduler, dict[str, list[int]], int]:
     """24 prompts of 8 tokens, 24 output tokens each, 16 may run, a cache of 40 pages of 4 tokens (the 160 tokens of
     5 whole requests) -> (the scheduler, each request's output, the prefill tokens computed)."""
-    sched = make_scheduler(num_pages=41, kv_headroom_rise=kv_headroom_rise)
+    sched = make_scheduler(num_pages=41, kv_headroom=kv_headroom)
     reqs = [req(f"r{i}", length=8, t=i, max_new_tokens=24) for i in range(24)]
     for r in reqs:
         sched.add(r)
@@ -84,9 +86,9 @@ def run_backlog(kv_headroom_rise: float) -> tuple[Scheduler, dict[str, list[int]
 def test_a_cache_that_ran_short_preempts_and_recomputes_less_with_headroom():
     # Admitted as their prompts fit, 16 requests outgrow the 40 pages as they decode, and decode rows preempt. Without
     # headroom the preempted prompts are admitted again as soon as pages free up, and outgrow the cache again (34
-    # preemptions, 615 prefill tokens for prompts of 192); with it, admission waits for room (10, 335).
-    without, outputs_without, prefill_without = run_backlog(kv_headroom_rise=0.0)
-    with_headroom, outputs_with, prefill_with = run_backlog(kv_headroom_rise=0.2)
+    # preemptions, 615 prefill tokens for prompts of 192); with it, admission waits for room (15, 411).
+    without, outputs_without, prefill_without = run_backlog(kv_headroom=0.0)
+    with_headroom, outputs_with, prefill_with = run_backlog(kv_headroom=0.3)
     assert without.num_preemptions > 0 and without.headroom.ratio == 0.0
     assert with_headroom.headroom.ratio > 0  # the shortage raised it
     assert with_headroom.num_preemptions < without.num_preemptions / 2, (
@@ -100,7 +102,7 @@ def test_a_cache_that_ran_short_preempts_and_recomputes_less_with_headroom():
 
 
 def test_a_cache_that_never_runs_short_keeps_no_headroom():
-    sched = make_scheduler(num_pages=4096, kv_headroom_rise=0.2)
+    sched = make_scheduler(num_pages=4096, kv_headroom=0.3)
     for i in range(24):
         sched.add(req(f"r{i}", length=8, t=i, max_new_tokens=24))
     first = sched.schedule()
