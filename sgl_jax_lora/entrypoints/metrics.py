@@ -147,18 +147,26 @@ class EngineStatsCollector(Collector):
             "kv_pages_used": ("kv_pages_used", "KV-cache pages requests hold"),
             "kv_pages_total": ("kv_pages_total", "KV-cache pages available"),
             "kv_pages_cached": ("kv_pages_cached", "KV-cache pages the prefix cache keeps (held by requests or not)"),
+            "kv_headroom_ratio": (
+                "kv_headroom_ratio",
+                "share of running requests' remaining output kept free in the KV cache",
+            ),
             "num_compilations_after_warmup": ("num_compilations_after_warmup", "XLA compilations since warmup ended"),
             "warmup_seconds": ("warmup_s", "seconds the startup warmup took to compile and run every bucket"),
         }
         for name, (key, help_text) in gauges.items():
             if key in info:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
-        if "prefix_cache_hit_tokens" in info:
-            yield CounterMetricFamily(
-                f"{PREFIX}_prefix_cache_hit_tokens",
+        counters = {
+            "prefix_cache_hit_tokens": (
+                "prefix_cache_hit_tokens",
                 "prompt tokens whose prefill the prefix cache saved",
-                value=info["prefix_cache_hit_tokens"],
-            )
+            ),
+            "preemptions": ("num_preemptions", "running requests preempted for KV pages (prefilled again later)"),
+        }
+        for name, (key, help_text) in counters.items():
+            if key in info:
+                yield CounterMetricFamily(f"{PREFIX}_{name}", help_text, value=info[key])
         if info.get("step_stats"):
             yield from _step_metrics(info["step_stats"])
         if info.get("lora"):

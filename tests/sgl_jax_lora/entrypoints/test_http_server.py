@@ -1456,6 +1456,7 @@ def test_metrics(http):
     assert values["sgl_jax_lora_prefix_cache_hit_tokens_total"] >= 32 and values["sgl_jax_lora_kv_pages_cached"] >= 2
     for gauge in ("num_running_reqs", "num_queue_reqs", "kv_pages_used", "kv_pages_total"):
         assert f"sgl_jax_lora_{gauge}" in values
+    assert values["sgl_jax_lora_preemptions_total"] == 0 and values["sgl_jax_lora_kv_headroom_ratio"] == 0
     assert values['sgl_jax_lora_engine_steps_total{kind="decode"}'] >= 11  # 12 tokens: 1 from prefill, 11 decodes
     assert values['sgl_jax_lora_engine_step_tokens_total{kind="extend"}'] >= 1
     assert values['sgl_jax_lora_engine_step_seconds_total{kind="decode",phase="run"}'] > 0

@@ -13,18 +13,24 @@ import logging
 from fastapi.testclient import TestClient
 
 from sgl_jax_lora.entrypoints.http_server import StartupProbeFilter, create_app
+from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.server_args import ServerArgs
+
+
+def sample_values(exposition: str) -> dict[str, float]:
+    """Prometheus text exposition -> {series: value}."""
+    values = {}
+    for line in exposition.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
 
 
 def scrape(client: TestClient) -> dict[str, float]:
     response = client.get("/metrics")
     assert response.status_code == 200, response.text
-    values = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return sample_values(response.text)
 
 
 def starting_app():
@@ -64,3 +70,13 @@ def test_access_log_drops_startup_probes_only():
     assert probe_filter.filter(record("/health", 200))
     app.state.server.startup_error = "RuntimeError: out of memory"
     assert probe_filter.filter(record("/health", 503))  # a failed start is shown
+
+
+def test_engine_stats_are_read_at_scrape_time():
+    metrics = ServerMetrics()
+    metrics.set_engine_stats({"num_running": 3, "num_preemptions": 7, "kv_headroom_ratio": 0.3})
+    values = sample_values(metrics.render().decode())
+    assert values["sgl_jax_lora_num_running_reqs"] == 3
+    assert values["sgl_jax_lora_preemptions_total"] == 7
+    assert values["sgl_jax_lora_kv_headroom_ratio"] == 0.3
+    assert "sgl_jax_lora_kv_pages_total" not in values  # what the engine did not report is left out
