@@ -106,7 +106,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
         self.sliding_window = sliding_window
-        self.headroom = KVHeadroom(after_preemption=kv_headroom)
+        self.headroom = KVHeadroom(after_preemption=kv_headroom, window=sliding_window)
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -135,11 +135,13 @@ class Scheduler:
         return req
 
     def _remove(self, req: Req) -> None:
-        """Take req out of whichever queue holds it and free its pages (abort, rejection)."""
+        """Take req out of whichever queue holds it and free its pages (abort, rejection, finish)."""
         for queue in (self.waiting, self.running):
             if req in queue:
                 queue.remove(req)
         self._release(req)
+        if not self.waiting and not self.running:
+            self.headroom.clear()
 
     def finish(self, req: Req) -> None:
         self._remove(req)  # running, or waiting when preempted while its last token was in flight
@@ -177,17 +179,17 @@ class Scheduler:
         num_new = min(req.remaining_prefill, budget)
         return num_new, self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
 
-    def _reuse_cached_prefix(self, req: Req, budget: int) -> None:
+    def _reuse_cached_prefix(self, req: Req, budget: int, reserve: int) -> None:
         """Start a request that holds no pages after the longest cached prefix of its tokens (whole pages, at
         least one token left to prefill). Called once it may join, so a request that waits hashes nothing. Not
-        for requests that want prompt logprobs: those need every position's logits."""
+        for requests that want prompt logprobs: those need every position's logits. `reserve`: pages kept free (headroom)."""
         if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
             return
         req.pages = self.prefix_cache.match(
             req.lora_slot_key, req.all_ids, req.remaining_prefill - 1, window=self.sliding_window
         )
         req.num_computed = len(req.pages) * self.allocator.page_size
-        if not self._can_allocate(self._chunk(req, budget)[1]):  # the pages it would have evicted were its prefix
+        if not self._can_allocate(self._chunk(req, budget)[1] + reserve):  # it would have evicted its prefix
             self._release(req)
             req.num_computed = 0
         elif not req.num_output_tokens:  # its first admission (a preempted request's recompute is not counted)
@@ -233,8 +235,8 @@ class Scheduler:
         num_wanting = Counter(r.lora_slot_key for r in self.waiting) if self.adapter_slots is not None else Counter()
         self._end_finished_drains()
         admission = AdmissionPass(budget, num_chunks, self.max_prefill_seqs, self.max_running, frozenset(num_wanting))
-        admission.headroom_tokens = self.headroom.tokens_for(self.running)
-        for candidates in self._priority_classes():
+        for candidates in self._priority_classes():  # headroom for the running requests as urgent as the class
+            admission.headroom_tokens = self.headroom.tokens_for(self.running, as_urgent_as=candidates[0].priority)
             self._admit(batch, candidates, admission, num_wanting)
             if admission.stopped(len(self.running)):
                 break
@@ -267,11 +269,14 @@ class Scheduler:
             else:
                 keep = admission.wanted | planned
             reserve = self.allocator.pages_for(math.ceil(admission.headroom_tokens))
+            if reserve and not self._can_allocate(reserve + 1):  # an entering request needs a page: none fits
+                break
             taken = self._try_add_chunk(batch, req, admission.budget, keep=keep, reserve=reserve)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one (unless a
                 # better class waits: draining would hold that class back); one short of pages blocks the rest.
-                if starved and self._fits_pages(req, admission.budget, reserve):
+                num_new, pages_needed = self._chunk(req, admission.budget)
+                if starved and num_new > 0 and self._can_allocate(pages_needed + reserve):
                     if not admission.better_wanted:
                         self._drain_a_slot(num_wanting)
                 else:
@@ -317,10 +322,6 @@ class Scheduler:
         if not self.draining and (victim := adapter_to_drain(self.running, self.adapter_slots, num_wanting)):
             self.draining.add(victim)
 
-    def _fits_pages(self, req: Req, budget: int, reserve: int) -> bool:
-        num_new, pages_needed = self._chunk(req, budget)
-        return num_new > 0 and self._can_allocate(pages_needed + reserve)
-
     def _try_add_chunk(
         self, batch: ScheduleBatch, req: Req, budget: int, keep: frozenset = frozenset(), reserve: int = 0
     ) -> int:
@@ -333,7 +334,7 @@ class Scheduler:
         if slot is None:
             return 0
         if not req.pages and req.num_computed == 0:  # entering (new, or preempted): start after a cached prefix
-            self._reuse_cached_prefix(req, budget)
+            self._reuse_cached_prefix(req, budget, reserve)
             num_new, pages_needed = self._chunk(req, budget)
         req.pages += self._allocate(pages_needed)
         batch.reqs.append(req)

@@ -127,7 +127,7 @@ def test_overlap_survives_preemption(model_dir):
     without = serve(model_dir, False, requests, max_total_tokens=64)
     with_overlap = serve(model_dir, True, requests, max_total_tokens=64)
     assert with_overlap.core.scheduler.num_preemptions > 0
-    assert with_overlap.core.server_info()["kv_headroom_ratio"] > 0  # the shortage raised the KV headroom
+    assert with_overlap.core.server_info()["kv_headroom_ratio"] == 0  # raised by the shortage, cleared once idle
     assert_same(with_overlap, without)
     assert with_overlap.core.scheduler.num_pages_held == 0
 
