@@ -145,8 +145,9 @@ def simulate(
     max_new_tokens: np.ndarray | None = None,
 ) -> dict:
     """Runs every request to its full output (max_new_tokens: each request's, at least its output, which then ends
-    as at an EOS; None: its output length, as bench_serving.py's requests); -> per step kind: steps, tokens, decode rows, padded bucket tokens, and
-    the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens (`mean_tokens_by_bucket`).
+    as at an EOS; None: its output length, as bench_serving.py's requests); -> per step kind: steps, tokens, decode
+    rows, padded bucket tokens, and the steps that ran each token bucket (`steps_by_bucket`) and their mean tokens
+    (`mean_tokens_by_bucket`).
     `on_step` sees each planned step before its tokens land (its requests' `num_computed` is then the context before
     the step). adapters: each request's adapter index (None: base), for a scheduler built with adapters; the result
     then has `adapters` (distinct adapters, slots, loads, evictions, the most in one step)."""

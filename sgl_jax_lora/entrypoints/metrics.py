@@ -147,10 +147,7 @@ class EngineStatsCollector(Collector):
             "kv_pages_used": ("kv_pages_used", "KV-cache pages requests hold"),
             "kv_pages_total": ("kv_pages_total", "KV-cache pages available"),
             "kv_pages_cached": ("kv_pages_cached", "KV-cache pages the prefix cache keeps (held by requests or not)"),
-            "kv_headroom_ratio": (
-                "kv_headroom_ratio",
-                "share of running requests' remaining output kept free in the KV cache",
-            ),
+            "kv_headroom_ratio": ("kv_headroom_ratio", "share of the running requests' KV to come kept free"),
             "num_compilations_after_warmup": ("num_compilations_after_warmup", "XLA compilations since warmup ended"),
             "warmup_seconds": ("warmup_s", "seconds the startup warmup took to compile and run every bucket"),
         }

@@ -379,9 +379,7 @@ class EngineCore:
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_headroom_ratio": round(
-                self.scheduler.headroom.ratio, 4
-            ),  # managers/kv_headroom.py: 0 until the cache ran short
+            "kv_headroom_ratio": round(self.scheduler.headroom.ratio, 4),  # 0 until the KV cache ran short
             "num_compilations": self.compile_counter.count,
             "num_compilations_after_warmup": self.compile_counter.count - self.num_compilations_after_warmup_start,
             "warmup_s": self.warmup_s,

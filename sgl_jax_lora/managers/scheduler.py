@@ -182,7 +182,7 @@ class Scheduler:
     def _reuse_cached_prefix(self, req: Req, budget: int, reserve: int) -> None:
         """Start a request that holds no pages after the longest cached prefix of its tokens (whole pages, at
         least one token left to prefill). Called once it may join, so a request that waits hashes nothing. Not
-        for requests that want prompt logprobs: those need every position's logits. `reserve`: pages kept free (headroom)."""
+        for requests that want prompt logprobs: those need every position's logits. `reserve`: pages kept free."""
         if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
             return
         req.pages = self.prefix_cache.match(
