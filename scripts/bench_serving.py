@@ -286,7 +286,8 @@ GC_COUNTERS = ("collections", "pause_s")
 
 
 def engine_delta(before: dict, after: dict) -> dict:
-    """What the engine did during the measured run: step time by kind and phase, LoRA tier traffic, compiles."""
+    """What the engine did during the measured run: step time by kind and phase, LoRA tier traffic, compiles,
+    preemptions."""
     steps = {}
     for kind, totals in after.get("step_stats", {}).items():
         steps[kind] = {k: v - before["step_stats"][kind][k] for k, v in totals.items()}
@@ -294,6 +295,7 @@ def engine_delta(before: dict, after: dict) -> dict:
         "step_stats": steps,
         "compilations": after.get("num_compilations", 0) - before.get("num_compilations", 0),
         "prefix_cache_hit_tokens": after.get("prefix_cache_hit_tokens", 0) - before.get("prefix_cache_hit_tokens", 0),
+        "preemptions": after.get("num_preemptions", 0) - before.get("num_preemptions", 0),
     }
     if after.get("lora"):
         delta["lora"] = {k: after["lora"][k] - before["lora"][k] for k in LORA_COUNTERS}

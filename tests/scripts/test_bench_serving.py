@@ -109,6 +109,7 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
         assert scenario["ttft_s"]["p50"] <= scenario["ttft_s"]["p99"]
         assert scenario["output_tok_per_s"] > 0 and scenario["engine"]["compilations"] == 0
         assert scenario["engine"]["prefix_cache_hit_tokens"] == 0  # fresh prompts in every run: compute is measured
+        assert scenario["engine"]["preemptions"] == 0  # the server's KV cache holds every request at once
         assert scenario["ratio_to_base_throughput"] == pytest.approx(
             scenario["output_tok_per_s"] / base["output_tok_per_s"]
         )
