@@ -276,7 +276,6 @@ LORA_COUNTERS = (
     "host_evictions",
     "slot_load_seconds_total",
     "staged_slot_writes",
-    "staged_later",
     "prefetches",
     "prefetch_s",
     "staging_s",

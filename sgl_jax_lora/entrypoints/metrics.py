@@ -210,7 +210,6 @@ LORA_COUNTERS = {
     "host_misses": "adapter read from disk into the host cache",
     "host_evictions": "adapters evicted from the host cache",
     "staged_slot_writes": "slot writes whose adapter a prefetch thread had already copied to the device",
-    "staged_later": "prefetched adapters copied to the device once the staging budget had room again",
 }
 
 

@@ -1,9 +1,9 @@
 """LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
 
 Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk
-into the host cache, laid out as slot arrays (model dtype) and staged on the device (a bounded number at a time,
-the rest once places free: lora/slot_staging.py) on background threads (lora/prefetch_queue.py: the most urgent
-request's adapter first), so the engine loop never waits on disk or on a host-to-device copy for it.
+into the host cache, laid out as slot arrays (model dtype) and staged on the device (a bounded number at a time) on
+a background thread (lora/prefetch_queue.py: the most urgent request's adapter first), so the engine loop never
+waits on disk or on a host-to-device copy for it.
 Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
 request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
 distinct adapters, no slot can be freed, or its prefetch is still running.
@@ -44,7 +44,6 @@ from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
-from sgl_jax_lora.lora.slot_staging import SlotStaging, StagedSlotArrays, staging_budget
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
@@ -58,6 +57,20 @@ def prefetch_workers(cpu_count: int | None = None) -> int:
     adapters no cache holds) loads about as many at once as there are threads; the other half of the cores stay with
     the engine loop and the frontend."""
     return min(8, max(2, (cpu_count or os.cpu_count() or 2) // 2))
+
+
+STAGING_BYTES = 1 << 30  # device memory that adapters staged ahead of their slot writes may take at once
+
+
+def staging_budget(slot_bytes: int) -> int:
+    """How many adapters' slot arrays may wait on the device for their slot write at once: those STAGING_BYTES holds,
+    1 to 16 (a backlog of requests beyond them keeps its adapters on the host)."""
+    return min(16, max(1, STAGING_BYTES // max(slot_bytes, 1)))
+
+
+class StagedSlotArrays(list):
+    """One slot's arrays on the device (ModelRunner.stage_lora_slot_values), counted against the staging budget until
+    they are freed."""
 
 
 class LoRAManager:
@@ -95,10 +108,11 @@ class LoRAManager:
         self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
         self._slot_arrays_lock = threading.Lock()
         slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
-        self.staging = SlotStaging(runner.stage_lora_slot_values, staging_budget(int(slot_bytes)))
+        self.staging_budget = staging_budget(int(slot_bytes))
+        self._num_staged = 0  # StagedSlotArrays alive, under _slot_arrays_lock
         self.staged_writes = 0  # slot writes whose arrays were on the device before the engine loop wrote them
-        # prefetches done, and their seconds from request to ready (queue, disk, layout, staging in place)
-        self.prefetch_times = {"prefetches": 0, "prefetch_s": 0.0}
+        # prefetches done, and their seconds from request to ready (queue, disk, layout, staging) and in staging
+        self.prefetch_times = {"prefetches": 0, "prefetch_s": 0.0, "staging_s": 0.0}
         self._zero_values: list[np.ndarray] | None = None  # a slot's zeros in the model dtype, made on first release
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
@@ -188,10 +202,8 @@ class LoRAManager:
     # ---- per step (the scheduler's AdapterSlots, managers/adapter_slots.py) ---------------------
     def plan_step(self, running: set[str | None] = frozenset()) -> AdapterPlan:
         """A new step's adapter plan. running: adapters of the requests already running; their slots are not
-        evicted by this step (nor by a pin before the next one). Adapters whose prefetch found the staging budget
-        taken are staged now where the last step's slot writes freed places (their requests wait for the copy)."""
+        evicted by this step (nor by a pin before the next one)."""
         self._forget_unapplied()
-        self.staging.stage_left_on_host(self._prefetches)
         self._running_ids = frozenset(lora_id for lora_id in running if lora_id is not None)
         for lora_id in list(self._waiting_pins):  # a slot the last step freed
             self._pin(self.refs[lora_id])
@@ -230,16 +242,34 @@ class LoRAManager:
         return adapter, values
 
     def _staged_slot_arrays(self, ref: LoRARef, submitted: float) -> tuple[LoRAAdapter, list]:
-        """`_host_slot_arrays`, then copied to the device if the staging budget has a place (lora/slot_staging.py),
-        so that the engine loop's slot write copies device to device; else the host arrays, staged later by
-        `plan_step` as places come free. submitted: when the prefetch was asked for (its latency is counted)."""
+        """`_host_slot_arrays`, then copied to the device while the staging budget allows, so that the engine loop's
+        slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
+        them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
         try:
             adapter, values = self._host_slot_arrays(ref)
-            return adapter, self.staging.try_stage(ref.lora_id, ref.lora_name, values)
+            with self._slot_arrays_lock:
+                if self._num_staged >= self.staging_budget:
+                    return adapter, values
+                self._num_staged += 1
+            staging = time.perf_counter()
+            try:
+                staged = StagedSlotArrays(self.runner.stage_lora_slot_values(values))
+            except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
+                self._unstaged()
+                logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
+                return adapter, values
+            weakref.finalize(staged, self._unstaged)
+            with self._slot_arrays_lock:
+                self.prefetch_times["staging_s"] += time.perf_counter() - staging
+            return adapter, staged
         finally:
             with self._slot_arrays_lock:
                 self.prefetch_times["prefetches"] += 1
                 self.prefetch_times["prefetch_s"] += time.perf_counter() - submitted
+
+    def _unstaged(self) -> None:
+        with self._slot_arrays_lock:
+            self._num_staged -= 1
 
     def can_evict(self, lora_id: str) -> bool:
         return lora_id not in self.pool.pinned
@@ -345,8 +375,6 @@ class LoRAManager:
             "slot_load_seconds": list(self.load_latencies_s),
             "slot_load_seconds_total": self.load_seconds_total,
             "staged_slot_writes": self.staged_writes,
-            "staged_later": self.staging.staged_later,
-            "staging_s": self.staging.staging_s,
             **self.prefetch_times,
         }
 

@@ -374,50 +374,6 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
 
 
-def test_an_adapter_left_on_the_host_is_staged_once_a_place_frees(setup):
-    """With one place in the staging budget, the second request's adapter is prefetched while the first's holds it,
-    so it keeps its host arrays; once the first adapter's slot is written the engine stages the second on the
-    device, and its slot write copies device to device too. Both requests give the adapters' tokens."""
-    from sgl_jax_lora.managers.engine_core import EngineCore
-    from sgl_jax_lora.managers.io_struct import GenerateRequest
-    from sgl_jax_lora.sampling.sampling_params import SamplingParams
-    from sgl_jax_lora.server_args import ServerArgs
-
-    base, adapters = setup
-    names = list(adapters)[:2]
-    args = ServerArgs(
-        model_path=str(base),
-        dtype="float32",
-        lora_paths={n: str(adapters[n]) for n in names},
-        max_loras_per_batch=1,
-        skip_precompile=True,
-        **SMALL,
-    )
-    core = EngineCore(args, str(base))
-    core.lora.staging.budget = 1
-    lora_ids = {ref.lora_name: ref.lora_id for ref in core.lora.refs.values()}
-    prompts = {name: prompt(60 + i) for i, name in enumerate(names)}
-    for name in names:
-        core.add_request(
-            GenerateRequest(
-                rid=name,
-                input_ids=prompts[name],
-                lora_id=lora_ids[name],
-                sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
-            )
-        )
-        core.lora.wait_for_prefetches()
-    assert core.lora.staging.num_staged == 1  # the second prefetch found the place taken
-    tokens = {name: [] for name in names}
-    while core.scheduler.num_active:
-        for out in core.step():
-            tokens[out.rid] += out.new_ids
-    stats = core.lora.stats()
-    assert stats["staged_later"] == 1 and stats["staged_slot_writes"] == 2  # neither copied from the host
-    for name in names:
-        assert tokens[name] == reference(base, adapters[name], prompts[name], 3)[0]
-
-
 def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
     """LoRAManager.reserve: an adapter in `keep` (one that waiting requests want) is not evicted for another;
     without it, the slot is taken."""

@@ -17,8 +17,13 @@ from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
-from sgl_jax_lora.lora.slot_staging import StagedSlotArrays, staging_budget
-from sgl_jax_lora.managers.lora_manager import LoRAManager, prefetch_workers, segment_buckets
+from sgl_jax_lora.managers.lora_manager import (
+    LoRAManager,
+    StagedSlotArrays,
+    prefetch_workers,
+    segment_buckets,
+    staging_budget,
+)
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -34,16 +39,10 @@ class RecordingRunner:
     def __init__(self):
         self.writes: list[tuple[int, str]] = []  # (slot, adapter name)
         self.stage_failures: set[str] = set()  # adapter names whose staging on the device raises
-        self.stage_gates: dict[str, threading.Event] = {}  # adapter names whose staging waits for their event
-        self.staged: list[str] = []  # adapter names, in the order their staging ended
 
     def stage_lora_slot_values(self, values: list[np.ndarray]) -> list[np.ndarray]:
-        name = values[0].item()
-        if name in self.stage_failures:
+        if values[0].item() in self.stage_failures:
             raise RuntimeError("RESOURCE_EXHAUSTED: out of device memory")
-        if name in self.stage_gates:
-            assert self.stage_gates[name].wait(10)
-        self.staged.append(name)
         return list(values)
 
     def lora_buffer_shapes(self) -> dict:
@@ -230,14 +229,14 @@ def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     device) while fewer than `staging_budget` staged arrays are alive; past it, or when staging fails, the host
     arrays, which the write copies itself. Staged arrays give their budget back once freed."""
     manager, runner = make_manager(max_loras_per_batch=4)
-    manager.staging.budget = 2
+    manager.staging_budget = 2
     ids = register(manager, "a", "b", "c", "d")
     runner.stage_failures.add("d")
     for name in "abc":
         manager.prefetch(ids[name])
     manager.wait_for_prefetches()
     staged = sorted(n for n in "abc" if isinstance(manager._prefetches[ids[n]].result()[1], StagedSlotArrays))
-    assert len(staged) == 2 and manager.staging.num_staged == 2
+    assert len(staged) == 2 and manager._num_staged == 2
     stats = manager.stats()
     assert stats["prefetches"] == 3 and stats["prefetch_s"] >= stats["staging_s"] > 0
     plan = manager.plan_step(set())
@@ -245,49 +244,14 @@ def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     manager.apply(plan.slot_writes)
     assert runner.writes == [(1, "a"), (2, "b"), (3, "c")] and manager.stats()["staged_slot_writes"] == 2
     del plan  # the step is done: its slot writes and their staged arrays go
-    assert manager.staging.num_staged == 0
+    assert manager._num_staged == 0
     manager.prefetch(ids["d"])  # staging fails: the host arrays, and no budget kept
     manager.wait_for_prefetches()
-    assert (
-        not isinstance(manager._prefetches[ids["d"]].result()[1], StagedSlotArrays) and manager.staging.num_staged == 0
-    )
+    assert not isinstance(manager._prefetches[ids["d"]].result()[1], StagedSlotArrays) and manager._num_staged == 0
     plan = manager.plan_step(set())
     assert manager.reserve(plan, ids["d"]) == 4
     manager.apply(plan.slot_writes)
     assert runner.writes[-1] == (4, "d") and manager.staged_writes == 2
-
-
-def test_adapters_left_on_the_host_are_staged_once_slot_writes_free_places():
-    """A prefetch that finds the staging budget taken keeps its host arrays; the next step's plan stages the oldest
-    such adapters where the last step's writes freed places, and their requests wait for that copy (reserve: None)
-    rather than have the engine loop copy from the host."""
-    manager, runner = make_manager(max_loras_per_batch=4)
-    manager._prefetcher = PrefetchQueue(max_workers=1)  # reads in the order asked
-    manager.staging.budget = 1
-    ids = register(manager, "a", "b", "c")
-    for name in "abc":
-        manager.prefetch(ids[name])
-    manager.wait_for_prefetches()
-    assert runner.staged == ["a"] and manager.staging.num_staged == 1  # b and c found the place taken
-    plan = manager.plan_step(set())  # no place free yet: nothing staged
-    assert manager.reserve(plan, ids["a"]) == 1 and runner.staged == ["a"]
-    manager.apply(plan.slot_writes)
-    del plan  # the step is done: a's staged arrays go, and their place with them
-    assert manager.staging.num_staged == 0
-    runner.stage_gates["b"] = threading.Event()
-    plan = manager.plan_step(set())  # b, the oldest left on the host, takes the place; c waits for the next
-    assert manager.staging.num_staged == 1 and manager.stats()["staged_later"] == 1
-    assert manager.reserve(plan, ids["b"]) is None  # its copy is under way: the request waits, the loop does not
-    runner.stage_gates["b"].set()
-    manager.wait_for_prefetches()
-    assert manager.reserve(plan, ids["b"]) == 2 and manager.reserve(plan, ids["c"]) == 3  # c: from the host
-    manager.apply(plan.slot_writes)
-    assert runner.writes == [(1, "a"), (2, "b"), (3, "c")] and runner.staged == ["a", "b"]
-    assert manager.staged_writes == 2  # a and b copied device to device
-    del plan
-    assert manager.staging.num_staged == 0
-    manager.plan_step(set())  # c was written: nothing is left to stage
-    assert runner.staged == ["a", "b"] and manager.stats()["staged_later"] == 1
 
 
 def test_adapters_are_read_in_the_order_of_their_requests_priority():
