@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from scripts.bench_serving import engine_delta
 from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
 
@@ -123,6 +124,14 @@ def test_scenarios_report_what_was_sent(server, adapter_root, tmp_path):
     # adapters, so at least one of them was written into a slot inside its measured window
     assert skewed["engine"]["lora"]["device_hits"] > 0
     assert distinct["engine"]["lora"]["device_misses"] >= 1
+
+
+def test_engine_delta_counts_what_happened_between_two_server_infos():
+    before = {"step_stats": {"decode": {"steps": 4}}, "num_compilations": 9, "num_preemptions": 3}
+    after = {"step_stats": {"decode": {"steps": 10}}, "num_compilations": 9, "num_preemptions": 8}
+    delta = engine_delta(before, after)
+    assert delta["step_stats"] == {"decode": {"steps": 6}} and delta["compilations"] == 0
+    assert delta["preemptions"] == 5  # requests preempted for KV pages during the run, not since the start
 
 
 def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
