@@ -24,6 +24,7 @@ spinning in Python meanwhile: its rate as a share of its rate alone (how much of
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -114,8 +115,10 @@ def main() -> None:
     step = jax.jit(reader, static_argnums=2)
     holder = {"state": lora_state}
 
-    def run_write(staged: bool, busy: bool) -> dict:
-        vals = writer.stage(values) if staged else values
+    prepare = {"staged": writer.stage, "host": lambda vals: vals, "pinned": writer.pin}
+
+    def run_write(source: str, busy: bool) -> dict:
+        vals = prepare[source](values)
         jax.block_until_ready(holder["state"])
         start = time.perf_counter()
         out = step(holder["state"], x, iterations) if busy else None
@@ -133,37 +136,20 @@ def main() -> None:
             "all_done_ms": 1e3 * (done - start),
         }
 
-    def run_write_pinned(busy: bool) -> dict:
-        vals = writer.pin(values)
-        jax.block_until_ready(holder["state"])
-        start = time.perf_counter()
-        out = step(holder["state"], x, iterations) if busy else None
-        dispatched_step = time.perf_counter()
-        holder["state"] = writer.write(holder["state"], int(1 + rng.integers(args.slots - 1)), vals)
-        dispatched = time.perf_counter()
-        jax.block_until_ready(holder["state"])
-        written = time.perf_counter()
-        if out is not None:
-            jax.block_until_ready(out)
-        done = time.perf_counter()
-        return {
-            "write_dispatch_ms": 1e3 * (dispatched - dispatched_step),
-            "write_ready_ms": 1e3 * (written - dispatched_step),
-            "all_done_ms": 1e3 * (done - start),
-        }
-
-    def run_pinning(busy: bool) -> dict:
+    def run_copy(source: str, busy: bool) -> dict:
+        """The copy ahead of the write (`source` staged or pinned) beside a thread spinning in Python."""
         jax.block_until_ready(holder["state"])
         with Spinner() as spinner:
             free = spinner.rate(0.1)
             out = step(holder["state"], x, iterations) if busy else None
             count, start = spinner.count, time.perf_counter()
-            writer.pin(values)
+            prepare[source](values)
             elapsed = time.perf_counter() - start
             share = (spinner.count - count) / elapsed / free
             if out is not None:
                 jax.block_until_ready(out)
-        return {"pinning_ms": 1e3 * elapsed, "spinner_rate_share": share}
+        name = "staging_ms" if source == "staged" else "pinning_ms"
+        return {name: 1e3 * elapsed, "spinner_rate_share": share}
 
     def run_reader_after_reader() -> dict:
         jax.block_until_ready(holder["state"])
@@ -183,35 +169,13 @@ def main() -> None:
         jax.block_until_ready(step(holder["state"], x, iterations))
         return {"step_ms": 1e3 * (time.perf_counter() - start)}
 
-    def run_staging(busy: bool) -> dict:
-        jax.block_until_ready(holder["state"])
-        with Spinner() as spinner:
-            free = spinner.rate(0.1)
-            out = step(holder["state"], x, iterations) if busy else None
-            count, start = spinner.count, time.perf_counter()
-            writer.stage(values)
-            elapsed = time.perf_counter() - start
-            share = (spinner.count - count) / elapsed / free
-            if out is not None:
-                jax.block_until_ready(out)
-        return {"staging_ms": 1e3 * elapsed, "spinner_rate_share": share}
-
-    cases = {
-        "step_alone": run_step_alone,
-        "reader_after_reader": run_reader_after_reader,
-        "write_staged_idle": lambda: run_write(staged=True, busy=False),
-        "write_host_idle": lambda: run_write(staged=False, busy=False),
-        "write_staged_busy": lambda: run_write(staged=True, busy=True),
-        "write_host_busy": lambda: run_write(staged=False, busy=True),
-        "staging_idle": lambda: run_staging(busy=False),
-        "staging_busy": lambda: run_staging(busy=True),
-    }
-    cases.update(
-        write_pinned_idle=lambda: run_write_pinned(busy=False),
-        write_pinned_busy=lambda: run_write_pinned(busy=True),
-        pinning_idle=lambda: run_pinning(busy=False),
-        pinning_busy=lambda: run_pinning(busy=True),
-    )
+    cases = {"step_alone": run_step_alone, "reader_after_reader": run_reader_after_reader}
+    for source in ("staged", "host", "pinned"):
+        for busy in (False, True):
+            cases[f"write_{source}_{'busy' if busy else 'idle'}"] = functools.partial(run_write, source, busy)
+    for source, name in (("staged", "staging"), ("pinned", "pinning")):
+        for busy in (False, True):
+            cases[f"{name}_{'busy' if busy else 'idle'}"] = functools.partial(run_copy, source, busy)
     # the three writes set the same values: the engine's from host and staged arrays, this script's from pinned ones
     for slot, vals in ((1, values), (2, writer.stage(values)), (3, writer.pin(values))):
         holder["state"] = writer.write(holder["state"], slot, vals)
