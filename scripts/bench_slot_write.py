@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import jax
@@ -199,7 +198,6 @@ def main() -> None:
         "buffers_gb": round(sum(np.prod(s) for s in shapes.values()) * 2 / 1e9, 2),
         "step_iterations": iterations,
         "writes_agree": writes_agree,
-        "threads_alive": threading.active_count(),
         "medians": medians,
         "runs": results,
     }
