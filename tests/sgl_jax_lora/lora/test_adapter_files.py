@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,26 @@ def test_non_finite_tensor_is_refused_naming_adapter_and_tensor(clean_adapter, s
     # the clean original still loads, and header-only registration cannot see values (the weights' read does)
     assert load_peft_adapter("clean", str(clean_adapter), shapes).rank == 4
     assert inspect_peft_adapter("poisoned", str(bad), shapes).rank == 4
+
+
+@pytest.mark.parametrize("chunk", [64, 1000 * 8], ids=["chunks-inside-tensors", "chunks-across-tensors"])
+def test_the_chunked_check_names_the_bad_tensor_wherever_it_lies(clean_adapter, tmp_path, monkeypatch, chunk):
+    """The frontend reads a run of back-to-back tensors of one dtype a chunk at a time (a chunk may hold parts of
+    several): a NaN in any tensor, first, last or across a chunk's edge, where a float32 run meets a float16 one,
+    is refused naming that tensor; a tensor that is not a LoRA half ends a run and is not read."""
+    monkeypatch.setattr(adapter_files, "CHECK_CHUNK_BYTES", chunk)
+    bad = shutil.copytree(clean_adapter, tmp_path / "bad")
+    weights = str(bad / "adapter_model.safetensors")
+    tensors = {k: v.to(torch.float16) if "q_proj" in k else v for k, v in load_file(weights).items()}
+    # safetensors orders a file by dtype, then name: the float32 halves, this one, then the float16 halves
+    save_file({**tensors, "notes.weight": torch.full((4,), float("nan"))}, weights)
+    check_adapter_files("bad", str(bad), None)
+    for key in tensors:
+        poisoned = {k: v.clone() for k, v in tensors.items()}
+        poisoned[key].view(-1)[-1] = float("nan")
+        save_file(poisoned, weights)  # float32 halves straight before the float16 ones
+        with pytest.raises(LoRAAdapterError, match=re.escape(key) + ".*NaN or Inf"):
+            check_adapter_files("bad", str(bad), None)
 
 
 def test_float64_values_beyond_float32_are_refused_at_the_check(clean_adapter, tmp_path):
