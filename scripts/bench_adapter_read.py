@@ -5,7 +5,9 @@ float32 tensors, finite check), then `LoRAMemoryPool.slot_update` (the slot arra
 alone, and while another thread of the process spins in Python, as the engine loop does between its waits on the
 device. A thread waits for the GIL after every numpy call that released it, so beside a busy thread the number of
 numpy calls, not their bytes, sets how long an adapter takes. Also reported: the spinner's rate during the work, as a
-share of its rate alone (a call that holds the GIL through a long copy stalls it).
+share of its rate alone (a call that holds the GIL through a long copy stalls it). The frontend's check of the same
+file (`check_adapter_files`: every LoRA half's values finite, on a worker thread of the frontend's busy event loop)
+is timed the same way.
 
     python3 scripts/bench_adapter_read.py --model LLAMA3_8B_DIR --adapter ADAPTER_DIR [--repeats 5] [--out F.json]
 
@@ -20,12 +22,13 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.adapter import load_peft_adapter
-from sgl_jax_lora.lora.adapter_files import CONFIG_FILE
+from sgl_jax_lora.lora.adapter_files import CONFIG_FILE, check_adapter_files
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 
@@ -95,25 +98,47 @@ def main() -> None:
         pool.slot_update(adapter, jnp.bfloat16)
         return 1000 * (read - start), 1000 * (time.perf_counter() - read)
 
-    read_and_lay_out()  # first touch of the file and the code
-    alone = [read_and_lay_out() for _ in range(args.repeats)]
-    beside, shares = [], []
-    with Spinner() as spinner:
-        free = spinner.rate()
-        for _ in range(args.repeats):
-            start_count, start = spinner.count, time.perf_counter()
-            beside.append(read_and_lay_out())
-            shares.append((spinner.count - start_count) / (time.perf_counter() - start) / free)
+    def frontend_check() -> tuple[float]:
+        start = time.perf_counter()
+        check_adapter_files("bench", args.adapter, None)
+        return (1000 * (time.perf_counter() - start),)
+
+    engine_alone, engine_beside, engine_share = _alone_and_beside(read_and_lay_out, args.repeats)
+    check_alone, check_beside, check_share = _alone_and_beside(frontend_check, args.repeats)
     result = {
-        "alone_ms": {"read": _median(alone, 0), "layout": _median(alone, 1)},
-        "beside_a_spinning_thread_ms": {"read": _median(beside, 0), "layout": _median(beside, 1)},
-        "spinner_rate_share_during_the_work": round(statistics.median(shares), 2),
+        "alone_ms": {
+            "read": _median(engine_alone, 0),
+            "layout": _median(engine_alone, 1),
+            "frontend_check": _median(check_alone, 0),
+        },
+        "beside_a_spinning_thread_ms": {
+            "read": _median(engine_beside, 0),
+            "layout": _median(engine_beside, 1),
+            "frontend_check": _median(check_beside, 0),
+        },
+        "spinner_rate_share_during_the_work": engine_share,
+        "spinner_rate_share_during_the_frontend_check": check_share,
         "repeats": args.repeats,
     }
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _alone_and_beside(work: Callable[[], tuple[float, ...]], repeats: int) -> tuple[list, list, float]:
+    """(work's times alone, beside a spinning thread, the spinner's median rate share meanwhile), after a first call
+    that touches the file and the code."""
+    work()
+    alone = [work() for _ in range(repeats)]
+    beside, shares = [], []
+    with Spinner() as spinner:
+        free = spinner.rate()
+        for _ in range(repeats):
+            start_count, start = spinner.count, time.perf_counter()
+            beside.append(work())
+            shares.append((spinner.count - start_count) / (time.perf_counter() - start) / free)
+    return alone, beside, round(statistics.median(shares), 2)
 
 
 def _median(runs: list[tuple[float, float]], index: int) -> float:

@@ -1,5 +1,6 @@
-"""scripts/bench_adapter_read.py: the engine's read and layout of one adapter, alone and beside a spinning thread, on
-a tiny Llama and a PEFT adapter on all its linears (the buffers it lays out are the model runner's)."""
+"""scripts/bench_adapter_read.py: the engine's read and layout of one adapter and the frontend's check of it, alone and
+beside a spinning thread, on a tiny Llama and a PEFT adapter on all its linears (the buffers it lays out are the model
+runner's)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ def test_reports_the_read_and_layout_alone_and_beside_a_busy_thread(tmp_path):
     subprocess.run(cmd + ["--rank", "4", "--repeats", "2", "--out", str(out)], cwd=REPO_ROOT, check=True, timeout=300)
     result = json.loads(out.read_text())
     for kind in ("alone_ms", "beside_a_spinning_thread_ms"):
-        assert result[kind]["read"] > 0 and result[kind]["layout"] > 0
-    assert (
-        result["spinner_rate_share_during_the_work"] >= 0 and result["repeats"] == 2
-    )  # 0: a tiny read left it no turn
+        assert result[kind]["read"] > 0 and result[kind]["layout"] > 0 and result[kind]["frontend_check"] > 0
+    for share in ("spinner_rate_share_during_the_work", "spinner_rate_share_during_the_frontend_check"):
+        assert result[share] >= 0  # 0: a tiny read left it no turn
+    assert result["repeats"] == 2
 
     # the buffer shapes it lays out are the engine's, slot axis aside
     core = EngineCore(
