@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.adapter import load_peft_adapter
-from sgl_jax_lora.lora.adapter_files import CONFIG_FILE, check_adapter_files
+from sgl_jax_lora.lora.adapter_files import CONFIG_FILE
+from sgl_jax_lora.lora.adapter_value_check import check_adapter_files
 from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 

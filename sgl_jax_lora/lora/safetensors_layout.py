@@ -1,8 +1,8 @@
 """The layout of a safetensors file's bytes, checked and returned as views: no tensor is copied.
 
-Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies), check_adapter_files (the
-frontend) and tensor_file.map_tensor_file (the engine mapping a TensorFile) -> `safetensors_layout(data)` (the data
-region and each tensor's offsets in it) or `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its
+Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies),
+adapter_value_check.check_adapter_files (the frontend) and tensor_file.map_tensor_file (the engine mapping a
+TensorFile) -> `safetensors_layout(data)` (the data region and each tensor's offsets in it) or `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its
 bytes)]), or `SafetensorsLayoutError` saying what is wrong. A file is read header first (`read_header`,
 checked against the file's size), so that no more bytes are read than its header names. The checks are the
 safetensors library's: an 8-byte little-endian header length, a JSON object of entries (and an optional

@@ -8,7 +8,7 @@ update_lora_adapter -> here:
   a load -> name checked (`check_name`: length, printable, not the base model's name, not taken; a load from
   tensors, TokenizerManager.load_lora_adapter_from_tensors, runs it too), --max-loras-registered, the directory
   resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
-  operator: the offline Engine may give one directory several names) -> adapter_files.check_adapter_files
+  operator: the offline Engine may give one directory several names) -> adapter_value_check.check_adapter_files
   on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
   LoadLoRACall to the engine -> registered;
   a load from memory (`load_from_tensors`) -> the name and the config checked here, the tensors by the engine
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 from sgl_jax_lora.lora.adapter_files import (
     LoRAAdapterError,
-    check_adapter_files,
     confined_dir,
     is_within,
     real_path,
     shown,
 )
+from sgl_jax_lora.lora.adapter_value_check import check_adapter_files
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import parse_peft_config
 from sgl_jax_lora.lora.registry import DirectoryTakenError, LoRARegistry, UnknownLoRAError

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sgl_jax_lora.lora import adapter_files
+from sgl_jax_lora.lora import adapter_files, adapter_value_check
 from sgl_jax_lora.lora.adapter import inspect_peft_adapter, load_peft_adapter
-from sgl_jax_lora.lora.adapter_files import check_adapter_files, confined_dir, raw_holds_non_finite
+from sgl_jax_lora.lora.adapter_files import confined_dir
+from sgl_jax_lora.lora.adapter_value_check import check_adapter_files, raw_holds_non_finite
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from tests.support.peft_fixtures import make_tiny_llama_dir, poison_adapter, write_peft_adapter
@@ -78,7 +79,7 @@ def test_the_chunked_check_names_the_bad_tensor_wherever_it_lies(clean_adapter, 
     """The frontend reads a run of back-to-back tensors of one dtype a chunk at a time (a chunk may hold parts of
     several): a NaN in any tensor, first, last or across a chunk's edge, where a float32 run meets a float16 one,
     is refused naming that tensor; a tensor that is not a LoRA half ends a run and is not read."""
-    monkeypatch.setattr(adapter_files, "CHECK_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(adapter_value_check, "CHECK_CHUNK_BYTES", chunk)
     bad = shutil.copytree(clean_adapter, tmp_path / "bad")
     weights = str(bad / "adapter_model.safetensors")
     tensors = {k: v.to(torch.float16) if "q_proj" in k else v for k, v in load_file(weights).items()}
@@ -113,7 +114,7 @@ def test_raw_bits_check_agrees_with_isfinite(dtype):
     numpy_dtype = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}[dtype]
     info = ml_dtypes.finfo(numpy_dtype) if dtype == "BF16" else np.finfo(numpy_dtype)
     edge = np.array([info.max, -info.max, info.smallest_subnormal, -0.0, 0.0, 1.0], numpy_dtype)
-    clean = np.concatenate([edge, np.ones(adapter_files._RAW_CHECK_ELEMENTS + 5, numpy_dtype)])
+    clean = np.concatenate([edge, np.ones(adapter_value_check._RAW_CHECK_ELEMENTS + 5, numpy_dtype)])
     assert not raw_holds_non_finite(dtype, clean.tobytes())
     for bad in (np.nan, np.inf, -np.inf):
         for at in (0, clean.size - 1):  # in the first pass and in the last
