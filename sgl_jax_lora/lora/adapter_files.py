@@ -5,8 +5,9 @@ Flow: `/load_lora_adapter` and on-demand loads (LoRAFrontend) -> `confined_dir` 
 engine process registers it from its config and tensor headers (adapter.inspect_peft_adapter: names, shapes and rank
 against the model, each file opened through `open_confined`) -> adapter_value_check.check_adapter_files on a
 frontend worker thread (config and weights resolved with os.path.realpath and required inside --lora-allowed-dirs;
-every LoRA tensor finite; a refusal unloads it again) -> requests may name it; the engine's loader opens each file again when it reads
-the weights and refuses NaN and Inf there too (`read_checked_safetensors`; the files may have changed since).
+every LoRA tensor finite; a refusal unloads it again) -> requests may name it; the engine's loader opens each file
+again when it reads the weights and refuses NaN and Inf there too (`read_checked_safetensors`; the files may have
+changed since).
 safetensors_layout.py checks the bytes' layout, returning views, copying nothing.
 
 A symlink is followed when the path is resolved, and what it points to must itself lie inside an allowed

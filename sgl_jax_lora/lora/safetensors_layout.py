@@ -2,12 +2,13 @@
 
 Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies),
 adapter_value_check.check_adapter_files (the frontend) and tensor_file.map_tensor_file (the engine mapping a
-TensorFile) -> `safetensors_layout(data)` (the data region and each tensor's offsets in it) or `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its
-bytes)]), or `SafetensorsLayoutError` saying what is wrong. A file is read header first (`read_header`,
-checked against the file's size), so that no more bytes are read than its header names. The checks are the
-safetensors library's: an 8-byte little-endian header length, a JSON object of entries (and an optional
-`__metadata__`), each with a known dtype, a shape of non-negative integers and data_offsets whose span is the shape
-times the dtype's size, the entries back to back from the start of the data to its end.
+TensorFile) -> `safetensors_layout(data)` (the data region and each tensor's offsets in it) or
+`safetensors_entries(data)` ([(name, dtype, shape, memoryview of its bytes)]), or `SafetensorsLayoutError` saying
+what is wrong. A file is read header first (`read_header`, checked against the file's size), so that no more bytes
+are read than its header names. The checks are the safetensors library's: an 8-byte little-endian header length, a
+JSON object of entries (and an optional `__metadata__`), each with a known dtype, a shape of non-negative integers and
+data_offsets whose span is the shape times the dtype's size, the entries back to back from the start of the data to
+its end.
 
 Why not the library's `deserialize`: it copies every tensor into a new bytes object while it holds the GIL (an 84 MB
 adapter: 67 ms on the 2-core CPU machine, in which no other thread of the process runs, the engine loop's included).

@@ -8,9 +8,10 @@ update_lora_adapter -> here:
   a load -> name checked (`check_name`: length, printable, not the base model's name, not taken; a load from
   tensors, TokenizerManager.load_lora_adapter_from_tensors, runs it too), --max-loras-registered, the directory
   resolved (inside --lora-allowed-dirs, and not loaded yet under another name, unless the caller is the
-  operator: the offline Engine may give one directory several names) -> adapter_value_check.check_adapter_files
-  on a worker thread (files inside the allowed directories after symlinks, every tensor finite) -> the engine's
-  LoadLoRACall to the engine -> registered;
+  operator: the offline Engine may give one directory several names) -> the engine's LoadLoRACall (registered
+  there from the config and the tensors' headers) -> adapter_value_check.check_adapter_files on a worker thread
+  (files inside the allowed directories after symlinks, every LoRA half finite; a refusal unloads it again) ->
+  registered here, nameable by requests;
   a load from memory (`load_from_tensors`) -> the name and the config checked here, the tensors by the engine
   (LoadLoRATensorsCall) -> registered; an update (`update`, one at a time per name) -> a new version under the
   name at once, the old one unloaded when its running requests are done (`wait_for_retired_versions`).
