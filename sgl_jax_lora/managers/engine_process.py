@@ -199,12 +199,7 @@ class EngineLoop:
     def _serve(self) -> None:
         while self.running:
             try:
-                # idle: block for a message; a step that found nothing to run, or a load whose header check is on
-                # its way, waits briefly (prefetch, pages, the check)
-                self._drain(
-                    block=self.core.scheduler.num_active == 0 and not self.loads_ahead,
-                    timeout=IDLE_STEP_WAIT_S if self.core.last_step_idle or self.loads_ahead else 0,
-                )
+                self._drain(*self._message_wait())
             except (EOFError, OSError):
                 return  # the frontend is gone
             if not self.running:
@@ -215,6 +210,15 @@ class EngineLoop:
                 self._send(EngineOutputs(outputs))
             for rid, message in self.core.pop_request_errors():
                 self._send(RequestFailed(rid, message))
+
+    def _message_wait(self) -> tuple[bool, float]:
+        """(block, timeout) of the next read of messages: idle, block for one; a step that found nothing to run (its
+        requests wait for a prefetch or pages), or no request but a load whose header check is on its way, waits
+        IDLE_STEP_WAIT_S; with requests to run, none (a pending check never holds up their steps)."""
+        active = self.core.scheduler.num_active > 0
+        if not active and not self.loads_ahead:
+            return True, 0.0
+        return False, IDLE_STEP_WAIT_S if self.core.last_step_idle or not active else 0.0
 
     def _step(self) -> list[EngineOutput]:
         try:

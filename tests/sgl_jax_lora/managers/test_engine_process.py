@@ -15,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import Future
 
 import msgpack
+import pytest
 
 from sgl_jax_lora.lora.lora_ref import LoRARef
-from sgl_jax_lora.managers.engine_process import EngineLoop, Outbox
+from sgl_jax_lora.managers.engine_process import IDLE_STEP_WAIT_S, EngineLoop, Outbox
 from sgl_jax_lora.managers.io_struct import (
     AbortRequest,
     AdapterLoaded,
@@ -205,6 +207,25 @@ def test_a_tensors_load_is_answered_after_its_config_is_matched_off_the_loop():
     assert received(frontend).call_id == 1
     assert core.lora_setup.matched == [("slow", slow_config)]
     assert [call[1] for call in core.calls] == [plain, slow] and loop.loads_ahead == []
+
+
+@pytest.mark.parametrize(
+    ("active", "idle_step", "load_pending", "wait"),
+    [
+        (0, False, False, (True, 0.0)),  # idle: block for the next message
+        (0, False, True, (False, IDLE_STEP_WAIT_S)),  # only a header check on its way: a short wait, no spin
+        (3, True, False, (False, IDLE_STEP_WAIT_S)),  # requests that cannot run yet (prefetch, pages)
+        (3, False, True, (False, 0.0)),  # requests to run: a pending check does not hold up their steps
+        (3, False, False, (False, 0.0)),
+    ],
+)
+def test_the_loop_waits_for_messages_only_when_it_has_no_step_to_run(active, idle_step, load_pending, wait):
+    loop, core, _ = make_loop()
+    core.scheduler = types.SimpleNamespace(num_active=active)
+    core.last_step_idle = idle_step
+    if load_pending:
+        loop.handle(LoadLoRACall("id1", "a", "/adapters/a", call_id=1))
+    assert loop._message_wait() == wait
 
 
 def test_shutdown_and_unknown_messages(caplog):
