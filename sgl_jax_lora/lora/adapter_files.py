@@ -303,8 +303,8 @@ def read_weights_file(
     """A safetensors file's whole bytes (uint8), read header first: the file's size checked against the header, then
     `check_shapes(name -> shape)` (the caller's validation against the model), and only then the tensors, so a file
     of more bytes than a valid adapter holds is refused before they are read. The buffer is allocated unfilled and
-    filled by one read that releases the GIL: a zero-filled bytearray held the GIL for its whole size (58 ms of an
-    84 MB adapter on the 2-core CPU machine), which the engine loop waited out beside every cold adapter's read."""
+    filled by one read that releases the GIL: a zero-filled bytearray held the GIL for its whole size (45-58 ms of
+    an 84 MB adapter on the 2-core CPU machine), which the engine loop waited out beside every cold adapter's read."""
     head, entries = read_header_checked(name, f)
     if check_shapes is not None:
         check_shapes({key: shape for key, _, shape, _, _ in entries})
