@@ -83,12 +83,14 @@ class LoRAMemoryPool:
         for path, shape in self.buffer_shapes.items():
             packed, leaf = path[-2], path[-1]
             hf_modules = LORA_TARGETS[packed][0]
-            out = np.zeros((shape[0],) + tuple(shape[2:]), dtype)
-            if leaf == "lora_a":
-                for part, module in enumerate(hf_modules):
-                    start = part * self.max_rank
-                    by_layer = {layer: a for layer, (a, _) in by_module.get(module, {}).items()}
-                    _copy_layers(out, by_layer, lambda a, start=start: (slice(start, start + a.shape[0]),))
+            if leaf == "lora_a":  # (layer -> A, its rows' index) for each part
+                copies = [
+                    (
+                        {layer: a for layer, (a, _) in by_module.get(module, {}).items()},
+                        _rows_from(part * self.max_rank),
+                    )
+                    for part, module in enumerate(hf_modules)
+                ]
             else:
                 module = _module_of_b(leaf, hf_modules)
                 by_layer = {layer: b for layer, (_, b) in by_module.get(module, {}).items()}
@@ -96,9 +98,31 @@ class LoRAMemoryPool:
                     by_layer = {
                         layer: replicate_kv_heads(b, 0, self.cfg, self.tp_size) for layer, b in by_layer.items()
                     }
-                _copy_layers(out, by_layer, lambda b: (slice(None), slice(0, b.shape[1])))
+                copies = [(by_layer, _first_columns)]
+            out = _unwritten_zero((shape[0],) + tuple(shape[2:]), dtype, copies)
+            for by_layer, index in copies:
+                _copy_layers(out, by_layer, index)
             updates[path] = out
         return updates
+
+
+def _rows_from(start: int):
+    return lambda a: (slice(start, start + a.shape[0]),)
+
+
+def _first_columns(b: np.ndarray) -> tuple[slice, slice]:
+    return slice(None), slice(0, b.shape[1])
+
+
+def _unwritten_zero(shape: tuple[int, ...], dtype, copies: list) -> np.ndarray:
+    """The array the copies fill, zero wherever they write nothing. Allocated unfilled (np.zeros memsets a recycled
+    block while it holds the GIL: the prefetch threads' largest hold of it beside the engine loop in a profile of a
+    cold burst) and zeroed by a fill, which releases it, only when the copies (disjoint: one layer and part each)
+    leave some of it unwritten: ranks below max_rank, modules or layers the adapter lacks."""
+    out = np.empty(shape, dtype)
+    if sum(array.size for by_layer, _ in copies for array in by_layer.values()) != out.size:
+        out.fill(0)
+    return out
 
 
 def _copy_layers(out: np.ndarray, by_layer: dict[int, np.ndarray], index) -> None:

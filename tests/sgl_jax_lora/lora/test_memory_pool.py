@@ -130,6 +130,23 @@ def test_slot_update_in_the_model_dtype_rounds_once():
     assert all(z.dtype == jnp.bfloat16 for z in pool.zero_update(jnp.bfloat16).values())
 
 
+@pytest.mark.parametrize(
+    ("rank", "drop"),
+    [(MAX_RANK, ()), (2, ()), (MAX_RANK, ((1, "k_proj"),)), (MAX_RANK, tuple((i, "v_proj") for i in range(LAYERS)))],
+)
+def test_slot_update_zeroes_what_the_adapter_leaves_unwritten_in_recycled_memory(monkeypatch, rank, drop):
+    """The slot arrays are allocated unfilled: memory that held other values (NaN here) is zero wherever the adapter
+    writes nothing (rows above its rank, a layer or module it lacks), and a full-rank adapter on every module and
+    layer leaves nothing of it."""
+    lora = adapter("a", rank=rank, modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    for key in drop:
+        del lora.weights[key]
+    clean = {path: value.copy() for path, value in make_pool().slot_update(lora).items()}
+    monkeypatch.setattr(np, "empty", lambda shape, dtype=float: np.full(shape, np.nan, dtype))
+    for path, value in make_pool().slot_update(lora).items():
+        np.testing.assert_array_equal(value, clean[path])
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_layers_read_from_one_file_are_copied_in_one_call_a_module(monkeypatch, tp_size):
     """An adapter read from one file holds its tensors as views of the file's data
