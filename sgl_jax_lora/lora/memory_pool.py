@@ -132,9 +132,10 @@ def _copy_layers(out: np.ndarray, by_layer: dict[int, np.ndarray], index) -> Non
     more than their size."""
     if not by_layer:
         return
-    layers = sorted(by_layer, key=lambda layer: _address(by_layer[layer]))  # file order (safetensors sorts by name)
+    addresses = {layer: _address(array) for layer, array in by_layer.items()}  # once each: a dict built per call
+    layers = sorted(by_layer, key=addresses.__getitem__)  # file order (safetensors sorts by name)
     arrays = [by_layer[layer] for layer in layers]
-    stacked = _evenly_spaced(arrays)
+    stacked = _evenly_spaced(arrays, [addresses[layer] for layer in layers])
     if stacked is None:
         for layer, array in zip(layers, arrays):
             out[(layer,) + index(array)] = array
@@ -147,13 +148,13 @@ def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def _evenly_spaced(arrays: list[np.ndarray]) -> np.ndarray | None:
-    """The arrays as one read-only [n, ...] view when they are C-contiguous views of one buffer with one shape and
-    dtype, each starting the same number of bytes (at least its size) after the one before; else None."""
+def _evenly_spaced(arrays: list[np.ndarray], starts: list[int]) -> np.ndarray | None:
+    """The arrays (starting at the addresses `starts`) as one read-only [n, ...] view when they are C-contiguous views
+    of one buffer with one shape and dtype, each starting the same number of bytes (at least its size) after the one
+    before; else None."""
     first = arrays[0]
     if len(arrays) < 2 or first.base is None or not first.flags.c_contiguous:
         return None
-    starts = [_address(array) for array in arrays]
     step = starts[1] - starts[0]
     if step < first.nbytes or any(
         array.base is not first.base

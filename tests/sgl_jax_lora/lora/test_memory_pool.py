@@ -164,7 +164,9 @@ def test_layers_read_from_one_file_are_copied_in_one_call_a_module(monkeypatch, 
     from_file = dataclasses.replace(lora, weights=views)
     strided = []
     real = memory_pool._evenly_spaced
-    monkeypatch.setattr(memory_pool, "_evenly_spaced", lambda arrays: strided.append(real(arrays)) or strided[-1])
+    monkeypatch.setattr(
+        memory_pool, "_evenly_spaced", lambda arrays, starts: strided.append(real(arrays, starts)) or strided[-1]
+    )
     pool = make_pool(tp_size)
     laid_out = pool.slot_update(from_file)
     assert sum(view is not None for view in strided) == (3 if tp_size > 1 else 4)  # A q, A k, B q (and B k at tp 1)
