@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 class LoRAAdapter:
     name: str
     path: str
-    # (layer_index, module) -> (A [r_m, in] f32, B [out, r_m] f32 with s_m / scaling folded in)
+    # (layer_index, module) -> (A [r_m, in], B [out, r_m] with s_m / scaling folded in): float32, float16 or bfloat16
+    # as the file or the caller gave them (views of one buffer for a file), float32 for other floats and where a
+    # per-module scale was folded into B
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     scaling: float  # one per adapter: lora_alpha / r (or / sqrt(r) with rslora)
     rank: int  # max r_m over present modules; device rows above a module's r_m are zero
@@ -102,7 +104,7 @@ def load_peft_adapter(
     max_lora_rank: int | None = None,
     allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Load a PEFT LoRA directory into host float32 weights; raise LoRAAdapterError if not servable (a NaN or
+    """Load a PEFT LoRA directory into host weights (in the file's float dtype, `LoRAAdapter.weights`); raise LoRAAdapterError if not servable (a NaN or
     Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
     config = load_peft_config(name, path, allowed_dirs)
 
@@ -127,7 +129,7 @@ def adapter_from_tensors(
     checks as from disk (non-finite values refused, unless `checked_finite`: the frontend checked the same values
     as it wrote them, TensorFile.from_arrays)."""
     config = parse_peft_config(name, raw_config)
-    tensors = _float32_tensors(name, tensors)
+    tensors = _float_tensors(name, tensors)
     if not checked_finite:
         adapter_files.refuse_any_non_finite(name, tensors, in_memory=True)
     return build_adapter(name, path, config, tensors, target_shapes, max_lora_rank)
@@ -141,13 +143,13 @@ def build_adapter(
     target_shapes: LoRATargetShapes,
     max_lora_rank: int | None = None,
 ) -> LoRAAdapter:
-    """Validated config + PEFT-named float32 tensors -> host adapter (disk and memory share this)."""
+    """Validated config + PEFT-named float tensors (`_float_tensors`) -> host adapter (disk and memory share this)."""
     scaling, plan = _validated_plan(name, config, tensors, target_shapes, max_lora_rank)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for key, (lora_a, lora_b, ratio) in plan.items():
-        lora_a = np.ascontiguousarray(lora_a, dtype=np.float32)
-        scaled_b = lora_b if ratio == 1.0 else (np.asarray(lora_b, np.float64) * ratio)
-        weights[key] = (lora_a, np.asarray(scaled_b, dtype=np.float32))
+        if ratio != 1.0:  # a per-module scale folded in, in float64, kept as float32
+            lora_b = (np.asarray(lora_b, np.float64) * ratio).astype(np.float32)
+        weights[key] = (np.ascontiguousarray(lora_a), np.ascontiguousarray(lora_b))
     return LoRAAdapter(
         name=name,
         path=path,
@@ -159,8 +161,9 @@ def build_adapter(
     )
 
 
-def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
-    """Caller's arrays (numpy, JAX, anything numpy can read) -> float32 numpy, refusing non-float data."""
+def _float_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
+    """Caller's arrays (numpy, JAX, anything numpy can read) -> numpy in float32, float16 or bfloat16 as given (other
+    floats as float32), refusing non-float data."""
     if not isinstance(tensors, dict) or not tensors:
         raise adapter_error(name, "no tensors given", "pass a non-empty dict of PEFT tensor names to arrays")
     converted = {}
@@ -172,7 +175,8 @@ def _float32_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
                 f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
                 "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')",
             )
-        converted[key] = np.asarray(array, dtype=np.float32)
+        kept = array.dtype.name in ("float32", "float16", "bfloat16")
+        converted[key] = array if kept else np.asarray(array, dtype=np.float32)
     return converted
 
 
@@ -271,7 +275,7 @@ def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) 
 def _read_tensors(
     name: str, weights_file: str, allowed_dirs: list[str] | None, check_shapes: Callable[[dict], None]
 ) -> dict[str, np.ndarray]:
-    """All tensors of the file as float32 numpy arrays, read through the one file object `open_confined` checked,
+    """All tensors of the file as numpy arrays (`adapter_files.float_tensor`), read through the one file object `open_confined` checked,
     once its header's shapes passed `check_shapes` (so no more is read than a valid adapter holds)."""
     with open_confined(name, weights_file, allowed_dirs) as f:
         data = adapter_files.read_weights_file(name, f, check_shapes)

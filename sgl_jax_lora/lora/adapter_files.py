@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
+import ml_dtypes
 import numpy as np
 
 from sgl_jax_lora.lora.safetensors_layout import (
@@ -224,41 +225,41 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 
 
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
-_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_VIEW_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 
 
 def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> float32 array (F32, F16,
-    BF16, F64)."""
-    return _float32_tensors(name, data)[0]
+    """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> array (`float_tensor`:
+    F32, F16 and BF16 as they are, F64 as float32)."""
+    return _float_tensors(name, data)[0]
 
 
 def read_checked_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
     """`read_safetensors_bytes`, every tensor refused if it holds NaN or Inf: the engine's read of an adapter file.
-    Tensors of one dtype are converted in one numpy call and summed in another, and checked one by one
-    (`refuse_any_non_finite`, which names the first bad tensor) only when that sum is not finite. A thread that reads
-    beside a busy engine loop waits for the GIL after every numpy call, so the calls' number matters more than their
-    size (docs/benchmarks.md "Adapter load")."""
-    tensors, whole = _float32_tensors(name, data)
-    if whole is None or not np.isfinite(np.sum(whole)):
+    Tensors of one dtype are summed (in float32) in one numpy call, and checked one by one (`refuse_any_non_finite`,
+    which names the first bad tensor) only when that sum is not finite. A thread that reads beside a busy engine loop
+    waits for the GIL after every numpy call, so the calls' number matters more than their size (docs/benchmarks.md
+    "Adapter load")."""
+    tensors, whole = _float_tensors(name, data)
+    if whole is None or not np.isfinite(np.sum(whole, dtype=np.float32)):
         refuse_any_non_finite(name, tensors)
     return tensors
 
 
-def _float32_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-    """(name -> float32 array, the one array they are all views of, or None when the file mixes dtypes)."""
+def _float_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """(name -> array, the one array they are all views of, or None when the file mixes dtypes)."""
     try:
         region, entries = safetensors_layout(data)
     except SafetensorsLayoutError as e:
         raise _invalid_safetensors(name, e) from e
     dtypes = {dtype for _, dtype, _, _, _ in entries}
     if len(dtypes) != 1 or next(iter(dtypes)) not in FLOAT_ITEMSIZES:
-        tensors = {key: float32_tensor(name, key, dtype, shape, region[b:e]) for key, dtype, shape, b, e in entries}
+        tensors = {key: float_tensor(name, key, dtype, shape, region[b:e]) for key, dtype, shape, b, e in entries}
         return tensors, None
     dtype = dtypes.pop()
     size = FLOAT_ITEMSIZES[dtype]
-    whole = float32_tensor(name, entries[0][0], dtype, (len(region) // size,), region)
+    whole = float_tensor(name, entries[0][0], dtype, (len(region) // size,), region)  # one element per file element
     return {key: whole[b // size : e // size].reshape(shape) for key, _, shape, b, e in entries}, whole
 
 
@@ -270,16 +271,16 @@ def _invalid_safetensors(name: str, error: SafetensorsLayoutError) -> LoRAAdapte
     )
 
 
-def float32_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
-    """One safetensors entry (its dtype name, shape and raw bytes or buffer slice) -> a float32 array; F32 is a
-    view of `raw` (read-only over bytes, writable over a file read into a buffer), the other float dtypes are
-    converted. Disk, HTTP bodies and TensorFiles share it."""
-    if dtype == "F32":
-        return np.frombuffer(raw, np.float32).reshape(shape)
-    if dtype == "BF16":  # numpy has no bfloat16: its bits are the high half of a float32
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    if dtype in _FLOAT_DTYPES:
-        return np.frombuffer(raw, _FLOAT_DTYPES[dtype]).astype(np.float32).reshape(shape)
+def float_tensor(name: str, key: str, dtype: str, shape: tuple[int, ...], raw) -> np.ndarray:
+    """One safetensors entry (its dtype name, shape and raw bytes or buffer slice) -> an array in the entry's own
+    dtype: F32, F16 and BF16 are views of `raw` (read-only over bytes, writable over a file read into a buffer), F64
+    is converted to float32. Kept 16-bit, an adapter takes half the host memory of float32 and is laid out for a slot
+    with one cast (the values the same as through float32: widening a 16-bit float is exact). Disk, HTTP bodies and
+    TensorFiles share it."""
+    if dtype in _VIEW_DTYPES:
+        return np.frombuffer(raw, _VIEW_DTYPES[dtype]).reshape(shape)
+    if dtype == "F64":
+        return np.frombuffer(raw, np.float64).astype(np.float32).reshape(shape)
     raise non_float_error(name, key, dtype)
 
 

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from sgl_jax_lora.lora.adapter_files import (
-    float32_tensor,
+    float_tensor,
     refuse_non_finite,
     tensor_label,
 )
@@ -143,8 +143,8 @@ def map_tensor_files(name: str, paths: list[str]) -> dict[str, np.ndarray]:
 
 
 def map_tensor_file(name: str, path: str) -> dict[str, np.ndarray]:
-    """One shard: tensor name -> float32 array (F32 entries are read-only views of the mapping; F16, BF16 and F64
-    are converted). Raises LoRAAdapterError naming the problem if the layout is not valid safetensors."""
+    """One shard: tensor name -> array (F32, F16 and BF16 entries are read-only views of the mapping in their dtype;
+    F64 is converted to float32). Raises LoRAAdapterError naming the problem if the layout is not valid safetensors."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
@@ -154,8 +154,8 @@ def map_tensor_file(name: str, path: str) -> dict[str, np.ndarray]:
         entries = safetensors_entries(memoryview(mapping))
     except SafetensorsLayoutError as e:
         raise adapter_error(name, f"the tensors are not a valid safetensors file ({e})", _FIX) from e
-    # F32: read-only views of the mapping, which stays alive as long as the arrays do
-    return {key: float32_tensor(name, key, dtype, shape, raw) for key, dtype, shape, raw in entries}
+    # read-only views of the mapping, which stays alive as long as the arrays do
+    return {key: float_tensor(name, key, dtype, shape, raw) for key, dtype, shape, raw in entries}
 
 
 def _write_at(fd: int, value: np.ndarray, start: int) -> None:

@@ -6,16 +6,21 @@ Each supported form must reproduce PEFT's per-module delta `lora_B(lora_A(x)) * 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from scripts.bench_adapter_read import slot_buffer_shapes
+from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.adapter import LoRAAdapter, inspect_peft_adapter, load_peft_adapter
+from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
 from tests.support import REPO_ROOT
@@ -129,10 +134,43 @@ def test_default_adapter_name_keys_and_bf16(base_dir: Path, shapes: LoRATargetSh
         metadata={"format": "pt"},
     )
     bf16 = load_peft_adapter("bf16", str(adapter_dir), shapes)
-    for key, (lora_a, lora_b) in reference.weights.items():
-        assert bf16.weights[key][0].dtype == np.float32
-        np.testing.assert_allclose(bf16.weights[key][0], lora_a, rtol=1e-2, atol=1e-3)
-        np.testing.assert_allclose(bf16.weights[key][1], lora_b, rtol=1e-2, atol=1e-3)
+    for key, (lora_a, lora_b) in reference.weights.items():  # kept in bf16: the file's values, bit for bit
+        for ours, full in zip(bf16.weights[key], (lora_a, lora_b)):
+            assert ours.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(ours.view(np.uint16), full.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16_bit_files_stay_16_bit_and_lay_out_as_through_float32(
+    base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path, dtype
+) -> None:
+    """A 16-bit adapter file is held as views of its one buffer in its own dtype (half the host memory of float32),
+    and its slot arrays, in the model's bf16 or float32, are bit for bit those of the same values widened to float32
+    first (the layout casts once; widening a 16-bit float is exact)."""
+    adapter_dir = write_peft_adapter(base_dir, tmp_path / "a", seed=5, r=4, lora_alpha=8, target_modules=ALL_7)
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = {k: torch.from_numpy(v.astype(np.float32)) for k, v in load_file(str(path)).items()}
+    torch_dtype = torch.float16 if dtype is np.float16 else torch.bfloat16
+    from safetensors.torch import save_file as save_torch
+
+    save_torch({k: v.to(torch_dtype) for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    adapter = load_peft_adapter("half", str(adapter_dir), shapes)
+    views = [array for pair in adapter.weights.values() for array in pair]
+    assert {array.dtype for array in views} == {np.dtype(dtype)}
+    assert len({id(array.base) for array in views}) == 1
+    assert adapter.nbytes == sum(array.size for array in views) * 2
+    widened = dataclasses.replace(
+        adapter,
+        weights={key: tuple(array.astype(np.float32) for array in pair) for key, pair in adapter.weights.items()},
+    )
+    rank = 4
+    buffers = slot_buffer_shapes(ModelConfig.from_model_path(str(base_dir)), rank, 2)
+    pool = LoRAMemoryPool(ModelConfig.from_model_path(str(base_dir)), 1, 2, rank, buffers, "lru")
+    for model_dtype in (ml_dtypes.bfloat16, np.float32):
+        ours, through_f32 = pool.slot_update(adapter, model_dtype), pool.slot_update(widened, model_dtype)
+        for path_key, value in ours.items():
+            assert value.dtype == np.dtype(model_dtype)
+            np.testing.assert_array_equal(value.view(np.uint8), through_f32[path_key].view(np.uint8))
 
 
 # form -> (write_peft_adapter kwargs, words the error must contain)
