@@ -2,8 +2,8 @@
 
 Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> HostAdapterCache (host tier, LRU) ->
 LoRAManager writes `weights` into a device slot of the LoRA memory pool -> LoRALinear layers.
-From memory (tensors mapped from a TensorFile, lora/tensor_file.py, + config dict), `adapter_from_tensors` runs the same checks
-(`build_adapter` is shared by both).
+From memory (tensors mapped from a TensorFile, lora/tensor_file.py, + config dict), `adapter_from_tensors` runs the
+same checks (`build_adapter` is shared by both).
 
 Per-module scaling is folded into B so that the engine needs one scaling per adapter:
 PEFT computes `delta_m(x) = B_m A_m x * s_m` with `s_m = alpha_m / r_m` (or `/ sqrt(r_m)` for rslora),
@@ -104,8 +104,9 @@ def load_peft_adapter(
     max_lora_rank: int | None = None,
     allowed_dirs: list[str] | None = None,
 ) -> LoRAAdapter:
-    """Load a PEFT LoRA directory into host weights (in the file's float dtype, `LoRAAdapter.weights`); raise LoRAAdapterError if not servable (a NaN or
-    Inf in any tensor included). allowed_dirs: as for `inspect_peft_adapter`."""
+    """Load a PEFT LoRA directory into host weights (in the file's float dtype, `LoRAAdapter.weights`); raise
+    LoRAAdapterError if not servable (a NaN or Inf in any tensor included). allowed_dirs: as for
+    `inspect_peft_adapter`."""
     config = load_peft_config(name, path, allowed_dirs)
 
     def check_shapes(shapes: dict[str, tuple[int, ...]]) -> None:  # before the tensors are read
@@ -275,8 +276,9 @@ def _read_headers(name: str, weights_file: str, allowed_dirs: list[str] | None) 
 def _read_tensors(
     name: str, weights_file: str, allowed_dirs: list[str] | None, check_shapes: Callable[[dict], None]
 ) -> dict[str, np.ndarray]:
-    """All tensors of the file as numpy arrays (`adapter_files.float_tensor`), read through the one file object `open_confined` checked,
-    once its header's shapes passed `check_shapes` (so no more is read than a valid adapter holds)."""
+    """All tensors of the file as numpy arrays (`adapter_files.float_tensor`), read through the one file object
+    `open_confined` checked, once its header's shapes passed `check_shapes` (so no more is read than a valid adapter
+    holds)."""
     with open_confined(name, weights_file, allowed_dirs) as f:
         data = adapter_files.read_weights_file(name, f, check_shapes)
     return adapter_files.read_checked_safetensors(name, data)
