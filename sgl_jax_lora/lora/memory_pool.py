@@ -75,7 +75,7 @@ class LoRAMemoryPool:
 
     def slot_update(self, adapter: LoRAAdapter, dtype=np.float32) -> dict[tuple[str, ...], np.ndarray]:
         """Host arrays for one slot: state path -> [L, *buffer.shape[2:]] in `dtype` (the model's, so that the slot
-        write needs no cast: the adapter's float32 weights are rounded once, as they are copied in)."""
+        write needs no cast: the adapter's weights, in their file's dtype, are cast once, as they are copied in)."""
         by_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}  # module -> layer -> (A, B)
         for (layer, module), pair in adapter.weights.items():
             by_module.setdefault(module, {})[layer] = pair

@@ -3,8 +3,8 @@
 Flow: Engine.load_lora_adapter_from_tensors / update_lora_adapter (arrays) or the HTTP routes (a safetensors
 file's bytes) write files in safetensors layout under /dev/shm (`TensorFile.from_arrays` / `.from_bytes`, one
 copy, mode 0600, names the server picks) -> the RPC carries only their paths -> the engine maps them
-(`map_tensor_files`): float32 tensors become read-only views of the mappings, with no copy and no pipe transfer of
-the payload, and live as long as the host adapter built from them. The frontend removes the files when the call
+(`map_tensor_files`): float32, float16 and bfloat16 tensors become read-only views of the mappings in their dtype,
+with no copy and no pipe transfer of the payload, and live as long as the host adapter built from them. The frontend removes the files when the call
 returns; the mappings outlive the names. A client never names these files: they are the server's own.
 
 Arrays are written as up to WRITE_THREADS files (shards, each a subset of the tensors) on as many threads: writes
