@@ -1,8 +1,8 @@
 """The engine's host work for one cold adapter, alone and beside a thread that wants the GIL.
 
 What a prefetch thread does for an adapter no cache holds (managers/lora_manager.py): `load_peft_adapter` (file,
-tensors in its dtype, finite check), then `LoRAMemoryPool.slot_update` (the slot arrays in the model dtype). Timed twice:
-alone, and while another thread of the process spins in Python, as the engine loop does between its waits on the
+tensors in its dtype, finite check), then `LoRAMemoryPool.slot_update` (the slot arrays in the model dtype). Timed
+twice: alone, and while another thread of the process spins in Python, as the engine loop does between its waits on the
 device. A thread waits for the GIL after every numpy call that released it, so beside a busy thread the number of
 numpy calls, not their bytes, sets how long an adapter takes. Also reported: the spinner's rate during the work, as a
 share of its rate alone (a call that holds the GIL through a long copy stalls it). The frontend's check of the same

@@ -4,8 +4,9 @@ Flow: Engine.load_lora_adapter_from_tensors / update_lora_adapter (arrays) or th
 file's bytes) write files in safetensors layout under /dev/shm (`TensorFile.from_arrays` / `.from_bytes`, one
 copy, mode 0600, names the server picks) -> the RPC carries only their paths -> the engine maps them
 (`map_tensor_files`): float32, float16 and bfloat16 tensors become read-only views of the mappings in their dtype,
-with no copy and no pipe transfer of the payload, and live as long as the host adapter built from them. The frontend removes the files when the call
-returns; the mappings outlive the names. A client never names these files: they are the server's own.
+with no copy and no pipe transfer of the payload, and live as long as the host adapter built from them. The frontend
+removes the files when the call returns; the mappings outlive the names. A client never names these files: they are
+the server's own.
 
 Arrays are written as up to WRITE_THREADS files (shards, each a subset of the tensors) on as many threads: writes
 into one tmpfs file take its inode lock one at a time, writes into several files run side by side (168 MB in
