@@ -140,6 +140,17 @@ def test_default_adapter_name_keys_and_bf16(base_dir: Path, shapes: LoRATargetSh
             np.testing.assert_array_equal(ours.view(np.uint16), full.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
+def test_every_float16_value_casts_to_bfloat16_as_through_float32() -> None:
+    """The layout casts a float16 adapter straight to a bf16 model's dtype: for every float16 bit pattern (NaN
+    aside, which the read refuses) that gives the bits of the float32 route, so the one cast changes no value."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[~np.isnan(halves)]
+    direct = np.empty(halves.shape, ml_dtypes.bfloat16)
+    direct[...] = halves
+    through_float32 = halves.astype(np.float32).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(direct.view(np.uint16), through_float32.view(np.uint16))
+
+
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_16_bit_files_stay_16_bit_and_lay_out_as_through_float32(
     base_dir: Path, shapes: LoRATargetShapes, tmp_path: Path, dtype
