@@ -280,8 +280,8 @@ def _read_tensors(
     `open_confined` checked, once its header's shapes passed `check_shapes` (so no more is read than a valid adapter
     holds)."""
     with open_confined(name, weights_file, allowed_dirs) as f:
-        data = adapter_files.read_weights_file(name, f, check_shapes)
-    return adapter_files.read_checked_safetensors(name, data)
+        data, layout = adapter_files.read_weights_file(name, f, check_shapes)
+    return adapter_files.read_checked_safetensors(name, data, layout)
 
 
 def _check_pair_shapes(name: str, pair: dict, rank: int, shape: tuple[int, int]) -> None:

@@ -225,6 +225,7 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 
 
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
+Layout = tuple[memoryview, list[tuple[str, str, tuple[int, ...], int, int]]]  # safetensors_layout's result
 _VIEW_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 
@@ -235,22 +236,24 @@ def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
     return _float_tensors(name, data)[0]
 
 
-def read_checked_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """`read_safetensors_bytes`, every tensor refused if it holds NaN or Inf: the engine's read of an adapter file.
-    Tensors of one dtype are summed (in float32) in one numpy call, and checked one by one (`refuse_any_non_finite`,
-    which names the first bad tensor) only when that sum is not finite. A thread that reads beside a busy engine loop
-    waits for the GIL after every numpy call, so the calls' number matters more than their size (docs/benchmarks.md
-    "Adapter load")."""
-    tensors, whole = _float_tensors(name, data)
+def read_checked_safetensors(name: str, data: bytes, layout: Layout | None = None) -> dict[str, np.ndarray]:
+    """`read_safetensors_bytes`, every tensor refused if it holds NaN or Inf: the engine's read of an adapter file
+    (`layout`: the one `read_weights_file` found in the same bytes, not parsed again). Tensors of one dtype are summed
+    (in float32) in one numpy call, and checked one by one (`refuse_any_non_finite`, which names the first bad tensor)
+    only when that sum is not finite. A thread that reads beside a busy engine loop waits for the GIL after every
+    numpy call, so the calls' number matters more than their size (docs/benchmarks.md "Adapter load")."""
+    tensors, whole = _float_tensors(name, data, layout)
     if whole is None or not np.isfinite(np.sum(whole, dtype=np.float32)):
         refuse_any_non_finite(name, tensors)
     return tensors
 
 
-def _float_tensors(name: str, data: bytes) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _float_tensors(
+    name: str, data: bytes, layout: Layout | None = None
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """(name -> array, the one array they are all views of, or None when the file mixes dtypes)."""
     try:
-        region, entries = safetensors_layout(data)
+        region, entries = layout if layout is not None else safetensors_layout(data)
     except SafetensorsLayoutError as e:
         raise _invalid_safetensors(name, e) from e
     dtypes = {dtype for _, dtype, _, _, _ in entries}
@@ -300,23 +303,26 @@ def read_safetensors_shapes(name: str, f: BinaryIO) -> dict[str, tuple[int, ...]
 
 def read_weights_file(
     name: str, f: BinaryIO, check_shapes: Callable[[dict[str, tuple[int, ...]]], None] | None = None
-) -> np.ndarray:
-    """A safetensors file's whole bytes (uint8), read header first: the file's size checked against the header, then
-    `check_shapes(name -> shape)` (the caller's validation against the model), and only then the tensors, so a file
-    of more bytes than a valid adapter holds is refused before they are read. The buffer is allocated unfilled and
-    filled by one read that releases the GIL: a zero-filled bytearray held the GIL for its whole size (45-58 ms of
-    an 84 MB adapter on the 2-core CPU machine), which the engine loop waited out beside every cold adapter's read."""
+) -> tuple[np.ndarray, Layout]:
+    """(a safetensors file's whole bytes (uint8), their layout: the data region and the header's entries), read header
+    first: the file's size checked against the header, then `check_shapes(name -> shape)` (the caller's validation
+    against the model), and only then the tensors, so a file of more bytes than a valid adapter holds is refused
+    before they are read. The header read is the one the buffer holds, so its layout is not parsed again. The buffer
+    is allocated unfilled and filled by one read that releases the GIL: a zero-filled bytearray held the GIL for its
+    whole size (45-58 ms of an 84 MB adapter on the 2-core CPU machine), which the engine loop waited out beside
+    every cold adapter's read."""
     head, entries = read_header_checked(name, f)
     if check_shapes is not None:
         check_shapes({key: shape for key, _, shape, _, _ in entries})
     data_len = max((end for *_, end in entries), default=0)
     data = np.empty(len(head) + data_len, np.uint8)
     data[: len(head)] = np.frombuffer(head, np.uint8)
-    if f.readinto(memoryview(data)[len(head) :]) != data_len:
+    region = memoryview(data)[len(head) :]
+    if f.readinto(region) != data_len:
         raise adapter_error(
             name, f"{WEIGHTS_FILE} ended early (it changed while it was read)", "load the adapter again later"
         )
-    return data
+    return data, (region, entries)
 
 
 def read_header_checked(name: str, f: BinaryIO) -> tuple[bytes, list[tuple[str, str, tuple[int, ...], int, int]]]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sgl_jax_lora.lora import adapter_files, adapter_value_check
+from sgl_jax_lora.lora import adapter_files, adapter_value_check, safetensors_layout
 from sgl_jax_lora.lora.adapter import inspect_peft_adapter, load_peft_adapter
 from sgl_jax_lora.lora.adapter_files import confined_dir
 from sgl_jax_lora.lora.adapter_value_check import check_adapter_files, raw_holds_non_finite
@@ -363,6 +363,22 @@ def test_the_engine_checks_the_headers_shapes_before_reading_the_tensors(clean_a
         header_end = 8 + int.from_bytes((clean_adapter / "adapter_model.safetensors").read_bytes()[:8], "little")
         assert f.tell() == header_end  # nothing past the header was read
     assert checked and all(isinstance(shape, tuple) for shape in checked[0].values())
+
+
+def test_the_engine_read_parses_the_header_once(clean_adapter, monkeypatch):
+    """read_weights_file returns the layout of the header it read, the one its buffer holds: the engine's read of the
+    tensors takes it instead of parsing the header again, and gets what a second parse gives."""
+    parses = []
+    real = safetensors_layout.header_entries
+    monkeypatch.setattr(safetensors_layout, "header_entries", lambda *a: parses.append(1) or real(*a))
+    with open(clean_adapter / "adapter_model.safetensors", "rb") as f:
+        data, layout = adapter_files.read_weights_file("a", f)
+    tensors = adapter_files.read_checked_safetensors("a", data, layout)
+    assert len(parses) == 1
+    parsed_again = adapter_files.read_checked_safetensors("a", data)
+    assert len(parses) == 2 and tensors.keys() == parsed_again.keys()
+    for key, tensor in tensors.items():
+        np.testing.assert_array_equal(tensor, parsed_again[key])
 
 
 def test_a_path_that_changes_while_it_is_resolved_is_an_adapter_error(dirs, monkeypatch):
