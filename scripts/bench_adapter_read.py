@@ -5,7 +5,8 @@ tensors in its dtype, finite check), then `LoRAMemoryPool.slot_update` (the slot
 twice: alone, and while another thread of the process spins in Python, as the engine loop does between its waits on the
 device. A thread waits for the GIL after every numpy call that released it, so beside a busy thread the number of
 numpy calls, not their bytes, sets how long an adapter takes. Also reported: the spinner's rate during the work, as a
-share of its rate alone (a call that holds the GIL through a long copy stalls it). The frontend's check of the same
+share of its rate alone (a call that holds the GIL through a long copy stalls it), and the bytes the host cache
+keeps for the adapter (its weights and its slot arrays). The frontend's check of the same
 file (`check_adapter_files`: every LoRA half's values finite, on a worker thread of the frontend's busy event loop)
 is timed the same way.
 
@@ -104,6 +105,12 @@ def main() -> None:
         check_adapter_files("bench", args.adapter, None)
         return (1000 * (time.perf_counter() - start),)
 
+    adapter = load_peft_adapter("bench", args.adapter, shapes, args.rank)
+    slot_arrays = pool.slot_update(adapter, jnp.bfloat16)
+    host_bytes = {  # what the host cache keeps for the adapter: its weights, and its slot arrays once laid out
+        "weights": adapter.nbytes,
+        "slot_arrays_bf16": sum(array.nbytes for array in slot_arrays.values()),
+    }
     engine_alone, engine_beside, engine_share = _alone_and_beside(read_and_lay_out, args.repeats)
     check_alone, check_beside, check_share = _alone_and_beside(frontend_check, args.repeats)
     result = {
@@ -119,6 +126,7 @@ def main() -> None:
         },
         "spinner_rate_share_during_the_work": engine_share,
         "spinner_rate_share_during_the_frontend_check": check_share,
+        "host_cache_bytes": host_bytes,
         "repeats": args.repeats,
     }
     print(json.dumps(result))

@@ -29,6 +29,8 @@ def test_reports_the_read_and_layout_alone_and_beside_a_busy_thread(tmp_path):
     for share in ("spinner_rate_share_during_the_work", "spinner_rate_share_during_the_frontend_check"):
         assert result[share] >= 0  # 0: a tiny read left it no turn
     assert result["repeats"] == 2
+    held = result["host_cache_bytes"]  # the tiny adapter's float32 weights; its bf16 slot arrays at rank 4
+    assert held["weights"] > 0 and held["slot_arrays_bf16"] > 0
 
     # the buffer shapes it lays out are the engine's, slot axis aside
     core = EngineCore(
