@@ -176,7 +176,7 @@ def _float_tensors(name: str, tensors: dict) -> dict[str, np.ndarray]:
                 f"tensor {key!r} is not a floating-point array (dtype {array.dtype})",
                 "pass float arrays keyed by PEFT names (e.g. '...q_proj.lora_A.weight')",
             )
-        kept = array.dtype.name in ("float32", "float16", "bfloat16")
+        kept = array.dtype.newbyteorder("=") in adapter_files.KEPT_FLOAT_DTYPES
         converted[key] = array if kept else np.asarray(array, dtype=np.float32)
     return converted
 

@@ -227,18 +227,14 @@ def tensor_label(key: str, what: str = "tensor") -> str:
 _DOTTED_NAME = re.compile(r"[A-Za-z0-9_.]{1,200}")
 Layout = tuple[memoryview, list[tuple[str, str, tuple[int, ...], int, int]]]  # safetensors_layout's result
 _VIEW_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+KEPT_FLOAT_DTYPES = frozenset(_VIEW_DTYPES.values())  # held as given; other floats become float32
 FLOAT_ITEMSIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes per element of the float dtypes LoRA takes
 
 
-def read_safetensors_bytes(name: str, data: bytes) -> dict[str, np.ndarray]:
-    """A safetensors file's bytes (read through `open_confined`, or an HTTP body) -> name -> array (`float_tensor`:
-    F32, F16 and BF16 as they are, F64 as float32)."""
-    return _float_tensors(name, data)[0]
-
-
 def read_checked_safetensors(name: str, data: bytes, layout: Layout | None = None) -> dict[str, np.ndarray]:
-    """`read_safetensors_bytes`, every tensor refused if it holds NaN or Inf: the engine's read of an adapter file
-    (`layout`: the one `read_weights_file` found in the same bytes, not parsed again). Tensors of one dtype are summed
+    """A safetensors file's bytes -> name -> array (`float_tensor`: F32, F16 and BF16 as they are, F64 as float32),
+    every tensor refused if it holds NaN or Inf: the engine's read of an adapter file (`layout`: the one
+    `read_weights_file` found in the same bytes, not parsed again). Tensors of one dtype are summed
     (in float32) in one numpy call, and checked one by one (`refuse_any_non_finite`, which names the first bad tensor)
     only when that sum is not finite. A thread that reads beside a busy engine loop waits for the GIL after every
     numpy call, so the calls' number matters more than their size (docs/benchmarks.md "Adapter load")."""

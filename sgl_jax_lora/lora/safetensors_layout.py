@@ -1,6 +1,6 @@
 """The layout of a safetensors file's bytes, checked and returned as views: no tensor is copied.
 
-Flow: adapter_files.read_safetensors_bytes (the engine reading an adapter, HTTP bodies),
+Flow: adapter_files.read_checked_safetensors (the engine reading an adapter),
 adapter_value_check.check_adapter_files (the frontend) and tensor_file.map_tensor_file (the engine mapping a
 TensorFile) -> `safetensors_layout(data)` (the data region and each tensor's offsets in it) or
 `safetensors_entries(data)` ([(name, dtype, shape, memoryview of its bytes)]), or `SafetensorsLayoutError` saying
