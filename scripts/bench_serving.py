@@ -4,7 +4,9 @@ Drives either a running server over HTTP (`--url http://127.0.0.1:30000`, stream
 Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy ...`), with:
   request lengths: ShareGPT-like synthetic: input ~ lognormal(mean ln 220, sigma 0.8) clipped to [8, 1024],
                    output ~ lognormal(mean ln 180, sigma 0.7) clipped to [8, 512] (or fixed --input-len/--output-len);
-  arrivals:        Poisson at --request-rate req/s, or all at once (rate inf);
+  arrivals:        Poisson at --request-rate req/s, or all at once (rate inf); --max-concurrency N keeps at most N
+                   requests in flight (closed-loop clients: the next is sent when one ends), a comma list one run
+                   each (1 is a single user's latency);
   popularity:      identical | distinct | uniform (over ceil(sqrt(n))) | skewed (Zipf alpha 1.5) over --num-adapters;
   sampling:        greedy, or --temperature T [--top-p P] for every request (outputs run to their length either way:
                    ignore_eos);
@@ -202,6 +204,12 @@ def latency_by_class(records: list[dict], urgent: np.ndarray) -> dict:
     return by_class
 
 
+def max_in_flight(records: list[dict]) -> int:
+    """The most requests that were in flight (sent, not yet ended) at one time."""
+    events = sorted([(r["start"], 1) for r in records] + [(r["end"], -1) for r in records])  # an end before a start
+    return max(itertools.accumulate(delta for _, delta in events), default=0)
+
+
 async def drive(target, opts: argparse.Namespace) -> dict:
     rng = np.random.default_rng(opts.seed)
     inputs, outputs = sample_lengths(rng, opts.num_requests, opts)
@@ -217,17 +225,20 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     # one prefix for the whole invocation (the warm-up runs under another seed, and must cache this one)
     shared_prefix = rng_prompt([opts.prefix_seed, 0], opts.shared_prefix_len) if opts.shared_prefix_len else []
     bar = tqdm(total=opts.num_requests, desc="requests")
+    # at most this many requests in flight: a request waits here, unsent and unclocked, for one to end
+    slots = asyncio.Semaphore(opts.max_concurrency or opts.num_requests)
 
     async def one(i: int) -> None:
         ids = shared_prefix + rng_prompt([opts.seed, opts.prompt_round, i], int(inputs[i]))
         adapter = target.adapter_names[adapter_ids[i]] if adapter_ids[i] is not None else None
-        records[i]["start"] = time.perf_counter()
         sampling = {"max_new_tokens": int(outputs[i]), "temperature": opts.temperature, "ignore_eos": True}
         if opts.top_p < 1:
             sampling["top_p"] = opts.top_p
         priority = opts.urgent_priority if urgent[i] and send_priority else 0
-        await target.send(ids, sampling, adapter, records[i], priority)
-        records[i]["end"] = time.perf_counter()
+        async with slots:
+            records[i]["start"] = time.perf_counter()
+            await target.send(ids, sampling, adapter, records[i], priority)
+            records[i]["end"] = time.perf_counter()
         bar.update(1)
 
     start = time.perf_counter()
@@ -248,6 +259,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         "num_adapters": opts.num_adapters,
         "popularity": opts.popularity,
         "request_rate": opts.request_rate,
+        "max_concurrency": opts.max_concurrency,
+        "max_in_flight": max_in_flight(records),
         "temperature": opts.temperature,
         "top_p": opts.top_p,
         "duration_s": duration,
@@ -330,6 +343,17 @@ def parse_scenarios(text: str) -> list[tuple[int, str | None]]:
     return scenarios
 
 
+def parse_concurrencies(text: str) -> list[int]:
+    """'1,8,64' -> [1, 8, 64]: the --max-concurrency runs, each at least 1."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,8,64") from None
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every concurrency must be at least 1")
+    return values
+
+
 def adapter_dirs_under(root: str) -> list[str]:
     """Every PEFT adapter directory (one holding adapter_config.json) under root, sorted by path."""
     found = [dirpath for dirpath, _, files in os.walk(os.path.realpath(root)) if "adapter_config.json" in files]
@@ -340,13 +364,15 @@ def adapter_dirs_under(root: str) -> list[str]:
 
 def print_table(results: list[dict]) -> None:
     print(
-        "| adapters | popularity | output tok/s | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | e2e mean (s) | vs base |"
+        "| concurrency | adapters | popularity | output tok/s | req/s | TTFT mean / p99 (s) | TPOT mean (ms) | "
+        "e2e mean (s) | vs base |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = r.get("ratio_to_base_throughput")
         print(
-            f"| {r['num_adapters']} | {r['popularity']} | {r['output_tok_per_s']:.0f} | {r['req_per_s']:.2f} | "
+            f"| {r['max_concurrency'] or '-'} | {r['num_adapters']} | {r['popularity']} | "
+            f"{r['output_tok_per_s']:.0f} | {r['req_per_s']:.2f} | "
             f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p99']:.2f} | {1e3 * r['tpot_s']['mean']:.1f} | "
             f"{r['e2e_s']['mean']:.2f} | {f'{ratio:.3f}' if ratio else '-'} |"
         )
@@ -371,6 +397,13 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson; inf = all at once")
+    parser.add_argument(
+        "--max-concurrency",
+        type=parse_concurrencies,
+        default=[None],
+        help="at most N requests in flight (the next sent when one ends); a comma list runs every adapter "
+        "scenario at each, e.g. 1,8,64 (default: no limit)",
+    )
     parser.add_argument(
         "--num-adapters",
         type=parse_scenarios,
@@ -431,11 +464,16 @@ def main() -> None:
     target = HttpTarget(opts.url, opts.api_key) if opts.url else EngineTarget(engine_argv)
     if opts.adapter_dir:
         target.adapter_names = adapter_dirs_under(opts.adapter_dir)
-    base_tok_s = None
+    base_tok_s = {}  # max_concurrency -> the base-only run's output tok/s at it
     if opts.baseline:
         with open(opts.baseline) as f:
-            base_tok_s = next(r["output_tok_per_s"] for r in json.load(f)["scenarios"] if r["num_adapters"] == 0)
-    results, runs = [], [[] for _ in opts.num_adapters]
+            for r in json.load(f)["scenarios"]:
+                if r["num_adapters"] == 0:
+                    base_tok_s.setdefault(r.get("max_concurrency"), r["output_tok_per_s"])
+    scenarios = [
+        (limit, count, popularity) for limit in opts.max_concurrency for count, popularity in opts.num_adapters
+    ]
+    results, runs = [], [[] for _ in scenarios]
     info = target.server_info()
     warmup_s = info.get("warmup_s")
     opts.scheduling_policy = info.get("server_args", {}).get("scheduling_policy", "fcfs")
@@ -450,9 +488,14 @@ def main() -> None:
                 raise SystemExit(f"--num-adapters {count}: the server has only {len(target.adapter_names)} adapters")
         prompt_rounds = itertools.count(1)
         for round_index in range(opts.repeats):  # rounds: each scenario once per round, the same requests each time
-            for (count, popularity), scenario_runs in zip(opts.num_adapters, runs):
+            for (limit, count, popularity), scenario_runs in zip(scenarios, runs):
                 scenario = argparse.Namespace(
-                    **{**vars(opts), "num_adapters": count, "popularity": popularity or opts.popularity}
+                    **{
+                        **vars(opts),
+                        "max_concurrency": limit,
+                        "num_adapters": count,
+                        "popularity": popularity or opts.popularity,
+                    }
                 )
                 if opts.warmup_requests:
                     warm = argparse.Namespace(
@@ -460,6 +503,7 @@ def main() -> None:
                             **vars(scenario),
                             "num_requests": opts.warmup_requests,
                             "request_rate": float("inf"),
+                            "max_concurrency": None,
                             "seed": opts.seed + 1,
                             "prompt_round": next(prompt_rounds),
                         }
@@ -473,10 +517,10 @@ def main() -> None:
                 if round_index < opts.repeats - 1:
                     continue
                 result = median_run(scenario_runs)
-                if count == 0 and base_tok_s is None:
-                    base_tok_s = result["output_tok_per_s"]
-                if base_tok_s:
-                    result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s
+                if count == 0:
+                    base_tok_s.setdefault(limit, result["output_tok_per_s"])
+                if limit in base_tok_s:  # against base only at the same concurrency
+                    result["ratio_to_base_throughput"] = result["output_tok_per_s"] / base_tok_s[limit]
                 results.append(result)
                 print(json.dumps(result), flush=True)
                 if opts.out:  # after every scenario, so a run cut short keeps what it measured

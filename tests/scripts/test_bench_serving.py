@@ -7,6 +7,7 @@ base-only scenario, the engine's own account of the window) against what was sen
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from scripts.bench_serving import engine_delta
+from scripts.bench_serving import engine_delta, max_in_flight, parse_concurrencies
 from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
 
@@ -161,6 +162,30 @@ def test_baseline_file_gives_the_ratio(server, adapter_root, tmp_path):
         assert len(repeats) == 3 and scenario["output_tok_per_s"] == sorted(repeats)[1]
         assert scenario["total_output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
     assert [s["num_adapters"] for s in lora["scenarios"]] == [2, 1]
+
+
+def test_max_concurrency_keeps_that_many_requests_in_flight(server, adapter_root, tmp_path):
+    """--max-concurrency 1,3: every adapter scenario at each limit, in that order; no more requests in flight than
+    the limit (one at a time at 1), every request still served, and each ratio against base at its own limit."""
+    result = run_bench(server, adapter_root, tmp_path / "c.json", "--num-adapters", "0,2", "--max-concurrency", "1,3")
+    runs = result["scenarios"]
+    assert [(s["max_concurrency"], s["num_adapters"]) for s in runs] == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    assert [s["max_in_flight"] for s in runs[:2]] == [1, 1]
+    assert all(1 <= s["max_in_flight"] <= 3 for s in runs[2:])
+    for s in runs:
+        assert s["total_output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+    for base, lora in (runs[0:2], runs[2:4]):
+        assert lora["ratio_to_base_throughput"] == pytest.approx(lora["output_tok_per_s"] / base["output_tok_per_s"])
+
+
+def test_max_in_flight_counts_overlapping_requests():
+    records = [{"start": 0.0, "end": 2.0}, {"start": 1.0, "end": 3.0}, {"start": 3.0, "end": 4.0}]
+    assert max_in_flight(records) == 2  # the third starts as the second ends
+    assert max_in_flight([{"start": 0.0, "end": 1.0}, {"start": 1.0, "end": 2.0}]) == 1
+    assert parse_concurrencies("1,8,64") == [1, 8, 64]
+    for bad in ("0", "1,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="concurrenc|integers"):
+            parse_concurrencies(bad)
 
 
 def test_a_shared_prefix_is_served_from_the_prefix_cache(server, adapter_root, tmp_path):
