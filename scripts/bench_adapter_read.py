@@ -5,8 +5,8 @@ tensors in its dtype, finite check), then `LoRAMemoryPool.slot_update` (the slot
 twice: alone, and while another thread of the process spins in Python, as the engine loop does between its waits on the
 device. A thread waits for the GIL after every numpy call that released it, so beside a busy thread the number of
 numpy calls, not their bytes, sets how long an adapter takes. Also reported: the spinner's rate during the work, as a
-share of its rate alone (a call that holds the GIL through a long copy stalls it), and the bytes the host cache
-keeps for the adapter (its weights and its slot arrays). The frontend's check of the same
+share of its rate alone (a call that holds the GIL through a long copy stalls it), and the bytes of the adapter's
+weights as read and of its slot arrays, which the host cache keeps (the weights go once laid out). The frontend's check of the same
 file (`check_adapter_files`: every LoRA half's values finite, on a worker thread of the frontend's busy event loop)
 is timed the same way.
 
@@ -107,7 +107,7 @@ def main() -> None:
 
     adapter = load_peft_adapter("bench", args.adapter, shapes, args.rank)
     slot_arrays = pool.slot_update(adapter, jnp.bfloat16)
-    host_bytes = {  # what the host cache keeps for the adapter: its weights, and its slot arrays once laid out
+    host_bytes = {  # the weights as read (dropped once laid out), and the slot arrays the host cache keeps
         "weights": adapter.nbytes,
         "slot_arrays_bf16": sum(array.nbytes for array in slot_arrays.values()),
     }

@@ -201,6 +201,7 @@ LORA_GAUGES = {
     "resident_on_device": "LoRA device slots holding an adapter",
     "pinned": "LoRA adapters pinned on the device",
     "in_host_cache": "LoRA adapters in the host cache",
+    "host_cache_bytes": "host memory the host cache's adapters take (their slot arrays)",
 }
 LORA_COUNTERS = {
     "device_hits": "scheduled adapter already in a device slot",

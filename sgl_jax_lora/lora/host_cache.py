@@ -1,10 +1,15 @@
 """HostAdapterCache: the host tier of adapters (`--max-loaded-loras`), between disk and device slots.
 
 Flow: LoRAManager needs an adapter that is not on the device (a prefetch on request arrival, on a
-background thread, or `reserve` while a step is planned) -> `get(ref)` returns the host copy, loading it from
-disk through `loader` on a miss and evicting the least recently used unpinned adapter when the cache is full ->
-the manager writes it into a device slot when the plan is applied.
+background thread, or `reserve` while a step is planned) -> `get(ref)` returns the host copy, loading it through
+`loader` on a miss (LoRAManager's: read from disk, or from LoRASetup's in-memory adapters, then laid out for a slot)
+and evicting the least recently used unpinned adapter when the cache is full -> the manager writes its slot arrays
+into a device slot when the plan is applied.
 `/unload_lora_adapter` ends with `drop(lora_id)`. Hits, misses and evictions feed the metrics.
+
+What an entry holds: a `HostAdapter`, the adapter laid out for a device slot (its slot arrays in the model dtype)
+with the scaling and rank the slot table keeps. The weights it was laid out from are not kept: the slot arrays are
+all a slot write reads, so a cached adapter costs its slot arrays' bytes once (`nbytes`), not those and its weights.
 
 Pinned adapters are never evicted. If pinned adapters alone fill the cache, it holds more than
 `max_loaded_loras` rather than drop one of them; the unpinned adapter just loaded is kept for the
@@ -20,11 +25,26 @@ import logging
 import threading
 from collections.abc import Callable
 
-from sgl_jax_lora.lora.adapter import LoRAAdapter
+import numpy as np
+
 from sgl_jax_lora.lora.eviction import EvictionPolicy, make_eviction_policy
 from sgl_jax_lora.lora.lora_ref import LoRARef
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # identity equality: arrays
+class HostAdapter:
+    """One adapter as the host tier holds it: laid out for a device slot, ready to write."""
+
+    name: str
+    rank: int  # max r_m over its modules (the slot table's rank of the slot it takes)
+    scaling: float  # lora_alpha / r (or / sqrt(r) with rslora)
+    values: list[np.ndarray]  # its slot arrays [L, ...] in the model dtype, in the order the slot write takes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(value.nbytes for value in self.values)
 
 
 @dataclasses.dataclass
@@ -40,7 +60,7 @@ class HostAdapterCache:
     def __init__(
         self,
         max_loaded_loras: int | None,
-        loader: Callable[[LoRARef], LoRAAdapter],
+        loader: Callable[[LoRARef], HostAdapter],
         eviction_policy: str = "lru",
     ) -> None:
         if max_loaded_loras is not None and max_loaded_loras < 1:
@@ -48,14 +68,14 @@ class HostAdapterCache:
         self.max_loaded_loras = max_loaded_loras  # None = unbounded
         self._loader = loader
         self._policy: EvictionPolicy = make_eviction_policy(eviction_policy)
-        self._entries: dict[str, tuple[LoRARef, LoRAAdapter]] = {}  # lora_id -> (ref, host weights)
+        self._entries: dict[str, tuple[LoRARef, HostAdapter]] = {}  # lora_id -> (ref, laid-out adapter)
         self._lock = threading.Lock()  # a background prefetch thread may share the cache
         self.stats = HostCacheStats()
 
-    def get(self, ref: LoRARef) -> LoRAAdapter:
-        """Host weights of `ref`, loaded from disk on a miss (loader errors propagate, nothing is cached).
+    def get(self, ref: LoRARef) -> HostAdapter:
+        """The host copy of `ref`, loaded through the loader on a miss (loader errors propagate, nothing is cached).
 
-        The disk read runs outside the lock, so a background prefetch never stalls the engine thread's hits.
+        The load runs outside the lock, so a background prefetch never stalls the engine thread's hits.
         """
         with self._lock:
             adapter = self._hit(ref)
@@ -73,7 +93,7 @@ class HostAdapterCache:
             self._evict_over_capacity(keep=ref.lora_id)
             return loaded
 
-    def _hit(self, ref: LoRARef) -> LoRAAdapter | None:
+    def _hit(self, ref: LoRARef) -> HostAdapter | None:
         entry = self._entries.get(ref.lora_id)
         if entry is None:
             return None

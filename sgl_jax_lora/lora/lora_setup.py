@@ -6,7 +6,7 @@ else 16) and the covered modules (--lora-target-modules, else all seven projecti
 -> `spec` goes to the model (LoRALinear buffers) -> `build_lora_manager(setup, runner)` (managers/lora_manager.py)
 registers the initial adapters (pinned ones take their device slot).
 Adapters given as tensors (load from memory, or an update's new version) have no directory to re-read: `from_memory`
-validates them and keeps the host copy here, and the host cache's loader takes it from here.
+validates them and keeps the host copy here, and `load` gives it to the host cache (LoRAManager's) from here.
 
 Where it sits: the top of the lora package, below the models it shapes; EngineCore, the multi-host runners and
 followers (distributed/) and the LoRAManager (managers/lora_manager.py) read it.
@@ -28,7 +28,6 @@ from sgl_jax_lora.lora.adapter import (
     targeted_modules,
 )
 from sgl_jax_lora.lora.backend import make_lora_backend
-from sgl_jax_lora.lora.host_cache import HostAdapterCache
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import CONFIG_FILE, adapter_error, parse_peft_config
@@ -49,7 +48,6 @@ class LoRASetup:
         self.initial_refs = [LoRARef(**parse_lora_path_spec(spec)) for spec in args.lora_paths or []]
         self.loader_max_rank: int | None = args.max_lora_rank
         self.in_memory: dict[str, tuple[LoRAAdapter, dict]] = {}  # lora_id -> (host adapter, its config dict)
-        self.host_cache = HostAdapterCache(args.max_loaded_loras, self._load, args.lora_eviction_policy)
         initial_ranks = [self.inspect(ref).rank for ref in self.initial_refs]
         self.max_rank = args.max_lora_rank or max(initial_ranks, default=DEFAULT_MAX_LORA_RANK)
         self.loader_max_rank = self.max_rank
@@ -61,7 +59,9 @@ class LoRASetup:
             target_modules=packed,
         )
 
-    def _load(self, ref: LoRARef) -> LoRAAdapter:
+    def load(self, ref: LoRARef) -> LoRAAdapter:
+        """The adapter's weights: its host copy if it came from memory (kept here, there being no file to read
+        again), else read from its directory (confined to --lora-allowed-dirs for client loads)."""
         if ref.lora_id in self.in_memory:
             return self.in_memory[ref.lora_id][0]
         return load_peft_adapter(

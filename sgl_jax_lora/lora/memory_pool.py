@@ -49,15 +49,16 @@ class LoRAMemoryPool:
             return None
         return self.slot_of[self.policy.select_victim(candidates)]
 
-    def assign(self, slot: int, lora_id: str, adapter: LoRAAdapter) -> None:
+    def assign(self, slot: int, lora_id: str, rank: int, scaling: float) -> None:
+        """Give `slot` to the adapter (its max rank and scaling), evicting the adapter that held it."""
         previous = self.slot_owner[slot]
         if previous is not None:
             self.release(previous)
             self.num_evictions += 1
         self.slot_owner[slot] = lora_id
         self.slot_of[lora_id] = slot
-        self.slot_scale[slot] = adapter.scaling
-        self.slot_rank[slot] = adapter.rank
+        self.slot_scale[slot] = scaling
+        self.slot_rank[slot] = rank
         self.policy.mark_used(lora_id)
 
     def release(self, lora_id: str) -> None:

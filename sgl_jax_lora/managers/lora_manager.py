@@ -1,8 +1,8 @@
 """LoRAManager: the engine process's side of multi-LoRA: registered adapters, host cache, device slots.
 
-Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk
-into the host cache, laid out as slot arrays (model dtype) and staged on the device (a bounded number at a time) on
-a background thread (lora/prefetch_queue.py: the most urgent request's adapter first), so the engine loop never
+Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk,
+laid out as slot arrays (model dtype) into the host cache (which keeps those, not the weights read) and staged on the
+device (a bounded number at a time) on a background thread (lora/prefetch_queue.py: the most urgent request's adapter first), so the engine loop never
 waits on disk or on a host-to-device copy for it.
 Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
 request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
@@ -37,7 +37,7 @@ import numpy as np
 from sgl_jax_lora.configs.buckets import segment_buckets
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
-from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch, padding_lora_batches
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
@@ -81,7 +81,7 @@ class LoRAManager:
         target_shapes: LoRATargetShapes,
         max_rank: int,
         target_modules: frozenset[str],
-        host_cache: HostAdapterCache,
+        load: Callable[[LoRARef], LoRAAdapter],
         inspect: Callable[[LoRARef], AdapterSummary],
     ):
         self.max_per_batch = args.max_loras_per_batch
@@ -90,7 +90,8 @@ class LoRAManager:
         self.runner = runner
         self.target_shapes = target_shapes
         self.refs: dict[str, LoRARef] = {}
-        self.host_cache = host_cache
+        self.load = load  # an adapter's weights (LoRASetup.load: its directory, or the copy given from memory)
+        self.host_cache = HostAdapterCache(args.max_loaded_loras, self._lay_out, args.lora_eviction_policy)
         self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
         self.pool = LoRAMemoryPool(
             runner.cfg,
@@ -105,8 +106,7 @@ class LoRAManager:
         self._prefetcher = PrefetchQueue(max_workers=prefetch_workers())  # by the requests' priority
         self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
-        self._slot_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host adapter -> slot arrays
-        self._slot_arrays_lock = threading.Lock()
+        self._slot_arrays_lock = threading.Lock()  # the staging count and the prefetch times
         slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
         self.staging_budget = staging_budget(int(slot_bytes))
         self._num_staged = 0  # StagedSlotArrays alive, under _slot_arrays_lock
@@ -230,18 +230,19 @@ class LoRAManager:
         all its requests admitted; the engine never waits, it admits a request once its adapter has arrived)."""
         wait(list(self._prefetches.values()))
 
-    def _host_slot_arrays(self, ref: LoRARef) -> tuple[LoRAAdapter, list[np.ndarray]]:
-        """(host adapter, its slot arrays in the model dtype); thread-safe, cached while the adapter is cached."""
-        adapter = self.host_cache.get(ref)
-        with self._slot_arrays_lock:
-            values = self._slot_arrays.get(adapter)
-        if values is None:
-            values = self.runner.lora_slot_values(self.pool.slot_update(adapter, self.runner.dtype))
-            with self._slot_arrays_lock:
-                self._slot_arrays[adapter] = values
-        return adapter, values
+    def _lay_out(self, ref: LoRARef) -> HostAdapter:
+        """The host cache's loader: the adapter's weights laid out as its slot arrays in the model dtype. The weights
+        are dropped once laid out (the cache keeps the slot arrays, all a slot write reads)."""
+        adapter = self.load(ref)
+        values = self.runner.lora_slot_values(self.pool.slot_update(adapter, self.runner.dtype))
+        return HostAdapter(adapter.name, adapter.rank, adapter.scaling, values)
 
-    def _staged_slot_arrays(self, ref: LoRARef, submitted: float) -> tuple[LoRAAdapter, list]:
+    def _host_slot_arrays(self, ref: LoRARef) -> tuple[HostAdapter, list[np.ndarray]]:
+        """(host adapter, its slot arrays in the model dtype) from the host cache, laid out on a miss; thread-safe."""
+        host = self.host_cache.get(ref)
+        return host, host.values
+
+    def _staged_slot_arrays(self, ref: LoRARef, submitted: float) -> tuple[HostAdapter, list]:
         """`_host_slot_arrays`, then copied to the device while the staging budget allows, so that the engine loop's
         slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
         them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
@@ -309,8 +310,8 @@ class LoRAManager:
         supplies them, else they are made here (errors raise, and nothing is reserved). No device write: `apply`."""
         start = time.perf_counter()
         prefetched = self._prefetches.pop(lora_id, None)
-        adapter, values = prefetched.result() if prefetched is not None else self._host_slot_arrays(self.refs[lora_id])
-        self.pool.assign(slot, lora_id, adapter)
+        host, values = prefetched.result() if prefetched is not None else self._host_slot_arrays(self.refs[lora_id])
+        self.pool.assign(slot, lora_id, host.rank, host.scaling)
         write = SlotWrite(slot, lora_id, values, time.perf_counter() - start)
         self._unapplied.append(write)
         return write
@@ -364,6 +365,7 @@ class LoRAManager:
             "device_slots": self.pool.num_slots - 1,
             "pinned": len(self.pool.pinned) + len(self._waiting_pins),  # placed, or waiting for a slot
             "in_host_cache": len(self.host_cache),
+            "host_cache_bytes": self.host_cache.nbytes,
             "device_hits": self.device_hits,
             "device_misses": self.device_misses,
             "device_evictions": self.pool.num_evictions,
@@ -382,7 +384,7 @@ class LoRAManager:
 def build_lora_manager(setup: LoRASetup, runner: ModelRunner) -> LoRAManager:
     """The engine's LoRAManager of `setup`'s adapters on `runner`'s buffers; registers the initial adapters."""
     manager = LoRAManager(
-        setup.args, runner, setup.target_shapes, setup.max_rank, setup.covered_modules, setup.host_cache, setup.inspect
+        setup.args, runner, setup.target_shapes, setup.max_rank, setup.covered_modules, setup.load, setup.inspect
     )
     for ref in setup.initial_refs:
         manager.register(ref)

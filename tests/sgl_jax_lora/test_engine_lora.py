@@ -5,6 +5,9 @@ Adapters are written by the `peft` library (tests/support/peft_fixtures.py) for 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -353,6 +356,9 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     core = EngineCore(args, str(base))
     first = next(ref.lora_id for ref in core.lora.refs.values() if ref.lora_name == names[0])
     assert first not in core.lora.host_cache  # registering the second adapter evicted it (host cache of 1)
+    read = []  # the adapters' weights as read from disk, weakly: the host cache keeps their slot arrays instead
+    load = core.lora.load
+    core.lora.load = lambda ref: read.append(weakref.ref(adapter := load(ref))) or adapter
     ids = prompt(77)
     core.add_request(
         GenerateRequest(
@@ -372,6 +378,11 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     assert core.lora.staged_writes == 1  # nor copy it from the host: the prefetch staged it on the device
     tokens = [t for out in outputs for t in out.new_ids]
     assert tokens == reference(base, adapters[names[0]], ids, 3)[0]
+    gc.collect()
+    assert len(read) == 1 and read[0]() is None  # the weights were dropped once laid out
+    host = core.lora.host_cache.get(next(ref for ref in core.lora.refs.values() if ref.lora_id == first))
+    slot_bytes = sum(np.prod(s[:1] + s[2:]) for s in core.runner.lora_buffer_shapes().values()) * 4  # float32
+    assert core.lora.stats()["host_cache_bytes"] == host.nbytes == slot_bytes  # one slot's arrays, nothing more
 
 
 def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):

@@ -1603,6 +1603,8 @@ def test_lora_load_unload_and_model_names(lora_server):
     metrics = httpx.get(srv.url + "/metrics").text
     assert "sgl_jax_lora_lora_device_slots 2.0" in metrics
     assert 'sgl_jax_lora_lora_host_misses_by_adapter_total{adapter="a0"}' in metrics
+    held = [line for line in metrics.splitlines() if line.startswith("sgl_jax_lora_lora_host_cache_bytes ")]
+    assert len(held) == 1 and float(held[0].split()[1]) > 0  # a0's slot arrays, still in the host cache
     assert 'adapter="a1"' not in metrics  # unloaded: its per-adapter series are gone (churn must not grow them)
 
 

@@ -8,30 +8,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_jax_lora.lora.adapter import LoRAAdapter
-from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 
 
-def _tiny_adapter(ref: LoRARef) -> LoRAAdapter:
-    lora_a, lora_b = np.ones((2, 4), np.float32), np.ones((4, 2), np.float32)
-    return LoRAAdapter(
-        name=ref.lora_name,
-        path=ref.lora_path,
-        weights={(0, "q_proj"): (lora_a, lora_b)},
-        scaling=2.0,
-        rank=2,
-        target_modules=frozenset({"q_proj"}),
-        num_layers=1,
-    )
+def _tiny_adapter(ref: LoRARef) -> HostAdapter:
+    return HostAdapter(ref.lora_name, 2, 2.0, [np.ones((1, 2, 4), np.float32), np.ones((1, 4, 2), np.float32)])
 
 
 class CountingLoader:
     def __init__(self) -> None:
         self.loaded: list[str] = []
 
-    def __call__(self, ref: LoRARef) -> LoRAAdapter:
+    def __call__(self, ref: LoRARef) -> HostAdapter:
         if ref.lora_path == "/broken":
             raise LoRAAdapterError(f"adapter '{ref.lora_name}': broken")
         self.loaded.append(ref.lora_name)
@@ -51,7 +41,7 @@ def test_host_cache_lru_with_pinned() -> None:
     assert pinned.lora_id in cache and b.lora_id not in cache and len(cache) == 2
     assert (cache.stats.hits, cache.stats.misses, cache.stats.evictions) == (1, 4, 2)
     assert cache.stats.hits_by_name["a"] == 1 and cache.stats.misses_by_name["a"] == 2
-    assert cache.nbytes == 2 * _tiny_adapter(a).nbytes
+    assert cache.nbytes == 2 * _tiny_adapter(a).nbytes == 2 * 2 * 8 * 4  # each entry its slot arrays' bytes
     cache.drop(a.lora_id)
     cache.drop("unknown-id")
     assert cache.resident_ids() == [pinned.lora_id]

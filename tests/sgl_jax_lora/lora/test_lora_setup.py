@@ -72,7 +72,7 @@ def test_without_adapters_every_projection_at_the_default_rank(model_dir):
     assert setup(model_dir, lora_backend="bgmv").spec.backend.name == "bgmv"
 
 
-def test_initial_adapters_set_the_pool_rank_and_load_through_the_host_cache(model_dir, tmp_path):
+def test_initial_adapters_set_the_pool_rank_and_load_from_their_directories(model_dir, tmp_path):
     small = write_adapter(tmp_path / "small", rank=4, seed=1)
     big = write_adapter(tmp_path / "big", rank=8, modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=2)
     pinned = json.dumps({"lora_name": "big", "lora_path": big, "pinned": True})
@@ -84,8 +84,7 @@ def test_initial_adapters_set_the_pool_rank_and_load_through_the_host_cache(mode
     assert lora.max_rank == lora.spec.max_rank == 8  # the largest initial rank
     summary = lora.inspect(lora.initial_refs[0])
     assert summary.rank == 4 and summary.target_modules == {"q_proj", "v_proj"}
-    adapter = lora.host_cache.get(lora.initial_refs[0])
-    assert adapter is lora.host_cache.get(lora.initial_refs[0])  # cached
+    adapter = lora.load(lora.initial_refs[0])
     assert (
         adapter.rank == 4
         and adapter.scaling == 16 / 4
@@ -132,7 +131,7 @@ def test_adapters_from_memory(model_dir, tmp_path):
     np.testing.assert_array_equal(
         adapter.weights[(0, "k_proj")][0], tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"]
     )
-    assert lora.host_cache.get(ref) is adapter  # the cache's loader takes the host copy
+    assert lora.load(ref) is adapter  # no directory to read: the host copy, kept here
     assert lora.inspect(ref).rank == 4 and lora.config_of(ref) is config
     lora.forget(ref.lora_id)
     lora.forget(ref.lora_id)  # forgetting twice is harmless
@@ -155,9 +154,9 @@ def test_client_adapters_read_only_inside_the_allowed_dirs(model_dir, tmp_path):
     outside = write_adapter(tmp_path / "outside", rank=4)
     lora = setup(model_dir, lora_allowed_dirs=[str(allowed)])
     assert lora.inspect(LoRARef("in", inside, confined=True)).rank == 4
-    assert lora.host_cache.get(LoRARef("in", inside, confined=True)).rank == 4
+    assert lora.load(LoRARef("in", inside, confined=True)).rank == 4
     with pytest.raises(LoRAAdapterError, match="outside the directories the operator allowed|not an adapter directory"):
         lora.inspect(LoRARef("out", outside, confined=True))
     with pytest.raises(LoRAAdapterError, match="outside the directories the operator allowed|not an adapter directory"):
-        lora.host_cache.get(LoRARef("out", outside, confined=True))
+        lora.load(LoRARef("out", outside, confined=True))
     assert lora.inspect(LoRARef("operator", outside)).rank == 4  # the operator's own paths: anywhere

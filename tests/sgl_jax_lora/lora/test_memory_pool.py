@@ -80,21 +80,21 @@ def adapter(name: str, rank: int = 2, seed: int = 0, modules=("q_proj", "k_proj"
 def test_slots_fill_from_one_and_evict_the_least_recently_used():
     pool = make_pool()
     assert pool.free_slot() == 1
-    pool.assign(1, "a", adapter("a"))
-    pool.assign(pool.free_slot(), "b", adapter("b"))
+    pool.assign(1, "a", 2, 0.5)
+    pool.assign(pool.free_slot(), "b", 2, 0.5)
     assert pool.free_slot() is None and pool.slot_of == {"a": 1, "b": 2}
     pool.policy.mark_used("a")  # b is now the least recently used
     assert pool.victim(busy=set()) == 2
     assert pool.victim(busy={"b"}) == 1
     pool.pinned.add("a")
     assert pool.victim(busy={"b"}) is None
-    pool.assign(2, "c", adapter("c"))  # overwrites b
+    pool.assign(2, "c", 2, 0.5)  # overwrites b
     assert pool.num_evictions == 1 and "b" not in pool.slot_of and pool.slot_owner == [None, "a", "c"]
 
 
 def test_release_clears_the_slot_and_its_pin():
     pool = make_pool()
-    pool.assign(1, "a", adapter("a", rank=3))
+    pool.assign(1, "a", 3, 0.5)
     pool.pinned.add("a")
     assert (pool.slot_scale[1], pool.slot_rank[1]) == (0.5, 3)
     pool.release("a")
@@ -186,7 +186,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
 @pytest.mark.parametrize("policy, victim", [("lru", "b"), ("fifo", "a")])
 def test_the_configured_policy_picks_the_victim(policy, victim):
     pool = make_pool(policy=policy)
-    pool.assign(1, "a", adapter("a"))
-    pool.assign(2, "b", adapter("b"))
+    pool.assign(1, "a", 2, 0.5)
+    pool.assign(2, "b", 2, 0.5)
     pool.policy.mark_used("a")  # used again after b arrived
     assert pool.slot_owner[pool.victim(busy=set())] == victim

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sgl_jax_lora.configs.buckets import Buckets
-from sgl_jax_lora.lora.host_cache import HostAdapterCache
+from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
@@ -55,34 +55,27 @@ class RecordingRunner:
         self.writes.append((slot, values[0].item() if values[0].dtype.kind == "U" else "zeros"))
 
 
-class Adapter:
-    def __init__(self, name: str):
-        self.name, self.rank, self.scaling = name, 8, 2.0
-
-
 def make_manager(max_loras_per_batch: int = 2, gone: frozenset[str] = frozenset()):
     """A manager over a RecordingRunner; adapters named in `gone` cannot be read."""
 
-    def load(ref: LoRARef) -> Adapter:
+    def lay_out(ref: LoRARef) -> HostAdapter:
         if ref.lora_name in gone:
             raise LoRAAdapterError(f"adapter '{ref.lora_name}': adapter_model.safetensors is gone; load it again")
-        return Adapter(ref.lora_name)
+        # the slot arrays carry the adapter's name, so that a recorded write says whose arrays went where
+        return HostAdapter(ref.lora_name, 8, 2.0, [np.asarray(ref.lora_name)])
 
     runner = RecordingRunner()
     args = types.SimpleNamespace(
         max_loras_per_batch=max_loras_per_batch,
         tp_size=1,
+        max_loaded_loras=None,
         lora_eviction_policy="lru",
         lora_segment_buckets=None,
         disable_lora_base_program=False,
     )
     summary = types.SimpleNamespace(rank=8, target_modules=frozenset())
-    manager = LoRAManager(args, runner, None, 8, frozenset(), HostAdapterCache(None, load), lambda ref: summary)
-    # the slot arrays carry the adapter's name, so that a recorded write says whose arrays went where
-    manager._host_slot_arrays = lambda ref: (
-        manager.host_cache.get(ref),
-        [np.asarray(manager.host_cache.get(ref).name)],
-    )
+    manager = LoRAManager(args, runner, None, 8, frozenset(), None, lambda ref: summary)
+    manager.host_cache = HostAdapterCache(None, lay_out)  # no weights to read or lay out
     return manager, runner
 
 
