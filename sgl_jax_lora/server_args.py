@@ -166,7 +166,13 @@ class ServerArgs:
     max_lora_rank: int | None = _f(
         None, "max adapter rank the device pool holds; default: the largest initial adapter rank (16 if none)"
     )
-    max_loaded_loras: int | None = _f(None, "adapters kept in the host cache (LRU); default: unbounded")
+    max_loaded_loras: int | None = _f(
+        None, "adapters kept in the host cache (LRU); default: as many as --lora-host-cache-gib holds"
+    )
+    lora_host_cache_gib: float | None = _f(
+        None,
+        "host memory the host cache may take, GiB: each adapter's slot arrays (0.08 GiB for a Llama-3-8B rank-16 adapter on all 7 projections in bf16); past it the least recently used unpinned adapters are evicted, as past --max-loaded-loras; default: a quarter of the host's RAM",
+    )
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
     lora_fused_gemm_min_tokens: int | None = _f(
         None,

@@ -70,6 +70,7 @@ SIZES = (  # the settings that size what the engine allocates at startup (memory
     "max_loras_per_batch",
     "max_lora_rank",
     "max_loaded_loras",
+    "lora_host_cache_gib",
     "mem_fraction_static",
 )
 
@@ -284,6 +285,7 @@ LORA_SETTINGS = (
     "max_loras_per_batch",
     "max_lora_rank",
     "max_loaded_loras",
+    "lora_host_cache_gib",
     "lora_backend",
     "lora_fused_gemm_min_tokens",
     "lora_segment_buckets",
@@ -308,6 +310,12 @@ def _check_lora(args: ServerArgs) -> None:
                 f"{'them' if len(changed) > 1 else 'it'} out, or serve adapters (--lora-paths or --lora-allowed-dirs)"
             )
 
+    gib = args.lora_host_cache_gib
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < math.inf):
+        raise ValueError(
+            f"--lora-host-cache-gib must be a positive number of GiB, got {shown(gib)}; leave it unset for a quarter "
+            "of the host's RAM"
+        )
     if args.max_loras_per_batch > args.max_loras_registered:
         raise ValueError(
             f"--max-loras-per-batch {args.max_loras_per_batch} exceeds --max-loras-registered "

@@ -202,6 +202,7 @@ LORA_GAUGES = {
     "pinned": "LoRA adapters pinned on the device",
     "in_host_cache": "LoRA adapters in the host cache",
     "host_cache_bytes": "host memory the host cache's adapters take (their slot arrays)",
+    "host_cache_max_bytes": "host memory the host cache may take (--lora-host-cache-gib)",
 }
 LORA_COUNTERS = {
     "device_hits": "scheduled adapter already in a device slot",

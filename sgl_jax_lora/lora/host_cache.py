@@ -11,8 +11,11 @@ What an entry holds: a `HostAdapter`, the adapter laid out for a device slot (it
 with the scaling and rank the slot table keeps. The weights it was laid out from are not kept: the slot arrays are
 all a slot write reads, so a cached adapter costs its slot arrays' bytes once (`nbytes`), not those and its weights.
 
+The cache is bounded by count (`--max-loaded-loras`) and by bytes (`max_bytes`: `--lora-host-cache-gib`, by default
+`default_max_bytes`, a quarter of the host's RAM), so a server that loads adapters on demand from
+--lora-allowed-dirs does not grow until the host runs out of memory.
 Pinned adapters are never evicted. If pinned adapters alone fill the cache, it holds more than
-`max_loaded_loras` rather than drop one of them; the unpinned adapter just loaded is kept for the
+its bounds rather than drop one of them; the unpinned adapter just loaded is kept for the
 batch that asked for it and is the first to go on the next miss. Disk reads happen outside the cache lock
 (LoRAManager prefetches on a background thread).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -62,10 +66,13 @@ class HostAdapterCache:
         max_loaded_loras: int | None,
         loader: Callable[[LoRARef], HostAdapter],
         eviction_policy: str = "lru",
+        max_bytes: int | None = None,
     ) -> None:
         if max_loaded_loras is not None and max_loaded_loras < 1:
             raise ValueError(f"--max-loaded-loras must be >= 1 (got {max_loaded_loras})")
         self.max_loaded_loras = max_loaded_loras  # None = unbounded
+        self.max_bytes = max_bytes  # None = unbounded
+        self._nbytes = 0  # the entries' bytes, under _lock
         self._loader = loader
         self._policy: EvictionPolicy = make_eviction_policy(eviction_policy)
         self._entries: dict[str, tuple[LoRARef, HostAdapter]] = {}  # lora_id -> (ref, laid-out adapter)
@@ -89,6 +96,7 @@ class HostAdapterCache:
             if entry is not None:  # another thread loaded it meanwhile: keep one copy
                 return entry[1]
             self._entries[ref.lora_id] = (ref, loaded)
+            self._nbytes += loaded.nbytes
             self._policy.mark_used(ref.lora_id)
             self._evict_over_capacity(keep=ref.lora_id)
             return loaded
@@ -105,7 +113,8 @@ class HostAdapterCache:
     def drop(self, lora_id: str) -> None:
         """Forget an adapter (unload); unknown ids are ignored."""
         with self._lock:
-            self._entries.pop(lora_id, None)
+            entry = self._entries.pop(lora_id, None)
+            self._nbytes -= entry[1].nbytes if entry is not None else 0
             self._policy.remove(lora_id)
 
     def forget_name(self, lora_name: str) -> None:
@@ -122,7 +131,7 @@ class HostAdapterCache:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(adapter.nbytes for _, adapter in self._entries.values())
+            return self._nbytes
 
     def __contains__(self, lora_id: str) -> bool:
         return lora_id in self._entries
@@ -130,15 +139,29 @@ class HostAdapterCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _over_capacity(self) -> bool:
+        over_count = self.max_loaded_loras is not None and len(self._entries) > self.max_loaded_loras
+        return over_count or (self.max_bytes is not None and self._nbytes > self.max_bytes)
+
     def _evict_over_capacity(self, keep: str) -> None:
-        if self.max_loaded_loras is None:
-            return
-        while len(self._entries) > self.max_loaded_loras:
+        while self._over_capacity():
             candidates = [i for i, (ref, _) in self._entries.items() if not ref.pinned and i != keep]
             if not candidates:
                 return
             victim = self._policy.select_victim(candidates)
-            ref, _ = self._entries.pop(victim)
+            ref, adapter = self._entries.pop(victim)
+            self._nbytes -= adapter.nbytes
             self._policy.remove(victim)
             self.stats.evictions += 1
             logger.info("host cache: evicted adapter '%s' (%s)", ref.lora_name, victim)
+
+
+def default_max_bytes() -> int:
+    """The host cache's bytes when --lora-host-cache-gib is unset: a quarter of the host's physical memory (the rest
+    for the frontend, the engine's own host arrays and whatever else the host runs)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+def max_bytes_of(gib: float | None) -> int:
+    """--lora-host-cache-gib in bytes (its default when unset)."""
+    return default_max_bytes() if gib is None else int(gib * (1 << 30))

@@ -37,7 +37,7 @@ import numpy as np
 from sgl_jax_lora.configs.buckets import segment_buckets
 from sgl_jax_lora.lora.adapter import AdapterSummary, LoRAAdapter
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan, SlotWrite
-from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
+from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache, max_bytes_of
 from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch, padding_lora_batches
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
@@ -91,7 +91,8 @@ class LoRAManager:
         self.target_shapes = target_shapes
         self.refs: dict[str, LoRARef] = {}
         self.load = load  # an adapter's weights (LoRASetup.load: its directory, or the copy given from memory)
-        self.host_cache = HostAdapterCache(args.max_loaded_loras, self._lay_out, args.lora_eviction_policy)
+        max_bytes = max_bytes_of(args.lora_host_cache_gib)
+        self.host_cache = HostAdapterCache(args.max_loaded_loras, self._lay_out, args.lora_eviction_policy, max_bytes)
         self.inspect = inspect  # header-only validation (adapter.inspect_peft_adapter)
         self.pool = LoRAMemoryPool(
             runner.cfg,
@@ -366,6 +367,7 @@ class LoRAManager:
             "pinned": len(self.pool.pinned) + len(self._waiting_pins),  # placed, or waiting for a slot
             "in_host_cache": len(self.host_cache),
             "host_cache_bytes": self.host_cache.nbytes,
+            "host_cache_max_bytes": self.host_cache.max_bytes,
             "device_hits": self.device_hits,
             "device_misses": self.device_misses,
             "device_evictions": self.pool.num_evictions,

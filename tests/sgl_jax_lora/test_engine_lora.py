@@ -385,6 +385,55 @@ def test_adapter_is_read_from_disk_when_its_request_arrives_not_in_a_step(setup)
     assert core.lora.stats()["host_cache_bytes"] == host.nbytes == slot_bytes  # one slot's arrays, nothing more
 
 
+def test_the_host_cache_evicts_past_its_memory_bound(setup):
+    """--lora-host-cache-gib bounds the host tier by bytes: with room for one adapter's slot arrays, serving a second
+    adapter evicts the first from the host (read from disk again when next wanted), and every output stays PEFT's."""
+    from sgl_jax_lora.managers.engine_core import EngineCore
+    from sgl_jax_lora.managers.io_struct import GenerateRequest
+    from sgl_jax_lora.sampling.sampling_params import SamplingParams
+    from sgl_jax_lora.server_args import ServerArgs
+
+    base, adapters = setup
+    names = list(adapters)[:2]
+    lora_paths = {n: str(adapters[n]) for n in names}
+    probe = EngineCore(
+        ServerArgs(model_path=str(base), dtype="float32", lora_paths=lora_paths, skip_precompile=True, **SMALL),
+        str(base),
+    )
+    slot_bytes = sum(np.prod(s[:1] + s[2:]) for s in probe.runner.lora_buffer_shapes().values()) * 4  # float32
+    gib = 1.5 * slot_bytes / (1 << 30)  # one adapter's slot arrays fit, two do not
+    args = ServerArgs(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths=lora_paths,
+        max_loras_per_batch=1,  # one device slot: each turn writes its adapter from the host tier
+        lora_host_cache_gib=gib,
+        skip_precompile=True,
+        **SMALL,
+    )
+    core = EngineCore(args, str(base))
+    assert core.lora.stats()["host_cache_max_bytes"] == int(gib * (1 << 30))
+    ids_of = {ref.lora_name: ref.lora_id for ref in core.lora.refs.values()}
+    ids = prompt(78)
+    for turn, name in enumerate([names[0], names[1], names[0]]):
+        core.add_request(
+            GenerateRequest(
+                rid=f"r{turn}",
+                input_ids=ids,
+                lora_id=ids_of[name],
+                sampling=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+            )
+        )
+        outputs = []
+        while core.scheduler.num_active:
+            outputs += core.step()
+        assert [t for out in outputs for t in out.new_ids] == reference(base, adapters[name], ids, 3)[0], name
+        assert list(core.lora.host_cache.resident_ids()) == [ids_of[name]]  # the other one was evicted
+        assert core.lora.stats()["host_cache_bytes"] == slot_bytes
+    stats = core.lora.stats()
+    assert (stats["host_misses"], stats["host_evictions"]) == (3, 2)  # the first adapter read from disk twice
+
+
 def test_a_slot_the_scheduler_keeps_is_not_evicted(setup):
     """LoRAManager.reserve: an adapter in `keep` (one that waiting requests want) is not evicted for another;
     without it, the slot is taken."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
+from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache, default_max_bytes, max_bytes_of
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 
@@ -75,3 +75,35 @@ def test_host_cache_fifo_policy() -> None:
     cache.get(a)  # a hit does not refresh a FIFO position
     cache.get(c)
     assert set(cache.resident_ids()) == {b.lora_id, c.lora_id}
+
+
+def test_host_cache_evicts_past_its_bytes() -> None:
+    """max_bytes bounds the entries' slot arrays (64 bytes each here) as max_loaded_loras bounds their count: the
+    least recently used unpinned adapters go; pinned ones and the one just loaded stay even past it."""
+    cache = HostAdapterCache(max_loaded_loras=None, loader=CountingLoader(), max_bytes=150)
+    a, b, c = LoRARef("a", "/a"), LoRARef("b", "/b"), LoRARef("c", "/c")
+    cache.get(a)
+    cache.get(b)
+    assert cache.nbytes == 128 and len(cache) == 2
+    cache.get(a)  # b is the least recently used now
+    cache.get(c)  # 192 bytes > 150: b goes
+    assert set(cache.resident_ids()) == {a.lora_id, c.lora_id} and cache.nbytes == 128
+    assert cache.stats.evictions == 1
+    cache.drop(a.lora_id)
+    assert cache.nbytes == 64
+    tiny = HostAdapterCache(max_loaded_loras=None, loader=CountingLoader(), max_bytes=10)
+    p1, p2 = LoRARef("p1", "/p1", pinned=True), LoRARef("p2", "/p2", pinned=True)
+    tiny.get(p1)
+    tiny.get(p2)
+    tiny.get(a)  # over the bytes with nothing evictable but the one just loaded: all kept
+    assert len(tiny) == 3 and tiny.nbytes == 192
+    tiny.get(b)  # a is evictable now
+    assert a.lora_id not in tiny and b.lora_id in tiny and tiny.nbytes == 192
+
+
+def test_host_cache_bytes_default_to_a_quarter_of_the_hosts_memory() -> None:
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_max_bytes() == physical // 4 == max_bytes_of(None)
+    assert max_bytes_of(1.5) == 3 << 29

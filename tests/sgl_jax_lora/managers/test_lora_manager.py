@@ -69,6 +69,7 @@ def make_manager(max_loras_per_batch: int = 2, gone: frozenset[str] = frozenset(
         max_loras_per_batch=max_loras_per_batch,
         tp_size=1,
         max_loaded_loras=None,
+        lora_host_cache_gib=None,
         lora_eviction_policy="lru",
         lora_segment_buckets=None,
         disable_lora_base_program=False,
