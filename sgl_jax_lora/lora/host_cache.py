@@ -1,4 +1,5 @@
-"""HostAdapterCache: the host tier of adapters (`--max-loaded-loras`), between disk and device slots.
+"""HostAdapterCache: the host tier of adapters (`--max-loaded-loras`, `--lora-host-cache-gib`), between disk and device
+slots.
 
 Flow: LoRAManager needs an adapter that is not on the device (a prefetch on request arrival, on a
 background thread, or `reserve` while a step is planned) -> `get(ref)` returns the host copy, loading it through

@@ -2,8 +2,8 @@
 
 Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk,
 laid out as slot arrays (model dtype) into the host cache (which keeps those, not the weights read) and staged on the
-device (a bounded number at a time) on a background thread (lora/prefetch_queue.py: the most urgent request's adapter first), so the engine loop never
-waits on disk or on a host-to-device copy for it.
+device (a bounded number at a time) on a background thread (lora/prefetch_queue.py: the most urgent request's
+adapter first), so the engine loop never waits on disk or on a host-to-device copy for it.
 Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
 request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
 distinct adapters, no slot can be freed, or its prefetch is still running.
@@ -107,10 +107,10 @@ class LoRAManager:
         self._prefetcher = PrefetchQueue(max_workers=prefetch_workers())  # by the requests' priority
         self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
         self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
-        self._slot_arrays_lock = threading.Lock()  # the staging count and the prefetch times
+        self._staging_lock = threading.Lock()  # the staging count and the prefetch times
         slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
         self.staging_budget = staging_budget(int(slot_bytes))
-        self._num_staged = 0  # StagedSlotArrays alive, under _slot_arrays_lock
+        self._num_staged = 0  # StagedSlotArrays alive, under _staging_lock
         self.staged_writes = 0  # slot writes whose arrays were on the device before the engine loop wrote them
         # prefetches done, and their seconds from request to ready (queue, disk, layout, staging) and in staging
         self.prefetch_times = {"prefetches": 0, "prefetch_s": 0.0, "staging_s": 0.0}
@@ -249,7 +249,7 @@ class LoRAManager:
         them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
         try:
             adapter, values = self._host_slot_arrays(ref)
-            with self._slot_arrays_lock:
+            with self._staging_lock:
                 if self._num_staged >= self.staging_budget:
                     return adapter, values
                 self._num_staged += 1
@@ -261,16 +261,16 @@ class LoRAManager:
                 logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
                 return adapter, values
             weakref.finalize(staged, self._unstaged)
-            with self._slot_arrays_lock:
+            with self._staging_lock:
                 self.prefetch_times["staging_s"] += time.perf_counter() - staging
             return adapter, staged
         finally:
-            with self._slot_arrays_lock:
+            with self._staging_lock:
                 self.prefetch_times["prefetches"] += 1
                 self.prefetch_times["prefetch_s"] += time.perf_counter() - submitted
 
     def _unstaged(self) -> None:
-        with self._slot_arrays_lock:
+        with self._staging_lock:
             self._num_staged -= 1
 
     def can_evict(self, lora_id: str) -> bool:
