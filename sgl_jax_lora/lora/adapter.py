@@ -1,7 +1,8 @@
 """LoRAAdapter: one PEFT adapter's weights on the host, validated against the base model.
 
-Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> HostAdapterCache (host tier, LRU) ->
-LoRAManager writes `weights` into a device slot of the LoRA memory pool -> LoRALinear layers.
+Flow: disk (PEFT directory) -> `load_peft_adapter` (this file) -> LoRAManager lays `weights` out as slot arrays
+(LoRAMemoryPool.slot_update) into the HostAdapterCache (host tier, LRU; the weights are then dropped) -> a device
+slot of the LoRA memory pool -> LoRALinear layers.
 From memory (tensors mapped from a TensorFile, lora/tensor_file.py, + config dict), `adapter_from_tensors` runs the
 same checks (`build_adapter` is shared by both).
 

@@ -1,8 +1,9 @@
 """LoRAMemoryPool: the device tier: which adapter sits in which slot, and writing one into a slot.
 
-Flow: LoRAManager picks a slot for an adapter -> `slot_update(adapter)` lays its host weights out as the
+Flow: an adapter entering LoRAManager's host cache -> `slot_update(adapter)` lays its host weights out as the
 model's LoRA buffers expect (one [L, ...] array per buffer: A parts stacked along rank, B per part, kv
-heads replicated like the base weights, rows above the adapter's rank zero) -> ModelRunner.write_lora_slot
+heads replicated like the base weights, rows above the adapter's rank zero; the host cache keeps these) ->
+LoRAManager picks a slot for the adapter (`assign`) -> ModelRunner.write_lora_slot
 runs one jitted, donated `.at[:, slot].set(...)` per buffer. The shapes never change, so loading,
 evicting and unloading never compile. Slot 0 is the base model and stays all zeros; a slot whose adapter is
 unloaded is written with `zero_update()`, an evicted one is overwritten whole by its successor.

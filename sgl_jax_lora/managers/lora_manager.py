@@ -106,7 +106,7 @@ class LoRAManager:
         self._unapplied: list[SlotWrite] = []  # reserved by the last plan, not on the device yet
         self._prefetcher = PrefetchQueue(max_workers=prefetch_workers())  # by the requests' priority
         self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
-        self._prefetches: dict[str, Future] = {}  # lora_id -> (adapter, slot arrays), started on arrival
+        self._prefetches: dict[str, Future] = {}  # lora_id -> (HostAdapter, slot arrays to write), started on arrival
         self._staging_lock = threading.Lock()  # the staging count and the prefetch times
         slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
         self.staging_budget = staging_budget(int(slot_bytes))
@@ -248,10 +248,10 @@ class LoRAManager:
         slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
         them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
         try:
-            adapter, values = self._host_slot_arrays(ref)
+            host, values = self._host_slot_arrays(ref)
             with self._staging_lock:
                 if self._num_staged >= self.staging_budget:
-                    return adapter, values
+                    return host, values
                 self._num_staged += 1
             staging = time.perf_counter()
             try:
@@ -259,11 +259,11 @@ class LoRAManager:
             except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
                 self._unstaged()
                 logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
-                return adapter, values
+                return host, values
             weakref.finalize(staged, self._unstaged)
             with self._staging_lock:
                 self.prefetch_times["staging_s"] += time.perf_counter() - staging
-            return adapter, staged
+            return host, staged
         finally:
             with self._staging_lock:
                 self.prefetch_times["prefetches"] += 1
