@@ -275,16 +275,18 @@ def _decode_kernel(
     block_kv,
     page_size,
     scale_log2,
+    rows_by_token,
     in_place,
     windowed,
 ):
     # token_seq_ref, token_kv_len_ref [R] i32 (-1 and 0: no sequence); q_ref/out [R, H, D];
     # partials: o [splits, R, H, D], m and l [splits, R, H].
-    # in_place: refs start with row_token_ref [R] i32, q_ref/out are the step's [T, H, D] (out aliased to the general
-    # kernel's output, which is refs' `into`), and row r reads and writes token row_token[r]; rows of no sequence
-    # write nothing. windowed: a window_ref [1] i32 (the sliding window) follows layer_ref.
+    # rows_by_token: refs start with row_token_ref [R] i32, q_ref is the step's [T, H, D] and row r reads token
+    # row_token[r]. in_place (with rows_by_token, unsplit): out is the step's [T, H, D] too, aliased to the general
+    # kernel's output (refs' `into`), and row r writes token row_token[r]; rows of no sequence write nothing.
+    # windowed: a window_ref [1] i32 (the sliding window) follows layer_ref.
     refs = list(refs)
-    row_token_ref = refs.pop(0) if in_place else None
+    row_token_ref = refs.pop(0) if rows_by_token else None
     layer_ref = refs.pop(0)
     window_ref = refs.pop(0) if windowed else None
     page_table_ref, q_ref, k_ref, v_ref = refs[:4]
@@ -300,13 +302,16 @@ def _decode_kernel(
     is_head = rows < group
     cols = jnp.arange(head_dim, dtype=jnp.int32)
     row_mask = jnp.broadcast_to(is_head[:, None], (group_pad, head_dim))
-    if in_place:  # a row of no sequence points past the step's tokens: clamped, and its store masked off
+    out_at = (token, heads[:, None], cols[None, :])
+    store_mask = row_mask
+    if rows_by_token:  # a row of no sequence points past the step's tokens: clamped (and in place, its store off)
         q_row = jnp.minimum(row_token_ref[token], q_ref.shape[0] - 1)
         q_at = (q_row, heads[:, None], cols[None, :])
-        store_mask = row_mask & (seq >= 0)
     else:
-        q_at = (token, heads[:, None], cols[None, :])
-        store_mask = row_mask
+        q_at = out_at
+    if in_place:
+        out_at = q_at
+        store_mask = row_mask & (seq >= 0)
     q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
 
     num_blocks = pl.cdiv(kv_len, block_kv)
@@ -357,10 +362,10 @@ def _decode_kernel(
         o, m, l = walk(None)
     if num_splits == 1:
         (out_ref,) = out_refs
-        plgpu.store(out_ref.at[q_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
+        plgpu.store(out_ref.at[out_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
         return
     o_ref, m_ref, l_ref = out_refs
-    plgpu.store(o_ref.at[(split,) + q_at], o, mask=row_mask)
+    plgpu.store(o_ref.at[(split,) + out_at], o, mask=row_mask)
     plgpu.store(m_ref.at[split, token, heads], m, mask=is_head)
     plgpu.store(l_ref.at[split, token, heads], l, mask=is_head)
 
@@ -418,7 +423,8 @@ def _decode_attention(
 
     With row_token ([R] i32) and into ([T, H, D]): q is the step's [T, H, D] and row r is its token row_token[r]; the
     rows' results are written into `into` at those tokens (rows of no sequence leave it as it is) and `into` is
-    returned. Unsplit, the kernel reads q and writes `into` in place (no gather of q, no scatter of the results)."""
+    returned. The kernel reads each row's q at its token (no gather of q); unsplit, it also writes `into` in place (no
+    scatter of the results), split, the combined rows are scattered into it."""
     num_rows = row_seq.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
@@ -427,12 +433,8 @@ def _decode_attention(
     max_kv_len = page_table.shape[1] * page_size
     block_kv = tiles.block_kv or choose_decode_block_kv(k_cache.dtype)
     splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, max_kv_len, block_kv)
-    in_place = row_token is not None and splits == 1
-    if row_token is not None and not in_place:  # split keys: gather the rows, combine, then scatter
-        row_q = q[jnp.minimum(row_token, q.shape[0] - 1)]
-        options = dict(page_size=page_size, scale=scale, tiles=tiles, interpret=interpret, window=window)
-        rows = _decode_attention(row_q, row_seq, row_kv_len, k_cache, v_cache, layer, page_table, **options)
-        return into.at[row_token].set(rows, mode="drop", unique_indices=True)
+    rows_by_token = row_token is not None
+    in_place = rows_by_token and splits == 1
     kernel = functools.partial(
         _decode_kernel,
         group=group,
@@ -441,6 +443,7 @@ def _decode_attention(
         block_kv=block_kv,
         page_size=page_size,
         scale_log2=scale * _LOG2E,
+        rows_by_token=rows_by_token,
         in_place=in_place,
         windowed=window is not None,
     )
@@ -448,13 +451,13 @@ def _decode_attention(
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     else:
         out_shape = (
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_rows, num_heads, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
         )
     operands = (
         (row_seq, row_kv_len)
-        + ((row_token,) if in_place else ())
+        + ((row_token,) if rows_by_token else ())
         + (layer,)
         + ((window,) if window is not None else ())
     )
@@ -473,8 +476,10 @@ def _decode_attention(
     o, m, l = result
     weight = jnp.exp2(m - jnp.max(m, axis=0))  # [splits, T, H]
     denom = jnp.sum(weight * l, axis=0)
-    out = jnp.sum(weight[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.astype(q.dtype)
+    out = (jnp.sum(weight[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(q.dtype)
+    if rows_by_token:  # the rows' results to their tokens; rows of no sequence point past the output (dropped)
+        return into.at[row_token].set(out, mode="drop", unique_indices=True)
+    return out
 
 
 def _prefill_kernel(

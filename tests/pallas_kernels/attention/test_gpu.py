@@ -512,8 +512,8 @@ def test_sliding_window_on_gpu_bf16(mode, window):
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("window", [None, 500])
 def test_mixed_step_on_gpu_decode_rows_in_place_and_split(num_splits, window):
-    # decode rows beside chunks and padding: unsplit, the decode kernel reads q and writes the general kernel's
-    # output in place at each row's token; split, its rows are gathered, combined and scattered. A window of 500
+    # decode rows beside chunks and padding: the decode kernel reads q at each row's token; unsplit, it writes the
+    # general kernel's output in place there; split, its rows are combined and scattered. A window of 500
     # covers the rows of 33 and 1 keys (walked from block 0) and starts inside the rows of 700 and 2048
     rng = np.random.default_rng(11)
     q_lens, kv_lens = [1, 96, 1, 1, 130, 1, 0], [700, 96, 33, 1, 900, 2048, 0]
