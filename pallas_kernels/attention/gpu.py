@@ -30,9 +30,9 @@ A step of any mix runs both in one program, with no branch on the step's kind: t
 of the longer sequences and the padding (it leaves the decode rows' tokens unwritten), then the decode kernel over
 one row a sequence (other sequences map to no sequence), which reads q at each row's token (no gather of q) and,
 unsplit, writes its result into the general kernel's output in place (aliased: no scatter); split, the combined rows
-are scattered into it. In a mixed step the general kernel
-would serve a decode row with a q tile of G real rows out of BQ * G, at about twice the decode kernel's time
-(docs/benchmarks.md); in a decode step it launches only the padding's blocks. `decode_only=True` runs the decode
+are scattered into it. In a mixed step the general kernel would serve a decode row with a q tile of G real rows out
+of BQ * G, at about twice the decode kernel's time (docs/benchmarks.md); in a decode step it launches only the
+padding's blocks. `decode_only=True` runs the decode
 kernel over every token instead.
 
 The step's layout for both kernels (the decode rows longest first, the q block table) is the same in every layer:
