@@ -48,9 +48,7 @@ from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
 from sgl_jax_lora.configs.buckets import pick, segment_buckets  # noqa: E402
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
-from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
-from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
@@ -142,22 +140,18 @@ def engine_args(cfg: ModelConfig, backend: str, lora_backend: str | None, opts) 
     )
 
 
-def build(
-    cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int, gated_expand: bool = True
-):
+def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int):
     """The model of one variant as the engine builds it from `args` (`load_engine_model`), with num_adapters + 1
     device slots of args.lora_backend when with_lora, its KV cache in the engine's dtype and its forward compiled with
-    the engine's XLA options for the mesh's platform, as ModelRunner compiles its own. gated_expand=False: the Pallas
-    GPU backend adds gate|up's delta for XLA's activation instead of applying it in its expand."""
+    the engine's XLA options for the mesh's platform, as ModelRunner compiles its own."""
     mesh = make_mesh(1)
     spec = None
     if with_lora:
-        backend = make_lora_backend(args.lora_backend, mesh, args.lora_fused_gemm_min_tokens)
-        pallas = backend.backends["pallas"] if isinstance(backend, AutoBackend) else backend
-        if isinstance(pallas, PallasGPUBackend):
-            pallas.gated_expand = gated_expand
         spec = LoRAModelSpec(
-            num_slots=num_adapters + 1, max_rank=RANK, backend=backend, target_modules=frozenset(LORA_TARGETS)
+            num_slots=num_adapters + 1,
+            max_rank=RANK,
+            backend=make_lora_backend(args.lora_backend, mesh, args.lora_fused_gemm_min_tokens),
+            target_modules=frozenset(LORA_TARGETS),
         )
     graphdef, state = load_engine_model(args, cfg, mesh, spec)
     if spec is not None:  # random adapters in slots 1..N, slot 0 (base) stays zero
@@ -234,11 +228,6 @@ def main() -> None:
         action="store_true",
         help="the engine's flag: compile the forward with XLA's serialized kernel scheduling",
     )
-    parser.add_argument(
-        "--disable-lora-gated-expand",
-        action="store_true",
-        help="gate|up's LoRA delta added for XLA's activation, not the Pallas GPU backend's gated expand (A/B)",
-    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
@@ -259,9 +248,9 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
     (`time_cases`); after each round yields the variant's rows (`report`, with each round's median) so far."""
     max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
     num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
-    args = engine_args(cfg, backend, lora_backend, opts)
-    with_lora = lora_backend is not None
-    state, kv, forward = build(cfg, args, with_lora, num_pages, opts.num_adapters, not opts.disable_lora_gated_expand)
+    state, kv, forward = build(
+        cfg, engine_args(cfg, backend, lora_backend, opts), lora_backend is not None, num_pages, opts.num_adapters
+    )
     lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
     prepared = []  # (case, batch, q_lens, kv_lens, compile_s)
     for kind, seqs, length, bucket in cases:
@@ -321,7 +310,6 @@ def write_out(opts, rows: list[dict]) -> None:
                 "lora_fused_gemm_min_tokens": opts.lora_fused_gemm_min_tokens,
                 "gpu_gemm_min_tokens": opts.gpu_gemm_min_tokens,
                 "disable_gpu_concurrent_kernels": opts.disable_gpu_concurrent_kernels,
-                "disable_lora_gated_expand": opts.disable_lora_gated_expand,
                 "repeats": opts.repeats,
                 "rounds": opts.rounds,
             },

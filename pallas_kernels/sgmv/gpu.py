@@ -106,7 +106,6 @@ def choose_tiles(
     out_dims: int | tuple[int, ...] | None,
     block_rows: int | None = None,
     shrink_rank: int = _MIN_DOT,
-    gated: bool = False,
 ) -> GpuTiles:
     """Tile sizes from the static shapes: small row tiles for decode, more `in` splits when items are few.
 
@@ -115,8 +114,6 @@ def choose_tiles(
     block_rows: the row tile (default `gpu_block_rows(num_tokens)`, the one the backend's work list is built for).
     shrink_rank: the rows R of the shrink's A buffer (q|k|v stacks its parts' ranks), which bound its `in` block:
     a wider A tile lowers the programs an SM holds (q|k|v at rank 16 ran its shrink faster with 128 than 256).
-    gated: tiles of `sgmv_expand_gated_gpu` (out_dims: the width I of gate and of up), whose programs hold two
-    [tm, tn] float32 tiles, so its widest `out` block is half the expand's.
     """
     block_rows = block_rows or gpu_block_rows(num_tokens)
     num_items = -(-num_tokens // block_rows) + max(num_segments, 1) - 1
@@ -132,7 +129,7 @@ def choose_tiles(
     parts = _as_parts(out_dims)
     if parts is None:
         return GpuTiles(block_rows, block_in, 0, in_splits, 1)
-    max_block_out = (128 if block_rows >= 64 else 256) // (2 if gated else 1)  # [tm, tn] f32 tiles in registers
+    max_block_out = 128 if block_rows >= 64 else 256  # keeps the [tm, tn] f32 tile in registers
     candidates = _out_candidates(parts, max_block_out)
     enough = [c for c in candidates if num_items * _num_groups(parts, c) >= _TARGET_PROGRAMS]
     block_out = enough[0] if enough else min((c for c in candidates if c >= 64), default=candidates[-1])
@@ -470,148 +467,3 @@ def sgmv_expand_gpu(
         input_output_aliases={len(operands): 0} if has_base else {},
         interpret=interpret,
     )(*operands, *((base_out.astype(out_dtype),) if has_base else ()))
-
-
-def _gated_expand_kernel(
-    tile_ref,
-    slot_ref,
-    lo_ref,
-    hi_ref,
-    rank_ref,
-    scale_ref,
-    perm_ref,
-    layer_ref,
-    num_rows_ref,
-    s_ref,
-    gate_b_ref,
-    up_b_ref,
-    base_ref,
-    o_ref,
-    *,
-    tiles,
-    width,
-    rank_pad,
-    max_rank,
-    num_tokens,
-    num_splits,
-    num_slots,
-):
-    # s_ref [splits * T, >= 2R] f32 (gate's R columns, then up's); *_b_ref [L * A * width, R];
-    # base_ref [T, 2 * width] = [gate | up] base product; o_ref [T, width]
-    item, group = pl.program_id(0), pl.program_id(1)
-    tm, tn = tiles.block_rows, tiles.block_out
-    rank = rank_ref[item]
-    slot_index = layer_ref[0] * num_slots + slot_ref[item]
-    rows, row_ok = _item_rows(perm_ref, tile_ref[item], lo_ref[item], hi_ref[item], tm)
-    is_active = rank > 0
-    r_idx = jnp.arange(rank_pad, dtype=jnp.int32)
-    r_ok = (r_idx < rank) & (r_idx < max_rank)
-    b_col_ok = (r_idx < max_rank) & is_active
-    if tiles.rank_granule:  # as in `_expand_kernel`: B columns from the rank's granule on are not read
-        b_col_ok = b_col_ok & (jax.lax.div(r_idx, tiles.rank_granule) * tiles.rank_granule < rank)
-    b_ok = jnp.broadcast_to(b_col_ok[None, :], (tn, rank_pad))
-    s_ok = (row_ok & is_active)[:, None] & r_ok[None, :]
-    is_real = rows < num_rows_ref[0]  # padding rows after the step's tokens come out zero, whatever the base holds
-    scale = scale_ref[slot_ref[item]]
-
-    def load_s(s_col):
-        s = jnp.zeros((tm, rank_pad), jnp.float32)
-        for split in range(num_splits):
-            s = s + plgpu.load(s_ref.at[_at(split * num_tokens + rows, s_col, rank_pad)], mask=s_ok, other=0)
-        return (s * scale).astype(gate_b_ref.dtype)
-
-    s_gate, s_up = load_s(0), load_s(max_rank)
-    first_block = group * tiles.out_steps
-    is_ragged = width % (tn * tiles.out_steps) != 0
-
-    def step(j, carry):
-        n_start = (first_block + j) * tn
-        cols = n_start + jnp.arange(tn, dtype=jnp.int32)
-        b_mask, write = b_ok, jnp.broadcast_to(row_ok[:, None], (tm, tn))
-        if is_ragged:  # columns past the width: B rows not read, output columns not written
-            col_ok = cols < width
-            b_mask, write = b_mask & col_ok[:, None], write & col_ok[None, :]
-        b_at = _at(slot_index * width + cols, 0, rank_pad)
-        gate_delta = _dot_nt(s_gate, plgpu.load(gate_b_ref.at[b_at], mask=b_mask, other=0))
-        up_delta = _dot_nt(s_up, plgpu.load(up_b_ref.at[b_at], mask=b_mask, other=0))
-        gate_base = plgpu.load(base_ref.at[_at(rows, n_start, tn)], mask=write, other=0)
-        up_base = plgpu.load(base_ref.at[_at(rows, width + n_start, tn)], mask=write, other=0)
-        # each part rounded to the output's dtype before the activation, as the unfused layer's add is
-        gate = (gate_base.astype(jnp.float32) + gate_delta).astype(o_ref.dtype).astype(jnp.float32)
-        up = (up_base.astype(jnp.float32) + up_delta).astype(o_ref.dtype).astype(jnp.float32)
-        value = jnp.where(is_real[:, None], gate * jax.nn.sigmoid(gate) * up, 0.0)
-        plgpu.store(o_ref.at[_at(rows, n_start, tn)], value.astype(o_ref.dtype), mask=write)
-        return carry
-
-    jax.lax.fori_loop(0, tiles.out_steps, step, 0)
-
-
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def sgmv_expand_gated_gpu(
-    s_partials: jax.Array,  # [splits, T, S] f32 or [T, S], S >= 2 * R: gate's R columns, then up's
-    lora_b: tuple[jax.Array, jax.Array],  # (gate, up): [A, I, R] each, or [L, A, I, R] with `layer`
-    base_out: jax.Array,  # [T, 2 * I] = [gate | up], the base product
-    num_rows: jax.Array,  # [1] i32: the step's real tokens; the rows after them come out zero
-    sort_perm: jax.Array,  # [T] i32
-    seg_start: jax.Array,  # [G+1] i32
-    seg_slot: jax.Array,  # [G] i32
-    slot_rank: jax.Array,  # [A] i32
-    slot_scale: jax.Array | None = None,  # [A] f32, multiplies s per slot; None = 1
-    work: WorkList | None = None,
-    work_perm: jax.Array | None = None,
-    layer: jax.Array | None = None,  # i32 scalar: which layer of stacked B buffers
-    *,
-    tiles: GpuTiles,
-    interpret: bool = False,
-) -> jax.Array:
-    """silu(gate + gate delta) * (up + up delta) [T, I] in base_out's dtype, one launch: the expand of a gate|up module
-    that reads the base product and writes the MLP's activation, so neither the [T, 2I] delta nor the sum reaches
-    device memory. Every row is written (base tokens' rows with no delta); rows from num_rows[0] on are zero.
-    work, work_perm: the batch's work list for row tiles of `tiles.block_rows`, else built here."""
-    if s_partials.ndim == 2:
-        s_partials = s_partials[None]
-    gate_b, up_b = lora_b
-    num_splits, num_tokens, s_cols = s_partials.shape
-    _, layer_arg = layer_operand(gate_b, layer)
-    num_slots, width, max_rank = gate_b.shape[-3:]
-    if up_b.shape != gate_b.shape:
-        raise ValueError(f"gate and up B buffers must share a shape: {gate_b.shape} and {up_b.shape}")
-    if not fits_stacked_offsets(gate_b.shape):
-        raise ValueError(f"LoRA B buffer {gate_b.shape} is too large for int32 offsets; pass one layer's slice")
-    if base_out.shape != (num_tokens, 2 * width):
-        raise ValueError(f"base_out {base_out.shape} must be [T, 2 * I] = {(num_tokens, 2 * width)}")
-    if 2 * max_rank > s_cols:
-        raise ValueError(f"s has {s_cols} columns; gate and up need {2 * max_rank}")
-    work, perm = _work_and_perm(
-        work, work_perm, sort_perm, seg_start, seg_slot, slot_rank, num_tokens, tiles.block_rows
-    )
-    scale = jnp.ones((num_slots,), jnp.float32) if slot_scale is None else slot_scale.astype(jnp.float32)
-    kernel = functools.partial(
-        _gated_expand_kernel,
-        tiles=tiles,
-        width=width,
-        rank_pad=padded_rank(max_rank),
-        max_rank=max_rank,
-        num_tokens=num_tokens,
-        num_splits=num_splits,
-        num_slots=num_slots,
-    )
-    s_flat = s_partials.astype(jnp.float32).reshape(num_splits * num_tokens, s_cols)
-    rows = jnp.asarray(num_rows, jnp.int32).reshape(1)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_tokens, width), base_out.dtype),
-        grid=(work.num_items, -(-width // (tiles.block_out * tiles.out_steps))),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=2),
-        interpret=interpret,
-    )(
-        *_work_args(work),
-        scale,
-        perm,
-        layer_arg,
-        rows,
-        s_flat,
-        gate_b.reshape(-1, max_rank),
-        up_b.reshape(-1, max_rank),
-        base_out,
-    )

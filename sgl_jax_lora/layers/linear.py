@@ -143,12 +143,8 @@ class Linear(nnx.Module):
         unwritten are zeroed in the activation's elementwise pass (XLA fuses the select into it) rather than in a
         pass of their own over the [T, out] product, which XLA cannot fuse into the LoRA expand kernel that reads
         the product after the base GEMM kernel."""
-        return self.activation(self(x, lora_batch, num_rows=num_rows, zero_padding=False), num_rows)
-
-    def activation(self, y: jax.Array, num_rows: jax.Array | None) -> jax.Array:
-        """silu(gate) * up of a packed (gate, up) product [T, out] whose rows from num_rows[0] on may hold any
-        values (they come out zero)."""
-        gate, up = split_packed(zero_rows_from(y, num_rows), self.part_sizes, self.tp_size)
+        y = zero_rows_from(self(x, lora_batch, num_rows=num_rows, zero_padding=False), num_rows)
+        gate, up = split_packed(y, self.part_sizes, self.tp_size)
         return jax.nn.silu(gate) * up
 
 

@@ -11,10 +11,9 @@ with the step's backend metadata (`LoRAMeta`, built once per forward by the back
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
 in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
 fits it; for gate|up (`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. Where it does
-not run (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
-`Linear.base` (in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
-layers/fp8.py's, else XLA's dot), and gate|up's expand applies the activation itself (`apply_gated`) where the
-backend has such a kernel.
+not (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
+`Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
+layers/fp8.py's, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
@@ -142,32 +141,13 @@ class LoRALinear(Linear):
 
     def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:
         """`Linear.silu_and_mul` with this module's adapters. In steps where no token uses an adapter (lora None),
-        the base GEMM kernel's epilogue applies it. Where the backend runs the GEMM with the LoRA inside it
-        (`runs_base_gemm`), that kernel, with the activation in its epilogue where the module fits it, else the
-        packed product then the activation. Elsewhere the base product, then the backend's `apply_gated` (the
-        expand that applies the activation) where it has one, else the delta added to the product, then the
-        activation."""
+        the base GEMM kernel's epilogue applies it; where the backend runs the GEMM with the LoRA inside it
+        (`runs_base_gemm`) and the module fits, that kernel's epilogue, after the entries; else the packed product
+        with the LoRA delta, split, then the activation."""
         if lora is None:
             return super().silu_and_mul(x, None, num_rows)
-        if lora.runs_base_gemm:
-            y = self._with_base(x, lora, num_rows, gated=True) if self.bias is None else None
-            return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
-        product = self.base(x, num_rows, zero_padding=False)
-        lora_a, lora_bs = self.lora_a.get_value(), self._lora_bs()
-        y = self.backend.apply_gated(
-            x,
-            lora_a,
-            lora_bs,
-            lora,
-            product,
-            tp_size=self.tp_size,
-            output_sharded=not self.row_parallel,
-            num_rows=num_rows,
-        )
-        if y is not None:
-            return y
-        options = dict(tp_size=self.tp_size, output_sharded=not self.row_parallel)
-        return self.activation(self.backend.apply_packed(x, lora_a, lora_bs, lora, product, **options), num_rows)
+        y = self._with_base(x, lora, num_rows, gated=True) if self.bias is None else None
+        return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
 
     def _with_base(
         self,

@@ -124,18 +124,17 @@ def test_rounds_alternate_the_order_of_the_cases():
 def test_a_variant_is_measured_round_by_round(monkeypatch):
     """The tests' tiny Llama (two layers), native attention, a decode and a prefill case over two rounds: one row a
     case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows. The
-    model is the engine's for the variant's flags (`load_engine_model`), with the Pallas GPU backend's gated expand off
-    as asked, and its forward takes the engine's XLA options for this platform."""
+    model is the engine's for the variant's flags (`load_engine_model`) and its forward takes the engine's XLA options
+    for this platform."""
     asked = []
 
     def engine_options(platform: str, disable_gpu_concurrent_kernels: bool):
         asked.append((platform, disable_gpu_concurrent_kernels))
         return forward_compiler_options(platform, disable_gpu_concurrent_kernels)
 
-    def engine_model(args: ServerArgs, cfg, mesh, spec):
-        gated = spec.backend.backends["pallas"].gated_expand
-        asked.append((args.attention_backend, args.lora_backend, args.gpu_gemm_min_tokens, gated))
-        return load_engine_model(args, cfg, mesh, spec)
+    def engine_model(args: ServerArgs, *rest):
+        asked.append((args.attention_backend, args.lora_backend, args.gpu_gemm_min_tokens))
+        return load_engine_model(args, *rest)
 
     monkeypatch.setattr(bench_step, "forward_compiler_options", engine_options)
     monkeypatch.setattr(bench_step, "load_engine_model", engine_model)
@@ -147,7 +146,6 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
         lora_fused_gemm_min_tokens=None,
         gpu_gemm_min_tokens=8,
         disable_gpu_concurrent_kernels=True,
-        disable_lora_gated_expand=True,
         hbm_tb_s=4.8,
         peak_tflops=790.0,
     )
@@ -159,4 +157,4 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     assert [row["tokens"] for row in last] == [3, 48]
     assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
     assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
-    assert asked == [("native", "auto", 8, False), (jax.default_backend(), True)]
+    assert asked == [("native", "auto", 8), (jax.default_backend(), True)]

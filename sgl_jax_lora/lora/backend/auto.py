@@ -10,8 +10,7 @@ without measurements use the one-hot einsum baseline.
 
 Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
 one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
-it, else the plain LoRAMeta; `apply_packed`, `apply_with_base` and `apply_gated` go to the backend `chosen` for the
-module.
+it, else the plain LoRAMeta; `apply_packed` and `apply_with_base` go to the backend `chosen` for the module.
 What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 
@@ -142,21 +141,4 @@ class AutoBackend(LoRABackend):
             num_rows=num_rows,
             gated=gated,
             zero_padding=zero_padding,
-        )
-
-    def apply_gated(
-        self,
-        x: jax.Array,
-        lora_a: jax.Array | LayerStack,
-        lora_bs: tuple[jax.Array | LayerStack, ...],
-        meta: LoRAMeta,
-        base_out: jax.Array,
-        *,
-        tp_size: int,
-        output_sharded: bool = False,
-        num_rows: jax.Array | None = None,
-    ) -> jax.Array | None:
-        backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
-        return backend.apply_gated(
-            x, lora_a, lora_bs, meta, base_out, tp_size=tp_size, output_sharded=output_sharded, num_rows=num_rows
         )

@@ -8,8 +8,7 @@ table of the GEMM with the LoRA inside it). Every `LoRALinear` then hands that m
 base output and A/B buffers to `apply_packed`, or, where `LoRAMeta.runs_base_gemm`, first to `apply_with_base`.
 The model never sees what the metadata holds.
 
-What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`,
-`apply_gated`),
+What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`),
 `dot_precision`, `BACKEND_NAMES` and `make_lora_backend`. The pure-JAX backends share `XlaBackend`
 (lora/backend/xla.py), the Pallas ones `PallasBackend` (lora/backend/pallas.py).
 
@@ -113,24 +112,6 @@ class LoRABackend(abc.ABC):
         consumer that masks them itself. gated (a column-parallel [gate | up] module): silu(gate) * up [T, out / 2]
         from the kernel's epilogue instead (the rows after num_rows' row tile zero, those inside it any values), or
         None."""
-        return None
-
-    def apply_gated(
-        self,
-        x: jax.Array,  # [T, in]
-        lora_a: jax.Array | LayerStack,  # [A, 2 * R, in]: gate's A, then up's
-        lora_bs: tuple[jax.Array | LayerStack, ...],  # (gate, up): [A, I, R] each
-        meta: LoRAMeta,
-        base_out: jax.Array,  # [T, 2 * I] the base product, packed shard-major (its padding rows any values)
-        *,
-        tp_size: int,
-        output_sharded: bool = False,
-        num_rows: jax.Array | None = None,
-    ) -> jax.Array | None:
-        """A column-parallel gate|up module's activation with its LoRA delta, silu(gate + delta) * (up + delta)
-        [T, I], from kernels that never write the delta or the sum to device memory; the rows from num_rows[0] on
-        zero. None where this backend has no such kernel for the module: LoRALinear then adds the delta with
-        `apply_packed` and applies the activation."""
         return None
 
 

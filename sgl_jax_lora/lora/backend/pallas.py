@@ -137,17 +137,6 @@ class PallasBackend(LoRABackend):
         y_spec = OUT_SPLIT_Y if output_sharded else REPLICATED
         return self._sharded(local, (REPLICATED, b_spec, REPLICATED), y_spec)(s, lora_b, LoRAMeta(lora))
 
-    def layer_operands(
-        self, lora_a: jax.Array | LayerStack, lora_bs: tuple[jax.Array | LayerStack, ...]
-    ) -> tuple[bool, jax.Array, jax.Array, tuple[jax.Array, ...]]:
-        """(is stacked, layer index, A, Bs) for the kernels: the whole [L, ...] stacks and the view's layer where
-        every buffer is a LayerStack the kernels can read whole, else each buffer's layer slice and index 0."""
-        buffers = (lora_a, *lora_bs)
-        if all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers):
-            return True, lora_a.layer, lora_a.stack, tuple(b.stack for b in lora_bs)
-        layer = jnp.zeros((), jnp.int32)
-        return False, layer, as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
-
     # -- the interface ------------------------------------------------------------------------------------------
 
     def apply_packed(
@@ -162,7 +151,13 @@ class PallasBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
-        is_stacked, layer, lora_a, lora_bs = self.layer_operands(lora_a, lora_bs)
+        buffers = (lora_a, *lora_bs)
+        is_stacked = all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers)
+        if is_stacked:
+            layer, lora_a, lora_bs = lora_a.layer, lora_a.stack, tuple(b.stack for b in lora_bs)
+        else:
+            layer = jnp.zeros((), jnp.int32)
+            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
         adds_in_place = not self.returns_delta(input_sharded)
 

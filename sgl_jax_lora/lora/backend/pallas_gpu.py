@@ -50,13 +50,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
     gemm_lora_gpu,
     rows_operand,
 )
-from pallas_kernels.sgmv.gpu import (
-    choose_tiles,
-    fits_stacked_offsets,
-    sgmv_expand_gated_gpu,
-    sgmv_expand_gpu,
-    sgmv_shrink_gpu_partials,
-)
+from pallas_kernels.sgmv.gpu import choose_tiles, fits_stacked_offsets, sgmv_expand_gpu, sgmv_shrink_gpu_partials
 from pallas_kernels.sgmv.work_list import WorkList, gpu_block_rows, make_work_list, make_work_list_host, padded_perm
 from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRAMeta
@@ -154,14 +148,12 @@ class PallasGPUBackend(PallasBackend):
         interpret: bool | None = None,
         fused_gemm_min_tokens: int | None = None,
         fused_gemm_split_k: bool = True,
-        gated_expand: bool = True,
     ):
         """fused_gemm_min_tokens: the least token bucket that runs the base GEMM with the LoRA inside it (0:
         none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
         path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K loop where
         its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part (scripts/bench_gemm_lora.py
-        compares the two). gated_expand: gate|up below the fused GEMM takes `apply_gated` (False: the delta
-        beside the base GEMM, then XLA's activation; scripts/bench_step.py compares the two)."""
+        compares the two)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
@@ -169,7 +161,6 @@ class PallasGPUBackend(PallasBackend):
         self.fused_gemm_min_tokens = fused_gemm_min_tokens
         self.fused_gemm_reference = not has_gemm_kernel
         self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
-        self.gated_expand = gated_expand
 
     def prepare(self, lora: LoRABatch, num_seqs: int) -> PallasGPUMeta:
         num_tokens = lora.token_slot.shape[0]
@@ -239,40 +230,6 @@ class PallasGPUBackend(PallasBackend):
             tiles=tiles,
             interpret=self.interpret,
         )
-
-    def apply_gated(
-        self,
-        x: jax.Array,
-        lora_a: jax.Array | LayerStack,
-        lora_bs: tuple[jax.Array | LayerStack, ...],
-        meta: LoRAMeta,
-        base_out: jax.Array,
-        *,
-        tp_size: int,
-        output_sharded: bool = False,
-        num_rows: jax.Array | None = None,
-    ) -> jax.Array | None:
-        """The SGMV shrink, then `sgmv_expand_gated_gpu`: the expand reads the base product and writes
-        silu(gate + delta) * (up + delta), each shard its columns. It waits for the base GEMM (the delta alone would
-        run beside it) but saves writing the [T, 2I] delta and XLA's pass over product and delta."""
-        if len(lora_bs) != 2 or not self.gated_expand:
-            return None
-        is_stacked, layer, lora_a, lora_bs = self.layer_operands(lora_a, lora_bs)
-        max_rank = lora_bs[0].shape[-1]
-
-        def local(x, lora_a, meta, scalars, gate_b, up_b, y):
-            s = self._local_shrink_partials(x, lora_a, meta, max_rank, scalars[0])
-            tiles = choose_tiles(x.shape[0], meta.batch.num_segments, None, (gate_b.shape[-2],), gated=True)
-            segments = (*_segments(meta), meta.batch.slot_scale, *_work(meta, tiles.block_rows))
-            return sgmv_expand_gated_gpu(
-                s, (gate_b, up_b), y, scalars[1:], *segments, scalars[0], tiles=tiles, interpret=self.interpret
-            )
-
-        b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
-        specs = (REPLICATED, stacked_spec(REPLICATED, is_stacked), REPLICATED, REPLICATED)
-        specs += (stacked_spec(b_spec, is_stacked),) * 2 + (y_spec,)
-        scalars = jnp.concatenate([jnp.reshape(layer, (1,)), rows_operand(num_rows, x.shape[0])]).astype(jnp.int32)
-        return self._sharded(local, specs, y_spec)(x, lora_a, meta, scalars, *lora_bs, base_out)
 
     # -- the base GEMM with the LoRA inside it (prefill) ---------------------------------------------------------
 
