@@ -8,7 +8,8 @@ Slot 0 is the base model: its A/B rows are all zeros, so base tokens get an exac
 Segments are the runs of equal slot after a stable sort of the tokens by slot; the number of segments
 is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
 
-It is plain per-step data: no kernel's structures. Each backend turns it into its own metadata once per
+`max_lora_runs` bounds the runs of one adapter's tokens in an engine step (checked here on the host, given
+max_chunks). A LoRABatch is plain per-step data: no kernel's structures. Each backend turns it into its own metadata once per
 forward (`LoRABackend.prepare`, lora/backend/base.py), e.g. the Pallas GPU kernels' work list.
 """
 
@@ -48,19 +49,41 @@ jax.tree_util.register_dataclass(
 )
 
 
+def max_lora_runs(num_slots: int, max_chunks: int) -> int:
+    """The most runs of one adapter's tokens (in token order) a step of the engine holds: its decode rows grouped by
+    slot (managers/schedule_batch.py `group_rows_by_slot`) give one run per adapter slot, and each of at most
+    max_chunks prefill chunks (--max-prefill-seqs) one more."""
+    return num_slots - 1 + max_chunks
+
+
+def lora_runs(token_slot: np.ndarray) -> int:
+    """Runs of equal non-zero slot in token order (host)."""
+    is_start = token_slot[1:] != token_slot[:-1]
+    return int(np.count_nonzero(token_slot[:1]) + np.count_nonzero(is_start & (token_slot[1:] != 0)))
+
+
 def build_lora_batch(
     token_slot: np.ndarray,
     num_segments: int,
     slot_scale: np.ndarray,
     slot_rank: np.ndarray,
+    max_chunks: int | None = None,
 ) -> LoRABatch:
     """Host-side construction of a LoRABatch (numpy leaves).
 
     token_slot: [T] i32, already padded to the token bucket (padding tokens use slot 0).
     num_segments: G, the static segment bucket; must be >= the number of distinct slots in token_slot.
     slot_scale: [A] f32; slot_rank: [A] i32.
+    max_chunks: the engine's --max-prefill-seqs; given, the adapter runs of token_slot must stay within
+    `max_lora_runs` (the bound the GPU backend sizes the fused GEMM's entry table by), else ValueError.
     """
     token_slot = np.asarray(token_slot, dtype=np.int32)
+    if max_chunks is not None and lora_runs(token_slot) > max_lora_runs(len(slot_scale), max_chunks):
+        raise ValueError(
+            f"step has {lora_runs(token_slot)} runs of adapter tokens, more than "
+            f"{max_lora_runs(len(slot_scale), max_chunks)} (adapter slots + --max-prefill-seqs {max_chunks}): its "
+            "decode rows must be grouped by adapter slot before the prefill chunks (an engine bug)"
+        )
     num_tokens = token_slot.shape[0]
     sort_perm = np.argsort(token_slot, kind="stable").astype(np.int32)
     sorted_slots = token_slot[sort_perm]

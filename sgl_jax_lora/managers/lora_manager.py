@@ -85,6 +85,7 @@ class LoRAManager:
         inspect: Callable[[LoRARef], AdapterSummary],
     ):
         self.max_per_batch = args.max_loras_per_batch
+        self.max_chunks = args.max_prefill_seqs  # bounds a step's adapter runs (lora_batch.py `max_lora_runs`)
         self.max_rank = max_rank
         self.target_modules = target_modules  # HF module names the device buffers cover
         self.runner = runner
@@ -348,7 +349,7 @@ class LoRAManager:
             return None
         num_distinct = len(np.unique(token_slots))
         num_segments = next(g for g in self.segment_buckets if g >= num_distinct)
-        return build_lora_batch(token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank)
+        return build_lora_batch(token_slots, num_segments, self.pool.slot_scale, self.pool.slot_rank, self.max_chunks)
 
     def padding_batches(self, num_tokens: int) -> list[LoRABatch | None]:
         """One all-base LoRABatch per segment bucket (and None for the LoRA-free program), for compiling every

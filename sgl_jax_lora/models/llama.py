@@ -266,7 +266,8 @@ class LlamaForCausalLM(nnx.Module):
         hidden = self.embed_tokens(batch.input_ids)
         lora = None
         if batch.lora is not None and self.lora_backend is not None:  # once per forward, shared by every layer
-            lora = self.lora_backend.prepare(batch.lora, num_seqs=batch.seq_lens.shape[0])
+            num_seqs, max_chunks = batch.seq_lens.shape[0], self.attention_backend.max_chunks
+            lora = self.lora_backend.prepare(batch.lora, num_seqs=num_seqs, max_chunks=max_chunks)
         # LoRA buffers (and, when the backend runs the base GEMM with the LoRA inside it, the LoRA modules' base
         # weights; in buckets that run the base GEMM kernel, every layer linear's base weight) stay whole [L, ...]
         # arrays outside the scan: each layer gets LayerStack views (layers/layer_stack.py), so kernels that read the

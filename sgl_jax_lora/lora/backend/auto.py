@@ -83,11 +83,11 @@ class AutoBackend(LoRABackend):
             return self.backends["pallas"]
         return self.backends[choose_backend_name(self.platform, num_tokens, num_segments, out_features)]
 
-    def prepare(self, lora: LoRABatch, num_seqs: int) -> LoRAMeta:
+    def prepare(self, lora: LoRABatch, num_seqs: int, max_chunks: int | None = None) -> LoRAMeta:
         num_tokens, num_segments = lora.token_slot.shape[0], lora.num_segments
         pallas = self.backends["pallas"]
         if any(self.chosen(num_tokens, num_segments, width) is pallas for width in (0, _ANY)):
-            return pallas.prepare(lora, num_seqs)
+            return pallas.prepare(lora, num_seqs, max_chunks)
         return LoRAMeta(lora)
 
     def apply_packed(

@@ -65,10 +65,13 @@ class LoRABackend(abc.ABC):
     def __init__(self, mesh: Mesh | None = None):
         self.mesh = mesh
 
-    def prepare(self, lora: LoRABatch, num_seqs: int) -> LoRAMeta:
+    def prepare(self, lora: LoRABatch, num_seqs: int, max_chunks: int | None = None) -> LoRAMeta:
         """The backend's metadata for this step, built once per forward inside jit and shared by every layer.
 
-        num_seqs: the step's static sequence bucket (each sequence's tokens are contiguous)."""
+        num_seqs: the step's static sequence bucket (each sequence's tokens are contiguous). max_chunks: the most
+        prefill chunks a step holds (--max-prefill-seqs; None: any); the scheduler groups a step's decode rows by
+        adapter slot before its chunks, so the runs of one adapter's tokens are then at most the adapter slots plus
+        max_chunks (`max_lora_runs`, which `build_lora_batch` checks on the host)."""
         return LoRAMeta(lora)
 
     @abc.abstractmethod

@@ -63,7 +63,7 @@ from sgl_jax_lora.lora.backend.pallas import (
     PallasBackend,
     stacked_spec,
 )
-from sgl_jax_lora.lora.lora_batch import LoRABatch
+from sgl_jax_lora.lora.lora_batch import LoRABatch, max_lora_runs
 
 _IN_SPLIT_W = P(TENSOR_AXIS, None)  # base weight [in, out] of a row-parallel layer
 _OUT_SPLIT_W = P(None, TENSOR_AXIS)  # ... of a column-parallel layer
@@ -86,14 +86,18 @@ jax.tree_util.register_dataclass(
 )
 
 
-def entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int) -> EntryTable:
+def entry_table(lora: LoRABatch, tile_rows: int, num_seqs: int, max_chunks: int | None = None) -> EntryTable:
     """The entry table of the GEMM that has the LoRA inside it, for row tiles of `tile_rows`, built inside jit.
 
-    Its static size is a bound that holds for every extend batch of the bucket. An entry is a (row tile, run of
-    one adapter) pair. Each sequence's tokens are contiguous (managers/schedule_batch.py), so there are at most
-    `num_seqs` runs; a run meets one tile more than the tile boundaries it crosses, and each of the
-    T / tile_rows - 1 boundaries is crossed by one run at most: at most T / tile_rows + num_seqs - 1 entries."""
-    max_entries = lora.token_slot.shape[0] // tile_rows + num_seqs - 1
+    Its static size is a bound that holds for every batch of the bucket. An entry is a (row tile, run of one
+    adapter) pair. Each sequence's tokens are contiguous (managers/schedule_batch.py), so there are at most
+    `num_seqs` runs, and with `max_chunks` at most `max_lora_runs` (decode rows grouped by slot, then the chunks);
+    a run meets one tile more than the tile boundaries it crosses, and each of the T / tile_rows - 1 boundaries is
+    crossed by one run at most: at most T / tile_rows + runs - 1 entries. Every layer gathers the shrink's output
+    into this table's [entries, tile_rows] layout, so the tighter bound makes that gather smaller (751 decode rows
+    of 32 adapters in the 1024 bucket: 1.4% of the forward on an H100, docs/benchmarks.md)."""
+    runs = num_seqs if max_chunks is None else min(num_seqs, max_lora_runs(lora.slot_scale.shape[0], max_chunks))
+    max_entries = lora.token_slot.shape[0] // tile_rows + runs - 1
     return build_entry_table(lora.token_slot, lora.slot_scale, tile_m=tile_rows, max_entries=max_entries)
 
 
@@ -162,13 +166,13 @@ class PallasGPUBackend(PallasBackend):
         self.fused_gemm_reference = not has_gemm_kernel
         self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
 
-    def prepare(self, lora: LoRABatch, num_seqs: int) -> PallasGPUMeta:
+    def prepare(self, lora: LoRABatch, num_seqs: int, max_chunks: int | None = None) -> PallasGPUMeta:
         num_tokens = lora.token_slot.shape[0]
         block_rows = gpu_block_rows(num_tokens)
         work = make_work_list(lora.seg_start, lora.seg_slot, lora.slot_rank, num_tokens, block_rows)
         work_perm = padded_perm(lora.sort_perm, block_rows, jnp)
         tile_rows = self.fused_gemm_tile_rows(num_tokens, lora.num_segments)
-        entries = entry_table(lora, tile_rows, num_seqs) if tile_rows else None
+        entries = entry_table(lora, tile_rows, num_seqs, max_chunks) if tile_rows else None
         return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows, entries=entries)
 
     def returns_delta(self, input_sharded: bool) -> bool:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch
+from sgl_jax_lora.lora.lora_batch import LoRABatch, build_lora_batch, lora_runs, max_lora_runs
 
 SCALE = np.array([0.0, 2.0, 0.5, 1.0], np.float32)
 RANK = np.array([0, 8, 4, 0], np.int32)
@@ -80,3 +80,19 @@ def test_lora_batch_crosses_jit_as_a_pytree():
     np.testing.assert_array_equal(np.asarray(per_token_scale(lora)), [4.5, 4.0, 4.5, 6.0])
     rebuilt = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(leaf) for leaf in leaves])
     assert isinstance(rebuilt, LoRABatch) and rebuilt.num_segments == 4
+
+
+def test_adapter_runs_are_checked_against_slots_and_chunks():
+    """The engine's steps group decode rows by slot before their prefill chunks, so a step has at most one run of
+    adapter tokens per adapter slot plus one per chunk (`max_lora_runs`); a step past that is refused on the host,
+    where the GPU backend's entry table would otherwise drop its runs past the bound."""
+    assert lora_runs(np.array([1, 1, 0, 2, 2, 0, 0, 1, 3], np.int32)) == 4
+    assert lora_runs(np.array([0, 0], np.int32)) == 0 and lora_runs(np.zeros(0, np.int32)) == 0
+    assert max_lora_runs(num_slots=4, max_chunks=2) == 5
+    scale, rank = np.array([0, 1, 1, 1], np.float32), np.array([0, 8, 8, 8], np.int32)
+    grouped = np.array([1, 1, 2, 3, 3, 0, 2, 2, 1, 0], np.int32)  # 3 slots' decode rows, then 2 chunks
+    assert build_lora_batch(grouped, 4, scale, rank, max_chunks=2).token_slot.shape == (10,)
+    interleaved = np.array([1, 2, 1, 2, 3, 1], np.int32)  # decode rows not grouped: 6 runs > 3 + 2
+    with pytest.raises(ValueError, match="6 runs of adapter tokens, more than 5"):
+        build_lora_batch(interleaved, 4, scale, rank, max_chunks=2)
+    build_lora_batch(interleaved, 4, scale, rank)  # without max_chunks (tests, benchmarks) nothing is checked

@@ -73,6 +73,7 @@ def make_manager(max_loras_per_batch: int = 2, gone: frozenset[str] = frozenset(
         lora_eviction_policy="lru",
         lora_segment_buckets=None,
         disable_lora_base_program=False,
+        max_prefill_seqs=8,
     )
     summary = types.SimpleNamespace(rank=8, target_modules=frozenset())
     manager = LoRAManager(args, runner, None, 8, frozenset(), None, lambda ref: summary)

@@ -57,3 +57,29 @@ def test_hopper_default_runs_the_fused_gemm_from_the_1024_bucket():
     buckets = (256, 384, 512, 768, 1024, 1152, 2048)
     assert [backend.fused_gemm_tile_rows(t, 33) for t in buckets] == [0, 0, 0, 0, 128, 128, 128]
     assert backend.fused_gemm_tile_rows(1000, 33) == 0
+
+
+def test_entry_table_with_max_chunks_is_bounded_by_adapter_runs():
+    """With the engine's --max-prefill-seqs the table holds T / tile + (adapter slots + chunks) - 1 entries, not one a
+    sequence of the bucket: a decode step of 1024 rows grouped by slot (32 adapters, base and padding rows after them)
+    gets the same entries as the sequence-bounded table, in 8 + 48 - 1 rows of the layout instead of 8 + 1024 - 1."""
+    rng = np.random.default_rng(0)
+    token_slot = np.sort(rng.integers(1, 33, 751)).astype(np.int32)
+    token_slot = np.concatenate([token_slot, np.zeros(1024 - 751, np.int32)])
+    scale = np.ones(33, np.float32)
+    scale[0] = 0
+    lora = jax.tree_util.tree_map(
+        jnp.asarray, build_lora_batch(token_slot, 33, scale, np.full(33, 16, np.int32), max_chunks=16)
+    )
+    wide = entry_table(lora, 128, 1024)
+    tight = jax.jit(
+        lambda lora: PallasGPUBackend(None, interpret=True, fused_gemm_min_tokens=1024).prepare(lora, 1024, 16)
+    )(lora).entries
+    assert wide.max_entries == 8 + 1024 - 1 and tight.max_entries == 8 + 32 + 16 - 1
+    used = int(np.asarray(tight.entry_start)[-1])
+    assert used == int(np.asarray(wide.entry_start)[-1]) and used <= tight.max_entries
+    assert np.array_equal(np.asarray(tight.entry_start), np.asarray(wide.entry_start))
+    assert np.array_equal(np.asarray(tight.entry_slot)[:used], np.asarray(wide.entry_slot)[:used])
+    rows = np.asarray(wide.row_token)[: used * 128]
+    assert np.array_equal(np.asarray(tight.row_token)[: used * 128], rows)
+    assert np.all(np.asarray(wide.row_token)[used * 128 :] == 1024)  # the wide table's other rows are empty
