@@ -9,8 +9,8 @@ Segments are the runs of equal slot after a stable sort of the tokens by slot; t
 is padded to a static bucket G with empty segments (start == end == T) whose slot is 0.
 
 `max_lora_runs` bounds the runs of one adapter's tokens in an engine step (checked here on the host, given
-max_chunks). A LoRABatch is plain per-step data: no kernel's structures. Each backend turns it into its own metadata once per
-forward (`LoRABackend.prepare`, lora/backend/base.py), e.g. the Pallas GPU kernels' work list.
+max_chunks). A LoRABatch is plain per-step data: no kernel's structures. Each backend turns it into its own
+metadata once per forward (`LoRABackend.prepare`, lora/backend/base.py), e.g. the Pallas GPU kernels' work list.
 """
 
 from __future__ import annotations
