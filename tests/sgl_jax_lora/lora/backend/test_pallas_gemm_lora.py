@@ -310,10 +310,14 @@ def test_engine_prefill_with_lora_in_the_gemm_matches_peft(kernel_sized_model, m
     base, adapters = kernel_sized_model
     monkeypatch.setattr(PallasGPUBackend, "GATED_MIN_TOKENS", 256)  # gate|up's activation in the 256-token step
     calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
+    tables, real_table = [], pallas_module.entry_table
+    monkeypatch.setattr(pallas_module, "entry_table", lambda *args: tables.append(args[2:]) or real_table(*args))
     sgmv = serve_prefill(base, adapters, fused_min_tokens=0)
     assert not calls
     fused = serve_prefill(base, adapters, fused_min_tokens=256)
     assert len(calls) == 4  # q|k|v, o, gate|up and down, traced once in the layer scan
+    # the model hands the backend the engine's --max-prefill-seqs, which bounds the entry table by adapter runs
+    assert tables and all(max_chunks == 4 for _, max_chunks in tables)
     assert [call["gated"] for call in calls] == [False, False, True, False]  # gate|up's activation in the kernel
     for ids, adapter, ours_fused, ours_sgmv in zip(PROMPTS, adapters + [None], fused, sgmv):
         expected = peft_logprobs(base, adapter, ids)
