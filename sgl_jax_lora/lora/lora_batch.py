@@ -78,12 +78,13 @@ def build_lora_batch(
     `max_lora_runs` (the bound the GPU backend sizes the fused GEMM's entry table by), else ValueError.
     """
     token_slot = np.asarray(token_slot, dtype=np.int32)
-    if max_chunks is not None and lora_runs(token_slot) > max_lora_runs(len(slot_scale), max_chunks):
-        raise ValueError(
-            f"step has {lora_runs(token_slot)} runs of adapter tokens, more than "
-            f"{max_lora_runs(len(slot_scale), max_chunks)} (adapter slots + --max-prefill-seqs {max_chunks}): its "
-            "decode rows must be grouped by adapter slot before the prefill chunks (an engine bug)"
-        )
+    if max_chunks is not None:
+        runs, bound = lora_runs(token_slot), max_lora_runs(len(slot_scale), max_chunks)
+        if runs > bound:
+            raise ValueError(
+                f"step has {runs} runs of adapter tokens, more than {bound} (adapter slots + --max-prefill-seqs "
+                f"{max_chunks}): its decode rows must be grouped by adapter slot before the prefill chunks (an engine bug)"
+            )
     num_tokens = token_slot.shape[0]
     sort_perm = np.argsort(token_slot, kind="stable").astype(np.int32)
     sorted_slots = token_slot[sort_perm]
