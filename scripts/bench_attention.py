@@ -62,6 +62,7 @@ from pallas_kernels.attention.gpu import (  # noqa: E402
     PrefillTiles,
     _prefill_attention,
     choose_decode_block_kv,
+    choose_decode_num_warps,
     ragged_paged_attention_gpu,
 )
 from pallas_kernels.attention.reference import ragged_paged_attention_ref  # noqa: E402
@@ -75,7 +76,7 @@ CALLS = 8  # back-to-back calls per timed program
 DECODE_KERNEL = "ragged_paged_attention_decode"  # the decode kernel's name in a profiler trace
 KV_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 MIN_BUFFER_BYTES = 9 << 29  # 4.5 GiB per K or V cache: past int32 offsets, as the engine's cache is
-DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)] + [
+DECODE_SWEEP = [DecodeTiles(bk, 0, w, st) for bk in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3, 4)] + [
     DecodeTiles(bk, splits, 4, 3) for bk in (32, 64) for splits in (1, 2, 4)
 ]
 PREFILL_SWEEP = (
@@ -281,7 +282,10 @@ def measure(row: dict, batch: dict, decode_only: bool, baseline, sweep: bool) ->
     arg_sets = _arg_sets(batch)
     reference = baseline(*arg_sets[0])
     row["gather_ms"] = time_ms(baseline, arg_sets)
-    tiles = DecodeTiles(choose_decode_block_kv(batch["k_cache"].dtype)) if decode_only else PrefillTiles()
+    cache_dtype = batch["k_cache"].dtype
+    tiles = PrefillTiles()
+    if decode_only:  # the engine's choice, spelled out in the row
+        tiles = DecodeTiles(choose_decode_block_kv(cache_dtype), 0, choose_decode_num_warps(cache_dtype))
     if sweep:
         tiles, _, row["sweep"] = best_variant(decode_only, batch, DECODE_SWEEP if decode_only else PREFILL_SWEEP)
     row["tiles"] = str(tiles)

@@ -47,7 +47,8 @@ programs they were before windows.
 
 An 8-bit cache (`--kv-cache-dtype fp8_*`) is widened as its rows load, to float16 beside 16-bit queries (q is
 saturated into float16's range) and to q's dtype beside float32 ones, with float32 accumulation as for a 16-bit
-cache; the decode kernel then walks 64 keys a step (`choose_decode_block_kv`: the bytes of 32 bf16).
+cache; the decode kernel then walks 64 keys a step (`choose_decode_block_kv`: the bytes of 32 bf16) with 4 warps a
+program where a 16-bit cache takes 2 (`choose_decode_num_warps`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ _FIX_HINT = "restart with --attention-backend native"
 class DecodeTiles:
     block_kv: int = 0  # keys per loop step; 0: 32 for 16-bit caches, 64 for 8-bit ones (`choose_decode_block_kv`)
     num_splits: int = 0  # key splits per (token, kv head); 0: chosen from the static shapes
-    num_warps: int = 4
+    num_warps: int = 0  # warps a program; 0: 2 for 16-bit caches, 4 for 8-bit ones (`choose_decode_num_warps`)
     num_stages: int = 3
 
 
@@ -169,6 +170,14 @@ def choose_decode_block_kv(cache_dtype) -> int:
     against 0.247 ms for 256 x 517. With a bf16 cache 64 keys made the H100's 32-layer decode forwards 0.2-3% longer
     (docs/benchmarks.md)."""
     return 64 if jnp.dtype(cache_dtype).itemsize == 1 else 32
+
+
+def choose_decode_num_warps(cache_dtype) -> int:
+    """Warps a decode program: 2 for a 16-bit cache, 4 for an 8-bit one. On an H100 with a bf16 cache, 2 warps
+    read the pages 0.2-1.4% faster than 4 in five of six shapes (0.2% slower at 256 x 2053), and the 32-layer
+    decode forwards timed alternately in one process were within 0.6% either way (docs/benchmarks.md "The decode
+    kernel's own device time"); an 8-bit cache was not timed with 2."""
+    return 4 if jnp.dtype(cache_dtype).itemsize == 1 else 2
 
 
 def choose_block_rows(num_tokens: int, num_seqs: int) -> int:
@@ -435,6 +444,7 @@ def _decode_attention(
     max_kv_len = page_table.shape[1] * page_size
     block_kv = tiles.block_kv or choose_decode_block_kv(k_cache.dtype)
     splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, max_kv_len, block_kv)
+    num_warps = tiles.num_warps or choose_decode_num_warps(k_cache.dtype)
     rows_by_token = row_token is not None
     in_place = rows_by_token and splits == 1
     kernel = functools.partial(
@@ -468,7 +478,7 @@ def _decode_attention(
         kernel,
         out_shape=out_shape,
         grid=(num_kv_heads, num_rows, splits),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         input_output_aliases={len(operands): 0} if in_place else {},
         name="ragged_paged_attention_decode",

@@ -24,6 +24,7 @@ from pallas_kernels.attention.gpu import (
     _prefill_block_rows,
     _q_block_table,
     choose_decode_block_kv,
+    choose_decode_num_warps,
     choose_decode_splits,
     plan_ragged_attention_gpu,
     ragged_paged_attention_gpu,
@@ -449,6 +450,12 @@ def test_q_tiles_are_a_power_of_two_rows_of_whole_tokens():
 def test_decode_block_holds_the_same_bytes_for_any_cache_dtype():
     assert choose_decode_block_kv(jnp.bfloat16) == 32
     assert choose_decode_block_kv(jnp.float8_e4m3fn) == choose_decode_block_kv(jnp.float8_e5m2) == 64
+
+
+def test_decode_warps_are_two_for_16_bit_caches_and_four_for_8_bit_ones():
+    assert choose_decode_num_warps(jnp.bfloat16) == choose_decode_num_warps(jnp.float16) == 2
+    assert choose_decode_num_warps(jnp.float8_e4m3fn) == choose_decode_num_warps(jnp.float8_e5m2) == 4
+    assert DecodeTiles().num_warps == 0  # the default defers to the cache's dtype
 
 
 def test_decode_splits_only_when_programs_are_few():
