@@ -176,7 +176,7 @@ class ServerArgs:
     lora_backend: str = _f("auto", "LoRA compute backend", choices=LORA_BACKENDS)
     lora_fused_gemm_min_tokens: int | None = _f(
         None,
-        "token buckets of at least this many tokens (decode, prefill or mixed steps) compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: 1024 on Hopper GPUs (below it the SGMV kernels run beside the base GEMM), off elsewhere (other GPUs and CPU compute that path with the kernel's pure-JAX reference when set; TPU has no such kernel and ignores it)",
+        "token buckets of at least this many tokens (decode, prefill or mixed steps) compute each LoRA module's base GEMM with its LoRA inside one kernel (--lora-backend pallas or auto; a Mosaic GPU kernel for Hopper GPUs, pool ranks a multiple of 16 up to 64); 0 turns it off; default: on Hopper GPUs 1024 for gate|up and 2048 for q|k|v, o and down (below them the SGMV kernels run beside the base GEMM), off elsewhere (other GPUs and CPU compute that path with the kernel's pure-JAX reference when set; TPU has no such kernel and ignores it)",
     )
     lora_segment_buckets: list[int] | None = _f(
         None,

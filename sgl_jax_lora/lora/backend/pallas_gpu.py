@@ -19,12 +19,14 @@ applies the slot scale; a packed module (q|k|v, gate|up) is one shrink launch pl
 parts, with no XLA op between them. The expand writes a column-parallel module's delta for XLA to add
 (`returns_delta`), so it runs beside the base GEMM, and adds a row-parallel module's into the residual in place.
 
-Large token buckets on Hopper GPUs (`apply_with_base`; decode rows, prefill chunks or both): from
-`--lora-fused-gemm-min-tokens` tokens (default FUSED_GEMM_MIN_TOKENS), each LoRA module that fits computes its
-base GEMM and every part's expand in one Mosaic GPU kernel after the SGMV shrink, its K loop split where its tiles
-leave SMs idle; the model hands over the module's base weight as a layer-stack view. A module
-that kernel cannot take (its tiles, rank or dtype) gets None from `apply_with_base` and runs the base GEMM and
-the SGMV kernels. Elsewhere a positive flag value runs that path with the kernel's pure-JAX reference (CPU tests).
+Large token buckets on Hopper GPUs (`apply_with_base`; decode rows, prefill chunks or both): each LoRA module that
+fits computes its base GEMM and every part's expand in one Mosaic GPU kernel after the SGMV shrink, its K loop split
+where its tiles leave SMs idle; the model hands over the module's base weight as a layer-stack view. By default
+gate|up does from FUSED_GEMM_MIN_TOKENS tokens and q|k|v, o and down from FUSED_GEMM_OTHER_MIN_TOKENS
+(`takes_fused_gemm`); `--lora-fused-gemm-min-tokens` sets one threshold for every module. A module that kernel
+cannot take (its tiles, rank or dtype) or that its threshold keeps out gets None from `apply_with_base` and runs the
+base GEMM and the SGMV kernels. Elsewhere a positive flag value runs that path with the kernel's pure-JAX reference
+(CPU tests).
 gate|up (`gated`) takes the kernel with the MLP's activation in its epilogue from GATED_MIN_TOKENS tokens: in
 smaller buckets, decode rows of many adapters, its tiles (half as wide) each run every entry of their rows, and the
 product then XLA's activation is faster.
@@ -133,11 +135,16 @@ def _segments(meta: LoRAMeta) -> tuple[jax.Array, ...]:
 
 class PallasGPUBackend(PallasBackend):
     native_platforms = ("gpu", "cuda")
-    # token buckets from this many tokens run the GEMM with the LoRA inside it on Hopper GPUs; the SGMV kernels beside
-    # the base GEMM below. With 32 adapters the SGMV path was faster at 369 and 512 decode rows in the 512 bucket,
-    # and at 751 rows in the 1024 bucket, the fused GEMM at 1000 rows there and in 2048- and 4096-token prefill steps
+    # token buckets from this many tokens run gate|up's GEMM with the LoRA inside it on Hopper GPUs by default; the
+    # SGMV kernels beside the base GEMM below. With 32 adapters the SGMV path was faster at 369 and 512 decode rows in
+    # the 512 bucket, the fused GEMM in 2048- and 4096-token prefill steps
     # (docs/benchmarks.md "The LoRA expand beside the base GEMM")
     FUSED_GEMM_MIN_TOKENS = 1024
+    # ... and q|k|v's, o's and down's from this many: in the 1024 bucket, 32 adapters' decode steps of 643-881 rows
+    # ran 1.2-4.9% faster on an H100 with gate|up alone fused than with every module (0.6% slower at 1000 rows),
+    # 1024-token prefill steps of 4 and 8 prompts 1.6-3.6% slower, and the bucket holds decode steps far more often
+    # (docs/benchmarks.md "The 1024 bucket on an H100: fused GEMM or SGMV kernels, and the gated epilogue")
+    FUSED_GEMM_OTHER_MIN_TOKENS = 2048
     # gate|up with the activation in the fused kernel from this bucket on (on an H200 with 32 adapters: 0.96 of the
     # packed kernel + XLA's activation at 4,096 tokens, 1.04 at 512 decode rows; docs/benchmarks.md)
     GATED_MIN_TOKENS = 2048
@@ -152,17 +159,25 @@ class PallasGPUBackend(PallasBackend):
         interpret: bool | None = None,
         fused_gemm_min_tokens: int | None = None,
         fused_gemm_split_k: bool = True,
+        fused_gemm_other_min_tokens: int | None = None,
     ):
-        """fused_gemm_min_tokens: the least token bucket that runs the base GEMM with the LoRA inside it (0:
-        none). Default: FUSED_GEMM_MIN_TOKENS on Hopper GPUs, 0 elsewhere; given elsewhere (CPU tests), that
-        path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K loop where
-        its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part (scripts/bench_gemm_lora.py
-        compares the two)."""
+        """fused_gemm_min_tokens: the least token bucket that runs gate|up's base GEMM with the LoRA inside it (0:
+        none), and every other module's when fused_gemm_other_min_tokens is None. Default: FUSED_GEMM_MIN_TOKENS for
+        gate|up and FUSED_GEMM_OTHER_MIN_TOKENS for the others on Hopper GPUs, 0 elsewhere; given elsewhere (CPU
+        tests), that path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K
+        loop where its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part
+        (scripts/bench_gemm_lora.py compares the two). fused_gemm_other_min_tokens: q|k|v's, o's and down's
+        threshold, where it differs (tests of the default rule on CPU)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
             fused_gemm_min_tokens = self.FUSED_GEMM_MIN_TOKENS if has_gemm_kernel else 0
+            if fused_gemm_other_min_tokens is None:
+                fused_gemm_other_min_tokens = self.FUSED_GEMM_OTHER_MIN_TOKENS if has_gemm_kernel else 0
         self.fused_gemm_min_tokens = fused_gemm_min_tokens
+        self.fused_gemm_other_min_tokens = (
+            fused_gemm_min_tokens if fused_gemm_other_min_tokens is None else fused_gemm_other_min_tokens
+        )
         self.fused_gemm_reference = not has_gemm_kernel
         self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
 
@@ -188,10 +203,18 @@ class PallasGPUBackend(PallasBackend):
         return all(fits_stacked_offsets(w.stack.shape) for w in buffers)
 
     def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
+        """The row tile of the entry table where any module may run the GEMM with the LoRA inside it."""
         tile_m = GemmLoraTiles.tile_m
-        if self.fused_gemm_min_tokens and num_tokens >= self.fused_gemm_min_tokens and num_tokens % tile_m == 0:
-            return tile_m
-        return 0
+        any_module = self.takes_fused_gemm(num_tokens, 2, False) or self.takes_fused_gemm(num_tokens, 1, True)
+        return tile_m if any_module and num_tokens % tile_m == 0 else 0
+
+    def takes_fused_gemm(self, num_tokens: int, num_parts: int, row_parallel: bool) -> bool:
+        """Whether a module of `num_parts` packed parts takes the GEMM with the LoRA inside it in a bucket of
+        num_tokens tokens: gate|up (column-parallel, two parts) from fused_gemm_min_tokens, every other module from
+        fused_gemm_other_min_tokens (0: never)."""
+        is_gate_up = num_parts == 2 and not row_parallel
+        least = self.fused_gemm_min_tokens if is_gate_up else self.fused_gemm_other_min_tokens
+        return 0 < least <= num_tokens
 
     # -- per-shard kernels -----------------------------------------------------------------------------------
 
@@ -282,7 +305,7 @@ class PallasGPUBackend(PallasBackend):
         in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
         widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
         chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta, gated)
-        if chosen is None:
+        if chosen is None or not self.takes_fused_gemm(x.shape[0], len(lora_bs), input_sharded):
             return None
         tiles, k_splits = chosen
         weights = (kernel, *lora_bs)  # read by the GEMM kernel, at any size

@@ -111,6 +111,28 @@ def test_apply_with_base_equals_base_gemm_plus_lora(stacked, monkeypatch):
     assert_close(y[is_base], base_product(x, as_array(w))[is_base])
 
 
+def test_by_default_only_gate_up_takes_the_fused_gemm_below_the_other_modules_threshold():
+    """The default rule (here at 256 and 512 tokens, on Hopper GPUs 1024 and 2048): in a 256-token bucket the
+    column-parallel module of two parts (gate|up) runs the GEMM with the LoRA inside it, a three-part one (q|k|v)
+    and a row-parallel one (o, down) get None and run the base GEMM beside the SGMV kernels; from 512 every module
+    does. An explicit --lora-fused-gemm-min-tokens (fused_gemm_min_tokens alone) sets both."""
+    backend = PallasGPUBackend(None, fused_gemm_min_tokens=256, fused_gemm_other_min_tokens=512)
+    explicit = PallasGPUBackend(None, fused_gemm_min_tokens=256)
+    assert explicit.fused_gemm_other_min_tokens == 256
+    qkv = module_inputs(6)
+    gate_up = module_inputs(6, widths=(512, 512))
+    x, w, lora_a, lora_bs, lora = gate_up
+    y = jax.jit(lambda *a: backend.apply_with_base(*a, tp_size=1))(x, w, lora_a, lora_bs, lora)
+    assert_close(y, base_plus_lora(x, w, lora_a, lora_bs, lora))
+    assert backend.apply_with_base(*qkv, tp_size=1) is None
+    assert backend.apply_with_base(*qkv, tp_size=1, input_sharded=True) is None
+    assert explicit.apply_with_base(*qkv, tp_size=1) is not None
+    assert [backend.takes_fused_gemm(t, 3, False) for t in (256, 512)] == [False, True]
+    assert [backend.takes_fused_gemm(t, 1, True) for t in (256, 512)] == [False, True]
+    assert [backend.takes_fused_gemm(t, 2, False) for t in (128, 256)] == [False, True]
+    assert [backend.fused_gemm_tile_rows(t, 8) for t in (128, 256, 512)] == [0, 128, 128]
+
+
 def as_array(w):
     return w.sliced() if isinstance(w, LayerStack) else w
 

@@ -50,12 +50,21 @@ def test_prepare_adds_the_entry_table_in_fused_gemm_buckets():
 
 
 def test_hopper_default_runs_the_fused_gemm_from_the_1024_bucket():
-    """The default threshold on Hopper GPUs (docs/lora_backends.md "The LoRA inside the base GEMM (prefill, Hopper
-    GPUs)"): the 1024 bucket and larger run the LoRA inside the base GEMM, the decode buckets up to 512 (768 and
-    384 too) the SGMV kernels beside the base GEMM, and a bucket off the 128-row tile never does."""
-    backend = PallasGPUBackend(None, interpret=True, fused_gemm_min_tokens=PallasGPUBackend.FUSED_GEMM_MIN_TOKENS)
+    """The default thresholds on Hopper GPUs (docs/lora_backends.md "The LoRA inside the base GEMM (prefill, Hopper
+    GPUs)"): the 1024 bucket and larger run gate|up's LoRA inside its base GEMM, the 2048 bucket and larger every
+    module's, the decode buckets up to 512 (768 and 384 too) the SGMV kernels beside the base GEMM, and a bucket
+    off the 128-row tile never does."""
+    backend = PallasGPUBackend(
+        None,
+        interpret=True,
+        fused_gemm_min_tokens=PallasGPUBackend.FUSED_GEMM_MIN_TOKENS,
+        fused_gemm_other_min_tokens=PallasGPUBackend.FUSED_GEMM_OTHER_MIN_TOKENS,
+    )
     buckets = (256, 384, 512, 768, 1024, 1152, 2048)
     assert [backend.fused_gemm_tile_rows(t, 33) for t in buckets] == [0, 0, 0, 0, 128, 128, 128]
+    assert [backend.takes_fused_gemm(t, 2, False) for t in buckets] == [False] * 4 + [True] * 3
+    for parts, row_parallel in ((3, False), (1, True)):  # q|k|v; o and down
+        assert [backend.takes_fused_gemm(t, parts, row_parallel) for t in buckets] == [False] * 6 + [True]
     assert backend.fused_gemm_tile_rows(1000, 33) == 0
 
 
