@@ -173,10 +173,10 @@ def choose_decode_block_kv(cache_dtype) -> int:
 
 
 def choose_decode_num_warps(cache_dtype) -> int:
-    """Warps a decode program: 2 for a 16-bit cache, 4 for an 8-bit one. On an H100 with a bf16 cache, 2 warps
-    read the pages 0.2-1.4% faster than 4 in five of six shapes (0.2% slower at 256 x 2053), and the 32-layer
-    decode forwards timed alternately in one process were within 0.6% either way (docs/benchmarks.md "The decode
-    kernel's own device time"); an 8-bit cache was not timed with 2."""
+    """Warps a decode program: 2 for a 16-bit cache, 4 for an 8-bit one. With a bf16 cache 2 warps read the pages
+    faster than 4 on two H100s: in all seven shapes on one (0.1-1.6%), in five of six on the other (0.2-1.4%; 0.2%
+    slower at 256 x 2053); the 32-layer decode forwards timed alternately in one process were within 0.6% either way
+    (docs/benchmarks.md "The decode kernel's own device time"). An 8-bit cache was not timed with 2."""
     return 4 if jnp.dtype(cache_dtype).itemsize == 1 else 2
 
 
