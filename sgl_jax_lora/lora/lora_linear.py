@@ -9,8 +9,9 @@ buffers (a donated, shape-stable update). At run time:
 
 with the step's backend metadata (`LoRAMeta`, built once per forward by the backend's `prepare`). When that
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
-in prefill on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
-fits it; for gate|up (`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. Where it does
+in large buckets on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
+fits it and that the backend takes in this bucket (`PallasGPUBackend.takes_fused_gemm`); for gate|up
+(`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. Where it does
 not (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
 `Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
 layers/fp8.py's, else XLA's dot.
