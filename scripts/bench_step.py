@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
-from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache, kv_cache_dtype  # noqa: E402
+from sgl_jax_lora.mem_cache.kv_cache import KVCache, allocate_kv_cache, kv_cache_dtype  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402
 from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
@@ -140,7 +141,16 @@ def engine_args(cfg: ModelConfig, backend: str, lora_backend: str | None, opts) 
     )
 
 
-def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int):
+class BuiltModel(NamedTuple):
+    state: nnx.State
+    kv: KVCache
+    forward: Callable  # jitted (state, kv, batch) -> (the last tokens' hidden states, kv), kv donated
+    step: Callable  # the same function unjitted, for callers that compile variants of it (scripts/ab_step.py)
+    compiler_options: dict  # the engine's XLA options for the platform
+    lora: LoRAModelSpec | None  # with_lora: the adapters' slots and the backend object the model holds
+
+
+def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int) -> BuiltModel:
     """The model of one variant as the engine builds it from `args` (`load_engine_model`), with num_adapters + 1
     device slots of args.lora_backend when with_lora, its KV cache in the engine's dtype and its forward compiled with
     the engine's XLA options for the mesh's platform, as ModelRunner compiles its own."""
@@ -173,7 +183,8 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
         return hidden[batch.last_token_index], kv
 
     options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
-    return state, kv, jax.jit(forward, donate_argnums=1, compiler_options=options)
+    jitted = jax.jit(forward, donate_argnums=1, compiler_options=options)
+    return BuiltModel(state, kv, jitted, forward, options, spec)
 
 
 def sequence_slots(num_seqs: int, num_adapters: int) -> np.ndarray:
@@ -246,9 +257,8 @@ def main() -> None:
 def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: str | None, cases: list, opts):
     """Builds the variant's model, compiles and runs each case once, then times the cases over opts.rounds rounds
     (`time_cases`); after each round yields the variant's rows (`report`, with each round's median) so far."""
-    max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
-    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
-    state, kv, forward = build(
+    max_pages, num_pages = cache_pages(cases)
+    state, kv, forward, *_ = build(
         cfg, engine_args(cfg, backend, lora_backend, opts), lora_backend is not None, num_pages, opts.num_adapters
     )
     lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
@@ -273,6 +283,13 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
             row = report(cfg, state, variant, kind, (seqs, bucket), length, q_lens, kv_lens, seconds, compile_s, opts)
             rows.append({**row, "round_ms": [statistics.median(calls) * 1e3 for calls in rounds]})
         yield rows
+
+
+def cache_pages(cases: list) -> tuple[int, int]:
+    """(pages a sequence's table holds, pages of the KV cache) for these cases: each sequence on pages of its own."""
+    max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
+    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
+    return max_pages, num_pages
 
 
 def round_order(num_cases: int, round_index: int) -> list[int]:

@@ -1,0 +1,170 @@
+"""The engine's forward under several tuning settings, each compiled ahead of time, timed alternately in one process.
+
+    python scripts/ab_step.py --lora --cases decode:751x384@1024 decode:881x384@1024 \\
+        --settings default fused=1024:1024 --rounds 4 --out ab.json
+
+Between processes on one GPU a forward's time drifts by 1-5% (docs/benchmarks.md), more than most tuning choices
+change it; inside one process every setting meets the same drift. One model as `bench_step.py` builds it (Llama-3-8B
+shape, dummy bf16 weights, the engine's flags and XLA options, Pallas attention; with --lora its --num-adapters
+adapters of rank 16 on the auto LoRA backend), its KV cache donated from call to call. A setting is `default`, or
+KNOB=VALUE pairs joined by commas, each a choice the engine makes while it traces the forward:
+  fused=G:O       the Pallas GPU LoRA backend's thresholds for the GEMM with the LoRA inside it
+                  (`PallasGPUBackend.takes_fused_gemm`): gate|up from G tokens, q|k|v, o and down from O (0: never)
+  decode-warps=W  warps a program of the decode attention kernel (`DecodeTiles.num_warps`)
+  decode-keys=K   keys a loop step of that kernel (`DecodeTiles.block_kv`)
+Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
+(case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
+each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
+first setting's (the settings compute the same forward, up to rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import pallas_kernels.attention.gpu as attention_gpu  # noqa: E402
+from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
+from scripts.bench_step import build, cache_pages, case_batch, engine_args, lora_batches, parse_case  # noqa: E402
+from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
+from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
+from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
+
+KNOBS = ("fused", "decode-warps", "decode-keys")
+
+
+def parse_setting(text: str) -> dict:
+    """'default' -> {}; 'fused=1024:2048,decode-warps=4' -> {'fused': (1024, 2048), 'decode-warps': 4}."""
+    if text == "default":
+        return {}
+    setting = {}
+    for part in text.split(","):
+        knob, _, value = part.partition("=")
+        try:
+            numbers = tuple(int(v) for v in value.split(":"))
+        except ValueError:
+            numbers = ()
+        if knob not in KNOBS or len(numbers) != (2 if knob == "fused" else 1) or min(numbers) < 0 or knob in setting:
+            raise SystemExit(
+                f"setting {text!r}: expected 'default' or KNOB=VALUE pairs joined by commas, each knob once: "
+                "fused=G:O, decode-warps=W, decode-keys=K (non-negative integers)"
+            )
+        setting[knob] = numbers if knob == "fused" else numbers[0]
+    return setting
+
+
+@contextlib.contextmanager
+def applied(setting: dict, lora_backend):
+    """The setting in force while the forward is traced: the fused-GEMM thresholds on the model's Pallas GPU backend,
+    the decode tiles as the attention layer's kernel call takes them; both as they were afterwards."""
+    pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
+    kernel = attention_gpu.ragged_paged_attention_gpu
+    thresholds = (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) if pallas else None
+    try:
+        if "fused" in setting:
+            if not isinstance(pallas, PallasGPUBackend):
+                raise SystemExit("the fused=G:O knob needs --lora (the auto backend's Pallas GPU backend)")
+            pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = setting["fused"]
+        if "decode-warps" in setting or "decode-keys" in setting:
+            tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
+            attention_gpu.ragged_paged_attention_gpu = functools.partial(kernel, decode_tiles=tiles)
+        yield
+    finally:
+        attention_gpu.ragged_paged_attention_gpu = kernel
+        if thresholds is not None:
+            pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = thresholds
+
+
+def compile_settings(model, settings: list[dict], batches: list) -> dict:
+    """(case, setting) -> the forward compiled ahead of time with the setting in force (a fresh jit each, so that
+    no trace is shared between settings)."""
+    compiled = {}
+    lora_backend = model.lora.backend if model.lora else None
+    for index, setting in enumerate(settings):
+        with applied(setting, lora_backend):
+            forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=model.compiler_options)
+            for case, batch in enumerate(batches):
+                compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()
+    return compiled
+
+
+def alternate(run, num_cases: int, num_settings: int, repeats: int, rounds: int) -> dict:
+    """(case, setting) -> each round's median seconds of `repeats` calls of run(case, setting), after one untimed
+    call (the switch from the program before), the cases and the settings in order in even rounds and reversed in odd
+    ones."""
+    times = {(c, s): [] for c in range(num_cases) for s in range(num_settings)}
+    for round_index in range(rounds):
+        step = 1 if round_index % 2 == 0 else -1
+        for case in list(range(num_cases))[::step]:
+            for setting in list(range(num_settings))[::step]:
+                run(case, setting)
+                calls = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    run(case, setting)
+                    calls.append(time.perf_counter() - start)
+                times[case, setting].append(statistics.median(calls))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", required=True, help="bench_step.py's cases: decode:SxC[@B], prefill:SxN")
+    parser.add_argument("--settings", nargs="+", default=["default"], help="'default' or KNOB=VALUE[,KNOB=VALUE]")
+    parser.add_argument("--lora", action="store_true", help="the model with --num-adapters adapters, one a sequence")
+    parser.add_argument("--num-adapters", type=int, default=32)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls of a (case, setting) in each round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    cases = [parse_case(c) for c in opts.cases]
+    settings = [parse_setting(s) for s in opts.settings]  # a bad setting stops the run before any model is built
+    cfg = ModelConfig.from_model_path(make_model_dir({**LLAMA3_8B, "num_hidden_layers": opts.num_layers}))
+    flags = argparse.Namespace(
+        gpu_gemm_min_tokens=None, lora_fused_gemm_min_tokens=None, disable_gpu_concurrent_kernels=False
+    )
+    max_pages, num_pages = cache_pages(cases)
+    model = build(
+        cfg, engine_args(cfg, "pallas", "auto" if opts.lora else None, flags), opts.lora, num_pages, opts.num_adapters
+    )
+    lora = lora_batches(opts.num_adapters + 1) if opts.lora else None
+    batches = [jax.device_put(case_batch(*case, max_pages, lora)[0]) for case in cases]
+    compiled = compile_settings(model, settings, batches)
+    kv = model.kv
+
+    def run(case: int, setting: int) -> jax.Array:
+        nonlocal kv  # donated: each call takes the cache the call before returned
+        out, kv = compiled[case, setting](model.state, kv, batches[case])
+        return out.block_until_ready()
+
+    first_outputs = {key: np.asarray(run(*key), np.float32) for key in compiled}
+    times = alternate(run, len(cases), len(settings), opts.repeats, opts.rounds)
+    rows = []
+    for case, text in enumerate(opts.cases):
+        row = {"case": text}
+        for index, name in enumerate(opts.settings):
+            rounds_ms = [t * 1e3 for t in times[case, index]]
+            difference = np.abs(first_outputs[case, index] - first_outputs[case, 0]).max()
+            row[name] = {"ms": statistics.median(rounds_ms), "round_ms": rounds_ms, "max_diff": float(difference)}
+        rows.append(row)
+        print(text, "  ".join(f"{name} {row[name]['ms']:.3f} ms" for name in opts.settings), flush=True)
+    if opts.out:
+        info = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "argv": sys.argv[1:]}
+        with open(opts.out, "w") as f:
+            json.dump({**info, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

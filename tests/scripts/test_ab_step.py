@@ -1,0 +1,89 @@
+"""scripts/ab_step.py: the settings it parses, the knobs it applies while the forward is traced and undoes after, the
+order it times the (case, setting) pairs in, and a fused-GEMM setting compiling a different forward of the same
+values on a tiny model whose modules fit the kernel's tiles."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_kernels.attention.gpu as attention_gpu
+from scripts.ab_step import alternate, applied, compile_settings, parse_setting
+from scripts.bench_offline import make_model_dir
+from scripts.bench_step import build, cache_pages, case_batch, engine_args, lora_batches, parse_case
+from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.lora.backend.auto import AutoBackend
+
+# widths multiples of 256 and inputs of 64: every module fits the GEMM with the LoRA inside it
+KERNEL_SIZED_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+}
+
+
+def test_settings_parse_into_knobs():
+    assert parse_setting("default") == {}
+    assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
+    assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
+    assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
+    for bad in ("fused=1024", "fused=a:b", "decode-warps=2:4", "warps=2", "decode-keys=-1", "fused=1:1,fused=2:2"):
+        with pytest.raises(SystemExit):
+            parse_setting(bad)
+
+
+def test_knobs_hold_while_traced_and_are_undone_after():
+    backend = AutoBackend(None, fused_gemm_min_tokens=0)
+    pallas = backend.backends["pallas"]
+    kernel = attention_gpu.ragged_paged_attention_gpu
+    with applied({"fused": (256, 512), "decode-warps": 2}, backend):
+        assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
+        patched = attention_gpu.ragged_paged_attention_gpu
+        assert patched.func is kernel and patched.keywords == {"decode_tiles": attention_gpu.DecodeTiles(0, 0, 2)}
+    assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (0, 0)
+    assert attention_gpu.ragged_paged_attention_gpu is kernel
+    with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
+        raise RuntimeError("a compile that fails")
+    assert pallas.fused_gemm_min_tokens == 0 and attention_gpu.ragged_paged_attention_gpu is kernel
+    with pytest.raises(SystemExit, match="needs --lora"), applied({"fused": (128, 128)}, None):
+        pass
+
+
+def test_pairs_alternate_round_by_round_after_an_untimed_call():
+    calls = []
+    times = alternate(lambda case, setting: calls.append((case, setting)), 2, 2, 1, 2)
+    forward = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert calls == [pair for pair in forward for _ in range(2)] + [pair for pair in forward[::-1] for _ in range(2)]
+    assert all(len(rounds) == 2 for rounds in times.values())
+
+
+def test_a_fused_setting_compiles_another_forward_of_the_same_values(tmp_path):
+    """Two adapters over 5 decode rows in a 128-token bucket: `default` (off on CPU) runs the SGMV path, fused=128:128
+    every module's GEMM with the LoRA inside it (its pure-JAX reference here); the programs differ, their outputs
+    agree, and the backend keeps its thresholds after."""
+    cfg = ModelConfig.from_model_path(make_model_dir(KERNEL_SIZED_CONFIG, str(tmp_path / "model")))
+    flags = argparse.Namespace(
+        gpu_gemm_min_tokens=None, lora_fused_gemm_min_tokens=None, disable_gpu_concurrent_kernels=False
+    )
+    cases = [parse_case("decode:5x40@128")]
+    max_pages, num_pages = cache_pages(cases)
+    model = build(cfg, engine_args(cfg, "native", "auto", flags), True, num_pages, 2)
+    batch = jax.device_put(case_batch(*cases[0], max_pages, lora_batches(3))[0])
+    compiled = compile_settings(model, [{}, {"fused": (128, 128)}], [batch])
+    assert compiled[0, 0].as_text() != compiled[0, 1].as_text()
+    pallas = model.lora.backend.backends["pallas"]
+    assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (0, 0)
+    kv = model.kv
+    outputs = []
+    for setting in range(2):
+        out, kv = compiled[0, setting](model.state, kv, batch)
+        outputs.append(np.asarray(out, np.float32))
+    assert np.abs(outputs[1] - outputs[0]).max() <= 0.02 * np.abs(outputs[0]).max()
