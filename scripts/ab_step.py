@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import statistics
@@ -67,10 +66,12 @@ def parse_setting(text: str) -> dict:
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds on the model's Pallas GPU backend,
-    the decode tiles as the attention layer's kernel call takes them; both as they were afterwards."""
+    the decode tiles as the attention layer's kernel call takes them; both as they were afterwards. Yields the list
+    of the tiles each traced call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
     thresholds = (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) if pallas else None
+    traced = []
     try:
         if "fused" in setting:
             if not isinstance(pallas, PallasGPUBackend):
@@ -78,8 +79,13 @@ def applied(setting: dict, lora_backend):
             pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = setting["fused"]
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
-            attention_gpu.ragged_paged_attention_gpu = functools.partial(kernel, decode_tiles=tiles)
-        yield
+
+            def with_tiles(*args, **kwargs):
+                traced.append(tiles)
+                return kernel(*args, decode_tiles=tiles, **kwargs)
+
+            attention_gpu.ragged_paged_attention_gpu = with_tiles
+        yield traced
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
         if thresholds is not None:
@@ -92,10 +98,13 @@ def compile_settings(model, settings: list[dict], batches: list) -> dict:
     compiled = {}
     lora_backend = model.lora.backend if model.lora else None
     for index, setting in enumerate(settings):
-        with applied(setting, lora_backend):
+        with applied(setting, lora_backend) as traced:
             forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=model.compiler_options)
             for case, batch in enumerate(batches):
                 compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()
+        decode_knob = "decode-warps" in setting or "decode-keys" in setting
+        if decode_knob and not traced and jax.default_backend() in ("gpu", "cuda"):
+            raise SystemExit(f"setting {setting}: the forward never called the GPU attention kernel it sets")
     return compiled
 
 

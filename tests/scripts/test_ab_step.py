@@ -40,19 +40,26 @@ def test_settings_parse_into_knobs():
             parse_setting(bad)
 
 
-def test_knobs_hold_while_traced_and_are_undone_after():
+def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
+    """Inside the setting: the Pallas GPU backend's thresholds, and the attention kernel called with the setting's
+    decode tiles, each call recorded; after it (a failure included) both as they were."""
     backend = AutoBackend(None, fused_gemm_min_tokens=0)
     pallas = backend.backends["pallas"]
-    kernel = attention_gpu.ragged_paged_attention_gpu
-    with applied({"fused": (256, 512), "decode-warps": 2}, backend):
+    calls = []
+    kernel = lambda *args, **kwargs: calls.append((args, kwargs))  # noqa: E731 - the attention kernel's stand-in
+    monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
+    with applied({"fused": (256, 512), "decode-warps": 2}, backend) as traced:
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
-        patched = attention_gpu.ragged_paged_attention_gpu
-        assert patched.func is kernel and patched.keywords == {"decode_tiles": attention_gpu.DecodeTiles(0, 0, 2)}
+        attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
+    tiles = attention_gpu.DecodeTiles(0, 0, 2)
+    assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (0, 0)
     assert attention_gpu.ragged_paged_attention_gpu is kernel
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
     assert pallas.fused_gemm_min_tokens == 0 and attention_gpu.ragged_paged_attention_gpu is kernel
+    with applied({}, backend) as traced:
+        assert attention_gpu.ragged_paged_attention_gpu is kernel and traced == []
     with pytest.raises(SystemExit, match="needs --lora"), applied({"fused": (128, 128)}, None):
         pass
 
