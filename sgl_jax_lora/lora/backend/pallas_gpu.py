@@ -112,6 +112,11 @@ def prepare_on_host(lora: LoRABatch, block_rows: int) -> PallasGPUMeta:
     return PallasGPUMeta(lora, work=work, work_perm=work_perm, work_block_rows=block_rows)
 
 
+def is_gate_up(num_parts: int, row_parallel: bool) -> bool:
+    """Whether a LoRA module is the MLP's gate|up: the column-parallel module of two packed parts."""
+    return num_parts == 2 and not row_parallel
+
+
 def _first_device(mesh: Mesh | None):
     return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
 
@@ -205,15 +210,14 @@ class PallasGPUBackend(PallasBackend):
     def fused_gemm_tile_rows(self, num_tokens: int, num_segments: int) -> int:
         """The row tile of the entry table where any module may run the GEMM with the LoRA inside it."""
         tile_m = GemmLoraTiles.tile_m
-        any_module = self.takes_fused_gemm(num_tokens, 2, False) or self.takes_fused_gemm(num_tokens, 1, True)
-        return tile_m if any_module and num_tokens % tile_m == 0 else 0
+        thresholds = [t for t in (self.fused_gemm_min_tokens, self.fused_gemm_other_min_tokens) if t > 0]
+        return tile_m if thresholds and min(thresholds) <= num_tokens and num_tokens % tile_m == 0 else 0
 
     def takes_fused_gemm(self, num_tokens: int, num_parts: int, row_parallel: bool) -> bool:
         """Whether a module of `num_parts` packed parts takes the GEMM with the LoRA inside it in a bucket of
         num_tokens tokens: gate|up (column-parallel, two parts) from fused_gemm_min_tokens, every other module from
         fused_gemm_other_min_tokens (0: never)."""
-        is_gate_up = num_parts == 2 and not row_parallel
-        least = self.fused_gemm_min_tokens if is_gate_up else self.fused_gemm_other_min_tokens
+        least = self.fused_gemm_min_tokens if is_gate_up(num_parts, row_parallel) else self.fused_gemm_other_min_tokens
         return 0 < least <= num_tokens
 
     # -- per-shard kernels -----------------------------------------------------------------------------------
@@ -261,11 +265,21 @@ class PallasGPUBackend(PallasBackend):
     # -- the base GEMM with the LoRA inside it (prefill) ---------------------------------------------------------
 
     def _fused_gemm_tiles(
-        self, x: jax.Array, in_local: int, widths_local: tuple[int, ...], rank: int, meta: LoRAMeta, gated: bool
+        self,
+        x: jax.Array,
+        in_local: int,
+        widths_local: tuple[int, ...],
+        rank: int,
+        meta: LoRAMeta,
+        gated: bool,
+        row_parallel: bool,
     ) -> tuple[GemmLoraTiles, int] | None:
         """The kernel's tiles and K parts (`choose_gemm_lora_split` over this GPU's SMs; one part off GPUs, and
-        for the gated kernel) when this module fits the fused GEMM, else None."""
+        for the gated kernel) when this module takes the fused GEMM in this bucket (`takes_fused_gemm`) and fits it,
+        else None."""
         if not meta.runs_base_gemm or x.dtype != jnp.bfloat16 or (gated and x.shape[0] < self.GATED_MIN_TOKENS):
+            return None
+        if not self.takes_fused_gemm(x.shape[0], len(widths_local), row_parallel):
             return None
         try:
             if gated:
@@ -299,13 +313,13 @@ class PallasGPUBackend(PallasBackend):
         zero_padding=False). Row-parallel layers (`input_sharded` over several devices) add the delta on the first
         shard only, before the all-reduce of the partial outputs. gated (gate|up, column-parallel): the kernel
         applies the MLP's activation in its epilogue and returns silu(gate) * up, each shard its columns of it."""
-        if gated and (input_sharded or len(lora_bs) != 2):
+        if gated and not is_gate_up(len(lora_bs), input_sharded):
             raise ValueError("apply_with_base: gated is for a column-parallel module of two parts, gate and up")
         rank = layer_shape(lora_bs[0])[-1]
         in_local = layer_shape(kernel)[-2] // (tp_size if input_sharded else 1)
         widths_local = tuple(layer_shape(b)[-2] // (tp_size if output_sharded else 1) for b in lora_bs)
-        chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta, gated)
-        if chosen is None or not self.takes_fused_gemm(x.shape[0], len(lora_bs), input_sharded):
+        chosen = self._fused_gemm_tiles(x, in_local, widths_local, rank, meta, gated, input_sharded)
+        if chosen is None:
             return None
         tiles, k_splits = chosen
         weights = (kernel, *lora_bs)  # read by the GEMM kernel, at any size
