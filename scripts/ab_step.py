@@ -7,7 +7,9 @@ Between processes on one GPU a forward's time drifts by 1-5% (docs/benchmarks.md
 change it; inside one process every setting meets the same drift. One model as `bench_step.py` builds it (Llama-3-8B
 shape, dummy bf16 weights, the engine's flags and XLA options, Pallas attention; with --lora its --num-adapters
 adapters of rank 16 on the auto LoRA backend), its KV cache donated from call to call. A setting is `default`, or
-KNOB=VALUE pairs joined by commas, each a choice the engine makes while it traces the forward:
+KNOB=VALUE pairs joined by commas, each a choice the engine makes while it traces the forward, or `base`:
+  base            with --lora, the same model's forward with no adapter batch: the base program of a LoRA-enabled
+                  engine (its linears skip the LoRA path), for the ratio of the adapters' forward to the base's
   fused=G:O       the Pallas GPU LoRA backend's thresholds for the GEMM with the LoRA inside it
                   (`PallasGPUBackend.takes_fused_gemm`): gate|up from G tokens, q|k|v, o and down from O (0: never)
   decode-warps=W  warps a program of the decode attention kernel (`DecodeTiles.num_warps`)
@@ -15,7 +17,7 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
-first setting's (the settings compute the same forward, up to rounding).
+first setting's (the settings compute the same forward, up to rounding; `base` leaves the adapters out).
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ KNOBS = ("fused", "decode-warps", "decode-keys")
 
 
 def parse_setting(text: str) -> dict:
-    """'default' -> {}; 'fused=1024:2048,decode-warps=4' -> {'fused': (1024, 2048), 'decode-warps': 4}."""
-    if text == "default":
-        return {}
+    """'default' -> {}; 'base' -> {'base': True}; 'fused=1024:2048,decode-warps=4' -> {'fused': (1024, 2048),
+    'decode-warps': 4}."""
+    if text in ("default", "base"):
+        return {"base": True} if text == "base" else {}
     setting = {}
     for part in text.split(","):
         knob, _, value = part.partition("=")
@@ -56,7 +59,7 @@ def parse_setting(text: str) -> dict:
             numbers = ()
         if knob not in KNOBS or len(numbers) != (2 if knob == "fused" else 1) or min(numbers) < 0 or knob in setting:
             raise SystemExit(
-                f"setting {text!r}: expected 'default' or KNOB=VALUE pairs joined by commas, each knob once: "
+                f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K (non-negative integers)"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
@@ -92,15 +95,22 @@ def applied(setting: dict, lora_backend):
             pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = thresholds
 
 
-def compile_settings(model, settings: list[dict], batches: list) -> dict:
-    """(case, setting) -> the forward compiled ahead of time with the setting in force (a fresh jit each, so that
-    no trace is shared between settings)."""
+def setting_batches(settings: list[dict], batches: list, base_batches: list) -> list[list]:
+    """Each setting's batch of each case: the base batches (no adapter batch) for `base`, which needs --lora."""
+    if any(s.get("base") for s in settings) and batches is base_batches:
+        raise SystemExit("the base setting needs --lora (it is the LoRA-enabled model's forward without adapters)")
+    return [base_batches if setting.get("base") else batches for setting in settings]
+
+
+def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
+    """(case, setting) -> the forward of batches[setting][case] compiled ahead of time with the setting in force (a
+    fresh jit each, so that no trace is shared between settings)."""
     compiled = {}
     lora_backend = model.lora.backend if model.lora else None
     for index, setting in enumerate(settings):
         with applied(setting, lora_backend) as traced:
             forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=model.compiler_options)
-            for case, batch in enumerate(batches):
+            for case, batch in enumerate(batches[index]):
                 compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()
         decode_knob = "decode-warps" in setting or "decode-keys" in setting
         if decode_knob and not traced and jax.default_backend() in ("gpu", "cuda"):
@@ -149,13 +159,15 @@ def main() -> None:
         cfg, engine_args(cfg, "pallas", "auto" if opts.lora else None, flags), opts.lora, num_pages, opts.num_adapters
     )
     lora = lora_batches(opts.num_adapters + 1) if opts.lora else None
-    batches = [jax.device_put(case_batch(*case, max_pages, lora)[0]) for case in cases]
+    base_batches = [jax.device_put(case_batch(*case, max_pages, None)[0]) for case in cases]
+    batches = [jax.device_put(case_batch(*case, max_pages, lora)[0]) for case in cases] if lora else base_batches
+    batches = setting_batches(settings, batches, base_batches)
     compiled = compile_settings(model, settings, batches)
     kv = model.kv
 
     def run(case: int, setting: int) -> jax.Array:
         nonlocal kv  # donated: each call takes the cache the call before returned
-        out, kv = compiled[case, setting](model.state, kv, batches[case])
+        out, kv = compiled[case, setting](model.state, kv, batches[setting][case])
         return out.block_until_ready()
 
     first_outputs = {key: np.asarray(run(*key), np.float32) for key in compiled}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels.attention.gpu as attention_gpu
-from scripts.ab_step import alternate, applied, compile_settings, parse_setting
+from scripts.ab_step import alternate, applied, compile_settings, parse_setting, setting_batches
 from scripts.bench_offline import make_model_dir
 from scripts.bench_step import build, cache_pages, case_batch, engine_args, lora_batches, parse_case
 from sgl_jax_lora.configs.model_config import ModelConfig
@@ -32,10 +32,19 @@ KERNEL_SIZED_CONFIG = {
 
 def test_settings_parse_into_knobs():
     assert parse_setting("default") == {}
+    assert parse_setting("base") == {"base": True}
     assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
-    for bad in ("fused=1024", "fused=a:b", "decode-warps=2:4", "warps=2", "decode-keys=-1", "fused=1:1,fused=2:2"):
+    for bad in (
+        "fused=1024",
+        "fused=a:b",
+        "decode-warps=2:4",
+        "warps=2",
+        "decode-keys=-1",
+        "fused=1:1,fused=2:2",
+        "base=1",
+    ):
         with pytest.raises(SystemExit):
             parse_setting(bad)
 
@@ -72,10 +81,17 @@ def test_pairs_alternate_round_by_round_after_an_untimed_call():
     assert all(len(rounds) == 2 for rounds in times.values())
 
 
+def test_the_base_setting_takes_the_batches_without_adapters_and_needs_lora():
+    lora, base = ["lora batch"], ["base batch"]
+    assert setting_batches([{}, {"base": True}, {"fused": (1, 1)}], lora, base) == [lora, base, lora]
+    with pytest.raises(SystemExit, match="needs --lora"):
+        setting_batches([{"base": True}], base, base)
+
+
 def test_a_fused_setting_compiles_another_forward_of_the_same_values(tmp_path):
     """Two adapters over 5 decode rows in a 128-token bucket: `default` (off on CPU) runs the SGMV path, fused=128:128
     every module's GEMM with the LoRA inside it (its pure-JAX reference here); the programs differ, their outputs
-    agree, and the backend keeps its thresholds after."""
+    agree, and the backend keeps its thresholds after. `base`, the batch without adapters, gives other values."""
     cfg = ModelConfig.from_model_path(make_model_dir(KERNEL_SIZED_CONFIG, str(tmp_path / "model")))
     flags = argparse.Namespace(
         gpu_gemm_min_tokens=None, lora_fused_gemm_min_tokens=None, disable_gpu_concurrent_kernels=False
@@ -84,13 +100,17 @@ def test_a_fused_setting_compiles_another_forward_of_the_same_values(tmp_path):
     max_pages, num_pages = cache_pages(cases)
     model = build(cfg, engine_args(cfg, "native", "auto", flags), True, num_pages, 2)
     batch = jax.device_put(case_batch(*cases[0], max_pages, lora_batches(3))[0])
-    compiled = compile_settings(model, [{}, {"fused": (128, 128)}], [batch])
+    base_batch = jax.device_put(case_batch(*cases[0], max_pages, None)[0])
+    settings = [{}, {"fused": (128, 128)}, {"base": True}]
+    compiled = compile_settings(model, settings, setting_batches(settings, [batch], [base_batch]))
     assert compiled[0, 0].as_text() != compiled[0, 1].as_text()
     pallas = model.lora.backend.backends["pallas"]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (0, 0)
     kv = model.kv
     outputs = []
-    for setting in range(2):
-        out, kv = compiled[0, setting](model.state, kv, batch)
+    for setting in range(3):
+        out, kv = compiled[0, setting](model.state, kv, base_batch if setting == 2 else batch)
         outputs.append(np.asarray(out, np.float32))
     assert np.abs(outputs[1] - outputs[0]).max() <= 0.02 * np.abs(outputs[0]).max()
+    rounding = np.abs(outputs[1] - outputs[0]).max()
+    assert np.abs(outputs[2] - outputs[0]).max() > max(2 * rounding, 0.01 * np.abs(outputs[0]).max())
