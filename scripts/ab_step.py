@@ -14,6 +14,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   (`PallasGPUBackend.takes_fused_gemm`): gate|up from G tokens, q|k|v, o and down from O (0: never)
   decode-warps=W  warps a program of the decode attention kernel (`DecodeTiles.num_warps`)
   decode-keys=K   keys a loop step of that kernel (`DecodeTiles.block_kv`)
+  gated-delta=D   1: gate|up's delta into the base GEMM kernel's gated epilogue below the fused GEMM's buckets, 0:
+                  the packed product with the delta, then XLA's activation (`PallasGPUBackend.gated_delta`)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -42,7 +44,7 @@ from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys")
+KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta")
 
 
 def parse_setting(text: str) -> dict:
@@ -57,10 +59,11 @@ def parse_setting(text: str) -> dict:
             numbers = tuple(int(v) for v in value.split(":"))
         except ValueError:
             numbers = ()
-        if knob not in KNOBS or len(numbers) != (2 if knob == "fused" else 1) or min(numbers) < 0 or knob in setting:
+        fits = knob in KNOBS and len(numbers) == (2 if knob == "fused" else 1) and min(numbers, default=-1) >= 0
+        if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K (non-negative integers)"
+                "fused=G:O, decode-warps=W, decode-keys=K (non-negative integers), gated-delta=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -68,18 +71,23 @@ def parse_setting(text: str) -> dict:
 
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
-    """The setting in force while the forward is traced: the fused-GEMM thresholds on the model's Pallas GPU backend,
-    the decode tiles as the attention layer's kernel call takes them; both as they were afterwards. Yields the list
+    """The setting in force while the forward is traced: the fused-GEMM thresholds and the gated-delta choice on the
+    model's Pallas GPU backend, the decode tiles as the attention layer's kernel call takes them; all as they were
+    afterwards. Yields the list
     of the tiles each traced call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
-    thresholds = (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) if pallas else None
+    saved = (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) if pallas else None
     traced = []
     try:
         if "fused" in setting:
             if not isinstance(pallas, PallasGPUBackend):
                 raise SystemExit("the fused=G:O knob needs --lora (the auto backend's Pallas GPU backend)")
             pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = setting["fused"]
+        if "gated-delta" in setting:
+            if not isinstance(pallas, PallasGPUBackend):
+                raise SystemExit("the gated-delta knob needs --lora (the auto backend's Pallas GPU backend)")
+            pallas.gated_delta = bool(setting["gated-delta"])
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
 
@@ -91,8 +99,8 @@ def applied(setting: dict, lora_backend):
         yield traced
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
-        if thresholds is not None:
-            pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = thresholds
+        if saved is not None:
+            pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta = saved
 
 
 def setting_batches(settings: list[dict], batches: list, base_batches: list) -> list[list]:

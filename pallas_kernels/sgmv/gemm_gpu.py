@@ -59,9 +59,12 @@ def is_hopper(device) -> bool:
     return device.platform in ("gpu", "cuda") and str(getattr(device, "compute_capability", "0")).startswith("9")
 
 
-def choose_gemm_tiles(k_splits: int = 1) -> GemmLoraTiles:
+def choose_gemm_tiles(k_splits: int = 1, gated_delta: bool = False) -> GemmLoraTiles:
     """The tiles of the LoRA kernel's choice with no LoRA tiles in shared memory (rank 0): 4 stages and 64-column
-    epilogue stores; with split K, 32-column stores of the float32 parts (the same shared memory)."""
+    epilogue stores; with split K, 32-column stores of the float32 parts (the same shared memory); for the gated
+    kernel with a delta, 3 stages and 32-column stores beside the delta's tiles."""
+    if gated_delta:
+        return choose_gemm_lora_tiles(0, gated_delta=True)
     tiles = choose_gemm_lora_tiles(0)
     if k_splits > 1:
         tiles = dataclasses.replace(tiles, epilogue_n=32)
@@ -119,14 +122,23 @@ def base_kernel_call(
     k_splits: int = 1,
     tail_split: bool = False,
     gated: bool = False,
+    delta: jax.Array | None = None,
     interpret=None,
 ) -> jax.Array:
     """`gemm_gpu_rows`' kernel on a grid of `num_sms` CTAs, its own output: [k_splits * T, out] (float32 parts with
-    k_splits > 1); with `gated`, [T, out / 2] silu(gate) * up, its padding's row tiles zeroed by the kernel; with
+    k_splits > 1); with `gated`, [T, out / 2] silu(gate) * up, its padding's row tiles zeroed by the kernel (with
+    `delta` [T, out], silu(gate + delta_gate) * (up + delta_up)); with
     `tail_split`, [T, out], the pieces added into an output XLA zeroes first (a GMEM ref the kernel reads and
     writes). interpret: Mosaic GPU interpreter params (CPU tests)."""
     body = functools.partial(
-        _kernel, tiles=tiles, has_lora=False, k_splits=k_splits, tail_split=tail_split, gated=gated, num_sms=num_sms
+        _kernel,
+        tiles=tiles,
+        has_lora=False,
+        k_splits=k_splits,
+        tail_split=tail_split,
+        gated=gated,
+        gated_delta=delta is not None,
+        num_sms=num_sms,
     )
     if tail_split:
         from jax.experimental import pallas as pl
@@ -144,7 +156,8 @@ def base_kernel_call(
     num_tokens, out_dim = x.shape[0], w_rows.shape[1] // (2 if gated else 1)
     out_dtype = x.dtype if k_splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((k_splits * num_tokens, out_dim), out_dtype)
-    return persistent_kernel(body, out_type, num_sms, interpret)(w_row, num_rows, x, w_rows)
+    operands = (x, w_rows) if delta is None else (x, w_rows, delta)
+    return persistent_kernel(body, out_type, num_sms, interpret)(w_row, num_rows, *operands)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "k_splits", "tail_split", "gated"))
@@ -153,6 +166,7 @@ def gemm_gpu_rows(
     w_rows: jax.Array,  # [L * in, out] bf16: a layer stack of W flattened (L = 1 for one W)
     w_row: jax.Array,  # [1] i32: the first row of the layer's W in w_rows
     num_rows: jax.Array,  # [1] i32: the rows of x to compute (the rest are padding)
+    delta: jax.Array | None = None,  # [T, out] x's dtype, gated only: added to [gate | up] before the activation
     *,
     tiles: GemmLoraTiles,
     k_splits: int = 1,
@@ -167,7 +181,7 @@ def gemm_gpu_rows(
     num_tokens, out_dim = x.shape[0], w_rows.shape[1]
     num_sms = jax.devices()[0].core_count
     options = dict(tiles=tiles, num_sms=num_sms, k_splits=k_splits, tail_split=tail_split, gated=gated)
-    y = base_kernel_call(x, w_rows, w_row, num_rows, **options)
+    y = base_kernel_call(x, w_rows, w_row, num_rows, delta=delta, **options)
     if k_splits == 1:
         return y
     return y.reshape(k_splits, num_tokens, out_dim).sum(axis=0).astype(x.dtype)
@@ -183,12 +197,15 @@ def gemm_gpu(
     k_splits: int | None = None,
     tail_split: bool | None = None,
     gated: bool = False,
+    delta: jax.Array | None = None,
     reference: bool = False,
     zero_padding: bool = True,
 ) -> jax.Array:
     """y = x @ W (layer `layer` of a stack, read in place) in x's dtype, accumulated in float32; with `gated`, W's
     columns are [gate | up] (I each) and y = silu(x @ W_gate) * (x @ W_up) [T, I], applied in the kernel's epilogue
-    (one K loop per tile: no split K, no tail split).
+    (one K loop per tile: no split K, no tail split). delta ([T, 2I] in x's dtype, gated only): y = silu(x @ W_gate
+    + delta_gate) * (x @ W_up + delta_up), each product rounded to x's dtype before the add and the sum after it, as
+    the unfused layers add a LoRA delta; the kernel reads it in its epilogue (the default tiles: 3 stages).
 
     num_rows ([1] i32): the rows of x that are real (a token bucket's padding follows them); the kernel skips the
     row tiles after them and y is zero from row num_rows[0] on (gated: zero from the end of its row tile on, the
@@ -216,7 +233,12 @@ def gemm_gpu(
         )
     if tail_split and gated:
         raise ValueError("gemm_gpu: gated runs without the tail split; pass tail_split=False")
-    tiles = tiles or choose_gemm_tiles(k_splits)
+    if delta is not None and (not gated or delta.shape != (x.shape[0], out_dim) or delta.dtype != x.dtype):
+        raise ValueError(
+            f"gemm_gpu: a delta is added before the gated kernel's activation: pass gated=True and a delta of shape "
+            f"{(x.shape[0], out_dim)} in {x.dtype}, not {None if delta is None else (delta.shape, delta.dtype)}"
+        )
+    tiles = tiles or choose_gemm_tiles(k_splits, gated_delta=delta is not None)
     if x.shape[1] != in_dim or x.dtype != w.dtype:
         raise ValueError(f"gemm_gpu: x {x.shape} {x.dtype} does not match W {w.shape} {w.dtype}")
     check_gemm_shapes(
@@ -230,6 +252,7 @@ def gemm_gpu(
     if reference:
         w_layer = w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         y = jnp.dot(x, w_layer, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = y if delta is None else y + delta
         y = silu_and_mul(y) if gated else y
         return zero_rows_from(y, num_rows) if gated or zero_padding else y
     w_row = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer * in_dim, (1,)).astype(jnp.int32)
@@ -239,6 +262,7 @@ def gemm_gpu(
         w.reshape(-1, out_dim),
         w_row,
         rows,
+        delta,
         tiles=tiles,
         k_splits=k_splits,
         tail_split=tail_split,

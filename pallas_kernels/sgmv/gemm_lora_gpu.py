@@ -88,9 +88,13 @@ class GemmLoraTiles:
     snake_width: int = 8  # ... in bands this many tiles wide
     entry_slots: int = 1  # LoRA entries whose s and B tiles are in flight at once: a ring of buffers per warpgroup
 
-    def smem_bytes(self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2, gated: bool = False) -> int:
+    def smem_bytes(
+        self, rank: int, out_itemsize: int = 2, in_itemsize: int = 2, gated: bool = False, gated_delta: bool = False
+    ) -> int:
         pipeline = self.stages * (self.tile_m * self.tile_k + self.tile_k * 2 * self.tile_n) * in_itemsize
         epilogue = 2 * 2 * 64 * self.epilogue_n * out_itemsize  # two warpgroups, two slots
+        if gated_delta:  # per warpgroup: its rows of the delta's gate and up columns (16-bit)
+            epilogue += 2 * 2 * (self.tile_m // 2) * self.tile_n * 2
         if gated:  # per warpgroup: gate's and up's s tiles of its half of the rows, and their B tiles
             lora = 2 * 2 * (self.tile_m // 2 + self.tile_n) * rank * 2
         else:  # per warpgroup: an s tile and a B tile
@@ -105,18 +109,23 @@ def choose_gemm_lora_tiles(
     max_stages: int = 4,
     gated: bool = False,
     entry_slots: int = 1,
+    gated_delta: bool = False,
 ) -> GemmLoraTiles:
     """The deepest pipeline, of at most `max_stages`, that fits shared memory with this rank's LoRA tiles (narrower
     epilogue stores before fewer stages: a stage less costs more than twice the stores). out_itemsize 4: the float32
     parts of split K, stored 32 columns (128 bytes) at a time. tile_n: the columns per consumer warpgroup. gated:
     the tiles of the gated kernel with LoRA (gate's and up's s and B tiles; at rank 16 four stages with 16-column
     stores). entry_slots: the LoRA entries in flight at once, each with its own s and B tiles; a ring that leaves
-    fewer than MIN_RING_STAGES stages gets one slot fewer (at rank 16, two slots take three stages)."""
+    fewer than MIN_RING_STAGES stages gets one slot fewer (at rank 16, two slots take three stages). gated_delta:
+    the gated base GEMM's tiles with its delta tiles (rank 0: three stages with 32-column stores)."""
     for slots in range(entry_slots, 0, -1):
         for stages in range(max_stages, 1 if slots == 1 else MIN_RING_STAGES - 1, -1):
             for epilogue_n in (64, 32, 16) if out_itemsize == 2 else (32,):
                 tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n, entry_slots=slots)
-                if tiles.smem_bytes(rank, out_itemsize, gated=gated) + _SMEM_SPARE <= _SMEM_BYTES:
+                if (
+                    tiles.smem_bytes(rank, out_itemsize, gated=gated, gated_delta=gated_delta) + _SMEM_SPARE
+                    <= _SMEM_BYTES
+                ):
                     return tiles
     raise ValueError(
         f"gemm_lora_gpu: no tiles fit shared memory at rank {rank}; use the SGMV kernels (ranks above 64) instead"
@@ -168,10 +177,11 @@ def _kernel(
     tail_split: bool = False,
     num_sms: int = 0,
     gated: bool = False,
+    gated_delta: bool = False,
 ):
     """The kernel body. refs: (w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs,
     out); with has_lora False (gemm_gpu.py) only (w_row, num_rows, x, w, out): no s or B tiles in shared memory and
-    no LoRA loop. num_rows ([1] i32): the rows of x to compute; the row tiles wholly after them (a bucket's padding)
+    no LoRA loop; with gated_delta as well (w_row, num_rows, x, w, delta, out). num_rows ([1] i32): the rows of x to compute; the row tiles wholly after them (a bucket's padding)
     are not run and their rows of out are left unwritten (the callers zero them, `zero_rows_from`), and the tiles
     that run are spread over the SMs as if the bucket ended at the last of them.
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
@@ -194,7 +204,11 @@ def _kernel(
     The gated output's consumer is the next layer GEMM, a kernel XLA cannot fuse a select into, so the gated kernel
     zeroes the padding's row tiles itself (units after the real tiles that only store zeros) instead of leaving
     them to `zero_rows_from`: its rows from num_rows[0] to the end of that row tile hold the padding x's activation,
-    and every row after is zero."""
+    and every row after is zero.
+    gated_delta (gated, has_lora False): delta [T, 2I] in W's [gate | up] columns (the LoRA delta the SGMV kernels
+    computed before this GEMM) is added to the rounded gate and up products before the activation, each sum rounded
+    to x's dtype as the unfused layers add it; each warpgroup's rows of the tile's two delta blocks arrive in shared
+    memory while its K loop runs."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -205,6 +219,8 @@ def _kernel(
         rank, num_entries = s_ref.shape[-1], s_ref.shape[0] // len(b_refs)
     elif fp8:
         w_scales_ref, scale_ref, x_ref, w_ref, out_ref = refs[2:]
+    elif gated_delta:
+        x_ref, w_ref, delta_ref, out_ref = refs[2:]
     else:
         x_ref, w_ref, out_ref = refs[2:]
     (num_tokens, in_dim), out_dim = x_ref.shape, out_ref.shape[1]
@@ -222,6 +238,7 @@ def _kernel(
 
     assert not tail_split or (num_sms and k_splits == 1 and not has_lora and not fp8)
     assert not gated or (k_splits == 1 and not fp8 and not tail_split and (not has_lora or len(b_refs) == 2))
+    assert not gated_delta or (gated and not has_lora)
     acc_rows = tm // 2 if gated else tm  # the rows of a consumer warpgroup's accumulator ([acc_rows, tn])
 
     def pipeline(body, compute_context, num_steps=k_steps // k_splits, k_first=0):
@@ -262,6 +279,11 @@ def _kernel(
             b_smem=plgpu.SMEM((2, slots, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
             lora_barriers=plgpu.Barrier(num_barriers=2 * slots * 2 * lora_parts),
         )
+    if gated_delta:  # per warpgroup and part (gate, up) its rows of the tile's delta block, each with a barrier
+        lora_allocs = dict(
+            delta_smem=plgpu.SMEM((2, 2, acc_rows, tn), delta_ref.dtype, transforms=transforms(tn, delta_ref.dtype)),
+            delta_barriers=plgpu.Barrier(num_barriers=4),
+        )
     scale_allocs = {}
     if fp8:  # per warpgroup the row tile's scales, and the barrier they arrive on
         scale_allocs = dict(scale_smem=plgpu.SMEM((2, tm), jnp.float32), scale_barriers=plgpu.Barrier(num_barriers=2))
@@ -282,7 +304,15 @@ def _kernel(
         collective_axes="wg",
     )
     def scope(
-        pipeline_allocs, out_smem, s_smem=None, b_smem=None, lora_barriers=None, scale_smem=None, scale_barriers=None
+        pipeline_allocs,
+        out_smem,
+        s_smem=None,
+        b_smem=None,
+        lora_barriers=None,
+        delta_smem=None,
+        delta_barriers=None,
+        scale_smem=None,
+        scale_barriers=None,
     ):
         wg = jax.lax.axis_index("wg")
 
@@ -388,6 +418,12 @@ def _kernel(
                         def _prefetch(ahead=ahead):
                             fetch(first + ahead, ahead)
 
+                if gated_delta:  # the warpgroup's rows of the gate and up delta blocks arrive while the K loop runs
+                    delta_rows = pl.ds(mi * tm + wg * acc_rows, acc_rows)
+                    for part in range(2):
+                        delta_cols = pl.ds(part * out_dim + ni * tn, tn)
+                        barrier = delta_barriers.at[wg * 2 + part]
+                        plgpu.copy_gmem_to_smem(delta_ref.at[delta_rows, delta_cols], delta_smem.at[wg, part], barrier)
                 if gated:
 
                     @functools.partial(
@@ -401,6 +437,11 @@ def _kernel(
                             add_entries((gate_ref, up_ref))
                         gate = gate_ref[...].astype(out_ref.dtype).astype(jnp.float32)
                         up = up_ref[...].astype(out_ref.dtype).astype(jnp.float32)
+                        if gated_delta:
+                            for part in range(2):
+                                plgpu.barrier_wait(delta_barriers.at[wg * 2 + part])
+                            gate = rounded_sum(gate, delta_smem[wg, 0])
+                            up = rounded_sum(up, delta_smem[wg, 1])
                         store_tile((gate * jax.nn.sigmoid(gate) * up).astype(out_ref.dtype))
 
                     return
@@ -419,6 +460,9 @@ def _kernel(
                         row_scales = scale_smem[wg] * w_scale
                         acc = acc * jax.lax.broadcast_in_dim(row_scales, acc.shape, (0,))
                     store_tile(acc.astype(out_ref.dtype))
+
+            def rounded_sum(product, delta):
+                return (product + delta.astype(jnp.float32)).astype(out_ref.dtype).astype(jnp.float32)
 
             def store_tile(acc):
                 """This warpgroup's [acc_rows, tn] of out, in em_rows x en_cols pieces through two smem slots."""

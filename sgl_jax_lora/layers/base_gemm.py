@@ -71,6 +71,34 @@ def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)
 
 
+def _weight_spec(kernel: LayerStack, config: BaseGemm, axes: LinearAxes) -> tuple[P, int, int]:
+    """Where the weight loader placed the [L, in, out] stack (the layer axis is never split), and one device's in
+    and out."""
+    mesh, stack = config.mesh, kernel.stack
+    w_spec = P(None, None, None)
+    if mesh is not None and mesh.size > 1:
+        w_spec = logical_to_sharding(mesh, ("layers", axes.in_axis, axes.out_axis), stack.shape).spec
+    in_axis, out_axis = w_spec[1], w_spec[2]
+    in_local = stack.shape[1] // (mesh.shape[in_axis] if in_axis else 1)
+    out_local = stack.shape[2] // (mesh.shape[out_axis] if out_axis else 1)
+    return w_spec, in_local, out_local
+
+
+def fits_base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes, gated: bool = False) -> bool:
+    """Whether `base_gemm` runs this module on x (bfloat16 operands whose shapes fit the kernel's tiles), not None."""
+    _, in_local, out_local = _weight_spec(kernel, config, axes)
+    tiles = choose_gemm_tiles()
+    if x.dtype != jnp.bfloat16 or kernel.stack.dtype != x.dtype:
+        return False
+    try:
+        check_gemm_shapes(
+            x.shape[0], in_local, out_local // (2 if gated else 1), tiles, tiles.tile_n if gated else None
+        )
+    except ValueError:
+        return False
+    return True
+
+
 def base_gemm(
     x: jax.Array,
     kernel: LayerStack,
@@ -79,6 +107,7 @@ def base_gemm(
     num_rows: jax.Array | None = None,
     gated: bool = False,
     zero_padding: bool = True,
+    delta: jax.Array | None = None,
 ) -> jax.Array | None:
     """x [T, in] @ the layer's W of `kernel` ([L, in, out] stack) with the kernel, in x's dtype: the packed output
     [T, out], all-reduced for row-parallel modules; None when the module does not fit the kernel. num_rows ([1]
@@ -86,35 +115,27 @@ def base_gemm(
     None: every row). zero_padding=False: those rows may hold any values instead (no select zeroes them; for a
     consumer that masks them, gemm_gpu.py `gemm_gpu`). gated (a column-parallel [gate | up] module): silu(gate) * up
     [T, out / 2] instead, from the kernel's epilogue; each device's columns are its [gate | up] shard (the
-    shard-major packing), so its output is its columns of the activation."""
+    shard-major packing), so its output is its columns of the activation. delta (gated only; [T, out] in x's dtype,
+    packed as the product, each device its columns): gate|up's LoRA delta, added to the product before the
+    activation in the kernel's epilogue (LoRALinear.silu_and_mul)."""
     mesh, stack = config.mesh, kernel.stack
-    w_spec = P(None, None, None)
-    if mesh is not None and mesh.size > 1:  # where the weight loader placed W (the layer axis is never split)
-        w_spec = logical_to_sharding(mesh, ("layers", axes.in_axis, axes.out_axis), stack.shape).spec
+    w_spec, _, _ = _weight_spec(kernel, config, axes)
     in_axis, out_axis = w_spec[1], w_spec[2]
-    in_local = stack.shape[1] // (mesh.shape[in_axis] if in_axis else 1)
-    out_local = stack.shape[2] // (mesh.shape[out_axis] if out_axis else 1)
-    tiles = choose_gemm_tiles()
-    if x.dtype != jnp.bfloat16 or stack.dtype != x.dtype:
-        return None
     if gated and in_axis:
         raise ValueError("base_gemm: gated is for column-parallel modules (W not split on its input)")
-    try:
-        check_gemm_shapes(
-            x.shape[0], in_local, out_local // (2 if gated else 1), tiles, tiles.tile_n if gated else None
-        )
-    except ValueError:
+    if not fits_base_gemm(x, kernel, config, axes, gated):
         return None
 
     rows = rows_operand(num_rows, x.shape[0])
 
-    def local(x, stack, layer, rows):
+    def local(x, stack, layer, rows, delta):
         # the default tiles; split K or the tail split where they pay
-        y = gemm_gpu(x, stack, layer, rows, gated=gated, reference=config.reference, zero_padding=zero_padding)
+        options = dict(gated=gated, delta=delta, reference=config.reference, zero_padding=zero_padding)
+        y = gemm_gpu(x, stack, layer, rows, **options)
         return jax.lax.psum(y, in_axis) if in_axis else y
 
     if mesh is None or mesh.size == 1:
-        return local(x, stack, kernel.layer, rows)
-    in_specs = (P(None, in_axis), w_spec, P(), P())
+        return local(x, stack, kernel.layer, rows, delta)
+    in_specs = (P(None, in_axis), w_spec, P(), P(), P(None, out_axis))
     sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(None, out_axis), check_vma=False)
-    return sharded(x, stack, kernel.layer, rows)
+    return sharded(x, stack, kernel.layer, rows, delta)

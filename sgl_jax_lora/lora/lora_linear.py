@@ -11,7 +11,9 @@ with the step's backend metadata (`LoRAMeta`, built once per forward by the back
 metadata says the backend runs the base GEMM with the LoRA inside it (`runs_base_gemm`: the Pallas GPU backend
 in large buckets on Hopper GPUs), y = that one kernel's output instead (`apply_with_base`), for every module that
 fits it and that the backend takes in this bucket (`PallasGPUBackend.takes_fused_gemm`); for gate|up
-(`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. Where it does
+(`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. In buckets that run the base GEMM
+kernel without it, gate|up's delta alone (`backend.packed_delta`, where the backend hands it over) goes into the
+base GEMM kernel's gated epilogue, added before the activation. Where it does
 not (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
 `Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
 layers/fp8.py's, else XLA's dot.
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sgl_jax_lora.layers.base_gemm import BaseGemm
+from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm, fits_base_gemm
 from sgl_jax_lora.layers.fp8 import Fp8Gemm
 from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes
 
@@ -143,12 +145,29 @@ class LoRALinear(Linear):
     def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:
         """`Linear.silu_and_mul` with this module's adapters. In steps where no token uses an adapter (lora None),
         the base GEMM kernel's epilogue applies it; where the backend runs the GEMM with the LoRA inside it
-        (`runs_base_gemm`) and the module fits, that kernel's epilogue, after the entries; else the packed product
-        with the LoRA delta, split, then the activation."""
+        (`runs_base_gemm`) and the module fits, that kernel's epilogue, after the entries; where the base GEMM
+        kernel runs the module and the backend hands over the delta, the base kernel's epilogue after adding it
+        (`_gated_with_delta`); else the packed product with the LoRA delta, split, then the activation."""
         if lora is None:
             return super().silu_and_mul(x, None, num_rows)
         y = self._with_base(x, lora, num_rows, gated=True) if self.bias is None else None
+        if y is None:
+            y = self._gated_with_delta(x, lora, num_rows)
         return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
+
+    def _gated_with_delta(self, x: jax.Array, lora: LoRAMeta, num_rows: jax.Array | None) -> jax.Array | None:
+        """silu(gate + delta_gate) * (up + delta_up) from the base GEMM kernel's gated epilogue, the delta the
+        backend's `packed_delta` (its shrink and expand, run before the GEMM), where this bucket runs the base GEMM
+        kernel on this 16-bit module without a bias and the backend hands the delta over; else None."""
+        kernel = self.kernel.get_value()
+        if self.bias is not None or self.fp8 is not None or not self._runs_base_gemm(kernel, x):
+            return None
+        if not fits_base_gemm(x, kernel, self.base_gemm, self.axes, gated=True):
+            return None
+        delta = self.backend.packed_delta(x, self.lora_a.get_value(), self._lora_bs(), lora, tp_size=self.tp_size)
+        if delta is None:
+            return None
+        return base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True, delta=delta)
 
     def _with_base(
         self,

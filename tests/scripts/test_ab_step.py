@@ -33,6 +33,7 @@ KERNEL_SIZED_CONFIG = {
 def test_settings_parse_into_knobs():
     assert parse_setting("default") == {}
     assert parse_setting("base") == {"base": True}
+    assert parse_setting("gated-delta=0,fused=2048:2048") == {"gated-delta": 0, "fused": (2048, 2048)}
     assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
@@ -44,6 +45,8 @@ def test_settings_parse_into_knobs():
         "decode-keys=-1",
         "fused=1:1,fused=2:2",
         "base=1",
+        "gated-delta=2",
+        "gated-delta=",
     ):
         with pytest.raises(SystemExit):
             parse_setting(bad)
@@ -57,12 +60,13 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     calls = []
     kernel = lambda *args, **kwargs: calls.append((args, kwargs))  # noqa: E731 - the attention kernel's stand-in
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
-    with applied({"fused": (256, 512), "decode-warps": 2}, backend) as traced:
+    with applied({"fused": (256, 512), "decode-warps": 2, "gated-delta": 1}, backend) as traced:
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
+        assert pallas.gated_delta
         attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
     tiles = attention_gpu.DecodeTiles(0, 0, 2)
     assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
-    assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (0, 0)
+    assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
     assert attention_gpu.ragged_paged_attention_gpu is kernel
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
@@ -70,6 +74,8 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     with applied({}, backend) as traced:
         assert attention_gpu.ragged_paged_attention_gpu is kernel and traced == []
     with pytest.raises(SystemExit, match="needs --lora"), applied({"fused": (128, 128)}, None):
+        pass
+    with pytest.raises(SystemExit, match="needs --lora"), applied({"gated-delta": 1}, None):
         pass
 
 

@@ -10,7 +10,7 @@ without measurements use the one-hot einsum baseline.
 
 Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
 one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
-it, else the plain LoRAMeta; `apply_packed` and `apply_with_base` go to the backend `chosen` for the module.
+it, else the plain LoRAMeta; `apply_packed`, `packed_delta` and `apply_with_base` go to the backend `chosen` for the module.
 What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 
@@ -113,6 +113,18 @@ class AutoBackend(LoRABackend):
             input_sharded=input_sharded,
             output_sharded=output_sharded,
         )
+
+    def packed_delta(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> jax.Array | None:
+        backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
+        return backend.packed_delta(x, lora_a, lora_bs, meta, tp_size=tp_size)
 
     def apply_with_base(
         self,

@@ -5,10 +5,12 @@ Where it sits: the model's forward calls its backend's `prepare` once per step (
 before the layer scan), which turns the step's plain `LoRABatch` into the backend's own metadata pytree, a
 `LoRAMeta` or a subclass of it (the Pallas GPU backend adds its kernels' work list and, in prefill, the entry
 table of the GEMM with the LoRA inside it). Every `LoRALinear` then hands that metadata back with its layer's
-base output and A/B buffers to `apply_packed`, or, where `LoRAMeta.runs_base_gemm`, first to `apply_with_base`.
+base output and A/B buffers to `apply_packed`, or, where `LoRAMeta.runs_base_gemm`, first to `apply_with_base`;
+gate|up asks `packed_delta` for its delta alone where the base GEMM kernel applies the activation.
 The model never sees what the metadata holds.
 
-What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`),
+What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`,
+`packed_delta`),
 `dot_precision`, `BACKEND_NAMES` and `make_lora_backend`. The pure-JAX backends share `XlaBackend`
 (lora/backend/xla.py), the Pallas ones `PallasBackend` (lora/backend/pallas.py).
 
@@ -115,6 +117,21 @@ class LoRABackend(abc.ABC):
         consumer that masks them itself. gated (a column-parallel [gate | up] module): silu(gate) * up [T, out / 2]
         from the kernel's epilogue instead (the rows after num_rows' row tile zero, those inside it any values), or
         None."""
+        return None
+
+    def packed_delta(
+        self,
+        x: jax.Array,  # [T, in]
+        lora_a: jax.Array | LayerStack,  # [A, P * R, in]
+        lora_bs: tuple[jax.Array | LayerStack, ...],  # P x [A, out_p, R]
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> jax.Array | None:
+        """A column-parallel module's LoRA delta alone, [T, sum out_p] in x's dtype and the packed layout (each
+        device its columns), for a base GEMM kernel to add in its epilogue (LoRALinear.silu_and_mul: gate|up's,
+        before the activation); None where this backend does not hand it over in this bucket, and LoRALinear then
+        adds the delta to the packed product (`apply_packed`) before the activation."""
         return None
 
 

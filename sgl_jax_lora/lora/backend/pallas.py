@@ -151,6 +151,40 @@ class PallasBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
+        if self.returns_delta(input_sharded):
+            delta = self._shrink_expand(x, lora_a, lora_bs, meta, None, base_out.dtype, input_sharded, output_sharded)
+            return base_out + delta
+        return self._shrink_expand(x, lora_a, lora_bs, meta, base_out, base_out.dtype, input_sharded, output_sharded)
+
+    def packed_delta(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> jax.Array | None:
+        if not self.gives_packed_delta(x.shape[0]):
+            return None
+        return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, False, True)
+
+    def gives_packed_delta(self, num_tokens: int) -> bool:
+        """Whether `packed_delta` hands a column-parallel module's delta over in a bucket of num_tokens tokens."""
+        return False
+
+    def _shrink_expand(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        base_out: jax.Array | None,
+        out_dtype: jnp.dtype,
+        input_sharded: bool,
+        output_sharded: bool,
+    ) -> jax.Array:
+        """The shrink, then the expand of every part: added into base_out in place, or (None) the delta alone."""
         buffers = (lora_a, *lora_bs)
         is_stacked = all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers)
         if is_stacked:
@@ -159,7 +193,7 @@ class PallasBackend(LoRABackend):
             layer = jnp.zeros((), jnp.int32)
             lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
-        adds_in_place = not self.returns_delta(input_sharded)
+        adds_in_place = base_out is not None
 
         def local(x, lora_a, meta, layer, *operands):
             # operands: one B per part, then the base output when the delta is added in place; per shard, the
@@ -168,7 +202,7 @@ class PallasBackend(LoRABackend):
             s = self._local_shrink_partials(x, lora_a, meta, max_rank, layer)
             if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
                 s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
-            return self._local_expand(s, lora_bs, meta, meta.batch.slot_scale, y, base_out.dtype, layer)
+            return self._local_expand(s, lora_bs, meta, meta.batch.slot_scale, y, out_dtype, layer)
 
         x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)
         b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
@@ -177,7 +211,7 @@ class PallasBackend(LoRABackend):
         operands = (x, lora_a, meta, layer, *lora_bs)
         if adds_in_place:
             return self._sharded(local, specs + (y_spec,), y_spec)(*operands, base_out)
-        return base_out + self._sharded(local, specs, y_spec)(*operands)
+        return self._sharded(local, specs, y_spec)(*operands)
 
 
 def make_pallas_backend(

@@ -30,6 +30,11 @@ base GEMM and the SGMV kernels. Elsewhere a positive flag value runs that path w
 gate|up (`gated`) takes the kernel with the MLP's activation in its epilogue from GATED_MIN_TOKENS tokens: in
 smaller buckets, decode rows of many adapters, its tiles (half as wide) each run every entry of their rows, and the
 product then XLA's activation is faster.
+
+Below the fused GEMM's buckets, gate|up's delta goes to the base GEMM kernel's gated epilogue (`packed_delta`,
+`gives_packed_delta`; on Hopper GPUs by default, `gated_delta`): the shrink and the expand run first, and the
+kernel adds the delta before the activation, so neither the [T, 2I] product nor XLA's activation pass over it
+and the delta is spent.
 """
 
 from __future__ import annotations
@@ -165,6 +170,7 @@ class PallasGPUBackend(PallasBackend):
         fused_gemm_min_tokens: int | None = None,
         fused_gemm_split_k: bool = True,
         fused_gemm_other_min_tokens: int | None = None,
+        gated_delta: bool | None = None,
     ):
         """fused_gemm_min_tokens: the least token bucket that runs gate|up's base GEMM with the LoRA inside it (0:
         none), and every other module's when fused_gemm_other_min_tokens is None. Default: FUSED_GEMM_MIN_TOKENS for
@@ -172,7 +178,9 @@ class PallasGPUBackend(PallasBackend):
         tests), that path computes with the kernel's pure-JAX reference. fused_gemm_split_k: that kernel cuts its K
         loop where its tiles leave SMs idle (`choose_gemm_lora_split`); False keeps one part
         (scripts/bench_gemm_lora.py compares the two). fused_gemm_other_min_tokens: q|k|v's, o's and down's
-        threshold, where it differs (tests of the default rule on CPU)."""
+        threshold, where it differs (tests of the default rule on CPU). gated_delta: whether gate|up hands its delta
+        to the base GEMM kernel's gated epilogue below the fused GEMM's buckets (`gives_packed_delta`; default: on
+        Hopper GPUs; elsewhere the base GEMM's reference then adds it, CPU tests)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
@@ -183,6 +191,7 @@ class PallasGPUBackend(PallasBackend):
         self.fused_gemm_other_min_tokens = (
             fused_gemm_min_tokens if fused_gemm_other_min_tokens is None else fused_gemm_other_min_tokens
         )
+        self.gated_delta = has_gemm_kernel if gated_delta is None else gated_delta
         self.fused_gemm_reference = not has_gemm_kernel
         self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
 
@@ -219,6 +228,11 @@ class PallasGPUBackend(PallasBackend):
         fused_gemm_other_min_tokens (0: never)."""
         least = self.fused_gemm_min_tokens if is_gate_up(num_parts, row_parallel) else self.fused_gemm_other_min_tokens
         return 0 < least <= num_tokens
+
+    def gives_packed_delta(self, num_tokens: int) -> bool:
+        """gate|up's delta goes to the base GEMM kernel's gated epilogue in buckets where gate|up does not take the
+        fused GEMM, when `gated_delta` is on."""
+        return self.gated_delta and not self.takes_fused_gemm(num_tokens, 2, row_parallel=False)
 
     # -- per-shard kernels -----------------------------------------------------------------------------------
 

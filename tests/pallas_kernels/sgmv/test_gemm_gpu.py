@@ -245,9 +245,12 @@ def test_tail_split_matches_reference_at_decode_rows(module):
 # ---- gated: silu(x @ W_gate) * (x @ W_up) in the kernel's epilogue ------------------------------------------------
 
 
-def expected_gated(x, w_layer, num_rows: int | None = None) -> np.ndarray:
-    """silu(gate) * up from the float32 product, each half rounded to bf16 first as the kernel's epilogue does."""
+def expected_gated(x, w_layer, num_rows: int | None = None, delta=None) -> np.ndarray:
+    """silu(gate) * up from the float32 product, each half rounded to bf16 first as the kernel's epilogue does (with
+    a delta, added to the rounded product and the sum rounded to bf16)."""
     y = np.asarray(expected(x, w_layer).astype(jnp.bfloat16), np.float32)
+    if delta is not None:
+        y = np.asarray(jnp.asarray(y + np.asarray(delta, np.float32)).astype(jnp.bfloat16), np.float32)
     gate, up = np.split(y, 2, axis=1)
     out = gate / (1 + np.exp(-gate)) * up
     if num_rows is not None:
@@ -267,6 +270,42 @@ def test_gated_reference_is_silu_of_gate_times_up():
         np.asarray(y, np.float32)[:200],
         np.asarray(silu_and_mul(gemm_gpu(x, w, jnp.int32(1), reference=True)), np.float32)[:200],
     )
+
+
+def test_gated_reference_adds_the_delta_before_the_activation():
+    """With a delta (gate|up's LoRA delta), the reference is the unfused layers' silu of (product + delta): the
+    packed product rounded to bf16, plus the delta, split, then the activation."""
+    x, w = operands(14, 256, 128, 512)
+    delta = jnp.asarray(np.random.default_rng(15).standard_normal((256, 512)), jnp.bfloat16)
+    rows = jnp.array([200], jnp.int32)
+    y = jax.jit(lambda x, w, d: gemm_gpu(x, w, jnp.int32(1), rows, gated=True, delta=d, reference=True))(x, w, delta)
+    product = gemm_gpu(x, w, jnp.int32(1), reference=True)
+    unfused = np.asarray(silu_and_mul(product + delta), np.float32)
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[:200], unfused[:200])
+    assert not np.asarray(y, np.float32)[200:].any()
+    want = expected_gated(x, w[1], 200, delta)
+    assert np.abs(np.asarray(y, np.float32) - want).max() <= 2e-2 * np.abs(want).max()
+    assert np.abs(want - expected_gated(x, w[1], 200)).max() > 0.1 * np.abs(want).max()  # the delta counts
+
+
+def test_a_delta_goes_only_to_the_gated_kernel_in_its_shape():
+    x, w = operands(16, 256, 128, 512)
+    with pytest.raises(ValueError, match="pass gated=True"):
+        gemm_gpu(x, w, jnp.int32(0), delta=jnp.zeros((256, 512), jnp.bfloat16), reference=True)
+    with pytest.raises(ValueError, match=r"shape \(256, 512\)"):
+        gemm_gpu(x, w, jnp.int32(0), gated=True, delta=jnp.zeros((256, 256), jnp.bfloat16), reference=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        gemm_gpu(x, w, jnp.int32(0), gated=True, delta=jnp.zeros((256, 512), jnp.float32), reference=True)
+
+
+def test_the_delta_tiles_take_a_pipeline_stage():
+    """The gated kernel's delta tiles (64 KB: two warpgroups' rows of a gate and an up block) fit shared memory
+    beside 3 stages and 32-column stores; the kernel without them keeps 4 stages and 64-column stores."""
+    tiles = choose_gemm_tiles(gated_delta=True)
+    assert (tiles.stages, tiles.epilogue_n) == (3, 32)
+    assert tiles.smem_bytes(0, gated_delta=True) <= 227 * 1024 - 1024
+    assert tiles.smem_bytes(0) + 64 * 1024 == tiles.smem_bytes(0, gated_delta=True)
+    assert (choose_gemm_tiles().stages, choose_gemm_tiles().epilogue_n) == (4, 64)
 
 
 def test_gated_refuses_what_it_does_not_run():
@@ -294,32 +333,38 @@ def mosaic_gpu_interpreter():
     [(384, 256, 256, 200), (512, 128, 384, 100), (128, 128, 640, 128)],
     ids=["one-padding-row-tile", "three-padding-row-tiles-over-2-waves", "one-row-tile-5-column-tiles"],
 )
-def test_the_gated_kernel_in_the_mosaic_gpu_interpreter(num_tokens, in_dim, inter_dim, num_rows):
+@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
+def test_the_gated_kernel_in_the_mosaic_gpu_interpreter(num_tokens, in_dim, inter_dim, num_rows, with_delta):
     """The gated kernel call (as gemm_gpu_rows makes it) run by the interpreter on 5 "SMs" over layer 1 of a 2-layer
     stack: each warpgroup's half of a tile's rows, gate and up fetched from their two column blocks, the activation
     in the epilogue; the real rows within bf16 rounding of silu(gate) * up (one rounding of the product), and the
-    padding's row tiles zeroed by the kernel (the interpreter fills what a kernel leaves unwritten with NaN)."""
+    padding's row tiles zeroed by the kernel (the interpreter fills what a kernel leaves unwritten with NaN). With a
+    delta: its gate and up blocks of each tile added before the activation."""
     interpret = mosaic_gpu_interpreter()
     if interpret is None:
         pytest.skip("this JAX has no Mosaic GPU interpreter")
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((2 * in_dim, 2 * inter_dim)) / np.sqrt(in_dim), jnp.bfloat16)
+    delta = jnp.asarray(rng.standard_normal((num_tokens, 2 * inter_dim)), jnp.bfloat16) if with_delta else None
     run = jax.jit(
-        lambda x, w: base_kernel_call(
+        lambda x, w, delta: base_kernel_call(
             x,
             w,
             jnp.array([in_dim], jnp.int32),
             jnp.array([num_rows], jnp.int32),
-            tiles=choose_gemm_tiles(),
+            tiles=choose_gemm_tiles(gated_delta=with_delta),
             num_sms=5,
             gated=True,
+            delta=delta,
             interpret=interpret,
         )
     )
-    y = np.asarray(run(x, w), np.float32)
+    y = np.asarray(run(x, w, delta), np.float32)
     assert y.shape == (num_tokens, inter_dim)
-    want = expected_gated(x, w[in_dim:])
+    want = expected_gated(x, w[in_dim:], delta=delta)
+    if with_delta:  # the delta moved the result
+        assert np.abs(want - expected_gated(x, w[in_dim:]))[:num_rows].max() > 0.1 * np.abs(want).max()
     assert np.abs(y[:num_rows] - want[:num_rows]).max() <= 1e-2 * np.abs(want).max()
     up_only = np.split(np.asarray(expected(x, w[in_dim:])), 2, axis=1)[1]
     assert np.abs(y[:num_rows] - up_only[:num_rows]).max() > 0.1 * np.abs(want).max()  # the activation was applied
@@ -347,12 +392,33 @@ def test_gated_matches_reference_at_llama3_8b_gate_up():
         assert np.abs(y[:num_rows] - expected_gated(x, w[0])[:num_rows]).max() > 0.1 * scale  # not layer 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper-class CUDA device (Mosaic GPU WGMMA)")
+def test_gated_with_a_delta_matches_reference_at_llama3_8b_gate_up():
+    """The gated kernel with gate|up's LoRA delta added before the activation, at the decode buckets that run it (256
+    tokens, 369 rows in the 512 bucket, 751 in the 1024 one): within bf16 rounding of silu(gate + delta_gate) * (up +
+    delta_up) on the real rows, the padding's row tiles zero, and apart from the result without the delta."""
+    in_dim, out_dim = LLAMA3_8B_MODULES["gate_up"]
+    for num_tokens, num_rows in ((256, 256), (512, 369), (1024, 751)):
+        x, w = operands(17, num_tokens, in_dim, out_dim)
+        delta = jnp.asarray(np.random.default_rng(18).standard_normal((num_tokens, out_dim)) * 0.5, jnp.bfloat16)
+        rows = jnp.full((1,), num_rows, jnp.int32)
+        call = jax.jit(lambda x, w, rows, d: gemm_gpu(x, w, jnp.int32(1), rows, gated=True, delta=d))
+        y = np.asarray(call(x, w, rows, delta), np.float32)
+        want = expected_gated(x, w[1], delta=delta)[:num_rows]
+        scale = np.abs(want).max()
+        assert y.shape == (num_tokens, out_dim // 2)
+        assert np.abs(y[:num_rows] - want).max() <= 1e-2 * scale, num_tokens
+        assert not y[-(-num_rows // 128) * 128 :].any()
+        assert np.abs(y[:num_rows] - expected_gated(x, w[1])[:num_rows]).max() > 0.1 * scale  # the delta counts
+
+
 # ---- every variant lowers for Mosaic GPU (on CPU) -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "variant,k_splits",
-    [("plain", 1), ("split-k", 2), ("tail-split", 1), ("gated", 1), ("fp8", 1), ("fp8", 2)],
+    [("plain", 1), ("split-k", 2), ("tail-split", 1), ("gated", 1), ("gated-delta", 1), ("fp8", 1), ("fp8", 2)],
 )
 def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
     """The kernel call of each variant at Llama-3-8B sizes (gate|up's 4096 -> 2 x 14336; 1024 rows), lowered for
@@ -366,6 +432,7 @@ def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
     num_tokens, in_dim, out_dim = 1024, 4096, 28672
+    gated = variant.startswith("gated")
     if variant == "fp8":
         fp8 = jnp.float8_e4m3fn
         x, w = jax.ShapeDtypeStruct((num_tokens, in_dim), fp8), jax.ShapeDtypeStruct((2 * out_dim, in_dim), fp8)
@@ -376,15 +443,16 @@ def test_each_variant_lowers_for_cuda(monkeypatch, variant, k_splits):
     else:
         x = jax.ShapeDtypeStruct((num_tokens, in_dim), jnp.bfloat16)
         w = jax.ShapeDtypeStruct((2 * in_dim, out_dim), jnp.bfloat16)
+        delta = jax.ShapeDtypeStruct((num_tokens, out_dim), jnp.bfloat16) if variant == "gated-delta" else None
         options = dict(
-            tiles=choose_gemm_tiles(k_splits),
+            tiles=choose_gemm_tiles(k_splits, gated_delta=delta is not None),
             k_splits=k_splits,
             tail_split=variant == "tail-split",
-            gated=variant == "gated",
+            gated=gated,
         )
-        lowered = gemm_gpu_rows.trace(x, w, row, row, **options).lower(lowering_platforms=("cuda",))
+        lowered = gemm_gpu_rows.trace(x, w, row, row, delta, **options).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
-    assert lowered.out_info.shape == (num_tokens, out_dim // 2 if variant == "gated" else out_dim)
+    assert lowered.out_info.shape == (num_tokens, out_dim // 2 if gated else out_dim)
     assert lowered.out_info.dtype == jnp.bfloat16
 
 

@@ -155,3 +155,26 @@ def test_engine_with_lora_and_the_base_gemm_kernel(kernel_sized_model, adapters,
     assert not calls and len(fused_calls) == 4
     for got, want in zip(both, expected):
         assert np.abs(np.array(got) - np.array(want)).max() < 0.2
+
+
+@pytest.mark.slow
+def test_engine_with_gate_up_delta_in_the_gated_epilogue(kernel_sized_model, adapters, monkeypatch):
+    """The Pallas GPU backend handing gate|up's delta to the base GEMM kernel's gated epilogue (on by default on
+    Hopper GPUs; turned on here): the prefill step's gate|up is one base GEMM call with the delta (q|k|v, o and down
+    without), and the prompt and output logprobs agree with the SGMV path's product + delta then the activation
+    within bf16 rounding."""
+    calls = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
+    expected = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
+    assert [call["delta"] is not None for call in calls] == [False] * 4
+    calls.clear()
+    real_init = pallas_gpu_module.PallasGPUBackend.__init__
+    monkeypatch.setattr(
+        pallas_gpu_module.PallasGPUBackend,
+        "__init__",
+        lambda self, *args, **kwargs: real_init(self, *args, **{**kwargs, "gated_delta": True}),
+    )
+    ours = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
+    assert sorted(call["delta"] is not None for call in calls) == [False, False, False, True]
+    assert [call["gated"] for call in calls if call["delta"] is not None] == [True]
+    for got, want in zip(ours, expected):
+        assert len(got) == len(want) and np.abs(np.array(got) - np.array(want)).max() < 0.2

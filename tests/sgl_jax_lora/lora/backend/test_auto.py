@@ -141,6 +141,10 @@ class Recorder(LoRABackend):
         self.calls.append(("apply_with_base", args, kwargs))
         return "with_base"
 
+    def packed_delta(self, *args, **kwargs):
+        self.calls.append(("packed_delta", args, kwargs))
+        return "delta"
+
 
 def test_calls_go_to_the_backend_chosen_for_the_modules_total_width(monkeypatch):
     backend = AutoBackend(None)
@@ -166,6 +170,9 @@ def test_calls_go_to_the_backend_chosen_for_the_modules_total_width(monkeypatch)
     )
     backend.apply_with_base(x, "kernel", lora_a, wide, meta, **kw, num_rows=rows, zero_padding=False)
     assert recorders["sgmv"].calls[-1][2] == kw | {"num_rows": rows, "gated": False, "zero_padding": False}
+    # packed_delta chooses by the module's width, as apply_packed
+    assert backend.packed_delta(x, lora_a, wide, meta, tp_size=2) == "delta"
+    assert recorders["bgmv"].calls[-1] == ("packed_delta", (x, lora_a, wide, meta), {"tp_size": 2})
 
 
 @pytest.mark.parametrize(("platform", "num_tokens", "expected"), [("cpu", 16, EinsumBackend), ("gpu", 8, BgmvBackend)])

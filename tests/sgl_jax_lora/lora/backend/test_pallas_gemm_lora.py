@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sgl_jax_lora.lora.backend.pallas_gpu as pallas_module
+from pallas_kernels.sgmv.gemm_gpu import gemm_gpu
 from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.linear import pack_parts, split_packed
 from sgl_jax_lora.lora.backend.auto import AutoBackend
@@ -131,6 +132,27 @@ def test_by_default_only_gate_up_takes_the_fused_gemm_below_the_other_modules_th
     assert [backend.takes_fused_gemm(t, 1, True) for t in (256, 512)] == [False, True]
     assert [backend.takes_fused_gemm(t, 2, False) for t in (128, 256)] == [False, True]
     assert [backend.fused_gemm_tile_rows(t, 8) for t in (128, 256, 512)] == [0, 128, 128]
+
+
+def test_packed_delta_goes_to_the_gated_epilogue_below_the_fused_gemm():
+    """gate|up's delta alone (`packed_delta`) where gated_delta is on and gate|up does not take the fused GEMM: both
+    parts' packed delta, and the base GEMM's gated epilogue given it (the kernel's reference here) computes silu(gate)
+    * up of the product with the delta. None with gated_delta off (the default off Hopper GPUs) and in a bucket where
+    gate|up takes the fused GEMM."""
+    x, w, lora_a, lora_bs, lora = module_inputs(7, widths=(256, 256))
+    backend = PallasGPUBackend(None, fused_gemm_min_tokens=512, gated_delta=True)
+    meta = backend.prepare(lora.batch, num_seqs=8)
+    delta = jax.jit(lambda *a: backend.packed_delta(*a, tp_size=1))(x, lora_a, lora_bs, meta)
+    with_lora = base_plus_lora(x, w, lora_a, lora_bs, lora)
+    assert delta.shape == (256, 512) and delta.dtype == jnp.bfloat16
+    assert_close(delta, with_lora - base_product(x, w))
+    gate, up = jnp.split(with_lora, 2, axis=1)
+    assert_close(gemm_gpu(x, w, gated=True, delta=delta, reference=True), jax.nn.silu(gate) * up)
+    assert not PallasGPUBackend(None).gated_delta
+    assert PallasGPUBackend(None, fused_gemm_min_tokens=512).packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
+    fused_here = PallasGPUBackend(None, fused_gemm_min_tokens=256, gated_delta=True)
+    assert fused_here.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
+    assert [fused_here.gives_packed_delta(t) for t in (128, 256)] == [True, False]
 
 
 def as_array(w):
