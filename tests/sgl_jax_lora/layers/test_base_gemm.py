@@ -116,12 +116,11 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
 
 
-def serve(model_dir, adapters, gpu_min_tokens: int, fused_min_tokens: int = 0) -> list[np.ndarray]:
+def serve(model_dir, adapters, gpu_min_tokens: int, fused_min_tokens: int = 0, tp_size: int = 1) -> list[np.ndarray]:
     """The three PROMPTS (two adapters, one base) prefilled in one 256-token bf16 step, then two greedy decode steps
     in the 128-token bucket: each request's prompt and output logprobs."""
-    prompt, output = serve_logprobs(
-        model_dir, adapters, 3, gpu_gemm_min_tokens=gpu_min_tokens, lora_fused_gemm_min_tokens=fused_min_tokens
-    )
+    flags = dict(gpu_gemm_min_tokens=gpu_min_tokens, lora_fused_gemm_min_tokens=fused_min_tokens, tp_size=tp_size)
+    prompt, output = serve_logprobs(model_dir, adapters, 3, **flags)
     return [np.concatenate([p, o]) for p, o in zip(prompt, output)]
 
 
@@ -158,23 +157,33 @@ def test_engine_with_lora_and_the_base_gemm_kernel(kernel_sized_model, adapters,
 
 
 @pytest.mark.slow
-def test_engine_with_gate_up_delta_in_the_gated_epilogue(kernel_sized_model, adapters, monkeypatch):
-    """The Pallas GPU backend handing gate|up's delta to the base GEMM kernel's gated epilogue (on by default on
-    Hopper GPUs; turned on here): the prefill step's gate|up is one base GEMM call with the delta (q|k|v, o and down
-    without), and the prompt and output logprobs agree with the SGMV path's product + delta then the activation
-    within bf16 rounding."""
+@pytest.mark.parametrize("tp_size,base_calls", [(1, 4), (2, 3)])
+def test_engine_with_gate_up_delta_in_the_gated_epilogue(
+    kernel_sized_model, adapters, monkeypatch, tp_size, base_calls
+):
+    """The Pallas GPU backend handing gate|up's delta to the base GEMM kernel's gated epilogue (the default on Hopper
+    GPUs, off elsewhere; set both ways here): with it, the prefill step's gate|up is one base GEMM call with the delta
+    (o and down without; q|k|v too at tp 1, whose shard does not fit the kernel at tp 2), each device its columns of
+    the delta at tp 2, and the prompt and output logprobs agree with the SGMV path's product + delta then the
+    activation within bf16 rounding."""
+    if len(jax.devices()) < tp_size:
+        pytest.skip(f"needs {tp_size} (fake) devices")
     calls = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
-    expected = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
-    assert [call["delta"] is not None for call in calls] == [False] * 4
-    calls.clear()
     real_init = pallas_gpu_module.PallasGPUBackend.__init__
-    monkeypatch.setattr(
-        pallas_gpu_module.PallasGPUBackend,
-        "__init__",
-        lambda self, *args, **kwargs: real_init(self, *args, **{**kwargs, "gated_delta": True}),
-    )
-    ours = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
-    assert sorted(call["delta"] is not None for call in calls) == [False, False, False, True]
+
+    def serve_with(gated_delta: bool) -> list[np.ndarray]:
+        monkeypatch.setattr(
+            pallas_gpu_module.PallasGPUBackend,
+            "__init__",
+            lambda self, *args, **kwargs: real_init(self, *args, **{**kwargs, "gated_delta": gated_delta}),
+        )
+        calls.clear()
+        return serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD, tp_size=tp_size)
+
+    expected = serve_with(False)
+    assert [call["delta"] is not None for call in calls] == [False] * base_calls
+    ours = serve_with(True)
+    assert sorted(call["delta"] is not None for call in calls) == [False] * (base_calls - 1) + [True]
     assert [call["gated"] for call in calls if call["delta"] is not None] == [True]
     for got, want in zip(ours, expected):
         assert len(got) == len(want) and np.abs(np.array(got) - np.array(want)).max() < 0.2
