@@ -138,7 +138,7 @@ def test_packed_delta_goes_to_the_gated_epilogue_below_the_fused_gemm():
     """gate|up's delta alone (`packed_delta`) where gated_delta is on and gate|up does not take the fused GEMM: both
     parts' packed delta, and the base GEMM's gated epilogue given it (the kernel's reference here) computes silu(gate)
     * up of the product with the delta. None with gated_delta off (the default off Hopper GPUs) and in a bucket where
-    gate|up takes the fused GEMM."""
+    gate|up takes the fused GEMM. On a GPU the SGMV kernels themselves."""
     x, w, lora_a, lora_bs, lora = module_inputs(7, widths=(256, 256))
     backend = PallasGPUBackend(None, fused_gemm_min_tokens=512, gated_delta=True)
     meta = backend.prepare(lora.batch, num_seqs=8)
@@ -148,8 +148,9 @@ def test_packed_delta_goes_to_the_gated_epilogue_below_the_fused_gemm():
     assert_close(delta, with_lora - base_product(x, w))
     gate, up = jnp.split(with_lora, 2, axis=1)
     assert_close(gemm_gpu(x, w, gated=True, delta=delta, reference=True), jax.nn.silu(gate) * up)
-    assert not PallasGPUBackend(None).gated_delta
-    assert PallasGPUBackend(None, fused_gemm_min_tokens=512).packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
+    assert PallasGPUBackend(None).gated_delta == pallas_module._is_hopper(None)  # the default: on Hopper GPUs
+    off = PallasGPUBackend(None, fused_gemm_min_tokens=512, gated_delta=False)
+    assert off.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
     fused_here = PallasGPUBackend(None, fused_gemm_min_tokens=256, gated_delta=True)
     assert fused_here.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
     assert [fused_here.gives_packed_delta(t) for t in (128, 256)] == [True, False]
