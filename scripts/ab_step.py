@@ -16,6 +16,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
   decode-keys=K   keys a loop step of that kernel (`DecodeTiles.block_kv`)
   gated-delta=D   1: gate|up's delta into the base GEMM kernel's gated epilogue below the fused GEMM's buckets, 0:
                   the packed product with the delta, then XLA's activation (`PallasGPUBackend.gated_delta`)
+  entry-ring=T    the fused GEMM keeps a ring of LoRA entries in flight in buckets up to T tokens
+                  (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -39,12 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels.attention.gpu as attention_gpu  # noqa: E402
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
-from scripts.bench_step import build, cache_pages, case_batch, engine_args, lora_batches, parse_case  # noqa: E402
+from scripts.bench_step import build, engine_args  # noqa: E402
+from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case  # noqa: E402
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta")
+KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring")
+BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring")  # set on the Pallas GPU backend
 
 
 def parse_setting(text: str) -> dict:
@@ -63,7 +67,7 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K (non-negative integers), gated-delta=0|1"
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T (non-negative integers), gated-delta=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -71,23 +75,25 @@ def parse_setting(text: str) -> dict:
 
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
-    """The setting in force while the forward is traced: the fused-GEMM thresholds and the gated-delta choice on the
-    model's Pallas GPU backend, the decode tiles as the attention layer's kernel call takes them; all as they were
-    afterwards. Yields the list
+    """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
+    entry ring's bucket on the model's Pallas GPU backend, the decode tiles as the attention layer's kernel call takes
+    them; all as they were afterwards. Yields the list
     of the tiles each traced call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
-    saved = (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) if pallas else None
+    attributes = ("fused_gemm_min_tokens", "fused_gemm_other_min_tokens", "gated_delta", "ENTRY_RING_MAX_TOKENS")
+    saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
     try:
+        knobs = [knob for knob in BACKEND_KNOBS if knob in setting]
+        if knobs and not isinstance(pallas, PallasGPUBackend):
+            raise SystemExit(f"the {knobs[0]} knob needs --lora (the auto backend's Pallas GPU backend)")
         if "fused" in setting:
-            if not isinstance(pallas, PallasGPUBackend):
-                raise SystemExit("the fused=G:O knob needs --lora (the auto backend's Pallas GPU backend)")
             pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = setting["fused"]
         if "gated-delta" in setting:
-            if not isinstance(pallas, PallasGPUBackend):
-                raise SystemExit("the gated-delta knob needs --lora (the auto backend's Pallas GPU backend)")
             pallas.gated_delta = bool(setting["gated-delta"])
+        if "entry-ring" in setting:
+            pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
 
@@ -99,8 +105,10 @@ def applied(setting: dict, lora_backend):
         yield traced
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
-        if saved is not None:
-            pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta = saved
+        if saved is not None:  # the backend's own attributes back, a class default where it had none
+            for name in attributes:
+                pallas.__dict__.pop(name, None)
+            pallas.__dict__.update(saved)
 
 
 def setting_batches(settings: list[dict], batches: list, base_batches: list) -> list[list]:
@@ -147,7 +155,9 @@ def alternate(run, num_cases: int, num_settings: int, repeats: int, rounds: int)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", required=True, help="bench_step.py's cases: decode:SxC[@B], prefill:SxN")
+    parser.add_argument(
+        "--cases", nargs="+", required=True, help="step_cases.py's: decode:SxC[@B], prefill:SxN, mixed:SxC+PxN[@B]"
+    )
     parser.add_argument("--settings", nargs="+", default=["default"], help="'default' or KNOB=VALUE[,KNOB=VALUE]")
     parser.add_argument("--lora", action="store_true", help="the model with --num-adapters adapters, one a sequence")
     parser.add_argument("--num-adapters", type=int, default=32)
@@ -167,8 +177,8 @@ def main() -> None:
         cfg, engine_args(cfg, "pallas", "auto" if opts.lora else None, flags), opts.lora, num_pages, opts.num_adapters
     )
     lora = lora_batches(opts.num_adapters + 1) if opts.lora else None
-    base_batches = [jax.device_put(case_batch(*case, max_pages, None)[0]) for case in cases]
-    batches = [jax.device_put(case_batch(*case, max_pages, lora)[0]) for case in cases] if lora else base_batches
+    base_batches = [jax.device_put(case_batch(case, max_pages, None)[0]) for case in cases]
+    batches = [jax.device_put(case_batch(case, max_pages, lora)[0]) for case in cases] if lora else base_batches
     batches = setting_batches(settings, batches, base_batches)
     compiled = compile_settings(model, settings, batches)
     kv = model.kv

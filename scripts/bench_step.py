@@ -8,11 +8,12 @@ Each variant builds the model once (`native` / `pallas`: --attention-backend; `+
 of rank 16 on all 7 projections, one device slot each beside the base's, the auto LoRA backend, or the one
 `+lora=NAME` names (a --lora-backend choice); each sequence one adapter, as the engine batches them: a prompt's
 tokens share their adapter, and decode rows are grouped by adapter, as the scheduler orders a decode step), then
-runs each case:
+runs each case (scripts/step_cases.py: decode:SxC[@B], prefill:SxN, mixed:SxC+PxN[@B]):
   decode:SxC   S sequences of context C, one new token each (the engine's decode step: bucket S tokens)
   decode:SxC@B the same S rows padded to a bucket of B tokens and B sequences, as the engine pads a step of S decode
                rows (padding tokens write slot 0, padding sequences hold no tokens)
   prefill:SxN  S prompts of N new tokens each, no cached prefix (one step of S * N tokens)
+  mixed:SxC+PxN[@B]  S decode rows of context C, then P prompts of N new tokens (the engine's mixed step)
 Timing: each case's program is compiled and run once, then --rounds rounds run every case's --repeats calls in
 turn, in the given order in even rounds and reversed in odd ones, so a drift of the device's speed (clocks, heat)
 over the run weighs on every case alike; with one round (the default) the cases run one after the other.
@@ -40,76 +41,30 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
-from sgl_jax_lora.configs.buckets import pick, segment_buckets  # noqa: E402
+from scripts.step_cases import (  # noqa: E402
+    MAX_PREFILL_SEQS,
+    PAGE_SIZE,
+    RANK,
+    StepCase,
+    cache_pages,
+    case_batch,
+    lora_batches,
+    parse_case,
+)
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
-from sgl_jax_lora.lora.lora_batch import build_lora_batch  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import KVCache, allocate_kv_cache, kv_cache_dtype  # noqa: E402
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402
-from sgl_jax_lora.models.forward_batch import ForwardBatch  # noqa: E402
 from sgl_jax_lora.server_args import LORA_BACKENDS, ServerArgs  # noqa: E402
-
-PAGE_SIZE, RANK = 16, 16
-MAX_PREFILL_SEQS = 8  # the engine's default --max-prefill-seqs, which the GPU attention sizes its q-block grid by
-
-
-def parse_case(text: str) -> tuple[str, int, int, int]:
-    """`kind:SxN[@B]` -> (kind, S, N, bucket B: S rows unpadded when not given)."""
-    kind, shape = text.split(":")
-    shape, _, bucket = shape.partition("@")
-    seqs, length = (int(v) for v in shape.split("x"))
-    if kind == "prefill" and seqs > MAX_PREFILL_SEQS:
-        raise SystemExit(f"{text}: at most {MAX_PREFILL_SEQS} prompts in a prefill case (the engine's default)")
-    if bucket and (kind != "decode" or int(bucket) < seqs):
-        raise SystemExit(f"{text}: a bucket is for decode cases, at least their S rows")
-    return kind, seqs, length, int(bucket or (seqs if kind == "decode" else 0))
-
-
-def case_batch(
-    kind: str, num_seqs: int, length: int, bucket: int, max_pages: int, lora
-) -> tuple[ForwardBatch, list[int], list[int]]:
-    """The step's ForwardBatch (sequence s on pages 1 + s * pages_per_seq ...; decode rows padded to `bucket` tokens
-    and sequences as ScheduleBatch.to_forward_batch pads them) -> (batch, q_lens, kv_lens) of the real sequences."""
-    q_len = 1 if kind == "decode" else length
-    kv_len = length if kind == "decode" else length
-    pages_per_seq = -(-kv_len // PAGE_SIZE)
-    num_tokens = num_seqs * q_len
-    padded = max(bucket, num_seqs)  # sequences, and tokens of a decode case
-    page_table = np.zeros((padded, max_pages), np.int32)
-    page_table[:num_seqs, :pages_per_seq] = 1 + np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(
-        num_seqs, -1
-    )
-    seq = np.repeat(np.arange(num_seqs), q_len)
-    positions = (kv_len - q_len + np.tile(np.arange(q_len), num_seqs)).astype(np.int32)
-    cache_loc = page_table[seq, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-    cu_q_lens = np.full(padded + 1, num_tokens, np.int32)
-    cu_q_lens[: num_seqs + 1] = np.arange(num_seqs + 1, dtype=np.int32) * q_len
-    last_token_index = np.zeros(padded, np.int32)
-    last_token_index[:num_seqs] = cu_q_lens[1 : num_seqs + 1] - 1
-    pad_tokens = padded - num_seqs if kind == "decode" else 0
-    ids = np.random.default_rng(0).integers(2, 1000, num_tokens).astype(np.int32)
-    batch = ForwardBatch(
-        input_ids=np.pad(ids, (0, pad_tokens)),
-        positions=np.pad(positions, (0, pad_tokens)),
-        cache_loc=np.pad(cache_loc.astype(np.int32), (0, pad_tokens)),
-        seq_lens=np.pad(np.full(num_seqs, kv_len, np.int32), (0, padded - num_seqs)),
-        page_table=page_table,
-        cu_q_lens=cu_q_lens,
-        last_token_index=last_token_index,
-        lora=lora(seq, num_seqs, num_tokens + pad_tokens) if lora else None,
-        input_from_prev=None,
-    )
-    return batch, [q_len] * num_seqs, [kv_len] * num_seqs
 
 
 def parse_variant(text: str) -> tuple[str, str | None]:
@@ -187,29 +142,6 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
     return BuiltModel(state, kv, jitted, forward, options, spec)
 
 
-def sequence_slots(num_seqs: int, num_adapters: int) -> np.ndarray:
-    """[S] adapter slot of each sequence: 1..num_adapters (slot 0 is the base), sequences of one adapter
-    consecutive (as the scheduler orders a decode step's rows), as many adapters as there are sequences, at most
-    num_adapters, each with the same number of sequences give or take one."""
-    return (1 + np.arange(num_seqs) * min(num_adapters, num_seqs) // num_seqs).astype(np.int32)
-
-
-def lora_batches(num_slots: int):
-    scale, rank = np.ones(num_slots, np.float32), np.full(num_slots, RANK, np.int32)
-    scale[0] = rank[0] = 0
-    buckets = segment_buckets(num_slots)
-
-    def make(token_seq: np.ndarray, num_seqs: int, num_tokens: int):
-        """token_seq: [live tokens] the sequence of each real token; the rest of the bucket's num_tokens are padding
-        tokens, in the base slot as the engine pads them."""
-        token_slot = np.zeros(num_tokens, np.int32)
-        token_slot[: len(token_seq)] = sequence_slots(num_seqs, num_slots - 1)[token_seq]
-        distinct = len(np.unique(token_slot))
-        return build_lora_batch(token_slot, pick(buckets, distinct), scale, rank)
-
-    return make
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", default=["native", "pallas", "pallas+lora"])
@@ -254,7 +186,9 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
 
-def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: str | None, cases: list, opts):
+def measure_variant(
+    cfg: ModelConfig, variant: str, backend: str, lora_backend: str | None, cases: list[StepCase], opts
+):
     """Builds the variant's model, compiles and runs each case once, then times the cases over opts.rounds rounds
     (`time_cases`); after each round yields the variant's rows (`report`, with each round's median) so far."""
     max_pages, num_pages = cache_pages(cases)
@@ -263,13 +197,13 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
     )
     lora = lora_batches(opts.num_adapters + 1) if lora_backend else None
     prepared = []  # (case, batch, q_lens, kv_lens, compile_s)
-    for kind, seqs, length, bucket in cases:
-        batch, q_lens, kv_lens = case_batch(kind, seqs, length, bucket, max_pages, lora)
+    for case in cases:
+        batch, q_lens, kv_lens = case_batch(case, max_pages, lora)
         batch = jax.device_put(batch)
         start = time.perf_counter()
         out, kv = forward(state, kv, batch)
         out.block_until_ready()
-        prepared.append(((kind, seqs, length, bucket), batch, q_lens, kv_lens, time.perf_counter() - start))
+        prepared.append((case, batch, q_lens, kv_lens, time.perf_counter() - start))
 
     def run(index: int) -> None:
         nonlocal kv  # donated: each call takes the cache the call before returned
@@ -278,18 +212,11 @@ def measure_variant(cfg: ModelConfig, variant: str, backend: str, lora_backend: 
 
     for times in time_cases(run, len(prepared), opts.repeats, opts.rounds):
         rows = []
-        for ((kind, seqs, length, bucket), _, q_lens, kv_lens, compile_s), rounds in zip(prepared, times):
+        for (case, _, q_lens, kv_lens, compile_s), rounds in zip(prepared, times):
             seconds = statistics.median(t for calls in rounds for t in calls)
-            row = report(cfg, state, variant, kind, (seqs, bucket), length, q_lens, kv_lens, seconds, compile_s, opts)
+            row = report(cfg, state, variant, case.text, q_lens, kv_lens, seconds, compile_s, opts)
             rows.append({**row, "round_ms": [statistics.median(calls) * 1e3 for calls in rounds]})
         yield rows
-
-
-def cache_pages(cases: list) -> tuple[int, int]:
-    """(pages a sequence's table holds, pages of the KV cache) for these cases: each sequence on pages of its own."""
-    max_pages = max(-(-length // PAGE_SIZE) for _, _, length, _ in cases)
-    num_pages = 1 + max(seqs * -(-length // PAGE_SIZE) for _, seqs, length, _ in cases)
-    return max_pages, num_pages
 
 
 def round_order(num_cases: int, round_index: int) -> list[int]:
@@ -335,9 +262,8 @@ def write_out(opts, rows: list[dict]) -> None:
         )
 
 
-def report(cfg, state, variant, kind, sizes, length, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
-    """One case's row; sizes: (S, the bucket), the HBM floor and FLOPs of the S real rows."""
-    seqs, bucket = sizes
+def report(cfg, state, variant, case_text, q_lens, kv_lens, seconds, compile_s, opts) -> dict:
+    """One case's row: the HBM floor and FLOPs of its real sequences."""
     embed = cfg.vocab_size * cfg.hidden_size * 2
     weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if x.dtype == jnp.bfloat16) - embed
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
@@ -348,7 +274,7 @@ def report(cfg, state, variant, kind, sizes, length, q_lens, kv_lens, seconds, c
     flops = 2 * tokens * weights / 2 + 4 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
     return {
         "variant": variant,
-        "case": f"{kind}:{seqs}x{length}" + (f"@{bucket}" if kind == "decode" and bucket != seqs else ""),
+        "case": case_text,
         "tokens": tokens,
         "forward_ms": seconds * 1e3,
         "hbm_floor_ms": floor_s * 1e3,

@@ -13,7 +13,8 @@ import pytest
 import pallas_kernels.attention.gpu as attention_gpu
 from scripts.ab_step import alternate, applied, compile_settings, parse_setting, setting_batches
 from scripts.bench_offline import make_model_dir
-from scripts.bench_step import build, cache_pages, case_batch, engine_args, lora_batches, parse_case
+from scripts.bench_step import build, engine_args
+from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.lora.backend.auto import AutoBackend
 
@@ -34,6 +35,7 @@ def test_settings_parse_into_knobs():
     assert parse_setting("default") == {}
     assert parse_setting("base") == {"base": True}
     assert parse_setting("gated-delta=0,fused=2048:2048") == {"gated-delta": 0, "fused": (2048, 2048)}
+    assert parse_setting("entry-ring=4096") == {"entry-ring": 4096}
     assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
@@ -60,13 +62,14 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     calls = []
     kernel = lambda *args, **kwargs: calls.append((args, kwargs))  # noqa: E731 - the attention kernel's stand-in
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
-    with applied({"fused": (256, 512), "decode-warps": 2, "gated-delta": 1}, backend) as traced:
+    with applied({"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096}, backend) as traced:
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
-        assert pallas.gated_delta
+        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
     tiles = attention_gpu.DecodeTiles(0, 0, 2)
     assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
+    assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
@@ -76,6 +79,8 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     with pytest.raises(SystemExit, match="needs --lora"), applied({"fused": (128, 128)}, None):
         pass
     with pytest.raises(SystemExit, match="needs --lora"), applied({"gated-delta": 1}, None):
+        pass
+    with pytest.raises(SystemExit, match="entry-ring knob needs --lora"), applied({"entry-ring": 8}, None):
         pass
 
 
@@ -105,8 +110,8 @@ def test_a_fused_setting_compiles_another_forward_of_the_same_values(tmp_path):
     cases = [parse_case("decode:5x40@128")]
     max_pages, num_pages = cache_pages(cases)
     model = build(cfg, engine_args(cfg, "native", "auto", flags), True, num_pages, 2)
-    batch = jax.device_put(case_batch(*cases[0], max_pages, lora_batches(3))[0])
-    base_batch = jax.device_put(case_batch(*cases[0], max_pages, None)[0])
+    batch = jax.device_put(case_batch(cases[0], max_pages, lora_batches(3))[0])
+    base_batch = jax.device_put(case_batch(cases[0], max_pages, None)[0])
     settings = [{}, {"fused": (128, 128)}, {"base": True}]
     compiled = compile_settings(model, settings, setting_batches(settings, [batch], [base_batch]))
     assert compiled[0, 0].as_text() != compiled[0, 1].as_text()

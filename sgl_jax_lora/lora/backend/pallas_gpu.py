@@ -159,7 +159,8 @@ class PallasGPUBackend(PallasBackend):
     # packed kernel + XLA's activation at 4,096 tokens, 1.04 at 512 decode rows; docs/benchmarks.md)
     GATED_MIN_TOKENS = 2048
     # token buckets up to this many tokens (decode rows: a row tile holds one entry per adapter run, dozens with many
-    # adapters) fetch ENTRY_SLOTS LoRA entries ahead in the fused GEMM (pallas_kernels/sgmv/gemm_lora_gpu.py)
+    # adapters) fetch ENTRY_SLOTS LoRA entries ahead in the fused GEMM (pallas_kernels/sgmv/gemm_lora_gpu.py), the
+    # gated kernel too where it runs in such a bucket
     ENTRY_RING_MAX_TOKENS = 1024
     ENTRY_SLOTS = 2
 
@@ -295,12 +296,12 @@ class PallasGPUBackend(PallasBackend):
             return None
         if not self.takes_fused_gemm(x.shape[0], len(widths_local), row_parallel):
             return None
+        slots = self.ENTRY_SLOTS if x.shape[0] <= self.ENTRY_RING_MAX_TOKENS else 1
         try:
             if gated:
-                tiles, k_splits = choose_gemm_lora_tiles(rank, gated=True), 1
+                tiles, k_splits = choose_gemm_lora_tiles(rank, gated=True, entry_slots=slots), 1
             else:
                 num_sms = self.fused_gemm_sms
-                slots = self.ENTRY_SLOTS if x.shape[0] <= self.ENTRY_RING_MAX_TOKENS else 1
                 tiles, k_splits = choose_gemm_lora_split(x.shape[0], in_local, sum(widths_local), rank, num_sms, slots)
             check_gemm_lora_shapes(x.shape[0], in_local, widths_local, rank, tiles, gated)
         except ValueError:

@@ -207,6 +207,23 @@ def test_gated_apply_with_base_is_the_activation_of_gate_and_up():
     )
 
 
+def test_the_gated_kernel_takes_the_entry_ring_in_its_buckets(monkeypatch):
+    """The ring of LoRA entries in flight (ENTRY_SLOTS) goes to the gated kernel too in buckets up to
+    ENTRY_RING_MAX_TOKENS (by default none, the gated kernel starting at 2048 tokens; here at 256): two slots at 256
+    tokens, one once the ring's bucket is below them, the result the same."""
+    calls = count_calls(monkeypatch, pallas_module, "gemm_lora_gpu")
+    x, w, lora_a, lora_bs, lora = module_inputs(4, widths=(384, 384))
+    backend = fused_backend()
+    assert PallasGPUBackend.ENTRY_RING_MAX_TOKENS < PallasGPUBackend.GATED_MIN_TOKENS
+    kw = dict(tp_size=1, output_sharded=True, gated=True)
+    ring = backend.apply_with_base(x, w, lora_a, lora_bs, lora, **kw)
+    backend.ENTRY_RING_MAX_TOKENS = 128
+    one = backend.apply_with_base(x, w, lora_a, lora_bs, lora, **kw)
+    assert [call["tiles"].entry_slots for call in calls] == [PallasGPUBackend.ENTRY_SLOTS, 1]
+    assert calls[0]["gated"] and calls[0]["tiles"].entry_slots > 1
+    np.testing.assert_array_equal(np.asarray(ring, np.float32), np.asarray(one, np.float32))
+
+
 def test_apply_with_base_splits_k_where_the_tiles_leave_sms_idle(monkeypatch):
     """With an H100's 132 SMs, a module of 8 CTA tiles cuts its K loop (8 K steps) in 2 parts, with the float32
     epilogue tiles; the result is the same module's. Off GPUs (no SM count) it stays in one part."""
