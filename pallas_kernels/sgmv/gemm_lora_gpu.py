@@ -181,9 +181,10 @@ def _kernel(
 ):
     """The kernel body. refs: (w_row, num_rows, tile_part, tile_part_col, entry_start, entry_slot, x, w, s, *bs,
     out); with has_lora False (gemm_gpu.py) only (w_row, num_rows, x, w, out): no s or B tiles in shared memory and
-    no LoRA loop; with gated_delta as well (w_row, num_rows, x, w, delta, out). num_rows ([1] i32): the rows of x to compute; the row tiles wholly after them (a bucket's padding)
-    are not run and their rows of out are left unwritten (the callers zero them, `zero_rows_from`), and the tiles
-    that run are spread over the SMs as if the bucket ended at the last of them.
+    no LoRA loop; with gated_delta as well (w_row, num_rows, x, w, delta, out). num_rows ([1] i32): the rows of x to
+    compute; the row tiles wholly after them (a bucket's padding) are not run and their rows of out are left
+    unwritten (the callers zero them, `zero_rows_from`), and the tiles that run are spread over the SMs as if the
+    bucket ended at the last of them.
     k_splits > 1: each CTA tile runs over one of k_splits equal parts of the K loop and writes its float32 partial
     product at rows split * T.. of out ([k_splits * T, out]); the caller sums the parts. Part i's tile adds the
     entries first + n * i // k_splits .. first + n * (i + 1) // k_splits of the row tile's n, so each once.
@@ -279,8 +280,9 @@ def _kernel(
             b_smem=plgpu.SMEM((2, slots, lora_parts, tn, rank), b_refs[0].dtype, transforms=transforms(rank)),
             lora_barriers=plgpu.Barrier(num_barriers=2 * slots * 2 * lora_parts),
         )
+    delta_allocs = {}
     if gated_delta:  # per warpgroup and part (gate, up) its rows of the tile's delta block, each with a barrier
-        lora_allocs = dict(
+        delta_allocs = dict(
             delta_smem=plgpu.SMEM((2, 2, acc_rows, tn), delta_ref.dtype, transforms=transforms(tn, delta_ref.dtype)),
             delta_barriers=plgpu.Barrier(num_barriers=4),
         )
@@ -300,6 +302,7 @@ def _kernel(
         pipeline_allocs=pipeline(unused, unused).get_allocations(x_ref.at[:, pl.ds(0, k_len)], *w_views_shape),
         out_smem=plgpu.SMEM((2, 2, em_rows, en_cols), out_ref.dtype, transforms=transforms(en_cols, out_ref.dtype)),
         **lora_allocs,
+        **delta_allocs,
         **scale_allocs,
         collective_axes="wg",
     )

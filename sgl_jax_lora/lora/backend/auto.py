@@ -10,7 +10,8 @@ without measurements use the one-hot einsum baseline.
 
 Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
 one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
-it, else the plain LoRAMeta; `apply_packed`, `packed_delta` and `apply_with_base` go to the backend `chosen` for the module.
+it, else the plain LoRAMeta; `apply_packed`, `packed_delta` and `apply_with_base` go to the backend `chosen` for
+the module.
 What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 

@@ -5,9 +5,9 @@ kernels in interpret mode.
 
 Where it sits: behind the backend interface (lora/backend/base.py), over the SGMV kernels of
 `pallas_kernels/sgmv/`. A subclass supplies the per-shard kernels (`_local_shrink_partials`, `_local_expand`);
-this class wraps them for a mesh and composes them in `apply_packed`. Pallas calls do not take part in GSPMD
-propagation, so with a multi-device mesh every call runs under `jax.shard_map` over that mesh:
-column-parallel (`output_sharded`): x, s and A replicated, B and the result split on `out`; row-parallel
+this class wraps them for a mesh and composes them in `apply_packed` (and `packed_delta`, the delta alone).
+Pallas calls do not take part in GSPMD propagation, so with a multi-device mesh every call runs under
+`jax.shard_map` over that mesh: column-parallel (`output_sharded`): x, s and A replicated, B and the result split on `out`; row-parallel
 (`input_sharded`): x and A split on `in`, the [T, R] shrink partials summed by `psum` over 'tensor' (the only
 collective), B replicated. The token dimension is never split.
 
@@ -151,10 +151,10 @@ class PallasBackend(LoRABackend):
         input_sharded: bool = False,
         output_sharded: bool = False,
     ) -> jax.Array:
+        sharding = dict(input_sharded=input_sharded, output_sharded=output_sharded)
         if self.returns_delta(input_sharded):
-            delta = self._shrink_expand(x, lora_a, lora_bs, meta, None, base_out.dtype, input_sharded, output_sharded)
-            return base_out + delta
-        return self._shrink_expand(x, lora_a, lora_bs, meta, base_out, base_out.dtype, input_sharded, output_sharded)
+            return base_out + self._shrink_expand(x, lora_a, lora_bs, meta, None, base_out.dtype, **sharding)
+        return self._shrink_expand(x, lora_a, lora_bs, meta, base_out, base_out.dtype, **sharding)
 
     def packed_delta(
         self,
@@ -167,7 +167,7 @@ class PallasBackend(LoRABackend):
     ) -> jax.Array | None:
         if not self.gives_packed_delta(x.shape[0]):
             return None
-        return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, False, True)
+        return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, input_sharded=False, output_sharded=True)
 
     def gives_packed_delta(self, num_tokens: int) -> bool:
         """Whether `packed_delta` hands a column-parallel module's delta over in a bucket of num_tokens tokens."""
@@ -181,6 +181,7 @@ class PallasBackend(LoRABackend):
         meta: LoRAMeta,
         base_out: jax.Array | None,
         out_dtype: jnp.dtype,
+        *,
         input_sharded: bool,
         output_sharded: bool,
     ) -> jax.Array:
