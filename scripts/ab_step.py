@@ -21,7 +21,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
-first setting's (the settings compute the same forward, up to rounding; `base` leaves the adapters out).
+first setting of its kind's (`compared_with`: the settings with adapters compute the same forward up to rounding, and
+so do `base` settings; a difference past rounding is a setting that computes something else).
 """
 
 from __future__ import annotations
@@ -118,6 +119,12 @@ def setting_batches(settings: list[dict], batches: list, base_batches: list) -> 
     return [base_batches if setting.get("base") else batches for setting in settings]
 
 
+def compared_with(settings: list[dict]) -> list[int]:
+    """The setting each one's output is checked against: the first setting with the same `base` choice."""
+    kinds = [bool(setting.get("base")) for setting in settings]
+    return [kinds.index(kind) for kind in kinds]
+
+
 def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
     """(case, setting) -> the forward of batches[setting][case] compiled ahead of time with the setting in force (a
     fresh jit each, so that no trace is shared between settings)."""
@@ -190,13 +197,18 @@ def main() -> None:
 
     first_outputs = {key: np.asarray(run(*key), np.float32) for key in compiled}
     times = alternate(run, len(cases), len(settings), opts.repeats, opts.rounds)
-    rows = []
+    rows, references = [], compared_with(settings)
     for case, text in enumerate(opts.cases):
         row = {"case": text}
         for index, name in enumerate(opts.settings):
             rounds_ms = [t * 1e3 for t in times[case, index]]
-            difference = np.abs(first_outputs[case, index] - first_outputs[case, 0]).max()
-            row[name] = {"ms": statistics.median(rounds_ms), "round_ms": rounds_ms, "max_diff": float(difference)}
+            difference = np.abs(first_outputs[case, index] - first_outputs[case, references[index]]).max()
+            row[name] = {
+                "ms": statistics.median(rounds_ms),
+                "round_ms": rounds_ms,
+                "max_diff": float(difference),
+                "compared_with": opts.settings[references[index]],
+            }
         rows.append(row)
         print(text, "  ".join(f"{name} {row[name]['ms']:.3f} ms" for name in opts.settings), flush=True)
     if opts.out:

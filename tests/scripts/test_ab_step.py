@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels.attention.gpu as attention_gpu
-from scripts.ab_step import alternate, applied, compile_settings, parse_setting, setting_batches
+from scripts.ab_step import alternate, applied, compared_with, compile_settings, parse_setting, setting_batches
 from scripts.bench_offline import make_model_dir
 from scripts.bench_step import build, engine_args
 from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case
@@ -90,6 +90,12 @@ def test_pairs_alternate_round_by_round_after_an_untimed_call():
     forward = [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert calls == [pair for pair in forward for _ in range(2)] + [pair for pair in forward[::-1] for _ in range(2)]
     assert all(len(rounds) == 2 for rounds in times.values())
+
+
+def test_each_output_is_checked_against_the_first_setting_of_its_kind():
+    settings = [{"base": True}, {}, {"gated-delta": 0}, {"base": True, "decode-warps": 4}]
+    assert compared_with(settings) == [0, 1, 1, 0]
+    assert compared_with([{}, {"fused": (1, 1)}]) == [0, 0]
 
 
 def test_the_base_setting_takes_the_batches_without_adapters_and_needs_lora():
