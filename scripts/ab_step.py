@@ -78,8 +78,8 @@ def parse_setting(text: str) -> dict:
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
     entry ring's bucket on the model's Pallas GPU backend, the decode tiles as the attention layer's kernel call takes
-    them; all as they were afterwards. Yields the list
-    of the tiles each traced call of the GPU attention kernel took (empty without a decode knob)."""
+    them; all as they were afterwards. Yields the list of the tiles each traced call of the GPU attention kernel took
+    (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
     attributes = ("fused_gemm_min_tokens", "fused_gemm_other_min_tokens", "gated_delta", "ENTRY_RING_MAX_TOKENS")
