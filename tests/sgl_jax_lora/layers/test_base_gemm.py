@@ -5,7 +5,8 @@ On CPU a positive threshold computes that path with the kernel's pure-JAX refere
 everything around the kernel: which buckets and modules take it (the model keeps the base weights as whole stacks
 outside its layer scan in those buckets), tensor parallelism (row-parallel modules all-reduce their partial
 products), LoRA steps around it, the flag's validation and its way from the server args to the model. On a Hopper
-GPU the same tests run the kernel itself.
+GPU the same tests run the kernel itself when JAX is left on the GPU (`JAX_PLATFORMS=cuda`; a plain run of the suite
+keeps JAX on the CPU, tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ On CPU the backend computes that path with the kernel's pure-JAX reference of th
 (`gemm_lora_entries_ref`), so what is checked here is everything around the kernel: which buckets and modules
 take it, packed parts, layer stacks read in place, tensor parallelism (the row-parallel delta added on one
 shard), the entry table the backend prepares per forward, and the engine's outputs against the SGMV path. On a
-Hopper GPU the same tests run the Mosaic GPU kernel itself.
+Hopper GPU the same tests run the Mosaic GPU kernel itself when JAX is left on the GPU (`JAX_PLATFORMS=cuda`; a plain
+run of the suite keeps JAX on the CPU, tests/conftest.py).
 """
 
 from __future__ import annotations
