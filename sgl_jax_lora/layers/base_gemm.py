@@ -87,8 +87,12 @@ def _weight_spec(kernel: LayerStack, config: BaseGemm, axes: LinearAxes) -> tupl
 def fits_base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes, gated: bool = False) -> bool:
     """Whether `base_gemm` runs this module on x (bfloat16 operands whose shapes fit the kernel's tiles), not None."""
     _, in_local, out_local = _weight_spec(kernel, config, axes)
+    return _fits(x, kernel.stack.dtype, in_local, out_local, gated)
+
+
+def _fits(x: jax.Array, w_dtype, in_local: int, out_local: int, gated: bool) -> bool:
     tiles = choose_gemm_tiles()
-    if x.dtype != jnp.bfloat16 or kernel.stack.dtype != x.dtype:
+    if x.dtype != jnp.bfloat16 or w_dtype != x.dtype:
         return False
     try:
         check_gemm_shapes(
@@ -119,11 +123,11 @@ def base_gemm(
     packed as the product, each device its columns): gate|up's LoRA delta, added to the product before the
     activation in the kernel's epilogue (LoRALinear.silu_and_mul)."""
     mesh, stack = config.mesh, kernel.stack
-    w_spec, _, _ = _weight_spec(kernel, config, axes)
+    w_spec, in_local, out_local = _weight_spec(kernel, config, axes)
     in_axis, out_axis = w_spec[1], w_spec[2]
     if gated and in_axis:
         raise ValueError("base_gemm: gated is for column-parallel modules (W not split on its input)")
-    if not fits_base_gemm(x, kernel, config, axes, gated):
+    if not _fits(x, stack.dtype, in_local, out_local, gated):
         return None
 
     rows = rows_operand(num_rows, x.shape[0])

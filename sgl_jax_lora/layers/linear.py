@@ -112,6 +112,11 @@ class Linear(nnx.Module):
         """Whether x's token bucket runs the base GEMM kernel on this 16-bit weight (a LayerStack view there)."""
         return isinstance(kernel, LayerStack) and self.base_gemm is not None and self.base_gemm.runs(x.shape[0])
 
+    def _runs_gated_base_gemm(self, kernel: object, x: jax.Array) -> bool:
+        """Whether the base GEMM kernel's gated epilogue may take this [gate | up] module (no bias, no 8-bit
+        weight) in x's bucket; `base_gemm` then says whether its shapes fit."""
+        return self.bias is None and self.fp8 is None and self._runs_base_gemm(kernel, x)
+
     def __call__(
         self,
         x: jax.Array,
@@ -130,7 +135,7 @@ class Linear(nnx.Module):
         `gated`), so the [T, out] product never reaches device memory; else the product, split per part, then the
         activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters: `LoRALinear.silu_and_mul`)."""
         kernel = self.kernel.get_value()
-        if self.bias is None and self.fp8 is None and self._runs_base_gemm(kernel, x):
+        if self._runs_gated_base_gemm(kernel, x):
             y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True)
             if y is not None:
                 return y

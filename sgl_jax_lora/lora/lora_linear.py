@@ -160,7 +160,7 @@ class LoRALinear(Linear):
         backend's `packed_delta` (its shrink and expand, run before the GEMM), where this bucket runs the base GEMM
         kernel on this 16-bit module without a bias and the backend hands the delta over; else None."""
         kernel = self.kernel.get_value()
-        if self.bias is not None or self.fp8 is not None or not self._runs_base_gemm(kernel, x):
+        if not self._runs_gated_base_gemm(kernel, x):
             return None
         if not fits_base_gemm(x, kernel, self.base_gemm, self.axes, gated=True):
             return None
