@@ -62,6 +62,7 @@ class GpuTiles:
     in_splits: int  # programs sharing one item's `in` range in shrink
     out_steps: int  # `out` blocks one expand program loops over (reuses its loaded s rows)
     num_warps: int = 4
+    num_stages: int = 3  # the shrink's software pipeline over its `in` loop
     rank_granule: int = 8  # B columns above a slot's rank are skipped in units of this many; 0: never
 
 
@@ -377,7 +378,7 @@ def sgmv_shrink_gpu_partials(
         kernel,
         out_shape=jax.ShapeDtypeStruct((tiles.in_splits * num_tokens, max_rank), jnp.float32),
         grid=(work.num_items, tiles.in_splits),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
     )(*_work_args(work), perm, layer_arg, x, a_flat)
     return partials.reshape(tiles.in_splits, num_tokens, max_rank)

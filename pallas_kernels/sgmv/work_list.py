@@ -99,12 +99,19 @@ def make_work_list(
     )
 
 
+# the largest token bucket whose GPU kernels take 16-row tiles (past it: 32 up to 512 rows, 64 beyond). With 32
+# adapters on an H100, 16-row tiles ran the engine's decode forward 0.5-1.6% faster than 32 in the 512 bucket and 64
+# in the 1024 bucket (docs/benchmarks.md "Row tiles of 16 up to the 1024 bucket")
+ROW_TILE_16_MAX_ROWS = 1024
+
+
 def gpu_block_rows(num_rows: int) -> int:
     """Row tile of the GPU kernels for a token bucket: small tiles for decode, larger for prefill.
 
-    Up to 256 rows a tile is 16 rows (Triton's least dot): decode rows of many adapters hold a few rows per
-    adapter, so a larger tile mostly carries masked rows, and its registers cut the programs in flight."""
-    return 16 if num_rows <= 256 else (32 if num_rows <= 512 else 64)
+    Up to ROW_TILE_16_MAX_ROWS rows a tile is 16 rows (Triton's least dot): decode rows of many adapters hold a
+    few rows per adapter, so a larger tile mostly carries masked rows, and its registers cut the programs in
+    flight."""
+    return 16 if num_rows <= ROW_TILE_16_MAX_ROWS else (32 if num_rows <= 512 else 64)
 
 
 def make_work_list_host(

@@ -28,6 +28,14 @@ def test_prepare_builds_the_work_list_of_the_buckets_row_tiles():
     assert meta.batch.token_slot.shape == (35,)
 
 
+def test_decode_buckets_take_row_tiles_of_16_prefill_buckets_64():
+    """Decode rows of many adapters hold a few rows per adapter: every bucket up to 1024 tokens takes the least row
+    tile, and prepare builds the step's work list for it; the prefill buckets take 64."""
+    assert [gpu_block_rows(t) for t in (1, 64, 256, 512, 768, 1024, 2048, 4096)] == [16] * 6 + [64, 64]
+    meta = jax.jit(lambda lora: PallasGPUBackend(None, interpret=True).prepare(lora, num_seqs=4))(batch(1024))
+    assert meta.work_block_rows == 16 and meta.work_perm.shape[0] % 16 == 0
+
+
 def test_prepare_adds_the_entry_table_in_fused_gemm_buckets():
     """From fused_gemm_min_tokens (and multiples of the GEMM's row tile), the entry table sized for the bucket's
     sequences; the row tile is static pytree metadata, so it stays a Python int under jit."""
