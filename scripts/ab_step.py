@@ -71,7 +71,8 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T (non-negative integers), gated-delta=0|1"
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T (non-negative integers), "
+                "gated-delta=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting

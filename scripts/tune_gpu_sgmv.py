@@ -67,6 +67,8 @@ VARIANTS = {
     "rows_16": {"block_rows": 16},
     "rows_32": {"block_rows": 32},
     "rows_16_steps_1": {"block_rows": 16, "out_steps": 1},
+    "shrink_stages_2": {"num_stages": 2},
+    "shrink_stages_4": {"num_stages": 4},
 }
 
 
