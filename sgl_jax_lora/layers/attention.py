@@ -134,9 +134,8 @@ def rotate_and_write_kv(
     counts = dict(num_heads=num_heads // tp, num_kv_heads=num_kv_heads // tp, interpret=interpret)
 
     def local(qkv, k_cache, v_cache, layer, cos, sin, cache_loc, num_rows, *delta):
-        return rope_kv_write_gpu(
-            qkv, cos, sin, cache_loc, layer, k_cache, v_cache, num_rows=num_rows, delta=(delta or (None,))[0], **counts
-        )
+        given = dict(num_rows=num_rows, delta=delta[0] if delta else None)
+        return rope_kv_write_gpu(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, **given, **counts)
 
     operands = (qkv, k_cache, v_cache, layer, *rotary, cache_loc, num_rows) + (() if delta is None else (delta,))
     if tp == 1:
