@@ -128,6 +128,12 @@ class LoRALinear(Linear):
         y = self._fused_output(x, lora, num_rows, zero_padding)
         if y is not None:
             return y if residual is None else residual + y
+        return self._base_and_lora(x, lora, residual, num_rows, zero_padding)
+
+    def _base_and_lora(
+        self, x: jax.Array, lora: LoRAMeta, residual: jax.Array | None, num_rows: jax.Array | None, zero_padding: bool
+    ) -> jax.Array:
+        """`Linear.base`, then the backend's LoRA (`apply_packed`) added into it or into the residual."""
         y = self.base(x, num_rows, zero_padding)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
@@ -155,8 +161,8 @@ class LoRALinear(Linear):
         if y is not None:
             return y, None
         delta = self.backend.packed_delta(x, self.lora_a.get_value(), self._lora_bs(), lora, tp_size=self.tp_size)
-        if delta is None:  # the fused GEMM does not run here: __call__ takes the base GEMM and the backend's add
-            return self(x, lora, num_rows=num_rows, zero_padding=zero_padding), None
+        if delta is None:
+            return self._base_and_lora(x, lora, None, num_rows, zero_padding), None
         return self.base(x, num_rows, zero_padding), delta
 
     def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
 import sgl_jax_lora.models.llama as llama_module
 from sgl_jax_lora.layers.attention import AttentionBackend
-from tests.support.kernel_sized_engine import make_kernel_sized_model_and_adapters, serve_logprobs
+from tests.support.kernel_sized_engine import (
+    build_gpu_backends_with,
+    make_kernel_sized_model_and_adapters,
+    serve_logprobs,
+)
 
 
 @pytest.mark.slow
@@ -22,7 +25,6 @@ def test_engine_with_qkv_delta_in_the_rotary_kernel_equals_the_add_before_it(tmp
     sum as XLA's add does; the delta moves them by up to 2.4, so a kernel that dropped it would fail)."""
     model_dir, adapters = make_kernel_sized_model_and_adapters(tmp_path)
     real_rotate, real_attention = llama_module.rotate_and_write_kv, llama_module.paged_attention
-    real_init = pallas_gpu_module.PallasGPUBackend.__init__
     deltas = []
 
     def interpreted(qkv, *args, num_rows, delta):
@@ -37,11 +39,7 @@ def test_engine_with_qkv_delta_in_the_rotary_kernel_equals_the_add_before_it(tmp
     monkeypatch.setattr(llama_module, "paged_attention", native_attention)
 
     def serve_with(qkv_delta: bool) -> list[np.ndarray]:
-        monkeypatch.setattr(
-            pallas_gpu_module.PallasGPUBackend,
-            "__init__",
-            lambda self, *args, **kwargs: real_init(self, *args, **{**kwargs, "qkv_delta": qkv_delta}),
-        )
+        build_gpu_backends_with(monkeypatch, qkv_delta=qkv_delta)
         deltas.clear()
         prompt, output = serve_logprobs(model_dir, adapters, 3)
         return [np.concatenate([p, o]) for p, o in zip(prompt, output)]
