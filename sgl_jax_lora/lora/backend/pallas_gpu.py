@@ -35,8 +35,8 @@ Below the fused GEMM's buckets, gate|up's delta goes to the base GEMM kernel's g
 `gives_packed_delta`; on Hopper GPUs by default, `gated_delta`): the shrink and the expand run first, and the
 kernel adds the delta before the activation, so neither the [T, 2I] product nor XLA's activation pass over it
 and the delta is spent. q|k|v's delta can go to the rotary + K/V write kernel likewise (`qkv_delta`), which adds it
-to the rows it reads: no add of its own between the GEMM and that kernel. Off by default: tested on CPU (interpret
-mode) and lowered for CUDA, not yet timed on a GPU (docs/benchmarks.md "Row tiles of 16 up to the 1024 bucket").
+to the rows it reads: no add of its own between the GEMM and that kernel. Off by default: timed on an H100, it
+gained nothing measurable (docs/benchmarks.md "q|k|v's delta in the rotary + K/V write kernel: timed, no gain").
 """
 
 from __future__ import annotations
@@ -185,8 +185,8 @@ class PallasGPUBackend(PallasBackend):
         threshold, where it differs (tests of the default rule on CPU). gated_delta: whether gate|up hands its delta
         to the base GEMM kernel's gated epilogue below the fused GEMM's buckets (`gives_packed_delta`; default: on
         Hopper GPUs; elsewhere the base GEMM's reference then adds it, CPU tests). qkv_delta: whether q|k|v hands
-        its delta over in those buckets too (to the rotary + K/V write kernel, where the model runs it; default off,
-        not yet timed on a GPU)."""
+        its delta over in those buckets too (to the rotary + K/V write kernel, where the model runs it; default off:
+        no measured gain on an H100)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
