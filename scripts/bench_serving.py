@@ -19,6 +19,8 @@ measured request and the protocol measures compute; lengths and adapters are the
 `--shared-prefix-len N` puts one N-token prefix (a system prompt) before every prompt of every run, warm-up
 included, so the prefix cache can serve it: what the cache saves shows against the same flags with the server's
 `--disable-prefix-cache`.
+`--profile-steps N [--profile-after S]` traces N engine steps of each scenario's first measured run, from S seconds
+after its first request (the server needs --profile-dir; its /start_profile), for `scripts/trace_busy.py`.
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
 (every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed
 over the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -131,6 +134,20 @@ class EngineTarget:
             record["tokens"] = len(result["output_ids"])
         keep_last_result(record, result)
 
+    async def start_profile(self, num_steps: int) -> dict:
+        from sgl_jax_lora.managers.io_struct import StartProfileCall
+
+        return dataclasses.asdict(await self.manager.call(StartProfileCall(num_steps)))
+
+    async def stop_profile(self) -> dict | None:
+        """The running trace stopped and written, or None where it stopped by itself after its steps."""
+        from sgl_jax_lora.managers.io_struct import StopProfileCall
+
+        try:
+            return dataclasses.asdict(await self.manager.call(StopProfileCall()))
+        except ValueError:
+            return None
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -179,6 +196,18 @@ class HttpTarget:
                 result = json.loads(line[5:])
                 record["tokens"] = len(result["output_ids"])
         keep_last_result(record, result)
+
+    async def start_profile(self, num_steps: int) -> dict:
+        response = await self.client.post(self.url + "/start_profile", json={"num_steps": num_steps})
+        if response.status_code != 200:
+            raise SystemExit(f"/start_profile: {response.status_code} {response.text}")
+        return {key: response.json()[key] for key in ("trace_dir", "num_steps")}
+
+    async def stop_profile(self) -> dict | None:
+        response = await self.client.post(self.url + "/stop_profile")
+        return (
+            {key: response.json()[key] for key in ("trace_dir", "num_steps")} if response.status_code == 200 else None
+        )
 
     def close(self) -> None:
         self.run(self.client.aclose())
@@ -242,6 +271,7 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         bar.update(1)
 
     start = time.perf_counter()
+    profiled = asyncio.create_task(profile_window(target, opts)) if opts.profile_steps else None
     tasks = []
     for i in range(opts.num_requests):
         tasks.append(asyncio.create_task(one(i)))
@@ -250,6 +280,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - start
     bar.close()
+    profile = await profiled if profiled is not None else None
+    await finish_profile(target, profile)
     total_out = sum(r["tokens"] for r in records)
     ttft = [r["first"] - r["start"] for r in records]
     tpot = [(r["end"] - r["first"]) / max(r["tokens"] - 1, 1) for r in records]
@@ -273,11 +305,27 @@ async def drive(target, opts: argparse.Namespace) -> dict:
         "tpot_s": summarize(tpot),
         "e2e_s": summarize(e2e),
     }
+    if profile is not None:
+        result["profile"] = profile
     if opts.urgent_share:
         result["urgent_share"] = opts.urgent_share
         result["urgent_priority_sent"] = opts.urgent_priority if send_priority else None
         result["by_class"] = latency_by_class(records, urgent)
     return result
+
+
+async def profile_window(target, opts: argparse.Namespace) -> dict:
+    """A trace of --profile-steps engine steps from --profile-after seconds into the run; once the run's requests are
+    done (the caller awaits this then), a trace still running (the run had fewer steps left) is stopped here."""
+    await asyncio.sleep(opts.profile_after)
+    started = await target.start_profile(opts.profile_steps)
+    return {"after_s": opts.profile_after, "trace_dir": started["trace_dir"], "num_steps": opts.profile_steps}
+
+
+async def finish_profile(target, profile: dict | None) -> None:
+    """After a run: stop its trace if it still runs (it had fewer steps left than asked), noting the steps held."""
+    if profile is not None and (stopped := await target.stop_profile()) is not None:
+        profile["num_steps"] = stopped["num_steps"]
 
 
 LORA_COUNTERS = (
@@ -454,6 +502,15 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default=None, help="result JSON of a base-only run (num-adapters 0) for the ratio"
     )
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="trace this many engine steps of each scenario's first measured run (the server's --profile-dir)",
+    )
+    parser.add_argument(
+        "--profile-after", type=float, default=0.0, help="seconds into the run the trace of --profile-steps starts"
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
     opts.prefix_seed = opts.seed
@@ -506,11 +563,13 @@ def main() -> None:
                             "max_concurrency": None,
                             "seed": opts.seed + 1,
                             "prompt_round": next(prompt_rounds),
+                            "profile_steps": 0,
                         }
                     )
                     target.run(drive(target, warm))
                 before = target.server_info()
                 scenario.prompt_round = next(prompt_rounds)
+                scenario.profile_steps = opts.profile_steps if round_index == 0 else 0
                 run = target.run(drive(target, scenario))
                 run["engine"] = engine_delta(before, target.server_info())
                 scenario_runs.append(run)

@@ -19,7 +19,7 @@ import threading
 
 from sgl_jax_lora.demo_model import with_demo_defaults
 from sgl_jax_lora.lora.tensor_file import TensorFile
-from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall
+from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall, StartProfileCall, StopProfileCall
 from sgl_jax_lora.managers.request_normalizer import ENGINE, PromptRefused, build_requests, normalize
 from sgl_jax_lora.managers.tokenizer_manager import TokenizerManager
 from sgl_jax_lora.server_args import ServerArgs
@@ -142,6 +142,16 @@ class Engine:
         """Free the prefix cache's pages that no request holds (a benchmark's next run starts cold) ->
         {"kv_pages_freed": N}; pages that running requests hold stay."""
         return dataclasses.asdict(self._run(self.tokenizer_manager.call(FlushCacheCall())))
+
+    def start_profile(self, num_steps: int | None = None) -> dict:
+        """Trace the engine's next `num_steps` steps (None: until `stop_profile`) with jax.profiler, into a new
+        directory under --profile-dir -> {"trace_dir", "num_steps"}; ValueError naming the fix when the engine was
+        started without profile_dir, or a trace is running."""
+        return dataclasses.asdict(self._run(self.tokenizer_manager.call(StartProfileCall(num_steps))))
+
+    def stop_profile(self) -> dict:
+        """End the running trace and write its files -> {"trace_dir", "num_steps"} (the steps it holds)."""
+        return dataclasses.asdict(self._run(self.tokenizer_manager.call(StopProfileCall())))
 
     def get_server_info(self) -> dict:
         info = self._run(self.tokenizer_manager.call(ServerInfoCall()))

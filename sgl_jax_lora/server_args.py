@@ -153,6 +153,11 @@ class ServerArgs:
         "persistent XLA compilation cache, so restarts skip compiling ('' disables; the default is skipped with a "
         "warning where it cannot be written)",
     )
+    profile_dir: str | None = _f(
+        None,
+        "directory that POST /start_profile (Engine.start_profile) writes jax.profiler traces of the engine's steps "
+        "under, each in a new subdirectory; unset: profiling is off (requests choose how many steps, never where)",
+    )
     # LoRA
     enable_lora: bool | None = _f(
         None,

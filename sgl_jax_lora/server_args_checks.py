@@ -258,25 +258,32 @@ def _check_paths(args: ServerArgs) -> None:
     if path is not None and args.node_rank == 0 and not os.path.isdir(path):
         raise ValueError(f"--tokenizer-path '{path}' is not a directory; give the directory of the tokenizer's files")
     _check_compilation_cache_dir(args.compilation_cache_dir)
+    if args.profile_dir is not None and args.node_rank == 0:
+        _check_writable_dir("--profile-dir", args.profile_dir, "or leave the flag out to serve without profiling")
 
 
 def _check_compilation_cache_dir(cache_dir: str) -> None:
-    """A --compilation-cache-dir given on purpose must be usable (JAX would only warn at each compile): it is created
-    and a file written in it and removed (os.access says yes to root anywhere, /proc included). The default is not
-    checked here: where it cannot be written the engine compiles without it (`enable_compilation_cache`)."""
+    """A --compilation-cache-dir given on purpose must be usable (JAX would only warn at each compile). The default is
+    not checked here: where it cannot be written the engine compiles without it (`enable_compilation_cache`)."""
     from sgl_jax_lora.server_args import DEFAULT_COMPILATION_CACHE_DIR
 
     if not cache_dir or cache_dir == DEFAULT_COMPILATION_CACHE_DIR or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
-    path = os.path.abspath(os.path.expanduser(cache_dir))
+    _check_writable_dir("--compilation-cache-dir", cache_dir, "or '' to compile without the cache")
+
+
+def _check_writable_dir(flag: str, directory: str, alternative: str) -> None:
+    """A directory flag's directory is created and a file written in it and removed (os.access says yes to root
+    anywhere, /proc included); ValueError naming the flag otherwise."""
+    path = os.path.abspath(os.path.expanduser(directory))
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass  # removed on closing
     except OSError as e:
         raise ValueError(
-            f"--compilation-cache-dir {shown(cache_dir)}: cannot create it or write a file in it ({e.strerror}); "
-            "give a writable directory, or '' to compile without the cache"
+            f"{flag} {shown(directory)}: cannot create it or write a file in it ({e.strerror}); "
+            f"give a writable directory, {alternative}"
         ) from None
 
 

@@ -1,5 +1,6 @@
 """The SGLang-style native API: POST /generate, GET /health, GET /get_server_info, GET /get_model_info,
-POST /abort_request, POST /flush_cache, POST /load_lora_adapter and /unload_lora_adapter (also under /v1/).
+POST /abort_request, POST /flush_cache, POST /start_profile and /stop_profile, POST /load_lora_adapter and
+/unload_lora_adapter (also under /v1/).
 
 Flow: JSON body -> pydantic model (wrong types -> 400) -> the request front door (managers/request_normalizer.py:
 `normalize`, then --max-requests-per-call, then `build_requests`: one `GenerateRequest` per prompt and sample, all
@@ -28,7 +29,7 @@ from sgl_jax_lora.entrypoints.errors import APIError, error_body, error_response
 from sgl_jax_lora.entrypoints.openai_protocol import WholeNumber
 from sgl_jax_lora.entrypoints.request_limits import check_requests_per_call, parse_body
 from sgl_jax_lora.entrypoints.text_deltas import TextDeltas
-from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall
+from sgl_jax_lora.managers.io_struct import FlushCacheCall, ServerInfoCall, StartProfileCall, StopProfileCall
 from sgl_jax_lora.managers.request_normalizer import HTTP, build_requests, normalize, prompt_count
 from sgl_jax_lora.utils.gather import gather_or_cancel
 from sgl_jax_lora.utils.gc_freeze import collector_stats
@@ -66,6 +67,14 @@ class AbortReqInput(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     rid: str
+
+
+class StartProfileReqInput(BaseModel):
+    """POST /start_profile: its body may be empty (trace until /stop_profile)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    num_steps: int | None = None  # the trace stops by itself after this many steps
 
 
 class LoadLoRAAdapterReqInput(BaseModel):
@@ -138,6 +147,22 @@ async def flush_cache(request: Request) -> JSONResponse:
     tm = request.app.state.server.engine()
     flushed = await tm.call(FlushCacheCall())
     return JSONResponse({"success": True, "kv_pages_freed": flushed.kv_pages_freed})
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request) -> JSONResponse:
+    """SGLang's /start_profile: a jax.profiler trace of the engine's next `num_steps` steps (or until /stop_profile)
+    into a new directory under --profile-dir; 400 naming the flag when the server runs without it."""
+    body = await parse_body(request, StartProfileReqInput, allow_empty=True)
+    started = await request.app.state.server.engine().call(StartProfileCall(body.num_steps))
+    return JSONResponse({"success": True, "trace_dir": started.trace_dir, "num_steps": started.num_steps})
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request) -> JSONResponse:
+    """SGLang's /stop_profile: the running trace ends and its files are written."""
+    stopped = await request.app.state.server.engine().call(StopProfileCall())
+    return JSONResponse({"success": True, "trace_dir": stopped.trace_dir, "num_steps": stopped.num_steps})
 
 
 @router.get("/get_server_info")

@@ -45,9 +45,10 @@ class BodySizeLimit:
 INLINE_PARSE_BYTES = 64 * 1024  # larger bodies are parsed on a worker thread, never on the event loop
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def parse_body(request: Request, model: type[M], allow_empty: bool = False) -> M:
     """The JSON body as `model`, whatever Content-Type the client sent (curl -d sends a form type); a body over
-    --max-request-body-bytes is refused with 413 as soon as that many bytes have arrived."""
+    --max-request-body-bytes is refused with 413 as soon as that many bytes have arrived. allow_empty: no body (or
+    only whitespace) is `model()`, every field at its default (`curl -X POST` with no -d)."""
     args = request.app.state.server.args
     limit, timeout = args.max_request_body_bytes, args.request_body_timeout
     chunks, size = [], 0
@@ -68,6 +69,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
     except ClientDisconnect:  # the client left mid-body: nothing to answer, and no server fault
         raise APIError(400, "the client disconnected before its request body arrived", "client_disconnected") from None
     body = b"".join(chunks)
+    if allow_empty and not body.strip():
+        return model()
     try:
         if len(body) <= INLINE_PARSE_BYTES:
             return model.model_validate_json(body)

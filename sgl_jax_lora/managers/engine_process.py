@@ -5,7 +5,8 @@ tokenizer's EOS id as the frontend read it, so this process never loads the toke
 --nnodes > 1 it first joins the other nodes: distributed/runtime.py). The process answers Ready (or StartupError),
 then `EngineLoop` reads the typed messages of io_struct.py and dispatches on their class: GenerateRequest ->
 `EngineCore.add_request` (RequestFailed if it can never fit), AbortRequest -> `EngineCore.abort`, an EngineCall
-(server info, the prefix cache's flush, LoRA load/unload) -> the EngineCore method of `EngineLoop.calls`, answered with a CallReply (a LoRA
+(server info, the prefix cache's flush, LoRA load/unload; a trace's start and stop, which go to the loop's
+StepProfiler, managers/step_profiler.py) -> the method of `EngineLoop.calls`, answered with a CallReply (a LoRA
 load from a directory first has its header checked on a worker thread, `EngineLoop._check_ahead`, and is answered
 when that is done, so a burst of first-use adapters does not stall the steps), ShutdownRequest -> exit. Before the
 loop the process freezes its startup objects out of the garbage collector's generations (utils/gc_freeze.py). Each step's EngineOutput items go back as one EngineOutputs. Every message to the
@@ -46,12 +47,15 @@ from sgl_jax_lora.managers.io_struct import (
     RequestFailed,
     ServerInfoCall,
     ShutdownRequest,
+    StartProfileCall,
     StartupError,
+    StopProfileCall,
     UnknownMessageError,
     UnloadLoRACall,
     decode,
     encode,
 )
+from sgl_jax_lora.managers.step_profiler import StepProfiler
 from sgl_jax_lora.model_executor.compiler_options import enable_compilation_cache
 from sgl_jax_lora.server_args import ServerArgs
 from sgl_jax_lora.server_args_checks import sizes_set
@@ -100,7 +104,7 @@ def run_engine_process(args_dict: dict, model_path: str, conn: Connection, token
     # A service manager's stop signals the whole group: the frontend drains and then shuts us down, so SIGTERM must
     # not end the engine under its running requests (or print libtpu's crash dump); a dead frontend closes the pipe
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    EngineLoop(core, conn).run()
+    EngineLoop(core, conn, StepProfiler(args.profile_dir)).run()
     core.runner.close()  # multi-host: the other nodes exit too (after a failure they notice node 0's death instead)
 
 
@@ -162,10 +166,11 @@ def flush_prefix_cache(cache: PrefixCache | None) -> int:
 
 
 class EngineLoop:
-    def __init__(self, core, conn: Connection):
+    def __init__(self, core, conn: Connection, profiler: StepProfiler | None = None):
         self.core = core
         self.conn = conn
         self.outbox = Outbox(conn)
+        self.profiler = profiler or StepProfiler(None)  # traces of the steps on request (--profile-dir)
         self.running = True
         self.loads_ahead: list[tuple[EngineCall, Future]] = []  # LoRA loads whose check ahead is on its way
         self.handlers = {
@@ -188,12 +193,16 @@ class EngineLoop:
                 checked_finite=call.tensors_checked_finite,
             ),
             UnloadLoRACall: lambda call: core.rpc_unload_lora(call.lora_id),
+            StartProfileCall: lambda call: self.profiler.start(call.num_steps),
+            StopProfileCall: lambda call: self.profiler.stop(),
         }
 
     def run(self) -> None:
         try:
             self._serve()
         finally:
+            if self.profiler.is_running:  # a trace running at shutdown is written, not lost
+                self.profiler.stop()
             self.outbox.close()  # what the last steps and calls sent reaches the frontend before the process ends
 
     def _serve(self) -> None:
@@ -205,7 +214,10 @@ class EngineLoop:
             if not self.running:
                 return
             self._finish_loads_ahead()
+            launched = self.core.num_steps_launched
             outputs = self._step()
+            if self.core.num_steps_launched != launched:  # a step ran (not one that found nothing to run)
+                self.profiler.step_done()
             if outputs:
                 self._send(EngineOutputs(outputs))
             for rid, message in self.core.pop_request_errors():

@@ -1,7 +1,8 @@
 """Messages between the frontend (EngineClient) and the engine process, and their wire encoding.
 
 Flow: every message is a dataclass here. The frontend sends GenerateRequest, AbortRequest, ShutdownRequest and
-the calls (EngineCall subclasses: ServerInfoCall, FlushCacheCall, LoadLoRACall, LoadLoRATensorsCall, UnloadLoRACall), each with
+the calls (EngineCall subclasses: ServerInfoCall, FlushCacheCall, StartProfileCall, StopProfileCall, LoadLoRACall,
+LoadLoRATensorsCall, UnloadLoRACall), each with
 the `call_id` its CallReply names; the engine process sends Ready or StartupError once, then EngineOutputs (one
 EngineOutput per request that advanced in a step), RequestFailed (a request refused or rejected) and CallReply.
 Both sides dispatch on the message's class (managers/engine_process.py, managers/engine_client.py).
@@ -135,6 +136,41 @@ class FlushCacheCall(EngineCall):
 
 
 @dataclasses.dataclass
+class ProfileStarted:
+    """The result of StartProfileCall: the directory the trace goes to."""
+
+    trace_dir: str
+    num_steps: int | None  # the trace stops by itself after this many steps; None: at StopProfileCall
+
+
+@dataclasses.dataclass
+class ProfileStopped:
+    """The result of StopProfileCall: the trace's directory, its files written."""
+
+    trace_dir: str
+    num_steps: int  # the steps it holds
+
+
+@dataclasses.dataclass
+class StartProfileCall(EngineCall):
+    """Trace the engine's next steps with jax.profiler into a new directory under --profile-dir (SGLang's
+    /start_profile); the engine process's StepProfiler (managers/step_profiler.py)."""
+
+    TAG: ClassVar[str] = "start_profile"
+    REPLY: ClassVar[type] = ProfileStarted
+
+    num_steps: int | None = None  # None: until StopProfileCall
+
+
+@dataclasses.dataclass
+class StopProfileCall(EngineCall):
+    """End the running trace and write its files."""
+
+    TAG: ClassVar[str] = "stop_profile"
+    REPLY: ClassVar[type] = ProfileStopped
+
+
+@dataclasses.dataclass
 class ServerInfoCall(EngineCall):
     """-> the server info document (a JSON object, served as is by GET /get_server_info)."""
 
@@ -256,6 +292,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         ShutdownRequest,
         ServerInfoCall,
         FlushCacheCall,
+        StartProfileCall,
+        StopProfileCall,
         LoadLoRACall,
         LoadLoRATensorsCall,
         UnloadLoRACall,

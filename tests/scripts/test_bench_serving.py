@@ -8,6 +8,7 @@ base-only scenario, the engine's own account of the window) against what was sen
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -298,3 +299,27 @@ def test_urgent_requests_first_under_the_priority_policy(tmp_path):
     urgent, normal = scenario["by_class"]["urgent"], scenario["by_class"]["normal"]
     assert urgent["count"] > 0 and normal["count"] > 0
     assert urgent["ttft_s"]["mean"] < normal["ttft_s"]["mean"]
+
+
+def test_profile_steps_trace_each_scenarios_first_run(tmp_path):
+    """--profile-steps traces that many engine steps of each scenario's measured run into the engine's --profile-dir
+    (not the warm-up's, not a second round's); a trace asked for more steps than the run has left is stopped after
+    it, holding the steps it saw."""
+    profiles = tmp_path / "profiles"
+    result, _ = run_offline(
+        tmp_path / "profiled.json",
+        "--num-requests",
+        "4",
+        "--warmup-requests",
+        "2",
+        "--repeats",
+        "2",
+        "--profile-steps",
+        "1000",
+        engine_flags=("--profile-dir", str(profiles)),
+    )
+    profile = result["scenarios"][0]["profile"]
+    assert os.path.dirname(profile["trace_dir"]) == str(profiles) and profile["after_s"] == 0
+    assert OUTPUT_LEN - 1 <= profile["num_steps"] < 1000  # the run's steps, at least one decode step per token
+    assert os.listdir(profiles) == [os.path.basename(profile["trace_dir"])]  # one trace: the first round's run
+    assert glob.glob(os.path.join(profile["trace_dir"], "**", "*.trace.json.gz"), recursive=True)

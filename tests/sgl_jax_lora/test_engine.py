@@ -7,6 +7,9 @@ chunked == unchunked, batch invariance, no compilation after warmup. An Engine i
 
 from __future__ import annotations
 
+import glob
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -37,8 +40,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = Engine(model_path=str(model_dir), **ENGINE_ARGS)
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, profile_dir):
+    eng = Engine(model_path=str(model_dir), profile_dir=str(profile_dir), **ENGINE_ARGS)
     yield eng
     eng.shutdown()
 
@@ -389,6 +397,25 @@ def test_flush_cache_frees_what_no_request_holds(engine):
     cached = engine.get_server_info()["kv_pages_cached"]
     assert cached > 0 and engine.flush_cache() == {"kv_pages_freed": cached}
     assert engine.get_server_info()["kv_pages_cached"] == 0 and engine.flush_cache() == {"kv_pages_freed": 0}
+
+
+def test_a_profile_of_n_steps_traces_them_into_its_own_directory(engine, profile_dir):
+    """The engine process writes jax.profiler's trace of the steps asked for under profile_dir; a profile without a
+    step count runs until stop_profile; a second start while one runs is refused, and the engine keeps serving."""
+    params = {"max_new_tokens": 4, **GREEDY}
+    started = engine.start_profile(num_steps=3)
+    assert os.path.dirname(started["trace_dir"]) == str(profile_dir) and started["num_steps"] == 3
+    engine.generate(input_ids=prompts(2), sampling_params=params)  # 1 prefill step + 3 decode steps at least
+    with pytest.raises(ValueError, match=r"no profile is running \(the last one, 3 steps, is in "):
+        engine.stop_profile()  # it stopped by itself after its 3 steps
+    assert glob.glob(os.path.join(started["trace_dir"], "**", "*.trace.json.gz"), recursive=True)
+    started = engine.start_profile()
+    with pytest.raises(ValueError, match="a profile is running already"):
+        engine.start_profile(num_steps=2)
+    engine.generate(input_ids=prompts(1), sampling_params=params)
+    stopped = engine.stop_profile()
+    assert stopped["trace_dir"] == started["trace_dir"] and stopped["num_steps"] >= 4  # a prefill and 3 decodes
+    assert engine.generate(input_ids=prompts(1)[0], sampling_params=params)["meta_info"]["completion_tokens"] == 4
 
 
 def test_a_batch_past_the_queue_limit_is_refused_whole_and_the_engine_keeps_serving(engine):

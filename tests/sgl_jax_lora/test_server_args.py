@@ -251,6 +251,15 @@ def test_a_compilation_cache_dir_that_cannot_be_written_is_refused(tmp_path, mon
     assert ServerArgs(compilation_cache_dir="").compilation_cache_dir == ""  # off
 
 
+def test_a_profile_dir_that_cannot_be_written_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--profile-dir .*file/traces': cannot create it .*leave the flag out"):
+        ServerArgs(profile_dir=str(tmp_path / "file" / "traces"))
+    assert ServerArgs(profile_dir=str(tmp_path / "traces")).profile_dir == str(tmp_path / "traces")
+    assert os.listdir(tmp_path / "traces") == []  # created, its test file written and removed
+    assert ServerArgs().profile_dir is None  # profiling off
+
+
 def test_an_allowed_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not an existing directory"):

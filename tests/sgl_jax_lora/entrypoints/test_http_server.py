@@ -440,6 +440,17 @@ def test_flush_cache_frees_the_cached_prefixes(http, tokenizer):
     assert generate(http, **body)["meta_info"]["cached_tokens"] == 0  # cold again
 
 
+def test_profile_endpoints_without_profile_dir_name_the_flag(http):
+    """This server runs without --profile-dir: a start is refused naming the flag (an empty body is a start with no
+    step count); a body of the wrong shape is refused as such; a stop finds no profile."""
+    for response in (http.post("/start_profile"), http.post("/start_profile", json={"num_steps": 5})):
+        assert response.status_code == 400 and "restart the server with --profile-dir DIR" in response.text
+    assert http.post("/start_profile", json={"num_steps": "5"}).status_code == 400
+    assert http.post("/start_profile", json={"output_dir": "/tmp"}).status_code == 400  # requests never choose it
+    stopped = http.post("/stop_profile")
+    assert stopped.status_code == 400 and "no profile is running" in stopped.text
+
+
 def first_event_then_rest(http: httpx.Client, body: dict):
     """Open a /generate stream -> (its first event, an iterator over the rest, the response to close)."""
     response = http.send(http.build_request("POST", "/generate", json={**body, "stream": True}), stream=True)

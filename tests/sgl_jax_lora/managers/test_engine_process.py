@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import threading
@@ -35,9 +36,12 @@ from sgl_jax_lora.managers.io_struct import (
     RequestFailed,
     ServerInfoCall,
     ShutdownRequest,
+    StartProfileCall,
+    StopProfileCall,
     UnloadLoRACall,
     decode,
 )
+from sgl_jax_lora.managers.step_profiler import StepProfiler
 from sgl_jax_lora.sampling.sampling_params import SamplingParams
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.model_fixtures import make_hf_model_dir
@@ -158,6 +162,27 @@ def test_calls_reach_their_method_and_reply_with_their_call_id():
         ("load_lora", "id1", "a", "/adapters/a", True, False),
         ("load_lora_tensors", ref, "/dev/shm/a", None, "id1", True),
     ]
+
+
+def test_profile_calls_reach_the_loops_profiler(tmp_path):
+    """Without --profile-dir a start is refused naming the flag; with it the loop's StepProfiler traces into a new
+    directory under it and a stop names that directory."""
+    loop, _, frontend = make_loop()
+    loop.handle(StartProfileCall(call_id=1))
+    refused = received(frontend)
+    assert refused.call_id == 1 and not refused.ok and "--profile-dir" in refused.message
+    frontend, engine = mp.Pipe()
+    loop = EngineLoop(FakeCore(), engine, StepProfiler(str(tmp_path)))
+    loop.handle(StartProfileCall(call_id=2))
+    started = received(frontend)
+    assert started.ok and os.path.dirname(started.result["trace_dir"]) == str(tmp_path)
+    assert started.result["num_steps"] is None
+    loop.handle(StopProfileCall(call_id=3))
+    assert received(frontend) == CallReply(
+        3, ok=True, result={"trace_dir": started.result["trace_dir"], "num_steps": 0}
+    )
+    loop.handle(StopProfileCall(call_id=4))
+    assert "no profile is running" in received(frontend).message
 
 
 def test_a_load_is_answered_after_its_header_check_off_the_loop():

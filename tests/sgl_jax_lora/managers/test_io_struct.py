@@ -25,7 +25,9 @@ from sgl_jax_lora.managers.io_struct import (
     RequestFailed,
     ServerInfoCall,
     ShutdownRequest,
+    StartProfileCall,
     StartupError,
+    StopProfileCall,
     UnknownMessageError,
     UnloadLoRACall,
     UnsendableValueError,
@@ -74,6 +76,9 @@ EXAMPLES = [
     CallReply(4, ok=True, result={"rank": 8}),
     CallReply(5, ok=False, message="no such adapter"),
     FlushCacheCall(call_id=8),
+    StartProfileCall(num_steps=3, call_id=9),
+    StartProfileCall(call_id=10),
+    StopProfileCall(call_id=11),
 ]
 
 

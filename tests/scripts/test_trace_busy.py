@@ -1,0 +1,52 @@
+"""scripts/trace_busy.py: the device's busy time counts ops overlapping on several streams once, the idle gaps between
+them are reported by length, and a trace without device ops (the CPU's, from the engine's own profiler) is refused
+with what to do."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from scripts.profile_step import device_ops
+from scripts.trace_busy import busy_by_slice, busy_intervals, busy_summary
+from sgl_jax_lora.managers.step_profiler import StepProfiler
+
+
+def op(ts: float, dur: float, stream: str = "Stream #1(Compute)") -> dict:
+    return {"name": "fusion", "ts": ts, "dur": dur, "stream": stream}
+
+
+def test_overlapping_ops_count_once_and_gaps_are_sorted_by_length():
+    ops = [
+        op(0, 100),
+        op(50, 100, "Stream #2(Compute)"),  # overlaps the first on another stream: busy 0-150
+        op(2000, 400, "Stream #3(MemcpyH2D)"),  # a copy alone: busy, not computing
+        op(155, 45),  # a 5 us gap
+        op(400, 100),  # a 200 us gap
+        op(2500, 500),  # a 2,000 us gap
+    ]
+    assert busy_intervals(ops) == [(0, 150), (155, 200), (400, 500), (2000, 2400), (2500, 3000)]
+    summary = busy_summary(ops)
+    assert summary["window_ms"] == pytest.approx(3.0) and summary["busy_ms"] == pytest.approx(1.195)
+    assert summary["idle_ms"] == pytest.approx(1.805) and summary["busy_share"] == pytest.approx(1.195 / 3)
+    assert summary["compute_busy_share"] == pytest.approx(0.265)
+    assert summary["gaps"] == {
+        ">=10us": {"count": 3, "ms": pytest.approx(1.8)},
+        ">=100us": {"count": 3, "ms": pytest.approx(1.8)},
+        ">=1000us": {"count": 1, "ms": pytest.approx(1.5)},
+    }
+    assert summary["longest_gaps_ms"] == pytest.approx([1.5, 0.2, 0.1, 0.005])
+    slices = busy_by_slice(ops, 1.0)  # 0-1 ms, 1-2 ms (idle), 2-3 ms (the last op from 2.5 ms)
+    assert [s["start_ms"] for s in slices] == [0, 1, 2]
+    assert [s["busy_share"] for s in slices] == pytest.approx([0.295, 0.0, 0.5])
+
+
+def test_a_trace_without_device_ops_is_refused(tmp_path):
+    profiler = StepProfiler(str(tmp_path))
+    started = profiler.start()
+    jax.jit(lambda x: x * 2)(jnp.ones(4)).block_until_ready()
+    profiler.stop()
+    ops = device_ops(started.trace_dir)  # the CPU's ops are the host's, not a device's
+    with pytest.raises(ValueError, match="no device ops: trace the engine's steps on a GPU"):
+        busy_summary(ops)
