@@ -202,7 +202,10 @@ class EngineLoop:
             self._serve()
         finally:
             if self.profiler.is_running:  # a trace running at shutdown is written, not lost
-                self.profiler.stop()
+                try:
+                    self.profiler.stop()
+                except Exception:  # the outputs below still reach the frontend
+                    logger.exception("writing the running trace at shutdown failed")
             self.outbox.close()  # what the last steps and calls sent reaches the frontend before the process ends
 
     def _serve(self) -> None:

@@ -8,6 +8,7 @@ frontend handed it and never imports transformers (nor torch with it)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import multiprocessing as mp
@@ -183,6 +184,17 @@ def test_profile_calls_reach_the_loops_profiler(tmp_path):
     )
     loop.handle(StopProfileCall(call_id=4))
     assert "no profile is running" in received(frontend).message
+
+
+def test_a_trace_running_at_shutdown_is_written(tmp_path):
+    frontend, engine = mp.Pipe()
+    loop = EngineLoop(FakeCore(), engine, StepProfiler(str(tmp_path)))
+    loop.handle(StartProfileCall(call_id=1))
+    trace_dir = received(frontend).result["trace_dir"]
+    loop.handle(ShutdownRequest())
+    loop.run()  # the loop ends at once: the shutdown came first
+    assert not loop.profiler.is_running and loop.profiler.last.trace_dir == trace_dir
+    assert glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
 
 
 def test_a_load_is_answered_after_its_header_check_off_the_loop():
