@@ -147,7 +147,7 @@ class Engine:
         """Trace the engine's next `num_steps` steps (None: until `stop_profile`) with jax.profiler, into a new
         directory under --profile-dir -> {"trace_dir", "num_steps"}; ValueError naming the fix when the engine was
         started without profile_dir, or a trace is running."""
-        return dataclasses.asdict(self._run(self.tokenizer_manager.call(StartProfileCall(num_steps))))
+        return dataclasses.asdict(self._run(self.tokenizer_manager.call(StartProfileCall(_plain(num_steps)))))
 
     def stop_profile(self) -> dict:
         """End the running trace and write its files -> {"trace_dir", "num_steps"} (the steps it holds)."""

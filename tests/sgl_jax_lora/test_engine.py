@@ -409,9 +409,11 @@ def test_a_profile_of_n_steps_traces_them_into_its_own_directory(engine, profile
     with pytest.raises(ValueError, match=r"no profile is running \(the last one, 3 steps, is in "):
         engine.stop_profile()  # it stopped by itself after its 3 steps
     assert glob.glob(os.path.join(started["trace_dir"], "**", "*.trace.json.gz"), recursive=True)
+    with pytest.raises(ValueError, match=r"num_steps must be a positive integer .*got 2.5"):
+        engine.start_profile(num_steps=2.5)
     started = engine.start_profile()
     with pytest.raises(ValueError, match="a profile is running already"):
-        engine.start_profile(num_steps=2)
+        engine.start_profile(num_steps=np.int64(2))  # numpy's integers are taken as integers
     engine.generate(input_ids=prompts(1), sampling_params=params)
     stopped = engine.stop_profile()
     assert stopped["trace_dir"] == started["trace_dir"] and stopped["num_steps"] >= 4  # a prefill and 3 decodes
