@@ -6,7 +6,8 @@ Where it sits: after a trace written by the engine's StepProfiler (POST /start_p
 --profile-dir, `Engine.start_profile`, or `scripts/bench_serving.py --profile-steps N`). It reads the Perfetto trace
 (`*.trace.json.gz`) under each directory with `profile_step.device_ops` (the device's ops, every stream) and reports,
 over the window from the first op's start to the last op's end: the time some op ran (the union of the ops'
-intervals, so ops overlapping on several streams count once), the idle rest, and the idle gaps by length. With the
+intervals, so ops overlapping on several streams count once), the idle rest, the idle gaps by length, and the ops'
+time by kind of op (`op_family`: the GEMM kernels, the attention kernels, XLA's fusions, ...). With the
 overlap schedule the host prepares and launches a step while the device runs the one before, so a device that
 idles between steps is waiting for the host: the gaps say how much serving time the host path costs.
 """
@@ -14,9 +15,11 @@ idles between steps is waiting for the host: the gaps say how much serving time 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,6 +74,28 @@ def busy_summary(ops: list[dict]) -> dict:
     }
 
 
+def op_family(name: str) -> str:
+    """An op's name without the numbers XLA and Pallas append to copies of one kind of op (`loop_add_fusion_62`,
+    `fusion_532_remat2`, `_expand_kernel__3` -> `loop_add_fusion`, `fusion`, `_expand_kernel`)."""
+    return re.sub(r"(_remat\d*|__?\d+|\.\d+)+$", "", name) or name
+
+
+def time_by_family(ops: list[dict], top: int = 12) -> list[dict]:
+    """The compute streams' op time by op family, the largest first, each as ms and as a share of that op time (ops
+    overlapping on several streams each count, so the shares are of the ops' time, not of the window)."""
+    total: dict[str, float] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    for op in compute_ops(ops):
+        family = op_family(op["name"])
+        total[family] += op["dur"]
+        count[family] += 1
+    whole = sum(total.values()) or 1.0
+    return [
+        {"family": family, "ms": us / 1e3, "share": us / whole, "count": count[family]}
+        for family, us in total.most_common(top)
+    ]
+
+
 def busy_by_slice(ops: list[dict], slice_ms: float) -> list[dict]:
     """Busy share of each `slice_ms` of the window in turn (a serving run's phases: mixed steps, then its decode tail),
     by the compute streams' ops."""
@@ -97,6 +122,7 @@ def main() -> None:
     for trace_dir in opts.trace_dirs:
         ops = device_ops(trace_dir)
         summary = busy_summary(ops)
+        summary["by_family"] = time_by_family(ops)
         if opts.slice_ms:
             summary["slices"] = busy_by_slice(ops, opts.slice_ms)
         summaries[trace_dir] = summary
@@ -107,6 +133,8 @@ def main() -> None:
             f"{summary['idle_ms']:.2f} ms; idle gaps {gaps}; "
             f"longest {', '.join(f'{g:.2f}' for g in summary['longest_gaps_ms'])} ms"
         )
+        for row in summary["by_family"]:
+            print(f"  {row['share']:6.1%} {row['ms']:10.2f} ms {row['count']:8d} x {row['family']}")
         for piece in summary.get("slices", []):
             print(f"  from {piece['start_ms']:.0f} ms: busy {piece['busy_share']:.3f}")
     if opts.json:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from scripts.profile_step import device_ops
-from scripts.trace_busy import busy_by_slice, busy_intervals, busy_summary
+from scripts.trace_busy import busy_by_slice, busy_intervals, busy_summary, op_family, time_by_family
 from sgl_jax_lora.managers.step_profiler import StepProfiler
 
 
@@ -50,3 +50,24 @@ def test_a_trace_without_device_ops_is_refused(tmp_path):
     ops = device_ops(started.trace_dir)  # the CPU's ops are the host's, not a device's
     with pytest.raises(ValueError, match="no device ops: trace the engine's steps on a GPU"):
         busy_summary(ops)
+
+
+def test_op_time_by_family_folds_the_numbered_copies_of_an_op():
+    assert [
+        op_family(n) for n in ("loop_add_fusion_62", "fusion_532_remat2", "_expand_kernel__3", "rope_kv_write")
+    ] == [
+        "loop_add_fusion",
+        "fusion",
+        "_expand_kernel",
+        "rope_kv_write",
+    ]
+    ops = [
+        {"name": "ragged_paged_attention_decode", "ts": 0, "dur": 300, "stream": "Stream #1(Compute)"},
+        {"name": "_expand_kernel__1", "ts": 300, "dur": 50, "stream": "Stream #1(Compute)"},
+        {"name": "_expand_kernel__2", "ts": 350, "dur": 150, "stream": "Stream #2(Compute)"},
+        {"name": "MemcpyH2D", "ts": 0, "dur": 900, "stream": "Stream #3(MemcpyH2D)"},  # not a compute stream
+    ]
+    assert time_by_family(ops) == [
+        {"family": "ragged_paged_attention_decode", "ms": 0.3, "share": 0.6, "count": 1},
+        {"family": "_expand_kernel", "ms": 0.2, "share": 0.4, "count": 2},
+    ]
