@@ -446,6 +446,8 @@ def test_profile_endpoints_without_profile_dir_name_the_flag(http):
     for response in (http.post("/start_profile"), http.post("/start_profile", json={"num_steps": 5})):
         assert response.status_code == 400 and "restart the server with --profile-dir DIR" in response.text
     assert http.post("/start_profile", json={"num_steps": "5"}).status_code == 400
+    too_large = http.post("/start_profile", json={"num_steps": 10**30})
+    assert too_large.status_code == 400 and "outside the 64-bit range" in too_large.text
     assert http.post("/start_profile", json={"output_dir": "/tmp"}).status_code == 400  # requests never choose it
     stopped = http.post("/stop_profile")
     assert stopped.status_code == 400 and "no profile is running" in stopped.text
