@@ -18,8 +18,6 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   the packed product with the delta, then XLA's activation (`PallasGPUBackend.gated_delta`)
   entry-ring=T    the fused GEMM keeps a ring of LoRA entries in flight in buckets up to T tokens
                   (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
-  qkv-delta=D     1: q|k|v's delta added in the rotary + K/V write kernel below the fused GEMM's buckets, 0: added to
-                  the GEMM's output before it (`PallasGPUBackend.qkv_delta`, off by default)
   tile16=T        the SGMV kernels take row tiles of 16 in buckets up to T tokens
                   (`pallas_kernels/sgmv/work_list.py` ROW_TILE_16_MAX_ROWS)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
@@ -53,8 +51,8 @@ from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "qkv-delta", "entry-ring", "tile16")
-BACKEND_KNOBS = ("fused", "gated-delta", "qkv-delta", "entry-ring")  # set on the Pallas GPU backend
+KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16")
+BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring")  # set on the Pallas GPU backend
 
 
 def parse_setting(text: str) -> dict:
@@ -70,11 +68,11 @@ def parse_setting(text: str) -> dict:
         except ValueError:
             numbers = ()
         fits = knob in KNOBS and len(numbers) == (2 if knob == "fused" else 1) and min(numbers, default=-1) >= 0
-        if not fits or (knob in ("gated-delta", "qkv-delta") and numbers[0] > 1) or knob in setting:
+        if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T (non-negative integers), "
-                "gated-delta=0|1, qkv-delta=0|1"
+                "gated-delta=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -82,19 +80,13 @@ def parse_setting(text: str) -> dict:
 
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
-    """The setting in force while the forward is traced: the fused-GEMM thresholds, the two delta choices and the
+    """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
     entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the decode tiles as the
     attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles each traced
     call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
-    attributes = (
-        "fused_gemm_min_tokens",
-        "fused_gemm_other_min_tokens",
-        "gated_delta",
-        "qkv_delta",
-        "ENTRY_RING_MAX_TOKENS",
-    )
+    attributes = ("fused_gemm_min_tokens", "fused_gemm_other_min_tokens", "gated_delta", "ENTRY_RING_MAX_TOKENS")
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
@@ -106,8 +98,6 @@ def applied(setting: dict, lora_backend):
             pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens = setting["fused"]
         if "gated-delta" in setting:
             pallas.gated_delta = bool(setting["gated-delta"])
-        if "qkv-delta" in setting:
-            pallas.qkv_delta = bool(setting["qkv-delta"])
         if "entry-ring" in setting:
             pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
         if "tile16" in setting:

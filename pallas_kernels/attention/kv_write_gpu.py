@@ -15,10 +15,6 @@ head, and rotates them (q, k) or copies them (v). Rotation is HF's "rotate half"
 k and v saturated to its finite range first, as layers/attention.py `write_kv` does. Padding tokens, whose slot is
 0 (the reserved page 0's scratch slot, which no sequence reads), write nothing.
 
-A LoRA delta of q|k|v (`delta`, [T, (H + 2K) * D] in the packed layout, the SGMV expand's output): the kernel adds
-it to the rows it reads, rounded to qkv's dtype as XLA's add of the two would be, so the delta needs no pass of its
-own between the GEMM and this kernel (models/llama.py hands it over where the LoRA backend gives it apart).
-
 The bucket's padding rows: given `num_rows` (the step's real tokens), the kernel reads the rows from num_rows[0] on
 as zeros (a masked load, so whatever they hold, NaN included, never enters the math): their q rows are stored as
 rotate(0) = 0 and their k and v are not written, whatever their slot. So the q|k|v GEMM need not zero those rows
@@ -92,16 +88,17 @@ def _kernel(
     qkv_ref,
     _k_in,
     _v_in,
-    *refs,
+    q_ref,
+    k_ref,
+    v_ref,
+    *,
     num_heads,
     group,
     block_tokens,
 ):
     """One program: heads group * g .. of the H + 2K, for tokens block * block_tokens .. (rows past T masked off;
     rows from num_rows[0] on, the bucket's padding, read as zeros and never written to the caches); values are
-    [tokens, heads of the group, D / 2] tiles (one per half of a head). refs: (delta_ref,) q_ref, k_ref, v_ref."""
-    delta_ref = refs[0] if len(refs) == 4 else None
-    q_ref, k_ref, v_ref = refs[-3:]
+    [tokens, heads of the group, D / 2] tiles (one per half of a head)."""
     num_tokens, num_kv_heads, head_dim = q_ref.shape[0], k_ref.shape[1], k_ref.shape[-1]
     half = head_dim // 2
     block, first_head = pl.program_id(0), pl.program_id(1) * group
@@ -115,11 +112,7 @@ def _kernel(
     rows, head_cols = tokens[:, None, None], (first_head + heads)[None, :, None] * head_dim + halves[None, None, :]
 
     def load(start):  # [tokens, group, half]: columns start .. of each head of the group; padding rows read as 0
-        values = plgpu.load(qkv_ref.at[rows, head_cols + start], mask=real, other=0)
-        if delta_ref is None:
-            return values
-        delta = plgpu.load(delta_ref.at[rows, head_cols + start], mask=real, other=0)
-        return (values.astype(jnp.float32) + delta.astype(jnp.float32)).astype(values.dtype)
+        return plgpu.load(qkv_ref.at[rows, head_cols + start], mask=real, other=0)
 
     def rotated():
         """Both halves of the group's heads rotated, float32 (the tables' rows past T read as angle 0)."""
@@ -170,18 +163,15 @@ def rope_kv_write_gpu(
     num_heads: int,
     num_kv_heads: int,
     num_rows: jax.Array | None = None,  # [1] i32 the step's real tokens (the bucket's padding after them)
-    delta: jax.Array | None = None,  # [T, (H + 2K) * D] a LoRA delta added to qkv first
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q rotated [T, H, D] in qkv's dtype, k_cache, v_cache with this step's k rotated and v at cache_loc of
-    layer `layer`), of qkv + delta where a delta is given. num_rows: the rows of qkv from num_rows[0] on may hold
-    anything (the q|k|v GEMM left them unwritten): their q rows come out zero and their k and v are not written, as
-    if those rows were zeros and their slots 0; None: every row is real."""
+    layer `layer`). num_rows: the rows of qkv from num_rows[0] on may hold anything (the q|k|v GEMM left them
+    unwritten): their q rows come out zero and their k and v are not written, as if those rows were zeros and their
+    slots 0; None: every row is real."""
     num_tokens, width = qkv.shape
     head_dim = k_cache.shape[-1]
     check_rope_kv_shapes(num_heads, num_kv_heads, head_dim, width)
-    if delta is not None and delta.shape != qkv.shape:
-        raise ValueError(f"rope_kv_write_gpu: delta {delta.shape} is not q|k|v's shape {qkv.shape}")
     group = head_group(num_heads, num_kv_heads)
     kernel = functools.partial(_kernel, num_heads=num_heads, group=group, block_tokens=BLOCK_TOKENS)
     q, k_cache, v_cache = pl.pallas_call(
@@ -205,21 +195,15 @@ def rope_kv_write_gpu(
         qkv,
         k_cache,
         v_cache,
-        *(() if delta is None else (delta.astype(qkv.dtype),)),
     )
     return q.reshape(num_tokens, num_heads, head_dim), k_cache, v_cache
 
 
-def rope_kv_write_ref(
-    qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_heads, num_kv_heads, num_rows=None, delta=None
-):
+def rope_kv_write_ref(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, *, num_heads, num_kv_heads, num_rows=None):
     """The same in plain JAX: rotate q and k (float32 math, rounded to qkv's dtype), write k and v at cache_loc.
     num_rows ([1] i32, None: every row): qkv's rows from num_rows[0] on are taken as zeros (a select, so NaN there
-    does not leak), so their q rows are zero, and their k and v are not written (dropped from the scatter). delta:
-    added to qkv first, in qkv's dtype."""
+    does not leak), so their q rows are zero, and their k and v are not written (dropped from the scatter)."""
     num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-    if delta is not None:
-        qkv = qkv + delta.astype(qkv.dtype)
     if num_rows is not None:
         is_real = jnp.arange(num_tokens, dtype=jnp.int32) < num_rows[0]
         qkv = jnp.where(is_real[:, None], qkv, jnp.zeros((), qkv.dtype))

@@ -116,7 +116,6 @@ def rotate_and_write_kv(
     backend: AttentionBackend,
     interpret: bool = False,
     num_rows: jax.Array | None = None,
-    delta: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The packed q|k|v output [T, (H + 2K) * D] (shard-major: each "tensor" shard's columns hold its q, k and v
     heads) -> (q rotated [T, H, D], the caches with this step's k rotated and v written at cache_loc of layer
@@ -125,26 +124,23 @@ def rotate_and_write_kv(
     q and k, then `write_kv`. num_rows ([1] i32): the step's real tokens; qkv's rows from num_rows[0] on (the
     bucket's padding) may hold any values, NaN included (the q|k|v projection called with `zero_padding=False`
     leaves them as its GEMM kernel did): the kernel reads them as zeros, so their q rows are zero and their k and v
-    are not written. None: every row is real. delta: q|k|v's LoRA delta in the same layout, which the kernel adds to
-    what it reads (None: none)."""
+    are not written. None: every row is real."""
     from pallas_kernels.attention.kv_write_gpu import rope_kv_write_gpu
 
     tp = 1 if backend.mesh is None else backend.mesh.shape["tensor"]
     num_kv_heads = k_cache.shape[1]
     counts = dict(num_heads=num_heads // tp, num_kv_heads=num_kv_heads // tp, interpret=interpret)
 
-    def local(qkv, k_cache, v_cache, layer, cos, sin, cache_loc, num_rows, *delta):
-        given = dict(num_rows=num_rows, delta=delta[0] if delta else None)
-        return rope_kv_write_gpu(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, **given, **counts)
+    def local(qkv, k_cache, v_cache, layer, cos, sin, cache_loc, num_rows):
+        return rope_kv_write_gpu(qkv, cos, sin, cache_loc, layer, k_cache, v_cache, num_rows=num_rows, **counts)
 
-    operands = (qkv, k_cache, v_cache, layer, *rotary, cache_loc, num_rows) + (() if delta is None else (delta,))
     if tp == 1:
-        return local(*operands)
-    heads, caches, columns = P(None, "tensor", None), P(None, "tensor", None, None), P(None, "tensor")
-    in_specs = (columns, caches, caches, P(), P(), P(), P(), P()) + (() if delta is None else (columns,))
+        return local(qkv, k_cache, v_cache, layer, *rotary, cache_loc, num_rows)
+    heads, caches = P(None, "tensor", None), P(None, "tensor", None, None)
+    in_specs = (P(None, "tensor"), caches, caches, P(), P(), P(), P(), P())
     out_specs = (heads, caches, caches)
     sharded = jax.shard_map(local, mesh=backend.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return sharded(*operands)
+    return sharded(qkv, k_cache, v_cache, layer, *rotary, cache_loc, num_rows)
 
 
 def _scatter_rows(cache: jax.Array, layer: jax.Array, cache_loc: jax.Array, rows: jax.Array) -> jax.Array:

@@ -129,13 +129,6 @@ class Linear(nnx.Module):
         y = self.base(x, num_rows, zero_padding)
         return y if residual is None else residual + y
 
-    def with_delta_apart(
-        self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None, zero_padding: bool = True
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """(`__call__`'s output, None): a plain linear has no LoRA delta to hand over (`LoRALinear.with_delta_apart`
-        may have one, for a consumer that adds it itself)."""
-        return self(x, lora_batch, num_rows=num_rows, zero_padding=zero_padding), None
-
     def silu_and_mul(self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None) -> jax.Array:
         """A packed (gate, up) linear's activation silu(x @ W_gate) * (x @ W_up), [T, out / 2]. Where `base`
         would run the base GEMM kernel (no bias, no 8-bit weight), the kernel's epilogue applies it (gemm_gpu.py

@@ -13,8 +13,7 @@ in large buckets on Hopper GPUs), y = that one kernel's output instead (`apply_w
 fits it and that the backend takes in this bucket (`PallasGPUBackend.takes_fused_gemm`); for gate|up
 (`silu_and_mul`) that kernel also applies the MLP's activation in its epilogue. In buckets that run the base GEMM
 kernel without it, gate|up's delta alone (`backend.packed_delta`, where the backend hands it over) goes into the
-base GEMM kernel's gated epilogue, added before the activation; q|k|v's, asked for by the model with
-`with_delta_apart`, into the rotary + K/V write kernel. Where it does
+base GEMM kernel's gated epilogue, added before the activation. Where it does
 not (and in steps without adapter tokens, and with an 8-bit base weight, `--quantization fp8`), the base GEMM is
 `Linear.base`: in buckets from `--gpu-gemm-min-tokens` tokens the base GEMM kernel of layers/base_gemm.py, with fp8
 layers/fp8.py's, else XLA's dot.
@@ -125,15 +124,10 @@ class LoRALinear(Linear):
         if lora is None:
             return super().__call__(x, residual=residual, num_rows=num_rows, zero_padding=zero_padding)
         # base GEMM and LoRA in one kernel, where the module fits it
-        y = self._fused_output(x, lora, num_rows, zero_padding)
+        y = self._with_base(x, lora, num_rows, zero_padding=zero_padding)
         if y is not None:
+            y = y if self.bias is None else y + self.bias[...]
             return y if residual is None else residual + y
-        return self._base_and_lora(x, lora, residual, num_rows, zero_padding)
-
-    def _base_and_lora(
-        self, x: jax.Array, lora: LoRAMeta, residual: jax.Array | None, num_rows: jax.Array | None, zero_padding: bool
-    ) -> jax.Array:
-        """`Linear.base`, then the backend's LoRA (`apply_packed`) added into it or into the residual."""
         y = self.base(x, num_rows, zero_padding)
         target = y if residual is None else residual
         out = self.backend.apply_packed(
@@ -147,23 +141,6 @@ class LoRALinear(Linear):
             output_sharded=not self.row_parallel,
         )
         return out if residual is None else out + y
-
-    def with_delta_apart(
-        self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None, zero_padding: bool = True
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """(the base output, the LoRA delta) where this column-parallel module runs its base GEMM apart from the
-        LoRA and the backend hands the delta over in this bucket (`packed_delta`), for a consumer that adds it itself
-        (models/llama.py: q|k|v's into the rotary + K/V write kernel, which reads q|k|v anyway); else (`__call__`'s
-        output, None). num_rows and zero_padding as in `__call__`."""
-        if lora is None or self.row_parallel:
-            return self(x, lora, num_rows=num_rows, zero_padding=zero_padding), None
-        y = self._fused_output(x, lora, num_rows, zero_padding)
-        if y is not None:
-            return y, None
-        delta = self.backend.packed_delta(x, self.lora_a.get_value(), self._lora_bs(), lora, tp_size=self.tp_size)
-        if delta is None:
-            return self._base_and_lora(x, lora, None, num_rows, zero_padding), None
-        return self.base(x, num_rows, zero_padding), delta
 
     def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:
         """`Linear.silu_and_mul` with this module's adapters. In steps where no token uses an adapter (lora None),
@@ -191,13 +168,6 @@ class LoRALinear(Linear):
         if delta is None:
             return None
         return base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True, delta=delta)
-
-    def _fused_output(
-        self, x: jax.Array, lora: LoRAMeta, num_rows: jax.Array | None, zero_padding: bool
-    ) -> jax.Array | None:
-        """`_with_base`'s output with the bias added, or None where that kernel does not run."""
-        y = self._with_base(x, lora, num_rows, zero_padding=zero_padding)
-        return y if y is None or self.bias is None else y + self.bias[...]
 
     def _with_base(
         self,

@@ -147,13 +147,9 @@ class DecoderLayer(nnx.Module):
         num_tokens = hidden.shape[0]
         rows = batch.cu_q_lens[-1:]  # the step's real tokens: the GEMM kernels skip the padding's row tiles after them
         x = self.input_layernorm(hidden)
-        # the padding rows of q|k|v zeroed by the projection, unless the fused kernel masks them itself; that kernel
-        # also adds q|k|v's LoRA delta where the backend hands it over apart
-        if self.qkv_to_rope_kv_kernel:
-            qkv, qkv_delta = self.qkv_proj.with_delta_apart(x, lora, num_rows=rows, zero_padding=False)
-        else:
-            qkv, qkv_delta = self.qkv_proj(x, lora, num_rows=rows), None
-        q, k_cache, v_cache = self._rotated_q_and_kv_write(qkv, kv, layer, batch, rotary, rows, qkv_delta)
+        # the padding rows of q|k|v zeroed by the projection, unless the fused kernel masks them itself
+        qkv = self.qkv_proj(x, lora, num_rows=rows, zero_padding=not self.qkv_to_rope_kv_kernel)
+        q, k_cache, v_cache = self._rotated_q_and_kv_write(qkv, kv, layer, batch, rotary, rows)
         attn = paged_attention(
             q,
             k_cache,
@@ -191,16 +187,14 @@ class DecoderLayer(nnx.Module):
         batch: ForwardBatch,
         rotary: tuple[jax.Array, jax.Array],
         num_rows: jax.Array,
-        qkv_delta: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The packed q|k|v output (+ its LoRA delta, where given apart) -> (q rotated [T, H, D], the caches holding
-        this step's k rotated and v): one GPU kernel where `qkv_to_rope_kv_kernel` (qkv's rows from num_rows[0] on
-        may then hold any values: the kernel zeroes their q and writes none of their k and v), else XLA's rotary
-        then `write_kv` (qkv's padding rows zero or computed)."""
+        """The packed q|k|v output -> (q rotated [T, H, D], the caches holding this step's k rotated and v): one GPU
+        kernel where `qkv_to_rope_kv_kernel` (qkv's rows from num_rows[0] on may then hold any values: the kernel
+        zeroes their q and writes none of their k and v), else XLA's rotary then `write_kv` (qkv's padding rows
+        zero or computed)."""
         if self.qkv_to_rope_kv_kernel:
             args = (qkv, kv.k, kv.v, layer, rotary, batch.cache_loc, self.num_heads)
-            return rotate_and_write_kv(*args, self.attention_backend, num_rows=num_rows, delta=qkv_delta)
-        qkv = qkv if qkv_delta is None else qkv + qkv_delta
+            return rotate_and_write_kv(*args, self.attention_backend, num_rows=num_rows)
         num_tokens = qkv.shape[0]
         q, k, v = split_packed(qkv, self.qkv_proj.part_sizes, self.tp_size)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)

@@ -38,7 +38,6 @@ def test_settings_parse_into_knobs():
     assert parse_setting("gated-delta=0,fused=2048:2048") == {"gated-delta": 0, "fused": (2048, 2048)}
     assert parse_setting("entry-ring=4096") == {"entry-ring": 4096}
     assert parse_setting("tile16=512,gated-delta=1") == {"tile16": 512, "gated-delta": 1}
-    assert parse_setting("qkv-delta=0") == {"qkv-delta": 0}
     assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
@@ -66,23 +65,15 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     kernel = lambda *args, **kwargs: calls.append((args, kwargs))  # noqa: E731 - the attention kernel's stand-in
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
-    setting = {
-        "fused": (256, 512),
-        "decode-warps": 2,
-        "gated-delta": 1,
-        "qkv-delta": 1,
-        "entry-ring": 4096,
-        "tile16": 64,
-    }
+    setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
     with applied(setting, backend) as traced:
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
-        assert pallas.gated_delta and pallas.qkv_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
+        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
         attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
     tiles = attention_gpu.DecodeTiles(0, 0, 2)
     assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
-    assert not pallas.qkv_delta
     assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):

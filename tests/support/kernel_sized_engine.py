@@ -1,8 +1,7 @@
 """An engine over a tiny Llama whose modules fit the Mosaic GPU GEMM kernels' tiles, for the tests of the LoRA inside
 the base GEMM (tests/sgl_jax_lora/lora/backend/test_pallas_gemm_lora.py) and of the base GEMM kernel
 (tests/sgl_jax_lora/layers/test_base_gemm.py): the model, three prompts (two adapters, one base) served in one
-256-token bf16 prefill step and then decoded, each request's logprobs, a counter of a kernel entry's traced calls, and
-`build_gpu_backends_with` (the Pallas GPU backend's options set for the engines a test builds)."""
+256-token bf16 prefill step and then decoded, each request's logprobs, and a counter of a kernel entry's traced calls."""
 
 from __future__ import annotations
 
@@ -93,17 +92,3 @@ def count_calls(monkeypatch, module, name: str) -> list[dict]:
 
     monkeypatch.setattr(module, name, counted)
     return calls
-
-
-def build_gpu_backends_with(monkeypatch, **options) -> None:
-    """Every PallasGPUBackend the engine builds from now on takes these constructor options (e.g. gated_delta,
-    qkv_delta) over the ones it is given; a later call replaces an earlier call's options."""
-    from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: PLC0415
-
-    real_init = getattr(PallasGPUBackend.__init__, "real_init", PallasGPUBackend.__init__)
-
-    def with_options(self, *args, **kwargs):
-        real_init(self, *args, **{**kwargs, **options})
-
-    with_options.real_init = real_init
-    monkeypatch.setattr(PallasGPUBackend, "__init__", with_options)

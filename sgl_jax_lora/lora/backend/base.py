@@ -6,8 +6,7 @@ before the layer scan), which turns the step's plain `LoRABatch` into the backen
 `LoRAMeta` or a subclass of it (the Pallas GPU backend adds its kernels' work list and, in prefill, the entry
 table of the GEMM with the LoRA inside it). Every `LoRALinear` then hands that metadata back with its layer's
 base output and A/B buffers to `apply_packed`, or, where `LoRAMeta.runs_base_gemm`, first to `apply_with_base`;
-gate|up asks `packed_delta` for its delta alone where the base GEMM kernel applies the activation, and q|k|v where
-the rotary + K/V write kernel adds it.
+gate|up asks `packed_delta` for its delta alone where the base GEMM kernel applies the activation.
 The model never sees what the metadata holds.
 
 What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`,
@@ -130,10 +129,9 @@ class LoRABackend(abc.ABC):
         tp_size: int,
     ) -> jax.Array | None:
         """A column-parallel module's LoRA delta alone, [T, sum out_p] in x's dtype and the packed layout (each
-        device its columns), for a kernel that adds it itself: the base GEMM kernel's gated epilogue
-        (LoRALinear.silu_and_mul: gate|up's, before the activation), the rotary + K/V write kernel
-        (LoRALinear.with_delta_apart: q|k|v's); None where this backend does not hand it over in this bucket, and
-        LoRALinear then adds the delta to the packed product (`apply_packed`)."""
+        device its columns), for a base GEMM kernel to add in its epilogue (LoRALinear.silu_and_mul: gate|up's,
+        before the activation); None where this backend does not hand it over in this bucket, and LoRALinear then
+        adds the delta to the packed product (`apply_packed`) before the activation."""
         return None
 
 

@@ -165,13 +165,12 @@ class PallasBackend(LoRABackend):
         *,
         tp_size: int,
     ) -> jax.Array | None:
-        if not self.gives_packed_delta(x.shape[0], len(lora_bs)):
+        if not self.gives_packed_delta(x.shape[0]):
             return None
         return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, input_sharded=False, output_sharded=True)
 
-    def gives_packed_delta(self, num_tokens: int, num_parts: int) -> bool:
-        """Whether `packed_delta` hands over the delta of a column-parallel module of num_parts packed parts in a
-        bucket of num_tokens tokens."""
+    def gives_packed_delta(self, num_tokens: int) -> bool:
+        """Whether `packed_delta` hands a column-parallel module's delta over in a bucket of num_tokens tokens."""
         return False
 
     def _shrink_expand(

@@ -34,9 +34,7 @@ product then XLA's activation is faster.
 Below the fused GEMM's buckets, gate|up's delta goes to the base GEMM kernel's gated epilogue (`packed_delta`,
 `gives_packed_delta`; on Hopper GPUs by default, `gated_delta`): the shrink and the expand run first, and the
 kernel adds the delta before the activation, so neither the [T, 2I] product nor XLA's activation pass over it
-and the delta is spent. q|k|v's delta can go to the rotary + K/V write kernel likewise (`qkv_delta`), which adds it
-to the rows it reads: no add of its own between the GEMM and that kernel. Off by default: timed on an H100, it
-gained nothing measurable (docs/benchmarks.md "q|k|v's delta in the rotary + K/V write kernel: timed, no gain").
+and the delta is spent.
 """
 
 from __future__ import annotations
@@ -174,7 +172,6 @@ class PallasGPUBackend(PallasBackend):
         fused_gemm_split_k: bool = True,
         fused_gemm_other_min_tokens: int | None = None,
         gated_delta: bool | None = None,
-        qkv_delta: bool = False,
     ):
         """fused_gemm_min_tokens: the least token bucket that runs gate|up's base GEMM with the LoRA inside it (0:
         none), and every other module's when fused_gemm_other_min_tokens is None. Default: FUSED_GEMM_MIN_TOKENS for
@@ -184,9 +181,7 @@ class PallasGPUBackend(PallasBackend):
         (scripts/bench_gemm_lora.py compares the two). fused_gemm_other_min_tokens: q|k|v's, o's and down's
         threshold, where it differs (tests of the default rule on CPU). gated_delta: whether gate|up hands its delta
         to the base GEMM kernel's gated epilogue below the fused GEMM's buckets (`gives_packed_delta`; default: on
-        Hopper GPUs; elsewhere the base GEMM's reference then adds it, CPU tests). qkv_delta: whether q|k|v hands
-        its delta over in those buckets too (to the rotary + K/V write kernel, where the model runs it; default off:
-        no measured gain on an H100)."""
+        Hopper GPUs; elsewhere the base GEMM's reference then adds it, CPU tests)."""
         super().__init__(mesh, interpret)
         has_gemm_kernel = not self.interpret and _is_hopper(mesh)
         if fused_gemm_min_tokens is None:
@@ -198,7 +193,6 @@ class PallasGPUBackend(PallasBackend):
             fused_gemm_min_tokens if fused_gemm_other_min_tokens is None else fused_gemm_other_min_tokens
         )
         self.gated_delta = has_gemm_kernel if gated_delta is None else gated_delta
-        self.qkv_delta = qkv_delta
         self.fused_gemm_reference = not has_gemm_kernel
         self.fused_gemm_sms = _first_device(mesh).core_count if has_gemm_kernel and fused_gemm_split_k else 0
 
@@ -236,12 +230,10 @@ class PallasGPUBackend(PallasBackend):
         least = self.fused_gemm_min_tokens if is_gate_up(num_parts, row_parallel) else self.fused_gemm_other_min_tokens
         return 0 < least <= num_tokens
 
-    def gives_packed_delta(self, num_tokens: int, num_parts: int) -> bool:
-        """In buckets where the module does not take the fused GEMM: gate|up's delta (two parts) for the base GEMM
-        kernel's gated epilogue when `gated_delta` is on, q|k|v's (three) for the rotary + K/V write kernel when
-        `qkv_delta` is on."""
-        wanted = self.gated_delta if is_gate_up(num_parts, row_parallel=False) else self.qkv_delta and num_parts == 3
-        return wanted and not self.takes_fused_gemm(num_tokens, num_parts, row_parallel=False)
+    def gives_packed_delta(self, num_tokens: int) -> bool:
+        """gate|up's delta goes to the base GEMM kernel's gated epilogue in buckets where gate|up does not take the
+        fused GEMM, when `gated_delta` is on."""
+        return self.gated_delta and not self.takes_fused_gemm(num_tokens, 2, row_parallel=False)
 
     # -- per-shard kernels -----------------------------------------------------------------------------------
 

@@ -108,46 +108,6 @@ def test_bf16_equals_the_engines_xla_ops():
     assert_written_as(want, [np.asarray(a.astype(jnp.float32)) for a in got], tolerance=8e-3)
 
 
-def assert_delta_added_as_xla_adds_it(num_tokens, real, heads, kv_heads, head_dim, *, interpret):
-    """A LoRA delta given apart (bf16, as the SGMV expand writes it): the kernel's q, k and v are bit for bit those of
-    the kernel on qkv + delta (XLA's bf16 add); the padding rows' delta (NaN here) is never read, as their q|k|v is
-    not. Returns both, for the reference's check."""
-    qkv, cos, sin, cache_loc, k_cache, v_cache = make_inputs(num_tokens, heads, kv_heads, head_dim, dtype=jnp.bfloat16)
-    delta = jnp.asarray(np.random.default_rng(4).standard_normal(qkv.shape) * 0.05, jnp.bfloat16)
-    delta = delta.at[real:].set(jnp.nan)
-    common = dict(num_heads=heads, num_kv_heads=kv_heads, num_rows=jnp.array([real], jnp.int32))
-    args = (cos, sin, cache_loc, jnp.int32(1))
-
-    def kernel(qkv, **extra):
-        out = rope_kv_write_gpu(
-            qkv, *args, jnp.copy(k_cache), jnp.copy(v_cache), **common, interpret=interpret, **extra
-        )
-        return [np.asarray(a.astype(jnp.float32)) for a in out]
-
-    summed = kernel(qkv + jnp.where(jnp.arange(num_tokens)[:, None] < real, delta, 0))
-    for got in (kernel(qkv, delta=delta), kernel(qkv.at[real:].set(jnp.nan), delta=delta)):
-        for a, b in zip(got, summed):
-            np.testing.assert_array_equal(a, b)
-    return (qkv, *args, k_cache, v_cache), common, delta, summed
-
-
-def test_delta_is_added_as_xla_adds_it():
-    """In interpret mode, and the reference with the delta gives the same up to the rotation's rounding."""
-    inputs, common, delta, summed = assert_delta_added_as_xla_adds_it(70, 60, 8, 2, 64, interpret=True)
-    ref = rope_kv_write_ref(*inputs, **common, delta=delta)
-    assert not np.asarray(ref[0][60:]).any() and not np.isnan(np.asarray(ref[0].astype(jnp.float32))).any()
-    assert_written_as([np.asarray(a.astype(jnp.float32)) for a in ref], summed, tolerance=8e-3)
-    with pytest.raises(ValueError, match="delta"):
-        rope_kv_write_gpu(*inputs, **common, delta=delta[:, :64], interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_kernel_on_gpu_adds_the_delta_as_xla_adds_it():
-    """Compiled at the Llama-3-8B attention shape, 369 real rows in the 512 bucket."""
-    assert_delta_added_as_xla_adds_it(512, 369, 32, 8, 128, interpret=False)
-
-
 @pytest.mark.parametrize("cache_dtype", FP8_CACHES)
 def test_fp8_cache_saturates_as_write_kv(cache_dtype):
     """Bit for bit on the CPU: on a GPU machine XLA's reference contracts the rotation's products into fused
@@ -254,21 +214,17 @@ def test_mismatched_packed_width_is_refused():
         check_rope_kv_shapes(4, 2, 64, 7 * 64)
 
 
-@pytest.mark.parametrize("with_delta", [False, True], ids=["", "delta"])
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-def test_lowers_for_cuda_with_the_caches_aliased(cache_dtype, with_delta):
-    # Triton lowering needs no GPU: the kernel at the Llama-3-8B attention shape (with q|k|v's LoRA delta apart or
-    # not), the caches its outputs in place
+def test_lowers_for_cuda_with_the_caches_aliased(cache_dtype):
+    # Triton lowering needs no GPU: the kernel at the Llama-3-8B attention shape, the caches its outputs in place
     shape = jax.ShapeDtypeStruct
     cache = shape((32, 8, 4096, 128), cache_dtype)
     i32 = functools.partial(shape, dtype=jnp.int32)
     table = shape((512, 64), jnp.float32)
     args = (shape((512, 48 * 128), jnp.bfloat16), table, table, i32((512,)), i32(()))
-    delta = shape((512, 48 * 128), jnp.bfloat16) if with_delta else None
     run = functools.partial(rope_kv_write_gpu, num_heads=32, num_kv_heads=8)
     with hopper_target():
-        traced = jax.jit(lambda *a: run(*a[:7], delta=a[7]), donate_argnums=(5, 6)).trace(*args, cache, cache, delta)
-        lowered = traced.lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(run, donate_argnums=(5, 6)).trace(*args, cache, cache).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "rope_kv_write" in text
     assert "tf.aliasing_output = 1" in text and "tf.aliasing_output = 2" in text

@@ -274,36 +274,6 @@ def test_rotate_and_write_kv_equals_rotary_then_write_kv(tp_size):
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_rotate_and_write_kv_adds_a_delta_given_apart(tp_size):
-    # q|k|v's LoRA delta handed over apart, each tensor shard its columns (as the column-parallel expand writes it):
-    # the same q and caches as the kernel on q|k|v + delta
-    heads, kv_heads, head_dim, tokens, inv_freq = 4, 2, 32, 21, tuple(1.0 / 100.0 ** (np.arange(16) / 16))
-    rng = np.random.default_rng(7)
-    width = (heads + 2 * kv_heads) * head_dim
-    qkv, delta = (jnp.asarray(rng.normal(size=(tokens, width)), jnp.float32) for _ in range(2))
-    positions = jnp.asarray(rng.integers(0, 900, tokens), jnp.int32)
-    loc = jnp.asarray(rng.permutation(np.arange(1, 64))[:tokens], jnp.int32)
-    k_cache, v_cache = (jnp.asarray(rng.normal(size=(2, kv_heads, 64, head_dim)), jnp.float32) for _ in range(2))
-    mesh = make_mesh(tp_size)
-    shard = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))  # noqa: E731
-    backend = AttentionBackend("pallas_gpu", mesh)
-
-    rotary, columns = rotary_tables(positions, inv_freq), jax.P(None, "tensor")
-
-    def run(qkv, delta=None):
-        caches = [shard(c, jax.P(None, "tensor", None, None)) for c in (k_cache, v_cache)]
-
-        def call(qkv, k, v, delta):
-            return rotate_and_write_kv(qkv, k, v, jnp.int32(1), rotary, loc, heads, backend, True, delta=delta)
-
-        sharded_delta = None if delta is None else shard(delta, columns)
-        return [np.asarray(a) for a in jax.jit(call)(shard(qkv, columns), *caches, sharded_delta)]
-
-    for got, want in zip(run(qkv, delta), run(qkv + delta)):
-        np.testing.assert_allclose(got, want, atol=1e-6)
-
-
-@pytest.mark.parametrize("tp_size", [1, 2])
 def test_rotate_and_write_kv_masks_the_rows_from_num_rows_on(tp_size):
     # the step's last 5 tokens are the bucket's padding, their q|k|v rows NaN (a GEMM that left them unwritten) and
     # their slots real ones: on every tensor shard q is zero there and the caches get the real tokens' k and v only

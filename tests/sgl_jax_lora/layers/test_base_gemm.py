@@ -21,12 +21,7 @@ import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
 from sgl_jax_lora.layers.base_gemm import DEFAULT_MIN_TOKENS, BaseGemm, make_base_gemm
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.server_args import ServerArgs
-from tests.support.kernel_sized_engine import (
-    build_gpu_backends_with,
-    count_calls,
-    make_kernel_sized_model,
-    serve_logprobs,
-)
+from tests.support.kernel_sized_engine import count_calls, make_kernel_sized_model, serve_logprobs
 from tests.support.model_forward import model_logits
 from tests.support.peft_fixtures import write_peft_adapter
 
@@ -175,9 +170,14 @@ def test_engine_with_gate_up_delta_in_the_gated_epilogue(
     if len(jax.devices()) < tp_size:
         pytest.skip(f"needs {tp_size} (fake) devices")
     calls = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
+    real_init = pallas_gpu_module.PallasGPUBackend.__init__
 
     def serve_with(gated_delta: bool) -> list[np.ndarray]:
-        build_gpu_backends_with(monkeypatch, gated_delta=gated_delta)
+        monkeypatch.setattr(
+            pallas_gpu_module.PallasGPUBackend,
+            "__init__",
+            lambda self, *args, **kwargs: real_init(self, *args, **{**kwargs, "gated_delta": gated_delta}),
+        )
         calls.clear()
         return serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD, tp_size=tp_size)
 

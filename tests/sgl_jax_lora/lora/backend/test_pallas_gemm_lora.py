@@ -154,25 +154,7 @@ def test_packed_delta_goes_to_the_gated_epilogue_below_the_fused_gemm():
     assert off.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
     fused_here = PallasGPUBackend(None, fused_gemm_min_tokens=256, gated_delta=True)
     assert fused_here.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
-    assert [fused_here.gives_packed_delta(t, 2) for t in (128, 256)] == [True, False]
-
-
-def test_packed_delta_of_qkv_for_the_rotary_kernel_below_the_fused_gemm():
-    """q|k|v's delta alone (three parts) where qkv_delta is on (off by default) and q|k|v does not take the fused GEMM:
-    every part's delta in the packed layout, as the rotary + K/V write kernel adds it; None with qkv_delta off and in
-    a bucket where q|k|v takes the fused GEMM (its own threshold, fused_gemm_other_min_tokens)."""
-    x, w, lora_a, lora_bs, lora = module_inputs(8)
-    thresholds = dict(fused_gemm_min_tokens=256, fused_gemm_other_min_tokens=512)
-    backend = PallasGPUBackend(None, **thresholds, gated_delta=False, qkv_delta=True)
-    assert not PallasGPUBackend(None).qkv_delta
-    meta = backend.prepare(lora.batch, num_seqs=8)
-    delta = jax.jit(lambda *a: backend.packed_delta(*a, tp_size=1))(x, lora_a, lora_bs, meta)
-    assert delta.shape == (256, 1024) and delta.dtype == jnp.bfloat16
-    assert_close(delta, base_plus_lora(x, w, lora_a, lora_bs, lora) - base_product(x, w))
-    off = PallasGPUBackend(None, **thresholds)
-    assert off.packed_delta(x, lora_a, lora_bs, meta, tp_size=1) is None
-    assert [backend.gives_packed_delta(t, 3) for t in (256, 512)] == [True, False]
-    assert not backend.gives_packed_delta(128, 2)  # gate|up: gated_delta off
+    assert [fused_here.gives_packed_delta(t) for t in (128, 256)] == [True, False]
 
 
 def as_array(w):
