@@ -367,9 +367,12 @@ def engine_delta(before: dict, after: dict) -> dict:
 
 def median_run(runs: list[dict]) -> dict:
     """The run with the median output throughput (the lower middle one for an even count), with every run's
-    throughput beside it: repeated runs of one configuration vary by several percent on a GPU."""
+    throughput beside it (repeated runs of one configuration vary by several percent on a GPU) and the trace of the
+    run that was traced (--profile-steps), if any."""
     ordered = sorted(runs, key=lambda r: r["output_tok_per_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "repeats_output_tok_per_s": [r["output_tok_per_s"] for r in runs]}
+    median = {**ordered[(len(ordered) - 1) // 2], "repeats_output_tok_per_s": [r["output_tok_per_s"] for r in runs]}
+    traced = [r["profile"] for r in runs if "profile" in r]  # the first run's trace, whichever run is the median
+    return {**median, "profile": traced[0]} if traced else median
 
 
 def rng_prompt(seed: int | list[int], length: int) -> list[int]:

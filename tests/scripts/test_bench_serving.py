@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from scripts.bench_serving import engine_delta, max_in_flight, parse_concurrencies
+from scripts.bench_serving import engine_delta, max_in_flight, median_run, parse_concurrencies
 from tests.support import REPO_ROOT
 from tests.support.http_helpers import SMALL_ENGINE_FLAGS, server_env, start_server, write_demo_adapters
 
@@ -179,6 +179,14 @@ def test_max_concurrency_keeps_that_many_requests_in_flight(server, adapter_root
         assert lora["ratio_to_base_throughput"] == pytest.approx(lora["output_tok_per_s"] / base["output_tok_per_s"])
 
 
+def test_the_median_run_carries_the_traced_runs_profile():
+    traced, untraced = {"output_tok_per_s": 10.0, "profile": {"trace_dir": "/t"}}, {"output_tok_per_s": 9.0}
+    median = median_run([traced, untraced])  # the lower middle of two: the untraced one
+    assert median["output_tok_per_s"] == 9.0 and median["profile"] == {"trace_dir": "/t"}
+    assert median["repeats_output_tok_per_s"] == [10.0, 9.0]
+    assert "profile" not in median_run([untraced])
+
+
 def test_max_in_flight_counts_overlapping_requests():
     records = [{"start": 0.0, "end": 2.0}, {"start": 1.0, "end": 3.0}, {"start": 3.0, "end": 4.0}]
     assert max_in_flight(records) == 2  # the third starts as the second ends
@@ -318,7 +326,7 @@ def test_profile_steps_trace_each_scenarios_first_run(tmp_path):
         "1000",
         engine_flags=("--profile-dir", str(profiles)),
     )
-    profile = result["scenarios"][0]["profile"]
+    profile = result["scenarios"][0]["profile"]  # the first round's trace, whichever round is the median
     assert os.path.dirname(profile["trace_dir"]) == str(profiles) and profile["after_s"] == 0
     assert OUTPUT_LEN - 1 <= profile["num_steps"] < 1000  # the run's steps, at least one decode step per token
     assert os.listdir(profiles) == [os.path.basename(profile["trace_dir"])]  # one trace: the first round's run
