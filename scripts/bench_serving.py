@@ -315,8 +315,8 @@ async def drive(target, opts: argparse.Namespace) -> dict:
 
 
 async def profile_window(target, opts: argparse.Namespace) -> dict:
-    """A trace of --profile-steps engine steps from --profile-after seconds into the run; once the run's requests are
-    done (the caller awaits this then), a trace still running (the run had fewer steps left) is stopped here."""
+    """A trace of --profile-steps engine steps from --profile-after seconds into the run (`finish_profile` stops it
+    after the run if it is still running) -> what the run's result records of it."""
     await asyncio.sleep(opts.profile_after)
     started = await target.start_profile(opts.profile_steps)
     return {"after_s": opts.profile_after, "trace_dir": started["trace_dir"], "num_steps": opts.profile_steps}
