@@ -14,7 +14,8 @@ overlapped inside the step, no padding, no launch gaps, no host time. The run's 
 per step kind: mixed steps hold prefill chunks, decode steps decode rows only), and output tokens over it the
 ceiling on output tok/s. The serial floor is what an engine that runs its linears and its attention one after the
 other (as ours does: separate kernels) can reach: per step, the linears at max(FLOPs / peak, weight bytes / bandwidth)
-plus attention at max(FLOPs / peak, K/V bytes / bandwidth). The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the
+plus attention at max(FLOPs / peak, K/V bytes / bandwidth); it is also given in its two parts per step kind and token
+bucket (`serial_floor_by_bucket`), to set beside a trace's GEMM and attention time or a profile of one bucket's step. The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the
 790 TFLOP/s bf16 GEMM rate measured on one, docs/benchmarks.md). Also printed: the four parts of the work, each at
 its own peak, so that it shows which bound the steps meet.
 
@@ -43,6 +44,7 @@ from scripts.simulate_schedule import (  # noqa: E402
     step_kind,
     workload_parser,
 )
+from sgl_jax_lora.configs.buckets import pick  # noqa: E402
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch  # noqa: E402
 
 
@@ -76,6 +78,7 @@ class FloorTally:
     gemm_flops_per_s: float
     hbm_bytes_per_s: float
     kv_bytes: float
+    token_buckets: tuple[int, ...] = ()  # the engine's token buckets: the serial floor is also kept per bucket
     floor_s: float = 0.0
     serial_floor_s: float = 0.0
     floor_s_by_kind: dict[str, float] = dataclasses.field(default_factory=lambda: {"mixed": 0.0, "decode": 0.0})
@@ -83,6 +86,7 @@ class FloorTally:
     attention_flops: float = 0.0
     weight_bytes: float = 0.0
     kv_read_write_bytes: float = 0.0
+    serial_floor_by_bucket: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     def add_step(self, plan: ScheduleBatch) -> None:
         """One planned step, before its tokens land (each request's num_computed is its context before the step)."""
@@ -99,14 +103,28 @@ class FloorTally:
         kv = self.kv_bytes * self.model.kv_elements_per_token * kv_tokens
         floor = max((linear + attention) / self.gemm_flops_per_s, (weights + kv) / self.hbm_bytes_per_s)
         self.floor_s += floor
-        self.serial_floor_s += max(linear / self.gemm_flops_per_s, weights / self.hbm_bytes_per_s) + max(
-            attention / self.gemm_flops_per_s, kv / self.hbm_bytes_per_s
-        )
+        linear_floor = max(linear / self.gemm_flops_per_s, weights / self.hbm_bytes_per_s)
+        attention_floor = max(attention / self.gemm_flops_per_s, kv / self.hbm_bytes_per_s)
+        self.serial_floor_s += linear_floor + attention_floor
         self.floor_s_by_kind[step_kind(plan)] += floor
+        if self.token_buckets:
+            self._add_to_bucket(plan, tokens, linear_floor, attention_floor)
         self.linear_flops += linear
         self.attention_flops += attention
         self.weight_bytes += weights
         self.kv_read_write_bytes += kv
+
+    def _add_to_bucket(self, plan: ScheduleBatch, tokens: int, linear_floor: float, attention_floor: float) -> None:
+        """One step's serial floor in its two parts, under "<kind> <bucket>" (the bucket the engine pads it to)."""
+        key = f"{step_kind(plan)} {pick(self.token_buckets, tokens)}"
+        entry = self.serial_floor_by_bucket.setdefault(
+            key, {"steps": 0, "tokens": 0, "context_tokens": 0, "linear_floor_s": 0.0, "attention_floor_s": 0.0}
+        )
+        entry["steps"] += 1
+        entry["tokens"] += tokens
+        entry["context_tokens"] += sum(req.num_computed for req in plan.reqs)
+        entry["linear_floor_s"] += linear_floor
+        entry["attention_floor_s"] += attention_floor
 
     def parts_s(self) -> dict[str, float]:
         """Each part of the work alone at its peak, seconds."""
@@ -130,7 +148,9 @@ def main() -> None:
     opts = parser.parse_args(own)
     inputs, outputs = sample_lengths(np.random.default_rng(opts.seed), opts.num_requests, opts)
     scheduler, buckets = build_scheduler(engine_flags)
-    tally = FloorTally(ModelWork.from_config(LLAMA3_8B), opts.gemm_tflops * 1e12, opts.hbm_tb_s * 1e12, opts.kv_bytes)
+    tally = FloorTally(
+        ModelWork.from_config(LLAMA3_8B), opts.gemm_tflops * 1e12, opts.hbm_tb_s * 1e12, opts.kv_bytes, buckets.tokens
+    )
     max_new_tokens = max_new_tokens_of(opts.max_new_tokens, inputs, outputs, engine_flags)
     steps = simulate(scheduler, buckets, inputs, outputs, on_step=tally.add_step, max_new_tokens=max_new_tokens)
     output_tokens = int(outputs.sum())
@@ -144,6 +164,7 @@ def main() -> None:
         "ceiling_output_tok_per_s": output_tokens / tally.floor_s,
         "serial_floor_s": tally.serial_floor_s,
         "serial_ceiling_output_tok_per_s": output_tokens / tally.serial_floor_s,
+        "serial_floor_by_bucket": tally.serial_floor_by_bucket,
         **tally.parts_s(),
         "gemm_tflops": opts.gemm_tflops,
         "hbm_tb_s": opts.hbm_tb_s,
@@ -165,9 +186,23 @@ def main() -> None:
             f"{kind} {steps[kind]['steps']} steps, floor {s:.2f} s" for kind, s in tally.floor_s_by_kind.items()
         )
     )
+    print_buckets(tally.serial_floor_by_bucket)
     print("parts, each at its peak: " + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in tally.parts_s().items()))
     if opts.json:
         Path(opts.json).write_text(json.dumps(result, indent=1))
+
+
+def print_buckets(by_bucket: dict[str, dict]) -> None:
+    """The serial floor per step kind and token bucket: steps, mean tokens and context, and its two parts."""
+    print("serial floor by step kind and token bucket:")
+    for key, entry in sorted(by_bucket.items(), key=lambda item: (item[0].split()[0], int(item[0].split()[1]))):
+        steps = entry["steps"]
+        print(
+            f"  {key:>12}: {steps} steps, {entry['tokens'] / steps:.0f} tokens and {entry['context_tokens'] / steps:.0f}"
+            f" context tokens a step; linears {entry['linear_floor_s']:.2f} s, attention"
+            f" {entry['attention_floor_s']:.2f} s ({(entry['linear_floor_s'] + entry['attention_floor_s']) / steps * 1e3:.2f}"
+            " ms a step)"
+        )
 
 
 if __name__ == "__main__":

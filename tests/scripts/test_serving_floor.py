@@ -47,6 +47,26 @@ def test_the_tally_counts_every_token_pair_and_sample_of_the_scheduled_steps():
     assert sum(tally.floor_s_by_kind.values()) == pytest.approx(tally.floor_s, rel=1e-12)
 
 
+def test_the_serial_floor_by_bucket_adds_up_to_the_run_and_counts_the_schedulers_steps():
+    """Kept per step kind and token bucket, the serial floor's two parts add up to the run's serial floor, and each
+    bucket holds the steps and tokens the scheduler's replay ran in it."""
+    rng = np.random.default_rng(7)
+    inputs, outputs = rng.integers(8, 300, 30), rng.integers(2, 40, 30)
+    scheduler, buckets = build_scheduler(FLAGS)
+    tally = FloorTally(ModelWork.from_config(LLAMA3_8B), 790e12, 3.35e12, kv_bytes=2, token_buckets=buckets.tokens)
+    result = simulate(scheduler, buckets, inputs, outputs, on_step=tally.add_step)
+    by_bucket = tally.serial_floor_by_bucket
+    assert len(by_bucket) >= 2  # this workload runs both step kinds
+    parts = sum(entry["linear_floor_s"] + entry["attention_floor_s"] for entry in by_bucket.values())
+    assert parts == pytest.approx(tally.serial_floor_s, rel=1e-12)
+    for kind in ("mixed", "decode"):
+        for bucket, steps in result[kind]["steps_by_bucket"].items():
+            entry = by_bucket[f"{kind} {bucket}"]
+            assert entry["steps"] == steps
+            assert entry["tokens"] / steps == pytest.approx(result[kind]["mean_tokens_by_bucket"][bucket])
+    assert sum(entry["steps"] for entry in by_bucket.values()) == result["mixed"]["steps"] + result["decode"]["steps"]
+
+
 def test_the_floors_bound_each_other():
     """The roofline floor (compute and memory overlapped per step) is at most the serial one (linears then
     attention), which is at most the four parts added; and at least the whole run's work at either peak."""
@@ -70,3 +90,8 @@ def test_command_line_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["kv_bytes"] == 1 and result["floor_s"] <= result["serial_floor_s"]
     assert result["ceiling_output_tok_per_s"] == result["output_tokens"] / result["floor_s"]
+    by_bucket = result["serial_floor_by_bucket"]
+    assert sum(e["linear_floor_s"] + e["attention_floor_s"] for e in by_bucket.values()) == pytest.approx(
+        result["serial_floor_s"], rel=1e-12
+    )
+    assert "serial floor by step kind and token bucket" in done.stdout
