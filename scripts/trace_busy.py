@@ -6,8 +6,9 @@ Where it sits: after a trace written by the engine's StepProfiler (POST /start_p
 --profile-dir, `Engine.start_profile`, or `scripts/bench_serving.py --profile-steps N`). It reads the Perfetto trace
 (`*.trace.json.gz`) under each directory with `profile_step.device_ops` (the device's ops, every stream) and reports,
 over the window from the first op's start to the last op's end: the time some op ran (the union of the ops'
-intervals, so ops overlapping on several streams count once), the idle rest, the idle gaps by length, and the ops'
-time by kind of op (`op_family`: the GEMM kernels, the attention kernels, XLA's fusions, ...). With the
+intervals, so ops overlapping on several streams count once), the idle rest, the idle gaps by length, the ops' time
+by family (`op_family`: each kernel or XLA fusion with its copies' numbers dropped) and by kind of op (`op_kind`: the
+GEMMs, the decode and prefill attention kernels, the LoRA shrink and expand, and other ops). With the
 overlap schedule the host prepares and launches a step while the device runs the one before, so a device that
 idles between steps is waiting for the host: the gaps say how much serving time the host path costs.
 """
@@ -27,6 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.profile_step import device_ops  # noqa: E402
 
 GAP_BOUNDS_US = (10.0, 100.0, 1000.0)  # idle gaps reported at or above each of these lengths
+# the engine's kinds of op by what their kernels are called in a GPU trace (the first kind whose names match); any
+# other op (XLA's fusions: the residual adds and norms, the sums of split K's parts, the sampler) is "other ops"
+OP_KINDS = (
+    ("decode attention", ("ragged_paged_attention_decode",)),
+    ("prefill attention", ("ragged_paged_attention_prefill",)),
+    ("LoRA shrink", ("_shrink_kernel",)),
+    ("LoRA expand", ("_expand_kernel",)),
+    ("GEMMs", ("mosaic_gpu_kernel", "gemm", "nvjet", "cutlass", "cublas")),  # ours, XLA's and cuBLAS's
+)
+OTHER_OPS = "other ops"
 
 
 def busy_intervals(ops: list[dict]) -> list[tuple[float, float]]:
@@ -96,6 +107,21 @@ def time_by_family(ops: list[dict], top: int = 12) -> list[dict]:
     ]
 
 
+def op_kind(name: str) -> str:
+    """The kind of op (OP_KINDS) a device op's name says it is, else OTHER_OPS."""
+    lowered = name.lower()
+    return next((kind for kind, marks in OP_KINDS if any(mark in lowered for mark in marks)), OTHER_OPS)
+
+
+def time_by_kind(ops: list[dict]) -> dict[str, float]:
+    """The compute streams' op time (ms) by kind of op, every kind of OP_KINDS and OTHER_OPS, each op counted (ops
+    overlapping on several streams each count: the LoRA kernels beside the GEMMs)."""
+    total = dict.fromkeys([kind for kind, _ in OP_KINDS] + [OTHER_OPS], 0.0)
+    for op in compute_ops(ops):
+        total[op_kind(op["name"])] += op["dur"] / 1e3
+    return total
+
+
 def busy_by_slice(ops: list[dict], slice_ms: float) -> list[dict]:
     """Busy share of each `slice_ms` of the window in turn (a serving run's phases: mixed steps, then its decode tail),
     by the compute streams' ops."""
@@ -123,6 +149,7 @@ def main() -> None:
         ops = device_ops(trace_dir)
         summary = busy_summary(ops)
         summary["by_family"] = time_by_family(ops)
+        summary["by_kind"] = time_by_kind(ops)
         if opts.slice_ms:
             summary["slices"] = busy_by_slice(ops, opts.slice_ms)
         summaries[trace_dir] = summary
@@ -135,6 +162,7 @@ def main() -> None:
         )
         for row in summary["by_family"]:
             print(f"  {row['share']:6.1%} {row['ms']:10.2f} ms {row['count']:8d} x {row['family']}")
+        print("  by kind: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in summary["by_kind"].items()))
         for piece in summary.get("slices", []):
             print(f"  from {piece['start_ms']:.0f} ms: busy {piece['busy_share']:.3f}")
     if opts.json:

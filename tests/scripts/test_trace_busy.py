@@ -9,7 +9,16 @@ import jax.numpy as jnp
 import pytest
 
 from scripts.profile_step import device_ops
-from scripts.trace_busy import busy_by_slice, busy_intervals, busy_summary, op_family, time_by_family
+from scripts.trace_busy import (
+    OTHER_OPS,
+    busy_by_slice,
+    busy_intervals,
+    busy_summary,
+    op_family,
+    op_kind,
+    time_by_family,
+    time_by_kind,
+)
 from sgl_jax_lora.managers.step_profiler import StepProfiler
 
 
@@ -71,3 +80,39 @@ def test_op_time_by_family_folds_the_numbered_copies_of_an_op():
         {"family": "ragged_paged_attention_decode", "ms": 0.3, "share": 0.6, "count": 1},
         {"family": "_expand_kernel", "ms": 0.2, "share": 0.4, "count": 2},
     ]
+
+
+def test_op_time_by_kind_names_the_engines_kernels_and_counts_every_op():
+    """The GPU trace's names of the engine's kernels map to their kinds (ours, XLA's and cuBLAS's GEMMs alike); XLA's
+    other fusions are other ops; every compute op counts, the copy stream's none."""
+    names = {
+        "anonymous_mosaic_gpu_kernel": "GEMMs",
+        "_kernel_mosaic_gpu_kernel": "GEMMs",
+        "nvjet_sm90_tss_128x256_64x4_2x1_v_bz_coopA_NNN": "GEMMs",
+        "gemm_fusion_dot_general_254": "GEMMs",
+        "ragged_paged_attention_decode": "decode attention",
+        "ragged_paged_attention_prefill": "prefill attention",
+        "_shrink_kernel__3": "LoRA shrink",
+        "_expand_kernel": "LoRA expand",
+        "loop_add_fusion_62": OTHER_OPS,
+        "rope_kv_write": OTHER_OPS,
+    }
+    assert {name: op_kind(name) for name in names} == names
+    ops = [
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 0, "dur": 400, "stream": "Stream #1(Compute)"},
+        {"name": "_shrink_kernel__1", "ts": 100, "dur": 50, "stream": "Stream #2(Compute)"},  # beside the GEMM
+        {"name": "ragged_paged_attention_decode", "ts": 400, "dur": 300, "stream": "Stream #1(Compute)"},
+        {"name": "loop_add_fusion_1", "ts": 700, "dur": 20, "stream": "Stream #1(Compute)"},
+        {"name": "MemcpyH2D", "ts": 0, "dur": 900, "stream": "Stream #3(MemcpyH2D)"},  # not a compute stream
+    ]
+    by_kind = time_by_kind(ops)
+    assert by_kind == pytest.approx(
+        {
+            "decode attention": 0.3,
+            "prefill attention": 0.0,
+            "LoRA shrink": 0.05,
+            "LoRA expand": 0.0,
+            "GEMMs": 0.4,
+            OTHER_OPS: 0.02,
+        }
+    )
