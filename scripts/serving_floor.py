@@ -15,8 +15,9 @@ per step kind: mixed steps hold prefill chunks, decode steps decode rows only), 
 ceiling on output tok/s. The serial floor is what an engine that runs its linears and its attention one after the
 other (as ours does: separate kernels) can reach: per step, the linears at max(FLOPs / peak, weight bytes / bandwidth)
 plus attention at max(FLOPs / peak, K/V bytes / bandwidth); it is also given in its two parts per step kind and token
-bucket (`serial_floor_by_bucket`), to set beside a trace's GEMM and attention time or a profile of one bucket's step. The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the
-790 TFLOP/s bf16 GEMM rate measured on one, docs/benchmarks.md). Also printed: the four parts of the work, each at
+bucket (`serial_floor_by_bucket`), to set beside a trace's GEMM and attention time or a profile of one bucket's step.
+The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the 790 TFLOP/s bf16 GEMM rate measured on one,
+docs/benchmarks.md). Also printed: the four parts of the work, each at
 its own peak, so that it shows which bound the steps meet.
 
 Usage: python scripts/serving_floor.py [--kv-bytes 1] [--json out.json] -- <engine flags, as simulate_schedule.py>
@@ -196,12 +197,11 @@ def print_buckets(by_bucket: dict[str, dict]) -> None:
     """The serial floor per step kind and token bucket: steps, mean tokens and context, and its two parts."""
     print("serial floor by step kind and token bucket:")
     for key, entry in sorted(by_bucket.items(), key=lambda item: (item[0].split()[0], int(item[0].split()[1]))):
-        steps = entry["steps"]
+        steps, linears, attention = entry["steps"], entry["linear_floor_s"], entry["attention_floor_s"]
         print(
-            f"  {key:>12}: {steps} steps, {entry['tokens'] / steps:.0f} tokens and {entry['context_tokens'] / steps:.0f}"
-            f" context tokens a step; linears {entry['linear_floor_s']:.2f} s, attention"
-            f" {entry['attention_floor_s']:.2f} s ({(entry['linear_floor_s'] + entry['attention_floor_s']) / steps * 1e3:.2f}"
-            " ms a step)"
+            f"  {key:>12}: {steps} steps, {entry['tokens'] / steps:.0f} tokens and "
+            f"{entry['context_tokens'] / steps:.0f} context tokens a step; linears {linears:.2f} s, attention "
+            f"{attention:.2f} s ({(linears + attention) / steps * 1e3:.2f} ms a step)"
         )
 
 
