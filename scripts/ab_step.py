@@ -20,6 +20,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
   tile16=T        the SGMV kernels take row tiles of 16 in buckets up to T tokens
                   (`pallas_kernels/sgmv/work_list.py` ROW_TILE_16_MAX_ROWS)
+  skinny=T        the base GEMMs of buckets up to T tokens run the skinny kernel, the tokens as the WGMMA's N side
+                  (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS; 0: the base GEMM kernel from its
+                  threshold, XLA's dot below it)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -44,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pallas_kernels.attention.gpu as attention_gpu  # noqa: E402
 import pallas_kernels.sgmv.work_list as work_list  # noqa: E402
+import sgl_jax_lora.layers.base_gemm as base_gemm  # noqa: E402
 from scripts.bench_offline import LLAMA3_8B, make_model_dir  # noqa: E402
 from scripts.bench_step import build, engine_args  # noqa: E402
 from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case  # noqa: E402
@@ -51,7 +55,7 @@ from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16")
+KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16", "skinny")
 BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring")  # set on the Pallas GPU backend
 
 
@@ -62,6 +66,9 @@ def parse_setting(text: str) -> dict:
         return {"base": True} if text == "base" else {}
     setting = {}
     for part in text.split(","):
+        if part == "base" and "base" not in setting:  # the base program under the knobs that follow
+            setting["base"] = True
+            continue
         knob, _, value = part.partition("=")
         try:
             numbers = tuple(int(v) for v in value.split(":"))
@@ -71,7 +78,7 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T (non-negative integers), "
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T (non-negative integers), "
                 "gated-delta=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
@@ -81,7 +88,7 @@ def parse_setting(text: str) -> dict:
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
-    entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the decode tiles as the
+    entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the skinny GEMM's buckets, the decode tiles as the
     attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles each traced
     call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
@@ -89,7 +96,7 @@ def applied(setting: dict, lora_backend):
     attributes = ("fused_gemm_min_tokens", "fused_gemm_other_min_tokens", "gated_delta", "ENTRY_RING_MAX_TOKENS")
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
-    row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
+    row_tile_16, skinny_max = work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS
     try:
         knobs = [knob for knob in BACKEND_KNOBS if knob in setting]
         if knobs and not isinstance(pallas, PallasGPUBackend):
@@ -102,6 +109,8 @@ def applied(setting: dict, lora_backend):
             pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
         if "tile16" in setting:
             work_list.ROW_TILE_16_MAX_ROWS = setting["tile16"]
+        if "skinny" in setting:
+            base_gemm.SKINNY_MAX_TOKENS = setting["skinny"]
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
 
@@ -113,7 +122,7 @@ def applied(setting: dict, lora_backend):
         yield traced
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
-        work_list.ROW_TILE_16_MAX_ROWS = row_tile_16
+        work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS = row_tile_16, skinny_max
         if saved is not None:  # the backend's own attributes back, a class default where it had none
             for name in attributes:
                 pallas.__dict__.pop(name, None)

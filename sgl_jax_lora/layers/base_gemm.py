@@ -12,6 +12,12 @@ under `jax.shard_map`, each device on its shard of W as the weight loader placed
 column-parallel modules (W split on `out`) take x replicated and give y split on its columns; row-parallel ones
 (W split on `in`) take x split on its columns and all-reduce y over "tensor" in x's dtype, as XLA's dot does.
 
+The skinny form (`BaseGemm.skinny`, on in the default setting of one Hopper GPU): in the kernel's buckets of at most
+SKINNY_MAX_TOKENS tokens (the 256 bucket by default) every module runs pallas_kernels/sgmv/gemm_skinny_gpu.py
+instead, the tokens on the WGMMA's N side, as many as the step's real rows need (147 rows compute 160, not the two
+128-row tiles' 256); gate|up's activation (and its LoRA delta) follows it in XLA, fused with the transpose of the
+kernel's y^T.
+
 `make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on one Hopper GPU
 (compute capability 9.x), off elsewhere and under tensor parallelism (not yet run on GPUs: set the flag to use it
 there); a positive value off Hopper GPUs (CPU tests) computes with the kernel's pure-JAX reference
@@ -31,7 +37,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.gemm_gpu import check_gemm_shapes, choose_gemm_tiles, gemm_gpu, is_hopper
-from pallas_kernels.sgmv.gemm_lora_gpu import rows_operand
+from pallas_kernels.sgmv.gemm_lora_gpu import rows_operand, silu_and_mul, zero_rows_from
+from pallas_kernels.sgmv.gemm_skinny_gpu import SkinnyTiles, check_skinny_shapes, gemm_skinny_gpu
 from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.sharding import logical_to_sharding
 
@@ -44,6 +51,9 @@ if TYPE_CHECKING:  # type only: layers/linear.py imports this module
 # decode step is faster with o in the kernel too; 64-token buckets do not fit the kernel's 128-row tiles
 # (docs/benchmarks.md "The base GEMM kernel in decode and prefill steps")
 DEFAULT_MIN_TOKENS = 256
+# the kernel's token buckets up to this size run its skinny form where the setting has it (`BaseGemm.skinny`): the
+# tokens as the WGMMA's N side, as many as the step's real rows need (pallas_kernels/sgmv/gemm_skinny_gpu.py)
+SKINNY_MAX_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +63,15 @@ class BaseGemm:
     min_tokens: int  # the least token bucket in which a module runs the kernel (> 0)
     mesh: Mesh | None = None  # the ("data", "tensor") mesh the weights are placed on; None: one device
     reference: bool = False  # compute with the kernel's pure-JAX reference (platforms without Mosaic GPU)
+    skinny: bool = False  # buckets up to SKINNY_MAX_TOKENS run the skinny kernel
 
     def runs(self, num_tokens: int) -> bool:
         """Whether a bucket of `num_tokens` tokens runs the kernel (the model's layers then get LayerStack views)."""
         return 0 < self.min_tokens <= num_tokens
+
+    def runs_skinny(self, num_tokens: int) -> bool:
+        """Whether a bucket of `num_tokens` tokens runs the kernel's skinny form."""
+        return self.skinny and self.runs(num_tokens) and num_tokens <= SKINNY_MAX_TOKENS
 
 
 def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
@@ -65,7 +80,7 @@ def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None
     the flag); a positive value off Hopper GPUs runs the kernel's pure-JAX reference."""
     has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     if min_tokens is None and has_kernel and (mesh is None or mesh.size == 1):
-        return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False)
+        return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False, skinny=True)
     if not min_tokens:
         return None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)
@@ -87,20 +102,33 @@ def _weight_spec(kernel: LayerStack, config: BaseGemm, axes: LinearAxes) -> tupl
 def fits_base_gemm(x: jax.Array, kernel: LayerStack, config: BaseGemm, axes: LinearAxes, gated: bool = False) -> bool:
     """Whether `base_gemm` runs this module on x (bfloat16 operands whose shapes fit the kernel's tiles), not None."""
     _, in_local, out_local = _weight_spec(kernel, config, axes)
-    return _fits(x, kernel.stack.dtype, in_local, out_local, gated)
+    return _fits(x, kernel.stack.dtype, in_local, out_local, gated, config.runs_skinny(x.shape[0]))
 
 
-def _fits(x: jax.Array, w_dtype, in_local: int, out_local: int, gated: bool) -> bool:
+def _fits(x: jax.Array, w_dtype, in_local: int, out_local: int, gated: bool, skinny: bool) -> bool:
     tiles = choose_gemm_tiles()
     if x.dtype != jnp.bfloat16 or w_dtype != x.dtype:
         return False
     try:
-        check_gemm_shapes(
-            x.shape[0], in_local, out_local // (2 if gated else 1), tiles, tiles.tile_n if gated else None
-        )
+        if skinny:
+            check_skinny_shapes(x.shape[0], in_local, out_local, SkinnyTiles())
+        else:
+            check_gemm_shapes(
+                x.shape[0], in_local, out_local // (2 if gated else 1), tiles, tiles.tile_n if gated else None
+            )
     except ValueError:
         return False
     return True
+
+
+def _skinny_product(x, stack, layer, rows, reference: bool, zero_padding: bool, gated: bool, delta) -> jax.Array:
+    """The skinny kernel's product; gated: silu(gate (+ delta_gate)) * (up (+ delta_up)) by XLA after it (fused with
+    the transpose of the kernel's y^T), each sum rounded as the unfused layers round it, zero from rows[0] on."""
+    y = gemm_skinny_gpu(x, stack, layer, rows, reference=reference, zero_padding=zero_padding and not gated)
+    if not gated:
+        return y
+    y = y if delta is None else (y.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+    return zero_rows_from(silu_and_mul(y), rows)
 
 
 def base_gemm(
@@ -127,12 +155,16 @@ def base_gemm(
     in_axis, out_axis = w_spec[1], w_spec[2]
     if gated and in_axis:
         raise ValueError("base_gemm: gated is for column-parallel modules (W not split on its input)")
-    if not _fits(x, stack.dtype, in_local, out_local, gated):
+    skinny = config.runs_skinny(x.shape[0])
+    if not _fits(x, stack.dtype, in_local, out_local, gated, skinny):
         return None
 
     rows = rows_operand(num_rows, x.shape[0])
 
     def local(x, stack, layer, rows, delta):
+        if skinny:
+            y = _skinny_product(x, stack, layer, rows, config.reference, zero_padding, gated, delta)
+            return jax.lax.psum(y, in_axis) if in_axis else y
         # the default tiles; split K or the tail split where they pay
         options = dict(gated=gated, delta=delta, reference=config.reference, zero_padding=zero_padding)
         y = gemm_gpu(x, stack, layer, rows, **options)

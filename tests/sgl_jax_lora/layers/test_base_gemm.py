@@ -85,6 +85,33 @@ def test_a_padded_bucket_gives_the_kernel_its_real_rows(kernel_sized_model, monk
     assert np.abs(ours - expected).max() <= 4e-2 * np.abs(expected).max()
 
 
+def test_the_skinny_form_takes_the_smallest_kernel_bucket(kernel_sized_model, monkeypatch):
+    """With the skinny form on (the default on one Hopper GPU), a bucket of at most SKINNY_MAX_TOKENS among the
+    kernel's buckets runs every module through `gemm_skinny_gpu` (gate|up's activation after it), told the step's real
+    rows; the real tokens' logits are those of XLA's dot. On CPU the kernel's pure-JAX reference stands in."""
+    import sgl_jax_lora.models.weight_loader as weight_loader
+
+    monkeypatch.setattr(
+        weight_loader, "make_base_gemm", lambda min_tokens, mesh: BaseGemm(256, mesh, reference=True, skinny=True)
+    )
+    rows_seen, plain, real = [], [], base_gemm_module.gemm_skinny_gpu
+
+    def recorded(x, stack, layer, num_rows, **kwargs):
+        jax.debug.callback(lambda rows: rows_seen.append(int(rows[0])), num_rows)
+        return real(x, stack, layer, num_rows, **kwargs)
+
+    monkeypatch.setattr(base_gemm_module, "gemm_skinny_gpu", recorded)
+    monkeypatch.setattr(base_gemm_module, "gemm_gpu", lambda *args, **kwargs: plain.append(1))
+    ids = np.random.default_rng(9).integers(2, 491, 200)
+    ours = model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=256, base_gemm_min_tokens=THRESHOLD)
+    assert rows_seen and set(rows_seen) == {200} and not plain
+    monkeypatch.undo()
+    expected = model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=256, base_gemm_min_tokens=0)
+    assert np.abs(ours - expected).max() <= 4e-2 * np.abs(expected).max()
+    assert not BaseGemm(256, skinny=True).runs_skinny(128) and not BaseGemm(256, skinny=True).runs_skinny(512)
+    assert BaseGemm(256, skinny=True).runs_skinny(256) and not BaseGemm(256).runs_skinny(256)
+
+
 def test_flag_default_and_validation():
     assert ServerArgs().gpu_gemm_min_tokens is None
     mesh = make_mesh(1)
@@ -112,6 +139,7 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
     assert make_base_gemm(None, two) is None
     assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
     assert default.min_tokens == DEFAULT_MIN_TOKENS and default.runs(256) and not default.runs(128)
+    assert default.skinny and not make_base_gemm(1024, one).skinny  # the skinny form in the default's 256 bucket
 
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
