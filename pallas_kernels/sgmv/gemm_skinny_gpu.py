@@ -17,8 +17,9 @@ wrapper hands back y = y^T transposed; XLA fuses the transpose into y's consumer
 the split parts' sum), else it is one pass over [T, out].
 
 What exists here: `SkinnyTiles`, `choose_skinny_splits`, `check_skinny_shapes`, `skinny_kernel_call` (the kernel on
-a persistent grid; CPU tests pass it the Mosaic GPU interpreter) and `gemm_skinny_gpu` (checks, splits, the sum of
-the parts, the transpose, and the pure-JAX reference for platforms without Mosaic GPU). Needs: T a multiple of
+a persistent grid; the Mosaic GPU interpreter does not take its transposed shared-memory operands, so it runs on
+Hopper GPUs only) and `gemm_skinny_gpu` (checks, splits, the sum of the parts, the transpose, and the pure-JAX
+reference for platforms without Mosaic GPU). Needs: T a multiple of
 n_step, in a multiple of tile_k (times k_splits), out a multiple of 128, bf16 operands of one dtype. The columns of
 y^T past the chosen width, and the rows of y after num_rows[0], hold any values unless zeroed (`zero_rows_from`).
 """
@@ -191,7 +192,8 @@ def skinny_kernel_call(
 ) -> jax.Array:
     """The kernel on a grid of `num_sms` CTAs: y^T [k_splits * out, T] (float32 parts with k_splits > 1), its
     columns past the chosen width unwritten. w_rows: a layer stack of W flattened [L * in, out]; w_row: [1] i32, the
-    layer's first row in it; num_rows: [1] i32, the step's real tokens. interpret: Mosaic GPU interpreter params."""
+    layer's first row in it; num_rows: [1] i32, the step's real tokens. interpret: Mosaic GPU interpreter params, for
+    a JAX whose interpreter takes transposed shared-memory operands (0.10's does not)."""
     out_dtype = x.dtype if tiles.k_splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((tiles.k_splits * w_rows.shape[1], x.shape[0]), out_dtype)
     body = functools.partial(_kernel, tiles=tiles)
