@@ -19,9 +19,9 @@ the split parts' sum), else it is one pass over [T, out].
 What exists here: `SkinnyTiles`, `choose_skinny_splits`, `check_skinny_shapes`, `skinny_kernel_call` (the kernel on
 a persistent grid; the Mosaic GPU interpreter does not take its transposed shared-memory operands, so it runs on
 Hopper GPUs only) and `gemm_skinny_gpu` (checks, splits, the sum of the parts, the transpose, and the pure-JAX
-reference for platforms without Mosaic GPU). Needs: T a multiple of
-n_step, in a multiple of tile_k (times k_splits), out a multiple of 128, bf16 operands of one dtype. The columns of
-y^T past the chosen width, and the rows of y after num_rows[0], hold any values unless zeroed (`zero_rows_from`).
+reference for platforms without Mosaic GPU). Needs: T a multiple of n_step, in a multiple of tile_k (times
+k_splits), out a multiple of 128, bf16 operands of one dtype. The columns of y^T past the chosen width, and the rows
+of y after num_rows[0], hold any values unless zeroed (`zero_rows_from`).
 """
 
 from __future__ import annotations
