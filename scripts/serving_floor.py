@@ -17,8 +17,9 @@ other (as ours does: separate kernels) can reach: per step, the linears at max(F
 plus attention at max(FLOPs / peak, K/V bytes / bandwidth); it is also given in its two parts per step kind and token
 bucket (`serial_floor_by_bucket`), to set beside a trace's GEMM and attention time or a profile of one bucket's step.
 The peaks are options (defaults: an H100 SXM's 3.35 TB/s and the 790 TFLOP/s bf16 GEMM rate measured on one,
-docs/benchmarks.md). Also printed: the four parts of the work, each at
-its own peak, so that it shows which bound the steps meet.
+docs/benchmarks.md; under sustained GEMM load the same card holds 675-681 TFLOP/s at its 700 W power cap, so
+`--gemm-tflops 675` gives the floor at that rate). Also printed: the four parts of the work, each at its own peak, so
+that it shows which bound the steps meet.
 
 Usage: python scripts/serving_floor.py [--kv-bytes 1] [--json out.json] -- <engine flags, as simulate_schedule.py>
 """
@@ -142,7 +143,10 @@ def main() -> None:
     parser = workload_parser(__doc__)
     add_max_new_tokens_option(parser)
     parser.add_argument(
-        "--gemm-tflops", type=float, default=790.0, help="bf16 GEMM rate, TFLOP/s (790: H100, measured)"
+        "--gemm-tflops",
+        type=float,
+        default=790.0,
+        help="bf16 GEMM rate, TFLOP/s (790: H100, measured; 675 under sustained load at its power cap)",
     )
     parser.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth, TB/s (3.35: H100 SXM; 4.8: H200)")
     parser.add_argument("--kv-bytes", type=int, default=2, choices=(1, 2), help="bytes per K/V element (1: fp8 cache)")
