@@ -20,9 +20,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
   tile16=T        the SGMV kernels take row tiles of 16 in buckets up to T tokens
                   (`pallas_kernels/sgmv/work_list.py` ROW_TILE_16_MAX_ROWS)
-  skinny=T        the base GEMMs of buckets up to T tokens run the skinny kernel, the tokens as the WGMMA's N side
-                  (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS; 0: the base GEMM kernel from its
-                  threshold, XLA's dot below it)
+  skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N
+                  side (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS, in the default setting of one
+                  Hopper GPU; 0: the tiled kernel in each of its buckets)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -88,8 +88,8 @@ def parse_setting(text: str) -> dict:
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
-    entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the skinny GEMM's buckets, the decode tiles as the
-    attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles each traced
+    entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the skinny GEMM's buckets,
+    the decode tiles as the attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles each traced
     call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
