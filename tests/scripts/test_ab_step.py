@@ -12,6 +12,7 @@ import pytest
 
 import pallas_kernels.attention.gpu as attention_gpu
 import pallas_kernels.sgmv.work_list as work_list
+import sgl_jax_lora.layers.base_gemm as base_gemm
 from scripts.ab_step import alternate, applied, compared_with, compile_settings, parse_setting, setting_batches
 from scripts.bench_offline import make_model_dir
 from scripts.bench_step import build, engine_args
@@ -41,7 +42,9 @@ def test_settings_parse_into_knobs():
     assert parse_setting("fused=1024:2048") == {"fused": (1024, 2048)}
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
+    assert parse_setting("base,skinny=0") == {"base": True, "skinny": 0}  # the base program under a knob
     for bad in (
+        "base,base",
         "fused=1024",
         "fused=a:b",
         "decode-warps=2:4",
@@ -66,7 +69,9 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
     setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
-    with applied(setting, backend) as traced:
+    skinny_max = base_gemm.SKINNY_MAX_TOKENS
+    with applied({**setting, "skinny": 0}, backend) as traced:
+        assert not base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)  # the skinny form off in the 256 bucket
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
         assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
@@ -76,6 +81,7 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
     assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
+    assert base_gemm.SKINNY_MAX_TOKENS == skinny_max and base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
     assert pallas.fused_gemm_min_tokens == 0 and attention_gpu.ragged_paged_attention_gpu is kernel
