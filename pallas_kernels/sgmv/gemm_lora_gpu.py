@@ -45,7 +45,8 @@ gate|up and the kernel writes the MLP's silu(gate) * up (a CTA tile of 128 rows 
 warpgroup 64 rows in a gate and an up accumulator, adding its half of each entry into both before the activation).
 With `has_lora=False` (no s or B tiles, no LoRA loop) the same kernel is the plain base GEMM of gemm_gpu.py (gated
 there too without adapters), and with `fp8=True` as well the 8-bit GEMM of gemm_fp8_gpu.py (8-bit x and a
-K-major W, the accumulator scaled in the epilogue). `persistent_kernel` is the one grid every variant launches on;
+K-major W, the accumulator scaled in the epilogue). `persistent_kernel` is the one grid every variant launches on
+(gemm_skinny_gpu.py's too, which also shares `smem_transforms` and the SMEM_BYTES budget);
 `lora_kernel_call` the call of the kernel with LoRA (CPU tests pass it the Mosaic GPU interpreter); `silu_and_mul` the
 unfused activation the gated kernels match.
 
@@ -73,8 +74,18 @@ import numpy as np
 from pallas_kernels.sgmv.entry_table import EntryTable, entry_s_parts
 from pallas_kernels.sgmv.tail_split import tail_pieces, unit_work
 
-_SMEM_BYTES = 227 * 1024  # H100 shared memory per block
-_SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
+SMEM_BYTES = 227 * 1024  # H100 shared memory per block
+SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
+
+
+def smem_transforms(minor: int, dtype) -> tuple:
+    """The tiling and swizzle of a shared-memory tile whose minor dimension holds `minor` elements of `dtype`: rows of
+    8, the widest swizzle the row's bytes allow (what TMA and the WGMMA read)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +134,8 @@ def choose_gemm_lora_tiles(
             for epilogue_n in (64, 32, 16) if out_itemsize == 2 else (32,):
                 tiles = GemmLoraTiles(tile_n=tile_n, stages=stages, epilogue_n=epilogue_n, entry_slots=slots)
                 if (
-                    tiles.smem_bytes(rank, out_itemsize, gated=gated, gated_delta=gated_delta) + _SMEM_SPARE
-                    <= _SMEM_BYTES
+                    tiles.smem_bytes(rank, out_itemsize, gated=gated, gated_delta=gated_delta) + SMEM_SPARE
+                    <= SMEM_BYTES
                 ):
                     return tiles
     raise ValueError(
@@ -233,9 +244,7 @@ def _kernel(
     em_rows, en_cols = 64, tiles.epilogue_n
 
     def transforms(minor: int, dtype=x_ref.dtype):
-        bits = jnp.dtype(dtype).itemsize * 8
-        swizzle = plgpu.find_swizzle(minor * bits)
-        return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+        return smem_transforms(minor, dtype)
 
     assert not tail_split or (num_sms and k_splits == 1 and not has_lora and not fp8)
     assert not gated or (k_splits == 1 and not fp8 and not tail_split and (not has_lora or len(b_refs) == 2))

@@ -32,13 +32,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sgmv.gemm_lora_gpu import persistent_kernel, rows_operand, zero_rows_from
+from pallas_kernels.sgmv.gemm_lora_gpu import (
+    SMEM_BYTES,
+    SMEM_SPARE,
+    persistent_kernel,
+    rows_operand,
+    smem_transforms,
+    zero_rows_from,
+)
 
 TILE_OUT = 128  # W's output columns a CTA tile computes: 64 a consumer warpgroup (a WGMMA's M)
 WG_OUT = TILE_OUT // 2
 EPILOGUE_N = 32  # tokens a TMA epilogue store holds (its rows: a warpgroup's 64 output columns)
-_SMEM_BYTES = 227 * 1024  # H100 shared memory per block
-_SMEM_SPARE = 1024  # barriers and the pipeline's bookkeeping
 MAX_SKINNY_TOKENS = 256  # a warpgroup's [64, T] float32 accumulator: 128 registers a thread at 256 tokens
 
 
@@ -55,7 +60,7 @@ class SkinnyTiles:
         epilogue = 2 * 2 * WG_OUT * EPILOGUE_N * out_itemsize
         per_stage = (self.tile_k * TILE_OUT + width * self.tile_k) * 2
         for stages in range(self.stages, 1, -1):
-            if stages * per_stage + epilogue + _SMEM_SPARE <= _SMEM_BYTES:
+            if stages * per_stage + epilogue + SMEM_SPARE <= SMEM_BYTES:
                 return stages
         raise ValueError(f"gemm_skinny_gpu: a token width of {width} does not fit shared memory; use gemm_gpu")
 
@@ -98,9 +103,7 @@ def _kernel(w_row_ref, num_rows_ref, x_ref, w_ref, out_ref, *, tiles: SkinnyTile
     width_index = jnp.clip((num_rows_ref[0] + tiles.n_step - 1) // tiles.n_step - 1, 0, len(widths) - 1)
 
     def transforms(minor: int, dtype=x_ref.dtype):
-        bits = jnp.dtype(dtype).itemsize * 8
-        swizzle = plgpu.find_swizzle(minor * bits)
-        return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+        return smem_transforms(minor, dtype)
 
     def pipeline(width, body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(

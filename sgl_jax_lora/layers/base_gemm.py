@@ -127,7 +127,7 @@ def _skinny_product(x, stack, layer, rows, reference: bool, zero_padding: bool, 
     y = gemm_skinny_gpu(x, stack, layer, rows, reference=reference, zero_padding=zero_padding and not gated)
     if not gated:
         return y
-    y = y if delta is None else (y.astype(jnp.float32) + delta.astype(jnp.float32)).astype(x.dtype)
+    y = y if delta is None else y + delta
     return zero_rows_from(silu_and_mul(y), rows)
 
 
