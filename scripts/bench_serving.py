@@ -21,6 +21,8 @@ included, so the prefix cache can serve it: what the cache saves shows against t
 `--disable-prefix-cache`.
 `--profile-steps N [--profile-after S]` traces N engine steps of each scenario's first measured run, from S seconds
 after its first request (the server needs --profile-dir; its /start_profile), for `scripts/trace_busy.py`.
+`--sample-clock` samples this machine's GPUs (nvidia-smi every 200 ms, scripts/gpu_clock.py) and records each measured
+run's SM clock, power and power-cap share beside its throughput.
 Reports output tok/s, req/s, TTFT, TPOT and end-to-end latency (mean, p50, p99) of the median of --repeats runs
 (every run's tok/s beside it; the repeats run in rounds over all scenarios, so a drift of the device's speed
 over the run reaches every scenario alike), what the engine did meanwhile (step time by kind and phase, LoRA
@@ -47,6 +49,8 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.gpu_clock import ClockSampler  # noqa: E402
 
 
 def sample_lengths(rng: np.random.Generator, count: int, opts: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
@@ -435,6 +439,20 @@ def print_table(results: list[dict]) -> None:
                 f"TTFT mean / p99 {cls['ttft_s']['mean']:.2f} / {cls['ttft_s']['p99']:.2f} s, "
                 f"TPOT mean / p99 {1e3 * cls['tpot_s']['mean']:.1f} / {1e3 * cls['tpot_s']['p99']:.1f} ms"
             )
+    for r in results:
+        if "clock" in r:
+            print(f"  {r['num_adapters']} adapters, the GPU meanwhile: {describe_clock(r['clock'])}")
+
+
+def describe_clock(clock: dict) -> str:
+    """A run's clock summary (scripts/gpu_clock.py) in one line."""
+    if not clock["samples"]:
+        return f"not sampled ({clock.get('unavailable', 'no samples in the run')})"
+    power = f", {clock['power_w_mean']:.0f} W" if clock["power_w_mean"] is not None else ""
+    return (
+        f"SM clock {clock['sm_mhz']['mean']:.0f} MHz ({clock['sm_mhz']['min']:.0f}-{clock['sm_mhz']['max']:.0f}){power}, "
+        f"power cap in {clock['share']['sw_power_cap']:.0%} of {clock['samples']} samples"
+    )
 
 
 def main() -> None:
@@ -514,6 +532,11 @@ def main() -> None:
     parser.add_argument(
         "--profile-after", type=float, default=0.0, help="seconds into the run the trace of --profile-steps starts"
     )
+    parser.add_argument(
+        "--sample-clock",
+        action="store_true",
+        help="record each measured run's GPU SM clock and power (nvidia-smi on this machine)",
+    )
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(own_argv)
     opts.prefix_seed = opts.seed
@@ -542,6 +565,7 @@ def main() -> None:
         key: info.get(key) for key in ("step_token_budget", "token_buckets", "context_length", "max_total_tokens")
     }
     print(f"engine: {engine_shape}", flush=True)
+    clock = ClockSampler().start() if opts.sample_clock else None
     try:
         for count, _ in opts.num_adapters:
             if count > len(target.adapter_names):
@@ -573,7 +597,10 @@ def main() -> None:
                 before = target.server_info()
                 scenario.prompt_round = next(prompt_rounds)
                 scenario.profile_steps = opts.profile_steps if round_index == 0 else 0
+                run_start = time.perf_counter()
                 run = target.run(drive(target, scenario))
+                if clock is not None:
+                    run["clock"] = clock.window(run_start, time.perf_counter())
                 run["engine"] = engine_delta(before, target.server_info())
                 scenario_runs.append(run)
                 if round_index < opts.repeats - 1:
@@ -596,6 +623,8 @@ def main() -> None:
                         }
                         json.dump(record, f, indent=2)
     finally:
+        if clock is not None:
+            clock.stop()
         target.close()
     print_table(results)
 

@@ -11,6 +11,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,7 +274,7 @@ def run_offline(out, *flags: str, engine_flags: tuple[str, ...] = ()) -> tuple[d
 
 def test_offline_engine_mode(adapter_root, tmp_path):
     """Without --url the benchmark builds an offline Engine from the flags after `--` (what the GPU runs use)."""
-    result, _ = run_offline(
+    result, stdout = run_offline(
         tmp_path / "offline.json",
         "--num-requests",
         "4",
@@ -281,11 +282,19 @@ def test_offline_engine_mode(adapter_root, tmp_path):
         "0,2",
         "--adapter-dir",
         str(adapter_root),
+        "--sample-clock",
         engine_flags=("--lora-allowed-dirs", str(adapter_root), "--max-loras-per-batch", "2"),
     )
     base, lora = result["scenarios"]
     assert base["total_output_tokens"] == lora["total_output_tokens"] == 4 * OUTPUT_LEN
     assert lora["engine"]["lora"]["device_misses"] == 2 and base["engine"]["lora"]["device_misses"] == 0
+    # --sample-clock: each run's GPU clock, or why there is none (no nvidia-smi on a CPU machine)
+    for run in (base, lora):
+        if shutil.which("nvidia-smi") is None:
+            assert run["clock"] == {"samples": 0, "unavailable": "nvidia-smi is not on PATH"}
+        else:
+            assert run["clock"]["samples"] > 0 and run["clock"]["sm_mhz"]["min"] > 0
+    assert "the GPU meanwhile:" in stdout
 
 
 def test_urgent_requests_first_under_the_priority_policy(tmp_path):
