@@ -4,7 +4,7 @@ Each step is one ragged batch: first a decode row (one token) for every running 
 by adapter slot, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
 --chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
 batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
-tokens arrive; a decode row out of pages preempts the newest running request, itself if it is the newest (pages freed,
+tokens arrive (managers/request_pages.py); a decode row out of pages preempts the newest running request, itself if it is the newest (pages freed,
 recomputed later). After preemptions admission leaves headroom for the running requests' next tokens (kv_headroom.py).
 
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
@@ -59,8 +59,9 @@ from sgl_jax_lora.managers.adapter_packing import adapter_to_drain, admission_or
 from sgl_jax_lora.managers.adapter_slots import AdapterSlots
 from sgl_jax_lora.managers.kv_headroom import HEADROOM_AFTER_PREEMPTION, KVHeadroom
 from sgl_jax_lora.managers.req import Req
+from sgl_jax_lora.managers.request_pages import RequestPages
 from sgl_jax_lora.managers.schedule_batch import ScheduleBatch
-from sgl_jax_lora.mem_cache.page_allocator import SCRATCH_PAGE, PageAllocator
+from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
 from sgl_jax_lora.mem_cache.prefix_cache import PrefixCache
 from sgl_jax_lora.mem_cache.window_pages import drop_pages_below_window
 
@@ -106,6 +107,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.prefix_cache = prefix_cache
         self.sliding_window = sliding_window
+        self.pages = RequestPages(allocator, prefix_cache, sliding_window)  # the KV pages requests hold
         self.headroom = KVHeadroom(after_preemption=kv_headroom, window=sliding_window)
         self.num_cached_tokens = 0  # prompt tokens whose prefill the prefix cache saved
         self.waiting: deque[Req] = deque()
@@ -139,62 +141,17 @@ class Scheduler:
         for queue in (self.waiting, self.running):
             if req in queue:
                 queue.remove(req)
-        self._release(req)
+        self.pages.release(req)
         if not self.waiting and not self.running:
             self.headroom.clear()
 
     def finish(self, req: Req) -> None:
         self._remove(req)  # running, or waiting when preempted while its last token was in flight
 
-    def _release(self, req: Req) -> None:
-        """req gives back its KV pages: to the prefix cache, which keeps the full ones, or to the allocator."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(req.lora_slot_key, req.all_ids, req.num_computed, req.pages)
-        else:
-            self.allocator.free([page for page in req.pages if page != SCRATCH_PAGE])
-        req.pages = []
-
-    # ---- KV pages ----------------------------------------------------------------------------
-    @property
-    def _num_evictable(self) -> int:
-        return self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
-
-    def _can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= self.allocator.num_free + self._num_evictable
-
-    def _allocate(self, num_pages: int) -> list[int]:
-        """num_pages fresh pages, evicting cached pages no request holds when the free list is short."""
-        short = num_pages - self.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
-        return self.allocator.allocate(num_pages)
-
     @property
     def num_pages_held(self) -> int:
         """Pages that requests hold (cached pages no request holds are not counted: they are free to evict)."""
-        return self.allocator.num_used - self._num_evictable
-
-    def _chunk(self, req: Req, budget: int) -> tuple[int, int]:
-        """(prefill tokens req may take under `budget`, pages it needs for them)."""
-        num_new = min(req.remaining_prefill, budget)
-        return num_new, self.allocator.pages_for(req.num_computed + num_new) - len(req.pages)
-
-    def _reuse_cached_prefix(self, req: Req, budget: int, reserve: int) -> None:
-        """Start a request that holds no pages after the longest cached prefix of its tokens (whole pages, at
-        least one token left to prefill). Called once it may join, so a request that waits hashes nothing. Not
-        for requests that want prompt logprobs: those need every position's logits. `reserve`: pages kept free."""
-        if self.prefix_cache is None or req.prompt_logprob_start < len(req.input_ids):
-            return
-        req.pages = self.prefix_cache.match(
-            req.lora_slot_key, req.all_ids, req.remaining_prefill - 1, window=self.sliding_window
-        )
-        req.num_computed = len(req.pages) * self.allocator.page_size
-        if not self._can_allocate(self._chunk(req, budget)[1] + reserve):  # it would have evicted its prefix
-            self._release(req)
-            req.num_computed = 0
-        elif not req.num_output_tokens:  # its first admission (a preempted request's recompute is not counted)
-            req.cached_tokens = req.num_computed
-            self.num_cached_tokens += req.num_computed
+        return self.pages.num_held
 
     @property
     def num_active(self) -> int:
@@ -269,14 +226,14 @@ class Scheduler:
             else:
                 keep = admission.wanted | planned
             reserve = self.allocator.pages_for(math.ceil(admission.headroom_tokens))
-            if reserve and not self._can_allocate(reserve + 1):  # an entering request needs a page: none fits
+            if reserve and not self.pages.can_allocate(reserve + 1):  # an entering request needs a page: none fits
                 break
             taken = self._try_add_chunk(batch, req, admission.budget, keep=keep, reserve=reserve)
             if taken == 0:
                 # Could not join: skip ahead. A starved request whose adapter found no slot drains one (unless a
                 # better class waits: draining would hold that class back); one short of pages blocks the rest.
-                num_new, pages_needed = self._chunk(req, admission.budget)
-                if starved and num_new > 0 and self._can_allocate(pages_needed + reserve):
+                num_new, pages_needed = self.pages.chunk(req, admission.budget)
+                if starved and num_new > 0 and self.pages.can_allocate(pages_needed + reserve):
                     if not admission.better_wanted:
                         self._drain_a_slot(num_wanting)
                 else:
@@ -327,16 +284,16 @@ class Scheduler:
     ) -> int:
         """Add up to `budget` prefill tokens of req to batch; -> tokens added (0 if it cannot join). Adapters in
         `keep` are not evicted to make room for req's; `reserve` pages must stay free beside its own (KV headroom)."""
-        num_new, pages_needed = self._chunk(req, budget)
-        if num_new <= 0 or not self._can_allocate(pages_needed + reserve):
+        num_new, pages_needed = self.pages.chunk(req, budget)
+        if num_new <= 0 or not self.pages.can_allocate(pages_needed + reserve):
             return 0
         slot = self._adapter_slot(batch, req, keep)
         if slot is None:
             return 0
         if not req.pages and req.num_computed == 0:  # entering (new, or preempted): start after a cached prefix
-            self._reuse_cached_prefix(req, budget, reserve)
-            num_new, pages_needed = self._chunk(req, budget)
-        req.pages += self._allocate(pages_needed)
+            self.num_cached_tokens += self.pages.reuse_cached_prefix(req, budget, reserve)
+            num_new, pages_needed = self.pages.chunk(req, budget)
+        req.pages += self.pages.allocate(pages_needed)
         batch.reqs.append(req)
         batch.num_new_tokens.append(num_new)
         batch.token_slots.append(slot)
@@ -379,19 +336,19 @@ class Scheduler:
 
     def _ensure_decode_page(self, req: Req, batch: ScheduleBatch) -> bool:
         needed = self.allocator.pages_for(req.seq_len) - len(req.pages)
-        while needed > 0 and not self._can_allocate(needed):
+        while needed > 0 and not self.pages.can_allocate(needed):
             placed = set(batch.reqs)  # the rows placed so far are more urgent (requests hash by identity)
             victim = max((r for r in self.running if r not in placed), key=URGENCY)  # the least urgent, its newest
             self._preempt(victim)
             if victim is req:
                 return False
         if needed > 0:
-            req.pages += self._allocate(needed)
+            req.pages += self.pages.allocate(needed)
         return True
 
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.pages.release(req)
         req.num_computed = 0
         first_of_class = next((i for i, r in enumerate(self.waiting) if r.priority >= req.priority), len(self.waiting))
         self.waiting.insert(first_of_class, req)  # first of its class: it was running before any of them
