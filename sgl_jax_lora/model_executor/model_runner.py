@@ -37,11 +37,11 @@ from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import (
     KVCache,
     abstract_kv_cache,
-    allocate_kv_cache,
     kv_bytes_per_token,
     kv_cache_dtype,
 )
 from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options, layers_per_scan_step
+from sgl_jax_lora.model_executor.kv_placement import place_kv_cache
 from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
 from sgl_jax_lora.model_executor.padding_batches import padding_sampling_batch, padding_sampling_batches
 from sgl_jax_lora.model_executor.step_memory import (
@@ -63,8 +63,6 @@ from sgl_jax_lora.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_KV_TOKENS = 32768
-KV_ALLOCATION_ATTEMPTS = 8  # a cache sized from memory shrinks this many times at most before startup fails
-KV_SHRINK_FACTOR = 0.9
 
 
 def load_engine_model(
@@ -315,44 +313,16 @@ class ModelRunner:
         )
 
     def place_kv_cache(self) -> None:
-        """Allocate the KV cache on the devices and check it now (an allocation fails on the device asynchronously,
-        and would otherwise surface at the first forward); a no-op once placed.
-
-        A cache sized from device memory can still fail to be placed: with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and
-        V of 47.8 GB each did not both fit under an H200's 112.6 GB limit (the GPU allocator seems to grow in regions
-        rounded up to powers of two). Such a cache is shrunk by KV_SHRINK_FACTOR until it fits; a size the user set
-        (--max-total-tokens) is not changed: it fails with the fix named."""
+        """Allocate the KV cache on the devices and check it now, shrunk until it fits where its size came from memory
+        (model_executor/kv_placement.py); a no-op once placed."""
         if self.is_kv_placed:
             return
-        args, num_pages = self.args, self.num_pages
-        shrinks_left = 0 if args.max_total_tokens else KV_ALLOCATION_ATTEMPTS - 1
-        while True:
-            try:
-                self.kv = jax.block_until_ready(
-                    allocate_kv_cache(self.cfg, num_pages, args.page_size, args.tp_size, self.kv_dtype, self.mesh)
-                )
-                self.num_pages, self.is_kv_placed = num_pages, True
-                return
-            except jax.errors.JaxRuntimeError as err:  # the part of the cache that was placed is freed with it
-                if "RESOURCE_EXHAUSTED" not in str(err):
-                    raise
-                tokens = (num_pages - 1) * args.page_size
-                gigabytes = tokens * kv_bytes_per_token(self.cfg, args.tp_size, self.kv_dtype) / 1e9
-                smaller = max(2, int((num_pages - 1) * KV_SHRINK_FACTOR)) + 1
-                if not shrinks_left or smaller >= num_pages:  # the user's size, or no page left to give up
-                    raise MemoryError(
-                        f"the KV cache of {tokens} tokens ({gigabytes:.1f} GB over {args.tp_size} device(s)) does not "
-                        f"fit in device memory ({str(err).splitlines()[0][:200]}); lower --max-total-tokens or "
-                        "--mem-fraction-static"
-                    ) from None
-            shrinks_left, num_pages = shrinks_left - 1, smaller
-            logger.warning(
-                "KV cache of %d tokens (%.1f GB) could not be placed on the devices; retrying with %d tokens (the "
-                "forward programs compile again for its shape)",
-                tokens,
-                gigabytes,
-                (num_pages - 1) * args.page_size,
-            )
+        args = self.args
+        may_shrink = not args.max_total_tokens
+        self.kv, self.num_pages = place_kv_cache(
+            self.cfg, self.num_pages, args.page_size, args.tp_size, self.kv_dtype, self.mesh, may_shrink
+        )
+        self.is_kv_placed = True
 
     def precompile_forwards(
         self, batches: list[ForwardBatch], threads: int, on_done: Callable[[], None] = lambda: None

@@ -1,7 +1,8 @@
-"""The KV cache's size at startup (ModelRunner.place_kv_cache): sized from device memory unless --max-total-tokens
-says, less the memory of the largest step's programs (model_executor/step_memory.py), allocated and checked after
-the forward programs compiled and before the engine serves, and shrunk when the device cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each did not both fit under a
-112.6 GB limit).
+"""The KV cache's size at startup (ModelRunner.place_kv_cache, model_executor/kv_placement.py): sized from device
+memory unless --max-total-tokens says, less the memory of the largest step's programs (model_executor/step_memory.py),
+allocated and checked after the forward programs compiled and before the engine serves, and shrunk when the device
+cannot place a cache sized from memory (on an H200 with XLA_PYTHON_CLIENT_PREALLOCATE=false, K and V of 47.8 GB each
+did not both fit under a 112.6 GB limit).
 
 CPU devices report no memory, so these tests give the runner a device memory (`device_memory`) and an
 allocator that refuses caches above a size, raising the error XLA raises on the GPU.
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import sgl_jax_lora.model_executor.kv_placement as kv_placement
 import sgl_jax_lora.model_executor.model_runner as model_runner
 from sgl_jax_lora.managers.engine_core import EngineCore
 from sgl_jax_lora.managers.io_struct import GenerateRequest
@@ -60,7 +62,7 @@ def device_memory_for(model_dir, tokens: int):
 def refuse_above(monkeypatch, max_tokens: int) -> list[int]:
     """The allocator refuses caches of more than max_tokens tokens, as XLA does on the device; returns the sizes
     asked for."""
-    asked, real = [], model_runner.allocate_kv_cache
+    asked, real = [], kv_placement.allocate_kv_cache
 
     def allocate(cfg, num_pages, page_size, *args):
         asked.append((num_pages - 1) * page_size)
@@ -68,7 +70,7 @@ def refuse_above(monkeypatch, max_tokens: int) -> list[int]:
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 44.56GiB")
         return real(cfg, num_pages, page_size, *args)
 
-    monkeypatch.setattr(model_runner, "allocate_kv_cache", allocate)
+    monkeypatch.setattr(kv_placement, "allocate_kv_cache", allocate)
     return asked
 
 
@@ -89,10 +91,10 @@ def generate(core: EngineCore) -> list[int]:
 def test_a_cache_sized_from_memory_shrinks_until_the_device_places_it(model_dir, monkeypatch, caplog):
     monkeypatch.setattr(model_runner, "device_memory", device_memory_for(model_dir, 20000))
     asked = refuse_above(monkeypatch, 15000)
-    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+    with caplog.at_level(logging.WARNING, logger=kv_placement.__name__):
         core = make_core(model_dir)
     assert asked[0] >= 20000 - PAGE and asked[-1] <= 15000 < asked[-2]  # shrunk until it fit, no further
-    assert all(b == pytest.approx(a * model_runner.KV_SHRINK_FACTOR, abs=PAGE) for a, b in zip(asked, asked[1:]))
+    assert all(b == pytest.approx(a * kv_placement.KV_SHRINK_FACTOR, abs=PAGE) for a, b in zip(asked, asked[1:]))
     assert core.runner.num_pages == asked[-1] // PAGE + 1
     assert core.runner.kv.k.shape[2] == core.runner.num_pages * PAGE
     assert "could not be placed on the devices; retrying" in caplog.text
@@ -111,7 +113,7 @@ def test_a_cache_that_never_fits_fails_with_the_fix_named(model_dir, monkeypatch
     asked = refuse_above(monkeypatch, 0)
     with pytest.raises(MemoryError, match="does not fit in device memory .*RESOURCE_EXHAUSTED.* --mem-fraction-static"):
         make_core(model_dir)
-    assert len(asked) == model_runner.KV_ALLOCATION_ATTEMPTS
+    assert len(asked) == kv_placement.KV_ALLOCATION_ATTEMPTS
 
 
 def test_a_cache_too_small_to_shrink_fails_at_once(model_dir, monkeypatch):
@@ -126,7 +128,7 @@ def test_other_device_errors_are_not_taken_for_a_full_memory(model_dir, monkeypa
     def broken(*args):
         raise jax.errors.JaxRuntimeError("INTERNAL: the device is gone")
 
-    monkeypatch.setattr(model_runner, "allocate_kv_cache", broken)
+    monkeypatch.setattr(kv_placement, "allocate_kv_cache", broken)
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
         make_core(model_dir, max_total_tokens=4096)
 
@@ -166,13 +168,13 @@ def test_prompt_logprobs_memory_stays_one_chunk_whatever_the_largest_bucket(mode
 def test_the_forward_programs_compile_before_the_cache_takes_its_memory(model_dir, monkeypatch):
     """XLA's autotuner allocates device buffers while it compiles (as large as a fusion's operands): with the cache
     placed first, a cache sized from memory left it none (an 8B model's start failed on the GPU)."""
-    counter, real, compiled_before_placing = CompileCounter(), model_runner.allocate_kv_cache, []
+    counter, real, compiled_before_placing = CompileCounter(), kv_placement.allocate_kv_cache, []
 
     def allocate(*args):
         compiled_before_placing.append(counter.count)
         return real(*args)
 
-    monkeypatch.setattr(model_runner, "allocate_kv_cache", allocate)
+    monkeypatch.setattr(kv_placement, "allocate_kv_cache", allocate)
     core = make_core(model_dir, max_total_tokens=1024, skip_precompile=False, warmup_compile_threads=1)
     num_forward_programs = len(core.buckets.shapes())
     assert compiled_before_placing and compiled_before_placing[0] >= num_forward_programs
