@@ -96,7 +96,8 @@ class ClockSampler:
             executable,
             f"--query-gpu={CLOCK_QUERY}",
             "--format=csv,noheader,nounits",
-            f"-lms={self.interval_ms}",
+            "-lms",
+            str(self.interval_ms),
         ]
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, name="gpu-clock", daemon=True)
