@@ -4,8 +4,9 @@ Each step is one ragged batch: first a decode row (one token) for every running 
 by adapter slot, then prefill chunks (continuing chunked prefills, then admissions) under the step's token budget,
 --chunked-prefill-size less the decode rows (at least MIN_PREFILL_TOKENS, so prompts progress under a full decode
 batch). An admission never stalls the running requests: they decode in the same step. KV pages are allocated as
-tokens arrive (managers/request_pages.py); a decode row out of pages preempts the newest running request, itself if it is the newest (pages freed,
-recomputed later). After preemptions admission leaves headroom for the running requests' next tokens (kv_headroom.py).
+tokens arrive (managers/request_pages.py); a decode row out of pages preempts the newest running request, itself if
+it is the newest (pages freed, recomputed later). After preemptions admission leaves headroom for the running
+requests' next tokens (kv_headroom.py).
 
 Scheduling only plans: `schedule()` returns the step's ScheduleBatch, with the adapter loads it needs
 (`slot_writes`), and writes nothing to the device; EngineCore applies the loads before it launches the step.
