@@ -1,9 +1,9 @@
 """The GPUs' SM clock and power beside a benchmark: `nvidia-smi` sampled in the background, summed up per window.
 
 Where it sits: beside scripts/bench_serving.py (`--sample-clock`), which asks for the window of each measured run.
-An H100 at its 700 W limit turns on the software power cap and lowers its SM clock (1,980 MHz unloaded, about
-1,400-1,550 MHz under a prefill-heavy load), so two runs of one engine differ by what the card allowed them; each
-run's record of its clock says by how much.
+An H100 at its 700 W limit turns on the software power cap and lowers its SM clock (1,980 MHz unloaded, 1,425-1,590
+MHz in a ShareGPT-like serving run's admission burst: docs/benchmarks.md), so two runs of one engine differ by what
+the card allowed them; each run's record of its clock says by how much.
 
 What exists here: `CLOCK_QUERY` (the fields asked of nvidia-smi), `parse_sample` (one line -> `ClockSample`),
 `summarize_samples` (the samples of a window -> the mean, least and greatest SM clock, the mean power, and the share
