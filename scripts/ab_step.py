@@ -18,6 +18,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   the packed product with the delta, then XLA's activation (`PallasGPUBackend.gated_delta`)
   entry-ring=T    the fused GEMM keeps a ring of LoRA entries in flight in buckets up to T tokens
                   (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
+  shrink-first=S  1: column-parallel modules below the fused GEMM's buckets run their shrink before the base GEMM
+                  and the expand beside it (`PallasBackend.shrink_first`); 0: the GEMM and the shrink both on x
   tile16=T        the SGMV kernels take row tiles of 16 in buckets up to T tokens
                   (`pallas_kernels/sgmv/work_list.py` ROW_TILE_16_MAX_ROWS)
   skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N
@@ -55,8 +57,8 @@ from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16", "skinny")
-BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring")  # set on the Pallas GPU backend
+KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16", "skinny", "shrink-first")
+BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first")  # set on the Pallas GPU backend
 
 
 def parse_setting(text: str) -> dict:
@@ -75,11 +77,11 @@ def parse_setting(text: str) -> dict:
         except ValueError:
             numbers = ()
         fits = knob in KNOBS and len(numbers) == (2 if knob == "fused" else 1) and min(numbers, default=-1) >= 0
-        if not fits or (knob == "gated-delta" and numbers[0] > 1) or knob in setting:
+        if not fits or (knob in ("gated-delta", "shrink-first") and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T (non-negative integers), "
-                "gated-delta=0|1"
+                "gated-delta=0|1, shrink-first=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -93,7 +95,13 @@ def applied(setting: dict, lora_backend):
     call of the GPU attention kernel took (empty without a decode knob)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
-    attributes = ("fused_gemm_min_tokens", "fused_gemm_other_min_tokens", "gated_delta", "ENTRY_RING_MAX_TOKENS")
+    attributes = (
+        "fused_gemm_min_tokens",
+        "fused_gemm_other_min_tokens",
+        "gated_delta",
+        "ENTRY_RING_MAX_TOKENS",
+        "shrink_first",
+    )
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
     row_tile_16, skinny_max = work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS
@@ -107,6 +115,8 @@ def applied(setting: dict, lora_backend):
             pallas.gated_delta = bool(setting["gated-delta"])
         if "entry-ring" in setting:
             pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
+        if "shrink-first" in setting:
+            pallas.shrink_first = bool(setting["shrink-first"])
         if "tile16" in setting:
             work_list.ROW_TILE_16_MAX_ROWS = setting["tile16"]
         if "skinny" in setting:

@@ -128,6 +128,13 @@ class LoRALinear(Linear):
         if y is not None:
             y = y if self.bias is None else y + self.bias[...]
             return y if residual is None else residual + y
+        if residual is None and not self.row_parallel:  # the shrink first, the expand beside the base GEMM
+            held = self.backend.delta_holding_input(
+                x, self.lora_a.get_value(), self._lora_bs(), lora, tp_size=self.tp_size
+            )
+            if held is not None:
+                delta, x_held = held
+                return self.base(x_held, num_rows, zero_padding) + delta
         y = self.base(x, num_rows, zero_padding)
         target = y if residual is None else residual
         out = self.backend.apply_packed(

@@ -127,6 +127,18 @@ class AutoBackend(LoRABackend):
         backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
         return backend.packed_delta(x, lora_a, lora_bs, meta, tp_size=tp_size)
 
+    def delta_holding_input(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> tuple[jax.Array, jax.Array] | None:
+        backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
+        return backend.delta_holding_input(x, lora_a, lora_bs, meta, tp_size=tp_size)
+
     def apply_with_base(
         self,
         x: jax.Array,

@@ -134,6 +134,21 @@ class LoRABackend(abc.ABC):
         adds the delta to the packed product (`apply_packed`) before the activation."""
         return None
 
+    def delta_holding_input(
+        self,
+        x: jax.Array,  # [T, in]
+        lora_a: jax.Array | LayerStack,  # [A, P * R, in]
+        lora_bs: tuple[jax.Array | LayerStack, ...],  # P x [A, out_p, R]
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> tuple[jax.Array, jax.Array] | None:
+        """(a column-parallel module's delta as `packed_delta`'s, x held behind its shrink): the base GEMM that
+        reads the held x starts only once the shrink has run, so the shrink does not wait for the GEMM's tiles to
+        drain and the expand runs beside the GEMM (LoRALinear adds the delta to the GEMM's output). None where this
+        backend does not order a module that way, and LoRALinear runs the base GEMM, then `apply_packed`."""
+        return None
+
 
 BACKEND_NAMES = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 

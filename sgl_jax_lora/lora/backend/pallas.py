@@ -51,6 +51,7 @@ class PallasBackend(LoRABackend):
     name = "pallas"
     reads_stacked = True  # both kernels offset into the [L, A, ...] stacks by the layer index
     native_platforms: tuple[str, ...] = ()  # where the kernels compile; elsewhere they run in interpret mode
+    shrink_first = False  # column-parallel modules: `delta_holding_input` orders the shrink before the base GEMM
 
     def __init__(self, mesh: Mesh | None = None, interpret: bool | None = None):
         super().__init__(mesh)
@@ -169,6 +170,20 @@ class PallasBackend(LoRABackend):
             return None
         return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, input_sharded=False, output_sharded=True)
 
+    def delta_holding_input(
+        self,
+        x: jax.Array,
+        lora_a: jax.Array | LayerStack,
+        lora_bs: tuple[jax.Array | LayerStack, ...],
+        meta: LoRAMeta,
+        *,
+        tp_size: int,
+    ) -> tuple[jax.Array, jax.Array] | None:
+        if not (self.shrink_first and self.returns_delta(False)):
+            return None
+        sharding = dict(input_sharded=False, output_sharded=True)
+        return self._shrink_expand(x, lora_a, lora_bs, meta, None, x.dtype, hold_input=True, **sharding)
+
     def gives_packed_delta(self, num_tokens: int) -> bool:
         """Whether `packed_delta` hands a column-parallel module's delta over in a bucket of num_tokens tokens."""
         return False
@@ -184,8 +199,10 @@ class PallasBackend(LoRABackend):
         *,
         input_sharded: bool,
         output_sharded: bool,
-    ) -> jax.Array:
-        """The shrink, then the expand of every part: added into base_out in place, or (None) the delta alone."""
+        hold_input: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The shrink, then the expand of every part: added into base_out in place, or (None) the delta alone;
+        hold_input: (the delta, x held behind the shrink by an optimization barrier)."""
         buffers = (lora_a, *lora_bs)
         is_stacked = all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers)
         if is_stacked:
@@ -203,7 +220,10 @@ class PallasBackend(LoRABackend):
             s = self._local_shrink_partials(x, lora_a, meta, max_rank, layer)
             if self._is_split(input_sharded):  # else the expand kernel sums the partials as it loads them
                 s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
-            return self._local_expand(s, lora_bs, meta, meta.batch.slot_scale, y, out_dtype, layer)
+            if hold_input:
+                s, x = jax.lax.optimization_barrier((s, x))
+            out = self._local_expand(s, lora_bs, meta, meta.batch.slot_scale, y, out_dtype, layer)
+            return (out, x) if hold_input else out
 
         x_spec, a_spec = (IN_SPLIT_X, IN_SPLIT_A) if input_sharded else (REPLICATED, REPLICATED)
         b_spec, y_spec = (OUT_SPLIT_B, OUT_SPLIT_Y) if output_sharded else (REPLICATED, REPLICATED)
@@ -212,7 +232,7 @@ class PallasBackend(LoRABackend):
         operands = (x, lora_a, meta, layer, *lora_bs)
         if adds_in_place:
             return self._sharded(local, specs + (y_spec,), y_spec)(*operands, base_out)
-        return self._sharded(local, specs, y_spec)(*operands)
+        return self._sharded(local, specs, (y_spec, x_spec) if hold_input else y_spec)(*operands)
 
 
 def make_pallas_backend(

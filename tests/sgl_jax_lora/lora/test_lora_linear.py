@@ -170,3 +170,64 @@ def test_zero_padding_reaches_the_fused_gemm_and_the_base_gemm_kernel():
     np.testing.assert_array_equal(kept, full)
     without_lora = np.asarray(layer(x, None, num_rows=rows, zero_padding=False), np.float32)  # Linear's path
     np.testing.assert_array_equal(without_lora[200:], full[200:])
+
+
+def make_qkv_layer(backend, seed: int = 5) -> LoRALinear:
+    """A column-parallel LoRALinear of three packed parts (q|k|v-like), float32, random base and adapter weights."""
+    rng = np.random.default_rng(seed)
+    spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"qkv"}))
+    parts = (32, 16, 16)
+    layer = LoRALinear(
+        IN_DIM,
+        parts,
+        ("q", "k", "v"),
+        tp_size=1,
+        use_bias=False,
+        dtype=jnp.float32,
+        spec=spec,
+        row_parallel=False,
+        axes=LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
+    )
+    layer.kernel[...] = jnp.asarray(rng.standard_normal((IN_DIM, sum(parts))), jnp.float32)
+    is_adapter = (np.arange(NUM_SLOTS) > 0)[:, None, None]
+    a = rng.standard_normal((NUM_SLOTS, len(parts) * MAX_RANK, IN_DIM)) * is_adapter
+    layer.lora_a[...] = jnp.asarray(a, jnp.float32)
+    for name, width in zip(("q", "k", "v"), parts):
+        b = rng.standard_normal((NUM_SLOTS, width, MAX_RANK)) * is_adapter
+        getattr(layer, f"lora_b_{name}")[...] = jnp.asarray(b, jnp.float32)
+    return layer
+
+
+def gemm_waits_for_a_kernel(jaxpr) -> bool:
+    """Whether the first top-level op that runs the base GEMM (a dot_general outside any Pallas op) takes, directly
+    or through other ops, the output of an op that runs a Pallas kernel."""
+    after_kernel: set = set()
+    for eqn in jaxpr.eqns:
+        reads_kernel_output = any(v in after_kernel for v in eqn.invars if isinstance(v, jax_core.Var))
+        is_kernel = _contains(eqn, "pallas_call")
+        if not is_kernel and _contains(eqn, "dot_general"):
+            return reads_kernel_output
+        if is_kernel or reads_kernel_output:
+            after_kernel.update(eqn.outvars)
+    raise AssertionError("no base GEMM in the jaxpr")
+
+
+def test_shrink_first_orders_the_shrink_before_the_base_gemm():
+    # the default: the base GEMM and the shrink both read x, and the expand adds the delta after them; with
+    # shrink_first the GEMM reads x held behind the shrink, and no kernel reads the GEMM's output, so the expand
+    # runs beside it; the outputs are the same
+    backend = BACKENDS["pallas_gpu"]()
+    layer = make_qkv_layer(backend)
+    x, _, lora = make_batch()
+    meta = prepared(layer, lora)
+    default = np.asarray(layer(x, meta))
+    default_jaxpr = jax.make_jaxpr(lambda x: layer(x, meta))(x).jaxpr
+    backend.shrink_first = True
+    held = np.asarray(layer(x, meta))
+    held_jaxpr = jax.make_jaxpr(lambda x: layer(x, meta))(x).jaxpr
+    assert not gemm_waits_for_a_kernel(default_jaxpr)
+    assert gemm_waits_for_a_kernel(held_jaxpr)
+    assert kernels_after_base_gemm(held_jaxpr) == 0
+    np.testing.assert_array_equal(held, default)
+    without_lora = np.asarray(layer(x, None))
+    assert np.abs(held - without_lora).max() > 1.0  # the adapters' delta is in it
