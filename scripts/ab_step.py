@@ -18,8 +18,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   the packed product with the delta, then XLA's activation (`PallasGPUBackend.gated_delta`)
   entry-ring=T    the fused GEMM keeps a ring of LoRA entries in flight in buckets up to T tokens
                   (`PallasGPUBackend.ENTRY_RING_MAX_TOKENS`; mixed steps' decode rows hold many entries a row tile)
-  shrink-first=S  1: column-parallel modules below the fused GEMM's buckets run their shrink before the base GEMM
-                  and the expand beside it (`PallasBackend.shrink_first`); 0: the GEMM and the shrink both on x
+  shrink-first=S  1 (the default): column-parallel modules with a delta on the SGMV path run their shrink before the
+                  base GEMM, the expand beside it (`PallasBackend.shrink_first`); 0: the GEMM and the shrink both on x
   tile16=T        the SGMV kernels take row tiles of 16 in buckets up to T tokens
                   (`pallas_kernels/sgmv/work_list.py` ROW_TILE_16_MAX_ROWS)
   skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N

@@ -20,7 +20,8 @@ layers/fp8.py's, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
-base GEMM (docs/architecture.md "GPU kernel scheduling").
+base GEMM (docs/architecture.md "GPU kernel scheduling"). A column-parallel layer whose backend orders its shrink
+first (`delta_holding_input`) runs the base GEMM on x held behind the shrink and adds the delta to its output.
 
 Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
 (layers/layer_stack.py) and go to the backend as they are: backends that read stacks in place do, the others

@@ -51,7 +51,8 @@ class PallasBackend(LoRABackend):
     name = "pallas"
     reads_stacked = True  # both kernels offset into the [L, A, ...] stacks by the layer index
     native_platforms: tuple[str, ...] = ()  # where the kernels compile; elsewhere they run in interpret mode
-    shrink_first = False  # column-parallel modules: `delta_holding_input` orders the shrink before the base GEMM
+    # column-parallel modules with a delta: `delta_holding_input` orders the shrink before the base GEMM
+    shrink_first = False
 
     def __init__(self, mesh: Mesh | None = None, interpret: bool | None = None):
         super().__init__(mesh)

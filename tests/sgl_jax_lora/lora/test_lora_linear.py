@@ -1,5 +1,6 @@
 """LoRALinear: the residual form (row-parallel o/down) equals adding the residual, its LoRA kernels do not
-wait for the base GEMM, and `zero_padding` reaches the GEMM with the LoRA inside it and the base GEMM kernel."""
+wait for the base GEMM, a column-parallel module's shrink runs before its base GEMM (the Pallas GPU backend's
+`shrink_first`), and `zero_padding` reaches the GEMM with the LoRA inside it and the base GEMM kernel."""
 
 from __future__ import annotations
 
@@ -213,21 +214,31 @@ def gemm_waits_for_a_kernel(jaxpr) -> bool:
 
 
 def test_shrink_first_orders_the_shrink_before_the_base_gemm():
-    # the default: the base GEMM and the shrink both read x, and the expand adds the delta after them; with
-    # shrink_first the GEMM reads x held behind the shrink, and no kernel reads the GEMM's output, so the expand
-    # runs beside it; the outputs are the same
+    # the Pallas GPU backend's default: the base GEMM reads x held behind the shrink, and no kernel reads the GEMM's
+    # output, so the expand runs beside it; without shrink_first the GEMM and the shrink both read x (the GEMM's
+    # tiles may then take every SM first); the outputs are the same
     backend = BACKENDS["pallas_gpu"]()
+    assert backend.shrink_first
     layer = make_qkv_layer(backend)
     x, _, lora = make_batch()
     meta = prepared(layer, lora)
-    default = np.asarray(layer(x, meta))
-    default_jaxpr = jax.make_jaxpr(lambda x: layer(x, meta))(x).jaxpr
-    backend.shrink_first = True
     held = np.asarray(layer(x, meta))
     held_jaxpr = jax.make_jaxpr(lambda x: layer(x, meta))(x).jaxpr
-    assert not gemm_waits_for_a_kernel(default_jaxpr)
-    assert gemm_waits_for_a_kernel(held_jaxpr)
-    assert kernels_after_base_gemm(held_jaxpr) == 0
-    np.testing.assert_array_equal(held, default)
+    backend.shrink_first = False
+    unordered = np.asarray(layer(x, meta))
+    unordered_jaxpr = jax.make_jaxpr(lambda x: layer(x, meta))(x).jaxpr
+    assert gemm_waits_for_a_kernel(held_jaxpr) and kernels_after_base_gemm(held_jaxpr) == 0
+    assert not gemm_waits_for_a_kernel(unordered_jaxpr)
+    np.testing.assert_array_equal(held, unordered)
     without_lora = np.asarray(layer(x, None))
     assert np.abs(held - without_lora).max() > 1.0  # the adapters' delta is in it
+
+
+def test_shrink_first_leaves_row_parallel_modules_as_they_were():
+    # o|down add their delta into the residual (their kernels already free of the GEMM): no held input, and called
+    # without a residual they add in place after the GEMM as before
+    layer = make_layer(BACKENDS["pallas_gpu"]())
+    x, residual, lora = make_batch()
+    with_residual = jax.make_jaxpr(lambda x, r: layer(x, prepared(layer, lora), residual=r))(x, residual).jaxpr
+    into_base = jax.make_jaxpr(lambda x: layer(x, prepared(layer, lora)))(x).jaxpr
+    assert not gemm_waits_for_a_kernel(with_residual) and not gemm_waits_for_a_kernel(into_base)

@@ -406,3 +406,31 @@ def work_block_rows(backend, num_tokens: int, num_segments: int) -> int:
     lora = build_lora_batch(np.zeros(num_tokens, np.int32), num_segments, np.zeros(4, np.float32), np.zeros(4))
     meta = backend.prepare(jax.tree_util.tree_map(jnp.asarray, lora), num_seqs=num_tokens)
     return meta.work_block_rows if isinstance(meta, PallasGPUMeta) else 0
+
+
+def test_delta_holding_input_sharded_matches_unsharded(mesh):
+    # q|k|v-like at tp 4 (the Pallas GPU backend's shrink-first path, LoRALinear's column-parallel call): the delta
+    # in the packed shard-major layout, and x handed back unchanged for the base GEMM
+    x, lora_a, lora_bs, lora, base_out = packed_inputs(8, num_tokens=24, dtype=jnp.float32, block_rows=16)
+    expected = EinsumBackend(None).apply_packed(x, lora_a, lora_bs, lora, jnp.zeros_like(base_out), tp_size=1)
+    backend = BACKENDS["pallas_gpu"](mesh)
+
+    def put(value, spec):
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    a_stack = put(stack_layers(lora_a, 3, 1), P())
+    b_stacks = tuple(put(stack_layers(b, 3, 1), P(None, None, "tensor", None)) for b in lora_bs)
+    lora_s = jax.tree_util.tree_map(lambda v: put(v, P()), lora)
+
+    @jax.jit
+    def run(x, a_stack, b_stacks, lora):
+        a, bs = LayerStack(a_stack, jnp.int32(1)), tuple(LayerStack(b, jnp.int32(1)) for b in b_stacks)
+        return backend.delta_holding_input(x, a, bs, lora, tp_size=4)
+
+    delta, held = run(put(x, P()), a_stack, b_stacks, lora_s)
+    delta = jnp.concatenate(split_packed(delta, tuple(b.shape[1] for b in lora_bs), 4), axis=1)
+    assert_close(delta, expected, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(held), np.asarray(x))
+    assert backend.delta_holding_input(x, lora_a, lora_bs, lora, tp_size=1) is not None
+    backend.shrink_first = False
+    assert backend.delta_holding_input(x, lora_a, lora_bs, lora, tp_size=1) is None
