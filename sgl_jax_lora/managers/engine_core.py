@@ -31,6 +31,7 @@ from sgl_jax_lora.distributed.leader_runner import make_model_runner
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
+from sgl_jax_lora.managers import adapter_commands
 from sgl_jax_lora.managers.in_flight import InFlightTokens
 from sgl_jax_lora.managers.io_struct import AdapterLoaded, EngineOutput, GenerateRequest, Unloaded
 from sgl_jax_lora.managers.kv_capacity import check_fits_kv_cache, warn_kv_capacity
@@ -319,12 +320,8 @@ class EngineCore:
     def rpc_load_lora(
         self, lora_id: str, lora_name: str, lora_path: str, pinned: bool = False, confined: bool = False, summary=None
     ) -> AdapterLoaded:
-        """Register an adapter from its directory; `summary`: its header check done ahead (LoRAManager.inspect_ahead)."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
         ref = LoRARef(lora_name=lora_name, lora_path=lora_path, pinned=pinned, lora_id=lora_id, confined=confined)
-        adapter = self.lora.register(ref, summary)
-        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
+        return adapter_commands.load_from_dir(self.lora, ref, summary)
 
     def rpc_load_lora_tensors(
         self,
@@ -334,32 +331,12 @@ class EngineCore:
         replaces: str | None = None,
         checked_finite: bool = False,
     ) -> AdapterLoaded:
-        """An adapter from memory (a safetensors-layout file in shared memory + config dict), or an update: the next version of adapter
-        `replaces`, with its config unless one is given. The old version keeps serving its running requests until
-        the frontend unloads it; it gives up its pin so that the new version can take one."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled; restart with --enable-lora or --lora-paths")
-        old = self.lora.refs.get(replaces) if replaces is not None else None
-        if replaces is not None and old is None:
-            raise ValueError(f"adapter '{ref.lora_name}': the version to update is no longer loaded; load it again")
-        adapter = self.lora_setup.from_memory(ref, tensors_paths, config, checked_finite, replaces=old)
-        if old is not None:
-            self.lora.unpin(old.lora_id)
-        try:
-            self.lora.register(ref)
-        except Exception:
-            self.lora_setup.forget(ref.lora_id)
-            if old is not None and old.pinned:
-                self.lora.pool.pinned.add(old.lora_id)
-            raise
-        return AdapterLoaded(adapter.rank, sorted(adapter.target_modules))
+        return adapter_commands.load_from_memory(
+            self.lora, self.lora_setup, ref, tensors_paths, config, replaces, checked_finite
+        )
 
     def rpc_unload_lora(self, lora_id: str) -> Unloaded:
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled")
-        self.lora.unregister(lora_id)
-        self.lora_setup.forget(lora_id)
-        return Unloaded()
+        return adapter_commands.unload(self.lora, self.lora_setup, lora_id)
 
     def server_info(self) -> dict:
         return {
