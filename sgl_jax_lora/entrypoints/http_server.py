@@ -5,7 +5,7 @@ starts the engine process on a background thread, so `/health` answers 503 while
 200 once it is up. A watchdog on the engine process's sentinel notices if it dies: `/health` turns 503,
 in-flight requests fail with 503, and the server exits with a non-zero code. SIGINT/SIGTERM (uvicorn's
 handlers) stop accepting, then the lifespan shutdown stops the engine process, leaving no orphan; SIGTERM
-first drains (DrainingServer: new requests 503, running ones finish up to --shutdown-timeout). Bodies over
+first drains (draining.py: new requests 503, running ones finish up to --shutdown-timeout). Bodies over
 --max-request-body-bytes are refused before they are read (request_limits.py), request heads slower than
 --request-header-timeout get 408 (header_timeout.py).
 
@@ -36,7 +36,8 @@ from fastapi.responses import Response
 
 from sgl_jax_lora.entrypoints import health_check, lora_tensors_api, native_api, openai_api, tokenize_api
 from sgl_jax_lora.entrypoints.chat_template import load_chat_template
-from sgl_jax_lora.entrypoints.errors import APIError, error_response, install_error_handlers
+from sgl_jax_lora.entrypoints.draining import DrainingServer, InFlightRequests, draining_error
+from sgl_jax_lora.entrypoints.errors import APIError, install_error_handlers
 from sgl_jax_lora.entrypoints.header_timeout import protocol_with_header_timeout
 from sgl_jax_lora.entrypoints.metrics import ServerMetrics
 from sgl_jax_lora.entrypoints.request_limits import BodySizeLimit
@@ -51,15 +52,6 @@ logger = logging.getLogger(__name__)
 # After the engine dies, keep answering 503 this long before exiting, so that in-flight requests get
 # their error and a health checker polling /health sees the 503 rather than only a refused connection.
 ENGINE_DEATH_GRACE_S = 1.0
-
-
-def draining_error() -> APIError:
-    return APIError(
-        503,
-        "the server is shutting down (SIGTERM): it finishes running requests and takes no new ones; "
-        "retry on another replica or after it restarts",
-        "shutting_down",
-    )
 
 
 @dataclasses.dataclass
@@ -257,63 +249,7 @@ class StartupProbeFilter(logging.Filter):
         return not (is_probe and self.state.tokenizer_manager is None and self.state.startup_error is None)
 
 
-class InFlightRequests:
-    """ASGI middleware: counts the HTTP requests being served (streams until their last byte) and, once the
-    server drains, answers every new one but /health (which says 503 itself) with 503."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("path") == "/health":
-            await self.app(scope, receive, send)
-            return
-        if self.state.is_draining:
-            error = draining_error()
-            await error_response(error.status_code, error.message, error.code)(scope, receive, send)
-            return
-        self.state.num_in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.num_in_flight -= 1
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but SIGTERM drains first: new requests get 503, running ones may finish for up to
-    --shutdown-timeout seconds, then the server stops (exit code 0). SIGINT, or a second SIGTERM, stops at once."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState):
-        super().__init__(config)
-        self.state = state
-
-    def handle_exit(self, sig: int, frame) -> None:
-        state = self.state
-        if sig != signal.SIGTERM or state.is_draining or state.loop is None or self.should_exit:
-            super().handle_exit(sig, frame)
-            return
-        self._captured_signals.append(sig)  # re-raised after shutdown and swallowed by run_server's handler
-        state.is_draining = True
-        logger.info(
-            "SIGTERM: draining %d requests (up to --shutdown-timeout %gs)",
-            state.num_in_flight,
-            state.args.shutdown_timeout,
-        )
-        state.loop.call_soon_threadsafe(lambda: state.loop.create_task(self._drain()))
-
-    async def _drain(self) -> None:
-        deadline = time.monotonic() + self.state.args.shutdown_timeout
-        while self.state.num_in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        if self.state.num_in_flight:
-            logger.warning(
-                "--shutdown-timeout passed with %d requests still running; stopping them", self.state.num_in_flight
-            )
-        self.should_exit = True
-
-
 KEEP_ALIVE_S = 65  # idle HTTP keep-alive, seconds (uvicorn's default, 5, equals common clients' pool expiry)
-DRAIN_POLL_S = 0.05  # how often a drain looks whether the running requests are done
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -79,7 +79,7 @@ def test_a_port_in_use_exits_1_naming_it_before_the_engine_starts():
 
 
 def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alone():
-    result = run_launch("--lora-paths", "a=/no/such/adapter", "--skip-precompile")
+    result = run_launch("--lora-paths", "a=/no/such/adapter", "--port", "0", "--skip-precompile")
     assert result.returncode == 1
     assert "engine failed to start: LoRAAdapterError: adapter 'a'" in result.stderr
     assert result.stderr.count("engine failed to start") == 1  # the frontend's line; the engine does not repeat it
@@ -100,7 +100,7 @@ def test_an_adapter_the_engine_cannot_read_fails_the_start_with_its_message_alon
     ],
 )
 def test_sizes_that_cannot_work_fail_the_start_naming_the_flag(flags, message):
-    result = run_launch(*flags, "--skip-precompile")
+    result = run_launch(*flags, "--port", "0", "--skip-precompile")  # any free port: tests run side by side
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr
