@@ -130,32 +130,54 @@ class DeclinesTheBaseGemm(EinsumBackend):
         return None
 
 
+def make_qkv_layer(
+    backend,
+    seed: int = 5,
+    in_dim: int = IN_DIM,
+    parts: tuple[int, int, int] = (32, 16, 16),
+    dtype=jnp.float32,
+    base_gemm: BaseGemm | None = None,
+    weight_scale: float = 1.0,
+) -> LoRALinear:
+    """A column-parallel LoRALinear of three packed parts (q|k|v-like), random base and adapter weights (standard
+    normal times weight_scale); slot 0 is the base."""
+    rng = np.random.default_rng(seed)
+    spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"qkv"}))
+    layer = LoRALinear(
+        in_dim,
+        parts,
+        ("q", "k", "v"),
+        tp_size=1,
+        use_bias=False,
+        dtype=dtype,
+        spec=spec,
+        row_parallel=False,
+        axes=LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
+        base_gemm=base_gemm,
+    )
+
+    def random(shape, mask=1.0):
+        return jnp.asarray(rng.standard_normal(shape) * weight_scale * mask, dtype)
+
+    layer.kernel[...] = random((in_dim, sum(parts)))
+    is_adapter = (np.arange(NUM_SLOTS) > 0)[:, None, None]
+    layer.lora_a[...] = random((NUM_SLOTS, len(parts) * MAX_RANK, in_dim), is_adapter)
+    for name, width in zip(("q", "k", "v"), parts):
+        getattr(layer, f"lora_b_{name}")[...] = random((NUM_SLOTS, width, MAX_RANK), is_adapter)
+    return layer
+
+
 def test_zero_padding_reaches_the_fused_gemm_and_the_base_gemm_kernel():
     """q|k|v-like (column-parallel, three parts) in a bucket that runs the base GEMM kernel (its reference on CPU):
     zero_padding goes to apply_with_base; where that declines, to the base GEMM, whose padding rows (from
     num_rows[0] on, base tokens: no delta) are zero by default and the padding tokens' own products with False."""
     rng = np.random.default_rng(4)
     backend = DeclinesTheBaseGemm()
-    spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"qkv"}))
-    layer = LoRALinear(
-        128,
-        (256, 128, 128),
-        ("q", "k", "v"),
-        tp_size=1,
-        use_bias=False,
-        dtype=jnp.bfloat16,
-        spec=spec,
-        row_parallel=False,
-        axes=LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
-        base_gemm=BaseGemm(128, reference=True),
+    layer = make_qkv_layer(
+        backend, 4, 128, (256, 128, 128), jnp.bfloat16, BaseGemm(128, reference=True), weight_scale=1 / 12
     )
     w = jnp.asarray(rng.standard_normal((2, 128, 512)) / 12, jnp.bfloat16)
     layer.kernel.set_value(LayerStack(w, jnp.int32(0)))  # the view the model hands over in such buckets
-    layer.lora_a[...] = jnp.asarray(rng.standard_normal((NUM_SLOTS, 3 * MAX_RANK, 128)) / 12, jnp.bfloat16)
-    for name, width in (("q", 256), ("k", 128), ("v", 128)):
-        getattr(layer, f"lora_b_{name}")[...] = jnp.asarray(
-            rng.standard_normal((NUM_SLOTS, width, MAX_RANK)), jnp.bfloat16
-        )
     token_slot = np.where(np.arange(256) < 200, rng.integers(1, NUM_SLOTS, 256), 0).astype(np.int32)
     ranks = np.array([0] + [MAX_RANK] * (NUM_SLOTS - 1), np.int32)
     scale = np.where(ranks > 0, 0.5, 0.0).astype(np.float32)
@@ -171,32 +193,6 @@ def test_zero_padding_reaches_the_fused_gemm_and_the_base_gemm_kernel():
     np.testing.assert_array_equal(kept, full)
     without_lora = np.asarray(layer(x, None, num_rows=rows, zero_padding=False), np.float32)  # Linear's path
     np.testing.assert_array_equal(without_lora[200:], full[200:])
-
-
-def make_qkv_layer(backend, seed: int = 5) -> LoRALinear:
-    """A column-parallel LoRALinear of three packed parts (q|k|v-like), float32, random base and adapter weights."""
-    rng = np.random.default_rng(seed)
-    spec = LoRAModelSpec(num_slots=NUM_SLOTS, max_rank=MAX_RANK, backend=backend, target_modules=frozenset({"qkv"}))
-    parts = (32, 16, 16)
-    layer = LoRALinear(
-        IN_DIM,
-        parts,
-        ("q", "k", "v"),
-        tp_size=1,
-        use_bias=False,
-        dtype=jnp.float32,
-        spec=spec,
-        row_parallel=False,
-        axes=LinearAxes("embed", "qkv", ("heads", "kv_heads", "kv_heads")),
-    )
-    layer.kernel[...] = jnp.asarray(rng.standard_normal((IN_DIM, sum(parts))), jnp.float32)
-    is_adapter = (np.arange(NUM_SLOTS) > 0)[:, None, None]
-    a = rng.standard_normal((NUM_SLOTS, len(parts) * MAX_RANK, IN_DIM)) * is_adapter
-    layer.lora_a[...] = jnp.asarray(a, jnp.float32)
-    for name, width in zip(("q", "k", "v"), parts):
-        b = rng.standard_normal((NUM_SLOTS, width, MAX_RANK)) * is_adapter
-        getattr(layer, f"lora_b_{name}")[...] = jnp.asarray(b, jnp.float32)
-    return layer
 
 
 def gemm_waits_for_a_kernel(jaxpr) -> bool:
