@@ -63,7 +63,7 @@ def load_from_memory(
 def unload(lora: LoRAManager | None, lora_setup: LoRASetup | None, lora_id: str) -> Unloaded:
     """Unregister an adapter and drop its host weights."""
     if lora is None or lora_setup is None:
-        raise ValueError("LoRA is not enabled")
+        raise ValueError(_NOT_ENABLED)
     lora.unregister(lora_id)
     lora_setup.forget(lora_id)
     return Unloaded()
