@@ -2,8 +2,8 @@
 
 Flow: EngineCore.add_request -> `prefetch(lora_id, priority)`: an adapter that is not on the device is read from disk,
 laid out as slot arrays (model dtype) into the host cache (which keeps those, not the weights read) and staged on the
-device (a bounded number at a time) on a background thread (lora/prefetch_queue.py: the most urgent request's
-adapter first), so the engine loop never waits on disk or on a host-to-device copy for it.
+device (a bounded number at a time: managers/adapter_staging.py) on a background thread (lora/prefetch_queue.py: the
+most urgent request's adapter first), so the engine loop never waits on disk or on a host-to-device copy for it.
 Scheduler.schedule() plans a step: `plan_step(running adapters)` then `reserve(plan, lora_id, keep)` for each
 request it considers: the adapter's device slot, or None when the step already holds --max-loras-per-batch
 distinct adapters, no slot can be freed, or its prefetch is still running.
@@ -24,11 +24,7 @@ Where it sits: a manager of the engine process, above the model runner whose LoR
 from __future__ import annotations
 
 import collections
-import logging
-import os
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -45,32 +41,9 @@ from sgl_jax_lora.lora.memory_pool import LoRAMemoryPool
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
 from sgl_jax_lora.lora.target_shapes import LoRATargetShapes
+from sgl_jax_lora.managers.adapter_staging import AdapterStaging, StagedSlotArrays, prefetch_workers
 from sgl_jax_lora.model_executor.model_runner import ModelRunner
 from sgl_jax_lora.server_args import ServerArgs
-
-logger = logging.getLogger(__name__)
-
-
-def prefetch_workers(cpu_count: int | None = None) -> int:
-    """Threads that read adapters from disk and lay out their slot arrays: half the host's cores, 2 to 8. The work is
-    numpy (casts, copies) and file reads, which release the GIL, so a cold start of many adapters (a burst over
-    adapters no cache holds) loads about as many at once as there are threads; the other half of the cores stay with
-    the engine loop and the frontend."""
-    return min(8, max(2, (cpu_count or os.cpu_count() or 2) // 2))
-
-
-STAGING_BYTES = 1 << 30  # device memory that adapters staged ahead of their slot writes may take at once
-
-
-def staging_budget(slot_bytes: int) -> int:
-    """How many adapters' slot arrays may wait on the device for their slot write at once: those STAGING_BYTES holds,
-    1 to 16 (a backlog of requests beyond them keeps its adapters on the host)."""
-    return min(16, max(1, STAGING_BYTES // max(slot_bytes, 1)))
-
-
-class StagedSlotArrays(list):
-    """One slot's arrays on the device (ModelRunner.stage_lora_slot_values), counted against the staging budget until
-    they are freed."""
 
 
 class LoRAManager:
@@ -108,13 +81,9 @@ class LoRAManager:
         self._prefetcher = PrefetchQueue(max_workers=prefetch_workers())  # by the requests' priority
         self._inspector = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-inspect")  # headers: ms each
         self._prefetches: dict[str, Future] = {}  # lora_id -> (HostAdapter, slot arrays to write), started on arrival
-        self._staging_lock = threading.Lock()  # the staging count and the prefetch times
         slot_bytes = sum(np.prod((s[0],) + s[2:]) for s in self.pool.buffer_shapes.values()) * runner.dtype.itemsize
-        self.staging_budget = staging_budget(int(slot_bytes))
-        self._num_staged = 0  # StagedSlotArrays alive, under _staging_lock
+        self.staging = AdapterStaging(runner.stage_lora_slot_values, int(slot_bytes))
         self.staged_writes = 0  # slot writes whose arrays were on the device before the engine loop wrote them
-        # prefetches done, and their seconds from request to ready (queue, disk, layout, staging) and in staging
-        self.prefetch_times = {"prefetches": 0, "prefetch_s": 0.0, "staging_s": 0.0}
         self._zero_values: list[np.ndarray] | None = None  # a slot's zeros in the model dtype, made on first release
         self.segment_buckets = segment_buckets(self.pool.num_slots, args.lora_segment_buckets)
         # steps whose tokens are all base run the LoRA-free program (LoRABatch None) unless disabled
@@ -245,34 +214,13 @@ class LoRAManager:
         return host, host.values
 
     def _staged_slot_arrays(self, ref: LoRARef, submitted: float) -> tuple[HostAdapter, list]:
-        """`_host_slot_arrays`, then copied to the device while the staging budget allows, so that the engine loop's
-        slot write copies device to device; past the budget, or if the copy fails, the host arrays (the write copies
-        them from the host on the engine loop). submitted: when the prefetch was asked for (its latency is counted)."""
+        """`_host_slot_arrays`, then staged on the device while the staging budget allows (AdapterStaging.stage).
+        submitted: when the prefetch was asked for (its latency is counted)."""
         try:
             host, values = self._host_slot_arrays(ref)
-            with self._staging_lock:
-                if self._num_staged >= self.staging_budget:
-                    return host, values
-                self._num_staged += 1
-            staging = time.perf_counter()
-            try:
-                staged = StagedSlotArrays(self.runner.stage_lora_slot_values(values))
-            except Exception as e:  # e.g. no device memory left: the engine loop's write copies from the host
-                self._unstaged()
-                logger.warning("adapter '%s': staging its slot arrays on the device failed (%s)", ref.lora_name, e)
-                return host, values
-            weakref.finalize(staged, self._unstaged)
-            with self._staging_lock:
-                self.prefetch_times["staging_s"] += time.perf_counter() - staging
-            return host, staged
+            return host, self.staging.stage(ref.lora_name, values)
         finally:
-            with self._staging_lock:
-                self.prefetch_times["prefetches"] += 1
-                self.prefetch_times["prefetch_s"] += time.perf_counter() - submitted
-
-    def _unstaged(self) -> None:
-        with self._staging_lock:
-            self._num_staged -= 1
+            self.staging.finished(submitted)
 
     def can_evict(self, lora_id: str) -> bool:
         return lora_id not in self.pool.pinned
@@ -380,7 +328,7 @@ class LoRAManager:
             "slot_load_seconds": list(self.load_latencies_s),
             "slot_load_seconds_total": self.load_seconds_total,
             "staged_slot_writes": self.staged_writes,
-            **self.prefetch_times,
+            **self.staging.times,
         }
 
 

@@ -17,13 +17,8 @@ from sgl_jax_lora.lora.host_cache import HostAdapter, HostAdapterCache
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.peft_config import LoRAAdapterError
 from sgl_jax_lora.lora.prefetch_queue import PrefetchQueue
-from sgl_jax_lora.managers.lora_manager import (
-    LoRAManager,
-    StagedSlotArrays,
-    prefetch_workers,
-    segment_buckets,
-    staging_budget,
-)
+from sgl_jax_lora.managers.adapter_staging import StagedSlotArrays
+from sgl_jax_lora.managers.lora_manager import LoRAManager, segment_buckets
 from sgl_jax_lora.managers.req import Req
 from sgl_jax_lora.managers.scheduler import Scheduler
 from sgl_jax_lora.mem_cache.page_allocator import PageAllocator
@@ -195,12 +190,6 @@ def test_segment_buckets_default_and_flag() -> None:
         segment_buckets(9, [0])
 
 
-def test_prefetch_threads_follow_the_host_cores():
-    """Half the cores read adapters from disk, at least 2 (a small machine keeps two loads in flight) and at most 8."""
-    assert [prefetch_workers(cores) for cores in (1, 2, 4, 16, 64)] == [2, 2, 2, 8, 8]
-    assert prefetch_workers(12) == 6
-
-
 def test_a_header_check_done_ahead_is_not_repeated():
     """`inspect_ahead` runs the header check on a worker thread; registering with its result reads nothing again,
     and still refuses an adapter whose targets the pool does not cover."""
@@ -221,17 +210,17 @@ def test_a_header_check_done_ahead_is_not_repeated():
 
 def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     """A prefetch stages its adapter's slot arrays on the device (the engine loop's write then copies device to
-    device) while fewer than `staging_budget` staged arrays are alive; past it, or when staging fails, the host
+    device) while fewer than the staging budget's staged arrays are alive; past it, or when staging fails, the host
     arrays, which the write copies itself. Staged arrays give their budget back once freed."""
     manager, runner = make_manager(max_loras_per_batch=4)
-    manager.staging_budget = 2
+    manager.staging.budget = 2
     ids = register(manager, "a", "b", "c", "d")
     runner.stage_failures.add("d")
     for name in "abc":
         manager.prefetch(ids[name])
     manager.wait_for_prefetches()
     staged = sorted(n for n in "abc" if isinstance(manager._prefetches[ids[n]].result()[1], StagedSlotArrays))
-    assert len(staged) == 2 and manager._num_staged == 2
+    assert len(staged) == 2 and manager.staging.num_staged == 2
     stats = manager.stats()
     assert stats["prefetches"] == 3 and stats["prefetch_s"] >= stats["staging_s"] > 0
     plan = manager.plan_step(set())
@@ -239,10 +228,12 @@ def test_prefetched_adapters_wait_on_the_device_within_the_staging_budget():
     manager.apply(plan.slot_writes)
     assert runner.writes == [(1, "a"), (2, "b"), (3, "c")] and manager.stats()["staged_slot_writes"] == 2
     del plan  # the step is done: its slot writes and their staged arrays go
-    assert manager._num_staged == 0
+    assert manager.staging.num_staged == 0
     manager.prefetch(ids["d"])  # staging fails: the host arrays, and no budget kept
     manager.wait_for_prefetches()
-    assert not isinstance(manager._prefetches[ids["d"]].result()[1], StagedSlotArrays) and manager._num_staged == 0
+    assert (
+        not isinstance(manager._prefetches[ids["d"]].result()[1], StagedSlotArrays) and manager.staging.num_staged == 0
+    )
     plan = manager.plan_step(set())
     assert manager.reserve(plan, ids["d"]) == 4
     manager.apply(plan.slot_writes)
@@ -281,10 +272,6 @@ def test_adapters_are_read_in_the_order_of_their_requests_priority():
     manager.prefetch(ids["b"], -9)  # on the device now: nothing to read
     manager.wait_for_prefetches()
     assert read == ["hold", "b", "c", "a", "d"]
-
-
-def test_staging_budget_is_a_gibibyte_of_slots():
-    assert [staging_budget(size) for size in (0, 1 << 20, 84 << 20, 300 << 20, 2 << 30)] == [16, 16, 12, 3, 1]
 
 
 def test_a_pin_waits_for_a_slot_that_running_requests_hold_and_takes_the_first_freed():
