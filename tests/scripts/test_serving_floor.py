@@ -24,6 +24,7 @@ def test_llama3_8b_work_constants():
     assert work.layer_weights + 2 * work.head_weights + norms == 8_030_261_248  # Llama-3-8B's parameter count
     assert work.kv_elements_per_token * 2 == 131_072  # bytes of bf16 K and V per token, 32 layers
     assert work.attention_flops_per_pair == 4 * 128 * 32 * 32
+    assert work.lora_elements_per_rank * 16 == 41_943_040  # PEFT's trainable parameters: rank 16, all 7 projections
 
 
 def test_the_tally_counts_every_token_pair_and_sample_of_the_scheduled_steps():
@@ -81,6 +82,34 @@ def test_the_floors_bound_each_other():
     assert fp8.kv_read_write_bytes * 2 == bf16.kv_read_write_bytes and fp8.floor_s < bf16.floor_s
 
 
+def test_adapters_add_their_reads_per_step_and_their_flops_per_token():
+    """With adapters, each step reads the A and B of every distinct adapter its requests use, once, and each token of
+    an adapter does 2 FLOPs per A and B element; base requests add nothing; the floors only grow."""
+    rng = np.random.default_rng(8)
+    inputs, outputs = rng.integers(8, 300, 30), rng.integers(2, 40, 30)
+    adapters = [None if i % 5 == 0 else i % 4 for i in range(30)]
+    work = ModelWork.from_config(LLAMA3_8B)
+    base = FloorTally(work, 790e12, 3.35e12, kv_bytes=2)
+    simulate(*build_scheduler(FLAGS), inputs, outputs, on_step=base.add_step)
+    tally = FloorTally(work, 790e12, 3.35e12, kv_bytes=2, lora_rank=8)
+    seen = {"adapters_per_step": 0, "adapter_tokens": 0}
+
+    def count(plan):
+        seen["adapters_per_step"] += len({req.lora_slot_key for req in plan.reqs} - {None})
+        seen["adapter_tokens"] += sum(n for req, n in zip(plan.reqs, plan.num_new_tokens) if req.lora_slot_key)
+        tally.add_step(plan)
+
+    simulate(*build_scheduler(FLAGS, with_adapters=True), inputs, outputs, on_step=count, adapters=adapters)
+    elements = 8 * work.lora_elements_per_rank
+    assert seen["adapters_per_step"] > 0 and base.lora_bytes == base.lora_flops == 0
+    assert tally.lora_bytes == 2.0 * elements * seen["adapters_per_step"]
+    processed = inputs + outputs - 1
+    assert seen["adapter_tokens"] == sum(p for p, a in zip(processed, adapters) if a is not None)
+    assert tally.lora_flops == 2.0 * elements * seen["adapter_tokens"]
+    assert tally.linear_flops == base.linear_flops + tally.lora_flops
+    assert tally.serial_floor_s > base.serial_floor_s and tally.floor_s > base.floor_s
+
+
 def test_command_line_writes_json(tmp_path):
     out = tmp_path / "floor.json"
     cmd = [sys.executable, "scripts/serving_floor.py", "--num-requests", "30", "--kv-bytes", "1", "--json", str(out)]
@@ -95,3 +124,12 @@ def test_command_line_writes_json(tmp_path):
         result["serial_floor_s"], rel=1e-12
     )
     assert "serial floor by step kind and token bucket" in done.stdout
+    assert result["lora_bytes_s"] == 0 and result["num_adapters"] == 0
+    with_adapters = subprocess.run(
+        cmd[:-2] + ["--num-adapters", "4", "--popularity", "uniform", "--", *FLAGS, "--max-loras-per-batch", "4"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert with_adapters.returncode == 0, with_adapters.stderr
+    assert "the adapters' part of those (rank 16, 4 uniform)" in with_adapters.stdout
