@@ -67,9 +67,7 @@ class ModelWork:
     head_weights: int  # LM head
     attention_flops_per_pair: int  # per (query, key) pair, all query heads and layers
     kv_elements_per_token: int  # K and V elements of one token, all layers
-    lora_elements_per_rank: (
-        int  # an adapter's A and B elements per unit of rank: (in + out) of the 7 projections, all layers
-    )
+    lora_elements_per_rank: int  # an adapter's A and B elements per rank: the 7 projections' in + out, all layers
 
     @classmethod
     def from_config(cls, config: dict) -> ModelWork:
