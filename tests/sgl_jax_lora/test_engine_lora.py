@@ -85,6 +85,31 @@ def prompt(seed: int, length: int = 14) -> list[int]:
     return np.random.default_rng(seed).integers(2, 491, size=length).tolist()
 
 
+def assert_pallas_engine_matches_peft(base, adapters: dict, first_prompt: int, **engine_kwargs) -> None:
+    """One request per adapter and one base request, greedy, through an Engine with --lora-backend pallas
+    (`engine_kwargs`: its other flags), each output against HF + PEFT (`assert_matches_peft`)."""
+    names = list(adapters) + [None]
+    ids = [prompt(first_prompt + i) for i in range(len(names))]
+    lora_paths = {n: str(p) for n, p in adapters.items()}
+    with Engine(
+        model_path=str(base),
+        dtype="float32",
+        lora_paths=lora_paths,
+        lora_backend="pallas",
+        skip_precompile=True,
+        **SMALL,
+        **engine_kwargs,
+    ) as eng:
+        outs = eng.generate(
+            input_ids=ids,
+            sampling_params={"max_new_tokens": 4, **GREEDY},
+            lora_path=names,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+    assert_matches_peft(base, adapters, names, ids, outs, 4)
+
+
 @pytest.fixture(scope="module")
 def engine(setup):
     base, adapters = setup
@@ -572,25 +597,7 @@ def test_pallas_backend_in_the_engine_matches_peft(setup, tmp_path, sizes):
             n: write_peft_adapter(base, tmp_path / n, seed=i + 31, **f)
             for i, (n, f) in enumerate(ADAPTER_FORMS.items())
         }
-    names = list(adapters) + [None]
-    ids = [prompt(300 + i) for i in range(len(names))]
-    with Engine(
-        model_path=str(base),
-        dtype="float32",
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=4,
-        lora_backend="pallas",
-        skip_precompile=True,
-        **SMALL,
-    ) as eng:
-        outs = eng.generate(
-            input_ids=ids,
-            sampling_params={"max_new_tokens": 4, **GREEDY},
-            lora_path=names,
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-    assert_matches_peft(base, adapters, names, ids, outs, 4)
+    assert_pallas_engine_matches_peft(base, adapters, first_prompt=300, max_loras_per_batch=4)
 
 
 def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
@@ -610,26 +617,7 @@ def test_pallas_backend_with_tensor_parallelism_matches_peft(tmp_path):
         n: write_peft_adapter(base, tmp_path / n, seed=i + 21, **ADAPTER_FORMS[n])
         for i, n in enumerate(["all_linear_r8", "pattern_r16"])
     }
-    names = list(adapters) + [None]
-    ids = [prompt(400 + i) for i in range(len(names))]
-    with Engine(
-        model_path=str(base),
-        dtype="float32",
-        tp_size=2,
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=2,
-        lora_backend="pallas",
-        skip_precompile=True,
-        **SMALL,
-    ) as eng:
-        outs = eng.generate(
-            input_ids=ids,
-            sampling_params={"max_new_tokens": 4, **GREEDY},
-            lora_path=names,
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-    assert_matches_peft(base, adapters, names, ids, outs, 4)
+    assert_pallas_engine_matches_peft(base, adapters, first_prompt=400, max_loras_per_batch=2, tp_size=2)
 
 
 @pytest.mark.gpu
