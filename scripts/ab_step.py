@@ -25,6 +25,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
   skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N
                   side (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS, in the default setting of one
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
+  triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
+                  cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -57,7 +59,18 @@ from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
 
-KNOBS = ("fused", "decode-warps", "decode-keys", "gated-delta", "entry-ring", "tile16", "skinny", "shrink-first")
+KNOBS = (
+    "fused",
+    "decode-warps",
+    "decode-keys",
+    "gated-delta",
+    "entry-ring",
+    "tile16",
+    "skinny",
+    "shrink-first",
+    "triton-gemm",
+)
+BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm")
 BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first")  # set on the Pallas GPU backend
 
 
@@ -77,11 +90,11 @@ def parse_setting(text: str) -> dict:
         except ValueError:
             numbers = ()
         fits = knob in KNOBS and len(numbers) == (2 if knob == "fused" else 1) and min(numbers, default=-1) >= 0
-        if not fits or (knob in ("gated-delta", "shrink-first") and numbers[0] > 1) or knob in setting:
+        if not fits or (knob in BINARY_KNOBS and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T (non-negative integers), "
-                "gated-delta=0|1, shrink-first=0|1"
+                "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -152,6 +165,13 @@ def compared_with(settings: list[dict]) -> list[int]:
     return [kinds.index(kind) for kind in kinds]
 
 
+def setting_compiler_options(setting: dict, engine_options: dict | None) -> dict | None:
+    """The engine's XLA options for the forward, with the setting's choice of XLA's GEMMs where it makes one."""
+    if "triton-gemm" not in setting:
+        return engine_options
+    return {**(engine_options or {}), "xla_gpu_enable_triton_gemm": bool(setting["triton-gemm"])}
+
+
 def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
     """(case, setting) -> the forward of batches[setting][case] compiled ahead of time with the setting in force (a
     fresh jit each, so that no trace is shared between settings)."""
@@ -159,7 +179,8 @@ def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
     lora_backend = model.lora.backend if model.lora else None
     for index, setting in enumerate(settings):
         with applied(setting, lora_backend) as traced:
-            forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=model.compiler_options)
+            options = setting_compiler_options(setting, model.compiler_options)
+            forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=options)
             for case, batch in enumerate(batches[index]):
                 compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()
         decode_knob = "decode-warps" in setting or "decode-keys" in setting

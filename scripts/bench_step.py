@@ -137,7 +137,8 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
+    platform = mesh.devices.flat[0].platform
+    options = forward_compiler_options(platform, args.disable_gpu_concurrent_kernels, with_lora=spec is not None)
     jitted = jax.jit(forward, donate_argnums=1, compiler_options=options)
     return BuiltModel(state, kv, jitted, forward, options, spec)
 

@@ -45,7 +45,7 @@ from scripts.bench_offline import LLAMA3_8B, make_model_dir, submit  # noqa: E40
 from scripts.tune_gpu_sgmv import VARIANTS as TILE_VARIANTS  # noqa: E402
 from scripts.tune_gpu_sgmv import apply_variant  # noqa: E402
 from sgl_jax_lora.managers.engine_core import EngineCore  # noqa: E402
-from sgl_jax_lora.model_executor import model_runner  # noqa: E402
+from sgl_jax_lora.model_executor import compiler_options  # noqa: E402
 from sgl_jax_lora.server_args import QUANTIZATIONS, ServerArgs  # noqa: E402
 
 
@@ -150,12 +150,12 @@ def parse_xla_option(option: str) -> tuple[str, bool | int | str]:
 
 def add_forward_xla_options(extra: dict) -> None:
     """Merge `extra` into the compile options ModelRunner gives its forward (XLA's flag names and values)."""
-    base = model_runner.forward_compiler_options
+    base = compiler_options.forward_compiler_options
 
-    def with_extra(platform: str, disable_gpu_concurrent_kernels: bool) -> dict:
-        return {**(base(platform, disable_gpu_concurrent_kernels) or {}), **extra}
+    def with_extra(platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool) -> dict:
+        return {**(base(platform, disable_gpu_concurrent_kernels, with_lora=with_lora) or {}), **extra}
 
-    model_runner.forward_compiler_options = with_extra
+    compiler_options.forward_compiler_options = with_extra
 
 
 def step_bucket(opts) -> tuple[int, int]:

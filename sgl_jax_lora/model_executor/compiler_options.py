@@ -6,22 +6,61 @@ compiles its timed functions the same way with --concurrent), the layer loop's u
 On GPU, XLA runs a step as CUDA graphs whose kernels it serializes by default. CONCURRENT scheduling keeps only
 the data dependencies, so kernels with none between them may overlap: a LoRA shrink runs beside its base GEMM
 on the SMs the GEMM leaves idle at decode sizes (docs/architecture.md, "GPU kernel scheduling").
+
+XLA's own dots (the decoder linears of the token buckets below the base GEMM kernel's, `--gpu-gemm-min-tokens`)
+are Triton GEMM fusions by default; a forward without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which
+read the weights faster at those sizes and need no autotuning at compile time. A forward with adapters keeps the
+Triton fusions, beside which the SGMV kernels run (docs/benchmarks.md "The base GEMM kernel in decode and prefill
+steps"). `ForwardPrograms` is the forward jitted twice, once with each set, and picks by the batch: the steps of a
+LoRA-enabled engine that hold no adapter take the options of a LoRA-free engine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 CONCURRENT_GPU_KERNELS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 
 
-def forward_compiler_options(platform: str, disable_gpu_concurrent_kernels: bool) -> dict[str, str] | None:
-    """The options for a forward on `platform`: concurrent kernels on GPU unless disabled, else XLA's defaults."""
-    if platform not in ("gpu", "cuda") or disable_gpu_concurrent_kernels:
+def forward_compiler_options(
+    platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool
+) -> dict[str, str | bool] | None:
+    """The options for a forward on `platform`: on GPU concurrent kernels unless disabled, and cuBLAS's GEMMs for
+    XLA's dots in a forward without adapters; elsewhere XLA's defaults (None)."""
+    if platform not in ("gpu", "cuda"):
         return None
-    return dict(CONCURRENT_GPU_KERNELS)
+    options = {} if disable_gpu_concurrent_kernels else dict(CONCURRENT_GPU_KERNELS)
+    if not with_lora:
+        options.update(CUBLAS_GEMMS)
+    return options or None
+
+
+class ForwardPrograms:
+    """The forward `step(state, lora_state, kv, batch, prev_ids)` jitted with the KV cache donated, once with the
+    options of a forward with adapters and once without (`forward_compiler_options`): a batch with no adapter batch
+    (`batch.lora is None`) takes the second. Called and lowered as one jitted function."""
+
+    def __init__(self, step: Callable, platform: str, disable_gpu_concurrent_kernels: bool):
+        import jax
+
+        def jitted(with_lora: bool):
+            options = forward_compiler_options(platform, disable_gpu_concurrent_kernels, with_lora=with_lora)
+            return jax.jit(step, donate_argnames=("kv",), compiler_options=options)
+
+        self.with_lora, self.without_lora = jitted(True), jitted(False)
+
+    def program(self, batch):
+        return self.without_lora if batch.lora is None else self.with_lora
+
+    def __call__(self, state, lora_state, kv, batch, prev_ids):
+        return self.program(batch)(state, lora_state, kv, batch, prev_ids)
+
+    def lower(self, state, lora_state, kv, batch, prev_ids):
+        return self.program(batch).lower(state, lora_state, kv, batch, prev_ids)
 
 
 def layers_per_scan_step(flag: int, num_layers: int, platform: str) -> int:

@@ -40,7 +40,7 @@ from sgl_jax_lora.mem_cache.kv_cache import (
     kv_bytes_per_token,
     kv_cache_dtype,
 )
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options, layers_per_scan_step
+from sgl_jax_lora.model_executor.compiler_options import ForwardPrograms, layers_per_scan_step
 from sgl_jax_lora.model_executor.kv_placement import place_kv_cache
 from sgl_jax_lora.model_executor.lora_slots import slot_value_shardings, stage_slot_values, write_slot
 from sgl_jax_lora.model_executor.padding_batches import padding_sampling_batch, padding_sampling_batches
@@ -117,9 +117,10 @@ class ModelRunner:
         # LoRA buffers are a state of their own so that writing a slot donates only them.
         self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
-        forward_options = forward_compiler_options(mesh.devices.flat[0].platform, args.disable_gpu_concurrent_kernels)
-        self._forward = jax.jit(
-            functools.partial(forward_step, self.graphdef), donate_argnames=("kv",), compiler_options=forward_options
+        self._forward = ForwardPrograms(
+            functools.partial(forward_step, self.graphdef),
+            mesh.devices.flat[0].platform,
+            args.disable_gpu_concurrent_kernels,
         )
         self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
         self._lora_value_shardings = slot_value_shardings(self.lora_state)

@@ -37,7 +37,7 @@ from sgl_jax_lora.lora.lora_batch import padding_lora_batches
 from sgl_jax_lora.lora.lora_linear import LoRAWeight
 from sgl_jax_lora.lora.lora_setup import LoRASetup
 from sgl_jax_lora.mem_cache.kv_cache import abstract_kv_cache, kv_cache_dtype
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options
+from sgl_jax_lora.model_executor.compiler_options import ForwardPrograms
 from sgl_jax_lora.model_executor.model_runner import forward_step, load_engine_model
 from sgl_jax_lora.model_executor.padding_batches import padding_forward_batch
 from sgl_jax_lora.server_args import ServerArgs
@@ -135,11 +135,7 @@ def compile_forward_programs(
     kv = abstract_kv_cache(cfg, num_kv_pages, args.page_size, args.tp_size, kv_dtype, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     prev_ids = jax.ShapeDtypeStruct((args.max_running_requests,), jnp.int32, sharding=replicated)
-    forward = jax.jit(
-        functools.partial(forward_step, graphdef),
-        donate_argnames=("kv",),
-        compiler_options=forward_compiler_options("tpu", args.disable_gpu_concurrent_kernels),
-    )
+    forward = ForwardPrograms(functools.partial(forward_step, graphdef), "tpu", args.disable_gpu_concurrent_kernels)
 
     def lora_batches(num_tokens: int) -> list:
         if lora is None:

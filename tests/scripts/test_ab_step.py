@@ -13,7 +13,15 @@ import pytest
 import pallas_kernels.attention.gpu as attention_gpu
 import pallas_kernels.sgmv.work_list as work_list
 import sgl_jax_lora.layers.base_gemm as base_gemm
-from scripts.ab_step import alternate, applied, compared_with, compile_settings, parse_setting, setting_batches
+from scripts.ab_step import (
+    alternate,
+    applied,
+    compared_with,
+    compile_settings,
+    parse_setting,
+    setting_batches,
+    setting_compiler_options,
+)
 from scripts.bench_offline import make_model_dir
 from scripts.bench_step import build, engine_args
 from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case
@@ -43,6 +51,7 @@ def test_settings_parse_into_knobs():
     assert parse_setting("decode-warps=2,decode-keys=64") == {"decode-warps": 2, "decode-keys": 64}
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
     assert parse_setting("base,skinny=0") == {"base": True, "skinny": 0}  # the base program under a knob
+    assert parse_setting("base,triton-gemm=0") == {"base": True, "triton-gemm": 0}
     for bad in (
         "base,base",
         "fused=1024",
@@ -53,6 +62,7 @@ def test_settings_parse_into_knobs():
         "fused=1:1,fused=2:2",
         "base=1",
         "gated-delta=2",
+        "triton-gemm=2",
         "gated-delta=",
     ):
         with pytest.raises(SystemExit):
@@ -93,6 +103,13 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
         pass
     with pytest.raises(SystemExit, match="entry-ring knob needs --lora"), applied({"entry-ring": 8}, None):
         pass
+
+
+def test_the_triton_gemm_knob_sets_the_xla_option_beside_the_engines():
+    engine = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert setting_compiler_options({}, engine) is engine
+    assert setting_compiler_options({"triton-gemm": 0}, engine) == {**engine, "xla_gpu_enable_triton_gemm": False}
+    assert setting_compiler_options({"triton-gemm": 1}, None) == {"xla_gpu_enable_triton_gemm": True}
 
 
 def test_pairs_alternate_round_by_round_after_an_untimed_call():

@@ -47,9 +47,9 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     for this platform."""
     asked = []
 
-    def engine_options(platform: str, disable_gpu_concurrent_kernels: bool):
-        asked.append((platform, disable_gpu_concurrent_kernels))
-        return forward_compiler_options(platform, disable_gpu_concurrent_kernels)
+    def engine_options(platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool):
+        asked.append((platform, disable_gpu_concurrent_kernels, with_lora))
+        return forward_compiler_options(platform, disable_gpu_concurrent_kernels, with_lora=with_lora)
 
     def engine_model(args: ServerArgs, *rest):
         asked.append((args.attention_backend, args.lora_backend, args.gpu_gemm_min_tokens))
@@ -77,4 +77,4 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     assert [row["tokens"] for row in last] == [3, 48, 18]
     assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
     assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
-    assert asked == [("native", "auto", 8), (jax.default_backend(), True)]
+    assert asked == [("native", "auto", 8), (jax.default_backend(), True, True)]
