@@ -12,6 +12,7 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   engine (its linears skip the LoRA path), for the ratio of the adapters' forward to the base's
   fused=G:O       the Pallas GPU LoRA backend's thresholds for the GEMM with the LoRA inside it
                   (`PallasGPUBackend.takes_fused_gemm`): gate|up from G tokens, q|k|v, o and down from O (0: never)
+  fused-qkv=Q     q|k|v alone takes that GEMM from Q tokens (0: never), the other modules as `fused` or the default
   decode-warps=W  warps a program of the decode attention kernel (`DecodeTiles.num_warps`)
   decode-keys=K   keys a loop step of that kernel (`DecodeTiles.block_kv`)
   gated-delta=D   1: gate|up's delta into the base GEMM kernel's gated epilogue below the fused GEMM's buckets, 0:
@@ -69,9 +70,10 @@ KNOBS = (
     "skinny",
     "shrink-first",
     "triton-gemm",
+    "fused-qkv",
 )
 BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm")
-BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first")  # set on the Pallas GPU backend
+BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first", "fused-qkv")  # set on the Pallas GPU backend
 
 
 def parse_setting(text: str) -> dict:
@@ -93,11 +95,24 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob in BINARY_KNOBS and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T (non-negative integers), "
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, fused-qkv=Q (non-negative "
+                "integers), "
                 "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
+
+
+def qkv_threshold(takes_fused_gemm, least: int):
+    """`takes_fused_gemm` with q|k|v (the column-parallel module of three parts) taking the fused GEMM from `least`
+    tokens (0: never)."""
+
+    def takes(num_tokens: int, num_parts: int, row_parallel: bool) -> bool:
+        if num_parts == 3 and not row_parallel:
+            return 0 < least <= num_tokens
+        return takes_fused_gemm(num_tokens, num_parts, row_parallel)
+
+    return takes
 
 
 @contextlib.contextmanager
@@ -114,6 +129,7 @@ def applied(setting: dict, lora_backend):
         "gated_delta",
         "ENTRY_RING_MAX_TOKENS",
         "shrink_first",
+        "takes_fused_gemm",
     )
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
@@ -130,6 +146,8 @@ def applied(setting: dict, lora_backend):
             pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
         if "shrink-first" in setting:
             pallas.shrink_first = bool(setting["shrink-first"])
+        if "fused-qkv" in setting:
+            pallas.takes_fused_gemm = qkv_threshold(pallas.takes_fused_gemm, setting["fused-qkv"])
         if "tile16" in setting:
             work_list.ROW_TILE_16_MAX_ROWS = setting["tile16"]
         if "skinny" in setting:

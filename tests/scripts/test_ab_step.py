@@ -52,6 +52,7 @@ def test_settings_parse_into_knobs():
     assert parse_setting("fused=0:0,decode-warps=4") == {"fused": (0, 0), "decode-warps": 4}
     assert parse_setting("base,skinny=0") == {"base": True, "skinny": 0}  # the base program under a knob
     assert parse_setting("base,triton-gemm=0") == {"base": True, "triton-gemm": 0}
+    assert parse_setting("fused-qkv=1024") == {"fused-qkv": 1024}
     for bad in (
         "base,base",
         "fused=1024",
@@ -102,6 +103,22 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     with pytest.raises(SystemExit, match="needs --lora"), applied({"gated-delta": 1}, None):
         pass
     with pytest.raises(SystemExit, match="entry-ring knob needs --lora"), applied({"entry-ring": 8}, None):
+        pass
+
+
+def test_the_fused_qkv_knob_moves_q_k_v_alone_and_is_undone_after():
+    backend = AutoBackend(None, fused_gemm_min_tokens=1024)
+    pallas = backend.backends["pallas"]
+    pallas.fused_gemm_other_min_tokens = 2048  # the Hopper default's two thresholds
+    modules = ((3, False), (2, False), (1, True))  # q|k|v, gate|up, o and down
+    with applied({"fused-qkv": 1024}, backend):
+        assert [pallas.takes_fused_gemm(1024, *module) for module in modules] == [True, True, False]
+        assert not pallas.takes_fused_gemm(512, 3, False)
+    with applied({"fused-qkv": 0, "fused": (512, 512)}, backend):
+        assert [pallas.takes_fused_gemm(4096, *module) for module in modules] == [False, True, True]
+    assert [pallas.takes_fused_gemm(1024, *module) for module in modules] == [False, True, False]
+    assert "takes_fused_gemm" not in pallas.__dict__
+    with pytest.raises(SystemExit, match="fused-qkv knob needs --lora"), applied({"fused-qkv": 8}, None):
         pass
 
 
