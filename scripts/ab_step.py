@@ -9,7 +9,8 @@ shape, dummy bf16 weights, the engine's flags and XLA options, Pallas attention;
 adapters of rank 16 on the auto LoRA backend), its KV cache donated from call to call. A setting is `default`, or
 KNOB=VALUE pairs joined by commas, each a choice the engine makes while it traces the forward, or `base`:
   base            with --lora, the same model's forward with no adapter batch: the base program of a LoRA-enabled
-                  engine (its linears skip the LoRA path), for the ratio of the adapters' forward to the base's
+                  engine (its linears skip the LoRA path, its XLA options a LoRA-free forward's), for the ratio
+                  of the adapters' forward to the base's
   fused=G:O       the Pallas GPU LoRA backend's thresholds for the GEMM with the LoRA inside it
                   (`PallasGPUBackend.takes_fused_gemm`): gate|up from G tokens, q|k|v, o and down from O (0: never)
   fused-qkv=Q     q|k|v alone takes that GEMM from Q tokens (0: never), the other modules as `fused` or the default
@@ -59,6 +60,7 @@ from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
 
 KNOBS = (
     "fused",
@@ -183,8 +185,10 @@ def compared_with(settings: list[dict]) -> list[int]:
     return [kinds.index(kind) for kind in kinds]
 
 
-def setting_compiler_options(setting: dict, engine_options: dict | None) -> dict | None:
-    """The engine's XLA options for the forward, with the setting's choice of XLA's GEMMs where it makes one."""
+def setting_compiler_options(setting: dict, platform: str, with_lora: bool) -> dict | None:
+    """The XLA options the engine compiles the setting's forward with (`forward_compiler_options`: a `base` setting
+    is a forward without adapters), with the setting's choice of XLA's GEMMs where it makes one."""
+    engine_options = forward_compiler_options(platform, False, with_lora=with_lora and not setting.get("base"))
     if "triton-gemm" not in setting:
         return engine_options
     return {**(engine_options or {}), "xla_gpu_enable_triton_gemm": bool(setting["triton-gemm"])}
@@ -197,7 +201,7 @@ def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
     lora_backend = model.lora.backend if model.lora else None
     for index, setting in enumerate(settings):
         with applied(setting, lora_backend) as traced:
-            options = setting_compiler_options(setting, model.compiler_options)
+            options = setting_compiler_options(setting, jax.default_backend(), model.lora is not None)
             forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=options)
             for case, batch in enumerate(batches[index]):
                 compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()

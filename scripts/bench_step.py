@@ -24,7 +24,8 @@ head_dim per causal query-key pair and head for attention) as a share of --peak-
 program: the model ModelRunner builds from the engine's flags (`load_engine_model`: layers unrolled, the base GEMM
 kernel from --gpu-gemm-min-tokens tokens on one Hopper GPU and XLA's dot below, every flag not passed here at its
 default), KV donated, and the engine's XLA options (`forward_compiler_options`: on a GPU concurrent kernel
-scheduling, off with --disable-gpu-concurrent-kernels).
+scheduling, off with --disable-gpu-concurrent-kernels, and cuBLAS's GEMMs for XLA's dots in the variants without
+adapters).
 --out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
@@ -101,7 +102,6 @@ class BuiltModel(NamedTuple):
     kv: KVCache
     forward: Callable  # jitted (state, kv, batch) -> (the last tokens' hidden states, kv), kv donated
     step: Callable  # the same function unjitted, for callers that compile variants of it (scripts/ab_step.py)
-    compiler_options: dict  # the engine's XLA options for the platform
     lora: LoRAModelSpec | None  # with_lora: the adapters' slots and the backend object the model holds
 
 
@@ -140,7 +140,7 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
     platform = mesh.devices.flat[0].platform
     options = forward_compiler_options(platform, args.disable_gpu_concurrent_kernels, with_lora=spec is not None)
     jitted = jax.jit(forward, donate_argnums=1, compiler_options=options)
-    return BuiltModel(state, kv, jitted, forward, options, spec)
+    return BuiltModel(state, kv, jitted, forward, spec)
 
 
 def main() -> None:

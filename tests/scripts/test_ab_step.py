@@ -122,11 +122,16 @@ def test_the_fused_qkv_knob_moves_q_k_v_alone_and_is_undone_after():
         pass
 
 
-def test_the_triton_gemm_knob_sets_the_xla_option_beside_the_engines():
+def test_each_setting_compiles_with_the_engines_options_for_its_kind_and_the_triton_gemm_knob():
     engine = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert setting_compiler_options({}, engine) is engine
-    assert setting_compiler_options({"triton-gemm": 0}, engine) == {**engine, "xla_gpu_enable_triton_gemm": False}
-    assert setting_compiler_options({"triton-gemm": 1}, None) == {"xla_gpu_enable_triton_gemm": True}
+    cublas, triton = {"xla_gpu_enable_triton_gemm": False}, {"xla_gpu_enable_triton_gemm": True}
+    assert setting_compiler_options({}, "gpu", True) == engine  # a forward with adapters: XLA's Triton fusions
+    assert setting_compiler_options({}, "gpu", False) == {**engine, **cublas}  # the base model's, as the engine's
+    assert setting_compiler_options({"base": True}, "gpu", True) == {**engine, **cublas}  # no adapter batch
+    assert setting_compiler_options({"triton-gemm": 0}, "gpu", True) == {**engine, **cublas}
+    assert setting_compiler_options({"base": True, "triton-gemm": 1}, "gpu", True) == {**engine, **triton}
+    assert setting_compiler_options({}, "cpu", True) is None
+    assert setting_compiler_options({"triton-gemm": 1}, "cpu", False) == triton
 
 
 def test_pairs_alternate_round_by_round_after_an_untimed_call():
