@@ -29,8 +29,8 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
   triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
                   cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
-  gated-shrink=S  1 (the default): where gate|up would hand XLA its product to activate, down takes it and one kernel
-                  computes the activation and down's shrink (`PallasGPUBackend.gated_shrink`); 0: XLA's activation,
+  gated-shrink=S  1: where gate|up would hand XLA its product to activate, down takes it and one kernel computes the
+                  activation and down's shrink (`PallasGPUBackend.gated_shrink`); 0 (the default): XLA's activation,
                   then down's shrink
   mem-slop=P      the XLA option xla_gpu_memory_limit_slop_factor=P: the percent of the device memory left beside the
                   program's arguments that XLA's scheduler and rematerialization take as the program's limit (95)

@@ -82,18 +82,18 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
     setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
-    setting["gated-shrink"] = 0
+    setting["gated-shrink"] = 1
     skinny_max = base_gemm.SKINNY_MAX_TOKENS
     with applied({**setting, "skinny": 0}, backend) as traced:
         assert not base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)  # the skinny form off in the 256 bucket
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
-        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096 and not pallas.gated_shrink
+        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096 and pallas.gated_shrink
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
         attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
     tiles = attention_gpu.DecodeTiles(0, 0, 2)
     assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
-    assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas) and pallas.gated_shrink  # the class defaults again
+    assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas) and not pallas.gated_shrink  # the class defaults again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
     assert base_gemm.SKINNY_MAX_TOKENS == skinny_max and base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):

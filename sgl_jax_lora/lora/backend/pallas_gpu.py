@@ -169,8 +169,9 @@ class PallasGPUBackend(PallasBackend):
     # q|k|v's (and, where it takes the SGMV path with a delta, gate|up's) shrink before its base GEMM, whose tiles would
     # otherwise take every SM first and leave the shrink waiting (`delta_holding_input`; docs/lora_backends.md)
     shrink_first = True
-    # down's shrink and gate|up's activation in one kernel where gate|up hands down its product (`takes_gated_product`)
-    gated_shrink = True
+    # down's shrink and gate|up's activation in one kernel where gate|up hands down its product (`takes_gated_product`);
+    # off until timed on a GPU (scripts/ab_step.py gated-shrink=1; docs/lora_backends.md)
+    gated_shrink = False
 
     def __init__(
         self,

@@ -47,10 +47,16 @@ def expected(gate, up, a, b, residual, meta, num_rows: int):
     return out, h
 
 
+def gated_shrink_backend(mesh=None) -> PallasGPUBackend:
+    backend = PallasGPUBackend(mesh, interpret=True)
+    backend.gated_shrink = True
+    return backend
+
+
 def test_the_activation_and_the_delta_match_the_activation_then_apply_packed():
     gate, up, a, b, residual, meta = inputs()
     rows = jnp.array([27], jnp.int32)
-    backend = PallasGPUBackend(None, interpret=True)
+    backend = gated_shrink_backend()
     layer = jnp.int32(1)
     out, h = backend.apply_from_gated_product(
         jnp.concatenate([gate, up], axis=1), LayerStack(a, layer), (LayerStack(b, layer),), meta, residual,
@@ -75,7 +81,7 @@ def test_over_four_devices_each_takes_its_gate_and_up_columns():
 
     product = put(pack_parts([gate, up], 4), P(None, "tensor"))  # gate|up's output, shard-major
     a_s, b_s = put(a, P(None, None, None, "tensor")), put(b, P())
-    backend = PallasGPUBackend(mesh, interpret=True)
+    backend = gated_shrink_backend(mesh)
 
     @jax.jit
     def run(product, a, b, residual, meta):
@@ -91,6 +97,8 @@ def test_over_four_devices_each_takes_its_gate_and_up_columns():
 
 def test_which_backends_and_buckets_take_the_product():
     pallas = PallasGPUBackend(None, interpret=True, fused_gemm_min_tokens=1024, fused_gemm_other_min_tokens=2048)
+    assert not pallas.takes_gated_product(1024, 48, 4096)  # off by default
+    pallas.gated_shrink = True
     assert pallas.takes_gated_product(1024, 48, 4096)  # down on the SGMV path: its shrink can come with h
     assert not pallas.takes_gated_product(2048, 48, 4096)  # down on the fused GEMM, which reads h whole
     pallas.gated_shrink = False
@@ -122,7 +130,7 @@ def _ops(jaxpr, outside_pallas: bool = True) -> set[str]:
 
 @pytest.mark.parametrize("name", ["pallas_gpu", "einsum"])
 def test_down_given_the_product_computes_what_it_computes_from_the_activation(name):
-    backend = PallasGPUBackend(None, interpret=True) if name == "pallas_gpu" else EinsumBackend(None)
+    backend = gated_shrink_backend() if name == "pallas_gpu" else EinsumBackend(None)
     down = make_down(backend)
     gate, up, _, _, residual, meta = inputs()
     rows = jnp.array([29], jnp.int32)
