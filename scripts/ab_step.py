@@ -29,11 +29,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
   triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
                   cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
-  gated-shrink=S  1: where gate|up would hand XLA its product to activate, down takes it and one kernel computes the
-                  activation and down's shrink (`PallasGPUBackend.gated_shrink`); 0 (the default): XLA's activation,
-                  then down's shrink
   mem-slop=P      the XLA option xla_gpu_memory_limit_slop_factor=P: the percent of the device memory left beside the
-                  program's arguments that XLA's scheduler and rematerialization take as the program's limit (95)
+                  program's arguments that XLA's scheduler and rematerialization take as the program's limit (XLA's
+                  default 95; the engine's forward 100000, `compiler_options.MEMORY_LIMIT_SLOP`)
 Each (case, setting) is compiled and run once; then each of --rounds rounds runs --repeats timed calls of every
 (case, setting), the cases and the settings in the given order in even rounds and reversed in odd ones. A row gives
 each setting's median of its rounds' medians, each round's median, and its output's largest difference from the
@@ -79,11 +77,9 @@ KNOBS = (
     "triton-gemm",
     "fused-qkv",
     "mem-slop",
-    "gated-shrink",
 )
-BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm", "gated-shrink")
-# set on the Pallas GPU backend
-BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first", "fused-qkv", "gated-shrink")
+BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm")
+BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first", "fused-qkv")  # set on the Pallas GPU backend
 
 
 def parse_setting(text: str) -> dict:
@@ -107,7 +103,7 @@ def parse_setting(text: str) -> dict:
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, fused-qkv=Q, mem-slop=P "
                 "(non-negative integers), "
-                "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1, gated-shrink=0|1"
+                "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -140,7 +136,6 @@ def applied(setting: dict, lora_backend):
         "ENTRY_RING_MAX_TOKENS",
         "shrink_first",
         "takes_fused_gemm",
-        "gated_shrink",
     )
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
@@ -157,8 +152,6 @@ def applied(setting: dict, lora_backend):
             pallas.ENTRY_RING_MAX_TOKENS = setting["entry-ring"]
         if "shrink-first" in setting:
             pallas.shrink_first = bool(setting["shrink-first"])
-        if "gated-shrink" in setting:
-            pallas.gated_shrink = bool(setting["gated-shrink"])
         if "fused-qkv" in setting:
             pallas.takes_fused_gemm = qkv_threshold(pallas.takes_fused_gemm, setting["fused-qkv"])
         if "tile16" in setting:

@@ -14,10 +14,6 @@ LayerStack view of the [L, in, out] stack (layers/layer_stack.py), which `base` 
 fits it and slices otherwise. With `--quantization fp8` (`fp8` given) the base weight is an `Fp8Kernel` instead,
 8-bit [out, in] with an `Fp8Scale` per layer, both always handed over as LayerStack views, and `base` computes
 layers/fp8.py `fp8_product`.
-
-What exists here: `LinearAxes`, the weight parameters (`BaseKernel`, `Fp8Kernel`, `Fp8Scale`), `Linear`,
-`GatedProduct` (a [gate | up] product handed to the next layer instead of its activation, where that layer's LoRA
-takes it), `base_product`, `split_packed` and `pack_parts`.
 """
 
 from __future__ import annotations
@@ -133,26 +129,17 @@ class Linear(nnx.Module):
         y = self.base(x, num_rows, zero_padding)
         return y if residual is None else residual + y
 
-    def silu_and_mul(
-        self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None, keep_product: bool = False
-    ) -> jax.Array | GatedProduct:
+    def silu_and_mul(self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None) -> jax.Array:
         """A packed (gate, up) linear's activation silu(x @ W_gate) * (x @ W_up), [T, out / 2]. Where `base`
         would run the base GEMM kernel (no bias, no 8-bit weight), the kernel's epilogue applies it (gemm_gpu.py
         `gated`), so the [T, out] product never reaches device memory; else the product, split per part, then the
-        activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters: `LoRALinear.silu_and_mul`).
-        keep_product: a LoRALinear may return the product instead (`GatedProduct`), for the next layer to activate;
-        a Linear ignores it."""
+        activation. lora_batch: as in `__call__` (a LoRALinear applies its adapters: `LoRALinear.silu_and_mul`)."""
         kernel = self.kernel.get_value()
         if self._runs_gated_base_gemm(kernel, x):
             y = base_gemm(x, kernel, self.base_gemm, self.axes, num_rows, gated=True)
             if y is not None:
                 return y
         return self.unfused_silu_and_mul(x, lora_batch, num_rows)
-
-    def takes_gated_product(self, lora_batch: object, num_tokens: int) -> bool:
-        """Whether this (down) projection takes a `GatedProduct` in a bucket of num_tokens (a LoRALinear's
-        backend may); the MLP then asks gate|up to keep its product."""
-        return False
 
     def unfused_silu_and_mul(
         self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None
@@ -161,34 +148,9 @@ class Linear(nnx.Module):
         unwritten are zeroed in the activation's elementwise pass (XLA fuses the select into it) rather than in a
         pass of their own over the [T, out] product, which XLA cannot fuse into the LoRA expand kernel that reads
         the product after the base GEMM kernel."""
-        return self.gated_product(x, lora_batch, num_rows).activation()
-
-    def gated_product(self, x: jax.Array, lora_batch: object = None, num_rows: jax.Array | None = None) -> GatedProduct:
-        """The packed product `self(x, lora_batch)`, its padding rows as the GEMM kernels leave them."""
-        product = self(x, lora_batch, num_rows=num_rows, zero_padding=False)
-        return GatedProduct(product, num_rows, self.part_sizes, self.tp_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedProduct:
-    """A packed [gate | up] linear's product, handed to the MLP's down projection in place of its activation
-    (LoRALinear.silu_and_mul with keep_product): down's LoRA backend can then compute the activation and its own
-    shrink in one pass over the product (`apply_from_gated_product`); `activation` is what gate|up returns otherwise."""
-
-    product: jax.Array  # [T, out] shard-major packed; the rows from num_rows[0] on may hold any values
-    num_rows: jax.Array | None  # [1] i32: the step's real tokens (None: every row)
-    part_sizes: tuple[int, ...]
-    tp_size: int
-
-    def activation(self) -> jax.Array:
-        """silu(gate) * up, [T, out / 2], the padding rows zero (XLA fuses the select into the elementwise pass)."""
-        gate, up = split_packed(zero_rows_from(self.product, self.num_rows), self.part_sizes, self.tp_size)
+        y = zero_rows_from(self(x, lora_batch, num_rows=num_rows, zero_padding=False), num_rows)
+        gate, up = split_packed(y, self.part_sizes, self.tp_size)
         return jax.nn.silu(gate) * up
-
-
-jax.tree_util.register_dataclass(
-    GatedProduct, data_fields=["product", "num_rows"], meta_fields=["part_sizes", "tp_size"]
-)
 
 
 def base_product(x: jax.Array, kernel: jax.Array, bias: nnx.Param | None) -> jax.Array:

@@ -20,9 +20,7 @@ layers/fp8.py's, else XLA's dot.
 
 The row-parallel layers (o_proj, down_proj) are called with the residual stream and return
 `(residual + delta) + base(x)`: the delta goes into the residual, so the LoRA kernels do not wait for the
-base GEMM (docs/architecture.md "GPU kernel scheduling"). Where gate|up's activation would be XLA's pass over its
-packed product, the MLP hands down that product (`GatedProduct`, when down `takes_gated_product`), and down's
-backend computes the activation h and down's shrink in one kernel (`apply_from_gated_product`) before base(h). A column-parallel layer whose backend orders its shrink
+base GEMM (docs/architecture.md "GPU kernel scheduling"). A column-parallel layer whose backend orders its shrink
 first (`delta_holding_input`) runs the base GEMM on x held behind the shrink and adds the delta to its output.
 
 Inside the model's layer loop the buffers arrive as LayerStack views of the [L, ...] stacks
@@ -46,7 +44,7 @@ from flax import nnx
 
 from sgl_jax_lora.layers.base_gemm import BaseGemm, base_gemm, fits_base_gemm
 from sgl_jax_lora.layers.fp8 import Fp8Gemm
-from sgl_jax_lora.layers.linear import BaseKernel, GatedProduct, Linear, LinearAxes
+from sgl_jax_lora.layers.linear import BaseKernel, Linear, LinearAxes
 
 if TYPE_CHECKING:  # type only: the model receives a backend object built by lora_setup.py
     from sgl_jax_lora.lora.backend.base import LoRABackend, LoRAMeta
@@ -108,7 +106,7 @@ class LoRALinear(Linear):
 
     def __call__(
         self,
-        x: jax.Array | GatedProduct,
+        x: jax.Array,
         lora: LoRAMeta | None = None,
         residual: jax.Array | None = None,
         num_rows: jax.Array | None = None,
@@ -124,11 +122,6 @@ class LoRALinear(Linear):
         base output is added last: the LoRA kernels then need only x and the residual, not the base GEMM's
         result, so on GPU they run beside the GEMM instead of after it (concurrent kernel scheduling).
         """
-        if isinstance(x, GatedProduct):  # down, given gate|up's product: the activation with the shrink
-            y = self._from_gated_product(x, lora, residual, num_rows)
-            if y is not None:
-                return y
-            x = x.activation()
         if lora is None:
             return super().__call__(x, residual=residual, num_rows=num_rows, zero_padding=zero_padding)
         # base GEMM and LoRA in one kernel, where the module fits it
@@ -157,47 +150,18 @@ class LoRALinear(Linear):
         )
         return out if residual is None else out + y
 
-    def silu_and_mul(
-        self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None, keep_product: bool = False
-    ) -> jax.Array | GatedProduct:
+    def silu_and_mul(self, x: jax.Array, lora: LoRAMeta | None = None, num_rows: jax.Array | None = None) -> jax.Array:
         """`Linear.silu_and_mul` with this module's adapters. In steps where no token uses an adapter (lora None),
         the base GEMM kernel's epilogue applies it; where the backend runs the GEMM with the LoRA inside it
         (`runs_base_gemm`) and the module fits, that kernel's epilogue, after the entries; where the base GEMM
         kernel runs the module and the backend hands over the delta, the base kernel's epilogue after adding it
-        (`_gated_with_delta`); else the packed product with the LoRA delta, split, then the activation, or, with
-        keep_product (down takes it: `takes_gated_product`), that product itself (`GatedProduct`)."""
+        (`_gated_with_delta`); else the packed product with the LoRA delta, split, then the activation."""
         if lora is None:
             return super().silu_and_mul(x, None, num_rows)
         y = self._with_base(x, lora, num_rows, gated=True) if self.bias is None else None
         if y is None:
             y = self._gated_with_delta(x, lora, num_rows)
-        if y is not None:
-            return y
-        return self.gated_product(x, lora, num_rows) if keep_product else self.unfused_silu_and_mul(x, lora, num_rows)
-
-    def takes_gated_product(self, lora: LoRAMeta | None, num_tokens: int) -> bool:
-        """Whether this row-parallel module (down) takes gate|up's product in this bucket: with adapters in the step,
-        a 16-bit base weight and no bias, where its backend has the kernel (`LoRABackend.takes_gated_product`)."""
-        if lora is None or not self.row_parallel or self.bias is not None or self.fp8 is not None:
-            return False
-        out_features = sum(self.part_sizes)
-        return self.backend.takes_gated_product(num_tokens, lora.batch.num_segments, out_features)
-
-    def _from_gated_product(
-        self, product: GatedProduct, lora: LoRAMeta | None, residual: jax.Array | None, num_rows: jax.Array | None
-    ) -> jax.Array | None:
-        """residual + the delta + base(h), h computed with the shrink from gate|up's product by the backend
-        (`apply_from_gated_product`); None where it does not take it here."""
-        if residual is None or not self.takes_gated_product(lora, product.product.shape[0]):
-            return None
-        lora_a, lora_bs = self.lora_a.get_value(), self._lora_bs()
-        taken = self.backend.apply_from_gated_product(
-            product.product, lora_a, lora_bs, lora, residual, tp_size=self.tp_size, num_rows=product.num_rows
-        )
-        if taken is None:
-            return None
-        out, h = taken
-        return out + self.base(h, num_rows)
+        return self.unfused_silu_and_mul(x, lora, num_rows) if y is None else y
 
     def _gated_with_delta(self, x: jax.Array, lora: LoRAMeta, num_rows: jax.Array | None) -> jax.Array | None:
         """silu(gate + delta_gate) * (up + delta_up) from the base GEMM kernel's gated epilogue, the delta the

@@ -5,7 +5,9 @@ compiles its timed functions the same way with --concurrent), the layer loop's u
 
 On GPU, XLA runs a step as CUDA graphs whose kernels it serializes by default. CONCURRENT scheduling keeps only
 the data dependencies, so kernels with none between them may overlap: a LoRA shrink runs beside its base GEMM
-on the SMs the GEMM leaves idle at decode sizes (docs/architecture.md, "GPU kernel scheduling").
+on the SMs the GEMM leaves idle at decode sizes (docs/architecture.md, "GPU kernel scheduling"). XLA's memory limit
+for the forward is raised (MEMORY_LIMIT_SLOP), so that its rematerialization pass, which cannot meet the limit beside
+the weights and the KV cache, leaves the program as scheduled.
 
 XLA's own dots (the decoder linears of the token buckets below the base GEMM kernel's, `--gpu-gemm-min-tokens`)
 are Triton GEMM fusions by default; a forward without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which
@@ -24,19 +26,29 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 CONCURRENT_GPU_KERNELS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
+# XLA's memory limit for its scheduler and its rematerialization pass is the device memory left beside the program's
+# arguments, times this percent (default 95). Against it that pass weighs a peak holding the weights and the KV cache
+# (71.6-124 GiB against limits of 48-57 GiB on an H100), which no recomputation can reach, so it recomputes and copies
+# whatever lowers the peak at all (tens of MB: a norm run a second time beside a LoRA shrink, zeroed buffers copied),
+# for nothing. A thousandfold limit leaves the program as scheduled: on an H100 the forwards with 32 adapters ran
+# 0.6-4.0% faster, those without the same or faster. The engine's own sizing (step_memory.py) keeps the
+# temporaries' room. Measured in docs/benchmarks.md "XLA's rematerialization at a limit it cannot meet".
+MEMORY_LIMIT_SLOP = {"xla_gpu_memory_limit_slop_factor": 100000}
 
 
 def forward_compiler_options(
     platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool
 ) -> dict[str, str | bool] | None:
-    """The options for a forward on `platform`: on GPU concurrent kernels unless disabled, and cuBLAS's GEMMs for
-    XLA's dots in a forward without adapters; elsewhere XLA's defaults (None)."""
+    """The options for a forward on `platform`: on GPU concurrent kernels unless disabled, XLA's memory limit raised
+    past its rematerialization's reach, and cuBLAS's GEMMs for XLA's dots in a forward without adapters; elsewhere
+    XLA's defaults (None)."""
     if platform not in ("gpu", "cuda"):
         return None
     options = {} if disable_gpu_concurrent_kernels else dict(CONCURRENT_GPU_KERNELS)
+    options.update(MEMORY_LIMIT_SLOP)
     if not with_lora:
         options.update(CUBLAS_GEMMS)
-    return options or None
+    return options
 
 
 class ForwardPrograms:

@@ -166,9 +166,7 @@ class DecoderLayer(nnx.Module):
         )
         hidden = self.o_proj(attn.reshape(num_tokens, -1), lora, residual=hidden, num_rows=rows)
         x = self.post_attention_layernorm(hidden)
-        # down may take gate|up's product and apply the activation with its LoRA shrink (lora/lora_linear.py)
-        keep_product = self.down_proj.takes_gated_product(lora, num_tokens)
-        activation = self.gate_up_proj.silu_and_mul(x, lora, num_rows=rows, keep_product=keep_product)
+        activation = self.gate_up_proj.silu_and_mul(x, lora, num_rows=rows)
         hidden = self.down_proj(activation, lora, residual=hidden, num_rows=rows)
         return hidden, KVCache(k=k_cache, v=v_cache)
 

@@ -64,7 +64,6 @@ def test_settings_parse_into_knobs():
         "base=1",
         "gated-delta=2",
         "triton-gemm=2",
-        "gated-shrink=2",
         "mem-slop=-1",
         "gated-delta=",
     ):
@@ -82,18 +81,17 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", kernel)
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
     setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
-    setting["gated-shrink"] = 1
     skinny_max = base_gemm.SKINNY_MAX_TOKENS
     with applied({**setting, "skinny": 0}, backend) as traced:
         assert not base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)  # the skinny form off in the 256 bucket
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
-        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096 and pallas.gated_shrink
+        assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
         attention_gpu.ragged_paged_attention_gpu("q", page_size=16)
     tiles = attention_gpu.DecodeTiles(0, 0, 2)
     assert calls == [(("q",), {"page_size": 16, "decode_tiles": tiles})] and traced == [tiles]
     assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens, pallas.gated_delta) == (0, 0, False)
-    assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas) and not pallas.gated_shrink  # the class defaults again
+    assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
     assert base_gemm.SKINNY_MAX_TOKENS == skinny_max and base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
@@ -126,7 +124,7 @@ def test_the_fused_qkv_knob_moves_q_k_v_alone_and_is_undone_after():
 
 
 def test_each_setting_compiles_with_the_engines_options_for_its_kind_and_the_xla_knobs():
-    engine = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    engine = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_memory_limit_slop_factor": 100000}
     cublas, triton = {"xla_gpu_enable_triton_gemm": False}, {"xla_gpu_enable_triton_gemm": True}
     assert setting_compiler_options({}, "gpu", True) == engine  # a forward with adapters: XLA's Triton fusions
     assert setting_compiler_options({}, "gpu", False) == {**engine, **cublas}  # the base model's, as the engine's
@@ -135,9 +133,9 @@ def test_each_setting_compiles_with_the_engines_options_for_its_kind_and_the_xla
     assert setting_compiler_options({"base": True, "triton-gemm": 1}, "gpu", True) == {**engine, **triton}
     assert setting_compiler_options({}, "cpu", True) is None
     assert setting_compiler_options({"triton-gemm": 1}, "cpu", False) == triton
-    slop = {"xla_gpu_memory_limit_slop_factor": 100000}
-    assert setting_compiler_options({"mem-slop": 100000}, "gpu", True) == {**engine, **slop}
-    assert setting_compiler_options({"mem-slop": 100000}, "cpu", True) == slop
+    slop = {"xla_gpu_memory_limit_slop_factor": 95}  # XLA's default again
+    assert setting_compiler_options({"mem-slop": 95}, "gpu", True) == {**engine, **slop}
+    assert setting_compiler_options({"mem-slop": 95}, "cpu", True) == slop
 
 
 def test_pairs_alternate_round_by_round_after_an_untimed_call():

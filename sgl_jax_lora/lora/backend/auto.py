@@ -10,8 +10,8 @@ without measurements use the one-hot einsum baseline.
 
 Where it sits: `--lora-backend auto` (the default), over the other backends (`AutoBackend.backends`, the Pallas
 one from make_pallas_backend). `prepare` returns the Pallas backend's metadata when the bucket runs any module on
-it, else the plain LoRAMeta; `apply_packed`, `packed_delta`, `apply_with_base` and `apply_from_gated_product` go
-to the backend `chosen` for the module.
+it, else the plain LoRAMeta; `apply_packed`, `packed_delta` and `apply_with_base` go to the backend `chosen` for
+the module.
 What exists here: GPU_RULES, DEFAULT_RULES, `choose_backend_name`, `AutoBackend`.
 """
 
@@ -138,27 +138,6 @@ class AutoBackend(LoRABackend):
     ) -> tuple[jax.Array, jax.Array] | None:
         backend = self.chosen(x.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
         return backend.delta_holding_input(x, lora_a, lora_bs, meta, tp_size=tp_size)
-
-    def takes_gated_product(self, num_tokens: int, num_segments: int, out_features: int) -> bool:
-        return self.chosen(num_tokens, num_segments, out_features).takes_gated_product(
-            num_tokens, num_segments, out_features
-        )
-
-    def apply_from_gated_product(
-        self,
-        product: jax.Array,
-        lora_a: jax.Array | LayerStack,
-        lora_bs: tuple[jax.Array | LayerStack, ...],
-        meta: LoRAMeta,
-        residual: jax.Array,
-        *,
-        tp_size: int,
-        num_rows: jax.Array | None,
-    ) -> tuple[jax.Array, jax.Array] | None:
-        backend = self.chosen(product.shape[0], meta.batch.num_segments, sum(_width(b) for b in lora_bs))
-        return backend.apply_from_gated_product(
-            product, lora_a, lora_bs, meta, residual, tp_size=tp_size, num_rows=num_rows
-        )
 
     def apply_with_base(
         self,

@@ -6,12 +6,11 @@ before the layer scan), which turns the step's plain `LoRABatch` into the backen
 `LoRAMeta` or a subclass of it (the Pallas GPU backend adds its kernels' work list and, in prefill, the entry
 table of the GEMM with the LoRA inside it). Every `LoRALinear` then hands that metadata back with its layer's
 base output and A/B buffers to `apply_packed`, or, where `LoRAMeta.runs_base_gemm`, first to `apply_with_base`;
-gate|up asks `packed_delta` for its delta alone where the base GEMM kernel applies the activation; where no kernel
-does and the backend `takes_gated_product`, down takes gate|up's product (`apply_from_gated_product`).
+gate|up asks `packed_delta` for its delta alone where the base GEMM kernel applies the activation.
 The model never sees what the metadata holds.
 
 What exists here: `LoRAMeta`, `LoRABackend` (the interface: `prepare`, `apply_packed`, `apply_with_base`,
-`packed_delta`, `apply_from_gated_product`),
+`packed_delta`),
 `dot_precision`, `BACKEND_NAMES` and `make_lora_backend`. The pure-JAX backends share `XlaBackend`
 (lora/backend/xla.py), the Pallas ones `PallasBackend` (lora/backend/pallas.py).
 
@@ -148,28 +147,6 @@ class LoRABackend(abc.ABC):
         reads the held x starts only once the shrink has run, so the shrink does not wait for the GEMM's tiles to
         drain and the expand runs beside the GEMM (LoRALinear adds the delta to the GEMM's output). None where this
         backend does not order a module that way, and LoRALinear runs the base GEMM, then `apply_packed`."""
-        return None
-
-    def takes_gated_product(self, num_tokens: int, num_segments: int, out_features: int) -> bool:
-        """Whether `apply_from_gated_product` runs for a row-parallel module of `out_features` columns (down) in this
-        bucket: the MLP then hands down gate|up's packed product rather than its activation."""
-        return False
-
-    def apply_from_gated_product(
-        self,
-        product: jax.Array,  # [T, 2 * in]: gate|up's packed product, shard-major (each device its [gate | up])
-        lora_a: jax.Array | LayerStack,  # [A, R, in]: the row-parallel module's (down's)
-        lora_bs: tuple[jax.Array | LayerStack, ...],  # 1 x [A, out, R]
-        meta: LoRAMeta,
-        residual: jax.Array,  # [T, out]
-        *,
-        tp_size: int,
-        num_rows: jax.Array | None,
-    ) -> tuple[jax.Array, jax.Array] | None:
-        """(residual + the LoRA delta of h @ down, h) where h = silu(gate) * up, its rows from num_rows[0] on zero
-        (each device its `in` columns, as the row-parallel module reads them): one kernel computes h and the shrink
-        from one read of the product, so neither XLA's activation pass nor a shrink reading h back runs. None where
-        this backend has no such kernel (`takes_gated_product`); LoRALinear then applies the activation itself."""
         return None
 
 

@@ -5,8 +5,7 @@ kernels in interpret mode.
 
 Where it sits: behind the backend interface (lora/backend/base.py), over the SGMV kernels of
 `pallas_kernels/sgmv/`. A subclass supplies the per-shard kernels (`_local_shrink_partials`, `_local_expand`);
-this class wraps them for a mesh and composes them in `apply_packed` (and `packed_delta`, the delta alone; and, with a
-subclass's activation + shrink kernel, `apply_from_gated_product`).
+this class wraps them for a mesh and composes them in `apply_packed` (and `packed_delta`, the delta alone).
 Pallas calls do not take part in GSPMD propagation, so with a multi-device mesh every call runs under
 `jax.shard_map` over that mesh: column-parallel (`output_sharded`): x, s and A replicated, B and the result split on `out`; row-parallel
 (`input_sharded`): x and A split on `in`, the [T, R] shrink partials summed by `psum` over 'tensor' (the only
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array, layer_shape
+from sgl_jax_lora.layers.layer_stack import LayerStack, as_layer_array
 from sgl_jax_lora.lora.backend.base import TENSOR_AXIS, LoRABackend, LoRAMeta
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 
@@ -190,16 +189,6 @@ class PallasBackend(LoRABackend):
         """Whether `packed_delta` hands a column-parallel module's delta over in a bucket of num_tokens tokens."""
         return False
 
-    def _layer_operands(
-        self, lora_a: jax.Array | LayerStack, lora_bs: tuple[jax.Array | LayerStack, ...]
-    ) -> tuple[bool, jax.Array, jax.Array, tuple[jax.Array, ...]]:
-        """(is_stacked, layer, A, Bs): the whole stacks and the layer's index where the kernels can read them in
-        place, else the layer's own buffers and index 0."""
-        buffers = (lora_a, *lora_bs)
-        if all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers):
-            return True, lora_a.layer, lora_a.stack, tuple(b.stack for b in lora_bs)
-        return False, jnp.zeros((), jnp.int32), as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
-
     def _shrink_expand(
         self,
         x: jax.Array,
@@ -215,7 +204,13 @@ class PallasBackend(LoRABackend):
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """The shrink, then the expand of every part: added into base_out in place, or (None) the delta alone;
         hold_input: (the delta, x held behind the shrink by an optimization barrier)."""
-        is_stacked, layer, lora_a, lora_bs = self._layer_operands(lora_a, lora_bs)
+        buffers = (lora_a, *lora_bs)
+        is_stacked = all(isinstance(w, LayerStack) for w in buffers) and self.fits_stacks(buffers)
+        if is_stacked:
+            layer, lora_a, lora_bs = lora_a.layer, lora_a.stack, tuple(b.stack for b in lora_bs)
+        else:
+            layer = jnp.zeros((), jnp.int32)
+            lora_a, lora_bs = as_layer_array(lora_a), tuple(as_layer_array(b) for b in lora_bs)
         max_rank = lora_bs[0].shape[-1]
         adds_in_place = base_out is not None
 
@@ -239,46 +234,6 @@ class PallasBackend(LoRABackend):
         if adds_in_place:
             return self._sharded(local, specs + (y_spec,), y_spec)(*operands, base_out)
         return self._sharded(local, specs, (y_spec, x_spec) if hold_input else y_spec)(*operands)
-
-    def _local_silu_mul_shrink(
-        self, product: jax.Array, lora_a: jax.Array, meta: LoRAMeta, layer: jax.Array, num_rows: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """(h, [splits, T, R] f32 shrink partials of h) on one shard, from its [T, 2 * in] product; only a backend
-        whose `takes_gated_product` says so has it."""
-        raise NotImplementedError(f"{type(self).__name__} has no activation + shrink kernel")
-
-    def apply_from_gated_product(
-        self,
-        product: jax.Array,
-        lora_a: jax.Array | LayerStack,
-        lora_bs: tuple[jax.Array | LayerStack, ...],
-        meta: LoRAMeta,
-        residual: jax.Array,
-        *,
-        tp_size: int,
-        num_rows: jax.Array | None,
-    ) -> tuple[jax.Array, jax.Array] | None:
-        """The activation and the shrink in one kernel (`_local_silu_mul_shrink`), then the expand adding the delta
-        into the residual in place; each device its columns of the product and of h, the shrink's partials summed
-        over the devices as the row-parallel path sums them."""
-        out_features = sum(layer_shape(b)[-2] for b in lora_bs)
-        if not self.takes_gated_product(product.shape[0], meta.batch.num_segments, out_features):
-            return None
-        is_stacked, layer, lora_a, lora_bs = self._layer_operands(lora_a, lora_bs)
-        rows = jnp.full((1,), product.shape[0], jnp.int32) if num_rows is None else num_rows.astype(jnp.int32)
-        is_split = self._is_split(True)
-
-        def local(product, lora_a, meta, layer, rows, *operands):
-            lora_bs, base = operands[:-1], operands[-1]
-            h, s = self._local_silu_mul_shrink(product, lora_a, meta, layer, rows)
-            if is_split:
-                s = jax.lax.psum(s.sum(0), TENSOR_AXIS)
-            return self._local_expand(s, lora_bs, meta, meta.batch.slot_scale, base, base.dtype, layer), h
-
-        a_spec, b_spec = stacked_spec(IN_SPLIT_A, is_stacked), stacked_spec(REPLICATED, is_stacked)
-        specs = (OUT_SPLIT_Y, a_spec, REPLICATED, REPLICATED, REPLICATED) + (b_spec,) * len(lora_bs) + (REPLICATED,)
-        call = self._sharded(local, specs, (REPLICATED, IN_SPLIT_X))
-        return call(product, lora_a, meta, layer, rows, *lora_bs, residual)
 
 
 def make_pallas_backend(

@@ -50,7 +50,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.sgmv.entry_table import EntryTable, build_entry_table
-from pallas_kernels.sgmv.gated_shrink_gpu import silu_mul_shrink_gpu
 from pallas_kernels.sgmv.gemm_gpu import is_hopper
 from pallas_kernels.sgmv.gemm_lora_gpu import (
     GemmLoraTiles,
@@ -169,9 +168,6 @@ class PallasGPUBackend(PallasBackend):
     # q|k|v's (and, where it takes the SGMV path with a delta, gate|up's) shrink before its base GEMM, whose tiles would
     # otherwise take every SM first and leave the shrink waiting (`delta_holding_input`; docs/lora_backends.md)
     shrink_first = True
-    # down's shrink and gate|up's activation in one kernel where gate|up hands down its product (`takes_gated_product`);
-    # off until timed on a GPU (scripts/ab_step.py gated-shrink=1; docs/lora_backends.md)
-    gated_shrink = False
 
     def __init__(
         self,
@@ -239,11 +235,6 @@ class PallasGPUBackend(PallasBackend):
         least = self.fused_gemm_min_tokens if is_gate_up(num_parts, row_parallel) else self.fused_gemm_other_min_tokens
         return 0 < least <= num_tokens
 
-    def takes_gated_product(self, num_tokens: int, num_segments: int, out_features: int) -> bool:
-        """Down takes gate|up's product (pallas_kernels/sgmv/gated_shrink_gpu.py) with `gated_shrink` on, in buckets
-        where it does not take the fused GEMM (which reads the activation whole)."""
-        return self.gated_shrink and not self.takes_fused_gemm(num_tokens, 1, row_parallel=True)
-
     def gives_packed_delta(self, num_tokens: int) -> bool:
         """gate|up's delta goes to the base GEMM kernel's gated epilogue in buckets where gate|up does not take the
         fused GEMM, when `gated_delta` is on."""
@@ -265,16 +256,6 @@ class PallasGPUBackend(PallasBackend):
             rank_block=rank_block,
             interpret=self.interpret,
         )
-
-    def _local_silu_mul_shrink(
-        self, product: jax.Array, lora_a: jax.Array, meta: LoRAMeta, layer: jax.Array, num_rows: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        in_dim, rank = product.shape[1] // 2, lora_a.shape[-2]
-        tiles = choose_tiles(product.shape[0], meta.batch.num_segments, in_dim, None, shrink_rank=rank)
-        return silu_mul_shrink_gpu(
-            product, lora_a, *_segments(meta), num_rows, *_work(meta, tiles.block_rows), layer,
-            tiles=tiles, rank_block=rank, interpret=self.interpret,
-        )  # fmt: skip
 
     def _local_expand(
         self,

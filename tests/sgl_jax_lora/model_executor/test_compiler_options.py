@@ -1,5 +1,5 @@
-"""sgl_jax_lora/model_executor/compiler_options.py: concurrent GPU kernels for the forward unless disabled (GPU only),
-and the persistent compilation cache the engine process and multi-host followers turn on."""
+"""sgl_jax_lora/model_executor/compiler_options.py: concurrent GPU kernels for the forward unless disabled and XLA's
+memory limit raised (GPU only), and the persistent compilation cache the engine process and multi-host followers turn on."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from sgl_jax_lora.server_args import ServerArgs
 
 def test_forward_compiler_options_turn_concurrent_kernels_on_only_on_gpu():
     concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    limit = {"xla_gpu_memory_limit_slop_factor": 100000}  # past the rematerialization's reach, with or without
     with_lora = dict(with_lora=True)
-    assert forward_compiler_options("gpu", False, **with_lora) == concurrent
-    assert forward_compiler_options("cuda", False, **with_lora) == concurrent
-    assert forward_compiler_options("gpu", True, **with_lora) is None
+    assert forward_compiler_options("gpu", False, **with_lora) == {**concurrent, **limit}
+    assert forward_compiler_options("cuda", False, **with_lora) == {**concurrent, **limit}
+    assert forward_compiler_options("gpu", True, **with_lora) == limit
     for platform in ("cpu", "tpu"):
         for lora in (True, False):
             assert forward_compiler_options(platform, False, with_lora=lora) is None
@@ -42,8 +43,9 @@ def test_a_forward_without_adapters_takes_cublas_gemms_on_gpu():
     keeps XLA's Triton GEMM fusions (its option left at XLA's default)."""
     cublas = {"xla_gpu_enable_triton_gemm": False}
     concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert forward_compiler_options("gpu", False, with_lora=False) == {**concurrent, **cublas}
-    assert forward_compiler_options("cuda", True, with_lora=False) == cublas
+    limit = {"xla_gpu_memory_limit_slop_factor": 100000}
+    assert forward_compiler_options("gpu", False, with_lora=False) == {**concurrent, **limit, **cublas}
+    assert forward_compiler_options("cuda", True, with_lora=False) == {**limit, **cublas}
     assert "xla_gpu_enable_triton_gemm" not in forward_compiler_options("gpu", False, with_lora=True)
 
 
