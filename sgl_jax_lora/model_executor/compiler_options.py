@@ -29,8 +29,7 @@ CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 # XLA's memory limit for its scheduler and its rematerialization pass is the device memory left beside the program's
 # arguments, times this percent (default 95). Against it that pass weighs a peak holding the weights and the KV cache
 # (71.6-124 GiB against limits of 48-57 GiB on an H100), which no recomputation can reach, so it recomputes and copies
-# whatever lowers the peak at all (tens of MB: a norm run a second time beside a LoRA shrink, zeroed buffers copied),
-# for nothing. A thousandfold limit leaves the program as scheduled: on an H100 the forwards with 32 adapters ran
+# whatever lowers the peak at all (by 31-133 MB in a serving run's programs), for nothing. A thousandfold limit leaves the program as scheduled: on an H100 the forwards with 32 adapters ran
 # 0.6-4.0% faster, those without the same or faster. The engine's own sizing (step_memory.py) keeps the
 # temporaries' room. Measured in docs/benchmarks.md "XLA's rematerialization at a limit it cannot meet".
 MEMORY_LIMIT_SLOP = {"xla_gpu_memory_limit_slop_factor": 100000}
@@ -38,7 +37,7 @@ MEMORY_LIMIT_SLOP = {"xla_gpu_memory_limit_slop_factor": 100000}
 
 def forward_compiler_options(
     platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool
-) -> dict[str, str | bool] | None:
+) -> dict[str, str | bool | int] | None:
     """The options for a forward on `platform`: on GPU concurrent kernels unless disabled, XLA's memory limit raised
     past its rematerialization's reach, and cuBLAS's GEMMs for XLA's dots in a forward without adapters; elsewhere
     XLA's defaults (None)."""
