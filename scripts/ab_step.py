@@ -123,10 +123,11 @@ def qkv_threshold(takes_fused_gemm, least: int):
 
 @contextlib.contextmanager
 def applied(setting: dict, lora_backend):
-    """The setting in force while the forward is traced: the fused-GEMM thresholds, the gated-delta choice and the
-    entry ring's bucket on the model's Pallas GPU backend, the SGMV kernels' row tiles, the skinny GEMM's buckets,
-    the decode tiles as the attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles each traced
-    call of the GPU attention kernel took (empty without a decode knob)."""
+    """The setting in force while the forward is traced: the fused-GEMM thresholds (q|k|v's own with fused-qkv), the
+    gated-delta and shrink-first choices and the entry ring's bucket on the model's Pallas GPU backend, the SGMV
+    kernels' row tiles, the skinny GEMM's buckets, the decode tiles as the attention layer's kernel call takes them;
+    all as they were afterwards. Yields the list of the tiles each traced call of the GPU attention kernel took (empty
+    without a decode knob). The XLA knobs act on the compile options instead (`setting_compiler_options`)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
     attributes = (

@@ -29,9 +29,10 @@ CUBLAS_GEMMS = {"xla_gpu_enable_triton_gemm": False}
 # XLA's memory limit for its scheduler and its rematerialization pass is the device memory left beside the program's
 # arguments, times this percent (default 95). Against it that pass weighs a peak holding the weights and the KV cache
 # (71.6-124 GiB against limits of 48-57 GiB on an H100), which no recomputation can reach, so it recomputes and copies
-# whatever lowers the peak at all (by 31-133 MB in a serving run's programs), for nothing. A thousandfold limit leaves the program as scheduled: on an H100 the forwards with 32 adapters ran
-# 0.6-4.0% faster, those without the same or faster. The engine's own sizing (step_memory.py) keeps the
-# temporaries' room. Measured in docs/benchmarks.md "XLA's rematerialization at a limit it cannot meet".
+# whatever lowers the peak at all (by 31-133 MB in a serving run's programs), for nothing. A thousandfold limit leaves
+# the program as scheduled: on an H100 the forwards with 32 adapters ran 0.6-4.0% faster, those without faster or
+# within their rounds' spread. The engine's own sizing (step_memory.py) keeps the temporaries' room. Measured in
+# docs/benchmarks.md "XLA's rematerialization at a limit it cannot meet".
 MEMORY_LIMIT_SLOP = {"xla_gpu_memory_limit_slop_factor": 100000}
 
 

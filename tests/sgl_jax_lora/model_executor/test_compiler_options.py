@@ -1,5 +1,6 @@
 """sgl_jax_lora/model_executor/compiler_options.py: concurrent GPU kernels for the forward unless disabled and XLA's
-memory limit raised (GPU only), and the persistent compilation cache the engine process and multi-host followers turn on."""
+memory limit raised (GPU only), the two forward programs by kind of batch, and the persistent compilation cache the
+engine process and multi-host followers turn on."""
 
 from __future__ import annotations
 
