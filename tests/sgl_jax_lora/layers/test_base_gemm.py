@@ -216,3 +216,30 @@ def test_engine_with_gate_up_delta_in_the_gated_epilogue(
     assert [call["gated"] for call in calls if call["delta"] is not None] == [True]
     for got, want in zip(ours, expected):
         assert len(got) == len(want) and np.abs(np.array(got) - np.array(want)).max() < 0.2
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_the_skinny_gated_form_with_and_without_a_lora_delta(with_delta):
+    """gate|up in the skinny form: silu(gate (+ delta_gate)) * (up (+ delta_up)) worked out on the kernel's y^T
+    (its gate and up halves as row blocks) and transposed once, as the unfused layers compute it, the padding rows
+    zero. On CPU the kernel's pure-JAX reference stands in for it."""
+    from sgl_jax_lora.layers.layer_stack import LayerStack
+    from sgl_jax_lora.models.llama import LINEAR_AXES
+
+    rng = np.random.default_rng(3)
+    num_tokens, num_rows, hidden, inter = 64, 37, 128, 256
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+    stack = jnp.asarray(rng.standard_normal((2, hidden, 2 * inter)) / np.sqrt(hidden), jnp.bfloat16)
+    delta = jnp.asarray(rng.standard_normal((num_tokens, 2 * inter)) * 0.1, jnp.bfloat16) if with_delta else None
+    config = BaseGemm(64, reference=True, skinny=True)
+    rows = jnp.array([num_rows], jnp.int32)
+    kernel = LayerStack(stack, jnp.int32(1))
+    ours = base_gemm_module.base_gemm(x, kernel, config, LINEAR_AXES["gate_up_proj"], rows, gated=True, delta=delta)
+    y = jnp.dot(x.astype(jnp.float32), stack[1].astype(jnp.float32)).astype(jnp.bfloat16)
+    y = y if delta is None else y + delta
+    gate, up = jnp.split(y, 2, axis=-1)
+    want = np.asarray(jax.nn.silu(gate) * up, np.float32)
+    ours = np.asarray(ours, np.float32)
+    assert ours.shape == (num_tokens, inter)
+    np.testing.assert_array_equal(ours[:num_rows], want[:num_rows])
+    assert not ours[num_rows:].any()
