@@ -220,9 +220,9 @@ def test_engine_with_gate_up_delta_in_the_gated_epilogue(
 
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_the_skinny_gated_form_with_and_without_a_lora_delta(with_delta):
-    """gate|up in the skinny form: silu(gate (+ delta_gate)) * (up (+ delta_up)) worked out on the kernel's y^T
-    (its gate and up halves as row blocks) and transposed once, as the unfused layers compute it, the padding rows
-    zero. On CPU the kernel's pure-JAX reference stands in for it."""
+    """gate|up in the skinny form: silu(gate (+ delta_gate)) * (up (+ delta_up)) after the kernel's product, each
+    sum rounded as the unfused layers round it, the padding rows zero. On CPU the kernel's pure-JAX reference stands
+    in for the kernel."""
     from sgl_jax_lora.layers.layer_stack import LayerStack
     from sgl_jax_lora.models.llama import LINEAR_AXES
 
