@@ -19,7 +19,9 @@ import pytest
 import sgl_jax_lora.layers.base_gemm as base_gemm_module
 import sgl_jax_lora.lora.backend.pallas_gpu as pallas_gpu_module
 from sgl_jax_lora.layers.base_gemm import DEFAULT_MIN_TOKENS, BaseGemm, make_base_gemm
+from sgl_jax_lora.layers.layer_stack import LayerStack
 from sgl_jax_lora.layers.sharding import make_mesh
+from sgl_jax_lora.models.llama import LINEAR_AXES
 from sgl_jax_lora.server_args import ServerArgs
 from tests.support.kernel_sized_engine import count_calls, make_kernel_sized_model, serve_logprobs
 from tests.support.model_forward import model_logits
@@ -223,9 +225,6 @@ def test_the_skinny_gated_form_with_and_without_a_lora_delta(with_delta):
     """gate|up in the skinny form: silu(gate (+ delta_gate)) * (up (+ delta_up)) after the kernel's product, each
     sum rounded as the unfused layers round it, the padding rows zero. On CPU the kernel's pure-JAX reference stands
     in for the kernel."""
-    from sgl_jax_lora.layers.layer_stack import LayerStack
-    from sgl_jax_lora.models.llama import LINEAR_AXES
-
     rng = np.random.default_rng(3)
     num_tokens, num_rows, hidden, inter = 64, 37, 128, 256
     x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
