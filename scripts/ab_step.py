@@ -29,6 +29,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
   triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
                   cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
+  decode-only=D   1: the cases' batches marked as steps of decode rows alone (`ForwardBatch.decode_only`, the program
+                  the engine runs them in with --decode-step-programs on): the GPU attention leaves out its general
+                  kernel; decode cases only. 0: the program of any mix (the default)
   mem-slop=P      the XLA option xla_gpu_memory_limit_slop_factor=P: the percent of the device memory left beside the
                   program's arguments that XLA's scheduler and rematerialization take as the program's limit (XLA's
                   default 95; the engine's forward 100000, `compiler_options.MEMORY_LIMIT_SLOP`)
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -77,8 +81,9 @@ KNOBS = (
     "triton-gemm",
     "fused-qkv",
     "mem-slop",
+    "decode-only",
 )
-BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm")
+BINARY_KNOBS = ("gated-delta", "shrink-first", "triton-gemm", "decode-only")
 BACKEND_KNOBS = ("fused", "gated-delta", "entry-ring", "shrink-first", "fused-qkv")  # set on the Pallas GPU backend
 
 
@@ -103,7 +108,7 @@ def parse_setting(text: str) -> dict:
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
                 "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, fused-qkv=Q, mem-slop=P "
                 "(non-negative integers), "
-                "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1"
+                "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1, decode-only=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
     return setting
@@ -178,10 +183,17 @@ def applied(setting: dict, lora_backend):
 
 
 def setting_batches(settings: list[dict], batches: list, base_batches: list) -> list[list]:
-    """Each setting's batch of each case: the base batches (no adapter batch) for `base`, which needs --lora."""
+    """Each setting's batch of each case: the base batches (no adapter batch) for `base`, which needs --lora; marked
+    decode-only for `decode-only=1`, which needs decode cases."""
     if any(s.get("base") for s in settings) and batches is base_batches:
         raise SystemExit("the base setting needs --lora (it is the LoRA-enabled model's forward without adapters)")
-    return [base_batches if setting.get("base") else batches for setting in settings]
+    chosen = [base_batches if setting.get("base") else batches for setting in settings]
+    for index, setting in enumerate(settings):
+        if setting.get("decode-only"):
+            if any(int(np.max(np.diff(np.asarray(b.cu_q_lens)))) > 1 for b in chosen[index]):
+                raise SystemExit("decode-only=1 needs decode cases only (a sequence of one query token each)")
+            chosen[index] = [dataclasses.replace(b, decode_only=True) for b in chosen[index]]
+    return chosen
 
 
 def compared_with(settings: list[dict]) -> list[int]:

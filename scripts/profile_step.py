@@ -17,6 +17,7 @@ the same forward (it rewrites the same KV pages), so they are timed without the 
 also times whole engine steps, with the overlap schedule and without it (each step finished before the next is
 scheduled). `--pallas-variant` runs the
 engine's Pallas kernels with one of tune_gpu_sgmv.py's tile variants, so that tiles are compared in the model.
+`--decode-step-programs off` runs a decode step in the program of any mix instead of its own.
 `--gpu-gemm-min-tokens N` (0: off) sets the engine flag, so that XLA's dot and the base GEMM kernel are compared on
 the same prefill step; `--quantization fp8` builds the engine with 8-bit weights. `--tp-size N` shards the model
 over N devices as `launch --tp-size N` does (the trace then holds every device's ops).
@@ -194,6 +195,7 @@ def build_engine(opts) -> tuple[EngineCore, list[str]]:
         max_prefill_seqs={"extend": max(opts.batch, 4), "decode": 8, "mixed": max(opts.chunks, 8)}[opts.mode],
         token_buckets=[step_tokens],
         attention_backend=opts.attention_backend,
+        decode_step_programs=opts.decode_step_programs,
         kv_cache_dtype=opts.kv_cache_dtype,
         quantization=opts.quantization,
         skip_precompile=True,
@@ -252,6 +254,12 @@ def main() -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=0, help="device slots (default: --lora-adapters)")
     parser.add_argument("--lora-backend", default="auto")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "native", "pallas"))
+    parser.add_argument(
+        "--decode-step-programs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the engine flag: decode steps in programs of their own (auto: with the Pallas attention on GPU)",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", help="the engine flag (auto, fp8_e4m3, fp8_e5m2)")
     parser.add_argument(
         "--quantization",

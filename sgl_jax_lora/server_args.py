@@ -20,6 +20,7 @@ from sgl_jax_lora.utils.config_file import read_config_file
 DTYPES = ("bfloat16", "float32")
 LORA_BACKENDS = ("einsum", "bgmv", "sgmv", "pallas", "auto")
 ATTENTION_FLAGS = ("auto", "native", "pallas")
+DECODE_STEP_PROGRAMS = ("auto", "on", "off")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # mem_cache/kv_cache.py kv_cache_dtype
 QUANTIZATIONS = ("fp8",)  # layers/fp8.py
 SAMPLING_DEFAULTS = ("model", "openai")  # configs/generation_config.py
@@ -114,6 +115,11 @@ class ServerArgs:
         "auto",
         "attention over the paged KV cache: 'pallas' (the Mosaic kernel on TPU, the Pallas GPU kernels on GPU, interpret mode on CPU), 'native' (pure JAX), 'auto' (pallas on TPU and GPU, native on CPU)",
         choices=ATTENTION_FLAGS,
+    )
+    decode_step_programs: str = _f(
+        "auto",
+        "compile a second program for each token bucket a step of decode rows alone fits, in which attention leaves out its prefill path: 'auto' (on where that saves a kernel a layer: the Pallas attention on GPU), 'on', 'off' (fewer programs; decode steps run the program of any mix)",
+        choices=DECODE_STEP_PROGRAMS,
     )
     sampling_defaults: str = _f(
         "model",

@@ -139,6 +139,7 @@ def _check_choices(args: ServerArgs) -> None:
         "dtype": sa.DTYPES,
         "lora_backend": sa.LORA_BACKENDS,
         "attention_backend": sa.ATTENTION_FLAGS,
+        "decode_step_programs": sa.DECODE_STEP_PROGRAMS,
         "sampling_defaults": sa.SAMPLING_DEFAULTS,
         "kv_cache_dtype": sa.KV_CACHE_DTYPES,
         "scheduling_policy": sa.SCHEDULING_POLICIES,

@@ -32,8 +32,8 @@ one row a sequence (other sequences map to no sequence), which reads q at each r
 unsplit, writes its result into the general kernel's output in place (aliased: no scatter); split, the combined rows
 are scattered into it. In a mixed step the general kernel would serve a decode row with a q tile of G real rows out
 of BQ * G, at about twice the decode kernel's time (docs/benchmarks.md); in a decode step it launches only the
-padding's blocks. `decode_only=True` runs the decode
-kernel over every token instead.
+padding's blocks. A decode-only step (`decode_only=True`, or a decode-only plan) launches the decode kernel alone,
+one row a token, longest first; its padding tokens' rows come out as zeros.
 
 The step's layout for both kernels (the decode rows longest first, the q block table) is the same in every layer:
 `plan_ragged_attention_gpu` computes it as a `RaggedAttentionPlan`, which the model builds once per forward and hands
@@ -88,16 +88,21 @@ class PrefillTiles:
 
 
 class RaggedAttentionPlan(NamedTuple):
-    """The step's row layout for both kernels, from the batch alone (the same in every layer). Decode rows, one a
-    sequence, longest first (`_decode_rows`, `_longest_first`): row_token, row_seq, row_kv_len [S] i32. The general
-    kernel's q blocks (`_q_block_table`): block_seq, block_start, block_count [T // BQ + C + 1] i32."""
+    """The step's row layout for both kernels, from the batch alone (the same in every layer). Decode rows, longest
+    first (`_longest_first`): row_token, row_seq, row_kv_len, one a sequence ([S] i32, `_decode_rows`) in a plan for
+    steps of any mix, one a token ([T] i32, `_token_rows`) in a decode-only plan. The general kernel's q blocks
+    (`_q_block_table`): block_seq, block_start, block_count [T // BQ + C + 1] i32; None in a decode-only plan."""
 
     row_token: jax.Array
     row_seq: jax.Array
     row_kv_len: jax.Array
-    block_seq: jax.Array
-    block_start: jax.Array
-    block_count: jax.Array
+    block_seq: jax.Array | None = None
+    block_start: jax.Array | None = None
+    block_count: jax.Array | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.block_seq is None
 
 
 def plan_ragged_attention_gpu(
@@ -109,11 +114,15 @@ def plan_ragged_attention_gpu(
     group: int,
     max_chunks: int | None = None,
     prefill_tiles: PrefillTiles = PrefillTiles(),
+    decode_only: bool = False,
 ) -> RaggedAttentionPlan:
-    """The layout `ragged_paged_attention_gpu` computes for a step of any mix (not decode_only) of num_tokens
-    tokens and GQA group `group` (query heads per kv head): build it once per forward and pass it as `plan=` to
-    every layer's call, with the same max_chunks and prefill_tiles."""
+    """The layout `ragged_paged_attention_gpu` computes for a step of num_tokens tokens and GQA group `group` (query
+    heads per kv head): build it once per forward and pass it as `plan=` to every layer's call. A step of any mix:
+    with the same max_chunks and prefill_tiles as the calls. decode_only (every q_len <= 1): the decode kernel's
+    rows alone, one a token, and no q block table."""
     kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
+    if decode_only:
+        return RaggedAttentionPlan(*_longest_first(*_token_rows(cu_q_lens, kv_lens, num_tokens)))
     rows = _longest_first(*_decode_rows(cu_q_lens, kv_lens, num_tokens))
     block_tokens = _prefill_block_rows(num_tokens, page_table.shape[0], group, prefill_tiles) // group
     blocks = _q_block_table(cu_q_lens, num_tokens, block_tokens, skip_decode_rows=True, max_chunks=max_chunks)
@@ -277,8 +286,8 @@ def _normalize(o: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def _decode_kernel(
-    token_seq_ref,
-    token_kv_len_ref,
+    row_seq_ref,
+    row_kv_len_ref,
     *refs,
     group,
     group_pad,
@@ -286,44 +295,35 @@ def _decode_kernel(
     block_kv,
     page_size,
     scale_log2,
-    rows_by_token,
     in_place,
     windowed,
 ):
-    # token_seq_ref, token_kv_len_ref [R] i32 (-1 and 0: no sequence); q_ref/out [R, H, D];
-    # partials: o [splits, R, H, D], m and l [splits, R, H].
-    # rows_by_token: refs start with row_token_ref [R] i32, q_ref is the step's [T, H, D] and row r reads token
-    # row_token[r]. in_place (with rows_by_token, unsplit): out is the step's [T, H, D] too, aliased to the general
-    # kernel's output (refs' `into`), and row r writes token row_token[r]; rows of no sequence write nothing.
+    # row_seq_ref, row_kv_len_ref, row_token_ref [R] i32 (-1 and 0: no sequence; its token may lie past the step's
+    # tokens); q_ref is the step's [T, H, D] and row r reads token row_token[r]. Unsplit, row r writes its result at
+    # that token of out [T, H, D]: in place, out is aliased to the general kernel's output (refs' `into`) and rows of
+    # no sequence write nothing; otherwise the rows are every token (a decode-only plan's) and a row of no sequence
+    # writes zeros. Split, row r writes partials o [splits, R, H, D], m and l [splits, R, H] at r.
     # windowed: a window_ref [1] i32 (the sliding window) follows layer_ref.
-    refs = list(refs)
-    row_token_ref = refs.pop(0) if rows_by_token else None
-    layer_ref = refs.pop(0)
+    row_token_ref, layer_ref, *refs = refs
     window_ref = refs.pop(0) if windowed else None
     page_table_ref, q_ref, k_ref, v_ref = refs[:4]
     out_refs = refs[5:] if in_place else refs[4:]  # in place: `into` (aliased to the output) comes first
-    kv_head, token, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_head, row, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
-    seq = token_seq_ref[token]
+    seq = row_seq_ref[row]
     safe_seq = jnp.maximum(seq, 0)
-    kv_len = token_kv_len_ref[token]  # read beside the sequence, not through it: one dependent load less
+    kv_len = row_kv_len_ref[row]  # read beside the sequence, not through it: one dependent load less
     layer = layer_ref[0]
     rows = jnp.arange(group_pad, dtype=jnp.int32)
     heads = kv_head * group + rows
     is_head = rows < group
     cols = jnp.arange(head_dim, dtype=jnp.int32)
     row_mask = jnp.broadcast_to(is_head[:, None], (group_pad, head_dim))
-    out_at = (token, heads[:, None], cols[None, :])
-    store_mask = row_mask
-    if rows_by_token:  # a row of no sequence points past the step's tokens: clamped (and in place, its store off)
-        q_row = jnp.minimum(row_token_ref[token], q_ref.shape[0] - 1)
-        q_at = (q_row, heads[:, None], cols[None, :])
-    else:
-        q_at = out_at
-    if in_place:
-        out_at = q_at
-        store_mask = row_mask & (seq >= 0)
-    q = _load_q(q_ref, q_at, row_mask, k_ref.dtype)
+    row_at = (row, heads[:, None], cols[None, :])
+    token = jnp.minimum(row_token_ref[row], q_ref.shape[0] - 1)  # a row of no sequence may point past the tokens
+    token_at = (token, heads[:, None], cols[None, :])
+    store_mask = row_mask & (seq >= 0) if in_place else row_mask
+    q = _load_q(q_ref, token_at, row_mask, k_ref.dtype)
 
     num_blocks = pl.cdiv(kv_len, block_kv)
     init = (
@@ -373,16 +373,17 @@ def _decode_kernel(
         o, m, l = walk(None)
     if num_splits == 1:
         (out_ref,) = out_refs
-        plgpu.store(out_ref.at[out_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
+        plgpu.store(out_ref.at[token_at], _normalize(o, l).astype(out_ref.dtype), mask=store_mask)
         return
     o_ref, m_ref, l_ref = out_refs
-    plgpu.store(o_ref.at[(split,) + out_at], o, mask=row_mask)
-    plgpu.store(m_ref.at[split, token, heads], m, mask=is_head)
-    plgpu.store(l_ref.at[split, token, heads], l, mask=is_head)
+    plgpu.store(o_ref.at[(split,) + row_at], o, mask=row_mask)
+    plgpu.store(m_ref.at[split, row, heads], m, mask=is_head)
+    plgpu.store(l_ref.at[split, row, heads], l, mask=is_head)
 
 
-def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """([T] i32 sequence of each token, [T] i32 its kv_len); -1 and 0 for padding tokens past cu_q_lens[S]."""
+def _token_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
+    """The decode rows of a decode-only step, one a token: ([T] i32 the token, [T] i32 its sequence, [T] i32 that
+    sequence's kv_len); -1 and 0 for padding tokens past cu_q_lens[S]."""
     num_seqs = cu_q_lens.shape[0] - 1
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     # compare_all: one fused elementwise pass; the default scan method is a while loop, which on GPU costs a
@@ -390,7 +391,7 @@ def _token_seq(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tup
     seq = jnp.searchsorted(cu_q_lens, token, side="right", method="compare_all") - 1
     seq = jnp.clip(seq, 0, num_seqs - 1).astype(jnp.int32)
     is_real = token < cu_q_lens[-1]
-    return jnp.where(is_real, seq, -1), jnp.where(is_real, kv_lens[seq], 0)
+    return token, jnp.where(is_real, seq, -1), jnp.where(is_real, kv_lens[seq], 0)
 
 
 def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, ...]:
@@ -405,15 +406,17 @@ def _decode_rows(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
 
 
 def _longest_first(row_token: jax.Array, row_seq: jax.Array, row_kv_len: jax.Array) -> tuple[jax.Array, ...]:
-    """`_decode_rows`' arrays reordered by decreasing kv_len (ties in row order): the decode kernel's programs then
-    launch the longest rows first and end on the shortest. Each row still reads and writes its own token; only the
-    launch order changes (one sort of S keys a forward: `plan_ragged_attention_gpu` runs it once for every layer)."""
+    """`_decode_rows`' or `_token_rows`' arrays reordered by decreasing kv_len (ties in row order): the decode
+    kernel's programs then launch the longest rows first and end on the shortest. Each row still reads and writes its
+    own token; only the launch order changes (one sort of S or T keys a forward: `plan_ragged_attention_gpu` runs it
+    once for every layer)."""
     order = jnp.argsort(-row_kv_len, stable=True)
     return row_token[order], row_seq[order], row_kv_len[order]
 
 
 def _decode_attention(
     q,
+    row_token,
     row_seq,
     row_kv_len,
     k_cache,
@@ -425,37 +428,33 @@ def _decode_attention(
     scale,
     tiles,
     interpret,
-    row_token=None,
     into=None,
     window=None,
 ) -> jax.Array:
-    """q [R, H, D]: one query row each, of sequence row_seq[r] (-1: none) with row_kv_len[r] keys -> [R, H, D].
-    window: [1] i32, the sliding window (each row reads its last window keys); None: every key.
+    """q [T, H, D], the step's; row r is the query of token row_token[r] ([R] i32), of sequence row_seq[r] (-1:
+    none) with row_kv_len[r] keys -> [T, H, D]. window: [1] i32, the sliding window (each row reads its last window
+    keys); None: every key. The kernel reads each row's q at its token (no gather of q).
 
-    With row_token ([R] i32) and into ([T, H, D]): q is the step's [T, H, D] and row r is its token row_token[r]; the
-    rows' results are written into `into` at those tokens (rows of no sequence leave it as it is) and `into` is
-    returned. The kernel reads each row's q at its token (no gather of q); unsplit, it also writes `into` in place (no
-    scatter of the results), split, the combined rows are scattered into it."""
+    With into ([T, H, D]): the rows' results are written into `into` at their tokens (rows of no sequence leave it as
+    it is, and may point past the tokens) and `into` is returned; unsplit, the kernel writes `into` in place (no
+    scatter of the results). Without: the rows are every token once (a decode-only plan's), and a row of no sequence
+    comes out as zeros. Split, the combined rows are scattered to their tokens."""
     num_rows = row_seq.shape[0]
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    group_pad = max(_MIN_DOT, _next_pow2(group))
-    max_kv_len = page_table.shape[1] * page_size
     block_kv = tiles.block_kv or choose_decode_block_kv(k_cache.dtype)
-    splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, max_kv_len, block_kv)
+    splits = tiles.num_splits or choose_decode_splits(num_rows, num_kv_heads, page_table.shape[1] * page_size, block_kv)
     num_warps = tiles.num_warps or choose_decode_num_warps(k_cache.dtype)
-    rows_by_token = row_token is not None
-    in_place = rows_by_token and splits == 1
+    in_place = into is not None and splits == 1
     kernel = functools.partial(
         _decode_kernel,
         group=group,
-        group_pad=group_pad,
+        group_pad=max(_MIN_DOT, _next_pow2(group)),
         num_splits=splits,
         block_kv=block_kv,
         page_size=page_size,
         scale_log2=scale * _LOG2E,
-        rows_by_token=rows_by_token,
         in_place=in_place,
         windowed=window is not None,
     )
@@ -467,12 +466,7 @@ def _decode_attention(
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
             jax.ShapeDtypeStruct((splits, num_rows, num_heads), jnp.float32),
         )
-    operands = (
-        (row_seq, row_kv_len)
-        + ((row_token,) if rows_by_token else ())
-        + (layer,)
-        + ((window,) if window is not None else ())
-    )
+    operands = (row_seq, row_kv_len, row_token, layer) + ((window,) if window is not None else ())
     operands += (page_table, q, k_cache, v_cache)
     result = pl.pallas_call(
         kernel,
@@ -486,12 +480,12 @@ def _decode_attention(
     if splits == 1:
         return result
     o, m, l = result
-    weight = jnp.exp2(m - jnp.max(m, axis=0))  # [splits, T, H]
+    weight = jnp.exp2(m - jnp.max(m, axis=0))  # [splits, R, H]
     denom = jnp.sum(weight * l, axis=0)
     out = (jnp.sum(weight[..., None] * o, axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(q.dtype)
-    if rows_by_token:  # the rows' results to their tokens; rows of no sequence point past the output (dropped)
-        return into.at[row_token].set(out, mode="drop", unique_indices=True)
-    return out
+    into = jnp.zeros_like(q) if into is None else into
+    # the rows' results to their tokens; rows of no sequence in a plan of any mix point past the output (dropped)
+    return into.at[row_token].set(out, mode="drop", unique_indices=True)
 
 
 def _prefill_kernel(
@@ -678,7 +672,7 @@ def ragged_paged_attention_gpu(
     *,
     page_size: int,
     scale: float,
-    decode_only: bool = False,
+    decode_only: bool | None = None,
     max_chunks: int | None = None,
     interpret: bool = False,
     decode_tiles: DecodeTiles = DecodeTiles(),
@@ -688,30 +682,39 @@ def ragged_paged_attention_gpu(
 ) -> jax.Array:
     """-> [T, H, D] in q's dtype, as `ragged_paged_attention_ref`; products in float32.
 
-    decode_only: the caller promises every q_len <= 1 (a decode step); the flash-decoding kernel then serves every
-    token (a longer row would attend as its last token for each of its tokens). Otherwise (any mix, decode steps
-    included) the sequences of one query token take the decode kernel and the others the general kernel, both
-    in the same program, so a step needs no branch on its kind.
+    decode_only: True: the caller promises every q_len <= 1 (a decode step); the flash-decoding kernel then serves
+    every token, longest row first, and the general kernel is not launched (a longer row would attend as its last
+    token for each of its tokens). False (any mix, decode steps included): the sequences of one query token take
+    the decode kernel and the others the general kernel, both in the same program, so a step needs no branch on its
+    kind. None: the plan's kind, or any mix without a plan.
     max_chunks: the caller promises at most this many sequences of more than one query token (the engine's
     --max-prefill-seqs); the general kernel's grid then has T // BQ + max_chunks + 1 q blocks instead of
     T // BQ + S + 1, which in a step of decode rows is the launch of hundreds of programs with nothing to do.
     The tiles are static tuning knobs (block sizes, warps, pipeline stages); the defaults suit Hopper.
     plan: the step's layout from `plan_ragged_attention_gpu` (the same kv_lens, page_table, cu_q_lens, max_chunks
-    and prefill_tiles), built once for all layers; None: built here. Not with decode_only.
+    and prefill_tiles, and decode_only where given), built once for all layers; None: built here.
     sliding_window: the keys a query attends to, its own included ([] i32, traced: a layer's); the key blocks
     wholly below a query block's window are not read. None: every key up to the query's own.
     """
     check_shapes(q.shape, k_cache.shape, page_size)
-    if plan is not None and decode_only:
-        raise ValueError("ragged_paged_attention_gpu: a plan serves steps of any mix; pass none with decode_only")
+    if plan is not None and decode_only is not None and decode_only != plan.decode_only:
+        kind = "decode-only" if plan.decode_only else "any-mix"
+        raise ValueError(
+            f"ragged_paged_attention_gpu: decode_only={decode_only} with a {kind} plan; build the plan "
+            f"with plan_ragged_attention_gpu(..., decode_only={decode_only})"
+        )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kv_lens, page_table, cu_q_lens = (a.astype(jnp.int32) for a in (kv_lens, page_table, cu_q_lens))
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32).reshape(1)
     decode = functools.partial(
         _decode_attention, page_size=page_size, scale=scale, tiles=decode_tiles, interpret=interpret, window=window
     )
-    if decode_only:
-        return decode(q, *_token_seq(cu_q_lens, kv_lens, q.shape[0]), k_cache, v_cache, layer, page_table)
+    if plan is None:
+        group = q.shape[1] // k_cache.shape[1]
+        options = dict(num_tokens=q.shape[0], group=group, max_chunks=max_chunks, prefill_tiles=prefill_tiles)
+        plan = plan_ragged_attention_gpu(kv_lens, page_table, cu_q_lens, decode_only=bool(decode_only), **options)
+    if plan.decode_only:
+        return decode(q, plan.row_token, plan.row_seq, plan.row_kv_len, k_cache, v_cache, layer, page_table)
     general = functools.partial(
         _prefill_attention,
         page_size=page_size,
@@ -721,10 +724,6 @@ def ragged_paged_attention_gpu(
         max_chunks=max_chunks,
         window=window,
     )
-    if plan is None:
-        group = q.shape[1] // k_cache.shape[1]
-        options = dict(num_tokens=q.shape[0], group=group, max_chunks=max_chunks, prefill_tiles=prefill_tiles)
-        plan = plan_ragged_attention_gpu(kv_lens, page_table, cu_q_lens, **options)
     return _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, plan)
 
 
@@ -735,6 +734,5 @@ def _mixed_attention(decode, general, q, k_cache, v_cache, layer, kv_lens, page_
     first (the plan's)."""
     blocks = (plan.block_seq, plan.block_start, plan.block_count)
     out = general(q, k_cache, v_cache, layer, kv_lens, page_table, cu_q_lens, skip_decode_rows=True, blocks=blocks)
-    return decode(
-        q, plan.row_seq, plan.row_kv_len, k_cache, v_cache, layer, page_table, row_token=plan.row_token, into=out
-    )
+    rows = (plan.row_token, plan.row_seq, plan.row_kv_len)
+    return decode(q, *rows, k_cache, v_cache, layer, page_table, into=out)

@@ -3,7 +3,8 @@
 A step is ragged: decode rows (one token each) and prefill chunks share one forward. Its shape is a token bucket T
 (the step's tokens, padded); the sequence count S and the page-table width P follow from T and the engine's limits
 (`seqs_for`, `max_pages_per_seq`), so the number of compiled forwards is the number of token buckets, whatever the
-mix. `pick` returns the smallest bucket that fits. A step whose requests adjust their logits (penalties, logit_bias,
+mix; with `decode_programs`, each bucket a step of decode rows alone can take has a second program for those steps
+(`programs`: on GPU their attention launches its decode kernel alone). `pick` returns the smallest bucket that fits. A step whose requests adjust their logits (penalties, logit_bias,
 min_new_tokens) sends one entry per (row, token id) a rule touches, padded to an entry bucket: S times a per-row
 budget from `logit_entries_per_row` (sampling/logit_adjustments.py).
 
@@ -37,6 +38,7 @@ class Buckets:
     max_seqs: int  # most sequences in one step (--max-running-requests)
     max_pages_per_seq: int  # page-table width P of every step (the context's pages)
     logit_entries_per_row: tuple[int, ...] = (MIN_LOGIT_ENTRIES_PER_ROW,)  # entry buckets of logit adjustments / S
+    decode_programs: bool = False  # steps of decode rows alone run programs of their own (--decode-step-programs)
 
     @classmethod
     def build(
@@ -47,6 +49,7 @@ class Buckets:
         page_size: int,
         token_buckets: list[int] | None = None,
         max_logit_entries_per_row: int = MIN_LOGIT_ENTRIES_PER_ROW,
+        decode_programs: bool = False,
     ) -> Buckets:
         """Token buckets from MIN_TOKEN_BUCKET up to the most tokens a step holds: the chunk budget, or every running
         request's decode row plus MIN_PREFILL_TOKENS; powers of two unless `--token-buckets` says otherwise.
@@ -66,6 +69,7 @@ class Buckets:
             max_seqs=max_running_requests,
             max_pages_per_seq=max_pages,
             logit_entries_per_row=logit_entry_budgets(max_logit_entries_per_row),
+            decode_programs=decode_programs,
         )
 
     def seqs_for(self, num_tokens: int) -> int:
@@ -75,6 +79,12 @@ class Buckets:
     def shapes(self) -> list[tuple[int, int]]:
         """(S, T) of every compiled step."""
         return [(self.seqs_for(t), t) for t in self.tokens]
+
+    def programs(self) -> list[tuple[int, int, bool]]:
+        """(S, T, decode_only) of every compiled forward: each shape for steps of any mix, then, with
+        decode_programs, for steps of decode rows alone each shape up to the bucket of max_seqs rows."""
+        decode = [(s, t, True) for s, t in self.shapes() if t <= pick(self.tokens, self.max_seqs)]
+        return [(s, t, False) for s, t in self.shapes()] + (decode if self.decode_programs else [])
 
     def sample_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({self.seqs_for(t) for t in self.tokens}))

@@ -9,7 +9,8 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
                 flash attention over q blocks for the prefill chunks, both in every step
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
-`AttentionBackend` holds it with the mesh. `plan_attention` builds, once per forward, the step's layout that a
+`AttentionBackend` holds it with the mesh; `runs_decode_programs` says whether steps of decode rows alone get
+programs of their own (`--decode-step-programs`), whose plan leaves pallas_gpu's general kernel out. `plan_attention` builds, once per forward, the step's layout that a
 backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; pallas_tpu and pallas_interpret: a
 `TpuAttentionPlan`; native: None), which the model hands to every layer's `paged_attention`. Pallas kernels do not
 take part in GSPMD partitioning, so with tensor parallelism they run under shard_map, each device on its own query
@@ -55,6 +56,13 @@ def resolve_attention_backend(flag: str, platform: str) -> str:
     if flag not in ("auto", "pallas"):
         raise ValueError(f"--attention-backend '{flag}' is not supported; choose auto, native or pallas")
     return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "pallas_interpret")
+
+
+def runs_decode_programs(flag: str, backend: str) -> bool:
+    """--decode-step-programs {auto, on, off} with the resolved attention backend: auto is on where a decode step's
+    own program leaves a kernel out of every layer (pallas_gpu: the general kernel, which in a step of decode rows
+    only writes the padding tokens' zeros)."""
+    return flag == "on" or (flag == "auto" and backend == "pallas_gpu")
 
 
 def layer_windows(sliding_windows: tuple[int, ...]) -> jax.Array | None:
@@ -186,11 +194,14 @@ def plan_attention(
     num_tokens: int,
     group: int,
     q_dtype,
+    decode_only: bool = False,
 ):
     """The step's layout that the backend's kernels share across layers, built once per forward (the ForwardBatch's
-    seq_lens, page_table, cu_q_lens; num_tokens: the step's bucket; group: query heads per kv head; q_dtype: the
-    queries' dtype, which sets the TPU kernel's q tile) -> a `RaggedAttentionPlan` for pallas_gpu, a
-    `TpuAttentionPlan` for pallas_tpu and pallas_interpret, None for native (it derives its layout per call)."""
+    seq_lens, page_table, cu_q_lens and decode_only; num_tokens: the step's bucket; group: query heads per kv head;
+    q_dtype: the queries' dtype, which sets the TPU kernel's q tile) -> a `RaggedAttentionPlan` for pallas_gpu (a
+    decode-only one for a decode_only step: the decode kernel alone, no launch of the general kernel), a
+    `TpuAttentionPlan` for pallas_tpu and pallas_interpret (one ragged kernel for every step), None for native (it
+    derives its layout per call)."""
     if backend.name in ("pallas_tpu", "pallas_interpret"):
         from pallas_kernels.attention.tpu_layout import plan_ragged_attention_tpu
 
@@ -199,7 +210,7 @@ def plan_attention(
         return None
     from pallas_kernels.attention.gpu import plan_ragged_attention_gpu
 
-    options = dict(num_tokens=num_tokens, group=group, max_chunks=backend.max_chunks)
+    options = dict(num_tokens=num_tokens, group=group, max_chunks=backend.max_chunks, decode_only=decode_only)
     return plan_ragged_attention_gpu(seq_lens, page_table, cu_q_lens, **options)
 
 

@@ -28,6 +28,7 @@ import time
 from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.distributed.leader_runner import make_model_runner
+from sgl_jax_lora.layers.attention import resolve_attention_backend, runs_decode_programs
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_ref import LoRARef
 from sgl_jax_lora.lora.lora_setup import LoRASetup
@@ -81,6 +82,7 @@ class EngineCore:
         max_logit_entries = min(self.cfg.vocab_size, self.context_length + MAX_LOGIT_BIAS_IDS) + MAX_STOP_TOKEN_IDS
         max_logit_entries += len(self.stop_checker.eos_token_ids)
         step_token_budget = args.step_token_budget(self.context_length)  # the scheduler keeps it (chunk_budget)
+        backend = resolve_attention_backend(args.attention_backend, self.mesh.devices.flat[0].platform)
         self.buckets = Buckets.build(
             args.max_running_requests,
             step_token_budget,
@@ -88,6 +90,7 @@ class EngineCore:
             args.page_size,
             args.token_buckets,
             max_logit_entries_per_row=max_logit_entries,
+            decode_programs=runs_decode_programs(args.decode_step_programs, backend),
         )
         self.runner = make_model_runner(args, self.cfg, self.mesh, self.buckets, self.lora_setup)  # multi-host: leader
         self.lora = build_lora_manager(self.lora_setup, self.runner) if self.lora_setup else None
@@ -365,7 +368,11 @@ class EngineCore:
             "lora": self.lora.stats() if self.lora else None,
             "loras": [dataclasses.asdict(r) for r in self.lora.refs.values()] if self.lora else [],
             "max_lora_rank": self.lora.max_rank if self.lora else None,
-            "buckets": {"tokens": list(self.buckets.tokens), "seqs": [s for s, _ in self.buckets.shapes()]},
+            "buckets": {
+                "tokens": list(self.buckets.tokens),
+                "seqs": [s for s, _ in self.buckets.shapes()],
+                "decode_programs": self.buckets.decode_programs,
+            },
             "attention_backend": self.runner.attention_backend,
             "sliding_windows": list(self.cfg.served_within(self.context_length).sliding_windows),  # 0: full layer
             "kv_cache_dtype": str(self.runner.kv_dtype),  # --kv-cache-dtype as resolved ('auto': the model's)

@@ -75,7 +75,8 @@ class ScheduleBatch:
     ) -> ForwardBatch:
         """The step padded to its bucket: the ragged layout (cu_q_lens), token ids (or, for a decode row whose token
         the step in flight samples, its row in that step's ids, from `in_flight`; None: no token is in flight),
-        positions, cache slots, page tables."""
+        positions, cache slots, page tables; a step whose every sequence feeds one token runs its bucket's program
+        for decode rows alone where the buckets have such programs."""
         num_seqs, num_tokens = self.padded_sizes(buckets)
         count, total = len(self.reqs), self.num_tokens
         q_lens = np.asarray(self.num_new_tokens, np.int32)
@@ -108,6 +109,7 @@ class ScheduleBatch:
             last_token_index=last_token_index,
             lora=lora_builder(token_slot),
             input_from_prev=input_from_prev,
+            decode_only=buckets.decode_programs and count > 0 and int(q_lens.max()) == 1,
         )
 
     def _token_inputs(

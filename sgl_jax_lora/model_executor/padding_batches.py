@@ -17,8 +17,11 @@ from sgl_jax_lora.sampling.sampler import SamplingBatch
 from sgl_jax_lora.sampling.sampling_params import MAX_TOP_LOGPROBS
 
 
-def padding_forward_batch(num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None) -> ForwardBatch:
-    """A step of the (S, T) bucket with no real token: every token writes scratch slot 0, no sequence has keys."""
+def padding_forward_batch(
+    num_seqs: int, num_tokens: int, num_pages: int, lora: LoRABatch | None, decode_only: bool = False
+) -> ForwardBatch:
+    """A step of the (S, T) bucket with no real token: every token writes scratch slot 0, no sequence has keys.
+    decode_only: the bucket's program for steps of decode rows alone (Buckets.programs)."""
     zeros_i = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return ForwardBatch(
         input_ids=zeros_i(num_tokens),
@@ -30,6 +33,7 @@ def padding_forward_batch(num_seqs: int, num_tokens: int, num_pages: int, lora: 
         last_token_index=zeros_i(num_seqs),
         lora=lora,
         input_from_prev=np.full((num_tokens,), -1, np.int32),
+        decode_only=decode_only,
     )
 
 

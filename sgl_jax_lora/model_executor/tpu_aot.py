@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sgl_jax_lora.configs.buckets import Buckets, segment_buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
+from sgl_jax_lora.layers.attention import resolve_attention_backend, runs_decode_programs
 from sgl_jax_lora.layers.sharding import make_mesh
 from sgl_jax_lora.lora.lora_batch import padding_lora_batches
 from sgl_jax_lora.lora.lora_linear import LoRAWeight
@@ -127,6 +128,9 @@ def compile_forward_programs(
         context_length,
         args.page_size,
         args.token_buckets,
+        decode_programs=runs_decode_programs(
+            args.decode_step_programs, resolve_attention_backend(args.attention_backend, "tpu")
+        ),
     )
     lora = LoRASetup(args, model_path, mesh).spec if args.enable_lora else None
     graphdef, state = load_engine_model(args, cfg, mesh, lora, abstract=True)
@@ -145,9 +149,9 @@ def compile_forward_programs(
         return padding_lora_batches(num_tokens, groups, ones, ones.astype(np.int32), base)
 
     records = []
-    for num_seqs, num_tokens in buckets.shapes():
+    for num_seqs, num_tokens, decode_only in buckets.programs():
         for lora_batch in lora_batches(num_tokens):
-            batch = padding_forward_batch(num_seqs, num_tokens, buckets.max_pages_per_seq, lora_batch)
+            batch = padding_forward_batch(num_seqs, num_tokens, buckets.max_pages_per_seq, lora_batch, decode_only)
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated), batch)
             records.append(
                 _compile(forward, (state, lora_state, kv, batch, prev_ids), num_seqs, num_tokens, lora_batch)

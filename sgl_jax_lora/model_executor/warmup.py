@@ -34,24 +34,27 @@ def warm_up(
 ) -> None:
     """Compile every bucket of `runner`, then run each once on padding (no tokens, cache slot 0).
 
-    lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA)."""
-    shapes = [(s, t, i) for s, t in buckets.shapes() for i in range(len(lora_for(t)))]
-    batches = [padding_forward_batch(s, t, buckets.max_pages_per_seq, lora_for(t)[i]) for s, t, i in shapes]
+    lora_for(T) gives one padding LoRABatch per LoRA segment bucket ([None] without LoRA). The programs of steps of
+    decode rows alone (Buckets.programs) compile and run as the others; the logits, sampling and prompt logprobs
+    programs, which they share, with the first."""
+    programs = [(s, t, d, i) for s, t, d in buckets.programs() for i in range(len(lora_for(t)))]
+    pages = buckets.max_pages_per_seq
+    batches = [padding_forward_batch(s, t, pages, lora_for(t)[i], d) for s, t, d, i in programs]
     threads = warmup_compile_threads(runner.args.warmup_compile_threads)
     adjusted = sum(len(buckets.logit_entry_sizes(s)) for s in buckets.sample_sizes())
     sampled = 2 * len(runner.sampling_modes) * len(buckets.sample_sizes())  # each mode with top logprobs or not
-    total = 2 * len(shapes) + sampled + 2 * len(buckets.tokens) + adjusted
+    total = 2 * len(programs) + sampled + 2 * len(buckets.tokens) + adjusted
     bar = progress(total=total, desc="compiling buckets")
     runner.precompile_forwards(batches, threads, on_done=lambda: bar.update(1))
     runner.place_kv_cache()  # after the forwards compiled: their autotuning had the cache's memory
     first_of_bucket = {}  # sequence bucket -> the first forward batch of that many sequences (LoRA segments first)
-    for (num_seqs, _, lora_index), batch in zip(shapes, batches):
-        if lora_index == 0:
+    for (num_seqs, _, decode_only, lora_index), batch in zip(programs, batches):
+        if lora_index == 0 and not decode_only:
             first_of_bucket.setdefault(num_seqs, batch)
     runner.precompile_sampling(list(first_of_bucket.values()), threads)
-    for (num_seqs, num_tokens, lora_index), batch in zip(shapes, batches):
+    for (num_seqs, num_tokens, decode_only, lora_index), batch in zip(programs, batches):
         hidden, last_hidden = runner.forward(batch)
-        if lora_index == 0:
+        if lora_index == 0 and not decode_only:
             for num_top in (0, MAX_TOP_LOGPROBS):
                 runner.prompt_logprobs(hidden, np.zeros((num_tokens,), np.int32), num_top)
                 bar.update(1)

@@ -8,7 +8,8 @@ Flow:
     -> the model (models/llama.py) reads the fields it needs and hands the layers theirs: attention gets the
        ragged layout (cu_q_lens, seq_lens, page_table), the LoRA backend `lora`.
 
-Every field is an array; the bucket is the arrays' shapes, so each bucket is its own compiled program. Padding tokens
+Every field is an array but the static `decode_only`; the bucket is the arrays' shapes (and decode_only), so each
+bucket is its own compiled program. Padding tokens
 write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences have no tokens and seq_len 0,
 so padding never changes a real request's result.
 
@@ -42,6 +43,9 @@ class ForwardBatch:
     # step still in flight (overlap schedule; its id is not on the host yet); -1: input_ids holds the id.
     # None: every id is in input_ids (callers outside the engine loop).
     input_from_prev: jax.Array | None = None
+    # Every sequence has one token (a decode step), and the engine runs such steps in programs of their own
+    # (Buckets.decode_programs): the attention backend may leave out its prefill path. Static: its own program.
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -65,5 +69,5 @@ jax.tree_util.register_dataclass(
         "lora",
         "input_from_prev",
     ],
-    meta_fields=[],
+    meta_fields=["decode_only"],
 )

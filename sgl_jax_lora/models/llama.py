@@ -292,6 +292,7 @@ class LlamaForCausalLM(nnx.Module):
             batch.input_ids.shape[0],
             self.attention_group,
             hidden.dtype,  # q's: the projections keep the hidden stream's dtype
+            batch.decode_only,
         )
 
         windows = layer_windows(self.config.sliding_windows)

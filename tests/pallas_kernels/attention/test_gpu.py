@@ -311,8 +311,32 @@ def test_plan_built_once_serves_every_layer(max_chunks):
         want = np.asarray(ragged_paged_attention_ref(*layer_args, page_size=4, scale=0.25))
         np.testing.assert_array_equal(planned, own)
         np.testing.assert_allclose(planned, want, atol=TOLERANCE[jnp.float32], rtol=0)
-    with pytest.raises(ValueError, match="decode_only"):
+    with pytest.raises(ValueError, match="decode_only=True with a any-mix plan"):
         ragged_paged_attention_gpu(*args, plan=plan, decode_only=True, **options)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_only_plan_serves_every_layer(num_splits):
+    # a decode step's plan: one decode row a token, longest first, no q block table; every layer's call given it
+    # is the reference's (the padding tokens' rows zeros) and the same bits as a decode-only call without it
+    q_lens, kv_lens = [1, 1, 0, 1, 1], [3, 21, 0, 9, 16]
+    args = make_inputs(q_lens, kv_lens, heads=8, kv_heads=2, head_dim=16, page_size=4, dtype=jnp.float32, num_tokens=6)
+    q, k_cache, v_cache, _, kv_lens, table, cu_q_lens = args
+    plan = plan_ragged_attention_gpu(kv_lens, table, cu_q_lens, num_tokens=6, group=4, decode_only=True)
+    assert plan.decode_only and plan.block_seq is None
+    np.testing.assert_array_equal(plan.row_token, [1, 3, 2, 0, 4, 5])  # tokens by their sequence's keys, padding last
+    np.testing.assert_array_equal(plan.row_seq, [1, 4, 3, 0, -1, -1])
+    options = dict(page_size=4, scale=0.25, interpret=True, decode_tiles=DecodeTiles(16, num_splits))
+    for layer in (0, 1):
+        layer_args = (q, k_cache, v_cache, jnp.int32(layer), kv_lens, table, cu_q_lens)
+        planned = np.asarray(ragged_paged_attention_gpu(*layer_args, plan=plan, **options))
+        own = np.asarray(ragged_paged_attention_gpu(*layer_args, decode_only=True, **options))
+        want = np.asarray(ragged_paged_attention_ref(*layer_args, page_size=4, scale=0.25))
+        np.testing.assert_array_equal(planned, own)
+        np.testing.assert_array_equal(planned[4:], 0.0)
+        np.testing.assert_allclose(planned, want, atol=TOLERANCE[jnp.float32], rtol=0)
+    with pytest.raises(ValueError, match="decode_only=False with a decode-only plan"):
+        ragged_paged_attention_gpu(*args, plan=plan, decode_only=False, **options)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 96), (6, 4, 64), (130, 2, 16)])

@@ -27,8 +27,10 @@ from sgl_jax_lora.layers.attention import AttentionBackend
 from sgl_jax_lora.layers.sharding import declared_axes, make_mesh, state_shardings
 from sgl_jax_lora.lora.backend.bgmv import BgmvBackend
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec
+from sgl_jax_lora.mem_cache.kv_cache import allocate_kv_cache
+from sgl_jax_lora.models.forward_batch import ForwardBatch
 from sgl_jax_lora.models.registry import model_class_for
-from sgl_jax_lora.models.weight_loader import SafetensorsReader
+from sgl_jax_lora.models.weight_loader import SafetensorsReader, load_model_state
 from tests.support.kernel_sized_engine import make_kernel_sized_model
 from tests.support.model_fixtures import ARCH_CONFIGS, load_hf_model, make_hf_model_dir
 from tests.support.model_forward import PAGE, model_logits
@@ -113,6 +115,62 @@ def test_gpu_attention_backend_matches_hf_for_every_architecture(tmp_path, arch)
     # rotary + K/V write kernel and the Triton attention kernels, at a head size those kernels take
     shape = dict(head_dim=32, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     assert_gpu_backend_matches_hf(make_hf_model_dir(tmp_path / arch, arch, **shape), seed=6)
+
+
+def prefill_then_decode_batches(lengths: list[int], new_ids: np.ndarray, bucket: int) -> tuple:
+    """A prefill forward of sequences of `lengths` (each on pages of its own) and the decode step after it: one new
+    token a sequence (new_ids), padded to `bucket` tokens and sequences."""
+    pages_per_seq = -(-(max(lengths) + 1) // PAGE)
+    table = 1 + np.arange(len(lengths) * pages_per_seq, dtype=np.int32).reshape(len(lengths), pages_per_seq)
+    slot = lambda seq, pos: table[seq, pos // PAGE] * PAGE + pos % PAGE  # noqa: E731
+    seqs = np.repeat(np.arange(len(lengths)), lengths)
+    positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    prefill = dict(positions=positions, cache_loc=slot(seqs, positions).astype(np.int32), seq_lens=np.int32(lengths))
+    prefill.update(page_table=table, cu_q_lens=cu, last_token_index=cu[1:] - 1)
+    pad, last = bucket - len(lengths), np.int32(lengths)
+    decode = dict(
+        input_ids=np.pad(np.int32(new_ids), (0, pad)),
+        positions=np.pad(last, (0, pad)),
+        cache_loc=np.pad(slot(np.arange(len(lengths)), last).astype(np.int32), (0, pad)),
+        seq_lens=np.pad(last + 1, (0, pad)),
+        page_table=np.pad(table, ((0, pad), (0, 0))),
+        cu_q_lens=np.pad(np.arange(len(lengths) + 1, dtype=np.int32), (0, pad), mode="edge"),
+        last_token_index=np.pad(np.arange(len(lengths), dtype=np.int32), (0, pad)),
+    )
+    return prefill, decode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_gpu_decode_step_program_matches_the_any_mix_program_and_hf(tmp_path):
+    # a decode step of three sequences of different lengths, padded to 8 tokens: in its own program (the decode
+    # kernel alone, one row a token, longest first) its logits are the program of any mix's and HF's last-token ones
+    model_dir = make_hf_model_dir(tmp_path / "m", "llama", head_dim=32, hidden_size=128, num_attention_heads=4)
+    lengths, rng = [13, 30, 7], np.random.default_rng(9)
+    prompts = [rng.integers(2, 491, n) for n in lengths]
+    new_ids = rng.integers(2, 491, len(lengths))
+    prefill, decode = prefill_then_decode_batches(lengths, new_ids, bucket=8)
+    cfg = ModelConfig.from_model_path(str(model_dir))
+    mesh = make_mesh(1)
+    graphdef, state = load_model_state(cfg, 1, PAGE, jnp.float32, mesh, None, attention_backend="pallas_gpu")
+    kv = allocate_kv_cache(cfg, 1 + len(lengths) * prefill["page_table"].shape[1], PAGE, 1, jnp.float32, mesh)
+
+    @jax.jit
+    def run(state, kv, batch):
+        model = nnx.merge(graphdef, state)
+        hidden, kv = model(kv, batch)
+        return model.logits(hidden[batch.last_token_index]), kv
+
+    with jax.default_matmul_precision("highest"):
+        _, kv = run(state, kv, ForwardBatch(input_ids=np.concatenate(prompts).astype(np.int32), lora=None, **prefill))
+        mixed, _ = run(state, kv, ForwardBatch(lora=None, **decode))
+        alone, _ = run(state, kv, ForwardBatch(lora=None, decode_only=True, **decode))
+    mixed, alone = log_softmax(np.asarray(mixed)[:3]), log_softmax(np.asarray(alone)[:3])
+    assert np.abs(alone - mixed).max() < 1e-5
+    for i, prompt in enumerate(prompts):
+        ref = log_softmax(hf_logits(model_dir, np.append(prompt, new_ids[i]))[-1:])[0]
+        assert np.abs(alone[i] - ref).max() < 1e-3 and alone[i].argmax() == ref.argmax()
 
 
 @pytest.mark.gpu
