@@ -4,9 +4,10 @@ A step is ragged: decode rows (one token each) and prefill chunks share one forw
 (the step's tokens, padded); the sequence count S and the page-table width P follow from T and the engine's limits
 (`seqs_for`, `max_pages_per_seq`), so the number of compiled forwards is the number of token buckets, whatever the
 mix; with `decode_programs`, each bucket a step of decode rows alone can take has a second program for those steps
-(`programs`: on GPU their attention launches its decode kernel alone). `pick` returns the smallest bucket that fits. A step whose requests adjust their logits (penalties, logit_bias,
-min_new_tokens) sends one entry per (row, token id) a rule touches, padded to an entry bucket: S times a per-row
-budget from `logit_entries_per_row` (sampling/logit_adjustments.py).
+(`programs`: on GPU their attention launches its decode kernel alone). `pick` returns the smallest bucket that fits.
+A step whose requests adjust their logits (penalties, logit_bias, min_new_tokens) sends one entry per (row, token id)
+a rule touches, padded to an entry bucket: S times a per-row budget from `logit_entries_per_row`
+(sampling/logit_adjustments.py).
 
 Where it sits: configs, at the bottom of the package: the scheduler and EngineCore pad each step to these shapes,
 the LoRA manager and the logit adjustments pick their buckets with `pick` and `checked_buckets` (the LoRA segment

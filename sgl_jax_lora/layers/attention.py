@@ -6,16 +6,16 @@ Flow: a decoder layer writes this step's K/V into the paged cache at ForwardBatc
                 (`_native_attention`); its row layout is derived inside jit from cu_q_lens
     pallas_tpu  the Mosaic kernel (pallas_kernels/attention/tpu.py), K/V pages read in place
     pallas_gpu  the Pallas GPU kernels (pallas_kernels/attention/gpu.py): flash-decoding for the decode rows and
-                flash attention over q blocks for the prefill chunks, both in every step
+                flash attention over q blocks for the prefill chunks, both in a step of any mix
     pallas_interpret  the TPU kernel in Pallas interpret mode (`--attention-backend pallas` on CPU: tests)
 `resolve_attention_backend` turns the `--attention-backend` flag (auto, native, pallas) into one of these; an
 `AttentionBackend` holds it with the mesh; `runs_decode_programs` says whether steps of decode rows alone get
-programs of their own (`--decode-step-programs`), whose plan leaves pallas_gpu's general kernel out. `plan_attention` builds, once per forward, the step's layout that a
-backend's kernels share across layers (pallas_gpu: a `RaggedAttentionPlan`; pallas_tpu and pallas_interpret: a
-`TpuAttentionPlan`; native: None), which the model hands to every layer's `paged_attention`. Pallas kernels do not
-take part in GSPMD partitioning, so with tensor parallelism they run under shard_map, each device on its own query
-heads and KV heads (the caches are sharded on kv heads, replicated copies when tp > kv heads, so every shard keeps
-the model's GQA ratio).
+programs of their own (`--decode-step-programs`), whose plan leaves pallas_gpu's general kernel out. `plan_attention`
+builds, once per forward, the step's layout that a backend's kernels share across layers (pallas_gpu: a
+`RaggedAttentionPlan`; pallas_tpu and pallas_interpret: a `TpuAttentionPlan`; native: None), which the model hands to
+every layer's `paged_attention`. Pallas kernels do not take part in GSPMD partitioning, so with tensor parallelism
+they run under shard_map, each device on its own query heads and KV heads (the caches are sharded on kv heads,
+replicated copies when tp > kv heads, so every shard keeps the model's GQA ratio).
 
 What every backend computes is pallas_kernels/attention/reference.py. The KV cache per layer is
 [kv_heads, num_slots, head_dim] with slot = page * page_size + offset; page 0 is a scratch page that padding tokens

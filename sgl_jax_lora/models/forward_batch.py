@@ -9,9 +9,8 @@ Flow:
        ragged layout (cu_q_lens, seq_lens, page_table), the LoRA backend `lora`.
 
 Every field is an array but the static `decode_only`; the bucket is the arrays' shapes (and decode_only), so each
-bucket is its own compiled program. Padding tokens
-write their K/V to cache slot 0 (page 0 is never handed out) and padding sequences have no tokens and seq_len 0,
-so padding never changes a real request's result.
+bucket is its own compiled program. Padding tokens write their K/V to cache slot 0 (page 0 is never handed out) and
+padding sequences have no tokens and seq_len 0, so padding never changes a real request's result.
 
 Where it sits: models, the lowest package that reads a whole ForwardBatch (the model's input, with the KV cache);
 the layers below take the arrays they need, and the runner, the multi-host commands and the scheduler's
