@@ -39,6 +39,7 @@ SMALL = dict(
     max_loras_per_batch=2,
     lora_backend="sgmv",
     tp_size=4,
+    decode_step_programs="on",  # off by default on CPU: the followers compile and run the decode steps' programs too
 )
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 LOGPROB_ATOL = 1e-4  # float32 against HF + PEFT on CPU, as in test_lora_engine.py
