@@ -84,8 +84,11 @@ class Buckets:
     def programs(self) -> list[tuple[int, int, bool]]:
         """(S, T, decode_only) of every compiled forward: each shape for steps of any mix, then, with
         decode_programs, for steps of decode rows alone each shape up to the bucket of max_seqs rows."""
-        decode = [(s, t, True) for s, t in self.shapes() if t <= pick(self.tokens, self.max_seqs)]
-        return [(s, t, False) for s, t in self.shapes()] + (decode if self.decode_programs else [])
+        programs = [(s, t, False) for s, t in self.shapes()]
+        if self.decode_programs:
+            largest = pick(self.tokens, self.max_seqs)  # the bucket of the most decode rows a step holds
+            programs += [(s, t, True) for s, t in self.shapes() if t <= largest]
+        return programs
 
     def sample_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({self.seqs_for(t) for t in self.tokens}))
