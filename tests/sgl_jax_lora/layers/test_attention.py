@@ -8,6 +8,8 @@ lands in the wrong row or reads another sequence's keys changes the output.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ from sgl_jax_lora.layers.attention import (
     fuses_rope_kv_write,
     native_query_layout,
     paged_attention,
+    plan_attention,
     rotate_and_write_kv,
     write_kv,
 )
@@ -103,7 +106,7 @@ def reference(q, k_cache, v_cache, reqs, new_tokens) -> np.ndarray:
             slots = [req.pages[p // PAGE] * PAGE + p % PAGE for p in range(pos + 1)]
             for h in range(HEADS):
                 keys, values = k_cache[h // group, slots], v_cache[h // group, slots]
-                scores = keys @ q[row, h] / np.sqrt(DIM)
+                scores = keys @ q[row, h] / np.sqrt(q.shape[-1])
                 probs = np.exp(scores - scores.max())
                 out[row, h] = probs / probs.sum() @ values
             row += 1
@@ -145,6 +148,51 @@ def test_ragged_step_matches_reference(spans, num_decode_rows, backend):
         got[:real], reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens), rtol=1e-5, atol=1e-5
     )
     np.testing.assert_array_equal(got[real:], 0)  # padding tokens
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("spans,num_decode_rows", [SPANS[4], SPANS[5]], ids=["decode-rows-alone", "mixed"])
+def test_the_gpu_kernels_take_the_steps_plan_under_tensor_parallelism(monkeypatch, spans, num_decode_rows, tp_size):
+    """The pallas_gpu path as the model runs it, its kernels in interpret mode: `plan_attention` builds the step's
+    plan once from the ForwardBatch (a decode-only plan for a step of decode rows alone in buckets with decode
+    programs, which leaves the general kernel out; the any-mix plan otherwise) and `paged_attention` hands it to the
+    kernels, under tp 2 inside shard_map with the plan replicated and each device on its own heads (a head of 16,
+    the kernels' smallest). The real tokens match the per-token reference, the padding's are zero."""
+    import pallas_kernels.attention.gpu as attention_gpu
+
+    kernel = attention_gpu.ragged_paged_attention_gpu
+    monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", functools.partial(kernel, interpret=True))
+    rng, head_dim = np.random.default_rng(3 + len(spans)), 16
+    batch = schedule_batch([(p - (i < num_decode_rows), n) for i, (p, n) in enumerate(spans)], rng, num_decode_rows)
+    buckets = Buckets.build(8, 512, 1024, PAGE, decode_programs=True)
+    fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
+    assert fb.decode_only == (num_decode_rows == len(spans))
+    backend = AttentionBackend("pallas_gpu", make_mesh(tp_size))
+    plan = plan_attention(
+        backend, fb.seq_lens, fb.page_table, fb.cu_q_lens, fb.num_tokens, HEADS // KV_HEADS, jnp.float32, fb.decode_only
+    )
+    assert plan.decode_only == fb.decode_only
+    k_cache, v_cache = (
+        rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, head_dim)).astype(np.float32) for _ in range(2)
+    )
+    q = rng.standard_normal((fb.num_tokens, HEADS, head_dim)).astype(np.float32)
+    k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))  # layer 1 is read
+    args = (
+        jnp.asarray(q),
+        k_stack,
+        v_stack,
+        jnp.int32(1),
+        fb.seq_lens,
+        fb.page_table,
+        fb.cu_q_lens,
+        PAGE,
+        head_dim**-0.5,
+    )
+    got = np.asarray(jax.jit(lambda plan: paged_attention(*args, backend, plan=plan))(plan))
+    real = batch.num_tokens
+    want = reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens)
+    np.testing.assert_allclose(got[:real], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[real:], 0)
 
 
 @pytest.mark.parametrize("backend", ["native", "reference", "pallas_interpret"])
