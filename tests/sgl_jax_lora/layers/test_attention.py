@@ -59,41 +59,28 @@ def make_reqs(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[Re
 
 
 def run_attention(
-    fb, rng: np.random.Generator, backend: str = "native", cache_dtype=jnp.float32
+    fb,
+    rng: np.random.Generator,
+    backend: str | AttentionBackend = "native",
+    cache_dtype=jnp.float32,
+    head_dim: int = DIM,
+    plan=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Random q and caches (stored in cache_dtype) for this batch -> (q, k_cache, v_cache as float32 of the stored
-    values, the backend's output)."""
+    values, the backend's output). backend: "reference" (the pure-JAX kernel reference) or an attention backend, its
+    name or itself (with its mesh); plan: `plan_attention`'s, handed to `paged_attention`."""
     stored = lambda c: np.asarray(jnp.asarray(c).astype(cache_dtype).astype(jnp.float32))  # noqa: E731
-    k_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32))
-    v_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, DIM)).astype(np.float32))
-    q = rng.standard_normal((fb.num_tokens, HEADS, DIM)).astype(np.float32)
+    k_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, head_dim)).astype(np.float32))
+    v_cache = stored(rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, head_dim)).astype(np.float32))
+    q = rng.standard_normal((fb.num_tokens, HEADS, head_dim)).astype(np.float32)
     # the caches of every layer go in whole; layer 1 is read, layer 0 holds other values
     k_stack, v_stack = (jnp.asarray(np.stack([-c, c])).astype(cache_dtype) for c in (k_cache, v_cache))
+    args = (jnp.asarray(q), k_stack, v_stack, jnp.int32(1), fb.seq_lens, fb.page_table, fb.cu_q_lens)
     if backend == "reference":
-        got = ragged_paged_attention_ref(
-            jnp.asarray(q),
-            k_stack,
-            v_stack,
-            jnp.int32(1),
-            fb.seq_lens,
-            fb.page_table,
-            fb.cu_q_lens,
-            page_size=PAGE,
-            scale=DIM**-0.5,
-        )
+        got = ragged_paged_attention_ref(*args, page_size=PAGE, scale=head_dim**-0.5)
     else:
-        got = paged_attention(
-            jnp.asarray(q),
-            k_stack,
-            v_stack,
-            jnp.int32(1),
-            fb.seq_lens,
-            fb.page_table,
-            fb.cu_q_lens,
-            PAGE,
-            DIM**-0.5,
-            AttentionBackend(backend),
-        )
+        backend = backend if isinstance(backend, AttentionBackend) else AttentionBackend(backend)
+        got = paged_attention(*args, PAGE, head_dim**-0.5, backend, plan=plan)
     return q, k_cache, v_cache, np.asarray(got)
 
 
@@ -162,7 +149,7 @@ def test_the_gpu_kernels_take_the_steps_plan_under_tensor_parallelism(monkeypatc
 
     kernel = attention_gpu.ragged_paged_attention_gpu
     monkeypatch.setattr(attention_gpu, "ragged_paged_attention_gpu", functools.partial(kernel, interpret=True))
-    rng, head_dim = np.random.default_rng(3 + len(spans)), 16
+    rng = np.random.default_rng(3 + len(spans))
     batch = schedule_batch([(p - (i < num_decode_rows), n) for i, (p, n) in enumerate(spans)], rng, num_decode_rows)
     buckets = Buckets.build(8, 512, 1024, PAGE, decode_programs=True)
     fb = batch.to_forward_batch(buckets, PAGE, lambda slots: None)
@@ -172,23 +159,7 @@ def test_the_gpu_kernels_take_the_steps_plan_under_tensor_parallelism(monkeypatc
         backend, fb.seq_lens, fb.page_table, fb.cu_q_lens, fb.num_tokens, HEADS // KV_HEADS, jnp.float32, fb.decode_only
     )
     assert plan.decode_only == fb.decode_only
-    k_cache, v_cache = (
-        rng.standard_normal((KV_HEADS, NUM_PAGES * PAGE, head_dim)).astype(np.float32) for _ in range(2)
-    )
-    q = rng.standard_normal((fb.num_tokens, HEADS, head_dim)).astype(np.float32)
-    k_stack, v_stack = (jnp.asarray(np.stack([-c, c])) for c in (k_cache, v_cache))  # layer 1 is read
-    args = (
-        jnp.asarray(q),
-        k_stack,
-        v_stack,
-        jnp.int32(1),
-        fb.seq_lens,
-        fb.page_table,
-        fb.cu_q_lens,
-        PAGE,
-        head_dim**-0.5,
-    )
-    got = np.asarray(jax.jit(lambda plan: paged_attention(*args, backend, plan=plan))(plan))
+    q, k_cache, v_cache, got = run_attention(fb, rng, backend, head_dim=16, plan=plan)
     real = batch.num_tokens
     want = reference(q, k_cache, v_cache, batch.reqs, batch.num_new_tokens)
     np.testing.assert_allclose(got[:real], want, rtol=1e-5, atol=1e-5)
