@@ -114,6 +114,15 @@ class ChatMessage(StrictBody):
     function_call: None = None
     tool_calls: Annotated[list, Field(max_length=0)] | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":  # OpenAI's API requires it but of an assistant
+            raise ValueError(
+                f"a {self.role} message needs its content (a string or a list of text parts); only an assistant "
+                "message may leave it out or null"
+            )
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -919,14 +919,14 @@ BAD_REQUESTS = [
     (
         "chat-more-messages-than-the-context",  # each turn takes a token at least: refused before rendering
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "user"}] * 257},
+        {**CHAT, "messages": [{"role": "user", "content": ""}] * 257},
         400,
         "the conversation has 257 messages, more than the context length 256 could hold",
     ),
     (
         "tokenize-more-messages-than-the-context",
         "/tokenize",
-        {"messages": [{"role": "user"}] * 257},
+        {"messages": [{"role": "user", "content": ""}] * 257},
         400,
         "the conversation has 257 messages",
     ),

@@ -123,7 +123,12 @@ def test_chat_refusals():
     extra = error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x", "tools": []}])
     assert extra["type"] == "extra_forbidden" and extra["loc"][-1] == "tools"
     assert error_of(ChatCompletionRequest, model="m", messages=[{"role": "user", "content": "x"}], logprobs=1)
-    assert error_of(ChatCompletionRequest, model="m", prompt="Hi", messages=[{"role": "user"}])["loc"] == ("prompt",)
+    hi = [{"role": "user", "content": "Hi"}]
+    assert error_of(ChatCompletionRequest, model="m", prompt="Hi", messages=hi)["loc"] == ("prompt",)
+    for role in ("system", "user", "developer", "tool"):  # only an assistant message may leave its content out
+        for message in ({"role": role}, {"role": role, "content": None}):
+            missing = error_of(ChatCompletionRequest, model="m", messages=[message])
+            assert missing["loc"] == ("messages", 0) and f"a {role} message needs its content" in missing["msg"]
 
 
 def test_fields_that_need_another_are_refused_without_it():
