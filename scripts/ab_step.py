@@ -27,6 +27,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
   skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N
                   side (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS, in the default setting of one
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
+  xla-dots=T      forwards without adapters keep XLA's dots (cuBLAS GEMMs) in the base GEMM kernel's buckets up to T
+                  tokens (`sgl_jax_lora/layers/base_gemm.py` XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS, in the default
+                  setting of one Hopper GPU; 0: the kernel in each of its buckets)
   triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
                   cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
   decode-only=D   1: the cases' batches marked as steps of decode rows alone (`ForwardBatch.decode_only`, the program
@@ -77,6 +80,7 @@ KNOBS = (
     "entry-ring",
     "tile16",
     "skinny",
+    "xla-dots",
     "shrink-first",
     "triton-gemm",
     "fused-qkv",
@@ -106,7 +110,7 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob in BINARY_KNOBS and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, fused-qkv=Q, mem-slop=P "
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, xla-dots=T, fused-qkv=Q, mem-slop=P "
                 "(non-negative integers), "
                 "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1, decode-only=0|1"
             )
@@ -130,7 +134,7 @@ def qkv_threshold(takes_fused_gemm, least: int):
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds (q|k|v's own with fused-qkv), the
     gated-delta and shrink-first choices and the entry ring's bucket on the model's Pallas GPU backend, the SGMV
-    kernels' row tiles, the skinny GEMM's buckets, the decode tiles as the attention layer's kernel call takes them;
+    kernels' row tiles, the skinny GEMM's buckets, those where forwards without adapters keep XLA's dots, the decode tiles as the attention layer's kernel call takes them;
     all as they were afterwards. Yields the list of the tiles each traced call of the GPU attention kernel took (empty
     without a decode knob). The XLA knobs act on the compile options instead (`setting_compiler_options`)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
@@ -146,6 +150,7 @@ def applied(setting: dict, lora_backend):
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
     row_tile_16, skinny_max = work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS
+    xla_dots_max = base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS
     try:
         knobs = [knob for knob in BACKEND_KNOBS if knob in setting]
         if knobs and not isinstance(pallas, PallasGPUBackend):
@@ -164,6 +169,8 @@ def applied(setting: dict, lora_backend):
             work_list.ROW_TILE_16_MAX_ROWS = setting["tile16"]
         if "skinny" in setting:
             base_gemm.SKINNY_MAX_TOKENS = setting["skinny"]
+        if "xla-dots" in setting:
+            base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS = setting["xla-dots"]
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
 
@@ -176,6 +183,7 @@ def applied(setting: dict, lora_backend):
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
         work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS = row_tile_16, skinny_max
+        base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS = xla_dots_max
         if saved is not None:  # the backend's own attributes back, a class default where it had none
             for name in attributes:
                 pallas.__dict__.pop(name, None)

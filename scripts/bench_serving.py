@@ -2,8 +2,10 @@
 
 Drives either a running server over HTTP (`--url http://127.0.0.1:30000`, streaming /generate) or an offline
 Engine built from the flags after `--` (`-- --model-path DIR --load-format dummy ...`), with:
-  request lengths: ShareGPT-like synthetic: input ~ lognormal(mean ln 220, sigma 0.8) clipped to [8, 1024],
-                   output ~ lognormal(mean ln 180, sigma 0.7) clipped to [8, 512] (or fixed --input-len/--output-len);
+  request lengths: ShareGPT-like synthetic: input ~ lognormal(median 220, sigma 0.8) clipped to [8, 1024],
+                   output ~ lognormal(median 180, sigma 0.7) clipped to [8, 512] (or fixed --input-len/--output-len;
+                   --input-median/--output-median move the medians: 180 and 167 give 1,000 requests the token
+                   totals vLLM's `bench serve` reports for real ShareGPT prompts, 230k in and 203k out);
   arrivals:        Poisson at --request-rate req/s, or all at once (rate inf); --max-concurrency N keeps at most N
                    requests in flight (closed-loop clients: the next is sent when one ends), a comma list one run
                    each (1 is a single user's latency);
@@ -57,12 +59,21 @@ def sample_lengths(rng: np.random.Generator, count: int, opts: argparse.Namespac
     if opts.input_len:
         inputs = np.full(count, opts.input_len)
     else:
-        inputs = np.clip(rng.lognormal(math.log(220), 0.8, count), 8, 1024).astype(int)
+        inputs = np.clip(rng.lognormal(math.log(opts.input_median), 0.8, count), 8, 1024).astype(int)
     if opts.output_len:
         outputs = np.full(count, opts.output_len)
     else:
-        outputs = np.clip(rng.lognormal(math.log(180), 0.7, count), 8, 512).astype(int)
+        outputs = np.clip(rng.lognormal(math.log(opts.output_median), 0.7, count), 8, 512).astype(int)
     return inputs, outputs
+
+
+def add_length_options(parser: argparse.ArgumentParser) -> None:
+    """The request-length options `sample_lengths` reads (this script's, and those of the scripts that replay its
+    requests)."""
+    parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0: ShareGPT-like)")
+    parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0: ShareGPT-like)")
+    parser.add_argument("--input-median", type=float, default=220.0, help="ShareGPT-like prompts' median length")
+    parser.add_argument("--output-median", type=float, default=180.0, help="ShareGPT-like outputs' median length")
 
 
 POPULARITIES = ("identical", "distinct", "uniform", "skewed")
@@ -487,8 +498,7 @@ def main() -> None:
         "--lora-allowed-dirs DIR) instead of the server's registered adapters",
     )
     parser.add_argument("--popularity", default="distinct", choices=POPULARITIES)
-    parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0 = ShareGPT-like)")
-    parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0 = ShareGPT-like)")
+    add_length_options(parser)
     parser.add_argument(
         "--shared-prefix-len",
         type=int,

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench_serving import POPULARITIES, sample_adapters, sample_lengths  # noqa: E402
+from scripts.bench_serving import POPULARITIES, add_length_options, sample_adapters, sample_lengths  # noqa: E402
 from sgl_jax_lora.configs.buckets import Buckets, pick  # noqa: E402
 from sgl_jax_lora.launch import parse_args  # noqa: E402
 from sgl_jax_lora.lora.adapter_plan import AdapterPlan  # noqa: E402
@@ -215,8 +215,7 @@ def workload_parser(description: str) -> argparse.ArgumentParser:
     """The workload options of the scripts that replay bench_serving.py's requests (this one, profile_host.py)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--input-len", type=int, default=0, help="fixed prompt length (0: ShareGPT-like)")
-    parser.add_argument("--output-len", type=int, default=0, help="fixed output length (0: ShareGPT-like)")
+    add_length_options(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the result here")
     return parser

@@ -152,7 +152,7 @@ class ServerArgs:
     )
     gpu_gemm_min_tokens: int | None = _f(
         None,
-        "token buckets (decode, prefill or mixed steps) of at least this many tokens compute every decoder layer linear's base GEMM (q|k|v, o, gate|up, down) with a Mosaic GPU kernel that reads the layer's weight in place, instead of XLA's dot (modules that do not fit its tiles, and non-bfloat16 models, keep XLA's dot); 0 turns it off; default on one Hopper GPU: 256 (where the step is faster than with XLA's GEMMs), off elsewhere and with --tp-size above 1 (the kernel under tensor parallelism has not run on GPUs yet; set it to use it there); other GPUs and CPU compute that path with the kernel's pure-JAX reference when set",
+        "token buckets (decode, prefill or mixed steps) of at least this many tokens compute every decoder layer linear's base GEMM (q|k|v, o, gate|up, down) with a Mosaic GPU kernel that reads the layer's weight in place, instead of XLA's dot (modules that do not fit its tiles, and non-bfloat16 models, keep XLA's dot); 0 turns it off; default on one Hopper GPU: 256 (where the step is faster than with XLA's GEMMs; a forward without adapters from the buckets above 256, below which its XLA dots, cuBLAS GEMMs, are faster), off elsewhere and with --tp-size above 1 (the kernel under tensor parallelism has not run on GPUs yet; set it to use it there); other GPUs and CPU compute that path with the kernel's pure-JAX reference when set",
     )
     compilation_cache_dir: str = _f(
         DEFAULT_COMPILATION_CACHE_DIR,

@@ -82,8 +82,10 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
     setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
     skinny_max = base_gemm.SKINNY_MAX_TOKENS
-    with applied({**setting, "skinny": 0}, backend) as traced:
+    default_gemm = base_gemm.BaseGemm(256, skinny=True, xla_dots_without_adapters=True)
+    with applied({**setting, "skinny": 0, "xla-dots": 0}, backend) as traced:
         assert not base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)  # the skinny form off in the 256 bucket
+        assert default_gemm.runs(256, with_adapters=False)  # the kernel without adapters too
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
         assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
@@ -94,6 +96,7 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
     assert base_gemm.SKINNY_MAX_TOKENS == skinny_max and base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)
+    assert not default_gemm.runs(256, with_adapters=False) and default_gemm.runs(512, with_adapters=False)
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
     assert pallas.fused_gemm_min_tokens == 0 and attention_gpu.ragged_paged_attention_gpu is kernel

@@ -142,6 +142,7 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
     assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
     assert default.min_tokens == DEFAULT_MIN_TOKENS and default.runs(256) and not default.runs(128)
     assert default.skinny and not make_base_gemm(1024, one).skinny  # the skinny form in the default's 256 bucket
+    assert default.xla_dots_without_adapters and not make_base_gemm(1024, one).xla_dots_without_adapters
 
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
@@ -164,6 +165,33 @@ def adapters(kernel_sized_model, tmp_path_factory):
         )
         for i in range(2)
     ]
+
+
+@pytest.mark.slow
+def test_the_default_keeps_xla_dots_in_the_256_bucket_without_adapters(kernel_sized_model, adapters, monkeypatch):
+    """The default setting of one Hopper GPU (stood in for by its flags on the kernel's pure-JAX reference): a forward
+    without adapters keeps XLA's dots in the 256 bucket (no kernel call of either form) and runs the kernel from the
+    512 bucket; a step with adapters in the 256 bucket runs the skinny kernel (4 modules traced once in the layer
+    scan), beside the LoRA kernels."""
+    import sgl_jax_lora.models.weight_loader as weight_loader
+
+    def default_setting(min_tokens, mesh):
+        return BaseGemm(min_tokens, mesh, reference=True, skinny=True, xla_dots_without_adapters=True)
+
+    monkeypatch.setattr(weight_loader, "make_base_gemm", default_setting)
+    skinny = count_calls(monkeypatch, base_gemm_module, "gemm_skinny_gpu")
+    tiled = count_calls(monkeypatch, base_gemm_module, "gemm_gpu")
+    ids = np.random.default_rng(11).integers(2, 491, 300)
+    model_logits(kernel_sized_model, ids[:200], jnp.bfloat16, bucket=256, base_gemm_min_tokens=THRESHOLD)
+    assert not skinny and not tiled
+    model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=512, base_gemm_min_tokens=THRESHOLD)
+    assert not skinny and len(tiled) == 4
+    tiled.clear()
+    serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)  # its prefill step: two adapters and a base request
+    assert len(skinny) == 4 and not tiled
+    assert BaseGemm(256, skinny=True, xla_dots_without_adapters=True).runs(256, with_adapters=True)
+    assert not BaseGemm(256, skinny=True, xla_dots_without_adapters=True).runs(256, with_adapters=False)
+    assert BaseGemm(256, skinny=True).runs(256, with_adapters=False)
 
 
 @pytest.mark.slow
