@@ -110,8 +110,8 @@ def parse_setting(text: str) -> dict:
         if not fits or (knob in BINARY_KNOBS and numbers[0] > 1) or knob in setting:
             raise SystemExit(
                 f"setting {text!r}: expected 'default', 'base' or KNOB=VALUE pairs joined by commas, each knob once: "
-                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, xla-dots=T, fused-qkv=Q, mem-slop=P "
-                "(non-negative integers), "
+                "fused=G:O, decode-warps=W, decode-keys=K, entry-ring=T, tile16=T, skinny=T, xla-dots=T, fused-qkv=Q, "
+                "mem-slop=P (non-negative integers), "
                 "gated-delta=0|1, shrink-first=0|1, triton-gemm=0|1, decode-only=0|1"
             )
         setting[knob] = numbers if knob == "fused" else numbers[0]
@@ -134,9 +134,10 @@ def qkv_threshold(takes_fused_gemm, least: int):
 def applied(setting: dict, lora_backend):
     """The setting in force while the forward is traced: the fused-GEMM thresholds (q|k|v's own with fused-qkv), the
     gated-delta and shrink-first choices and the entry ring's bucket on the model's Pallas GPU backend, the SGMV
-    kernels' row tiles, the skinny GEMM's buckets, those where forwards without adapters keep XLA's dots, the decode tiles as the attention layer's kernel call takes them;
-    all as they were afterwards. Yields the list of the tiles each traced call of the GPU attention kernel took (empty
-    without a decode knob). The XLA knobs act on the compile options instead (`setting_compiler_options`)."""
+    kernels' row tiles, the skinny GEMM's buckets, those where forwards without adapters keep XLA's dots, the decode
+    tiles as the attention layer's kernel call takes them; all as they were afterwards. Yields the list of the tiles
+    each traced call of the GPU attention kernel took (empty without a decode knob). The XLA knobs act on the compile
+    options instead (`setting_compiler_options`)."""
     pallas = lora_backend.backends["pallas"] if isinstance(lora_backend, AutoBackend) else lora_backend
     kernel = attention_gpu.ragged_paged_attention_gpu
     attributes = (

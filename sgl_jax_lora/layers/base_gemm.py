@@ -92,8 +92,9 @@ class BaseGemm:
 
 def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
     """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). None: DEFAULT_MIN_TOKENS on
-    one Hopper GPU (the skinny form, and XLA's dots in forwards without adapters, in their buckets), off elsewhere (several GPUs: the kernel under shard_map has not run on GPUs yet, so it waits for
-    the flag); a positive value off Hopper GPUs runs the kernel's pure-JAX reference."""
+    one Hopper GPU (the skinny form, and XLA's dots in forwards without adapters, in their buckets), off elsewhere
+    (several GPUs: the kernel under shard_map has not run on GPUs yet, so it waits for the flag); a positive value off
+    Hopper GPUs runs the kernel's pure-JAX reference."""
     has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     if min_tokens is None and has_kernel and (mesh is None or mesh.size == 1):
         return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False, skinny=True, xla_dots_without_adapters=True)

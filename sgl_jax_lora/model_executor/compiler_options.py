@@ -9,12 +9,13 @@ on the SMs the GEMM leaves idle at decode sizes (docs/architecture.md, "GPU kern
 for the forward is raised (MEMORY_LIMIT_SLOP), so that its rematerialization pass, which cannot meet the limit beside
 the weights and the KV cache, leaves the program as scheduled.
 
-XLA's own dots (the decoder linears of the token buckets below the base GEMM kernel's, `--gpu-gemm-min-tokens`, and
-of its 256 bucket in a forward without adapters, layers/base_gemm.py) are Triton GEMM fusions by default; a forward without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which
-read the weights faster at those sizes and need no autotuning at compile time. A forward with adapters keeps the
-Triton fusions, beside which the SGMV kernels run (docs/benchmarks.md "The base GEMM kernel in decode and prefill
-steps"). `ForwardPrograms` is the forward jitted twice, once with each set, and picks by the batch: the steps of a
-LoRA-enabled engine that hold no adapter take the options of a LoRA-free engine.
+XLA's own dots (the decoder linears of the token buckets below the base GEMM kernel's, `--gpu-gemm-min-tokens`, and of
+its 256 bucket in a forward without adapters, layers/base_gemm.py) are Triton GEMM fusions by default; a forward
+without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which read the weights faster at those sizes and need no
+autotuning at compile time. A forward with adapters keeps the Triton fusions, beside which the SGMV kernels run
+(docs/benchmarks.md "The base GEMM kernel in decode and prefill steps"). `ForwardPrograms` is the forward jitted
+twice, once with each set, and picks by the batch: the steps of a LoRA-enabled engine that hold no adapter take the
+options of a LoRA-free engine.
 """
 
 from __future__ import annotations
