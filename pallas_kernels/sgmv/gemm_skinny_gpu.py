@@ -6,22 +6,23 @@ kernel of gemm_lora_gpu.py puts the tokens on the WGMMA's M side in row tiles of
 the 256 bucket computes 256 rows, and a bucket under 128 tokens does not fit it at all. Here each CTA tile is 128
 of W's output columns (64 a consumer warpgroup: one WGMMA's M) by the step's tokens: the kernel computes
 y^T [out, T] = W^T @ x^T, reading W's [tile_k, 128] blocks and x's [width, tile_k] blocks through a TMA pipeline
-and handing both to the WGMMA transposed. The token width is chosen in the kernel from the step's real row count:
+and handing both to the WGMMA transposed. The epilogue writes y itself: each [64, 32] piece of the accumulator is
+cast to the WGMMA's transposed register layout and stored into a transposed view of a [32 tokens, 64 columns]
+shared-memory slot, which TMA copies to y's rows. The token width is chosen in the kernel from the step's real row count:
 the smallest multiple of `n_step` that holds them, each width a branch with its own pipeline and accumulator
 ([64, width] float32 a warpgroup), so 147 rows compute 160 columns, not 256, and each W block read from memory
 serves every real row at once.
 
 Split K: with few CTA tiles (Llama-3-8B's o and down: 32 tiles of 128 columns) the K loop is cut into parts
-(`choose_skinny_splits`), each writing its float32 product to a [k_splits * out, T] buffer that XLA sums. The
-wrapper hands back y = y^T transposed; XLA fuses the transpose into y's consumer where it can (the residual add,
-the split parts' sum), else it is one pass over [T, out].
+(`choose_skinny_splits`), each writing its float32 product to its rows of a [k_splits * T, out] buffer; XLA sums the
+parts, fused into y's consumer where it can (the residual add).
 
 What exists here: `SkinnyTiles`, `choose_skinny_splits`, `check_skinny_shapes`, `skinny_kernel_call` (the kernel on
 a persistent grid; the Mosaic GPU interpreter does not take its transposed shared-memory operands, so it runs on
 Hopper GPUs only) and `gemm_skinny_gpu` (checks, splits, the sum of the parts, the transpose, and the pure-JAX
 reference for platforms without Mosaic GPU). Needs: T a multiple of n_step, in a multiple of tile_k (times
-k_splits), out a multiple of 128, bf16 operands of one dtype. The columns of y^T past the chosen width, and the rows
-of y after num_rows[0], hold any values unless zeroed (`zero_rows_from`).
+k_splits), out a multiple of 128, bf16 operands of one dtype. The rows of y past the chosen width, and those after
+num_rows[0], hold any values unless zeroed (`zero_rows_from`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pallas_kernels.sgmv.gemm_lora_gpu import (
 
 TILE_OUT = 128  # W's output columns a CTA tile computes: 64 a consumer warpgroup (a WGMMA's M)
 WG_OUT = TILE_OUT // 2
-EPILOGUE_N = 32  # tokens a TMA epilogue store holds (its rows: a warpgroup's 64 output columns)
+EPILOGUE_N = 32  # tokens a TMA epilogue store holds (its rows; its columns: a warpgroup's 64 output columns)
 MAX_SKINNY_TOKENS = 256  # a warpgroup's [64, T] float32 accumulator: 128 registers a thread at 256 tokens
 
 
@@ -91,13 +92,13 @@ def check_skinny_shapes(num_tokens: int, in_dim: int, out_dim: int, tiles: Skinn
 
 
 def _kernel(w_row_ref, num_rows_ref, x_ref, w_ref, out_ref, *, tiles: SkinnyTiles):
-    """The kernel body: refs (w_row [1] i32, num_rows [1] i32, x [T, in], w [L * in, out], out [k_splits * out, T]).
+    """The kernel body: refs (w_row [1] i32, num_rows [1] i32, x [T, in], w [L * in, out], out [k_splits * T, out]).
     Every CTA loops over the units (K part, 128-column tile); the token width is one branch for the whole call."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     (num_tokens, in_dim), k_splits, tk = x_ref.shape, tiles.k_splits, tiles.tile_k
-    out_dim = out_ref.shape[0] // k_splits
+    out_dim = out_ref.shape[1]
     out_tiles, k_len = out_dim // TILE_OUT, in_dim // k_splits
     widths = list(range(tiles.n_step, num_tokens + 1, tiles.n_step))
     width_index = jnp.clip((num_rows_ref[0] + tiles.n_step - 1) // tiles.n_step - 1, 0, len(widths) - 1)
@@ -129,7 +130,7 @@ def _kernel(w_row_ref, num_rows_ref, x_ref, w_ref, out_ref, *, tiles: SkinnyTile
             pl.run_scoped,
             pipeline_allocs=pipeline(width, unused, unused).get_allocations(*views),
             out_smem=plgpu.SMEM(
-                (2, 2, WG_OUT, EPILOGUE_N), out_ref.dtype, transforms=transforms(EPILOGUE_N, out_ref.dtype)
+                (2, 2, EPILOGUE_N, WG_OUT), out_ref.dtype, transforms=transforms(WG_OUT, out_ref.dtype)
             ),
             collective_axes="wg",
         )
@@ -140,18 +141,21 @@ def _kernel(w_row_ref, num_rows_ref, x_ref, w_ref, out_ref, *, tiles: SkinnyTile
             def unit_loop(loop_info):
                 (linear,) = loop_info.index
                 split, tile = linear // out_tiles, linear % out_tiles
-                wg_out = out_ref.at[pl.ds(split * out_dim + tile * TILE_OUT + wg * WG_OUT, WG_OUT), :]
+                wg_out = out_ref.at[pl.ds(split * num_tokens, num_tokens), pl.ds(tile * TILE_OUT + wg * WG_OUT, WG_OUT)]
 
                 def store(acc):
-                    """This warpgroup's [64, width] of y^T, EPILOGUE_N tokens a store through two smem slots."""
+                    """This warpgroup's [64, width] of y^T as y's [width, 64], EPILOGUE_N tokens a store through
+                    two smem slots, each piece transposed in registers on its way into the slot."""
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for piece in range(width // EPILOGUE_N):
                         slot = piece % 2
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = acc[:, piece * EPILOGUE_N : (piece + 1) * EPILOGUE_N]
+                        y_t = acc[:, piece * EPILOGUE_N : (piece + 1) * EPILOGUE_N]
+                        slot_t = out_smem.at[wg, slot].transpose((1, 0))
+                        slot_t[...] = plgpu.layout_cast(y_t, plgpu.Layout.WGMMA_TRANSPOSED)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, slot], wg_out.at[:, pl.ds(piece * EPILOGUE_N, EPILOGUE_N)]
+                            out_smem.at[wg, slot], wg_out.at[pl.ds(piece * EPILOGUE_N, EPILOGUE_N), :]
                         )
 
                 def compute_context(eval_pipeline):
@@ -193,12 +197,12 @@ def skinny_kernel_call(
     num_sms: int,
     interpret=None,
 ) -> jax.Array:
-    """The kernel on a grid of `num_sms` CTAs: y^T [k_splits * out, T] (float32 parts with k_splits > 1), its
-    columns past the chosen width unwritten. w_rows: a layer stack of W flattened [L * in, out]; w_row: [1] i32, the
+    """The kernel on a grid of `num_sms` CTAs: y [k_splits * T, out] (float32 parts with k_splits > 1, part p in
+    rows p * T to (p + 1) * T), each part's rows past the chosen width unwritten. w_rows: a layer stack of W flattened [L * in, out]; w_row: [1] i32, the
     layer's first row in it; num_rows: [1] i32, the step's real tokens. interpret: Mosaic GPU interpreter params, for
     a JAX whose interpreter takes transposed shared-memory operands (0.10's does not)."""
     out_dtype = x.dtype if tiles.k_splits == 1 else jnp.float32
-    out_type = jax.ShapeDtypeStruct((tiles.k_splits * w_rows.shape[1], x.shape[0]), out_dtype)
+    out_type = jax.ShapeDtypeStruct((tiles.k_splits * x.shape[0], w_rows.shape[1]), out_dtype)
     body = functools.partial(_kernel, tiles=tiles)
     return persistent_kernel(body, out_type, num_sms, interpret)(w_row, num_rows, x, w_rows)
 
@@ -206,10 +210,10 @@ def skinny_kernel_call(
 @functools.partial(jax.jit, static_argnames=("tiles",))
 def _skinny_rows(x, w_rows, w_row, num_rows, *, tiles: SkinnyTiles) -> jax.Array:
     num_sms = jax.devices()[0].core_count
-    y_t = skinny_kernel_call(x, w_rows, w_row, num_rows, tiles=tiles, num_sms=num_sms)
+    y = skinny_kernel_call(x, w_rows, w_row, num_rows, tiles=tiles, num_sms=num_sms)
     if tiles.k_splits > 1:
-        y_t = y_t.reshape(tiles.k_splits, -1, x.shape[0]).sum(axis=0)
-    return y_t.astype(x.dtype).T
+        y = y.reshape(tiles.k_splits, x.shape[0], -1).sum(axis=0)
+    return y.astype(x.dtype)
 
 
 def gemm_skinny_gpu(

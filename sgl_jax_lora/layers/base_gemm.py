@@ -15,8 +15,7 @@ column-parallel modules (W split on `out`) take x replicated and give y split on
 The skinny form (`BaseGemm.skinny`, on in the default setting of one Hopper GPU): in the kernel's buckets of at most
 SKINNY_MAX_TOKENS tokens (the 256 bucket by default) every module runs pallas_kernels/sgmv/gemm_skinny_gpu.py
 instead, the tokens on the WGMMA's N side, as many as the step's real rows need (147 rows compute 160, not the two
-128-row tiles' 256); gate|up's activation (and its LoRA delta) follows it in XLA, fused with the transpose of the
-kernel's y^T.
+128-row tiles' 256); gate|up's activation (and its LoRA delta) follows it in XLA.
 In that setting a forward without adapters keeps XLA's dots (cuBLAS GEMMs) in those buckets instead
 (`BaseGemm.xla_dots_without_adapters`, XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS): the kernel runs there only beside the
 LoRA kernels.
@@ -139,8 +138,8 @@ def _fits(x: jax.Array, w_dtype, in_local: int, out_local: int, gated: bool, ski
 
 
 def _skinny_product(x, stack, layer, rows, reference: bool, zero_padding: bool, gated: bool, delta) -> jax.Array:
-    """The skinny kernel's product; gated: silu(gate (+ delta_gate)) * (up (+ delta_up)) by XLA after it (fused with
-    the transpose of the kernel's y^T), each sum rounded as the unfused layers round it, zero from rows[0] on."""
+    """The skinny kernel's product; gated: silu(gate (+ delta_gate)) * (up (+ delta_up)) by XLA after it, each sum
+    rounded as the unfused layers round it, zero from rows[0] on."""
     y = gemm_skinny_gpu(x, stack, layer, rows, reference=reference, zero_padding=zero_padding and not gated)
     if not gated:
         return y

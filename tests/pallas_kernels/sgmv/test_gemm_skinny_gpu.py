@@ -1,12 +1,15 @@
 """The skinny base GEMM (pallas_kernels/sgmv/gemm_skinny_gpu.py: the tokens as the WGMMA's N side).
 
 On CPU: the pure-JAX reference against x @ W[layer], the shape checks, the K parts against the SMs, the pipeline depth
-against shared memory, and the kernel traced for Mosaic GPU (its jaxpr: one branch a token width). The Mosaic GPU
+against shared memory, the kernel traced for Mosaic GPU (its jaxpr: one branch a token width) and lowered for CUDA
+(its epilogue's transposed stores of y). The Mosaic GPU
 interpreter does not take the transposed shared-memory operands the kernel hands the WGMMA, so the kernel itself runs
 in the tests marked `gpu`, skipped without a Hopper-class CUDA device.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ from pallas_kernels.sgmv.gemm_skinny_gpu import (
     check_skinny_shapes,
     choose_skinny_splits,
     gemm_skinny_gpu,
+    skinny_kernel_call,
 )
 
 HAS_HOPPER = is_hopper(jax.devices()[0])
@@ -94,7 +98,28 @@ def test_the_kernel_traces_one_branch_a_token_width(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda *a: _skinny_rows(*a, tiles=SkinnyTiles(k_splits=4)))(x, w, row, row))
     for width in range(32, 257, 32):
         assert f"bf16[4,{width // 8},1,8,64]" in jaxpr, width  # the width's x blocks, four stages
-    assert "f32[16384,256]" in jaxpr  # four float32 parts of y^T [4096, 256]
+    assert "f32[1024,4096]" in jaxpr  # four float32 parts of y [256, 4096], stacked on the rows
+
+
+@pytest.mark.parametrize("module", sorted(LLAMA3_8B_MODULES))
+def test_the_kernel_lowers_for_cuda_writing_y_itself(monkeypatch, module):
+    """Each module's kernel call at the 256 bucket, lowered for CUDA as a Hopper GPU with 132 SMs would run it
+    (Pallas' Mosaic GPU lowering refuses what it cannot lower: here the epilogue's transposed register layout stored
+    into a transposed view of the slot, bf16 and float32); the call hands back y's layout [k_splits * T, out]."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+    in_dim, out_dim = LLAMA3_8B_MODULES[module]
+    tiles = SkinnyTiles(k_splits=choose_skinny_splits(in_dim, out_dim, 132))
+    x = jax.ShapeDtypeStruct((256, in_dim), jnp.bfloat16)
+    w, row = jax.ShapeDtypeStruct((2 * in_dim, out_dim), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
+    call = jax.jit(functools.partial(skinny_kernel_call, tiles=tiles, num_sms=132))
+    lowered = call.trace(x, w, row, row).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    assert lowered.out_info.shape == (tiles.k_splits * 256, out_dim)
+    assert lowered.out_info.dtype == (jnp.bfloat16 if tiles.k_splits == 1 else jnp.float32)
 
 
 @pytest.mark.gpu
