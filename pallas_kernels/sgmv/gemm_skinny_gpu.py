@@ -8,8 +8,8 @@ of W's output columns (64 a consumer warpgroup: one WGMMA's M) by the step's tok
 y^T [out, T] = W^T @ x^T, reading W's [tile_k, 128] blocks and x's [width, tile_k] blocks through a TMA pipeline
 and handing both to the WGMMA transposed. The epilogue writes y itself: each [64, 32] piece of the accumulator is
 cast to the WGMMA's transposed register layout and stored into a transposed view of a [32 tokens, 64 columns]
-shared-memory slot, which TMA copies to y's rows. The token width is chosen in the kernel from the step's real row count:
-the smallest multiple of `n_step` that holds them, each width a branch with its own pipeline and accumulator
+shared-memory slot, which TMA copies to y's rows. The token width is chosen in the kernel from the step's real row
+count: the smallest multiple of `n_step` that holds them, each width a branch with its own pipeline and accumulator
 ([64, width] float32 a warpgroup), so 147 rows compute 160 columns, not 256, and each W block read from memory
 serves every real row at once.
 
@@ -19,7 +19,7 @@ parts, fused into y's consumer where it can (the residual add).
 
 What exists here: `SkinnyTiles`, `choose_skinny_splits`, `check_skinny_shapes`, `skinny_kernel_call` (the kernel on
 a persistent grid; the Mosaic GPU interpreter does not take its transposed shared-memory operands, so it runs on
-Hopper GPUs only) and `gemm_skinny_gpu` (checks, splits, the sum of the parts, the transpose, and the pure-JAX
+Hopper GPUs only) and `gemm_skinny_gpu` (checks, splits, the sum of the parts, and the pure-JAX
 reference for platforms without Mosaic GPU). Needs: T a multiple of n_step, in a multiple of tile_k (times
 k_splits), out a multiple of 128, bf16 operands of one dtype. The rows of y past the chosen width, and those after
 num_rows[0], hold any values unless zeroed (`zero_rows_from`).
@@ -198,9 +198,10 @@ def skinny_kernel_call(
     interpret=None,
 ) -> jax.Array:
     """The kernel on a grid of `num_sms` CTAs: y [k_splits * T, out] (float32 parts with k_splits > 1, part p in
-    rows p * T to (p + 1) * T), each part's rows past the chosen width unwritten. w_rows: a layer stack of W flattened [L * in, out]; w_row: [1] i32, the
-    layer's first row in it; num_rows: [1] i32, the step's real tokens. interpret: Mosaic GPU interpreter params, for
-    a JAX whose interpreter takes transposed shared-memory operands (0.10's does not)."""
+    rows p * T to (p + 1) * T), each part's rows past the chosen width unwritten. w_rows: a layer stack of W flattened
+    [L * in, out]; w_row: [1] i32, the layer's first row in it; num_rows: [1] i32, the step's real tokens.
+    interpret: Mosaic GPU interpreter params, for a JAX whose interpreter takes transposed shared-memory operands
+    (0.10's does not)."""
     out_dtype = x.dtype if tiles.k_splits == 1 else jnp.float32
     out_type = jax.ShapeDtypeStruct((tiles.k_splits * x.shape[0], w_rows.shape[1]), out_dtype)
     body = functools.partial(_kernel, tiles=tiles)
