@@ -31,6 +31,16 @@ HAS_HOPPER = is_hopper(jax.devices()[0])
 LLAMA3_8B_MODULES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 
 
+@pytest.fixture
+def hopper_with_132_sms(monkeypatch):
+    """jax.devices() as on an H100 (132 SMs), for tracing and lowering the kernel on CPU."""
+
+    class FakeHopper:
+        core_count = 132
+
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
+
+
 def operands(seed: int, num_tokens: int, in_dim: int, out_dim: int, layers: int = 3):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((num_tokens, in_dim)), jnp.bfloat16)
@@ -85,14 +95,9 @@ def test_the_widest_token_block_fits_shared_memory():
     assert SkinnyTiles(tile_k=128).stages_for(MAX_SKINNY_TOKENS, 4) == 2  # twice the bytes a stage: two stages
 
 
-def test_the_kernel_traces_one_branch_a_token_width(monkeypatch):
+def test_the_kernel_traces_one_branch_a_token_width(hopper_with_132_sms):
     """The kernel traced as on a GPU: 256 tokens in widths of 32 give eight branches, each with its own pipeline
     of W blocks [4 stages, 64, 128] and x blocks of its width; split K writes float32 parts."""
-
-    class FakeHopper:
-        core_count = 132
-
-    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
     x, w = jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((2 * 4096, 4096), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
     jaxpr = str(jax.make_jaxpr(lambda *a: _skinny_rows(*a, tiles=SkinnyTiles(k_splits=4)))(x, w, row, row))
@@ -102,15 +107,10 @@ def test_the_kernel_traces_one_branch_a_token_width(monkeypatch):
 
 
 @pytest.mark.parametrize("module", sorted(LLAMA3_8B_MODULES))
-def test_the_kernel_lowers_for_cuda_writing_y_itself(monkeypatch, module):
+def test_the_kernel_lowers_for_cuda_writing_y_itself(hopper_with_132_sms, module):
     """Each module's kernel call at the 256 bucket, lowered for CUDA as a Hopper GPU with 132 SMs would run it
     (Pallas' Mosaic GPU lowering refuses what it cannot lower: here the epilogue's transposed register layout stored
     into a transposed view of the slot, bf16 and float32); the call hands back y's layout [k_splits * T, out]."""
-
-    class FakeHopper:
-        core_count = 132
-
-    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [FakeHopper()])
     in_dim, out_dim = LLAMA3_8B_MODULES[module]
     tiles = SkinnyTiles(k_splits=choose_skinny_splits(in_dim, out_dim, 132))
     x = jax.ShapeDtypeStruct((256, in_dim), jnp.bfloat16)
