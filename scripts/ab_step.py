@@ -27,9 +27,9 @@ KNOB=VALUE pairs joined by commas, each a choice the engine makes while it trace
   skinny=T        the base GEMM kernel's buckets up to T tokens run its skinny form, the tokens as the WGMMA's N
                   side (`sgl_jax_lora/layers/base_gemm.py` SKINNY_MAX_TOKENS, in the default setting of one
                   Hopper GPU; 0: the tiled kernel in each of its buckets)
-  xla-dots=T      forwards without adapters keep XLA's dots (cuBLAS GEMMs) in the base GEMM kernel's buckets up to T
-                  tokens (`sgl_jax_lora/layers/base_gemm.py` XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS, in the default
-                  setting of one Hopper GPU; 0: the kernel in each of its buckets)
+  xla-dots=T      forwards keep XLA's dots (cuBLAS GEMMs) in the base GEMM kernel's buckets up to T tokens
+                  (`sgl_jax_lora/layers/base_gemm.py` XLA_DOTS_MAX_TOKENS, in the default setting of one Hopper GPU;
+                  0: the kernel in each of its buckets, the skinny form up to its own bound)
   triton-gemm=G   0: XLA's own dots (the linears below the base GEMM kernel's buckets, the LM head) compiled as
                   cuBLAS GEMMs (the XLA option xla_gpu_enable_triton_gemm=false), 1: as XLA's Triton GEMM fusions
   decode-only=D   1: the cases' batches marked as steps of decode rows alone (`ForwardBatch.decode_only`, the program
@@ -70,7 +70,7 @@ from scripts.step_cases import cache_pages, case_batch, lora_batches, parse_case
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax_lora.lora.backend.auto import AutoBackend  # noqa: E402
 from sgl_jax_lora.lora.backend.pallas_gpu import PallasGPUBackend  # noqa: E402
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options, takes_cublas_gemms  # noqa: E402
 
 KNOBS = (
     "fused",
@@ -151,7 +151,7 @@ def applied(setting: dict, lora_backend):
     saved = {name: pallas.__dict__[name] for name in attributes if name in pallas.__dict__} if pallas else None
     traced = []
     row_tile_16, skinny_max = work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS
-    xla_dots_max = base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS
+    xla_dots_max = base_gemm.XLA_DOTS_MAX_TOKENS
     try:
         knobs = [knob for knob in BACKEND_KNOBS if knob in setting]
         if knobs and not isinstance(pallas, PallasGPUBackend):
@@ -171,7 +171,7 @@ def applied(setting: dict, lora_backend):
         if "skinny" in setting:
             base_gemm.SKINNY_MAX_TOKENS = setting["skinny"]
         if "xla-dots" in setting:
-            base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS = setting["xla-dots"]
+            base_gemm.XLA_DOTS_MAX_TOKENS = setting["xla-dots"]
         if "decode-warps" in setting or "decode-keys" in setting:
             tiles = attention_gpu.DecodeTiles(setting.get("decode-keys", 0), 0, setting.get("decode-warps", 0))
 
@@ -184,7 +184,7 @@ def applied(setting: dict, lora_backend):
     finally:
         attention_gpu.ragged_paged_attention_gpu = kernel
         work_list.ROW_TILE_16_MAX_ROWS, base_gemm.SKINNY_MAX_TOKENS = row_tile_16, skinny_max
-        base_gemm.XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS = xla_dots_max
+        base_gemm.XLA_DOTS_MAX_TOKENS = xla_dots_max
         if saved is not None:  # the backend's own attributes back, a class default where it had none
             for name in attributes:
                 pallas.__dict__.pop(name, None)
@@ -211,10 +211,12 @@ def compared_with(settings: list[dict]) -> list[int]:
     return [kinds.index(kind) for kind in kinds]
 
 
-def setting_compiler_options(setting: dict, platform: str, with_lora: bool) -> dict | None:
-    """The XLA options the engine compiles the setting's forward with (`forward_compiler_options`: a `base` setting
-    is a forward without adapters), with the setting's choice of XLA's GEMMs and memory limit where it makes one."""
-    options = dict(forward_compiler_options(platform, False, with_lora=with_lora and not setting.get("base")) or {})
+def setting_compiler_options(setting: dict, platform: str, batch, base_gemm) -> dict | None:
+    """The XLA options the engine compiles the setting's forward of `batch` with (`forward_compiler_options`, XLA's
+    dots as cuBLAS GEMMs where `takes_cublas_gemms` says so for the model's `base_gemm`: a `base` setting's batches
+    have no adapters), with the setting's choice of XLA's GEMMs and memory limit where it makes one."""
+    cublas = takes_cublas_gemms(batch, base_gemm)
+    options = dict(forward_compiler_options(platform, False, cublas_gemms=cublas) or {})
     if "triton-gemm" in setting:
         options["xla_gpu_enable_triton_gemm"] = bool(setting["triton-gemm"])
     if "mem-slop" in setting:
@@ -229,9 +231,9 @@ def compile_settings(model, settings: list[dict], batches: list[list]) -> dict:
     lora_backend = model.lora.backend if model.lora else None
     for index, setting in enumerate(settings):
         with applied(setting, lora_backend) as traced:
-            options = setting_compiler_options(setting, jax.default_backend(), model.lora is not None)
-            forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=options)
             for case, batch in enumerate(batches[index]):
+                options = setting_compiler_options(setting, jax.default_backend(), batch, model.base_gemm)
+                forward = jax.jit(lambda *a: model.step(*a), donate_argnums=1, compiler_options=options)
                 compiled[case, index] = forward.lower(model.state, model.kv, batch).compile()
         decode_knob = "decode-warps" in setting or "decode-keys" in setting
         if decode_knob and not traced and jax.default_backend() in ("gpu", "cuda"):

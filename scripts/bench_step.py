@@ -24,8 +24,8 @@ head_dim per causal query-key pair and head for attention) as a share of --peak-
 program: the model ModelRunner builds from the engine's flags (`load_engine_model`: layers unrolled, the base GEMM
 kernel from --gpu-gemm-min-tokens tokens on one Hopper GPU and XLA's dot below, every flag not passed here at its
 default), KV donated, and the engine's XLA options (`forward_compiler_options`: on a GPU concurrent kernel
-scheduling, off with --disable-gpu-concurrent-kernels, and cuBLAS's GEMMs for XLA's dots in the variants without
-adapters).
+scheduling, off with --disable-gpu-concurrent-kernels, and cuBLAS's GEMMs for XLA's dots where the engine takes them:
+the variants without adapters, and with adapters the base GEMM kernel's buckets that keep XLA's dots).
 --out is rewritten after every round, so a run stopped by a time limit keeps the rounds it finished.
 """
 
@@ -58,12 +58,13 @@ from scripts.step_cases import (  # noqa: E402
     parse_case,
 )
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
+from sgl_jax_lora.layers.base_gemm import BaseGemm, make_base_gemm  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
 from sgl_jax_lora.lora.target_shapes import LORA_TARGETS  # noqa: E402
 from sgl_jax_lora.mem_cache.kv_cache import KVCache, allocate_kv_cache, kv_cache_dtype  # noqa: E402
-from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options  # noqa: E402
+from sgl_jax_lora.model_executor.compiler_options import forward_compiler_options, takes_cublas_gemms  # noqa: E402
 from sgl_jax_lora.model_executor.model_runner import load_engine_model  # noqa: E402
 from sgl_jax_lora.server_args import LORA_BACKENDS, ServerArgs  # noqa: E402
 
@@ -103,6 +104,7 @@ class BuiltModel(NamedTuple):
     forward: Callable  # jitted (state, kv, batch) -> (the last tokens' hidden states, kv), kv donated
     step: Callable  # the same function unjitted, for callers that compile variants of it (scripts/ab_step.py)
     lora: LoRAModelSpec | None  # with_lora: the adapters' slots and the backend object the model holds
+    base_gemm: BaseGemm | None  # the model's base GEMM setting (`takes_cublas_gemms` picks a batch's XLA options by it)
 
 
 def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, num_adapters: int) -> BuiltModel:
@@ -137,10 +139,22 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    platform = mesh.devices.flat[0].platform
-    options = forward_compiler_options(platform, args.disable_gpu_concurrent_kernels, with_lora=spec is not None)
-    jitted = jax.jit(forward, donate_argnums=1, compiler_options=options)
-    return BuiltModel(state, kv, jitted, forward, spec)
+    platform, base_gemm = mesh.devices.flat[0].platform, make_base_gemm(args.gpu_gemm_min_tokens, mesh)
+    programs = {
+        cublas: jax.jit(
+            forward,
+            donate_argnums=1,
+            compiler_options=forward_compiler_options(
+                platform, args.disable_gpu_concurrent_kernels, cublas_gemms=cublas
+            ),
+        )
+        for cublas in (False, True)
+    }
+
+    def jitted(state, kv, batch):  # the program the engine would run the batch in (ForwardPrograms)
+        return programs[takes_cublas_gemms(batch, base_gemm)](state, kv, batch)
+
+    return BuiltModel(state, kv, jitted, forward, spec, base_gemm)
 
 
 def main() -> None:

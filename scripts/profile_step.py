@@ -153,8 +153,8 @@ def add_forward_xla_options(extra: dict) -> None:
     """Merge `extra` into the compile options ModelRunner gives its forward (XLA's flag names and values)."""
     base = compiler_options.forward_compiler_options
 
-    def with_extra(platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool) -> dict:
-        return {**(base(platform, disable_gpu_concurrent_kernels, with_lora=with_lora) or {}), **extra}
+    def with_extra(platform: str, disable_gpu_concurrent_kernels: bool, *, cublas_gemms: bool) -> dict:
+        return {**(base(platform, disable_gpu_concurrent_kernels, cublas_gemms=cublas_gemms) or {}), **extra}
 
     compiler_options.forward_compiler_options = with_extra
 

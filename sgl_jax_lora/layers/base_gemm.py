@@ -16,9 +16,9 @@ The skinny form (`BaseGemm.skinny`, on in the default setting of one Hopper GPU)
 SKINNY_MAX_TOKENS tokens (the 256 bucket by default) every module runs pallas_kernels/sgmv/gemm_skinny_gpu.py
 instead, the tokens on the WGMMA's N side, as many as the step's real rows need (147 rows compute 160, not the two
 128-row tiles' 256); gate|up's activation (and its LoRA delta) follows it in XLA.
-In that setting a forward without adapters keeps XLA's dots (cuBLAS GEMMs) in those buckets instead
-(`BaseGemm.xla_dots_without_adapters`, XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS): the kernel runs there only beside the
-LoRA kernels.
+In that setting every forward keeps XLA's dots in those buckets instead (`BaseGemm.xla_dots`, XLA_DOTS_MAX_TOKENS),
+which the engine compiles as cuBLAS GEMMs there (`keeps_xla_dots`, model_executor/compiler_options.py): the skinny
+form runs only where XLA_DOTS_MAX_TOKENS is lowered below SKINNY_MAX_TOKENS (scripts/ab_step.py's `xla-dots` knob).
 
 `make_base_gemm` turns the flag into the model's static setting: default DEFAULT_MIN_TOKENS on one Hopper GPU
 (compute capability 9.x), off elsewhere and under tensor parallelism (not yet run on GPUs: set the flag to use it
@@ -56,13 +56,12 @@ DEFAULT_MIN_TOKENS = 256
 # the kernel's token buckets up to this size run its skinny form where the setting has it (`BaseGemm.skinny`): the
 # tokens as the WGMMA's N side, as many as the step's real rows need (pallas_kernels/sgmv/gemm_skinny_gpu.py)
 SKINNY_MAX_TOKENS = 256
-# in the default setting (`BaseGemm.xla_dots_without_adapters`), a forward without adapters (a LoRA-free engine's, and
-# a LoRA-enabled engine's step that holds none) keeps XLA's dots in the kernel's buckets up to this size: such a
-# forward compiles them as cuBLAS GEMMs (model_executor/compiler_options.py), whose tiles made an H100's decode step
-# 5-8% shorter than the skinny kernel at 147, 220 and 256 rows of the 256 bucket, where the kernel won at 369 rows of
-# the 512 bucket (docs/benchmarks.md "cuBLAS in the 256 bucket without adapters"); a forward with adapters keeps the
-# kernel, beside which the LoRA kernels run
-XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS = 256
+# in the default setting (`BaseGemm.xla_dots`), every forward keeps XLA's dots in the kernel's buckets up to this size,
+# compiled as cuBLAS GEMMs (model_executor/compiler_options.py): without adapters their tiles made an H100's decode
+# step 5-8% shorter than the skinny kernel at 147, 220 and 256 rows of the 256 bucket, where the kernel won at 369 rows
+# of the 512 bucket; with 32 adapters the forward tied at 147 rows and was 3-4% shorter at 200 and 256 rows
+# (docs/benchmarks.md "cuBLAS in the 256 bucket without adapters", "cuBLAS in the 256 bucket with adapters")
+XLA_DOTS_MAX_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,16 +72,16 @@ class BaseGemm:
     mesh: Mesh | None = None  # the ("data", "tensor") mesh the weights are placed on; None: one device
     reference: bool = False  # compute with the kernel's pure-JAX reference (platforms without Mosaic GPU)
     skinny: bool = False  # buckets up to SKINNY_MAX_TOKENS run the skinny kernel
-    # forwards without adapters keep XLA's dots in buckets up to XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS
-    xla_dots_without_adapters: bool = False
+    xla_dots: bool = False  # the kernel's buckets up to XLA_DOTS_MAX_TOKENS keep XLA's dots
 
-    def runs(self, num_tokens: int, with_adapters: bool = True) -> bool:
-        """Whether a bucket of `num_tokens` tokens runs the kernel (the model's layers then get LayerStack views), in
-        a forward with adapters or, with_adapters=False, without."""
-        if not 0 < self.min_tokens <= num_tokens:
-            return False
-        keeps_xla = self.xla_dots_without_adapters and num_tokens <= XLA_DOTS_WITHOUT_ADAPTERS_MAX_TOKENS
-        return with_adapters or not keeps_xla
+    def keeps_xla_dots(self, num_tokens: int) -> bool:
+        """Whether a bucket of `num_tokens` tokens, one of the kernel's, keeps XLA's dots instead: the engine compiles
+        its forwards, with adapters too, with cuBLAS's GEMMs (ForwardPrograms)."""
+        return self.xla_dots and 0 < self.min_tokens <= num_tokens <= XLA_DOTS_MAX_TOKENS
+
+    def runs(self, num_tokens: int) -> bool:
+        """Whether a bucket of `num_tokens` tokens runs the kernel (the model's layers then get LayerStack views)."""
+        return 0 < self.min_tokens <= num_tokens and not self.keeps_xla_dots(num_tokens)
 
     def runs_skinny(self, num_tokens: int) -> bool:
         """Whether a bucket of `num_tokens` tokens runs the kernel's skinny form."""
@@ -91,12 +90,12 @@ class BaseGemm:
 
 def make_base_gemm(min_tokens: int | None, mesh: Mesh | None) -> BaseGemm | None:
     """`--gpu-gemm-min-tokens` on `mesh`'s devices -> the setting, or None when off (0). None: DEFAULT_MIN_TOKENS on
-    one Hopper GPU (the skinny form, and XLA's dots in forwards without adapters, in their buckets), off elsewhere
+    one Hopper GPU (the skinny form, and XLA's dots in every forward, in their buckets), off elsewhere
     (several GPUs: the kernel under shard_map has not run on GPUs yet, so it waits for the flag); a positive value off
     Hopper GPUs runs the kernel's pure-JAX reference."""
     has_kernel = is_hopper(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
     if min_tokens is None and has_kernel and (mesh is None or mesh.size == 1):
-        return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False, skinny=True, xla_dots_without_adapters=True)
+        return BaseGemm(DEFAULT_MIN_TOKENS, mesh, reference=False, skinny=True, xla_dots=True)
     if not min_tokens:
         return None
     return BaseGemm(min_tokens, mesh, reference=not has_kernel)

@@ -10,12 +10,13 @@ for the forward is raised (MEMORY_LIMIT_SLOP), so that its rematerialization pas
 the weights and the KV cache, leaves the program as scheduled.
 
 XLA's own dots (the decoder linears of the token buckets below the base GEMM kernel's, `--gpu-gemm-min-tokens`, and of
-its 256 bucket in a forward without adapters, layers/base_gemm.py) are Triton GEMM fusions by default; a forward
-without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which read the weights faster at those sizes and need no
-autotuning at compile time. A forward with adapters keeps the Triton fusions, beside which the SGMV kernels run
-(docs/benchmarks.md "The base GEMM kernel in decode and prefill steps"). `ForwardPrograms` is the forward jitted
-twice, once with each set, and picks by the batch: the steps of a LoRA-enabled engine that hold no adapter take the
-options of a LoRA-free engine.
+the kernel's buckets that keep XLA's dots, the 256 bucket by default, layers/base_gemm.py `keeps_xla_dots`) are Triton
+GEMM fusions by default; a forward without adapters takes cuBLAS's GEMMs instead (CUBLAS_GEMMS), which read the
+weights faster at those sizes and need no autotuning at compile time. A forward with adapters keeps the Triton
+fusions below the kernel's buckets, beside which the SGMV kernels run, and takes cuBLAS's GEMMs in the kernel's buckets
+that keep XLA's dots (docs/benchmarks.md "The base GEMM kernel in decode and prefill steps", "cuBLAS in the 256 bucket
+with adapters"). `ForwardPrograms` is the forward jitted twice, once with each set, and picks by the batch: the steps
+of a LoRA-enabled engine that hold no adapter take the options of a LoRA-free engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type only: the model's layers import nothing from here
+    from sgl_jax_lora.layers.base_gemm import BaseGemm
 
 logger = logging.getLogger(__name__)
 CONCURRENT_GPU_KERNELS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
@@ -38,36 +43,47 @@ MEMORY_LIMIT_SLOP = {"xla_gpu_memory_limit_slop_factor": 100000}
 
 
 def forward_compiler_options(
-    platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool
+    platform: str, disable_gpu_concurrent_kernels: bool, *, cublas_gemms: bool
 ) -> dict[str, str | bool | int] | None:
     """The options for a forward on `platform`: on GPU concurrent kernels unless disabled, XLA's memory limit raised
-    past its rematerialization's reach, and cuBLAS's GEMMs for XLA's dots in a forward without adapters; elsewhere
-    XLA's defaults (None)."""
+    past its rematerialization's reach, and with `cublas_gemms` cuBLAS's GEMMs for XLA's dots (without, XLA's Triton
+    GEMM fusions); elsewhere XLA's defaults (None)."""
     if platform not in ("gpu", "cuda"):
         return None
     options = {} if disable_gpu_concurrent_kernels else dict(CONCURRENT_GPU_KERNELS)
     options.update(MEMORY_LIMIT_SLOP)
-    if not with_lora:
+    if cublas_gemms:
         options.update(CUBLAS_GEMMS)
     return options
 
 
-class ForwardPrograms:
-    """The forward `step(state, lora_state, kv, batch, prev_ids)` jitted with the KV cache donated, once with the
-    options of a forward with adapters and once without (`forward_compiler_options`): a batch with no adapter batch
-    (`batch.lora is None`) takes the second. Called and lowered as one jitted function."""
+def takes_cublas_gemms(batch, base_gemm: BaseGemm | None) -> bool:
+    """Whether a forward of `batch` compiles XLA's dots as cuBLAS GEMMs: without adapters (`batch.lora is None`)
+    always; with adapters in the base GEMM kernel's token buckets that keep XLA's dots (`base_gemm`, the model's
+    setting: layers/base_gemm.py `BaseGemm.keeps_xla_dots`)."""
+    return batch.lora is None or (base_gemm is not None and base_gemm.keeps_xla_dots(batch.input_ids.shape[0]))
 
-    def __init__(self, step: Callable, platform: str, disable_gpu_concurrent_kernels: bool):
+
+class ForwardPrograms:
+    """The forward `step(state, lora_state, kv, batch, prev_ids)` jitted with the KV cache donated, once with XLA's
+    Triton GEMM fusions and once with cuBLAS's GEMMs (`forward_compiler_options`): a batch takes the second where
+    `takes_cublas_gemms` says so for the model's base GEMM setting `base_gemm`. Called and lowered as one jitted
+    function."""
+
+    def __init__(
+        self, step: Callable, platform: str, disable_gpu_concurrent_kernels: bool, base_gemm: BaseGemm | None = None
+    ):
         import jax
 
-        def jitted(with_lora: bool):
-            options = forward_compiler_options(platform, disable_gpu_concurrent_kernels, with_lora=with_lora)
+        def jitted(cublas_gemms: bool):
+            options = forward_compiler_options(platform, disable_gpu_concurrent_kernels, cublas_gemms=cublas_gemms)
             return jax.jit(step, donate_argnames=("kv",), compiler_options=options)
 
-        self.with_lora, self.without_lora = jitted(True), jitted(False)
+        self.triton_gemms, self.cublas_gemms = jitted(False), jitted(True)
+        self.base_gemm = base_gemm
 
     def program(self, batch):
-        return self.without_lora if batch.lora is None else self.with_lora
+        return self.cublas_gemms if takes_cublas_gemms(batch, self.base_gemm) else self.triton_gemms
 
     def __call__(self, state, lora_state, kv, batch, prev_ids):
         return self.program(batch)(state, lora_state, kv, batch, prev_ids)

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import resolve_attention_backend
+from sgl_jax_lora.layers.base_gemm import make_base_gemm
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import (
@@ -121,6 +122,7 @@ class ModelRunner:
             functools.partial(forward_step, self.graphdef),
             mesh.devices.flat[0].platform,
             args.disable_gpu_concurrent_kernels,
+            make_base_gemm(args.gpu_gemm_min_tokens, mesh),  # the model's setting: its flag on this mesh
         )
         self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
         self._lora_value_shardings = slot_value_shardings(self.lora_state)

@@ -275,7 +275,7 @@ class LlamaForCausalLM(nnx.Module):
         stacked = (LoRAWeight, Fp8Kernel, Fp8Scale)  # 8-bit weights (--quantization fp8) and their scales: the fp8
         # kernel reads both in place
         weights_in_place = self.weights_always_in_place
-        if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0], with_adapters=lora is not None):
+        if self.base_gemm is not None and self.base_gemm.runs(batch.input_ids.shape[0]):
             stacked = (*stacked, BaseKernel)  # LoRABaseKernel is a BaseKernel
             weights_in_place = True
         elif lora is not None and lora.runs_base_gemm:

@@ -5,6 +5,7 @@ values on a tiny model whose modules fit the kernel's tiles."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -82,10 +83,10 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     row_tile_16 = work_list.ROW_TILE_16_MAX_ROWS
     setting = {"fused": (256, 512), "decode-warps": 2, "gated-delta": 1, "entry-ring": 4096, "tile16": 64}
     skinny_max = base_gemm.SKINNY_MAX_TOKENS
-    default_gemm = base_gemm.BaseGemm(256, skinny=True, xla_dots_without_adapters=True)
+    default_gemm = base_gemm.BaseGemm(256, skinny=True, xla_dots=True)
     with applied({**setting, "skinny": 0, "xla-dots": 0}, backend) as traced:
         assert not base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)  # the skinny form off in the 256 bucket
-        assert default_gemm.runs(256, with_adapters=False)  # the kernel without adapters too
+        assert default_gemm.runs(256)  # the kernel in the 256 bucket, the default's XLA dots off
         assert (pallas.fused_gemm_min_tokens, pallas.fused_gemm_other_min_tokens) == (256, 512)
         assert pallas.gated_delta and pallas.ENTRY_RING_MAX_TOKENS == 4096
         assert work_list.gpu_block_rows(64) == 16 and work_list.gpu_block_rows(256) == 32
@@ -96,7 +97,7 @@ def test_knobs_hold_while_traced_and_are_undone_after(monkeypatch):
     assert "ENTRY_RING_MAX_TOKENS" not in vars(pallas)  # the class default again
     assert attention_gpu.ragged_paged_attention_gpu is kernel and work_list.ROW_TILE_16_MAX_ROWS == row_tile_16
     assert base_gemm.SKINNY_MAX_TOKENS == skinny_max and base_gemm.BaseGemm(256, skinny=True).runs_skinny(256)
-    assert not default_gemm.runs(256, with_adapters=False) and default_gemm.runs(512, with_adapters=False)
+    assert not default_gemm.runs(256) and default_gemm.runs(512)
     with pytest.raises(RuntimeError), applied({"fused": (128, 128), "decode-keys": 64}, backend):
         raise RuntimeError("a compile that fails")
     assert pallas.fused_gemm_min_tokens == 0 and attention_gpu.ragged_paged_attention_gpu is kernel
@@ -129,16 +130,23 @@ def test_the_fused_qkv_knob_moves_q_k_v_alone_and_is_undone_after():
 def test_each_setting_compiles_with_the_engines_options_for_its_kind_and_the_xla_knobs():
     engine = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT", "xla_gpu_memory_limit_slop_factor": 100000}
     cublas, triton = {"xla_gpu_enable_triton_gemm": False}, {"xla_gpu_enable_triton_gemm": True}
-    assert setting_compiler_options({}, "gpu", True) == engine  # a forward with adapters: XLA's Triton fusions
-    assert setting_compiler_options({}, "gpu", False) == {**engine, **cublas}  # the base model's, as the engine's
-    assert setting_compiler_options({"base": True}, "gpu", True) == {**engine, **cublas}  # no adapter batch
-    assert setting_compiler_options({"triton-gemm": 0}, "gpu", True) == {**engine, **cublas}
-    assert setting_compiler_options({"base": True, "triton-gemm": 1}, "gpu", True) == {**engine, **triton}
-    assert setting_compiler_options({}, "cpu", True) is None
-    assert setting_compiler_options({"triton-gemm": 1}, "cpu", False) == triton
+    hopper = base_gemm.BaseGemm(256, skinny=True, xla_dots=True)  # the default setting of one Hopper GPU
+
+    def batch(tokens: int, adapters: bool):  # a base setting's batches have no adapter batch
+        return SimpleNamespace(lora=object() if adapters else None, input_ids=np.zeros(tokens, np.int32))
+
+    lora_64, lora_256, base_64 = batch(64, True), batch(256, True), batch(64, False)
+    assert setting_compiler_options({}, "gpu", lora_64, hopper) == engine  # with adapters: XLA's Triton fusions
+    assert setting_compiler_options({}, "gpu", lora_256, hopper) == {**engine, **cublas}  # the bucket keeping its dots
+    assert setting_compiler_options({}, "gpu", lora_256, None) == engine
+    assert setting_compiler_options({}, "gpu", base_64, hopper) == {**engine, **cublas}  # as the engine's
+    assert setting_compiler_options({"triton-gemm": 0}, "gpu", lora_64, hopper) == {**engine, **cublas}
+    assert setting_compiler_options({"triton-gemm": 1}, "gpu", base_64, None) == {**engine, **triton}
+    assert setting_compiler_options({}, "cpu", lora_64, hopper) is None
+    assert setting_compiler_options({"triton-gemm": 1}, "cpu", base_64, None) == triton
     slop = {"xla_gpu_memory_limit_slop_factor": 95}  # XLA's default again
-    assert setting_compiler_options({"mem-slop": 95}, "gpu", True) == {**engine, **slop}
-    assert setting_compiler_options({"mem-slop": 95}, "cpu", True) == slop
+    assert setting_compiler_options({"mem-slop": 95}, "gpu", lora_64, hopper) == {**engine, **slop}
+    assert setting_compiler_options({"mem-slop": 95}, "cpu", lora_64, hopper) == slop
 
 
 def test_pairs_alternate_round_by_round_after_an_untimed_call():

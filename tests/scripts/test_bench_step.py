@@ -44,12 +44,12 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     """The tests' tiny Llama (two layers), native attention, a decode, a prefill and a mixed case over two rounds: one
     row a case after each round, with that round's median beside the earlier ones and the HBM floor of the real rows. The
     model is the engine's for the variant's flags (`load_engine_model`) and its forward takes the engine's XLA options
-    for this platform."""
+    for this platform, both sets of them as ForwardPrograms compiles them."""
     asked = []
 
-    def engine_options(platform: str, disable_gpu_concurrent_kernels: bool, *, with_lora: bool):
-        asked.append((platform, disable_gpu_concurrent_kernels, with_lora))
-        return forward_compiler_options(platform, disable_gpu_concurrent_kernels, with_lora=with_lora)
+    def engine_options(platform: str, disable_gpu_concurrent_kernels: bool, *, cublas_gemms: bool):
+        asked.append((platform, disable_gpu_concurrent_kernels, cublas_gemms))
+        return forward_compiler_options(platform, disable_gpu_concurrent_kernels, cublas_gemms=cublas_gemms)
 
     def engine_model(args: ServerArgs, *rest):
         asked.append((args.attention_backend, args.lora_backend, args.gpu_gemm_min_tokens))
@@ -77,4 +77,5 @@ def test_a_variant_is_measured_round_by_round(monkeypatch):
     assert [row["tokens"] for row in last] == [3, 48, 18]
     assert all(row["forward_ms"] > 0 and row["hbm_floor_ms"] > 0 and row["variant"] == "native+lora" for row in last)
     assert yielded[0][0]["round_ms"] == last[0]["round_ms"][:1]
-    assert asked == [("native", "auto", 8), (jax.default_backend(), True, True)]
+    # the engine's two option sets (XLA's Triton fusions, cuBLAS's GEMMs), each batch running the one the engine's would
+    assert asked == [("native", "auto", 8), (jax.default_backend(), True, False), (jax.default_backend(), True, True)]

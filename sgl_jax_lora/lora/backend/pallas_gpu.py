@@ -18,8 +18,9 @@ kernels mask their last `in` / `out` block past sizes no block divides.
 applies the slot scale; a packed module (q|k|v, gate|up) is one shrink launch plus one expand launch for all its
 parts, with no XLA op between them. The expand writes a column-parallel module's delta for XLA to add
 (`returns_delta`), so it runs beside the base GEMM, and adds a row-parallel module's into the residual in place.
-A column-parallel module's shrink runs before its base GEMM (`shrink_first`: LoRALinear gives the GEMM x held
-behind the shrink, `delta_holding_input`), so that the GEMM's tiles do not take every SM first.
+A column-parallel module's shrink comes before its base GEMM in the program (`shrink_first`: LoRALinear gives the GEMM x
+held behind the shrink, `delta_holding_input`); in the step's CUDA graph that order does not hold the GEMM back
+(docs/lora_backends.md "Delta or in place").
 
 Large token buckets on Hopper GPUs (`apply_with_base`; decode rows, prefill chunks or both): each LoRA module that
 fits computes its base GEMM and every part's expand in one Mosaic GPU kernel after the SGMV shrink, its K loop split
@@ -165,8 +166,8 @@ class PallasGPUBackend(PallasBackend):
     # gated kernel too where it runs in such a bucket
     ENTRY_RING_MAX_TOKENS = 1024
     ENTRY_SLOTS = 2
-    # q|k|v's (and, where it takes the SGMV path with a delta, gate|up's) shrink before its base GEMM, whose tiles would
-    # otherwise take every SM first and leave the shrink waiting (`delta_holding_input`; docs/lora_backends.md)
+    # q|k|v's (and, where it takes the SGMV path with a delta, gate|up's) shrink before its base GEMM in the program's
+    # order (`delta_holding_input`): 1.1-1.2% off a 147-row forward on an H200, the same on an H100 (docs/lora_backends.md)
     shrink_first = True
 
     def __init__(

@@ -140,9 +140,10 @@ def test_the_default_is_on_for_one_hopper_gpu_only(monkeypatch):
     assert make_base_gemm(None, None).mesh is None
     assert make_base_gemm(None, two) is None
     assert make_base_gemm(1024, two) == BaseGemm(1024, two, reference=False)
-    assert default.min_tokens == DEFAULT_MIN_TOKENS and default.runs(256) and not default.runs(128)
+    assert default.min_tokens == DEFAULT_MIN_TOKENS and default.runs(512) and not default.runs(128)
+    assert default.keeps_xla_dots(256) and not default.runs(256)  # the 256 bucket keeps XLA's dots
     assert default.skinny and not make_base_gemm(1024, one).skinny  # the skinny form in the default's 256 bucket
-    assert default.xla_dots_without_adapters and not make_base_gemm(1024, one).xla_dots_without_adapters
+    assert default.xla_dots and not make_base_gemm(1024, one).xla_dots
 
 
 # ---- the engine, with LoRA ----------------------------------------------------------------------------------
@@ -168,15 +169,15 @@ def adapters(kernel_sized_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_default_keeps_xla_dots_in_the_256_bucket_without_adapters(kernel_sized_model, adapters, monkeypatch):
+def test_the_default_keeps_xla_dots_in_the_256_bucket(kernel_sized_model, adapters, monkeypatch):
     """The default setting of one Hopper GPU (stood in for by its flags on the kernel's pure-JAX reference): a forward
     without adapters keeps XLA's dots in the 256 bucket (no kernel call of either form) and runs the kernel from the
-    512 bucket; a step with adapters in the 256 bucket runs the skinny kernel (4 modules traced once in the layer
-    scan), beside the LoRA kernels."""
+    512 bucket; a step with adapters in the 256 bucket keeps XLA's dots too, beside the LoRA kernels; with the bound
+    of XLA's dots lowered, that step runs the skinny kernel (4 modules traced once in the layer scan)."""
     import sgl_jax_lora.models.weight_loader as weight_loader
 
     def default_setting(min_tokens, mesh):
-        return BaseGemm(min_tokens, mesh, reference=True, skinny=True, xla_dots_without_adapters=True)
+        return BaseGemm(min_tokens, mesh, reference=True, skinny=True, xla_dots=True)
 
     monkeypatch.setattr(weight_loader, "make_base_gemm", default_setting)
     skinny = count_calls(monkeypatch, base_gemm_module, "gemm_skinny_gpu")
@@ -187,11 +188,19 @@ def test_the_default_keeps_xla_dots_in_the_256_bucket_without_adapters(kernel_si
     model_logits(kernel_sized_model, ids, jnp.bfloat16, bucket=512, base_gemm_min_tokens=THRESHOLD)
     assert not skinny and len(tiled) == 4
     tiled.clear()
-    serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)  # its prefill step: two adapters and a base request
+    with_adapters = serve(
+        kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD
+    )  # a prefill step: two adapters, a base
+    assert not skinny and not tiled
+    default = BaseGemm(256, skinny=True, xla_dots=True)
+    assert not default.runs(256) and default.keeps_xla_dots(256) and default.runs(512)
+    assert not default.keeps_xla_dots(128) and not default.keeps_xla_dots(512)  # below the kernel's buckets; above
+    assert BaseGemm(256, skinny=True).runs(256) and not BaseGemm(256, skinny=True).keeps_xla_dots(256)
+    monkeypatch.setattr(base_gemm_module, "XLA_DOTS_MAX_TOKENS", 128)
+    on_the_kernel = serve(kernel_sized_model, adapters, gpu_min_tokens=THRESHOLD)
     assert len(skinny) == 4 and not tiled
-    assert BaseGemm(256, skinny=True, xla_dots_without_adapters=True).runs(256, with_adapters=True)
-    assert not BaseGemm(256, skinny=True, xla_dots_without_adapters=True).runs(256, with_adapters=False)
-    assert BaseGemm(256, skinny=True).runs(256, with_adapters=False)
+    for xla, kernel in zip(with_adapters, on_the_kernel):  # the same logprobs within bf16 rounding
+        assert len(kernel) == len(xla) and np.abs(np.array(kernel) - np.array(xla)).max() < 0.2
 
 
 @pytest.mark.slow
