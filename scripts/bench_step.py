@@ -58,7 +58,7 @@ from scripts.step_cases import (  # noqa: E402
     parse_case,
 )
 from sgl_jax_lora.configs.model_config import ModelConfig  # noqa: E402
-from sgl_jax_lora.layers.base_gemm import BaseGemm, make_base_gemm  # noqa: E402
+from sgl_jax_lora.layers.base_gemm import BaseGemm  # noqa: E402
 from sgl_jax_lora.layers.sharding import make_mesh  # noqa: E402
 from sgl_jax_lora.lora.backend.base import make_lora_backend  # noqa: E402
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec  # noqa: E402
@@ -139,7 +139,7 @@ def build(cfg: ModelConfig, args: ServerArgs, with_lora: bool, num_pages: int, n
         hidden, kv = nnx.merge(graphdef, state)(kv, batch)
         return hidden[batch.last_token_index], kv
 
-    platform, base_gemm = mesh.devices.flat[0].platform, make_base_gemm(args.gpu_gemm_min_tokens, mesh)
+    platform, base_gemm = mesh.devices.flat[0].platform, nnx.merge(graphdef, state).base_gemm  # the model's setting
     programs = {
         cublas: jax.jit(
             forward,

@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sgl_jax_lora.configs.buckets import Buckets
 from sgl_jax_lora.configs.model_config import ModelConfig
 from sgl_jax_lora.layers.attention import resolve_attention_backend
-from sgl_jax_lora.layers.base_gemm import make_base_gemm
 from sgl_jax_lora.lora.lora_batch import LoRABatch
 from sgl_jax_lora.lora.lora_linear import LoRAModelSpec, LoRAWeight
 from sgl_jax_lora.mem_cache.kv_cache import (
@@ -116,13 +115,14 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(args.attention_backend, mesh.devices.flat[0].platform)
         graphdef, state = load_engine_model(args, cfg, mesh, lora)
         # LoRA buffers are a state of their own so that writing a slot donates only them.
-        self.graphdef, self.lora_state, self.state = nnx.split(nnx.merge(graphdef, state), LoRAWeight, ...)
+        model = nnx.merge(graphdef, state)
+        self.graphdef, self.lora_state, self.state = nnx.split(model, LoRAWeight, ...)
         self.lora_paths = [tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(self.lora_state)]
         self._forward = ForwardPrograms(
             functools.partial(forward_step, self.graphdef),
             mesh.devices.flat[0].platform,
             args.disable_gpu_concurrent_kernels,
-            make_base_gemm(args.gpu_gemm_min_tokens, mesh),  # the model's setting: its flag on this mesh
+            model.base_gemm,  # the model's base GEMM setting: which buckets keep XLA's dots
         )
         self._write_lora_slot = jax.jit(write_slot, donate_argnames=("lora_state",))
         self._lora_value_shardings = slot_value_shardings(self.lora_state)
